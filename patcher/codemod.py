@@ -1,0 +1,81 @@
+"""The contract between the engine and a patch's codemods.
+
+A patch edits a file with a :class:`TreeCodemod`, an ordinary LibCST
+``VisitorBasedCodemodCommand`` that also knows which file of a vLLM tree it
+edits (``TARGET``) and can read other files of the same tree. That keeps every
+transform runnable on its own through LibCST's tool::
+
+    python -m libcst.tool codemod -x --no-format \\
+        patches.cpu_fused_norms.vllm_c.EnableVllmCOnCpu /path/to/vllm
+
+where it skips every file but its target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+
+import libcst as cst
+from libcst.codemod import CodemodContext, SkipFile, VisitorBasedCodemodCommand
+
+from patcher.errors import PatchError, ShapeNotRecognised
+
+TREE_READER = "vllm_patch.read_tree_file"
+"""Key in ``CodemodContext.scratch``: a callable ``relpath -> str`` the engine
+provides so a codemod can read sibling files (also from inside a wheel)."""
+
+
+class TreeCodemod(VisitorBasedCodemodCommand):
+    """A codemod for one file of a vLLM source tree."""
+
+    TARGET: str = ""
+    """Path of the edited file relative to the tree root, e.g. ``vllm/kernels/x.py``."""
+
+    def transform_module(self, tree: cst.Module) -> cst.Module:
+        filename = self.context.filename
+        if filename and not PurePosixPath(Path(filename).as_posix()).match(self.TARGET):
+            raise SkipFile(f"{type(self).__name__} edits only {self.TARGET}")
+        return super().transform_module(tree)
+
+    def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
+        return ShapeNotRecognised(looked_for, found, path=self.TARGET)
+
+    def read_tree_file(self, relpath: str) -> str:
+        """Source of another file of the same vLLM tree."""
+        reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
+        if reader is not None:
+            return reader(relpath)
+        # Run by libcst.tool: find the tree root from our own file's path.
+        filename = self.context.filename
+        if not filename:
+            raise PatchError(f"needs {relpath} from the same tree, but has no filename")
+        root = Path(filename).resolve().parents[len(PurePosixPath(self.TARGET).parts) - 1]
+        path = root / relpath
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise PatchError(f"cannot read: {exc.strerror}", path=str(path)) from exc
+
+
+def run_codemod(
+    codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
+) -> str:
+    """Run ``codemod`` on ``source`` (the text of its target) and return the result.
+
+    Raises ``PatchError`` for a syntax error and ``ShapeNotRecognised`` from the
+    codemod itself; LibCST keeps every byte outside the edited nodes.
+    """
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise PatchError(
+            "syntax error",
+            path=codemod.TARGET,
+            looked_for="a Python module LibCST can parse",
+            found=f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
+        ) from exc
+    context = CodemodContext(
+        filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
+    )
+    return codemod(context).transform_module(module).code

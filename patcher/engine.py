@@ -1,0 +1,214 @@
+"""Plan, apply and revert patches on a vLLM tree.
+
+Data flows one way: a tree and its version come in, each edit's codemod turns
+the tree's text into new text (nothing written), and only a complete, error-free
+plan is written, atomically. A plan that fails anywhere writes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from packaging.version import Version
+
+from patcher.atomic import write_atomically
+from patcher.backup import Backup
+from patcher.codemod import run_codemod
+from patcher.diff import combined_diff
+from patcher.errors import PatchError, UsageError
+from patcher.patchset import Edit, Patch
+from patcher.tree import VllmTree
+from patcher.version import VERSION_FILE, read_version
+
+Direction = Literal["apply", "revert"]
+
+
+@dataclass(frozen=True)
+class EditPlan:
+    edit: Edit
+    before: str | None = None
+    after: str | None = None
+    error: PatchError | None = None
+
+    @property
+    def changes(self) -> bool:
+        return self.error is None and self.before != self.after
+
+    def status(self, direction: Direction = "apply") -> str:
+        if self.error is not None:
+            return "not applicable"
+        if direction == "apply":
+            return "applicable" if self.changes else "applied"
+        return "revertible" if self.changes else "not applied"
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    patch: Patch
+    tree: VllmTree
+    direction: Direction
+    version: Version | None
+    edits: tuple[EditPlan, ...]
+    error: PatchError | None = None
+    """A whole-patch refusal (version out of range); edits then are empty."""
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def errors(self) -> list[PatchError]:
+        found = [self.error] if self.error else []
+        return found + [e.error for e in self.edits if e.error is not None]
+
+    @property
+    def status(self) -> str:
+        """``not applicable``, ``applicable``/``revertible``, or ``applied``/``not applied``."""
+        if self.errors:
+            return "not applicable"
+        pending = [e for e in self.edits if e.changes]
+        if self.direction == "apply":
+            return "applicable" if pending else "applied"
+        return "revertible" if pending else "not applied"
+
+    def file_changes(self) -> dict[str, tuple[str, str]]:
+        """relpath -> (text before the patch, text after all its edits)."""
+        out: dict[str, tuple[str, str]] = {}
+        for e in self.edits:
+            if e.error is None:
+                first = out.get(e.edit.file, (e.before, e.before))[0]
+                out[e.edit.file] = (first, e.after)
+        return {k: v for k, v in out.items() if v[0] != v[1]}
+
+    def diff(self) -> str:
+        return combined_diff((rel, a, b) for rel, (a, b) in self.file_changes().items())
+
+    def to_json(self) -> dict:
+        return {
+            "patch": self.patch.name,
+            "title": self.patch.title,
+            "tree": str(self.tree.location),
+            "vllm_version": str(self.version) if self.version else None,
+            "status": self.status,
+            "error": str(self.error) if self.error else None,
+            "warnings": list(self.warnings),
+            "edits": [
+                {
+                    "file": e.edit.file,
+                    "summary": e.edit.summary,
+                    "status": e.status(self.direction),
+                    "reason": str(e.error) if e.error else None,
+                }
+                for e in self.edits
+            ],
+        }
+
+
+def plan(
+    tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
+) -> PatchPlan:
+    version = read_version(tree)
+    warnings: list[str] = []
+    if version is None:
+        warnings.append(
+            f"{tree.location}: no readable vLLM version ({VERSION_FILE}, dist-info or "
+            "wheel name); judging by the source's shape alone"
+        )
+    elif direction == "apply" and not patch.covers(version):
+        refusal = PatchError(
+            "vLLM version outside the patch's range (--force overrides)",
+            path=str(tree.location),
+            looked_for=f"vllm{patch.versions}",
+            found=str(version),
+        )
+        if not force:
+            return PatchPlan(patch, tree, direction, version, (), refusal)
+        warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
+
+    edits = tuple(_plan_edits(tree, patch.edits, direction))
+    return PatchPlan(patch, tree, direction, version, edits, None, tuple(warnings))
+
+
+def _plan_edits(
+    tree: VllmTree, edits: Iterable[Edit], direction: Direction
+) -> Iterable[EditPlan]:
+    texts: dict[str, str] = {}  # files as edited so far, so edits to one file chain
+    for edit in edits:
+        codemod = edit.apply if direction == "apply" else edit.revert
+        try:
+            before = texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
+            after = run_codemod(codemod, before, tree.read_text)
+        except PatchError as exc:
+            if exc.path == edit.file:
+                exc.path = tree.display(edit.file)
+            yield EditPlan(edit, error=exc)
+            continue
+        texts[edit.file] = after
+        yield EditPlan(edit, before, after)
+
+
+def _refuse_errors(p: PatchPlan) -> None:
+    if p.errors:
+        raise p.errors[0]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    patch: str
+    action: str
+    files: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        where = f" ({', '.join(self.files)})" if self.files else ""
+        return f"{self.patch}: {self.action}{where}"
+
+
+def _writable_tree(tree: VllmTree, verb: str) -> None:
+    if tree.is_wheel:
+        raise UsageError(
+            f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
+            "directory",
+            path=str(tree.location),
+        )
+
+
+def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
+    _writable_tree(tree, "apply to")
+    p = plan(tree, patch, "apply", force=force)
+    _refuse_errors(p)
+    changes = {rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()}
+    if not changes:
+        return Outcome(patch.name, "already applied", warnings=p.warnings)
+    writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
+    if tree.kind == "installed":
+        writes |= Backup.of(tree.location, patch.name).files_to_write(changes)
+    write_atomically(writes)
+    partly = any(not e.changes for e in p.edits)
+    return Outcome(
+        patch.name, "completed" if partly else "applied", tuple(changes), p.warnings
+    )
+
+
+def revert(tree: VllmTree, patch: Patch) -> Outcome:
+    _writable_tree(tree, "revert")
+    backup = Backup.of(tree.location, patch.name)
+    restored = {}
+    for edit in patch.edits:
+        current = tree.read_bytes(edit.file)
+        original = backup.restorable(edit.file, current)
+        if original is not None:
+            restored[edit.file] = (current, original)
+    rest = [e for e in patch.edits if e.file not in restored]
+    p = PatchPlan(
+        patch, tree, "revert", read_version(tree), tuple(_plan_edits(tree, rest, "revert"))
+    )
+    _refuse_errors(p)
+    changes = restored | {
+        rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
+    }
+    if not changes:
+        backup.discard()
+        return Outcome(patch.name, "nothing to revert")
+    write_atomically({tree.path(rel): after for rel, (_, after) in changes.items()})
+    backup.discard()
+    return Outcome(patch.name, "reverted", tuple(changes))

@@ -1,0 +1,97 @@
+"""The carried patches: one folder each under ``patches/``, described by its
+``patch.toml``. Nothing here knows what a patch changes."""
+
+from __future__ import annotations
+
+import importlib
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from patcher.codemod import TreeCodemod
+from patcher.errors import PatchError, UsageError
+
+PATCHES_PACKAGE = "patches"
+
+
+def _load_object(ref: str) -> Any:
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One file's change: the codemod that makes it and the one that undoes it."""
+
+    apply: type[TreeCodemod]
+    revert: type[TreeCodemod]
+
+    @property
+    def file(self) -> str:
+        return self.apply.TARGET
+
+    @property
+    def summary(self) -> str:
+        return self.apply.DESCRIPTION.strip().splitlines()[0]
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    title: str
+    versions: SpecifierSet
+    edits: tuple[Edit, ...]
+    folder: Path
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The whole ``patch.toml``, for the tools that need more (provider, PR text)."""
+
+    def covers(self, version: Version) -> bool:
+        return self.versions.contains(version, prereleases=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "title": self.title,
+            "vllm": str(self.versions),
+            "edits": [{"file": e.file, "summary": e.summary} for e in self.edits],
+        }
+
+
+def load_patch(folder: Path) -> Patch:
+    meta_file = folder / "patch.toml"
+    meta = tomllib.loads(meta_file.read_text("utf-8"))
+    try:
+        versions = SpecifierSet(meta["vllm"])
+    except (KeyError, InvalidSpecifier) as exc:
+        raise PatchError(f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file))
+    edits = tuple(
+        Edit(apply=_load_object(e["apply"]), revert=_load_object(e["revert"]))
+        for e in meta["edits"]
+    )
+    return Patch(
+        name=folder.name, title=meta["title"], versions=versions, edits=edits,
+        folder=folder, meta=meta,
+    )
+
+
+def all_patches() -> list[Patch]:
+    root = Path(str(resources.files(PATCHES_PACKAGE)))
+    return [load_patch(d) for d in sorted(root.iterdir()) if (d / "patch.toml").is_file()]
+
+
+def select(names: list[str] | None) -> list[Patch]:
+    patches = all_patches()
+    if not names:
+        return patches
+    by_name = {p.name: p for p in patches}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise UsageError(
+            f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
+        )
+    return [by_name[n] for n in names]

@@ -1,0 +1,1 @@
+"""The carried changes, one folder each. See each folder's ``patch.toml``."""

@@ -1,0 +1,1 @@
+"""Enable vLLM's C fused RMSNorm kernels on CPU (see patch.toml)."""

@@ -1,0 +1,61 @@
+"""Add or remove a trailing ``or <operand>`` on an expression, keeping its layout.
+
+``A or B`` becomes ``A or B or C``. When the expression is parenthesised over
+several lines, the new operand gets a line of its own, indented like the
+others, and a comment that trailed the old last operand stays on that operand's
+line. Removing the operand is the exact inverse, so apply then revert gives the
+original bytes back.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+
+def _operand_indent(expr: cst.BaseExpression) -> cst.SimpleWhitespace | None:
+    """Indentation of the operands inside multi-line parentheses, if known."""
+    if isinstance(expr, cst.BooleanOperation):
+        ws = expr.operator.whitespace_before
+        if isinstance(ws, cst.ParenthesizedWhitespace):
+            return ws.last_line
+    if expr.lpar and isinstance(expr.lpar[0].whitespace_after, cst.ParenthesizedWhitespace):
+        return expr.lpar[0].whitespace_after.last_line
+    return None
+
+
+def append_or(expr: cst.BaseExpression, operand: cst.BaseExpression) -> cst.BaseExpression:
+    inner = expr.with_changes(lpar=[], rpar=[])
+    before_or: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace(" ")
+    rpar = list(expr.rpar)
+    closing = rpar[-1].whitespace_before if rpar else None
+    indent = _operand_indent(expr)
+    if isinstance(closing, cst.ParenthesizedWhitespace) and indent is not None:
+        # The new operand takes the line break (and comment) of the old last one.
+        before_or = closing.with_changes(last_line=indent)
+        rpar[-1] = rpar[-1].with_changes(
+            whitespace_before=cst.ParenthesizedWhitespace(
+                indent=closing.indent, last_line=closing.last_line
+            )
+        )
+    return cst.BooleanOperation(
+        left=inner,
+        operator=cst.Or(whitespace_before=before_or),
+        right=operand,
+        lpar=expr.lpar,
+        rpar=rpar,
+    )
+
+
+def strip_or(expr: cst.BaseExpression) -> cst.BaseExpression:
+    """The inverse of :func:`append_or`: ``expr`` must be ``X or <operand>``."""
+    assert isinstance(expr, cst.BooleanOperation) and isinstance(expr.operator, cst.Or)
+    rpar = list(expr.rpar)
+    before_or = expr.operator.whitespace_before
+    closing = rpar[-1].whitespace_before if rpar else None
+    if isinstance(before_or, cst.ParenthesizedWhitespace) and isinstance(
+        closing, cst.ParenthesizedWhitespace
+    ):
+        rpar[-1] = rpar[-1].with_changes(
+            whitespace_before=before_or.with_changes(last_line=closing.last_line)
+        )
+    return expr.left.with_changes(lpar=expr.lpar, rpar=rpar)
