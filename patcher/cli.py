@@ -1,0 +1,144 @@
+"""The ``vllm-patch`` command line.
+
+Exit codes: 0 done (or already applied, nothing to revert); 1 ``check`` found a
+patch that applies but is not applied yet; 2 usage error; 3 cannot apply (not a
+vLLM tree, unrecognised shape, syntax error, version out of range, unreadable or
+unwritable file), with nothing changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from patcher import engine
+from patcher.errors import ExitCode, PatchError
+from patcher.patchset import Patch, all_patches, select
+from patcher.tree import VllmTree, open_tree
+
+
+def _warn(message: str) -> None:
+    print(f"vllm-patch: warning: {message}", file=sys.stderr)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    patches = all_patches()
+    if args.json:
+        print(json.dumps([p.to_json() for p in patches], indent=2))
+        return ExitCode.OK
+    for p in patches:
+        print(f"{p.name}  (vLLM {p.versions})\n  {p.title}")
+        for e in p.edits:
+            print(f"  - {e.file}: {e.summary}")
+    return ExitCode.OK
+
+
+def _plans(args: argparse.Namespace) -> tuple[VllmTree, list[engine.PatchPlan]]:
+    tree = open_tree(args.vllm)
+    plans = [engine.plan(tree, p, force=args.force) for p in select(args.patch)]
+    for p in plans:
+        for w in p.warnings:
+            _warn(w)
+    return tree, plans
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    tree, plans = _plans(args)
+    if args.json:
+        print(json.dumps([p.to_json() for p in plans], indent=2))
+    else:
+        for p in plans:
+            version = p.version or "unknown version"
+            print(f"{p.patch.name}: {p.status}  [{tree.location}, vLLM {version}]")
+            if p.error:
+                print("  " + str(p.error).replace("\n", "\n  "))
+            for e in p.edits:
+                print(f"  {e.edit.file}: {e.status()}")
+                if e.error:
+                    print("    " + str(e.error).replace("\n", "\n    "))
+    statuses = {p.status for p in plans}
+    if "not applicable" in statuses:
+        return ExitCode.CANNOT_APPLY
+    return ExitCode.PENDING if "applicable" in statuses else ExitCode.OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    _, plans = _plans(args)
+    for p in plans:
+        if p.errors:
+            raise p.errors[0]
+    for p in plans:
+        if p.status == "applied":
+            print(f"{p.patch.name}: already applied, no diff", file=sys.stderr)
+        sys.stdout.write(p.diff())
+    return ExitCode.OK
+
+
+def _write_verb(action: Callable[[VllmTree, Patch], engine.Outcome]):
+    def run(args: argparse.Namespace) -> int:
+        tree = open_tree(args.vllm)
+        for patch in select(args.patch):
+            outcome = action(tree, patch, args)
+            for w in outcome.warnings:
+                _warn(w)
+            print(outcome)
+        return ExitCode.OK
+
+    return run
+
+
+cmd_apply = _write_verb(lambda tree, patch, args: engine.apply(tree, patch, force=args.force))
+cmd_revert = _write_verb(lambda tree, patch, args: engine.revert(tree, patch))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-patch",
+        description="Apply, check and upstream carried changes to a vLLM source tree.",
+        epilog="Exit codes: 0 done; 1 check found a pending patch; 2 usage error; "
+        "3 cannot apply (nothing changed).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def verb(name: str, func, help: str, *, tree: bool = True, json_out: bool = False):
+        p = sub.add_parser(name, help=help, description=help)
+        if tree:
+            p.add_argument(
+                "--vllm", metavar="PATH",
+                help="directory containing the vllm/ package (checkout root or "
+                "site-packages), or a .whl for check/diff; default: the vLLM "
+                "installed for this Python",
+            )
+            p.add_argument(
+                "--patch", metavar="NAME", action="append",
+                help="only this patch (repeatable); default: all",
+            )
+        if json_out:
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.set_defaults(func=func)
+        return p
+
+    verb("list", cmd_list, "list the carried patches", tree=False, json_out=True)
+    for name, func, help in [
+        ("check", cmd_check, "show, per patch and edit, applied/applicable/not applicable"),
+        ("diff", cmd_diff, "print the unified diff (git apply format); write nothing"),
+        ("apply", cmd_apply, "apply the patches (atomic; idempotent)"),
+    ]:
+        p = verb(name, func, help, json_out=name == "check")
+        p.add_argument(
+            "--force", action="store_true",
+            help="apply even if the tree's vLLM version is outside the patch's range",
+        )
+    verb("revert", cmd_revert, "undo the patches (byte-identical)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except PatchError as exc:
+        print(f"vllm-patch: error: {exc}", file=sys.stderr)
+        return int(exc.exit_code)

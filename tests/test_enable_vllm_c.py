@@ -1,0 +1,257 @@
+"""EnableVllmCOnCpu / DisableVllmCOnCpu on every source shape of vllm_c.py, before and after."""
+
+from __future__ import annotations
+
+import pytest
+from libcst.codemod import CodemodTest
+
+from patcher.codemod import run_codemod
+from patcher.errors import ShapeNotRecognised
+from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
+
+HEADER = """
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+"""
+
+# (name, before, after): the pairs every test below runs both ways.
+CASES = [
+    (
+        "0.20: the one norm says supported=CUDA_ALIKE",
+        HEADER + """
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+        HEADER + """
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE or current_platform.is_cpu()
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+    ),
+    (
+        "0.24: both norms gain is_cpu, gelu_and_mul on CUDA_ALIKE stays",
+        HEADER + """
+@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=rms_add_no_var_size,
+    supported=CUDA_ALIKE,
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)
+def gelu_and_mul(x): ...
+""",
+        HEADER + """
+@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE or current_platform.is_cpu())
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=rms_add_no_var_size,
+    supported=CUDA_ALIKE or current_platform.is_cpu(),
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)
+def gelu_and_mul(x): ...
+""",
+    ),
+    (
+        "0.27+: GPGPU_DEVICE gains is_cpu, XPU-only quant impl stays",
+        HEADER + """
+GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c", supported=GPGPU_DEVICE, inplace=True
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.static_scaled_fp8_quant.register_impl(
+    "vllm_c", supported=current_platform.is_xpu()
+)
+def static_scaled_fp8_quant(x, scale): ...
+""",
+        HEADER + """
+GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu()
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c", supported=GPGPU_DEVICE, inplace=True
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.static_scaled_fp8_quant.register_impl(
+    "vllm_c", supported=current_platform.is_xpu()
+)
+def static_scaled_fp8_quant(x, scale): ...
+""",
+    ),
+    (
+        "multi-line GPGPU_DEVICE with comments keeps each comment on its line",
+        HEADER + """
+GPGPU_DEVICE = (
+    CUDA_ALIKE  # CUDA and ROCm
+    or current_platform.is_xpu()  # Intel GPUs
+)
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE,)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+        HEADER + """
+GPGPU_DEVICE = (
+    CUDA_ALIKE  # CUDA and ROCm
+    or current_platform.is_xpu()  # Intel GPUs
+    or current_platform.is_cpu()
+)
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE,)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+    ),
+    (
+        "parenthesised on one line stays on one line",
+        HEADER + """
+GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu())
+
+
+@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+        HEADER + """
+GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu())
+
+
+@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+    ),
+    (
+        "a single-operand gate over lines",
+        HEADER + """
+GPGPU_DEVICE = (
+    CUDA_ALIKE
+)
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+        HEADER + """
+GPGPU_DEVICE = (
+    CUDA_ALIKE
+    or current_platform.is_cpu()
+)
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+    ),
+]
+IDS = [c[0] for c in CASES]
+
+
+class TestEnable(CodemodTest):
+    TRANSFORM = EnableVllmCOnCpu
+
+    def test_cases(self) -> None:
+        for name, before, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(before, after)
+
+    def test_already_patched_is_unchanged(self) -> None:
+        for name, _, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(after, after)
+
+
+class TestDisable(CodemodTest):
+    TRANSFORM = DisableVllmCOnCpu
+
+    def test_cases_reverse(self) -> None:
+        for name, before, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(after, before)
+
+    def test_unpatched_is_unchanged(self) -> None:
+        for name, before, _ in CASES:
+            with self.subTest(name):
+                self.assertCodemod(before, before)
+
+
+@pytest.mark.parametrize("before,after", [c[1:] for c in CASES], ids=IDS)
+def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
+    crlf = before.replace("\n", "\r\n")
+    patched = run_codemod(EnableVllmCOnCpu, crlf, read_tree_file=None)
+    assert patched == after.replace("\n", "\r\n")
+    assert run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None) == crlf
+
+
+@pytest.mark.parametrize(
+    "source,looked_for,found",
+    [
+        (HEADER + "X = 1\n", 'register_impl("vllm_c"', "no @ir.ops"),
+        (
+            HEADER + '@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
+            "def gelu_and_mul(x): ...\n",
+            "rms_norm",
+            "vllm_c impls for gelu_and_mul",
+        ),
+        (
+            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c")\ndef rms_norm(x): ...\n',
+            "supported= argument",
+            "without supported=",
+        ),
+        (
+            '@ir.ops.rms_norm.register_impl("vllm_c", supported=True)\n'
+            "def rms_norm(x): ...\n",
+            "current_platform",
+            "no current_platform",
+        ),
+    ],
+    ids=["no vllm_c impls", "no norm impls", "no supported=", "no current_platform"],
+)
+def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> None:
+    with pytest.raises(ShapeNotRecognised) as exc:
+        run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
+    assert exc.value.path == "vllm/kernels/vllm_c.py"
+    assert looked_for in exc.value.looked_for
+    assert found in exc.value.found
+
+
+def test_revert_refuses_an_is_cpu_it_did_not_add() -> None:
+    source = HEADER + (
+        "GPGPU_DEVICE = current_platform.is_cpu() or CUDA_ALIKE\n\n\n"
+        '@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)\n'
+        "def rms_norm(x): ...\n"
+    )
+    with pytest.raises(ShapeNotRecognised, match="not recognised") as exc:
+        run_codemod(DisableVllmCOnCpu, source, read_tree_file=None)
+    assert "current_platform.is_cpu() or CUDA_ALIKE" in exc.value.found
