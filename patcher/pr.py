@@ -1,0 +1,385 @@
+"""``vllm-patch pr``: turn a carried patch into a commit on a branch of a vLLM
+git checkout, ready for an upstream pull request.
+
+It creates (or reuses) a branch, applies the patch with the engine, formats the
+changed lines with the checkout's ruff settings, commits with a vLLM-style
+title and a DCO ``Signed-off-by:``, and writes the PR description outside the
+work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``). It never pushes
+and never calls a web API: it prints the commands that would.
+
+Exit codes: 0 committed, or already committed (nothing changed); 2 usage (not a
+git checkout, dirty tree, detached HEAD without --base, unknown base, missing
+git identity, output inside the work tree); 3 the patch cannot be applied to
+the base. Every refusal happens before anything is written, and a failure after
+the branch was created puts the checkout back as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+from packaging.version import InvalidVersion, Version
+
+from patcher import engine, pr_body
+from patcher.errors import ExitCode, PatchError, UsageError
+from patcher.patchset import Patch
+from patcher.pr_format import FormatReport, format_changes
+from patcher.tree import open_tree
+from patcher.upstream import Upstream, pick_patch, upstream_of
+from patcher.version import read_version
+
+UPSTREAM_REPO = "vllm-project/vllm"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--vllm",
+        metavar="CHECKOUT",
+        required=True,
+        help="a git checkout of vLLM (work tree root); must be clean",
+    )
+    parser.add_argument(
+        "--patch", metavar="NAME", help="the patch; default: the only one"
+    )
+    parser.add_argument(
+        "--branch",
+        metavar="NAME",
+        help="branch to create or reuse; default: the patch's",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="REF",
+        help="branch, tag or commit to start from (e.g. upstream/main); default: the "
+        "current branch",
+    )
+    parser.add_argument(
+        "--format-patch",
+        metavar="DIR",
+        type=Path,
+        help="also write the commit as an mbox patch (git am) into DIR",
+    )
+    parser.add_argument(
+        "--evidence",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="read compat cells and bench JSON from DIR (repeatable); default: the "
+        "project's compat_matrix/results and bench/reference",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        type=Path,
+        help="where to write the PR description (outside the work tree); default: "
+        "<git-dir>/vllm-patch/PR_<branch>.md",
+    )
+    parser.add_argument(
+        "--print",
+        action="store_true",
+        dest="print_body",
+        help="also print the PR description on stdout",
+    )
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    email: str
+
+    @property
+    def signoff(self) -> str:
+        return f"Signed-off-by: {self.name} <{self.email}>"
+
+
+def open_checkout(path: str | Path) -> git.Repo:
+    try:
+        repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
+        raise UsageError(
+            "not a git checkout (pr needs a vLLM git clone; use apply for other trees)",
+            path=str(path),
+            looked_for=".git",
+            found=type(exc).__name__,
+        ) from exc
+    if repo.bare or repo.working_tree_dir is None:
+        raise UsageError("a bare repository has no work tree", path=str(path))
+    return repo
+
+
+def git_identity(repo: git.Repo) -> Identity:
+    """The committer identity git would use, configured explicitly (no guessing
+    from the host name: the sign-off must name a real person)."""
+    try:
+        ident = repo.git.execute(
+            ["git", "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"]
+        )
+    except git.GitCommandError as exc:
+        raise UsageError(
+            "no git identity for the commit and its Signed-off-by line; run\n"
+            '  git config --global user.name "Your Name"\n'
+            '  git config --global user.email "you@example.com"',
+            path=repo.working_tree_dir,
+        ) from exc
+    name, _, rest = ident.partition(" <")
+    return Identity(name.strip(), rest.partition(">")[0].strip())
+
+
+def refuse_dirty(repo: git.Repo) -> None:
+    if repo.is_dirty(index=True, working_tree=True, untracked_files=False):
+        changed = [d.a_path for d in repo.index.diff(None)]
+        changed += (
+            [d.a_path for d in repo.index.diff("HEAD")] if repo.head.is_valid() else []
+        )
+        raise UsageError(
+            "the work tree has uncommitted changes; commit or stash them first",
+            path=repo.working_tree_dir,
+            found=", ".join(sorted(set(changed))[:10]) or "staged changes",
+        )
+
+
+def resolve_base(repo: git.Repo, base: str | None) -> tuple[str, git.Commit]:
+    if base is None:
+        if repo.head.is_detached:
+            raise UsageError(
+                "HEAD is detached; pass --base REF (e.g. upstream/main)",
+                path=repo.working_tree_dir,
+            )
+        if not repo.head.is_valid():
+            raise UsageError("the checkout has no commits", path=repo.working_tree_dir)
+        return repo.active_branch.name, repo.head.commit
+    try:
+        return base, repo.commit(base)
+    except (git.BadName, ValueError) as exc:
+        raise UsageError(
+            f"unknown base {base!r}",
+            path=repo.working_tree_dir,
+            looked_for="a branch, tag or commit (git rev-parse)",
+            found="nothing",
+        ) from exc
+
+
+def checkout_version(repo: git.Repo, root: Path) -> Version | None:
+    """vllm/_version.py when the build wrote it, else the nearest v* tag."""
+    version = read_version(open_tree(root))
+    if version is not None:
+        return version
+    try:
+        tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
+        return Version(tag.lstrip("v"))
+    except (git.GitCommandError, InvalidVersion):
+        return None
+
+
+def commit_message(upstream: Upstream, identity: Identity) -> str:
+    return f"{upstream.title}\n\n{upstream.body}\n\n{identity.signoff}\n"
+
+
+def find_commit(repo: git.Repo, branch: str, title: str, stop: str | None):
+    rev = f"{stop}..{branch}" if stop else branch
+    for c in repo.iter_commits(rev, max_count=200):
+        if c.summary == title:
+            return c
+    return None
+
+
+def description_path(repo: git.Repo, branch: str, out: Path | None) -> Path:
+    root = Path(repo.working_tree_dir).resolve()
+    git_dir = Path(repo.git_dir).resolve()
+    path = (
+        out or git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
+    ).resolve()
+    if path.is_relative_to(root) and not path.is_relative_to(git_dir):
+        raise UsageError(
+            "the PR description would dirty the work tree; pick a path outside it",
+            path=str(path),
+        )
+    return path
+
+
+class Rollback:
+    """Put the checkout back where it was if anything fails before the commit."""
+
+    def __init__(self, repo: git.Repo, start: str, branch: str, created: bool):
+        self.repo, self.start, self.branch, self.created = repo, start, branch, created
+
+    def __call__(self) -> None:
+        g = self.repo.git
+        g.checkout("-f", self.start)
+        if self.created:
+            g.branch("-D", self.branch)
+
+
+def run(args: argparse.Namespace) -> int:
+    repo = open_checkout(args.vllm)
+    root = Path(repo.working_tree_dir)
+    patch = pick_patch(args.patch)
+    upstream = upstream_of(patch)
+    branch = args.branch or upstream.branch
+    try:
+        repo.git.check_ref_format("--branch", branch)
+    except git.GitCommandError as exc:
+        raise UsageError(f"not a valid branch name: {branch!r}") from exc
+    identity = git_identity(repo)
+    refuse_dirty(repo)
+    out = description_path(repo, branch, args.out)
+    if args.format_patch and Path(args.format_patch).resolve().is_relative_to(
+        root.resolve()
+    ):
+        raise UsageError(
+            "--format-patch DIR must be outside the work tree",
+            path=str(args.format_patch),
+        )
+
+    start = (
+        repo.head.commit.hexsha if repo.head.is_detached else repo.active_branch.name
+    )
+    exists = branch in repo.heads
+    if exists:
+        base_name = args.base
+        if args.base:
+            _, base_commit = resolve_base(repo, args.base)
+            if not repo.is_ancestor(base_commit, repo.heads[branch].commit):
+                raise UsageError(
+                    f"branch {branch} exists and does not contain {args.base}; pass "
+                    "--branch NEW or delete the branch",
+                    path=str(root),
+                )
+    else:
+        base_name, base_commit = resolve_base(repo, args.base)
+    switched = exists and start != branch
+    if not exists:
+        repo.git.checkout("-q", "-b", branch, base_commit.hexsha)
+    elif switched:
+        repo.git.checkout("-q", branch)
+    rollback = Rollback(repo, start, branch, created=not exists)
+
+    try:
+        tree = open_tree(root)
+        plan = engine.plan(tree, patch)
+        if plan.errors:
+            raise plan.errors[0]
+        for w in plan.warnings:
+            _warn(w)
+        if plan.status == "applied":
+            if not exists:
+                rollback()
+                print(
+                    f"{patch.name}: {base_name} already contains this change; "
+                    "nothing to commit, no branch created"
+                )
+                return ExitCode.OK
+            already = True
+        else:
+            already = False
+            originals = {
+                rel: before for rel, (before, _) in plan.file_changes().items()
+            }
+            engine.apply(tree, patch)
+            formatting = format_changes(root, originals)
+            repo.git.add("--", *originals)
+            repo.git.commit(
+                "--no-verify",
+                "-q",
+                "--cleanup=whitespace",
+                "-m",
+                commit_message(upstream, identity),
+            )
+    except BaseException:
+        rollback()
+        raise
+    if already:
+        commit = find_commit(repo, branch, upstream.title, None)
+        where = f"as {commit.hexsha[:12]} " if commit else ""
+        switch = " (switched to it)" if switched else ""
+        print(
+            f"{patch.name}: already committed {where}on branch {branch}{switch}; "
+            "nothing changed"
+        )
+        return _finish(repo, args, patch, upstream, branch, base_name, commit, out)
+    commit = repo.head.commit
+    print(
+        f"{patch.name}: committed {commit.hexsha[:12]} on branch {branch}"
+        f" (from {base_name or 'the existing branch'}): {upstream.title}"
+    )
+    _report_format(formatting)
+    return _finish(repo, args, patch, upstream, branch, base_name, commit, out)
+
+
+def _finish(
+    repo, args, patch: Patch, upstream, branch, base_name, commit, out: Path
+) -> int:
+    root = Path(repo.working_tree_dir)
+    dirs = args.evidence or list(pr_body.DEFAULT_EVIDENCE)
+    evidence = pr_body.load_evidence([Path(d) for d in dirs])
+    version = checkout_version(repo, root)
+    body = pr_body.render(patch, upstream, version, evidence, root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(body, "utf-8")
+    print(f"PR description: {out}")
+    if args.format_patch:
+        if commit is None:
+            _warn("no commit titled like the patch on the branch; no mbox written")
+        else:
+            folder = Path(args.format_patch)
+            folder.mkdir(parents=True, exist_ok=True)
+            written = repo.git.format_patch(
+                "-1", commit.hexsha, "-o", str(folder.resolve())
+            )
+            print(f"mbox patch: {written.strip()}")
+    if args.print_body:
+        print("\n" + body)
+    pr_base = _pr_base(repo, base_name)
+    title = shlex.quote(upstream.title)
+    print(
+        "\nNothing was pushed. To open the pull request:\n"
+        f"  git -C {shlex.quote(str(root))} push -u <your-fork-remote> {branch}\n"
+        f"  gh pr create --repo {UPSTREAM_REPO} --base {pr_base} "
+        f"--head <your-github-user>:{branch} --title {title} "
+        f"--body-file {shlex.quote(str(out))}"
+    )
+    return ExitCode.OK
+
+
+def _pr_base(repo: git.Repo, base_name: str | None) -> str:
+    """The upstream branch to target: the base's branch name without its remote."""
+    if base_name:
+        for remote in repo.remotes:
+            if base_name.startswith(f"{remote.name}/"):
+                return base_name.split("/", 1)[1]
+        if base_name in repo.heads:
+            return base_name
+    return "main"
+
+
+def _report_format(report: FormatReport) -> None:
+    if report.ruff:
+        where = report.config or "ruff defaults"
+        print(f"formatted the changed lines with {report.ruff} ({where})")
+    for note in report.notes:
+        _warn(note)
+
+
+def _warn(message: str) -> None:
+    print(f"vllm-patch: warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-patch pr", description=__doc__.split("\n\n")[0]
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return int(run(args))
+    except PatchError as exc:
+        print(f"vllm-patch: error: {exc}", file=sys.stderr)
+        return int(exc.exit_code)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""What a patch says about its upstream pull request: the ``[upstream]`` table of
+its ``patch.toml`` and the Markdown file that holds the PR's Purpose text.
+
+Nothing here knows what a patch changes; every patch-specific word comes from
+the patch folder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from patcher.errors import PatchError, UsageError
+from patcher.patchset import Patch, all_patches
+
+TABLE = "upstream"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    title: str
+    """Commit and PR title, vLLM style: ``[Area][Area] Imperative summary``."""
+    branch: str
+    """Default branch name in the user's checkout."""
+    body: str
+    """Commit message body: what and why, plain text."""
+    purpose: str
+    """The PR description's Purpose section (Markdown)."""
+    tests: tuple[str, ...]
+    """Upstream test files (paths in vLLM's repo) that cover the change."""
+    rendered_for: tuple[str, ...]
+    """``package==version`` wheels the patch is rendered against."""
+
+
+def upstream_of(patch: Patch) -> Upstream:
+    table = patch.meta.get(TABLE, {})
+    where = str(patch.folder / "patch.toml")
+    purpose_file = patch.folder / table.get("purpose_file", "upstream.md")
+    try:
+        purpose = purpose_file.read_text("utf-8").strip()
+    except FileNotFoundError:
+        purpose = "\n".join(f"- `{e.file}`: {e.summary}" for e in patch.edits)
+    rendered_for = tuple(table.get("rendered_for", ()))
+    for spec in rendered_for:
+        if "==" not in spec:
+            raise PatchError(
+                "bad [upstream] rendered_for entry",
+                path=where,
+                looked_for="package==version",
+                found=spec,
+            )
+    return Upstream(
+        title=table.get("title", patch.title),
+        branch=table.get("branch", f"vllm-patch/{patch.name}"),
+        body=table.get("body", patch.title).strip(),
+        purpose=purpose,
+        tests=tuple(table.get("tests", ())),
+        rendered_for=rendered_for,
+    )
+
+
+def pick_patch(name: str | None) -> Patch:
+    """The named patch, or the only one that has an ``[upstream]`` table."""
+    patches = all_patches()
+    if name:
+        by_name = {p.name: p for p in patches}
+        if name not in by_name:
+            raise UsageError(
+                f"unknown patch {name}; known: {', '.join(by_name) or 'none'}"
+            )
+        return by_name[name]
+    candidates = [p for p in patches if TABLE in p.meta] or patches
+    if len(candidates) != 1:
+        names = ", ".join(p.name for p in candidates) or "none"
+        raise UsageError(f"more than one patch could be meant; pass --patch ({names})")
+    return candidates[0]
