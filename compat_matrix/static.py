@@ -26,12 +26,21 @@ from patcher.version import read_version
 DEFAULT_PROVIDER = "patches.cpu_fused_norms.provider"
 IR_OP_FILE = "vllm/ir/op.py"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"
-CONFIG_FILES = ("vllm/config/kernel.py", "vllm/config/compilation.py", "vllm/config/__init__.py")
+CONFIG_FILES = (
+    "vllm/config/kernel.py",
+    "vllm/config/compilation.py",
+    "vllm/config/__init__.py",
+)
 
 
 def _check(name: str, status: str, reason: str = "", **details: Any) -> dict[str, Any]:
-    return {"name": name, "status": status, "reason": reason, "seconds": 0.0,
-            "details": details}
+    return {
+        "name": name,
+        "status": status,
+        "reason": reason,
+        "seconds": 0.0,
+        "details": details,
+    }
 
 
 def _parse(tree: VllmTree, rel: str) -> ast.Module | None:
@@ -44,17 +53,25 @@ def _names(tree: VllmTree, folder: str) -> list[str]:
     """The ``.py`` files directly in ``folder`` of the tree, relative paths."""
     if tree.is_wheel:
         prefix = folder.rstrip("/") + "/"
-        return sorted(n for n in tree._zip_names  # noqa: SLF001 - the tree's own listing
-                      if n.startswith(prefix) and n.endswith(".py") and "/" not in n[len(prefix):])
+        return sorted(
+            n
+            for n in tree._zip_names  # noqa: SLF001 - the tree's own listing
+            if n.startswith(prefix)
+            and n.endswith(".py")
+            and "/" not in n[len(prefix) :]
+        )
     return sorted(f"{folder}/{p.name}" for p in tree.path(folder).glob("*.py"))
 
 
 def _decorator_name(node: ast.expr) -> str:
     target = node.func if isinstance(node, ast.Call) else node
-    return target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return (
+        target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    )
 
 
 # --- facts read from the wheel -------------------------------------------------
+
 
 def ir_ops(tree: VllmTree) -> list[str]:
     """Functions decorated with ``@register_op`` in ``vllm/ir/ops/``."""
@@ -88,8 +105,11 @@ def priority_config_fields(tree: VllmTree) -> tuple[str, list[str]] | None:
         module = _parse(tree, rel)
         for cls in module.body if module else []:
             if isinstance(cls, ast.ClassDef) and cls.name == "IrOpPriorityConfig":
-                fields = [n.target.id for n in cls.body
-                          if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+                fields = [
+                    n.target.id
+                    for n in cls.body
+                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                ]
                 return rel, fields
     return None
 
@@ -99,21 +119,27 @@ def vllm_c_impls(tree: VllmTree) -> dict[str, str]:
     module = _parse(tree, VLLM_C_FILE)
     found: dict[str, str] = {}
     for node in ast.walk(module) if module else []:
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "register_impl"):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "register_impl"
+        ):
             continue
         provider = node.args[0] if node.args else None
         if not (isinstance(provider, ast.Constant) and provider.value == "vllm_c"):
             continue
         op = node.func.value
         name = op.attr if isinstance(op, ast.Attribute) else ast.unparse(op)
-        gate = next((ast.unparse(k.value) for k in node.keywords if k.arg == "supported"),
-                    "True")
+        gate = next(
+            (ast.unparse(k.value) for k in node.keywords if k.arg == "supported"),
+            "True",
+        )
         found[name] = gate
     return found
 
 
 # --- what the provider needs ---------------------------------------------------
+
 
 def provider_source(module: str = DEFAULT_PROVIDER) -> Path | None:
     """The provider's source file, found without running it."""
@@ -121,7 +147,11 @@ def provider_source(module: str = DEFAULT_PROVIDER) -> Path | None:
         spec = importlib.util.find_spec(module.partition(":")[0])
     except (ImportError, ValueError):
         return None
-    return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+    return (
+        Path(spec.origin)
+        if spec and spec.origin and spec.origin.endswith(".py")
+        else None
+    )
 
 
 def provider_needs(source: str) -> dict[str, list[str]]:
@@ -137,15 +167,26 @@ def provider_needs(source: str) -> dict[str, list[str]]:
     keywords: set[str] = set()
     strings: set[str] = set()
     for node in ast.walk(module):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                and node.value.attr == "ops" and _root_name(node.value) in ("ir", "vllm"):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "ops"
+            and _root_name(node.value) in ("ir", "vllm")
+        ):
             ops.add(node.attr)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr == "register_impl":
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "register_impl"
+        ):
             keywords.update(k.arg for k in node.keywords if k.arg)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             strings.add(node.value)
-    return {"ops": sorted(ops), "keywords": sorted(keywords), "strings": sorted(strings)}
+    return {
+        "ops": sorted(ops),
+        "keywords": sorted(keywords),
+        "strings": sorted(strings),
+    }
 
 
 def _root_name(node: ast.expr) -> str:
@@ -156,12 +197,19 @@ def _root_name(node: ast.expr) -> str:
 
 # --- the checks ----------------------------------------------------------------
 
+
 def check_ir(tree: VllmTree) -> dict[str, Any]:
     if not tree.exists(IR_OP_FILE):
         return _check("wheel_ir", "fail", f"no {IR_OP_FILE}: this vLLM has no IR")
     ops = ir_ops(tree)
-    return _check("wheel_ir", "pass", "", ops=ops, vllm_c=vllm_c_impls(tree),
-                  register_impl=register_impl_keywords(tree))
+    return _check(
+        "wheel_ir",
+        "pass",
+        "",
+        ops=ops,
+        vllm_c=vllm_c_impls(tree),
+        register_impl=register_impl_keywords(tree),
+    )
 
 
 def check_priority_config(tree: VllmTree) -> dict[str, Any]:
@@ -170,15 +218,22 @@ def check_priority_config(tree: VllmTree) -> dict[str, Any]:
         return _check("wheel_priority_config", "fail", "no class IrOpPriorityConfig")
     rel, fields = found
     if "priorities" in fields:  # one upstream branch: priorities: dict[str, list[str]]
-        return _check("wheel_priority_config", "pass", "per-op dict (priorities)",
-                      file=rel, fields=fields)
+        return _check(
+            "wheel_priority_config",
+            "pass",
+            "per-op dict (priorities)",
+            file=rel,
+            fields=fields,
+        )
     missing = [op for op in ir_ops(tree) if op not in fields]
     status = "fail" if missing else "pass"
     reason = f"no priority field for IR op(s) {', '.join(missing)}" if missing else ""
     return _check("wheel_priority_config", status, reason, file=rel, fields=fields)
 
 
-def check_provider_api(tree: VllmTree, provider: str = DEFAULT_PROVIDER) -> dict[str, Any]:
+def check_provider_api(
+    tree: VllmTree, provider: str = DEFAULT_PROVIDER
+) -> dict[str, Any]:
     source = provider_source(provider)
     if source is None:
         return _check("provider_api", "skip", f"provider module {provider} not found")
@@ -188,16 +243,27 @@ def check_provider_api(tree: VllmTree, provider: str = DEFAULT_PROVIDER) -> dict
     missing_ops = [o for o in needs["ops"] if o not in have_ops]
     missing_kw = [k for k in needs["keywords"] if k not in have_kw]
     # Ops/keywords the provider names only as strings are guarded: note, not fail.
-    optional = sorted((s for s in needs["strings"]
-                       if s in {"fused_add_rms_norm", "rms_norm", "inplace", "supports_args"}
-                       and s not in have_ops | have_kw))
-    details = {"provider": str(source), "needs": {k: needs[k] for k in ("ops", "keywords")},
-               "optional_missing": optional}
+    optional = sorted(
+        s
+        for s in needs["strings"]
+        if s in {"fused_add_rms_norm", "rms_norm", "inplace", "supports_args"}
+        and s not in have_ops | have_kw
+    )
+    details = {
+        "provider": str(source),
+        "needs": {k: needs[k] for k in ("ops", "keywords")},
+        "optional_missing": optional,
+    }
     if missing_ops or missing_kw:
         parts = ([f"IR op(s) {', '.join(missing_ops)}"] if missing_ops else []) + (
-            [f"register_impl keyword(s) {', '.join(missing_kw)}"] if missing_kw else [])
-        return _check("provider_api", "fail", f"provider uses {' and '.join(parts)}, "
-                      "which this vLLM lacks", **details)
+            [f"register_impl keyword(s) {', '.join(missing_kw)}"] if missing_kw else []
+        )
+        return _check(
+            "provider_api",
+            "fail",
+            f"provider uses {' and '.join(parts)}, which this vLLM lacks",
+            **details,
+        )
     reason = f"degrades: no {', '.join(optional)} here" if optional else ""
     return _check("provider_api", "pass", reason, **details)
 
@@ -213,19 +279,27 @@ def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
             checks.append(_check(name, "fail", exc.message, error=str(exc)))
             continue
         diff = p.diff()
-        details = {"plan_status": p.status, "plan": p.to_json(),
-                   "diff_lines": {"added": _count(diff, "+"), "removed": _count(diff, "-")}}
+        details = {
+            "plan_status": p.status,
+            "plan": p.to_json(),
+            "diff_lines": {"added": _count(diff, "+"), "removed": _count(diff, "-")},
+        }
         if p.errors:
             first = p.errors[0]
-            checks.append(_check(name, "fail", f"{p.status}: {first.message}", **details))
+            checks.append(
+                _check(name, "fail", f"{p.status}: {first.message}", **details)
+            )
         else:
             checks.append(_check(name, "pass", p.status, **details))
     return checks
 
 
 def _count(diff: str, sign: str) -> int:
-    return sum(1 for line in diff.splitlines()
-               if line.startswith(sign) and not line.startswith(sign * 3))
+    return sum(
+        1
+        for line in diff.splitlines()
+        if line.startswith(sign) and not line.startswith(sign * 3)
+    )
 
 
 def _timed(name: str, fn: Callable[[], Any]) -> list[dict[str, Any]]:
@@ -251,8 +325,11 @@ def check_wheel(path: str | Path, provider: str = DEFAULT_PROVIDER) -> dict[str,
         checks += _timed("wheel_priority_config", lambda: check_priority_config(tree))
         checks += _timed("provider_api", lambda: check_provider_api(tree, provider))
     checks += _timed("patch", lambda: check_patches(tree))
-    return {"vllm": {"version": str(version) if version else None, "location": str(path)},
-            "checks": checks, "ok": all(c["status"] != "fail" for c in checks)}
+    return {
+        "vllm": {"version": str(version) if version else None, "location": str(path)},
+        "checks": checks,
+        "ok": all(c["status"] != "fail" for c in checks),
+    }
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def parse_index_versions(output: str) -> list[Version]:
     return found
 
 
-def newest_per_minor(versions: list[Version], first: Version = FIRST_IR) -> list[Version]:
+def newest_per_minor(
+    versions: list[Version], first: Version = FIRST_IR
+) -> list[Version]:
     """The newest final release of each minor from ``first`` on, oldest first."""
     best: dict[tuple[int, int], Version] = {}
     for v in versions:
@@ -112,8 +114,10 @@ def index_versions(package: str, *pip_args: str) -> list[Version]:
 
 
 def build_cells(cpu: list[Version], official: list[Version]) -> list[Cell]:
-    cells = [Cell(cell_id(CPU_PACKAGE, str(v)), CPU_PACKAGE, str(v), "full")
-             for v in newest_per_minor(cpu)]
+    cells = [
+        Cell(cell_id(CPU_PACKAGE, str(v)), CPU_PACKAGE, str(v), "full")
+        for v in newest_per_minor(cpu)
+    ]
     finals = [v for v in official if not (v.is_prerelease or v.is_devrelease)]
     if finals:
         v = str(max(finals))
@@ -124,7 +128,8 @@ def build_cells(cpu: list[Version], official: list[Version]) -> list[Cell]:
 def refresh(path: Path = DATA_FILE, *pip_args: str) -> list[Cell]:
     """Rebuild the data file from the registry; leave it untouched on failure."""
     cells = build_cells(
-        index_versions(CPU_PACKAGE, *pip_args), index_versions(OFFICIAL_PACKAGE, *pip_args)
+        index_versions(CPU_PACKAGE, *pip_args),
+        index_versions(OFFICIAL_PACKAGE, *pip_args),
     )
     old = json.loads(path.read_text("utf-8")) if path.exists() else {}
     data = {
@@ -139,10 +144,12 @@ def refresh(path: Path = DATA_FILE, *pip_args: str) -> list[Cell]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compat_matrix.versions",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--refresh", action="store_true",
-                        help="rebuild versions.json from the registry")
+    parser = argparse.ArgumentParser(
+        prog="python -m compat_matrix.versions", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--refresh", action="store_true", help="rebuild versions.json from the registry"
+    )
     parser.add_argument("--file", type=Path, default=DATA_FILE)
     args, pip_args = parser.parse_known_args(argv)
     if args.refresh:
