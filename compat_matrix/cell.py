@@ -194,7 +194,7 @@ def read_pins(cell: versions.Cell, index_args: list[str]) -> dict[str, Any]:
 
 
 def torch_pin(requires_dist: list[str]) -> str | None:
-    """The torch requirement that applies on this machine, e.g. ``torch==2.13.0+cpu``."""
+    """The torch requirement that applies here, e.g. ``torch==2.13.0+cpu``."""
     env = default_environment()
     for text in requires_dist:
         try:

@@ -72,7 +72,7 @@ def find(cell: str, path: Path = DATA_FILE) -> Cell:
 
 
 def parse_index_versions(output: str) -> list[Version]:
-    """Versions from ``pip index versions`` output (its ``Available versions:`` line)."""
+    """Versions in ``pip index versions`` output (its ``Available versions:``)."""
     match = re.search(r"^Available versions:(.*)$", output, re.MULTILINE)
     if not match:
         return []
@@ -100,7 +100,7 @@ def newest_per_minor(
 
 
 def index_versions(package: str, *pip_args: str) -> list[Version]:
-    """Ask the configured registry; raise RegistryUnavailable when it does not answer."""
+    """Ask the configured registry; RegistryUnavailable if it does not answer."""
     cmd = [sys.executable, "-m", "pip", "index", "versions", package, *pip_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
