@@ -63,7 +63,9 @@ def write_atomically(files: dict[Path, bytes]) -> None:
     except OSError as exc:
         for tmp in temps.values():
             tmp.unlink(missing_ok=True)
-        raise PatchError(f"cannot write: {exc.strerror}", path=str(exc.filename or path))
+        raise PatchError(
+            f"cannot write: {exc.strerror}", path=str(exc.filename or path)
+        ) from exc
 
     replaced: list[Path] = []
     try:

@@ -29,9 +29,20 @@ def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
         return found
     folder.mkdir(parents=True, exist_ok=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "--disable-pip-version-check", "-q", "-d", str(folder), f"{package}=={version}",
-         *extra_pip_args],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            str(folder),
+            f"{package}=={version}",
+            *extra_pip_args,
+        ],
         check=True,
     )
     found = _cached(folder, package, version)

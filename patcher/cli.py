@@ -89,7 +89,9 @@ def _write_verb(action: Callable[[VllmTree, Patch], engine.Outcome]):
     return run
 
 
-cmd_apply = _write_verb(lambda tree, patch, args: engine.apply(tree, patch, force=args.force))
+cmd_apply = _write_verb(
+    lambda tree, patch, args: engine.apply(tree, patch, force=args.force)
+)
 cmd_revert = _write_verb(lambda tree, patch, args: engine.revert(tree, patch))
 
 
@@ -106,29 +108,39 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
         if tree:
             p.add_argument(
-                "--vllm", metavar="PATH",
+                "--vllm",
+                metavar="PATH",
                 help="directory containing the vllm/ package (checkout root or "
                 "site-packages), or a .whl for check/diff; default: the vLLM "
                 "installed for this Python",
             )
             p.add_argument(
-                "--patch", metavar="NAME", action="append",
+                "--patch",
+                metavar="NAME",
+                action="append",
                 help="only this patch (repeatable); default: all",
             )
         if json_out:
-            p.add_argument("--json", action="store_true", help="machine-readable output")
+            p.add_argument(
+                "--json", action="store_true", help="machine-readable output"
+            )
         p.set_defaults(func=func)
         return p
 
     verb("list", cmd_list, "list the carried patches", tree=False, json_out=True)
     for name, func, help in [
-        ("check", cmd_check, "show, per patch and edit, applied/applicable/not applicable"),
+        (
+            "check",
+            cmd_check,
+            "show, per patch and edit, applied/applicable/not applicable",
+        ),
         ("diff", cmd_diff, "print the unified diff (git apply format); write nothing"),
         ("apply", cmd_apply, "apply the patches (atomic; idempotent)"),
     ]:
         p = verb(name, func, help, json_out=name == "check")
         p.add_argument(
-            "--force", action="store_true",
+            "--force",
+            action="store_true",
             help="apply even if the tree's vLLM version is outside the patch's range",
         )
     verb("revert", cmd_revert, "undo the patches (byte-identical)")

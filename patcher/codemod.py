@@ -54,7 +54,9 @@ class TreeCodemod(VisitorBasedCodemodCommand):
         filename = self.context.filename
         if not filename:
             raise PatchError(f"needs {relpath} from the same tree, but has no filename")
-        root = Path(filename).resolve().parents[len(PurePosixPath(self.TARGET).parts) - 1]
+        root = (
+            Path(filename).resolve().parents[len(PurePosixPath(self.TARGET).parts) - 1]
+        )
         path = root / relpath
         try:
             return path.read_text(encoding="utf-8")

@@ -62,7 +62,8 @@ class PatchPlan:
 
     @property
     def status(self) -> str:
-        """``not applicable``, ``applicable``/``revertible``, or ``applied``/``not applied``."""
+        """``not applicable``; ``applicable`` or ``applied`` (apply);
+        ``revertible`` or ``not applied`` (revert)."""
         if self.errors:
             return "not applicable"
         pending = [e for e in self.edits if e.changes]
@@ -135,7 +136,9 @@ def _plan_edits(
     for edit in edits:
         codemod = edit.apply if direction == "apply" else edit.revert
         try:
-            before = texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
+            before = (
+                texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
+            )
             after = run_codemod(codemod, before, tree.read_text)
         except PatchError as exc:
             if exc.path == edit.file:
@@ -176,7 +179,9 @@ def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
     _writable_tree(tree, "apply to")
     p = plan(tree, patch, "apply", force=force)
     _refuse_errors(p)
-    changes = {rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()}
+    changes = {
+        rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
+    }
     if not changes:
         return Outcome(patch.name, "already applied", warnings=p.warnings)
     writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
@@ -200,7 +205,11 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
             restored[edit.file] = (current, original)
     rest = [e for e in patch.edits if e.file not in restored]
     p = PatchPlan(
-        patch, tree, "revert", read_version(tree), tuple(_plan_edits(tree, rest, "revert"))
+        patch,
+        tree,
+        "revert",
+        read_version(tree),
+        tuple(_plan_edits(tree, rest, "revert")),
     )
     _refuse_errors(p)
     changes = restored | {

@@ -23,7 +23,11 @@ class PatchError(Exception):
     exit_code = ExitCode.CANNOT_APPLY
 
     def __init__(
-        self, message: str, *, path: str | None = None, looked_for: str | None = None,
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        looked_for: str | None = None,
         found: str | None = None,
     ) -> None:
         self.message = message

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import importlib
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
@@ -68,20 +68,28 @@ def load_patch(folder: Path) -> Patch:
     try:
         versions = SpecifierSet(meta["vllm"])
     except (KeyError, InvalidSpecifier) as exc:
-        raise PatchError(f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file))
+        raise PatchError(
+            f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file)
+        ) from exc
     edits = tuple(
         Edit(apply=_load_object(e["apply"]), revert=_load_object(e["revert"]))
         for e in meta["edits"]
     )
     return Patch(
-        name=folder.name, title=meta["title"], versions=versions, edits=edits,
-        folder=folder, meta=meta,
+        name=folder.name,
+        title=meta["title"],
+        versions=versions,
+        edits=edits,
+        folder=folder,
+        meta=meta,
     )
 
 
 def all_patches() -> list[Patch]:
     root = Path(str(resources.files(PATCHES_PACKAGE)))
-    return [load_patch(d) for d in sorted(root.iterdir()) if (d / "patch.toml").is_file()]
+    return [
+        load_patch(d) for d in sorted(root.iterdir()) if (d / "patch.toml").is_file()
+    ]
 
 
 def select(names: list[str] | None) -> list[Patch]:

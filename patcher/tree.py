@@ -78,7 +78,9 @@ class VllmTree:
                 found="no such file",
             ) from exc
         except OSError as exc:
-            raise PatchError(f"cannot read: {exc.strerror}", path=self.display(relpath))
+            raise PatchError(
+                f"cannot read: {exc.strerror}", path=self.display(relpath)
+            ) from exc
 
     def read_text(self, relpath: str) -> str:
         data = self.read_bytes(relpath)
@@ -107,7 +109,11 @@ def open_tree(spec: str | Path | None) -> VllmTree:
             looked_for="a directory containing vllm/, or a .whl file",
             found="a file that is not a wheel",
         )
-    if location.is_dir() and location.name == "vllm" and (location / "__init__.py").exists():
+    if (
+        location.is_dir()
+        and location.name == "vllm"
+        and (location / "__init__.py").exists()
+    ):
         location = location.parent  # forgive pointing at the package itself
     tree = VllmTree(location)
     if not tree.exists(MARKER):

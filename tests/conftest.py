@@ -38,7 +38,8 @@ def extracted_wheel(real_wheel: Path, tmp_path: Path) -> Path:
     """The wheel's ``vllm/`` package and dist-info, unpacked like an install."""
     with zipfile.ZipFile(real_wheel) as zf:
         members = [
-            n for n in zf.namelist()
+            n
+            for n in zf.namelist()
             if n.startswith("vllm/") and n.endswith(".py") or ".dist-info/" in n
         ]
         zf.extractall(tmp_path, members)

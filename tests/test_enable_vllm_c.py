@@ -20,13 +20,15 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
 CASES = [
     (
         "0.20: the one norm says supported=CUDA_ALIKE",
-        HEADER + """
+        HEADER
+        + """
 @ir.ops.rms_norm.register_impl(
     "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 @ir.ops.rms_norm.register_impl(
     "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE or current_platform.is_cpu()
 )
@@ -35,7 +37,8 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
     ),
     (
         "0.24: both norms gain is_cpu, gelu_and_mul on CUDA_ALIKE stays",
-        HEADER + """
+        HEADER
+        + """
 @ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
@@ -52,7 +55,8 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 @ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)
 def gelu_and_mul(x): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 @ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE or current_platform.is_cpu())
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
@@ -72,7 +76,8 @@ def gelu_and_mul(x): ...
     ),
     (
         "0.27+: GPGPU_DEVICE gains is_cpu, XPU-only quant impl stays",
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()
 
 
@@ -91,7 +96,8 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 )
 def static_scaled_fp8_quant(x, scale): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu()
 
 
@@ -113,7 +119,8 @@ def static_scaled_fp8_quant(x, scale): ...
     ),
     (
         "multi-line GPGPU_DEVICE with comments keeps each comment on its line",
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (
     CUDA_ALIKE  # CUDA and ROCm
     or current_platform.is_xpu()  # Intel GPUs
@@ -123,7 +130,8 @@ GPGPU_DEVICE = (
 @ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE,)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (
     CUDA_ALIKE  # CUDA and ROCm
     or current_platform.is_xpu()  # Intel GPUs
@@ -137,14 +145,16 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
     ),
     (
         "parenthesised on one line stays on one line",
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu())
 
 
 @ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu())
 
 
@@ -154,7 +164,8 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
     ),
     (
         "a single-operand gate over lines",
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (
     CUDA_ALIKE
 )
@@ -163,7 +174,8 @@ GPGPU_DEVICE = (
 @ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
-        HEADER + """
+        HEADER
+        + """
 GPGPU_DEVICE = (
     CUDA_ALIKE
     or current_platform.is_cpu()
@@ -219,7 +231,8 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
     [
         (HEADER + "X = 1\n", 'register_impl("vllm_c"', "no @ir.ops"),
         (
-            HEADER + '@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
+            HEADER
+            + '@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
             "def gelu_and_mul(x): ...\n",
             "rms_norm",
             "vllm_c impls for gelu_and_mul",

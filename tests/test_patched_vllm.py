@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import requires_vllm
+
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import open_tree
@@ -70,7 +70,11 @@ def sha(path: Path) -> str:
 def run_probe(pythonpath: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
         cwd=pythonpath,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,9 +98,11 @@ def test_unpatched_vllm_keeps_native_on_cpu(vllm_copy: Path) -> None:
     assert result["vllm_file"].startswith(str(vllm_copy))
     assert result["rms_norm"]["supported"] is False
     assert result["fused_add_rms_norm"]["supported"] is False
-    assert result["eager"] == result["inductor"] == {
-        "rms_norm": ["native"], "fused_add_rms_norm": ["native"]
-    }
+    assert (
+        result["eager"]
+        == result["inductor"]
+        == {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+    )
 
 
 def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
@@ -116,10 +122,17 @@ def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
         engine.revert(open_tree(vllm_copy), patch)
 
     assert result["rms_norm"] == {"supported": True, "numerics": "within tolerance"}
-    assert result["fused_add_rms_norm"] == {"supported": True, "numerics": "within tolerance"}
-    assert result["eager"] == {
-        "rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]
+    assert result["fused_add_rms_norm"] == {
+        "supported": True,
+        "numerics": "within tolerance",
     }
-    assert result["inductor"] == {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+    assert result["eager"] == {
+        "rms_norm": ["vllm_c", "native"],
+        "fused_add_rms_norm": ["vllm_c", "native"],
+    }
+    assert result["inductor"] == {
+        "rms_norm": ["native"],
+        "fused_add_rms_norm": ["native"],
+    }
     assert {f: sha(vllm_copy / f) for f in files} == copy_sums  # reverted exactly
     assert {f: sha(installed / f) for f in files} == installed_sums  # never touched

@@ -19,7 +19,9 @@ def read(root: Path, *rels: str) -> dict[str, bytes]:
     return {rel: (root / rel).read_bytes() for rel in rels}
 
 
-def test_check_and_diff_read_the_wheel(real_wheel: Path, extracted_wheel: Path, capsys) -> None:
+def test_check_and_diff_read_the_wheel(
+    real_wheel: Path, extracted_wheel: Path, capsys
+) -> None:
     assert main(["check", "--vllm", str(real_wheel)]) == 1
     assert "cpu_fused_norms: applicable" in capsys.readouterr().out
     assert main(["diff", "--vllm", str(real_wheel)]) == 0
@@ -27,7 +29,9 @@ def test_check_and_diff_read_the_wheel(real_wheel: Path, extracted_wheel: Path, 
     assert f"+++ b/{VLLM_C}" in diff and f"+++ b/{CPU}" in diff
     # The wheel's diff applies to the same sources unpacked.
     repo = git.Repo.init(extracted_wheel)
-    subprocess.run(["git", "apply", "-"], cwd=repo.working_dir, input=diff.encode(), check=True)
+    subprocess.run(
+        ["git", "apply", "-"], cwd=repo.working_dir, input=diff.encode(), check=True
+    )
     assert main(["check", "--vllm", str(extracted_wheel)]) == 0
 
 
@@ -36,7 +40,7 @@ def test_apply_apply_revert_on_unpacked_wheel(extracted_wheel: Path, capsys) -> 
     original = read(root, VLLM_C, CPU)
     assert main(["apply", "--vllm", str(root)]) == 0
     patched = read(root, VLLM_C, CPU)
-    for rel, data in patched.items():
+    for data in patched.values():
         ast.parse(data)  # still valid Python
     assert b"current_platform.is_cpu()" in patched[VLLM_C]
     cpu_source = patched[CPU].decode()
@@ -67,7 +71,8 @@ def test_only_the_norm_impls_change(extracted_wheel: Path, capsys) -> None:
     """Every other "vllm_c" impl keeps its supported= exactly."""
     main(["diff", "--vllm", str(extracted_wheel)])
     removed = [
-        line for line in capsys.readouterr().out.splitlines()
+        line
+        for line in capsys.readouterr().out.splitlines()
         if line.startswith("-") and not line.startswith("---")
     ]
     for line in removed:

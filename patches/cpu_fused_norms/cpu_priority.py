@@ -29,7 +29,7 @@ COMPILATION_FILE = "vllm/config/compilation.py"
 TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
 LINE_LENGTH = 88  # vLLM's ruff setting
 
-METHOD_TEMPLATE = '''\
+METHOD_TEMPLATE = """\
 @classmethod
 def {method}(
     cls, vllm_config: "VllmConfig"
@@ -45,7 +45,7 @@ def {method}(
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
 {return_statement}
-'''
+"""
 
 TYPE_CHECKING_IF = m.If(test=m.Name("TYPE_CHECKING"))
 CPU_CLASS = m.ClassDef(name=m.Name(CLASS))
@@ -61,7 +61,9 @@ def _config_fields(module: cst.Module) -> tuple[list[str], bool]:
             for s in body
             if m.matches(s, m.SimpleStatementLine([m.AnnAssign(target=m.Name())]))
         ]
-        with_default = any(m.matches(s, m.FunctionDef(m.Name("with_default"))) for s in body)
+        with_default = any(
+            m.matches(s, m.FunctionDef(m.Name("with_default"))) for s in body
+        )
         return fields, with_default
     return [], False
 
@@ -100,9 +102,9 @@ class AddCpuIrOpPriority(TreeCodemod):
     def _method(self, tree: cst.Module) -> cst.FunctionDef:
         vllm_c = EnableVllmCOnCpu.TARGET
         # The ops as the companion edit leaves vllm_c.py (it may not have run yet).
-        patched = EnableVllmCOnCpu(replace(self.context, filename=None)).transform_module(
-            self.parse_tree_file(vllm_c)
-        )
+        patched = EnableVllmCOnCpu(
+            replace(self.context, filename=None)
+        ).transform_module(self.parse_tree_file(vllm_c))
         fields, with_default = _config_fields(self.parse_tree_file(CONFIG_FILE))
         if not with_default:
             raise self.shape_error(
@@ -149,15 +151,15 @@ class AddCpuIrOpPriority(TreeCodemod):
         new = cst.parse_statement(TYPE_IMPORT, config=self.module.config_for_parsing)
         at = len(body)
         for i, stmt in enumerate(body):
-            if m.matches(stmt, m.SimpleStatementLine([m.ImportFrom(module=m.DoNotCare())])):
+            if m.matches(
+                stmt, m.SimpleStatementLine([m.ImportFrom(module=m.DoNotCare())])
+            ):
                 module = cst.Module([]).code_for_node(stmt.body[0].module)
                 if module > CONFIG_MODULE:
                     at = i
                     break
         body.insert(at, new)
-        return updated_node.with_changes(
-            body=updated_node.body.with_changes(body=body)
-        )
+        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
 
 class RemoveCpuIrOpPriority(TreeCodemod):

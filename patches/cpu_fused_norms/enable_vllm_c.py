@@ -39,7 +39,9 @@ REGISTER_IMPL = m.Call(
     ),
     args=[
         m.Arg(
-            value=m.SimpleString(m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER)),
+            value=m.SimpleString(
+                m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER)
+            ),
             keyword=None,
         ),
         m.ZeroOrMore(),

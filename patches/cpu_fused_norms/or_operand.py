@@ -18,12 +18,16 @@ def _operand_indent(expr: cst.BaseExpression) -> cst.SimpleWhitespace | None:
         ws = expr.operator.whitespace_before
         if isinstance(ws, cst.ParenthesizedWhitespace):
             return ws.last_line
-    if expr.lpar and isinstance(expr.lpar[0].whitespace_after, cst.ParenthesizedWhitespace):
+    if expr.lpar and isinstance(
+        expr.lpar[0].whitespace_after, cst.ParenthesizedWhitespace
+    ):
         return expr.lpar[0].whitespace_after.last_line
     return None
 
 
-def append_or(expr: cst.BaseExpression, operand: cst.BaseExpression) -> cst.BaseExpression:
+def append_or(
+    expr: cst.BaseExpression, operand: cst.BaseExpression
+) -> cst.BaseExpression:
     inner = expr.with_changes(lpar=[], rpar=[])
     before_or: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace(" ")
     rpar = list(expr.rpar)
