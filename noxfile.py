@@ -86,3 +86,10 @@ def matrix(session: nox.Session) -> None:
     session.run(
         sys.executable, "-m", "compat_matrix.report", *session.posargs, external=True
     )
+
+
+@nox.session(venv_backend="venv")
+def render(session: nox.Session) -> None:
+    """Regenerate patches/*/rendered/ from the real wheels (`-- --check` to verify)."""
+    session.install("-e", ".")
+    session.run("python", "-m", "patcher.render", *session.posargs)

@@ -8,6 +8,7 @@ no file holds is shown as "not measured" with the command that measures it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,25 @@ PROBE_COMMAND = "python -m compat_matrix.probe --e2e"
 BENCH_COMMAND = "vllm-patch bench"
 MAX_ROWS = 24
 MACHINE_KEYS = ("machine", "cpu", "host", "system", "platform")
+MEASURED = re.compile(r"median|mean|ratio|speedup|tok|_us$|_ms$|_s$", re.IGNORECASE)
+RATIO = re.compile(r"ratio|speedup", re.IGNORECASE)
+# The bench's per-op rows carry many columns; these say what a reviewer needs.
+PREFERRED_COLUMNS = (
+    "op",
+    "mode",
+    "compiled",
+    "dtype",
+    "num_tokens",
+    "hidden_size",
+    "threads",
+    "provider",
+    "status",
+    "native_median_us",
+    "median_us",
+    "ratio",
+    "tok_s",
+    "tokens_per_s",
+)
 
 
 @dataclass
@@ -35,11 +55,22 @@ class Evidence:
     unreadable: list[str] = field(default_factory=list)
 
 
+def cell_vllm(data: dict) -> tuple[str | None, str | None]:
+    """(package, version) of a compat cell: ``{"vllm": {"version"}}`` or the
+    matrix's flat ``{"package", "version"}``."""
+    vllm = data.get("vllm")
+    if isinstance(vllm, dict) and vllm.get("version"):
+        return vllm.get("package") or data.get("package"), str(vllm["version"])
+    if isinstance(data.get("version"), str):
+        return data.get("package"), data["version"]
+    return None, None
+
+
 def is_compat_cell(data: Any) -> bool:
     return (
         isinstance(data, dict)
         and isinstance(data.get("checks"), list)
-        and (isinstance(data.get("vllm"), dict))
+        and cell_vllm(data)[1] is not None
     )
 
 
@@ -70,11 +101,7 @@ def _version(text: Any) -> Version | None:
 def cells_for(evidence: Evidence, version: Version | None) -> list[tuple[Path, dict]]:
     if version is None:
         return []
-    return [
-        (p, d)
-        for p, d in evidence.compat
-        if _version(d["vllm"].get("version")) == version
-    ]
+    return [(p, d) for p, d in evidence.compat if _version(cell_vllm(d)[1]) == version]
 
 
 def render(
@@ -129,27 +156,47 @@ def _machine(data: dict) -> str:
     return "not recorded"
 
 
+def _torch(data: dict) -> str:
+    torch = data.get("torch")
+    if isinstance(torch, dict):
+        return str(torch.get("version") or torch.get("used") or "not installed")
+    versions = data.get("versions")
+    if isinstance(versions, dict) and versions.get("torch"):
+        return str(versions["torch"])
+    return str(torch) if torch else "not recorded"
+
+
+def _cell_ok(data: dict) -> bool:
+    if isinstance(data.get("ok"), bool):
+        return data["ok"]
+    return data.get("status") == "pass"
+
+
 def _compat_section(evidence: Evidence, version: Version | None):
     yield f"### Compatibility probe (vLLM {version or 'version unknown'})\n"
     cells = cells_for(evidence, version)
     if not cells:
         yield f"Not measured for this version. Produce it with `{PROBE_COMMAND}`."
-        measured = sorted(
-            {
-                f"{d['vllm'].get('package', p.stem.rsplit('-', 1)[0])} "
-                f"{d['vllm'].get('version')}"
-                for p, d in evidence.compat
-            }
+        others = sorted(
+            {" ".join(filter(None, cell_vllm(d))) for _, d in evidence.compat}
         )
-        if measured:
-            yield f"(Cells exist for other versions: {', '.join(measured)}.)"
+        if others:
+            yield f"(Cells exist for other versions: {', '.join(others)}.)"
         return
     for path, data in cells:
-        torch = (data.get("torch") or {}).get("version", "not recorded")
-        ok = data.get("ok")
-        verdict = "all checks passed" if ok is True else "NOT all checks passed"
-        yield f"From `{path.name}`: vLLM {data['vllm'].get('version')}, torch {torch}; "
-        yield f"{verdict}. Machine: {_machine(data)}.\n"
+        checks = [c for c in data["checks"] if isinstance(c, dict)]
+        counts: dict[str, int] = {}
+        for c in checks:
+            counts[str(c.get("status"))] = counts.get(str(c.get("status")), 0) + 1
+        tally = ", ".join(f"{n} {status}" for status, n in counts.items())
+        verdict = "passed" if _cell_ok(data) else "did NOT pass"
+        package, ver = cell_vllm(data)
+        when = f", {data['date']}" if data.get("date") else ""
+        yield (
+            f"From `{path.name}`{when}: {package or 'vllm'} {ver}, "
+            f"torch {_torch(data)}; the cell {verdict} ({tally}). "
+            f"Machine: {_machine(data)}.\n"
+        )
         rows = [
             [
                 c.get("name", "?"),
@@ -157,11 +204,20 @@ def _compat_section(evidence: Evidence, version: Version | None):
                 c.get("reason") or "",
                 _fmt(c.get("seconds")),
             ]
-            for c in data["checks"]
-            if isinstance(c, dict)
+            for c in checks
         ]
         yield from _table(["check", "status", "reason", "seconds"], rows)
         yield ""
+
+
+def _bench_vllm(data: dict) -> str | None:
+    vllm = data.get("vllm")
+    if isinstance(vllm, dict):
+        vllm = vllm.get("version")
+    versions = data.get("versions")
+    if not vllm and isinstance(versions, dict):
+        vllm = versions.get("vllm")
+    return str(vllm) if vllm else None
 
 
 def _bench_section(evidence: Evidence):
@@ -170,10 +226,12 @@ def _bench_section(evidence: Evidence):
         yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
         return
     for path, data in evidence.bench:
-        vllm = data.get("vllm")
-        vllm = vllm.get("version") if isinstance(vllm, dict) else vllm
-        yield f"From `{path.name}`" + (f" (vLLM {vllm})" if vllm else "") + ". "
-        yield f"Machine: {_machine(data)}.\n"
+        vllm = _bench_vllm(data)
+        yield (
+            f"From `{path.name}`"
+            + (f" (vLLM {vllm}, torch {_torch(data)})" if vllm else "")
+            + f". Machine: {_machine(data)}.\n"
+        )
         shown = False
         for where, rows in _tables(data):
             yield f"`{where}`:\n"
@@ -192,6 +250,10 @@ def _scalar(v: Any) -> bool:
     return v is None or isinstance(v, (str, int, float, bool))
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
@@ -199,39 +261,39 @@ def _fmt(v: Any) -> str:
 
 
 def _tables(data: Any, where: str = ""):
-    """Lists of flat records anywhere in ``data``: the per-op and e2e results."""
+    """Lists of flat records with measured columns, anywhere in ``data``."""
     if isinstance(data, dict):
         for key, value in data.items():
-            if key in MACHINE_KEYS:
-                continue
-            yield from _tables(value, f"{where}.{key}" if where else key)
+            if key not in MACHINE_KEYS:
+                yield from _tables(value, f"{where}.{key}" if where else key)
     elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
-        if any(any(isinstance(v, (int, float)) for v in r.values()) for r in data):
+        if any(MEASURED.search(k) and _number(v) for r in data for k, v in r.items()):
             yield where, data
 
 
 def _scalars(data: dict, where: str = ""):
-    """Numbers named like throughput (tok/s), outside the tables."""
+    """Measured numbers (tok/s, ratios) outside the tables."""
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if isinstance(value, dict) and key not in MACHINE_KEYS:
             yield from _scalars(value, name)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if (
-                "tok" in key.lower()
-                or "ratio" in key.lower()
-                or "speedup" in key.lower()
-            ):
-                yield name, value
+        elif _number(value) and MEASURED.search(key):
+            yield name, value
 
 
 def _bench_table(rows: list[dict]):
     columns: list[str] = []
     for row in rows:
         columns += [k for k, v in row.items() if _scalar(v) and k not in columns]
-    native = [c for c in columns if "native" in c.lower()]
-    fused = [c for c in columns if "vllm_c" in c.lower()]
-    has_ratio = any("ratio" in c.lower() or "speedup" in c.lower() for c in columns)
+    preferred = [c for c in PREFERRED_COLUMNS if c in columns]
+    if len(preferred) >= 3:
+        columns = preferred
+    if "native_median_us" in columns and "provider" in columns:
+        # native has its own column then; its rows would only repeat it
+        rows = [r for r in rows if r.get("provider") != "native"]
+    native = [c for c in columns if "native" in c.lower() and MEASURED.search(c)]
+    fused = [c for c in columns if "vllm_c" in c.lower() and MEASURED.search(c)]
+    has_ratio = any(RATIO.search(c) for c in columns)
     ratio = len(native) == 1 and len(fused) == 1 and not has_ratio
     header = columns + ([f"{native[0]} / {fused[0]}"] if ratio else [])
     body = []
@@ -239,8 +301,7 @@ def _bench_table(rows: list[dict]):
         cells = [_fmt(row.get(c)) for c in columns]
         if ratio:
             a, b = row.get(native[0]), row.get(fused[0])
-            ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
-            cells.append(f"{a / b:.2f}x" if ok else "")
+            cells.append(f"{a / b:.2f}x" if _number(a) and _number(b) and b else "")
         body.append(cells)
     yield from _table(header, body)
     if len(rows) > MAX_ROWS:
