@@ -217,6 +217,7 @@ class Rollback:
 def run(args: argparse.Namespace) -> int:
     repo = open_checkout(args.vllm)
     root = Path(repo.working_tree_dir)
+    open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
     patch = pick_patch(args.patch)
     upstream = upstream_of(patch)
     branch = args.branch or upstream.branch

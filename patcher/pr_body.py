@@ -141,9 +141,11 @@ def _test_plan(upstream: Upstream, version: Version | None, checkout: Path | Non
     if upstream.tests:
         yield "3. Upstream tests that cover the IR providers:"
         yield f"   `pytest {' '.join(upstream.tests)}`"
-        for test in upstream.tests:
-            if checkout is not None and not (checkout / test).is_file():
-                yield f"   (`{test}` is not in this checkout)"
+        missing = [
+            t for t in upstream.tests if checkout and not (checkout / t).is_file()
+        ]
+        if missing:
+            yield f"   (not in this checkout: {', '.join(f'`{t}`' for t in missing)})"
 
 
 def _machine(data: dict) -> str:

@@ -147,7 +147,7 @@ def _fix_inside_patch(ruff, settings, root, path: Path, before: str, report) -> 
         path.write_text(patched, "utf-8")
         report.notes.append(
             f"ruff check --fix would also change lines the patch does not touch in "
-            f"{rel} (lines {', '.join(f'{a + 1}-{b}' for a, b in outside)}); not kept"
+            f"{rel} (near lines {', '.join(str(a + 1) for a, _ in outside)}); not kept"
         )
     remaining = _run(
         [
