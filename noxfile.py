@@ -37,9 +37,9 @@ def lint(session: nox.Session) -> None:
 
 # --- the compatibility matrix (compat_matrix/; timings in compat_matrix/timing.md) ---
 # Cells come from the committed compat_matrix/versions.json so that `nox -l` works
-# offline; `python -m compat_matrix.versions --refresh` updates it. The cells run in
-# nox's own interpreter (which needs this project installed: pip install -e .[test])
-# and build their vLLM environments themselves, shared through uv's cache.
+# offline; `python -m compat_matrix.versions --refresh` updates it. Each cell runs a
+# small orchestrator venv (this project + uv) that builds the cell's vLLM
+# environment itself, shared through uv's cache (see compat_matrix/cell.py).
 def _compat_cells() -> list[str]:
     import json
     from pathlib import Path
@@ -48,7 +48,20 @@ def _compat_cells() -> list[str]:
     return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
 
 
-@nox.session(venv_backend="none")
+def _install_orchestrator(session: nox.Session) -> None:
+    """This project, uv and pip (uv venvs have none; the cell asks pip about the
+    user's indexes), once per session venv: a warm re-run skips it."""
+    import hashlib
+    from pathlib import Path
+
+    stamp = Path(session.virtualenv.location) / "compat-orchestrator.txt"
+    want = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()
+    if not (stamp.is_file() and stamp.read_text() == want):
+        session.install("-e", ".", "uv", "pip")
+        stamp.write_text(want)
+
+
+@nox.session(venv_backend="uv|virtualenv", reuse_venv=True)
 @nox.parametrize("vllm", _compat_cells())
 def compat(session: nox.Session, vllm: str) -> None:
     """One vLLM version: static checks on its wheel; the probe where its torch installs.
@@ -56,16 +69,15 @@ def compat(session: nox.Session, vllm: str) -> None:
     `nox -s compat -- --e2e` also starts the engine; VLLM_PATCH_TORCH_INDEX adds a
     +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
     import json
-    import sys
     from pathlib import Path
 
+    _install_orchestrator(session)
     session.run(
-        sys.executable,
+        "python",
         "-m",
         "compat_matrix.cell",
         vllm,
         *session.posargs,
-        external=True,
         success_codes=[0, 1, 75],
     )
     package, _, version = vllm.rpartition("==")
@@ -83,6 +95,7 @@ def matrix(session: nox.Session) -> None:
     """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
     import sys
 
+    # report.py needs only packaging, which nox itself depends on.
     session.run(
         sys.executable, "-m", "compat_matrix.report", *session.posargs, external=True
     )

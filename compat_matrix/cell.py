@@ -146,9 +146,15 @@ def find_uv() -> str | None:
 def _pip(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pip", *args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise Unavailable(f"{shlex.join(cmd)}: no answer in {timeout} s") from exc
+    if "No module named pip" in proc.stderr:
+        # Not the registry's fault: say so instead of calling torch unavailable.
+        raise RuntimeError(
+            f"{sys.executable} has no pip; install pip beside this project"
+        )
+    return proc
 
 
 def _network_error(stderr: str) -> bool:
