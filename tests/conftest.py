@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -33,14 +34,26 @@ def real_wheel(request) -> Path:
     return fetch_wheel(package, version)
 
 
+@pytest.fixture(scope="session")
+def unpacked_wheels(tmp_path_factory) -> dict[Path, Path]:
+    """Each wheel's Python sources and dist-info, unpacked once per session."""
+    return {}
+
+
 @pytest.fixture
-def extracted_wheel(real_wheel: Path, tmp_path: Path) -> Path:
-    """The wheel's ``vllm/`` package and dist-info, unpacked like an install."""
-    with zipfile.ZipFile(real_wheel) as zf:
-        members = [
-            n
-            for n in zf.namelist()
-            if n.startswith("vllm/") and n.endswith(".py") or ".dist-info/" in n
-        ]
-        zf.extractall(tmp_path, members)
-    return tmp_path
+def extracted_wheel(real_wheel: Path, unpacked_wheels, tmp_path_factory, tmp_path):
+    """A fresh copy of the wheel's ``vllm/`` sources and dist-info, laid out
+    like an install (the test may change it)."""
+    if real_wheel not in unpacked_wheels:
+        dest = tmp_path_factory.mktemp(real_wheel.stem[:40])
+        with zipfile.ZipFile(real_wheel) as zf:
+            names = zf.namelist()
+            zf.extractall(dest, [n for n in names if is_source(n)])
+        unpacked_wheels[real_wheel] = dest
+    tree = tmp_path / "tree"
+    shutil.copytree(unpacked_wheels[real_wheel], tree)
+    return tree
+
+
+def is_source(name: str) -> bool:
+    return (name.startswith("vllm/") and name.endswith(".py")) or ".dist-info/" in name

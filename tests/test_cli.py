@@ -317,3 +317,20 @@ def test_entry_points_run(tree: Path) -> None:
         )
         assert proc.returncode == 1, proc.stderr
         assert "cpu_fused_norms: applicable" in proc.stdout
+
+
+def test_codemods_run_through_libcst_tool(tree: Path, tmp_path: Path) -> None:
+    """The README's libcst.tool commands give what `vllm-patch apply` gives."""
+    expected = tmp_path / "expected"
+    shutil.copytree(tree, expected)
+    assert run("apply", "--vllm", str(expected)) == 0
+    for codemod, target in [
+        ("enable_vllm_c.EnableVllmCOnCpu", VLLM_C),
+        ("cpu_priority.AddCpuIrOpPriority", CPU),
+    ]:
+        subprocess.run(
+            [sys.executable, "-m", "libcst.tool", "codemod", "-x", "--no-format",
+             f"patches.cpu_fused_norms.{codemod}", str(tree / target)],
+            check=True, capture_output=True, cwd=tmp_path,
+        )  # fmt: skip
+    assert snapshot(tree) == snapshot(expected)
