@@ -1,0 +1,380 @@
+"""vLLM's CPU fused RMSNorm kernels as an out-of-tree IR provider, ``vllm_c_cpu``.
+
+Until vLLM enables its own ``"vllm_c"`` norms on CPU (``vllm/kernels/vllm_c.py``
+gates them on GPU-like platforms), this plugin registers the same C kernels
+(``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``, shipped by the CPU build)
+under another provider name, without editing vLLM. vLLM loads it through the
+entry point group ``vllm.general_plugins`` in every process it starts; users pick
+it with ``--kernel-config '{"ir_op_priority": {"rms_norm": ["vllm_c_cpu"]}}'``
+or opt in to a default ranking with ``VLLM_PATCH_CPU_FUSED_NORMS=1``.
+
+The default ranking follows the upstream rule (as XPU has it): the fused kernel
+first when not compiling with Inductor, native when compiling, because Inductor
+fuses the native norm into the neighbouring residual add and an opaque kernel
+call breaks that fusion. A user's explicit ``ir_op_priority`` always wins:
+``KernelConfig.set_platform_defaults`` puts the user's entries first and only
+appends the platform's, and this plugin only changes what the platform returns.
+
+Nothing here may break vLLM's start-up: every failure is caught, logged and kept
+in :func:`status`.
+"""
+
+import inspect
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+PROVIDER = "vllm_c_cpu"
+UPSTREAM_PROVIDER = "vllm_c"
+OPS = ("rms_norm", "fused_add_rms_norm")
+OPT_IN_ENV = "VLLM_PATCH_CPU_FUSED_NORMS"
+PRIORITY_METHOD = "get_default_ir_op_priority"
+_WRAPPER_MARK = "__vllm_patch_provider__"
+
+# vLLM configures handlers for the "vllm" logger tree only; a child of it shows
+# up in vLLM's own log output.
+logger = logging.getLogger("vllm.plugins.cpu_fused_norms")
+
+# The CPU kernels vectorise over the hidden dimension in blocks of 8 elements
+# and raise on anything else (measured: hidden sizes 8, 16, 24, ... only), and
+# dispatch on these dtypes only (float64 raises "not implemented").
+_HIDDEN_MULTIPLE = 8
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_status: dict[str, Any] = {
+    "provider": PROVIDER,
+    "calls": 0,
+    "registered": [],
+    "skipped": {},
+    "supported": {},
+    "unsupported_reasons": {},
+    "default_ranking": "not installed",
+    "errors": [],
+}
+
+
+# --- the implementations: same signatures and semantics as the native ones ---
+
+
+def _kernel_weight(x: Tensor, weight: Tensor | None) -> Tensor:
+    # The kernel needs a weight tensor on older CPU builds; ones is the identity,
+    # which is what the native impl does with None (vLLM 0.20's vllm_c did this).
+    if weight is None:
+        return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return weight
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None
+) -> Tensor:
+    assert variance_size is None
+    # The kernel works on contiguous 2-D [tokens, hidden]; flatten the leading
+    # dimensions (a view, since supports_args only admits contiguous inputs).
+    x2d = x.view(-1, x.shape[-1])
+    out = torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
+    torch.ops._C.rms_norm(out, x2d, _kernel_weight(x, weight), epsilon)
+    return out.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    x_residual: Tensor,
+    weight: Tensor | None,
+    epsilon: float,
+    variance_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    assert variance_size is None
+    hidden = x.shape[-1]
+    # In place: the kernel writes the normalised output into x and the sum into
+    # x_residual; the 2-D views share their storage, so the callers' tensors
+    # (whatever their shape) hold the results.
+    torch.ops._C.fused_add_rms_norm(
+        x.view(-1, hidden),
+        x_residual.view(-1, hidden),
+        _kernel_weight(x, weight),
+        epsilon,
+    )
+    return x, x_residual
+
+
+def _kernel_takes(x: Tensor, weight: Tensor | None) -> bool:
+    return (
+        x.is_contiguous()
+        and x.dtype in _KERNEL_DTYPES
+        and x.dim() >= 1
+        and x.shape[-1] % _HIDDEN_MULTIPLE == 0
+        and (weight is None or (weight.dtype == x.dtype and weight.is_contiguous()))
+    )
+
+
+def rms_norm_supports_args(x, weight, epsilon, variance_size=None) -> bool:
+    return variance_size is None and _kernel_takes(x, weight)
+
+
+def fused_add_rms_norm_supports_args(
+    x, x_residual, weight, epsilon, variance_size=None
+) -> bool:
+    return (
+        variance_size is None
+        and _kernel_takes(x, weight)
+        and x_residual.is_contiguous()
+        and x_residual.dtype == x.dtype
+        and x_residual.shape == x.shape
+    )
+
+
+_IMPLS = {
+    "rms_norm": (rms_norm, rms_norm_supports_args, False),
+    "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_supports_args, True),
+}
+
+
+# --- support: the platform and the library, never the environment ---
+
+
+def kernel_support() -> dict[str, tuple[bool, str]]:
+    """op -> (supported, reason): a CPU platform whose ``_C`` has the kernel."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        kind = (
+            getattr(current_platform, "device_name", None)
+            or type(current_platform).__name__
+        )
+        return {op: (False, f"platform is {kind}, not CPU") for op in OPS}
+    current_platform.import_kernels()  # logs and swallows its own ImportError
+    load_error = None
+    found = {}
+    for op in OPS:
+        found[op] = _has_c_op(op)
+    if not all(found.values()):
+        load_error = c_extension_error()
+    out = {}
+    for op in OPS:
+        if found[op]:
+            out[op] = (True, f"torch.ops._C.{op} present")
+        elif load_error:
+            out[op] = (False, f"vllm._C failed to load: {load_error}")
+        else:
+            out[op] = (False, f"vllm._C loaded but has no torch.ops._C.{op}")
+    return out
+
+
+def _has_c_op(op: str) -> bool:
+    try:
+        return hasattr(torch.ops._C, op)
+    except Exception:  # torch.ops namespaces raise odd errors when a lib half-loaded
+        return False
+
+
+def c_extension_error() -> str | None:
+    """Why ``vllm._C`` does not import (for example an ABI ``undefined symbol``)."""
+    try:
+        import vllm._C  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+# --- registration ---
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``. Re-entrant; never raises."""
+    _status["calls"] += 1
+    try:
+        _register_impls()
+    except Exception as exc:  # never take vLLM's start-up down with us
+        _fail("registering the IR implementations", exc)
+    try:
+        _install_default_ranking()
+    except Exception as exc:
+        _fail("installing the default ranking", exc)
+
+
+def _fail(doing: str, exc: Exception) -> None:
+    message = f"{doing}: {type(exc).__name__}: {exc}"
+    _status["errors"].append(message)
+    logger.warning("vllm-patch %s: failed %s", PROVIDER, message, exc_info=True)
+
+
+def _register_impls() -> None:
+    from vllm import ir
+
+    support = None
+    newly = []
+    for op_name in OPS:
+        op = getattr(ir.ops, op_name, None)
+        if op is None:
+            _skip(op_name, f"vllm.ir.ops has no {op_name} in this vLLM")
+            continue
+        if PROVIDER in op.impls:  # a second plugin call in this process
+            _registered(op_name, op.impls[PROVIDER].supported)
+            continue
+        impl_fn, supports_args, inplace = _IMPLS[op_name]
+        kwargs: dict[str, Any] = {"supports_args": supports_args}
+        if inplace:
+            if "inplace" not in inspect.signature(op.register_impl).parameters:
+                _skip(op_name, "IrOp.register_impl has no inplace= in this vLLM")
+                continue
+            kwargs["inplace"] = True
+        if support is None:
+            support = kernel_support()
+        supported, reason = support[op_name]
+        op.register_impl(PROVIDER, supported=supported, **kwargs)(impl_fn)
+        _registered(op_name, supported)
+        if not supported:
+            _status["unsupported_reasons"][op_name] = reason
+        newly.append(op_name)
+
+    if newly:
+        logger.info(
+            "vllm-patch: registered IR provider %r for %s (supported: %s)%s",
+            PROVIDER,
+            ", ".join(newly),
+            ", ".join(f"{op}={_status['supported'][op]}" for op in newly),
+            "; skipped "
+            + "; ".join(f"{op}: {why}" for op, why in _status["skipped"].items())
+            if _status["skipped"]
+            else "",
+        )
+    for op_name, reason in _status["unsupported_reasons"].items():
+        logger.info(
+            "vllm-patch: %s for %s is not supported: %s", PROVIDER, op_name, reason
+        )
+
+
+def _registered(op_name: str, supported: bool) -> None:
+    if op_name not in _status["registered"]:
+        _status["registered"].append(op_name)
+    _status["supported"][op_name] = bool(supported)
+
+
+def _skip(op_name: str, reason: str) -> None:
+    if op_name not in _status["skipped"]:
+        logger.info(
+            "vllm-patch: %s not registered for %s: %s", PROVIDER, op_name, reason
+        )
+    _status["skipped"][op_name] = reason
+
+
+# --- default ranking: opt-in, follows the upstream rule, user priority wins ---
+
+
+def _install_default_ranking() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        _status["default_ranking"] = "not installed: platform is not CPU"
+        return
+    cls = type(current_platform)
+    current = inspect.getattr_static(cls, PRIORITY_METHOD, None)
+    if current is None:
+        _status["default_ranking"] = (
+            f"not installed: {cls.__name__} has no {PRIORITY_METHOD} in this vLLM"
+        )
+        return
+    original = getattr(current, "__func__", None)
+    if getattr(original, _WRAPPER_MARK, None) == PROVIDER:
+        return  # already wrapped in this process
+    if original is None:  # not a classmethod: leave a shape we do not know alone
+        _status["default_ranking"] = (
+            f"not installed: {cls.__name__}.{PRIORITY_METHOD} is not a classmethod"
+        )
+        return
+
+    def get_default_ir_op_priority(cls, vllm_config):
+        priority = original(cls, vllm_config)
+        try:
+            return rank_fused_first(priority, vllm_config)
+        except Exception as exc:  # keep the platform's answer rather than fail
+            _fail("ranking the default IR op priority", exc)
+            return priority
+
+    setattr(get_default_ir_op_priority, _WRAPPER_MARK, PROVIDER)
+    get_default_ir_op_priority.__wrapped__ = original
+    get_default_ir_op_priority.__doc__ = original.__doc__
+    setattr(cls, PRIORITY_METHOD, classmethod(get_default_ir_op_priority))
+    _status["default_ranking"] = f"installed on {cls.__name__}.{PRIORITY_METHOD}"
+
+
+def opted_in() -> bool:
+    return os.environ.get(OPT_IN_ENV, "").strip() == "1"
+
+
+def compiling_with_inductor(vllm_config) -> bool:
+    """The upstream rule: Inductor compiles unless the compilation mode is NONE."""
+    cc = vllm_config.compilation_config
+    if cc.backend != "inductor":
+        return False
+    mode = getattr(cc, "mode", None)
+    if mode is None:  # older configs spell it ``level``
+        return bool(getattr(cc, "level", 0))
+    return getattr(mode, "value", mode) != 0  # CompilationMode.NONE
+
+
+def upstream_enabled_ops() -> list[str]:
+    """Ops whose own ``"vllm_c"`` impl this vLLM supports here (upstream landed,
+    or the tree was patched): for them this provider is redundant."""
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    importer = getattr(current_platform, "import_ir_kernels", None)
+    if importer is not None:
+        importer()
+    else:
+        import vllm.kernels  # noqa: F401
+    out = []
+    for op_name in OPS:
+        op = getattr(ir.ops, op_name, None)
+        impl = op.impls.get(UPSTREAM_PROVIDER) if op is not None else None
+        if impl is not None and impl.supported:
+            out.append(op_name)
+    return out
+
+
+def rank_fused_first(priority, vllm_config):
+    """The platform's default priority, with this provider first where it applies."""
+    if not opted_in():
+        return priority
+    if compiling_with_inductor(vllm_config):
+        return priority  # native: Inductor fuses it with its neighbours
+    redundant = upstream_enabled_ops()
+    ranked = []
+    for op_name in _status["registered"]:
+        if op_name in redundant or not _status["supported"].get(op_name):
+            continue
+        current = getattr(priority, op_name, None)
+        if current is None:  # not a field of this vLLM's IrOpPriorityConfig
+            continue
+        setattr(priority, op_name, [PROVIDER] + [p for p in current if p != PROVIDER])
+        ranked.append(op_name)
+    if ranked and not _status.get("ranked_logged"):
+        _status["ranked_logged"] = True
+        logger.info(
+            "vllm-patch: %s=1, %s ranked first by default for %s (eager)",
+            OPT_IN_ENV,
+            PROVIDER,
+            ", ".join(ranked),
+        )
+    return priority
+
+
+def status() -> dict[str, Any]:
+    """What this process's registration did, for the probe and for users."""
+    out = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in _status.items()}
+    out.pop("ranked_logged", None)
+    out["opt_in"] = opted_in()
+    try:
+        out["redundant_ops"] = upstream_enabled_ops()
+    except Exception as exc:
+        out["redundant_ops"] = None
+        out["redundant_error"] = f"{type(exc).__name__}: {exc}"
+    registered = [op for op in out["registered"] if out["supported"].get(op)]
+    out["redundant"] = bool(registered) and set(registered) <= set(
+        out["redundant_ops"] or []
+    )
+    return out
