@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError
-from patcher.patchset import Patch, all_patches, select
+from patcher.patchset import all_patches, select
 from patcher.tree import VllmTree, open_tree
 
 
@@ -76,23 +75,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _write_verb(action: Callable[[VllmTree, Patch], engine.Outcome]):
-    def run(args: argparse.Namespace) -> int:
-        tree = open_tree(args.vllm)
-        for patch in select(args.patch):
-            outcome = action(tree, patch, args)
-            for w in outcome.warnings:
-                _warn(w)
-            print(outcome)
-        return ExitCode.OK
-
-    return run
+def cmd_apply(args: argparse.Namespace) -> int:
+    tree, plans = _plans(args)
+    for p in plans:  # refuse before the first patch is written, not after
+        if p.errors:
+            raise p.errors[0]
+    for p in plans:
+        print(engine.apply(tree, p.patch, force=args.force))  # warned in _plans
+    return ExitCode.OK
 
 
-cmd_apply = _write_verb(
-    lambda tree, patch, args: engine.apply(tree, patch, force=args.force)
-)
-cmd_revert = _write_verb(lambda tree, patch, args: engine.revert(tree, patch))
+def cmd_revert(args: argparse.Namespace) -> int:
+    tree = open_tree(args.vllm)
+    for patch in select(args.patch):
+        print(engine.revert(tree, patch))
+    return ExitCode.OK
 
 
 def build_parser() -> argparse.ArgumentParser:
