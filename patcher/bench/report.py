@@ -1,0 +1,333 @@
+"""The bench's outputs: the machine description, Markdown tables and a chart.
+
+Everything printed here comes from the result document of one run.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from patcher.bench.perop import NATIVE, NATIVE_COMPILED
+
+# The CPU flags that decide which kernels run fast (the full list is kept too).
+KEY_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+    "asimd",
+    "sve",
+)
+
+
+def machine() -> dict[str, Any]:
+    cpu: dict[str, Any] = {"model": platform.processor() or platform.machine()}
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and "model" not in cpu.get("_seen", ()):
+                cpu["model"] = value.strip()
+                cpu["_seen"] = ("model",)
+            elif key in ("flags", "Features") and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    cpu.pop("_seen", None)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    memory = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu["model"],
+        "arch": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "memory_gib": memory,
+        "key_flags": [f for f in KEY_FLAGS if f in flags],
+        "flags": flags,
+        "os": platform.platform(),
+    }
+
+
+def cpu_snapshot() -> dict[str, float] | None:
+    """Busy CPU seconds of the whole machine and of this process's children."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "wall": time.monotonic(),
+        "busy_s": (sum(ticks[:8]) - idle) / hz,
+        "own_s": own.ru_utime + own.ru_stime + me.ru_utime + me.ru_stime,
+    }
+
+
+def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
+    """Share of the machine's CPU time that other processes used in between:
+    0 is a quiet machine, 1 means they kept every core busy."""
+    if not before or not after:
+        return None
+    wall = after["wall"] - before["wall"]
+    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
+    return round(max(0.0, others) / (wall * cpus), 3) if wall > 0 else None
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _fmt_us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return ""
+    status = row.get("status")
+    if status != "ok":
+        return {
+            "wrong": "wrong result (not timed)",
+            "unsupported_args": "unsupported",
+        }.get(status, str(status))
+    text = (
+        f"{_fmt_us(row['median_us'])} [{_fmt_us(row['q1_us'])}–{_fmt_us(row['q3_us'])}]"
+    )
+    if row["provider"] != NATIVE:
+        text += f" **{row['ratio']:.2f}x**"
+    return text
+
+
+def _share(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.0%}"
+
+
+def _provider_order(rows: list[dict]) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    for r in rows:
+        key = (r["provider"], r["source"])
+        # A patched copy times its own native ones for its ratios; the table
+        # and the chart show the installed ones.
+        if r["provider"] in (NATIVE, NATIVE_COMPILED) and r["source"] != "installed":
+            continue
+        if key not in seen:
+            seen.append(key)
+
+    def rank(key: tuple[str, str]) -> tuple:
+        p, s = key
+        return (p != NATIVE, p != NATIVE_COMPILED, s != "installed", p, s)
+
+    return sorted(seen, key=rank)
+
+
+def perop_markdown(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for op in sorted({r["op"] for r in rows}):
+        op_rows = [r for r in rows if r["op"] == op]
+        columns = _provider_order(op_rows)
+        out.append(f"#### `{op}`\n")
+        header = ["dtype", "shape", "threads"]
+        for p, s in columns:
+            label = "native (torch.compile)" if p == NATIVE_COMPILED else p
+            header.append(label if s == "installed" else f"{label} ({s})")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "---|" * len(header))
+        configs = []
+        for r in op_rows:
+            c = (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+            if c not in configs:
+                configs.append(c)
+        for dtype, tokens, hidden, threads in configs:
+            cells = [dtype, f"[{tokens}, {hidden}]", str(threads)]
+            for p, s in columns:
+                match = [
+                    r
+                    for r in op_rows
+                    if (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+                    == (dtype, tokens, hidden, threads)
+                    and (r["provider"], r["source"]) == (p, s)
+                ]
+                cells.append(_cell(match[0] if match else None))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def e2e_markdown(pairs: list[dict[str, Any]]) -> str:
+    out = [
+        "| mode | environment | priority | tok/s median [q1–q3] | ratio | "
+        "same tokens | final IR op priority (vLLM log) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for pair in pairs:
+        for name in ("native", "fused"):
+            run = pair[name]
+            med = run.get("median_tokens_per_s")
+            rate = (
+                f"{med:.2f} [{run['q1_tokens_per_s']:.2f}–{run['q3_tokens_per_s']:.2f}]"
+                if med
+                else f"failed: {run.get('error')}"
+            )
+            ratio = (
+                f"**{pair['ratio']:.3f}x**" if name == "fused" and pair["ratio"] else ""
+            )
+            same = "" if name == "native" else str(pair.get("same_tokens"))
+            out.append(
+                f"| {pair['mode']} | {pair['source']} | `{run['ir_op_priority']}` | "
+                f"{rate} | {ratio} | {same} | `{run.get('final_priority')}` |"
+            )
+    return "\n".join(out)
+
+
+def recommendation_markdown(doc: dict[str, Any]) -> str:
+    out = [
+        "| op | mode | recommended priority | basis | upstream rule | agrees |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in doc["recommendation"]:
+        out.append(
+            f"| `{r['op']}` | {r['mode']} | `{r['priority']}` | {r['basis']} | "
+            f"{r['upstream_rule']} | {'yes' if r['agrees_with_upstream'] else 'NO'} |"
+        )
+    out.append("")
+    for mode, snip in doc["snippets"].items():
+        out.append(f"{mode}:\n\n```\n{snip['cli']}\n{snip['python']}\n```\n")
+    return "\n".join(out)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m, v, o = doc["machine"], doc["versions"], doc["options"]
+    lines = [
+        "# vllm-patch bench",
+        "",
+        f"- Machine: {m['cpu_model']} ({m['arch']}), {m['usable_cpus']} usable CPUs, "
+        f"{m['memory_gib']} GiB; flags: {', '.join(m['key_flags']) or 'none of note'}",
+        f"- Versions: vLLM {v.get('vllm')}, torch {v.get('torch')}, "
+        f"Python {v.get('python')}, vllm-patch {v.get('vllm_patch')}",
+        f"- Run: {doc['started']} – {doc['finished']}, load average before "
+        f"{doc['load_before']}, after {doc['load_after']}; "
+        f"{'quick' if o['quick'] else 'full'} configuration",
+        f"- Other processes' share of the machine's CPU time while measuring: per op "
+        f"{_share(doc['interference'].get('perop'))}, end to end "
+        f"{_share(doc['interference'].get('e2e'))} (0 = quiet; OpenMP kernels on "
+        "all cores suffer most when other processes compete for them)",
+        "",
+        "## Per op",
+        "",
+        "Microseconds per call of the implementation function (no IR dispatch): "
+        f"median [first–third quartile] of {o['samples']} samples, each sample "
+        "timing many calls; ratio = native median / this median, from the same "
+        "process. Every implementation's output was checked against native with "
+        "the op's own tolerance before it was timed.",
+        "",
+        perop_markdown(doc["perop"]["rows"]),
+    ]
+    if doc["perop"]["notes"]:
+        lines += ["Notes:", ""] + [f"- {n}" for n in doc["perop"]["notes"]] + [""]
+    lines += ["## End to end", ""]
+    if doc.get("e2e"):
+        e = doc["e2e"]
+        lines += [
+            f"Random-weight Llama {e['model']}, batch {e['batch']}, prompt "
+            f"{e['prompt_len']} tokens, {e['max_tokens']} generated tokens, "
+            f"{e['repeats']} timed generates after a warm-up (engine start not timed).",
+            "",
+            e2e_markdown(e["pairs"]),
+            "",
+        ]
+        lines += [f"- {n}" for n in e.get("notes", [])]
+    else:
+        lines += ["Not run.", ""]
+    lines += ["## Recommendation for this machine", "", recommendation_markdown(doc)]
+    return "\n".join(lines) + "\n"
+
+
+def chart(doc: dict[str, Any], path: Path) -> Path | None:
+    """Bar chart of per-op ratios to native (log scale), one panel per op."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in doc["perop"]["rows"] if r["provider"] != NATIVE]
+    ops = sorted({r["op"] for r in rows})
+    if not ops:
+        return None
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops, strict=True):
+        op_rows = [r for r in rows if r["op"] == op]
+        series = _provider_order(op_rows)
+        configs = []
+        for r in op_rows:
+            c = (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+            if c not in configs:
+                configs.append(c)
+        width = 0.8 / max(len(series), 1)
+        for i, (p, s) in enumerate(series):
+            values = []
+            for c in configs:
+                hit = [
+                    r
+                    for r in op_rows
+                    if (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+                    == c
+                    and (r["provider"], r["source"]) == (p, s)
+                    and r.get("status") == "ok"
+                ]
+                values.append(hit[0]["ratio"] if hit else 0.0)
+            label = "native (torch.compile)" if p == NATIVE_COMPILED else p
+            if s != "installed":
+                label += f" ({s})"
+            ax.bar(
+                [x + i * width for x in range(len(configs))], values, width, label=label
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_ylabel("speed-up vs native")
+        ax.set_title(op)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(configs))])
+        ax.set_xticklabels(
+            [f"{d[:4]} [{t},{h}] t{th}" for d, t, h, th in configs],
+            rotation=60,
+            ha="right",
+            fontsize=7,
+        )
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{doc['machine']['cpu_model']}, vLLM {doc['versions'].get('vllm')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
