@@ -136,3 +136,24 @@ def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
     }
     assert {f: sha(vllm_copy / f) for f in files} == copy_sums  # reverted exactly
     assert {f: sha(installed / f) for f in files} == installed_sums  # never touched
+
+
+def test_without_vllm_flag_the_importable_vllm_is_patched(vllm_copy: Path) -> None:
+    """`vllm-patch apply` with no --vllm finds the vLLM this Python would import
+    (here the copy, first on PYTHONPATH), without importing it."""
+    env = {**os.environ, "PYTHONPATH": str(vllm_copy)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "patcher", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+
+    check = cli("check")
+    assert check.returncode == 1 and f"[{vllm_copy}, vLLM " in check.stdout
+    assert cli("apply").returncode == 0
+    assert cli("check").returncode == 0
+    assert "reverted" in cli("revert").stdout
+    assert not (vllm_copy / ".vllm-patch-backup").exists()
