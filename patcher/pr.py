@@ -331,7 +331,12 @@ def _finish(
             written = repo.git.format_patch(
                 "-1", commit.hexsha, "-o", str(folder.resolve())
             )
+            # Plain `git am` strips every leading [...] from the subject, the
+            # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
             print(f"mbox patch: {written.strip()}")
+            print(
+                f"  apply with: git am --keep-non-patch {shlex.quote(written.strip())}"
+            )
     if args.print_body:
         print("\n" + body)
     pr_base = _pr_base(repo, base_name)

