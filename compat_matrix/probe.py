@@ -461,7 +461,8 @@ def check_dispatch(p: Probe) -> tuple[str, dict]:
     kernels = sorted({k for r in results.values() for k in r["kernels"]})
     return (
         f"under set_priority([{p.name!r}, 'native']) every call ran {p.name!r} "
-        f"(kernels: {', '.join(kernels) or 'none recorded'}); under ['native'] none did",
+        f"(kernels: {', '.join(kernels) or 'none recorded'}); "
+        "under ['native'] none did",
         results,
     )
 
@@ -538,8 +539,8 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
     if redundant:
         return (
             f"redundant: this vLLM enables {UPSTREAM_PROVIDER!r} on CPU for "
-            f"{', '.join(redundant)}, so the provider stands down from the default ranking "
-            "and can be removed; ir_op_priority naming it still puts it first",
+            f"{', '.join(redundant)}, so the provider stands down from the default "
+            "ranking and can be removed; ir_op_priority naming it still puts it first",
             details,
         )
     ranked = [op for op in ops if supported[op]]
@@ -644,7 +645,7 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
     details["originals_untouched"] = originals_before == {
         f: _sha256(original.path(f)) for f in files
     }
-    problems = []
+    problems, unchecked = [], []
     if not details["originals_untouched"]:
         problems.append("the installed vLLM's files changed")
     if not details.get("restored"):
@@ -654,22 +655,26 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
     if not child.get("ok"):
         problems.append(f"the patched copy's child failed: {child['error']}")
     else:
-        problems += upstream_child_problems(child["result"], p, str(details["copy"]))
-    details["problems"] = problems
+        found, unchecked = upstream_child_problems(
+            child["result"], p, str(details["copy"])
+        )
+        problems += found
+    details["problems"], details["unchecked"] = problems, unchecked
     if problems:
         raise Fail(problems[0], details)
-    if p.kernels_unavailable:
+    if unchecked:
         raise Skip(
-            "the patch applies and reverts byte-identically on a copy; kernels not "
-            f"run here: {p.kernels_unavailable}",
+            "the patch applies to a copy and reverts byte-identically; "
+            + "; ".join(unchecked),
             details,
         )
     r = child["result"]
     return (
         f"applied to a hard-linked copy ({', '.join(files)}): {UPSTREAM_PROVIDER!r} "
         f"supported on CPU for {', '.join(r['ops'])}, numerics within tolerance, "
-        f"{r['platform_class']}.{PRIORITY_METHOD} gives {UPSTREAM_PROVIDER!r} first eager "
-        "and native for Inductor, the provider stands down; revert byte-identical",
+        f"{r['platform_class']}.{PRIORITY_METHOD} gives {UPSTREAM_PROVIDER!r} first "
+        "eager and native for Inductor, the provider stands down; "
+        "revert byte-identical",
         details,
     )
 
@@ -685,7 +690,10 @@ def patched_copy(original, tmp: Path, engine, patch, details: dict) -> Iterator[
     tree = open_tree(copy)
     files = sorted({e.file for e in patch.edits})
     before = {f: _sha256(tree.path(f)) for f in files}
-    outcome = engine.apply(tree, patch)  # a PatchError here is the check's failure
+    try:
+        outcome = engine.apply(tree, patch)
+    except Exception as exc:  # PatchError: names the file, what it looked for and found
+        raise Fail(f"the patch engine refused to apply: {exc}", details) from None
     applied = {f: _sha256(tree.path(f)) for f in files}
     details["apply"] = str(outcome)
     if applied == before:
@@ -719,8 +727,11 @@ def linked_copy(tree, dest: Path) -> Path:
     return dest
 
 
-def upstream_child_problems(r: dict, p: Probe, copy: str) -> list[str]:
-    problems = []
+def upstream_child_problems(
+    r: dict, p: Probe, copy: str
+) -> tuple[list[str], list[str]]:
+    """What is wrong with the patched copy, and what could not be checked here."""
+    problems, unchecked = [], []
     if not r["vllm_file"].startswith(copy):
         problems.append(f"the child imported vLLM from {r['vllm_file']}, not the copy")
     if not r["ops"]:
@@ -730,30 +741,36 @@ def upstream_child_problems(r: dict, p: Probe, copy: str) -> list[str]:
             problems.append(
                 f"{UPSTREAM_PROVIDER!r} not supported on CPU for {op} after the patch"
             )
-        eager, inductor = r["platform_eager"].get(op), r["platform_inductor"].get(op)
-        if not eager or eager[0] != UPSTREAM_PROVIDER:
-            problems.append(f"{PRIORITY_METHOD} eager gives {eager} for {op}")
-        if not inductor or inductor[0] != "native":
-            problems.append(f"{PRIORITY_METHOD} Inductor gives {inductor} for {op}")
-    if not p.kernels_unavailable:
+    if p.kernels_unavailable:
+        unchecked.append(f"kernels not run: {p.kernels_unavailable}")
+    else:
         bad = [c for c in r.get("numerics", []) if not c["ok"]]
         if bad or not r.get("numerics"):
             problems.append(
                 f"{UPSTREAM_PROVIDER!r} numerics off: {bad[:1] or 'none run'}"
             )
+    if r.get("config_error"):
+        unchecked.append(
+            f"priority not checked, vLLM's config does not build: {r['config_error']}"
+        )
+        return problems, unchecked
+    for op in r["ops"]:
+        eager, inductor = r["platform_eager"].get(op), r["platform_inductor"].get(op)
+        if not eager or eager[0] != UPSTREAM_PROVIDER:
+            problems.append(f"{PRIORITY_METHOD} eager gives {eager} for {op}")
+        if not inductor or inductor[0] != "native":
+            problems.append(f"{PRIORITY_METHOD} Inductor gives {inductor} for {op}")
     stand = r.get("provider_with_opt_in")
     if stand is not None:
         for op in r["ops"]:
-            first = stand["final"].get(op, [None])[0]
-            if first != UPSTREAM_PROVIDER or p.name in stand["final"].get(op, []):
-                problems.append(
-                    f"with opt-in on the patched copy {op} got {stand['final'][op]}"
-                )
+            final = stand["final"].get(op) or [None]
+            if final[0] != UPSTREAM_PROVIDER or p.name in final:
+                problems.append(f"with opt-in on the patched copy {op} got {final}")
         if not stand["status"].get("redundant"):
             problems.append(
                 "the provider did not report itself redundant on the patched copy"
             )
-    return problems
+    return problems, unchecked
 
 
 def check_e2e(p: Probe) -> tuple[str, dict]:
@@ -813,8 +830,9 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
     same = provider_run["output_token_ids"] == upstream_run["output_token_ids"]
     details["same_tokens"] = same
     return (
-        f"eager LLM.generate ran with {p.name!r} first ({provider_run['seconds']} s) and "
-        f"with the patched {UPSTREAM_PROVIDER!r} first ({upstream_run['seconds']} s); "
+        f"eager LLM.generate ran with {p.name!r} first "
+        f"({provider_run['seconds']} s) and with the patched {UPSTREAM_PROVIDER!r} "
+        f"first ({upstream_run['seconds']} s); "
         f"{E2E_TOKENS} tokens each, {'identical' if same else 'different'} token ids",
         details,
     )
@@ -841,6 +859,11 @@ CHECKS: list[tuple[str, Callable[[Probe], tuple[str, dict]]]] = [
     ("upstream_patch", check_upstream_patch),
     ("e2e", check_e2e),
 ]
+
+
+# Cheap, in-process, and what the other checks build on: they run even when
+# --only leaves them out.
+PREREQUISITES = ("ir_present", "provider_registers", "kernels_supported")
 
 
 def _need_ir(p: Probe) -> None:
@@ -969,7 +992,7 @@ def _compare_case(op, provider: str, shape, dtype, weighted: bool) -> dict:
     tol = op.get_tolerance(dtype)
     out: dict[str, Any] = {"atol": tol["atol"], "rtol": tol["rtol"], "max_abs_diff": []}
     ok = len(actual) == len(expected)
-    for a, e in zip(actual, expected):
+    for a, e in zip(actual, expected, strict=False):  # lengths checked above
         ok = ok and a.shape == e.shape and a.dtype == e.dtype
         out["max_abs_diff"].append(float((a.float() - e.float()).abs().max()))
         try:
@@ -1050,7 +1073,7 @@ def dispatch_evidence(op, provider: str) -> dict:
                     {e.name for e in prof.events() if e.name.startswith("_C::")}
                 )
                 tol = op.get_tolerance(torch.bfloat16)
-                for g, e in zip(got, expected):
+                for g, e in zip(got, expected, strict=True):
                     torch.testing.assert_close(g, e, atol=tol["atol"], rtol=tol["rtol"])
         before = len(calls)
         with op.set_priority(["native"]):
@@ -1158,10 +1181,14 @@ def _child_upstream(args: dict) -> dict:
         ]
     cls = type(current_platform)
     out["defines_priority"] = PRIORITY_METHOD in vars(cls)
-    eager, inductor = (
-        vllm_config(None, compiled=False),
-        vllm_config(None, compiled=True),
-    )
+    try:
+        eager, inductor = (
+            vllm_config(None, compiled=False),
+            vllm_config(None, compiled=True),
+        )
+    except Exception as exc:  # an environment whose config does not import
+        out["config_error"] = f"{type(exc).__name__}: {exc}"
+        return out
     get_default = getattr(cls, PRIORITY_METHOD)
     out["platform_eager"] = dataclasses.asdict(get_default(eager))
     out["platform_inductor"] = dataclasses.asdict(get_default(inductor))
@@ -1199,7 +1226,11 @@ def _child_main(task: str, args: dict, result_file: Path) -> int:
 
 
 def run_probe(
-    provider: str = DEFAULT_PROVIDER, name: str | None = None, *, e2e=False
+    provider: str = DEFAULT_PROVIDER,
+    name: str | None = None,
+    *,
+    e2e: bool = False,
+    only: list[str] | None = None,
 ) -> dict:
     module_name, _, attr = provider.partition(":")
     p = Probe(module_name, attr or "register", name or DEFAULT_PROVIDER_NAME, e2e=e2e)
@@ -1215,6 +1246,8 @@ def run_probe(
     for check_name, check in CHECKS:
         started = time.perf_counter()
         try:
+            if only and check_name not in only and check_name not in PREREQUISITES:
+                raise Skip(f"not selected (--only {','.join(only)})")
             reason, details = check(p)
             status = "pass"
         except CheckOutcome as outcome:
@@ -1257,10 +1290,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", type=Path, metavar="FILE", help="also write the document to FILE"
     )
+    parser.add_argument(
+        "--only",
+        metavar="CHECK[,CHECK]",
+        type=lambda v: [c.strip() for c in v.split(",") if c.strip()],
+        help="run only these checks (and the cheap ones they need); the rest skip",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--child-args", help=argparse.SUPPRESS)
     parser.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    known = [name for name, _ in CHECKS]
+    unknown = [c for c in args.only or [] if c not in known]
+    if unknown:
+        parser.error(f"unknown check {', '.join(unknown)}; checks: {', '.join(known)}")
     if args.child:
         return _child_main(args.child, json.loads(args.child_args), args.child_result)
 
@@ -1270,7 +1313,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_stdout = os.dup(1)
     os.dup2(2, 1)
     try:
-        doc = run_probe(args.provider, args.provider_name, e2e=args.e2e)
+        doc = run_probe(args.provider, args.provider_name, e2e=args.e2e, only=args.only)
     finally:
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)
