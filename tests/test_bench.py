@@ -1,0 +1,265 @@
+"""vllm-patch bench: it runs a short configuration against the real vLLM, it
+checks numerics before timing, its output keeps its schema, and its
+recommendation follows from the numbers. Nothing here asserts that anything
+is fast."""
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from conftest import requires_vllm
+
+from patcher.bench import collect, configuration, write_outputs
+from patcher.bench.recommend import priority_snippets, recommend
+
+
+def row(op, provider, us, *, status="ok", tokens=1, threads=1, source="installed"):
+    return {
+        "op": op, "provider": provider, "status": status, "median_us": us,
+        "dtype": "bfloat16", "num_tokens": tokens, "hidden_size": 2048,
+        "threads": threads, "source": source,
+    }  # fmt: skip
+
+
+def pair(mode, ratio, provider="fused", ops=("rms_norm",)):
+    return {"mode": mode, "provider": provider, "ops": list(ops), "ratio": ratio}
+
+
+def native_compiled_and(provider_us, compiled_us=30.0, **kw):
+    return [
+        row("rms_norm", "native", 30.0, **kw),
+        row("rms_norm", "native_compiled", compiled_us, **kw),
+        row("rms_norm", "fused", provider_us, **kw),
+    ]
+
+
+# (rows, e2e pairs, expected eager priority, expected compiled priority)
+CASES = {
+    "fast per op, no e2e": (
+        native_compiled_and(3.0), [], ["fused", "native"], ["fused", "native"]
+    ),
+    "fast per op, compiled e2e not faster": (
+        native_compiled_and(3.0),
+        [pair("eager", 1.10), pair("compiled", 0.98)],
+        ["fused", "native"],
+        ["native"],
+    ),
+    "fast per op, compiled e2e faster": (
+        native_compiled_and(3.0),
+        [pair("eager", 1.10), pair("compiled", 1.05)],
+        ["fused", "native"],
+        ["fused", "native"],
+    ),
+    "fast per op but slower end to end in eager": (
+        native_compiled_and(3.0), [pair("eager", 0.90)], ["native"], ["fused", "native"]
+    ),
+    "within the margin": (
+        native_compiled_and(29.0, compiled_us=29.5), [], ["native"], ["native"]
+    ),
+    "slower than native": (native_compiled_and(60.0), [], ["native"], ["native"]),
+    "faster than native, slower than compiled native": (
+        native_compiled_and(20.0, compiled_us=10.0), [], ["fused", "native"], ["native"]
+    ),
+    "wrong somewhere: never recommended": (
+        native_compiled_and(3.0) + [row("rms_norm", "fused", None, status="wrong",
+                                        tokens=16)],
+        [],
+        ["native"],
+        ["native"],
+    ),
+    "no alternative": (
+        [row("rms_norm", "native", 30.0), row("rms_norm", "native_compiled", 9.0)],
+        [],
+        ["native"],
+        ["native"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_recommendation_follows_the_numbers(case):
+    rows, pairs, eager, compiled = case
+    recs = {
+        r["mode"]: r for r in recommend(rows, pairs, upstream_fused_ops={"rms_norm"})
+    }
+    assert recs["eager"]["priority"] == eager
+    assert recs["compiled"]["priority"] == compiled
+    assert recs["eager"]["agrees_with_upstream"] == (eager != ["native"])
+    assert recs["compiled"]["agrees_with_upstream"] == (compiled == ["native"])
+
+
+def test_ratios_pair_only_runs_from_the_same_process():
+    # The provider's rows come from a patched copy; the installed native is not
+    # its baseline, the copy's own native is.
+    rows = [
+        row("rms_norm", "native", 30.0),
+        row("rms_norm", "native", 4.0, source="copy"),
+        row("rms_norm", "vllm_c", 3.0, source="copy"),
+    ]
+    (eager,) = [r for r in recommend(rows) if r["mode"] == "eager"]
+    assert eager["priority"] == ["vllm_c", "native"]
+    assert eager["considered"][0]["per_op_speedup"] == pytest.approx(4.0 / 3.0)
+
+
+def test_best_of_several_providers_wins():
+    rows = native_compiled_and(10.0) + [row("rms_norm", "other", 5.0)]
+    (eager,) = [r for r in recommend(rows) if r["mode"] == "eager"]
+    assert eager["priority"] == ["other", "native"]
+
+
+def test_snippets_carry_the_recommended_priorities():
+    recs = recommend(native_compiled_and(3.0), [pair("compiled", 0.9)])
+    snippets = priority_snippets(recs)
+    assert snippets["eager"]["ir_op_priority"] == {"rms_norm": ["fused", "native"]}
+    assert snippets["compiled"]["ir_op_priority"] == {"rms_norm": ["native"]}
+    eager_config = snippets["eager"]["cli"].split("--kernel-config ", 1)[1].strip("'")
+    assert json.loads(eager_config) == {
+        "ir_op_priority": {"rms_norm": ["fused", "native"]}
+    }
+    assert "--enforce-eager" in snippets["eager"]["cli"]
+    assert "--enforce-eager" not in snippets["compiled"]["cli"]
+
+
+# --- against the real vLLM ---------------------------------------------------
+
+
+@requires_vllm
+def test_a_wrong_implementation_is_rejected_and_never_timed():
+    import torch
+    from vllm import ir
+
+    from patcher.bench.perop import measure
+
+    op = ir.ops.rms_norm
+    calls = {"wrong": 0, "right": 0}
+
+    # Real annotations (no __future__ import here): IR impls need a schema.
+    def wrong(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        epsilon: float,
+        variance_size: int | None = None,
+    ) -> torch.Tensor:
+        calls["wrong"] += 1
+        return op.impls["native"].impl_fn(x, weight, epsilon, variance_size) * 1.5
+
+    def right(
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        epsilon: float,
+        variance_size: int | None = None,
+    ) -> torch.Tensor:
+        calls["right"] += 1
+        return op.impls["native"].impl_fn(x, weight, epsilon, variance_size)
+
+    for name, fn in (
+        ("vllm_patch_test_wrong", wrong),
+        ("vllm_patch_test_right", right),
+    ):
+        if name not in op.impls:
+            op.register_impl(name)(fn)
+        op.impls[name].impl_fn = fn  # this test's counters, also on a rerun
+
+    result = measure(
+        {
+            "ops": ["rms_norm"], "num_tokens": [1, 4], "hidden_sizes": [256],
+            "dtypes": ["float32"], "threads": torch.get_num_threads(),
+            "compile": False, "samples": 3, "min_sample_s": 0.0002,
+            "time_only": ["vllm_patch_test_wrong", "vllm_patch_test_right"],
+        }
+    )  # fmt: skip
+    by = {}
+    for r in result["rows"]:
+        by.setdefault(r["provider"], []).append(r)
+    assert [r["status"] for r in by["vllm_patch_test_wrong"]] == ["wrong", "wrong"]
+    assert all("median_us" not in r for r in by["vllm_patch_test_wrong"])
+    assert all("outside tolerance" in r["error"] for r in by["vllm_patch_test_wrong"])
+    assert calls["wrong"] == 2  # one numerics check per shape, nothing more
+    assert [r["status"] for r in by["vllm_patch_test_right"]] == ["ok", "ok"]
+    assert calls["right"] > 2 * 3  # checked, then timed
+    assert all(r["median_us"] > 0 for r in by["vllm_patch_test_right"])
+
+
+ROW_FIELDS = {
+    "op": str, "provider": str, "source": str, "dtype": str, "num_tokens": int,
+    "hidden_size": int, "threads": int, "status": str, "atol": float, "rtol": float,
+}  # fmt: skip
+TIMED_FIELDS = ("median_us", "q1_us", "q3_us", "iqr_us", "min_us", "ratio")
+
+
+def _vllm_c_source() -> bytes:
+    spec = importlib.util.find_spec("vllm")
+    return (Path(spec.origin).parent / "kernels" / "vllm_c.py").read_bytes()
+
+
+@requires_vllm
+def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is absent")
+    monkeypatch.setenv("VLLM_PATCH_CACHE", str(tmp_path / "cache"))
+    installed_before = hashlib.sha256(_vllm_c_source()).hexdigest()
+    args = type("Args", (), {"quick": True, "threads": [1], "e2e": True, "ops": None})
+    cfg = configuration(args)
+    cfg.update(
+        ops=["rms_norm", "fused_add_rms_norm"], num_tokens=[4], samples=3,
+        e2e_repeats=1, e2e_max_tokens=4, e2e_prompt_len=4,
+        model=dict(hidden_size=256, num_layers=2, intermediate_size=512,
+                   num_heads=4, num_kv_heads=2, vocab_size=1000),
+    )  # fmt: skip
+    doc = collect(cfg, progress=lambda _m: None)
+
+    # The installed vLLM is untouched by the patched copy.
+    assert hashlib.sha256(_vllm_c_source()).hexdigest() == installed_before
+    assert doc["schema"] == "vllm-patch-bench/1"
+    assert doc["machine"]["usable_cpus"] >= 1 and doc["machine"]["cpu_model"]
+    assert doc["versions"]["vllm"] and doc["versions"]["torch"]
+    rows = doc["perop"]["rows"]
+    for r in rows:
+        for key, kind in ROW_FIELDS.items():
+            assert isinstance(r[key], kind), (key, r)
+        if r["status"] == "ok":
+            for key in TIMED_FIELDS:
+                assert r[key] > 0, (key, r)
+            assert r["q1_us"] <= r["median_us"] <= r["q3_us"]
+    seen = {(r["op"], r["provider"]) for r in rows}
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        assert {(op, "native"), (op, "native_compiled")} <= seen
+    # Every implementation the installed tree or a patched copy offers is measured.
+    offered = {
+        (r["op"], r["provider"], r["source"]) for r in rows if r["provider"] != "native"
+    }
+    for op, impls in doc["perop"]["inventory"].items():
+        for provider, supported in impls.items():
+            if supported and provider != "native":
+                assert (op, provider, "installed") in offered
+    assert {r["source"] for r in rows} >= {"installed"}
+
+    recs = doc["recommendation"]
+    assert {(r["op"], r["mode"]) for r in recs} == {
+        (op, mode)
+        for op in ("rms_norm", "fused_add_rms_norm")
+        for mode in ("eager", "compiled")
+    }
+    # The document's recommendation is the pure function of its own numbers.
+    pairs = doc["e2e"]["pairs"] if doc["e2e"] else []
+    fused_ops = {r["op"] for r in recs if r["upstream_rule"] == "fused"}
+    assert recommend(rows, pairs, upstream_fused_ops=fused_ops) == json.loads(
+        json.dumps(recs)
+    )
+    for pair_ in pairs:
+        assert pair_["mode"] == "eager"
+        for name in ("native", "fused"):
+            run = pair_[name]
+            assert run["ok"], run.get("error")
+            assert run["median_tokens_per_s"] > 0
+        # vLLM's own log shows the priority each run asked for.
+        assert f"rms_norm=['{pair_['provider']}'" in pair_["fused"]["final_priority"]
+        assert "rms_norm=['native'" in pair_["native"]["final_priority"]
+
+    paths = write_outputs(doc, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["schema"] == doc["schema"]
+    text = paths["markdown"].read_text()
+    assert "## Per op" in text and "## Recommendation for this machine" in text
+    assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
