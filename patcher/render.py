@@ -50,9 +50,9 @@ def rendered(patch: Patch) -> dict[str, str]:
     return {file_name(s): render_one(patch, s) for s in upstream_of(patch).rendered_for}
 
 
-def sync(patch: Patch, out: Path, *, check: bool) -> list[str]:
-    """Write (or, with ``check``, compare) ``out``; the names that differed."""
-    wanted = rendered(patch)
+def sync(out: Path, wanted: dict[str, str], *, check: bool) -> list[str]:
+    """Make ``out`` hold exactly ``wanted`` (name -> text), or with ``check`` only
+    compare; the names that differed."""
     present = {p.name for p in out.glob("*.patch")} if out.is_dir() else set()
     differ = sorted(
         name
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for patch in patches:
             out = args.out or patch.folder / "rendered"
-            differ = sync(patch, out, check=args.check)
+            differ = sync(out, rendered(patch), check=args.check)
             verb = "stale" if args.check else "updated"
             for name in differ:
                 print(f"{out / name}: {verb}")
