@@ -129,6 +129,23 @@ def _cell(row: dict[str, Any] | None) -> str:
     return text
 
 
+BUSY_SHARE = 0.25
+"""Above this share of CPU time used by other processes, say the figures are noisy."""
+
+
+def _busy_warning(doc: dict[str, Any]) -> list[str]:
+    shares = [v for v in doc["interference"].values() if v is not None]
+    if not shares or max(shares) <= BUSY_SHARE:
+        return []
+    return [
+        "",
+        f"> **Busy machine:** other processes used up to {max(shares):.0%} of the CPU "
+        "time during this run. Medians of OpenMP-parallel kernels (compiled native, "
+        "the C kernels) on all cores are inflated when their threads get descheduled; "
+        "see the quartiles and `min_us` in the JSON, and rerun on a quiet machine.",
+    ]
+
+
 def _share(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.0%}"
 
@@ -242,6 +259,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{_share(doc['interference'].get('perop'))}, end to end "
         f"{_share(doc['interference'].get('e2e'))} (0 = quiet; OpenMP kernels on "
         "all cores suffer most when other processes compete for them)",
+        *_busy_warning(doc),
         "",
         "## Per op",
         "",
