@@ -318,9 +318,14 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:
     from patcher.bench import report
 
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    paths = {
+        "json": out / "bench.json",
+        "markdown": out / "bench.md",
+        "machine": out / "machine.md",
+    }
     paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     paths["markdown"].write_text(report.markdown(doc))
+    paths["machine"].write_text(report.machine_markdown(doc))
     png = report.chart(doc, out / "perop_ratios.png")
     if png is not None:
         paths["chart"] = png

@@ -291,6 +291,38 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine_markdown(doc: dict[str, Any]) -> str:
+    """The machine a result was measured on, from the result document itself."""
+    m, v = doc["machine"], doc["versions"]
+    inter = doc.get("interference", {})
+    return "\n".join(
+        [
+            "# The machine behind this result",
+            "",
+            f"- CPU: {m['cpu_model']} ({m['arch']})",
+            f"- CPUs: {m['logical_cpus']} logical, {m['usable_cpus']} usable here",
+            f"- Memory: {m['memory_gib']} GiB",
+            f"- Kernel-relevant CPU flags: {', '.join(m['key_flags']) or 'none'}",
+            f"- OS: {m['os']}",
+            f"- Software: vLLM {v.get('vllm')} ({v.get('vllm_file')}), torch "
+            f"{v.get('torch')}, Python {v.get('python')}, transformers "
+            f"{v.get('transformers')}, vllm-patch {v.get('vllm_patch')}",
+            f"- Run: {doc['started']} – {doc['finished']}",
+            f"- Load average (1, 5, 15 min) before: {doc['load_before']}, after: "
+            f"{doc['load_after']}",
+            "- Other processes' share of CPU time: per op "
+            f"{_share(inter.get('perop'))}, end to end {_share(inter.get('e2e'))}",
+            "",
+            "All CPU flags:",
+            "",
+            "```",
+            " ".join(m["flags"]),
+            "```",
+            "",
+        ]
+    )
+
+
 def chart(doc: dict[str, Any], path: Path) -> Path | None:
     """Bar chart of per-op ratios to native (log scale), one panel per op."""
     try:
