@@ -263,3 +263,4 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     text = paths["markdown"].read_text()
     assert "## Per op" in text and "## Recommendation for this machine" in text
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert doc["machine"]["cpu_model"] in paths["machine"].read_text()
