@@ -21,6 +21,7 @@ did not answer (the cell is ``unavailable``), 2 usage.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import hashlib
 import json
@@ -409,6 +410,7 @@ def run_cell(
     torch_index: str | None = None,
     probe_args: list[str] = (),
     probe_timeout: int = 900,
+    fresh: bool = False,
 ) -> dict[str, Any]:
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -493,13 +495,25 @@ def run_cell(
                 probe_timeout,
                 result,
                 lap,
+                results,
+                fresh,
             )
     result["checks"] = probe_checks + result["static"]["checks"]
     return _finish(result, results, started)
 
 
 def _probe_in_env(
-    cell, wheel, pin, env_root, torch_index, probe_args, timeout, result, lap
+    cell,
+    wheel,
+    pin,
+    env_root,
+    torch_index,
+    probe_args,
+    timeout,
+    result,
+    lap,
+    results,
+    fresh,
 ):
     t0 = time.perf_counter()
     try:
@@ -525,7 +539,16 @@ def _probe_in_env(
     }
     result["torch"]["used"] = installed_torch(env)
     t0 = time.perf_counter()
-    probe, error = run_probe(env, probe_args, timeout)
+    key = probe_key(env, probe_args)
+    result["probe_key"] = key
+    previous = None if fresh else _previous_probe(results / cell.result_name, key)
+    if previous is not None:
+        probe, error = previous["probe"], ""
+        result["probe_reused_from"] = (
+            previous.get("probe_reused_from") or previous["date"]
+        )
+    else:
+        probe, error = run_probe(env, probe_args, timeout)
     lap("probe", t0)
     result["probe"] = probe
     if probe is None:
@@ -544,6 +567,90 @@ def _probe_in_env(
         for c in skipped_probe("the probe did not report it")
         if c["name"] not in seen and c["name"] != "e2e"
     ]
+
+
+# What the probe's outcome depends on: the environment (its stamp) and the code
+# it runs from this project: the probe, the patches (loaded by name from their
+# patch.toml) and every project module they import, followed through imports.
+# An unchanged key means a re-run would repeat the last probe, so a warm re-run
+# reuses it (``--fresh`` forces a new one).
+PROBE_SEEDS = (
+    "compat_matrix/__init__.py",
+    "compat_matrix/probe.py",
+    "patches",
+    "pyproject.toml",
+)
+
+
+def probed_files() -> list[Path]:
+    seeds: list[Path] = []
+    for entry in PROBE_SEEDS:
+        path = PROJECT / entry
+        seeds += (
+            [path]
+            if path.is_file()
+            else sorted(
+                p
+                for p in path.rglob("*")
+                if p.suffix in (".py", ".toml") and p.is_file()
+            )
+        )
+    seen: set[Path] = set()
+    todo = list(seeds)
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if f.suffix == ".py":
+            todo += _project_imports(f)
+    return sorted(seen)
+
+
+def _project_imports(file: Path) -> list[Path]:
+    try:
+        tree = ast.parse(file.read_bytes())
+    except SyntaxError:
+        return []
+    package = file.relative_to(PROJECT).parent.parts
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            mod = base + (node.module.split(".") if node.module else [])
+            names += [".".join(mod + [a.name]) for a in node.names] + [".".join(mod)]
+    found = []
+    for name in names:
+        parts = name.split(".")
+        for candidate in (
+            PROJECT.joinpath(*parts).with_suffix(".py"),
+            PROJECT.joinpath(*parts, "__init__.py"),
+        ):
+            if parts and parts[0] and candidate.is_file():
+                found.append(candidate)
+    return found
+
+
+def probe_key(env: Path, probe_args: list[str]) -> str:
+    digest = hashlib.sha256()
+    digest.update((env / STAMP).read_bytes())
+    digest.update(json.dumps(probe_args).encode())
+    for f in probed_files():
+        digest.update(str(f.relative_to(PROJECT)).encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def _previous_probe(path: Path, key: str) -> dict[str, Any] | None:
+    try:
+        previous = json.loads(path.read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if previous.get("probe_key") == key and previous.get("probe"):
+        return previous
+    return None
 
 
 def _finish(result: dict[str, Any], results: Path, started: float) -> dict[str, Any]:
@@ -592,6 +699,13 @@ def main(argv: list[str] | None = None) -> int:
         "--e2e", action="store_true", help="also start the engine (slow)"
     )
     parser.add_argument("--probe-timeout", type=int, default=900)
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        default=bool(os.environ.get("VLLM_PATCH_COMPAT_FRESH")),
+        help="run the probe even when nothing it depends on changed "
+        "(env VLLM_PATCH_COMPAT_FRESH=1)",
+    )
     args = parser.parse_args(argv)
     cell = versions.find(args.cell)
     result = run_cell(
@@ -601,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         torch_index=args.torch_index,
         probe_args=["--e2e"] if args.e2e else [],
         probe_timeout=args.probe_timeout,
+        fresh=args.fresh,
     )
     return {"pass": 0, "fail": 1, "unavailable": EX_UNAVAILABLE}[result["status"]]
 
