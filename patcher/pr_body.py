@@ -31,21 +31,10 @@ MEASURED = re.compile(r"median|mean|ratio|speedup|tok|_us$|_ms$|_s$", re.IGNOREC
 RATIO = re.compile(r"ratio|speedup", re.IGNORECASE)
 # The bench's per-op rows carry many columns; these say what a reviewer needs.
 PREFERRED_COLUMNS = (
-    "op",
-    "mode",
-    "compiled",
-    "dtype",
-    "num_tokens",
-    "hidden_size",
-    "threads",
-    "provider",
-    "status",
-    "native_median_us",
-    "median_us",
-    "ratio",
-    "tok_s",
-    "tokens_per_s",
-)
+    "op", "mode", "compiled", "source", "dtype", "num_tokens", "hidden_size",
+    "threads", "provider", "status", "native_median_us", "median_us",
+    "median_tokens_per_s", "tok_s", "tokens_per_s", "ratio", "same_tokens",
+)  # fmt: skip
 
 
 @dataclass
@@ -152,10 +141,21 @@ def _machine(data: dict) -> str:
     for key in MACHINE_KEYS:
         value = data.get(key)
         if isinstance(value, dict) and value:
-            return ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items() if _scalar(v))
+            return ", ".join(
+                f"{k}: {_fmt(v)}"
+                for k, v in value.items()
+                if _scalar(v) or _short_list(v)
+            )
         if isinstance(value, str) and value:
             return value
     return "not recorded"
+
+
+def _short_list(v: Any) -> bool:
+    """A few words (CPU flags that matter), not a dump (every flag)."""
+    return (
+        isinstance(v, list) and 0 < len(v) <= 16 and all(isinstance(x, str) for x in v)
+    )
 
 
 def _torch(data: dict) -> str:
@@ -259,6 +259,8 @@ def _number(v: Any) -> bool:
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, list):
+        return " ".join(map(str, v))
     return "" if v is None else str(v)
 
 
@@ -269,8 +271,20 @@ def _tables(data: Any, where: str = ""):
             if key not in MACHINE_KEYS:
                 yield from _tables(value, f"{where}.{key}" if where else key)
     elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
-        if any(MEASURED.search(k) and _number(v) for r in data for k, v in r.items()):
-            yield where, data
+        rows = [_flat(r) for r in data]
+        if any(MEASURED.search(k) and _number(v) for r in rows for k, v in r.items()):
+            yield where, rows
+
+
+def _flat(row: dict) -> dict:
+    """One level of nesting as dotted columns (an e2e pair's native/fused runs)."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}": v for k, v in value.items() if _scalar(v)})
+        else:
+            out[key] = value
+    return out
 
 
 def _scalars(data: dict, where: str = ""):
@@ -279,7 +293,7 @@ def _scalars(data: dict, where: str = ""):
         name = f"{where}.{key}" if where else key
         if isinstance(value, dict) and key not in MACHINE_KEYS:
             yield from _scalars(value, name)
-        elif _number(value) and MEASURED.search(key):
+        elif _number(value) and (MEASURED.search(key) or "interference" in name):
             yield name, value
 
 
@@ -287,9 +301,11 @@ def _bench_table(rows: list[dict]):
     columns: list[str] = []
     for row in rows:
         columns += [k for k, v in row.items() if _scalar(v) and k not in columns]
-    preferred = [c for c in PREFERRED_COLUMNS if c in columns]
+    preferred = [c for c in columns if c.rsplit(".", 1)[-1] in PREFERRED_COLUMNS]
     if len(preferred) >= 3:
-        columns = preferred
+        columns = sorted(
+            preferred, key=lambda c: PREFERRED_COLUMNS.index(c.rsplit(".", 1)[-1])
+        )
     if "native_median_us" in columns and "provider" in columns:
         # native has its own column then; its rows would only repeat it
         rows = [r for r in rows if r.get("provider") != "native"]
@@ -299,15 +315,18 @@ def _bench_table(rows: list[dict]):
     ratio = len(native) == 1 and len(fused) == 1 and not has_ratio
     header = columns + ([f"{native[0]} / {fused[0]}"] if ratio else [])
     body = []
-    for row in rows[:MAX_ROWS]:
+    for row in rows:
         cells = [_fmt(row.get(c)) for c in columns]
         if ratio:
             a, b = row.get(native[0]), row.get(fused[0])
             cells.append(f"{a / b:.2f}x" if _number(a) and _number(b) and b else "")
         body.append(cells)
-    yield from _table(header, body)
-    if len(rows) > MAX_ROWS:
-        yield f"\n({len(rows) - MAX_ROWS} more rows in the file)"
+    if len(rows) > MAX_ROWS:  # all of it, folded
+        yield f"<details><summary>{len(rows)} rows</summary>\n"
+        yield from _table(header, body)
+        yield "\n</details>"
+    else:
+        yield from _table(header, body)
 
 
 def _table(header: list[str], rows: list[list[str]]):

@@ -328,36 +328,30 @@ def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
             ],
         },
     )
-    write_json(
-        evidence / "bench/perop.json",
-        {
-            "versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"},
-            "machine": {"cpu": "Test CPU 9000", "threads": 2},
-            "rows": [
-                {
-                    "op": "rms_norm",
-                    "dtype": "bfloat16",
-                    "num_tokens": 1,
-                    "provider": "native",
-                    "threads": 2,
-                    "median_us": 28.75,
-                    "native_median_us": 28.75,
-                    "ratio": 1.0,
-                },
-                {
-                    "op": "rms_norm",
-                    "dtype": "bfloat16",
-                    "num_tokens": 1,
-                    "provider": "vllm_c",
-                    "threads": 2,
-                    "median_us": 3.125,
-                    "native_median_us": 28.75,
-                    "ratio": 9.2,
-                },
-            ],
-            "e2e": {"native_tok_s": 12.5, "vllm_c_tok_s": 12.25},
-        },
-    )
+    # The bench's document shape: perop rows, e2e pairs of native/fused runs.
+    row = {
+        "op": "rms_norm",
+        "dtype": "bfloat16",
+        "num_tokens": 1,
+        "threads": 2,
+        "shape": [1, 2048],
+        "native_median_us": 28.75,
+    }
+    write_json(evidence / "bench/reference.json", {
+        "versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"},
+        "machine": {"cpu_model": "Test CPU 9000", "key_flags": ["avx512f", "amx_tile"],
+                    "flags": [f"flag{i}" for i in range(80)]},
+        "interference": {"perop": 0.25},
+        "perop": {"rows": [
+            {**row, "provider": "native", "median_us": 28.75, "ratio": 1.0},
+            {**row, "provider": "vllm_c", "median_us": 3.125, "ratio": 9.2},
+        ]},
+        "e2e": {"pairs": [{
+            "mode": "eager", "source": "installed", "ratio": 0.98, "same_tokens": True,
+            "native": {"median_tokens_per_s": 12.5, "ir_op_priority": ["native"]},
+            "fused": {"median_tokens_per_s": 12.25, "ir_op_priority": ["vllm_c"]},
+        }]},
+    })  # fmt: skip
 
     assert run_pr(checkout, evidence=evidence) == 0
 
@@ -369,10 +363,14 @@ def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
     assert "Test CPU 9000" in result
     assert "wheel_ir" not in result  # the 0.32.0 cell is another version's
     assert "| rms_norm | bfloat16 | 1 | 2 | vllm_c | 28.75 | 3.125 | 9.2 |" in result
-    assert "| rms_norm | bfloat16 | 1 | 2 | native |" not in result
     assert (
-        "`e2e.native_tok_s`: 12.5" in result and "`e2e.vllm_c_tok_s`: 12.25" in result
+        "| rms_norm | bfloat16 | 1 | 2 | vllm_c | 28.75 | 3.125 | 9.2 | 9.2"
+        not in result
     )
+    assert "| rms_norm | bfloat16 | 1 | 2 | native |" not in result
+    assert "| eager | installed | 12.5 | 12.25 | 0.98 | True |" in result
+    assert "avx512f amx_tile" in result and "flag79" not in result
+    assert "`interference.perop`: 0.25" in result
 
 
 def test_pr_writes_nothing_inside_the_work_tree_and_never_pushes(checkout, tmp_path):
