@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from patcher import engine
+from patcher import engine, pr
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches, select
 from patcher.tree import VllmTree, open_tree
@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="apply even if the tree's vLLM version is outside the patch's range",
         )
     verb("revert", cmd_revert, "undo the patches (byte-identical)")
+
+    summary = pr.__doc__.split("\n\n")[0]
+    p = sub.add_parser(
+        "pr", help="commit a patch on a branch of a vLLM checkout", description=summary
+    )
+    pr.add_arguments(p)
+    p.set_defaults(func=pr.run)
     return parser
 
 

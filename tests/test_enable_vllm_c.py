@@ -201,7 +201,8 @@ class TestEnable(CodemodTest):
     def test_half_patched_file_is_completed_not_doubled(self) -> None:
         _, before, after = CASES[1]  # 0.24: two norms, each with its own supported=
         half = after.replace(
-            "supported=CUDA_ALIKE or current_platform.is_cpu(),", "supported=CUDA_ALIKE,"
+            "supported=CUDA_ALIKE or current_platform.is_cpu(),",
+            "supported=CUDA_ALIKE,",
         )
         assert half not in (before, after)
         self.assertCodemod(half, after)
