@@ -633,6 +633,12 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
     patch = select([PATCH_NAME])[0]
     files = sorted({e.file for e in patch.edits})
     details: dict[str, Any] = {"original": str(original.location), "files": files}
+    if engine.plan(original, patch, "apply").status == "applied":
+        raise Skip(
+            "this vLLM already has the change (upstream, or patched in place): "
+            "nothing to apply",
+            details,
+        )
     originals_before = {f: _sha256(original.path(f)) for f in files}
     with tempfile.TemporaryDirectory(prefix="vllm-patch-probe-") as tmp:
         with patched_copy(original, Path(tmp), engine, patch, details) as copy:

@@ -19,8 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from compat_matrix.probe import CHECKS, SCHEMA
+from compat_matrix.probe import CHECKS, PATCH_NAME, SCHEMA, linked_copy
+from patcher import engine
 from patcher.cache import fetch_wheel
+from patcher.patchset import select
+from patcher.tree import open_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = [name for name, _ in CHECKS]
@@ -129,6 +132,26 @@ def test_e2e_generates_with_the_provider_and_the_patched_vllm_c():
         details["provider_run"]["final_priority_parsed"]["rms_norm"][0] == "vllm_c_cpu"
     )
     assert details["upstream_run"]["final_priority_parsed"]["rms_norm"][0] == "vllm_c"
+    assert rc == 0
+
+
+@requires_vllm
+def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
+    """What users of a fixed vLLM see: the probe tells them to drop the plugin."""
+    copy = linked_copy(open_tree(None), tmp_path / "tree")  # hard links: instant
+    engine.apply(open_tree(copy), select([PATCH_NAME])[0])
+    rc, doc, _ = run_probe("--only", "kernel_config,upstream_patch", pythonpath=[copy])
+    checks = by_name(doc)
+    assert doc["vllm"]["location"] == str(copy / "vllm")
+    config = checks["kernel_config"]
+    assert config["status"] == "pass" and config["reason"].startswith("redundant:")
+    assert config["details"]["redundant"] is True
+    assert config["details"]["opt_in_eager"]["final"]["rms_norm"] == [
+        "vllm_c",
+        "native",
+    ]
+    assert checks["upstream_patch"]["status"] == "skip"
+    assert "already has the change" in checks["upstream_patch"]["reason"]
     assert rc == 0
 
 
