@@ -62,8 +62,14 @@ def _order(r: dict[str, Any]) -> tuple:
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
-    """Probe checks first, in the probe's order, then the static ones as found."""
-    seen = [c["name"] for r in rows for c in r["checks"]]
+    """Probe checks first, in the probe's order, then the static ones as found
+    (the patch checks have their own column)."""
+    seen = [
+        c["name"]
+        for r in rows
+        for c in r["checks"]
+        if not c["name"].startswith("patch:")
+    ]
     probe = [n for n in PROBE_CHECKS if n in seen]
     rest = [n for n in dict.fromkeys(seen) if n not in PROBE_CHECKS]
     return probe + rest
@@ -82,14 +88,17 @@ def verdict(row: dict[str, Any]) -> str:
     if failed:
         return "❌ fails: " + ", ".join(SHORT.get(n, n) for n in failed)
     if not ran:
-        return "➖ static checks only"
+        static = [c for c in checks if c["name"] not in PROBE_CHECKS]
+        degraded = any(_degraded(c) for c in static)
+        return "➖ not probed; static checks: " + ("degraded" if degraded else "pass")
     if any(_degraded(c) for c in checks):
         return "✅ works (degraded)"
     return "✅ works"
 
 
-def patch_state(row: dict[str, Any]) -> str:
-    """``applies``/``applied``/``no`` per carried patch, from the static check."""
+def patch_state(row: dict[str, Any], notes: Footnotes | None = None) -> str:
+    """``applies``/``already applied``/``no`` per carried patch (the static
+    ``vllm-patch check`` on the wheel); a ``no`` gets its reason as a footnote."""
     out = []
     for c in row["checks"]:
         if c["name"].startswith("patch:"):
@@ -97,6 +106,8 @@ def patch_state(row: dict[str, Any]) -> str:
             word = {"applicable": "applies", "applied": "already applied"}.get(
                 state, "no"
             )
+            if c["status"] != "pass" and notes is not None:
+                word = f"{MARKS['fail']} no" + notes.ref(f"fail: {c.get('reason', '')}")
             out.append(
                 word if len(row_patches(row)) == 1 else f"{c['name'][6:]}: {word}"
             )
@@ -170,8 +181,10 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
         f"- **Provider works (every probe check that ran passed):** "
         f"{_span(works) or 'none'}",
         f"- **Upstream patch applies cleanly:** {_span(applies) or 'none'}",
-        f"- **Not probed here** (their torch pin is not on the configured indexes): "
-        f"{_span([r['cell'] for r in rows if verdict(r).startswith('➖')]) or 'none'}",
+        "- **Not probed here** (torch pin not on the configured indexes): "
+        f"{_span([r['cell'] for r in rows if _torch_missing(r)]) or 'none'}",
+        "- **Static checks only by design** (not a CPU build): "
+        f"{_span([r['cell'] for r in rows if r.get('mode') == 'static']) or 'none'}",
         "",
     ]
     header = ["vLLM", "torch", "verdict", "upstream patch", "run"] + [
@@ -185,7 +198,7 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
             f"`{r['cell']}`",
             torch_text(r),
             verdict(r),
-            patch_state(r),
+            patch_state(r, notes),
             r["date"][:10],
         ] + [mark(by_name.get(c), notes) for c in cols]
         lines.append("| " + " | ".join(_escape(x) for x in cells) + " |")
@@ -193,13 +206,19 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         "Columns: "
         + "; ".join(f"**{SHORT.get(c, c)}** = `{c}`" for c in cols)
-        + ". `wheel *`, `provider API` and the patch column are static checks on "
+        + ". `wheel *`, `provider API` and the upstream patch column are static "
+        "checks on "
         "the wheel itself; the others come from the probe run in the cell's "
         "environment.",
         "",
     ]
     lines += notes.render()
     return "\n".join(lines) + "\n"
+
+
+def _torch_missing(row: dict[str, Any]) -> bool:
+    torch = row.get("torch") or {}
+    return row.get("mode") != "static" and torch.get("available") is False
 
 
 def _span(cells: list[str]) -> str:

@@ -389,10 +389,11 @@ def test_report_rows_marks_and_footnotes(results_dir):
 
     assert new[col["verdict"]] == "✅ works" and new[col["registers"]] == "✅"
     assert new[col["torch"]] == "2.13.0+cpu" and new[col["patch"]] == "applies"
-    assert old[col["verdict"]] == "➖ static checks only"
+    assert old[col["verdict"]] == "➖ not probed; static checks: degraded"
     assert old[col["torch"]] == "2.11.0+cpu (not installed)"
     assert broken[col["verdict"]] == "❌ fails: registers, patch:cpu_fused_norms"
-    assert broken[col["patch"]] == "no"
+    assert broken[col["patch"]].startswith("❌ no[^")
+    assert "patch:cpu_fused_norms" not in header  # shown in the patch column
 
     # One footnote per distinct reason, shared by every cell that has it.
     skip_ref = old[col["registers"]].removeprefix("➖")
