@@ -284,6 +284,10 @@ def ensure_env(
     wanted = [str(wheel), pin, *project_requirements()]
     if uv:
         args, uv_env = uv_args_from_pip(pip_config())
+        if torch_index and "--index-strategy" not in args:
+            # uv would otherwise take every package the torch index also lists
+            # (numpy, requests, ...) from that index alone, at its old versions.
+            args += ["--index-strategy", "unsafe-best-match"]
         run_env = os.environ | uv_env
         python = ["--python", str(env_python(env))]
         _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
