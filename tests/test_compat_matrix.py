@@ -431,3 +431,17 @@ def test_nox_lists_one_compat_cell_per_version():
     cells = [c.id for c in versions.load()]
     assert listed == [f"compat(vllm='{c}')" for c in cells] + ["matrix"]
     assert "compat(vllm='0.32.0')" in listed and cells[0].startswith("0.20.")
+
+
+def test_probe_reuse_key_follows_the_code_the_probe_runs():
+    files = {str(f.relative_to(cell.PROJECT)) for f in cell.probed_files()}
+    assert {
+        "compat_matrix/probe.py",
+        "patches/cpu_fused_norms/provider.py",
+        "patches/cpu_fused_norms/patch.toml",
+        "patcher/engine.py",
+        "pyproject.toml",
+    } <= files
+    # Code the probe never imports does not force a new probe.
+    assert "compat_matrix/report.py" not in files
+    assert "compat_matrix/measure.py" not in files
