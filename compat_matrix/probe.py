@@ -675,8 +675,10 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
             details,
         )
     r = child["result"]
+    details["warnings"] = warnings = strided_warnings(r.get("strided_inputs", {}))
     return (
-        f"applied to a hard-linked copy ({', '.join(files)}): {UPSTREAM_PROVIDER!r} "
+        ("WARNING: " + "; ".join(warnings) + ". " if warnings else "")
+        + f"applied to a hard-linked copy ({', '.join(files)}): {UPSTREAM_PROVIDER!r} "
         f"supported on CPU for {', '.join(r['ops'])}, numerics within tolerance, "
         f"{r['platform_class']}.{PRIORITY_METHOD} gives {UPSTREAM_PROVIDER!r} first "
         "eager and native for Inductor, the provider stands down; "
@@ -731,6 +733,23 @@ def linked_copy(tree, dest: Path) -> Path:
     if tree.dist_info is not None:
         shutil.copytree(tree.dist_info, dest / tree.dist_info.name, copy_function=link)
     return dest
+
+
+def strided_warnings(strided: dict) -> list[str]:
+    """Wrong answers for non-contiguous inputs under the patched ``vllm_c``: the
+    CPU kernels assume contiguous rows. Not (yet) a failure: the patch's owner
+    decides; the numbers are in the details."""
+    out = []
+    for op, result in strided.items():
+        for layout in ("transposed", "row_strided"):
+            case = result.get(layout) or {}
+            if case and not case["right"]:
+                worst = max(case["max_abs_diff"])
+                out.append(
+                    f"{UPSTREAM_PROVIDER!r} {op} is wrong for {layout} inputs "
+                    f"(dispatched to {case['dispatched_to']!r}, max abs diff {worst:g})"
+                )
+    return out
 
 
 def upstream_child_problems(
@@ -1023,23 +1042,55 @@ def _as_tuple(result) -> tuple:
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
 
+def _strided_layouts(tensor) -> dict:
+    """The same values in layouts vLLM can hand a norm: transposed strides, and a
+    view into a wider row (as q/k/v splits of a fused projection give)."""
+    import torch
+
+    wide = torch.cat([torch.zeros_like(tensor), tensor], dim=-1)
+    return {
+        "transposed": tensor.t().contiguous().t(),
+        "row_strided": wide[..., tensor.shape[-1] :],
+    }
+
+
 def noncontiguous_dispatch(op, provider: str) -> dict:
-    """Under ``[provider, "native"]``: contiguous inputs go to the provider, a
-    non-contiguous activation (same values, transposed strides) to native."""
+    """Under ``[provider, "native"]``: where non-contiguous activations go, and
+    whether the op's answer for them is still right (the CPU kernels assume
+    contiguous rows and return wrong values otherwise)."""
     import torch
 
     args = op_inputs(op, DISPATCH_SHAPE, torch.bfloat16)
-    strided = list(args)
-    for i in _activation_indices(op):
-        strided[i] = args[i].t().contiguous().t()
+    expected = _as_tuple(op.impls["native"].impl_fn(*_clone(args)))
+    tol = op.get_tolerance(torch.bfloat16)
+    out: dict[str, Any] = {}
     with op.set_priority([provider, "native"]):
-        picked = op.dispatch(*args).provider
-        picked_strided = op.dispatch(*strided).provider
-    return {
-        "contiguous": picked,
-        "non_contiguous": picked_strided,
-        "ok": picked == provider and picked_strided == "native",
-    }
+        out["contiguous"] = op.dispatch(*args).provider
+        layouts: dict[str, list] = {}
+        for i in _activation_indices(op):
+            for name, view in _strided_layouts(args[i]).items():
+                layouts.setdefault(name, list(args))[i] = view
+        for name, strided in layouts.items():
+            impl = op.dispatch(*strided)
+            got = _as_tuple(impl.func_impl_fn(*strided))
+            diffs = [
+                float((g.float() - e.float()).abs().max())
+                for g, e in zip(got, expected, strict=False)
+            ]
+            right = all(
+                torch.allclose(g.float(), e.float(), atol=tol["atol"], rtol=tol["rtol"])
+                for g, e in zip(got, expected, strict=False)
+            )
+            out[name] = {
+                "dispatched_to": impl.provider,
+                "max_abs_diff": diffs,
+                "right": right,
+            }
+    out["ok"] = out["contiguous"] == provider and all(
+        out[name]["dispatched_to"] == "native" and out[name]["right"]
+        for name in layouts
+    )
+    return out
 
 
 def dispatch_evidence(op, provider: str) -> dict:
@@ -1182,6 +1233,11 @@ def _child_upstream(args: dict) -> dict:
     }
     current_platform.import_kernels()
     if all(_has_c_op(torch, o) for o in ops):
+        out["strided_inputs"] = {
+            o: noncontiguous_dispatch(IrOp.registry[o], UPSTREAM_PROVIDER)
+            for o in ops
+            if supported[o]
+        }
         out["numerics"] = [
             c
             for o in ops
