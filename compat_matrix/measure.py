@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _s(value: object) -> str:
+    return f"{value} s" if isinstance(value, (int, float)) else str(value)
+
+
 def _prep(timings: dict) -> float:
     """Seconds a cell spent getting its environment ready (not checking)."""
     return round(
@@ -204,7 +208,13 @@ def render(f: dict) -> str:
     v = {c: versions.find(c).version for c in cells}
     prep_cold = round(sum(_prep(mc["cells"][v[c]]["timings"]) for c in cells), 1)
     prep_warm = round(sum(_prep(mw["cells"][v[c]]["timings"]) for c in cells), 1)
-    naive = "naive_cold" in f and "naive_warm" in f
+    naive = "naive_cold" in f
+    # A run stopped before the warm naive pass still reports what it measured.
+    nw = f.get("naive_warm") or {
+        "wall": "not measured",
+        "per_cell": {},
+        "disk_cache": 0,
+    }
     lines = [
         "# Compatibility matrix: time and disk",
         "",
@@ -229,10 +239,10 @@ def render(f: dict) -> str:
         "|---|---|---|---|",
     ]
     if naive:
-        nc, nw = f["naive_cold"], f["naive_warm"]
+        nc = f["naive_cold"]
         lines.append(
-            f"| naive, installation | {nc['wall']} s | {nw['wall']} s | "
-            f"{gb(nc['disk_envs'])} of venvs (+ {gb(nw['disk_cache'])} pip cache) |"
+            f"| naive, installation | {nc['wall']} s | {_s(nw['wall'])} | "
+            f"{gb(nc['disk_envs'])} of venvs (+ {gb(nc['disk_cache'])} pip cache) |"
         )
     lines.append(
         f"| matrix, preparation | {prep_cold} s | {prep_warm} s | {gb(md['all'])} "
@@ -253,7 +263,7 @@ def render(f: dict) -> str:
         cols = (
             [
                 str(f["naive_cold"]["per_cell"][v[c]]),
-                str(f["naive_warm"]["per_cell"][v[c]]),
+                str(nw["per_cell"].get(v[c], "–")),
             ]
             if naive
             else ["–", "–"]
