@@ -109,6 +109,22 @@ def test_best_of_several_providers_wins():
     assert eager["priority"] == ["other", "native"]
 
 
+def test_a_provider_usable_as_installed_beats_one_that_needs_the_patch():
+    rows = native_compiled_and(10.0) + [
+        row("rms_norm", "native", 30.0, source="copy"),
+        row("rms_norm", "upstream", 2.0, source="copy"),
+    ]
+    (eager,) = [r for r in recommend(rows) if r["mode"] == "eager"]
+    assert eager["priority"] == ["fused", "native"]
+
+
+def test_a_compiled_end_to_end_run_outweighs_per_op_figures_of_another_provider():
+    rows = native_compiled_and(3.0) + [row("rms_norm", "twin", 1.0)]
+    recs = recommend(rows, [pair("compiled", 1.0)])
+    (compiled,) = [r for r in recs if r["mode"] == "compiled"]
+    assert compiled["priority"] == ["native"]
+
+
 def test_snippets_carry_the_recommended_priorities():
     recs = recommend(native_compiled_and(3.0), [pair("compiled", 0.9)])
     snippets = priority_snippets(recs)

@@ -119,7 +119,10 @@ def recommend(
                     continue
                 entry.update(_judge(rows, e2e, op, provider, mode, margin, e2e_margin))
                 considered.append(entry)
-                if entry["faster"] and (best is None or entry["score"] > best["score"]):
+                # Prefer what the installed vLLM can use as it is over a
+                # provider that needs the patch applied; then the faster one.
+                entry["rank"] = ("installed" in entry["sources"], entry["score"])
+                if entry["faster"] and (best is None or entry["rank"] > best["rank"]):
                     best = entry
             if best is None:
                 priority = [NATIVE]
@@ -178,6 +181,20 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
         }
     e2e_ratio = _e2e_ratio(e2e, "compiled", provider, op)
     speedup = geomean(_speedups(rows, op, provider, NATIVE_COMPILED))
+    others = [
+        p for p in e2e if p.get("mode") == "compiled" and op in (p.get("ops") or [])
+    ]
+    if e2e_ratio is None and others:
+        # A compiled end-to-end run of this op exists: per-op figures in
+        # isolation do not outweigh it.
+        return {
+            "per_op_speedup_vs_compiled": speedup,
+            "e2e_ratio": None,
+            "faster": False,
+            "score": 0.0,
+            "basis": "not run end to end compiled, where "
+            f"{others[0]['provider']} gave {_x(others[0].get('ratio'))}",
+        }
     if e2e_ratio is not None:
         return {
             "per_op_speedup_vs_compiled": speedup,
