@@ -97,7 +97,7 @@ def test_half_applied_tree_is_completed_not_doubled(tree: Path, capsys) -> None:
     assert run("apply", "--vllm", str(tree)) == 0
     assert f"completed ({CPU})" in capsys.readouterr().out
     assert snapshot(tree) == patched
-    assert patched[VLLM_C].count(b"is_cpu()") == 1
+    assert patched[VLLM_C].count(b"or current_platform.is_cpu()") == 1
 
 
 def test_lines_other_than_the_edit_are_byte_identical(tree: Path) -> None:
@@ -110,7 +110,21 @@ def test_lines_other_than_the_edit_are_byte_identical(tree: Path) -> None:
             b"GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()\n",
             b"GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()"
             b" or current_platform.is_cpu()\n",
-        )
+        ),
+        (
+            b"rms_no_var_size = lambda x, weight, epsilon, variance_size=None:"
+            b" variance_size is None\n",
+            b"rms_no_var_size = lambda x, weight, epsilon, variance_size=None:"
+            b" variance_size is None and (not current_platform.is_cpu()"
+            b" or x.is_contiguous())\n",
+        ),
+        (
+            b"    supports_args=lambda x, x_residual, weight, epsilon,"
+            b" variance_size=None: True,\n",
+            b"    supports_args=lambda x, x_residual, weight, epsilon,"
+            b" variance_size=None: True and (not current_platform.is_cpu()"
+            b" or (x.is_contiguous() and x_residual.is_contiguous())),\n",
+        ),
     ]
 
 

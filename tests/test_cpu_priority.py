@@ -21,11 +21,16 @@ from vllm.platforms import current_platform
 GPGPU_DEVICE = current_platform.is_cuda_alike() or current_platform.is_xpu()
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+CHECK = lambda x, weight, epsilon, variance_size=None: variance_size is None
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=CHECK)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
-@ir.ops.fused_add_rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, inplace=True)
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, r, weight, eps: True
+)
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 
 
@@ -39,7 +44,9 @@ from vllm.platforms import current_platform
 CUDA_ALIKE = current_platform.is_cuda_alike()
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, weight, eps: True
+)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """
 KERNEL_CONFIG = """

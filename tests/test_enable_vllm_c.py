@@ -15,13 +15,43 @@ from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
 """
+CHECK = """
+rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
+    variance_size is None and (weight is None or weight.dtype == x.dtype)
+)
+"""
+CHECK_CPU = """
+rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
+    variance_size is None and (weight is None or weight.dtype == x.dtype)
+    and (not current_platform.is_cpu() or x.is_contiguous())
+)
+"""
+ADD_CHECK = """
+rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and weight is None  # a comment inside
+)
+"""
+ADD_CHECK_CPU = """
+rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and weight is None  # a comment inside
+    and (not current_platform.is_cpu() or (x.is_contiguous() and x_residual.is_contiguous()))
+)
+"""
 
 # (name, before, after): the pairs every test below runs both ways.
 CASES = [
     (
-        "0.20: the one norm says supported=CUDA_ALIKE",
+        "0.20: the one norm says supported=CUDA_ALIKE; lambda in parentheses",
         HEADER
         + """
+rms_no_var_size = (
+    lambda x, weight, epsilon, variance_size=None: variance_size is None
+    and (weight is None or weight.dtype == x.dtype)
+)
+
+
 @ir.ops.rms_norm.register_impl(
     "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
 )
@@ -29,6 +59,12 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
         HEADER
         + """
+rms_no_var_size = (
+    lambda x, weight, epsilon, variance_size=None: variance_size is None
+    and (weight is None or weight.dtype == x.dtype) and (not current_platform.is_cpu() or x.is_contiguous())
+)
+
+
 @ir.ops.rms_norm.register_impl(
     "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE or current_platform.is_cpu()
 )
@@ -38,8 +74,10 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
     (
         "0.24: both norms gain is_cpu, gelu_and_mul on CUDA_ALIKE stays",
         HEADER
+        + CHECK
+        + ADD_CHECK
         + """
-@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
@@ -52,12 +90,14 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 
 
-@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)
+@ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
 def gelu_and_mul(x): ...
 """,
         HEADER
+        + CHECK_CPU
+        + ADD_CHECK_CPU
         + """
-@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE or current_platform.is_cpu())
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE or current_platform.is_cpu())
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
@@ -70,7 +110,7 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 
 
-@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)
+@ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
 def gelu_and_mul(x): ...
 """,
     ),
@@ -79,14 +119,17 @@ def gelu_and_mul(x): ...
         HEADER
         + """
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()
+"""
+        + CHECK
+        + ADD_CHECK
+        + """
 
-
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
 @ir.ops.fused_add_rms_norm.register_impl(
-    "vllm_c", supported=GPGPU_DEVICE, inplace=True
+    "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
 )
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 
@@ -99,14 +142,17 @@ def static_scaled_fp8_quant(x, scale): ...
         HEADER
         + """
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu()
+"""
+        + CHECK_CPU
+        + ADD_CHECK_CPU
+        + """
 
-
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
 @ir.ops.fused_add_rms_norm.register_impl(
-    "vllm_c", supported=GPGPU_DEVICE, inplace=True
+    "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
 )
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 
@@ -127,7 +173,7 @@ GPGPU_DEVICE = (
 )
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE,)
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight, eps: True,)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
         HEADER
@@ -139,7 +185,7 @@ GPGPU_DEVICE = (
 )
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE,)
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight, eps: True and (not current_platform.is_cpu() or x.is_contiguous()),)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
     ),
@@ -148,17 +194,19 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
         HEADER
         + """
 GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu())
+check = lambda x, weight, eps: (eps > 0)
 
 
-@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
         HEADER
         + """
 GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu())
+check = lambda x, weight, eps: (eps > 0 and (not current_platform.is_cpu() or x.is_contiguous()))
 
 
-@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
     ),
@@ -169,9 +217,11 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 GPGPU_DEVICE = (
     CUDA_ALIKE
 )
+"""
+        + CHECK
+        + """
 
-
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
         HEADER
@@ -180,9 +230,11 @@ GPGPU_DEVICE = (
     CUDA_ALIKE
     or current_platform.is_cpu()
 )
+"""
+        + CHECK_CPU
+        + """
 
-
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
     ),
@@ -203,7 +255,7 @@ class TestEnable(CodemodTest):
         half = after.replace(
             "supported=CUDA_ALIKE or current_platform.is_cpu(),",
             "supported=CUDA_ALIKE,",
-        )
+        ).replace(ADD_CHECK_CPU, ADD_CHECK)
         assert half not in (before, after)
         self.assertCodemod(half, after)
 
@@ -248,7 +300,7 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
         ),
         (
             HEADER + '@ir.ops.rms_norm.register_impl("vllm_c")\ndef rms_norm(x): ...\n',
-            "supported= argument",
+            "supported= in",
             "without supported=",
         ),
         (
@@ -257,8 +309,44 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
             "current_platform",
             "no current_platform",
         ),
+        (
+            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
+            "def rms_norm(x): ...\n",
+            "supports_args= in",
+            "without supports_args=",
+        ),
+        (
+            HEADER + "@ir.ops.rms_norm.register_impl(\n"
+            '    "vllm_c", supported=CUDA_ALIKE, supports_args=make_check()\n)\n'
+            "def rms_norm(x): ...\n",
+            "a lambda as the rms_norm impl's supports_args",
+            "make_check()",
+        ),
+        (
+            HEADER + "@ir.ops.rms_norm.register_impl(\n"
+            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, eps: True\n)\n'
+            "def rms_norm(x): ...\n",
+            "tensors, then `weight`",
+            "parameters ['x', 'eps']",
+        ),
+        (
+            HEADER + "@ir.ops.rms_norm.register_impl(\n"
+            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, weight: a or b\n)\n'
+            "def rms_norm(x): ...\n",
+            "to extend: `... and X`",
+            "a or b",
+        ),
     ],
-    ids=["no vllm_c impls", "no norm impls", "no supported=", "no current_platform"],
+    ids=[
+        "no vllm_c impls",
+        "no norm impls",
+        "no supported=",
+        "no current_platform",
+        "no supports_args=",
+        "supports_args not a lambda",
+        "no weight parameter",
+        "`or` body would bind wrong",
+    ],
 )
 def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> None:
     with pytest.raises(ShapeNotRecognised) as exc:
@@ -271,7 +359,8 @@ def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> N
 def test_revert_refuses_an_is_cpu_it_did_not_add() -> None:
     source = HEADER + (
         "GPGPU_DEVICE = current_platform.is_cpu() or CUDA_ALIKE\n\n\n"
-        '@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE)\n'
+        "@ir.ops.rms_norm.register_impl(\n"
+        '    "vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight: True\n)\n'
         "def rms_norm(x): ...\n"
     )
     with pytest.raises(ShapeNotRecognised, match="not recognised") as exc:

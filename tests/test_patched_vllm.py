@@ -46,6 +46,19 @@ for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
         for want, got in pairs:
             torch.testing.assert_close(got, want, **op.get_tolerance(dtype))
     entry["numerics"] = "within tolerance"
+    # A q/k-style slice of a wider row: the CPU kernel ignores strides, so
+    # the patched supports_args must send it to native.
+    x = args[0]
+    wide = torch.empty(x.shape[0], 2 * x.shape[1], dtype=x.dtype)
+    wide[:, : x.shape[1]] = x
+    strided = (wide[:, : x.shape[1]], *args[1:])
+    entry["strided_goes_to_vllm_c"] = bool(impl.supports_args(*strided))
+    with op.set_priority(["vllm_c", "native"]):
+        got = op(*[a.clone() if torch.is_tensor(a) else a for a in strided])
+    want = op.impls["native"].impl_fn(*[a.clone() if torch.is_tensor(a) else a for a in strided])
+    for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+        torch.testing.assert_close(g, w, **op.get_tolerance(x.dtype))
+    entry["strided_numerics"] = "within tolerance"
 
 def priority(mode, backend):
     cc = CompilationConfig(mode=mode, backend=backend)
@@ -121,11 +134,13 @@ def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
     finally:
         engine.revert(open_tree(vllm_copy), patch)
 
-    assert result["rms_norm"] == {"supported": True, "numerics": "within tolerance"}
-    assert result["fused_add_rms_norm"] == {
-        "supported": True,
-        "numerics": "within tolerance",
-    }
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        assert result[op] == {
+            "supported": True,
+            "numerics": "within tolerance",
+            "strided_goes_to_vllm_c": False,
+            "strided_numerics": "within tolerance",
+        }
     assert result["eager"] == {
         "rms_norm": ["vllm_c", "native"],
         "fused_add_rms_norm": ["vllm_c", "native"],

@@ -1,4 +1,5 @@
-"""Add or remove a trailing ``or <operand>`` on an expression, keeping its layout.
+"""Add or remove a trailing boolean operand (``... or X``, ``... and X``),
+keeping the expression's layout.
 
 ``A or B`` becomes ``A or B or C``. When the expression is parenthesised over
 several lines, the new operand gets a line of its own, indented like the
@@ -10,6 +11,9 @@ original bytes back.
 from __future__ import annotations
 
 import libcst as cst
+
+# Left of a new `or`/`and`, these would bind differently without parentheses.
+BINDS_LOOSER = (cst.IfExp, cst.Lambda, cst.NamedExpr)
 
 
 def _operand_indent(expr: cst.BaseExpression) -> cst.SimpleWhitespace | None:
@@ -25,17 +29,34 @@ def _operand_indent(expr: cst.BaseExpression) -> cst.SimpleWhitespace | None:
     return None
 
 
-def append_or(
-    expr: cst.BaseExpression, operand: cst.BaseExpression
+def can_append(expr: cst.BaseExpression, operator: type[cst.BaseBooleanOp]) -> bool:
+    """Whether ``expr <operator> X`` keeps ``expr``'s meaning without parentheses."""
+    if expr.lpar:
+        return True
+    if isinstance(expr, BINDS_LOOSER):
+        return False
+    # `A or B and X` would bind X to B only.
+    return not (
+        operator is cst.And
+        and isinstance(expr, cst.BooleanOperation)
+        and isinstance(expr.operator, cst.Or)
+    )
+
+
+def append_operand(
+    expr: cst.BaseExpression,
+    operator: type[cst.BaseBooleanOp],
+    operand: cst.BaseExpression,
 ) -> cst.BaseExpression:
+    assert can_append(expr, operator)
     inner = expr.with_changes(lpar=[], rpar=[])
-    before_or: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace(" ")
+    before: cst.BaseParenthesizableWhitespace = cst.SimpleWhitespace(" ")
     rpar = list(expr.rpar)
     closing = rpar[-1].whitespace_before if rpar else None
     indent = _operand_indent(expr)
     if isinstance(closing, cst.ParenthesizedWhitespace) and indent is not None:
         # The new operand takes the line break (and comment) of the old last one.
-        before_or = closing.with_changes(last_line=indent)
+        before = closing.with_changes(last_line=indent)
         rpar[-1] = rpar[-1].with_changes(
             whitespace_before=cst.ParenthesizedWhitespace(
                 indent=closing.indent, last_line=closing.last_line
@@ -43,23 +64,22 @@ def append_or(
         )
     return cst.BooleanOperation(
         left=inner,
-        operator=cst.Or(whitespace_before=before_or),
+        operator=operator(whitespace_before=before),
         right=operand,
         lpar=expr.lpar,
         rpar=rpar,
     )
 
 
-def strip_or(expr: cst.BaseExpression) -> cst.BaseExpression:
-    """The inverse of :func:`append_or`: ``expr`` must be ``X or <operand>``."""
-    assert isinstance(expr, cst.BooleanOperation) and isinstance(expr.operator, cst.Or)
+def strip_operand(expr: cst.BooleanOperation) -> cst.BaseExpression:
+    """The inverse of :func:`append_operand`: drop ``expr``'s last operand."""
     rpar = list(expr.rpar)
-    before_or = expr.operator.whitespace_before
+    before = expr.operator.whitespace_before
     closing = rpar[-1].whitespace_before if rpar else None
-    if isinstance(before_or, cst.ParenthesizedWhitespace) and isinstance(
+    if isinstance(before, cst.ParenthesizedWhitespace) and isinstance(
         closing, cst.ParenthesizedWhitespace
     ):
         rpar[-1] = rpar[-1].with_changes(
-            whitespace_before=before_or.with_changes(last_line=closing.last_line)
+            whitespace_before=before.with_changes(last_line=closing.last_line)
         )
     return expr.left.with_changes(lpar=expr.lpar, rpar=rpar)

@@ -10,19 +10,31 @@ platforms. Two source shapes exist:
   gain ``or current_platform.is_cpu()``, because ``CUDA_ALIKE`` also gates
   kernels the CPU build does not have.
 
+The CPU kernels ignore strides: on a non-contiguous input (a q/k slice of a
+fused qkv projection, a transposed view) they return wrong numbers without an
+error. So each norm's ``supports_args`` lambda also gains
+``and (not current_platform.is_cpu() or x.is_contiguous())`` (with the residual
+for the fused add), which sends such calls to the native implementation on CPU
+and changes nothing elsewhere.
+
 Every other "vllm_c" implementation is left exactly as it is.
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import libcst as cst
 import libcst.matchers as m
 
 from patcher.codemod import TreeCodemod
-from patches.cpu_fused_norms.or_operand import append_or, strip_or
+from patches.cpu_fused_norms.bool_operand import (
+    append_operand,
+    can_append,
+    strip_operand,
+)
 
 NORM_OPS = ("rms_norm", "fused_add_rms_norm")
 GATE = "GPGPU_DEVICE"
@@ -47,7 +59,11 @@ REGISTER_IMPL = m.Call(
         m.ZeroOrMore(),
     ],
 )
-UNSAFE_LEFT_OF_OR = (cst.IfExp, cst.Lambda, cst.NamedExpr)
+ENDS_WITH_IS_CPU_OR = m.BooleanOperation(operator=m.Or(), right=IS_CPU)
+ENDS_WITH_CPU_GUARD = m.BooleanOperation(
+    operator=m.And(),
+    right=m.BooleanOperation(operator=m.Or(), left=m.UnaryOperation(expression=IS_CPU)),
+)
 
 
 @dataclass(frozen=True)
@@ -55,19 +71,26 @@ class VllmCImpl:
     op: str
     supported: cst.BaseExpression | None
     """The ``supported=`` argument, or None when the call has none."""
+    supports_args: cst.BaseExpression | None
+
+
+def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
+    return next(
+        (a.value for a in call.args if m.matches(a.keyword, m.Name(name))), None
+    )
 
 
 def vllm_c_impls(module: cst.Module) -> list[VllmCImpl]:
     impls = []
     for call in m.findall(module, REGISTER_IMPL):
-        assert isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
         op_attr = call.func.value
-        assert isinstance(op_attr, cst.Attribute)
-        supported = next(
-            (a.value for a in call.args if m.matches(a.keyword, m.Name("supported"))),
-            None,
+        impls.append(
+            VllmCImpl(
+                op_attr.attr.value,
+                _keyword(call, "supported"),
+                _keyword(call, "supports_args"),
+            )
         )
-        impls.append(VllmCImpl(op_attr.attr.value, supported))
     return impls
 
 
@@ -75,9 +98,11 @@ def module_assignments(module: cst.Module) -> dict[str, cst.BaseExpression]:
     """``NAME = value`` statements at module level."""
     found = {}
     for stmt in module.body:
-        for assign in m.findall(stmt, m.Assign(targets=[m.AssignTarget(m.Name())])):
-            if isinstance(stmt, cst.SimpleStatementLine) and assign in stmt.body:
-                found[assign.targets[0].target.value] = assign.value
+        if m.matches(
+            stmt, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])
+        ):
+            assign = stmt.body[0]
+            found[assign.targets[0].target.value] = assign.value
     return found
 
 
@@ -108,16 +133,27 @@ def cpu_enabled_ops(module: cst.Module) -> list[str]:
     ]
 
 
+def cpu_guard(tensors: list[str]) -> cst.BaseExpression:
+    """``(not current_platform.is_cpu() or x.is_contiguous())``."""
+    contiguous = " and ".join(f"{t}.is_contiguous()" for t in tensors)
+    if len(tensors) > 1:
+        contiguous = f"({contiguous})"
+    return cst.parse_expression(f"(not {IS_CPU_SOURCE} or {contiguous})")
+
+
 def _describe(impls: list[VllmCImpl]) -> str:
     if not impls:
         return 'no @ir.ops.<op>.register_impl("vllm_c", ...) at all'
     return "vllm_c impls for " + ", ".join(i.op for i in impls)
 
 
-class _NormGateCodemod(TreeCodemod):
-    TARGET = "vllm/kernels/vllm_c.py"
+class _NormCodemod(TreeCodemod):
+    """Finds the norm impls' gate and argument check; subclasses edit them."""
 
-    def gated_norms(self, tree: cst.Module) -> list[VllmCImpl]:
+    TARGET = "vllm/kernels/vllm_c.py"
+    edits: dict[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
+
+    def norms(self, tree: cst.Module) -> list[VllmCImpl]:
         impls = vllm_c_impls(tree)
         norms = [i for i in impls if i.op in NORM_OPS]
         if not norms:
@@ -127,12 +163,25 @@ class _NormGateCodemod(TreeCodemod):
                 found=_describe(impls),
             )
         for impl in norms:
-            if impl.supported is None:
-                raise self.shape_error(
-                    looked_for=f'a supported= argument in the "vllm_c" {impl.op} impl',
-                    found="register_impl without supported=",
-                )
+            for keyword in ("supported", "supports_args"):
+                if getattr(impl, keyword) is None:
+                    raise self.shape_error(
+                        looked_for=f'{keyword}= in the "vllm_c" {impl.op} impl',
+                        found=f"register_impl without {keyword}=",
+                    )
         return norms
+
+    def supports_args_lambda(self, impl: VllmCImpl, assignments: dict) -> cst.Lambda:
+        """The lambda behind ``supports_args=`` (inline or a module-level name)."""
+        value = impl.supports_args
+        if isinstance(value, cst.Name):
+            value = assignments.get(value.value, value)
+        if not isinstance(value, cst.Lambda):
+            raise self.shape_error(
+                looked_for=f"a lambda as the {impl.op} impl's supports_args",
+                found=cst.Module([]).code_for_node(value),
+            )
+        return value
 
     def on_leave(self, original_node, updated_node):
         updated_node = super().on_leave(original_node, updated_node)
@@ -140,53 +189,73 @@ class _NormGateCodemod(TreeCodemod):
         return edit(updated_node) if edit else updated_node
 
 
-class EnableVllmCOnCpu(_NormGateCodemod):
+class EnableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
         'Mark the "vllm_c" RMSNorm kernels supported on CPU '
-        f"({GATE} or the norms' supported= gain {IS_CPU_SOURCE})."
+        f"({GATE} or the norms' supported= gain {IS_CPU_SOURCE}), "
+        "for contiguous inputs (the CPU kernels ignore strides)."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        assignments = module_assignments(tree)
         if not m.findall(tree, m.Name("current_platform")):
             raise self.shape_error(
                 looked_for="current_platform imported from vllm.platforms",
                 found="no current_platform in the module",
             )
-        extend: list[cst.BaseExpression] = []
-        for impl in self.gated_norms(tree):
-            if enables_cpu(impl.supported, assignments):
-                continue
-            gate = m.matches(impl.supported, m.Name(GATE)) and assignments.get(GATE)
-            target = gate or impl.supported
-            if isinstance(target, UNSAFE_LEFT_OF_OR) and not target.lpar:
-                raise self.shape_error(
-                    looked_for="a boolean expression to extend with `or`",
-                    found=type(target).__name__,
-                )
-            if target not in extend:
-                extend.append(target)
-        operand = cst.parse_expression(IS_CPU_SOURCE)
-        self.edits = {node: (lambda n: append_or(n, operand)) for node in extend}
+        assignments = module_assignments(tree)
+        self.edits = {}
+        for impl in self.norms(tree):
+            self._gate(impl, assignments)
+            self._guard(impl, assignments)
         return tree.visit(self)
 
+    def _gate(self, impl: VllmCImpl, assignments: dict) -> None:
+        if enables_cpu(impl.supported, assignments):
+            return
+        gate = m.matches(impl.supported, m.Name(GATE)) and assignments.get(GATE)
+        target = gate or impl.supported
+        self._append(target, cst.Or, cst.parse_expression(IS_CPU_SOURCE))
 
-class DisableVllmCOnCpu(_NormGateCodemod):
-    DESCRIPTION = f"Undo EnableVllmCOnCpu: drop the trailing `or {IS_CPU_SOURCE}`."
+    def _guard(self, impl: VllmCImpl, assignments: dict) -> None:
+        check = self.supports_args_lambda(impl, assignments)
+        if m.findall(check.body, IS_CPU):
+            return
+        params = [p.name.value for p in check.params.params]
+        if "weight" not in params[1:]:
+            raise self.shape_error(
+                looked_for=f"{impl.op}'s supports_args lambda: tensors, then `weight`",
+                found=f"parameters {params}",
+            )
+        self._append(check.body, cst.And, cpu_guard(params[: params.index("weight")]))
+
+    def _append(self, target, operator: type[cst.BaseBooleanOp], operand) -> None:
+        if not can_append(target, operator):
+            raise self.shape_error(
+                looked_for=f"an operand to extend: `... {operator.__name__.lower()} X`",
+                found=cst.Module([]).code_for_node(target),
+            )
+        self.edits.setdefault(target, lambda n: append_operand(n, operator, operand))
+
+
+class DisableVllmCOnCpu(_NormCodemod):
+    DESCRIPTION = "Undo EnableVllmCOnCpu: drop the CPU gate and contiguity check."
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        candidates = [i.supported for i in self.gated_norms(tree)]
-        gate = module_assignments(tree).get(GATE)
-        if gate is not None:
-            candidates.append(gate)
-        strip = []
-        for expr in candidates:
-            if m.matches(expr, m.BooleanOperation(operator=m.Or(), right=IS_CPU)):
-                strip.append(expr)
+        assignments = module_assignments(tree)
+        candidates = []
+        for impl in self.norms(tree):
+            candidates.append((impl.supported, ENDS_WITH_IS_CPU_OR))
+            lambda_ = self.supports_args_lambda(impl, assignments)
+            candidates.append((lambda_.body, ENDS_WITH_CPU_GUARD))
+        if GATE in assignments:
+            candidates.append((assignments[GATE], ENDS_WITH_IS_CPU_OR))
+        self.edits = {}
+        for expr, ours in candidates:
+            if m.matches(expr, ours):
+                self.edits[expr] = strip_operand
             elif m.findall(expr, IS_CPU):
                 raise self.shape_error(
-                    looked_for=f"`... or {IS_CPU_SOURCE}` as the last operand",
+                    looked_for=f"{IS_CPU_SOURCE} only in the last operand",
                     found=cst.Module([]).code_for_node(expr).strip(),
                 )
-        self.edits = {node: strip_or for node in strip}
         return tree.visit(self)
