@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from patcher import engine, pr
+from patcher import bench, engine, pr
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches, select
 from patcher.tree import VllmTree, open_tree
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pr.add_arguments(p)
     p.set_defaults(func=pr.run)
+
+    p = verb("bench", bench.run, "measure native vs fused IR kernels", tree=False)
+    bench.add_arguments(p)
     return parser
 
 
