@@ -82,19 +82,26 @@ def _return_statement(ops: list[str], indent: str) -> str:
     return f"{indent}return {CONFIG}.with_default(\n{body}\n{indent})"
 
 
-class AddCpuIrOpPriority(TreeCodemod):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the ops it enables on CPU, "
-        "native when compiling with Inductor."
-    )
+class _CpuPlatformCodemod(TreeCodemod):
     TARGET = "vllm/platforms/cpu.py"
 
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+    def has_method(self, tree: cst.Module) -> bool:
+        """Whether ``CpuPlatform`` defines the method (refusing a tree without it)."""
         classes = m.findall(tree, CPU_CLASS)
         if not classes:
             names = [c.name.value for c in m.findall(tree, m.ClassDef())]
             raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
-        if m.findall(classes[0], PRIORITY_METHOD):
+        return bool(m.findall(classes[0], PRIORITY_METHOD))
+
+
+class AddCpuIrOpPriority(_CpuPlatformCodemod):
+    DESCRIPTION = (
+        f"Add {CLASS}.{METHOD}: vllm_c first for the ops it enables on CPU, "
+        "native when compiling with Inductor."
+    )
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        if self.has_method(tree):
             return tree  # already there, ours or upstream's
         self.method = self._method(tree)
         return tree.visit(self)
@@ -162,18 +169,11 @@ class AddCpuIrOpPriority(TreeCodemod):
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
 
-class RemoveCpuIrOpPriority(TreeCodemod):
+class RemoveCpuIrOpPriority(_CpuPlatformCodemod):
     DESCRIPTION = f"Undo AddCpuIrOpPriority: drop {CLASS}.{METHOD} and its type import."
-    TARGET = "vllm/platforms/cpu.py"
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        classes = m.findall(tree, CPU_CLASS)
-        if not classes:
-            names = [c.name.value for c in m.findall(tree, m.ClassDef())]
-            raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
-        if not m.findall(classes[0], PRIORITY_METHOD):
-            return tree
-        return tree.visit(self)
+        return tree.visit(self) if self.has_method(tree) else tree
 
     @m.call_if_inside(CPU_CLASS)
     def leave_FunctionDef(self, original_node, updated_node):
