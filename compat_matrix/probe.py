@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -689,11 +688,11 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
 def patched_copy(original, tmp: Path, engine, patch, details: dict) -> Iterator[Path]:
     """A hard-linked copy of ``original`` with ``patch`` applied; reverted (and
     checked byte-identical against the copy before the patch) on exit."""
-    from patcher.tree import open_tree
+    from patcher.tree import linked_copy
 
-    copy = linked_copy(original, tmp / "tree")
+    tree = linked_copy(original, tmp / "tree")
+    copy = tree.location
     details["copy"] = str(copy)
-    tree = open_tree(copy)
     files = sorted({e.file for e in patch.edits})
     before = {f: _sha256(tree.path(f)) for f in files}
     try:
@@ -711,26 +710,6 @@ def patched_copy(original, tmp: Path, engine, patch, details: dict) -> Iterator[
         after = {f: _sha256(tree.path(f)) for f in files}
         details["hashes"] = {"before": before, "applied": applied, "reverted": after}
         details["restored"] = after == before
-
-
-def linked_copy(tree, dest: Path) -> Path:
-    """``tree``'s ``vllm/`` package and dist-info under ``dest``, file by file hard
-    links (symlinks across file systems): instant, and safe because the patch
-    engine replaces files by rename, which never writes through a link."""
-
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            os.symlink(os.path.abspath(src), dst)
-
-    dest.mkdir(parents=True)
-    shutil.copytree(
-        tree.location / "vllm", dest / "vllm", copy_function=link, symlinks=True
-    )
-    if tree.dist_info is not None:
-        shutil.copytree(tree.dist_info, dest / tree.dist_info.name, copy_function=link)
-    return dest
 
 
 def strided_problems(strided: dict) -> list[str]:

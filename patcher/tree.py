@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import sys
 import zipfile
 from dataclasses import dataclass
@@ -93,6 +95,28 @@ class VllmTree:
                 looked_for="UTF-8 Python source",
                 found=f"byte {data[exc.start]:#04x} at offset {exc.start}",
             ) from exc
+
+
+def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
+    """A copy of an installed tree's ``vllm/`` package, its dist-info and bundled
+    libraries under ``dest``, file by file hard links where the file system
+    allows. Instant, and safe to patch: the engine replaces files by rename,
+    which never writes through a link to the original."""
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system, or links not allowed
+            shutil.copy2(src, dst)
+
+    parts = [tree.location / "vllm"]
+    if tree.dist_info is not None:
+        dist = tree.dist_info.name.split("-")[0]
+        parts += [tree.dist_info, *tree.location.glob(f"{dist}.libs")]
+    dest.mkdir(parents=True, exist_ok=True)
+    for part in parts:
+        shutil.copytree(part, dest / part.name, copy_function=link, symlinks=True)
+    return VllmTree(dest)
 
 
 def open_tree(spec: str | Path | None) -> VllmTree:

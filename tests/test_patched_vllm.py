@@ -7,7 +7,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from conftest import requires_vllm
 
 from patcher import engine
 from patcher.patchset import select
-from patcher.tree import open_tree
+from patcher.tree import linked_copy, open_tree
 
 pytestmark = requires_vllm
 
@@ -98,12 +97,7 @@ def run_probe(pythonpath: Path) -> dict:
 def vllm_copy(tmp_path_factory) -> Path:
     """The installed vllm/ and its dist-info, hard-linked (the engine replaces
     files by rename, so the installed files are never written)."""
-    src = installed_root()
-    dst = tmp_path_factory.mktemp("site")
-    shutil.copytree(src / "vllm", dst / "vllm", copy_function=os.link)
-    for info in src.glob("vllm*.dist-info"):
-        shutil.copytree(info, dst / info.name)
-    return dst
+    return linked_copy(open_tree(None), tmp_path_factory.mktemp("site")).location
 
 
 def test_unpatched_vllm_keeps_native_on_cpu(vllm_copy: Path) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from patcher import engine
 from patcher.patchset import Patch, all_patches
-from patcher.tree import VllmTree, open_tree
+from patcher.tree import VllmTree, linked_copy
 
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -48,31 +48,6 @@ def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:  # another file system, or links not allowed
-        shutil.copy2(src, dst)
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    if src.is_dir():
-        shutil.copytree(src, dst, copy_function=_link_or_copy, symlinks=True)
-    else:
-        _link_or_copy(str(src), str(dst))
-
-
-def _package_parts(tree: VllmTree) -> list[Path]:
-    """``vllm/``, its dist-info and any ``<dist>.libs`` folder of bundled libraries."""
-    parts = [tree.location / "vllm"]
-    if tree.dist_info is not None:
-        parts.append(tree.dist_info)
-        dist = tree.dist_info.name.split("-")[0]
-        parts += sorted(tree.location.glob(f"{dist}.libs"))
-        parts += sorted(tree.location.glob("vllm.libs"))
-    return parts
-
-
 @contextlib.contextmanager
 def patched_copy(
     tree: VllmTree, patch: Patch, parent: Path | None = None
@@ -80,9 +55,7 @@ def patched_copy(
     """A temporary copy of the installed vLLM with ``patch`` applied; removed after."""
     folder = Path(tempfile.mkdtemp(prefix="vllm-patch-bench-copy-", dir=parent))
     try:
-        for part in _package_parts(tree):
-            _link_tree(part, folder / part.name)
-        engine.apply(open_tree(folder), patch)
+        engine.apply(linked_copy(tree, folder), patch)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
