@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from compat_matrix.probe import CHECKS, PATCH_NAME, SCHEMA, linked_copy
+from compat_matrix.probe import CHECKS, PATCH_NAME, SCHEMA
 from patcher import engine
 from patcher.cache import fetch_wheel
 from patcher.patchset import select
-from patcher.tree import open_tree
+from patcher.tree import linked_copy, open_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = [name for name, _ in CHECKS]
@@ -138,7 +138,7 @@ def test_e2e_generates_with_the_provider_and_the_patched_vllm_c():
 @requires_vllm
 def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
     """What users of a fixed vLLM see: the probe tells them to drop the plugin."""
-    copy = linked_copy(open_tree(None), tmp_path / "tree")  # hard links: instant
+    copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
     engine.apply(open_tree(copy), select([PATCH_NAME])[0])
     rc, doc, _ = run_probe("--only", "kernel_config,upstream_patch", pythonpath=[copy])
     checks = by_name(doc)
