@@ -113,7 +113,11 @@ def matrix_pass(
         )
         per[c.version] = round(time.perf_counter() - t0, 1)
         r = json.loads((results / c.result_name).read_text("utf-8"))
-        totals[c.version] = {"status": r["status"], "timings": r["timings"]}
+        totals[c.version] = {
+            "status": r["status"],
+            "timings": r["timings"],
+            "probe_reused": bool(r.get("probe_reused_from")),
+        }
         print(f"matrix {c.version}: {per[c.version]} s ({r['status']})", flush=True)
     return {
         "wall": round(time.perf_counter() - start, 1),
@@ -255,11 +259,12 @@ def render(f: dict) -> str:
         "Per cell, seconds:",
         "",
         "| cell | naive cold | naive warm | matrix cold: preparation / probe / whole "
-        "| matrix warm: whole |",
+        "| matrix warm: preparation / probe / whole |",
         "|---|---|---|---|---|",
     ]
     for c in cells:
         tc = mc["cells"][v[c]]["timings"]
+        tw = mw["cells"][v[c]]["timings"]
         cols = (
             [
                 str(f["naive_cold"]["per_cell"][v[c]]),
@@ -270,7 +275,9 @@ def render(f: dict) -> str:
         )
         lines.append(
             f"| {c} | {cols[0]} | {cols[1]} | {_prep(tc)} / {tc.get('probe', '–')} / "
-            f"{mc['per_cell'][v[c]]} | {mw['per_cell'][v[c]]} |"
+            f"{mc['per_cell'][v[c]]} | {_prep(tw)} / {tw.get('probe', '–')}"
+            f"{' (reused)' if mw['cells'][v[c]].get('probe_reused') else ''} / "
+            f"{mw['per_cell'][v[c]]} |"
         )
     lines += ["", "Targets (2 cores):", ""]
     lines.append(
