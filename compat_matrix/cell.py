@@ -42,6 +42,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from compat_matrix import static, versions
 from patcher.cache import cache_dir, fetch_wheel
+from patcher.errors import PatchError
 
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -458,7 +459,14 @@ def run_cell(
         return _finish(result, results, started)
 
     t0 = time.perf_counter()
-    result["static"] = static.check_wheel(wheel)
+    try:
+        result["static"] = static.check_wheel(wheel)
+    except PatchError as exc:  # not a vLLM wheel at all: say so, keep going
+        result["static"] = {
+            "vllm": {"version": None, "location": str(wheel)},
+            "checks": [static._check("wheel_ir", "fail", exc.message)],
+            "ok": False,
+        }
     lap("static", t0)
 
     probe_checks: list[dict[str, Any]]
