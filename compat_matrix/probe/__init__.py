@@ -84,7 +84,7 @@ KERNEL_FLAGS = (
     "vsx",
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- outcomes ---
