@@ -1,6 +1,6 @@
 import sys
 
-from compat_matrix.probe import main
+from compat_matrix.probe.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

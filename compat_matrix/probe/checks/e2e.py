@@ -1,0 +1,101 @@
+"""vLLM end to end (``--e2e``): ``LLM.generate`` on a small random Llama, once
+with the provider ranked first and once on the patched copy with ``vllm_c``.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from compat_matrix.probe.checks.patched_copy import patched_copy
+from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_kernels
+from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
+
+E2E_TIMEOUT = 600
+# A small model: the point is that the engine runs the provider, not speed.
+E2E_MODEL = dict(
+    hidden_size=256,
+    num_layers=2,
+    intermediate_size=512,
+    num_heads=4,
+    num_kv_heads=2,
+    vocab_size=1024,
+)
+E2E_TOKENS = 8
+
+
+def check_e2e(p: Probe) -> tuple[str, dict]:
+    if not p.e2e:
+        raise Skip("not requested (--e2e)")
+    need_kernels(p)
+    try:
+        from patcher import engine
+        from patcher.cache import cache_dir
+        from patcher.e2e import make_random_llama, run_generate
+        from patcher.patchset import select
+        from patcher.tree import open_tree
+    except Exception as exc:
+        raise Skip(
+            f"patcher.e2e does not import here: {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        model = make_random_llama(cache_dir() / "models", **E2E_MODEL)
+    except ImportError as exc:
+        raise Skip(f"cannot build the random Llama: {exc}") from None
+    details: dict[str, Any] = {"model": str(model), "model_config": E2E_MODEL}
+    run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
+    priority = {op: [p.name, "native"] for op in p.ops}
+    details["provider_run"] = provider_run = run_generate(
+        model, ir_op_priority=priority, **run
+    )
+    patch = select([PATCH_NAME])[0]
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-e2e-copy-") as tmp:
+        with patched_copy(open_tree(None), Path(tmp), engine, patch, details) as copy:
+            env = {"PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+            details["upstream_run"] = upstream_run = run_generate(
+                model, ir_op_priority=None, env=env, **run
+            )
+    problems = []
+    for label, result, want in (
+        ("provider", provider_run, p.name),
+        ("patched vllm_c", upstream_run, UPSTREAM_PROVIDER),
+    ):
+        result["final_priority_parsed"] = parsed = parse_priority(
+            result["final_priority"]
+        )
+        if result["ok"]:
+            result.pop("log_tail", None)  # kept only to explain a failure
+        else:
+            problems.append(f"{label} run failed: {result['error']}")
+            continue
+        wrong = [op for op in p.ops if (parsed.get(op) or [None])[0] != want]
+        if wrong:
+            problems.append(f"{label} run: final priority {result['final_priority']}")
+        outputs = result["output_token_ids"]
+        if not outputs or any(len(o) != E2E_TOKENS for o in outputs):
+            problems.append(f"{label} run produced {outputs}")
+    if not details.get("restored"):
+        problems.append("revert did not restore the e2e copy")
+    if problems:
+        raise Fail(problems[0], details)
+    same = provider_run["output_token_ids"] == upstream_run["output_token_ids"]
+    details["same_tokens"] = same
+    return (
+        f"eager LLM.generate ran with {p.name!r} first "
+        f"({provider_run['seconds']} s) and with the patched {UPSTREAM_PROVIDER!r} "
+        f"first ({upstream_run['seconds']} s); "
+        f"{E2E_TOKENS} tokens each, {'identical' if same else 'different'} token ids",
+        details,
+    )
+
+
+def parse_priority(logged: str | None) -> dict[str, list[str]]:
+    """``IrOpPriorityConfig(rms_norm=['a', 'b'], ...)`` -> {op: [providers]}."""
+    if not logged:
+        return {}
+    return {
+        op: re.findall(r"'([^']*)'", providers)
+        for op, providers in re.findall(r"(\w+)=\[([^\]]*)\]", logged)
+    }

@@ -1,0 +1,127 @@
+"""Where the provider ends up in the IR op priority vLLM's own config builds:
+first when a user names it, first by default only when opted in and eager,
+native under Inductor, and standing down where vLLM already ranks ``vllm_c``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from compat_matrix.probe.framework import Fail, Probe, Skip, need_provider
+from compat_matrix.probe.provider_module import env_var
+from compat_matrix.probe.vllm_ir import (
+    UPSTREAM_PROVIDER,
+    compiling_with_inductor,
+    upstream_enabled_ops,
+    vllm_config,
+)
+
+
+def check_kernel_config(p: Probe) -> tuple[str, dict]:
+    need_provider(p)
+    try:
+        from vllm.config.kernel import IrOpPriorityConfig
+    except Exception as exc:
+        raise Skip(
+            f"vLLM's config does not import here: {type(exc).__name__}: {exc}"
+        ) from None
+    fields = [f.name for f in dataclasses.fields(IrOpPriorityConfig)]
+    ops = [op for op in p.ops if op in fields]
+    if not ops:
+        raise Skip(f"IrOpPriorityConfig has no field for {', '.join(p.ops)}")
+    supported = {op: op not in _unsupported_ops(p) for op in ops}
+    redundant = upstream_enabled_ops(ops)
+    opt_in_env = getattr(p.module, "OPT_IN_ENV", None)
+    details: dict[str, Any] = {
+        "ops": ops,
+        "redundant": bool(redundant),
+        "redundant_ops": redundant,
+    }
+    problems: list[str] = []
+
+    def expect(label: str, got: dict, want_first: dict[str, str]) -> None:
+        details[label] = {"final": got, "expected_first": want_first}
+        for op, first in want_first.items():
+            if not got.get(op) or got[op][0] != first:
+                problems.append(
+                    f"{label}: {op} starts {got.get(op)}, expected {first!r} first"
+                )
+
+    with env_var(opt_in_env, None):
+        user = {op: [p.name] for op in ops}
+        expect(
+            "user_priority",
+            final_priority(user, compiled=False),
+            {op: p.name for op in ops},
+        )
+        plain = final_priority(None, compiled=False)
+        details["no_opt_in_eager"] = {"final": plain}
+    if opt_in_env:
+        with env_var(opt_in_env, "1"):
+            eager_want = {
+                op: (p.name if supported[op] and op not in redundant else plain[op][0])
+                for op in ops
+            }
+            expect("opt_in_eager", final_priority(None, compiled=False), eager_want)
+            expect(
+                "opt_in_inductor",
+                final_priority(None, compiled=True),
+                {op: "native" for op in ops},
+            )
+            users_native = {op: ["native"] for op in ops}
+            expect(
+                "opt_in_user_native",
+                final_priority(users_native, compiled=False),
+                {op: "native" for op in ops},
+            )
+        if not redundant:
+            for op in ops:
+                if plain[op][0] == p.name:
+                    problems.append(
+                        f"without {opt_in_env} the default already ranks {p.name!r}"
+                    )
+    else:
+        details["opt_in"] = (
+            "the provider module has no OPT_IN_ENV: default ranking not probed"
+        )
+    if problems:
+        raise Fail(problems[0], details)
+    if redundant:
+        return (
+            f"redundant: this vLLM enables {UPSTREAM_PROVIDER!r} on CPU for "
+            f"{', '.join(redundant)}, so the provider stands down from the default "
+            "ranking and can be removed; ir_op_priority naming it still puts it first",
+            details,
+        )
+    ranked = [op for op in ops if supported[op]]
+    how = (
+        f"with {opt_in_env}=1 {p.name!r} is first for eager ({', '.join(ranked)}) and "
+        "native for Inductor; a user's ['native'] wins"
+        if opt_in_env and ranked
+        else f"default ranking stays {plain[ops[0]][0]!r} ({p.name!r} unsupported here)"
+        if opt_in_env
+        else "default ranking not probed"
+    )
+    return f"ir_op_priority naming {p.name!r} ends with it first; {how}", details
+
+
+def _unsupported_ops(p: Probe) -> list[str]:
+    from vllm.ir.op import IrOp
+
+    return [op for op in p.ops if not IrOp.registry[op].impls[p.name].supported]
+
+
+def final_priority(
+    user: dict[str, list[str]] | None, *, compiled: bool
+) -> dict[str, list]:
+    """The IR op priority vLLM's own config path ends with (``VllmConfig`` runs
+    ``KernelConfig.set_platform_defaults``), as the engine builds it."""
+    config = vllm_config(user, compiled=compiled)
+    got = dataclasses.asdict(config.kernel_config.ir_op_priority)
+    got["_compiling_with_inductor"] = compiling_with_inductor(config)
+    if got["_compiling_with_inductor"] != compiled:
+        raise Fail(
+            f"could not build a {'compiled' if compiled else 'eager'} config: {got}"
+        )
+    return got

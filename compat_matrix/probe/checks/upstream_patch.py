@@ -1,0 +1,144 @@
+"""The upstream patch on a hard-linked copy of the installed vLLM, checked in a
+child that imports the copy: ``vllm_c`` supported and right on CPU, the
+platform's priority, the provider standing down; then reverted byte-identically.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from compat_matrix.probe.checks.patched_copy import patched_copy, sha256
+from compat_matrix.probe.children import run_child
+from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ir
+from compat_matrix.probe.vllm_ir import PRIORITY_METHOD, UPSTREAM_PROVIDER
+
+
+def check_upstream_patch(p: Probe) -> tuple[str, dict]:
+    need_ir(p)
+    try:
+        from patcher import engine
+        from patcher.patchset import select
+        from patcher.tree import open_tree
+    except Exception as exc:
+        raise Skip(
+            f"the patch engine does not import here: {type(exc).__name__}: {exc}"
+        ) from None
+    original = open_tree(None)
+    patch = select([PATCH_NAME])[0]
+    files = sorted({e.file for e in patch.edits})
+    details: dict[str, Any] = {"original": str(original.location), "files": files}
+    if engine.plan(original, patch, "apply").status == "applied":
+        raise Skip(
+            "this vLLM already has the change (upstream, or patched in place): "
+            "nothing to apply",
+            details,
+        )
+    originals_before = {f: sha256(original.path(f)) for f in files}
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-probe-") as tmp:
+        with patched_copy(original, Path(tmp), engine, patch, details) as copy:
+            child = run_child(
+                "upstream",
+                {"provider": f"{p.module_name}:{p.attr}", "name": p.name},
+                pythonpath=[copy],
+            )
+            details["child"] = child
+    details["originals_untouched"] = originals_before == {
+        f: sha256(original.path(f)) for f in files
+    }
+    problems, unchecked = [], []
+    if not details["originals_untouched"]:
+        problems.append("the installed vLLM's files changed")
+    if not details.get("restored"):
+        problems.append(
+            f"revert did not restore the copy byte-identically: {details.get('hashes')}"
+        )
+    if not child.get("ok"):
+        problems.append(f"the patched copy's child failed: {child['error']}")
+    else:
+        found, unchecked = upstream_child_problems(
+            child["result"], p, str(details["copy"])
+        )
+        problems += found + strided_problems(child["result"].get("strided_inputs", {}))
+    details["problems"], details["unchecked"] = problems, unchecked
+    if problems:
+        raise Fail(problems[0], details)
+    if unchecked:
+        raise Skip(
+            "the patch applies to a copy and reverts byte-identically; "
+            + "; ".join(unchecked),
+            details,
+        )
+    r = child["result"]
+    return (
+        f"applied to a hard-linked copy ({', '.join(files)}): {UPSTREAM_PROVIDER!r} "
+        f"supported on CPU for {', '.join(r['ops'])}, numerics within tolerance, "
+        f"{r['platform_class']}.{PRIORITY_METHOD} gives {UPSTREAM_PROVIDER!r} first "
+        "eager and native for Inductor, the provider stands down; "
+        "revert byte-identical",
+        details,
+    )
+
+
+def strided_problems(strided: dict) -> list[str]:
+    """Wrong answers for non-contiguous inputs under the patched ``vllm_c``: the
+    CPU kernels assume contiguous rows, so the patch must send such inputs to
+    native (its supports_args guard)."""
+    out = []
+    for op, result in strided.items():
+        for layout in ("transposed", "row_strided"):
+            case = result.get(layout) or {}
+            if case and not case["right"]:
+                worst = max(case["max_abs_diff"])
+                out.append(
+                    f"{UPSTREAM_PROVIDER!r} {op} is wrong for {layout} inputs "
+                    f"(dispatched to {case['dispatched_to']!r}, max abs diff {worst:g})"
+                )
+    return out
+
+
+def upstream_child_problems(
+    r: dict, p: Probe, copy: str
+) -> tuple[list[str], list[str]]:
+    """What is wrong with the patched copy, and what could not be checked here."""
+    problems, unchecked = [], []
+    if not r["vllm_file"].startswith(copy):
+        problems.append(f"the child imported vLLM from {r['vllm_file']}, not the copy")
+    if not r["ops"]:
+        problems.append(f"no {UPSTREAM_PROVIDER!r} norm impl in the patched copy")
+    for op in r["ops"]:
+        if not r["supported"][op]:
+            problems.append(
+                f"{UPSTREAM_PROVIDER!r} not supported on CPU for {op} after the patch"
+            )
+    if p.kernels_unavailable:
+        unchecked.append(f"kernels not run: {p.kernels_unavailable}")
+    else:
+        bad = [c for c in r.get("numerics", []) if not c["ok"]]
+        if bad or not r.get("numerics"):
+            problems.append(
+                f"{UPSTREAM_PROVIDER!r} numerics off: {bad[:1] or 'none run'}"
+            )
+    if r.get("config_error"):
+        unchecked.append(
+            f"priority not checked, vLLM's config does not build: {r['config_error']}"
+        )
+        return problems, unchecked
+    for op in r["ops"]:
+        eager, inductor = r["platform_eager"].get(op), r["platform_inductor"].get(op)
+        if not eager or eager[0] != UPSTREAM_PROVIDER:
+            problems.append(f"{PRIORITY_METHOD} eager gives {eager} for {op}")
+        if not inductor or inductor[0] != "native":
+            problems.append(f"{PRIORITY_METHOD} Inductor gives {inductor} for {op}")
+    stand = r.get("provider_with_opt_in")
+    if stand is not None:
+        for op in r["ops"]:
+            final = stand["final"].get(op) or [None]
+            if final[0] != UPSTREAM_PROVIDER or p.name in final:
+                problems.append(f"with opt-in on the patched copy {op} got {final}")
+        if not stand["status"].get("redundant"):
+            problems.append(
+                "the provider did not report itself redundant on the patched copy"
+            )
+    return problems, unchecked

@@ -1,0 +1,65 @@
+"""The probe's JSON document (schema 1): the environment's facts, the provider
+probed, and every check's outcome in order. A check that crashes is recorded as
+a failure; it does not stop the others.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any
+
+from compat_matrix.probe.checks import CHECKS, PREREQUISITES
+from compat_matrix.probe.environment import cpu_info, python_info, torch_info, vllm_info
+from compat_matrix.probe.framework import (
+    DEFAULT_PROVIDER,
+    DEFAULT_PROVIDER_NAME,
+    CheckOutcome,
+    Probe,
+    Skip,
+)
+
+SCHEMA = 1
+
+
+def run_probe(
+    provider: str = DEFAULT_PROVIDER,
+    name: str | None = None,
+    *,
+    e2e: bool = False,
+    only: list[str] | None = None,
+) -> dict:
+    module_name, _, attr = provider.partition(":")
+    p = Probe(module_name, attr or "register", name or DEFAULT_PROVIDER_NAME, e2e=e2e)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "python": python_info(),
+        "vllm": vllm_info(),
+        "torch": torch_info(),
+        "cpu": cpu_info(),
+        "provider": {"module": module_name, "name": p.name},
+        "checks": [],
+    }
+    for check_name, check in CHECKS:
+        started = time.perf_counter()
+        try:
+            if only and check_name not in only and check_name not in PREREQUISITES:
+                raise Skip(f"not selected (--only {','.join(only)})")
+            reason, details = check(p)
+            status = "pass"
+        except CheckOutcome as outcome:
+            status, reason, details = outcome.status, outcome.reason, outcome.details
+        except Exception as exc:  # one broken check must not stop the others
+            status, reason = "fail", f"crashed: {type(exc).__name__}: {exc}"
+            details = {"traceback": traceback.format_exc().splitlines()[-12:]}
+        doc["checks"].append(
+            {
+                "name": check_name,
+                "status": status,
+                "reason": " ".join(str(reason).split()),
+                "seconds": round(time.perf_counter() - started, 2),
+                "details": details,
+            }
+        )
+    doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
+    return doc

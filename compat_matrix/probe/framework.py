@@ -1,0 +1,64 @@
+"""What every check shares: how a check ends (it returns on a pass, raises
+``Skip`` or ``Fail`` otherwise), the state the checks hand on to one another
+(``Probe``), and the guards that skip a check whose prerequisite did not pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# What is probed unless told otherwise: this project's provider and patch.
+DEFAULT_PROVIDER = "patches.cpu_fused_norms.provider:register"
+DEFAULT_PROVIDER_NAME = "vllm_c_cpu"
+PATCH_NAME = "cpu_fused_norms"
+
+
+class CheckOutcome(Exception):
+    """How a check ended other than passing; ``status`` goes into the document."""
+
+    status = "fail"
+
+    def __init__(self, reason: str, details: dict | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.details = details or {}
+
+
+class Skip(CheckOutcome):
+    status = "skip"
+
+
+class Fail(CheckOutcome):
+    """The check ran and found something wrong."""
+
+
+@dataclass
+class Probe:
+    module_name: str
+    attr: str
+    name: str
+    e2e: bool = False
+    ir_ok: bool = False
+    module: Any = None
+    ops: list[str] = field(default_factory=list)
+    """Ops the provider registered an impl for, in this process."""
+    kernels_unavailable: str | None = "not checked"
+    """Why this environment cannot run the provider's kernels; None when it can."""
+
+
+def need_ir(p: Probe) -> None:
+    if not p.ir_ok:
+        raise Skip("vllm.ir unavailable (see ir_present)")
+
+
+def need_provider(p: Probe) -> None:
+    need_ir(p)
+    if not p.ops:
+        raise Skip("the provider did not register (see provider_registers)")
+
+
+def need_kernels(p: Probe) -> None:
+    need_provider(p)
+    if p.kernels_unavailable:
+        raise Skip(f"kernels not usable here: {p.kernels_unavailable}")

@@ -1,0 +1,60 @@
+"""The parts of vLLM the probe reads both in its own process (the checks) and in
+the fresh interpreters it starts (the children): the norm ops, the upstream
+``vllm_c`` impls, and the config the engine builds.
+"""
+
+from __future__ import annotations
+
+NORM_OPS = ("rms_norm", "fused_add_rms_norm")
+UPSTREAM_PROVIDER = "vllm_c"
+PRIORITY_METHOD = "get_default_ir_op_priority"
+
+
+def has_c_op(torch, op: str) -> bool:
+    try:
+        return hasattr(torch.ops._C, op)
+    except Exception:
+        return False
+
+
+def vllm_config(user: dict[str, list[str]] | None, *, compiled: bool):
+    from vllm.config import CompilationConfig, KernelConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode
+    from vllm.config.kernel import IrOpPriorityConfig
+
+    if compiled:
+        compilation = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, backend="inductor"
+        )
+    else:
+        compilation = CompilationConfig(mode=CompilationMode.NONE)
+    kernel = KernelConfig(ir_op_priority=IrOpPriorityConfig(**(user or {})))
+    return VllmConfig(kernel_config=kernel, compilation_config=compilation)
+
+
+def compiling_with_inductor(config) -> bool:
+    cc = config.compilation_config
+    mode = getattr(cc, "mode", None)
+    return cc.backend == "inductor" and getattr(mode, "value", mode) not in (0, None)
+
+
+def upstream_enabled_ops(ops) -> list[str]:
+    """Ops whose own ``"vllm_c"`` impl this vLLM supports on this platform."""
+    from vllm.ir.op import IrOp
+    from vllm.platforms import current_platform
+
+    importer = getattr(current_platform, "import_ir_kernels", None)
+    if importer is not None:
+        importer()
+    else:
+        import vllm.kernels  # noqa: F401
+    out = []
+    for op in ops:
+        impl = (
+            IrOp.registry[op].impls.get(UPSTREAM_PROVIDER)
+            if op in IrOp.registry
+            else None
+        )
+        if impl is not None and impl.supported:
+            out.append(op)
+    return out
