@@ -588,7 +588,7 @@ def _probe_in_env(
 # reuses it (``--fresh`` forces a new one).
 PROBE_SEEDS = (
     "compat_matrix/__init__.py",
-    "compat_matrix/probe.py",
+    "compat_matrix/probe",
     "patches",
     "pyproject.toml",
 )

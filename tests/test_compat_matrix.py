@@ -436,7 +436,7 @@ def test_nox_lists_one_compat_cell_per_version():
 def test_probe_reuse_key_follows_the_code_the_probe_runs():
     files = {str(f.relative_to(cell.PROJECT)) for f in cell.probed_files()}
     assert {
-        "compat_matrix/probe.py",
+        "compat_matrix/probe/checks/upstream_patch.py",
         "patches/cpu_fused_norms/provider.py",
         "patches/cpu_fused_norms/patch.toml",
         "patcher/engine.py",
