@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from patcher.errors import PatchError, UsageError
-from patcher.patchset import Patch, all_patches
+from patcher.patchset import Patch, all_patches, select
 
 TABLE = "upstream"
 
@@ -60,14 +60,9 @@ def upstream_of(patch: Patch) -> Upstream:
 
 def pick_patch(name: str | None) -> Patch:
     """The named patch, or the only one that has an ``[upstream]`` table."""
-    patches = all_patches()
     if name:
-        by_name = {p.name: p for p in patches}
-        if name not in by_name:
-            raise UsageError(
-                f"unknown patch {name}; known: {', '.join(by_name) or 'none'}"
-            )
-        return by_name[name]
+        return select([name])[0]
+    patches = all_patches()
     candidates = [p for p in patches if TABLE in p.meta] or patches
     if len(candidates) != 1:
         names = ", ".join(p.name for p in candidates) or "none"
