@@ -8,13 +8,13 @@ no file holds is shown as "not measured" with the command that measures it.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from patcher.bench import report
 from patcher.patchset import Patch
 from patcher.upstream import Upstream
 
@@ -25,16 +25,7 @@ DEFAULT_EVIDENCE = (
 )
 PROBE_COMMAND = "python -m compat_matrix.probe --e2e"
 BENCH_COMMAND = "vllm-patch bench"
-MAX_ROWS = 24
 MACHINE_KEYS = ("machine", "cpu", "host", "system", "platform")
-MEASURED = re.compile(r"median|mean|ratio|speedup|tok|_us$|_ms$|_s$", re.IGNORECASE)
-RATIO = re.compile(r"ratio|speedup", re.IGNORECASE)
-# The bench's per-op rows carry many columns; these say what a reviewer needs.
-PREFERRED_COLUMNS = (
-    "op", "mode", "compiled", "source", "dtype", "num_tokens", "hidden_size",
-    "threads", "provider", "status", "native_median_us", "median_us",
-    "median_tokens_per_s", "tok_s", "tokens_per_s", "ratio", "same_tokens",
-)  # fmt: skip
 
 
 @dataclass
@@ -212,48 +203,19 @@ def _compat_section(evidence: Evidence, version: Version | None):
         yield ""
 
 
-def _bench_vllm(data: dict) -> str | None:
-    vllm = data.get("vllm")
-    if isinstance(vllm, dict):
-        vllm = vllm.get("version")
-    versions = data.get("versions")
-    if not vllm and isinstance(versions, dict):
-        vllm = versions.get("vllm")
-    return str(vllm) if vllm else None
-
-
 def _bench_section(evidence: Evidence):
     yield "### Benchmark\n"
     if not evidence.bench:
         yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
         return
     for path, data in evidence.bench:
-        vllm = _bench_vllm(data)
-        yield (
-            f"From `{path.name}`"
-            + (f" (vLLM {vllm}, torch {_torch(data)})" if vllm else "")
-            + f". Machine: {_machine(data)}.\n"
-        )
-        shown = False
-        for where, rows in _tables(data):
-            yield f"`{where}`:\n"
-            yield from _bench_table(rows)
-            yield ""
-            shown = True
-        for where, value in _scalars(data):
-            yield f"- `{where}`: {_fmt(value)}"
-            shown = True
-        if not shown:
-            yield "No results in this file."
+        yield f"From `{path.name}` (`{BENCH_COMMAND}`).\n"
+        yield report.evidence_markdown(data)
         yield ""
 
 
 def _scalar(v: Any) -> bool:
     return v is None or isinstance(v, (str, int, float, bool))
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _fmt(v: Any) -> str:
@@ -262,71 +224,6 @@ def _fmt(v: Any) -> str:
     if isinstance(v, list):
         return " ".join(map(str, v))
     return "" if v is None else str(v)
-
-
-def _tables(data: Any, where: str = ""):
-    """Lists of flat records with measured columns, anywhere in ``data``."""
-    if isinstance(data, dict):
-        for key, value in data.items():
-            if key not in MACHINE_KEYS:
-                yield from _tables(value, f"{where}.{key}" if where else key)
-    elif isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
-        rows = [_flat(r) for r in data]
-        if any(MEASURED.search(k) and _number(v) for r in rows for k, v in r.items()):
-            yield where, rows
-
-
-def _flat(row: dict) -> dict:
-    """One level of nesting as dotted columns (an e2e pair's native/fused runs)."""
-    out = {}
-    for key, value in row.items():
-        if isinstance(value, dict):
-            out.update({f"{key}.{k}": v for k, v in value.items() if _scalar(v)})
-        else:
-            out[key] = value
-    return out
-
-
-def _scalars(data: dict, where: str = ""):
-    """Measured numbers (tok/s, ratios) outside the tables."""
-    for key, value in data.items():
-        name = f"{where}.{key}" if where else key
-        if isinstance(value, dict) and key not in MACHINE_KEYS:
-            yield from _scalars(value, name)
-        elif _number(value) and (MEASURED.search(key) or "interference" in name):
-            yield name, value
-
-
-def _bench_table(rows: list[dict]):
-    columns: list[str] = []
-    for row in rows:
-        columns += [k for k, v in row.items() if _scalar(v) and k not in columns]
-    preferred = [c for c in columns if c.rsplit(".", 1)[-1] in PREFERRED_COLUMNS]
-    if len(preferred) >= 3:
-        columns = sorted(
-            preferred, key=lambda c: PREFERRED_COLUMNS.index(c.rsplit(".", 1)[-1])
-        )
-    if "native_median_us" in columns and "provider" in columns:
-        # native has its own column then; its rows would only repeat it
-        rows = [r for r in rows if r.get("provider") != "native"]
-    native = [c for c in columns if "native" in c.lower() and MEASURED.search(c)]
-    fused = [c for c in columns if "vllm_c" in c.lower() and MEASURED.search(c)]
-    has_ratio = any(RATIO.search(c) for c in columns)
-    ratio = len(native) == 1 and len(fused) == 1 and not has_ratio
-    header = columns + ([f"{native[0]} / {fused[0]}"] if ratio else [])
-    body = []
-    for row in rows:
-        cells = [_fmt(row.get(c)) for c in columns]
-        if ratio:
-            a, b = row.get(native[0]), row.get(fused[0])
-            cells.append(f"{a / b:.2f}x" if _number(a) and _number(b) and b else "")
-        body.append(cells)
-    if len(rows) > MAX_ROWS:  # all of it, folded
-        yield f"<details><summary>{len(rows)} rows</summary>\n"
-        yield from _table(header, body)
-        yield "\n</details>"
-    else:
-        yield from _table(header, body)
 
 
 def _table(header: list[str], rows: list[list[str]]):

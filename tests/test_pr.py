@@ -291,6 +291,9 @@ def test_body_without_evidence_says_not_measured(checkout, tmp_path, capsys):
     assert "tests/kernels/ir/test_layernorm.py" in parts["Test Plan"]
 
 
+REFERENCE_BENCH = Path(__file__).parents[1] / "bench" / "reference" / "bench.json"
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
@@ -328,30 +331,9 @@ def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
             ],
         },
     )
-    # The bench's document shape: perop rows, e2e pairs of native/fused runs.
-    row = {
-        "op": "rms_norm",
-        "dtype": "bfloat16",
-        "num_tokens": 1,
-        "threads": 2,
-        "shape": [1, 2048],
-        "native_median_us": 28.75,
-    }
-    write_json(evidence / "bench/reference.json", {
-        "versions": {"vllm": "0.32.0", "torch": "2.13.0+cpu"},
-        "machine": {"cpu_model": "Test CPU 9000", "key_flags": ["avx512f", "amx_tile"],
-                    "flags": [f"flag{i}" for i in range(80)]},
-        "interference": {"perop": 0.25},
-        "perop": {"rows": [
-            {**row, "provider": "native", "median_us": 28.75, "ratio": 1.0},
-            {**row, "provider": "vllm_c", "median_us": 3.125, "ratio": 9.2},
-        ]},
-        "e2e": {"pairs": [{
-            "mode": "eager", "source": "installed", "ratio": 0.98, "same_tokens": True,
-            "native": {"median_tokens_per_s": 12.5, "ir_op_priority": ["native"]},
-            "fused": {"median_tokens_per_s": 12.25, "ir_op_priority": ["vllm_c"]},
-        }]},
-    })  # fmt: skip
+    # The bench's own reference result, as `vllm-patch bench` wrote it.
+    bench = json.loads(REFERENCE_BENCH.read_text())
+    write_json(evidence / "bench/bench.json", bench)
 
     assert run_pr(checkout, evidence=evidence) == 0
 
@@ -362,15 +344,22 @@ def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
     assert "| e2e | skip | no model | 0 |" in result
     assert "Test CPU 9000" in result
     assert "wheel_ir" not in result  # the 0.32.0 cell is another version's
-    assert "| rms_norm | bfloat16 | 1 | 2 | vllm_c | 28.75 | 3.125 | 9.2 |" in result
-    assert (
-        "| rms_norm | bfloat16 | 1 | 2 | vllm_c | 28.75 | 3.125 | 9.2 | 9.2"
-        not in result
+    assert "From `bench.json`" in result
+    assert bench["machine"]["cpu_model"] in result
+    for pair in bench["e2e"]["pairs"]:
+        assert f"**{pair['ratio']:.3f}x**" in result
+        assert f"{pair['native']['median_tokens_per_s']:.2f} [" in result
+    threads = max(r["threads"] for r in bench["perop"]["rows"])
+    for row in bench["perop"]["rows"]:
+        line = f"| {row['dtype']} | [{row['num_tokens']}, {row['hidden_size']}] |"
+        if row["op"] == "rms_norm" and row["threads"] != threads:
+            assert f"{line} {row['threads']} |" not in result  # all cores only
+    vllm_c = next(
+        r
+        for r in bench["perop"]["rows"]
+        if r["provider"] == "vllm_c" and r["threads"] == threads
     )
-    assert "| rms_norm | bfloat16 | 1 | 2 | native |" not in result
-    assert "| eager | installed | 12.5 | 12.25 | 0.98 | True |" in result
-    assert "avx512f amx_tile" in result and "flag79" not in result
-    assert "`interference.perop`: 0.25" in result
+    assert f"**{vllm_c['ratio']:.2f}x**" in result
 
 
 def test_pr_writes_nothing_inside_the_work_tree_and_never_pushes(checkout, tmp_path):

@@ -227,7 +227,48 @@ def e2e_markdown(pairs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def recommendation_markdown(doc: dict[str, Any]) -> str:
+def evidence_markdown(doc: dict[str, Any]) -> str:
+    """The figures a reviewer needs, for a PR description: per op at the
+    highest thread count, only ops with an alternative to native; end to end;
+    the recommendation. Everything from ``doc``, nothing recomputed."""
+    m, v = doc["machine"], doc["versions"]
+    rows = doc["perop"]["rows"]
+    threads = max((r["threads"] for r in rows), default=None)
+    natives = (NATIVE, NATIVE_COMPILED)
+    alternatives = {r["op"] for r in rows if r["provider"] not in natives}
+    shown = [r for r in rows if r["threads"] == threads and r["op"] in alternatives]
+    lines = [
+        f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
+        f"{m['usable_cpus']} CPUs; {', '.join(m['key_flags']) or 'no flags of note'}), "
+        f"vLLM {v.get('vllm')}, torch {v.get('torch')}; other processes' share of CPU "
+        f"time: per op {_share(doc['interference'].get('perop'))}, end to end "
+        f"{_share(doc['interference'].get('e2e'))}.",
+        *_busy_warning(doc),
+        "",
+        f"Per op, {threads} threads: microseconds per call, median [quartiles], and "
+        "speed-up over native in the same process; every implementation was checked "
+        "against native with the op's own tolerance before it was timed.",
+        "",
+        perop_markdown(shown) if shown else "No implementation other than native.\n",
+    ]
+    if doc.get("e2e"):
+        e = doc["e2e"]
+        lines += [
+            f"End to end: random-weight Llama {e['model']}, batch {e['batch']}, "
+            f"{e['max_tokens']} generated tokens, median of {e['repeats']} generates.",
+            "",
+            e2e_markdown(e["pairs"]),
+            "",
+        ]
+    lines += [
+        "Recommendation for this machine, from these figures:",
+        "",
+        recommendation_markdown(doc, snippets=False),
+    ]
+    return "\n".join(lines)
+
+
+def recommendation_markdown(doc: dict[str, Any], *, snippets: bool = True) -> str:
     out = [
         "| op | mode | recommended priority | basis | upstream rule | agrees |",
         "|---|---|---|---|---|---|",
@@ -238,7 +279,7 @@ def recommendation_markdown(doc: dict[str, Any]) -> str:
             f"{r['upstream_rule']} | {'yes' if r['agrees_with_upstream'] else 'NO'} |"
         )
     out.append("")
-    for mode, snip in doc["snippets"].items():
+    for mode, snip in doc["snippets"].items() if snippets else ():
         out.append(f"{mode}:\n\n```\n{snip['cli']}\n{snip['python']}\n```\n")
     return "\n".join(out)
 
