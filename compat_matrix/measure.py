@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from compat_matrix import cell as cellmod
-from compat_matrix import versions
+from compat_matrix import pins, versions
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,8 +56,8 @@ def installable(cells: list[versions.Cell]) -> list[versions.Cell]:
     for c in cells:
         if c.mode != "full":
             continue
-        pin = cellmod.torch_pin(cellmod.read_pins(c, [])["requires_dist"])
-        if pin and cellmod.torch_available(pin, [])[0]:
+        pin = pins.torch_pin(pins.read_pins(c, [])["requires_dist"])
+        if pin and pins.torch_available(pin, [])[0]:
             found.append(c)
     return found
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from compat_matrix import cell, report, static, versions
+from compat_matrix import cell, pins, pip_config, probe_reuse, report, static, versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,8 +136,8 @@ REQUIRES_0_25 = [
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="markers name x86_64")
 def test_torch_pin_follows_markers():
-    assert cell.torch_pin(REQUIRES_0_25) == "torch==2.11.0+cpu"
-    assert cell.torch_pin(["numpy"]) is None
+    assert pins.torch_pin(REQUIRES_0_25) == "torch==2.11.0+cpu"
+    assert pins.torch_pin(["numpy"]) is None
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_torch_pin_follows_markers():
     ],
 )
 def test_pip_config_carried_to_uv(config, args, env):
-    assert cell.uv_args_from_pip(config) == (args, env)
+    assert pip_config.uv_args_from_pip(config) == (args, env)
 
 
 # --- static checks on the real wheels ------------------------------------------
@@ -434,7 +434,9 @@ def test_nox_lists_one_compat_cell_per_version():
 
 
 def test_probe_reuse_key_follows_the_code_the_probe_runs():
-    files = {str(f.relative_to(cell.PROJECT)) for f in cell.probed_files()}
+    files = {
+        str(f.relative_to(probe_reuse.PROJECT)) for f in probe_reuse.probed_files()
+    }
     assert {
         "compat_matrix/probe/checks/upstream_patch.py",
         "patches/cpu_fused_norms/provider.py",

@@ -1,0 +1,143 @@
+"""A cell's virtual environment: its vLLM, the torch it pins, and this project.
+
+Environments live under the env root, one per version, built with uv when it is
+installed (hard links from uv's cache, so every cell shares one copy of torch
+on disk) and plain venv + pip otherwise. A stamp file in each environment says
+what was installed; a matching stamp means the environment is reused as is (the
+project is installed editable, so code changes need no reinstall; a changed
+``pyproject.toml`` does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from compat_matrix import versions
+from compat_matrix.log import log
+from compat_matrix.pip_config import find_uv, pip_config, uv_args_from_pip
+
+PROJECT = Path(__file__).resolve().parent.parent
+STAMP = "compat-stamp.json"
+# PyPI's torchvision and friends fail to import beside a +cpu torch (and take
+# transformers and the engine down with them); text models need none of them.
+BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+
+
+class EnvError(RuntimeError):
+    pass
+
+
+def env_dir(cell: versions.Cell, env_root: Path) -> Path:
+    return env_root / f"{cell.package}-{cell.version}"
+
+
+def env_python(env: Path) -> Path:
+    return env / "bin" / "python"
+
+
+def installer() -> str:
+    return "uv" if find_uv() else "pip"
+
+
+def project_requirements() -> list[str]:
+    meta = tomllib.loads((PROJECT / "pyproject.toml").read_text("utf-8"))
+    return list(meta["project"].get("dependencies", []))
+
+
+def _stamp(
+    cell: versions.Cell, pin: str, torch_index: str | None, installer: str
+) -> dict:
+    pyproject = (PROJECT / "pyproject.toml").read_bytes()
+    return {
+        "requirement": cell.requirement,
+        "torch": pin,
+        "torch_index": torch_index,
+        "installer": installer,
+        "python": platform.python_version(),
+        "project": str(PROJECT),
+        "pyproject": hashlib.sha256(pyproject).hexdigest()[:16],
+    }
+
+
+def ensure_env(
+    cell: versions.Cell,
+    wheel: Path,
+    pin: str,
+    *,
+    env_root: Path,
+    torch_index: str | None,
+) -> tuple[Path, bool]:
+    """The cell's environment, reused when its stamp matches; (env, reused)."""
+    uv = find_uv()
+    env = env_dir(cell, env_root)
+    stamp = _stamp(cell, pin, torch_index, "uv" if uv else "pip")
+    stamp_file = env / STAMP
+    if stamp_file.is_file() and env_python(env).exists():
+        if json.loads(stamp_file.read_text("utf-8")) == stamp:
+            return env, True
+    if env.exists():
+        shutil.rmtree(env)
+    env_root.mkdir(parents=True, exist_ok=True)
+    extra = ["--extra-index-url", torch_index] if torch_index else []
+    # The wheel already fetched for the static checks, so it is not downloaded twice.
+    wanted = [str(wheel), pin, *project_requirements()]
+    if uv:
+        args, uv_env = uv_args_from_pip(pip_config())
+        if torch_index and "--index-strategy" not in args:
+            # uv would otherwise take every package the torch index also lists
+            # (numpy, requests, ...) from that index alone, at its old versions.
+            args += ["--index-strategy", "unsafe-best-match"]
+        run_env = os.environ | uv_env
+        python = ["--python", str(env_python(env))]
+        install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink", *python]
+        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
+        _run([*install, *args, *extra, *wanted], run_env)
+        _run(
+            [uv, "pip", "uninstall", "--quiet", *python, *BROKEN_BESIDE_CPU_TORCH],
+            run_env,
+        )
+        _run([*install, *args, "--no-deps", "-e", str(PROJECT)], run_env)
+    else:
+        pip = [str(env_python(env)), "-m", "pip"]
+        _run([sys.executable, "-m", "venv", str(env)])
+        _run([*pip, "install", "--quiet", *extra, *wanted])
+        _run([*pip, "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH])
+        _run([*pip, "install", "--quiet", "--no-deps", "-e", str(PROJECT)])
+    stamp_file.write_text(json.dumps(stamp, indent=1), "utf-8")
+    return env, False
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    log(shlex.join(cmd))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise EnvError(
+            f"{shlex.join(cmd[:4])} ... exited {proc.returncode}: "
+            f"{proc.stderr.strip()[-2000:]}"
+        )
+
+
+def installed_torch(env: Path) -> str | None:
+    proc = subprocess.run(
+        [
+            str(env_python(env)),
+            "-c",
+            "import importlib.metadata as m; print(m.version('torch'))",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    return proc.stdout.strip() or None

@@ -1,0 +1,126 @@
+"""What a vLLM release pins, and whether that torch can be obtained here.
+
+Both questions go to the registry through pip (metadata only, nothing is
+installed), so pip's own configuration decides which indexes count. A registry
+that does not answer raises :class:`Unavailable`: the cell is then recorded as
+``unavailable``, never as a failure of the patch.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from packaging.markers import default_environment
+from packaging.requirements import InvalidRequirement, Requirement
+
+from compat_matrix import versions
+from patcher.cache import cache_dir
+
+# pip's words for "the registry did not answer", as opposed to "no such version".
+NETWORK_ERRORS = (
+    "NewConnectionError",
+    "Max retries exceeded",
+    "Failed to establish",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "Connection refused",
+    "Read timed out",
+    "ConnectTimeout",
+    "ProxyError",
+)
+
+
+class Unavailable(RuntimeError):
+    pass
+
+
+def _pip(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "pip", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise Unavailable(f"{shlex.join(cmd)}: no answer in {timeout} s") from exc
+    if "No module named pip" in proc.stderr:
+        # Not the registry's fault: say so instead of calling torch unavailable.
+        raise RuntimeError(
+            f"{sys.executable} has no pip; install pip beside this project"
+        )
+    return proc
+
+
+def read_pins(cell: versions.Cell, index_args: list[str]) -> dict[str, Any]:
+    """The wheel's metadata (requires_dist, download URL) without downloading it.
+
+    Cached per package version: a release's metadata never changes.
+    """
+    cache = cache_dir() / "compat" / "pins" / f"{cell.package}-{cell.version}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text("utf-8"))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        proc = _pip(
+            "install",
+            "--dry-run",
+            "--no-deps",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            cell.requirement,
+            *index_args,
+        )
+        if proc.returncode != 0 or not report.is_file():
+            # The version is listed in versions.json, so a failure here means the
+            # registry did not answer, not that the release is missing.
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise Unavailable(
+                f"pip could not read {cell.requirement}'s metadata: {tail}"
+            )
+        item = json.loads(report.read_text("utf-8"))["install"][0]
+    pins = {
+        "requires_dist": item["metadata"].get("requires_dist", []),
+        "url": item.get("download_info", {}).get("url"),
+    }
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(pins, indent=1), "utf-8")
+    return pins
+
+
+def torch_pin(requires_dist: list[str]) -> str | None:
+    """The torch requirement that applies here, e.g. ``torch==2.13.0+cpu``."""
+    env = default_environment()
+    for text in requires_dist:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if req.name == "torch" and (
+            req.marker is None or req.marker.evaluate(env | {"extra": ""})
+        ):
+            return f"torch{req.specifier}"
+    return None
+
+
+def torch_available(pin: str, index_args: list[str]) -> tuple[bool, str]:
+    """(True, "") when pip can resolve ``pin``; (False, pip's last line) when
+    the indexes answer without it. A silent registry raises Unavailable."""
+    proc = _pip(
+        "install",
+        "--dry-run",
+        "--no-deps",
+        "--ignore-installed",
+        "--quiet",
+        pin,
+        *index_args,
+    )
+    if proc.returncode == 0:
+        return True, ""
+    if any(marker in proc.stderr for marker in NETWORK_ERRORS):
+        raise Unavailable(f"registry did not answer while resolving {pin}")
+    return False, (proc.stderr.strip().splitlines() or ["not found"])[-1]

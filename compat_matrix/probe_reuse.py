@@ -1,0 +1,97 @@
+"""When a cell may reuse its last probe instead of running a new one.
+
+What the probe's outcome depends on: the environment (its stamp) and the code
+it runs from this project: the probe, the patches (loaded by name from their
+patch.toml) and every project module they import, followed through imports.
+An unchanged key means a re-run would repeat the last probe, so a warm re-run
+reuses it (``--fresh`` forces a new one).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from compat_matrix.environments import PROJECT, STAMP
+
+PROBE_SEEDS = (
+    "compat_matrix/__init__.py",
+    "compat_matrix/probe",
+    "patches",
+    "pyproject.toml",
+)
+
+
+def probed_files() -> list[Path]:
+    seeds: list[Path] = []
+    for entry in PROBE_SEEDS:
+        path = PROJECT / entry
+        seeds += (
+            [path]
+            if path.is_file()
+            else sorted(
+                p
+                for p in path.rglob("*")
+                if p.suffix in (".py", ".toml") and p.is_file()
+            )
+        )
+    seen: set[Path] = set()
+    todo = list(seeds)
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        if f.suffix == ".py":
+            todo += _project_imports(f)
+    return sorted(seen)
+
+
+def _project_imports(file: Path) -> list[Path]:
+    try:
+        tree = ast.parse(file.read_bytes())
+    except SyntaxError:
+        return []
+    package = file.relative_to(PROJECT).parent.parts
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = list(package[: len(package) - node.level + 1]) if node.level else []
+            mod = base + (node.module.split(".") if node.module else [])
+            names += [".".join(mod + [a.name]) for a in node.names] + [".".join(mod)]
+    found = []
+    for name in names:
+        parts = name.split(".")
+        for candidate in (
+            PROJECT.joinpath(*parts).with_suffix(".py"),
+            PROJECT.joinpath(*parts, "__init__.py"),
+        ):
+            if parts and parts[0] and candidate.is_file():
+                found.append(candidate)
+    return found
+
+
+def probe_key(env: Path, probe_args: list[str]) -> str:
+    digest = hashlib.sha256()
+    digest.update((env / STAMP).read_bytes())
+    digest.update(json.dumps(probe_args).encode())
+    for f in probed_files():
+        digest.update(str(f.relative_to(PROJECT)).encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def previous_probe(path: Path, key: str) -> dict[str, Any] | None:
+    """The result at ``path`` when its probe was made under ``key``."""
+    try:
+        previous = json.loads(path.read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if previous.get("probe_key") == key and previous.get("probe"):
+        return previous
+    return None
