@@ -39,7 +39,7 @@ def lint(session: nox.Session) -> None:
 # Cells come from the committed compat_matrix/versions.json so that `nox -l` works
 # offline; `python -m compat_matrix.versions --refresh` updates it. Each cell runs a
 # small orchestrator venv (this project + uv) that builds the cell's vLLM
-# environment itself, shared through uv's cache (see compat_matrix/cell.py).
+# environment itself, shared through uv's cache (see compat_matrix/environments.py).
 def _compat_cells() -> list[str]:
     import json
     from pathlib import Path

@@ -59,7 +59,7 @@ def run_cell(
     env_root: Path,
     results: Path = RESULTS,
     torch_index: str | None = None,
-    probe_args: list[str] = (),
+    probe_args: tuple[str, ...] | list[str] = (),
     probe_timeout: int = 900,
     fresh: bool = False,
 ) -> dict[str, Any]:
