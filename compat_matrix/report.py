@@ -17,18 +17,9 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from compat_matrix.probe_run import PROBE_CHECKS
+
 HERE = Path(__file__).resolve().parent
-PROBE_CHECKS = (
-    "ir_present",
-    "provider_registers",
-    "plugin_entry_point",
-    "kernels_supported",
-    "numerics",
-    "dispatch",
-    "kernel_config",
-    "upstream_patch",
-    "e2e",
-)
 MARKS = {"pass": "✅", "fail": "❌", "skip": "➖", "unavailable": "⚠️"}
 SHORT = {
     "ir_present": "IR",

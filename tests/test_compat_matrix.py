@@ -447,3 +447,10 @@ def test_probe_reuse_key_follows_the_code_the_probe_runs():
     # Code the probe never imports does not force a new probe.
     assert "compat_matrix/report.py" not in files
     assert "compat_matrix/measure.py" not in files
+
+
+def test_the_cell_lists_the_probes_checks_in_order():
+    from compat_matrix.probe import CHECKS
+    from compat_matrix.probe_run import PROBE_CHECKS
+
+    assert PROBE_CHECKS == tuple(name for name, _ in CHECKS)
