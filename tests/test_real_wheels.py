@@ -8,8 +8,10 @@ import subprocess
 from pathlib import Path
 
 import git
+import libcst as cst
 
 from patcher.cli import main
+from patches.cpu_fused_norms.enable_vllm_c import NORM_OPS, cpu_guard, vllm_c_impls
 
 VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"
@@ -67,13 +69,39 @@ def test_inverse_edit_alone_restores_real_sources(extracted_wheel: Path) -> None
     assert read(root, VLLM_C, CPU) == original
 
 
-def test_only_the_norm_impls_change(extracted_wheel: Path, capsys) -> None:
-    """Every other "vllm_c" impl keeps its supported= exactly."""
-    main(["diff", "--vllm", str(extracted_wheel)])
-    removed = [
-        line
-        for line in capsys.readouterr().out.splitlines()
-        if line.startswith("-") and not line.startswith("---")
-    ]
-    for line in removed:
-        assert "GPGPU_DEVICE =" in line or "supported=CUDA_ALIKE" in line, line
+# What the patch inserts into a line of vllm_c.py; nothing else may change.
+INSERTED = [
+    " or current_platform.is_cpu()",
+    " and " + cst.Module([]).code_for_node(cpu_guard(["x", "x_residual"])),
+    " and " + cst.Module([]).code_for_node(cpu_guard(["x"])),
+]
+
+
+def test_the_patch_only_inserts_the_cpu_gate_and_guard(extracted_wheel: Path, capsys):
+    """Every changed line of vllm_c.py is the old line plus the CPU gate or the
+    contiguity guard; every other "vllm_c" impl keeps its arguments exactly."""
+    source = (extracted_wheel / VLLM_C).read_text()
+    main(["diff", "--vllm", str(extracted_wheel), "--patch", "cpu_fused_norms"])
+    diff = capsys.readouterr().out
+    hunk = diff[: diff.index(f"diff --git a/{CPU}")]
+    lines = hunk.splitlines()[4:]  # past the headers
+    removed = [x[1:] for x in lines if x.startswith("-")]
+    added = [x[1:] for x in lines if x.startswith("+")]
+    for line in added:
+        for text in INSERTED:
+            line = line.replace(text, "")
+        if line.strip() not in ("", *(t.strip() for t in INSERTED)):
+            assert line in removed, line
+    assert len(removed) <= len(added)
+
+    def others(code: str) -> list:
+        module = cst.parse_module(code)
+        text = cst.Module([]).code_for_node
+        return [
+            (i.op, text(i.supported), text(i.supports_args))
+            for i in vllm_c_impls(module)
+            if i.op not in NORM_OPS
+        ]
+
+    main(["apply", "--vllm", str(extracted_wheel)])
+    assert others((extracted_wheel / VLLM_C).read_text()) == others(source)
