@@ -7,6 +7,7 @@ import json
 import shlex
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +42,37 @@ def run_probe(
             *probe_args,
         ]
         log(shlex.join(cmd))
-        try:
-            proc = subprocess.run(
-                cmd, cwd=PROJECT, capture_output=True, text=True, timeout=timeout
-            )
-        except subprocess.TimeoutExpired:
+        tail, timed_out = _stream_progress(cmd, timeout)
+        if timed_out:
             return None, f"probe did not finish in {timeout} s"
         if out.is_file():
             try:
                 return json.loads(out.read_text("utf-8")), ""
             except json.JSONDecodeError as exc:
                 return None, f"probe wrote unreadable JSON: {exc}"
-        tail = proc.stderr.strip().splitlines()[-3:] or ["no output"]
-        return (
-            None,
-            f"probe exited {proc.returncode} without a result: {' | '.join(tail)}",
-        )
+        return None, f"probe exited without a result: {' | '.join(tail) or 'no output'}"
+
+
+def _stream_progress(cmd: list[str], timeout: int) -> tuple[list[str], bool]:
+    """Run the probe, passing its progress lines on as they come (a probe takes
+    about a minute); the last lines of its stderr, and whether it timed out."""
+    proc = subprocess.Popen(
+        cmd, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    tail: list[str] = []
+    try:
+        for line in proc.stderr:
+            line = line.rstrip()
+            tail = [*tail[-2:], line]
+            if line.startswith("probe ["):
+                log(line)
+        proc.wait()
+    finally:
+        timed_out = not watchdog.is_alive()
+        watchdog.cancel()
+    return tail, timed_out
 
 
 def skipped_probe(reason: str) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ a failure; it does not stop the others.
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from typing import Any
@@ -40,7 +41,8 @@ def run_probe(
         "provider": {"module": module_name, "name": p.name},
         "checks": [],
     }
-    for check_name, check in CHECKS:
+    for number, (check_name, check) in enumerate(CHECKS, 1):
+        print(f"probe [{number}/{len(CHECKS)}] {check_name} ...", file=sys.stderr)
         started = time.perf_counter()
         try:
             if only and check_name not in only and check_name not in PREREQUISITES:
@@ -52,14 +54,17 @@ def run_probe(
         except Exception as exc:  # one broken check must not stop the others
             status, reason = "fail", f"crashed: {type(exc).__name__}: {exc}"
             details = {"traceback": traceback.format_exc().splitlines()[-12:]}
+        seconds = round(time.perf_counter() - started, 2)
         doc["checks"].append(
             {
                 "name": check_name,
                 "status": status,
                 "reason": " ".join(str(reason).split()),
-                "seconds": round(time.perf_counter() - started, 2),
+                "seconds": seconds,
                 "details": details,
             }
         )
+        print(f"probe [{number}/{len(CHECKS)}] {check_name}: {status} ({seconds} s)",
+              file=sys.stderr)  # fmt: skip
     doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
     return doc
