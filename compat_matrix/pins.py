@@ -40,6 +40,10 @@ class Unavailable(RuntimeError):
     pass
 
 
+# Resolve one requirement against the user's indexes without installing it.
+DRY_RUN = ("install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet")
+
+
 def _pip(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "pip", *args]
     try:
@@ -65,11 +69,7 @@ def read_pins(cell: versions.Cell, index_args: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         proc = _pip(
-            "install",
-            "--dry-run",
-            "--no-deps",
-            "--ignore-installed",
-            "--quiet",
+            *DRY_RUN,
             "--report",
             str(report),
             cell.requirement,
@@ -111,11 +111,7 @@ def torch_available(pin: str, index_args: list[str]) -> tuple[bool, str]:
     """(True, "") when pip can resolve ``pin``; (False, pip's last line) when
     the indexes answer without it. A silent registry raises Unavailable."""
     proc = _pip(
-        "install",
-        "--dry-run",
-        "--no-deps",
-        "--ignore-installed",
-        "--quiet",
+        *DRY_RUN,
         pin,
         *index_args,
     )
