@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
+from patcher import e2e
 from patcher.bench import collect, configuration, write_outputs
 from patcher.bench.recommend import priority_snippets, recommend
 
@@ -221,8 +222,7 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     cfg.update(
         ops=["rms_norm", "fused_add_rms_norm"], num_tokens=[4], samples=3,
         e2e_repeats=1, e2e_max_tokens=4, e2e_prompt_len=4,
-        model=dict(hidden_size=256, num_layers=2, intermediate_size=512,
-                   num_heads=4, num_kv_heads=2, vocab_size=1000),
+        model=e2e.TINY_LLAMA,
     )  # fmt: skip
     doc = collect(cfg, progress=lambda _m: None)
 

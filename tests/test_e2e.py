@@ -10,14 +10,7 @@ from conftest import requires_vllm
 
 from patcher import e2e
 
-TINY = dict(
-    hidden_size=256,
-    num_layers=2,
-    intermediate_size=512,
-    num_heads=4,
-    num_kv_heads=2,
-    vocab_size=1000,
-)
+TINY = e2e.TINY_LLAMA
 
 requires_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is absent"

@@ -299,18 +299,21 @@ def _run_e2e(cfg, target, progress) -> dict[str, Any]:
     progress("end to end: building or reusing the random Llama")
     model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
     doc["model_dir"] = str(model_dir)
-    doc["pairs"] = endtoend.run_endtoend(
-        provider=provider,
-        ops=ops,
-        bench_env=env,
-        model_dir=model_dir,
-        modes=tuple(cfg["e2e_modes"]),
-        prompt_len=cfg["e2e_prompt_len"],
-        max_tokens=cfg["e2e_max_tokens"],
-        batch=cfg["e2e_batch"],
-        repeats=cfg["e2e_repeats"],
-        progress=progress,
-    )
+    doc["pairs"] = [
+        endtoend.run_pair(
+            model_dir,
+            provider=provider,
+            ops=ops,
+            bench_env=env,
+            mode=mode,
+            prompt_len=cfg["e2e_prompt_len"],
+            max_tokens=cfg["e2e_max_tokens"],
+            batch=cfg["e2e_batch"],
+            repeats=cfg["e2e_repeats"],
+            progress=progress,
+        )
+        for mode in cfg["e2e_modes"]
+    ]
     return doc
 
 

@@ -17,8 +17,6 @@ from patcher import e2e
 from patcher.bench.environments import BenchEnv
 from patcher.bench.perop import quantiles
 
-MODES = ("eager", "compiled")
-
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
     rates = run.get("tokens_per_s") or []
@@ -88,33 +86,3 @@ def run_pair(
         if all(tokens.values())
         else None,
     }
-
-
-def run_endtoend(
-    *,
-    provider: str,
-    ops: list[str],
-    bench_env: BenchEnv,
-    model_dir: Path,
-    modes: tuple[str, ...] = MODES,
-    prompt_len: int = 16,
-    max_tokens: int = 64,
-    batch: int = 1,
-    repeats: int = 5,
-    progress: Callable[[str], None] = lambda _m: None,
-) -> list[dict[str, Any]]:
-    return [
-        run_pair(
-            model_dir,
-            provider=provider,
-            ops=ops,
-            bench_env=bench_env,
-            mode=mode,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            batch=batch,
-            repeats=repeats,
-            progress=progress,
-        )
-        for mode in modes
-    ]

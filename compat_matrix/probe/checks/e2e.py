@@ -14,15 +14,6 @@ from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ke
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 
 E2E_TIMEOUT = 600
-# A small model: the point is that the engine runs the provider, not speed.
-E2E_MODEL = dict(
-    hidden_size=256,
-    num_layers=2,
-    intermediate_size=512,
-    num_heads=4,
-    num_kv_heads=2,
-    vocab_size=1024,
-)
 E2E_TOKENS = 8
 
 
@@ -33,7 +24,7 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
     try:
         from patcher import engine
         from patcher.cache import cache_dir
-        from patcher.e2e import make_random_llama, run_generate
+        from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
         from patcher.patchset import select
         from patcher.tree import open_tree
     except Exception as exc:
@@ -41,10 +32,10 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
             f"patcher.e2e does not import here: {type(exc).__name__}: {exc}"
         ) from None
     try:
-        model = make_random_llama(cache_dir() / "models", **E2E_MODEL)
+        model = make_random_llama(cache_dir() / "models", **TINY_LLAMA)
     except ImportError as exc:
         raise Skip(f"cannot build the random Llama: {exc}") from None
-    details: dict[str, Any] = {"model": str(model), "model_config": E2E_MODEL}
+    details: dict[str, Any] = {"model": str(model), "model_config": TINY_LLAMA}
     run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
     priority = {op: [p.name, "native"] for op in p.ops}
     details["provider_run"] = provider_run = run_generate(
