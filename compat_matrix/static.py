@@ -17,11 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import libcst as cst
+
 from patcher.engine import plan
 from patcher.errors import PatchError
 from patcher.patchset import all_patches
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
+from patches.cpu_fused_norms.enable_vllm_c import vllm_c_impls as patched_impls
 
 DEFAULT_PROVIDER = "patches.cpu_fused_norms.provider"
 IR_OP_FILE = "vllm/ir/op.py"
@@ -115,27 +118,19 @@ def priority_config_fields(tree: VllmTree) -> tuple[str, list[str]] | None:
 
 
 def vllm_c_impls(tree: VllmTree) -> dict[str, str]:
-    """op -> the source of its ``supported=`` gate, for each ``vllm_c`` impl."""
-    module = _parse(tree, VLLM_C_FILE)
-    found: dict[str, str] = {}
-    for node in ast.walk(module) if module else []:
-        if not (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "register_impl"
-        ):
-            continue
-        provider = node.args[0] if node.args else None
-        if not (isinstance(provider, ast.Constant) and provider.value == "vllm_c"):
-            continue
-        op = node.func.value
-        name = op.attr if isinstance(op, ast.Attribute) else ast.unparse(op)
-        gate = next(
-            (ast.unparse(k.value) for k in node.keywords if k.arg == "supported"),
-            "True",
-        )
-        found[name] = gate
-    return found
+    """op -> the source of its ``supported=`` gate, for each ``vllm_c`` impl,
+    as the patch's own codemod reads them."""
+    if not tree.exists(VLLM_C_FILE):
+        return {}
+    try:
+        module = cst.parse_module(tree.read_text(VLLM_C_FILE))
+    except (PatchError, cst.ParserSyntaxError):
+        return {}
+    code = cst.Module([]).code_for_node
+    return {
+        i.op: code(i.supported) if i.supported is not None else "True"
+        for i in patched_impls(module)
+    }
 
 
 # --- what the provider needs ---------------------------------------------------
