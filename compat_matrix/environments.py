@@ -28,12 +28,10 @@ except ModuleNotFoundError:  # Python 3.10
 from compat_matrix import versions
 from compat_matrix.log import log
 from compat_matrix.pip_config import find_uv, pip_config, uv_args_from_pip
+from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 PROJECT = Path(__file__).resolve().parent.parent
 STAMP = "compat-stamp.json"
-# PyPI's torchvision and friends fail to import beside a +cpu torch (and take
-# transformers and the engine down with them); text models need none of them.
-BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
 class EnvError(RuntimeError):

@@ -11,11 +11,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 
-from patcher import bench, engine, pr
+from patcher import bench, doctor, engine, pr
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches, select
 from patcher.tree import VllmTree, open_tree
+
+# The verbs that read a wheel (apply and revert refuse one: it is an archive).
+WHEEL_VERBS = ("check", "diff")
+
+
+def _own_version() -> str:
+    try:
+        return metadata.version("vllm-patch")
+    except metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "(not installed)"
 
 
 def _warn(message: str) -> None:
@@ -99,17 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 done; 1 check found a pending patch; 2 usage error; "
         "3 cannot apply (nothing changed).",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_own_version()}"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def verb(name: str, func, help: str, *, tree: bool = True, json_out: bool = False):
         p = sub.add_parser(name, help=help, description=help)
         if tree:
+            wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
             p.add_argument(
                 "--vllm",
                 metavar="PATH",
                 help="directory containing the vllm/ package (checkout root or "
-                "site-packages), or a .whl for check/diff; default: the vLLM "
-                "installed for this Python",
+                f"site-packages){wheel}; default: the vLLM installed for this Python",
             )
             p.add_argument(
                 "--patch",
@@ -125,20 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     verb("list", cmd_list, "list the carried patches", tree=False, json_out=True)
-    for name, func, help in [
+    for name, func, help, force in [
         (
             "check",
             cmd_check,
             "show, per patch and edit, applied/applicable/not applicable",
+            "judge the tree by its shape",
         ),
-        ("diff", cmd_diff, "print the unified diff (git apply format); write nothing"),
-        ("apply", cmd_apply, "apply the patches (atomic; idempotent)"),
+        (
+            "diff",
+            cmd_diff,
+            "print the unified diff (git apply format); write nothing",
+            "print the diff",
+        ),
+        ("apply", cmd_apply, "apply the patches (atomic; idempotent)", "apply"),
     ]:
         p = verb(name, func, help, json_out=name == "check")
         p.add_argument(
             "--force",
             action="store_true",
-            help="apply even if the tree's vLLM version is outside the patch's range",
+            help=f"{force} even if the tree's vLLM version is outside the patch's "
+            "range",
         )
     verb("revert", cmd_revert, "undo the patches (byte-identical)")
 
@@ -151,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verb("bench", bench.run, "measure native vs fused IR kernels", tree=False)
     bench.add_arguments(p)
+
+    p = verb(
+        "doctor",
+        doctor.run,
+        "check this environment: vLLM, its imports, the patches and their providers",
+        tree=False,
+    )
+    doctor.add_arguments(p)
     return parser
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import git
@@ -348,3 +349,31 @@ def test_codemods_run_through_libcst_tool(tree: Path, tmp_path: Path) -> None:
             check=True, capture_output=True, cwd=tmp_path,
         )  # fmt: skip
     assert snapshot(tree) == snapshot(expected)
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run("--version")
+    assert exit_info.value.code == 0
+    assert (
+        capsys.readouterr().out.strip()
+        == f"vllm-patch {metadata.version('vllm-patch')}"
+    )
+
+
+@pytest.mark.parametrize(
+    "verb, says, never",
+    [
+        ("check", ["judge the tree by its shape even if", ".whl"], ["apply even if"]),
+        ("diff", ["print the diff even if", ".whl"], ["apply even if"]),
+        ("apply", ["apply even if"], [".whl"]),
+        ("revert", ["site-packages"], [".whl", "--force"]),
+        ("doctor", ["--json", "--fix"], ["--vllm"]),
+    ],
+)
+def test_help_texts(capsys, verb: str, says: list[str], never: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        run(verb, "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(s in text for s in says)
+    assert not any(n in text for n in never)

