@@ -367,7 +367,7 @@ def test_version(capsys) -> None:
         ("check", ["judge the tree by its shape even if", ".whl"], ["apply even if"]),
         ("diff", ["print the diff even if", ".whl"], ["apply even if"]),
         ("apply", ["apply even if"], [".whl"]),
-        ("revert", ["site-packages"], [".whl", "--force"]),
+        ("revert", ["checkout root"], [".whl", "--force"]),
         ("doctor", ["--json", "--fix"], ["--vllm"]),
     ],
 )
