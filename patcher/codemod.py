@@ -24,6 +24,10 @@ from patcher.errors import PatchError, ShapeNotRecognised
 TREE_READER = "vllm_patch.read_tree_file"
 """Key in ``CodemodContext.scratch``: a callable ``relpath -> str`` the engine
 provides so a codemod can read sibling files (also from inside a wheel)."""
+CHANGES = "vllm_patch.changes"
+"""Key in ``CodemodContext.scratch``: the list each codemod appends one sentence
+(Markdown) to per change it made, so commit messages and PR text describe the
+edit actually made (see :meth:`TreeCodemod.record`)."""
 
 
 class TreeCodemod(VisitorBasedCodemodCommand):
@@ -37,6 +41,11 @@ class TreeCodemod(VisitorBasedCodemodCommand):
         if filename and not PurePosixPath(Path(filename).as_posix()).match(self.TARGET):
             raise SkipFile(f"{type(self).__name__} edits only {self.TARGET}")
         return super().transform_module(tree)
+
+    def record(self, change: str) -> None:
+        """Say what this run changed, in one sentence (Markdown): which names,
+        which arguments, which methods. Read back by :func:`run_codemod_described`."""
+        self.context.scratch.setdefault(CHANGES, []).append(change)
 
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
@@ -84,8 +93,16 @@ def run_codemod(
     Raises ``PatchError`` for a syntax error and ``ShapeNotRecognised`` from the
     codemod itself; LibCST keeps every byte outside the edited nodes.
     """
+    return run_codemod_described(codemod, source, read_tree_file)[0]
+
+
+def run_codemod_described(
+    codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
+) -> tuple[str, tuple[str, ...]]:
+    """:func:`run_codemod`, and the changes the codemod recorded (one sentence each)."""
     module = parse(source, codemod.TARGET)
     context = CodemodContext(
         filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
     )
-    return codemod(context).transform_module(module).code
+    code = codemod(context).transform_module(module).code
+    return code, tuple(context.scratch.get(CHANGES, ()))

@@ -15,7 +15,7 @@ from packaging.version import Version
 
 from patcher.atomic import write_atomically
 from patcher.backup import Backup
-from patcher.codemod import run_codemod
+from patcher.codemod import run_codemod_described
 from patcher.diff import combined_diff
 from patcher.errors import PatchError, UsageError
 from patcher.patchset import Edit, Patch
@@ -31,6 +31,8 @@ class EditPlan:
     before: str | None = None
     after: str | None = None
     error: PatchError | None = None
+    described: tuple[str, ...] = ()
+    """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
 
     @property
     def changes(self) -> bool:
@@ -80,6 +82,14 @@ class PatchPlan:
                 out[e.edit.file] = (first, e.after)
         return {k: v for k, v in out.items() if v[0] != v[1]}
 
+    def described(self) -> dict[str, list[str]]:
+        """relpath -> what the edits changed in it, one sentence each (Markdown)."""
+        out: dict[str, list[str]] = {}
+        for e in self.edits:
+            if e.changes:
+                out.setdefault(e.edit.file, []).extend(e.described)
+        return out
+
     def diff(self) -> str:
         return combined_diff((rel, a, b) for rel, (a, b) in self.file_changes().items())
 
@@ -98,6 +108,7 @@ class PatchPlan:
                     "summary": e.edit.summary,
                     "status": e.status(self.direction),
                     "reason": str(e.error) if e.error else None,
+                    "changes": list(e.described) if e.changes else [],
                 }
                 for e in self.edits
             ],
@@ -139,14 +150,14 @@ def _plan_edits(
             before = (
                 texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
             )
-            after = run_codemod(codemod, before, tree.read_text)
+            after, described = run_codemod_described(codemod, before, tree.read_text)
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = tree.display(edit.file)
             yield EditPlan(edit, error=exc)
             continue
         texts[edit.file] = after
-        yield EditPlan(edit, before, after)
+        yield EditPlan(edit, before, after, described=described)
 
 
 def _refuse_errors(p: PatchPlan) -> None:
