@@ -257,7 +257,7 @@ def _torch_findings(results, dist, torch_version, python) -> list[Finding]:
         Finding(
             "vllm_c",
             "fix",
-            f"{VLLM_C} does not load: {c['root_error']}{why}",
+            f"{VLLM_C} does not load: {c.get('root_error', c['error'])}{why}",
             _torch_fix(pin, python)
             if mismatch
             else "reinstall vLLM with the torch it pins: "
@@ -304,7 +304,7 @@ def _companion_findings(results, broken, torch_version, python) -> list[Finding]
                     "fix",
                     f"{name} {broken[name]} does not import beside torch "
                     f"{torch_version} (built for another torch build): "
-                    f"{result['root_error']}",
+                    f"{result.get('root_error', result['error'])}",
                     *_removal([name], python),
                 )
             )
@@ -333,7 +333,7 @@ def _import_finding(check, label, result, broken, python) -> Finding:
             check,
             "fix",
             f"{label} does not import: {', '.join(culprits)} "
-            f"breaks it ({result['root_error']})",
+            f"breaks it ({result.get('root_error', result['error'])})",
             *_removal(culprits, python),
         )
     module = label.split()[0]

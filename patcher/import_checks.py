@@ -46,13 +46,14 @@ def _packages_in(exc: BaseException) -> list[str]:
     return found
 
 
-def _error(exc: BaseException) -> dict[str, Any]:
+def describe_error(exc: BaseException) -> dict[str, Any]:
     chain, seen, cur = [], set(), exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         chain.append(f"{type(cur).__name__}: {cur}".strip())
         cur = cur.__cause__ or cur.__context__
-    # The innermost cause says what actually broke ("operator ... does not exist").
+    # The innermost cause says what actually broke ("operator ... does not exist");
+    # the packages in the tracebacks say whose code raised it.
     return {"error": chain[0], "root_error": chain[-1], "packages": _packages_in(exc)}
 
 
@@ -69,7 +70,7 @@ def run_step(kind: str, arg: str) -> dict[str, Any]:
             return _provider(arg)
         raise ValueError(f"unknown step kind {kind!r}")
     except BaseException as exc:  # SystemExit from a C extension is a finding too
-        return {"ok": False, **_error(exc)}
+        return {"ok": False, **describe_error(exc)}
 
 
 def _provider(module_name: str) -> dict[str, Any]:

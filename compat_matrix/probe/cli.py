@@ -83,4 +83,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(text + "\n")
     print(text)
+    print(f"probe: {doc['summary']}", file=sys.stderr)
     return 0 if doc["ok"] else 1

@@ -19,6 +19,7 @@ from compat_matrix.probe.framework import (
     Probe,
     Skip,
 )
+from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 
 SCHEMA = 1
 
@@ -67,4 +68,39 @@ def run_probe(
         print(f"probe [{number}/{len(CHECKS)}] {check_name}: {status} ({seconds} s)",
               file=sys.stderr)  # fmt: skip
     doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
+    doc["summary"] = summary(doc)
     return doc
+
+
+def summary(doc: dict) -> str:
+    """One plain line: the counts, the first failure, and whether the workaround
+    is still needed (the provider module's ``status()`` says, when it has one)."""
+    checks = doc["checks"]
+    counts = {
+        s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "skip")
+    }
+    line = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
+    failed = [c for c in checks if c["status"] == "fail"]
+    if failed:
+        line += f"; FAILED {failed[0]['name']}: {failed[0]['reason']}"
+    name = doc["provider"]["name"]
+    status = next(
+        (
+            c["details"].get("status")
+            for c in checks
+            if c["name"] == "provider_registers"
+        ),
+        None,
+    )
+    if (status or {}).get("redundant"):
+        ops = ", ".join(status.get("redundant_ops") or [])
+        line += (
+            f"; the workaround can go: this vLLM already enables "
+            f"{UPSTREAM_PROVIDER!r} on CPU for {ops}, so {name!r} is not needed"
+        )
+    elif status and not failed:
+        line += (
+            f"; {name!r} is still needed: this vLLM does not enable "
+            f"{UPSTREAM_PROVIDER!r} on CPU"
+        )
+    return line

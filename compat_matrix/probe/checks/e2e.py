@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from compat_matrix.probe.checks.patched_copy import patched_copy
-from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_kernels
+from compat_matrix.probe.framework import (
+    PATCH_NAME,
+    Fail,
+    Probe,
+    Skip,
+    broken_import,
+    need_kernels,
+)
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 
 E2E_TIMEOUT = 600
@@ -34,7 +41,8 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
     try:
         model = make_random_llama(cache_dir() / "models", **TINY_LLAMA)
     except ImportError as exc:
-        raise Skip(f"cannot build the random Llama: {exc}") from None
+        # Asked for and not run: the environment is broken, which is a failure.
+        raise Fail(f"cannot build the random Llama: {broken_import(exc)}") from None
     details: dict[str, Any] = {"model": str(model), "model_config": TINY_LLAMA}
     run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
     priority = {op: [p.name, "native"] for op in p.ops}

@@ -8,7 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from compat_matrix.probe.framework import Fail, Probe, Skip, need_provider
+from compat_matrix.probe.framework import (
+    Fail,
+    Probe,
+    Skip,
+    broken_import,
+    need_provider,
+)
 from compat_matrix.probe.provider_module import env_var
 from compat_matrix.probe.vllm_ir import (
     UPSTREAM_PROVIDER,
@@ -24,7 +30,7 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         from vllm.config.kernel import IrOpPriorityConfig
     except Exception as exc:
         raise Skip(
-            f"vLLM's config does not import here: {type(exc).__name__}: {exc}"
+            f"vLLM's config does not import here: {broken_import(exc)}"
         ) from None
     fields = [f.name for f in dataclasses.fields(IrOpPriorityConfig)]
     ops = [op for op in p.ops if op in fields]
