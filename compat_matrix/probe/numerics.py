@@ -111,6 +111,13 @@ def _compare_case(op, provider: str, shape, dtype, weighted: bool) -> dict:
     return out
 
 
+def functional(impl):
+    """The impl's out-of-place form: ``func_impl_fn`` where vLLM has in-place
+    impls (0.24 on), else ``impl_fn`` itself (0.20 has only that, and no impl
+    there works in place)."""
+    return getattr(impl, "func_impl_fn", None) or impl.impl_fn
+
+
 def _as_tuple(result) -> tuple:
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
@@ -145,7 +152,7 @@ def noncontiguous_dispatch(op, provider: str) -> dict:
                 layouts.setdefault(name, list(args))[i] = view
         for name, strided in layouts.items():
             impl = op.dispatch(*strided)
-            got = _as_tuple(impl.func_impl_fn(*strided))
+            got = _as_tuple(functional(impl)(*strided))
             diffs = [
                 float((g.float() - e.float()).abs().max())
                 for g, e in zip(got, expected, strict=False)

@@ -1,10 +1,12 @@
 """What the probe reads off a provider module besides its register function: an
-optional ``status()``, and the opt-in variable named by its ``OPT_IN_ENV``, set
-for the length of a block.
+optional ``status()``, what it logs (``provider_log``), and the opt-in variable
+named by its ``OPT_IN_ENV``, set for the length of a block.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,3 +39,31 @@ def env_var(name: str | None, value: str | None) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+@contextmanager
+def provider_log(module_name: str) -> Iterator[list[dict]]:
+    """The records the provider module logs inside the block (found by source
+    file, whatever logger it uses), as ``{level, message, traceback}``."""
+    origin = importlib.util.find_spec(module_name).origin
+    records: list[logging.LogRecord] = []
+    collect = logging.Handler(logging.DEBUG)
+    collect.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("", "vllm")]  # vLLM's tree
+    for logger in loggers:  # may not propagate to the root
+        logger.addHandler(collect)
+    found: list[dict] = []
+    try:
+        yield found
+    finally:
+        for logger in loggers:
+            logger.removeHandler(collect)
+        found += [
+            {
+                "level": r.levelname,
+                "message": r.getMessage(),
+                "traceback": r.exc_info is not None,
+            }
+            for r in dict.fromkeys(records)  # once, even if both handlers saw it
+            if r.pathname == origin
+        ]

@@ -53,6 +53,7 @@ _status: dict[str, Any] = {
     "unsupported_reasons": {},
     "default_ranking": "not installed",
     "errors": [],
+    "not_applicable": None,  # why the plugin stood down (a vLLM without IR)
 }
 
 
@@ -185,6 +186,8 @@ def c_extension_error() -> str | None:
 def register() -> None:
     """Entry point of ``vllm.general_plugins``. Re-entrant; never raises."""
     _status["calls"] += 1
+    if _stands_down():
+        return
     try:
         _register_impls()
     except Exception as exc:  # never take vLLM's start-up down with us
@@ -193,6 +196,29 @@ def register() -> None:
         _install_default_ranking()
     except Exception as exc:
         _fail("installing the default ranking", exc)
+
+
+def _stands_down() -> bool:
+    """True on a vLLM without IR (releases before 0.20): there is nothing to
+    register into, which is expected rather than an error, so the plugin says so
+    once per process at INFO and leaves vLLM alone."""
+    if _status["not_applicable"]:
+        return True
+    try:
+        from importlib.util import find_spec
+
+        has_ir = find_spec("vllm.ir") is not None
+    except Exception:  # vllm itself does not import: let registration report it
+        return False
+    if has_ir:
+        return False
+    import vllm
+
+    reason = f"vLLM {getattr(vllm, '__version__', '?')} has no vLLM IR (vllm.ir)"
+    _status["not_applicable"] = reason
+    _status["default_ranking"] = "not installed: no vLLM IR"
+    logger.info("vllm-patch: %s not applicable: %s; standing down", PROVIDER, reason)
+    return True
 
 
 def _fail(doing: str, exc: Exception) -> None:
@@ -368,6 +394,9 @@ def status() -> dict[str, Any]:
     out = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in _status.items()}
     out.pop("ranked_logged", None)
     out["opt_in"] = opted_in()
+    if out["not_applicable"]:
+        out["redundant_ops"], out["redundant"] = [], False
+        return out
     try:
         out["redundant_ops"] = upstream_enabled_ops()
     except Exception as exc:
