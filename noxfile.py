@@ -32,9 +32,18 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs, success_codes=[0])
 
 
+def _pinned(name: str) -> str:
+    """``name==X.Y.Z`` as pyproject.toml pins it (the one home of the pin)."""
+    import re
+    from pathlib import Path
+
+    text = Path(__file__).with_name("pyproject.toml").read_text("utf-8")
+    return re.search(rf'"({re.escape(name)}==[^";]+)"', text).group(1)
+
+
 @nox.session(venv_backend="venv")
 def lint(session: nox.Session) -> None:
-    session.install("ruff==0.17.6")  # pinned: formatting differs between releases
+    session.install(_pinned("ruff"))  # formatting differs between releases
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 

@@ -1,8 +1,8 @@
 """``vllm-patch pr``: turn a carried patch into a commit on a branch of a vLLM
 git checkout, ready for an upstream pull request.
 
-It creates (or reuses) a branch, applies the patch with the engine, formats the
-changed lines with the checkout's ruff settings, commits with a vLLM-style
+It creates (or reuses) a branch, applies the patch with the engine, checks the
+changed lines against the checkout's ruff settings, commits with a vLLM-style
 title and a DCO ``Signed-off-by:``, and writes the PR description outside the
 work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``). It never pushes
 and never calls a web API: it prints the commands that would.
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from packaging.version import InvalidVersion, Version
 from patcher import engine, pr_body
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import Patch
-from patcher.pr_format import FormatReport, format_changes
+from patcher.pr_format import FormatReport, check_changes
 from patcher.tree import open_tree
 from patcher.upstream import Upstream, pick_patch, upstream_of
 from patcher.version import read_version
@@ -175,8 +177,37 @@ def checkout_version(repo: git.Repo, root: Path) -> Version | None:
         return None
 
 
-def commit_message(upstream: Upstream, identity: Identity) -> str:
-    return f"{upstream.title}\n\n{upstream.body}\n\n{identity.signoff}\n"
+def commit_message(
+    upstream: Upstream, identity: Identity, described: dict[str, list[str]]
+) -> str:
+    """Title, why (the patch's text), the rule, what this diff does (from the
+    edit the codemods made), sign-off."""
+    parts = [upstream.title, upstream.body]
+    if upstream.rule:
+        parts.append(upstream.rule)
+    parts.append("\n".join(changes_list(described)))
+    return "\n\n".join(parts) + f"\n\n{identity.signoff}\n"
+
+
+def changes_list(described: dict[str, list[str]]) -> list[str]:
+    """``- file: change`` per change the codemods recorded."""
+    return [
+        f"- {rel}: {change}" for rel, changes in described.items() for change in changes
+    ]
+
+
+def described_in_commit(repo: git.Repo, commit, patch: Patch) -> dict[str, list[str]]:
+    """What the patch changes in ``commit``'s parent, as the codemods describe it
+    (for a branch that already carries the commit)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "parent.tar"
+        repo.git.archive(
+            "--format=tar", "-o", str(archive), f"{commit.hexsha}^", "vllm"
+        )
+        with tarfile.open(archive) as tar:
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, **safe)
+        return engine.plan(open_tree(tmp), patch).described()
 
 
 def find_commit(repo: git.Repo, branch: str, title: str, stop: str | None):
@@ -281,14 +312,14 @@ def run(args: argparse.Namespace) -> int:
                 rel: before for rel, (before, _) in plan.file_changes().items()
             }
             engine.apply(tree, patch)
-            formatting = format_changes(root, originals)
+            formatting = check_changes(root, originals)
             repo.git.add("--", *originals)
             repo.git.commit(
                 "--no-verify",
                 "-q",
                 "--cleanup=whitespace",
                 "-m",
-                commit_message(upstream, identity),
+                commit_message(upstream, identity, plan.described()),
             )
     except BaseException:
         rollback()
@@ -301,24 +332,29 @@ def run(args: argparse.Namespace) -> int:
             f"{patch.name}: already committed {where}on branch {branch}{switch}; "
             "nothing changed"
         )
-        return _finish(repo, args, patch, upstream, branch, base_name, commit, out)
+        described = described_in_commit(repo, commit, patch) if commit else {}
+        return _finish(
+            repo, args, patch, upstream, branch, base_name, commit, out, described
+        )
     commit = repo.head.commit
     print(
         f"{patch.name}: committed {commit.hexsha[:12]} on branch {branch}"
         f" (from {base_name or 'the existing branch'}): {upstream.title}"
     )
     _report_format(formatting)
-    return _finish(repo, args, patch, upstream, branch, base_name, commit, out)
+    return _finish(
+        repo, args, patch, upstream, branch, base_name, commit, out, plan.described()
+    )
 
 
 def _finish(
-    repo, args, patch: Patch, upstream, branch, base_name, commit, out: Path
+    repo, args, patch: Patch, upstream, branch, base_name, commit, out: Path, described
 ) -> int:
     root = Path(repo.working_tree_dir)
     dirs = args.evidence or list(pr_body.DEFAULT_EVIDENCE)
     evidence = pr_body.load_evidence([Path(d) for d in dirs])
     version = checkout_version(repo, root)
-    body = pr_body.render(patch, upstream, version, evidence, root)
+    body = pr_body.render(patch, upstream, version, evidence, root, described)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(body, "utf-8")
     print(f"PR description: {out}")
@@ -365,7 +401,7 @@ def _pr_base(repo: git.Repo, base_name: str | None) -> str:
 def _report_format(report: FormatReport) -> None:
     if report.ruff:
         where = report.config or "ruff defaults"
-        print(f"formatted the changed lines with {report.ruff} ({where})")
+        print(f"checked the changed lines with {report.ruff} ({where})")
     for note in report.notes:
         _warn(note)
 

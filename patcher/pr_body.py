@@ -90,13 +90,20 @@ def render(
     version: Version | None,
     evidence: Evidence,
     checkout: Path | None = None,
+    described: dict[str, list[str]] | None = None,
 ) -> str:
+    """``described``: what the diff does, per file, as the codemods recorded it."""
     parts = [
         "## Purpose\n",
         upstream.purpose,
         "",
-        "Changed files:\n",
-        *[f"- `{e.file}`: {e.summary}" for e in patch.edits],
+        *([upstream.rule, ""] if upstream.rule else []),
+        "This PR:\n",
+        *[
+            f"- `{rel}`: {change}"
+            for rel, changes in (described or {}).items()
+            for change in changes
+        ],
         "",
         "## Test Plan\n",
         *_test_plan(upstream, version, checkout),

@@ -1,9 +1,13 @@
-"""Format the lines a patch changed the way the checkout's own ruff settings ask,
+"""Check the lines a patch changed the way the checkout's own ruff settings ask,
 so the commit passes vLLM's pre-commit.
 
-Only the changed lines are formatted (``ruff format --range``), because a ruff
-other than the one vLLM pins may format untouched code differently; a
-``ruff check --fix`` that would touch lines outside the patch is not kept.
+The codemods already lay out what they write as vLLM's ruff does (the ruff
+vllm-patch pins, see ``patcher.ruff_format``), so ``apply``, ``diff``, the
+rendered patches and the commit are the same lines. Here the pinned ruff checks
+them against the checkout's settings (``ruff format`` and ``ruff check`` on the
+changed lines only, since a ruff other than the one vLLM pins may judge
+untouched code differently) and reports what it would change; nothing is
+rewritten.
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from patcher.ruff_format import ruff_binary
 
 try:
     import tomllib
@@ -29,18 +33,14 @@ RUFF_REV = re.compile(r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?(\S+)")
 @dataclass
 class FormatReport:
     ruff: str | None = None
-    """``ruff X.Y.Z`` that ran, or None when none was found."""
+    """``ruff X.Y.Z`` that ran."""
     config: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def find_ruff() -> Path | None:
-    """ruff beside this interpreter (its venv), else on PATH."""
-    beside = Path(sys.executable).parent / "ruff"
-    if beside.is_file():
-        return beside
-    found = shutil.which("ruff")
-    return Path(found) if found else None
+def find_ruff() -> Path:
+    """The pinned ruff, not whichever one the checkout or PATH has."""
+    return Path(ruff_binary())
 
 
 def ruff_config(root: Path) -> Path | None:
@@ -79,25 +79,19 @@ def _inside(start: int, end: int, allowed: list[tuple[int, int]]) -> bool:
     return any(a <= start and end <= b for a, b in allowed)
 
 
-def format_changes(root: Path, originals: dict[str, str]) -> FormatReport:
-    """Format, in place, the changed lines of each ``relpath`` (text before the
-    patch given) under ``root``."""
+def check_changes(root: Path, originals: dict[str, str]) -> FormatReport:
+    """Check the changed lines of each ``relpath`` (text before the patch given)
+    under ``root``; findings go to the report's notes."""
     report = FormatReport()
     ruff = find_ruff()
     files = " ".join(originals)
-    if ruff is None:
-        report.notes.append(
-            "ruff not found: changed files left as the codemods wrote them; run "
-            f"`pre-commit run --files {files}` in the checkout before pushing"
-        )
-        return report
     version = _run([str(ruff), "--version"], root).stdout.strip()
     report.ruff = version
     config = ruff_config(root)
     if config is None:
         report.notes.append(
             "no ruff settings at the checkout root (pyproject.toml [tool.ruff] or "
-            "ruff.toml): formatted with ruff's defaults"
+            "ruff.toml): checked with ruff's defaults"
         )
         settings = ["--isolated"]
     else:
@@ -110,48 +104,32 @@ def format_changes(root: Path, originals: dict[str, str]) -> FormatReport:
             f"`pre-commit run --files {files}` to be sure"
         )
     for rel, before in originals.items():
-        path = root / rel
-        _format_ranges(ruff, settings, root, path, before, report)
-        _fix_inside_patch(ruff, settings, root, path, before, report)
+        after = (root / rel).read_text("utf-8")
+        touched = changed_ranges(before, after)
+        formatted = _run(
+            [str(ruff), "format", *settings, "--stdin-filename", rel, "-"],
+            root,
+            after,
+        )
+        moved = [
+            start + 1
+            for start, end in changed_ranges(formatted.stdout, after)
+            if formatted.returncode == 0 and _overlaps(start, end, touched)
+        ]
+        if moved:
+            report.notes.append(
+                f"{rel}: ruff format with the checkout's settings would lay out "
+                f"lines near {', '.join(map(str, moved))} differently (left as is)"
+            )
+        _lint_inside_patch(ruff, settings, root, rel, touched, report)
     return report
 
 
-def _format_ranges(ruff, settings, root, path: Path, before: str, report) -> None:
-    # Bottom-up, so formatting one range does not move the ones above it.
-    for start, end in reversed(changed_ranges(before, path.read_text("utf-8"))):
-        if start == end:
-            continue  # a pure deletion leaves nothing to format
-        lines = path.read_text("utf-8").count("\n")
-        span = f"{start + 1}-{end + 1}" if end < lines else f"{start + 1}"
-        done = _run(
-            [str(ruff), "format", *settings, f"--range={span}", str(path)], root
-        )
-        if done.returncode != 0:
-            report.notes.append(
-                f"ruff format failed on {path.name}: {done.stderr.strip()}"
-            )
-            return
+def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
+    return any(start < b and a < max(end, start + 1) for a, b in ranges)
 
 
-def _fix_inside_patch(ruff, settings, root, path: Path, before: str, report) -> None:
-    patched = path.read_text("utf-8")
-    allowed = changed_ranges(before, patched)
-    _run([str(ruff), "check", *settings, "--fix", "--quiet", str(path)], root)
-    fixed = path.read_text("utf-8")
-    rel = path.relative_to(root).as_posix()
-    outside = [
-        (i1, i2)
-        for tag, i1, i2, _, _ in difflib.SequenceMatcher(
-            None, patched.splitlines(), fixed.splitlines(), autojunk=False
-        ).get_opcodes()
-        if tag != "equal" and not _inside(i1, i2, allowed)
-    ]
-    if outside:
-        path.write_text(patched, "utf-8")
-        report.notes.append(
-            f"ruff check --fix would also change lines the patch does not touch in "
-            f"{rel} (near lines {', '.join(str(a + 1) for a, _ in outside)}); not kept"
-        )
+def _lint_inside_patch(ruff, settings, root, rel: str, touched, report) -> None:
     remaining = _run(
         [
             str(ruff),
@@ -159,7 +137,7 @@ def _fix_inside_patch(ruff, settings, root, path: Path, before: str, report) -> 
             *settings,
             "--output-format=json",
             "--exit-zero",
-            str(path),
+            rel,
         ],
         root,
     )
@@ -167,14 +145,17 @@ def _fix_inside_patch(ruff, settings, root, path: Path, before: str, report) -> 
         findings = json.loads(remaining.stdout or "[]")
     except json.JSONDecodeError:
         return
-    final = changed_ranges(before, path.read_text("utf-8"))
     for f in findings:
         row = f.get("location", {}).get("row", 0) - 1
-        if _inside(row, row + 1, final):
+        if _inside(row, row + 1, touched):
             report.notes.append(
                 f"{rel}:{row + 1}: ruff {f.get('code')} {f.get('message')} (left as is)"
             )
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+def _run(
+    cmd: list[str], cwd: Path, stdin: str | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, cwd=cwd, input=stdin, capture_output=True, text=True, check=False
+    )

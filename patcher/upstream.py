@@ -22,7 +22,10 @@ class Upstream:
     branch: str
     """Default branch name in the user's checkout."""
     body: str
-    """Commit message body: what and why, plain text."""
+    """Commit message body: why, plain text (what the diff does is generated
+    from the edit, see ``engine.PatchPlan.described``)."""
+    rule: str
+    """The change's scope in one sentence, stated in the commit and the PR."""
     purpose: str
     """The PR description's Purpose section (Markdown)."""
     tests: tuple[str, ...]
@@ -52,6 +55,7 @@ def upstream_of(patch: Patch) -> Upstream:
         title=table.get("title", patch.title),
         branch=table.get("branch", f"vllm-patch/{patch.name}"),
         body=table.get("body", patch.title).strip(),
+        rule=" ".join(table.get("rule", "").split()),
         purpose=purpose,
         tests=tuple(table.get("tests", ())),
         rendered_for=rendered_for,

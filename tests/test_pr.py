@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import zipfile
 from pathlib import Path
@@ -12,7 +11,6 @@ import pytest
 
 from patcher import engine, pr
 from patcher.cache import cache_dir, fetch_wheel
-from patcher.pr_format import find_ruff
 from patcher.tree import open_tree
 from patcher.upstream import pick_patch, upstream_of
 
@@ -138,15 +136,21 @@ def test_commits_exactly_the_patch_formatted(real_wheel, tmp_path, capsys):
     assert sorted(commit.stats.files) == sorted(changes)
     for rel, (_, after) in changes.items():
         committed = (Path(repo.working_tree_dir) / rel).read_text()
-        # Same code as the engine's patch; only the layout may differ (ruff).
-        assert ast.dump(ast.parse(committed)) == ast.dump(ast.parse(after))
-        if find_ruff() is not None:
-            assert all(len(line) <= 88 for line in added_lines(repo, rel))
-            if all(len(line) <= 88 for line in after.splitlines()):
-                assert committed == after
+        # The codemods lay out their lines as the pinned ruff does: the commit
+        # is the engine's patch as it is, and no added line is over 88 columns.
+        assert committed == after
+        assert all(len(line) <= 88 for line in added_lines(repo, rel))
+    # The message and the PR text say what this diff does, from the edit made.
+    body = description(repo).read_text()
+    assert UPSTREAM.rule and UPSTREAM.rule in " ".join(commit.message.split())
+    assert UPSTREAM.rule in body
+    for rel, made in plan.described().items():
+        assert made, rel
+        for change in made:
+            assert f"- {rel}: {change}" in commit.message
+            assert f"- `{rel}`: {change}" in body
     out = capsys.readouterr().out
     assert "git -C" in out and "push" in out and "gh pr create" in out
-    assert description(repo).is_file()
 
 
 def test_rerun_on_the_branch_changes_nothing(checkout, capsys):

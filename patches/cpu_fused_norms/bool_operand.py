@@ -2,10 +2,10 @@
 keeping the expression's layout.
 
 ``A or B`` becomes ``A or B or C``. When the expression is parenthesised over
-several lines, the new operand gets a line of its own, indented like the
-others, and a comment that trailed the old last operand stays on that operand's
-line. Removing the operand is the exact inverse, so apply then revert gives the
-original bytes back.
+several lines, or its operands already stand one per line, the new operand gets
+a line of its own, indented like the others, and a comment that trailed the old
+last operand stays on that operand's line. Removing the operand is the exact
+inverse, so apply then revert gives the original bytes back.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ def append_operand(
                 indent=closing.indent, last_line=closing.last_line
             )
         )
+    elif closing is None and isinstance(
+        getattr(expr, "operator", None), cst.BaseBooleanOp
+    ):
+        # Operands already one per line (inside someone else's parentheses):
+        # the new one gets a line of its own too.
+        if isinstance(expr.operator.whitespace_before, cst.ParenthesizedWhitespace):
+            before = cst.ParenthesizedWhitespace(last_line=indent)
     return cst.BooleanOperation(
         left=inner,
         operator=operator(whitespace_before=before),

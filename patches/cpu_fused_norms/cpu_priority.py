@@ -3,22 +3,27 @@
 The fused kernels win per call, but under Inductor the native form can win in
 the model, because Inductor fuses it into the neighbouring residual add and an
 opaque kernel call breaks that fusion. So, like CUDA and XPU: ``native`` when
-compiling with Inductor, ``["vllm_c", "native"]`` otherwise. Only for the ops
-whose "vllm_c" implementation the tree enables on CPU; every other op stays
-``native``, since naming a provider an op lacks fails an assertion at start-up.
-The ops come from the tree's ``vllm_c.py`` (as the companion edit leaves it) and
-must be fields of its ``IrOpPriorityConfig``.
+compiling with Inductor, ``["vllm_c", "native"]`` otherwise. Only for the
+norms whose "vllm_c" implementation the tree enables on CPU (never an op some
+other gate already enabled there: its CPU default stays as it was); every other
+op stays ``native``, since naming a provider an op lacks fails an assertion at
+start-up. The norms come from the tree's ``vllm_c.py`` (as the companion edit
+leaves it) and must be fields of its ``IrOpPriorityConfig``. The method is laid
+out as vLLM's ruff lays it out.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import libcst as cst
 import libcst.matchers as m
+from libcst.codemod import CodemodContext
 
-from patcher.codemod import TreeCodemod
-from patches.cpu_fused_norms.enable_vllm_c import EnableVllmCOnCpu, cpu_enabled_ops
+from patcher.codemod import TREE_READER, TreeCodemod
+from patcher.ruff_format import format_member
+from patches.cpu_fused_norms.enable_vllm_c import (
+    EnableVllmCOnCpu,
+    cpu_enabled_norms,
+)
 
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
@@ -27,7 +32,6 @@ CONFIG_MODULE = "vllm.config.kernel"
 CONFIG_FILE = "vllm/config/kernel.py"
 COMPILATION_FILE = "vllm/config/compilation.py"
 TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
-LINE_LENGTH = 88  # vLLM's ruff setting
 
 METHOD_TEMPLATE = """\
 @classmethod
@@ -44,7 +48,7 @@ def {method}(
     using_inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
-{return_statement}
+    return {config}.with_default(["native"], {per_op})
 """
 
 TYPE_CHECKING_IF = m.If(test=m.Name("TYPE_CHECKING"))
@@ -68,20 +72,6 @@ def _config_fields(module: cst.Module) -> tuple[list[str], bool]:
     return [], False
 
 
-def _return_statement(ops: list[str], indent: str) -> str:
-    """``return IrOpPriorityConfig.with_default(...)`` laid out as ruff would."""
-    args = ['["native"]'] + [f"{op}=default" for op in ops]
-    one_line = f"return {CONFIG}.with_default({', '.join(args)})"
-    if len(indent * 2) + len(one_line) <= LINE_LENGTH:
-        return indent + one_line
-    hanging = indent * 2 + ", ".join(args)
-    if len(hanging) <= LINE_LENGTH:
-        body = hanging
-    else:
-        body = "\n".join(f"{indent * 2}{a}," for a in args)
-    return f"{indent}return {CONFIG}.with_default(\n{body}\n{indent})"
-
-
 class _CpuPlatformCodemod(TreeCodemod):
     TARGET = "vllm/platforms/cpu.py"
 
@@ -96,7 +86,7 @@ class _CpuPlatformCodemod(TreeCodemod):
 
 class AddCpuIrOpPriority(_CpuPlatformCodemod):
     DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the ops it enables on CPU, "
+        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
         "native when compiling with Inductor."
     )
 
@@ -108,34 +98,43 @@ class AddCpuIrOpPriority(_CpuPlatformCodemod):
 
     def _method(self, tree: cst.Module) -> cst.FunctionDef:
         vllm_c = EnableVllmCOnCpu.TARGET
-        # The ops as the companion edit leaves vllm_c.py (it may not have run yet).
-        patched = EnableVllmCOnCpu(
-            replace(self.context, filename=None)
-        ).transform_module(self.parse_tree_file(vllm_c))
+        # The norms as the companion edit leaves vllm_c.py (it may not have run
+        # yet); what it would record is its own business.
+        context = CodemodContext(scratch={TREE_READER: self.read_tree_file})
+        patched = EnableVllmCOnCpu(context).transform_module(
+            self.parse_tree_file(vllm_c)
+        )
         fields, with_default = _config_fields(self.parse_tree_file(CONFIG_FILE))
         if not with_default:
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
                 f"{CONFIG} fields {fields}" if fields else f"no class {CONFIG}",
             )
-        ops = [op for op in cpu_enabled_ops(patched) if op in fields]
+        # Exactly the norms: an op some other gate already enables on CPU
+        # keeps its native default.
+        ops = [op for op in cpu_enabled_norms(patched) if op in fields]
         if not ops:
             raise self.shape_error(
-                f"ops enabled on CPU in {vllm_c} that are fields of {CONFIG}",
-                f"enabled: {cpu_enabled_ops(patched)}; fields: {fields}",
+                f"norms enabled on CPU in {vllm_c} that are fields of {CONFIG}",
+                f"enabled: {cpu_enabled_norms(patched)}; fields: {fields}",
             )
         if "class CompilationMode" not in self.read_tree_file(COMPILATION_FILE):
             raise self.shape_error(
                 f"class CompilationMode in {COMPILATION_FILE}", "no such class"
             )
-        indent = tree.default_indent
         source = METHOD_TEMPLATE.format(
             method=METHOD,
             config=CONFIG,
             config_module=CONFIG_MODULE,
-            return_statement=_return_statement(ops, indent),
-        ).replace("    ", indent)
-        method = cst.parse_statement(source, config=tree.config_for_parsing)
+            per_op=", ".join(f"{op}=default" for op in ops),
+        )
+        listed = " and ".join(f"`{op}`" for op in ops)
+        self.record(
+            f"`{CLASS}.{METHOD}` is added: {listed} get "
+            '`["vllm_c", "native"]` when not compiling with Inductor and '
+            '`["native"]` when compiling; every other op keeps `["native"]`'
+        )
+        method = format_member(source, tree)
         return method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
 
     def leave_ClassDef(self, original_node, updated_node):
@@ -166,6 +165,7 @@ class AddCpuIrOpPriority(_CpuPlatformCodemod):
                     at = i
                     break
         body.insert(at, new)
+        self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
         return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
 
 
@@ -178,6 +178,7 @@ class RemoveCpuIrOpPriority(_CpuPlatformCodemod):
     @m.call_if_inside(CPU_CLASS)
     def leave_FunctionDef(self, original_node, updated_node):
         if m.matches(original_node, PRIORITY_METHOD):
+            self.record(f"`{CLASS}.{METHOD}` is removed")
             return cst.RemoveFromParent()
         return updated_node
 

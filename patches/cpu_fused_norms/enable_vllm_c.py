@@ -1,35 +1,50 @@
 """Mark the "vllm_c" RMSNorm implementations supported on CPU.
 
+The rule: on CPU, exactly ``rms_norm`` and ``fused_add_rms_norm`` change; on
+every other platform, and for every other op, nothing changes.
+
 vLLM's CPU build ships ``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``,
 but ``vllm/kernels/vllm_c.py`` gates their IR implementations on GPU-like
-platforms. Two source shapes exist:
+platforms. The gate gains ``or current_platform.is_cpu()``:
 
-* 0.27 and later: ``GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()``
-  gates the norms. It gains ``or current_platform.is_cpu()``, as upstream does.
-* 0.20 to 0.26: each norm says ``supported=CUDA_ALIKE``; only those arguments
-  gain ``or current_platform.is_cpu()``, because ``CUDA_ALIKE`` also gates
-  kernels the CPU build does not have.
+* ``GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()`` (0.27 and later)
+  is widened, as upstream does, only when the two norms are its only users;
+* otherwise (``supported=CUDA_ALIKE`` in 0.20 to 0.26, or a ``GPGPU_DEVICE``
+  that also gates ``silu_and_mul``) the norms' own ``supported=`` arguments
+  gain it, because the shared name also gates kernels the CPU build lacks;
+* a norm whose gate already admits CPU keeps it as it is.
+
+Whether a gate admits CPU is evaluated, not searched for: ``or not
+current_platform.is_cpu()`` mentions CPU but excludes it.
 
 The CPU kernels ignore strides: on a non-contiguous input (a q/k slice of a
 fused qkv projection, a transposed view) they return wrong numbers without an
-error. So each norm's ``supports_args`` lambda also gains
-``and (not current_platform.is_cpu() or x.is_contiguous())`` (with the residual
-for the fused add), which sends such calls to the native implementation on CPU
-and changes nothing elsewhere.
+error. So each norm's ``supports_args`` (a lambda or a ``def`` returning one
+expression, with whatever parameter names it has) also gains
+``and (not current_platform.is_cpu() or x.is_contiguous())`` for its input
+tensors (the input, and the residual for the fused add), which sends such calls
+to the native implementation on CPU and changes nothing elsewhere.
 
-Every other "vllm_c" implementation is left exactly as it is.
+Each statement the edit touches comes out as vLLM's ruff lays it out when the
+tree had it that way; the revert finds the layout that apply started from and
+proves it by applying again.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
+from libcst.codemod import CodemodContext
 
 from patcher.codemod import TreeCodemod
+from patcher.errors import ShapeNotRecognised
+from patcher.ruff_format import format_node, is_formatted
 from patches.cpu_fused_norms.bool_operand import (
     append_operand,
     can_append,
@@ -37,12 +52,30 @@ from patches.cpu_fused_norms.bool_operand import (
 )
 
 NORM_OPS = ("rms_norm", "fused_add_rms_norm")
+# How many leading parameters of each norm's supports_args are the input
+# tensors the CPU kernel reads ignoring their strides.
+NORM_TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 GATE = "GPGPU_DEVICE"
+# The norms' own gate, where GPGPU_DEVICE or CUDA_ALIKE also gates other impls.
+NORM_GATE = "RMS_NORM_DEVICE"
 PROVIDER = "vllm_c"
 IS_CPU_SOURCE = "current_platform.is_cpu()"
 IS_CPU = m.Call(
     func=m.Attribute(value=m.Name("current_platform"), attr=m.Name("is_cpu")), args=()
 )
+PLATFORM_CALL = m.Call(
+    func=m.Attribute(value=m.Name("current_platform"), attr=m.Name()), args=()
+)
+# The platforms a gate is judged on, and which current_platform.is_*() says yes
+# on each (every other is_*() says no on all four).
+PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
+PLATFORM_CHECKS = {
+    "is_cpu": {"cpu"},
+    "is_cuda": {"cuda"},
+    "is_rocm": {"rocm"},
+    "is_cuda_alike": {"cuda", "rocm"},
+    "is_xpu": {"xpu"},
+}
 # @ir.ops.<op>.register_impl("vllm_c", ...)
 REGISTER_IMPL = m.Call(
     func=m.Attribute(
@@ -60,10 +93,6 @@ REGISTER_IMPL = m.Call(
     ],
 )
 ENDS_WITH_IS_CPU_OR = m.BooleanOperation(operator=m.Or(), right=IS_CPU)
-ENDS_WITH_CPU_GUARD = m.BooleanOperation(
-    operator=m.And(),
-    right=m.BooleanOperation(operator=m.Or(), left=m.UnaryOperation(expression=IS_CPU)),
-)
 
 
 @dataclass(frozen=True)
@@ -74,12 +103,24 @@ class VllmCImpl:
     supports_args: cst.BaseExpression | None
 
 
+@dataclass(frozen=True)
+class Predicate:
+    """A norm's ``supports_args``: the expression it returns and its tensors."""
+
+    name: str | None
+    """The module-level name it is bound to, or None when written inline."""
+    body: cst.BaseExpression
+    tensors: tuple[str, ...]
+    """Its own names for the input tensors (the input, and the residual)."""
+
+
 def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
     return next(
         (a.value for a in call.args if m.matches(a.keyword, m.Name(name))), None
     )
 
 
+@lru_cache(maxsize=16)  # modules hash by identity; each is read many times
 def vllm_c_impls(module: cst.Module) -> list[VllmCImpl]:
     impls = []
     for call in m.findall(module, REGISTER_IMPL):
@@ -94,6 +135,22 @@ def vllm_c_impls(module: cst.Module) -> list[VllmCImpl]:
     return impls
 
 
+class _NameCounter(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.counts[node.value] += 1
+
+
+@lru_cache(maxsize=16)
+def name_counts(module: cst.Module) -> Counter[str]:
+    """How often each name occurs in ``module``."""
+    counter = _NameCounter()
+    module.visit(counter)
+    return counter.counts
+
+
 def module_assignments(module: cst.Module) -> dict[str, cst.BaseExpression]:
     """``NAME = value`` statements at module level."""
     found = {}
@@ -106,21 +163,35 @@ def module_assignments(module: cst.Module) -> dict[str, cst.BaseExpression]:
     return found
 
 
-def enables_cpu(expr: cst.BaseExpression, assignments: dict) -> bool:
-    """Does ``expr`` call ``current_platform.is_cpu()``, directly or through a
-    module-level name?"""
-    seen: set[str] = set()
-    todo = [expr]
-    while todo:
-        node = todo.pop()
-        if m.findall(node, IS_CPU):
-            return True
-        for name in m.findall(node, m.Name()):
-            value = assignments.get(name.value)
-            if value is not None and name.value not in seen:
-                seen.add(name.value)
-                todo.append(value)
-    return False
+def admits(
+    expr: cst.BaseExpression, platform: str, assignments: dict, seen: tuple = ()
+) -> bool | None:
+    """Whether the gate ``expr`` is true on ``platform``; None when it depends on
+    something other than ``current_platform.is_*()``, constants, module-level
+    names built from them, ``not``, ``and`` and ``or``."""
+    if isinstance(expr, cst.Name):
+        if expr.value in ("True", "False"):
+            return expr.value == "True"
+        value = assignments.get(expr.value)
+        if value is None or expr.value in seen:
+            return None
+        return admits(value, platform, assignments, (*seen, expr.value))
+    if m.matches(expr, PLATFORM_CALL):
+        check = expr.func.attr.value
+        if not check.startswith("is_"):
+            return None
+        return platform in PLATFORM_CHECKS.get(check, ())
+    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Not):
+        value = admits(expr.expression, platform, assignments, seen)
+        return None if value is None else not value
+    if isinstance(expr, cst.BooleanOperation):
+        left = admits(expr.left, platform, assignments, seen)
+        right = admits(expr.right, platform, assignments, seen)
+        decisive = isinstance(expr.operator, cst.Or)  # True decides `or`
+        if decisive in (left, right):
+            return decisive
+        return None if None in (left, right) else not decisive
+    return None
 
 
 def cpu_enabled_ops(module: cst.Module) -> list[str]:
@@ -129,16 +200,32 @@ def cpu_enabled_ops(module: cst.Module) -> list[str]:
     return [
         i.op
         for i in vllm_c_impls(module)
-        if i.supported is not None and enables_cpu(i.supported, assignments)
+        if i.supported is not None and admits(i.supported, "cpu", assignments)
     ]
 
 
-def cpu_guard(tensors: list[str]) -> cst.BaseExpression:
+def cpu_enabled_norms(module: cst.Module) -> list[str]:
+    """The norms (of ``NORM_OPS``) whose "vllm_c" impl is supported on CPU."""
+    enabled = cpu_enabled_ops(module)
+    return [op for op in NORM_OPS if op in enabled]
+
+
+def cpu_guard(tensors: list[str] | tuple[str, ...]) -> cst.BaseExpression:
     """``(not current_platform.is_cpu() or x.is_contiguous())``."""
     contiguous = " and ".join(f"{t}.is_contiguous()" for t in tensors)
     if len(tensors) > 1:
         contiguous = f"({contiguous})"
     return cst.parse_expression(f"(not {IS_CPU_SOURCE} or {contiguous})")
+
+
+def _source(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node).strip()
+
+
+def _same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """Equal as Python, whatever the layout."""
+    dump = lambda n: ast.dump(ast.parse(f"({_source(n)})", mode="eval"))  # noqa: E731
+    return dump(a) == dump(b)
 
 
 def _describe(impls: list[VllmCImpl]) -> str:
@@ -147,8 +234,61 @@ def _describe(impls: list[VllmCImpl]) -> str:
     return "vllm_c impls for " + ", ".join(i.op for i in impls)
 
 
+def _ops(ops: list[str]) -> str:
+    return " and ".join(", ".join(ops).rsplit(", ", 1))
+
+
+def _impls(ops: list[str]) -> str:
+    """``the `vllm_c` rms_norm impl's``, or ``... impls'`` for several."""
+    ending = "s'" if len(ops) > 1 else "'s"
+    return f"the `vllm_c` {_ops(ops)} impl{ending}"
+
+
+class _Contains(cst.CSTVisitor):
+    def __init__(self, targets) -> None:
+        self.targets, self.found = targets, False
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        self.found = self.found or node in self.targets
+        return not self.found
+
+
+def _layout_units(tree: cst.Module, targets) -> list[tuple[int, int | None]]:
+    """Where the edited expressions sit: (index of the module-level statement,
+    index of its decorator or None for the whole statement)."""
+
+    def holds(node: cst.CSTNode) -> bool:
+        return _holds(node, targets)
+
+    units = []
+    for i, stmt in enumerate(tree.body):
+        decorators = getattr(stmt, "decorators", ())
+        held = [j for j, d in enumerate(decorators) if holds(d)]
+        if held:
+            units += [(i, j) for j in held]
+        elif holds(stmt):
+            units.append((i, None))
+    return units
+
+
+def _unit(tree: cst.Module, at: tuple[int, int | None]) -> cst.CSTNode:
+    stmt = tree.body[at[0]]
+    return stmt if at[1] is None else stmt.decorators[at[1]]
+
+
+def _with_unit(tree: cst.Module, at: tuple[int, int | None], node) -> cst.Module:
+    body = list(tree.body)
+    if at[1] is None:
+        body[at[0]] = node
+    else:
+        decorators = list(body[at[0]].decorators)
+        decorators[at[1]] = node
+        body[at[0]] = body[at[0]].with_changes(decorators=decorators)
+    return tree.with_changes(body=body)
+
+
 class _NormCodemod(TreeCodemod):
-    """Finds the norm impls' gate and argument check; subclasses edit them."""
+    """Finds the norm impls' gates and argument checks; subclasses edit them."""
 
     TARGET = "vllm/kernels/vllm_c.py"
     edits: dict[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
@@ -171,17 +311,107 @@ class _NormCodemod(TreeCodemod):
                     )
         return norms
 
-    def supports_args_lambda(self, impl: VllmCImpl, assignments: dict) -> cst.Lambda:
-        """The lambda behind ``supports_args=`` (inline or a module-level name)."""
-        value = impl.supports_args
-        if isinstance(value, cst.Name):
-            value = assignments.get(value.value, value)
-        if not isinstance(value, cst.Lambda):
+    def admits_cpu(self, gate: cst.BaseExpression, assignments: dict) -> bool:
+        cpu = admits(gate, "cpu", assignments)
+        if cpu is None:
             raise self.shape_error(
-                looked_for=f"a lambda as the {impl.op} impl's supports_args",
-                found=cst.Module([]).code_for_node(value),
+                looked_for="a supported= gate built from current_platform.is_*() "
+                "calls, module-level names, not, and, or",
+                found=_source(gate),
             )
-        return value
+        return cpu
+
+    def shared_gate_users(self, tree: cst.Module, norms: list[VllmCImpl]) -> list:
+        """What else than the norms' ``supported=`` names ``GPGPU_DEVICE``: the
+        other impls' ops, and "other code" for any other use."""
+        refs = name_counts(tree)[GATE] - 1  # less its assignment
+        by_norms = sum(m.matches(i.supported, m.Name(GATE)) for i in norms)
+        others = [
+            i.op
+            for i in vllm_c_impls(tree)
+            if i.op not in NORM_OPS
+            and i.supported is not None
+            and m.findall(i.supported, m.Name(GATE))
+        ]
+        if refs - by_norms > len(others):
+            others.append("other code")
+        return others
+
+    def widens_gate(self, impl: VllmCImpl, tree, norms, assignments) -> bool:
+        """Whether the norm's gate is ``GPGPU_DEVICE`` and only the norms use it."""
+        return (
+            m.matches(impl.supported, m.Name(GATE))
+            and GATE in assignments
+            and not self.shared_gate_users(tree, norms)
+        )
+
+    def predicate(self, impl: VllmCImpl, tree: cst.Module, assignments) -> Predicate:
+        """The norm's ``supports_args``: a lambda (inline or a module-level
+        name) or a module-level ``def`` that returns one expression."""
+        value, name = impl.supports_args, None
+        if isinstance(value, cst.Name):
+            name = value.value
+            functions = {
+                s.name.value: s for s in tree.body if isinstance(s, cst.FunctionDef)
+            }
+            value = assignments.get(name) or functions.get(name) or value
+        if isinstance(value, cst.Lambda):
+            params, body = value.params, value.body
+        elif isinstance(value, cst.FunctionDef):
+            params, body = value.params, self._returned(value, impl)
+        else:
+            raise self.shape_error(
+                looked_for=f"a lambda or def as the {impl.op} impl's supports_args",
+                found=_source(value),
+            )
+        names = [p.name.value for p in (*params.posonly_params, *params.params)]
+        count = NORM_TENSORS[impl.op]
+        if len(names) < count:
+            raise self.shape_error(
+                looked_for=f"{impl.op}'s supports_args taking its {count} input "
+                "tensor(s) first",
+                found=f"parameters {names}",
+            )
+        self._not_shared(impl, name, tree, assignments)
+        return Predicate(name, body, tuple(names[:count]))
+
+    def _returned(self, func: cst.FunctionDef, impl: VllmCImpl) -> cst.BaseExpression:
+        body = list(func.body.body)
+        if body and m.matches(
+            body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])
+        ):
+            body = body[1:]  # the docstring
+        if len(body) == 1 and m.matches(
+            body[0], m.SimpleStatementLine([m.Return(value=m.DoNotCare())])
+        ):
+            returned = body[0].body[0].value
+            if returned is not None:
+                return returned
+        raise self.shape_error(
+            looked_for=f"def {func.name.value} (the {impl.op} impl's supports_args) "
+            "returning one expression",
+            found=f"a body of {len(body)} statement(s)",
+        )
+
+    def _not_shared(self, impl, name: str | None, tree, assignments) -> None:
+        """A guard on a check another impl supported on CPU shares would change
+        that op on CPU too."""
+        if name is None:
+            return
+        sharing = [
+            i.op
+            for i in vllm_c_impls(tree)
+            if i.op not in NORM_OPS
+            and m.matches(i.supports_args, m.Name(name))
+            and i.supported is not None
+            and admits(i.supported, "cpu", assignments) is not False
+        ]
+        if sharing:
+            raise self.shape_error(
+                looked_for=f"a supports_args for {impl.op} that no impl supported "
+                "on CPU shares",
+                found=f"{name} is also the supports_args of {', '.join(sharing)}",
+            )
 
     def on_leave(self, original_node, updated_node):
         updated_node = super().on_leave(original_node, updated_node)
@@ -192,49 +422,162 @@ class _NormCodemod(TreeCodemod):
 class EnableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
         'Mark the "vllm_c" RMSNorm kernels supported on CPU '
-        f"({GATE} or the norms' supported= gain {IS_CPU_SOURCE}), "
-        "for contiguous inputs (the CPU kernels ignore strides)."
+        f"({GATE} gains {IS_CPU_SOURCE} when only the norms use it, else the "
+        f"norms get a gate of their own, {NORM_GATE}), for contiguous inputs "
+        "(the CPU kernels ignore strides)."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if not m.findall(tree, m.Name("current_platform")):
+        if not name_counts(tree)["current_platform"]:
             raise self.shape_error(
                 looked_for="current_platform imported from vllm.platforms",
                 found="no current_platform in the module",
             )
         assignments = module_assignments(tree)
+        norms = self.norms(tree)
         self.edits = {}
-        for impl in self.norms(tree):
-            self._gate(impl, assignments)
-            self._guard(impl, assignments)
-        return tree.visit(self)
+        own = [i for i in norms if self._gate(i, tree, norms, assignments)]
+        for impl in norms:
+            self._guard(impl, tree, assignments)
+        new_gate = self._own_gate(own, tree, assignments) if own else None
+        # Statements vLLM's ruff would leave alone come out as it lays them out.
+        for at in _layout_units(tree, self.edits):
+            unit = _unit(tree, at)
+            if is_formatted(unit, tree):
+                edit = self.edits.get(unit)
+                self.edits[unit] = lambda n, e=edit: format_node(e(n) if e else n, tree)
+        result = tree.visit(self)
+        if new_gate is not None:
+            result = _insert_before(result, *new_gate)
+        return result
 
-    def _gate(self, impl: VllmCImpl, assignments: dict) -> None:
-        if enables_cpu(impl.supported, assignments):
-            return
-        gate = m.matches(impl.supported, m.Name(GATE)) and assignments.get(GATE)
-        target = gate or impl.supported
-        self._append(target, cst.Or, cst.parse_expression(IS_CPU_SOURCE))
-
-    def _guard(self, impl: VllmCImpl, assignments: dict) -> None:
-        check = self.supports_args_lambda(impl, assignments)
-        if m.findall(check.body, IS_CPU):
-            return
-        params = [p.name.value for p in check.params.params]
-        if "weight" not in params[1:]:
-            raise self.shape_error(
-                looked_for=f"{impl.op}'s supports_args lambda: tensors, then `weight`",
-                found=f"parameters {params}",
+    def _gate(self, impl: VllmCImpl, tree, norms, assignments) -> bool:
+        """Widen the norm's gate if it is the norms' own ``GPGPU_DEVICE``; True
+        when the norm needs a gate of its own instead."""
+        if self.admits_cpu(impl.supported, assignments):
+            return False
+        if not self.widens_gate(impl, tree, norms, assignments):
+            return True
+        target = assignments[GATE]
+        if target not in self.edits:
+            ops = [i.op for i in norms if m.matches(i.supported, m.Name(GATE))]
+            self.record(
+                f"`{GATE}` gains `or {IS_CPU_SOURCE}`: it gates only the "
+                f"`vllm_c` {_ops(ops)} impls"
             )
-        self._append(check.body, cst.And, cpu_guard(params[: params.index("weight")]))
+        self._append(target, cst.Or, cst.parse_expression(IS_CPU_SOURCE))
+        return False
+
+    def _own_gate(self, own: list[VllmCImpl], tree, assignments):
+        """``RMS_NORM_DEVICE = <their gate> or current_platform.is_cpu()`` before
+        the first of them, and their ``supported=`` names it: the shared gate
+        stays as it is for everything else it gates."""
+        gate = own[0].supported
+        differ = [i.op for i in own if not _same_code(i.supported, gate)]
+        if differ or NORM_GATE in assignments:
+            raise self.shape_error(
+                looked_for=f"norms sharing one gate, and no {NORM_GATE} yet",
+                found=f"{NORM_GATE} already assigned"
+                if NORM_GATE in assignments
+                else ", ".join(f"{i.op}: {_source(i.supported)}" for i in own),
+            )
+        if not can_append(gate, cst.Or):
+            gate = gate.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        for impl in own:
+            self.edits[impl.supported] = lambda _: cst.Name(NORM_GATE)
+        statement = format_node(
+            cst.parse_statement(
+                f"{NORM_GATE} = {_source(gate)} or {IS_CPU_SOURCE}\n",
+                config=tree.config_for_parsing,
+            ),
+            tree,
+        )
+        users = self._gate_users(own[0].supported, tree)
+        also = f", which also gates {_ops(users)}," if users else ""
+        self.record(
+            f"{_impls([i.op for i in own])} "
+            f"`supported={_source(own[0].supported)}` becomes `{NORM_GATE}`, a new "
+            f"name for `{_source(gate)} or {IS_CPU_SOURCE}` "
+            f"(`{_source(own[0].supported)}`{also} stays as it is)"
+        )
+        first = min(
+            i
+            for i, stmt in enumerate(tree.body)
+            if _holds(stmt, self.edits.keys())
+            and any(_holds(stmt, {i.supported}) for i in own)
+        )
+        return first, statement
+
+    def _gate_users(self, gate: cst.BaseExpression, tree) -> list[str]:
+        names = {n.value for n in m.findall(gate, m.Name())}
+        return [
+            i.op
+            for i in vllm_c_impls(tree)
+            if i.op not in NORM_OPS
+            and i.supported is not None
+            and names & {n.value for n in m.findall(i.supported, m.Name())}
+        ]
+
+    def _guard(self, impl: VllmCImpl, tree, assignments) -> None:
+        check = self.predicate(impl, tree, assignments)
+        guard = cpu_guard(check.tensors)
+        if _ends_with_guard(check.body, guard) or check.body in self.edits:
+            return
+        tensors = _ops([f"`{t}`" for t in check.tensors])
+        where = f"`{check.name}`" if check.name else "the inline lambda"
+        self.record(
+            f"{where}, the {impl.op} impl's `supports_args`, refuses a "
+            f"non-contiguous {tensors} on CPU: `and {_source(guard)}`"
+        )
+        self._append(check.body, cst.And, guard)
 
     def _append(self, target, operator: type[cst.BaseBooleanOp], operand) -> None:
         if not can_append(target, operator):
             raise self.shape_error(
                 looked_for=f"an operand to extend: `... {operator.__name__.lower()} X`",
-                found=cst.Module([]).code_for_node(target),
+                found=_source(target),
             )
         self.edits.setdefault(target, lambda n: append_operand(n, operator, operand))
+
+
+def _holds(node: cst.CSTNode, targets) -> bool:
+    visitor = _Contains(targets)
+    node.visit(visitor)
+    return visitor.found
+
+
+def _insert_before(tree: cst.Module, at: int, statement) -> cst.Module:
+    """``statement`` before ``tree.body[at]``, taking the blank lines above it;
+    that statement keeps its comments and gets the two blank lines ruff wants."""
+    body = list(tree.body)
+    after = body[at]
+    lines = list(after.leading_lines)
+    blank = 0
+    while blank < len(lines) and lines[blank].comment is None:
+        blank += 1
+    body[at : at + 1] = [
+        statement.with_changes(leading_lines=lines[:blank]),
+        after.with_changes(leading_lines=[cst.EmptyLine()] * 2 + lines[blank:]),
+    ]
+    return tree.with_changes(body=body)
+
+
+def _remove_at(tree: cst.Module, at: int) -> cst.Module:
+    """The inverse of :func:`_insert_before`."""
+    body = list(tree.body)
+    removed, after = body[at], body[at + 1]
+    body[at : at + 2] = [
+        after.with_changes(
+            leading_lines=[*removed.leading_lines, *after.leading_lines[2:]]
+        )
+    ]
+    return tree.with_changes(body=body)
+
+
+def _ends_with_guard(body: cst.BaseExpression, guard: cst.BaseExpression) -> bool:
+    return m.matches(body, m.BooleanOperation(operator=m.And())) and _same_code(
+        body.right, guard
+    )
 
 
 class DisableVllmCOnCpu(_NormCodemod):
@@ -242,20 +585,103 @@ class DisableVllmCOnCpu(_NormCodemod):
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         assignments = module_assignments(tree)
-        candidates = []
-        for impl in self.norms(tree):
-            candidates.append((impl.supported, ENDS_WITH_IS_CPU_OR))
-            lambda_ = self.supports_args_lambda(impl, assignments)
-            candidates.append((lambda_.body, ENDS_WITH_CPU_GUARD))
-        if GATE in assignments:
-            candidates.append((assignments[GATE], ENDS_WITH_IS_CPU_OR))
+        norms = self.norms(tree)
         self.edits = {}
-        for expr, ours in candidates:
-            if m.matches(expr, ours):
-                self.edits[expr] = strip_operand
-            elif m.findall(expr, IS_CPU):
-                raise self.shape_error(
-                    looked_for=f"{IS_CPU_SOURCE} only in the last operand",
-                    found=cst.Module([]).code_for_node(expr).strip(),
-                )
-        return tree.visit(self)
+        own_gate = self._own_gate(tree, norms, assignments)
+        for impl in norms:
+            gate = impl.supported
+            if self.widens_gate(impl, tree, norms, assignments):
+                gate = assignments[GATE]
+            self._strip_gate(gate, assignments)
+            check = self.predicate(impl, tree, assignments)
+            if _ends_with_guard(check.body, cpu_guard(check.tensors)):
+                self.edits[check.body] = strip_operand
+                self.record(f"the CPU contiguity check of {impl.op} is removed")
+        if not self.edits:
+            return tree
+        units = _layout_units(tree, self.edits)
+        stripped = tree.visit(self)
+        if own_gate is not None:
+            stripped = _remove_at(stripped, own_gate)
+        return self._layout(tree, stripped, units, own_gate)
+
+    def _own_gate(self, tree, norms, assignments) -> int | None:
+        """Where apply's ``RMS_NORM_DEVICE`` statement is, if the norms use it
+        and nothing else does; their ``supported=`` get its old gate back."""
+        value = assignments.get(NORM_GATE)
+        users = [i for i in norms if m.matches(i.supported, m.Name(NORM_GATE))]
+        refs = name_counts(tree)[NORM_GATE] - 1
+        if (
+            value is None
+            or not users
+            or refs != len(users)
+            or not m.matches(value, ENDS_WITH_IS_CPU_OR)
+            or admits(value.left, "cpu", assignments) is not False
+        ):
+            return None
+        gate = value.left
+        if gate.lpar and not m.matches(gate, m.Name()):
+            gate = gate.with_changes(lpar=[], rpar=[])
+        for impl in users:
+            self.edits[impl.supported] = lambda _, g=gate: g
+        self.record(
+            f"{_impls([i.op for i in users])} `supported=` "
+            f"goes back to `{_source(gate)}`; `{NORM_GATE}` is removed"
+        )
+        return next(
+            i
+            for i, stmt in enumerate(tree.body)
+            if m.matches(
+                stmt,
+                m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(NORM_GATE))])]),
+            )
+        )
+
+    def _strip_gate(self, gate: cst.BaseExpression, assignments: dict) -> None:
+        """Only an ``or current_platform.is_cpu()`` that apply would add again:
+        the last operand, of a gate that without it excludes CPU."""
+        if gate in self.edits or not m.matches(gate, ENDS_WITH_IS_CPU_OR):
+            return
+        if admits(strip_operand(gate), "cpu", assignments) is False:
+            self.edits[gate] = strip_operand
+            self.record(f"`{_source(gate)}` loses `or {IS_CPU_SOURCE}`")
+
+    def _layout(self, patched: cst.Module, stripped: cst.Module, units, removed):
+        """Each edited statement in the layout apply started from: the one that,
+        applied again, gives the patched statement back (ruff's, or the tree's
+        own where apply kept it). Apply again proves it."""
+
+        def there(at):  # the unit's place in ``stripped``
+            moved = removed is not None and at[0] > removed
+            return (at[0] - moved, at[1])
+
+        pending = {
+            at: [
+                format_node(_unit(stripped, there(at)), stripped),
+                _unit(stripped, there(at)),
+            ]
+            for at in units
+        }
+        result = stripped
+        while pending:
+            trial = stripped
+            for at, candidates in pending.items():
+                trial = _with_unit(trial, there(at), candidates[0])
+            try:
+                again = EnableVllmCOnCpu(CodemodContext()).transform_module(trial)
+            except ShapeNotRecognised:
+                again = None
+            for at in list(pending):
+                code = patched.code_for_node
+                if again is not None and code(again.body[at[0]]) == code(
+                    patched.body[at[0]]
+                ):
+                    result = _with_unit(result, there(at), pending.pop(at)[0])
+                    continue
+                pending[at].pop(0)
+                if not pending[at]:
+                    raise self.shape_error(
+                        looked_for="a statement as apply lays it out",
+                        found=code(patched.body[at[0]]).strip(),
+                    )
+        return result

@@ -1,0 +1,100 @@
+"""Lay out Python source the way vLLM's ``ruff format`` does.
+
+The ruff that runs is the one this project pins (``pyproject.toml``, a
+dependency, so it is there with or without ruff in a vLLM checkout), with
+vLLM's settings: 88 columns, Python 3.10. Codemods use it to emit the
+statements they edit already formatted, so ``apply``, ``diff``, the rendered
+patches and ``pr`` all show the same lines.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from functools import cache, lru_cache
+
+import libcst as cst
+
+from patcher.errors import PatchError
+
+# vLLM's pyproject.toml [tool.ruff]: line-length = 88; it targets Python 3.10.
+VLLM_SETTINGS = ("--line-length", "88", "--target-version", "py310")
+LINE_LENGTH = 88
+
+
+@cache
+def ruff_binary() -> str:
+    """The pinned ruff's executable (the ``ruff`` package's own binary)."""
+    try:
+        from ruff.__main__ import find_ruff_bin
+    except ImportError as exc:
+        raise PatchError(
+            "the pinned ruff is not installed (it is a dependency of vllm-patch: "
+            "reinstall vllm-patch)",
+            looked_for="the ruff Python package",
+            found="no module named ruff",
+        ) from exc
+    return str(find_ruff_bin())
+
+
+@cache
+def ruff_version() -> str:
+    """``ruff X.Y.Z`` as the pinned binary reports it."""
+    return _run([ruff_binary(), "--version"], "").strip()
+
+
+@lru_cache(maxsize=1024)
+def format_source(source: str, indent: str = "    ") -> str:
+    """``source`` (a whole module or snippet) as ``ruff format`` lays it out with
+    vLLM's settings, indenting blocks with ``indent``."""
+    if indent == "\t":
+        style = ["--config", 'format.indent-style="tab"']
+    else:
+        style = ["--config", f"indent-width={len(indent)}"]
+    return _run(
+        [ruff_binary(), "format", "--isolated", *VLLM_SETTINGS, *style, "-"], source
+    )
+
+
+def _run(cmd: list[str], stdin: str) -> str:
+    # Bytes in and out: text mode would translate the file's line endings.
+    done = subprocess.run(cmd, input=stdin.encode(), capture_output=True, check=False)
+    if done.returncode != 0:
+        raise PatchError(
+            "ruff format failed",
+            looked_for="source ruff can format",
+            found=done.stderr.decode(errors="replace").strip(),
+        )
+    return done.stdout.decode()
+
+
+def format_node(node: cst.CSTNode, module: cst.Module) -> cst.CSTNode:
+    """A module-level statement of ``module``, or a decorator of one, laid out as
+    ``ruff format`` lays it out there (comments above it kept as they are)."""
+    nl = module.default_newline
+    bare = node.with_changes(leading_lines=[])
+    if isinstance(node, cst.Decorator):
+        # A decorator is formatted on its own; a stub function carries it.
+        source = module.code_for_node(bare) + f"def _(): pass{nl}"
+        out = format_source(source, module.default_indent)
+        new = cst.parse_statement(out, config=module.config_for_parsing).decorators[0]
+    else:
+        out = format_source(module.code_for_node(bare), module.default_indent)
+        new = cst.parse_statement(out, config=module.config_for_parsing)
+    return new.with_changes(leading_lines=node.leading_lines)
+
+
+def is_formatted(node: cst.CSTNode, module: cst.Module) -> bool:
+    """Whether ``node`` (see :func:`format_node`) is already ruff's layout."""
+    code = module.code_for_node
+    return code(format_node(node, module)) == code(node)
+
+
+def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
+    """A class member written at column 0 (``source``), laid out as ruff lays it
+    out inside a class of ``module`` (its indentation and line endings)."""
+    lines = source.splitlines(keepends=True)
+    indented = "".join(f"    {line}" if line.strip() else line for line in lines)
+    out = format_source(f"class _:\n{indented}", module.default_indent)
+    out = out.replace("\n", module.default_newline)  # ruff kept the "\n" it got
+    klass = cst.parse_statement(out, config=module.config_for_parsing)
+    return klass.body.body[0]
