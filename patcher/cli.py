@@ -40,7 +40,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return ExitCode.OK
     for p in patches:
         print(f"{p.name}  (vLLM {p.versions})\n  {p.title}")
-        for e in p.edits:
+        for e in p.edits + p.test_edits:
             print(f"  - {e.file}: {e.summary}")
     return ExitCode.OK
 
@@ -66,8 +66,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                 print("  " + str(p.error).replace("\n", "\n  "))
             for e in p.edits:
                 print(f"  {e.edit.file}: {e.status()}")
-                if e.error:
-                    print("    " + str(e.error).replace("\n", "\n    "))
+                if e.error or e.skipped:
+                    print("    " + str(e.error or e.skipped).replace("\n", "\n    "))
     statuses = {p.status for p in plans}
     if "not applicable" in statuses:
         return ExitCode.CANNOT_APPLY

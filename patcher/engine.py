@@ -23,6 +23,14 @@ from patcher.tree import VllmTree
 from patcher.version import VERSION_FILE, read_version
 
 Direction = Literal["apply", "revert"]
+TESTS_FOLDER = "tests"
+"""A tree with this folder beside ``vllm/`` (a checkout) also gets the test edits."""
+
+
+def edits_for(tree: VllmTree, patch: Patch) -> tuple[Edit, ...]:
+    """The patch's source edits, and its test edits where the tree has tests."""
+    tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
+    return patch.edits + tests
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,16 @@ class EditPlan:
     error: PatchError | None = None
     described: tuple[str, ...] = ()
     """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
+    skipped: PatchError | None = None
+    """Why an optional edit is left out (its file is missing or unrecognised)."""
 
     @property
     def changes(self) -> bool:
-        return self.error is None and self.before != self.after
+        return self.error is None and self.skipped is None and self.before != self.after
 
     def status(self, direction: Direction = "apply") -> str:
+        if self.skipped is not None:
+            return "skipped"
         if self.error is not None:
             return "not applicable"
         if direction == "apply":
@@ -73,11 +85,16 @@ class PatchPlan:
             return "applicable" if pending else "applied"
         return "revertible" if pending else "not applied"
 
+    @property
+    def skipped(self) -> list[EditPlan]:
+        """Optional edits left out, each with its reason."""
+        return [e for e in self.edits if e.skipped is not None]
+
     def file_changes(self) -> dict[str, tuple[str, str]]:
         """relpath -> (text before the patch, text after all its edits)."""
         out: dict[str, tuple[str, str]] = {}
         for e in self.edits:
-            if e.error is None:
+            if e.error is None and e.skipped is None:
                 first = out.get(e.edit.file, (e.before, e.before))[0]
                 out[e.edit.file] = (first, e.after)
         return {k: v for k, v in out.items() if v[0] != v[1]}
@@ -107,7 +124,7 @@ class PatchPlan:
                     "file": e.edit.file,
                     "summary": e.edit.summary,
                     "status": e.status(self.direction),
-                    "reason": str(e.error) if e.error else None,
+                    "reason": str(e.error or e.skipped or "") or None,
                     "changes": list(e.described) if e.changes else [],
                 }
                 for e in self.edits
@@ -136,7 +153,8 @@ def plan(
             return PatchPlan(patch, tree, direction, version, (), refusal)
         warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
 
-    edits = tuple(_plan_edits(tree, patch.edits, direction))
+    edits = tuple(_plan_edits(tree, edits_for(tree, patch), direction))
+    warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
     return PatchPlan(patch, tree, direction, version, edits, None, tuple(warnings))
 
 
@@ -146,6 +164,12 @@ def _plan_edits(
     texts: dict[str, str] = {}  # files as edited so far, so edits to one file chain
     for edit in edits:
         codemod = edit.apply if direction == "apply" else edit.revert
+        if edit.optional and not tree.exists(edit.file):
+            yield EditPlan(
+                edit,
+                skipped=PatchError("not in this tree", path=tree.display(edit.file)),
+            )
+            continue
         try:
             before = (
                 texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
@@ -154,7 +178,7 @@ def _plan_edits(
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = tree.display(edit.file)
-            yield EditPlan(edit, error=exc)
+            yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
         texts[edit.file] = after
         yield EditPlan(edit, before, after, described=described)
@@ -199,7 +223,7 @@ def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
     if tree.kind == "installed":
         writes |= Backup.of(tree.location, patch.name).files_to_write(changes)
     write_atomically(writes)
-    partly = any(not e.changes for e in p.edits)
+    partly = any(not e.changes for e in p.edits if e.skipped is None)
     return Outcome(
         patch.name, "completed" if partly else "applied", tuple(changes), p.warnings
     )
@@ -214,7 +238,7 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
         original = backup.restorable(edit.file, current)
         if original is not None:
             restored[edit.file] = (current, original)
-    rest = [e for e in patch.edits if e.file not in restored]
+    rest = [e for e in edits_for(tree, patch) if e.file not in restored]
     p = PatchPlan(
         patch,
         tree,

@@ -33,6 +33,10 @@ class Edit:
 
     apply: type[TreeCodemod]
     revert: type[TreeCodemod]
+    optional: bool = False
+    """An edit to vLLM's own tests: made only where the tree has them (a
+    checkout), and skipped, with the reason, where its file is missing or has a
+    shape the codemod does not recognise. The source edits never are."""
 
     @property
     def file(self) -> str:
@@ -52,6 +56,8 @@ class Patch:
     folder: Path
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
     """The whole ``patch.toml``, for the tools that need more (provider, PR text)."""
+    test_edits: tuple[Edit, ...] = ()
+    """Edits to vLLM's own tests (``[[test_edits]]``), all optional."""
 
     def covers(self, version: Version) -> bool:
         return self.versions.contains(version, prereleases=True)
@@ -62,6 +68,9 @@ class Patch:
             "title": self.title,
             "vllm": str(self.versions),
             "edits": [{"file": e.file, "summary": e.summary} for e in self.edits],
+            "test_edits": [
+                {"file": e.file, "summary": e.summary} for e in self.test_edits
+            ],
         }
 
 
@@ -74,9 +83,16 @@ def load_patch(folder: Path) -> Patch:
         raise PatchError(
             f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file)
         ) from exc
-    edits = tuple(
-        Edit(apply=_load_object(e["apply"]), revert=_load_object(e["revert"]))
-        for e in meta["edits"]
+    edits, test_edits = (
+        tuple(
+            Edit(
+                apply=_load_object(e["apply"]),
+                revert=_load_object(e["revert"]),
+                optional=optional,
+            )
+            for e in meta.get(table, ())
+        )
+        for table, optional in (("edits", False), ("test_edits", True))
     )
     return Patch(
         name=folder.name,
@@ -85,6 +101,7 @@ def load_patch(folder: Path) -> Patch:
         edits=edits,
         folder=folder,
         meta=meta,
+        test_edits=test_edits,
     )
 
 

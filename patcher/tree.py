@@ -66,6 +66,11 @@ class VllmTree:
             return relpath in self._zip_names
         return self.path(relpath).is_file()
 
+    def has_folder(self, relpath: str) -> bool:
+        if self.is_wheel:
+            return any(n.startswith(f"{relpath}/") for n in self._zip_names)
+        return self.path(relpath).is_dir()
+
     def read_bytes(self, relpath: str) -> bytes:
         try:
             if self.is_wheel:
