@@ -1,0 +1,274 @@
+"""RunIrNormTestsOnCpu / StopIrNormTestsOnCpu: vLLM's IR norm tests, before and
+after, on small sources and on real upstream test files of two shapes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from libcst.codemod import CodemodTest
+
+from patcher import engine
+from patcher.codemod import run_codemod
+from patcher.errors import ShapeNotRecognised
+from patcher.pr_format import find_ruff
+from patcher.tree import open_tree
+from patcher.upstream import pick_patch
+from patches.cpu_fused_norms.ir_norm_tests import (
+    FUSED_ADD_RMS_NORM,
+    RMS_NORM,
+    RunIrNormTestsOnCpu,
+    StopIrNormTestsOnCpu,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CHECKOUTS = FIXTURES / "vllm_checkouts"
+# Real files from vLLM's public history (license headers kept): the v0.32.0
+# release (both norms, an IS_GPGPU_DEVICE name, multi-line skips) and commit
+# 0d73436d (rms_norm only, the gate spelled out inline).
+SHAPES = ["upstream-v0.32.0", "upstream-0d73436d"]
+TARGET = RunIrNormTestsOnCpu.TARGET
+
+
+def added(*norms) -> str:
+    return "".join(f"\n\n{n.added}" for n in norms)
+
+
+REGISTRATION = """
+def test_{op}_registration():
+    expected = {{
+        "native": True,
+        "vllm_c": {vllm_c},
+    }}
+"""
+GPU = "not current_platform.is_cuda_alike() and not current_platform.is_xpu()"
+GPU_CPU = """\
+    not current_platform.is_cuda_alike()
+    and not current_platform.is_xpu()
+    and not current_platform.is_cpu()"""
+SKIP = '@pytest.mark.skipif(\n{cond},\n    reason="Currently only kernels on {on}",\n)'
+
+# (name, before, after): every test below runs them both ways.
+CASES = [
+    (
+        "inline gate: the condition no longer fits one line, so it wraps",
+        SKIP.format(cond=f"    {GPU}", on="CUDA, ROCm and XPU")
+        + REGISTRATION.format(op="rms_norm", vllm_c="current_platform.is_cuda_alike()")
+        + "\n\n"
+        + SKIP.format(cond=f"    {GPU}", on="CUDA, ROCm and XPU")
+        + "\nclass TestRMSNorm:\n    pass\n",
+        SKIP.format(cond=GPU_CPU, on="CUDA, ROCm, XPU and CPU")
+        + REGISTRATION.format(
+            op="rms_norm",
+            vllm_c="current_platform.is_cuda_alike() or current_platform.is_cpu()",
+        )
+        + "\n\n"
+        + SKIP.format(cond=GPU_CPU, on="CUDA, ROCm, XPU and CPU")
+        + "\nclass TestRMSNorm:\n    pass\n"
+        + added(RMS_NORM),
+    ),
+    (
+        "a named gate, both norms; the rms_norm_gated tests keep their skip",
+        "".join(
+            SKIP.format(cond="    not IS_GPGPU_DEVICE", on="CUDA, ROCm and XPU")
+            + (
+                REGISTRATION.format(op=op, vllm_c="IS_GPGPU_DEVICE")
+                if name.startswith("test")
+                else f"\nclass {name}:\n    pass\n"
+            )
+            + "\n\n"
+            for op, name in [
+                ("rms_norm", "test"),
+                ("rms_norm", "TestRMSNorm"),
+                ("rms_norm_gated", "test"),
+                ("fused_add_rms_norm", "test"),
+                ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
+            ]
+        ).rstrip()
+        + "\n",
+        "".join(
+            SKIP.format(
+                cond="    not IS_GPGPU_DEVICE"
+                + (
+                    ""
+                    if op == "rms_norm_gated"
+                    else " and not current_platform.is_cpu()"
+                ),
+                on="CUDA, ROCm and XPU"
+                if op == "rms_norm_gated"
+                else "CUDA, ROCm, XPU and CPU",
+            )
+            + (
+                REGISTRATION.format(
+                    op=op,
+                    vllm_c="IS_GPGPU_DEVICE"
+                    if op == "rms_norm_gated"
+                    else "IS_GPGPU_DEVICE or current_platform.is_cpu()",
+                )
+                if name.startswith("test")
+                else f"\nclass {name}:\n    pass\n"
+            )
+            + "\n\n"
+            for op, name in [
+                ("rms_norm", "test"),
+                ("rms_norm", "TestRMSNorm"),
+                ("rms_norm_gated", "test"),
+                ("fused_add_rms_norm", "test"),
+                ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
+            ]
+        ).rstrip()
+        + "\n"
+        + added(RMS_NORM, FUSED_ADD_RMS_NORM),
+    ),
+    (
+        "a one-line skip without a trailing comma stays on one line; "
+        "another reason stays as it is",
+        '@pytest.mark.skipif(not GPU, reason="GPU only")'
+        + REGISTRATION.format(op="rms_norm", vllm_c="GPU")
+        + '\n\n@pytest.mark.skipif(not GPU, reason="GPU only")\n'
+        + "class TestRMSNorm:\n    pass\n",
+        '@pytest.mark.skipif(not GPU and not current_platform.is_cpu(), reason="GPU only")'
+        + REGISTRATION.format(op="rms_norm", vllm_c="GPU or current_platform.is_cpu()")
+        + "\n\n"
+        + '@pytest.mark.skipif(not GPU and not current_platform.is_cpu(), reason="GPU only")\n'
+        + "class TestRMSNorm:\n    pass\n"
+        + added(RMS_NORM),
+    ),
+]
+IDS = [c[0] for c in CASES]
+
+
+class TestRun(CodemodTest):
+    TRANSFORM = RunIrNormTestsOnCpu
+
+    def test_cases(self) -> None:
+        for name, before, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(before, after)
+
+    def test_already_edited_is_unchanged(self) -> None:
+        for name, _, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(after, after)
+
+
+class TestStop(CodemodTest):
+    TRANSFORM = StopIrNormTestsOnCpu
+
+    def test_cases_reverse(self) -> None:
+        for name, before, after in CASES:
+            with self.subTest(name):
+                self.assertCodemod(after, before)
+
+    def test_unedited_is_unchanged(self) -> None:
+        for name, before, _ in CASES:
+            with self.subTest(name):
+                self.assertCodemod(before, before)
+
+
+def ruff_format_check(path: Path) -> subprocess.CompletedProcess:
+    ruff = find_ruff()
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    return subprocess.run(
+        [str(ruff), "format", "--isolated", "--line-length=88", "--check", str(path)],
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_real_upstream_files_round_trip_byte_exactly_and_stay_ruff_formatted(
+    shape: str, tmp_path: Path
+) -> None:
+    original = (CHECKOUTS / shape / TARGET).read_bytes()
+    edited = run_codemod(RunIrNormTestsOnCpu, original.decode(), read_tree_file=None)
+
+    assert edited != original.decode()
+    assert edited.startswith("# SPDX-License-Identifier: Apache-2.0\n")
+    assert run_codemod(RunIrNormTestsOnCpu, edited, read_tree_file=None) == edited
+    assert run_codemod(StopIrNormTestsOnCpu, edited, None).encode() == original
+    written = tmp_path / "test_layernorm.py"
+    written.write_text(edited)
+    assert ruff_format_check(written).returncode == 0
+    ops = ["rms_norm", "fused_add_rms_norm"][: 2 if "v0.32.0" in shape else 1]
+    for norm in (RMS_NORM, FUSED_ADD_RMS_NORM):
+        assert (f"def {norm.added_name}(" in edited) == (norm.op in ops)
+
+
+@pytest.mark.parametrize(
+    "source,looked_for,found",
+    [
+        ("import torch\n", "test_rms_norm_registration and TestRMSNorm", "none"),
+        (
+            "def test_rms_norm_registration():\n    pass\n",
+            "test_rms_norm_registration and TestRMSNorm",
+            "test_rms_norm_registration",
+        ),
+        (
+            "def test_rms_norm_registration():\n    pass\n\n\n"
+            "class TestRMSNorm:\n    pass\n",
+            "one @pytest.mark.skipif(condition, reason=...)",
+            "0 such decorators",
+        ),
+        (
+            SKIP.format(cond="    not GPU", on="GPU")
+            + "\ndef test_rms_norm_registration():\n    expected = {}\n\n\n"
+            + SKIP.format(cond="    not GPU", on="GPU")
+            + "\nclass TestRMSNorm:\n    pass\n",
+            '"vllm_c": ... entry',
+            "0 such entries",
+        ),
+    ],
+    ids=["no norm tests", "no test class", "no skipif", "no vllm_c expectation"],
+)
+def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> None:
+    with pytest.raises(ShapeNotRecognised) as caught:
+        run_codemod(RunIrNormTestsOnCpu, source, read_tree_file=None)
+    assert caught.value.path == TARGET
+    assert looked_for in caught.value.looked_for
+    assert found in caught.value.found
+
+
+def checkout_tree(tmp_path: Path, shape: str, test_source: str | None = None):
+    """The fixture's vLLM sources with a shape's upstream tests, as a checkout."""
+    root = tmp_path / "vllm"
+    shutil.copytree(FIXTURES / "vllm_tree", root)
+    shutil.copytree(CHECKOUTS / shape / "tests", root / "tests")
+    if test_source is not None:
+        (root / TARGET).write_text(test_source)
+    return open_tree(root)
+
+
+@pytest.mark.parametrize(
+    "test_source,status",
+    [(None, "applicable"), ("import torch\n", "skipped")],
+    ids=["recognised", "unrecognised"],
+)
+def test_a_tree_with_tests_gets_the_test_edit_or_says_why_not(
+    tmp_path: Path, test_source, status
+) -> None:
+    tree = checkout_tree(tmp_path, "upstream-v0.32.0", test_source)
+    before = tree.read_bytes(TARGET)
+    patch = pick_patch("cpu_fused_norms")
+
+    plan = engine.plan(tree, patch)
+
+    assert plan.status == "applicable" and not plan.errors
+    assert [e.status() for e in plan.edits][-1] == status
+    if status == "skipped":
+        assert f"{TARGET} left out" in "\n".join(plan.warnings)
+        assert "source shape not recognised" in "\n".join(plan.warnings)
+    engine.apply(tree, patch)
+    assert (tree.read_bytes(TARGET) != before) == (status == "applicable")
+    engine.revert(tree, patch)
+    assert tree.read_bytes(TARGET) == before
+
+
+def test_a_tree_without_tests_gets_only_the_source_edits(tmp_path: Path) -> None:
+    root = tmp_path / "site"
+    shutil.copytree(FIXTURES / "vllm_tree", root)
+    plan = engine.plan(open_tree(root), pick_patch("cpu_fused_norms"))
+    assert TARGET not in [e.edit.file for e in plan.edits]
