@@ -258,10 +258,14 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
                     replace[decorator] = self.with_skipif(
                         decorator, [*operands, NOT_CPU], cpu=True
                     )
+                    self.record(f"`{test.name.value}` also runs on CPU.")
             entry = self.vllm_c_entry(tests[0])
             if not m.findall(entry.value, IS_CPU):
                 operand = cst.parse_expression(IS_CPU_SOURCE)
                 replace[entry.value] = append_operand(entry.value, cst.Or, operand)
+                self.record(
+                    f"`{tests[0].name.value}` expects `{PROVIDER}` supported on CPU."
+                )
         return self._append_tests(self.replaced(tree, replace))
 
     def _append_tests(self, tree: cst.Module) -> cst.Module:
@@ -271,6 +275,10 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
             if norm.added_name not in found:
                 added = cst.parse_module(norm.added).body[0]
                 body.append(added.with_changes(leading_lines=[cst.EmptyLine()] * 2))
+                self.record(
+                    f"New `{norm.added_name}`: on CPU a non-contiguous input is "
+                    f"refused by `{PROVIDER}` and the dispatched call matches native."
+                )
         return tree.with_changes(body=body)
 
 
