@@ -1,7 +1,8 @@
 """The ``vllm-patch`` command line.
 
 Exit codes: 0 done (or already applied, nothing to revert); 1 ``check`` found a
-patch that applies but is not applied yet; 2 usage error; 3 cannot apply (not a
+patch that applies but is not applied yet (``doctor``: something to fix;
+``bench``: a step failed); 2 usage error; 3 cannot apply (not a
 vLLM tree, unrecognised shape, syntax error, version out of range, unreadable or
 unwritable file), with nothing changed.
 """
@@ -107,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-patch",
         description="Apply, check and upstream carried changes to a vLLM source tree.",
-        epilog="Exit codes: 0 done; 1 check found a pending patch; 2 usage error; "
-        "3 cannot apply (nothing changed).",
+        epilog="Exit codes: 0 done; 1 check found a pending patch, doctor found "
+        "something to fix, or a bench step failed; 2 usage error; 3 cannot apply "
+        "(nothing changed).",
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_own_version()}"

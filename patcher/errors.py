@@ -9,7 +9,8 @@ class ExitCode(enum.IntEnum):
     OK = 0
     """Done, already applied, or nothing to revert."""
     PENDING = 1
-    """``check`` found a patch that applies but is not applied yet."""
+    """``check`` found a patch that applies but is not applied yet; ``doctor``
+    found something to fix."""
     USAGE = 2
     """Bad command line (argparse's own code), or a verb the target cannot take."""
     CANNOT_APPLY = 3

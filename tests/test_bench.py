@@ -6,6 +6,8 @@ is fast."""
 import hashlib
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,15 @@ from conftest import requires_vllm
 
 from patcher import e2e
 from patcher.bench import collect, configuration, write_outputs
-from patcher.bench.recommend import priority_snippets, recommend
+from patcher.bench.endtoend import first_difference
+from patcher.bench.recommend import (
+    clarity,
+    priority_snippets,
+    recommend,
+    unclear_ops,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def row(op, provider, us, *, status="ok", tokens=1, threads=1, source="installed"):
@@ -279,3 +289,82 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     assert "## Per op" in text and "## Recommendation for this machine" in text
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["machine"]["cpu_model"] in paths["machine"].read_text()
+
+
+def spread(op, provider, us, q1, q3, **kw):
+    return {**row(op, provider, us, **kw), "q1_us": q1, "q3_us": q3}
+
+
+# (native (median, q1, q3), fused (median, q1, q3), expected clarity)
+CLARITY = {
+    "clearly faster": ((30, 29, 31), (3, 2.9, 3.1), "faster"),
+    "clearly slower": ((30, 29, 31), (60, 58, 62), "not faster"),
+    "medians apart, quartiles overlapping": ((30, 20, 40), (25, 18, 35), "inconclusive"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "native, fused, clarity_", CLARITY.values(), ids=CLARITY.keys()
+)
+def test_a_difference_counts_only_when_the_spread_clears_it(native, fused, clarity_):
+    rows = [spread("rms_norm", "native", *native), spread("rms_norm", "fused", *fused)]
+    assert clarity(rows, "rms_norm", "fused") == clarity_
+    assert unclear_ops(rows, "installed") == (
+        ["rms_norm"] if clarity_ == "inconclusive" else []
+    )
+    (eager,) = [r for r in recommend(rows, upstream_fused_ops={"rms_norm"})
+                if r["mode"] == "eager"]  # fmt: skip
+    if clarity_ == "inconclusive":
+        assert eager["choice"] == "inconclusive" and eager["priority"] is None
+        assert eager["basis"].startswith("inconclusive, keep the upstream rule")
+        assert "rms_norm" not in priority_snippets([eager])["eager"]["ir_op_priority"]
+
+
+def test_a_provider_only_a_patched_copy_offers_needs_apply():
+    rows = [
+        row("rms_norm", "native", 30.0, source="copy"),
+        row("rms_norm", "vllm_c", 3.0, source="copy"),
+    ]
+    (eager,) = [r for r in recommend(rows) if r["mode"] == "eager"]
+    assert eager["priority"] == ["vllm_c", "native"] and eager["needs_apply"]
+    assert "needs `vllm-patch apply`" in eager["basis"]
+
+
+@pytest.mark.parametrize(
+    "native, fused, expected",
+    [
+        ([[1, 2, 3]], [[1, 2, 3]], None),
+        ([[1, 2, 3]], [[1, 5, 6]], {"position": 1, "of": 3}),
+        ([[1, 2, 3], [4, 5, 6]], [[1, 2, 9], [7, 5, 6]], {"position": 0, "of": 3}),
+        (None, [[1]], None),
+    ],
+)
+def test_where_two_runs_part(native, fused, expected):
+    assert first_difference(native, fused) == expected
+
+
+@requires_vllm
+@pytest.mark.wheels
+def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_path):
+    """PyPI's torchvision beside the +cpu torch breaks transformers: the random
+    Llama cannot be built. The per-op figures are kept, the failure is recorded
+    with its reason, and the exit code says so."""
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "VLLM_PATCH_CACHE": str(tmp_path / "cache"),  # no model built before
+    }
+    proc = subprocess.run(
+        [broken_venv, "-m", "patcher", "bench", "--quick", "--threads", "1",
+         "--ops", "rms_norm", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    doc = json.loads((out / "bench.json").read_text())
+    assert any(r["status"] == "ok" for r in doc["perop"]["rows"])
+    (failed,) = doc["e2e"]["failed"]
+    assert "torchvision" in failed
+    assert f"**Failed:** {failed}" in (out / "bench.md").read_text()
+    assert f"end to end FAILED: {failed}" in proc.stderr
+    assert (out / "perop_ratios.png").is_file()

@@ -19,15 +19,16 @@ from patcher import engine
 from patcher.doctor import _opt_in_finding
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
+from patches.cpu_fused_norms.provider import OPT_IN_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
 
 
-def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
+def doctor(*args: str, python: str = sys.executable, pythonpath=()):
     """(exit code, findings by check, the whole document)."""
-    child_env = {**os.environ, **(env or {})}
-    child_env.pop("VLLM_PATCH_CPU_FUSED_NORMS", None)
+    child_env = dict(os.environ)
+    child_env.pop(OPT_IN_ENV, None)
     child_env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
     proc = subprocess.run(
         [python, "-m", "patcher", "doctor", "--json", *args],
@@ -74,7 +75,7 @@ def test_a_healthy_environment(healthy, check, status, words):
 def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
     engine.apply(open_tree(copy), select([PATCH])[0])
-    rc, findings, _ = doctor(pythonpath=[copy], env={"VLLM_PATCH_CPU_FUSED_NORMS": ""})
+    rc, findings, _ = doctor(pythonpath=[copy])
     assert str(copy) in findings["vllm"]["message"]
     assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")
     redundant = findings[f"{PATCH}:redundant"]

@@ -19,10 +19,13 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 SCHEMA = "vllm-patch-bench/1"
 
@@ -113,7 +116,11 @@ def configuration(args: argparse.Namespace) -> dict[str, Any]:
         cfg["threads"] = args.threads
     cfg["ops"] = [o.strip() for o in args.ops.split(",")] if args.ops else None
     cfg.update(
-        quick=bool(args.quick), e2e=bool(args.e2e), e2e_prompt_len=16, e2e_batch=1
+        quick=bool(args.quick),
+        e2e=bool(args.e2e),
+        e2e_prompt_len=16,
+        e2e_batch=1,
+        remeasure=2,  # more rounds for ops too close to call (see measure_env)
     )
     return cfg
 
@@ -129,15 +136,85 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
-    """Run the whole bench and return the result document."""
+def _portable(path: str | None) -> str | None:
+    """``path`` relative to the environment, the cache or the temporary folder
+    it lies in, so that a result holds no machine-specific absolute path."""
+    if not path:
+        return path
+    from patcher.cache import cache_dir
+
+    roots = (
+        (cache_dir(), "<vllm-patch cache>"),
+        (Path(sys.prefix), "<python environment>"),
+        (Path(tempfile.gettempdir()), "<temporary folder>"),
+    )
+    for root, label in roots:
+        try:
+            return f"{label}/{Path(path).resolve().relative_to(root.resolve())}"
+        except ValueError:
+            continue
+    return Path(path).name
+
+
+def measure_env(
+    bench_env, spec: dict[str, Any], cfg: dict[str, Any], progress
+) -> dict[str, Any]:
+    """Per-op figures in one environment at every thread count; ops whose
+    providers are too close to native to call are measured again with twice the
+    samples, up to ``cfg["remeasure"]`` times (their rows are replaced)."""
+    from patcher.bench import recommend
+    from patcher.bench.environments import run_module
+
+    def measure(ops, samples) -> list[dict]:
+        results = []
+        for threads in cfg["threads"]:
+            results.append(
+                run_module(
+                    "patcher.bench.perop",
+                    {**spec, "ops": ops, "samples": samples, "threads": threads},
+                    bench_env,
+                    echo=progress,
+                )
+            )
+        return results
+
+    first = measure(spec["ops"], spec["samples"])
+    out: dict[str, Any] = {
+        "rows": [r for res in first for r in res["rows"]],
+        "notes": [],
+        "inventory": first[-1]["inventory"],
+        "versions": first[-1]["versions"],
+    }
+    for res in first:
+        out["notes"] += [n for n in res["notes"] if n not in out["notes"]]
+    samples = spec["samples"]
+    for _ in range(cfg["remeasure"]):
+        unclear = recommend.unclear_ops(out["rows"], bench_env.label)
+        if not unclear:
+            break
+        samples *= 2
+        progress(
+            f"per-op [{bench_env.label}]: {', '.join(unclear)} too close to call; "
+            f"measuring again with {samples} samples"
+        )
+        again = [r for res in measure(unclear, samples) for r in res["rows"]]
+        out["rows"] = [r for r in out["rows"] if r["op"] not in unclear] + again
+        out["notes"].append(
+            f"{bench_env.label}: {', '.join(unclear)} measured again with {samples} "
+            "samples: the first figures did not separate fused from native"
+        )
+    return out
+
+
+def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any]:
+    """Run the whole bench and return the result document; ``save(doc)`` gets
+    the document so far after each step (per op, then each end-to-end mode)."""
     from patcher.bench import recommend, report
     from patcher.bench.environments import (
         BenchEnv,
         patched_copy,
         patches_to_copy,
         provider_specs,
-        run_module,
     )
     from patcher.tree import open_tree
 
@@ -160,27 +237,16 @@ def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
     cpus = _usable_cpus()
     interference: dict[str, float | None] = {}
     snap = report.cpu_snapshot()
-    rows: list[dict] = []
-    notes: list[str] = []
-    inventory: dict[str, Any] = {}
-    versions: dict[str, Any] = {}
-    for threads in cfg["threads"]:
-        result = run_module(
-            "patcher.bench.perop",
-            {
-                **spec,
-                "threads": threads,
-                "compile": True,
-                "providers": providers,
-                "source": installed.label,
-            },
-            installed,
-            echo=progress,
-        )
-        rows += result["rows"]
-        notes += [n for n in result["notes"] if n not in notes]
-        inventory = result["inventory"]
-        versions = result["versions"]
+    result = measure_env(
+        installed,
+        {**spec, "compile": True, "providers": providers, "source": installed.label},
+        cfg,
+        progress,
+    )
+    rows: list[dict] = result["rows"]
+    notes: list[str] = result["notes"]
+    inventory: dict[str, Any] = result["inventory"]
+    versions: dict[str, Any] = result["versions"]
 
     copies, copy_notes = patches_to_copy(tree)
     notes += copy_notes
@@ -199,6 +265,32 @@ def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
             e2e_target = (p["name"], ok_ops, installed)
         upstream_fused_ops |= set(p.get("ops") or [])
 
+    versions.update(
+        vllm_file=_portable(versions.get("vllm_file")),
+        vllm_patch=_version("vllm-patch"),
+        transformers=_version("transformers"),
+    )
+
+    def document(e2e_doc: dict[str, Any] | None) -> dict[str, Any]:
+        pairs = [p for p in (e2e_doc or {}).get("pairs", []) if p]
+        recs = recommend.recommend(rows, pairs, upstream_fused_ops=upstream_fused_ops)
+        return {
+            "schema": SCHEMA,
+            "started": started,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_before": load_before,
+            "load_after": report.load_average(),
+            "interference": interference,
+            "machine": report.machine(),
+            "versions": versions,
+            "options": cfg,
+            "providers": providers,
+            "perop": {"rows": rows, "inventory": inventory, "notes": notes},
+            "e2e": e2e_doc,
+            "recommendation": recs,
+            "snippets": recommend.priority_snippets(recs),
+        }
+
     with contextlib.ExitStack() as stack:
         for patch in copies:
             folder = stack.enter_context(patched_copy(tree, patch))
@@ -206,30 +298,26 @@ def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
                 f"patched copy ({patch.name})", env={"PYTHONPATH": str(folder)}
             )
             progress(f"per-op: {env.label} at {folder}")
+            result = measure_env(
+                env,
+                {
+                    **spec,
+                    "compile": True,
+                    "providers": [],
+                    "skip_supported": skip,
+                    "source": env.label,
+                },
+                cfg,
+                progress,
+            )
+            rows += result["rows"]
+            notes += [n for n in result["notes"] if n not in notes]
             found_new = False
-            for threads in cfg["threads"]:
-                result = run_module(
-                    "patcher.bench.perop",
-                    {
-                        **spec,
-                        "threads": threads,
-                        "compile": True,
-                        "providers": [],
-                        "skip_supported": skip,
-                        "source": env.label,
-                    },
-                    env,
-                    echo=progress,
-                )
-                rows += result["rows"]
-                for op, impls in result["inventory"].items():
-                    new = [
-                        p for p, ok in impls.items() if ok and p not in skip.get(op, [])
-                    ]
-                    if new:
-                        found_new = True
-                        upstream_fused_ops.add(op)
-                notes += [n for n in result["notes"] if n not in notes]
+            for op, impls in result["inventory"].items():
+                new = [p for p, ok in impls.items() if ok and p not in skip.get(op, [])]
+                if new:
+                    found_new = True
+                    upstream_fused_ops.add(op)
             if not found_new:
                 notes.append(f"{env.label}: the patch enables no implementation here")
             elif e2e_target is None:
@@ -250,57 +338,54 @@ def collect(cfg: dict[str, Any], progress=_progress) -> dict[str, Any]:
         interference["perop"] = report.other_load(snap, report.cpu_snapshot(), cpus)
         e2e_doc = None
         if cfg["e2e"]:
+            save_e2e = (lambda e: save(document(e))) if save else (lambda e: None)
+            save_e2e(_e2e_document(cfg, "end to end: still running (or interrupted)"))
             snap = report.cpu_snapshot()
-            e2e_doc = _run_e2e(cfg, e2e_target, progress)
+            e2e_doc = _run_e2e(cfg, e2e_target, progress, save_e2e)
             interference["e2e"] = report.other_load(snap, report.cpu_snapshot(), cpus)
+    return document(e2e_doc)
 
-    recs = recommend.recommend(
-        rows, e2e_doc["pairs"] if e2e_doc else [], upstream_fused_ops=upstream_fused_ops
-    )
-    versions.update(
-        vllm_patch=_version("vllm-patch"), transformers=_version("transformers")
-    )
+
+def _e2e_document(cfg: dict[str, Any], *notes: str) -> dict[str, Any]:
     return {
-        "schema": SCHEMA,
-        "started": started,
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "load_before": load_before,
-        "load_after": report.load_average(),
-        "interference": interference,
-        "machine": report.machine(),
-        "versions": versions,
-        "options": cfg,
-        "providers": providers,
-        "perop": {"rows": rows, "inventory": inventory, "notes": notes},
-        "e2e": e2e_doc,
-        "recommendation": recs,
-        "snippets": recommend.priority_snippets(recs),
-    }
-
-
-def _run_e2e(cfg, target, progress) -> dict[str, Any]:
-    from patcher import e2e
-    from patcher.bench import endtoend
-    from patcher.cache import cache_dir
-
-    doc: dict[str, Any] = {
         "model": cfg["model"],
         "batch": cfg["e2e_batch"],
         "prompt_len": cfg["e2e_prompt_len"],
         "max_tokens": cfg["e2e_max_tokens"],
         "repeats": cfg["e2e_repeats"],
         "pairs": [],
-        "notes": [],
+        "notes": list(notes),
+        "failed": [],
     }
+
+
+def _run_e2e(cfg, target, progress, save) -> dict[str, Any]:
+    """Each mode's pair in turn, saved as it comes; a step that fails is recorded
+    with its reason in ``failed`` (the bench then exits 1), never raised."""
+    from patcher import e2e
+    from patcher.bench import endtoend
+    from patcher.cache import cache_dir
+    from patcher.import_checks import describe_error
+
+    doc = _e2e_document(cfg)
     if target is None:
         doc["notes"].append("no provider passed the per-op check: nothing to compare")
         return doc
     provider, ops, env = target
     progress("end to end: building or reusing the random Llama")
-    model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
-    doc["model_dir"] = str(model_dir)
-    doc["pairs"] = [
-        endtoend.run_pair(
+    try:
+        model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
+    except Exception as exc:  # transformers missing or broken: keep the per-op part
+        found = describe_error(exc)
+        broken = [p for p in found["packages"] if p in BROKEN_BESIDE_CPU_TORCH]
+        why = f" ({', '.join(broken)} breaks it: `vllm-patch doctor`)" if broken else ""
+        doc["failed"].append(
+            f"cannot build the random Llama: {found['root_error']}{why}"
+        )
+        return doc
+    doc["model_dir"] = _portable(str(model_dir))
+    for mode in cfg["e2e_modes"]:
+        pair = endtoend.run_pair(
             model_dir,
             provider=provider,
             ops=ops,
@@ -312,8 +397,13 @@ def _run_e2e(cfg, target, progress) -> dict[str, Any]:
             repeats=cfg["e2e_repeats"],
             progress=progress,
         )
-        for mode in cfg["e2e_modes"]
-    ]
+        doc["pairs"].append(pair)
+        doc["failed"] += [
+            f"{mode}, {name}: {pair[name].get('error')}"
+            for name in ("native", "fused")
+            if not pair[name].get("ok")
+        ]
+        save(doc)
     return doc
 
 
@@ -332,11 +422,18 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:
     png = report.chart(doc, out / "perop_ratios.png")
     if png is not None:
         paths["chart"] = png
+    else:
+        with paths["markdown"].open("a") as md:
+            md.write(f"\n{report.NO_CHART}\n")
     return paths
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every step ran; 1 when a step failed (what was measured is
+    written, with the reason); 2 when there is no vLLM to measure."""
     import importlib.util
+
+    from patcher.bench import report
 
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -345,18 +442,35 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if not report.can_draw():
+        _progress(f"vllm-patch bench: {report.NO_CHART}")
     cfg = configuration(args)
-    doc = collect(cfg)
+    saved: list[dict] = []
+
+    def save(doc: dict[str, Any]) -> None:
+        write_outputs(doc, args.out)
+        saved[:] = [doc]
+
+    try:
+        doc = collect(cfg, save=save)
+    except Exception as exc:  # a broken step: say so, keep what was written
+        kept = f"; what was measured before it is in {args.out}" if saved else ""
+        print(
+            f"vllm-patch bench: failed: {type(exc).__name__}: {exc}{kept}",
+            file=sys.stderr,
+        )
+        return 1
     paths = write_outputs(doc, args.out)
+    failed = (doc.get("e2e") or {}).get("failed") or []
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
-        from patcher.bench import report
-
         print(report.recommendation_markdown(doc))
         for kind, path in paths.items():
             print(f"{kind}: {path}")
-    return 0
+    for reason in failed:
+        print(f"vllm-patch bench: end to end FAILED: {reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

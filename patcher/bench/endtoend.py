@@ -85,4 +85,20 @@ def run_pair(
         "same_tokens": tokens["native"] == tokens["fused"]
         if all(tokens.values())
         else None,
+        "first_difference": first_difference(tokens["native"], tokens["fused"]),
     }
+
+
+def first_difference(a: list | None, b: list | None) -> dict[str, int] | None:
+    """The earliest generated position where two runs' tokens differ (over all
+    prompts), and how many tokens a prompt generated; None when they agree."""
+    if not a or not b:
+        return None
+    positions = [
+        next((i for i, (x, y) in enumerate(zip(ra, rb, strict=False)) if x != y), None)
+        for ra, rb in zip(a, b, strict=False)
+    ]
+    found = [p for p in positions if p is not None]
+    if not found:
+        return None
+    return {"position": min(found), "of": max(len(r) for r in a)}

@@ -14,6 +14,13 @@ rule can be read and tested on its own:
   cannot see). Without that run, the per-op comparison against native under
   ``torch.compile`` decides, with ``margin``, and the basis says so.
 - otherwise native.
+
+"Faster" is judged on the spread, not the medians alone: the quartiles of
+both implementations must put the speed-up clearly above the margin, or
+clearly below it; otherwise the bench measures that op again, and if it stays
+too close to call, the recommendation is "inconclusive, keep the upstream
+rule" (no override). A provider only a patched copy offers (the upstream one)
+is recommended with the note that it needs ``vllm-patch apply``.
 """
 
 from __future__ import annotations
@@ -46,10 +53,11 @@ def _key(row: dict[str, Any]) -> tuple:
     )
 
 
-def _speedups(rows: list[dict], op: str, provider: str, baseline: str) -> list[float]:
-    """baseline time / provider time, per configuration measured in the same run."""
+def _bounds(rows: list[dict], op: str, provider: str, baseline: str) -> list[tuple]:
+    """Per configuration measured in the same run: baseline time / provider time
+    as (pessimistic, median, optimistic), from the quartiles of both."""
     base = {
-        _key(r): r["median_us"]
+        _key(r): r
         for r in rows
         if r["op"] == op and r["provider"] == baseline and r.get("status") == "ok"
     }
@@ -57,9 +65,58 @@ def _speedups(rows: list[dict], op: str, provider: str, baseline: str) -> list[f
     for r in rows:
         if r["op"] == op and r["provider"] == provider and r.get("status") == "ok":
             b = base.get(_key(r))
-            if b and r.get("median_us"):
-                out.append(b / r["median_us"])
+            if b and b.get("median_us") and r.get("median_us"):
+                out.append(
+                    (
+                        b.get("q1_us", b["median_us"]) / r.get("q3_us", r["median_us"]),
+                        b["median_us"] / r["median_us"],
+                        b.get("q3_us", b["median_us"]) / r.get("q1_us", r["median_us"]),
+                    )
+                )
     return out
+
+
+def _speedups(rows: list[dict], op: str, provider: str, baseline: str) -> list[float]:
+    """baseline time / provider time, per configuration measured in the same run."""
+    return [med for _, med, _ in _bounds(rows, op, provider, baseline)]
+
+
+FASTER, NOT_FASTER, INCONCLUSIVE = "faster", "not faster", "inconclusive"
+
+
+def clarity(
+    rows: list[dict], op: str, provider: str, baseline: str = NATIVE, margin=0.05
+) -> str:
+    """Whether ``provider`` beats ``baseline`` by ``margin`` whatever the spread:
+    faster when even the pessimistic ratios (baseline's first quartile over the
+    provider's third) clear it, not faster when even the optimistic ones miss
+    it, else inconclusive (the quartiles overlap the margin: measure again)."""
+    bounds = _bounds(rows, op, provider, baseline)
+    if not bounds:
+        return INCONCLUSIVE
+    low = geomean(b[0] for b in bounds) or 0.0
+    high = geomean(b[2] for b in bounds) or 0.0
+    if low >= 1 + margin:
+        return FASTER
+    if high < 1 + margin:
+        return NOT_FASTER
+    return INCONCLUSIVE
+
+
+def unclear_ops(rows: list[dict], source: str, margin: float = 0.05) -> list[str]:
+    """Ops whose providers measured in ``source`` are neither clearly faster than
+    native nor clearly not: the bench measures these again."""
+    mine = [r for r in rows if r["source"] == source]
+    return sorted(
+        {
+            op
+            for op in {r["op"] for r in mine}
+            for provider, info in candidates(mine, op).items()
+            if info["ok"]
+            and not info["wrong"]
+            and clarity(mine, op, provider, NATIVE, margin) == INCONCLUSIVE
+        }
+    )
 
 
 def candidates(rows: list[dict], op: str) -> dict[str, dict[str, Any]]:
@@ -124,6 +181,7 @@ def recommend(
                 entry["rank"] = ("installed" in entry["sources"], entry["score"])
                 if entry["faster"] and (best is None or entry["rank"] > best["rank"]):
                     best = entry
+            needs_apply = False
             if best is None:
                 priority = [NATIVE]
                 choice = NATIVE
@@ -136,12 +194,26 @@ def recommend(
                         for c in considered
                     )
                 )
+                if any(c.get("clarity") == INCONCLUSIVE for c in considered):
+                    # Too close to call even after measuring again: no override,
+                    # vLLM's own default (the upstream rule) stays.
+                    choice, priority = INCONCLUSIVE, None
+                    basis = f"inconclusive, keep the upstream rule ({basis})"
             else:
                 choice = best["provider"]
                 priority = [choice, NATIVE]
                 basis = best["basis"]
+                needs_apply = "installed" not in best["sources"]
+                if needs_apply:
+                    basis += (
+                        f"; {choice} needs `vllm-patch apply` first: the installed "
+                        "vLLM does not enable it here"
+                    )
             upstream = (
                 "fused" if mode == "eager" and op in upstream_fused_ops else NATIVE
+            )
+            agrees = choice == INCONCLUSIVE or (choice != NATIVE) == (
+                upstream == "fused"
             )
             out.append(
                 {
@@ -152,7 +224,8 @@ def recommend(
                     "basis": basis,
                     "considered": considered,
                     "upstream_rule": upstream,
-                    "agrees_with_upstream": (choice != NATIVE) == (upstream == "fused"),
+                    "agrees_with_upstream": agrees,
+                    "needs_apply": needs_apply,
                 }
             )
     return out
@@ -163,9 +236,12 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
         speedup = geomean(_speedups(rows, op, provider, NATIVE))
         worst = min(_speedups(rows, op, provider, NATIVE), default=None)
         e2e_ratio = _e2e_ratio(e2e, "eager", provider, op)
-        per_op_ok = speedup is not None and speedup >= 1 + margin
+        verdict = clarity(rows, op, provider, NATIVE, margin)
+        per_op_ok = verdict == FASTER
         e2e_ok = e2e_ratio is None or e2e_ratio >= 1 - e2e_margin
         basis = f"per op: {_x(speedup)} geomean vs native (slowest case {_x(worst)})"
+        if verdict == INCONCLUSIVE:
+            basis += ", within the spread of repeated measurements"
         basis += (
             f"; end to end eager: {_x(e2e_ratio)} tok/s vs native"
             if e2e_ratio is not None
@@ -175,6 +251,7 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
             "per_op_speedup": speedup,
             "per_op_worst": worst,
             "e2e_ratio": e2e_ratio,
+            "clarity": verdict if e2e_ok else NOT_FASTER,
             "faster": per_op_ok and e2e_ok,
             "score": speedup or 0.0,
             "basis": basis,
@@ -203,13 +280,16 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
             "score": e2e_ratio,
             "basis": f"end to end compiled: {_x(e2e_ratio)} tok/s vs native",
         }
+    verdict = clarity(rows, op, provider, NATIVE_COMPILED, margin)
+    spread = ", within the spread" if verdict == INCONCLUSIVE else ""
     return {
         "per_op_speedup_vs_compiled": speedup,
         "e2e_ratio": None,
-        "faster": speedup is not None and speedup >= 1 + margin,
+        "clarity": verdict,
+        "faster": verdict == FASTER,
         "score": speedup or 0.0,
         "basis": f"per op only: {_x(speedup)} geomean vs torch.compile(native) in "
-        "isolation (Inductor's fusion with neighbouring ops not measured)",
+        f"isolation{spread} (Inductor's fusion with neighbouring ops not measured)",
     }
 
 
@@ -225,7 +305,7 @@ def priority_snippets(recs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         prio = {
             r["op"]: r["priority"]
             for r in recs
-            if r["mode"] == mode and r["considered"]
+            if r["mode"] == mode and r["considered"] and r["priority"] is not None
         }
         config = json.dumps({"ir_op_priority": prio})
         eager_flag = " --enforce-eager" if mode == "eager" else ""

@@ -176,8 +176,7 @@ def perop_markdown(rows: list[dict[str, Any]]) -> str:
         out.append(f"#### `{op}`\n")
         header = ["dtype", "shape", "threads"]
         for p, s in columns:
-            label = "native (torch.compile)" if p == NATIVE_COMPILED else p
-            header.append(label if s == "installed" else f"{label} ({s})")
+            header.append(_label(p, s))
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "---|" * len(header))
         configs = []
@@ -227,6 +226,26 @@ def e2e_markdown(pairs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def token_note(pair: dict[str, Any]) -> str:
+    """Why fused and native runs can produce different tokens, with where they
+    parted in this run."""
+    where = pair.get("first_difference")
+    at = (
+        f" (first at generated token {where['position'] + 1} of {where['of']})"
+        if where
+        else ""
+    )
+    return (
+        f"- {pair['mode']}: the fused and native runs generated different tokens"
+        f"{at}. Both implementations passed the per-op check within the op's "
+        "tolerance, but their results differ in the last bits (different "
+        "accumulation order and rounding in bf16). Greedy decoding picks the "
+        "largest logit, and a random-weight model's top logits lie close together, "
+        "so such a difference can pick another token there, and every later token "
+        "follows from it. That is a rounding difference, not a wrong kernel."
+    )
+
+
 def evidence_markdown(doc: dict[str, Any]) -> str:
     """The figures a reviewer needs, for a PR description: per op at the
     highest thread count, only ops with an alternative to native; end to end;
@@ -274,8 +293,14 @@ def recommendation_markdown(doc: dict[str, Any], *, snippets: bool = True) -> st
         "|---|---|---|---|---|---|",
     ]
     for r in doc["recommendation"]:
+        priority = (
+            "keep vLLM's default"
+            if r["priority"] is None
+            else f"`{r['priority']}`"
+            + (" (after `vllm-patch apply`)" if r.get("needs_apply") else "")
+        )
         out.append(
-            f"| `{r['op']}` | {r['mode']} | `{r['priority']}` | {r['basis']} | "
+            f"| `{r['op']}` | {r['mode']} | {priority} | {r['basis']} | "
             f"{r['upstream_rule']} | {'yes' if r['agrees_with_upstream'] else 'NO'} |"
         )
     out.append("")
@@ -325,7 +350,9 @@ def markdown(doc: dict[str, Any]) -> str:
             e2e_markdown(e["pairs"]),
             "",
         ]
+        lines += [f"- **Failed:** {reason}" for reason in e.get("failed", [])]
         lines += [f"- {n}" for n in e.get("notes", [])]
+        lines += [token_note(p) for p in e["pairs"] if p.get("same_tokens") is False]
     else:
         lines += ["Not run.", ""]
     lines += ["## Recommendation for this machine", "", recommendation_markdown(doc)]
@@ -364,20 +391,57 @@ def machine_markdown(doc: dict[str, Any]) -> str:
     )
 
 
-def chart(doc: dict[str, Any], path: Path) -> Path | None:
-    """Bar chart of per-op ratios to native (log scale), one panel per op."""
-    try:
-        import matplotlib
+NO_CHART = (
+    "no chart (perop_ratios.png): matplotlib is not installed here; "
+    "`python -m pip install matplotlib` (or this project's `bench` extra: "
+    "`python -m pip install -e '.[bench]'`) and run the bench again"
+)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def can_draw() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _tick(dtype: str, tokens: int, hidden: int, threads: int) -> str:
+    return f"{dtype} [{tokens}, {hidden}]\n{threads} thread{'s' if threads > 1 else ''}"
+
+
+def _label(provider: str, source: str) -> str:
+    label = "native (torch.compile)" if provider == NATIVE_COMPILED else provider
+    return label if source == "installed" else f"{label} ({source})"
+
+
+def _empty_panel_note(op_rows: list[dict]) -> str:
+    """Why a panel has no bar: every row's status, or that only native ran."""
+    reasons = sorted(
+        {
+            f"{_label(r['provider'], 'installed')}: {r.get('status')}"
+            + (f" ({r['error']})" if r.get("error") else "")
+            for r in op_rows
+            if r.get("status") != "ok"
+        }
+    )
+    if reasons:
+        return "nothing to compare: " + "; ".join(reasons)[:300]
+    return "only native ran for this op: no other implementation to compare"
+
+
+def chart(doc: dict[str, Any], path: Path) -> Path | None:
+    """Bar chart of per-op ratios to native (log scale), one panel per op; None
+    without matplotlib (see ``NO_CHART``)."""
+    if not can_draw():
         return None
-    rows = [r for r in doc["perop"]["rows"] if r["provider"] != NATIVE]
-    ops = sorted({r["op"] for r in rows})
-    if not ops:
-        return None
-    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.2 * len(ops)), squeeze=False)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    all_rows = doc["perop"]["rows"]
+    rows = [r for r in all_rows if r["provider"] != NATIVE]
+    ops = sorted({r["op"] for r in all_rows}) or ["(no op measured)"]
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.6 * len(ops)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops, strict=True):
         op_rows = [r for r in rows if r["op"] == op]
         series = _provider_order(op_rows)
@@ -387,6 +451,7 @@ def chart(doc: dict[str, Any], path: Path) -> Path | None:
             if c not in configs:
                 configs.append(c)
         width = 0.8 / max(len(series), 1)
+        drawn = 0
         for i, (p, s) in enumerate(series):
             values = []
             for c in configs:
@@ -398,27 +463,45 @@ def chart(doc: dict[str, Any], path: Path) -> Path | None:
                     and (r["provider"], r["source"]) == (p, s)
                     and r.get("status") == "ok"
                 ]
-                values.append(hit[0]["ratio"] if hit else 0.0)
-            label = "native (torch.compile)" if p == NATIVE_COMPILED else p
-            if s != "installed":
-                label += f" ({s})"
+                values.append(hit[0]["ratio"] if hit else float("nan"))
+            drawn += sum(v == v for v in values)  # not NaN
             ax.bar(
-                [x + i * width for x in range(len(configs))], values, width, label=label
+                [x + i * width for x in range(len(configs))],
+                values,
+                width,
+                label=_label(p, s),
             )
+        ax.set_title(op)
+        if not drawn:
+            ax.text(
+                0.5, 0.5, _empty_panel_note([r for r in all_rows if r["op"] == op]),
+                transform=ax.transAxes, ha="center", va="center", wrap=True,
+                fontsize=9, color="dimgray",
+            )  # fmt: skip
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")
         ax.set_ylabel("speed-up vs native")
-        ax.set_title(op)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(configs))])
         ax.set_xticklabels(
-            [f"{d[:4]} [{t},{h}] t{th}" for d, t, h, th in configs],
-            rotation=60,
-            ha="right",
-            fontsize=7,
+            [_tick(*c) for c in configs], rotation=45, ha="right", fontsize=7
         )
         ax.legend(fontsize=8)
-    fig.suptitle(f"{doc['machine']['cpu_model']}, vLLM {doc['versions'].get('vllm')}")
-    fig.tight_layout()
+    title = f"{doc['machine']['cpu_model']}, vLLM {doc['versions'].get('vllm')}"
+    shares = [v for v in doc["interference"].values() if v is not None]
+    top = 1.0
+    if shares and max(shares) > BUSY_SHARE:
+        fig.text(
+            0.5, 0.995,
+            f"BUSY MACHINE: other processes used up to {max(shares):.0%} of the CPU "
+            "time while measuring; these ratios are noisy, rerun on a quiet machine",
+            ha="center", va="top", color="red", fontsize=11, fontweight="bold",
+        )  # fmt: skip
+        top = 0.96
+    fig.suptitle(title, y=top - 0.005, va="top")
+    fig.tight_layout(rect=(0, 0, 1, top - 0.03))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
