@@ -134,17 +134,35 @@ def candidates(rows: list[dict], op: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _e2e_ratio(e2e: list[dict], mode: str, provider: str, op: str) -> float | None:
-    """fused tok/s over native tok/s, for the end-to-end pair covering ``op``."""
+def _e2e_bounds(e2e: list[dict], mode: str, provider: str, op: str) -> tuple | None:
+    """fused tok/s over native tok/s for the end-to-end pair covering ``op``, as
+    (pessimistic, median, optimistic) from the quartiles of both runs."""
     for pair in e2e:
         if (
             pair.get("mode") == mode
             and pair.get("provider") == provider
             and op in (pair.get("ops") or [])
+            and pair.get("ratio") is not None
         ):
-            if pair.get("ratio") is not None:
-                return pair["ratio"]
+            native, fused = pair.get("native") or {}, pair.get("fused") or {}
+            try:
+                return (
+                    fused["q1_tokens_per_s"] / native["q3_tokens_per_s"],
+                    pair["ratio"],
+                    fused["q3_tokens_per_s"] / native["q1_tokens_per_s"],
+                )
+            except (KeyError, TypeError, ZeroDivisionError):
+                return pair["ratio"], pair["ratio"], pair["ratio"]
     return None
+
+
+def _e2e_verdict(bounds: tuple | None, floor: float) -> str | None:
+    """Clearly at least ``floor`` (FASTER), clearly below it, or within the spread."""
+    if bounds is None:
+        return None
+    if bounds[0] >= floor:
+        return FASTER
+    return NOT_FASTER if bounds[2] < floor else INCONCLUSIVE
 
 
 def recommend(
@@ -235,28 +253,34 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
     if mode == "eager":
         speedup = geomean(_speedups(rows, op, provider, NATIVE))
         worst = min(_speedups(rows, op, provider, NATIVE), default=None)
-        e2e_ratio = _e2e_ratio(e2e, "eager", provider, op)
+        bounds = _e2e_bounds(e2e, "eager", provider, op)
+        e2e_ratio = bounds[1] if bounds else None
         verdict = clarity(rows, op, provider, NATIVE, margin)
-        per_op_ok = verdict == FASTER
-        e2e_ok = e2e_ratio is None or e2e_ratio >= 1 - e2e_margin
+        # End to end only vetoes a provider that is clearly slower there.
+        e2e_verdict = _e2e_verdict(bounds, 1 - e2e_margin)
+        if e2e_verdict == NOT_FASTER:
+            verdict = NOT_FASTER
+        elif e2e_verdict == INCONCLUSIVE and verdict == FASTER:
+            verdict = INCONCLUSIVE
         basis = f"per op: {_x(speedup)} geomean vs native (slowest case {_x(worst)})"
-        if verdict == INCONCLUSIVE:
-            basis += ", within the spread of repeated measurements"
         basis += (
             f"; end to end eager: {_x(e2e_ratio)} tok/s vs native"
             if e2e_ratio is not None
             else "; not run end to end"
         )
+        if verdict == INCONCLUSIVE:
+            basis += ", within the spread of repeated measurements"
         return {
             "per_op_speedup": speedup,
             "per_op_worst": worst,
             "e2e_ratio": e2e_ratio,
-            "clarity": verdict if e2e_ok else NOT_FASTER,
-            "faster": per_op_ok and e2e_ok,
+            "clarity": verdict,
+            "faster": verdict == FASTER,
             "score": speedup or 0.0,
             "basis": basis,
         }
-    e2e_ratio = _e2e_ratio(e2e, "compiled", provider, op)
+    bounds = _e2e_bounds(e2e, "compiled", provider, op)
+    e2e_ratio = bounds[1] if bounds else None
     speedup = geomean(_speedups(rows, op, provider, NATIVE_COMPILED))
     others = [
         p for p in e2e if p.get("mode") == "compiled" and op in (p.get("ops") or [])
@@ -273,12 +297,15 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
             f"{others[0]['provider']} gave {_x(others[0].get('ratio'))}",
         }
     if e2e_ratio is not None:
+        verdict = _e2e_verdict(bounds, 1 + e2e_margin)
+        spread = ", within the spread" if verdict == INCONCLUSIVE else ""
         return {
             "per_op_speedup_vs_compiled": speedup,
             "e2e_ratio": e2e_ratio,
-            "faster": e2e_ratio >= 1 + e2e_margin,
+            "clarity": verdict,
+            "faster": verdict == FASTER,
             "score": e2e_ratio,
-            "basis": f"end to end compiled: {_x(e2e_ratio)} tok/s vs native",
+            "basis": f"end to end compiled: {_x(e2e_ratio)} tok/s vs native{spread}",
         }
     verdict = clarity(rows, op, provider, NATIVE_COMPILED, margin)
     spread = ", within the spread" if verdict == INCONCLUSIVE else ""

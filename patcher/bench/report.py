@@ -353,6 +353,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"- **Failed:** {reason}" for reason in e.get("failed", [])]
         lines += [f"- {n}" for n in e.get("notes", [])]
         lines += [token_note(p) for p in e["pairs"] if p.get("same_tokens") is False]
+        lines.append("")
     else:
         lines += ["Not run.", ""]
     lines += ["## Recommendation for this machine", "", recommendation_markdown(doc)]
