@@ -19,6 +19,7 @@ from patcher.codemod import run_codemod_described
 from patcher.diff import combined_diff
 from patcher.errors import PatchError, UsageError
 from patcher.patchset import Edit, Patch
+from patcher.shim import follow
 from patcher.tree import VllmTree
 from patcher.version import VERSION_FILE, read_version
 
@@ -43,6 +44,17 @@ class EditPlan:
     """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
     skipped: PatchError | None = None
     """Why an optional edit is left out (its file is missing or unrecognised)."""
+    path: str | None = None
+    """The file edited, when ``edit.file`` is a compatibility shim pointing to it."""
+
+    @property
+    def file(self) -> str:
+        return self.path or self.edit.file
+
+    @property
+    def via(self) -> str | None:
+        """The shim that led to :attr:`file`, if any."""
+        return self.edit.file if self.path else None
 
     @property
     def changes(self) -> bool:
@@ -95,8 +107,8 @@ class PatchPlan:
         out: dict[str, tuple[str, str]] = {}
         for e in self.edits:
             if e.error is None and e.skipped is None:
-                first = out.get(e.edit.file, (e.before, e.before))[0]
-                out[e.edit.file] = (first, e.after)
+                first = out.get(e.file, (e.before, e.before))[0]
+                out[e.file] = (first, e.after)
         return {k: v for k, v in out.items() if v[0] != v[1]}
 
     def described(self) -> dict[str, list[str]]:
@@ -104,7 +116,7 @@ class PatchPlan:
         out: dict[str, list[str]] = {}
         for e in self.edits:
             if e.changes:
-                out.setdefault(e.edit.file, []).extend(e.described)
+                out.setdefault(e.file, []).extend(e.described)
         return out
 
     def diff(self) -> str:
@@ -121,7 +133,8 @@ class PatchPlan:
             "warnings": list(self.warnings),
             "edits": [
                 {
-                    "file": e.edit.file,
+                    "file": e.file,
+                    "via": e.via,
                     "summary": e.edit.summary,
                     "status": e.status(self.direction),
                     "reason": str(e.error or e.skipped or "") or None,
@@ -170,18 +183,21 @@ def _plan_edits(
                 skipped=PatchError("not in this tree", path=tree.display(edit.file)),
             )
             continue
+        path = edit.file
         try:
-            before = (
-                texts[edit.file] if edit.file in texts else tree.read_text(edit.file)
+            path = follow(tree, edit.file)
+            before = texts[path] if path in texts else tree.read_text(path)
+            after, described = run_codemod_described(
+                codemod, before, lambda rel: tree.read_text(follow(tree, rel))
             )
-            after, described = run_codemod_described(codemod, before, tree.read_text)
         except PatchError as exc:
             if exc.path == edit.file:
-                exc.path = tree.display(edit.file)
+                exc.path = tree.display(path)
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
-        texts[edit.file] = after
-        yield EditPlan(edit, before, after, described=described)
+        texts[path] = after
+        shim = path if path != edit.file else None
+        yield EditPlan(edit, before, after, described=described, path=shim)
 
 
 def _refuse_errors(p: PatchPlan) -> None:
@@ -225,7 +241,15 @@ def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
     write_atomically(writes)
     partly = any(not e.changes for e in p.edits if e.skipped is None)
     return Outcome(
-        patch.name, "completed" if partly else "applied", tuple(changes), p.warnings
+        patch.name, "completed" if partly else "applied", _shown(p, changes), p.warnings
+    )
+
+
+def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
+    """The changed files, each with the shim that led to it."""
+    via = {e.file: e.via for e in p.edits if e.via}
+    return tuple(
+        f"{rel} via the shim {via[rel]}" if rel in via else rel for rel in changes
     )
 
 
@@ -234,11 +258,12 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     backup = Backup.of(tree.location, patch.name)
     restored = {}
     for edit in patch.edits:
-        current = tree.read_bytes(edit.file)
-        original = backup.restorable(edit.file, current)
+        path = follow(tree, edit.file)
+        current = tree.read_bytes(path)
+        original = backup.restorable(path, current)
         if original is not None:
-            restored[edit.file] = (current, original)
-    rest = [e for e in edits_for(tree, patch) if e.file not in restored]
+            restored[path] = (current, original)
+    rest = [e for e in edits_for(tree, patch) if follow(tree, e.file) not in restored]
     p = PatchPlan(
         patch,
         tree,
@@ -255,4 +280,4 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
         return Outcome(patch.name, "nothing to revert")
     write_atomically({tree.path(rel): after for rel, (_, after) in changes.items()})
     backup.discard()
-    return Outcome(patch.name, "reverted", tuple(changes))
+    return Outcome(patch.name, "reverted", _shown(p, changes))

@@ -437,9 +437,9 @@ class EnableVllmCOnCpu(_NormCodemod):
         norms = self.norms(tree)
         self.edits = {}
         own = [i for i in norms if self._gate(i, tree, norms, assignments)]
+        new_gate = self._own_gate(own, tree, assignments) if own else None
         for impl in norms:
             self._guard(impl, tree, assignments)
-        new_gate = self._own_gate(own, tree, assignments) if own else None
         # Statements vLLM's ruff would leave alone come out as it lays them out.
         for at in _layout_units(tree, self.edits):
             unit = _unit(tree, at)
