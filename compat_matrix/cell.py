@@ -26,6 +26,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,18 +34,24 @@ from typing import Any
 from compat_matrix import static, versions
 from compat_matrix.environments import (
     PROJECT,
-    STAMP,
     EnvError,
     ensure_env,
     env_dir,
     installed_torch,
     installer,
+    read_stamp,
 )
 from compat_matrix.log import log
-from compat_matrix.pins import Unavailable, read_pins, torch_available, torch_pin
+from compat_matrix.pins import (
+    Unavailable,
+    plain_build,
+    read_pins,
+    torch_available,
+    torch_pin,
+)
 from compat_matrix.probe_reuse import previous_probe, probe_key
 from compat_matrix.probe_run import run_probe, skipped_probe
-from patcher.cache import fetch_wheel
+from patcher.cache import cache_dir, fetch_wheel
 from patcher.errors import PatchError
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -77,7 +84,7 @@ def run_cell(
         ),
         "status": None,
         "reason": "",
-        "torch": {"pin": None, "available": None, "used": None},
+        "torch": {"pin": None, "available": None, "stand_in": None, "used": None},
         "env": None,
         "static": None,
         "probe": None,
@@ -102,7 +109,7 @@ def run_cell(
     except (Unavailable, subprocess.CalledProcessError, FileNotFoundError) as exc:
         result.update(status="unavailable", reason=str(exc))
         result["checks"] = skipped_probe(f"unavailable: {exc}")
-        return _finish(result, results, started)
+        return _finish(result, results, started, env_root)
 
     t0 = time.perf_counter()
     try:
@@ -122,31 +129,39 @@ def run_cell(
         probe_checks = skipped_probe("the wheel pins no torch for this platform")
     else:
         t0 = time.perf_counter()
-        env = env_dir(cell, env_root)
         try:
-            ok, why = (
-                (True, "")
-                if (env / STAMP).is_file()
-                else torch_available(pin, index_args)
+            torch_req, why = _torch_choice(
+                pin, env_dir(cell, env_root), torch_index, index_args
             )
         except Unavailable as exc:
             result.update(status="unavailable", reason=str(exc))
-            ok, why = False, ""
+            torch_req, why = None, ""
         lap("torch_check", t0)
-        result["torch"]["available"] = ok if result["status"] is None else None
+        stand_in = torch_req if torch_req and torch_req != pin else None
+        result["torch"]["available"] = (
+            torch_req == pin if result["status"] is None else None
+        )
+        result["torch"]["stand_in"] = stand_in
         if result["status"] == "unavailable":
             probe_checks = skipped_probe(f"unavailable: {result['reason']}")
-        elif not ok:
+        elif torch_req is None:
             torch = pin.removeprefix("torch==")
             probe_checks = skipped_probe(
-                f"torch {torch} not available from the configured indexes"
+                f"torch {torch} not available from the configured indexes, "
+                "nor its plain build"
             )
             result["torch"]["why"] = why
+        elif stand_in and installer() != "uv":
+            probe_checks = skipped_probe(
+                f"{pin} is not on the configured indexes; {stand_in} could stand "
+                "in, but overriding the wheel's pin needs uv (pip has none)"
+            )
         else:
             probe_checks = _probe_in_env(
                 cell,
                 wheel,
                 pin,
+                torch_req,
                 env_root,
                 torch_index,
                 list(probe_args),
@@ -157,13 +172,37 @@ def run_cell(
                 fresh,
             )
     result["checks"] = probe_checks + result["static"]["checks"]
-    return _finish(result, results, started)
+    return _finish(result, results, started, env_root)
+
+
+def _torch_choice(
+    pin: str, env: Path, torch_index: str | None, index_args: list[str]
+) -> tuple[str | None, str]:
+    """(the torch requirement to install, "") -- the pin itself, or its plain
+    build standing in when only that is on the indexes -- or (None, why not).
+    An environment built for this pin and index answers without asking the
+    registry."""
+    stamp = read_stamp(env) or {}
+    if (
+        stamp.get("torch") == pin
+        and stamp.get("torch_index") == torch_index
+        and stamp.get("torch_installed")
+    ):
+        return stamp["torch_installed"], ""
+    ok, why = torch_available(pin, index_args)
+    if ok:
+        return pin, ""
+    plain = plain_build(pin)
+    if plain and torch_available(plain, index_args)[0]:
+        return plain, ""
+    return None, why
 
 
 def _probe_in_env(
     cell,
     wheel,
     pin,
+    torch_req,
     env_root,
     torch_index,
     probe_args,
@@ -178,7 +217,12 @@ def _probe_in_env(
     t0 = time.perf_counter()
     try:
         env, reused = ensure_env(
-            cell, wheel, pin, env_root=env_root, torch_index=torch_index
+            cell,
+            wheel,
+            pin,
+            env_root=env_root,
+            torch_index=torch_index,
+            torch_req=torch_req,
         )
     except EnvError as exc:
         lap("env", t0)
@@ -229,7 +273,36 @@ def _probe_in_env(
     ]
 
 
-def _finish(result: dict[str, Any], results: Path, started: float) -> dict[str, Any]:
+def portable(value: Any, places: dict[str, str]) -> Any:
+    """``value`` with every absolute path under one of ``places`` (path ->
+    placeholder) written relative to it: a committed result names no folder of
+    the machine that made it."""
+    if isinstance(value, dict):
+        return {k: portable(v, places) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v, places) for v in value]
+    if isinstance(value, str):
+        for path, placeholder in places.items():
+            value = value.replace(path, placeholder)
+    return value
+
+
+def _places(env_root: Path) -> dict[str, str]:
+    """Folders a result may mention, most specific first."""
+    found = {
+        str(env_root.resolve()): "<envs>",
+        str(PROJECT): ".",
+        str(cache_dir().resolve()): "<vllm-patch cache>",
+        str(Path(tempfile.gettempdir()).resolve()): "<tmp>",
+        str(Path.home()): "~",
+    }
+    return dict(sorted(found.items(), key=lambda kv: -len(kv[0])))
+
+
+def _finish(
+    result: dict[str, Any], results: Path, started: float, env_root: Path
+) -> dict[str, Any]:
+    result = portable(result, _places(env_root))
     if result["status"] is None:
         failed = [c["name"] for c in result["checks"] if c["status"] == "fail"]
         result["status"] = "fail" if failed else "pass"

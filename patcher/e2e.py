@@ -123,13 +123,15 @@ def run_generate(
     python: str = sys.executable,
     env: dict | None = None,
     timeout: float = 900,
+    grep: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Start vLLM on ``model_dir`` in a child interpreter and time generation.
 
     One warm-up generate, then ``repeats`` timed ones (engine start is not
     timed). Returns tokens_per_s (one per repeat), output_token_ids (of the
     first timed repeat, one list per prompt), final_priority (what vLLM logged),
-    seconds (wall time of the whole child), ok, error and log_tail.
+    seconds (wall time of the whole child), ok, error and log_tail; with
+    ``grep``, also log_lines: every line of the log holding one of its strings.
     """
     spec = {
         "model_dir": str(model_dir),
@@ -178,7 +180,13 @@ def run_generate(
         error = child.get("error") or f"exit code {rc}: {_last_error_line(log)}"
     elif error is None and not child:
         error = "the child wrote no result"
+    found = {}
+    if grep:
+        found["log_lines"] = [
+            line for line in log.splitlines() if any(g in line for g in grep)
+        ]
     return {
+        **found,
         "tokens_per_s": child.get("tokens_per_s", []),
         "output_token_ids": child.get("output_token_ids", []),
         "final_priority": parse_final_priority(log),

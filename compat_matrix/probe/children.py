@@ -19,7 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from compat_matrix.probe.numerics import compare_impl, noncontiguous_dispatch
-from compat_matrix.probe.provider_module import env_var, provider_status
+from compat_matrix.probe.provider_module import (
+    env_var,
+    provider_log,
+    provider_status,
+)
 from compat_matrix.probe.vllm_ir import (
     NORM_OPS,
     PRIORITY_METHOD,
@@ -34,59 +38,167 @@ CHILD_TIMEOUT = 300
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_child(
+@dataclasses.dataclass
+class Child:
+    """A child started by :func:`start_child`; :func:`finish_child` collects it."""
+
+    task: str
+    tmp: tempfile.TemporaryDirectory
+    started: float
+    timeout: float
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+
+    @property
+    def result_file(self) -> Path:
+        return Path(self.tmp.name) / "result.json"
+
+    @property
+    def log_file(self) -> Path:
+        return Path(self.tmp.name) / "log.txt"
+
+
+def start_child(
     task: str,
     args: dict,
     *,
     pythonpath: list[Path] = (),
     drop_env: tuple[str, ...] = (),
     timeout: float = CHILD_TIMEOUT,
-) -> dict:
+    fork: bool = False,
+) -> Child:
+    """Start ``task`` without waiting for it, so that it runs while the probe
+    goes on. ``fork=True`` forks this process (its imports already done, so
+    the child starts in well under a second): only for tasks that need vLLM as
+    this process has it and that run before anything here registers with it.
+    Otherwise a fresh interpreter (``pythonpath`` first on its path)."""
+    tmp = tempfile.TemporaryDirectory(prefix="vllm-patch-probe-child-")
+    child = Child(task, tmp, time.perf_counter(), timeout)
+    if fork:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: run the task, never return into the probe
+            code = 1
+            try:
+                for name in drop_env:
+                    os.environ.pop(name, None)
+                log = os.open(child.log_file, os.O_WRONLY | os.O_CREAT, 0o644)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                code = child_main(task, args, child.result_file)
+            finally:
+                os._exit(code)
+        child.pid = pid
+        return child
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
     paths = [str(p) for p in pythonpath]
     paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join([*paths, str(PROJECT_ROOT)])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # never add files to the (linked) trees
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-probe-child-") as tmp:
-        result_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "compat_matrix.probe", "--child", task]
-        cmd += ["--child-args", json.dumps(args), "--child-result", str(result_file)]
+    cmd = [sys.executable, "-m", "compat_matrix.probe", "--child", task]
+    cmd += ["--child-args", json.dumps(args), "--child-result", str(child.result_file)]
+    with child.log_file.open("wb") as log:
+        child.proc = subprocess.Popen(
+            cmd, env=env, cwd=tmp.name, stdout=log, stderr=subprocess.STDOUT
+        )
+    return child
+
+
+def finish_child(child: Child) -> dict:
+    """Wait for ``child`` (killing it at its timeout) and read its result."""
+    deadline = child.started + child.timeout
+    timed_out = False
+    if child.proc is not None:
         try:
-            proc = subprocess.run(
-                cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=timeout
-            )
+            rc = child.proc.wait(timeout=max(deadline - time.perf_counter(), 0.1))
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
-        seconds = round(time.perf_counter() - started, 2)
-        payload = json.loads(result_file.read_text()) if result_file.is_file() else {}
-    if proc.returncode != 0 or "result" not in payload:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-15:]
-        error = payload.get("error") or f"exit code {proc.returncode}"
+            child.proc.kill()
+            child.proc.wait()
+            timed_out, rc = True, None
+    else:
+        while True:
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
+            if pid:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.perf_counter() > deadline:
+                os.kill(child.pid, 9)
+                os.waitpid(child.pid, 0)
+                timed_out, rc = True, None
+                break
+            time.sleep(0.05)
+    seconds = round(time.perf_counter() - child.started, 2)
+    with child.tmp:
+        if timed_out:
+            return {"ok": False, "error": f"timed out after {child.timeout:.0f} s"}
+        payload = (
+            json.loads(child.result_file.read_text())
+            if child.result_file.is_file()
+            else {}
+        )
+        log = child.log_file.read_text("utf-8", errors="replace")
+    if rc != 0 or "result" not in payload:
+        tail = log.strip().splitlines()[-15:]
+        error = payload.get("error") or f"exit code {rc}"
         return {"ok": False, "error": error, "seconds": seconds, "log_tail": tail}
     return {"ok": True, "result": payload["result"], "seconds": seconds}
 
 
-def _child_plugin(args: dict) -> dict:
-    import vllm.plugins as plugins
-    from vllm import ir  # noqa: F401
-    from vllm.ir.op import IrOp
+def stop_child(child: Child) -> None:
+    """End ``child`` if it still runs (a check that never collected it)."""
+    if child.proc is not None:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+        return
+    try:
+        if os.waitpid(child.pid, os.WNOHANG)[0] == 0:
+            os.kill(child.pid, 9)
+            os.waitpid(child.pid, 0)
+    except ChildProcessError:  # already collected
+        pass
 
-    plugins.load_general_plugins()
-    plugins.load_general_plugins()  # vLLM's own once-per-process guard
-    registered = {op: args["name"] in o.impls for op, o in IrOp.registry.items()}
-    out: dict[str, Any] = {"registered": registered, "error_after_reload": None}
+
+def run_child(task: str, args: dict, **how) -> dict:
+    return finish_child(start_child(task, args, **how))
+
+
+def _child_plugin(args: dict) -> dict:
+    """vLLM's own plugin loader, as every vLLM process runs it, with what the
+    provider logged on the way (its records only, found by source file)."""
+    import importlib.util
+
+    import vllm.plugins as plugins
+
+    has_ir = importlib.util.find_spec("vllm.ir") is not None
+    registry = {}
+    if has_ir:
+        from vllm.ir.op import IrOp
+
+        registry = IrOp.registry
+    with provider_log(args["module"]) as log:
+        plugins.load_general_plugins()
+        plugins.load_general_plugins()  # vLLM's own once-per-process guard
+    registered = {op: args["name"] in o.impls for op, o in registry.items()}
+    out: dict[str, Any] = {
+        "has_ir": has_ir,
+        "registered": registered,
+        "error_after_reload": None,
+    }
     # vLLM reaches the plugins from several start-up paths; force a real second call.
     if hasattr(plugins, "plugins_loaded"):
         plugins.plugins_loaded = False
-    try:
-        plugins.load_general_plugins()
-    except Exception as exc:
-        out["error_after_reload"] = f"{type(exc).__name__}: {exc}"
+    with provider_log(args["module"]) as log_after_reload:
+        try:
+            plugins.load_general_plugins()
+        except Exception as exc:
+            out["error_after_reload"] = f"{type(exc).__name__}: {exc}"
     module = sys.modules.get(args["module"])
     out["module_loaded"] = module is not None
     out["status"] = provider_status(module) if module is not None else None
     out["provider_calls"] = (out["status"] or {}).get("calls")
+    out["provider_log"] = log + log_after_reload
     return out
 
 

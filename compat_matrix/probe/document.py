@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any
 
-from compat_matrix.probe.checks import CHECKS, PREREQUISITES
+from compat_matrix.probe.checks import CHECKS, PREREQUISITES, start_ahead
 from compat_matrix.probe.environment import cpu_info, python_info, torch_info, vllm_info
 from compat_matrix.probe.framework import (
     DEFAULT_PROVIDER,
@@ -42,31 +42,16 @@ def run_probe(
         "provider": {"module": module_name, "name": p.name},
         "checks": [],
     }
-    for number, (check_name, check) in enumerate(CHECKS, 1):
-        print(f"probe [{number}/{len(CHECKS)}] {check_name} ...", file=sys.stderr)
-        started = time.perf_counter()
-        try:
-            if only and check_name not in only and check_name not in PREREQUISITES:
-                raise Skip(f"not selected (--only {','.join(only)})")
-            reason, details = check(p)
-            status = "pass"
-        except CheckOutcome as outcome:
-            status, reason, details = outcome.status, outcome.reason, outcome.details
-        except Exception as exc:  # one broken check must not stop the others
-            status, reason = "fail", f"crashed: {type(exc).__name__}: {exc}"
-            details = {"traceback": traceback.format_exc().splitlines()[-12:]}
-        seconds = round(time.perf_counter() - started, 2)
-        doc["checks"].append(
-            {
-                "name": check_name,
-                "status": status,
-                "reason": " ".join(str(reason).split()),
-                "seconds": seconds,
-                "details": details,
-            }
-        )
-        print(f"probe [{number}/{len(CHECKS)}] {check_name}: {status} ({seconds} s)",
-              file=sys.stderr)  # fmt: skip
+    with p.cleanup:  # ends what was started ahead, whatever the checks did
+        t0 = time.perf_counter()
+        start_ahead(p, only)
+        doc["started_ahead"] = {
+            "checks": sorted(p.started),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        for number, (check_name, check) in enumerate(CHECKS, 1):
+            doc["checks"].append(_run_check(p, number, check_name, check, only))
+    doc["pre_ir"] = p.pre_ir
     doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
     doc["summary"] = summary(doc)
     return doc
@@ -92,7 +77,9 @@ def summary(doc: dict) -> str:
         ),
         None,
     )
-    if (status or {}).get("redundant"):
+    if doc.get("pre_ir"):
+        line += f"; {name!r} does not apply ({doc['pre_ir']}): the plugin stands down"
+    elif (status or {}).get("redundant"):
         ops = ", ".join(status.get("redundant_ops") or [])
         line += (
             f"; the workaround can go: this vLLM already enables "
@@ -104,3 +91,28 @@ def summary(doc: dict) -> str:
             f"{UPSTREAM_PROVIDER!r} on CPU"
         )
     return line
+
+
+def _run_check(p: Probe, number: int, check_name: str, check, only) -> dict:
+    print(f"probe [{number}/{len(CHECKS)}] {check_name} ...", file=sys.stderr)
+    started = time.perf_counter()
+    try:
+        if only and check_name not in only and check_name not in PREREQUISITES:
+            raise Skip(f"not selected (--only {','.join(only)})")
+        reason, details = check(p)
+        status = "pass"
+    except CheckOutcome as outcome:
+        status, reason, details = outcome.status, outcome.reason, outcome.details
+    except Exception as exc:  # one broken check must not stop the others
+        status, reason = "fail", f"crashed: {type(exc).__name__}: {exc}"
+        details = {"traceback": traceback.format_exc().splitlines()[-12:]}
+    seconds = round(time.perf_counter() - started, 2)
+    print(f"probe [{number}/{len(CHECKS)}] {check_name}: {status} ({seconds} s)",
+          file=sys.stderr)  # fmt: skip
+    return {
+        "name": check_name,
+        "status": status,
+        "reason": " ".join(str(reason).split()),
+        "seconds": seconds,
+        "details": details,
+    }

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,9 +46,17 @@ class Probe:
     """Ops the provider registered an impl for, in this process."""
     kernels_unavailable: str | None = "not checked"
     """Why this environment cannot run the provider's kernels; None when it can."""
+    pre_ir: str | None = None
+    """Why the provider does not apply: a vLLM release from before vLLM IR."""
+    started: dict[str, Any] = field(default_factory=dict)
+    """Work started ahead of its check, to run beside the others (check -> handle)."""
+    cleanup: ExitStack = field(default_factory=ExitStack)
+    """Closed when the probe ends, whatever happened to the checks."""
 
 
 def need_ir(p: Probe) -> None:
+    if p.pre_ir:
+        raise Skip(f"not applicable: {p.pre_ir}")
     if not p.ir_ok:
         raise Skip("vllm.ir unavailable (see ir_present)")
 

@@ -5,18 +5,43 @@ platform's priority, the provider standing down; then reverted byte-identically.
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from compat_matrix.probe.checks.patched_copy import patched_copy, sha256
-from compat_matrix.probe.children import run_child
+from compat_matrix.probe.children import (
+    Child,
+    finish_child,
+    start_child,
+    stop_child,
+)
 from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ir
 from compat_matrix.probe.vllm_ir import PRIORITY_METHOD, UPSTREAM_PROVIDER
 
 
-def check_upstream_patch(p: Probe) -> tuple[str, dict]:
-    need_ir(p)
+@dataclass
+class Started:
+    """The patched copy and the child importing it, under way."""
+
+    original: Any
+    files: list[str]
+    originals_before: dict[str, str]
+    details: dict[str, Any]
+    child: Child
+    stack: ExitStack
+    """Ends the child if still running, then reverts and removes the copy."""
+
+
+def start_upstream(p: Probe) -> Started:
+    """Apply the patch to a hard-linked copy and start the child that imports it
+    (a fresh interpreter: vLLM must be imported from the copy), without waiting:
+    the probe starts this first so that the child runs beside the other checks."""
+    if importlib.util.find_spec("vllm.ir") is None:
+        raise Skip("vllm.ir unavailable (see ir_present)")
     try:
         from patcher import engine
         from patcher.patchset import select
@@ -36,14 +61,34 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
             details,
         )
     originals_before = {f: sha256(original.path(f)) for f in files}
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-probe-") as tmp:
-        with patched_copy(original, Path(tmp), engine, patch, details) as copy:
-            child = run_child(
-                "upstream",
-                {"provider": f"{p.module_name}:{p.attr}", "name": p.name},
-                pythonpath=[copy],
-            )
-            details["child"] = child
+    stack = ExitStack()
+    try:
+        tmp = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="vllm-patch-probe-")
+        )
+        copy = stack.enter_context(
+            patched_copy(original, Path(tmp), engine, patch, details)
+        )
+        child = start_child(
+            "upstream",
+            {"provider": f"{p.module_name}:{p.attr}", "name": p.name},
+            pythonpath=[copy],
+        )
+        stack.callback(stop_child, child)
+    except BaseException:
+        stack.close()
+        raise
+    return Started(original, files, originals_before, details, child, stack)
+
+
+def check_upstream_patch(p: Probe) -> tuple[str, dict]:
+    need_ir(p)
+    started = p.started.pop("upstream_patch", None) or start_upstream(p)
+    with started.stack:
+        child = finish_child(started.child)
+        started.details["child"] = child
+    original, files, details = started.original, started.files, started.details
+    originals_before = started.originals_before
     details["originals_untouched"] = originals_before == {
         f: sha256(original.path(f)) for f in files
     }
