@@ -35,6 +35,8 @@ TOP_LEVEL = [
     "cpu",
     "provider",
     "checks",
+    "started_ahead",
+    "pre_ir",
     "ok",
     "summary",
 ]
@@ -81,6 +83,9 @@ def test_document_shape(probed):
     assert list(doc) == TOP_LEVEL
     assert doc["schema"] == SCHEMA
     assert [c["name"] for c in doc["checks"]] == CHECK_NAMES
+    # The two checks that need their own vLLM process started it ahead.
+    assert doc["started_ahead"]["checks"] == ["plugin_entry_point", "upstream_patch"]
+    assert doc["pre_ir"] is None
     for check in doc["checks"]:
         assert list(check) == CHECK_KEYS
         assert check["status"] in ("pass", "fail", "skip")
