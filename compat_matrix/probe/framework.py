@@ -71,22 +71,3 @@ def need_kernels(p: Probe) -> None:
     need_provider(p)
     if p.kernels_unavailable:
         raise Skip(f"kernels not usable here: {p.kernels_unavailable}")
-
-
-def broken_import(exc: BaseException) -> str:
-    """What broke an import, naming the package whose own import failed (such as
-    a torchvision built for another torch) and where the fix is."""
-    from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
-    from patcher.import_checks import describe_error
-
-    found = describe_error(exc)
-    culprits = [p for p in found["packages"] if p in BROKEN_BESIDE_CPU_TORCH]
-    if not culprits:
-        cause = found["root_error"]
-        return found["error"] + (
-            f" (caused by {cause})" if cause != found["error"] else ""
-        )
-    return (
-        f"{', '.join(culprits)} breaks the import ({found['root_error']}); "
-        "`vllm-patch doctor` names the fix"
-    )

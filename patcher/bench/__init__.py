@@ -25,8 +25,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
-
 SCHEMA = "vllm-patch-bench/1"
 
 
@@ -365,7 +363,7 @@ def _run_e2e(cfg, target, progress, save) -> dict[str, Any]:
     from patcher import e2e
     from patcher.bench import endtoend
     from patcher.cache import cache_dir
-    from patcher.import_checks import describe_error
+    from patcher.import_checks import explain
 
     doc = _e2e_document(cfg)
     if target is None:
@@ -376,12 +374,7 @@ def _run_e2e(cfg, target, progress, save) -> dict[str, Any]:
     try:
         model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
     except Exception as exc:  # transformers missing or broken: keep the per-op part
-        found = describe_error(exc)
-        broken = [p for p in found["packages"] if p in BROKEN_BESIDE_CPU_TORCH]
-        why = f" ({', '.join(broken)} breaks it: `vllm-patch doctor`)" if broken else ""
-        doc["failed"].append(
-            f"cannot build the random Llama: {found['root_error']}{why}"
-        )
+        doc["failed"].append(f"cannot build the random Llama: {explain(exc)}")
         return doc
     doc["model_dir"] = _portable(str(model_dir))
     for mode in cfg["e2e_modes"]:

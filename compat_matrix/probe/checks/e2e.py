@@ -15,10 +15,10 @@ from compat_matrix.probe.framework import (
     Fail,
     Probe,
     Skip,
-    broken_import,
     need_kernels,
 )
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
+from patcher.import_checks import explain
 
 E2E_TIMEOUT = 600
 E2E_TOKENS = 8
@@ -44,7 +44,7 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
         model = make_random_llama(cache_dir() / "models", **TINY_LLAMA)
     except ImportError as exc:
         # Asked for and not run: the environment is broken, which is a failure.
-        raise Fail(f"cannot build the random Llama: {broken_import(exc)}") from None
+        raise Fail(f"cannot build the random Llama: {explain(exc)}") from None
     details: dict[str, Any] = {"model": str(model), "model_config": TINY_LLAMA}
     run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
     priority = {op: [p.name, "native"] for op in p.ops}

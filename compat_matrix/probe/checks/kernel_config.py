@@ -12,7 +12,6 @@ from compat_matrix.probe.framework import (
     Fail,
     Probe,
     Skip,
-    broken_import,
     need_provider,
 )
 from compat_matrix.probe.provider_module import env_var
@@ -22,6 +21,7 @@ from compat_matrix.probe.vllm_ir import (
     upstream_enabled_ops,
     vllm_config,
 )
+from patcher.import_checks import explain
 
 
 def check_kernel_config(p: Probe) -> tuple[str, dict]:
@@ -29,9 +29,7 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
     try:
         from vllm.config.kernel import IrOpPriorityConfig
     except Exception as exc:
-        raise Skip(
-            f"vLLM's config does not import here: {broken_import(exc)}"
-        ) from None
+        raise Skip(f"vLLM's config does not import here: {explain(exc)}") from None
     fields = [f.name for f in dataclasses.fields(IrOpPriorityConfig)]
     ops = [op for op in p.ops if op in fields]
     if not ops:
