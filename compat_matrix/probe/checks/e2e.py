@@ -32,19 +32,14 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
     need_kernels(p)
     try:
         from patcher import engine
-        from patcher.cache import cache_dir
-        from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
+        from patcher.e2e import TINY_LLAMA, run_generate
         from patcher.patchset import select
         from patcher.tree import open_tree
     except Exception as exc:
         raise Skip(
             f"patcher.e2e does not import here: {type(exc).__name__}: {exc}"
         ) from None
-    try:
-        model = make_random_llama(cache_dir() / "models", **TINY_LLAMA)
-    except ImportError as exc:
-        # Asked for and not run: the environment is broken, which is a failure.
-        raise Fail(f"cannot build the random Llama: {explain(exc)}") from None
+    model = _random_llama()
     details: dict[str, Any] = {"model": str(model), "model_config": TINY_LLAMA}
     run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
     priority = {op: [p.name, "native"] for op in p.ops}
@@ -102,17 +97,24 @@ def parse_priority(logged: str | None) -> dict[str, list[str]]:
     }
 
 
+def _random_llama() -> Path:
+    from patcher.cache import cache_dir
+    from patcher.e2e import TINY_LLAMA, make_random_llama
+
+    try:
+        return make_random_llama(cache_dir() / "models", **TINY_LLAMA)
+    except ImportError as exc:
+        # Asked for and not run: the environment is broken, which is a failure.
+        raise Fail(f"cannot build the random Llama: {explain(exc)}") from None
+
+
 def _harmless_run(p: Probe) -> tuple[str, dict]:
     """On a vLLM without IR: the engine starts and generates with the plugin
     installed (vLLM loads it in each of its processes), and the plugin's only
     trace in the log is its INFO line."""
-    from patcher.cache import cache_dir
-    from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
+    from patcher.e2e import TINY_LLAMA, run_generate
 
-    try:
-        model = make_random_llama(cache_dir() / "models", **TINY_LLAMA)
-    except ImportError as exc:
-        raise Fail(f"cannot build the random Llama: {broken_import(exc)}") from None
+    model = _random_llama()
     if p.module is None:
         raise Skip("the provider did not load (see provider_registers)")
     # vLLM's log lines name their source as [file.py:line]: the plugin's are these.
