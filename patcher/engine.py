@@ -236,13 +236,46 @@ def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
     if not changes:
         return Outcome(patch.name, "already applied", warnings=p.warnings)
     writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
-    if tree.kind == "installed":
-        writes |= Backup.of(tree.location, patch.name).files_to_write(changes)
+    # A checkout is reverted by the inverse edit, unless that would not give
+    # these bytes back (part of the change was there already, made by hand):
+    # then it gets a backup too, kept in its git directory.
+    if tree.kind == "installed" or not _inverse_restores(tree, p):
+        writes |= backup_of(tree, patch).files_to_write(changes)
     write_atomically(writes)
     partly = any(not e.changes for e in p.edits if e.skipped is None)
     return Outcome(
         patch.name, "completed" if partly else "applied", _shown(p, changes), p.warnings
     )
+
+
+def backup_of(tree: VllmTree, patch: Patch) -> Backup:
+    """Beside ``vllm/``; for a checkout in its git directory, out of the work tree."""
+    if tree.kind != "checkout":
+        return Backup.of(tree.location, patch.name)
+    git = tree.location / ".git"
+    if git.is_file():  # a linked work tree: "gitdir: <path>"
+        git = (tree.location / git.read_text().partition(":")[2].strip()).resolve()
+    return Backup.of(git, patch.name)
+
+
+def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
+    """Whether the patch's inverse edits alone turn every changed file back."""
+    changes = p.file_changes()
+    texts = {rel: after for rel, (_, after) in changes.items()}
+
+    def read(rel: str) -> str:
+        rel = follow(tree, rel)
+        return texts[rel] if rel in texts else tree.read_text(rel)
+
+    for e in reversed(p.edits):
+        if e.file in texts and e.changes:
+            try:
+                texts[e.file] = run_codemod_described(
+                    e.edit.revert, texts[e.file], read
+                )[0]
+            except PatchError:
+                return False
+    return all(texts[rel] == before for rel, (before, _) in changes.items())
 
 
 def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
@@ -255,7 +288,7 @@ def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
     _writable_tree(tree, "revert")
-    backup = Backup.of(tree.location, patch.name)
+    backup = backup_of(tree, patch)
     restored = {}
     for edit in patch.edits:
         path = follow(tree, edit.file)
