@@ -19,6 +19,7 @@ from typing import Any
 
 import libcst as cst
 
+from compat_matrix.probe.framework import PROVIDER_MODULE as DEFAULT_PROVIDER
 from patcher.engine import plan
 from patcher.errors import PatchError
 from patcher.patchset import all_patches
@@ -26,7 +27,6 @@ from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 from patches.cpu_fused_norms.enable_vllm_c import vllm_c_impls as patched_impls
 
-DEFAULT_PROVIDER = "patches.cpu_fused_norms.provider"
 IR_OP_FILE = "vllm/ir/op.py"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"
 CONFIG_FILES = (

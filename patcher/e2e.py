@@ -122,16 +122,19 @@ def run_generate(
     repeats: int = 1,
     python: str = sys.executable,
     env: dict | None = None,
+    engine_args: dict[str, Any] | None = None,
     timeout: float = 900,
     grep: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Start vLLM on ``model_dir`` in a child interpreter and time generation.
 
     One warm-up generate, then ``repeats`` timed ones (engine start is not
-    timed). Returns tokens_per_s (one per repeat), output_token_ids (of the
-    first timed repeat, one list per prompt), final_priority (what vLLM logged),
-    seconds (wall time of the whole child), ok, error and log_tail; with
-    ``grep``, also log_lines: every line of the log holding one of its strings.
+    timed); ``engine_args`` are further ``LLM(...)`` keyword arguments (say
+    ``fail_on_environ_validation``). Returns tokens_per_s (one per repeat),
+    output_token_ids (of the first timed repeat, one list per prompt),
+    final_priority (what vLLM logged), seconds (wall time of the whole child), ok,
+    error and log_tail; with ``grep``, also log_lines: every line of the log
+    holding one of its strings.
     """
     spec = {
         "model_dir": str(model_dir),
@@ -141,6 +144,7 @@ def run_generate(
         "max_tokens": max_tokens,
         "batch": batch,
         "repeats": repeats,
+        "engine_args": engine_args or {},
     }
     child_env = dict(os.environ)
     child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -231,7 +235,7 @@ def _child_main(spec: dict[str, Any]) -> dict[str, Any]:
     model_dir = Path(spec["model_dir"])
     hf_config = json.loads((model_dir / "config.json").read_text())
     prompt_len, max_tokens = spec["prompt_len"], spec["max_tokens"]
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(spec.get("engine_args") or {})
     if spec["ir_op_priority"]:
         kwargs["kernel_config"] = {"ir_op_priority": spec["ir_op_priority"]}
     llm = LLM(

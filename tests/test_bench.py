@@ -16,6 +16,7 @@ from conftest import requires_vllm
 from patcher import e2e
 from patcher.bench import collect, configuration, write_outputs
 from patcher.bench.endtoend import first_difference
+from patcher.bench.perop import DISPATCH_ROLES
 from patcher.bench.recommend import (
     clarity,
     priority_snippets,
@@ -213,6 +214,11 @@ ROW_FIELDS = {
     "op": str, "provider": str, "source": str, "dtype": str, "num_tokens": int,
     "hidden_size": int, "threads": int, "status": str, "atol": float, "rtol": float,
 }  # fmt: skip
+# What vLLM's RMSNorm layer calls (model_executor/layers/layernorm.py).
+CALLED_AS = {
+    "rms_norm": "rms_norm",
+    "fused_add_rms_norm": "fused_add_rms_norm.maybe_inplace",
+}
 TIMED_FIELDS = ("median_us", "q1_us", "q3_us", "iqr_us", "min_us", "ratio")
 
 
@@ -262,6 +268,24 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
                 assert (op, provider, "installed") in offered
     assert {r["source"] for r in rows} >= {"installed"}
 
+    # Through IR dispatch, in the patched copy (where the upstream vllm_c is
+    # enabled): native, vllm_c, the minimal reference and the provider, each
+    # checked, dispatched to and timed, with its ratios to the reference and vllm_c.
+    dispatch = doc["perop"]["dispatch"]
+    assert {(r["op"], r["role"], r["status"]) for r in dispatch} == {
+        (op, role, "ok")
+        for op in ("rms_norm", "fused_add_rms_norm")
+        for role in DISPATCH_ROLES
+    }
+    for r in dispatch:
+        assert r["source"] == "patched copy (cpu_fused_norms)"
+        assert r["num_tokens"] == 1 and r["threads"] == 1
+        assert r["call"] == CALLED_AS[r["op"]]
+        assert r["vs_reference"] > 0 and r["vs_upstream"] > 0
+    assert {r["provider"] for r in dispatch} == {
+        "native", "vllm_c", "vllm_c_cpu", "vllm_c_cpu_minimal"
+    }  # fmt: skip
+
     recs = doc["recommendation"]
     assert {(r["op"], r["mode"]) for r in recs} == {
         (op, mode)
@@ -287,6 +311,8 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     assert json.loads(paths["json"].read_text())["schema"] == doc["schema"]
     text = paths["markdown"].read_text()
     assert "## Per op" in text and "## Recommendation for this machine" in text
+    assert "### Per call through IR dispatch" in text
+    assert "| vllm_c_cpu / vllm_c_cpu_minimal | vllm_c_cpu / vllm_c |" in text
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["machine"]["cpu_model"] in paths["machine"].read_text()
 

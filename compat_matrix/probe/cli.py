@@ -26,7 +26,7 @@ from pathlib import Path
 from compat_matrix.probe.checks import CHECKS
 from compat_matrix.probe.children import child_main
 from compat_matrix.probe.document import run_probe
-from compat_matrix.probe.framework import DEFAULT_PROVIDER, DEFAULT_PROVIDER_NAME
+from compat_matrix.probe.framework import DEFAULT_PROVIDER
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         "--provider-name",
         default=None,
         metavar="NAME",
-        help=f"the IR provider name it registers (default: {DEFAULT_PROVIDER_NAME})",
+        help="the IR provider name it registers (default: the module's PROVIDER)",
     )
     parser.add_argument(
         "--e2e", action="store_true", help="also run vLLM end to end (about a minute)"

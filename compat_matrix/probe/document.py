@@ -14,11 +14,11 @@ from compat_matrix.probe.checks import CHECKS, PREREQUISITES, start_ahead
 from compat_matrix.probe.environment import cpu_info, python_info, torch_info, vllm_info
 from compat_matrix.probe.framework import (
     DEFAULT_PROVIDER,
-    DEFAULT_PROVIDER_NAME,
     CheckOutcome,
     Probe,
     Skip,
 )
+from compat_matrix.probe.provider_module import declared_name
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 
 SCHEMA = 1
@@ -32,7 +32,8 @@ def run_probe(
     only: list[str] | None = None,
 ) -> dict:
     module_name, _, attr = provider.partition(":")
-    p = Probe(module_name, attr or "register", name or DEFAULT_PROVIDER_NAME, e2e=e2e)
+    name = name or declared_name(module_name)
+    p = Probe(module_name, attr or "register", name or "", e2e=e2e)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "python": python_info(),

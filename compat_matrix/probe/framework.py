@@ -9,10 +9,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-# What is probed unless told otherwise: this project's provider and patch.
-DEFAULT_PROVIDER = "patches.cpu_fused_norms.provider:register"
-DEFAULT_PROVIDER_NAME = "vllm_c_cpu"
+from patcher.patchset import select
+
+# What is probed unless told otherwise: this project's patch and the provider
+# module its patch.toml names (which declares its own IR provider name).
 PATCH_NAME = "cpu_fused_norms"
+PROVIDER_MODULE = select([PATCH_NAME])[0].meta["provider"]["module"]
+DEFAULT_PROVIDER = f"{PROVIDER_MODULE}:register"
 
 
 class CheckOutcome(Exception):

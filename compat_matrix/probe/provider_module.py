@@ -1,15 +1,28 @@
-"""What the probe reads off a provider module besides its register function: an
-optional ``status()``, what it logs (``provider_log``), and the opt-in variable
-named by its ``OPT_IN_ENV``, set for the length of a block.
+"""What the probe reads off a provider module besides its register function: the
+IR provider name it declares (``PROVIDER``), an optional ``status()``, what it
+logs (``provider_log``), and the opt-in variable named by its ``OPT_IN_ENV``, set
+for the length of a block.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+
+def declared_name(module_name: str) -> str | None:
+    """The ``PROVIDER`` the module declares; None when it declares none or does not
+    import (the registration check then says why)."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:
+        return None
+    name = getattr(module, "PROVIDER", None)
+    return name if isinstance(name, str) else None
 
 
 def provider_status(module) -> dict | None:

@@ -5,6 +5,8 @@ the fresh interpreters it starts (the children): the norm ops, the upstream
 
 from __future__ import annotations
 
+import os
+
 NORM_OPS = ("rms_norm", "fused_add_rms_norm")
 UPSTREAM_PROVIDER = "vllm_c"
 PRIORITY_METHOD = "get_default_ir_op_priority"
@@ -58,3 +60,32 @@ def upstream_enabled_ops(ops) -> list[str]:
         if impl is not None and impl.supported:
             out.append(op)
     return out
+
+
+def strict_environ_error(variables: dict[str, str]) -> str | None:
+    """What vLLM's start-up environment validation in its strict form (what
+    ``--fail-on-environ-validation`` runs) raises with ``variables`` set: the
+    error, or None when it accepts them. Judged on ``variables`` alone: the
+    process's other ``VLLM_*`` variables vLLM does not know are left out."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    # The platform's method from 0.33 on; vllm.envs' function before.
+    validate = getattr(current_platform, "validate_environ", None)
+    validate = validate or envs.validate_environ
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(
+            (k, v)
+            for k, v in saved.items()
+            if not k.startswith("VLLM_") or k in envs.environment_variables
+        )
+        os.environ.update(variables)
+        validate(True)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return None

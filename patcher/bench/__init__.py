@@ -163,22 +163,30 @@ def measure_env(
     from patcher.bench import recommend
     from patcher.bench.environments import run_module
 
-    def measure(ops, samples) -> list[dict]:
+    def measure(ops, samples, dispatch) -> list[dict]:
         results = []
         for threads in cfg["threads"]:
             results.append(
                 run_module(
                     "patcher.bench.perop",
-                    {**spec, "ops": ops, "samples": samples, "threads": threads},
+                    {
+                        **spec,
+                        "ops": ops,
+                        "samples": samples,
+                        "threads": threads,
+                        "dispatch": dispatch,
+                    },
                     bench_env,
                     echo=progress,
                 )
             )
         return results
 
-    first = measure(spec["ops"], spec["samples"])
+    first = measure(spec["ops"], spec["samples"], spec.get("dispatch"))
     out: dict[str, Any] = {
         "rows": [r for res in first for r in res["rows"]],
+        # Per call through IR dispatch, where the upstream provider is enabled.
+        "dispatch": [r for res in first for r in res["dispatch"]],
         "notes": [],
         "inventory": first[-1]["inventory"],
         "versions": first[-1]["versions"],
@@ -195,7 +203,7 @@ def measure_env(
             f"per-op [{bench_env.label}]: {', '.join(unclear)} too close to call; "
             f"measuring again with {samples} samples"
         )
-        again = [r for res in measure(unclear, samples) for r in res["rows"]]
+        again = [r for res in measure(unclear, samples, None) for r in res["rows"]]
         out["rows"] = [r for r in out["rows"] if r["op"] not in unclear] + again
         out["notes"].append(
             f"{bench_env.label}: {', '.join(unclear)} measured again with {samples} "
@@ -237,11 +245,18 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
     snap = report.cpu_snapshot()
     result = measure_env(
         installed,
-        {**spec, "compile": True, "providers": providers, "source": installed.label},
+        {
+            **spec,
+            "compile": True,
+            "providers": providers,
+            "dispatch": providers,
+            "source": installed.label,
+        },
         cfg,
         progress,
     )
     rows: list[dict] = result["rows"]
+    dispatch: list[dict] = result["dispatch"]
     notes: list[str] = result["notes"]
     inventory: dict[str, Any] = result["inventory"]
     versions: dict[str, Any] = result["versions"]
@@ -283,7 +298,12 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
             "versions": versions,
             "options": cfg,
             "providers": providers,
-            "perop": {"rows": rows, "inventory": inventory, "notes": notes},
+            "perop": {
+                "rows": rows,
+                "dispatch": dispatch,
+                "inventory": inventory,
+                "notes": notes,
+            },
             "e2e": e2e_doc,
             "recommendation": recs,
             "snippets": recommend.priority_snippets(recs),
@@ -303,12 +323,14 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
                     "compile": True,
                     "providers": [],
                     "skip_supported": skip,
+                    "dispatch": providers,
                     "source": env.label,
                 },
                 cfg,
                 progress,
             )
             rows += result["rows"]
+            dispatch += result["dispatch"]
             notes += [n for n in result["notes"] if n not in notes]
             found_new = False
             for op, impls in result["inventory"].items():
@@ -333,6 +355,11 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
                     )
                     e2e_target = (provider, ops, env)
 
+        if providers and not dispatch:
+            notes.append(
+                "per call through IR dispatch: no environment here enables the "
+                "upstream provider the out-of-tree one stands in for; not measured"
+            )
         interference["perop"] = report.other_load(snap, report.cpu_snapshot(), cpus)
         e2e_doc = None
         if cfg["e2e"]:

@@ -11,6 +11,7 @@ pointing at the copy. Each child gets one environment and one thread count.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -39,12 +40,26 @@ class BenchEnv:
 
 
 def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:
-    """The out-of-tree providers the patches declare in their ``[provider]`` table."""
+    """The out-of-tree providers the patches declare in their ``[provider]`` table
+    (``module``, and the ``reference`` provider module the bench times it against),
+    with the identity each provider module declares (``PROVIDER``, ``OPS``,
+    ``OPT_IN_ENV``, ``UPSTREAM_PROVIDER``): the module is its one home."""
     out = []
     for patch in all_patches() if patches is None else patches:
-        provider = patch.meta.get("provider")
-        if isinstance(provider, dict) and provider.get("module"):
-            out.append({**provider, "patch": patch.name})
+        table = patch.meta.get("provider")
+        if not (isinstance(table, dict) and table.get("module")):
+            continue
+        module = importlib.import_module(table["module"])
+        out.append(
+            {
+                **table,
+                "patch": patch.name,
+                "name": module.PROVIDER,
+                "ops": list(getattr(module, "OPS", ())),
+                "opt_in_env": getattr(module, "OPT_IN_ENV", None),
+                "upstream": getattr(module, "UPSTREAM_PROVIDER", None),
+            }
+        )
     return out
 
 

@@ -16,11 +16,22 @@ pristine copy before every sample (outside the timed region), and so does
 every other implementation, so that each sample starts from the same cache
 state. Samples of the implementations are interleaved (round robin) so that
 load from other processes lands on all of them alike.
+
+Per call through IR dispatch (``spec["dispatch"]``): where the upstream
+provider an out-of-tree provider stands in for is enabled (a patched copy), the
+out-of-tree provider, the upstream one, a minimal reference provider (what the
+upstream impl does, nothing more) and native are called as vLLM's eager forward
+calls them: ``op.maybe_inplace(...)`` where the op has it, else ``op(...)``,
+under ``set_priority([provider, "native"])`` and without the torch custom-op
+wrapper (vLLM on CPU disables it unless Inductor compiles). This times what
+the plain impl timing leaves out: each provider's ``supports_args`` and the
+impl's own Python, the provider's per-call overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -50,6 +61,10 @@ DEFAULT_SPEC: dict[str, Any] = {
     "min_sample_s": 0.002,
     "seed": 0,
     "source": "installed",
+    # Providers to time through IR dispatch: {name, module, upstream, reference,
+    # ops}; None: none. At these token counts (per call overhead shows at decode).
+    "dispatch": None,
+    "dispatch_num_tokens": [1],
 }
 
 
@@ -134,11 +149,19 @@ def _calls_per_sample(fn: Callable, work: tuple, min_sample_s: float) -> int:
 
 
 def time_round_robin(
-    fns: dict[str, Callable], args: tuple, *, samples: int, min_sample_s: float
+    fns: dict[str, Callable],
+    args: tuple,
+    *,
+    samples: int,
+    min_sample_s: float,
+    scopes: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Median and quartiles of seconds per call for each function, sampled in turn."""
+    """Median and quartiles of seconds per call for each function, sampled in turn;
+    ``scopes[name]()`` (say, a dispatch priority) is entered around each of that
+    function's samples, outside the timed region."""
     import torch
 
+    scopes = scopes or {}
     works = {name: _clone(args) for name in fns}
 
     def restore(work: tuple) -> None:
@@ -149,16 +172,18 @@ def time_round_robin(
     calls = {}
     for name, fn in fns.items():  # warm-up and calibration, not recorded
         restore(works[name])
-        calls[name] = _calls_per_sample(fn, works[name], min_sample_s)
+        with scopes.get(name, contextlib.nullcontext)():
+            calls[name] = _calls_per_sample(fn, works[name], min_sample_s)
     per_call: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(samples):
         for name, fn in fns.items():
             work, k = works[name], calls[name]
             restore(work)
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn(*work)
-            per_call[name].append((time.perf_counter() - t0) / k)
+            with scopes.get(name, contextlib.nullcontext)():
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    fn(*work)
+                per_call[name].append((time.perf_counter() - t0) / k)
     out = {}
     for name, values in per_call.items():
         q1, med, q3 = quantiles(values)
@@ -300,12 +325,125 @@ def measure(
                 row["native_median_us"] = native_us
                 row["ratio"] = native_us / timings[provider]["median_us"]
             rows.append(row)
+    dispatch_rows: list[dict[str, Any]] = []
+    for p in spec["dispatch"] or []:
+        dispatch_rows += measure_dispatch(spec, p, notes, progress)
     return {
         "rows": rows,
         "inventory": inventory,
+        "dispatch": dispatch_rows,
         "notes": notes,
         "versions": _versions(),
     }
+
+
+DISPATCH_ROLES = ("native", "upstream", "reference", "provider")
+"""Columns of the dispatch table: ``provider`` is the out-of-tree one."""
+
+
+@contextlib.contextmanager
+def eager_dispatch(op, provider: str):
+    """Dispatch ``op`` as vLLM's eager forward on CPU does: ``provider`` first,
+    native after it, no torch custom-op wrapper."""
+    from vllm import ir
+
+    unwrapped = getattr(ir, "enable_torch_wrap", None)
+    with op.set_priority([provider, NATIVE]):
+        with unwrapped(False) if unwrapped else contextlib.nullcontext():
+            yield
+
+
+def measure_dispatch(
+    spec: dict[str, Any],
+    p: dict[str, Any],
+    notes: list[str],
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Provider ``p`` against its upstream provider and its reference provider,
+    through IR dispatch (see the module docstring), for every op of ``p`` whose
+    upstream impl is enabled in this environment."""
+    from vllm.ir.op import IrOp
+
+    reference = p.get("reference")
+    names = {"native": NATIVE, "upstream": p.get("upstream"), "provider": p["name"]}
+    notes += register_providers([p])  # re-entrant where it is registered already
+    if reference:
+        before = len(notes)
+        register_providers([{"module": reference, "name": reference}])
+        if len(notes) == before:
+            names["reference"] = importlib.import_module(reference).PROVIDER
+    rows: list[dict[str, Any]] = []
+    for name in p.get("ops") or []:
+        op = IrOp.registry.get(name)
+        upstream = op.impls.get(names["upstream"]) if op is not None else None
+        if upstream is None or not upstream.supported:
+            continue  # the patched copy (or a vLLM with the change) measures it
+        roles = {
+            role: provider
+            for role, provider in names.items()
+            if provider in op.impls and op.impls[provider].supported
+        }
+        call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
+        for dtype in spec["dtypes"]:
+            for hidden in spec["hidden_sizes"]:
+                for tokens in spec["dispatch_num_tokens"]:
+                    rows += _dispatch_config(
+                        spec, op, call, roles, dtype, hidden, tokens, progress
+                    )
+    return rows
+
+
+def _dispatch_config(spec, op, call, roles, dtype_name, hidden, tokens, progress):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    tolerance = op.get_tolerance(dtype)
+    torch.manual_seed(spec["seed"])
+    args = tuple(op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype))
+    expected = op.impls[NATIVE].impl_fn(*_clone(args))
+    base = {
+        "op": op.name,
+        "dtype": dtype_name,
+        "num_tokens": tokens,
+        "hidden_size": hidden,
+        "shape": list(args[0].shape),
+        "source": spec["source"],
+        "threads": torch.get_num_threads(),
+        "call": f"{op.name}.maybe_inplace" if call is not op else op.name,
+    }
+    fns, scopes, rows = {}, {}, {}
+    for role, provider in roles.items():
+        rows[role] = {**base, "role": role, "provider": provider}
+        with eager_dispatch(op, provider):
+            chosen = op.dispatch(*args).provider
+            ok, err, why = check_numerics(call, args, expected, tolerance)
+        if chosen != provider:  # its supports_args said no: it would time native
+            rows[role].update(status="unsupported_args", dispatched_to=chosen)
+        elif not ok:
+            rows[role].update(status="wrong", max_abs_err=err, error=why)
+        else:
+            rows[role].update(status="ok", max_abs_err=err)
+            fns[role] = call
+            scopes[role] = lambda provider=provider: eager_dispatch(op, provider)
+    progress(
+        f"[{spec['source']}, {base['threads']} threads] through IR dispatch "
+        f"{op.name} {base['dtype']} {base['shape']}: {', '.join(fns)}"
+    )
+    timings = time_round_robin(
+        fns,
+        args,
+        samples=spec["samples"],
+        min_sample_s=spec["min_sample_s"],
+        scopes=scopes,
+    )
+    for role, timing in timings.items():
+        rows[role].update(timing)
+        for other in ("reference", "upstream"):  # ratios of medians, same process
+            if other in timings:
+                rows[role][f"vs_{other}"] = (
+                    timing["median_us"] / timings[other]["median_us"]
+                )
+    return list(rows.values())
 
 
 def _versions() -> dict[str, str]:

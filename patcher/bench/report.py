@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patcher.bench.perop import NATIVE, NATIVE_COMPILED
+from patcher.bench.perop import DISPATCH_ROLES, NATIVE, NATIVE_COMPILED
 
 # The CPU flags that decide which kernels run fast (the full list is kept too).
 KEY_FLAGS = (
@@ -112,7 +112,8 @@ def _fmt_us(value: float | None) -> str:
     return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
-def _cell(row: dict[str, Any] | None) -> str:
+def _timing(row: dict[str, Any] | None) -> str:
+    """Median [quartiles] of a timed row, or why it was not timed."""
     if row is None:
         return ""
     status = row.get("status")
@@ -121,10 +122,14 @@ def _cell(row: dict[str, Any] | None) -> str:
             "wrong": "wrong result (not timed)",
             "unsupported_args": "unsupported",
         }.get(status, str(status))
-    text = (
+    return (
         f"{_fmt_us(row['median_us'])} [{_fmt_us(row['q1_us'])}–{_fmt_us(row['q3_us'])}]"
     )
-    if row["provider"] != NATIVE:
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    text = _timing(row)
+    if row is not None and row.get("status") == "ok" and row["provider"] != NATIVE:
         text += f" **{row['ratio']:.2f}x**"
     return text
 
@@ -198,6 +203,36 @@ def perop_markdown(rows: list[dict[str, Any]]) -> str:
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
+    """The out-of-tree provider's per-call cost through IR dispatch, against the
+    upstream provider and the minimal reference, per op and shape."""
+    names: dict[str, str] = {}
+    for r in rows:
+        names.setdefault(r["role"], r["provider"])
+    roles = [role for role in DISPATCH_ROLES if role in names]
+    header = ["op", "dtype", "shape", "threads", "source"]
+    header += [f"{names[role]} ({role})" for role in roles]
+    ratios = [o for o in ("reference", "upstream") if o in names]
+    if "provider" not in names:
+        ratios = []
+    header += [f"{names['provider']} / {names[other]}" for other in ratios]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    configs: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        key = (r["op"], r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+        configs.setdefault(key + (r["source"],), {})[r["role"]] = r
+    for (op, dtype, tokens, hidden, threads, source), by_role in configs.items():
+        cells = [f"`{op}`", dtype, f"[{tokens}, {hidden}]", str(threads), source]
+        cells += [_timing(by_role.get(role)) for role in roles]
+        ours = by_role.get("provider", {})
+        cells += [
+            f"**{ours[f'vs_{other}']:.2f}x**" if f"vs_{other}" in ours else "-"
+            for other in ratios
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def e2e_markdown(pairs: list[dict[str, Any]]) -> str:
@@ -337,6 +372,20 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         perop_markdown(doc["perop"]["rows"]),
     ]
+    if doc["perop"].get("dispatch"):
+        lines += [
+            "### Per call through IR dispatch",
+            "",
+            "The out-of-tree provider's own per-call cost: each provider called as "
+            "vLLM's eager forward calls the op (`maybe_inplace` where the op has it, "
+            "priority `[provider, native]`, no torch custom-op wrapper), so its "
+            "`supports_args` and its Python count. Beside it the upstream provider it "
+            "stands in for (enabled on the patched copy) and a minimal reference "
+            "provider that does only what the upstream impl does, all in one process, "
+            "samples interleaved; microseconds per call, median [quartiles].",
+            "",
+            dispatch_markdown(doc["perop"]["dispatch"]),
+        ]
     if doc["perop"]["notes"]:
         lines += ["Notes:", ""] + [f"- {n}" for n in doc["perop"]["notes"]] + [""]
     lines += ["## End to end", ""]

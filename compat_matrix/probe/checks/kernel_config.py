@@ -1,6 +1,7 @@
 """Where the provider ends up in the IR op priority vLLM's own config builds:
 first when a user names it, first by default only when opted in and eager,
-native under Inductor, and standing down where vLLM already ranks ``vllm_c``.
+native under Inductor, and standing down where vLLM already ranks ``vllm_c``;
+and the opt-in variable passes vLLM's strict environment validation.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from compat_matrix.probe.provider_module import env_var
 from compat_matrix.probe.vllm_ir import (
     UPSTREAM_PROVIDER,
     compiling_with_inductor,
+    strict_environ_error,
     upstream_enabled_ops,
     vllm_config,
 )
@@ -62,6 +64,13 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         plain = final_priority(None, compiled=False)
         details["no_opt_in_eager"] = {"final": plain}
     if opt_in_env:
+        refused = strict_environ_error({opt_in_env: "1"})
+        details["opt_in_strict_environ"] = refused or "accepted"
+        if refused:
+            problems.append(
+                f"with {opt_in_env}=1 vLLM's strict environment validation "
+                f"(--fail-on-environ-validation) refuses to start: {refused}"
+            )
         with env_var(opt_in_env, "1"):
             eager_want = {
                 op: (p.name if supported[op] and op not in redundant else plain[op][0])
@@ -101,7 +110,8 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
     ranked = [op for op in ops if supported[op]]
     how = (
         f"with {opt_in_env}=1 {p.name!r} is first for eager ({', '.join(ranked)}) and "
-        "native for Inductor; a user's ['native'] wins"
+        "native for Inductor; a user's ['native'] wins; vLLM's strict environment "
+        "validation accepts the variable"
         if opt_in_env and ranked
         else f"default ranking stays {plain[ops[0]][0]!r} ({p.name!r} unsupported here)"
         if opt_in_env

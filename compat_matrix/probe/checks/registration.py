@@ -124,6 +124,10 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
     register = getattr(module, p.attr, None)
     if not callable(register):
         raise Fail(f"{p.module_name} has no callable {p.attr}")
+    if not p.name:
+        raise Fail(
+            f"{p.module_name} declares no PROVIDER name; pass --provider-name NAME"
+        )
     register()
     first = {name: op.impls.get(p.name) for name, op in IrOp.registry.items()}
     register()  # vLLM may call a plugin again in the same process
