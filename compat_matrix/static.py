@@ -25,7 +25,7 @@ from patcher.errors import PatchError
 from patcher.patchset import all_patches
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
-from patches.cpu_fused_norms.enable_vllm_c import vllm_c_impls as patched_impls
+from patches.cpu_fused_norms.vllm_c_source import vllm_c_impls as patched_impls
 
 IR_OP_FILE = "vllm/ir/op.py"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"

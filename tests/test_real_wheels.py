@@ -16,7 +16,7 @@ from patcher.patchset import select
 from patcher.pr_format import changed_ranges
 from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
-from patches.cpu_fused_norms.enable_vllm_c import NORM_OPS, vllm_c_impls
+from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
 
 VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"

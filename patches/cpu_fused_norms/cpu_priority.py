@@ -20,10 +20,8 @@ from libcst.codemod import CodemodContext
 
 from patcher.codemod import TREE_READER, TreeCodemod
 from patcher.ruff_format import format_member
-from patches.cpu_fused_norms.enable_vllm_c import (
-    EnableVllmCOnCpu,
-    cpu_enabled_norms,
-)
+from patches.cpu_fused_norms.enable_vllm_c import EnableVllmCOnCpu
+from patches.cpu_fused_norms.vllm_c_source import cpu_enabled_norms
 
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"

@@ -33,10 +33,8 @@ proves it by applying again.
 from __future__ import annotations
 
 import ast
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import libcst as cst
 import libcst.matchers as m
@@ -45,62 +43,35 @@ from libcst.codemod import CodemodContext
 from patcher.codemod import TreeCodemod
 from patcher.errors import ShapeNotRecognised
 from patcher.ruff_format import format_node, is_formatted
+from patcher.statements import (
+    holds,
+    insert_before,
+    remove_at,
+    unit_at,
+    units_holding,
+    with_unit,
+)
 from patches.cpu_fused_norms.bool_operand import (
     append_operand,
     can_append,
     strip_operand,
 )
+from patches.cpu_fused_norms.vllm_c_source import (
+    ENDS_WITH_IS_CPU_OR,
+    IS_CPU_SOURCE,
+    NORM_OPS,
+    NORM_TENSORS,
+    VllmCImpl,
+    admits,
+    cpu_guard,
+    module_assignments,
+    name_counts,
+    vllm_c_impls,
+)
 
-NORM_OPS = ("rms_norm", "fused_add_rms_norm")
-# How many leading parameters of each norm's supports_args are the input
-# tensors the CPU kernel reads ignoring their strides.
-NORM_TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 GATE = "GPGPU_DEVICE"
 # The norms' own gate, where GPGPU_DEVICE or CUDA_ALIKE also gates other impls.
 NORM_GATE = "RMS_NORM_DEVICE"
-PROVIDER = "vllm_c"
-IS_CPU_SOURCE = "current_platform.is_cpu()"
-IS_CPU = m.Call(
-    func=m.Attribute(value=m.Name("current_platform"), attr=m.Name("is_cpu")), args=()
-)
-PLATFORM_CALL = m.Call(
-    func=m.Attribute(value=m.Name("current_platform"), attr=m.Name()), args=()
-)
-# The platforms a gate is judged on, and which current_platform.is_*() says yes
-# on each (every other is_*() says no on all four).
-PLATFORMS = ("cpu", "cuda", "rocm", "xpu")
-PLATFORM_CHECKS = {
-    "is_cpu": {"cpu"},
-    "is_cuda": {"cuda"},
-    "is_rocm": {"rocm"},
-    "is_cuda_alike": {"cuda", "rocm"},
-    "is_xpu": {"xpu"},
-}
-# @ir.ops.<op>.register_impl("vllm_c", ...)
-REGISTER_IMPL = m.Call(
-    func=m.Attribute(
-        value=m.Attribute(value=m.Attribute(value=m.Name("ir"), attr=m.Name("ops"))),
-        attr=m.Name("register_impl"),
-    ),
-    args=[
-        m.Arg(
-            value=m.SimpleString(
-                m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER)
-            ),
-            keyword=None,
-        ),
-        m.ZeroOrMore(),
-    ],
-)
-ENDS_WITH_IS_CPU_OR = m.BooleanOperation(operator=m.Or(), right=IS_CPU)
-
-
-@dataclass(frozen=True)
-class VllmCImpl:
-    op: str
-    supported: cst.BaseExpression | None
-    """The ``supported=`` argument, or None when the call has none."""
-    supports_args: cst.BaseExpression | None
 
 
 @dataclass(frozen=True)
@@ -112,110 +83,6 @@ class Predicate:
     body: cst.BaseExpression
     tensors: tuple[str, ...]
     """Its own names for the input tensors (the input, and the residual)."""
-
-
-def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
-    return next(
-        (a.value for a in call.args if m.matches(a.keyword, m.Name(name))), None
-    )
-
-
-@lru_cache(maxsize=16)  # modules hash by identity; each is read many times
-def vllm_c_impls(module: cst.Module) -> list[VllmCImpl]:
-    impls = []
-    for call in m.findall(module, REGISTER_IMPL):
-        op_attr = call.func.value
-        impls.append(
-            VllmCImpl(
-                op_attr.attr.value,
-                _keyword(call, "supported"),
-                _keyword(call, "supports_args"),
-            )
-        )
-    return impls
-
-
-class _NameCounter(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.counts[node.value] += 1
-
-
-@lru_cache(maxsize=16)
-def name_counts(module: cst.Module) -> Counter[str]:
-    """How often each name occurs in ``module``."""
-    counter = _NameCounter()
-    module.visit(counter)
-    return counter.counts
-
-
-def module_assignments(module: cst.Module) -> dict[str, cst.BaseExpression]:
-    """``NAME = value`` statements at module level."""
-    found = {}
-    for stmt in module.body:
-        if m.matches(
-            stmt, m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name())])])
-        ):
-            assign = stmt.body[0]
-            found[assign.targets[0].target.value] = assign.value
-    return found
-
-
-def admits(
-    expr: cst.BaseExpression, platform: str, assignments: dict, seen: tuple = ()
-) -> bool | None:
-    """Whether the gate ``expr`` is true on ``platform``; None when it depends on
-    something other than ``current_platform.is_*()``, constants, module-level
-    names built from them, ``not``, ``and`` and ``or``."""
-    if isinstance(expr, cst.Name):
-        if expr.value in ("True", "False"):
-            return expr.value == "True"
-        value = assignments.get(expr.value)
-        if value is None or expr.value in seen:
-            return None
-        return admits(value, platform, assignments, (*seen, expr.value))
-    if m.matches(expr, PLATFORM_CALL):
-        check = expr.func.attr.value
-        if not check.startswith("is_"):
-            return None
-        return platform in PLATFORM_CHECKS.get(check, ())
-    if isinstance(expr, cst.UnaryOperation) and isinstance(expr.operator, cst.Not):
-        value = admits(expr.expression, platform, assignments, seen)
-        return None if value is None else not value
-    if isinstance(expr, cst.BooleanOperation):
-        left = admits(expr.left, platform, assignments, seen)
-        right = admits(expr.right, platform, assignments, seen)
-        decisive = isinstance(expr.operator, cst.Or)  # True decides `or`
-        if decisive in (left, right):
-            return decisive
-        return None if None in (left, right) else not decisive
-    return None
-
-
-def cpu_enabled_ops(module: cst.Module) -> list[str]:
-    """Ops whose "vllm_c" implementation is supported on CPU in ``module``."""
-    assignments = module_assignments(module)
-    return [
-        i.op
-        for i in vllm_c_impls(module)
-        if i.supported is not None and admits(i.supported, "cpu", assignments)
-    ]
-
-
-def cpu_enabled_norms(module: cst.Module) -> list[str]:
-    """The norms (of ``NORM_OPS``) whose "vllm_c" impl is supported on CPU."""
-    enabled = cpu_enabled_ops(module)
-    return [op for op in NORM_OPS if op in enabled]
-
-
-def cpu_guard(tensors: list[str] | tuple[str, ...]) -> cst.BaseExpression:
-    """``(not current_platform.is_cpu() or x.is_contiguous())``."""
-    contiguous = " and ".join(f"{t}.is_contiguous()" for t in tensors)
-    if len(tensors) > 1:
-        contiguous = f"({contiguous})"
-    return cst.parse_expression(f"(not {IS_CPU_SOURCE} or {contiguous})")
 
 
 def _source(node: cst.CSTNode) -> str:
@@ -242,49 +109,6 @@ def _impls(ops: list[str]) -> str:
     """``the `vllm_c` rms_norm impl's``, or ``... impls'`` for several."""
     ending = "s'" if len(ops) > 1 else "'s"
     return f"the `vllm_c` {_ops(ops)} impl{ending}"
-
-
-class _Contains(cst.CSTVisitor):
-    def __init__(self, targets) -> None:
-        self.targets, self.found = targets, False
-
-    def on_visit(self, node: cst.CSTNode) -> bool:
-        self.found = self.found or node in self.targets
-        return not self.found
-
-
-def _layout_units(tree: cst.Module, targets) -> list[tuple[int, int | None]]:
-    """Where the edited expressions sit: (index of the module-level statement,
-    index of its decorator or None for the whole statement)."""
-
-    def holds(node: cst.CSTNode) -> bool:
-        return _holds(node, targets)
-
-    units = []
-    for i, stmt in enumerate(tree.body):
-        decorators = getattr(stmt, "decorators", ())
-        held = [j for j, d in enumerate(decorators) if holds(d)]
-        if held:
-            units += [(i, j) for j in held]
-        elif holds(stmt):
-            units.append((i, None))
-    return units
-
-
-def _unit(tree: cst.Module, at: tuple[int, int | None]) -> cst.CSTNode:
-    stmt = tree.body[at[0]]
-    return stmt if at[1] is None else stmt.decorators[at[1]]
-
-
-def _with_unit(tree: cst.Module, at: tuple[int, int | None], node) -> cst.Module:
-    body = list(tree.body)
-    if at[1] is None:
-        body[at[0]] = node
-    else:
-        decorators = list(body[at[0]].decorators)
-        decorators[at[1]] = node
-        body[at[0]] = body[at[0]].with_changes(decorators=decorators)
-    return tree.with_changes(body=body)
 
 
 class _NormCodemod(TreeCodemod):
@@ -441,14 +265,14 @@ class EnableVllmCOnCpu(_NormCodemod):
         for impl in norms:
             self._guard(impl, tree, assignments)
         # Statements vLLM's ruff would leave alone come out as it lays them out.
-        for at in _layout_units(tree, self.edits):
-            unit = _unit(tree, at)
+        for at in units_holding(tree, self.edits):
+            unit = unit_at(tree, at)
             if is_formatted(unit, tree):
                 edit = self.edits.get(unit)
                 self.edits[unit] = lambda n, e=edit: format_node(e(n) if e else n, tree)
         result = tree.visit(self)
         if new_gate is not None:
-            result = _insert_before(result, *new_gate)
+            result = insert_before(result, *new_gate)
         return result
 
     def _gate(self, impl: VllmCImpl, tree, norms, assignments) -> bool:
@@ -503,8 +327,8 @@ class EnableVllmCOnCpu(_NormCodemod):
         first = min(
             i
             for i, stmt in enumerate(tree.body)
-            if _holds(stmt, self.edits.keys())
-            and any(_holds(stmt, {i.supported}) for i in own)
+            if holds(stmt, self.edits.keys())
+            and any(holds(stmt, {i.supported}) for i in own)
         )
         return first, statement
 
@@ -540,40 +364,6 @@ class EnableVllmCOnCpu(_NormCodemod):
         self.edits.setdefault(target, lambda n: append_operand(n, operator, operand))
 
 
-def _holds(node: cst.CSTNode, targets) -> bool:
-    visitor = _Contains(targets)
-    node.visit(visitor)
-    return visitor.found
-
-
-def _insert_before(tree: cst.Module, at: int, statement) -> cst.Module:
-    """``statement`` before ``tree.body[at]``, taking the blank lines above it;
-    that statement keeps its comments and gets the two blank lines ruff wants."""
-    body = list(tree.body)
-    after = body[at]
-    lines = list(after.leading_lines)
-    blank = 0
-    while blank < len(lines) and lines[blank].comment is None:
-        blank += 1
-    body[at : at + 1] = [
-        statement.with_changes(leading_lines=lines[:blank]),
-        after.with_changes(leading_lines=[cst.EmptyLine()] * 2 + lines[blank:]),
-    ]
-    return tree.with_changes(body=body)
-
-
-def _remove_at(tree: cst.Module, at: int) -> cst.Module:
-    """The inverse of :func:`_insert_before`."""
-    body = list(tree.body)
-    removed, after = body[at], body[at + 1]
-    body[at : at + 2] = [
-        after.with_changes(
-            leading_lines=[*removed.leading_lines, *after.leading_lines[2:]]
-        )
-    ]
-    return tree.with_changes(body=body)
-
-
 def _ends_with_guard(body: cst.BaseExpression, guard: cst.BaseExpression) -> bool:
     return m.matches(body, m.BooleanOperation(operator=m.And())) and _same_code(
         body.right, guard
@@ -599,10 +389,10 @@ class DisableVllmCOnCpu(_NormCodemod):
                 self.record(f"the CPU contiguity check of {impl.op} is removed")
         if not self.edits:
             return tree
-        units = _layout_units(tree, self.edits)
+        units = units_holding(tree, self.edits)
         stripped = tree.visit(self)
         if own_gate is not None:
-            stripped = _remove_at(stripped, own_gate)
+            stripped = remove_at(stripped, own_gate)
         return self._layout(tree, stripped, units, own_gate)
 
     def _own_gate(self, tree, norms, assignments) -> int | None:
@@ -657,8 +447,8 @@ class DisableVllmCOnCpu(_NormCodemod):
 
         pending = {
             at: [
-                format_node(_unit(stripped, there(at)), stripped),
-                _unit(stripped, there(at)),
+                format_node(unit_at(stripped, there(at)), stripped),
+                unit_at(stripped, there(at)),
             ]
             for at in units
         }
@@ -666,7 +456,7 @@ class DisableVllmCOnCpu(_NormCodemod):
         while pending:
             trial = stripped
             for at, candidates in pending.items():
-                trial = _with_unit(trial, there(at), candidates[0])
+                trial = with_unit(trial, there(at), candidates[0])
             try:
                 again = EnableVllmCOnCpu(CodemodContext()).transform_module(trial)
             except ShapeNotRecognised:
@@ -676,7 +466,7 @@ class DisableVllmCOnCpu(_NormCodemod):
                 if again is not None and code(again.body[at[0]]) == code(
                     patched.body[at[0]]
                 ):
-                    result = _with_unit(result, there(at), pending.pop(at)[0])
+                    result = with_unit(result, there(at), pending.pop(at)[0])
                     continue
                 pending[at].pop(0)
                 if not pending[at]:

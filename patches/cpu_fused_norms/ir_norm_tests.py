@@ -31,7 +31,7 @@ import libcst.matchers as m
 
 from patcher.codemod import TreeCodemod
 from patches.cpu_fused_norms.bool_operand import append_operand, strip_operand
-from patches.cpu_fused_norms.enable_vllm_c import (
+from patches.cpu_fused_norms.vllm_c_source import (
     ENDS_WITH_IS_CPU_OR,
     IS_CPU,
     IS_CPU_SOURCE,
