@@ -27,7 +27,7 @@ from pathlib import Path
 import git
 from packaging.version import InvalidVersion, Version
 
-from patcher import engine, pr_body
+from patcher import engine, pr_body, upstream_tests
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import Patch
 from patcher.pr_format import FormatReport, check_changes
@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         help="where to write the PR description (outside the work tree); default: "
         "<git-dir>/vllm-patch/PR_<branch>.md",
+    )
+    parser.add_argument(
+        "--pytest-k",
+        metavar="EXPR",
+        help="run only the upstream tests matching EXPR (pytest -k) for the Test "
+        "Result; default: every test of the edited files",
     )
     parser.add_argument(
         "--print",
@@ -201,9 +207,13 @@ def described_in_commit(repo: git.Repo, commit, patch: Patch) -> dict[str, list[
     (for a branch that already carries the commit)."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "parent.tar"
-        repo.git.archive(
-            "--format=tar", "-o", str(archive), f"{commit.hexsha}^", "vllm"
-        )
+        parent = f"{commit.hexsha}^"
+        tests = [
+            e.file
+            for e in patch.test_edits
+            if repo.git.ls_tree("--name-only", parent, "--", e.file)
+        ]
+        repo.git.archive("--format=tar", "-o", str(archive), parent, "vllm", *tests)
         with tarfile.open(archive) as tar:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, **safe)
@@ -297,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
             raise plan.errors[0]
         for w in plan.warnings:
             _warn(w)
+        left_out = {e.edit.file: e.skipped.message for e in plan.skipped}
         if plan.status == "applied":
             if not exists:
                 rollback()
@@ -334,7 +345,16 @@ def run(args: argparse.Namespace) -> int:
         )
         described = described_in_commit(repo, commit, patch) if commit else {}
         return _finish(
-            repo, args, patch, upstream, branch, base_name, commit, out, described
+            repo,
+            args,
+            patch,
+            upstream,
+            branch,
+            base_name,
+            commit,
+            out,
+            described,
+            left_out,
         )
     commit = repo.head.commit
     print(
@@ -343,18 +363,43 @@ def run(args: argparse.Namespace) -> int:
     )
     _report_format(formatting)
     return _finish(
-        repo, args, patch, upstream, branch, base_name, commit, out, plan.described()
+        repo,
+        args,
+        patch,
+        upstream,
+        branch,
+        base_name,
+        commit,
+        out,
+        plan.described(),
+        left_out,
     )
 
 
 def _finish(
-    repo, args, patch: Patch, upstream, branch, base_name, commit, out: Path, described
+    repo,
+    args,
+    patch: Patch,
+    upstream,
+    branch,
+    base_name,
+    commit,
+    out: Path,
+    described,
+    left_out,
 ) -> int:
     root = Path(repo.working_tree_dir)
     dirs = args.evidence or list(pr_body.DEFAULT_EVIDENCE)
     evidence = pr_body.load_evidence([Path(d) for d in dirs])
     version = checkout_version(repo, root)
-    body = pr_body.render(patch, upstream, version, evidence, root, described)
+    edited = [e.file for e in patch.test_edits if e.file not in left_out]
+    tests_run = None
+    if edited:
+        tests_run = upstream_tests.measure(root, edited, patch, version, args.pytest_k)
+        print(f"upstream tests: {tests_run.summary() if tests_run.ran else 'not run'}")
+    body = pr_body.render(
+        patch, upstream, version, evidence, root, described, tests_run, left_out
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(body, "utf-8")
     print(f"PR description: {out}")

@@ -1,31 +1,33 @@
 """The pull request description, in vLLM's template (Purpose, Test Plan, Test
-Result), with evidence read from the files the project's tools wrote.
+Result), speaking of vLLM alone.
 
-Every figure in the Test Result comes from a JSON file named in the text; what
-no file holds is shown as "not measured" with the command that measures it.
+The Test Result holds only figures this tool measured: the upstream tests run
+in this ``pr`` run, and the bench's ``vllm_c`` against native from its JSON
+(compatibility cells are read but not shown: they describe this project's
+probe, not vLLM). What was not measured is shown as such, with the command.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
 from patcher.bench import report
 from patcher.patchset import Patch
 from patcher.upstream import Upstream
+from patcher.upstream_tests import TestRun
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EVIDENCE = (
     PROJECT_ROOT / "compat_matrix" / "results",
     PROJECT_ROOT / "bench" / "reference",
 )
-PROBE_COMMAND = "python -m compat_matrix.probe --e2e"
 BENCH_COMMAND = "vllm-patch bench"
-MACHINE_KEYS = ("machine", "cpu", "host", "system", "platform")
 
 
 @dataclass
@@ -71,19 +73,6 @@ def load_evidence(dirs: list[Path]) -> Evidence:
     return found
 
 
-def _version(text: Any) -> Version | None:
-    try:
-        return Version(str(text))
-    except InvalidVersion:
-        return None
-
-
-def cells_for(evidence: Evidence, version: Version | None) -> list[tuple[Path, dict]]:
-    if version is None:
-        return []
-    return [(p, d) for p, d in evidence.compat if _version(cell_vllm(d)[1]) == version]
-
-
 def render(
     patch: Patch,
     upstream: Upstream,
@@ -91,8 +80,12 @@ def render(
     evidence: Evidence,
     checkout: Path | None = None,
     described: dict[str, list[str]] | None = None,
+    tests_run: TestRun | None = None,
+    left_out: dict[str, str] | None = None,
 ) -> str:
-    """``described``: what the diff does, per file, as the codemods recorded it."""
+    """vLLM's PR template, speaking of vLLM alone: what the change does, the
+    commands a reviewer pastes, and only figures this tool measured.
+    ``described``: what the diff does, per file, as the codemods recorded it."""
     parts = [
         "## Purpose\n",
         upstream.purpose,
@@ -104,140 +97,113 @@ def render(
             for rel, changes in (described or {}).items()
             for change in changes
         ],
+        *[
+            f"\nLeft out of this commit: `{file}` ({reason})."
+            for file, reason in (left_out or {}).items()
+        ],
         "",
         "## Test Plan\n",
-        *_test_plan(upstream, version, checkout),
+        *_test_plan(patch, upstream, checkout),
         "",
         "## Test Result\n",
-        *_compat_section(evidence, version),
+        *_tests_section(tests_run, version),
         "",
-        *_bench_section(evidence),
+        *_bench_section(evidence, patch),
     ]
     if evidence.unreadable:
         parts += ["", "Evidence files that could not be read:", ""]
         parts += [f"- {u}" for u in evidence.unreadable]
+    parts += ["", CHECKLIST]
     return "\n".join(parts).rstrip() + "\n"
 
 
-def _test_plan(upstream: Upstream, version: Version | None, checkout: Path | None):
-    on = f"vLLM {version}" if version else "this vLLM"
-    yield f"1. Compatibility probe (import, IR registration, engine run), {on}, CPU:"
-    yield f"   `{PROBE_COMMAND}`"
-    yield "2. Per-op and end-to-end benchmark, native vs vllm_c, eager and compiled:"
-    yield f"   `{BENCH_COMMAND}`"
-    if upstream.tests:
-        yield "3. Upstream tests that cover the IR providers:"
-        yield f"   `pytest {' '.join(upstream.tests)}`"
-        missing = [
-            t for t in upstream.tests if checkout and not (checkout / t).is_file()
-        ]
-        if missing:
-            yield f"   (not in this checkout: {', '.join(f'`{t}`' for t in missing)})"
+CHECKLIST = """\
+---
+<details>
+<summary> Essential Elements of an Effective PR Description Checklist </summary>
+
+- [x] The purpose of the PR.
+- [x] The test plan, with the commands to run.
+- [x] The test results, with where each figure was measured.
+- [ ] (Optional) The necessary documentation update.
+</details>"""
 
 
-def _machine(data: dict) -> str:
-    for key in MACHINE_KEYS:
-        value = data.get(key)
-        if isinstance(value, dict) and value:
-            return ", ".join(
-                f"{k}: {_fmt(v)}"
-                for k, v in value.items()
-                if _scalar(v) or _short_list(v)
-            )
-        if isinstance(value, str) and value:
-            return value
-    return "not recorded"
+def _priority(provider: str, ops: list[str]) -> str:
+    return json.dumps({"ir_op_priority": {op: [provider] for op in ops}})
 
 
-def _short_list(v: Any) -> bool:
-    """A few words (CPU flags that matter), not a dump (every flag)."""
-    return (
-        isinstance(v, list) and 0 < len(v) <= 16 and all(isinstance(x, str) for x in v)
-    )
-
-
-def _torch(data: dict) -> str:
-    torch = data.get("torch")
-    if isinstance(torch, dict):
-        return str(torch.get("version") or torch.get("used") or "not installed")
-    versions = data.get("versions")
-    if isinstance(versions, dict) and versions.get("torch"):
-        return str(versions["torch"])
-    return str(torch) if torch else "not recorded"
-
-
-def _cell_ok(data: dict) -> bool:
-    if isinstance(data.get("ok"), bool):
-        return data["ok"]
-    return data.get("status") == "pass"
-
-
-def _compat_section(evidence: Evidence, version: Version | None):
-    yield f"### Compatibility probe (vLLM {version or 'version unknown'})\n"
-    cells = cells_for(evidence, version)
-    if not cells:
-        yield f"Not measured for this version. Produce it with `{PROBE_COMMAND}`."
-        others = sorted(
-            {" ".join(filter(None, cell_vllm(d))) for _, d in evidence.compat}
-        )
-        if others:
-            yield f"(Cells exist for other versions: {', '.join(others)}.)"
-        return
-    for path, data in cells:
-        checks = [c for c in data["checks"] if isinstance(c, dict)]
-        counts: dict[str, int] = {}
-        for c in checks:
-            counts[str(c.get("status"))] = counts.get(str(c.get("status")), 0) + 1
-        tally = ", ".join(f"{n} {status}" for status, n in counts.items())
-        verdict = "passed" if _cell_ok(data) else "did NOT pass"
-        package, ver = cell_vllm(data)
-        when = f", {data['date']}" if data.get("date") else ""
+def _test_plan(patch: Patch, upstream: Upstream, checkout: Path | None):
+    provider = patch.meta.get("provider", {})
+    ops = list(provider.get("ops", ()))
+    fused = provider.get("upstream_name", "vllm_c")
+    model = upstream.model
+    yield "On a CPU build of vLLM (`VLLM_TARGET_DEVICE=cpu`):\n"
+    yield "1. The IR tests this PR extends and the IR op tests:\n"
+    yield f"```bash\npytest {' '.join(upstream.tests)}\n```"
+    missing = [t for t in upstream.tests if checkout and not (checkout / t).is_file()]
+    if missing:
+        yield f"(not in this checkout: {', '.join(f'`{t}`' for t in missing)})"
+    yield ""
+    yield f"2. Accuracy, `{fused}` against `native` norms on a small model:\n"
+    yield "```bash"
+    for name in (fused, "native"):
+        config = shlex.quote(_priority(name, ops))
+        yield f"vllm serve {model} --enforce-eager --kernel-config {config} &"
         yield (
-            f"From `{path.name}`{when}: {package or 'vllm'} {ver}, "
-            f"torch {_torch(data)}; the cell {verdict} ({tally}). "
-            f"Machine: {_machine(data)}.\n"
+            f"lm_eval --model local-completions --model_args "
+            f"model={model},base_url=http://localhost:8000/v1/completions,"
+            "num_concurrent=4 --tasks gsm8k --limit 250"
         )
-        rows = [
-            [
-                c.get("name", "?"),
-                c.get("status", "?"),
-                c.get("reason") or "",
-                _fmt(c.get("seconds")),
-            ]
-            for c in checks
-        ]
-        yield from _table(["check", "status", "reason", "seconds"], rows)
-        yield ""
+        yield "kill %1"
+    yield "```"
+    yield ""
+    yield (
+        "3. Speed, eager and compiled (drop `--enforce-eager`), each with "
+        f"`{fused}` and with `native`; latency and throughput generate with "
+        "`ignore_eos` already, `bench serve` needs `--ignore-eos`:\n"
+    )
+    yield "```bash"
+    config = shlex.quote(_priority(fused, ops))
+    yield (
+        f"vllm bench latency --model {model} --input-len 128 --output-len 128 "
+        f"--batch-size 1 --enforce-eager --kernel-config {config}"
+    )
+    yield (
+        f"vllm bench throughput --model {model} --input-len 128 --output-len 128 "
+        f"--num-prompts 64 --enforce-eager --kernel-config {config}"
+    )
+    yield (
+        f"vllm bench serve --model {model} --dataset-name random --random-input-len "
+        "128 --random-output-len 128 --num-prompts 64 --ignore-eos"
+    )
+    yield "```"
 
 
-def _bench_section(evidence: Evidence):
-    yield "### Benchmark\n"
+def _tests_section(run: TestRun | None, version: Version | None):
+    yield "### Upstream tests on CPU\n"
+    if run is None or not run.ran:
+        why = run.reason if run else "no test file of this PR in the checkout"
+        command = run.command if run else "pytest tests/kernels/ir/"
+        yield f"Not run: {why}. Run `{command}` on a CPU build of vLLM {version or ''}."
+        return
+    yield (
+        f"`{run.command}` with this change, CPU build of vLLM {run.vllm}, torch "
+        f"{run.torch}: **{run.summary()}** in {run.seconds:.0f} s. Measured by "
+        f"this PR's tooling on {run.machine}; {run.reason}."
+    )
+    if run.failures:
+        yield "\nFailed:\n"
+        yield from (f"- `{f}`" for f in run.failures)
+    yield ""
+
+
+def _bench_section(evidence: Evidence, patch: Patch):
+    fused = patch.meta.get("provider", {}).get("upstream_name", "vllm_c")
+    yield f"### `{fused}` against native\n"
     if not evidence.bench:
         yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
         return
-    for path, data in evidence.bench:
-        yield f"From `{path.name}` (`{BENCH_COMMAND}`).\n"
-        yield report.evidence_markdown(data)
+    for _, data in evidence.bench:
+        yield report.evidence_markdown(data, providers=(fused,))
         yield ""
-
-
-def _scalar(v: Any) -> bool:
-    return v is None or isinstance(v, (str, int, float, bool))
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, list):
-        return " ".join(map(str, v))
-    return "" if v is None else str(v)
-
-
-def _table(header: list[str], rows: list[list[str]]):
-    def line(cells):
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
-
-    yield line(header)
-    yield line(["---"] * len(header))
-    for row in rows:
-        yield line(row)

@@ -32,6 +32,8 @@ class Upstream:
     """Upstream test files (paths in vLLM's repo) that cover the change."""
     rendered_for: tuple[str, ...]
     """``package==version`` wheels the patch is rendered against."""
+    model: str = "Qwen/Qwen3-0.6B"
+    """The small model the Test Plan's accuracy and speed commands use."""
 
 
 def upstream_of(patch: Patch) -> Upstream:
@@ -59,6 +61,7 @@ def upstream_of(patch: Patch) -> Upstream:
         purpose=purpose,
         tests=tuple(table.get("tests", ())),
         rendered_for=rendered_for,
+        model=table.get("model", Upstream.model),
     )
 
 

