@@ -307,7 +307,6 @@ def run(args: argparse.Namespace) -> int:
             raise plan.errors[0]
         for w in plan.warnings:
             _warn(w)
-        left_out = {e.edit.file: e.skipped.message for e in plan.skipped}
         if plan.status == "applied":
             if not exists:
                 rollback()
@@ -354,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
             commit,
             out,
             described,
-            left_out,
+            plan,
         )
     commit = repo.head.commit
     print(
@@ -372,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         commit,
         out,
         plan.described(),
-        left_out,
+        plan,
     )
 
 
@@ -386,17 +385,21 @@ def _finish(
     commit,
     out: Path,
     described,
-    left_out,
+    plan: engine.PatchPlan,
 ) -> int:
     root = Path(repo.working_tree_dir)
     dirs = args.evidence or list(pr_body.DEFAULT_EVIDENCE)
     evidence = pr_body.load_evidence([Path(d) for d in dirs])
     version = checkout_version(repo, root)
-    edited = [e.file for e in patch.test_edits if e.file not in left_out]
+    left_out = {e.edit.file: e.skipped.message for e in plan.skipped}
+    edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
     tests_run = None
     if edited:
         tests_run = upstream_tests.measure(root, edited, patch, version, args.pytest_k)
-        print(f"upstream tests: {tests_run.summary() if tests_run.ran else 'not run'}")
+        outcome = (
+            tests_run.summary() if tests_run.ran else f"not run: {tests_run.reason}"
+        )
+        print(f"upstream tests: {outcome}")
     body = pr_body.render(
         patch, upstream, version, evidence, root, described, tests_run, left_out
     )

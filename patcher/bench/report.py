@@ -332,8 +332,8 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> s
         ]
     elif providers:
         lines += [
-            f"End to end with {', '.join(providers)}: not measured in this run; "
-            "see the `vllm bench` commands in the Test Plan.",
+            f"End to end with {', '.join(providers)}: not measured by this bench "
+            "run; the `vllm bench` commands in the Test Plan measure it.",
             "",
         ]
     if not providers:
