@@ -18,6 +18,7 @@ from typing import Any
 from packaging.version import Version
 
 from patcher.bench import report
+from patcher.errors import PatchError
 from patcher.patchset import Patch
 from patcher.upstream import Upstream
 from patcher.upstream_tests import TestRun
@@ -133,10 +134,24 @@ def _priority(provider: str, ops: list[str]) -> str:
     return json.dumps({"ir_op_priority": {op: [provider] for op in ops}})
 
 
+def _fused_provider(patch: Patch) -> tuple[str, list[str]]:
+    """The upstream provider the patch enables and its ops, as the patch's
+    provider module declares them."""
+    from patcher.bench.environments import provider_specs
+
+    for spec in provider_specs([patch]):
+        if spec.get("upstream") and spec.get("ops"):
+            return spec["upstream"], spec["ops"]
+    raise PatchError(
+        "no upstream provider and ops declared",
+        path=str(patch.folder / "patch.toml"),
+        looked_for="[provider] module with UPSTREAM_PROVIDER and OPS",
+        found="none",
+    )
+
+
 def _test_plan(patch: Patch, upstream: Upstream, checkout: Path | None):
-    provider = patch.meta.get("provider", {})
-    ops = list(provider.get("ops", ()))
-    fused = provider.get("upstream_name", "vllm_c")
+    fused, ops = _fused_provider(patch)
     model = upstream.model
     yield "On a CPU build of vLLM (`VLLM_TARGET_DEVICE=cpu`):\n"
     yield "1. The IR tests this PR extends and the IR op tests:\n"
@@ -199,7 +214,7 @@ def _tests_section(run: TestRun | None, version: Version | None):
 
 
 def _bench_section(evidence: Evidence, patch: Patch):
-    fused = patch.meta.get("provider", {}).get("upstream_name", "vllm_c")
+    fused, _ = _fused_provider(patch)
     yield f"### `{fused}` against native\n"
     if not evidence.bench:
         yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
