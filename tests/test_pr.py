@@ -165,12 +165,15 @@ def test_commits_exactly_the_patch_formatted(real_wheel, tmp_path, capsys):
 def test_rerun_on_the_branch_changes_nothing(checkout, capsys):
     assert run_pr(checkout) == 0
     before = state(checkout)
+    text = description(checkout).read_text()
     capsys.readouterr()
 
     assert run_pr(checkout) == 0
 
     assert state(checkout) == before
     assert "already committed" in capsys.readouterr().out
+    # The description still says what the commit changed (read from its parent).
+    assert description(checkout).read_text() == text
 
 
 def test_rerun_from_main_switches_to_the_branch_and_commits_nothing(checkout, capsys):
