@@ -343,35 +343,16 @@ def run(args: argparse.Namespace) -> int:
             "nothing changed"
         )
         described = described_in_commit(repo, commit, patch) if commit else {}
-        return _finish(
-            repo,
-            args,
-            patch,
-            upstream,
-            branch,
-            base_name,
-            commit,
-            out,
-            described,
-            plan,
+    else:
+        commit = repo.head.commit
+        print(
+            f"{patch.name}: committed {commit.hexsha[:12]} on branch {branch}"
+            f" (from {base_name or 'the existing branch'}): {upstream.title}"
         )
-    commit = repo.head.commit
-    print(
-        f"{patch.name}: committed {commit.hexsha[:12]} on branch {branch}"
-        f" (from {base_name or 'the existing branch'}): {upstream.title}"
-    )
-    _report_format(formatting)
+        _report_format(formatting)
+        described = plan.described()
     return _finish(
-        repo,
-        args,
-        patch,
-        upstream,
-        branch,
-        base_name,
-        commit,
-        out,
-        plan.described(),
-        plan,
+        repo, args, patch, upstream, branch, base_name, commit, out, described, plan
     )
 
 

@@ -50,6 +50,36 @@ GPU_CPU = """\
     and not current_platform.is_cpu()"""
 SKIP = '@pytest.mark.skipif(\n{cond},\n    reason="Currently only kernels on {on}",\n)'
 
+
+def named_gate_file(cpu: bool) -> str:
+    """Skips and expectations on a module-level gate name, as in vLLM 0.32;
+    with ``cpu``, as the edit leaves the two norms' tests (not rms_norm_gated)."""
+    out = []
+    for op, name in [
+        ("rms_norm", "test"),
+        ("rms_norm", "TestRMSNorm"),
+        ("rms_norm_gated", "test"),
+        ("fused_add_rms_norm", "test"),
+        ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
+    ]:
+        edited = cpu and op != "rms_norm_gated"
+        cond = "    not IS_GPGPU_DEVICE"
+        cond += " and not current_platform.is_cpu()" if edited else ""
+        on = "CUDA, ROCm, XPU and CPU" if edited else "CUDA, ROCm and XPU"
+        gate = (
+            "IS_GPGPU_DEVICE or current_platform.is_cpu()"
+            if edited
+            else "IS_GPGPU_DEVICE"
+        )
+        body = (
+            REGISTRATION.format(op=op, vllm_c=gate)
+            if name == "test"
+            else f"\nclass {name}:\n    pass\n"
+        )
+        out.append(SKIP.format(cond=cond, on=on) + body + "\n\n")
+    return "".join(out).rstrip() + "\n"
+
+
 # (name, before, after): every test below runs them both ways.
 CASES = [
     (
@@ -71,56 +101,8 @@ CASES = [
     ),
     (
         "a named gate, both norms; the rms_norm_gated tests keep their skip",
-        "".join(
-            SKIP.format(cond="    not IS_GPGPU_DEVICE", on="CUDA, ROCm and XPU")
-            + (
-                REGISTRATION.format(op=op, vllm_c="IS_GPGPU_DEVICE")
-                if name.startswith("test")
-                else f"\nclass {name}:\n    pass\n"
-            )
-            + "\n\n"
-            for op, name in [
-                ("rms_norm", "test"),
-                ("rms_norm", "TestRMSNorm"),
-                ("rms_norm_gated", "test"),
-                ("fused_add_rms_norm", "test"),
-                ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
-            ]
-        ).rstrip()
-        + "\n",
-        "".join(
-            SKIP.format(
-                cond="    not IS_GPGPU_DEVICE"
-                + (
-                    ""
-                    if op == "rms_norm_gated"
-                    else " and not current_platform.is_cpu()"
-                ),
-                on="CUDA, ROCm and XPU"
-                if op == "rms_norm_gated"
-                else "CUDA, ROCm, XPU and CPU",
-            )
-            + (
-                REGISTRATION.format(
-                    op=op,
-                    vllm_c="IS_GPGPU_DEVICE"
-                    if op == "rms_norm_gated"
-                    else "IS_GPGPU_DEVICE or current_platform.is_cpu()",
-                )
-                if name.startswith("test")
-                else f"\nclass {name}:\n    pass\n"
-            )
-            + "\n\n"
-            for op, name in [
-                ("rms_norm", "test"),
-                ("rms_norm", "TestRMSNorm"),
-                ("rms_norm_gated", "test"),
-                ("fused_add_rms_norm", "test"),
-                ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
-            ]
-        ).rstrip()
-        + "\n"
-        + added(RMS_NORM, FUSED_ADD_RMS_NORM),
+        named_gate_file(cpu=False),
+        named_gate_file(cpu=True) + added(RMS_NORM, FUSED_ADD_RMS_NORM),
     ),
     (
         "a one-line skip without a trailing comma stays on one line; "
