@@ -65,6 +65,13 @@ DEFAULT_SPEC: dict[str, Any] = {
     # ops}; None: none. At these token counts (per call overhead shows at decode).
     "dispatch": None,
     "dispatch_num_tokens": [1],
+    # Many short samples: one shorter than a scheduler time slice is seldom cut
+    # by another process, so on a shared machine their median stays the
+    # undisturbed per-call cost (measured here: 2 ms samples under a load of 12
+    # on 2 cores gave medians off by up to 30x, 0.5 ms ones within a few percent
+    # of their minimum).
+    "dispatch_samples": 101,
+    "dispatch_min_sample_s": 0.0005,
 }
 
 
@@ -432,8 +439,8 @@ def _dispatch_config(spec, op, call, roles, dtype_name, hidden, tokens, progress
     timings = time_round_robin(
         fns,
         args,
-        samples=spec["samples"],
-        min_sample_s=spec["min_sample_s"],
+        samples=spec["dispatch_samples"],
+        min_sample_s=spec["dispatch_min_sample_s"],
         scopes=scopes,
     )
     for role, timing in timings.items():

@@ -395,7 +395,9 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         perop_markdown(doc["perop"]["rows"]),
     ]
-    if doc["perop"].get("dispatch"):
+    dispatch = doc["perop"].get("dispatch")
+    if dispatch:
+        samples = max(r.get("samples", 0) for r in dispatch)
         lines += [
             "### Per call through IR dispatch",
             "",
@@ -404,10 +406,11 @@ def markdown(doc: dict[str, Any]) -> str:
             "priority `[provider, native]`, no torch custom-op wrapper), so its "
             "`supports_args` and its Python count. Beside it the upstream provider it "
             "stands in for (enabled on the patched copy) and a minimal reference "
-            "provider that does only what the upstream impl does, all in one process, "
-            "samples interleaved; microseconds per call, median [quartiles].",
+            "provider that does only what the upstream impl does, all in one process; "
+            f"microseconds per call, median [quartiles] of {samples} short samples "
+            "taken in turn.",
             "",
-            dispatch_markdown(doc["perop"]["dispatch"]),
+            dispatch_markdown(dispatch),
         ]
     if doc["perop"]["notes"]:
         lines += ["Notes:", ""] + [f"- {n}" for n in doc["perop"]["notes"]] + [""]
