@@ -341,13 +341,6 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
         ),
         (
             HEADER + "@ir.ops.rms_norm.register_impl(\n"
-            '    "vllm_c", supported=flag(), supports_args=lambda x, w: True\n)\n'
-            "def rms_norm(x): ...\n",
-            "a supported= gate built from current_platform.is_*() calls",
-            "flag()",
-        ),
-        (
-            HEADER + "@ir.ops.rms_norm.register_impl(\n"
             '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, w: True\n)\n'
             "def rms_norm(x): ...\n"
             "@ir.ops.fused_add_rms_norm.register_impl(\n"
@@ -389,7 +382,6 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
         "no supports_args=",
         "supports_args not a lambda",
         "too few tensor parameters",
-        "gate not made of platform checks",
         "norms behind different gates",
         "check shared with an impl on CPU",
         "def check with more than a return",
@@ -402,6 +394,18 @@ def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> N
     assert exc.value.path == "vllm/kernels/vllm_c.py"
     assert looked_for in exc.value.looked_for
     assert found in exc.value.found
+
+
+def test_a_gate_that_is_not_only_platform_checks_gets_the_cpu_gate_too() -> None:
+    """flag() may say anything on CPU; ``flag() or current_platform.is_cpu()``
+    is flag() everywhere else."""
+    source = HEADER + (
+        '@ir.ops.rms_norm.register_impl("vllm_c", supported=flag(), supports_args=lambda x, w: True)\n'
+        "def rms_norm(x): ...\n"
+    )
+    patched = run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
+    assert "RMS_NORM_DEVICE = flag() or current_platform.is_cpu()\n" in patched
+    assert run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None) == source
 
 
 def test_revert_leaves_a_cpu_gate_it_did_not_add() -> None:

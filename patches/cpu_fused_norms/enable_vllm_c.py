@@ -136,14 +136,10 @@ class _NormCodemod(TreeCodemod):
         return norms
 
     def admits_cpu(self, gate: cst.BaseExpression, assignments: dict) -> bool:
-        cpu = admits(gate, "cpu", assignments)
-        if cpu is None:
-            raise self.shape_error(
-                looked_for="a supported= gate built from current_platform.is_*() "
-                "calls, module-level names, not, and, or",
-                found=_source(gate),
-            )
-        return cpu
+        """Whether ``gate`` is surely true on CPU. A gate that depends on more
+        than ``current_platform.is_*()`` (a flag, a call) counts as not: it gains
+        ``or current_platform.is_cpu()``, which changes nothing elsewhere."""
+        return admits(gate, "cpu", assignments) is True
 
     def shared_gate_users(self, tree: cst.Module, norms: list[VllmCImpl]) -> list:
         """What else than the norms' ``supported=`` names ``GPGPU_DEVICE``: the
@@ -406,7 +402,7 @@ class DisableVllmCOnCpu(_NormCodemod):
             or not users
             or refs != len(users)
             or not m.matches(value, ENDS_WITH_IS_CPU_OR)
-            or admits(value.left, "cpu", assignments) is not False
+            or self.admits_cpu(value.left, assignments)
         ):
             return None
         gate = value.left
@@ -432,7 +428,7 @@ class DisableVllmCOnCpu(_NormCodemod):
         the last operand, of a gate that without it excludes CPU."""
         if gate in self.edits or not m.matches(gate, ENDS_WITH_IS_CPU_OR):
             return
-        if admits(strip_operand(gate), "cpu", assignments) is False:
+        if not self.admits_cpu(strip_operand(gate), assignments):
             self.edits[gate] = strip_operand
             self.record(f"`{_source(gate)}` loses `or {IS_CPU_SOURCE}`")
 
