@@ -208,7 +208,13 @@ def _tests_section(run: TestRun | None, version: Version | None):
         f"this PR's tooling on {run.machine}; {run.reason}."
     )
     if run.failures:
-        yield "\nFailed:\n"
+        bad = run.counts.get("failed", 0) + run.counts.get("errors", 0)
+        first = (
+            f" (the first {len(run.failures)} of {bad})"
+            if bad > len(run.failures)
+            else ""
+        )
+        yield f"\nFailed{first}:\n"
         yield from (f"- `{f}`" for f in run.failures)
     yield ""
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -57,18 +57,9 @@ class TestRun:
     torch: str = ""
     machine: str = ""
 
-    @property
-    def ok(self) -> bool:
-        return (
-            self.ran and not self.counts.get("failed") and not self.counts.get("errors")
-        )
-
     def summary(self) -> str:
         order = ("passed", "failed", "errors", "skipped")
         return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in order)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 def reviewer_command(files: list[str]) -> str:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_vllm
+from packaging.version import Version
 
 from patcher import engine
 from patcher.bench.environments import patched_copy
 from patcher.tree import linked_copy, open_tree
 from patcher.upstream import pick_patch
-from patcher.upstream_tests import run_pytest
+from patcher.upstream_tests import measure, run_pytest
 from patches.cpu_fused_norms.ir_norm_tests import (
     FUSED_ADD_RMS_NORM,
     RMS_NORM,
@@ -85,3 +86,21 @@ def test_edited_upstream_tests_fail_or_do_not_run_against_unpatched_vllm(
     assert run.counts["passed"] == 0 and run.counts["errors"] == 0
     assert sorted(f.rsplit("::", 1)[1] for f in run.failures) == sorted(CPU_TESTS)
     assert run.counts["failed"] == len(CPU_TESTS)
+
+
+@pytest.mark.parametrize(
+    "files,version,reason",
+    [
+        (["tests/no/such_test.py"], "0.32.0", "not in this checkout"),
+        ([FILE], "0.33.0", "the checkout is vLLM 0.33.0, the vLLM installed for"),
+        ([FILE], None, "the checkout is vLLM of unknown version"),
+    ],
+    ids=["missing file", "another version", "unknown version"],
+)
+def test_what_cannot_run_here_says_why_and_runs_nothing(
+    checkout: Path, files, version, reason
+) -> None:
+    run = measure(checkout, files, PATCH, Version(version) if version else None)
+    assert not run.ran and run.counts == {}
+    assert reason in run.reason
+    assert run.command.startswith("pytest ")
