@@ -66,7 +66,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             if p.error:
                 print("  " + str(p.error).replace("\n", "\n  "))
             for e in p.edits:
-                print(f"  {e.edit.file}: {e.status()}")
+                via = f" (via the shim {e.via})" if e.via else ""
+                print(f"  {e.file}{via}: {e.status()}")
                 if e.error or e.skipped:
                     print("    " + str(e.error or e.skipped).replace("\n", "\n    "))
     statuses = {p.status for p in plans}

@@ -291,6 +291,9 @@ def test_a_shim_without_its_module_exits_3_naming_it(tmp_path, capsys):
 def test_a_shim_is_followed_and_both_paths_reported(tmp_path, capsys):
     root = build("shim_with_target", tmp_path / "tree")
     shims = {rel: (root / rel).read_bytes() for rel in (VLLM_C, CPU)}
+    assert main(["check", "--vllm", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"{MOVED[0]} (via the shim {VLLM_C}): applicable" in out
     assert main(["apply", "--vllm", str(root)]) == 0
     out = capsys.readouterr().out
     assert f"{MOVED[0]} via the shim {VLLM_C}" in out
