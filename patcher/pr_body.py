@@ -21,7 +21,7 @@ from patcher.bench import report
 from patcher.errors import PatchError
 from patcher.patchset import Patch
 from patcher.upstream import Upstream
-from patcher.upstream_tests import TestRun
+from patcher.upstream_tests import TestRun, reviewer_command
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EVIDENCE = (
@@ -107,7 +107,7 @@ def render(
         *_test_plan(patch, upstream, checkout),
         "",
         "## Test Result\n",
-        *_tests_section(tests_run, version),
+        *_tests_section(tests_run, version, upstream.tests),
         "",
         *_bench_section(evidence, patch),
     ]
@@ -195,17 +195,17 @@ def _test_plan(patch: Patch, upstream: Upstream, checkout: Path | None):
     yield "```"
 
 
-def _tests_section(run: TestRun | None, version: Version | None):
+def _tests_section(run: TestRun | None, version: Version | None, tests: tuple):
     yield "### Upstream tests on CPU\n"
     if run is None or not run.ran:
         why = run.reason if run else "no test file of this PR in the checkout"
-        command = run.command if run else "pytest tests/kernels/ir/"
+        command = run.command if run else reviewer_command(list(tests))
         yield f"Not run: {why}. Run `{command}` on a CPU build of vLLM {version or ''}."
         return
     yield (
         f"`{run.command}` with this change, CPU build of vLLM {run.vllm}, torch "
-        f"{run.torch}: **{run.summary()}** in {run.seconds:.0f} s. Measured by "
-        f"this PR's tooling on {run.machine}; {run.reason}."
+        f"{run.torch}: **{run.summary()}** in {run.seconds:.0f} s, measured while "
+        f"writing this description on {run.machine}; {run.reason}."
     )
     if run.failures:
         bad = run.counts.get("failed", 0) + run.counts.get("errors", 0)
