@@ -1,10 +1,9 @@
 """The ``vllm-patch`` command line.
 
-Exit codes: 0 done (or already applied, nothing to revert); 1 ``check`` found a
-patch that applies but is not applied yet (``doctor``: something to fix;
-``bench``: a step failed); 2 usage error; 3 cannot apply (not a
-vLLM tree, unrecognised shape, syntax error, version out of range, unreadable or
-unwritable file), with nothing changed.
+Exit codes are ``patcher.errors.ExitCode``. Every error, bad command lines
+included, is one message on stderr and, under ``--json``, one JSON document on
+stdout (``{"error": {"code": ..., "message": ..., "path": ...}}``); never a
+traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import sys
 from importlib import metadata
 
 from patcher import bench, doctor, engine, pr
-from patcher.errors import ExitCode, PatchError
+from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import all_patches, select
 from patcher.tree import VllmTree, open_tree
 
@@ -46,8 +45,18 @@ def cmd_list(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _plans(args: argparse.Namespace) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    tree = open_tree(args.vllm)
+def _open(args: argparse.Namespace, writing: str | None = None) -> VllmTree:
+    """The tree, after finishing or rolling back what a kill interrupted there."""
+    tree = open_tree(args.vllm, writing=writing)
+    for note in engine.recover(tree, select(args.patch)):
+        _warn(note)
+    return tree
+
+
+def _plans(
+    args: argparse.Namespace, writing: str | None = None
+) -> tuple[VllmTree, list[engine.PatchPlan]]:
+    tree = _open(args, writing)
     plans = [engine.plan(tree, p, force=args.force) for p in select(args.patch)]
     for p in plans:
         for w in p.warnings:
@@ -81,6 +90,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     for p in plans:
         if p.errors:
             raise p.errors[0]
+    if args.json:
+        doc = [
+            {"patch": p.patch.name, "status": p.status, "diff": p.diff()} for p in plans
+        ]
+        print(json.dumps(doc, indent=2))
+        return ExitCode.OK
     for p in plans:
         if p.status == "applied":
             print(f"{p.patch.name}: already applied, no diff", file=sys.stderr)
@@ -88,30 +103,42 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _report(outcome: engine.Outcome) -> None:
+    for note in outcome.notes:
+        _warn(note)
+    print(outcome)
+
+
 def cmd_apply(args: argparse.Namespace) -> int:
-    tree, plans = _plans(args)
+    tree, plans = _plans(args, writing="apply to")
     for p in plans:  # refuse before the first patch is written, not after
         if p.errors:
             raise p.errors[0]
     for p in plans:
-        print(engine.apply(tree, p.patch, force=args.force))  # warned in _plans
+        _report(engine.apply(tree, p.patch, force=args.force))  # warned in _plans
     return ExitCode.OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    tree = open_tree(args.vllm)
+    tree = _open(args, writing="revert")
     for patch in select(args.patch):
-        print(engine.revert(tree, patch))
+        _report(engine.revert(tree, patch))
     return ExitCode.OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad command line raises ``UsageError``, so ``main`` reports it like any
+    other error (as JSON under ``--json``)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}\n{self.format_usage().rstrip()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vllm-patch",
         description="Apply, check and upstream carried changes to a vLLM source tree.",
-        epilog="Exit codes: 0 done; 1 check found a pending patch, doctor found "
-        "something to fix, or a bench step failed; 2 usage error; 3 cannot apply "
-        "(nothing changed).",
+        epilog="Exit codes: " + "; ".join(f"{c.value} {c.short}" for c in ExitCode),
     )
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {_own_version()}"
@@ -157,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         ("apply", cmd_apply, "apply the patches (atomic; idempotent)", "apply"),
     ]:
-        p = verb(name, func, help, json_out=name == "check")
+        p = verb(name, func, help, json_out=name in ("check", "diff"))
         p.add_argument(
             "--force",
             action="store_true",
@@ -187,9 +214,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except PatchError as exc:
-        print(f"vllm-patch: error: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
+        return _fail(exc, "--json" in argv)
+    except OSError as exc:  # unforeseen I/O trouble: still a message, not a traceback
+        error = PatchError(exc.strerror or str(exc), path=exc.filename)
+        return _fail(error, "--json" in argv)
+
+
+def _fail(exc: PatchError, as_json: bool) -> int:
+    print(f"vllm-patch: error: {exc}", file=sys.stderr)
+    if as_json:
+        print(json.dumps(exc.to_json(), indent=2))
+    return int(exc.exit_code)

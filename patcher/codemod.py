@@ -73,6 +73,9 @@ class TreeCodemod(VisitorBasedCodemodCommand):
             raise PatchError(f"cannot read: {exc.strerror}", path=str(path)) from exc
 
 
+BOM = "\ufeff"
+
+
 def parse(source: str, relpath: str) -> cst.Module:
     try:
         return cst.parse_module(source)
@@ -81,8 +84,21 @@ def parse(source: str, relpath: str) -> cst.Module:
             "syntax error",
             path=relpath,
             looked_for="a Python module LibCST can parse",
-            found=f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
+            found=_syntax_error_position(source, relpath)
+            or f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
         ) from exc
+
+
+def _syntax_error_position(source: str, relpath: str) -> str | None:
+    """Where CPython puts the error (LibCST's parser may point a line later);
+    None when CPython compiles what LibCST cannot parse."""
+    try:
+        compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
+    except SyntaxError as err:
+        return f"line {err.lineno}, column {err.offset}: {err.msg}"
+    except ValueError as err:  # a NUL byte
+        return str(err)
+    return None
 
 
 def run_codemod(
@@ -91,7 +107,8 @@ def run_codemod(
     """Run ``codemod`` on ``source`` (the text of its target) and return the result.
 
     Raises ``PatchError`` for a syntax error and ``ShapeNotRecognised`` from the
-    codemod itself; LibCST keeps every byte outside the edited nodes.
+    codemod itself; LibCST keeps every byte outside the edited nodes, and a
+    byte-order mark, which LibCST drops, is put back.
     """
     return run_codemod_described(codemod, source, read_tree_file)[0]
 
@@ -100,9 +117,10 @@ def run_codemod_described(
     codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
 ) -> tuple[str, tuple[str, ...]]:
     """:func:`run_codemod`, and the changes the codemod recorded (one sentence each)."""
-    module = parse(source, codemod.TARGET)
+    bom = BOM if source.startswith(BOM) else ""
+    module = parse(source.removeprefix(bom), codemod.TARGET)
     context = CodemodContext(
         filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
     )
     code = codemod(context).transform_module(module).code
-    return code, tuple(context.scratch.get(CHANGES, ()))
+    return bom + code, tuple(context.scratch.get(CHANGES, ()))

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from packaging.version import Version
 
-from patcher.atomic import write_atomically
-from patcher.backup import Backup
+from patcher import atomic
+from patcher.atomic import target_of
+from patcher.backup import Backup, BackupState
 from patcher.codemod import run_codemod_described
 from patcher.diff import combined_diff
-from patcher.errors import PatchError, UsageError
+from patcher.errors import PatchError
 from patcher.patchset import Edit, Patch
 from patcher.shim import follow
-from patcher.tree import VllmTree
+from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
 
 Direction = Literal["apply", "revert"]
@@ -211,6 +213,9 @@ class Outcome:
     action: str
     files: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = field(default=())
+    """What the engine found or did besides the patch itself: an interrupted
+    operation finished or rolled back, a damaged backup."""
 
     def __str__(self) -> str:
         where = f" ({', '.join(self.files)})" if self.files else ""
@@ -219,33 +224,72 @@ class Outcome:
 
 def _writable_tree(tree: VllmTree, verb: str) -> None:
     if tree.is_wheel:
-        raise UsageError(
-            f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
-            "directory",
-            path=str(tree.location),
-        )
+        refuse_wheel(tree.location, verb)
+
+
+def _work_folders(tree: VllmTree, patches: Iterable[Patch]) -> list[Path]:
+    """Where an interrupted write can leave files: beside each edited file, and
+    in the backup folders."""
+    patches = list(patches)
+    folders = {
+        target_of(tree.path(rel)).parent
+        for p in patches
+        for e in edits_for(tree, p)
+        for rel in {e.file, _followed(tree, e.file)}
+    }
+    for backups in {backup_of(tree, p).folder.parent for p in patches}:
+        if backups.is_dir() and not backups.is_symlink():
+            folders |= {backups, *(d for d in backups.rglob("*") if d.is_dir())}
+    return sorted(folders)
+
+
+def _followed(tree: VllmTree, relpath: str) -> str:
+    try:
+        return follow(tree, relpath)
+    except PatchError:  # reported by the plan
+        return relpath
+
+
+def recover(tree: VllmTree, patches: Iterable[Patch]) -> list[str]:
+    """Finish or roll back an operation a kill interrupted (see ``atomic``), and
+    delete what an interrupted write left; what was done, one line each."""
+    if tree.is_wheel:
+        return []
+    folders = _work_folders(tree, patches)
+    if not atomic.pending(tree.location, folders):
+        return []
+    with atomic.locked(tree.location):
+        return atomic.recover(tree.location, folders)
 
 
 def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
     _writable_tree(tree, "apply to")
-    p = plan(tree, patch, "apply", force=force)
-    _refuse_errors(p)
-    changes = {
-        rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
-    }
-    if not changes:
-        return Outcome(patch.name, "already applied", warnings=p.warnings)
-    writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
-    # A checkout is reverted by the inverse edit, unless that would not give
-    # these bytes back (part of the change was there already, made by hand):
-    # then it gets a backup too, kept in its git directory.
-    if tree.kind == "installed" or not _inverse_restores(tree, p):
-        writes |= backup_of(tree, patch).files_to_write(changes)
-    write_atomically(writes)
+    with atomic.locked(tree.location):
+        notes = atomic.recover(tree.location, _work_folders(tree, [patch]))
+        p = plan(tree, patch, "apply", force=force)
+        _refuse_errors(p)
+        changes = {
+            rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
+        }
+        if not changes:
+            return Outcome(patch.name, "already applied", (), p.warnings, tuple(notes))
+        writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
+        # A checkout is reverted by the inverse edit, unless that would not give
+        # these bytes back (part of the change was there already, made by hand):
+        # then it gets a backup too, kept in its git directory.
+        if tree.kind == "installed" or not _inverse_restores(tree, p):
+            backup = backup_of(tree, patch)
+            state = backup.read()
+            notes += [
+                f"damaged backup, entry left out (its file is backed up anew or "
+                f"reverted by the inverse edit): {problem}"
+                for problem in state.problems
+            ]
+            writes |= backup.files_to_write(changes, state)
+        atomic.write_atomically(tree.location, writes, label=f"apply of {patch.name}")
     partly = any(not e.changes for e in p.edits if e.skipped is None)
-    return Outcome(
-        patch.name, "completed" if partly else "applied", _shown(p, changes), p.warnings
-    )
+    action = "completed" if partly else "applied"
+    return Outcome(patch.name, action, _shown(p, changes), p.warnings, tuple(notes))
 
 
 def backup_of(tree: VllmTree, patch: Patch) -> Backup:
@@ -288,29 +332,54 @@ def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
     _writable_tree(tree, "revert")
-    backup = backup_of(tree, patch)
-    restored = {}
-    for edit in patch.edits:
-        path = follow(tree, edit.file)
-        current = tree.read_bytes(path)
-        original = backup.restorable(path, current)
-        if original is not None:
-            restored[path] = (current, original)
-    rest = [e for e in edits_for(tree, patch) if follow(tree, e.file) not in restored]
-    p = PatchPlan(
-        patch,
-        tree,
-        "revert",
-        read_version(tree),
-        tuple(_plan_edits(tree, rest, "revert")),
+    with atomic.locked(tree.location):
+        notes = atomic.recover(tree.location, _work_folders(tree, [patch]))
+        backup = backup_of(tree, patch)
+        state = backup.read()
+        notes += [
+            f"damaged backup, reverting by the inverse edit instead: {problem}"
+            for problem in state.problems
+        ]
+        restored = {}
+        for edit in patch.edits:
+            path = follow(tree, edit.file)
+            current = tree.read_bytes(path)
+            if backup.restorable(state, path, current):
+                restored[path] = (current, backup.original(path))
+        rest = [
+            e for e in edits_for(tree, patch) if follow(tree, e.file) not in restored
+        ]
+        p = PatchPlan(
+            patch,
+            tree,
+            "revert",
+            read_version(tree),
+            tuple(_plan_edits(tree, rest, "revert")),
+        )
+        if p.errors and state.problems:
+            raise _unrevertable(p.errors[0], backup, state)
+        _refuse_errors(p)
+        changes = restored | {
+            rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
+        }
+        writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
+        if writes or backup.exists():
+            atomic.write_atomically(
+                tree.location,
+                writes,
+                remove=backup.removals(),
+                label=f"revert of {patch.name}",
+            )
+    action = "reverted" if changes else "nothing to revert"
+    return Outcome(patch.name, action, _shown(p, changes), notes=tuple(notes))
+
+
+def _unrevertable(error: PatchError, backup: Backup, state: BackupState) -> PatchError:
+    return PatchError(
+        "cannot revert: the backup is damaged and the inverse edit does not "
+        f"recognise the file ({error.message})",
+        path=error.path,
+        looked_for=error.looked_for,
+        found=f"{error.found}; backup: {'; '.join(state.problems)}. Reinstall "
+        f"vLLM to get the original file back, then delete {backup.folder}",
     )
-    _refuse_errors(p)
-    changes = restored | {
-        rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
-    }
-    if not changes:
-        backup.discard()
-        return Outcome(patch.name, "nothing to revert")
-    write_atomically({tree.path(rel): after for rel, (_, after) in changes.items()})
-    backup.discard()
-    return Outcome(patch.name, "reverted", _shown(p, changes))

@@ -1,4 +1,8 @@
-"""Errors the engine reports, each mapped to a documented exit code."""
+"""Errors the engine reports, and the exit codes they map to.
+
+``ExitCode`` is the one home of ``vllm-patch``'s exit codes: the CLI's help text
+is built from it and a test holds the README's table to it.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,48 @@ import enum
 
 
 class ExitCode(enum.IntEnum):
-    OK = 0
-    """Done, already applied, or nothing to revert."""
-    PENDING = 1
-    """``check`` found a patch that applies but is not applied yet; ``doctor``
-    found something to fix."""
-    USAGE = 2
-    """Bad command line (argparse's own code), or a verb the target cannot take."""
-    CANNOT_APPLY = 3
-    """Not a vLLM tree, unrecognised shape, syntax error, version out of range,
-    unreadable or unwritable file. Nothing was written."""
+    short: str
+    """For ``--help``."""
+    meaning: str
+    """For the README's table."""
+
+    def __new__(cls, value: int, short: str, meaning: str) -> ExitCode:
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.short = short
+        member.meaning = meaning
+        return member
+
+    OK = 0, "done", "done, already applied, or nothing to revert"
+    PENDING = (
+        1,
+        "check found a pending patch, doctor something to fix, or a bench step failed",
+        "`check` found a patch that applies but is not applied yet; `doctor` found "
+        "something to fix; `bench` had a step fail (what it measured is written)",
+    )
+    USAGE = (
+        2,
+        "usage error",
+        "usage error (bad arguments, unknown patch, `apply`/`revert` on a `.whl`; "
+        "`bench` without vLLM); for `pr`: not a git checkout, a dirty work tree, a "
+        "detached or unknown base, no git identity",
+    )
+    CANNOT_APPLY = (
+        3,
+        "cannot apply (nothing changed)",
+        "cannot apply: not a vLLM tree, a bad or damaged wheel, a missing or "
+        "non-regular file, a shape the codemod does not recognise, a compatibility "
+        "shim whose module is not in the tree, a syntax error, a non-UTF-8 file, a "
+        "read-only file or folder, a vLLM version outside the patch's range, an "
+        "interrupted operation that cannot be finished. The message names the "
+        "file, what was looked for and what was found; nothing was changed.",
+    )
+
+    @classmethod
+    def table(cls) -> str:
+        """The Markdown table the README carries."""
+        rows = [f"| {c.value} | {c.meaning} |" for c in cls]
+        return "\n".join(["| code | meaning |", "|---|---|", *rows])
 
 
 class PatchError(Exception):
@@ -44,6 +80,18 @@ class PatchError(Exception):
         if self.found:
             parts.append(f"  found: {self.found}")
         return "\n".join(parts)
+
+    def to_json(self) -> dict:
+        """``{"error": {...}}``, what ``--json`` prints instead of a report."""
+        return {
+            "error": {
+                "code": int(self.exit_code),
+                "message": self.message,
+                "path": self.path,
+                "looked_for": self.looked_for,
+                "found": self.found,
+            }
+        }
 
 
 class UsageError(PatchError):

@@ -7,13 +7,18 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import stat
 import sys
 import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from patcher.errors import PatchError
+from patcher.errors import PatchError, UsageError
+from patcher.files import kind, read_regular
 
 MARKER = "vllm/__init__.py"
 
@@ -56,9 +61,34 @@ class VllmTree:
         sep = "!/" if self.is_wheel else "/"
         return f"{self.location}{sep}{relpath}"
 
+    @contextmanager
+    def _wheel(self) -> Iterator[zipfile.ZipFile]:
+        """The wheel, opened; a file that is not a readable zip is refused."""
+        try:
+            mode = os.stat(self.location).st_mode
+        except OSError as exc:
+            msg = f"cannot read: {exc.strerror}"
+            raise PatchError(msg, path=str(self.location)) from exc
+        if not stat.S_ISREG(mode):  # checked before opening: a FIFO would block
+            raise self._bad_wheel(kind(mode))
+        try:
+            zf = zipfile.ZipFile(self.location)
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
+            raise self._bad_wheel(f"not a zip archive ({exc})") from exc
+        with zf:
+            yield zf
+
+    def _bad_wheel(self, found: str) -> PatchError:
+        return PatchError(
+            "not a readable wheel",
+            path=str(self.location),
+            looked_for="a .whl file: a zip archive whose members read back intact",
+            found=found,
+        )
+
     @cached_property
     def _zip_names(self) -> frozenset[str]:
-        with zipfile.ZipFile(self.location) as zf:
+        with self._wheel() as zf:
             return frozenset(zf.namelist())
 
     def exists(self, relpath: str) -> bool:
@@ -72,22 +102,36 @@ class VllmTree:
         return self.path(relpath).is_dir()
 
     def read_bytes(self, relpath: str) -> bytes:
-        try:
-            if self.is_wheel:
-                with zipfile.ZipFile(self.location) as zf:
-                    return zf.read(relpath)
-            return self.path(relpath).read_bytes()
-        except (KeyError, FileNotFoundError) as exc:
+        looked_for = f"{relpath} in the vLLM tree"
+        if not self.is_wheel:
+            return read_regular(self.path(relpath), self.display(relpath), looked_for)
+        if relpath not in self._zip_names:
             raise PatchError(
                 "file not found",
                 path=self.display(relpath),
-                looked_for=f"{relpath} in the vLLM tree",
-                found="no such file",
-            ) from exc
-        except OSError as exc:
-            raise PatchError(
-                f"cannot read: {exc.strerror}", path=self.display(relpath)
-            ) from exc
+                looked_for=looked_for,
+                found="no such member in the wheel",
+            )
+        with self._wheel() as zf:
+            try:
+                return zf.read(relpath)
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+                raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
+
+    def metadata(self) -> str | None:
+        """The dist-info ``METADATA`` of an installed tree or a wheel."""
+        if self.is_wheel:
+            found = sorted(
+                n for n in self._zip_names if n.endswith(".dist-info/METADATA")
+            )
+            relpath = found[0] if found else None
+        elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
+            relpath = str((self.dist_info / "METADATA").relative_to(self.location))
+        else:
+            relpath = None
+        if relpath is None:
+            return None
+        return self.read_bytes(relpath).decode("utf-8", "replace")
 
     def read_text(self, relpath: str) -> str:
         data = self.read_bytes(relpath)
@@ -124,19 +168,33 @@ def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
     return VllmTree(dest)
 
 
-def open_tree(spec: str | Path | None) -> VllmTree:
-    """The tree named on the command line, or the vLLM of this interpreter."""
+def refuse_wheel(location: Path, verb: str) -> None:
+    """``apply``/``revert`` take a directory: a ``.whl`` path is a usage error,
+    whether or not the file is a good zip (it is never opened)."""
+    if location.suffix == ".whl":
+        raise UsageError(
+            f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
+            "directory",
+            path=str(location),
+        )
+
+
+def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTree:
+    """The tree named on the command line, or the vLLM of this interpreter.
+    ``writing`` (a verb: "apply to", "revert") refuses a ``.whl`` before reading it."""
     if spec is None:
         return _installed_tree()
     location = Path(spec).expanduser().resolve()
-    if not location.exists():
+    if writing:
+        refuse_wheel(location, writing)
+    if not os.path.lexists(location):
         raise PatchError("no such file or directory", path=str(location))
-    if location.is_file() and location.suffix != ".whl":
+    if not location.is_dir() and location.suffix != ".whl":
         raise PatchError(
             "not a vLLM tree",
             path=str(location),
             looked_for="a directory containing vllm/, or a .whl file",
-            found="a file that is not a wheel",
+            found=f"{kind(location.stat().st_mode)} that is not a wheel",
         )
     if (
         location.is_dir()

