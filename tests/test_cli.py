@@ -17,6 +17,7 @@ from conftest import CPU, FIXTURE, VLLM_C, snapshot
 
 from patcher.backup import BACKUP_DIR
 from patcher.cli import main
+from patcher.errors import ExitCode
 
 
 def run(*args: str) -> int:
@@ -191,6 +192,18 @@ def test_a_wheel_is_read_only(tmp_path: Path, capsys) -> None:
     assert run("check", "--vllm", str(wheel)) == 1
     assert run("apply", "--vllm", str(wheel)) == 2
     assert "cannot apply to a .whl" in capsys.readouterr().err
+
+
+def test_readme_documents_every_exit_code() -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert ExitCode.table() in readme
+
+
+def test_diff_json_is_one_document(tree, capsys) -> None:
+    assert run("diff", "--vllm", str(tree), "--json") == 0
+    (doc,) = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "applicable"
+    assert doc["diff"].startswith(f"diff --git a/{VLLM_C} b/{VLLM_C}\n")
 
 
 def test_unknown_patch_is_a_usage_error(tree: Path, capsys) -> None:
