@@ -125,11 +125,11 @@ def ensure_env(
         run_env = os.environ | uv_env
         python = ["--python", str(env_python(env))]
         install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink", *python]
-        if torch_req != pin:
-            override = env_root / f"override-{torch_req.replace('==', '-')}.txt"
+        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
+        if torch_req != pin:  # one file per environment: cells may build at once
+            override = env / "torch-override.txt"
             override.write_text(torch_req + "\n", "utf-8")
             args += ["--override", str(override)]
-        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
         _run([*install, *args, *extra, *wanted], run_env)
         _run(
             [uv, "pip", "uninstall", "--quiet", *python, *BROKEN_BESIDE_CPU_TORCH],

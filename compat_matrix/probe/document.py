@@ -34,21 +34,24 @@ def run_probe(
     module_name, _, attr = provider.partition(":")
     name = name or declared_name(module_name)
     p = Probe(module_name, attr or "register", name or "", e2e=e2e)
-    doc: dict[str, Any] = {
-        "schema": SCHEMA,
-        "python": python_info(),
-        "vllm": vllm_info(),
-        "torch": torch_info(),
-        "cpu": cpu_info(),
-        "provider": {"module": module_name, "name": p.name},
-        "checks": [],
-    }
     with p.cleanup:  # ends what was started ahead, whatever the checks did
+        # First, before this process imports vLLM: a child may fork from it.
         t0 = time.perf_counter()
         start_ahead(p, only)
-        doc["started_ahead"] = {
+        ahead = {
             "checks": sorted(p.started),
+            "forked": sorted(n for n, s in p.started.items() if _forked(s)),
             "seconds": round(time.perf_counter() - t0, 2),
+        }
+        doc: dict[str, Any] = {
+            "schema": SCHEMA,
+            "python": python_info(),
+            "vllm": vllm_info(),
+            "torch": torch_info(),
+            "cpu": cpu_info(),
+            "provider": {"module": module_name, "name": p.name},
+            "checks": [],
+            "started_ahead": ahead,
         }
         for number, (check_name, check) in enumerate(CHECKS, 1):
             doc["checks"].append(_run_check(p, number, check_name, check, only))
@@ -56,6 +59,10 @@ def run_probe(
     doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
     doc["summary"] = summary(doc)
     return doc
+
+
+def _forked(started) -> bool:
+    return getattr(getattr(started, "child", started), "pid", None) is not None
 
 
 def summary(doc: dict) -> str:

@@ -5,11 +5,23 @@ the fresh interpreters it starts (the children): the norm ops, the upstream
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 NORM_OPS = ("rms_norm", "fused_add_rms_norm")
 UPSTREAM_PROVIDER = "vllm_c"
 PRIORITY_METHOD = "get_default_ir_op_priority"
+
+
+def has_vllm_ir() -> bool:
+    """Whether the vLLM on the path has ``vllm/ir/``, found without importing
+    vLLM (``find_spec("vllm.ir")`` would import ``vllm`` itself)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and any(
+        (Path(loc) / "ir" / "__init__.py").is_file()
+        for loc in spec.submodule_search_locations or []
+    )
 
 
 def has_c_op(torch, op: str) -> bool:

@@ -5,7 +5,7 @@ platform's priority, the provider standing down; then reverted byte-identically.
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -16,11 +16,16 @@ from compat_matrix.probe.checks.patched_copy import patched_copy, sha256
 from compat_matrix.probe.children import (
     Child,
     finish_child,
+    preload,
     start_child,
     stop_child,
 )
 from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ir
-from compat_matrix.probe.vllm_ir import PRIORITY_METHOD, UPSTREAM_PROVIDER
+from compat_matrix.probe.vllm_ir import (
+    PRIORITY_METHOD,
+    UPSTREAM_PROVIDER,
+    has_vllm_ir,
+)
 
 
 @dataclass
@@ -40,7 +45,7 @@ def start_upstream(p: Probe) -> Started:
     """Apply the patch to a hard-linked copy and start the child that imports it
     (a fresh interpreter: vLLM must be imported from the copy), without waiting:
     the probe starts this first so that the child runs beside the other checks."""
-    if importlib.util.find_spec("vllm.ir") is None:
+    if not has_vllm_ir():
         raise Skip("vllm.ir unavailable (see ir_present)")
     try:
         from patcher import engine
@@ -61,6 +66,9 @@ def start_upstream(p: Probe) -> Started:
             details,
         )
     originals_before = {f: sha256(original.path(f)) for f in files}
+    fork = not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
+    if fork:
+        preload()
     stack = ExitStack()
     try:
         tmp = stack.enter_context(
@@ -69,10 +77,13 @@ def start_upstream(p: Probe) -> Started:
         copy = stack.enter_context(
             patched_copy(original, Path(tmp), engine, patch, details)
         )
+        # A fork when this process has not imported vLLM yet (the probe starts
+        # this first): the child imports vLLM from the copy, the rest preloaded.
         child = start_child(
             "upstream",
             {"provider": f"{p.module_name}:{p.attr}", "name": p.name},
             pythonpath=[copy],
+            fork=fork,
         )
         stack.callback(stop_child, child)
     except BaseException:
