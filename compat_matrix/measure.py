@@ -45,7 +45,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from compat_matrix import pins, versions
-from compat_matrix.environments import PROJECT
+from compat_matrix.environments import PROJECT, ensure_env, env_dir
+from patcher.cache import fetch_wheel
 from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 HERE = Path(__file__).resolve().parent
@@ -116,7 +117,8 @@ def run_cells(
 
 
 class ChangedProvider:
-    """A real change to the provider (one comment line), undone on exit."""
+    """A real change to the provider (one comment line), undone on exit (which
+    is a change too)."""
 
     def __enter__(self):
         self.original = CHANGED_FILE.read_bytes()
@@ -127,17 +129,29 @@ class ChangedProvider:
         CHANGED_FILE.write_bytes(self.original)
 
 
+def prepare(c: versions.Cell, env_root: Path) -> None:
+    """The cell's environment as ``compat_matrix.cell`` builds it, no probe."""
+    from compat_matrix import cell
+
+    pin = pins.torch_pin(pins.read_pins(c, [])["requires_dist"])
+    torch_req, _ = cell._torch_choice(pin, env_dir(c, env_root), None, [])
+    if torch_req:
+        ensure_env(c, fetch_wheel(c.package, c.version), pin, env_root=env_root,
+                   torch_index=None, torch_req=torch_req)  # fmt: skip
+
+
 def warm_figures(every: list[versions.Cell], one: str, env_root: Path, work: Path):
     live = [c for c in every if c.mode == "full"]
     results = work / "warm-results"
     f: dict = {"env_root": str(env_root)}
-    print("priming (environments built where missing; not a target)", flush=True)
-    f["priming"] = run_cells(every, env_root, results)
+    f["priming"] = timed("environments built or reused (not a target)", lambda: [
+        prepare(c, env_root) for c in live
+    ])  # fmt: skip
     with ChangedProvider():
         f["live_after_change"] = run_cells(live, env_root, results)
-    f["all_unchanged"] = run_cells(every, env_root, results)
-    with ChangedProvider():
-        f["one_after_change"] = run_cells([versions.find(one)], env_root, results)
+        f["all_unchanged"] = run_cells(every, env_root, results)
+    # Restoring the provider is a change again: the one cell probes afresh.
+    f["one_after_change"] = run_cells([versions.find(one)], env_root, results)
     return f
 
 
