@@ -130,7 +130,7 @@ def run_cell(
     else:
         t0 = time.perf_counter()
         try:
-            torch_req, why = _torch_choice(
+            torch_req, why = torch_choice(
                 pin, env_dir(cell, env_root), torch_index, index_args
             )
         except Unavailable as exc:
@@ -175,7 +175,7 @@ def run_cell(
     return _finish(result, results, started, env_root)
 
 
-def _torch_choice(
+def torch_choice(
     pin: str, env: Path, torch_index: str | None, index_args: list[str]
 ) -> tuple[str | None, str]:
     """(the torch requirement to install, "") -- the pin itself, or its plain

@@ -134,7 +134,7 @@ def prepare(c: versions.Cell, env_root: Path) -> None:
     from compat_matrix import cell
 
     pin = pins.torch_pin(pins.read_pins(c, [])["requires_dist"])
-    torch_req, _ = cell._torch_choice(pin, env_dir(c, env_root), None, [])
+    torch_req, _ = cell.torch_choice(pin, env_dir(c, env_root), None, [])
     if torch_req:
         ensure_env(c, fetch_wheel(c.package, c.version), pin, env_root=env_root,
                    torch_index=None, torch_req=torch_req)  # fmt: skip
