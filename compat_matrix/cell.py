@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compat_matrix import static, versions
+from compat_matrix import versions
 from compat_matrix.environments import (
     PROJECT,
     EnvError,
@@ -49,7 +50,12 @@ from compat_matrix.pins import (
     torch_available,
     torch_pin,
 )
-from compat_matrix.probe_reuse import previous_probe, probe_key
+from compat_matrix.probe_reuse import (
+    previous_probe,
+    previous_static,
+    probe_key,
+    static_key,
+)
 from compat_matrix.probe_run import run_probe, skipped_probe
 from patcher.cache import cache_dir, fetch_wheel
 from patcher.errors import PatchError
@@ -112,14 +118,22 @@ def run_cell(
         return _finish(result, results, started, env_root)
 
     t0 = time.perf_counter()
-    try:
-        result["static"] = static.check_wheel(wheel)
-    except PatchError as exc:  # not a vLLM wheel at all: say so, keep going
-        result["static"] = {
-            "vllm": {"version": None, "location": str(wheel)},
-            "checks": [static._check("wheel_ir", "fail", exc.message)],
-            "ok": False,
-        }
+    result["static_key"] = key = static_key(wheel)
+    previous = None if fresh else previous_static(results / cell.result_name, key)
+    result["static_reused"] = previous is not None
+    if previous is None:
+        # Imported only here: it brings LibCST, most of a warm cell's start-up.
+        from compat_matrix import static
+
+        try:
+            previous = static.check_wheel(wheel)
+        except PatchError as exc:  # not a vLLM wheel at all: say so, keep going
+            previous = {
+                "vllm": {"version": None, "location": wheel.name},
+                "checks": [static._check("wheel_ir", "fail", exc.message)],
+                "ok": False,
+            }
+    result["static"] = previous
     lap("static", t0)
 
     probe_checks: list[dict[str, Any]]
@@ -283,7 +297,8 @@ def portable(value: Any, places: dict[str, str]) -> Any:
         return [portable(v, places) for v in value]
     if isinstance(value, str):
         for path, placeholder in places.items():
-            value = value.replace(path, placeholder)
+            # The folder itself, not a longer name that starts with it.
+            value = re.sub(re.escape(path) + r"(?![\w.-])", placeholder, value)
     return value
 
 

