@@ -77,7 +77,8 @@ def _install_orchestrator(session: nox.Session) -> None:
 @nox.session(venv_backend="uv|virtualenv", reuse_venv=True)
 @nox.parametrize("vllm", _compat_cells())
 def compat(session: nox.Session, vllm: str) -> None:
-    """One vLLM version: static checks on its wheel; the probe where its torch installs.
+    """One vLLM version: static checks on its wheel; the probe where its torch
+    installs (the pinned +cpu build, else PyPI's plain build standing in for it).
 
     `nox -s compat -- --e2e` also starts the engine; VLLM_PATCH_TORCH_INDEX adds a
     +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
