@@ -362,7 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--e2e", action="store_true", help="also start the engine (slow)"
     )
-    parser.add_argument("--probe-timeout", type=int, default=900)
+    parser.add_argument(
+        "--probe-timeout",
+        type=int,
+        help="seconds (default: 900, or 5400 with --e2e: two engine runs)",
+    )
     parser.add_argument(
         "--fresh",
         action="store_true",
@@ -378,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         results=args.results,
         torch_index=args.torch_index,
         probe_args=["--e2e"] if args.e2e else [],
-        probe_timeout=args.probe_timeout,
+        probe_timeout=args.probe_timeout or (5400 if args.e2e else 900),
         fresh=args.fresh,
     )
     return {"pass": 0, "fail": 1, "unavailable": EX_UNAVAILABLE}[result["status"]]

@@ -20,7 +20,9 @@ from compat_matrix.probe.framework import (
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 from patcher.import_checks import explain
 
-E2E_TIMEOUT = 600
+# Per engine run. On a shared 2-core machine under load one eager start took
+# more than 10 minutes; a timeout is for a hung engine, not a slow one.
+E2E_TIMEOUT = 1800
 E2E_TOKENS = 8
 
 
