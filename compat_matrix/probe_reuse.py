@@ -100,23 +100,21 @@ def static_key(wheel: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def previous_static(path: Path, key: str) -> dict[str, Any] | None:
-    """The static checks of the result at ``path`` when made under ``key``."""
+def _previous(path: Path, field: str, key: str) -> dict[str, Any]:
+    """The result at ``path`` when its ``field`` is ``key``, else {}."""
     try:
         previous = json.loads(path.read_text("utf-8"))
     except (OSError, json.JSONDecodeError):
-        return None
-    if previous.get("static_key") == key and previous.get("static"):
-        return previous["static"]
-    return None
+        return {}
+    return previous if previous.get(field) == key else {}
+
+
+def previous_static(path: Path, key: str) -> dict[str, Any] | None:
+    """The static checks of the result at ``path`` when made under ``key``."""
+    return _previous(path, "static_key", key).get("static") or None
 
 
 def previous_probe(path: Path, key: str) -> dict[str, Any] | None:
     """The result at ``path`` when its probe was made under ``key``."""
-    try:
-        previous = json.loads(path.read_text("utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    if previous.get("probe_key") == key and previous.get("probe"):
-        return previous
-    return None
+    previous = _previous(path, "probe_key", key)
+    return previous if previous.get("probe") else None
