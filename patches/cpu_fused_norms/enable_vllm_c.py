@@ -320,12 +320,8 @@ class EnableVllmCOnCpu(_NormCodemod):
             f"name for `{_source(gate)} or {IS_CPU_SOURCE}` "
             f"(`{_source(own[0].supported)}`{also} stays as it is)"
         )
-        first = min(
-            i
-            for i, stmt in enumerate(tree.body)
-            if holds(stmt, self.edits.keys())
-            and any(holds(stmt, {i.supported}) for i in own)
-        )
+        gates = {impl.supported for impl in own}
+        first = next(i for i, stmt in enumerate(tree.body) if holds(stmt, gates))
         return first, statement
 
     def _gate_users(self, gate: cst.BaseExpression, tree) -> list[str]:
