@@ -14,6 +14,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -291,3 +293,32 @@ def test_check_on_a_clean_read_only_tree_writes_nothing(tree, capsys) -> None:
     finally:
         os.chmod(tree, 0o755)
     assert "interrupted" not in capsys.readouterr().err
+
+
+@pytest.mark.wheels
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+@pytest.mark.parametrize("calls", ["rename,renameat,renameat2", "fsync,fdatasync"])
+@pytest.mark.parametrize("verb", ["apply", "revert"])
+def test_strace_kills_at_each_real_syscall(
+    real_tree, states, untouched, verb, calls, capsys
+) -> None:
+    """The same, with the kernel's view: strace sends the SIGKILL at the N-th
+    such system call of a ``vllm-patch`` process (no fault hook involved)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")  # no .pyc renames
+    env.pop(FAULT_ENV, None)
+    n = 0
+    while True:
+        n += 1
+        put(real_tree, states[START[verb]], watched(real_tree))
+        proc = subprocess.run(
+            ["strace", "-f", "-o", os.devnull, "-e", f"inject={calls}:signal=KILL:when={n}",
+             sys.executable, "-m", "patcher", verb, "--vllm", str(real_tree)],
+            env=env, capture_output=True, text=True,
+        )  # fmt: skip
+        if proc.returncode == 0:
+            break
+        follow = ["check", "apply", "revert"][n % 3]
+        next_command(real_tree, follow, capsys)
+        assert EXPECTED[follow] in (None, whole_state(real_tree, states))
+    assert n > 2
