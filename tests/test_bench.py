@@ -14,7 +14,7 @@ import pytest
 from conftest import requires_vllm
 
 from patcher import e2e
-from patcher.bench import collect, configuration, write_outputs
+from patcher.bench import collect, configuration, report, write_outputs
 from patcher.bench.endtoend import first_difference
 from patcher.bench.perop import DISPATCH_ROLES
 from patcher.bench.recommend import (
@@ -148,6 +148,66 @@ def test_snippets_carry_the_recommended_priorities():
     }
     assert "--enforce-eager" in snippets["eager"]["cli"]
     assert "--enforce-eager" not in snippets["compiled"]["cli"]
+
+
+def timed(op, provider, us, **kw):
+    return {**row(op, provider, us, **kw), "q1_us": us, "q3_us": us}
+
+
+def dispatch_row(role, provider, us):
+    vs = {"reference": 6.0, "upstream": 5.0}  # the medians of those two rows
+    return {
+        **timed("rms_norm", provider, us, source="patched copy (p)"),
+        "role": role,
+        **{f"vs_{other}": us / base for other, base in vs.items()},
+    }
+
+
+DISPATCH_ROWS = [
+    dispatch_row("native", "native", 30.0),
+    dispatch_row("upstream", "vllm_c", 5.0),
+    dispatch_row("reference", "vllm_c_min", 6.0),
+    dispatch_row("provider", "vllm_c_cpu", 6.3),
+]
+EVIDENCE_DOC = {
+    "started": "then", "versions": {"vllm": "0.32.0", "torch": "2.13.0"},
+    "machine": {"cpu_model": "cpu", "arch": "x86_64", "usable_cpus": 1,
+                "key_flags": []},
+    "interference": {}, "e2e": None, "recommendation": [],
+    "perop": {
+        "rows": [timed("rms_norm", "native", 30.0, source="patched copy (p)"),
+                 {**timed("rms_norm", "vllm_c", 3.0, source="patched copy (p)"),
+                  "ratio": 10.0}],
+        "dispatch": DISPATCH_ROWS,
+    },
+}  # fmt: skip
+VIEWS = {
+    "the bench's view": (
+        lambda: report.dispatch_markdown(DISPATCH_ROWS),
+        ["native", "vllm_c", "vllm_c_min", "vllm_c_cpu"],
+        {"vllm_c_cpu / vllm_c_min": "1.05x", "vllm_c_cpu / vllm_c": "1.26x",
+         "native / vllm_c": "6.00x"},
+    ),
+    "an upstream PR's view": (
+        lambda: report.evidence_markdown(EVIDENCE_DOC, providers=("vllm_c",)),
+        ["native", "vllm_c"],
+        {"native / vllm_c": "6.00x"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("render, columns, ratios", VIEWS.values(), ids=VIEWS.keys())
+def test_the_dispatch_table_shows_the_ratios_of_the_columns_it_has(
+    render, columns, ratios
+):
+    lines = render().splitlines()
+    header = next(line for line in lines if "(native) |" in line)
+    cells = [c.strip() for c in header.strip("| ").split(" | ")]
+    assert [c.split(" (")[0] for c in cells[5:]] == columns + list(ratios)
+    values = next(line for line in lines if line.startswith("| `rms_norm`"))
+    assert values.strip("| ").split(" | ")[-len(ratios) :] == [
+        f"**{r}**" for r in ratios.values()
+    ]
 
 
 # --- against the real vLLM ---------------------------------------------------
@@ -312,7 +372,10 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     text = paths["markdown"].read_text()
     assert "## Per op" in text and "## Recommendation for this machine" in text
     assert "### Per call through IR dispatch" in text
-    assert "| vllm_c_cpu / vllm_c_cpu_minimal | vllm_c_cpu / vllm_c |" in text
+    assert (
+        "| vllm_c_cpu / vllm_c_cpu_minimal | vllm_c_cpu / vllm_c | native / vllm_c |"
+        in text
+    )
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["machine"]["cpu_model"] in paths["machine"].read_text()
 

@@ -205,6 +205,15 @@ def perop_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+DISPATCH_RATIOS = (
+    ("provider", "reference"),
+    ("provider", "upstream"),
+    ("native", "upstream"),
+)
+"""Ratio columns of the dispatch table (medians, same process): the out-of-tree
+provider's overhead, and what native costs against the upstream provider."""
+
+
 def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
     """The out-of-tree provider's per-call cost through IR dispatch, against the
     upstream provider and the minimal reference, per op and shape."""
@@ -214,10 +223,8 @@ def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
     roles = [role for role in DISPATCH_ROLES if role in names]
     header = ["op", "dtype", "shape", "threads", "source"]
     header += [f"{names[role]} ({role})" for role in roles]
-    ratios = [o for o in ("reference", "upstream") if o in names]
-    if "provider" not in names:
-        ratios = []
-    header += [f"{names['provider']} / {names[other]}" for other in ratios]
+    ratios = [(a, b) for a, b in DISPATCH_RATIOS if a in names and b in names]
+    header += [f"{names[a]} / {names[b]}" for a, b in ratios]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     configs: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -226,11 +233,9 @@ def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
     for (op, dtype, tokens, hidden, threads, source), by_role in configs.items():
         cells = [f"`{op}`", dtype, f"[{tokens}, {hidden}]", str(threads), source]
         cells += [_timing(by_role.get(role)) for role in roles]
-        ours = by_role.get("provider", {})
-        cells += [
-            f"**{ours[f'vs_{other}']:.2f}x**" if f"vs_{other}" in ours else "-"
-            for other in ratios
-        ]
+        for a, b in ratios:
+            ratio = by_role.get(a, {}).get(f"vs_{b}")
+            cells.append(f"**{ratio:.2f}x**" if ratio else "-")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -305,8 +310,12 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> s
     alternatives = {r["op"] for r in rows if r["provider"] not in natives}
     shown = [r for r in rows if r["threads"] == threads and r["op"] in alternatives]
     pairs = (doc.get("e2e") or {}).get("pairs", [])
+    dispatch = [r for r in doc["perop"].get("dispatch", []) if r["threads"] == threads]
     if providers:
         pairs = [p for p in pairs if p.get("provider") in providers]
+        dispatch = [
+            r for r in dispatch if r["role"] == "native" or r["provider"] in providers
+        ]
     lines = [
         f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
         f"{m['usable_cpus']} CPUs; {', '.join(m['key_flags']) or 'no flags of note'}), "
@@ -321,6 +330,14 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> s
         "",
         perop_markdown(shown) if shown else "No implementation other than native.\n",
     ]
+    if dispatch:
+        lines += [
+            f"Per call through vLLM's IR dispatch, {threads} threads, as the eager "
+            "forward calls the op (`maybe_inplace` where the op has it, no torch "
+            "custom-op wrapper): microseconds per call, median [quartiles].",
+            "",
+            dispatch_markdown(dispatch),
+        ]
     if pairs:
         e = doc["e2e"]
         lines += [
