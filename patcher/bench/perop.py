@@ -375,9 +375,9 @@ def measure_dispatch(
     names = {"native": NATIVE, "upstream": p.get("upstream"), "provider": p["name"]}
     notes += register_providers([p])  # re-entrant where it is registered already
     if reference:
-        before = len(notes)
-        register_providers([{"module": reference, "name": reference}])
-        if len(notes) == before:
+        failed = register_providers([{"module": reference, "name": reference}])
+        notes += failed
+        if not failed:
             names["reference"] = importlib.import_module(reference).PROVIDER
     rows: list[dict[str, Any]] = []
     for name in p.get("ops") or []:
