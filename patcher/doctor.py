@@ -486,7 +486,9 @@ def _opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Fin
         )
     if value.strip() == "1":
         extra = " (not needed: see below)" if status.get("redundant") else ""
-        return Finding(check, "ok", f"{var}=1: {name!r}'s default ranking is on{extra}")
+        return Finding(
+            check, "ok", f"{var}=1: the default ranking of {name!r} is on{extra}"
+        )
     return Finding(
         check,
         "fix",
