@@ -355,7 +355,8 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     # The document's recommendation is the pure function of its own numbers.
     pairs = doc["e2e"]["pairs"] if doc["e2e"] else []
     fused_ops = {r["op"] for r in recs if r["upstream_rule"] == "fused"}
-    again = recommend(rows, pairs, upstream_fused_ops=fused_ops)
+    busy = max((v for v in doc["interference"].values() if v is not None), default=None)
+    again = recommend(rows, pairs, upstream_fused_ops=fused_ops, busy=busy)
     assert json.loads(json.dumps(again)) == json.loads(json.dumps(recs))
     for pair_ in pairs:
         assert pair_["mode"] == "eager"
@@ -407,6 +408,17 @@ def test_a_difference_counts_only_when_the_spread_clears_it(native, fused, clari
         assert eager["choice"] == "inconclusive" and eager["priority"] is None
         assert eager["basis"].startswith("inconclusive, keep the upstream rule")
         assert "rms_norm" not in priority_snippets([eager])["eager"]["ir_op_priority"]
+
+
+@pytest.mark.parametrize(
+    "busy, choice", [(None, "fused"), (0.1, "fused"), (0.6, "inconclusive")]
+)
+def test_figures_measured_on_a_busy_machine_recommend_nothing(busy, choice):
+    recs = recommend(native_compiled_and(3.0), busy=busy)
+    assert {r["choice"] for r in recs} == {choice}
+    if choice == "inconclusive":
+        assert all("60% of the CPU time" in r["basis"] for r in recs)
+        assert priority_snippets(recs)["eager"]["ir_op_priority"] == {}
 
 
 def test_a_provider_only_a_patched_copy_offers_needs_apply():

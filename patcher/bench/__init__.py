@@ -286,7 +286,13 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
 
     def document(e2e_doc: dict[str, Any] | None) -> dict[str, Any]:
         pairs = [p for p in (e2e_doc or {}).get("pairs", []) if p]
-        recs = recommend.recommend(rows, pairs, upstream_fused_ops=upstream_fused_ops)
+        shares = [v for v in interference.values() if v is not None]
+        recs = recommend.recommend(
+            rows,
+            pairs,
+            upstream_fused_ops=upstream_fused_ops,
+            busy=max(shares, default=None),
+        )
         return {
             "schema": SCHEMA,
             "started": started,

@@ -20,7 +20,9 @@ both implementations must put the speed-up clearly above the margin, or
 clearly below it; otherwise the bench measures that op again, and if it stays
 too close to call, the recommendation is "inconclusive, keep the upstream
 rule" (no override). A provider only a patched copy offers (the upstream one)
-is recommended with the note that it needs ``vllm-patch apply``.
+is recommended with the note that it needs ``vllm-patch apply``. Figures
+measured while other processes took more than ``BUSY_SHARE`` of the CPU give no
+recommendation either ("inconclusive").
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ import json
 import math
 from collections.abc import Iterable
 from typing import Any
+
+BUSY_SHARE = 0.25
+"""Above this share of the CPU time used by other processes while measuring, the
+figures say more about the load than about the kernels: no recommendation."""
 
 NATIVE = "native"
 NATIVE_COMPILED = "native_compiled"
@@ -172,6 +178,7 @@ def recommend(
     upstream_fused_ops: Iterable[str] = (),
     margin: float = 0.05,
     e2e_margin: float = 0.03,
+    busy: float | None = None,
 ) -> list[dict[str, Any]]:
     """One entry per (op, mode): the priority list, the numbers behind it, and
     whether it agrees with the upstream rule (fused first in eager for
@@ -227,6 +234,18 @@ def recommend(
                         f"; {choice} needs `vllm-patch apply` first: the installed "
                         "vLLM does not enable it here"
                     )
+            if (
+                busy is not None
+                and busy > BUSY_SHARE
+                and any("clarity" in c for c in considered)
+            ):
+                # Measured under load: whichever way it came out, another run
+                # may come out the other way.
+                choice, priority, needs_apply = INCONCLUSIVE, None, False
+                basis = (
+                    f"inconclusive, keep the upstream rule: other processes used "
+                    f"{busy:.0%} of the CPU time while measuring ({basis})"
+                )
             upstream = (
                 "fused" if mode == "eager" and op in upstream_fused_ops else NATIVE
             )

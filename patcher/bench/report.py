@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from patcher.bench.perop import DISPATCH_ROLES, NATIVE, NATIVE_COMPILED
+from patcher.bench.recommend import BUSY_SHARE
 
 # The CPU flags that decide which kernels run fast (the full list is kept too).
 KEY_FLAGS = (
@@ -132,10 +133,6 @@ def _cell(row: dict[str, Any] | None) -> str:
     if row is not None and row.get("status") == "ok" and row["provider"] != NATIVE:
         text += f" **{row['ratio']:.2f}x**"
     return text
-
-
-BUSY_SHARE = 0.25
-"""Above this share of CPU time used by other processes, say the figures are noisy."""
 
 
 def _busy_warning(doc: dict[str, Any]) -> list[str]:
