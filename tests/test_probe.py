@@ -183,9 +183,11 @@ def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
 
 @requires_vllm
 @pytest.mark.wheels
-def test_e2e_asked_for_in_a_broken_environment_fails(broken_venv):
-    """PyPI's torchvision beside the +cpu torch: --e2e cannot run, and says why."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def test_e2e_asked_for_in_a_broken_environment_fails(broken_venv, tmp_path):
+    """PyPI's torchvision beside the +cpu torch: transformers does not import, so
+    the random Llama cannot be built (an empty cache: none built before), and
+    --e2e fails saying why."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_PATCH_CACHE": str(tmp_path)}
     proc = subprocess.run(
         [broken_venv, "-m", "compat_matrix.probe", "--e2e", "--only", "e2e"],
         capture_output=True, text=True, env=env, timeout=900,
