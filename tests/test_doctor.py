@@ -115,7 +115,7 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv
     "value, status, words",
     [
         (None, "info", "is not set"),
-        ("1", "ok", "default ranking is on"),
+        ("1", "ok", "the default ranking of"),
         ("yes", "fix", "is ignored: only 1 opts in"),
     ],
 )
