@@ -80,6 +80,50 @@ def named_gate_file(cpu: bool) -> str:
     return "".join(out).rstrip() + "\n"
 
 
+SUITE = """
+class TestRMSNorm:
+    @classmethod
+    def setup_class(cls):
+        pass
+
+{native}    def test_native_semantics(self, dtype):
+        pass
+
+    @pytest.mark.parametrize("provider", ["vllm_c", "aiter", "native"])
+    def test_torch_opcheck(self, dtype, provider):
+{guard}        if not ir.ops.rms_norm.impls[provider].supported:
+            pytest.skip(f"{{provider}} impl not supported on this platform")
+
+    @pytest.mark.parametrize("provider", supported_providers(ir.ops.rms_norm))
+    def test_impls(self, dtype, provider):
+        pass
+
+    @pytest.mark.parametrize("provider", ["vllm_c"])
+    def test_inplace_semantics(self, dtype, provider):
+        \"\"\"Only vllm_c.\"\"\"
+        pass
+"""
+NATIVE_SKIP = """\
+    @pytest.mark.skipif(
+        current_platform.is_cpu(), reason="On CPU, only the vllm_c kernels are tested"
+    )
+"""
+PROVIDER_SKIP = """\
+        if current_platform.is_cpu() and provider != "vllm_c":
+            pytest.skip("On CPU, only the vllm_c kernels are tested")
+"""
+
+
+def suite(cpu: bool) -> str:
+    """A test class with every kind of test: with ``cpu``, as the edit leaves it
+    (the native test and the native provider stay skipped on CPU; tests over
+    vLLM's supported providers or over vllm_c alone are left as they are)."""
+    return SUITE.format(
+        native=NATIVE_SKIP if cpu else "",
+        guard=PROVIDER_SKIP if cpu else "",
+    )
+
+
 # (name, before, after): every test below runs them both ways.
 CASES = [
     (
@@ -116,6 +160,24 @@ CASES = [
         + "\n\n"
         + '@pytest.mark.skipif(not GPU and not current_platform.is_cpu(), reason="GPU only")\n'
         + "class TestRMSNorm:\n    pass\n"
+        + added(RMS_NORM),
+    ),
+    (
+        "in the test class, what is not about vllm_c stays skipped on CPU",
+        SKIP.format(cond="    not GPU", on="GPU")
+        + REGISTRATION.format(op="rms_norm", vllm_c="GPU")
+        + "\n\n"
+        + SKIP.format(cond="    not GPU", on="GPU")
+        + suite(cpu=False),
+        SKIP.format(
+            cond="    not GPU and not current_platform.is_cpu()", on="GPU and CPU"
+        )
+        + REGISTRATION.format(op="rms_norm", vllm_c="GPU or current_platform.is_cpu()")
+        + "\n\n"
+        + SKIP.format(
+            cond="    not GPU and not current_platform.is_cpu()", on="GPU and CPU"
+        )
+        + suite(cpu=True)
         + added(RMS_NORM),
     ),
 ]

@@ -9,6 +9,11 @@ checkout:
 
 * adds ``and not current_platform.is_cpu()`` to the ``skipif`` of exactly those
   tests (their reason gains "CPU"), so they run on CPU;
+* keeps skipped on CPU what did not run there before and is not about
+  ``"vllm_c"``: in those test classes, a test without a ``provider`` parameter
+  (the native semantics) gets ``skipif(current_platform.is_cpu())``, and a
+  test whose providers can include ``"native"`` skips every provider but
+  ``"vllm_c"`` on CPU as its first statement (after a docstring);
 * adds ``or current_platform.is_cpu()`` to the ``"vllm_c"`` entry of their
   registration expectation;
 * appends, per norm op in the file, a CPU-only test: a non-contiguous input (a
@@ -53,6 +58,26 @@ VLLM_C_ENTRY = m.DictElement(
     key=m.SimpleString(m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER))
 )
 REASON = re.compile(r"(Currently only kernels on )(.+)")
+CPU_SCOPE = f"On CPU, only the {PROVIDER} kernels are tested"
+"""Why a test of the un-skipped classes still skips on CPU."""
+# Laid out as ruff lays them out in a class (the decorator does not fit a line).
+SKIP_TEST_ON_CPU = f"""\
+@pytest.mark.skipif(
+    {IS_CPU_SOURCE}, reason="{CPU_SCOPE}"
+)"""
+SKIP_PROVIDER_ON_CPU = f"""\
+if {IS_CPU_SOURCE} and provider != "{PROVIDER}":
+    pytest.skip("{CPU_SCOPE}")
+"""
+PROVIDER_PARAM = "provider"
+NATIVE = "native"
+SUPPORTED_PROVIDERS = "supported_providers"
+PARAMETRIZE = m.Decorator(
+    decorator=m.Call(
+        func=m.Attribute(attr=m.Name("parametrize")),
+        args=[m.Arg(m.SimpleString()), m.Arg(), m.ZeroOrMore()],
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -169,6 +194,94 @@ def _parse_decorator(source: str) -> cst.Decorator:
     return cst.parse_statement(f"{source}\ndef f(): pass\n").decorators[0]
 
 
+SKIP_TEST_DECORATOR = _parse_decorator(SKIP_TEST_ON_CPU)
+SKIP_PROVIDER_STATEMENT = cst.parse_statement(SKIP_PROVIDER_ON_CPU)
+
+
+def _test_methods(suite: cst.ClassDef) -> list[cst.FunctionDef]:
+    return [
+        s
+        for s in suite.body.body
+        if isinstance(s, cst.FunctionDef) and s.name.value.startswith("test")
+    ]
+
+
+def _providers(method: cst.FunctionDef) -> cst.BaseExpression | None:
+    """What ``method`` is parametrised over as ``provider``, if it is."""
+    for decorator in method.decorators:
+        if m.matches(decorator, PARAMETRIZE):
+            args = decorator.decorator.args
+            if ast.literal_eval(args[0].value.value) == PROVIDER_PARAM:
+                return args[1].value
+    return None
+
+
+def _may_run_native(providers: cst.BaseExpression | None) -> bool:
+    """Whether a provider list can hold ``"native"``, the one provider besides
+    ``PROVIDER`` that is supported on CPU. Other providers need no CPU skip:
+    their tests already skip or leave out platforms without them (as on CUDA
+    for ROCm's), which vLLM's ``supported_providers`` also does, for native too."""
+    if providers is None:
+        return True
+    if m.matches(providers, m.Call(func=m.Name(SUPPORTED_PROVIDERS))):
+        return False
+    try:
+        return NATIVE in ast.literal_eval(_code(providers))
+    except (ValueError, TypeError, SyntaxError):
+        return True
+
+
+def _body_start(body: list[cst.BaseStatement]) -> int:
+    """Where a method's first statement after its docstring is."""
+    first = body[0] if body else None
+    docstring = m.SimpleStatementLine(
+        body=[m.Expr(m.SimpleString() | m.ConcatenatedString())]
+    )
+    return 1 if first is not None and m.matches(first, docstring) else 0
+
+
+def _keeps_cpu_skip(method: cst.FunctionDef) -> str | None:
+    """How ``method`` stays skipped on CPU where it is not about ``PROVIDER``:
+    ``"test"`` (no provider parameter: skipped whole), ``"providers"`` (native
+    skips), or None (nothing but ``PROVIDER`` runs on CPU)."""
+    params = [p.name.value for p in method.params.params]
+    if PROVIDER_PARAM not in params:
+        return "test"
+    return "providers" if _may_run_native(_providers(method)) else None
+
+
+def _with_cpu_skip(method: cst.FunctionDef) -> cst.FunctionDef:
+    """``method`` skipped on CPU as :func:`_keeps_cpu_skip` says (unchanged when
+    it already is)."""
+    kind = _keeps_cpu_skip(method)
+    if kind == "test":
+        if any(d.deep_equals(SKIP_TEST_DECORATOR) for d in method.decorators):
+            return method
+        return method.with_changes(decorators=[*method.decorators, SKIP_TEST_DECORATOR])
+    body = list(method.body.body)
+    at = _body_start(body)
+    if kind is None or (
+        at < len(body) and body[at].deep_equals(SKIP_PROVIDER_STATEMENT)
+    ):
+        return method
+    body.insert(at, SKIP_PROVIDER_STATEMENT)
+    return method.with_changes(body=method.body.with_changes(body=body))
+
+
+def _without_cpu_skip(method: cst.FunctionDef) -> cst.FunctionDef:
+    """The inverse of :func:`_with_cpu_skip`."""
+    decorators = [
+        d for d in method.decorators if not d.deep_equals(SKIP_TEST_DECORATOR)
+    ]
+    body = list(method.body.body)
+    at = _body_start(body)
+    if at < len(body) and body[at].deep_equals(SKIP_PROVIDER_STATEMENT):
+        del body[at]
+    return method.with_changes(
+        decorators=decorators, body=method.body.with_changes(body=body)
+    )
+
+
 class _IrNormTestsCodemod(TreeCodemod):
     """Finds the norm tests' skips and registration expectations."""
 
@@ -259,6 +372,9 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
                         decorator, [*operands, NOT_CPU], cpu=True
                     )
                     self.record(f"`{test.name.value}` also runs on CPU.")
+            suite = tests[-1]
+            if isinstance(suite, cst.ClassDef):
+                self.keep_other_tests_skipped(suite, replace)
             entry = self.vllm_c_entry(tests[0])
             if not m.findall(entry.value, IS_CPU):
                 operand = cst.parse_expression(IS_CPU_SOURCE)
@@ -267,6 +383,30 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
                     f"`{tests[0].name.value}` expects `{PROVIDER}` supported on CPU."
                 )
         return self._append_tests(self.replaced(tree, replace))
+
+    def keep_other_tests_skipped(
+        self, suite: cst.ClassDef, replace: dict[cst.CSTNode, cst.CSTNode]
+    ) -> None:
+        """In a test class now running on CPU, what is not about ``PROVIDER``
+        stays skipped there."""
+        kept: dict[str, list[str]] = {"test": [], "providers": []}
+        for method in _test_methods(suite):
+            edited = _with_cpu_skip(method)
+            if edited is not method:
+                replace[method] = edited
+                kept[_keeps_cpu_skip(method)].append(f"`{method.name.value}`")
+        said = []
+        if kept["test"]:
+            verb = "stays" if len(kept["test"]) == 1 else "stay"
+            said.append(f"{', '.join(kept['test'])} {verb} skipped")
+        if kept["providers"]:
+            verb = "skips" if len(kept["providers"]) == 1 else "skip"
+            said.append(
+                f"{', '.join(kept['providers'])} {verb} providers other than "
+                f"`{PROVIDER}`"
+            )
+        if said:
+            self.record(f"In `{suite.name.value}`, on CPU: {'; '.join(said)}.")
 
     def _append_tests(self, tree: cst.Module) -> cst.Module:
         found = self.found_tests(tree)
@@ -298,6 +438,11 @@ class StopIrNormTestsOnCpu(_IrNormTestsCodemod):
                     replace[decorator] = self.with_skipif(
                         decorator, operands[:-1], cpu=False
                     )
+            if isinstance(tests[-1], cst.ClassDef):
+                for method in _test_methods(tests[-1]):
+                    edited = _without_cpu_skip(method)
+                    if not edited.deep_equals(method):
+                        replace[method] = edited
             value = self.vllm_c_entry(tests[0]).value
             if m.matches(value, ENDS_WITH_IS_CPU_OR):
                 replace[value] = strip_operand(value)
