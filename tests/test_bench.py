@@ -358,6 +358,12 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     busy = max((v for v in doc["interference"].values() if v is not None), default=None)
     again = recommend(rows, pairs, upstream_fused_ops=fused_ops, busy=busy)
     assert json.loads(json.dumps(again)) == json.loads(json.dumps(recs))
+    # End to end, each against native in its own vLLM: the out-of-tree provider
+    # as installed, and vllm_c in the patched copy (the vLLM the PR produces).
+    assert sorted((p["provider"], p["source"]) for p in pairs) == [
+        ("vllm_c", "patched copy (cpu_fused_norms)"),
+        ("vllm_c_cpu", "installed"),
+    ]
     for pair_ in pairs:
         assert pair_["mode"] == "eager"
         for name in ("native", "fused"):

@@ -340,7 +340,13 @@ def test_body_speaks_of_vllm_alone(checkout, tmp_path):
 
     body = description(checkout).read_text()
     result = sections(body)["Test Result"]
-    for word in ("kernels_supported", "vllm-0.33.0.json", "bench.json", "vllm_c_cpu"):
+    for word in (
+        "kernels_supported",
+        "vllm-0.33.0.json",
+        "bench.json",
+        "vllm_c_cpu",
+        "cpu_fused_norms",
+    ):
         assert word not in body
     assert bench["machine"]["cpu_model"] in result
     threads = max(r["threads"] for r in bench["perop"]["rows"])
@@ -355,6 +361,7 @@ def test_body_speaks_of_vllm_alone(checkout, tmp_path):
     e2e = [p for p in bench["e2e"]["pairs"] if p["provider"] == "vllm_c"]
     for pair in e2e:
         assert f"**{pair['ratio']:.3f}x**" in result
+        assert f"| {pair['mode']} | vLLM with this change |" in result
     if not e2e:
         assert "End to end with vllm_c: not measured by this bench run" in result
 

@@ -5,8 +5,10 @@ torch.compile, out-of-tree providers declared in the patches' ``[provider]``
 tables, and upstream providers a patch enables, measured on a patched copy of
 the installed vLLM), numerics checked before timing. End to end: vLLM decode
 on a random Llama with native norms against the provider first, eager and
-compiled. Outputs JSON, Markdown and a PNG chart, and a recommended
-``ir_op_priority`` per op and mode that follows from the measured numbers.
+compiled: the out-of-tree provider in the installed vLLM, and the upstream
+provider on the patched copy (the patched vLLM as a user would run it).
+Outputs JSON, Markdown and a PNG chart, and a recommended ``ir_op_priority``
+per op and mode that follows from the measured numbers.
 
 The lead wires ``add_arguments`` and ``run`` as the ``bench`` subcommand;
 ``python -m patcher.bench`` runs it directly.
@@ -265,18 +267,30 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
     notes += copy_notes
     skip = {op: [p for p, ok in impls.items() if ok] for op, impls in inventory.items()}
     upstream_fused_ops: set[str] = set()
-    e2e_target = None  # (provider, ops, BenchEnv), preferring the out-of-tree one
-    for p in providers:
-        ok_ops = sorted(
+    # What runs end to end against native, each as (provider, ops, BenchEnv):
+    # the first out-of-tree provider in the installed vLLM, then the upstream
+    # provider in the patched vLLM (as installed, or on each patched copy).
+    e2e_targets: list[tuple[str, list[str], BenchEnv]] = []
+
+    def passed(provider: str) -> list[str]:
+        """The ops ``provider`` passed the per-op check for, in the installed vLLM."""
+        return sorted(
             {
                 r["op"]
                 for r in rows
-                if r["provider"] == p["name"] and r.get("status") == "ok"
+                if r["provider"] == provider and r.get("status") == "ok"
             }
         )
-        if ok_ops and e2e_target is None:
-            e2e_target = (p["name"], ok_ops, installed)
+
+    for p in providers:
+        if passed(p["name"]) and not e2e_targets:
+            e2e_targets.append((p["name"], passed(p["name"]), installed))
         upstream_fused_ops |= set(p.get("ops") or [])
+    for upstream in sorted({p["upstream"] for p in providers if p.get("upstream")}):
+        # Already enabled in the installed vLLM (patched in place, or a release
+        # with the change): measured as installed, no copy needed.
+        if passed(upstream):
+            e2e_targets.append((upstream, passed(upstream), installed))
 
     versions.update(
         vllm_file=_portable(versions.get("vllm_file")),
@@ -346,7 +360,7 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
                     upstream_fused_ops.add(op)
             if not found_new:
                 notes.append(f"{env.label}: the patch enables no implementation here")
-            elif e2e_target is None:
+            else:
                 new_rows = [
                     r
                     for r in rows
@@ -359,7 +373,7 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
                     ops = sorted(
                         {r["op"] for r in new_rows if r["provider"] == provider}
                     )
-                    e2e_target = (provider, ops, env)
+                    e2e_targets.append((provider, ops, env))
 
         if providers and not dispatch:
             notes.append(
@@ -372,7 +386,7 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
             save_e2e = (lambda e: save(document(e))) if save else (lambda e: None)
             save_e2e(_e2e_document(cfg, "end to end: still running (or interrupted)"))
             snap = report.cpu_snapshot()
-            e2e_doc = _run_e2e(cfg, e2e_target, progress, save_e2e)
+            e2e_doc = _run_e2e(cfg, e2e_targets, progress, save_e2e)
             interference["e2e"] = report.other_load(snap, report.cpu_snapshot(), cpus)
     return document(e2e_doc)
 
@@ -390,19 +404,19 @@ def _e2e_document(cfg: dict[str, Any], *notes: str) -> dict[str, Any]:
     }
 
 
-def _run_e2e(cfg, target, progress, save) -> dict[str, Any]:
-    """Each mode's pair in turn, saved as it comes; a step that fails is recorded
-    with its reason in ``failed`` (the bench then exits 1), never raised."""
+def _run_e2e(cfg, targets, progress, save) -> dict[str, Any]:
+    """Per mode, each target's pair (native, then its provider first) in turn,
+    saved as it comes; a step that fails is recorded with its reason in
+    ``failed`` (the bench then exits 1), never raised."""
     from patcher import e2e
     from patcher.bench import endtoend
     from patcher.cache import cache_dir
     from patcher.import_checks import explain
 
     doc = _e2e_document(cfg)
-    if target is None:
+    if not targets:
         doc["notes"].append("no provider passed the per-op check: nothing to compare")
         return doc
-    provider, ops, env = target
     progress("end to end: building or reusing the random Llama")
     try:
         model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
@@ -411,25 +425,26 @@ def _run_e2e(cfg, target, progress, save) -> dict[str, Any]:
         return doc
     doc["model_dir"] = _portable(str(model_dir))
     for mode in cfg["e2e_modes"]:
-        pair = endtoend.run_pair(
-            model_dir,
-            provider=provider,
-            ops=ops,
-            bench_env=env,
-            mode=mode,
-            prompt_len=cfg["e2e_prompt_len"],
-            max_tokens=cfg["e2e_max_tokens"],
-            batch=cfg["e2e_batch"],
-            repeats=cfg["e2e_repeats"],
-            progress=progress,
-        )
-        doc["pairs"].append(pair)
-        doc["failed"] += [
-            f"{mode}, {name}: {pair[name].get('error')}"
-            for name in ("native", "fused")
-            if not pair[name].get("ok")
-        ]
-        save(doc)
+        for provider, ops, env in targets:
+            pair = endtoend.run_pair(
+                model_dir,
+                provider=provider,
+                ops=ops,
+                bench_env=env,
+                mode=mode,
+                prompt_len=cfg["e2e_prompt_len"],
+                max_tokens=cfg["e2e_max_tokens"],
+                batch=cfg["e2e_batch"],
+                repeats=cfg["e2e_repeats"],
+                progress=progress,
+            )
+            doc["pairs"].append(pair)
+            doc["failed"] += [
+                f"{mode}, {provider}, {name}: {pair[name].get('error')}"
+                for name in ("native", "fused")
+                if not pair[name].get("ok")
+            ]
+            save(doc)
     return doc
 
 

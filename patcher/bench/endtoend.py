@@ -1,7 +1,9 @@
 """End to end: vLLM decode on a random Llama, native norms against a provider.
 
-For each mode (eager, compiled) the same environment runs twice, once with
-the provider's ops pinned to ``native`` and once with the provider first; each
+For each mode (eager, compiled) and provider, the provider's environment (the
+installed vLLM, or a patched copy for a provider the patch enables) runs twice,
+once with the provider's ops pinned to ``native`` and once with the provider
+first; each
 run does several timed generates after a warm-up (see patcher.e2e). The ratio
 is fused over native median tokens/s. The final IR op priority vLLM logged for
 each run is kept: it shows which kernels the run asked for.

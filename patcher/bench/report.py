@@ -283,6 +283,10 @@ def token_note(pair: dict[str, Any]) -> str:
     )
 
 
+PATCHED_VLLM = "vLLM with this change"
+"""Where the upstream provider ran, as a PR description says it."""
+
+
 def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> str:
     """The figures a reviewer needs, for a PR description: per op at the
     highest thread count, only ops with an alternative to native; end to end;
@@ -309,9 +313,16 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...] = ()) -> s
     pairs = (doc.get("e2e") or {}).get("pairs", [])
     dispatch = [r for r in doc["perop"].get("dispatch", []) if r["threads"] == threads]
     if providers:
-        pairs = [p for p in pairs if p.get("provider") in providers]
+        # Both ran in the vLLM the PR produces (a patched copy, or as installed).
+        pairs = [
+            {**p, "source": PATCHED_VLLM}
+            for p in pairs
+            if p.get("provider") in providers
+        ]
         dispatch = [
-            r for r in dispatch if r["role"] == "native" or r["provider"] in providers
+            {**r, "source": PATCHED_VLLM}
+            for r in dispatch
+            if r["role"] == "native" or r["provider"] in providers
         ]
     lines = [
         f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
