@@ -4,7 +4,8 @@ Result), speaking of vLLM alone.
 The Test Result holds only figures this tool measured: the upstream tests run
 in this ``pr`` run, and the bench's ``vllm_c`` against native from its JSON, per
 op and end to end on the patched vLLM (compatibility cells are read but not
-shown: they describe this project's probe, not vLLM). What was not measured is shown as such, with the command.
+shown: they describe this project's probe, not vLLM). What was not measured
+is shown as such, with the command.
 """
 
 from __future__ import annotations
