@@ -352,20 +352,20 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
             rows += result["rows"]
             dispatch += result["dispatch"]
             notes += [n for n in result["notes"] if n not in notes]
-            found_new = False
+            enabled: set[str] = set()  # implementations only the copy offers
             for op, impls in result["inventory"].items():
                 new = [p for p, ok in impls.items() if ok and p not in skip.get(op, [])]
                 if new:
-                    found_new = True
+                    enabled.update(new)
                     upstream_fused_ops.add(op)
-            if not found_new:
+            if not enabled:
                 notes.append(f"{env.label}: the patch enables no implementation here")
             else:
                 new_rows = [
                     r
                     for r in rows
                     if r["source"] == env.label
-                    and r["provider"] != "native"
+                    and r["provider"] in enabled
                     and r.get("status") == "ok"
                 ]
                 if new_rows:
