@@ -148,6 +148,9 @@ def warm_figures(every: list[versions.Cell], one: str, env_root: Path, work: Pat
     f["priming"] = timed("environments built or reused (not a target)", lambda: [
         prepare(c, env_root) for c in live
     ])  # fmt: skip
+    # Static cells have no environment: one run leaves the result they reuse.
+    static_only = [c for c in every if c.mode != "full"]
+    f["priming_static"] = run_cells(static_only, env_root, results)
     with ChangedProvider():
         f["live_after_change"] = run_cells(live, env_root, results)
         f["all_unchanged"] = run_cells(every, env_root, results)
