@@ -539,6 +539,17 @@ def test_results_are_written_without_the_machines_folders(value, expected):
     assert cell.portable(value, places) == expected
 
 
+@pytest.mark.parametrize(
+    "path",
+    sorted((ROOT / "compat_matrix" / "results").glob("*.json")),
+    ids=lambda p: p.name,
+)
+def test_committed_results_name_no_folder_of_the_machine(path):
+    text = path.read_text("utf-8")
+    for folder in ("/root/", "/home/", "/work/", "/tmp/", f"{Path.home()}/"):
+        assert folder not in text, f"{path.name} names {folder}"
+
+
 def test_the_cell_lists_the_probes_checks_in_order():
     from compat_matrix.probe import CHECKS
     from compat_matrix.probe_run import PROBE_CHECKS
