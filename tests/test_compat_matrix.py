@@ -221,7 +221,7 @@ def test_pip_config_carried_to_uv(config, args, env):
 
 # --- static checks on the real wheels ------------------------------------------
 
-# From the wheels' sources (see shared/VLLM_FACTS.md), keyed by wheel version.
+# Read by hand from each wheel's own sources, keyed by wheel version.
 WHEEL_FACTS = {
     "0.20.0": dict(
         ops=["rms_norm"],

@@ -10,8 +10,7 @@ provider on the patched copy (the patched vLLM as a user would run it).
 Outputs JSON, Markdown and a PNG chart, and a recommended ``ir_op_priority``
 per op and mode that follows from the measured numbers.
 
-The lead wires ``add_arguments`` and ``run`` as the ``bench`` subcommand;
-``python -m patcher.bench`` runs it directly.
+``vllm-patch bench`` and ``python -m patcher.bench`` both run it.
 """
 
 from __future__ import annotations
