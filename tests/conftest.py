@@ -69,11 +69,12 @@ def is_source(name: str) -> bool:
 PYPI_TORCHVISION = "torchvision==0.28.0"
 
 
-@pytest.fixture(scope="session")
-def broken_venv(tmp_path_factory) -> Path:
+@pytest.fixture
+def broken_venv(tmp_path) -> Path:
     """A venv that sees this environment's packages (through a .pth file: its
-    own site-packages come first), plus PyPI's torchvision."""
-    venv = tmp_path_factory.mktemp("broken") / "venv"
+    own site-packages come first), plus PyPI's torchvision. One per test: the
+    doctor's test repairs it with --fix."""
+    venv = tmp_path / "broken-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     own = subprocess.run(
