@@ -147,6 +147,26 @@ def test_fused_add_rms_norm_updates_both_tensors_in_place(ops, shape, weighted, 
 
 
 @requires_vllm
+def test_the_impls_compile_with_torch_compile(ops):
+    """vLLM compiles models by default: torch.compile must trace both impls (a
+    kernel bound to something Dynamo skips fails the engine's start)."""
+    x, residual = torch.randn(4, 2048, dtype=BF16), torch.randn(4, 2048, dtype=BF16)
+    weight = torch.randn(2048, dtype=BF16)
+    torch._dynamo.reset()
+    got = torch.compile(provider.rms_norm, fullgraph=True)(x, weight, 1e-5)
+    want = ops.rms_norm.impls["native"].impl_fn(x, weight, 1e-5)
+    torch.testing.assert_close(got, want, **ops.rms_norm.get_tolerance(BF16))
+    fused = torch.compile(provider.fused_add_rms_norm, fullgraph=True)
+    out, new_residual = fused(x.clone(), residual.clone(), weight, 1e-5)
+    want_out, want_residual = ops.fused_add_rms_norm.impls["native"].impl_fn(
+        x.clone(), residual.clone(), weight, 1e-5
+    )
+    tolerance = ops.fused_add_rms_norm.get_tolerance(BF16)
+    torch.testing.assert_close(out, want_out, **tolerance)
+    torch.testing.assert_close(new_residual, want_residual, **tolerance)
+
+
+@requires_vllm
 def test_weight_none_means_ones(ops):
     x = torch.randn(16, 2048, dtype=BF16)
     ones = torch.ones(2048, dtype=BF16)
