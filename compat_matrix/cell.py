@@ -61,8 +61,11 @@ from patcher.cache import cache_dir, fetch_wheel
 from patcher.errors import PatchError
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TORCH_INDEX_ENV = "VLLM_PATCH_TORCH_INDEX"
-ENV_ROOT_ENV = "VLLM_PATCH_COMPAT_ENVS"
+# Not VLLM_*: vLLM warns about every VLLM_* variable it does not know, and
+# --fail-on-environ-validation refuses to start.
+TORCH_INDEX_ENV = "VLLMPATCH_TORCH_INDEX"
+ENV_ROOT_ENV = "VLLMPATCH_COMPAT_ENVS"
+FRESH_ENV = "VLLMPATCH_COMPAT_FRESH"
 EX_UNAVAILABLE = 75
 
 
@@ -370,9 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fresh",
         action="store_true",
-        default=bool(os.environ.get("VLLM_PATCH_COMPAT_FRESH")),
+        default=bool(os.environ.get(FRESH_ENV)),
         help="run the probe even when nothing it depends on changed "
-        "(env VLLM_PATCH_COMPAT_FRESH=1)",
+        f"(env {FRESH_ENV}=1)",
     )
     args = parser.parse_args(argv)
     cell = versions.find(args.cell)

@@ -46,7 +46,7 @@ from packaging.requirements import Requirement
 
 from compat_matrix import pins, versions
 from compat_matrix.environments import PROJECT, ensure_env, env_dir
-from patcher.cache import fetch_wheel
+from patcher.cache import CACHE_ENV, fetch_wheel
 from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 HERE = Path(__file__).resolve().parent
@@ -209,7 +209,7 @@ def naive_cell(c: versions.Cell, work: Path, pip_env: dict) -> dict:
 def cold_figures(cells: list[versions.Cell], work: Path, skip_naive: bool) -> dict:
     f: dict = {}
     uv_cache, wheels, env_root = work / "uv-cache", work / "vp-cache", work / "envs"
-    env = os.environ | {"UV_CACHE_DIR": str(uv_cache), "VLLM_PATCH_CACHE": str(wheels)}
+    env = os.environ | {"UV_CACHE_DIR": str(uv_cache), CACHE_ENV: str(wheels)}
     f["matrix"] = run_cells(cells, env_root, work / "cold-results", env)
     f["matrix_disk"] = {
         "envs": du(env_root),

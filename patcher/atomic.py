@@ -56,7 +56,7 @@ _LEGACY_TEMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
 
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 
-FAULT_ENV = "VLLM_PATCH_FAULT"
+FAULT_ENV = "VLLMPATCH_FAULT"
 """For tests only: ``N`` or ``KIND:N`` (KIND one of fsync, rename, link, unlink,
 mkdir, rmdir, write) SIGKILLs this process just before its N-th such step;
 ``KIND:N:EIO`` raises that ``OSError`` there instead."""

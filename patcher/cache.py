@@ -9,10 +9,13 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
+# Not VLLM_*: vLLM warns about every VLLM_* variable it does not know.
+CACHE_ENV = "VLLMPATCH_CACHE"
+
 
 def cache_dir() -> Path:
-    """``$VLLM_PATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``, else ``~/.cache``."""
-    if env := os.environ.get("VLLM_PATCH_CACHE"):
+    """``$VLLMPATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``, else ``~/.cache``."""
+    if env := os.environ.get(CACHE_ENV):
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vllm-patch"

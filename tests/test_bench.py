@@ -23,6 +23,7 @@ from patcher.bench.recommend import (
     recommend,
     unclear_ops,
 )
+from patcher.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -291,7 +292,7 @@ def _vllm_c_source() -> bytes:
 def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is absent")
-    monkeypatch.setenv("VLLM_PATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     installed_before = hashlib.sha256(_vllm_c_source()).hexdigest()
     args = type("Args", (), {"quick": True, "threads": [1], "e2e": True, "ops": None})
     cfg = configuration(args)
@@ -460,7 +461,7 @@ def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_pat
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
-        "VLLM_PATCH_CACHE": str(tmp_path / "cache"),  # no model built before
+        CACHE_ENV: str(tmp_path / "cache"),  # no model built before
     }
     proc = subprocess.run(
         [broken_venv, "-m", "patcher", "bench", "--quick", "--threads", "1",

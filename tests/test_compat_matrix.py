@@ -14,6 +14,7 @@ import pytest
 from packaging.version import Version
 
 from compat_matrix import cell, pins, pip_config, probe_reuse, report, static, versions
+from patcher.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,7 +135,7 @@ def test_refresh_unavailable_leaves_the_file(tmp_path, dead_registry):
 def test_cell_unavailable_when_registry_does_not_answer(
     tmp_path, dead_registry, monkeypatch
 ):
-    monkeypatch.setenv("VLLM_PATCH_CACHE", str(tmp_path / "cache"))  # no cached pins
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # no cached pins
     c = versions.find("0.31.0")
     result = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
     assert result["status"] == "unavailable"

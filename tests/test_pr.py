@@ -13,7 +13,7 @@ import pytest
 from conftest import requires_vllm
 
 from patcher import engine, pr
-from patcher.cache import cache_dir, fetch_wheel
+from patcher.cache import CACHE_ENV, cache_dir, fetch_wheel
 from patcher.pr_format import find_ruff
 from patcher.tree import open_tree
 from patcher.upstream import pick_patch, upstream_of
@@ -46,7 +46,7 @@ ignore = ["F405", "F403", "E731", "B007", "UP032"]
 @pytest.fixture(autouse=True)
 def isolated_git(tmp_path_factory, monkeypatch):
     """No global or system git config: identities come from each test repo."""
-    monkeypatch.setenv("VLLM_PATCH_CACHE", str(cache_dir()))  # before HOME moves
+    monkeypatch.setenv(CACHE_ENV, str(cache_dir()))  # before HOME moves
     home = tmp_path_factory.mktemp("home")
     (home / "gitconfig").write_text("")
     monkeypatch.setenv("HOME", str(home))

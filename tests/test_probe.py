@@ -21,7 +21,7 @@ from conftest import requires_vllm
 
 from compat_matrix.probe import CHECKS, PATCH_NAME, SCHEMA
 from patcher import engine
-from patcher.cache import fetch_wheel
+from patcher.cache import CACHE_ENV, fetch_wheel
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms import provider
@@ -187,7 +187,7 @@ def test_e2e_asked_for_in_a_broken_environment_fails(broken_venv, tmp_path):
     """PyPI's torchvision beside the +cpu torch: transformers does not import, so
     the random Llama cannot be built (an empty cache: none built before), and
     --e2e fails saying why."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_PATCH_CACHE": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), CACHE_ENV: str(tmp_path)}
     proc = subprocess.run(
         [broken_venv, "-m", "compat_matrix.probe", "--e2e", "--only", "e2e"],
         capture_output=True, text=True, env=env, timeout=900,
