@@ -18,6 +18,7 @@ from typing import Any
 from packaging.version import InvalidVersion, Version
 
 from compat_matrix.probe_run import PROBE_CHECKS
+from patcher.status import PlanStatus
 
 HERE = Path(__file__).resolve().parent
 MARKS = {"pass": "✅", "fail": "❌", "skip": "➖", "unavailable": "⚠️"}
@@ -108,9 +109,10 @@ def patch_state(row: dict[str, Any], notes: Footnotes | None = None) -> str:
     for c in row["checks"]:
         if c["name"].startswith("patch:"):
             state = c["details"].get("plan_status", c["status"])
-            word = {"applicable": "applies", "applied": "already applied"}.get(
-                state, "no"
-            )
+            word = {
+                PlanStatus.APPLICABLE: "applies",
+                PlanStatus.APPLIED: "already applied",
+            }.get(state, "no")
             if c["status"] == "skip":
                 word = "not applicable"
             elif c["status"] != "pass" and notes is not None:

@@ -23,6 +23,7 @@ from compat_matrix.probe.framework import PROVIDER_MODULE as DEFAULT_PROVIDER
 from patcher.engine import plan
 from patcher.errors import PatchError
 from patcher.patchset import all_patches
+from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 from patches.cpu_fused_norms.vllm_c_source import vllm_c_impls as patched_impls
@@ -283,7 +284,9 @@ def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
     for patch in all_patches():
         name = f"patch:{patch.name}"
         if pre_ir:  # every carried patch edits vLLM IR code
-            checks.append(_check(name, "skip", pre_ir, plan_status="not applicable"))
+            checks.append(
+                _check(name, "skip", pre_ir, plan_status=PlanStatus.NOT_APPLICABLE)
+            )
             continue
         try:
             p = plan(tree, patch, "apply")

@@ -16,6 +16,7 @@ from importlib import metadata
 from patcher import bench, doctor, engine, pr
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import all_patches, select
+from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 
 # The verbs that read a wheel (apply and revert refuse one: it is an archive).
@@ -80,9 +81,9 @@ def cmd_check(args: argparse.Namespace) -> int:
                 if e.error or e.skipped:
                     print("    " + str(e.error or e.skipped).replace("\n", "\n    "))
     statuses = {p.status for p in plans}
-    if "not applicable" in statuses:
+    if PlanStatus.NOT_APPLICABLE in statuses:
         return ExitCode.CANNOT_APPLY
-    return ExitCode.PENDING if "applicable" in statuses else ExitCode.OK
+    return ExitCode.PENDING if PlanStatus.APPLICABLE in statuses else ExitCode.OK
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -97,7 +98,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
         return ExitCode.OK
     for p in plans:
-        if p.status == "applied":
+        if p.status is PlanStatus.APPLIED:
             print(f"{p.patch.name}: already applied, no diff", file=sys.stderr)
         sys.stdout.write(p.diff())
     return ExitCode.OK

@@ -32,6 +32,7 @@ from packaging.version import InvalidVersion, Version
 from patcher import cpu_torch, engine
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
+from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 
 # The project root: the child resolves ``patcher.import_checks`` from here even
@@ -368,8 +369,8 @@ def _patch_findings(tree, patch, results, python) -> list[Finding]:
     out = []
     plan = engine.plan(tree, patch)
     state = {
-        "applied": ("ok", "applied to this vLLM"),
-        "applicable": ("info", "not applied (`vllm-patch apply` applies it)"),
+        PlanStatus.APPLIED: ("ok", "applied to this vLLM"),
+        PlanStatus.APPLICABLE: ("info", "not applied (`vllm-patch apply` applies it)"),
     }.get(plan.status, ("info", f"cannot be applied here: {_first_line(plan)}"))
     out.append(
         Finding(f"{patch.name}:patch", state[0], f"patch {patch.name}: {state[1]}")

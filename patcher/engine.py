@@ -22,6 +22,7 @@ from patcher.diff import combined_diff
 from patcher.errors import PatchError
 from patcher.patchset import Edit, Patch
 from patcher.shim import follow
+from patcher.status import PlanStatus
 from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
 
@@ -62,14 +63,12 @@ class EditPlan:
     def changes(self) -> bool:
         return self.error is None and self.skipped is None and self.before != self.after
 
-    def status(self, direction: Direction = "apply") -> str:
+    def status(self, direction: Direction = "apply") -> PlanStatus:
         if self.skipped is not None:
-            return "skipped"
+            return PlanStatus.SKIPPED
         if self.error is not None:
-            return "not applicable"
-        if direction == "apply":
-            return "applicable" if self.changes else "applied"
-        return "revertible" if self.changes else "not applied"
+            return PlanStatus.NOT_APPLICABLE
+        return PlanStatus.pending(direction, self.changes)
 
 
 @dataclass(frozen=True)
@@ -89,15 +88,12 @@ class PatchPlan:
         return found + [e.error for e in self.edits if e.error is not None]
 
     @property
-    def status(self) -> str:
+    def status(self) -> PlanStatus:
         """``not applicable``; ``applicable`` or ``applied`` (apply);
         ``revertible`` or ``not applied`` (revert)."""
         if self.errors:
-            return "not applicable"
-        pending = [e for e in self.edits if e.changes]
-        if self.direction == "apply":
-            return "applicable" if pending else "applied"
-        return "revertible" if pending else "not applied"
+            return PlanStatus.NOT_APPLICABLE
+        return PlanStatus.pending(self.direction, any(e.changes for e in self.edits))
 
     @property
     def skipped(self) -> list[EditPlan]:

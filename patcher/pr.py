@@ -31,6 +31,7 @@ from patcher import engine, pr_body, upstream_tests
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import Patch
 from patcher.pr_format import FormatReport, check_changes
+from patcher.status import PlanStatus
 from patcher.tree import open_tree
 from patcher.upstream import Upstream, pick_patch, upstream_of
 from patcher.version import read_version
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
             raise plan.errors[0]
         for w in plan.warnings:
             _warn(w)
-        if plan.status == "applied":
+        if plan.status is PlanStatus.APPLIED:
             if not exists:
                 rollback()
                 print(

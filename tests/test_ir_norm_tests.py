@@ -14,6 +14,7 @@ from patcher import engine
 from patcher.codemod import run_codemod
 from patcher.errors import ShapeNotRecognised
 from patcher.pr_format import find_ruff
+from patcher.status import PlanStatus
 from patcher.tree import open_tree
 from patcher.upstream import pick_patch
 from patches.cpu_fused_norms.ir_norm_tests import (
@@ -288,7 +289,7 @@ def checkout_tree(tmp_path: Path, shape: str, test_source: str | None = None):
 
 @pytest.mark.parametrize(
     "test_source,status",
-    [(None, "applicable"), ("import torch\n", "skipped")],
+    [(None, PlanStatus.APPLICABLE), ("import torch\n", PlanStatus.SKIPPED)],
     ids=["recognised", "unrecognised"],
 )
 def test_a_tree_with_tests_gets_the_test_edit_or_says_why_not(
@@ -300,13 +301,13 @@ def test_a_tree_with_tests_gets_the_test_edit_or_says_why_not(
 
     plan = engine.plan(tree, patch)
 
-    assert plan.status == "applicable" and not plan.errors
-    assert [e.status() for e in plan.edits][-1] == status
-    if status == "skipped":
+    assert plan.status is PlanStatus.APPLICABLE and not plan.errors
+    assert [e.status() for e in plan.edits][-1] is status
+    if status is PlanStatus.SKIPPED:
         assert f"{TARGET} left out" in "\n".join(plan.warnings)
         assert "source shape not recognised" in "\n".join(plan.warnings)
     engine.apply(tree, patch)
-    assert (tree.read_bytes(TARGET) != before) == (status == "applicable")
+    assert (tree.read_bytes(TARGET) != before) == (status is PlanStatus.APPLICABLE)
     engine.revert(tree, patch)
     assert tree.read_bytes(TARGET) == before
 

@@ -50,6 +50,7 @@ def start_upstream(p: Probe) -> Started:
     try:
         from patcher import engine
         from patcher.patchset import select
+        from patcher.status import PlanStatus
         from patcher.tree import open_tree
     except Exception as exc:
         raise Skip(
@@ -59,7 +60,7 @@ def start_upstream(p: Probe) -> Started:
     patch = select([PATCH_NAME])[0]
     files = sorted({e.file for e in patch.edits})
     details: dict[str, Any] = {"original": str(original.location), "files": files}
-    if engine.plan(original, patch, "apply").status == "applied":
+    if engine.plan(original, patch, "apply").status is PlanStatus.APPLIED:
         raise Skip(
             "this vLLM already has the change (upstream, or patched in place): "
             "nothing to apply",
