@@ -3,9 +3,10 @@
 Environments live under the env root, one per version, built with uv when it is
 installed (hard links from uv's cache, so every cell shares one copy of torch
 on disk) and plain venv + pip otherwise. A stamp file in each environment says
-what was installed; a matching stamp means the environment is reused as is (the
+what was installed; a matching stamp means the environment is reused as is. The
 project is installed editable, so code changes need no reinstall; a changed
-``pyproject.toml`` does).
+``pyproject.toml`` reinstalls the project alone (its entry points and metadata
+live in the environment), and only changed dependencies rebuild the environment.
 
 Where the pinned ``+cpu`` torch is not on the user's indexes, PyPI's plain build
 of the same torch release stands in for it (``uv pip install --override``: pip
@@ -75,7 +76,6 @@ def _stamp(
     torch_index: str | None,
     installer: str,
 ) -> dict:
-    pyproject = (PROJECT / "pyproject.toml").read_bytes()
     return {
         "requirement": cell.requirement,
         "torch": pin,
@@ -84,8 +84,12 @@ def _stamp(
         "installer": installer,
         "python": platform.python_version(),
         "project": str(PROJECT),
-        "pyproject": hashlib.sha256(pyproject).hexdigest()[:16],
+        "dependencies": project_requirements(),
     }
+
+
+def _project_hash() -> str:
+    return hashlib.sha256((PROJECT / "pyproject.toml").read_bytes()).hexdigest()[:16]
 
 
 def ensure_env(
@@ -106,7 +110,14 @@ def ensure_env(
     torch_req = torch_req or pin
     stamp = _stamp(cell, pin, torch_req, torch_index, "uv" if uv else "pip")
     stamp_file = env / STAMP
-    if env_python(env).exists() and read_stamp(env) == stamp:
+    found = read_stamp(env) or {}
+    project = found.pop("pyproject", None)
+    if env_python(env).exists() and found == stamp:
+        if project != _project_hash():  # new metadata or entry points: reinstall
+            _install_project(env, uv)
+            stamp_file.write_text(
+                json.dumps(stamp | {"pyproject": _project_hash()}, indent=1)
+            )
         return env, True
     if torch_req != pin and not uv:
         raise EnvError(f"{torch_req} standing in for {pin} needs uv (pip cannot)")
@@ -135,15 +146,28 @@ def ensure_env(
             [uv, "pip", "uninstall", "--quiet", *python, *BROKEN_BESIDE_CPU_TORCH],
             run_env,
         )
-        _run([*install, *args, "--no-deps", "-e", str(PROJECT)], run_env)
     else:
         pip = [str(env_python(env)), "-m", "pip"]
         _run([sys.executable, "-m", "venv", str(env)])
         _run([*pip, "install", "--quiet", *extra, *wanted])
         _run([*pip, "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH])
-        _run([*pip, "install", "--quiet", "--no-deps", "-e", str(PROJECT)])
-    stamp_file.write_text(json.dumps(stamp, indent=1), "utf-8")
+    _install_project(env, uv)
+    stamp_file.write_text(json.dumps(stamp | {"pyproject": _project_hash()}, indent=1))
     return env, False
+
+
+def _install_project(env: Path, uv: str | None) -> None:
+    """This project, editable, without its dependencies (already there)."""
+    if uv:
+        args, uv_env = uv_args_from_pip(pip_config())
+        _run(
+            [uv, "pip", "install", "--quiet", "--python", str(env_python(env))]
+            + [*args, "--no-deps", "-e", str(PROJECT)],
+            os.environ | uv_env,
+        )
+    else:
+        pip = [str(env_python(env)), "-m", "pip", "install", "--quiet"]
+        _run([*pip, "--no-deps", "-e", str(PROJECT)])
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:

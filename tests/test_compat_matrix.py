@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -573,3 +574,56 @@ def test_the_cell_lists_the_probes_checks_in_order():
     from compat_matrix.probe_run import PROBE_CHECKS
 
     assert PROBE_CHECKS == tuple(name for name, _ in CHECKS)
+
+
+def _project_copy(dst: Path) -> Path:
+    """This project's packages and pyproject.toml, to install editable."""
+    for name in ("patcher", "patches", "compat_matrix", "pyproject.toml", "README.md"):
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("results"))
+        else:
+            (dst / name).write_bytes(src.read_bytes())
+    return dst
+
+
+@pytest.mark.skipif(not pip_config.find_uv(), reason="uv builds the cell environments")
+def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
+    """An environment is rebuilt when what it installs changes; a new
+    pyproject.toml (entry points, metadata) reinstalls the project alone."""
+    from compat_matrix import environments
+
+    project = _project_copy(tmp_path / "project")
+    monkeypatch.setattr(environments, "PROJECT", project)
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "six==1.16.0"]
+        + ["-d", str(wheels)],
+        check=True,
+    )
+    (wheel,) = wheels.glob("six-*.whl")
+    cell_ = versions.Cell("six==1.16.0", "six", "1.16.0", "full")
+    root = tmp_path / "envs"
+
+    def build():
+        return environments.ensure_env(
+            cell_, wheel, "six==1.16.0", env_root=root, torch_index=None
+        )
+
+    env, reused = build()
+    assert not reused
+    marker = env / "bin" / "marker-from-first-build"
+    marker.write_text("")  # survives only if the environment is not rebuilt
+    assert build() == (env, True)
+
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text("utf-8") + "\n# changed\n", "utf-8")
+    assert build() == (env, True)
+    assert marker.exists()
+    stamp = environments.read_stamp(env)
+    assert stamp["pyproject"] == environments._project_hash()
+
+    text = pyproject.read_text("utf-8")
+    pyproject.write_text(text.replace('"packaging', '"six", "packaging', 1), "utf-8")
+    assert build() == (env, False)  # a new dependency: a new environment
+    assert not marker.exists()
