@@ -115,8 +115,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
     for p in plans:  # refuse before the first patch is written, not after
         if p.errors:
             raise p.errors[0]
-    for p in plans:
-        _report(engine.apply(tree, p.patch, force=args.force))  # warned in _plans
+    for p in plans:  # each written as checked (its warnings shown by _plans)
+        _report(engine.apply(tree, p.patch, force=args.force, planned=p))
     return ExitCode.OK
 
 

@@ -7,7 +7,7 @@ plan is written, atomically. A plan that fails anywhere writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -81,6 +81,9 @@ class PatchPlan:
     error: PatchError | None = None
     """A whole-patch refusal (version out of range); edits then are empty."""
     warnings: tuple[str, ...] = ()
+    sources: Mapping[str, str] = field(default_factory=dict, repr=False)
+    """Every file the plan read (relpath -> text as read): a plan made earlier is
+    written only while the tree still holds these (see :func:`apply`)."""
 
     @property
     def errors(self) -> list[PatchError]:
@@ -164,14 +167,24 @@ def plan(
             return PatchPlan(patch, tree, direction, version, (), refusal)
         warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
 
-    edits = tuple(_plan_edits(tree, edits_for(tree, patch), direction))
+    sources: dict[str, str] = {}
+    edits = tuple(_plan_edits(tree, edits_for(tree, patch), direction, sources))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
-    return PatchPlan(patch, tree, direction, version, edits, None, tuple(warnings))
+    return PatchPlan(
+        patch, tree, direction, version, edits, None, tuple(warnings), sources
+    )
 
 
 def _plan_edits(
-    tree: VllmTree, edits: Iterable[Edit], direction: Direction
+    tree: VllmTree, edits: Iterable[Edit], direction: Direction, sources: dict
 ) -> Iterable[EditPlan]:
+    """Each edit planned; ``sources`` collects every file read (relpath -> text)."""
+
+    def read(rel: str) -> str:
+        if rel not in sources:
+            sources[rel] = tree.read_text(rel)
+        return sources[rel]
+
     texts: dict[str, str] = {}  # files as edited so far, so edits to one file chain
     for edit in edits:
         codemod = edit.apply if direction == "apply" else edit.revert
@@ -184,9 +197,9 @@ def _plan_edits(
         path = edit.file
         try:
             path = follow(tree, edit.file)
-            before = texts[path] if path in texts else tree.read_text(path)
+            before = texts[path] if path in texts else read(path)
             after, described = run_codemod_described(
-                codemod, before, lambda rel: tree.read_text(follow(tree, rel))
+                codemod, before, lambda rel: read(follow(tree, rel))
             )
         except PatchError as exc:
             if exc.path == edit.file:
@@ -208,10 +221,10 @@ class Outcome:
     patch: str
     action: str
     files: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = field(default=())
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[str, ...] = ()
     """What the engine found or did besides the patch itself: an interrupted
-    operation finished or rolled back, a damaged backup."""
+    operation finished or rolled back, a damaged backup, a plan made again. (What
+    the plan warned about is the plan's: ``PatchPlan.warnings``.)"""
 
     def __str__(self) -> str:
         where = f" ({', '.join(self.files)})" if self.files else ""
@@ -258,17 +271,40 @@ def recover(tree: VllmTree, patches: Iterable[Patch]) -> list[str]:
         return atomic.recover(tree.location, folders)
 
 
-def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
+def apply(
+    tree: VllmTree,
+    patch: Patch,
+    *,
+    force: bool = False,
+    planned: PatchPlan | None = None,
+) -> Outcome:
+    """Apply ``patch`` to ``tree``. ``planned``: the caller's own plan of it (the
+    CLI checks every patch before it writes any), written as it is unless the
+    tree no longer holds what it was made from (another writer came between the
+    plan and the lock); then, and without ``planned``, it is planned here."""
     _writable_tree(tree, "apply to")
+    if planned is not None and (
+        planned.patch.name != patch.name
+        or planned.tree.location != tree.location
+        or planned.direction != "apply"
+    ):
+        raise ValueError(f"{planned.patch.name}'s plan is not this apply's")
     with atomic.locked(tree.location):
         notes = atomic.recover(tree.location, _work_folders(tree, [patch]))
-        p = plan(tree, patch, "apply", force=force)
+        if planned is not None and _still_current(tree, planned):
+            p = planned
+        else:
+            if planned is not None:
+                notes.append(
+                    f"{patch.name}: the tree changed after the check; planned again"
+                )
+            p = plan(tree, patch, "apply", force=force)
         _refuse_errors(p)
         changes = {
             rel: (a.encode(), b.encode()) for rel, (a, b) in p.file_changes().items()
         }
         if not changes:
-            return Outcome(patch.name, "already applied", (), p.warnings, tuple(notes))
+            return Outcome(patch.name, "already applied", (), tuple(notes))
         writes = {tree.path(rel): after for rel, (_, after) in changes.items()}
         # A checkout is reverted by the inverse edit, unless that would not give
         # these bytes back (part of the change was there already, made by hand):
@@ -285,7 +321,17 @@ def apply(tree: VllmTree, patch: Patch, *, force: bool = False) -> Outcome:
         atomic.write_atomically(tree.location, writes, label=f"apply of {patch.name}")
     partly = any(not e.changes for e in p.edits if e.skipped is None)
     action = "completed" if partly else "applied"
-    return Outcome(patch.name, action, _shown(p, changes), p.warnings, tuple(notes))
+    return Outcome(patch.name, action, _shown(p, changes), tuple(notes))
+
+
+def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
+    """Whether ``tree`` still holds the version and every file text ``p`` read."""
+    try:
+        return read_version(tree) == p.version and all(
+            tree.read_text(rel) == text for rel, text in p.sources.items()
+        )
+    except PatchError:  # a file gone or unreadable: the new plan says which
+        return False
 
 
 def backup_of(tree: VllmTree, patch: Patch) -> Backup:
@@ -350,7 +396,7 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
             tree,
             "revert",
             read_version(tree),
-            tuple(_plan_edits(tree, rest, "revert")),
+            tuple(_plan_edits(tree, rest, "revert", {})),
         )
         if p.errors and state.problems:
             raise _unrevertable(p.errors[0], backup, state)

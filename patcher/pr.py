@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
             originals = {
                 rel: before for rel, (before, _) in plan.file_changes().items()
             }
-            engine.apply(tree, patch)
+            engine.apply(tree, patch, planned=plan)
             formatting = check_changes(root, originals)
             repo.git.add("--", *originals)
             repo.git.commit(

@@ -15,9 +15,12 @@ import git
 import pytest
 from conftest import CPU, FIXTURE, VLLM_C, snapshot
 
+from patcher import engine
 from patcher.backup import BACKUP_DIR
 from patcher.cli import main
 from patcher.errors import ExitCode
+from patcher.patchset import select
+from patcher.tree import open_tree
 
 
 def run(*args: str) -> int:
@@ -49,6 +52,37 @@ def test_second_apply_changes_nothing(tree: Path, capsys) -> None:
     assert run("apply", "--vllm", str(tree)) == 0
     assert "already applied" in capsys.readouterr().out
     assert snapshot(tree) == after_first
+
+
+def test_apply_plans_each_patch_once(tree: Path, monkeypatch) -> None:
+    """The plan the CLI checks before writing is the plan it writes."""
+    plans, real_plan = [], engine.plan
+
+    def counted(*args, **kwargs):
+        plans.append(real_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(engine, "plan", counted)
+    assert run("apply", "--vllm", str(tree)) == 0
+    assert [p.patch.name for p in plans] == ["cpu_fused_norms"]
+
+
+def test_a_plan_the_tree_changed_under_is_made_again(tree: Path) -> None:
+    """A file edited between the check and the write keeps the edit: the engine
+    does not write a plan made from other text."""
+    patch = select(["cpu_fused_norms"])[0]
+    vllm = open_tree(str(tree))
+    checked = engine.plan(vllm, patch)
+    with (tree / VLLM_C).open("a") as f:
+        f.write("# edited after the check\n")
+
+    outcome = engine.apply(vllm, patch, planned=checked)
+
+    assert outcome.action == "applied"
+    assert any("planned again" in n for n in outcome.notes)
+    text = (tree / VLLM_C).read_text()
+    assert text.endswith("# edited after the check\n")
+    assert "or current_platform.is_cpu()" in text
 
 
 def test_half_applied_tree_is_completed_not_doubled(tree: Path, capsys) -> None:
