@@ -1,10 +1,11 @@
 """All-or-nothing writes across several files, whole even after a SIGKILL.
 
-The rule that keeps hard-linked copies safe: **a file is only ever replaced by
-rename, never opened for writing.** New bytes go to a new file beside the target,
-which is then renamed over it; a rename changes what a name points to and never
-writes through another name of the same inode. ``tree.linked_copy`` shares inodes
-with the install it copies and relies on this; so does the ``.old`` name below.
+The rule that keeps hard-linked copies safe: **every write is a rename of a new
+file, never an in-place write.** No existing file is opened for writing: new bytes
+go to a new file beside the target, which is then renamed over it; a rename changes
+what a name points to and never writes through another name of the same inode.
+``tree.linked_copy`` shares inodes with the install it copies and relies on this;
+so does the ``.old`` name below.
 
 The protocol, the way git and package managers make a multi-file write survive a
 kill at any instruction:

@@ -17,8 +17,8 @@ import libcst as cst
 from patcher.errors import PatchError
 
 # vLLM's pyproject.toml [tool.ruff]: line-length = 88; it targets Python 3.10.
-VLLM_SETTINGS = ("--line-length", "88", "--target-version", "py310")
 LINE_LENGTH = 88
+VLLM_SETTINGS = ("--line-length", str(LINE_LENGTH), "--target-version", "py310")
 
 
 @cache

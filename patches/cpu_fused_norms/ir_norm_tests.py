@@ -35,6 +35,7 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.codemod import TreeCodemod
+from patcher.ruff_format import LINE_LENGTH
 from patches.cpu_fused_norms.bool_operand import append_operand, strip_operand
 from patches.cpu_fused_norms.vllm_c_source import (
     ENDS_WITH_IS_CPU_OR,
@@ -43,7 +44,6 @@ from patches.cpu_fused_norms.vllm_c_source import (
     PROVIDER,
 )
 
-LINE_LENGTH = 88
 NOT_CPU = f"not {IS_CPU_SOURCE}"
 SKIPIF = m.Decorator(
     decorator=m.Call(
