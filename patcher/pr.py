@@ -256,7 +256,66 @@ class Rollback:
             g.branch("-D", self.branch)
 
 
+@dataclass(frozen=True)
+class Request:
+    """One ``pr`` run's settings, checked before anything is written."""
+
+    repo: git.Repo
+    root: Path
+    patch: Patch
+    upstream: Upstream
+    branch: str
+    base: str | None
+    identity: Identity
+    description: Path
+    """Where the PR description goes (outside the work tree)."""
+    evidence: tuple[Path, ...]
+    format_patch: Path | None
+    pytest_k: str | None
+    print_body: bool
+
+
+@dataclass(frozen=True)
+class OnBranch:
+    """Where ``pr`` started, and the branch it switched to."""
+
+    start: str
+    """The branch (or detached commit) to go back to on failure."""
+    base_name: str | None
+    """The base as the user named it; None for an existing branch without --base."""
+    created: bool
+    switched: bool
+    """An existing branch, other than the one checked out, was checked out."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The patch's commit on the branch, new or found there."""
+
+    plan: engine.PatchPlan
+    commit: git.Commit | None
+    """None: the branch has the change but no commit titled like the patch."""
+    described: dict[str, list[str]]
+
+
 def run(args: argparse.Namespace) -> int:
+    """The steps in order; a failure before the commit restores the checkout."""
+    request = _request(args)
+    on_branch = _switch_branch(request)
+    committed = _commit(request, on_branch)
+    if committed is None:  # the base has the change already: no branch was made
+        return ExitCode.OK
+    body = _write_description(request, committed)
+    _write_mbox(request, committed)
+    if request.print_body:
+        print("\n" + body)
+    _print_next_steps(request, on_branch)
+    return ExitCode.OK
+
+
+def _request(args: argparse.Namespace) -> Request:
+    """Every refusal that needs nothing written: a vLLM git checkout, clean, with
+    a git identity; a valid branch name; outputs outside the work tree."""
     repo = open_checkout(args.vllm)
     root = Path(repo.working_tree_dir)
     open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
@@ -269,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"not a valid branch name: {branch!r}") from exc
     identity = git_identity(repo)
     refuse_dirty(repo)
-    out = description_path(repo, branch, args.out)
+    description = description_path(repo, branch, args.out)
     if args.format_patch and Path(args.format_patch).resolve().is_relative_to(
         root.resolve()
     ):
@@ -277,144 +336,176 @@ def run(args: argparse.Namespace) -> int:
             "--format-patch DIR must be outside the work tree",
             path=str(args.format_patch),
         )
+    return Request(
+        repo=repo,
+        root=root,
+        patch=patch,
+        upstream=upstream,
+        branch=branch,
+        base=args.base,
+        identity=identity,
+        description=description,
+        evidence=tuple(Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE),
+        format_patch=Path(args.format_patch) if args.format_patch else None,
+        pytest_k=args.pytest_k,
+        print_body=args.print_body,
+    )
 
+
+def _switch_branch(request: Request) -> OnBranch:
+    """Check out the branch: created from the base, or the existing one (which
+    must contain the base, when one is given)."""
+    repo, branch = request.repo, request.branch
     start = (
         repo.head.commit.hexsha if repo.head.is_detached else repo.active_branch.name
     )
     exists = branch in repo.heads
     if exists:
-        base_name = args.base
-        if args.base:
-            _, base_commit = resolve_base(repo, args.base)
+        base_name = request.base
+        if request.base:
+            _, base_commit = resolve_base(repo, request.base)
             if not repo.is_ancestor(base_commit, repo.heads[branch].commit):
                 raise UsageError(
-                    f"branch {branch} exists and does not contain {args.base}; pass "
-                    "--branch NEW or delete the branch",
-                    path=str(root),
+                    f"branch {branch} exists and does not contain {request.base}; "
+                    "pass --branch NEW or delete the branch",
+                    path=str(request.root),
                 )
     else:
-        base_name, base_commit = resolve_base(repo, args.base)
+        base_name, base_commit = resolve_base(repo, request.base)
     switched = exists and start != branch
     if not exists:
         repo.git.checkout("-q", "-b", branch, base_commit.hexsha)
     elif switched:
         repo.git.checkout("-q", branch)
-    rollback = Rollback(repo, start, branch, created=not exists)
+    return OnBranch(start, base_name, created=not exists, switched=switched)
 
+
+def _commit(request: Request, on_branch: OnBranch) -> Committed | None:
+    """Apply the patch and commit it, or find the branch's commit of it; None when
+    a new branch would be empty (then it is deleted again)."""
+    repo, patch = request.repo, request.patch
+    rollback = Rollback(repo, on_branch.start, request.branch, on_branch.created)
     try:
-        tree = open_tree(root)
-        plan = engine.plan(tree, patch)
+        plan = engine.plan(open_tree(request.root), patch)
         if plan.errors:
             raise plan.errors[0]
         for w in plan.warnings:
             _warn(w)
-        if plan.status is PlanStatus.APPLIED:
-            if not exists:
-                rollback()
-                print(
-                    f"{patch.name}: {base_name} already contains this change; "
-                    "nothing to commit, no branch created"
-                )
-                return ExitCode.OK
-            already = True
-        else:
-            already = False
-            originals = {
-                rel: before for rel, (before, _) in plan.file_changes().items()
-            }
-            engine.apply(tree, patch, planned=plan)
-            formatting = check_changes(root, originals)
-            repo.git.add("--", *originals)
-            repo.git.commit(
-                "--no-verify",
-                "-q",
-                "--cleanup=whitespace",
-                "-m",
-                commit_message(upstream, identity, plan.described()),
+        already = plan.status is PlanStatus.APPLIED
+        if already and on_branch.created:
+            rollback()
+            print(
+                f"{patch.name}: {on_branch.base_name} already contains this change; "
+                "nothing to commit, no branch created"
             )
+            return None
+        formatting = None if already else _apply_and_commit(request, plan)
     except BaseException:
         rollback()
         raise
-    if already:
-        commit = find_commit(repo, branch, upstream.title, None)
-        where = f"as {commit.hexsha[:12]} " if commit else ""
-        switch = " (switched to it)" if switched else ""
-        print(
-            f"{patch.name}: already committed {where}on branch {branch}{switch}; "
-            "nothing changed"
-        )
-        described = described_in_commit(repo, commit, patch) if commit else {}
-    else:
-        commit = repo.head.commit
-        print(
-            f"{patch.name}: committed {commit.hexsha[:12]} on branch {branch}"
-            f" (from {base_name or 'the existing branch'}): {upstream.title}"
-        )
-        _report_format(formatting)
-        described = plan.described()
-    return _finish(
-        repo, args, patch, upstream, branch, base_name, commit, out, described, plan
+    if formatting is None:
+        return _found_commit(request, on_branch, plan)
+    commit = repo.head.commit
+    print(
+        f"{patch.name}: committed {commit.hexsha[:12]} on branch {request.branch}"
+        f" (from {on_branch.base_name or 'the existing branch'}): "
+        f"{request.upstream.title}"
     )
+    _report_format(formatting)
+    return Committed(plan, commit, plan.described())
 
 
-def _finish(
-    repo,
-    args,
-    patch: Patch,
-    upstream,
-    branch,
-    base_name,
-    commit,
-    out: Path,
-    described,
-    plan: engine.PatchPlan,
-) -> int:
-    root = Path(repo.working_tree_dir)
-    dirs = args.evidence or list(pr_body.DEFAULT_EVIDENCE)
-    evidence = pr_body.load_evidence([Path(d) for d in dirs])
-    version = checkout_version(repo, root)
+def _found_commit(
+    request: Request, on_branch: OnBranch, plan: engine.PatchPlan
+) -> Committed:
+    """The existing branch's commit of the patch (found by its title)."""
+    repo, patch, branch = request.repo, request.patch, request.branch
+    commit = find_commit(repo, branch, request.upstream.title, None)
+    where = f"as {commit.hexsha[:12]} " if commit else ""
+    switch = " (switched to it)" if on_branch.switched else ""
+    print(
+        f"{patch.name}: already committed {where}on branch {branch}{switch}; "
+        "nothing changed"
+    )
+    described = described_in_commit(repo, commit, patch) if commit else {}
+    return Committed(plan, commit, described)
+
+
+def _apply_and_commit(request: Request, plan: engine.PatchPlan) -> FormatReport:
+    """Write ``plan``, check the changed lines' format, commit with a sign-off."""
+    originals = {rel: before for rel, (before, _) in plan.file_changes().items()}
+    engine.apply(plan.tree, request.patch, planned=plan)
+    formatting = check_changes(request.root, originals)
+    request.repo.git.add("--", *originals)
+    message = commit_message(request.upstream, request.identity, plan.described())
+    request.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
+    return formatting
+
+
+def _write_description(request: Request, committed: Committed) -> str:
+    """The PR description, with the upstream tests of the edited test files run
+    now when this machine has the matching vLLM; its text."""
+    root, patch, plan = request.root, request.patch, committed.plan
+    evidence = pr_body.load_evidence(list(request.evidence))
+    version = checkout_version(request.repo, root)
     left_out = {e.edit.file: e.skipped.message for e in plan.skipped}
     edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
     tests_run = None
     if edited:
-        tests_run = upstream_tests.measure(root, edited, patch, version, args.pytest_k)
+        tests_run = upstream_tests.measure(
+            root, edited, patch, version, request.pytest_k
+        )
         outcome = (
             tests_run.summary() if tests_run.ran else f"not run: {tests_run.reason}"
         )
         print(f"upstream tests: {outcome}")
     body = pr_body.render(
-        patch, upstream, version, evidence, root, described, tests_run, left_out
+        patch,
+        request.upstream,
+        version,
+        evidence,
+        root,
+        committed.described,
+        tests_run,
+        left_out,
     )
+    out = request.description
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(body, "utf-8")
     print(f"PR description: {out}")
-    if args.format_patch:
-        if commit is None:
-            _warn("no commit titled like the patch on the branch; no mbox written")
-        else:
-            folder = Path(args.format_patch)
-            folder.mkdir(parents=True, exist_ok=True)
-            written = repo.git.format_patch(
-                "-1", commit.hexsha, "-o", str(folder.resolve())
-            )
-            # Plain `git am` strips every leading [...] from the subject, the
-            # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
-            print(f"mbox patch: {written.strip()}")
-            print(
-                f"  apply with: git am --keep-non-patch {shlex.quote(written.strip())}"
-            )
-    if args.print_body:
-        print("\n" + body)
-    pr_base = _pr_base(repo, base_name)
-    title = shlex.quote(upstream.title)
+    return body
+
+
+def _write_mbox(request: Request, committed: Committed) -> None:
+    """With --format-patch: the commit as an mbox patch for ``git am``."""
+    if not request.format_patch:
+        return
+    if committed.commit is None:
+        _warn("no commit titled like the patch on the branch; no mbox written")
+        return
+    folder = request.format_patch
+    folder.mkdir(parents=True, exist_ok=True)
+    written = request.repo.git.format_patch(
+        "-1", committed.commit.hexsha, "-o", str(folder.resolve())
+    ).strip()
+    # Plain `git am` strips every leading [...] from the subject, the
+    # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
+    print(f"mbox patch: {written}")
+    print(f"  apply with: git am --keep-non-patch {shlex.quote(written)}")
+
+
+def _print_next_steps(request: Request, on_branch: OnBranch) -> None:
+    """The push and ``gh pr create`` commands; nothing is pushed."""
+    pr_base = _pr_base(request.repo, on_branch.base_name)
+    title = shlex.quote(request.upstream.title)
     print(
         "\nNothing was pushed. To open the pull request:\n"
-        f"  git -C {shlex.quote(str(root))} push -u <your-fork-remote> {branch}\n"
+        f"  git -C {shlex.quote(str(request.root))} push -u <your-fork-remote> "
+        f"{request.branch}\n"
         f"  gh pr create --repo {UPSTREAM_REPO} --base {pr_base} "
-        f"--head <your-github-user>:{branch} --title {title} "
-        f"--body-file {shlex.quote(str(out))}"
+        f"--head <your-github-user>:{request.branch} --title {title} "
+        f"--body-file {shlex.quote(str(request.description))}"
     )
-    return ExitCode.OK
 
 
 def _pr_base(repo: git.Repo, base_name: str | None) -> str:
