@@ -3,6 +3,8 @@ environment). Run `nox -l` for the rest."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -55,9 +57,6 @@ def lint(session: nox.Session) -> None:
 # small orchestrator venv (this project + uv) that builds the cell's vLLM
 # environment itself, shared through uv's cache (see compat_matrix/environments.py).
 def _compat_cells() -> list[str]:
-    import json
-    from pathlib import Path
-
     data = Path("compat_matrix") / "versions.json"
     return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
 
@@ -65,9 +64,6 @@ def _compat_cells() -> list[str]:
 def _install_orchestrator(session: nox.Session) -> None:
     """This project, uv and pip (uv venvs have none; the cell asks pip about the
     user's indexes), once per session venv: a warm re-run skips it."""
-    import hashlib
-    from pathlib import Path
-
     stamp = Path(session.virtualenv.location) / "compat-orchestrator.txt"
     want = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()
     if not (stamp.is_file() and stamp.read_text() == want):
@@ -83,9 +79,6 @@ def compat(session: nox.Session, vllm: str) -> None:
 
     `nox -s compat -- --e2e` also starts the engine; VLLMPATCH_TORCH_INDEX adds a
     +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
-    import json
-    from pathlib import Path
-
     _install_orchestrator(session)
     session.run(
         "python",
@@ -108,8 +101,6 @@ def compat(session: nox.Session, vllm: str) -> None:
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
     """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
-    import sys
-
     # report.py needs only packaging, which nox itself depends on.
     session.run(
         sys.executable, "-m", "compat_matrix.report", *session.posargs, external=True
