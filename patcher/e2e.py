@@ -2,7 +2,7 @@
 
 Shared by the benchmark and the compatibility probe. The model is generated
 locally with ``transformers`` (no hub, no tokenizer); prompts are token ids.
-The engine runs in a child interpreter (``python -m patcher.e2e``) because it
+The engine runs in a child interpreter (``patcher.child``) because it
 spawns processes of its own, because callers may point at another
 environment's interpreter or a patched copy of vLLM (``PYTHONPATH``), and
 because one engine per process is the only way to change IR op priority.
@@ -10,18 +10,17 @@ because one engine per process is the only way to change IR op priority.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from patcher import child
 
 # The smallest Llama that still runs every layer type: for checks that the engine
 # runs a given kernel, not for timing.
@@ -34,11 +33,6 @@ TINY_LLAMA = dict(
     vocab_size=1024,
 )
 FINAL_PRIORITY_MARKER = "Final IR op priority after setting platform defaults:"
-LOG_TAIL_CHARS = 4000
-
-# The project root, so that ``-m patcher.e2e`` resolves in an interpreter that
-# does not have this project installed.
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_random_llama(
@@ -122,6 +116,7 @@ def run_generate(
     repeats: int = 1,
     python: str = sys.executable,
     env: dict | None = None,
+    pythonpath: tuple[str, ...] = (),
     engine_args: dict[str, Any] | None = None,
     timeout: float = 900,
     grep: tuple[str, ...] = (),
@@ -130,11 +125,13 @@ def run_generate(
 
     One warm-up generate, then ``repeats`` timed ones (engine start is not
     timed); ``engine_args`` are further ``LLM(...)`` keyword arguments (say
-    ``fail_on_environ_validation``). Returns tokens_per_s (one per repeat),
-    output_token_ids (of the first timed repeat, one list per prompt),
-    final_priority (what vLLM logged), seconds (wall time of the whole child), ok,
-    error and log_tail; with ``grep``, also log_lines: every line of the log
-    holding one of its strings.
+    ``fail_on_environ_validation``); ``python``, ``env`` and ``pythonpath``
+    (a patched copy) are the child's, as ``patcher.child`` takes them.
+
+    Returns tokens_per_s (one per repeat), output_token_ids (of the first timed
+    repeat, one list per prompt), final_priority (what vLLM logged), seconds
+    (wall time of the whole child), ok, error and log_tail; with ``grep``, also
+    log_lines: every line of the log holding one of its strings.
     """
     spec = {
         "model_dir": str(model_dir),
@@ -146,77 +143,32 @@ def run_generate(
         "repeats": repeats,
         "engine_args": engine_args or {},
     }
-    child_env = dict(os.environ)
-    child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    child_env.update(env or {})
-    paths = [p for p in child_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    child_env["PYTHONPATH"] = os.pathsep.join([*paths, str(_PROJECT_ROOT)])
-
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-e2e-") as tmp:
-        result_file = Path(tmp) / "result.json"
-        log_file = Path(tmp) / "log.txt"
-        cmd = [python, "-m", "patcher.e2e", "--spec", json.dumps(spec)]
-        cmd += ["--result", str(result_file)]
-        error = None
-        with log_file.open("wb") as log_out:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log_out,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-                cwd=tmp,
-                start_new_session=True,  # so a timeout can end the engine's children
-            )
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                rc = None
-                error = f"timed out after {timeout:.0f} s"
-        log = log_file.read_text("utf-8", errors="replace")
-        child: dict[str, Any] = {}
-        if result_file.is_file():
-            child = json.loads(result_file.read_text("utf-8"))
-    seconds = time.perf_counter() - started
-
-    if error is None and rc != 0:
-        error = child.get("error") or f"exit code {rc}: {_last_error_line(log)}"
-    elif error is None and not child:
-        error = "the child wrote no result"
+    # Little KV cache by default: the model is small, the machine may be too.
+    extra = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    outcome = child.run(
+        "patcher.e2e:generate",
+        {"spec": spec},
+        python=python,
+        env={**extra, **(env or {})},
+        pythonpath=pythonpath,
+        timeout=timeout,
+    )
+    result = outcome.result or {}
     found = {}
     if grep:
         found["log_lines"] = [
-            line for line in log.splitlines() if any(g in line for g in grep)
+            line for line in outcome.log.splitlines() if any(g in line for g in grep)
         ]
     return {
         **found,
-        "tokens_per_s": child.get("tokens_per_s", []),
-        "output_token_ids": child.get("output_token_ids", []),
-        "final_priority": parse_final_priority(log),
-        "seconds": round(seconds, 1),
-        "ok": error is None,
-        "error": error,
-        "log_tail": log[-LOG_TAIL_CHARS:],
+        "tokens_per_s": result.get("tokens_per_s", []),
+        "output_token_ids": result.get("output_token_ids", []),
+        "final_priority": parse_final_priority(outcome.log),
+        "seconds": round(outcome.seconds, 1),
+        "ok": outcome.ok,
+        "error": outcome.error,
+        "log_tail": outcome.log_tail(),
     }
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def _last_error_line(log: str) -> str:
-    lines = [ln for ln in log.splitlines() if ln.strip()]
-    for line in reversed(lines):
-        if re.search(r"(Error|Exception)\b", line):
-            return line.strip()[-300:]
-    return lines[-1].strip()[-300:] if lines else "no output"
 
 
 def prompt_token_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
@@ -228,8 +180,9 @@ def prompt_token_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[
     return [[10 + rng.randrange(span) for _ in range(prompt_len)] for _ in range(batch)]
 
 
-def _child_main(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs inside the child interpreter: start the engine, warm up, time."""
+def generate(spec: dict[str, Any]) -> dict[str, Any]:
+    """The child's side (a ``patcher.child`` target): start the engine, warm
+    up, time."""
     from vllm import LLM, SamplingParams
 
     model_dir = Path(spec["model_dir"])
@@ -265,24 +218,3 @@ def _child_main(spec: dict[str, Any]) -> dict[str, Any]:
         if not outputs:
             outputs = [list(r.outputs[0].token_ids) for r in results]
     return {"tokens_per_s": rates, "output_token_ids": outputs}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patcher.e2e")
-    parser.add_argument("--spec", required=True, help="JSON, see run_generate")
-    parser.add_argument("--result", required=True, type=Path)
-    args = parser.parse_args(argv)
-    try:
-        result = _child_main(json.loads(args.spec))
-    except Exception as exc:  # reported to the parent, which owns the verdict
-        import traceback
-
-        traceback.print_exc()
-        args.result.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        return 1
-    args.result.write_text(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

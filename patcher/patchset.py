@@ -59,6 +59,26 @@ class Patch:
     test_edits: tuple[Edit, ...] = ()
     """Edits to vLLM's own tests (``[[test_edits]]``), all optional."""
 
+    def provider(self) -> dict[str, Any] | None:
+        """The out-of-tree provider this patch declares in its ``[provider]``
+        table, or None: the table (``module``, and the ``reference`` provider
+        module the bench times it against), ``patch``, and the identity the
+        module declares (``name`` from ``PROVIDER``, ``ops``, ``opt_in_env``,
+        ``upstream`` from ``UPSTREAM_PROVIDER``): the module is its one home, so
+        this imports it."""
+        table = self.meta.get("provider")
+        if not (isinstance(table, dict) and table.get("module")):
+            return None
+        module = importlib.import_module(table["module"])
+        return {
+            **table,
+            "patch": self.name,
+            "name": module.PROVIDER,
+            "ops": list(getattr(module, "OPS", ())),
+            "opt_in_env": getattr(module, "OPT_IN_ENV", None),
+            "upstream": getattr(module, "UPSTREAM_PROVIDER", None),
+        }
+
     def covers(self, version: Version) -> bool:
         return self.versions.contains(version, prereleases=True)
 
@@ -123,3 +143,9 @@ def select(names: list[str] | None) -> list[Patch]:
             f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
         )
     return [by_name[n] for n in names]
+
+
+def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:
+    """:meth:`Patch.provider` of every patch (default: all) that declares one."""
+    found = (p.provider() for p in (all_patches() if patches is None else patches))
+    return [spec for spec in found if spec is not None]

@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from patcher.bench import report
 from patcher.errors import PatchError
-from patcher.patchset import Patch
+from patcher.patchset import Patch, provider_specs
 from patcher.upstream import Upstream
 from patcher.upstream_tests import TestRun, reviewer_command
 
@@ -138,8 +138,6 @@ def _priority(provider: str, ops: list[str]) -> str:
 def _fused_provider(patch: Patch) -> tuple[str, list[str]]:
     """The upstream provider the patch enables and its ops, as the patch's
     provider module declares them."""
-    from patcher.bench.environments import provider_specs
-
     for spec in provider_specs([patch]):
         if spec.get("upstream") and spec.get("ops"):
             return spec["upstream"], spec["ops"]

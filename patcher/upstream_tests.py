@@ -21,14 +21,13 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 from packaging.version import Version
 
-from patcher.bench.environments import patched_copy
-from patcher.bench.report import machine
+from patcher import machine
 from patcher.errors import PatchError
+from patcher.patched_copy import patched_copy
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
@@ -102,7 +101,6 @@ def run_pytest(
                 + " / ".join(tail),
             )
         counts, failures = _junit(junit)
-    m = machine()
     return TestRun(
         tuple(files),
         reviewer_command(files),
@@ -112,8 +110,8 @@ def run_pytest(
         failures=failures,
         seconds=round(seconds, 1),
         vllm=_version_of(site),
-        torch=_dist_version("torch"),
-        machine=f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}",
+        torch=machine.distribution_version("torch") or "not installed",
+        machine=machine.summary(),
     )
 
 
@@ -142,13 +140,6 @@ def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...]]:
 def _version_of(site: Path) -> str:
     version = read_version(VllmTree(site))
     return str(version) if version else "unknown"
-
-
-def _dist_version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def measure(

@@ -14,7 +14,7 @@ from conftest import requires_vllm
 from packaging.version import Version
 
 from patcher import engine
-from patcher.bench.environments import patched_copy
+from patcher.patched_copy import patched_copy
 from patcher.tree import linked_copy, open_tree
 from patcher.upstream import pick_patch
 from patcher.upstream_tests import measure, run_pytest

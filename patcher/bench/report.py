@@ -5,106 +5,11 @@ Everything printed here comes from the result document of one run.
 
 from __future__ import annotations
 
-import os
-import platform
-import time
 from pathlib import Path
 from typing import Any
 
 from patcher.bench.perop import DISPATCH_ROLES, NATIVE, NATIVE_COMPILED
 from patcher.bench.recommend import BUSY_SHARE
-
-# The CPU flags that decide which kernels run fast (the full list is kept too).
-KEY_FLAGS = (
-    "avx2",
-    "fma",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_bf16",
-    "avx512_fp16",
-    "avx512_vnni",
-    "amx_bf16",
-    "amx_tile",
-    "amx_int8",
-    "asimd",
-    "sve",
-)
-
-
-def machine() -> dict[str, Any]:
-    cpu: dict[str, Any] = {"model": platform.processor() or platform.machine()}
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and "model" not in cpu.get("_seen", ()):
-                cpu["model"] = value.strip()
-                cpu["_seen"] = ("model",)
-            elif key in ("flags", "Features") and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    cpu.pop("_seen", None)
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    memory = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                memory = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return {
-        "cpu_model": cpu["model"],
-        "arch": platform.machine(),
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": usable,
-        "memory_gib": memory,
-        "key_flags": [f for f in KEY_FLAGS if f in flags],
-        "flags": flags,
-        "os": platform.platform(),
-    }
-
-
-def cpu_snapshot() -> dict[str, float] | None:
-    """Busy CPU seconds of the whole machine and of this process's children."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    hz = os.sysconf("SC_CLK_TCK")
-    import resource
-
-    own = resource.getrusage(resource.RUSAGE_CHILDREN)
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return {
-        "wall": time.monotonic(),
-        "busy_s": (sum(ticks[:8]) - idle) / hz,
-        "own_s": own.ru_utime + own.ru_stime + me.ru_utime + me.ru_stime,
-    }
-
-
-def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
-    """Share of the machine's CPU time that other processes used in between:
-    0 is a quiet machine, 1 means they kept every core busy."""
-    if not before or not after:
-        return None
-    wall = after["wall"] - before["wall"]
-    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
-    return round(max(0.0, others) / (wall * cpus), 3) if wall > 0 else None
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _fmt_us(value: float | None) -> str:

