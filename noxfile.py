@@ -55,7 +55,7 @@ def lint(session: nox.Session) -> None:
 # Cells come from the committed compat_matrix/versions.json so that `nox -l` works
 # offline; `python -m compat_matrix.versions --refresh` updates it. Each cell runs a
 # small orchestrator venv (this project + uv) that builds the cell's vLLM
-# environment itself, shared through uv's cache (see compat_matrix/environments.py).
+# environment itself, shared through uv's cache (see compat_matrix/cell_env.py).
 def _compat_cells() -> list[str]:
     data = Path("compat_matrix") / "versions.json"
     return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
@@ -101,9 +101,9 @@ def compat(session: nox.Session, vllm: str) -> None:
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
     """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
-    # report.py needs only packaging, which nox itself depends on.
+    # matrix_md.py needs only packaging, which nox itself depends on.
     session.run(
-        sys.executable, "-m", "compat_matrix.report", *session.posargs, external=True
+        sys.executable, "-m", "compat_matrix.matrix_md", *session.posargs, external=True
     )
 
 

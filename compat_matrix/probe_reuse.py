@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from compat_matrix.environments import PROJECT, STAMP
+from compat_matrix.cell_env import PROJECT, STAMP
 
 PROBE_SEEDS = (
     "compat_matrix/__init__.py",

@@ -11,23 +11,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from compat_matrix.environments import PROJECT, env_python
+from compat_matrix.cell_env import PROJECT, env_python
+from compat_matrix.check_status import CheckStatus
 from compat_matrix.log import log
-
-PROBE_CHECKS = (
-    "ir_present",
-    "provider_registers",
-    "plugin_entry_point",
-    "kernels_supported",
-    "numerics",
-    "dispatch",
-    "kernel_config",
-    "upstream_patch",
-    "e2e",
-)
+from compat_matrix.probe.checks import CHECKS
 
 
-def run_probe(
+def launch_probe(
     env: Path, probe_args: list[str], timeout: int
 ) -> tuple[dict | None, str]:
     """(the probe's JSON document, "") or (None, why there is none)."""
@@ -77,6 +67,12 @@ def _stream_progress(cmd: list[str], timeout: int) -> tuple[list[str], bool]:
 
 def skipped_probe(reason: str) -> list[dict[str, Any]]:
     return [
-        {"name": n, "status": "skip", "reason": reason, "seconds": 0.0, "details": {}}
-        for n in PROBE_CHECKS
+        {
+            "name": name,
+            "status": CheckStatus.SKIP,
+            "reason": reason,
+            "seconds": 0.0,
+            "details": {},
+        }
+        for name in CHECKS
     ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import libcst as cst
 
+from compat_matrix.check_status import CheckStatus
 from compat_matrix.probe.framework import PROVIDER_MODULE as DEFAULT_PROVIDER
 from patcher.engine import plan
 from patcher.errors import PatchError
@@ -207,13 +208,15 @@ def predates_ir(tree: VllmTree) -> str | None:
 
 def check_ir(tree: VllmTree) -> dict[str, Any]:
     if reason := predates_ir(tree):
-        return _check("wheel_ir", "skip", reason)
+        return _check("wheel_ir", CheckStatus.SKIP, reason)
     if not tree.exists(IR_OP_FILE):
-        return _check("wheel_ir", "fail", f"no {IR_OP_FILE}: this vLLM has no IR")
+        return _check(
+            "wheel_ir", CheckStatus.FAIL, f"no {IR_OP_FILE}: this vLLM has no IR"
+        )
     ops = ir_ops(tree)
     return _check(
         "wheel_ir",
-        "pass",
+        CheckStatus.PASS,
         "",
         ops=ops,
         vllm_c=vllm_c_impls(tree),
@@ -224,18 +227,20 @@ def check_ir(tree: VllmTree) -> dict[str, Any]:
 def check_priority_config(tree: VllmTree) -> dict[str, Any]:
     found = priority_config_fields(tree)
     if found is None:
-        return _check("wheel_priority_config", "fail", "no class IrOpPriorityConfig")
+        return _check(
+            "wheel_priority_config", CheckStatus.FAIL, "no class IrOpPriorityConfig"
+        )
     rel, fields = found
     if "priorities" in fields:  # one upstream branch: priorities: dict[str, list[str]]
         return _check(
             "wheel_priority_config",
-            "pass",
+            CheckStatus.PASS,
             "per-op dict (priorities)",
             file=rel,
             fields=fields,
         )
     missing = [op for op in ir_ops(tree) if op not in fields]
-    status = "fail" if missing else "pass"
+    status = CheckStatus.FAIL if missing else CheckStatus.PASS
     reason = f"no priority field for IR op(s) {', '.join(missing)}" if missing else ""
     return _check("wheel_priority_config", status, reason, file=rel, fields=fields)
 
@@ -245,7 +250,9 @@ def check_provider_api(
 ) -> dict[str, Any]:
     source = provider_source(provider)
     if source is None:
-        return _check("provider_api", "skip", f"provider module {provider} not found")
+        return _check(
+            "provider_api", CheckStatus.SKIP, f"provider module {provider} not found"
+        )
     needs = provider_needs(source.read_text("utf-8"))
     have_ops = set(ir_ops(tree))
     have_kw = set(register_impl_keywords(tree) or [])
@@ -269,12 +276,12 @@ def check_provider_api(
         )
         return _check(
             "provider_api",
-            "fail",
+            CheckStatus.FAIL,
             f"provider uses {' and '.join(parts)}, which this vLLM lacks",
             **details,
         )
     reason = f"degrades: no {', '.join(optional)} here" if optional else ""
-    return _check("provider_api", "pass", reason, **details)
+    return _check("provider_api", CheckStatus.PASS, reason, **details)
 
 
 def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
@@ -285,13 +292,18 @@ def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
         name = f"patch:{patch.name}"
         if pre_ir:  # every carried patch edits vLLM IR code
             checks.append(
-                _check(name, "skip", pre_ir, plan_status=PlanStatus.NOT_APPLICABLE)
+                _check(
+                    name,
+                    CheckStatus.SKIP,
+                    pre_ir,
+                    plan_status=PlanStatus.NOT_APPLICABLE,
+                )
             )
             continue
         try:
             p = plan(tree, patch, "apply")
         except PatchError as exc:
-            checks.append(_check(name, "fail", exc.message, error=str(exc)))
+            checks.append(_check(name, CheckStatus.FAIL, exc.message, error=str(exc)))
             continue
         diff = p.diff()
         details = {
@@ -302,10 +314,12 @@ def check_patches(tree: VllmTree) -> list[dict[str, Any]]:
         if p.errors:
             first = p.errors[0]
             checks.append(
-                _check(name, "fail", f"{p.status}: {first.message}", **details)
+                _check(
+                    name, CheckStatus.FAIL, f"{p.status}: {first.message}", **details
+                )
             )
         else:
-            checks.append(_check(name, "pass", p.status, **details))
+            checks.append(_check(name, CheckStatus.PASS, p.status, **details))
     return checks
 
 
@@ -322,7 +336,7 @@ def _timed(name: str, fn: Callable[[], Any]) -> list[dict[str, Any]]:
     try:
         out = fn()
     except Exception as exc:  # one broken check must not hide the others
-        out = _check(name, "fail", f"{type(exc).__name__}: {exc}")
+        out = _check(name, CheckStatus.FAIL, f"{type(exc).__name__}: {exc}")
     checks = out if isinstance(out, list) else [out]
     spent = round(time.perf_counter() - start, 3)
     for c in checks:
@@ -346,7 +360,7 @@ def check_wheel(path: str | Path, provider: str = DEFAULT_PROVIDER) -> dict[str,
             "location": Path(path).name,  # no folder of this machine in a result
         },
         "checks": checks,
-        "ok": all(c["status"] != "fail" for c in checks),
+        "ok": all(c["status"] != CheckStatus.FAIL for c in checks),
     }
 
 

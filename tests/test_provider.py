@@ -239,7 +239,7 @@ RANKING = [
 def test_default_ranking_through_vllm_config(
     ops, monkeypatch, opted_in, compiled, user, final
 ):
-    from compat_matrix.probe import vllm_config
+    from compat_matrix.probe.vllm_ir import vllm_config
 
     if opted_in:
         monkeypatch.setenv(provider.OPT_IN_ENV, "1")

@@ -285,17 +285,14 @@ def _child_upstream(args: dict) -> dict:
     out["platform_inductor"] = dataclasses.asdict(get_default(inductor))
     out["final_eager"] = dataclasses.asdict(eager.kernel_config.ir_op_priority)
     # The out-of-tree provider on a vLLM that has the change: it must stand down.
-    module_name, _, attr = args["provider"].partition(":")
-    module = importlib.import_module(module_name)
-    getattr(module, attr or "register")()
-    opt_in_env = getattr(module, "OPT_IN_ENV", None)
-    if opt_in_env:
-        with env_var(opt_in_env, "1"):
-            config = vllm_config(None, compiled=False)
-        out["provider_with_opt_in"] = {
-            "final": dataclasses.asdict(config.kernel_config.ir_op_priority),
-            "status": provider_status(module) or {},
-        }
+    module = importlib.import_module(args["module"])
+    module.register()
+    with env_var(module.OPT_IN_ENV, "1"):
+        config = vllm_config(None, compiled=False)
+    out["provider_with_opt_in"] = {
+        "final": dataclasses.asdict(config.kernel_config.ir_op_priority),
+        "status": provider_status(module) or {},
+    }
     return out
 
 

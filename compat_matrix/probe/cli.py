@@ -1,8 +1,7 @@
 """Probe one vLLM environment: does the CPU fused-norm provider work here, and
 does the upstream patch?
 
-    python -m compat_matrix.probe [--provider MODULE[:ATTR]] [--provider-name NAME]
-                                  [--e2e] [--json FILE] [--only CHECK[,CHECK]]
+    python -m compat_matrix.probe [--e2e] [--json FILE] [--only CHECK[,CHECK]]
 
 Run it with the interpreter of the environment to probe. It prints one JSON
 document (schema 1) on stdout; whatever vLLM logs goes to stderr. Each check
@@ -25,25 +24,12 @@ from pathlib import Path
 
 from compat_matrix.probe.checks import CHECKS
 from compat_matrix.probe.children import child_main
-from compat_matrix.probe.document import run_probe
-from compat_matrix.probe.framework import DEFAULT_PROVIDER
+from compat_matrix.probe.document import probe_document
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m compat_matrix.probe", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--provider",
-        default=DEFAULT_PROVIDER,
-        metavar="MODULE[:ATTR]",
-        help="the provider module and its register function (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--provider-name",
-        default=None,
-        metavar="NAME",
-        help="the IR provider name it registers (default: the module's PROVIDER)",
     )
     parser.add_argument(
         "--e2e", action="store_true", help="also run vLLM end to end (about a minute)"
@@ -61,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-args", help=argparse.SUPPRESS)
     parser.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    known = [name for name, _ in CHECKS]
-    unknown = [c for c in args.only or [] if c not in known]
+    unknown = [c for c in args.only or [] if c not in CHECKS]
     if unknown:
-        parser.error(f"unknown check {', '.join(unknown)}; checks: {', '.join(known)}")
+        parser.error(f"unknown check {', '.join(unknown)}; checks: {', '.join(CHECKS)}")
     if args.child:
         return child_main(args.child, json.loads(args.child_args), args.child_result)
 
@@ -74,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     saved_stdout = os.dup(1)
     os.dup2(2, 1)
     try:
-        doc = run_probe(args.provider, args.provider_name, e2e=args.e2e, only=args.only)
+        doc = probe_document(e2e=args.e2e, only=args.only)
     finally:
         sys.stdout.flush()
         os.dup2(saved_stdout, 1)

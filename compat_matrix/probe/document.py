@@ -10,30 +10,21 @@ import time
 import traceback
 from typing import Any
 
-from compat_matrix.probe.checks import CHECKS, PREREQUISITES, start_ahead
-from compat_matrix.probe.environment import cpu_info, python_info, torch_info, vllm_info
-from compat_matrix.probe.framework import (
-    DEFAULT_PROVIDER,
-    CheckOutcome,
-    Probe,
-    Skip,
-)
+from compat_matrix.check_status import CheckStatus
+from compat_matrix.probe.checks import CHECKS, PREREQUISITES, STARTED_AHEAD, resolve
+from compat_matrix.probe.children import stop_child
+from compat_matrix.probe.facts import cpu_info, python_info, torch_info, vllm_info
+from compat_matrix.probe.framework import PROVIDER_MODULE, CheckOutcome, Probe, Skip
 from compat_matrix.probe.provider_module import declared_name
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 
 SCHEMA = 1
 
 
-def run_probe(
-    provider: str = DEFAULT_PROVIDER,
-    name: str | None = None,
-    *,
-    e2e: bool = False,
-    only: list[str] | None = None,
-) -> dict:
-    module_name, _, attr = provider.partition(":")
-    name = name or declared_name(module_name)
-    p = Probe(module_name, attr or "register", name or "", e2e=e2e)
+def probe_document(*, e2e: bool = False, only: list[str] | None = None) -> dict:
+    """Run every check in this process (the slow parts started ahead) and
+    return the document."""
+    p = Probe(PROVIDER_MODULE, declared_name(PROVIDER_MODULE) or "", e2e=e2e)
     with p.cleanup:  # ends what was started ahead, whatever the checks did
         # First, before this process imports vLLM: a child may fork from it.
         t0 = time.perf_counter()
@@ -49,16 +40,35 @@ def run_probe(
             "vllm": vllm_info(),
             "torch": torch_info(),
             "cpu": cpu_info(),
-            "provider": {"module": module_name, "name": p.name},
+            "provider": {"module": p.module_name, "name": p.name},
             "checks": [],
             "started_ahead": ahead,
         }
-        for number, (check_name, check) in enumerate(CHECKS, 1):
-            doc["checks"].append(_run_check(p, number, check_name, check, only))
+        for number, check_name in enumerate(CHECKS, 1):
+            doc["checks"].append(_run_check(p, number, check_name, only))
     doc["pre_ir"] = p.pre_ir
-    doc["ok"] = all(c["status"] != "fail" for c in doc["checks"])
+    doc["ok"] = all(c["status"] != CheckStatus.FAIL for c in doc["checks"])
     doc["summary"] = summary(doc)
     return doc
+
+
+def start_ahead(p: Probe, only: list[str] | None) -> None:
+    """Start the checks' slow parts (``STARTED_AHEAD``) before the checks run.
+    A part that cannot start is left to its check, which then says why."""
+    for name, start in STARTED_AHEAD.items():
+        if only and name not in only:
+            continue
+        try:
+            started = resolve(start)(p)
+        except Exception:  # the check runs it again and reports the reason
+            continue
+        if started is None:
+            continue
+        p.started[name] = started
+        stack = getattr(started, "stack", None)
+        p.cleanup.callback(
+            stack.close if stack else stop_child, *([] if stack else [started])
+        )
 
 
 def _forked(started) -> bool:
@@ -70,10 +80,14 @@ def summary(doc: dict) -> str:
     is still needed (the provider module's ``status()`` says, when it has one)."""
     checks = doc["checks"]
     counts = {
-        s: sum(c["status"] == s for c in checks) for s in ("pass", "fail", "skip")
+        s: sum(c["status"] == s for c in checks)
+        for s in (CheckStatus.PASS, CheckStatus.FAIL, CheckStatus.SKIP)
     }
-    line = f"{counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped"
-    failed = [c for c in checks if c["status"] == "fail"]
+    line = (
+        f"{counts[CheckStatus.PASS]} passed, {counts[CheckStatus.FAIL]} failed, "
+        f"{counts[CheckStatus.SKIP]} skipped"
+    )
+    failed = [c for c in checks if c["status"] == CheckStatus.FAIL]
     if failed:
         line += f"; FAILED {failed[0]['name']}: {failed[0]['reason']}"
     name = doc["provider"]["name"]
@@ -101,18 +115,18 @@ def summary(doc: dict) -> str:
     return line
 
 
-def _run_check(p: Probe, number: int, check_name: str, check, only) -> dict:
+def _run_check(p: Probe, number: int, check_name: str, only) -> dict:
     print(f"probe [{number}/{len(CHECKS)}] {check_name} ...", file=sys.stderr)
     started = time.perf_counter()
     try:
         if only and check_name not in only and check_name not in PREREQUISITES:
             raise Skip(f"not selected (--only {','.join(only)})")
-        reason, details = check(p)
-        status = "pass"
+        reason, details = resolve(CHECKS[check_name])(p)
+        status = CheckStatus.PASS
     except CheckOutcome as outcome:
         status, reason, details = outcome.status, outcome.reason, outcome.details
     except Exception as exc:  # one broken check must not stop the others
-        status, reason = "fail", f"crashed: {type(exc).__name__}: {exc}"
+        status, reason = CheckStatus.FAIL, f"crashed: {type(exc).__name__}: {exc}"
         details = {"traceback": traceback.format_exc().splitlines()[-12:]}
     seconds = round(time.perf_counter() - started, 2)
     print(f"probe [{number}/{len(CHECKS)}] {check_name}: {status} ({seconds} s)",

@@ -9,19 +9,19 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from compat_matrix.check_status import CheckStatus
 from patcher.patchset import select
 
-# What is probed unless told otherwise: this project's patch and the provider
-# module its patch.toml names (which declares its own IR provider name).
+# What is probed: this project's patch and the provider module its patch.toml
+# names (which declares its own IR provider name).
 PATCH_NAME = "cpu_fused_norms"
 PROVIDER_MODULE = select([PATCH_NAME])[0].meta["provider"]["module"]
-DEFAULT_PROVIDER = f"{PROVIDER_MODULE}:register"
 
 
 class CheckOutcome(Exception):
     """How a check ended other than passing; ``status`` goes into the document."""
 
-    status = "fail"
+    status = CheckStatus.FAIL
 
     def __init__(self, reason: str, details: dict | None = None):
         super().__init__(reason)
@@ -30,7 +30,7 @@ class CheckOutcome(Exception):
 
 
 class Skip(CheckOutcome):
-    status = "skip"
+    status = CheckStatus.SKIP
 
 
 class Fail(CheckOutcome):
@@ -40,8 +40,10 @@ class Fail(CheckOutcome):
 @dataclass
 class Probe:
     module_name: str
-    attr: str
+    """The provider module (``PROVIDER_MODULE``)."""
     name: str
+    """The IR provider name it declares (its ``PROVIDER``); "" when it does not
+    import (provider_registers says why)."""
     e2e: bool = False
     ir_ok: bool = False
     module: Any = None

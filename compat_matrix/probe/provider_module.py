@@ -1,7 +1,7 @@
-"""What the probe reads off a provider module besides its register function: the
-IR provider name it declares (``PROVIDER``), an optional ``status()``, what it
-logs (``provider_log``), and the opt-in variable named by its ``OPT_IN_ENV``, set
-for the length of a block.
+"""What the probe reads off the provider module besides ``register()``: the IR
+provider name it declares (``PROVIDER``, read before the checks run), its
+``status()``, what it logs (``provider_log``), and its opt-in variable
+(``OPT_IN_ENV``), set for the length of a block (``env_var``).
 """
 
 from __future__ import annotations
@@ -34,12 +34,8 @@ def provider_status(module) -> dict | None:
 
 
 @contextmanager
-def env_var(name: str | None, value: str | None) -> Iterator[None]:
-    """``name`` set to ``value`` (unset when None) inside the block; no-op without
-    a name."""
-    if not name:
-        yield
-        return
+def env_var(name: str, value: str | None) -> Iterator[None]:
+    """``name`` set to ``value`` (unset when None) inside the block."""
     old = os.environ.get(name)
     if value is None:
         os.environ.pop(name, None)

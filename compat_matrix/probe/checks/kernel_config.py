@@ -38,7 +38,7 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         raise Skip(f"IrOpPriorityConfig has no field for {', '.join(p.ops)}")
     supported = {op: op not in _unsupported_ops(p) for op in ops}
     redundant = upstream_enabled_ops(ops)
-    opt_in_env = getattr(p.module, "OPT_IN_ENV", None)
+    opt_in_env = p.module.OPT_IN_ENV
     details: dict[str, Any] = {
         "ops": ops,
         "redundant": bool(redundant),
@@ -63,41 +63,36 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         )
         plain = final_priority(None, compiled=False)
         details["no_opt_in_eager"] = {"final": plain}
-    if opt_in_env:
-        refused = strict_environ_error({opt_in_env: "1"})
-        details["opt_in_strict_environ"] = refused or "accepted"
-        if refused:
-            problems.append(
-                f"with {opt_in_env}=1 vLLM's strict environment validation "
-                f"(--fail-on-environ-validation) refuses to start: {refused}"
-            )
-        with env_var(opt_in_env, "1"):
-            eager_want = {
-                op: (p.name if supported[op] and op not in redundant else plain[op][0])
-                for op in ops
-            }
-            expect("opt_in_eager", final_priority(None, compiled=False), eager_want)
-            expect(
-                "opt_in_inductor",
-                final_priority(None, compiled=True),
-                {op: "native" for op in ops},
-            )
-            users_native = {op: ["native"] for op in ops}
-            expect(
-                "opt_in_user_native",
-                final_priority(users_native, compiled=False),
-                {op: "native" for op in ops},
-            )
-        if not redundant:
-            for op in ops:
-                if plain[op][0] == p.name:
-                    problems.append(
-                        f"without {opt_in_env} the default already ranks {p.name!r}"
-                    )
-    else:
-        details["opt_in"] = (
-            "the provider module has no OPT_IN_ENV: default ranking not probed"
+    refused = strict_environ_error({opt_in_env: "1"})
+    details["opt_in_strict_environ"] = refused or "accepted"
+    if refused:
+        problems.append(
+            f"with {opt_in_env}=1 vLLM's strict environment validation "
+            f"(--fail-on-environ-validation) refuses to start: {refused}"
         )
+    with env_var(opt_in_env, "1"):
+        eager_want = {
+            op: (p.name if supported[op] and op not in redundant else plain[op][0])
+            for op in ops
+        }
+        expect("opt_in_eager", final_priority(None, compiled=False), eager_want)
+        expect(
+            "opt_in_inductor",
+            final_priority(None, compiled=True),
+            {op: "native" for op in ops},
+        )
+        users_native = {op: ["native"] for op in ops}
+        expect(
+            "opt_in_user_native",
+            final_priority(users_native, compiled=False),
+            {op: "native" for op in ops},
+        )
+    if not redundant:
+        for op in ops:
+            if plain[op][0] == p.name:
+                problems.append(
+                    f"without {opt_in_env} the default already ranks {p.name!r}"
+                )
     if problems:
         raise Fail(problems[0], details)
     if redundant:
@@ -112,10 +107,8 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         f"with {opt_in_env}=1 {p.name!r} is first for eager ({', '.join(ranked)}) and "
         "native for Inductor; a user's ['native'] wins; vLLM's strict environment "
         "validation accepts the variable"
-        if opt_in_env and ranked
+        if ranked
         else f"default ranking stays {plain[ops[0]][0]!r} ({p.name!r} unsupported here)"
-        if opt_in_env
-        else "default ranking not probed"
     )
     return f"ir_op_priority naming {p.name!r} ends with it first; {how}", details
 

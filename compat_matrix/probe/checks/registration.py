@@ -92,10 +92,9 @@ def stand_down_problems(log: list[dict], status: dict | None) -> list[str]:
 
 def _stands_down(p: Probe) -> tuple[str, dict]:
     module = importlib.import_module(p.module_name)
-    register = getattr(module, p.attr)
     with provider_log(p.module_name) as log:
-        register()
-        register()  # vLLM may call a plugin again in the same process
+        module.register()
+        module.register()  # vLLM may call a plugin again in the same process
     status = provider_status(module)
     details = {"status": status, "log": log}
     problems = stand_down_problems(log, status)
@@ -121,21 +120,14 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
         raise Fail(
             f"{p.module_name} does not import: {type(exc).__name__}: {exc}"
         ) from None
-    register = getattr(module, p.attr, None)
-    if not callable(register):
-        raise Fail(f"{p.module_name} has no callable {p.attr}")
-    if not p.name:
-        raise Fail(
-            f"{p.module_name} declares no PROVIDER name; pass --provider-name NAME"
-        )
-    register()
+    module.register()
     first = {name: op.impls.get(p.name) for name, op in IrOp.registry.items()}
-    register()  # vLLM may call a plugin again in the same process
+    module.register()  # vLLM may call a plugin again in the same process
     second = {name: op.impls.get(p.name) for name, op in IrOp.registry.items()}
     registered = [op for op, impl in first.items() if impl is not None]
     status = provider_status(module)
     skipped = (status or {}).get("skipped", {})
-    expected = list(getattr(module, "OPS", registered))
+    expected = list(module.OPS)
     details = {
         "registered": registered,
         "skipped": skipped,
@@ -144,7 +136,7 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
     }
     if not registered:
         raise Fail(
-            f"no IR op has a {p.name!r} impl after {p.module_name}:{p.attr}()", details
+            f"no IR op has a {p.name!r} impl after {p.module_name}.register()", details
         )
     replaced = [op for op in registered if second[op] is not first[op]]
     unexplained = [
@@ -155,7 +147,7 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
     errors = (status or {}).get("errors") or []
     if replaced:
         raise Fail(
-            f"a second {p.attr}() replaced the impl of {', '.join(replaced)}", details
+            f"a second register() replaced the impl of {', '.join(replaced)}", details
         )
     if unexplained:
         raise Fail(

