@@ -87,7 +87,8 @@ class CellSettings:
     env_root: Path
     results: Path = RESULTS
     torch_index: str | None = None
-    probe_args: tuple[str, ...] = ()
+    e2e: bool = False
+    """The probe also starts the engine (slow)."""
     probe_timeout: int = 900
     fresh: bool = False
     """Run the probe and the static checks even when a passing result under the
@@ -318,10 +319,11 @@ def probe_in(run: CellRun, env: Path) -> tuple[dict | None, str]:
     """(the probe's document, "") -- the last passing one when nothing it
     depends on changed, else a new one -- or (None, why there is none)."""
     settings = run.settings
-    run.result["probe_key"] = key = probe_key(env, list(settings.probe_args))
+    probe_kwargs = {"e2e": settings.e2e}
+    run.result["probe_key"] = key = probe_key(env, probe_kwargs)
     previous = None if settings.fresh else previous_probe(run.result_file, key)
     if previous is None:
-        return launch_probe(env, list(settings.probe_args), settings.probe_timeout)
+        return launch_probe(env, probe_kwargs, settings.probe_timeout)
     run.result["probe_reused_from"] = (
         previous.get("probe_reused_from") or previous["date"]
     )
@@ -417,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         env_root=args.env_root,
         results=args.results,
         torch_index=args.torch_index,
-        probe_args=("--e2e",) if args.e2e else (),
+        e2e=args.e2e,
         probe_timeout=args.probe_timeout or (5400 if args.e2e else 900),
         fresh=args.fresh,
     )

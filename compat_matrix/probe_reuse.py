@@ -83,10 +83,10 @@ def _project_imports(file: Path) -> list[Path]:
     return found
 
 
-def probe_key(env: Path, probe_args: list[str]) -> str:
+def probe_key(env: Path, probe_kwargs: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     digest.update((env / STAMP).read_bytes())
-    digest.update(json.dumps(probe_args).encode())
+    digest.update(json.dumps(probe_kwargs, sort_keys=True).encode())
     for f in probed_files():
         digest.update(str(f.relative_to(PROJECT)).encode())
         digest.update(f.read_bytes())

@@ -1,68 +1,41 @@
-"""Running ``compat_matrix.probe`` inside a cell's environment, and the checks a
-cell records in its place when the probe cannot run."""
+"""Running the probe inside a cell's environment (a ``patcher.child`` with the
+environment's interpreter), and the checks a cell records in its place when
+the probe cannot run."""
 
 from __future__ import annotations
 
-import json
-import shlex
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
-from compat_matrix.cell_env import PROJECT, env_python
+from compat_matrix.cell_env import env_python
 from compat_matrix.check_status import CheckStatus
 from compat_matrix.log import log
 from compat_matrix.probe.checks import CHECKS
+from patcher import child
+
+PROBE = "compat_matrix.probe.document:probe_document"
 
 
 def launch_probe(
-    env: Path, probe_args: list[str], timeout: int
+    env: Path, probe_kwargs: dict[str, Any], timeout: int
 ) -> tuple[dict | None, str]:
-    """(the probe's JSON document, "") or (None, why there is none)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "probe.json"
-        cmd = [
-            str(env_python(env)),
-            "-m",
-            "compat_matrix.probe",
-            "--json",
-            str(out),
-            *probe_args,
-        ]
-        log(shlex.join(cmd))
-        tail, timed_out = _stream_progress(cmd, timeout)
-        if timed_out:
-            return None, f"probe did not finish in {timeout} s"
-        if out.is_file():
-            try:
-                return json.loads(out.read_text("utf-8")), ""
-            except json.JSONDecodeError as exc:
-                return None, f"probe wrote unreadable JSON: {exc}"
-        return None, f"probe exited without a result: {' | '.join(tail) or 'no output'}"
-
-
-def _stream_progress(cmd: list[str], timeout: int) -> tuple[list[str], bool]:
-    """Run the probe, passing its progress lines on as they come (a probe takes
-    about a minute); the last lines of its stderr, and whether it timed out."""
-    proc = subprocess.Popen(
-        cmd, cwd=PROJECT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    """(the probe's JSON document, "") or (None, why there is none). Its
+    progress lines are passed on as they come (a probe takes about a minute)."""
+    python = env_python(env)
+    log(f"{python}: {PROBE}({probe_kwargs})")
+    outcome = child.run(
+        PROBE, probe_kwargs, python=python, timeout=timeout, progress=_progress
     )
-    watchdog = threading.Timer(timeout, proc.kill)
-    watchdog.start()
-    tail: list[str] = []
-    try:
-        for line in proc.stderr:
-            line = line.rstrip()
-            tail = [*tail[-2:], line]
-            if line.startswith("probe ["):
-                log(line)
-        proc.wait()
-    finally:
-        timed_out = not watchdog.is_alive()
-        watchdog.cancel()
-    return tail, timed_out
+    if outcome.ok:
+        return outcome.result, ""
+    if outcome.timed_out:
+        return None, f"probe did not finish in {timeout} s"
+    return None, f"probe exited without a result: {outcome.error}"
+
+
+def _progress(line: str) -> None:
+    if line.startswith("probe ["):
+        log(line)
 
 
 def skipped_probe(reason: str) -> list[dict[str, Any]]:

@@ -630,3 +630,12 @@ def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     pyproject.write_text(text.replace('"packaging', '"six", "packaging', 1), "utf-8")
     assert build() == (env, False)  # a new dependency: a new environment
     assert not marker.exists()
+
+
+def test_a_probe_that_does_not_finish_in_time_gives_the_reason():
+    """The probe runs in the environment's interpreter (here this one) and is
+    ended at its timeout, its children with it."""
+    from compat_matrix.probe_run import launch_probe
+
+    doc, why = launch_probe(Path(sys.prefix), {"e2e": False}, timeout=1)
+    assert doc is None and why == "probe did not finish in 1 s"

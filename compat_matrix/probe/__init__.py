@@ -5,7 +5,17 @@ its identity (``PROVIDER``, ``OPS``, ``OPT_IN_ENV``); the probe reads them.
 
 Data flows one way: ``cli`` -> ``document`` (the JSON document) -> ``checks``
 (the registry; one module per group of checks, on the shared ``framework``)
--> what they run: ``numerics``, ``children`` (work in a fresh interpreter
-or a fork), ``vllm_ir``, ``provider_module``; ``facts`` holds the document's
-facts about the environment.
+-> what they run: ``numerics``, ``child_tasks`` (work in a child process, via
+``patcher.child``), ``vllm_ir``, ``provider_module``.
+
+A second opinion, on purpose: ``vllm_ir`` re-derives from vLLM itself what the
+provider module also works out for its own use -- the norm ops and vLLM's
+``vllm_c`` provider name, whether ``torch.ops._C`` has an op (``has_c_op``),
+which ops this vLLM already enables ``vllm_c`` for (``upstream_enabled_ops``,
+the provider's redundancy) and whether Inductor compiles
+(``compiling_with_inductor``, vLLM's own rule). The probe does not import these
+from the provider, so that a mistake there shows up as a failed check instead
+of being repeated by the check; on every vLLM with IR the two agree. Likewise
+``numerics`` judges an impl against the op's own ``native`` impl on the op's
+own inputs and tolerance, independently of the provider's tests and the bench.
 """

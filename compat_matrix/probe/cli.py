@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 from compat_matrix.probe.checks import CHECKS
-from compat_matrix.probe.children import child_main
 from compat_matrix.probe.document import probe_document
 
 
@@ -43,15 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda v: [c.strip() for c in v.split(",") if c.strip()],
         help="run only these checks (and the cheap ones they need); the rest skip",
     )
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--child-args", help=argparse.SUPPRESS)
-    parser.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [c for c in args.only or [] if c not in CHECKS]
     if unknown:
         parser.error(f"unknown check {', '.join(unknown)}; checks: {', '.join(CHECKS)}")
-    if args.child:
-        return child_main(args.child, json.loads(args.child_args), args.child_result)
 
     # stdout carries the JSON document only: point fd 1 (vLLM's log stream, C
     # code's printf) at stderr while the checks run.

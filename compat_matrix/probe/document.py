@@ -5,6 +5,7 @@ a failure; it does not stop the others.
 
 from __future__ import annotations
 
+import platform
 import sys
 import time
 import traceback
@@ -12,11 +13,10 @@ from typing import Any
 
 from compat_matrix.check_status import CheckStatus
 from compat_matrix.probe.checks import CHECKS, PREREQUISITES, STARTED_AHEAD, resolve
-from compat_matrix.probe.children import stop_child
-from compat_matrix.probe.facts import cpu_info, python_info, torch_info, vllm_info
 from compat_matrix.probe.framework import PROVIDER_MODULE, CheckOutcome, Probe, Skip
 from compat_matrix.probe.provider_module import declared_name
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
+from patcher import child, machine
 
 SCHEMA = 1
 
@@ -36,10 +36,10 @@ def probe_document(*, e2e: bool = False, only: list[str] | None = None) -> dict:
         }
         doc: dict[str, Any] = {
             "schema": SCHEMA,
-            "python": python_info(),
-            "vllm": vllm_info(),
-            "torch": torch_info(),
-            "cpu": cpu_info(),
+            "python": platform.python_version(),
+            "vllm": vllm_facts(),
+            "torch": torch_facts(),
+            "cpu": cpu_facts(),
             "provider": {"module": p.module_name, "name": p.name},
             "checks": [],
             "started_ahead": ahead,
@@ -50,6 +50,39 @@ def probe_document(*, e2e: bool = False, only: list[str] | None = None) -> dict:
     doc["ok"] = all(c["status"] != CheckStatus.FAIL for c in doc["checks"])
     doc["summary"] = summary(doc)
     return doc
+
+
+def vllm_facts() -> dict[str, Any]:
+    """The vLLM this interpreter imports: its folder and distribution (from
+    metadata), and its version as it reports it on import."""
+    info: dict[str, Any] = {"version": None, "distribution": None, "location": None}
+    package = machine.vllm_package()
+    if package is None:
+        return info
+    info["location"] = str(package)
+    info["distribution"], info["version"] = machine.vllm_distribution(package)
+    try:
+        import vllm
+
+        info["version"] = str(getattr(vllm, "__version__", None) or info["version"])
+    except Exception as exc:  # the version from the metadata is still worth having
+        info["import_error"] = f"{type(exc).__name__}: {exc}"
+    return info
+
+
+def torch_facts() -> dict[str, Any]:
+    try:
+        import torch
+
+        return {"version": torch.__version__}
+    except Exception as exc:
+        return {"version": None, "import_error": f"{type(exc).__name__}: {exc}"}
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU model and the flags that matter to vLLM's CPU kernels."""
+    cpu = machine.cpu()
+    return {"model": cpu["model"], "flags": machine.kernel_flags(cpu["flags"])}
 
 
 def start_ahead(p: Probe, only: list[str] | None) -> None:
@@ -65,10 +98,10 @@ def start_ahead(p: Probe, only: list[str] | None) -> None:
         if started is None:
             continue
         p.started[name] = started
-        stack = getattr(started, "stack", None)
-        p.cleanup.callback(
-            stack.close if stack else stop_child, *([] if stack else [started])
-        )
+        if isinstance(started, child.Child):
+            p.cleanup.callback(child.stop, started)
+        else:  # the child and what it needs (a patched copy), ended together
+            p.cleanup.callback(started.stack.close)
 
 
 def _forked(started) -> bool:

@@ -1,6 +1,7 @@
 """The parts of vLLM the probe reads both in its own process (the checks) and in
-the fresh interpreters it starts (the children): the norm ops, the upstream
-``vllm_c`` impls, and the config the engine builds.
+its children: the norm ops, the upstream ``vllm_c`` impls, and the config the
+engine builds. Read independently of the provider module (see the package
+docstring: a second opinion).
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ def vllm_config(user: dict[str, list[str]] | None, *, compiled: bool):
 
 
 def compiling_with_inductor(config) -> bool:
+    """vLLM's own rule, as its ``get_default_ir_op_priority`` on CUDA (and the
+    patched CPU platform) states it: Inductor compiles unless the mode is NONE.
+    Every vLLM with IR has ``CompilationConfig.mode`` and resolves it before
+    the platform's defaults are read."""
+    from vllm.config.compilation import CompilationMode
+
     cc = config.compilation_config
-    mode = getattr(cc, "mode", None)
-    return cc.backend == "inductor" and getattr(mode, "value", mode) not in (0, None)
+    return cc.backend == "inductor" and cc.mode != CompilationMode.NONE
 
 
 def upstream_enabled_ops(ops) -> list[str]:

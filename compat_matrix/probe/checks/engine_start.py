@@ -5,11 +5,9 @@ with the provider ranked first and once on the patched copy with ``vllm_c``.
 from __future__ import annotations
 
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from compat_matrix.probe.checks.patched_copy import patched_copy
 from compat_matrix.probe.framework import (
     PATCH_NAME,
     Fail,
@@ -18,10 +16,10 @@ from compat_matrix.probe.framework import (
     need_kernels,
 )
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
-from patcher import engine
 from patcher.cache import cache_dir
 from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
 from patcher.import_checks import explain
+from patcher.patched_copy import patched_copy
 from patcher.patchset import select
 from patcher.tree import open_tree
 
@@ -45,12 +43,10 @@ def check_e2e(p: Probe) -> tuple[str, dict]:
         model, ir_op_priority=priority, **run
     )
     patch = select([PATCH_NAME])[0]
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-e2e-copy-") as tmp:
-        with patched_copy(open_tree(None), Path(tmp), engine, patch, details) as copy:
-            env = {"PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
-            details["upstream_run"] = upstream_run = run_generate(
-                model, ir_op_priority=None, env=env, **run
-            )
+    with patched_copy(open_tree(None), patch, record=details) as copy:
+        details["upstream_run"] = upstream_run = run_generate(
+            model, ir_op_priority=None, pythonpath=(str(copy),), **run
+        )
     problems = []
     for label, result, want in (
         ("provider", provider_run, p.name),

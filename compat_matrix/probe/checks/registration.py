@@ -11,10 +11,11 @@ import inspect
 import os
 from typing import Any
 
-from compat_matrix.probe.children import Child, finish_child, start_child
+from compat_matrix.probe import child_tasks
 from compat_matrix.probe.framework import Fail, Probe, Skip, need_ir
 from compat_matrix.probe.provider_module import provider_log, provider_status
 from compat_matrix.probe.vllm_ir import NORM_OPS
+from patcher.child import Child
 
 PLUGIN_GROUP = "vllm.general_plugins"
 REGISTER_KEYWORDS = ("supported", "supports_args", "inplace")
@@ -184,8 +185,8 @@ def start_plugin_child(p: Probe) -> Child | None:
     from vllm.platforms import current_platform
 
     current_platform.is_cpu()  # resolves the platform before the fork
-    return start_child(
-        "plugin",
+    return child_tasks.start(
+        "plugin_loader",
         {"module": p.module_name, "name": p.name},
         drop_env=("VLLM_PLUGINS",),
         fork=True,
@@ -214,12 +215,12 @@ def check_plugin_entry_point(p: Probe) -> tuple[str, dict]:
         details["VLLM_PLUGINS"] = plugins_filter  # the child runs without the filter
     started = p.started.pop("plugin_entry_point", None)
     if started is None:  # not started ahead (--only): a fresh interpreter now
-        started = start_child(
-            "plugin",
+        started = child_tasks.start(
+            "plugin_loader",
             {"module": p.module_name, "name": p.name},
             drop_env=("VLLM_PLUGINS",),
         )
-    details["child"] = child = finish_child(started)
+    details["child"] = child = child_tasks.finish(started)
     if not child.get("ok"):
         raise Fail(
             f"load_general_plugins() in a new process failed: {child['error']}",

@@ -6,27 +6,20 @@ platform's priority, the provider standing down; then reverted byte-identically.
 from __future__ import annotations
 
 import sys
-import tempfile
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from compat_matrix.probe.checks.patched_copy import patched_copy, sha256
-from compat_matrix.probe.children import (
-    Child,
-    finish_child,
-    preload,
-    start_child,
-    stop_child,
-)
+from compat_matrix.probe import child_tasks
 from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ir
 from compat_matrix.probe.vllm_ir import (
     PRIORITY_METHOD,
     UPSTREAM_PROVIDER,
     has_vllm_ir,
 )
-from patcher import engine
+from patcher import child, engine
+from patcher.errors import PatchError
+from patcher.patched_copy import patched_copy
 from patcher.patchset import select
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
@@ -36,19 +29,19 @@ from patcher.tree import open_tree
 class Started:
     """The patched copy and the child importing it, under way."""
 
-    original: Any
     files: list[str]
-    originals_before: dict[str, str]
     details: dict[str, Any]
-    child: Child
+    """What the patched copy records (``patcher.patched_copy``), and more."""
+    child: child.Child
     stack: ExitStack
     """Ends the child if still running, then reverts and removes the copy."""
 
 
 def start_upstream(p: Probe) -> Started:
     """Apply the patch to a hard-linked copy and start the child that imports it
-    (a fresh interpreter: vLLM must be imported from the copy), without waiting:
-    the probe starts this first so that the child runs beside the other checks."""
+    (a fork taken before this process imported vLLM, or a fresh interpreter:
+    vLLM must be imported from the copy), without waiting: the probe starts
+    this first so that the child runs beside the other checks."""
     if not has_vllm_ir():
         raise Skip("vllm.ir unavailable (see ir_present)")
     original = open_tree(None)
@@ -61,44 +54,40 @@ def start_upstream(p: Probe) -> Started:
             "nothing to apply",
             details,
         )
-    originals_before = {f: sha256(original.path(f)) for f in files}
     fork = not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)
     if fork:
-        preload()
+        child_tasks.preload()
     stack = ExitStack()
     try:
-        tmp = stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="vllm-patch-probe-")
-        )
-        copy = stack.enter_context(
-            patched_copy(original, Path(tmp), engine, patch, details)
-        )
+        try:
+            copy = stack.enter_context(patched_copy(original, patch, record=details))
+        except PatchError as exc:  # names the file, what it looked for and found
+            raise Fail(f"the patch engine refused to apply: {exc}", details) from None
+        if not details["changed"]:
+            raise Fail(
+                f"apply changed nothing on a pristine copy: {details['apply']}",
+                details,
+            )
         # A fork when this process has not imported vLLM yet (the probe starts
         # this first): the child imports vLLM from the copy, the rest preloaded.
-        child = start_child(
-            "upstream",
-            {"module": p.module_name},
-            pythonpath=[copy],
-            fork=fork,
+        started = child_tasks.start(
+            "patched_vllm", {"module": p.module_name}, pythonpath=[copy], fork=fork
         )
-        stack.callback(stop_child, child)
+        stack.callback(child.stop, started)
     except BaseException:
         stack.close()
         raise
-    return Started(original, files, originals_before, details, child, stack)
+    return Started(files, details, started, stack)
 
 
 def check_upstream_patch(p: Probe) -> tuple[str, dict]:
     need_ir(p)
     started = p.started.pop("upstream_patch", None) or start_upstream(p)
     with started.stack:
-        child = finish_child(started.child)
-        started.details["child"] = child
-    original, files, details = started.original, started.files, started.details
-    originals_before = started.originals_before
-    details["originals_untouched"] = originals_before == {
-        f: sha256(original.path(f)) for f in files
-    }
+        result = child_tasks.finish(started.child)
+        started.details["child"] = result
+    files, details = started.files, started.details
+    details["originals_untouched"] = details["original_unchanged"]
     problems, unchecked = [], []
     if not details["originals_untouched"]:
         problems.append("the installed vLLM's files changed")
@@ -106,13 +95,13 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
         problems.append(
             f"revert did not restore the copy byte-identically: {details.get('hashes')}"
         )
-    if not child.get("ok"):
-        problems.append(f"the patched copy's child failed: {child['error']}")
+    if not result.get("ok"):
+        problems.append(f"the patched copy's child failed: {result['error']}")
     else:
         found, unchecked = upstream_child_problems(
-            child["result"], p, str(details["copy"])
+            result["result"], p, str(details["copy"])
         )
-        problems += found + strided_problems(child["result"].get("strided_inputs", {}))
+        problems += found + strided_problems(result["result"].get("strided_inputs", {}))
     details["problems"], details["unchecked"] = problems, unchecked
     if problems:
         raise Fail(problems[0], details)
@@ -122,7 +111,7 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
             + "; ".join(unchecked),
             details,
         )
-    r = child["result"]
+    r = result["result"]
     return (
         f"applied to a hard-linked copy ({', '.join(files)}): {UPSTREAM_PROVIDER!r} "
         f"supported on CPU for {', '.join(r['ops'])}, numerics within tolerance, "
