@@ -20,7 +20,7 @@ from typing import Any
 import libcst as cst
 
 from compat_matrix.check_status import CheckStatus
-from compat_matrix.probe.framework import PROVIDER_MODULE as DEFAULT_PROVIDER
+from compat_matrix.probe.framework import PROVIDER_MODULE
 from patcher.engine import plan
 from patcher.errors import PatchError
 from patcher.patchset import all_patches
@@ -119,7 +119,7 @@ def priority_config_fields(tree: VllmTree) -> tuple[str, list[str]] | None:
     return None
 
 
-def vllm_c_impls(tree: VllmTree) -> dict[str, str]:
+def vllm_c_gates(tree: VllmTree) -> dict[str, str]:
     """op -> the source of its ``supported=`` gate, for each ``vllm_c`` impl,
     as the patch's own codemod reads them."""
     if not tree.exists(VLLM_C_FILE):
@@ -138,10 +138,10 @@ def vllm_c_impls(tree: VllmTree) -> dict[str, str]:
 # --- what the provider needs ---------------------------------------------------
 
 
-def provider_source(module: str = DEFAULT_PROVIDER) -> Path | None:
+def provider_source(module: str = PROVIDER_MODULE) -> Path | None:
     """The provider's source file, found without running it."""
     try:
-        spec = importlib.util.find_spec(module.partition(":")[0])
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
     return (
@@ -219,7 +219,7 @@ def check_ir(tree: VllmTree) -> dict[str, Any]:
         CheckStatus.PASS,
         "",
         ops=ops,
-        vllm_c=vllm_c_impls(tree),
+        vllm_c=vllm_c_gates(tree),
         register_impl=register_impl_keywords(tree),
     )
 
@@ -246,7 +246,7 @@ def check_priority_config(tree: VllmTree) -> dict[str, Any]:
 
 
 def check_provider_api(
-    tree: VllmTree, provider: str = DEFAULT_PROVIDER
+    tree: VllmTree, provider: str = PROVIDER_MODULE
 ) -> dict[str, Any]:
     source = provider_source(provider)
     if source is None:
@@ -344,7 +344,7 @@ def _timed(name: str, fn: Callable[[], Any]) -> list[dict[str, Any]]:
     return checks
 
 
-def check_wheel(path: str | Path, provider: str = DEFAULT_PROVIDER) -> dict[str, Any]:
+def check_wheel(path: str | Path, provider: str = PROVIDER_MODULE) -> dict[str, Any]:
     """All static checks on one wheel or tree: ``{"vllm": ..., "checks": [...]}``."""
     tree = open_tree(path)
     version = read_version(tree)

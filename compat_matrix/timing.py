@@ -46,6 +46,7 @@ from packaging.requirements import Requirement
 
 from compat_matrix import pins, versions
 from compat_matrix.cell_env import PROJECT, ensure_env, env_dir
+from patcher import machine
 from patcher.cache import CACHE_ENV, fetch_wheel
 from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
@@ -73,14 +74,16 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+def load_text() -> str:
+    """The 1, 5 and 15 minute load averages, as ``/proc/loadavg`` writes them."""
+    return " ".join(f"{x:.2f}" for x in machine.load_average() or [])
 
 
 def timed(label: str, fn) -> dict:
-    before, t0 = load(), time.perf_counter()
+    before, t0 = load_text(), time.perf_counter()
     fn()
-    out = {"seconds": round(time.perf_counter() - t0, 1), "load": [before, load()]}
+    seconds = round(time.perf_counter() - t0, 1)
+    out = {"seconds": seconds, "load": [before, load_text()]}
     print(
         f"{label}: {out['seconds']} s (load {before} -> {out['load'][1]})", flush=True
     )
@@ -254,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", type=Path, help="only re-render a figures.json")
     args = parser.parse_args(argv)
     if args.render:
-        args.out.write_text(render(json.loads(args.render.read_text("utf-8"))), "utf-8")
+        args.out.write_text(
+            render_timing_md(json.loads(args.render.read_text("utf-8"))), "utf-8"
+        )
         return 0
     work = Path(args.work or tempfile.mkdtemp(prefix="compat-measure-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -274,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_warm:
         figures["warm"] = warm_figures(every, args.one, args.env_root, work)
         save.write_text(json.dumps(figures, indent=1), "utf-8")
-        args.out.write_text(render(figures), "utf-8")  # what is measured so far
+        args.out.write_text(
+            render_timing_md(figures), "utf-8"
+        )  # what is measured so far
     if not args.skip_cold:
         cold = [versions.find(x) for x in figures["cold_cells"]]
         figures["cold"] = cold_figures(cold, work, args.skip_naive)
         save.write_text(json.dumps(figures, indent=1), "utf-8")
-    args.out.write_text(render(figures), "utf-8")
+    args.out.write_text(render_timing_md(figures), "utf-8")
     print(f"figures: {save}; report: {args.out}")
     return 0
 
@@ -288,7 +295,7 @@ def _verdict(seconds: float, target: float) -> str:
     return "met" if seconds <= target else "missed"
 
 
-def render(f: dict) -> str:
+def render_timing_md(f: dict) -> str:
     lines = [
         "# Compatibility matrix: time and disk",
         "",

@@ -269,7 +269,7 @@ def test_static_checks_on_real_wheel(real_wheel):
     assert static.ir_ops(tree) == facts["ops"]
     assert static.register_impl_keywords(tree) == facts["keywords"]
     assert static.priority_config_fields(tree)[1] == facts["fields"]
-    assert static.vllm_c_impls(tree) == facts["gates"]
+    assert static.vllm_c_gates(tree) == facts["gates"]
 
     result = static.check_wheel(real_wheel)
     by_name = {c["name"]: c for c in result["checks"]}

@@ -46,7 +46,7 @@ TOP_LEVEL = [
 CHECK_KEYS = ["name", "status", "reason", "seconds", "details"]
 
 
-def run_probe(*args: str, pythonpath: list[Path] = (), cwd: Path = ROOT, timeout=900):
+def probe_cli(*args: str, pythonpath: list[Path] = (), cwd: Path = ROOT, timeout=900):
     """(exit code, the stdout document, stderr) of one probe run."""
     env = dict(os.environ)
     env.pop(provider.OPT_IN_ENV, None)
@@ -75,7 +75,7 @@ def by_name(doc: dict) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     out = tmp_path_factory.mktemp("probe") / "doc.json"
-    rc, doc, stderr = run_probe("--json", str(out))
+    rc, doc, stderr = probe_cli("--json", str(out))
     return rc, doc, json.loads(out.read_text()), stderr
 
 
@@ -149,7 +149,7 @@ def test_the_provider_is_needed_on_032(probed):
 @pytest.mark.e2e
 def test_e2e_generates_with_the_provider_and_the_patched_vllm_c():
     """The slow one (two engine starts, about two minutes on 2 cores)."""
-    rc, doc, stderr = run_probe("--e2e", "--only", "e2e")
+    rc, doc, stderr = probe_cli("--e2e", "--only", "e2e")
     e2e = by_name(doc)["e2e"]
     assert e2e["status"] == "pass", (
         f"{e2e['reason']}\n{json.dumps(e2e['details'])[:4000]}"
@@ -167,7 +167,7 @@ def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
     """What users of a fixed vLLM see: the probe tells them to drop the plugin."""
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
     engine.apply(open_tree(copy), select([PATCH_NAME])[0])
-    rc, doc, _ = run_probe("--only", "kernel_config,upstream_patch", pythonpath=[copy])
+    rc, doc, _ = probe_cli("--only", "kernel_config,upstream_patch", pythonpath=[copy])
     checks = by_name(doc)
     assert doc["vllm"]["location"] == str(copy / "vllm")
     config = checks["kernel_config"]
@@ -261,7 +261,7 @@ def vllm_020(tmp_path_factory) -> Path:
 @requires_vllm
 @pytest.mark.wheels
 def test_old_vllm_with_a_foreign_abi_degrades_to_reasons(vllm_020):
-    rc, doc, stderr = run_probe(pythonpath=[vllm_020])
+    rc, doc, stderr = probe_cli(pythonpath=[vllm_020])
     checks = by_name(doc)
     statuses = {name: c["status"] for name, c in checks.items()}
     assert doc["vllm"]["version"] == "0.20.0", doc["vllm"]

@@ -2,8 +2,8 @@
 processes start: vLLM's plugin loader (``plugin_loader``, in a fork taken before
 the provider registers here), and everything that must import vLLM from the
 patched copy (``patched_vllm``, in a fork taken before this process imported
-vLLM, the heavy libraries preloaded: see ``preload``). ``start`` and
-``finish`` add the probe's timeout and the record its document keeps.
+vLLM, the heavy libraries preloaded: see ``preload``). ``start_task`` and
+``finish_task`` add the probe's timeout and the record its document keeps.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ PRELOAD = (
 )
 
 
-def start(task: str, kwargs: dict[str, Any], **how: Any) -> child.Child:
+def start_task(task: str, kwargs: dict[str, Any], **how: Any) -> child.Child:
     """``task`` (a function of this module) started in a child, without
     waiting for it; ``how`` as ``patcher.child.start`` takes it."""
     return child.start(f"{__name__}:{task}", kwargs, timeout=CHILD_TIMEOUT, **how)
 
 
-def finish(started: child.Child) -> dict[str, Any]:
+def finish_task(started: child.Child) -> dict[str, Any]:
     """Wait for the child; what the probe's document records of it."""
     outcome = child.finish(started)
     if outcome.ok:

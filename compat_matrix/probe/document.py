@@ -48,7 +48,7 @@ def probe_document(*, e2e: bool = False, only: list[str] | None = None) -> dict:
             doc["checks"].append(_run_check(p, number, check_name, only))
     doc["pre_ir"] = p.pre_ir
     doc["ok"] = all(c["status"] != CheckStatus.FAIL for c in doc["checks"])
-    doc["summary"] = summary(doc)
+    doc["summary"] = summary_line(doc)
     return doc
 
 
@@ -108,7 +108,7 @@ def _forked(started) -> bool:
     return getattr(getattr(started, "child", started), "pid", None) is not None
 
 
-def summary(doc: dict) -> str:
+def summary_line(doc: dict) -> str:
     """One plain line: the counts, the first failure, and whether the workaround
     is still needed (the provider module's ``status()`` says, when it has one)."""
     checks = doc["checks"]

@@ -185,7 +185,7 @@ def start_plugin_child(p: Probe) -> Child | None:
     from vllm.platforms import current_platform
 
     current_platform.is_cpu()  # resolves the platform before the fork
-    return child_tasks.start(
+    return child_tasks.start_task(
         "plugin_loader",
         {"module": p.module_name, "name": p.name},
         drop_env=("VLLM_PLUGINS",),
@@ -215,12 +215,12 @@ def check_plugin_entry_point(p: Probe) -> tuple[str, dict]:
         details["VLLM_PLUGINS"] = plugins_filter  # the child runs without the filter
     started = p.started.pop("plugin_entry_point", None)
     if started is None:  # not started ahead (--only): a fresh interpreter now
-        started = child_tasks.start(
+        started = child_tasks.start_task(
             "plugin_loader",
             {"module": p.module_name, "name": p.name},
             drop_env=("VLLM_PLUGINS",),
         )
-    details["child"] = child = child_tasks.finish(started)
+    details["child"] = child = child_tasks.finish_task(started)
     if not child.get("ok"):
         raise Fail(
             f"load_general_plugins() in a new process failed: {child['error']}",

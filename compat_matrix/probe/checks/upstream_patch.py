@@ -70,7 +70,7 @@ def start_upstream(p: Probe) -> Started:
             )
         # A fork when this process has not imported vLLM yet (the probe starts
         # this first): the child imports vLLM from the copy, the rest preloaded.
-        started = child_tasks.start(
+        started = child_tasks.start_task(
             "patched_vllm", {"module": p.module_name}, pythonpath=[copy], fork=fork
         )
         stack.callback(child.stop, started)
@@ -84,7 +84,7 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
     need_ir(p)
     started = p.started.pop("upstream_patch", None) or start_upstream(p)
     with started.stack:
-        result = child_tasks.finish(started.child)
+        result = child_tasks.finish_task(started.child)
         started.details["child"] = result
     files, details = started.files, started.details
     details["originals_untouched"] = details["original_unchanged"]
