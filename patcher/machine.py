@@ -131,6 +131,12 @@ def cpu_snapshot() -> dict[str, float] | None:
     }
 
 
+BUSY_SHARE = 0.25
+"""Above this share of the CPU time used by other processes while measuring
+(:func:`other_load`), figures say more about the load than about the code
+measured: results carry a warning and recommend nothing."""
+
+
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
     """Share of the machine's CPU time that other processes used in between:
     0 is a quiet machine, 1 means they kept every core busy."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from patcher.bench import report
+from patcher.bench_result import evidence_markdown
 from patcher.errors import PatchError
 from patcher.patchset import Patch, provider_specs
 from patcher.upstream import Upstream
@@ -225,5 +225,5 @@ def _bench_section(evidence: Evidence, patch: Patch):
         yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
         return
     for _, data in evidence.bench:
-        yield report.evidence_markdown(data, providers=(fused,))
+        yield evidence_markdown(data, providers=(fused,))
         yield ""

@@ -2,8 +2,8 @@
 
 vLLM's tests import both ``vllm`` and ``tests``: ``vllm`` must be a built vLLM
 (the checkout's sources have no compiled kernels), ``tests`` the checkout's. So
-pytest runs in a child interpreter with ``PYTHONPATH`` = a site folder holding a
-built ``vllm/`` (a hard-linked copy of the installed vLLM, patched or not)
+pytest runs in a child interpreter (``patcher.child``) with a site folder holding
+a built ``vllm/`` (a hard-linked copy of the installed vLLM, patched or not)
 first, then the checkout; ``--import-mode=append`` keeps pytest from putting the
 checkout's ``vllm/`` sources first. ``--noconftest`` leaves out vLLM's
 ``tests/conftest.py``, which needs vLLM's test requirements (``tblib`` and
@@ -13,19 +13,16 @@ fixtures. The outcome is counted from pytest's JUnit XML.
 
 from __future__ import annotations
 
-import os
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.version import Version
 
-from patcher import machine
+from patcher import child, machine
 from patcher.errors import PatchError
 from patcher.patched_copy import patched_copy
 from patcher.patchset import Patch
@@ -72,32 +69,34 @@ def run_pytest(
     ``site``'s ``vllm/`` imported; ``keyword`` is pytest's ``-k``."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *PYTEST_OPTIONS, "-q"]
-        cmd += [f"--rootdir={checkout}", f"--junitxml={junit}"]
-        cmd += ["-k", keyword] if keyword else []
-        cmd += [str(checkout / f) for f in files]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(checkout)])}
+        argv = [*PYTEST_OPTIONS, "-q", f"--rootdir={checkout}", f"--junitxml={junit}"]
+        argv += ["-k", keyword] if keyword else []
+        argv += [str(checkout / f) for f in files]
         print(
             f"vllm-patch: running {reviewer_command(files)} on CPU (minutes)...",
             file=sys.stderr,
             flush=True,
         )
-        started = time.perf_counter()
         # cwd=site: `python -m` puts the working directory first on sys.path.
-        proc = subprocess.run(cmd, cwd=site, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - started
+        outcome = child.run(
+            "patcher.upstream_tests:pytest_main",
+            {"argv": argv},
+            pythonpath=[site, checkout],
+            cwd=site,
+        )
         shown = shlex.join(
             ["python", "-m", "pytest", *PYTEST_OPTIONS]
             + (["-k", keyword] if keyword else [])
             + files
         )
         if not junit.is_file():
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+            exited = outcome.result if outcome.ok else outcome.error
+            tail = outcome.log.strip().splitlines()[-5:]
             return TestRun(
                 tuple(files),
                 reviewer_command(files),
                 ran=False,
-                reason=f"pytest exited with {proc.returncode} before running: "
+                reason=f"pytest exited with {exited} before running: "
                 + " / ".join(tail),
             )
         counts, failures = _junit(junit)
@@ -108,11 +107,18 @@ def run_pytest(
         reason=f"run as `{shown}` with that vLLM first on PYTHONPATH",
         counts=counts,
         failures=failures,
-        seconds=round(seconds, 1),
+        seconds=round(outcome.seconds, 1),
         vllm=_version_of(site),
         torch=machine.distribution_version("torch") or "not installed",
         machine=machine.summary(),
     )
+
+
+def pytest_main(argv: list[str]) -> int:
+    """pytest's exit code on ``argv``: the child's side of :func:`run_pytest`."""
+    import pytest
+
+    return int(pytest.main(argv))
 
 
 def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...]]:

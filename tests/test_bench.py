@@ -13,16 +13,19 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from patcher import e2e
-from patcher.bench import collect, configuration, report, write_outputs
-from patcher.bench.endtoend import first_difference
-from patcher.bench.perop import DISPATCH_ROLES
-from patcher.bench.recommend import (
+from bench.cli import configuration
+from bench.collect import collect
+from bench.e2e_step import first_difference
+from bench.engine_run import TINY_LLAMA
+from bench.outputs import write_outputs
+from bench.recommend import (
     clarity,
     priority_snippets,
     recommend,
     unclear_ops,
 )
+from patcher import bench_result
+from patcher.bench_result import DISPATCH_ROLES
 from patcher.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,13 +187,13 @@ EVIDENCE_DOC = {
 }  # fmt: skip
 VIEWS = {
     "the bench's view": (
-        lambda: report.dispatch_markdown(DISPATCH_ROWS),
+        lambda: bench_result.dispatch_markdown(DISPATCH_ROWS),
         ["native", "vllm_c", "vllm_c_min", "vllm_c_cpu"],
         {"vllm_c_cpu / vllm_c_min": "1.05x", "vllm_c_cpu / vllm_c": "1.26x",
          "native / vllm_c": "6.00x"},
     ),
     "an upstream PR's view": (
-        lambda: report.evidence_markdown(EVIDENCE_DOC, providers=("vllm_c",)),
+        lambda: bench_result.evidence_markdown(EVIDENCE_DOC, providers=("vllm_c",)),
         ["native", "vllm_c"],
         {"native / vllm_c": "6.00x"},
     ),
@@ -219,7 +222,7 @@ def test_a_wrong_implementation_is_rejected_and_never_timed():
     import torch
     from vllm import ir
 
-    from patcher.bench.perop import measure
+    from bench.perop import measure
 
     op = ir.ops.rms_norm
     calls = {"wrong": 0, "right": 0}
@@ -299,7 +302,7 @@ def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     cfg.update(
         ops=["rms_norm", "fused_add_rms_norm"], num_tokens=[4], samples=3,
         e2e_repeats=1, e2e_max_tokens=4, e2e_prompt_len=4,
-        model=e2e.TINY_LLAMA,
+        model=TINY_LLAMA,
     )  # fmt: skip
     doc = collect(cfg, progress=lambda _m: None)
 

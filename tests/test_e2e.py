@@ -1,4 +1,4 @@
-"""patcher.e2e: the random Llama and the subprocess vLLM runner, on a tiny model."""
+"""bench.engine_run: the random Llama and the subprocess vLLM runner, on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from patcher import e2e
+from bench import engine_run as e2e
 from patches.cpu_fused_norms import provider
 
 TINY = e2e.TINY_LLAMA

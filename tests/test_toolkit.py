@@ -60,6 +60,14 @@ def imports_torch_and_vllm():
     return {"torch": torch.__version__, "vllm": vllm.__version__,
             "vllm_file": os.path.dirname(vllm.__file__), "facts": machine.software()}
 
+def import_all(package, heavy):
+    import importlib, pkgutil
+    root = importlib.import_module(package)
+    for info in pkgutil.iter_modules(root.__path__):
+        if info.name != "__main__":
+            importlib.import_module(f"{package}.{info.name}")
+    return [name for name in heavy if name in sys.modules]
+
 def software_alone():
     from patcher import machine
     found = machine.software()
@@ -321,3 +329,44 @@ def test_a_patch_without_a_provider_table_declares_none():
     bare = Patch("bare", "t", SpecifierSet(">=0"), (), Path("."), meta={})
     assert bare.provider() is None
     assert provider_specs([bare]) == []
+
+
+# --- the layers ---------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+# Bottom to top: each package imports only from the ones before it.
+LAYERS = ("patcher", "patches", "bench", "compat_matrix")
+
+
+def _imported_packages(path: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_package_imports_from_a_layer_above_it(layer):
+    above = set(LAYERS[LAYERS.index(layer) + 1 :])
+    wrong = {
+        str(path.relative_to(ROOT)): sorted(_imported_packages(path) & above)
+        for path in (ROOT / layer).rglob("*.py")
+    }
+    assert {k: v for k, v in wrong.items() if v} == {}
+
+
+def test_the_engine_imports_no_torch(targets):
+    """``vllm-patch`` runs where torch is broken or absent: no module of the
+    engine imports torch, vLLM or a layer above it at import (the bench's
+    children import what they measure themselves)."""
+    heavy = child.run(
+        "toolkit_targets:import_all",
+        {"package": "patcher", "heavy": ["torch", "vllm", *LAYERS[1:]]},
+        pythonpath=[targets],
+    ).value()
+    assert heavy == []

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from bench.engine_run import TINY_LLAMA, make_random_llama, run_generate
 from compat_matrix.probe.framework import (
     PATCH_NAME,
     Fail,
@@ -17,7 +18,6 @@ from compat_matrix.probe.framework import (
 )
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
 from patcher.cache import cache_dir
-from patcher.e2e import TINY_LLAMA, make_random_llama, run_generate
 from patcher.import_checks import explain
 from patcher.patched_copy import patched_copy
 from patcher.patchset import select

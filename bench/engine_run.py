@@ -146,7 +146,7 @@ def run_generate(
     # Little KV cache by default: the model is small, the machine may be too.
     extra = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     outcome = child.run(
-        "patcher.e2e:generate",
+        "bench.engine_run:generate",
         {"spec": spec},
         python=python,
         env={**extra, **(env or {})},

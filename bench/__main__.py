@@ -1,6 +1,6 @@
 import sys
 
-from patcher.bench import main
+from bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -4,7 +4,7 @@ For each mode (eager, compiled) and provider, the provider's environment (the
 installed vLLM, or a patched copy for a provider the patch enables) runs twice,
 once with the provider's ops pinned to ``native`` and once with the provider
 first; each
-run does several timed generates after a warm-up (see patcher.e2e). The ratio
+run does several timed generates after a warm-up (see bench.engine_run). The ratio
 is fused over native median tokens/s. The final IR op priority vLLM logged for
 each run is kept: it shows which kernels the run asked for.
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher import e2e
-from patcher.bench.environments import BenchEnv
-from patcher.bench.perop import quantiles
+from bench import engine_run
+from bench.bench_env import BenchEnv
+from bench.perop import quantiles
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def run_pair(
         ("fused", {op: [provider, "native"] for op in ops}),
     ):
         progress(f"end to end [{bench_env.label}] {mode}, {name}: {priority}")
-        raw = e2e.run_generate(
+        raw = engine_run.run_generate(
             model_dir,
             ir_op_priority=priority,
             compiled=mode == "compiled",

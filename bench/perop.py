@@ -6,8 +6,8 @@ interpreter and ``PYTHONPATH``): it imports vLLM IR, registers the out-of-tree
 providers it is given, and for every op that has an input generator times native,
 native under ``torch.compile`` and every supported provider, on inputs from
 the op's own generator. Each implementation's output is checked against native
-with the op's own tolerance first; one that fails is reported as wrong and is
-never timed.
+with the op's own tolerance first (``bench.numerics``); one that fails is
+reported as wrong and is never timed.
 
 What is timed is one call of the implementation function (``impl_fn``), with
 no IR dispatch around it: the dispatch overhead is the same Python code for
@@ -40,11 +40,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.numerics import compare, copy_args
 from patcher import machine
-
-NATIVE = "native"
-NATIVE_COMPILED = "native_compiled"
-"""Pseudo provider: the native implementation under ``torch.compile`` (Inductor)."""
+from patcher.bench_result import NATIVE, NATIVE_COMPILED
 
 DEFAULT_SPEC: dict[str, Any] = {
     "ops": None,  # None: every IR op with an input generator
@@ -98,52 +96,6 @@ def register_providers(providers: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
-def _tensors(value: Any) -> list[Any]:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return [value]
-    return [v for v in value if isinstance(v, torch.Tensor)]
-
-
-def _clone(args: tuple) -> tuple:
-    import torch
-
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def check_numerics(
-    fn: Callable, args: tuple, expected: Any, tolerance: dict[str, float]
-) -> tuple[bool, float | None, str | None]:
-    """Call ``fn`` on a copy of ``args``; compare every output tensor with
-    ``expected`` (same shapes and dtypes, within atol/rtol)."""
-    import torch
-
-    try:
-        actual = fn(*_clone(args))
-    except Exception as exc:
-        return False, None, f"raised {type(exc).__name__}: {exc}"
-    got, want = _tensors(actual), _tensors(expected)
-    if len(got) != len(want):
-        return False, None, f"{len(got)} output tensors, native gives {len(want)}"
-    worst = 0.0
-    for a, e in zip(got, want, strict=True):
-        if a.shape != e.shape or a.dtype != e.dtype:
-            return (
-                False,
-                None,
-                f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}",
-            )
-        diff = (a.float() - e.float()).abs()
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-        try:
-            torch.testing.assert_close(a, e, **tolerance)
-        except AssertionError as exc:
-            first = str(exc).strip().splitlines()[0]
-            return False, worst, f"outside tolerance {tolerance}: {first}"
-    return True, worst, None
-
-
 def _calls_per_sample(fn: Callable, work: tuple, min_sample_s: float) -> int:
     t0 = time.perf_counter()
     n = 0
@@ -168,7 +120,7 @@ def time_round_robin(
     import torch
 
     scopes = scopes or {}
-    works = {name: _clone(args) for name in fns}
+    works = {name: copy_args(args) for name in fns}
 
     def restore(work: tuple) -> None:
         for w, a in zip(work, args, strict=True):
@@ -273,7 +225,7 @@ def measure(
             op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype)
         )
         native_fn = op.impls[NATIVE].impl_fn
-        expected = native_fn(*_clone(args))
+        expected = native_fn(*copy_args(args))
         base = {
             "op": name,
             "dtype": dtype_name,
@@ -298,13 +250,13 @@ def measure(
             candidates[provider] = impl.impl_fn
         fns: dict[str, Callable] = {NATIVE: native_fn}
         for provider, fn in candidates.items():
-            ok, err, why = check_numerics(fn, args, expected, tolerance)
-            checked[provider] = {"max_abs_err": err}
-            if ok:
+            found = compare(fn, args, expected, tolerance)
+            checked[provider] = {"max_abs_err": found["max_abs_err"]}
+            if found["ok"]:
                 checked[provider]["status"] = "ok"
                 fns[provider] = fn
             else:
-                checked[provider].update(status="wrong", error=why)
+                checked[provider].update(status="wrong", error=found["error"])
         progress(
             f"[{spec['source']}, {threads} threads] {index}/{len(configs)} {name} "
             f"{dtype_name} {list(args[0].shape)}: {', '.join(fns)}"
@@ -341,10 +293,6 @@ def measure(
         "notes": notes,
         "versions": machine.software(),
     }
-
-
-DISPATCH_ROLES = ("native", "upstream", "reference", "provider")
-"""Columns of the dispatch table: ``provider`` is the out-of-tree one."""
 
 
 @contextlib.contextmanager
@@ -406,7 +354,7 @@ def _dispatch_config(spec, op, call, roles, dtype_name, hidden, tokens, progress
     tolerance = op.get_tolerance(dtype)
     torch.manual_seed(spec["seed"])
     args = tuple(op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype))
-    expected = op.impls[NATIVE].impl_fn(*_clone(args))
+    expected = op.impls[NATIVE].impl_fn(*copy_args(args))
     base = {
         "op": op.name,
         "dtype": dtype_name,
@@ -422,11 +370,12 @@ def _dispatch_config(spec, op, call, roles, dtype_name, hidden, tokens, progress
         rows[role] = {**base, "role": role, "provider": provider}
         with eager_dispatch(op, provider):
             chosen = op.dispatch(*args).provider
-            ok, err, why = check_numerics(call, args, expected, tolerance)
+            found = compare(call, args, expected, tolerance)
+        err = found["max_abs_err"]
         if chosen != provider:  # its supports_args said no: it would time native
             rows[role].update(status="unsupported_args", dispatched_to=chosen)
-        elif not ok:
-            rows[role].update(status="wrong", max_abs_err=err, error=why)
+        elif not found["ok"]:
+            rows[role].update(status="wrong", max_abs_err=err, error=found["error"])
         else:
             rows[role].update(status="ok", max_abs_err=err)
             fns[role] = call

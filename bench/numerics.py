@@ -1,0 +1,218 @@
+"""Numerics of an IR implementation against the op's own ``native`` one.
+
+:func:`compare` is the one comparison: call an implementation on a copy of the
+inputs and hold every output tensor to native's (same count, shapes, dtypes,
+within the op's own ``get_tolerance``), and, for an in-place implementation,
+check that the outputs are the caller's tensors. The bench checks every
+implementation with it before timing it; :func:`compare_impl` (a grid of
+dtypes and shapes, weightless included) and :func:`noncontiguous_dispatch`
+(strided inputs through IR dispatch) build the probe's evidence on it.
+Inputs always come from the op's own generator (:func:`op_inputs`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from patcher.bench_result import NATIVE
+
+DTYPE_NAMES = ("float32", "bfloat16")
+SHAPES = ((1, 2048), (16, 4096), (2, 8, 2048))
+WEIGHTLESS_SHAPE = (16, 4096)  # the shape that also runs with weight=None
+DISPATCH_SHAPE = (16, 2048)
+
+
+def copy_args(args: Sequence[Any]) -> tuple:
+    """Each tensor copied with its strides (a view into a wider row stays one),
+    the rest as is: an implementation may write into its inputs."""
+    import torch
+
+    return tuple(
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(
+            a
+        )
+        if isinstance(a, torch.Tensor)
+        else a
+        for a in args
+    )
+
+
+def as_tuple(result: Any) -> tuple:
+    """An implementation's outputs: a tensor, or a tuple or list of them."""
+    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
+
+
+def compare(
+    fn: Callable,
+    args: Sequence[Any],
+    expected: Any,
+    tolerance: dict[str, float],
+    *,
+    inplace: Sequence[int] = (),
+) -> dict[str, Any]:
+    """Call ``fn`` on a copy of ``args`` and hold its output tensors to
+    ``expected`` (native's on the same inputs): ``ok``, ``max_abs_diff`` per
+    output, ``max_abs_err`` (the largest; None when none could be compared) and
+    ``error`` (the first reason it is not ok). ``inplace``: the argument
+    indices whose tensors the outputs must be, in order (an in-place impl
+    returns the activations it updated); adds ``inplace``."""
+    import torch
+
+    given = copy_args(args)
+    out: dict[str, Any] = {"ok": False, "max_abs_diff": [], "max_abs_err": None}
+    try:
+        actual = as_tuple(fn(*given))
+    except Exception as exc:
+        return {**out, "error": f"raised {type(exc).__name__}: {exc}"}
+    got = [a for a in actual if isinstance(a, torch.Tensor)]
+    want = [e for e in as_tuple(expected) if isinstance(e, torch.Tensor)]
+    if len(got) != len(want):
+        return {**out, "error": f"{len(got)} output tensors, native gives {len(want)}"}
+    error = None
+    for a, e in zip(got, want, strict=True):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            error = (
+                error or f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+            )
+            continue
+        diff = (a.float() - e.float()).abs()
+        out["max_abs_diff"].append(float(diff.max()) if diff.numel() else 0.0)
+        try:
+            torch.testing.assert_close(a, e, **tolerance)
+        except AssertionError as exc:
+            first = str(exc).strip().splitlines()[0]
+            error = error or f"outside tolerance {tolerance}: {first}"
+    if out["max_abs_diff"]:
+        out["max_abs_err"] = max(out["max_abs_diff"])
+    if inplace:
+        same = len(got) >= len(inplace) and all(
+            got[k].data_ptr() == given[i].data_ptr() for k, i in enumerate(inplace)
+        )
+        out["inplace"] = {"outputs_are_inputs": same}
+        if not same:
+            error = error or "an in-place implementation returned new tensors"
+    return {**out, "ok": error is None, "error": error}
+
+
+def activation_indices(op) -> list[int]:
+    """The positions of the op's activations (``x``, ``x_residual``, ...)."""
+    found = getattr(op, "activation_indices", None)
+    if found is not None:
+        return list(found)
+    params = inspect.signature(op.impls[NATIVE].impl_fn).parameters
+    return [i for i, name in enumerate(params) if name.startswith("x")]
+
+
+def _weight_index(op) -> int | None:
+    params = list(inspect.signature(op.impls[NATIVE].impl_fn).parameters)
+    return params.index("weight") if "weight" in params else None
+
+
+def op_inputs(op, shape, dtype, *, weighted: bool = True, seed: int = 0) -> tuple:
+    """The op's own generated inputs for ``shape`` (leading dims flattened into
+    tokens, then restored on the activations); ``weighted=False``: no weight."""
+    import torch
+
+    torch.manual_seed(seed)
+    tokens = 1
+    for d in shape[:-1]:
+        tokens *= d
+    args = list(
+        op.generate_inputs(num_tokens=tokens, hidden_size=shape[-1], dtype=dtype)
+    )
+    for i in activation_indices(op):
+        args[i] = args[i].reshape(shape)
+    w = _weight_index(op)
+    if not weighted and w is not None:
+        args[w] = None
+    return tuple(args)
+
+
+def expected_of(op, args: Sequence[Any]) -> tuple:
+    """Native's outputs on a copy of ``args``."""
+    return as_tuple(op.impls[NATIVE].impl_fn(*copy_args(args)))
+
+
+def compare_impl(op, provider: str) -> list[dict]:
+    """``provider``'s impl against native on a grid of dtypes and shapes (one
+    without a weight), each within ``op.get_tolerance(dtype)``; for an in-place
+    impl also that the returned tensors are the caller's, updated."""
+    import torch
+
+    impl = op.impls[provider]
+    inplace = activation_indices(op) if getattr(impl, "inplace", False) else ()
+    cases = []
+    for dtype_name in DTYPE_NAMES:
+        dtype = getattr(torch, dtype_name)
+        tol = op.get_tolerance(dtype)
+        for shape in SHAPES:
+            for weighted in (True, False) if shape == WEIGHTLESS_SHAPE else (True,):
+                case = {
+                    "op": op.name,
+                    "dtype": dtype_name,
+                    "shape": list(shape),
+                    "weight": weighted,
+                    "atol": tol["atol"],
+                    "rtol": tol["rtol"],
+                }
+                try:
+                    args = op_inputs(op, shape, dtype, weighted=weighted)
+                    found = compare(
+                        impl.impl_fn, args, expected_of(op, args), tol, inplace=inplace
+                    )
+                except Exception as exc:  # the inputs or native itself failed
+                    found = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                case.update(found)
+                cases.append(case)
+    return cases
+
+
+def functional(impl):
+    """The impl's out-of-place form: ``func_impl_fn`` where vLLM has in-place
+    impls (0.24 on), else ``impl_fn`` itself (0.20 has only that, and no impl
+    there works in place)."""
+    return getattr(impl, "func_impl_fn", None) or impl.impl_fn
+
+
+def strided_layouts(tensor) -> dict:
+    """The same values in layouts vLLM can hand a norm: transposed strides, and a
+    view into a wider row (as q/k/v splits of a fused projection give)."""
+    import torch
+
+    wide = torch.cat([torch.zeros_like(tensor), tensor], dim=-1)
+    return {
+        "transposed": tensor.t().contiguous().t(),
+        "row_strided": wide[..., tensor.shape[-1] :],
+    }
+
+
+def noncontiguous_dispatch(op, provider: str, shape=DISPATCH_SHAPE) -> dict:
+    """Under ``[provider, "native"]``: where non-contiguous activations go, and
+    whether the op's answer for them is still right (the CPU kernels assume
+    contiguous rows and return wrong values otherwise)."""
+    import torch
+
+    args = op_inputs(op, shape, torch.bfloat16)
+    expected = expected_of(op, args)
+    tol = op.get_tolerance(torch.bfloat16)
+    out: dict[str, Any] = {}
+    with op.set_priority([provider, NATIVE]):
+        out["contiguous"] = op.dispatch(*args).provider
+        layouts: dict[str, list] = {}
+        for i in activation_indices(op):
+            for name, view in strided_layouts(args[i]).items():
+                layouts.setdefault(name, list(args))[i] = view
+        for name, strided in layouts.items():
+            impl = op.dispatch(*strided)
+            found = compare(functional(impl), strided, expected, tol)
+            out[name] = {
+                "dispatched_to": impl.provider,
+                "max_abs_diff": found["max_abs_diff"],
+                "right": found["ok"],
+            }
+    out["ok"] = out["contiguous"] == provider and all(
+        out[name]["dispatched_to"] == NATIVE and out[name]["right"] for name in layouts
+    )
+    return out
