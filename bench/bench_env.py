@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from patcher import engine
 from patcher.patchset import Patch, all_patches
+from patcher.status import PlanStatus
 from patcher.tree import VllmTree
 
 
@@ -31,11 +32,11 @@ def patches_to_copy(tree: VllmTree) -> tuple[list[Patch], list[str]]:
     chosen, notes = [], []
     for patch in all_patches():
         try:
-            status = engine.plan(tree, patch, "apply").status
+            status = engine.plan(tree, patch).status
         except Exception as exc:  # a tree the engine cannot read is a finding
             notes.append(f"patch {patch.name}: cannot plan: {exc}")
             continue
-        if status == "applicable":
+        if status == PlanStatus.APPLICABLE:
             chosen.append(patch)
         else:
             notes.append(f"patch {patch.name}: {status} to the installed tree")

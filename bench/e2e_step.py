@@ -4,8 +4,9 @@ For each mode (eager, compiled) and provider, the provider's environment (the
 installed vLLM, or a patched copy for a provider the patch enables) runs twice,
 once with the provider's ops pinned to ``native`` and once with the provider
 first; each run does several timed generates after a warm-up (see
-``bench.engine_run``). The ratio is fused over native median tokens/s. The final IR op priority vLLM logged for
-each run is kept: it shows which kernels the run asked for.
+``bench.engine_run``). The ratio is fused over native median tokens/s. The
+final IR op priority vLLM logged for each run is kept: it shows which kernels
+the run asked for.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -479,3 +480,15 @@ def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_pat
     assert f"**Failed:** {failed}" in (out / "bench.md").read_text()
     assert f"end to end FAILED: {failed}" in proc.stderr
     assert (out / "perop_ratios.png").is_file()
+
+
+def test_vllm_patch_bench_without_vllm_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """``bench`` reaches ``vllm-patch`` through its entry point; with no vLLM to
+    measure it refuses before writing anything."""
+    from patcher.cli import main
+    from patcher.errors import ExitCode
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not importable here
+    assert main(["bench", "--out", str(tmp_path / "out")]) == ExitCode.USAGE
+    assert "vLLM is not importable" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
