@@ -1,0 +1,95 @@
+"""bench.numerics, the one comparison of an IR implementation against native,
+on the real vLLM: right and wrong implementations, in-place ones, and
+strided inputs through IR dispatch."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import requires_vllm
+
+from bench import numerics
+from patches.cpu_fused_norms import provider
+
+pytestmark = requires_vllm
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """vLLM IR ops with the provider registered (as the plugin does)."""
+    from vllm import ir
+
+    provider.register()
+    if not all(provider.status()["supported"].values()):
+        pytest.skip(f"kernels unsupported: {provider.status()['unsupported_reasons']}")
+    return ir.ops
+
+
+def test_copies_keep_the_layout_of_a_strided_view():
+    import torch
+
+    wide = torch.arange(32.0).reshape(4, 8)
+    view = wide[:, 4:]  # a row-strided view, as a split of a fused projection
+    (copy, eps) = numerics.copy_args((view, 1e-6))
+    assert copy.stride() == view.stride() and not copy.is_contiguous()
+    assert torch.equal(copy, view) and copy.data_ptr() != view.data_ptr()
+    assert eps == 1e-6
+
+
+def test_a_right_implementation_passes_and_one_that_is_off_fails(ops):
+    import torch
+
+    op = ops.rms_norm
+    args = numerics.op_inputs(op, (16, 2048), torch.bfloat16)
+    expected = numerics.expected_of(op, args)
+    tolerance = op.get_tolerance(torch.bfloat16)
+    native = op.impls["native"].impl_fn
+
+    right = numerics.compare(native, args, expected, tolerance)
+    assert right["ok"] and right["error"] is None and right["max_abs_err"] == 0.0
+
+    off = numerics.compare(lambda *a: native(*a) * 1.25, args, expected, tolerance)
+    assert not off["ok"] and off["error"].startswith("outside tolerance")
+    assert off["max_abs_err"] > 0
+
+    raised = numerics.compare(lambda *a: 1 / 0, args, expected, tolerance)
+    assert raised["error"] == "raised ZeroDivisionError: division by zero"
+
+
+def test_an_in_place_implementation_must_return_the_callers_tensors(ops):
+    import torch
+
+    op = ops.fused_add_rms_norm
+    impl = op.impls[provider.PROVIDER]
+    assert impl.inplace
+    args = numerics.op_inputs(op, (16, 2048), torch.bfloat16)
+    expected = numerics.expected_of(op, args)
+    tolerance = op.get_tolerance(torch.bfloat16)
+    where = numerics.activation_indices(op)
+
+    in_place = numerics.compare(impl.impl_fn, args, expected, tolerance, inplace=where)
+    assert in_place["ok"], in_place["error"]
+    assert in_place["inplace"] == {"outputs_are_inputs": True}
+
+    def new_tensors(*a):
+        return tuple(t.clone() for t in impl.impl_fn(*a))
+
+    copied = numerics.compare(new_tensors, args, expected, tolerance, inplace=where)
+    assert not copied["ok"] and copied["inplace"] == {"outputs_are_inputs": False}
+
+
+def test_the_provider_passes_the_grid_of_dtypes_and_shapes(ops):
+    for name in provider.OPS:
+        cases = numerics.compare_impl(getattr(ops, name), provider.PROVIDER)
+        assert len(cases) == len(numerics.DTYPE_NAMES) * (len(numerics.SHAPES) + 1)
+        assert [c for c in cases if not c["ok"]] == []
+        assert {c["weight"] for c in cases} == {True, False}
+
+
+def test_strided_inputs_go_to_native_and_stay_right(ops):
+    for name in provider.OPS:
+        found = numerics.noncontiguous_dispatch(getattr(ops, name), provider.PROVIDER)
+        assert found["ok"], found
+        assert found["contiguous"] == provider.PROVIDER
+        for layout in ("transposed", "row_strided"):
+            assert found[layout]["dispatched_to"] == "native"
+            assert found[layout]["right"]
