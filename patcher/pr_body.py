@@ -20,7 +20,7 @@ from packaging.version import Version
 
 from patcher.bench_result import evidence_markdown
 from patcher.errors import PatchError
-from patcher.patchset import Patch, provider_specs
+from patcher.patchset import Patch
 from patcher.upstream import Upstream
 from patcher.upstream_tests import TestRun, reviewer_command
 
@@ -138,9 +138,9 @@ def _priority(provider: str, ops: list[str]) -> str:
 def _fused_provider(patch: Patch) -> tuple[str, list[str]]:
     """The upstream provider the patch enables and its ops, as the patch's
     provider module declares them."""
-    for spec in provider_specs([patch]):
-        if spec.get("upstream") and spec.get("ops"):
-            return spec["upstream"], spec["ops"]
+    spec = patch.provider() or {}
+    if spec.get("upstream") and spec.get("ops"):
+        return spec["upstream"], spec["ops"]
     raise PatchError(
         "no upstream provider and ops declared",
         path=str(patch.folder / "patch.toml"),

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from bench import engine_run as e2e
+from bench import engine_run
 from patches.cpu_fused_norms import provider
 
-TINY = e2e.TINY_LLAMA
+TINY = engine_run.TINY_LLAMA
 
 requires_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is absent"
@@ -23,7 +23,7 @@ requires_transformers = pytest.mark.skipif(
 def tiny_model(tmp_path_factory) -> Path:
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is absent")
-    return e2e.make_random_llama(tmp_path_factory.mktemp("models"), **TINY)
+    return engine_run.make_random_llama(tmp_path_factory.mktemp("models"), **TINY)
 
 
 @pytest.mark.parametrize(
@@ -44,15 +44,15 @@ def tiny_model(tmp_path_factory) -> Path:
     ],
 )
 def test_parse_final_priority(log, expected):
-    assert e2e.parse_final_priority(log) == expected
+    assert engine_run.parse_final_priority(log) == expected
 
 
 @requires_transformers
 def test_random_llama_is_cached_by_config(tmp_path):
-    first = e2e.make_random_llama(tmp_path, **TINY)
+    first = engine_run.make_random_llama(tmp_path, **TINY)
     stamp = (first / "config.json").stat().st_mtime_ns
-    again = e2e.make_random_llama(tmp_path, **TINY)
-    other = e2e.make_random_llama(tmp_path, **{**TINY, "seed": 1})
+    again = engine_run.make_random_llama(tmp_path, **TINY)
+    other = engine_run.make_random_llama(tmp_path, **{**TINY, "seed": 1})
     assert again == first
     assert (again / "config.json").stat().st_mtime_ns == stamp
     assert other != first
@@ -64,7 +64,7 @@ def test_random_llama_is_cached_by_config(tmp_path):
 
 @requires_vllm
 def test_run_generate_eager_reports_rates_tokens_and_priority(tiny_model):
-    result = e2e.run_generate(
+    result = engine_run.run_generate(
         tiny_model,
         ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
         compiled=False,
@@ -85,7 +85,7 @@ def test_run_generate_eager_reports_rates_tokens_and_priority(tiny_model):
 
 @requires_vllm
 def test_run_generate_reports_a_failed_engine(tiny_model):
-    result = e2e.run_generate(
+    result = engine_run.run_generate(
         tiny_model,
         ir_op_priority={"rms_norm": ["no_such_provider", "native"]},
         compiled=False,
@@ -132,7 +132,7 @@ def test_engine_starts_under_strict_environment_validation(
     """``fail_on_environ_validation`` (``vllm serve --fail-on-environ-validation``)
     refuses any ``VLLM_*`` variable vLLM does not know; the opt-in is not one, and
     it still ranks the provider first."""
-    result = e2e.run_generate(
+    result = engine_run.run_generate(
         tiny_model,
         ir_op_priority=None,
         compiled=False,
