@@ -3,7 +3,8 @@
 Exit codes are ``patcher.errors.ExitCode``. Every error, bad command lines
 included, is one message on stderr and, under ``--json``, one JSON document on
 stdout (``{"error": {"code": ..., "message": ..., "path": ...}}``); never a
-traceback.
+traceback. Subcommands of the packages above the engine (``bench``) come from
+the ``vllm_patch.commands`` entry points: nothing here imports them.
 """
 
 from __future__ import annotations
