@@ -209,7 +209,7 @@ from torch import Tensor
 from vllm import ir
 from vllm.ir.op import IrOp
 
-from compat_matrix.probe.numerics import compare_impl
+from bench.numerics import compare_impl
 
 
 def _rms_norm(x: Tensor, weight: Tensor | None, epsilon: float,

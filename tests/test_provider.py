@@ -286,7 +286,7 @@ OLD_VLLMS = [
 UNDER_OLD_VLLM = """
 import json
 import vllm.logger  # vLLM's own logging set-up, as in its processes
-from compat_matrix.probe.numerics import functional
+from bench.numerics import functional
 from compat_matrix.probe.provider_module import provider_log
 from patches.cpu_fused_norms import provider
 with provider_log(provider.__name__) as log:

@@ -5,7 +5,8 @@ its identity (``PROVIDER``, ``OPS``, ``OPT_IN_ENV``); the probe reads them.
 
 Data flows one way: ``cli`` -> ``document`` (the JSON document) -> ``checks``
 (the registry; one module per group of checks, on the shared ``framework``)
--> what they run: ``numerics``, ``child_tasks`` (work in a child process, via
+-> what they run: ``bench.numerics`` (the one comparison against native),
+``dispatch_evidence``, ``child_tasks`` (work in a child process, via
 ``patcher.child``), ``vllm_ir``, ``provider_module``.
 
 A second opinion, on purpose: ``vllm_ir`` re-derives from vLLM itself what the
@@ -15,7 +16,7 @@ which ops this vLLM already enables ``vllm_c`` for (``upstream_enabled_ops``,
 the provider's redundancy) and whether Inductor compiles
 (``compiling_with_inductor``, vLLM's own rule). The probe does not import these
 from the provider, so that a mistake there shows up as a failed check instead
-of being repeated by the check; on every vLLM with IR the two agree. Likewise
-``numerics`` judges an impl against the op's own ``native`` impl on the op's
-own inputs and tolerance, independently of the provider's tests and the bench.
+of being repeated by the check; on every vLLM with IR the two agree.
+``dispatch_evidence`` is the probe's own too: it counts which impl vLLM's
+dispatch calls, where the numerics only judge the values.
 """

@@ -13,7 +13,7 @@ import importlib
 import sys
 from typing import Any
 
-from compat_matrix.probe.numerics import compare_impl, noncontiguous_dispatch
+from bench.numerics import compare_impl, noncontiguous_dispatch
 from compat_matrix.probe.provider_module import (
     env_var,
     provider_log,

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.numerics import (
+    DTYPE_NAMES,
+    SHAPES,
+    compare_impl,
+    noncontiguous_dispatch,
+)
+from compat_matrix.probe.dispatch_evidence import dispatch_evidence
 from compat_matrix.probe.framework import (
     Fail,
     Probe,
     Skip,
     need_kernels,
     need_provider,
-)
-from compat_matrix.probe.numerics import (
-    DTYPE_NAMES,
-    SHAPES,
-    compare_impl,
-    dispatch_evidence,
-    noncontiguous_dispatch,
 )
 from compat_matrix.probe.provider_module import provider_status
 from compat_matrix.probe.vllm_ir import NORM_OPS, has_c_op
