@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,18 @@ from patcher.patchset import Patch
 from patcher.upstream import Upstream
 from patcher.upstream_tests import TestRun, reviewer_command
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+def _data_folder(package: str, folder: str) -> Path:
+    """``folder`` of ``package``'s data, in a checkout or a regular install."""
+    return Path(str(resources.files(package).joinpath(folder)))
+
+
 DEFAULT_EVIDENCE = (
-    PROJECT_ROOT / "compat_matrix" / "results",
-    PROJECT_ROOT / "bench" / "reference",
+    _data_folder("compat_matrix", "results"),
+    _data_folder("bench", "reference"),
 )
+"""The compatibility cells' results and the bench's reference result, shipped
+with this project."""
 BENCH_COMMAND = "vllm-patch bench"
 
 

