@@ -105,6 +105,10 @@ def test_check_reads_a_real_wheel(installed) -> None:
 
 def test_pr_help_and_its_default_evidence(installed) -> None:
     bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "vllm-patch", "--help"], elsewhere, env)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    assert "bench" in proc.stdout  # a subcommand from the installed entry points
+
     proc = _run([bin_dir / "vllm-patch", "pr", "--help"], elsewhere, env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: vllm-patch pr")
