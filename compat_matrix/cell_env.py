@@ -135,7 +135,10 @@ def ensure_env(
             args += ["--index-strategy", "unsafe-best-match"]
         run_env = os.environ | uv_env
         python = ["--python", str(env_python(env))]
-        install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink", *python]
+        # Bytecode compiled at install, as pip does: otherwise the first probe
+        # compiles torch's and vLLM's modules as it imports them, single-threaded.
+        install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink"]
+        install += ["--compile-bytecode", *python]
         _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
         if torch_req != pin:  # one file per environment: cells may build at once
             override = env / "torch-override.txt"

@@ -8,11 +8,13 @@ that does not answer raises :class:`Unavailable`: the cell is then recorded as
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
 
 from compat_matrix import versions
+from compat_matrix.pip_config import pip_config
 from patcher.cache import cache_dir
 
 # pip's words for "the registry did not answer", as opposed to "no such version".
@@ -120,16 +123,35 @@ def plain_build(pin: str) -> str | None:
     return f"{req.name}=={specs[0].version.split('+')[0]}"
 
 
+# How long a registry's answer about a torch build is reused: cells on the same
+# torch (seven releases share 2.11.0) ask once, and a build published since is
+# seen the next day.
+TORCH_ANSWER_TTL_S = 24 * 3600
+
+
 def torch_available(pin: str, index_args: list[str]) -> tuple[bool, str]:
     """(True, "") when pip can resolve ``pin``; (False, pip's last line) when
-    the indexes answer without it. A silent registry raises Unavailable."""
-    proc = _pip(
-        *DRY_RUN,
-        pin,
-        *index_args,
-    )
+    the indexes answer without it. A silent registry raises Unavailable.
+
+    Answers are cached for a day per pin and index configuration (pip's own,
+    and ``index_args``): a pip resolution costs seconds to tens of seconds."""
+    key = json.dumps([pin, index_args, pip_config()], sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    cache = cache_dir() / "compat" / "torch-available" / f"{digest}.json"
+    try:
+        saved = json.loads(cache.read_text("utf-8"))
+        if time.time() - saved["time"] < TORCH_ANSWER_TTL_S:
+            return saved["ok"], saved["why"]
+    except (OSError, ValueError, KeyError):
+        pass
+    proc = _pip(*DRY_RUN, pin, *index_args)
     if proc.returncode == 0:
-        return True, ""
-    if any(marker in proc.stderr for marker in NETWORK_ERRORS):
+        ok, why = True, ""
+    elif any(marker in proc.stderr for marker in NETWORK_ERRORS):
         raise Unavailable(f"registry did not answer while resolving {pin}")
-    return False, (proc.stderr.strip().splitlines() or ["not found"])[-1]
+    else:
+        ok, why = False, (proc.stderr.strip().splitlines() or ["not found"])[-1]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    record = {"pin": pin, "ok": ok, "why": why, "time": time.time()}
+    cache.write_text(json.dumps(record), "utf-8")
+    return ok, why

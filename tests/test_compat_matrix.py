@@ -639,3 +639,22 @@ def test_a_probe_that_does_not_finish_in_time_gives_the_reason():
 
     doc, why = launch_probe(Path(sys.prefix), {"e2e": False}, timeout=1)
     assert doc is None and why == "probe did not finish in 1 s"
+
+
+def test_the_registrys_answer_about_a_torch_is_asked_once(tmp_path, monkeypatch):
+    """Cells on one torch ask pip once: the answer is kept per pin and index
+    configuration (a real pip resolution, counted, not replaced)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    calls = []
+    real = pins._pip
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pins, "_pip", counted)
+    first = pins.torch_available("torch==2.13.0", [])
+    assert pins.torch_available("torch==2.13.0", []) == first
+    assert len(calls) == 1
+    pins.torch_available("torch==2.13.0", ["--extra-index-url", "file:///nowhere"])
+    assert len(calls) == 2  # another index configuration is another question
