@@ -17,23 +17,42 @@ from patcher.bench_result import (
 )
 
 
-def token_note(pair: dict[str, Any]) -> str:
+def token_note(pair: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """Why fused and native runs can produce different tokens, with where they
-    parted in this run."""
+    parted in this run and what the per-op check found for the provider."""
     where = pair.get("first_difference")
     at = (
         f" (first at generated token {where['position'] + 1} of {where['of']})"
         if where
         else ""
     )
+    mine = [
+        r
+        for r in rows
+        if r["provider"] == pair["provider"]
+        and r["op"] in pair["ops"]
+        and r.get("source") == pair.get("source")
+    ]
+    off = [r for r in mine if r.get("status") != "ok"]
+    if not off:
+        checked = (
+            f"{pair['provider']} passed the per-op check within the op's tolerance "
+            f"in all {len(mine)} measurements"
+        )
+    else:
+        cases = list(dict.fromkeys(f"{r['op']} {r['dtype']} {r['shape']}" for r in off))
+        shown = ", ".join(cases[:3]) + (" ..." if len(cases) > 3 else "")
+        checked = (
+            f"{pair['provider']} was outside the op's tolerance in {len(off)} of "
+            f"{len(mine)} per-op measurements ({shown}), close to it in the rest"
+        )
     return (
         f"- {pair['mode']}: the fused and native runs generated different tokens"
-        f"{at}. Both implementations passed the per-op check within the op's "
-        "tolerance, but their results differ in the last bits (different "
-        "accumulation order and rounding in bf16). Greedy decoding picks the "
-        "largest logit, and a random-weight model's top logits lie close together, "
-        "so such a difference can pick another token there, and every later token "
-        "follows from it. That is a rounding difference, not a wrong kernel."
+        f"{at}. {checked}: the two implementations round differently in bf16 "
+        "(accumulation order, and on CPUs whose kernels truncate to bf16, the "
+        "conversion). Greedy decoding picks the largest logit, and a random-weight "
+        "model's top logits lie close together, so such a difference can pick "
+        "another token there, and every later token follows from it."
     )
 
 
@@ -119,7 +138,10 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
         lines += [f"- **Failed:** {reason}" for reason in e.get("failed", [])]
         lines += [f"- {n}" for n in e.get("notes", [])]
-        lines += [token_note(p) for p in e["pairs"] if p.get("same_tokens") is False]
+        rows = doc["perop"]["rows"]
+        lines += [
+            token_note(p, rows) for p in e["pairs"] if p.get("same_tokens") is False
+        ]
         lines.append("")
     else:
         lines += ["Not run.", ""]

@@ -93,3 +93,72 @@ def test_strided_inputs_go_to_native_and_stay_right(ops):
         for layout in ("transposed", "row_strided"):
             assert found[layout]["dispatched_to"] == "native"
             assert found[layout]["right"]
+
+
+def _drop_low_bits(t):
+    """float32 -> bfloat16 by truncation, as vLLM's AVX2 CPU kernels convert."""
+    import torch
+
+    return (t.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class _Impl:
+    def __init__(self, fn):
+        self.impl_fn = fn
+
+
+def _native_then(convert):
+    """rms_norm computed in float32 by native, converted back by ``convert``."""
+    import torch
+    from vllm import ir
+
+    native = ir.ops.rms_norm.impls["native"].impl_fn
+
+    def impl(x, weight, epsilon, variance_size=None):
+        w = None if weight is None else weight.float()
+        out = native(x.float(), w, epsilon, variance_size)
+        return convert(out) if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+    return impl
+
+
+@pytest.mark.parametrize(
+    ("convert", "truncates"),
+    [
+        (_drop_low_bits, True),
+        (lambda t: t.to(__import__("torch").bfloat16), False),  # torch rounds
+    ],
+)
+def test_a_kernel_that_truncates_to_bfloat16_is_told_from_one_that_rounds(
+    ops, convert, truncates
+):
+    import torch
+
+    args = numerics.op_inputs(ops.rms_norm, (16, 4096), torch.bfloat16)
+    share = numerics.truncated_share(_native_then(convert), args)
+    assert (share > numerics.TRUNCATION_SHARE) is truncates, share
+
+
+def _grid(ok_fp32: bool, ok_bf16: bool) -> list[dict]:
+    return [
+        {"dtype": d, "shape": [16, 4096], "weight": True, "ok": ok, "max_abs_diff": [1]}
+        for d, ok in (("float32", ok_fp32), ("bfloat16", ok_bf16))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("convert", "ok_fp32", "explained"),
+    [
+        (_drop_low_bits, True, True),  # off only by the truncation: reported
+        (_drop_low_bits, False, False),  # wrong in float32 too: still a failure
+        (lambda t: (t * 1.25).to(__import__("torch").bfloat16), True, False),
+    ],
+)
+def test_only_a_bfloat16_miss_that_is_all_truncation_is_explained(
+    ops, convert, ok_fp32, explained
+):
+    cases = _grid(ok_fp32=ok_fp32, ok_bf16=False)
+    numerics._explain_truncation(ops.rms_norm, _Impl(_native_then(convert)), cases)
+    bf16 = cases[1]
+    assert bf16["ok"] is explained
+    assert ("truncates_bf16" in bf16) is explained

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compat_matrix.probe import child_tasks
+from compat_matrix.probe.checks.kernels import truncation_note
 from compat_matrix.probe.framework import PATCH_NAME, Fail, Probe, Skip, need_ir
 from compat_matrix.probe.vllm_ir import (
     PRIORITY_METHOD,
@@ -117,7 +118,7 @@ def check_upstream_patch(p: Probe) -> tuple[str, dict]:
         f"supported on CPU for {', '.join(r['ops'])}, numerics within tolerance, "
         f"{r['platform_class']}.{PRIORITY_METHOD} gives {UPSTREAM_PROVIDER!r} first "
         "eager and native for Inductor, the provider stands down; "
-        "revert byte-identical",
+        "revert byte-identical" + truncation_note(r.get("numerics", [])),
         details,
     )
 
