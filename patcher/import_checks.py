@@ -14,7 +14,8 @@ A step is ``[kind, argument]``:
 - ``["import", "vllm.config"]``: import a module;
 - ``["from", "transformers:LlamaConfig"]``: import a name from a module;
 - ``["provider", "MODULE"]``: import a vLLM plugin module, call its ``register()``
-  and report what its ``status()`` and naming attributes say.
+  and report what its ``status()`` and naming attributes say;
+- ``["kernels", "vllm"]``: load vLLM's C kernels the way vLLM itself does.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def run_step(kind: str, arg: str) -> dict[str, Any]:
             return {}
         if kind == "provider":
             return _provider(arg)
+        if kind == "kernels":
+            return _vllm_kernels()
         raise ValueError(f"unknown step kind {kind!r}")
     except BaseException as exc:  # SystemExit from a C extension is a finding too
         return {"ok": False, **describe_error(exc)}
@@ -101,6 +104,37 @@ def _provider(module_name: str) -> dict[str, Any]:
     status = getattr(module, "status", None)
     out["status"] = status() if callable(status) else None
     return out
+
+
+def _vllm_kernels() -> dict[str, Any]:
+    """vLLM's C kernels, loaded by the platform as the engine loads them: x86
+    CPU builds ship one library per instruction set (``_C_AVX2``,
+    ``_C_AVX512`` beside ``_C``), and importing one the CPU cannot run kills
+    the process with an illegal instruction. vLLM logs and swallows a failed
+    load, so the verdict is whether any ``_C::`` operator got registered, and
+    the reason is what vLLM logged."""
+    import logging
+
+    import torch
+    from vllm.platforms import current_platform
+
+    logged: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    keep = Keep(logging.WARNING)
+    logging.getLogger("vllm").addHandler(keep)
+    try:
+        current_platform.import_kernels()
+    finally:
+        logging.getLogger("vllm").removeHandler(keep)
+    ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::")]
+    if not ops:
+        why = logged[-1] if logged else "no _C:: operator was registered"
+        return {"ok": False, "error": why, "root_error": why, "packages": ["vllm"]}
+    return {"operators": len(ops)}
 
 
 def main(argv: list[str] | None = None) -> int:

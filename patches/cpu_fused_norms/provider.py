@@ -185,21 +185,15 @@ def kernel_support() -> dict[str, tuple[bool, str]]:
             or type(current_platform).__name__
         )
         return {op: (False, f"platform is {kind}, not CPU") for op in OPS}
-    current_platform.import_kernels()  # logs and swallows its own ImportError
-    load_error = None
-    found = {}
-    for op in OPS:
-        found[op] = _has_c_op(op)
-    if not all(found.values()):
-        load_error = c_extension_error()
+    load_error = _load_kernels(current_platform)
     out = {}
     for op in OPS:
-        if found[op]:
+        if _has_c_op(op):
             out[op] = (True, f"torch.ops._C.{op} present")
         elif load_error:
-            out[op] = (False, f"vllm._C failed to load: {load_error}")
+            out[op] = (False, f"vLLM's C kernels failed to load: {load_error}")
         else:
-            out[op] = (False, f"vllm._C loaded but has no torch.ops._C.{op}")
+            out[op] = (False, f"vLLM's C kernels loaded but have no torch.ops._C.{op}")
     return out
 
 
@@ -210,13 +204,24 @@ def _has_c_op(op: str) -> bool:
         return False
 
 
-def c_extension_error() -> str | None:
-    """Why ``vllm._C`` does not import (for example an ABI ``undefined symbol``)."""
+def _load_kernels(platform) -> str | None:
+    """Load vLLM's C kernels as vLLM does (x86 builds ship one library per
+    instruction set; importing ``vllm._C`` itself on a CPU without AVX-512
+    kills the process), and return what vLLM logged if that failed: the
+    platform logs and swallows the ImportError."""
+    logged: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    keep = _Keep(logging.WARNING)
+    logging.getLogger("vllm").addHandler(keep)
     try:
-        import vllm._C  # noqa: F401
-    except ImportError as exc:
-        return str(exc)
-    return None
+        platform.import_kernels()
+    finally:
+        logging.getLogger("vllm").removeHandler(keep)
+    return logged[-1] if logged else None
 
 
 # --- registration ---
