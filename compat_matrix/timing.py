@@ -343,6 +343,7 @@ def render_timing_md(f: dict) -> str:
     warm = f.get("warm")
     if warm:
         lines += ["## After a change, and with nothing changed", ""]
+        lines += _run_line(warm)
         lines += [
             "In this project's own environments, each step after the one before "
             "(`python -m compat_matrix.cell V` per cell, without e2e). A change is "
@@ -390,6 +391,7 @@ def render_timing_md(f: dict) -> str:
         lines += [
             "## Cold: the matrix against the naive way",
             "",
+            *_run_line(cold),
             f"Over {cells}, one way after the other. **matrix**: `python -m "
             "compat_matrix.cell V` per cell with an empty uv cache, wheel cache and "
             "environment root. **naive**: per cell a fresh venv, `pip install` of "
@@ -420,15 +422,17 @@ def render_timing_md(f: dict) -> str:
                 f"{gb(md['all'])} against naive {gb(nd['envs'] + nd['pip_cache'])}.",
                 "",
                 "| cell | naive install / probe | matrix whole cell (environment "
-                "/ probe) |",
-                "|---|---|---|",
+                "/ probe) | what the naive probe found | the matrix cell |",
+                "|---|---|---|---|---|",
             ]
             for c in f["cold_cells"]:
                 nc, mc = n["cells"][c], m["cells"][c]
                 probe = nc.get("probe", {}).get("seconds", "–")
+                found = nc.get("probe", {}).get("summary", "not recorded by this run")
                 lines.append(
                     f"| {c} | {nc['install']['seconds']} / {probe} | {mc['seconds']} "
-                    f"({mc['timings'].get('env')} / {mc['timings'].get('probe')}) |"
+                    f"({mc['timings'].get('env')} / {mc['timings'].get('probe')}) | "
+                    f"{found} | {mc.get('status')} |"
                 )
         lines.append("")
     return "\n".join(lines)
