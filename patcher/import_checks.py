@@ -106,16 +106,14 @@ def _provider(module_name: str) -> dict[str, Any]:
     return out
 
 
-def _vllm_kernels() -> dict[str, Any]:
-    """vLLM's C kernels, loaded by the platform as the engine loads them: x86
-    CPU builds ship one library per instruction set (``_C_AVX2``,
-    ``_C_AVX512`` beside ``_C``), and importing one the CPU cannot run kills
-    the process with an illegal instruction. vLLM logs and swallows a failed
-    load, so the verdict is whether any ``_C::`` operator got registered, and
-    the reason is what vLLM logged."""
+def load_vllm_kernels() -> str | None:
+    """Load vLLM's C kernels as the engine does, through the platform: x86 CPU
+    builds ship one library per instruction set (``_C_AVX2``, ``_C_AVX512``
+    beside ``_C``), and importing one the CPU cannot run kills the process with
+    an illegal instruction. vLLM logs and swallows a failed load; what it
+    logged is returned (None when it logged nothing)."""
     import logging
 
-    import torch
     from vllm.platforms import current_platform
 
     logged: list[str] = []
@@ -130,9 +128,17 @@ def _vllm_kernels() -> dict[str, Any]:
         current_platform.import_kernels()
     finally:
         logging.getLogger("vllm").removeHandler(keep)
+    return logged[-1] if logged else None
+
+
+def _vllm_kernels() -> dict[str, Any]:
+    """The doctor's step: loaded when any ``_C::`` operator got registered."""
+    import torch
+
+    logged = load_vllm_kernels()
     ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::")]
     if not ops:
-        why = logged[-1] if logged else "no _C:: operator was registered"
+        why = logged or "no _C:: operator was registered"
         return {"ok": False, "error": why, "root_error": why, "packages": ["vllm"]}
     return {"operators": len(ops)}
 

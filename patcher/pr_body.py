@@ -10,10 +10,10 @@ is shown as such, with the command.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,12 @@ from patcher.upstream_tests import TestRun, reviewer_command
 
 
 def _data_folder(package: str, folder: str) -> Path:
-    """``folder`` of ``package``'s data, in a checkout or a regular install."""
-    return Path(str(resources.files(package).joinpath(folder)))
+    """``folder`` of ``package``'s data, in a checkout or a regular install,
+    found without importing the package (it lies in a layer above this one)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise PatchError(f"{package} is not installed beside vllm-patch")
+    return Path(next(iter(spec.submodule_search_locations))) / folder
 
 
 DEFAULT_EVIDENCE = (

@@ -185,7 +185,9 @@ def kernel_support() -> dict[str, tuple[bool, str]]:
             or type(current_platform).__name__
         )
         return {op: (False, f"platform is {kind}, not CPU") for op in OPS}
-    load_error = _load_kernels(current_platform)
+    from patcher.import_checks import load_vllm_kernels
+
+    load_error = load_vllm_kernels()
     out = {}
     for op in OPS:
         if _has_c_op(op):
@@ -202,26 +204,6 @@ def _has_c_op(op: str) -> bool:
         return hasattr(torch.ops._C, op)
     except Exception:  # torch.ops namespaces raise odd errors when a lib half-loaded
         return False
-
-
-def _load_kernels(platform) -> str | None:
-    """Load vLLM's C kernels as vLLM does (x86 builds ship one library per
-    instruction set; importing ``vllm._C`` itself on a CPU without AVX-512
-    kills the process), and return what vLLM logged if that failed: the
-    platform logs and swallows the ImportError."""
-    logged: list[str] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    keep = _Keep(logging.WARNING)
-    logging.getLogger("vllm").addHandler(keep)
-    try:
-        platform.import_kernels()
-    finally:
-        logging.getLogger("vllm").removeHandler(keep)
-    return logged[-1] if logged else None
 
 
 # --- registration ---
