@@ -314,25 +314,26 @@ def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
         }
     if e2e_ratio is not None:
         verdict = _e2e_verdict(bounds, 1 + e2e_margin)
-        spread = ", within the spread" if verdict == INCONCLUSIVE else ""
-        return {
-            "per_op_speedup_vs_compiled": speedup,
-            "e2e_ratio": e2e_ratio,
-            "clarity": verdict,
-            "faster": verdict == FASTER,
-            "score": e2e_ratio,
-            "basis": f"end to end compiled: {_x(e2e_ratio)} tok/s vs native{spread}",
-        }
-    verdict = clarity(rows, op, provider, NATIVE_COMPILED, margin)
+        score = e2e_ratio
+        basis = f"end to end compiled: {_x(e2e_ratio)} tok/s vs native"
+    else:
+        verdict = clarity(rows, op, provider, NATIVE_COMPILED, margin)
+        score = speedup or 0.0
+        basis = (
+            f"per op only: {_x(speedup)} geomean vs torch.compile(native) in isolation"
+        )
     spread = ", within the spread" if verdict == INCONCLUSIVE else ""
+    if e2e_ratio is None:  # where the spread note goes in that sentence
+        basis += f"{spread} (Inductor's fusion with neighbouring ops not measured)"
+    else:
+        basis += spread
     return {
         "per_op_speedup_vs_compiled": speedup,
-        "e2e_ratio": None,
+        "e2e_ratio": e2e_ratio,
         "clarity": verdict,
         "faster": verdict == FASTER,
-        "score": speedup or 0.0,
-        "basis": f"per op only: {_x(speedup)} geomean vs torch.compile(native) in "
-        f"isolation{spread} (Inductor's fusion with neighbouring ops not measured)",
+        "score": score,
+        "basis": basis,
     }
 
 
