@@ -111,13 +111,12 @@ def ensure_env(
     stamp = _stamp(cell, pin, torch_req, torch_index, "uv" if uv else "pip")
     stamp_file = env / STAMP
     found = read_stamp(env) or {}
-    project = found.pop("pyproject", None)
+    installed_from = found.pop("pyproject", None)
+    project = {"pyproject": _project_hash()}
     if env_python(env).exists() and found == stamp:
-        if project != _project_hash():  # new metadata or entry points: reinstall
+        if installed_from != project["pyproject"]:  # new metadata or entry points
             _install_project(env, uv)
-            stamp_file.write_text(
-                json.dumps(stamp | {"pyproject": _project_hash()}, indent=1)
-            )
+            stamp_file.write_text(json.dumps(stamp | project, indent=1))
         return env, True
     if torch_req != pin and not uv:
         raise EnvError(f"{torch_req} standing in for {pin} needs uv (pip cannot)")
@@ -155,7 +154,7 @@ def ensure_env(
         _run([*pip, "install", "--quiet", *extra, *wanted])
         _run([*pip, "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH])
     _install_project(env, uv)
-    stamp_file.write_text(json.dumps(stamp | {"pyproject": _project_hash()}, indent=1))
+    stamp_file.write_text(json.dumps(stamp | project, indent=1))
     return env, False
 
 
