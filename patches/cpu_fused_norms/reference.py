@@ -13,34 +13,31 @@ all three through vLLM's IR dispatch in one process; it is never a plugin.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import inspect
 
+import torch
+
+from patches.cpu_fused_norms import provider
 from patches.cpu_fused_norms.provider import kernel_support
 
 PROVIDER = "vllm_c_cpu_minimal"
 
 
-def rms_norm(
-    x: Tensor, weight: Tensor | None, epsilon: float, variance_size: int | None = None
-) -> Tensor:
-    assert variance_size is None
+def rms_norm(x, weight, epsilon, variance_size=None):
     out = torch.empty_like(x)
     torch.ops._C.rms_norm(out, x, weight, epsilon)
     return out
 
 
-def fused_add_rms_norm(
-    x: Tensor,
-    x_residual: Tensor,
-    weight: Tensor | None,
-    epsilon: float,
-    variance_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    assert variance_size is None
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None):
     torch.ops._C.fused_add_rms_norm(x, x_residual, weight, epsilon)
     return x, x_residual
 
+
+# vLLM IR takes an impl only with its op's native schema (names, types and
+# defaults), which the provider's impls spell out: these carry theirs.
+for _impl in (rms_norm, fused_add_rms_norm):
+    _impl.__signature__ = inspect.signature(getattr(provider, _impl.__name__))
 
 rms_norm_supports_args = lambda x, weight, epsilon, variance_size=None: (  # noqa: E731
     variance_size is None
