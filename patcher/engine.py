@@ -264,11 +264,17 @@ def recover(tree: VllmTree, patches: Iterable[Patch]) -> list[str]:
     delete what an interrupted write left; what was done, one line each."""
     if tree.is_wheel:
         return []
-    folders = _work_folders(tree, patches)
-    if not atomic.pending(tree.location, folders):
-        return []
+    patches = list(patches)
+    # A first look without the lock, so that a command with nothing to recover
+    # never waits for a writer. The writer may be removing the backup folders
+    # this walks; then the look is made again under the lock, where no one is.
+    try:
+        if not atomic.pending(tree.location, _work_folders(tree, patches)):
+            return []
+    except FileNotFoundError:
+        pass
     with atomic.locked(tree.location):
-        return atomic.recover(tree.location, folders)
+        return atomic.recover(tree.location, _work_folders(tree, patches))
 
 
 def apply(

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -227,6 +228,39 @@ def test_concurrent_runs_apply_once_and_revert_exactly(installed, n, capfd) -> N
     assert out.count("cpu_fused_norms: reverted") == 1
     assert snapshot(installed) == original
     assert patched != original
+
+
+def test_recover_looks_while_a_writer_removes_the_backup(installed) -> None:
+    # Every command first looks for an interrupted operation without the lock.
+    # A revert beside it deletes the backup folders that look walks: the look
+    # must then be made under the lock, not fail with the folder it lost (seen
+    # as exit 3, "No such file or directory", in four concurrent reverts). A
+    # race: before the fix this failed in about half of its runs here.
+    patches = select(["cpu_fused_norms"])
+    tree = open_tree(installed)
+    writer = os.fork()
+    if writer == 0:  # applies and reverts for real, the backup made and removed
+        code, until = 0, time.monotonic() + 5
+        try:
+            while time.monotonic() < until:
+                engine.apply(tree, patches[0])
+                engine.revert(tree, patches[0])
+        except BaseException:
+            code = 1
+        os._exit(code)
+    looks, status = 0, None
+    try:
+        while status is None:
+            assert engine.recover(tree, patches) == []
+            looks += 1
+            done, raw = os.waitpid(writer, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else None
+    finally:
+        if status is None:
+            os.kill(writer, signal.SIGKILL)
+            os.waitpid(writer, 0)
+    assert status == 0
+    assert not (installed / BACKUP_DIR).exists()
 
 
 def test_a_failed_rename_restores_every_file(tmp_path: Path, monkeypatch) -> None:
