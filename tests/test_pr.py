@@ -428,10 +428,14 @@ def test_checkout_with_tests_gets_one_commit_and_the_measured_test_outcome(
     message = commit.message
     assert "contiguous" in message
     assert "non-contiguous input is refused by `vllm_c`" in message
-    assert "upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped" in (
-        capsys.readouterr().out
-    )
+    said = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("upstream tests:")
+    ]
     result = sections(description(repo).read_text())["Test Result"]
+    # The whole line and section on a failure, not a truncated repr of stdout.
+    assert said == ["upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped"], result
     assert "**9 passed, 0 failed, 0 errors, 0 skipped**" in result
     assert "CPU build of vLLM 0.32.0, torch 2.13.0" in result
     assert f"-k '{QUICK}'" in result
