@@ -299,6 +299,9 @@ def test_tree_without_ir(tmp_path, version, status, ok):
     by_name = {c["name"]: c for c in result["checks"]}
     assert by_name["wheel_ir"]["status"] == status
     assert by_name["patch:cpu_fused_norms"]["status"] == status
+    for name in static.IR_CHECKS:  # nothing to read: skipped, with the reason
+        assert by_name[name]["status"] == "skip"
+        assert by_name[name]["reason"] == f"not run: {by_name['wheel_ir']['reason']}"
     assert result["ok"] is ok
 
 
