@@ -357,8 +357,7 @@ def check_wheel(path: str | Path, provider: str = PROVIDER_MODULE) -> dict[str, 
         checks += _timed("provider_api", lambda: check_provider_api(tree, provider))
     else:  # said, so that the matrix has a mark with a reason in their columns
         no_ir = f"not run: {checks[0]['reason']}"
-        status = CheckStatus.SKIP
-        checks += [_check(n, status, no_ir) for n in IR_CHECKS]
+        checks += [_check(n, CheckStatus.SKIP, no_ir) for n in IR_CHECKS]
     checks += _timed("patch", lambda: check_patches(tree))
     return {
         "vllm": {

@@ -18,7 +18,6 @@ import inspect
 import torch
 
 from patches.cpu_fused_norms import provider
-from patches.cpu_fused_norms.provider import kernel_support
 
 PROVIDER = "vllm_c_cpu_minimal"
 
@@ -68,7 +67,7 @@ def register() -> None:
     """Register for every op this vLLM has (re-entrant)."""
     from vllm import ir
 
-    support = kernel_support()
+    support = provider.kernel_support()
     for op_name, (impl, supports_args, extra) in _IMPLS.items():
         op = getattr(ir.ops, op_name, None)
         if op is None or PROVIDER in op.impls:
