@@ -279,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict = {
         "date": datetime.date.today().isoformat(),
         "cores": os.cpu_count(),
+        # Figures differ several times between CPUs: which one measured them.
+        "machine": machine.summary(),
+        "cpu_flags": machine.kernel_flags(machine.cpu()["flags"]),
         "python": platform.python_version(),
         "cells": [c.id for c in every],
         "cold_cells": args.cold_cells.split(","),
@@ -328,12 +331,20 @@ def _run_line(part: dict) -> list[str]:
     return [f"Started {run['started']}, at commit `{run['commit']}`.", ""]
 
 
+def _machine_text(f: dict) -> str:
+    if "machine" not in f:  # figures saved before the machine was recorded
+        return f"{f['cores']} cores, Python {f['python']}"
+    flags = ", ".join(f["cpu_flags"])
+    python = f"Python {f['python']}"
+    return f"{f['machine']}, {python}; CPU flags vLLM's kernels use: {flags}"
+
+
 def render_timing_md(f: dict) -> str:
     lines = [
         "# Compatibility matrix: time and disk",
         "",
         f"Measured {f['date']} by `python -m compat_matrix.timing` on this "
-        f"project's machine ({f['cores']} cores, Python {f['python']}). The load "
+        f"project's machine ({_machine_text(f)}). The load "
         "average (1, 5, 15 min, from `/proc/loadavg` before and after each step) "
         "is given beside every figure: other jobs on the same cores make every "
         "figure several times what it is on an idle machine. Re-run the script "
