@@ -276,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.warm_cells
         else versions.load()
     )
+    here = machine.facts()  # figures differ several times between CPUs
     figures: dict = {
         "date": datetime.date.today().isoformat(),
         "cores": os.cpu_count(),
-        # Figures differ several times between CPUs: which one measured them.
-        "machine": machine.summary(),
-        "cpu_flags": machine.kernel_flags(machine.cpu()["flags"]),
+        "machine": machine.summary(here),
+        "cpu_flags": here["key_flags"],
         "python": platform.python_version(),
         "cells": [c.id for c in every],
         "cold_cells": args.cold_cells.split(","),
