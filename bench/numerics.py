@@ -199,11 +199,13 @@ def truncated_share(fn: Callable, args: Sequence[Any]) -> float | None:
 
 def _explain_truncation(op, impl, cases: list[dict]) -> None:
     """Mark the bfloat16 cases that miss native only because the kernel
-    truncates to bfloat16 (vLLM's AVX2 CPU build converts that way; torch
-    rounds to nearest), so that the deviation is reported, not mistaken for a
-    wrong implementation. A case is explained when the implementation gets the
-    same shape right in float32 and its bfloat16 output is, element for
-    element, its own float32 result truncated; anything else stays a failure.
+    truncates to bfloat16 (vLLM's x86 CPU kernels convert that way, measured
+    with its AVX2 and AVX-512 libraries; torch rounds to nearest), so that the
+    deviation is reported, not mistaken for a wrong implementation. A case is
+    explained when the implementation gets the same shape right in float32 and,
+    of its bfloat16 outputs where truncating and rounding differ, more than
+    ``TRUNCATION_SHARE`` are its own float32 result truncated; anything else
+    stays a failure.
     """
     import torch
 

@@ -119,7 +119,7 @@ SHAPES = [(2048,), (1, 2048), (16, 4096), (2, 8, 2048), (2, 3, 4, 64)]
 def assert_near_native(fn, args, got, want, tolerance) -> None:
     """``got`` (``fn`` on ``args``) within the op's tolerance of native's
     ``want``; in bfloat16 on a CPU whose kernels truncate where torch rounds
-    (vLLM's AVX2 build), off by that truncation alone, which the test of the
+    (vLLM's x86 libraries), off by that truncation alone, which the test of the
     same shape in float32 holds to the tolerance."""
     try:
         for g, w in zip(got, want, strict=True):

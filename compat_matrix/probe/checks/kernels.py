@@ -99,8 +99,8 @@ def truncation_note(cases: list[dict]) -> str:
         return ""
     worst = max(max(c["max_abs_diff"]) for c in truncating)
     return (
-        f"; but on this CPU the kernels truncate to bfloat16 where torch rounds "
-        f"(vLLM's AVX2 build): {len(truncating)} bfloat16 case(s) are off native "
+        f"; but on this CPU the kernels truncate to bfloat16 where torch rounds: "
+        f"{len(truncating)} bfloat16 case(s) are off native "
         f"by up to {worst:g}, outside op.get_tolerance, all of it the truncation "
         "(the same shapes are right in float32)"
     )
