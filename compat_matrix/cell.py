@@ -62,8 +62,8 @@ from compat_matrix.probe_reuse import (
     static_key,
 )
 from compat_matrix.probe_run import launch_probe, skipped_probe
-from patcher.cache import cache_dir, fetch_wheel
 from patcher.errors import PatchError
+from vllm_patch.runtime.cache import cache_dir, fetch_wheel
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Not VLLM_*: vLLM warns about every VLLM_* variable it does not know, and

@@ -35,7 +35,7 @@ except ModuleNotFoundError:  # Python 3.10
 from compat_matrix import versions
 from compat_matrix.log import log
 from compat_matrix.pip_config import find_uv, pip_config, uv_args_from_pip
-from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
+from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 PROJECT = Path(__file__).resolve().parent.parent
 STAMP = "compat-stamp.json"

@@ -23,7 +23,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from compat_matrix import versions
 from compat_matrix.pip_config import pip_config
-from patcher.cache import cache_dir
+from vllm_patch.runtime.cache import cache_dir
 
 # pip's words for "the registry did not answer", as opposed to "no such version".
 NETWORK_ERRORS = (

@@ -1,5 +1,5 @@
-"""Running the probe inside a cell's environment (a ``patcher.child`` with the
-environment's interpreter), and the checks a cell records in its place when
+"""Running the probe inside a cell's environment (a ``vllm_patch.runtime.child``
+with the environment's interpreter), and the checks a cell records in its place when
 the probe cannot run."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from compat_matrix.cell_env import env_python
 from compat_matrix.check_status import CheckStatus
 from compat_matrix.log import log
 from compat_matrix.probe.checks import CHECKS
-from patcher import child
+from vllm_patch.runtime import child
 
 PROBE = "compat_matrix.probe.document:probe_document"
 

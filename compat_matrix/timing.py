@@ -46,9 +46,9 @@ from packaging.requirements import Requirement
 
 from compat_matrix import pins, versions
 from compat_matrix.cell_env import PROJECT, ensure_env, env_dir
-from patcher import machine
-from patcher.cache import CACHE_ENV, fetch_wheel
-from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
+from vllm_patch.runtime import machine
+from vllm_patch.runtime.cache import CACHE_ENV, fetch_wheel
+from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 HERE = Path(__file__).resolve().parent
 CHANGED_FILE = PROJECT / "patches" / "cpu_fused_norms" / "provider.py"

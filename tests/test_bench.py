@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from bench.cli import configuration
-from bench.collect import collect
-from bench.e2e_step import first_difference
-from bench.engine_run import TINY_LLAMA
-from bench.outputs import write_outputs
-from bench.recommend import (
+from vllm_patch.bench.cli import configuration
+from vllm_patch.bench.collect import collect
+from vllm_patch.bench.e2e_step import first_difference
+from vllm_patch.bench.engine_run import TINY_LLAMA
+from vllm_patch.bench.outputs import write_outputs
+from vllm_patch.bench.recommend import (
     clarity,
     priority_snippets,
     recommend,
     unclear_ops,
 )
-from patcher import bench_result
-from patcher.bench_result import DISPATCH_ROLES
-from patcher.cache import CACHE_ENV
+from vllm_patch.runtime import bench_result
+from vllm_patch.runtime.bench_result import DISPATCH_ROLES
+from vllm_patch.runtime.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,7 @@ def test_a_wrong_implementation_is_rejected_and_never_timed():
     import torch
     from vllm import ir
 
-    from bench.perop import measure
+    from vllm_patch.bench.perop import measure
 
     op = ir.ops.rms_norm
     calls = {"wrong": 0, "right": 0}
@@ -485,8 +485,8 @@ def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_pat
 def test_vllm_patch_bench_without_vllm_is_a_usage_error(tmp_path, monkeypatch, capsys):
     """``bench`` reaches ``vllm-patch`` through its entry point; with no vLLM to
     measure it refuses before writing anything."""
-    from patcher.cli import main
     from patcher.errors import ExitCode
+    from vllm_patch.cli import main
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # not importable here
     assert main(["bench", "--out", str(tmp_path / "out")]) == ExitCode.USAGE

@@ -17,10 +17,10 @@ from conftest import CPU, FIXTURE, VLLM_C, snapshot
 
 from patcher import engine
 from patcher.backup import BACKUP_DIR
-from patcher.cli import main
 from patcher.errors import ExitCode
 from patcher.patchset import select
 from patcher.tree import open_tree
+from vllm_patch.cli import main
 
 
 def run(*args: str) -> int:
@@ -315,12 +315,11 @@ def test_bad_input_exits_3_and_changes_nothing(
 
 
 def test_entry_points_run(tree: Path) -> None:
-    for cmd in (["vllm-patch"], [sys.executable, "-m", "patcher"]):
-        exe = shutil.which(cmd[0]) if cmd[0] == "vllm-patch" else cmd[0]
-        if exe is None:
-            pytest.fail("vllm-patch console script is not installed")
+    script = Path(sys.executable).with_name("vllm-patch")
+    assert script.is_file(), "the vllm-patch console script is not installed"
+    for cmd in ([str(script)], [sys.executable, "-m", "vllm_patch"]):
         proc = subprocess.run(
-            [exe, *cmd[1:], "check", "--vllm", str(tree)],
+            [*cmd, "check", "--vllm", str(tree)],
             capture_output=True,
             text=True,
         )

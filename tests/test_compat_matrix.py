@@ -23,7 +23,7 @@ from compat_matrix import (
     static,
     versions,
 )
-from patcher.cache import CACHE_ENV
+from vllm_patch.runtime.cache import CACHE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 

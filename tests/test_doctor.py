@@ -16,10 +16,10 @@ import pytest
 from conftest import requires_vllm
 
 from patcher import engine
-from patcher.doctor import _opt_in_finding
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.provider import OPT_IN_ENV
+from vllm_patch.doctor.diagnose import _opt_in_finding
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"

@@ -1,4 +1,4 @@
-"""bench.engine_run: the random Llama and the subprocess vLLM runner, on a tiny model."""
+"""vllm_patch.bench.engine_run: the random Llama and the subprocess vLLM runner, on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from bench import engine_run
 from patches.cpu_fused_norms import provider
+from vllm_patch.bench import engine_run
 
 TINY = engine_run.TINY_LLAMA
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from patcher.cache import fetch_wheel
+from vllm_patch.runtime.cache import fetch_wheel
 
 pytestmark = pytest.mark.wheels
 
@@ -129,7 +129,11 @@ def test_pr_help_and_its_default_evidence(installed) -> None:
 
 def test_the_rendered_patches_are_installed_and_current(installed) -> None:
     bin_dir, env, elsewhere = installed
-    proc = _run([bin_dir / "python", "-m", "patcher.render", "--check"], elsewhere, env)
+    proc = _run(
+        [bin_dir / "python", "-m", "vllm_patch.upstream.render", "--check"],
+        elsewhere,
+        env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rendered = [line for line in proc.stdout.splitlines() if "up to date" in line]
     assert rendered and all(

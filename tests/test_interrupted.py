@@ -26,11 +26,11 @@ from conftest import CPU, VLLM_C, describe, is_source, snapshot
 from patcher import atomic, engine
 from patcher.atomic import FAULT_ENV, JOURNAL, write_atomically
 from patcher.backup import BACKUP_DIR
-from patcher.cache import fetch_wheel
-from patcher.cli import main
 from patcher.errors import PatchError
 from patcher.patchset import select
 from patcher.tree import open_tree
+from vllm_patch.cli import main
+from vllm_patch.runtime.cache import fetch_wheel
 
 PATCH = select(["cpu_fused_norms"])[0]
 VERBS = {"apply": engine.apply, "revert": engine.revert}

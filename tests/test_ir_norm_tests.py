@@ -13,16 +13,16 @@ from libcst.codemod import CodemodTest
 from patcher import engine
 from patcher.codemod import run_codemod
 from patcher.errors import ShapeNotRecognised
-from patcher.pr_format import find_ruff
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
-from patcher.upstream import pick_patch
 from patches.cpu_fused_norms.ir_norm_tests import (
     FUSED_ADD_RMS_NORM,
     RMS_NORM,
     RunIrNormTestsOnCpu,
     StopIrNormTestsOnCpu,
 )
+from vllm_patch.upstream.meta import pick_patch
+from vllm_patch.upstream.pr_format import find_ruff
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHECKOUTS = FIXTURES / "vllm_checkouts"

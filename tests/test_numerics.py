@@ -1,4 +1,4 @@
-"""bench.numerics, the one comparison of an IR implementation against native,
+"""vllm_patch.bench.numerics, the one comparison of an IR implementation against native,
 on the real vLLM: right and wrong implementations, in-place ones, and
 strided inputs through IR dispatch."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import requires_vllm
 
-from bench import numerics
 from patches.cpu_fused_norms import provider
+from vllm_patch.bench import numerics
 
 pytestmark = requires_vllm
 

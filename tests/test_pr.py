@@ -12,11 +12,12 @@ import git
 import pytest
 from conftest import requires_vllm
 
-from patcher import engine, pr
-from patcher.cache import CACHE_ENV, cache_dir, fetch_wheel
-from patcher.pr_format import find_ruff
+from patcher import engine
 from patcher.tree import open_tree
-from patcher.upstream import pick_patch, upstream_of
+from vllm_patch import cli
+from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_wheel
+from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.pr_format import find_ruff
 
 pytestmark = pytest.mark.wheels
 
@@ -96,8 +97,8 @@ def checkout(tmp_path) -> git.Repo:
 
 def run_pr(repo: git.Repo, *extra: str, evidence: Path | None = None) -> int:
     evidence = evidence or Path(repo.working_tree_dir).parent / "no-evidence"
-    return pr.main(
-        ["--vllm", repo.working_tree_dir, "--evidence", str(evidence), *extra]
+    return cli.main(
+        ["pr", "--vllm", repo.working_tree_dir, "--evidence", str(evidence), *extra]
     )
 
 
@@ -226,7 +227,7 @@ def test_unknown_base_and_not_a_checkout(checkout, tmp_path, capsys):
     assert "unknown base" in capsys.readouterr().err
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert pr.main(["--vllm", str(plain)]) == 2
+    assert cli.main(["pr", "--vllm", str(plain)]) == 2
     assert "not a git checkout" in capsys.readouterr().err
 
 

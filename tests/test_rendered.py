@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from patcher import engine, render
+from patcher import engine
 from patcher.tree import open_tree
-from patcher.upstream import pick_patch, upstream_of
+from vllm_patch.upstream import render
+from vllm_patch.upstream.meta import pick_patch, upstream_of
 
 pytestmark = pytest.mark.wheels
 

@@ -23,10 +23,10 @@ import pytest
 from libcst.codemod import CodemodTest
 
 from patcher import engine
-from patcher.cli import main
 from patcher.patchset import select
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
+from vllm_patch.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BASE = FIXTURES / "vllm_tree"

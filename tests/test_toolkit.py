@@ -14,10 +14,10 @@ import pytest
 from conftest import requires_vllm
 from packaging.specifiers import SpecifierSet
 
-from patcher import child, machine
-from patcher.patched_copy import patched_copy, sha256
 from patcher.patchset import Patch, provider_specs, select
 from patcher.tree import open_tree
+from vllm_patch.runtime import child, machine
+from vllm_patch.runtime.patched_copy import patched_copy, sha256
 
 # Child targets: a module of their own, put on the child's path by each test.
 TARGETS = """
@@ -56,7 +56,7 @@ def modules(names):
 
 def imports_torch_and_vllm():
     import torch, vllm
-    from patcher import machine
+    from vllm_patch.runtime import machine
     return {"torch": torch.__version__, "vllm": vllm.__version__,
             "vllm_file": os.path.dirname(vllm.__file__), "facts": machine.software()}
 
@@ -69,7 +69,7 @@ def import_all(package, heavy):
     return [name for name in heavy if name in sys.modules]
 
 def software_alone():
-    from patcher import machine
+    from vllm_patch.runtime import machine
     found = machine.software()
     return {"software": found, "imported": [m for m in ("torch", "vllm")
                                               if m in sys.modules]}
@@ -334,39 +334,73 @@ def test_a_patch_without_a_provider_table_declares_none():
 # --- the layers ---------------------------------------------------------------------
 
 ROOT = Path(__file__).resolve().parent.parent
-# Bottom to top: each package imports only from the ones before it.
-LAYERS = ("patcher", "patches", "bench", "compat_matrix")
+# Bottom to top: each layer imports only from the ones before it (those on one
+# line are side by side: neither imports the other).
+LAYERS = (
+    ("patcher",),
+    ("vllm_patch.runtime",),
+    ("patches",),
+    ("vllm_patch.bench",),
+    ("compat_matrix",),
+    ("vllm_patch.doctor", "vllm_patch.upstream"),
+    ("vllm_patch.cli",),
+    ("vllm_patch.__main__",),
+)
+ALL = [name for layer in LAYERS for name in layer]
 
 
-def _imported_packages(path: Path) -> set[str]:
+def _imported_modules(path: Path) -> set[str]:
     import ast
 
     found = set()
     for node in ast.walk(ast.parse(path.read_text("utf-8"))):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return found
 
 
-@pytest.mark.parametrize("layer", LAYERS)
-def test_no_package_imports_from_a_layer_above_it(layer):
-    above = set(LAYERS[LAYERS.index(layer) + 1 :])
+def _within(module: str, name: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def _files(name: str) -> list[Path]:
+    path = ROOT.joinpath(*name.split("."))
+    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_package_imports_from_a_layer_above_or_beside_it(name):
+    level = next(i for i, layer in enumerate(LAYERS) if name in layer)
+    others = {n for i, layer in enumerate(LAYERS) for n in layer if i >= level} - {name}
     wrong = {
-        str(path.relative_to(ROOT)): sorted(_imported_packages(path) & above)
-        for path in (ROOT / layer).rglob("*.py")
+        str(path.relative_to(ROOT)): sorted(
+            m for m in _imported_modules(path) if any(_within(m, o) for o in others)
+        )
+        for path in _files(name)
     }
     assert {k: v for k, v in wrong.items() if v} == {}
 
 
+def test_every_package_has_a_layer():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    packages |= {
+        f"vllm_patch.{p.parent.name}" for p in ROOT.glob("vllm_patch/*/__init__.py")
+    }
+    packages |= {f"vllm_patch.{p.stem}" for p in ROOT.glob("vllm_patch/*.py")}
+    packages -= {"vllm_patch", "vllm_patch.__init__"}
+    assert packages == set(ALL)
+
+
 def test_the_engine_imports_no_torch(targets):
     """``vllm-patch`` runs where torch is broken or absent: no module of the
-    engine imports torch, vLLM or a layer above it at import (the bench's
-    children import what they measure themselves)."""
+    engine imports torch, vLLM, git or a layer above it at import (the bench's
+    children import what they measure themselves; the runtime layer is the
+    child runner's own, so the static layer test above covers it)."""
     heavy = child.run(
         "toolkit_targets:import_all",
-        {"package": "patcher", "heavy": ["torch", "vllm", *LAYERS[1:]]},
+        {"package": "patcher", "heavy": ["torch", "vllm", "git", *ALL[2:]]},
         pythonpath=[targets],
     ).value()
     assert heavy == []

@@ -14,15 +14,15 @@ from conftest import requires_vllm
 from packaging.version import Version
 
 from patcher import engine
-from patcher.patched_copy import patched_copy
 from patcher.tree import linked_copy, open_tree
-from patcher.upstream import pick_patch
-from patcher.upstream_tests import measure, run_pytest
 from patches.cpu_fused_norms.ir_norm_tests import (
     FUSED_ADD_RMS_NORM,
     RMS_NORM,
     RunIrNormTestsOnCpu,
 )
+from vllm_patch.runtime.patched_copy import patched_copy
+from vllm_patch.upstream.meta import pick_patch
+from vllm_patch.upstream.vllm_tests import measure, run_pytest
 
 pytestmark = requires_vllm
 

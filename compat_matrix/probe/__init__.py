@@ -5,9 +5,9 @@ its identity (``PROVIDER``, ``OPS``, ``OPT_IN_ENV``); the probe reads them.
 
 Data flows one way: ``cli`` -> ``document`` (the JSON document) -> ``checks``
 (the registry; one module per group of checks, on the shared ``framework``)
--> what they run: ``bench.numerics`` (the one comparison against native),
+-> what they run: ``vllm_patch.bench.numerics`` (the one comparison against native),
 ``dispatch_evidence``, ``child_tasks`` (work in a child process, via
-``patcher.child``), ``vllm_ir``, ``provider_module``.
+``vllm_patch.runtime.child``), ``vllm_ir``, ``provider_module``.
 
 A second opinion, on purpose: ``vllm_ir`` re-derives from vLLM itself what the
 provider module also works out for its own use -- the norm ops and vLLM's

@@ -1,4 +1,4 @@
-"""What the probe runs in a child process (``patcher.child``), as vLLM's own
+"""What the probe runs in a child process (``vllm_patch.runtime.child``), as vLLM's own
 processes start: vLLM's plugin loader (``plugin_loader``, in a fork taken before
 the provider registers here), and everything that must import vLLM from the
 patched copy (``patched_vllm``, in a fork taken before this process imported
@@ -13,7 +13,6 @@ import importlib
 import sys
 from typing import Any
 
-from bench.numerics import compare_impl, noncontiguous_dispatch
 from compat_matrix.probe.provider_module import (
     env_var,
     provider_log,
@@ -27,7 +26,8 @@ from compat_matrix.probe.vllm_ir import (
     upstream_enabled_ops,
     vllm_config,
 )
-from patcher import child
+from vllm_patch.bench.numerics import compare_impl, noncontiguous_dispatch
+from vllm_patch.runtime import child
 
 CHILD_TIMEOUT = 300
 # What most of a vLLM import costs is not vLLM's own code (measured with
@@ -54,7 +54,7 @@ PRELOAD = (
 
 def start_task(task: str, kwargs: dict[str, Any], **how: Any) -> child.Child:
     """``task`` (a function of this module) started in a child, without
-    waiting for it; ``how`` as ``patcher.child.start`` takes it."""
+    waiting for it; ``how`` as ``vllm_patch.runtime.child.start`` takes it."""
     return child.start(f"{__name__}:{task}", kwargs, timeout=CHILD_TIMEOUT, **how)
 
 

@@ -1,5 +1,5 @@
 """Which impl vLLM's dispatch actually runs for one IR op: the probe's own
-evidence, beside the numerics (``bench.numerics``, the one comparison against
+evidence, beside the numerics (``vllm_patch.bench.numerics``, the one comparison against
 native, whose ``compare_impl`` and ``noncontiguous_dispatch`` the checks run).
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.numerics import DISPATCH_SHAPE, as_tuple, copy_args, op_inputs
+from vllm_patch.bench.numerics import DISPATCH_SHAPE, as_tuple, copy_args, op_inputs
 
 
 def dispatch_evidence(op, provider: str) -> dict:

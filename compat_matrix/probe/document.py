@@ -16,7 +16,7 @@ from compat_matrix.probe.checks import CHECKS, PREREQUISITES, STARTED_AHEAD, res
 from compat_matrix.probe.framework import PROVIDER_MODULE, CheckOutcome, Probe, Skip
 from compat_matrix.probe.provider_module import declared_name
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
-from patcher import child, machine
+from vllm_patch.runtime import child, machine
 
 SCHEMA = 1
 

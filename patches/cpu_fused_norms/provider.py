@@ -185,7 +185,7 @@ def kernel_support() -> dict[str, tuple[bool, str]]:
             or type(current_platform).__name__
         )
         return {op: (False, f"platform is {kind}, not CPU") for op in OPS}
-    from patcher.import_checks import load_vllm_kernels
+    from vllm_patch.runtime.import_checks import load_vllm_kernels
 
     load_error = load_vllm_kernels()
     out = {}

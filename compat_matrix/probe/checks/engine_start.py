@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.engine_run import TINY_LLAMA, make_random_llama, run_generate
 from compat_matrix.probe.framework import (
     PATCH_NAME,
     Fail,
@@ -17,11 +16,12 @@ from compat_matrix.probe.framework import (
     need_kernels,
 )
 from compat_matrix.probe.vllm_ir import UPSTREAM_PROVIDER
-from patcher.cache import cache_dir
-from patcher.import_checks import explain
-from patcher.patched_copy import patched_copy
 from patcher.patchset import select
 from patcher.tree import open_tree
+from vllm_patch.bench.engine_run import TINY_LLAMA, make_random_llama, run_generate
+from vllm_patch.runtime.cache import cache_dir
+from vllm_patch.runtime.import_checks import explain
+from vllm_patch.runtime.patched_copy import patched_copy
 
 # Per engine run. On a shared 2-core machine under load one eager start took
 # more than 10 minutes; a timeout is for a hung engine, not a slow one.

@@ -23,7 +23,7 @@ from compat_matrix.probe.vllm_ir import (
     upstream_enabled_ops,
     vllm_config,
 )
-from patcher.import_checks import explain
+from vllm_patch.runtime.import_checks import explain
 
 
 def check_kernel_config(p: Probe) -> tuple[str, dict]:

@@ -6,12 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.numerics import (
-    DTYPE_NAMES,
-    SHAPES,
-    compare_impl,
-    noncontiguous_dispatch,
-)
 from compat_matrix.probe.dispatch_evidence import dispatch_evidence
 from compat_matrix.probe.framework import (
     Fail,
@@ -22,6 +16,12 @@ from compat_matrix.probe.framework import (
 )
 from compat_matrix.probe.provider_module import provider_status
 from compat_matrix.probe.vllm_ir import NORM_OPS, has_c_op
+from vllm_patch.bench.numerics import (
+    DTYPE_NAMES,
+    SHAPES,
+    compare_impl,
+    noncontiguous_dispatch,
+)
 
 
 def check_kernels_supported(p: Probe) -> tuple[str, dict]:

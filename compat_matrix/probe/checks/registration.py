@@ -15,7 +15,7 @@ from compat_matrix.probe import child_tasks
 from compat_matrix.probe.framework import Fail, Probe, Skip, need_ir
 from compat_matrix.probe.provider_module import provider_log, provider_status
 from compat_matrix.probe.vllm_ir import NORM_OPS
-from patcher.child import Child
+from vllm_patch.runtime.child import Child
 
 PLUGIN_GROUP = "vllm.general_plugins"
 REGISTER_KEYWORDS = ("supported", "supports_args", "inplace")

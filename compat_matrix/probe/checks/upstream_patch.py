@@ -18,12 +18,13 @@ from compat_matrix.probe.vllm_ir import (
     UPSTREAM_PROVIDER,
     has_vllm_ir,
 )
-from patcher import child, engine
+from patcher import engine
 from patcher.errors import PatchError
-from patcher.patched_copy import patched_copy
 from patcher.patchset import select
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
+from vllm_patch.runtime import child
+from vllm_patch.runtime.patched_copy import patched_copy
 
 
 @dataclass
@@ -32,7 +33,7 @@ class Started:
 
     files: list[str]
     details: dict[str, Any]
-    """What the patched copy records (``patcher.patched_copy``), and more."""
+    """What the patched copy records (``vllm_patch.runtime.patched_copy``), and more."""
     child: child.Child
     stack: ExitStack
     """Ends the child if still running, then reverts and removes the copy."""

@@ -16,7 +16,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from patcher.bench_result import NATIVE
+from vllm_patch.runtime.bench_result import NATIVE
 
 DTYPE_NAMES = ("float32", "bfloat16")
 SHAPES = ((1, 2048), (16, 4096), (2, 8, 2048))

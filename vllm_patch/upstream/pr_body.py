@@ -19,16 +19,16 @@ from typing import Any
 
 from packaging.version import Version
 
-from patcher.bench_result import evidence_markdown
 from patcher.errors import PatchError
 from patcher.patchset import Patch
-from patcher.upstream import Upstream
-from patcher.upstream_tests import TestRun, reviewer_command
+from vllm_patch.runtime.bench_result import evidence_markdown
+from vllm_patch.upstream.meta import Upstream
+from vllm_patch.upstream.vllm_tests import TestRun, reviewer_command
 
 
 def _data_folder(package: str, folder: str) -> Path:
     """``folder`` of ``package``'s data, in a checkout or a regular install,
-    found without importing the package (it lies in a layer above this one)."""
+    found without importing its modules."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise PatchError(f"{package} is not installed beside vllm-patch")
@@ -37,7 +37,7 @@ def _data_folder(package: str, folder: str) -> Path:
 
 DEFAULT_EVIDENCE = (
     _data_folder("compat_matrix", "results"),
-    _data_folder("bench", "reference"),
+    _data_folder("vllm_patch.bench", "reference"),
 )
 """The compatibility cells' results and the bench's reference result, shipped
 with this project."""

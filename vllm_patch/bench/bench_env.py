@@ -2,8 +2,8 @@
 
 An upstream provider that the installed tree gates off (say ``"vllm_c"`` on
 CPU) can still be measured: on a patched copy of the installed vLLM
-(``patcher.patched_copy``), in a child whose ``PYTHONPATH`` starts with it
-(``patcher.child``). Each child gets one environment and one thread count.
+(``vllm_patch.runtime.patched_copy``), in a child whose ``PYTHONPATH`` starts with it
+(``vllm_patch.runtime.child``). Each child gets one environment and one thread count.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each mode (eager, compiled) and provider, the provider's environment (the
 installed vLLM, or a patched copy for a provider the patch enables) runs twice,
 once with the provider's ops pinned to ``native`` and once with the provider
 first; each run does several timed generates after a warm-up (see
-``bench.engine_run``). The ratio is fused over native median tokens/s. The
+``vllm_patch.bench.engine_run``). The ratio is fused over native median tokens/s. The
 final IR op priority vLLM logged for each run is kept: it shows which kernels
 the run asked for.
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import engine_run
-from bench.bench_env import BenchEnv
-from bench.perop import quantiles
+from vllm_patch.bench import engine_run
+from vllm_patch.bench.bench_env import BenchEnv
+from vllm_patch.bench.perop import quantiles
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:

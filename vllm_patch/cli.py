@@ -1,26 +1,24 @@
-"""The ``vllm-patch`` command line.
+"""The ``vllm-patch`` command line: a thin layer over the engine (``patcher``)
+and the jobs above it (``vllm_patch.upstream``, ``vllm_patch.bench``,
+``vllm_patch.doctor``).
 
 Exit codes are ``patcher.errors.ExitCode``. Every error, bad command lines
 included, is one message on stderr and, under ``--json``, one JSON document on
 stdout (``{"error": {"code": ..., "message": ..., "path": ...}}``); never a
-traceback. Subcommands of the packages above the engine (``bench``) come from
-the ``vllm_patch.commands`` entry points: nothing here imports them.
+traceback. The jobs above the engine are imported only when their verb is
+named, so that the engine's verbs start fast and work without what those jobs
+need (``pr`` needs git; the bench, torch and vLLM).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from importlib import metadata
-from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
-from patcher import doctor, engine, pr
+from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import all_patches, select
 from patcher.status import PlanStatus
@@ -28,9 +26,16 @@ from patcher.tree import VllmTree, open_tree
 
 # The verbs that read a wheel (apply and revert refuse one: it is an archive).
 WHEEL_VERBS = ("check", "diff")
-COMMANDS_GROUP = "vllm_patch.commands"
-"""Entry points that add subcommands from packages above the engine (the bench):
-each names a function that takes argparse's subparsers and adds its own."""
+JOBS = {
+    "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
+    "bench": ("vllm_patch.bench.cli", "measure native vs fused IR kernels"),
+    "doctor": (
+        "vllm_patch.doctor.diagnose",
+        "check this environment: vLLM, its imports, the patches and their providers",
+    ),
+}
+"""The verbs above the engine: each module has ``add_arguments(parser)`` and
+``run(args)``, and is imported only when its verb is named."""
 
 
 def _own_version() -> str:
@@ -145,7 +150,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}\n{self.format_usage().rstrip()}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="vllm-patch",
         description="Apply, check and upstream carried changes to a vLLM source tree.",
@@ -155,100 +160,82 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"%(prog)s {_own_version()}"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def verb(name: str, func, help: str, *, tree: bool = True, json_out: bool = False):
+    _engine_verbs(sub)
+    named = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help) in JOBS.items():
         p = sub.add_parser(name, help=help, description=help)
-        if tree:
-            wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
-            p.add_argument(
-                "--vllm",
-                metavar="PATH",
-                help="directory containing the vllm/ package (checkout root or "
-                f"site-packages){wheel}; default: the vLLM installed for this Python",
-            )
-            p.add_argument(
-                "--patch",
-                metavar="NAME",
-                action="append",
-                help="only this patch (repeatable); default: all",
-            )
-        if json_out:
-            p.add_argument(
-                "--json", action="store_true", help="machine-readable output"
-            )
-        p.set_defaults(func=func)
-        return p
-
-    verb("list", cmd_list, "list the carried patches", tree=False, json_out=True)
-    for name, func, help, force in [
-        (
-            "check",
-            cmd_check,
-            "show, per patch and edit, applied/applicable/not applicable",
-            "judge the tree by its shape",
-        ),
-        (
-            "diff",
-            cmd_diff,
-            "print the unified diff (git apply format); write nothing",
-            "print the diff",
-        ),
-        ("apply", cmd_apply, "apply the patches (atomic; idempotent)", "apply"),
-    ]:
-        p = verb(name, func, help, json_out=name in ("check", "diff"))
-        p.add_argument(
-            "--force",
-            action="store_true",
-            help=f"{force} even if the tree's vLLM version is outside the patch's "
-            "range",
-        )
-    verb("revert", cmd_revert, "undo the patches (byte-identical)")
-
-    summary = pr.__doc__.split("\n\n")[0]
-    p = sub.add_parser(
-        "pr", help="commit a patch on a branch of a vLLM checkout", description=summary
-    )
-    pr.add_arguments(p)
-    p.set_defaults(func=pr.run)
-
-    for entry in command_entry_points():
-        try:
-            register = entry.load()
-        except Exception as exc:  # one broken package must not take the CLI down
-            _warn(f"command {entry.name} ({entry.value}) unavailable: {exc}")
-            continue
-        register(sub)
-
-    p = verb(
-        "doctor",
-        doctor.run,
-        "check this environment: vLLM, its imports, the patches and their providers",
-        tree=False,
-    )
-    doctor.add_arguments(p)
+        if name == named:  # only the job asked for is imported
+            job = _import_job(name, module)
+            job.add_arguments(p)
+            p.set_defaults(func=job.run)
     return parser
 
 
-def command_entry_points() -> list[metadata.EntryPoint]:
-    """The ``COMMANDS_GROUP`` entry points: from this project's pyproject.toml
-    when running from a source checkout (an editable or no install, whose
-    metadata may be older or absent), else from the installed metadata."""
-    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
-    if pyproject.is_file():
-        project = tomllib.loads(pyproject.read_text("utf-8")).get("project", {})
-        if project.get("name") == "vllm-patch":
-            table = project.get("entry-points", {}).get(COMMANDS_GROUP, {})
-            return [
-                metadata.EntryPoint(name, value, COMMANDS_GROUP)
-                for name, value in table.items()
-            ]
-    return list(metadata.entry_points(group=COMMANDS_GROUP))
+# (verb, function, help, what --force does); list and revert take no --force.
+ENGINE_VERBS = [
+    ("list", cmd_list, "list the carried patches", None),
+    (
+        "check",
+        cmd_check,
+        "show, per patch and edit, applied/applicable/not applicable",
+        "judge the tree by its shape",
+    ),
+    (
+        "diff",
+        cmd_diff,
+        "print the unified diff (git apply format); write nothing",
+        "print the diff",
+    ),
+    ("apply", cmd_apply, "apply the patches (atomic; idempotent)", "apply"),
+    ("revert", cmd_revert, "undo the patches (byte-identical)", None),
+]
+
+
+def _engine_verbs(sub: argparse._SubParsersAction) -> None:
+    for name, func, help, force in ENGINE_VERBS:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        if name in ("list", "check", "diff"):
+            p.add_argument(
+                "--json", action="store_true", help="machine-readable output"
+            )
+        if name == "list":
+            continue
+        wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
+        p.add_argument(
+            "--vllm",
+            metavar="PATH",
+            help="directory containing the vllm/ package (checkout root or "
+            f"site-packages){wheel}; default: the vLLM installed for this Python",
+        )
+        p.add_argument(
+            "--patch",
+            metavar="NAME",
+            action="append",
+            help="only this patch (repeatable); default: all",
+        )
+        if force:
+            p.add_argument(
+                "--force",
+                action="store_true",
+                help=f"{force} even if the tree's vLLM version is outside the "
+                "patch's range",
+            )
+
+
+def _import_job(name: str, module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:  # e.g. GitPython without a git executable
+        raise UsageError(
+            f"vllm-patch {name} cannot start: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv).parse_args(argv)
         return int(args.func(args))
     except PatchError as exc:
         return _fail(exc, "--json" in argv)

@@ -1,12 +1,12 @@
 """Per-op timing of every vLLM IR implementation one environment offers.
 
 ``measure(spec)`` runs inside the environment being measured (the parent
-runs ``child_measure`` through ``patcher.child`` with that environment's
+runs ``child_measure`` through ``vllm_patch.runtime.child`` with that environment's
 interpreter and ``PYTHONPATH``): it imports vLLM IR, registers the out-of-tree
 providers it is given, and for every op that has an input generator times native,
 native under ``torch.compile`` and every supported provider, on inputs from
 the op's own generator. Each implementation's output is checked against native
-with the op's own tolerance first (``bench.numerics``); one that fails is
+with the op's own tolerance first (``vllm_patch.bench.numerics``); one that fails is
 reported as wrong and is never timed.
 
 What is timed is one call of the implementation function (``impl_fn``), with
@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.numerics import compare, copy_args
-from patcher import machine
-from patcher.bench_result import NATIVE, NATIVE_COMPILED
+from vllm_patch.bench.numerics import compare, copy_args
+from vllm_patch.runtime import machine
+from vllm_patch.runtime.bench_result import NATIVE, NATIVE_COMPILED
 
 DEFAULT_SPEC: dict[str, Any] = {
     "ops": None,  # None: every IR op with an input generator
@@ -406,7 +406,8 @@ PROGRESS = "  per-op "
 
 
 def child_measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """:func:`measure` as a ``patcher.child`` target, its progress on stderr."""
+    """:func:`measure` as a ``vllm_patch.runtime.child`` target, its progress
+    on stderr."""
 
     def progress(msg: str) -> None:
         print(f"{PROGRESS}{msg}", file=sys.stderr, flush=True)

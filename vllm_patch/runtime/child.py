@@ -25,7 +25,7 @@ those of the extra environment, the inherited ones, and the project root last,
 so that ``target`` imports in an interpreter that does not have this project
 installed. :func:`child_env` is that rule.
 
-The child side is ``python -m patcher.child TARGET ARGS_FILE RESULT_FILE``:
+The child side is ``python -m vllm_patch.runtime.child TARGET ARGS_FILE RESULT_FILE``:
 nothing here imports more than the standard library.
 """
 
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """Put last on every child's ``PYTHONPATH``: this project's packages import there."""
 
 LOG_TAIL_CHARS = 4000
@@ -178,7 +178,7 @@ def start(
     if fork:
         child.pid = _fork(child, list(pythonpath), list(drop_env), cwd)
         return child
-    cmd = [str(python), "-m", "patcher.child", target]
+    cmd = [str(python), "-m", "vllm_patch.runtime.child", target]
     cmd += [str(child.args_file), str(child.result_file)]
     with child.log_file.open("wb") as log:
         child.proc = subprocess.Popen(

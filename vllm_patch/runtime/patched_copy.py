@@ -4,7 +4,7 @@
 and bundled libraries into a temporary folder (``patcher.tree.linked_copy``)
 and applies a patch there with the engine. The engine writes by rename only,
 so the links to the installed files are never written through. A child with
-the folder first on its ``PYTHONPATH`` (``patcher.child``: ``pythonpath=``)
+the folder first on its ``PYTHONPATH`` (``vllm_patch.runtime.child``: ``pythonpath=``)
 imports the patched vLLM; the folder is removed afterwards.
 """
 

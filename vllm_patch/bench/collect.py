@@ -1,11 +1,11 @@
 """One bench run: per op in every environment, then end to end, into the
 result document (schema ``SCHEMA``) that every output is rendered from.
 
-Every measurement runs in a child (``patcher.child``): per op ``bench.perop``
-in the installed vLLM and in a patched copy of it (``patcher.patched_copy``)
-for each patch that applies, at each thread count; end to end
-``bench.e2e_step`` pairs. The recommendation (``bench.recommend``) is a pure
-function of the figures.
+Every measurement runs in a child (``vllm_patch.runtime.child``): per op
+``perop`` in the installed vLLM and in a patched copy of it
+(``vllm_patch.runtime.patched_copy``) for each patch that applies, at each
+thread count; end to end ``e2e_step`` pairs. The recommendation
+(``recommend``) is a pure function of the figures.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher import machine
+from vllm_patch.runtime import machine
 
 SCHEMA = "vllm-patch-bench/1"
 PEROP_TIMEOUT = 3600
@@ -30,7 +30,7 @@ def _portable(path: str | None) -> str | None:
     it lies in, so that a result holds no machine-specific absolute path."""
     if not path:
         return path
-    from patcher.cache import cache_dir
+    from vllm_patch.runtime.cache import cache_dir
 
     roots = (
         (cache_dir(), "<vllm-patch cache>"),
@@ -51,8 +51,8 @@ def measure_env(
     """Per-op figures in one environment at every thread count; ops whose
     providers are too close to native to call are measured again with twice the
     samples, up to ``cfg["remeasure"]`` times (their rows are replaced)."""
-    from bench import perop, recommend
-    from patcher import child
+    from vllm_patch.bench import perop, recommend
+    from vllm_patch.runtime import child
 
     def echo(line: str) -> None:
         if line.startswith(perop.PROGRESS):
@@ -62,7 +62,7 @@ def measure_env(
         results = []
         for threads in cfg["threads"]:
             outcome = child.run(
-                "bench.perop:child_measure",
+                "vllm_patch.bench.perop:child_measure",
                 {
                     "spec": {
                         **spec,
@@ -120,11 +120,11 @@ def collect(
 ) -> dict[str, Any]:
     """Run the whole bench and return the result document; ``save(doc)`` gets
     the document so far after each step (per op, then each end-to-end mode)."""
-    from bench import recommend
-    from bench.bench_env import BenchEnv, patches_to_copy
-    from patcher.patched_copy import patched_copy
     from patcher.patchset import provider_specs
     from patcher.tree import open_tree
+    from vllm_patch.bench import recommend
+    from vllm_patch.bench.bench_env import BenchEnv, patches_to_copy
+    from vllm_patch.runtime.patched_copy import patched_copy
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     load_before = machine.load_average()
@@ -302,9 +302,9 @@ def _run_e2e(cfg, targets, progress, save) -> dict[str, Any]:
     """Per mode, each target's pair (native, then its provider first) in turn,
     saved as it comes; a step that fails is recorded with its reason in
     ``failed`` (the bench then exits 1), never raised."""
-    from bench import e2e_step, engine_run
-    from patcher.cache import cache_dir
-    from patcher.import_checks import explain
+    from vllm_patch.bench import e2e_step, engine_run
+    from vllm_patch.runtime.cache import cache_dir
+    from vllm_patch.runtime.import_checks import explain
 
     doc = _e2e_document(cfg)
     if not targets:

@@ -1,4 +1,4 @@
-"""``vllm-patch bench`` (and ``python -m bench``): does the carried change pay
+"""``vllm-patch bench``: does the carried change pay
 off on this machine?
 
 Per op: every IR implementation the environment offers (native, native under
@@ -10,10 +10,6 @@ compiled: the out-of-tree provider in the installed vLLM, and the upstream
 provider on the patched copy (the patched vLLM as a user would run it).
 Outputs JSON, Markdown and a PNG chart, and a recommended ``ir_op_priority``
 per op and mode that follows from the measured numbers.
-
-``register`` adds the ``bench`` subcommand to ``vllm-patch`` (the
-``vllm_patch.commands`` entry point in pyproject.toml): the engine's command
-line knows no more of the bench than that entry point.
 """
 
 from __future__ import annotations
@@ -73,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def configuration(args: argparse.Namespace) -> dict[str, Any]:
     """The measured grid, from the command line (the quick one is for a first look)."""
-    from patcher.machine import usable_cpus
+    from vllm_patch.runtime.machine import usable_cpus
 
     cores = usable_cpus()
     if args.quick:
@@ -124,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
     written, with the reason); 2 when there is no vLLM to measure."""
     import importlib.util
 
-    from bench import markdown
-    from bench.chart import NO_CHART, can_draw
-    from bench.collect import collect
-    from bench.outputs import write_outputs
     from patcher.errors import ExitCode
+    from vllm_patch.bench import markdown
+    from vllm_patch.bench.chart import NO_CHART, can_draw
+    from vllm_patch.bench.collect import collect
+    from vllm_patch.bench.outputs import write_outputs
 
     if importlib.util.find_spec("vllm") is None:
         print(
@@ -166,21 +162,3 @@ def run(args: argparse.Namespace) -> int:
     for reason in failed:
         print(f"vllm-patch bench: end to end FAILED: {reason}", file=sys.stderr)
     return ExitCode.PENDING if failed else ExitCode.OK
-
-
-HELP = "measure native vs fused IR kernels"
-
-
-def register(commands: argparse._SubParsersAction) -> None:
-    """Add ``bench`` to ``vllm-patch``'s subcommands."""
-    p = commands.add_parser("bench", help=HELP, description=HELP)
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench", description=__doc__.split("\n\n")[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -2,12 +2,12 @@
 
 Importing torch, vLLM or transformers can fail with an exception, abort on a
 C++ ABI mismatch or crash outright; in a child, each of those is a finding for
-the parent (``patcher.doctor``) rather than a traceback. The child runs the steps
-it is given in order and appends one JSON line per finished step to a result
-file, so when it dies the parent knows which step took it down and starts a new
-child for the rest.
+the parent (``vllm_patch.doctor.diagnose``) rather than a traceback. The child
+runs the steps it is given in order and appends one JSON line per finished step
+to a result file, so when it dies the parent knows which step took it down and
+starts a new child for the rest.
 
-    python -m patcher.import_checks --steps JSON --result FILE
+    python -m vllm_patch.runtime.import_checks --steps JSON --result FILE
 
 A step is ``[kind, argument]``:
 
@@ -61,7 +61,7 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
 def explain(exc: BaseException) -> str:
     """An import failure in one line, naming the package that broke it when it
     is one of those that break beside a ``+cpu`` torch (the doctor has the fix)."""
-    from patcher.cpu_torch import BROKEN_BESIDE_CPU_TORCH
+    from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
     found = describe_error(exc)
     culprits = [p for p in found["packages"] if p in BROKEN_BESIDE_CPU_TORCH]
@@ -144,7 +144,7 @@ def _vllm_kernels() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m patcher.import_checks")
+    parser = argparse.ArgumentParser(prog="python -m vllm_patch.runtime.import_checks")
     parser.add_argument("--steps", required=True, help="JSON list of [kind, arg]")
     parser.add_argument("--result", required=True, type=Path)
     args = parser.parse_args(argv)

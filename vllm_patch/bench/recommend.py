@@ -32,8 +32,8 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from patcher.bench_result import NATIVE, NATIVE_COMPILED
-from patcher.machine import BUSY_SHARE
+from vllm_patch.runtime.bench_result import NATIVE, NATIVE_COMPILED
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 MODES = ("eager", "compiled")
 

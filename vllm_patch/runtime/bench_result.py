@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from patcher.machine import BUSY_SHARE
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 NATIVE = "native"
 """vLLM's own PyTorch implementation of an IR op: every ratio's baseline."""

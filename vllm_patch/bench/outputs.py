@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench import chart, markdown
+from vllm_patch.bench import chart, markdown
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:

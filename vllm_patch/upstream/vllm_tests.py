@@ -2,14 +2,13 @@
 
 vLLM's tests import both ``vllm`` and ``tests``: ``vllm`` must be a built vLLM
 (the checkout's sources have no compiled kernels), ``tests`` the checkout's. So
-pytest runs in a child interpreter (``patcher.child``) with a site folder holding
-a built ``vllm/`` (a hard-linked copy of the installed vLLM, patched or not)
-first, then the checkout; ``--import-mode=append`` keeps pytest from putting the
-checkout's ``vllm/`` sources first. ``--noconftest`` leaves out vLLM's
-``tests/conftest.py``, which needs vLLM's test requirements (``tblib`` and
-more) that a runtime install lacks; the IR kernel tests use none of its
-fixtures. The outcome is counted from pytest's JUnit XML.
-"""
+pytest runs in a child interpreter (``vllm_patch.runtime.child``) with a site
+folder holding a built ``vllm/`` (a hard-linked copy of the installed vLLM,
+patched or not) first, then the checkout; ``--import-mode=append`` keeps pytest
+from putting the checkout's ``vllm/`` sources first. ``--noconftest`` leaves
+out vLLM's ``tests/conftest.py``, which needs vLLM's test requirements
+(``tblib`` and more) that a runtime install lacks; the IR kernel tests use none
+of its fixtures. The outcome is counted from pytest's JUnit XML."""
 
 from __future__ import annotations
 
@@ -22,12 +21,12 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from patcher import child, machine
 from patcher.errors import PatchError
-from patcher.patched_copy import patched_copy
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
+from vllm_patch.runtime import child, machine
+from vllm_patch.runtime.patched_copy import patched_copy
 
 PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--noconftest", "--import-mode=append")
 
@@ -79,7 +78,7 @@ def run_pytest(
         )
         # cwd=site: `python -m` puts the working directory first on sys.path.
         outcome = child.run(
-            "patcher.upstream_tests:pytest_main",
+            "vllm_patch.upstream.vllm_tests:pytest_main",
             {"argv": argv},
             pythonpath=[site, checkout],
             cwd=site,

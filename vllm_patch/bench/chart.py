@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from patcher.bench_result import NATIVE, label, provider_order
-from patcher.machine import BUSY_SHARE
+from vllm_patch.runtime.bench_result import NATIVE, label, provider_order
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 NO_CHART = (
     "no chart (perop_ratios.png): matplotlib is not installed here; "

@@ -1,3 +1,0 @@
-from patcher.cli import main
-
-raise SystemExit(main())

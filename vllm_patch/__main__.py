@@ -1,0 +1,3 @@
+from vllm_patch.cli import main
+
+raise SystemExit(main())
