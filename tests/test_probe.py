@@ -184,7 +184,7 @@ def test_on_a_vllm_that_has_the_change_the_provider_is_redundant(tmp_path):
 
 
 @requires_vllm
-@pytest.mark.wheels
+@pytest.mark.integration
 def test_e2e_asked_for_in_a_broken_environment_fails(broken_venv, tmp_path):
     """PyPI's torchvision beside the +cpu torch: transformers does not import, so
     the random Llama cannot be built (an empty cache: none built before), and
@@ -259,7 +259,7 @@ def vllm_020(tmp_path_factory) -> Path:
 
 
 @requires_vllm
-@pytest.mark.wheels
+@pytest.mark.integration
 def test_old_vllm_with_a_foreign_abi_degrades_to_reasons(vllm_020):
     rc, doc, stderr = probe_cli(pythonpath=[vllm_020])
     checks = by_name(doc)

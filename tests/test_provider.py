@@ -355,7 +355,7 @@ def old_vllm(tmp_path_factory):
 
 
 @requires_vllm
-@pytest.mark.wheels
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "version, registered, skipped, stood_down",
     OLD_VLLMS,

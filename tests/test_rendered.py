@@ -15,7 +15,7 @@ from patcher.tree import open_tree
 from vllm_patch.upstream import render
 from vllm_patch.upstream.meta import pick_patch, upstream_of
 
-pytestmark = pytest.mark.wheels
+pytestmark = pytest.mark.integration
 
 PATCH = pick_patch("cpu_fused_norms")
 RENDERED = PATCH.folder / "rendered"

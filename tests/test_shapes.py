@@ -219,7 +219,7 @@ def test_only_the_norms_change_and_only_on_cpu(
     assert_the_rule(was, now, platform)
 
 
-@pytest.mark.wheels
+@pytest.mark.integration
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_the_rule_holds_on_every_real_wheel(real_wheel, platform, monkeypatch):
     """The same, on each real vllm_c.py the patch is rendered for."""
