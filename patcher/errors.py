@@ -1,7 +1,7 @@
 """Errors the engine reports, and the exit codes they map to.
 
 ``ExitCode`` is the one home of ``vllm-patch``'s exit codes: the CLI's help text
-is built from it and a test holds the README's table to it.
+is built from it and a test holds the table in ``docs/cli.md`` to it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ class ExitCode(enum.IntEnum):
     short: str
     """For ``--help``."""
     meaning: str
-    """For the README's table."""
+    """For the table in ``docs/cli.md``."""
 
     def __new__(cls, value: int, short: str, meaning: str) -> ExitCode:
         member = int.__new__(cls, value)
@@ -49,7 +49,7 @@ class ExitCode(enum.IntEnum):
 
     @classmethod
     def table(cls) -> str:
-        """The Markdown table the README carries."""
+        """The Markdown table ``docs/cli.md`` carries."""
         rows = [f"| {c.value} | {c.meaning} |" for c in cls]
         return "\n".join(["| code | meaning |", "|---|---|", *rows])
 

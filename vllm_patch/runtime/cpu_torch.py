@@ -8,9 +8,9 @@ imports torchvision when it is installed, so it fails too, and with it
 ``vllm.config`` and the engine. Text models need none of the three. Where
 PyTorch's CPU index is reachable, its ``+cpu`` builds of them work instead.
 
-This module is the one list of them: the README's set-up (through ``vllm-patch
-doctor --fix``), the nox sessions and the compatibility cells read it. It
-imports nothing beyond the standard library, so the noxfile can import it.
+This module is the one list of them: the set-up (``docs/setup.md``, through
+``vllm-patch doctor --fix``), the nox sessions and the compatibility cells read
+it. It imports nothing beyond the standard library, so the noxfile can import it.
 """
 
 from __future__ import annotations
