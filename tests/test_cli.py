@@ -308,6 +308,7 @@ def test_bad_input_exits_3_and_changes_nothing(
     assert not list(tree.rglob("*.tmp"))
 
 
+@pytest.mark.integration  # the installed console script
 def test_entry_points_run(tree: Path) -> None:
     script = Path(sys.executable).with_name("vllm-patch")
     assert script.is_file(), "the vllm-patch console script is not installed"
@@ -321,6 +322,7 @@ def test_entry_points_run(tree: Path) -> None:
         assert "cpu_fused_norms: applicable" in proc.stdout
 
 
+@pytest.mark.integration  # libcst.tool in subprocesses
 def test_codemods_run_through_libcst_tool(tree: Path, tmp_path: Path) -> None:
     """docs/patch.md's libcst.tool commands give what `vllm-patch apply` gives."""
     expected = tmp_path / "expected"

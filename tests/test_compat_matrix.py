@@ -604,6 +604,7 @@ def _project_copy(dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.integration  # uv builds a real environment
 @pytest.mark.skipif(not pip_config.find_uv(), reason="uv builds the cell environments")
 def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     """An environment is rebuilt when what it installs changes; a new
@@ -646,6 +647,7 @@ def test_a_changed_pyproject_reinstalls_only_the_project(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
+@pytest.mark.integration  # a real probe, killed at its timeout
 def test_a_probe_that_does_not_finish_in_time_gives_the_reason():
     """The probe runs in the environment's interpreter (here this one) and is
     ended at its timeout, its children with it."""
@@ -655,6 +657,7 @@ def test_a_probe_that_does_not_finish_in_time_gives_the_reason():
     assert doc is None and why == "probe did not finish in 1 s"
 
 
+@pytest.mark.integration  # asks the configured registry
 def test_the_registrys_answer_about_a_torch_is_asked_once(tmp_path, monkeypatch):
     """Cells on one torch ask pip once: the answer is kept per pin and index
     configuration (a real pip resolution, counted, not replaced)."""

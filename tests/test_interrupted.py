@@ -214,6 +214,7 @@ def _race(root: Path, verb: str, n: int) -> None:
     assert codes == [0] * n
 
 
+@pytest.mark.integration  # concurrent CLI processes
 @pytest.mark.parametrize("n", [2, 4])
 def test_concurrent_runs_apply_once_and_revert_exactly(installed, n, capfd) -> None:
     original = snapshot(installed)
@@ -230,6 +231,7 @@ def test_concurrent_runs_apply_once_and_revert_exactly(installed, n, capfd) -> N
     assert patched != original
 
 
+@pytest.mark.integration  # races a writer process for seconds
 def test_recover_looks_while_a_writer_removes_the_backup(installed) -> None:
     # Every command first looks for an interrupted operation without the lock.
     # A revert beside it deletes the backup folders that look walks: the look

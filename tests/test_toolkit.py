@@ -145,6 +145,7 @@ def test_a_child_that_dies_without_a_result_says_how(targets):
     assert outcome.error == "exit code 3: about to leave"
 
 
+@pytest.mark.integration  # kills a real process group
 def test_a_timeout_kills_the_whole_process_group(targets, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     started = time.perf_counter()
@@ -311,6 +312,7 @@ def test_a_copy_of_a_tree_with_the_patch_applied_already_records_no_change(tmp_p
 # --- the provider a patch declares -------------------------------------------------
 
 
+@requires_vllm
 def test_the_provider_is_what_its_module_declares():
     from patches.cpu_fused_norms import provider
 
