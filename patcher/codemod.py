@@ -20,6 +20,7 @@ import libcst as cst
 from libcst.codemod import CodemodContext, SkipFile, VisitorBasedCodemodCommand
 
 from patcher.errors import PatchError, ShapeNotRecognised
+from patcher.patchset import declared_file
 
 TREE_READER = "vllm_patch.read_tree_file"
 """Key in ``CodemodContext.scratch``: a callable ``relpath -> str`` the engine
@@ -34,7 +35,12 @@ class TreeCodemod(VisitorBasedCodemodCommand):
     """A codemod for one file of a vLLM source tree."""
 
     TARGET: str = ""
-    """Path of the edited file relative to the tree root, e.g. ``vllm/kernels/x.py``."""
+    """Path of the edited file relative to the tree root, e.g. ``vllm/kernels/x.py``:
+    for a codemod a patch lists, the ``file`` its ``patch.toml`` gives it."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TARGET = declared_file(cls) or cls.TARGET
 
     def transform_module(self, tree: cst.Module) -> cst.Module:
         filename = self.context.filename

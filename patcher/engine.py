@@ -14,10 +14,9 @@ from typing import Literal
 
 from packaging.version import Version
 
-from patcher import atomic
+from patcher import atomic, known
 from patcher.atomic import target_of
 from patcher.backup import Backup, BackupState
-from patcher.codemod import run_codemod_described
 from patcher.diff import combined_diff
 from patcher.errors import PatchError
 from patcher.patchset import Edit, Patch
@@ -149,6 +148,22 @@ class PatchPlan:
 def plan(
     tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
 ) -> PatchPlan:
+    version, warnings, refusal = _version_check(tree, patch, force, direction)
+    if refusal is not None:
+        return PatchPlan(patch, tree, direction, version, (), refusal)
+    sources: dict[str, str] = {}
+    edits = tuple(_plan_edits(tree, edits_for(tree, patch), direction, sources))
+    warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
+    return PatchPlan(
+        patch, tree, direction, version, edits, None, tuple(warnings), sources
+    )
+
+
+def _version_check(
+    tree: VllmTree, patch: Patch, force: bool, direction: Direction = "apply"
+) -> tuple[Version | None, list[str], PatchError | None]:
+    """The tree's version, warnings about it, and the refusal to apply to a
+    version outside the patch's range (None when in range, forced or reverting)."""
     version = read_version(tree)
     warnings: list[str] = []
     if version is None:
@@ -164,15 +179,9 @@ def plan(
             found=str(version),
         )
         if not force:
-            return PatchPlan(patch, tree, direction, version, (), refusal)
+            return version, warnings, refusal
         warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
-
-    sources: dict[str, str] = {}
-    edits = tuple(_plan_edits(tree, edits_for(tree, patch), direction, sources))
-    warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
-    return PatchPlan(
-        patch, tree, direction, version, edits, None, tuple(warnings), sources
-    )
+    return version, warnings, None
 
 
 def _plan_edits(
@@ -198,7 +207,7 @@ def _plan_edits(
         try:
             path = follow(tree, edit.file)
             before = texts[path] if path in texts else read(path)
-            after, described = run_codemod_described(
+            after, described = _run_codemod(
                 codemod, before, lambda rel: read(follow(tree, rel))
             )
         except PatchError as exc:
@@ -209,6 +218,70 @@ def _plan_edits(
         texts[path] = after
         shim = path if path != edit.file else None
         yield EditPlan(edit, before, after, described=described, path=shim)
+
+
+def _run_codemod(codemod, source, read_tree_file):
+    from patcher.codemod import run_codemod_described  # LibCST: only when run
+
+    return run_codemod_described(codemod, source, read_tree_file)
+
+
+@dataclass(frozen=True)
+class EditVerdict:
+    file: str
+    via: str | None
+    status: PlanStatus
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``check`` reports of a patch on a tree: a plan's statuses, without
+    the texts."""
+
+    patch: str
+    version: Version | None
+    status: PlanStatus
+    error: str | None = None
+    warnings: tuple[str, ...] = ()
+    edits: tuple[EditVerdict, ...] = ()
+
+    @classmethod
+    def of(cls, p: PatchPlan) -> Verdict:
+        edits = tuple(
+            EditVerdict(e.file, e.via, e.status(p.direction), _reason(e))
+            for e in p.edits
+        )
+        error = str(p.error) if p.error else None
+        return cls(p.patch.name, p.version, p.status, error, p.warnings, edits)
+
+
+def _reason(e: EditPlan) -> str | None:
+    return str(e.error or e.skipped) if (e.error or e.skipped) else None
+
+
+def check(tree: VllmTree, patch: Patch, *, force: bool = False) -> Verdict:
+    """What :func:`plan` says of applying ``patch`` to ``tree``; from the
+    patch's record of judged trees (``known``) when the tree is one of them,
+    without running a codemod."""
+    version, warnings, refusal = _version_check(tree, patch, force)
+    edits = edits_for(tree, patch)
+    shimmed = any(_followed(tree, e.file) != e.file for e in edits)
+    word = (
+        None
+        if refusal or shimmed
+        else known.judged(tree, patch.folder, [e.file for e in edits])
+    )
+    if word is None:
+        return Verdict.of(plan(tree, patch, force=force))
+    status = PlanStatus(word)
+    return Verdict(
+        patch.name,
+        version,
+        status,
+        warnings=tuple(warnings),
+        edits=tuple(EditVerdict(e.file, None, status) for e in edits),
+    )
 
 
 def _refuse_errors(p: PatchPlan) -> None:
@@ -362,9 +435,7 @@ def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
     for e in reversed(p.edits):
         if e.file in texts and e.changes:
             try:
-                texts[e.file] = run_codemod_described(
-                    e.edit.revert, texts[e.file], read
-                )[0]
+                texts[e.file] = _run_codemod(e.edit.revert, texts[e.file], read)[0]
             except PatchError:
                 return False
     return all(texts[rel] == before for rel, (before, _) in changes.items())

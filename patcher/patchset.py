@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:
     import tomllib
@@ -16,8 +18,10 @@ except ModuleNotFoundError:  # Python 3.10
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
-from patcher.codemod import TreeCodemod
 from patcher.errors import PatchError, UsageError
+
+if TYPE_CHECKING:  # the codemods import LibCST only when a plan runs them
+    from patcher.codemod import TreeCodemod
 
 PATCHES_PACKAGE = "patches"
 
@@ -29,18 +33,26 @@ def _load_object(ref: str) -> Any:
 
 @dataclass(frozen=True)
 class Edit:
-    """One file's change: the codemod that makes it and the one that undoes it."""
+    """One file's change: the codemod that makes it and the one that undoes it,
+    named as ``module:Class`` and imported (with LibCST) only when used."""
 
-    apply: type[TreeCodemod]
-    revert: type[TreeCodemod]
+    file: str
+    """The file it edits, relative to the tree root: ``patch.toml`` is its one
+    home, and each of the two codemods takes it as its ``TARGET``."""
+    apply_ref: str
+    revert_ref: str
     optional: bool = False
     """An edit to vLLM's own tests: made only where the tree has them (a
     checkout), and skipped, with the reason, where its file is missing or has a
     shape the codemod does not recognise. The source edits never are."""
 
     @property
-    def file(self) -> str:
-        return self.apply.TARGET
+    def apply(self) -> type[TreeCodemod]:
+        return _load_object(self.apply_ref)
+
+    @property
+    def revert(self) -> type[TreeCodemod]:
+        return _load_object(self.revert_ref)
 
     @property
     def summary(self) -> str:
@@ -103,17 +115,18 @@ def load_patch(folder: Path) -> Patch:
         raise PatchError(
             f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file)
         ) from exc
-    edits, test_edits = (
-        tuple(
-            Edit(
-                apply=_load_object(e["apply"]),
-                revert=_load_object(e["revert"]),
-                optional=optional,
+    try:
+        edits, test_edits = (
+            tuple(
+                Edit(e["file"], e["apply"], e["revert"], optional)
+                for e in meta.get(table, ())
             )
-            for e in meta.get(table, ())
+            for table, optional in (("edits", False), ("test_edits", True))
         )
-        for table, optional in (("edits", False), ("test_edits", True))
-    )
+    except KeyError as exc:
+        raise PatchError(
+            f"an edit without {exc.args[0]!r}", path=str(meta_file)
+        ) from exc
     return Patch(
         name=folder.name,
         title=meta["title"],
@@ -123,6 +136,23 @@ def load_patch(folder: Path) -> Patch:
         meta=meta,
         test_edits=test_edits,
     )
+
+
+def declared_file(codemod: type) -> str | None:
+    """The file ``codemod`` edits, from the ``patch.toml`` beside its module
+    (None for a class no patch lists, e.g. a shared base class)."""
+    module = sys.modules[codemod.__module__]
+    ref = f"{codemod.__module__}:{codemod.__qualname__}"
+    meta_file = Path(module.__file__ or "").with_name("patch.toml")
+    return _edit_files(meta_file).get(ref) if meta_file.is_file() else None
+
+
+@cache
+def _edit_files(meta_file: Path) -> dict[str, str]:
+    """``module:Class`` -> file, for every codemod a ``patch.toml`` lists."""
+    meta = tomllib.loads(meta_file.read_text("utf-8"))
+    edits = [*meta.get("edits", ()), *meta.get("test_edits", ())]
+    return {e[key]: e["file"] for e in edits for key in ("apply", "revert")}
 
 
 def all_patches() -> list[Patch]:

@@ -81,24 +81,33 @@ def _plans(
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    tree, plans = _plans(args)
-    if args.json:
+    if args.json:  # the full plans: JSON also gives each edit's changes
+        _, plans = _plans(args)
         print(json.dumps([p.to_json() for p in plans], indent=2))
+        verdicts = [engine.Verdict.of(p) for p in plans]
     else:
-        for p in plans:
-            version = p.version or "unknown version"
-            print(f"{p.patch.name}: {p.status}  [{tree.location}, vLLM {version}]")
-            if p.error:
-                print("  " + str(p.error).replace("\n", "\n  "))
-            for e in p.edits:
-                via = f" (via the shim {e.via})" if e.via else ""
-                print(f"  {e.file}{via}: {e.status()}")
-                if e.error or e.skipped:
-                    print("    " + str(e.error or e.skipped).replace("\n", "\n    "))
-    statuses = {p.status for p in plans}
+        tree = _open(args)
+        verdicts = [engine.check(tree, p, force=args.force) for p in select(args.patch)]
+        for v in verdicts:
+            _print_verdict(tree, v)
+    statuses = {v.status for v in verdicts}
     if PlanStatus.NOT_APPLICABLE in statuses:
         return ExitCode.CANNOT_APPLY
     return ExitCode.PENDING if PlanStatus.APPLICABLE in statuses else ExitCode.OK
+
+
+def _print_verdict(tree: VllmTree, v: engine.Verdict) -> None:
+    for w in v.warnings:
+        _warn(w)
+    version = v.version or "unknown version"
+    print(f"{v.patch}: {v.status}  [{tree.location}, vLLM {version}]")
+    if v.error:
+        print("  " + v.error.replace("\n", "\n  "))
+    for e in v.edits:
+        via = f" (via the shim {e.via})" if e.via else ""
+        print(f"  {e.file}{via}: {e.status}")
+        if e.reason:
+            print("    " + e.reason.replace("\n", "\n    "))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

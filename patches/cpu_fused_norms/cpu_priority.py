@@ -71,8 +71,6 @@ def _config_fields(module: cst.Module) -> tuple[list[str], bool]:
 
 
 class _CpuPlatformCodemod(TreeCodemod):
-    TARGET = "vllm/platforms/cpu.py"
-
     def has_method(self, tree: cst.Module) -> bool:
         """Whether ``CpuPlatform`` defines the method (refusing a tree without it)."""
         classes = m.findall(tree, CPU_CLASS)

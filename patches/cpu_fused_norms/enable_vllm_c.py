@@ -114,7 +114,6 @@ def _impls(ops: list[str]) -> str:
 class _NormCodemod(TreeCodemod):
     """Finds the norm impls' gates and argument checks; subclasses edit them."""
 
-    TARGET = "vllm/kernels/vllm_c.py"
     edits: dict[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
 
     def norms(self, tree: cst.Module) -> list[VllmCImpl]:

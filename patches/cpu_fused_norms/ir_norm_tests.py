@@ -285,7 +285,6 @@ def _without_cpu_skip(method: cst.FunctionDef) -> cst.FunctionDef:
 class _IrNormTestsCodemod(TreeCodemod):
     """Finds the norm tests' skips and registration expectations."""
 
-    TARGET = "tests/kernels/ir/test_layernorm.py"
     replace: dict[cst.CSTNode, cst.CSTNode]
 
     def found_tests(self, tree: cst.Module) -> dict[str, cst.CSTNode]:

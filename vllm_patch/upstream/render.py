@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from patcher import engine
+from patcher import engine, known
 from patcher.errors import PatchError
 from patcher.patchset import Patch, select
 from patcher.tree import open_tree
@@ -35,25 +35,37 @@ def file_name(spec: str) -> str:
     return f"{package}-{version}.patch"
 
 
-def render_one(patch: Patch, spec: str) -> str:
-    """The rendered file's text for one ``package==version``."""
+def render_one(patch: Patch, spec: str) -> tuple[str, dict]:
+    """The rendered file's text for one ``package==version``, and the judged
+    tree it adds to ``known.json``."""
     package, _, version = spec.partition("==")
     plan = engine.plan(open_tree(fetch_wheel(package, version)), patch)
     if plan.errors:
         raise plan.errors[0]
     header = HEADER.format(patch=patch.name, package=package, version=version)
-    return header + plan.diff()
+    judged = known.entry(spec, plan.sources, plan.file_changes())
+    return header + plan.diff(), judged
 
 
 def rendered(patch: Patch) -> dict[str, str]:
-    """File name -> text, for every wheel the patch lists."""
-    return {file_name(s): render_one(patch, s) for s in upstream_of(patch).rendered_for}
+    """File name -> text, for every wheel the patch lists, and ``known.json``."""
+    specs = upstream_of(patch).rendered_for
+    done = {s: render_one(patch, s) for s in specs}
+    files = {file_name(s): text for s, (text, _) in done.items()}
+    files[known.FILE_NAME] = known.document(
+        patch.folder, [judged for _, judged in done.values()]
+    )
+    return files
 
 
 def sync(out: Path, wanted: dict[str, str], *, check: bool) -> list[str]:
     """Make ``out`` hold exactly ``wanted`` (name -> text), or with ``check`` only
     compare; the names that differed."""
-    present = {p.name for p in out.glob("*.patch")} if out.is_dir() else set()
+    present = (
+        {p.name for p in [*out.glob("*.patch"), out / known.FILE_NAME] if p.is_file()}
+        if out.is_dir()
+        else set()
+    )
     differ = sorted(
         name
         for name in wanted.keys() | present
