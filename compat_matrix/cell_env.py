@@ -127,35 +127,53 @@ def ensure_env(
     # The wheel already fetched for the static checks, so it is not downloaded twice.
     wanted = [str(wheel), torch_req, *project_requirements()]
     if uv:
-        args, uv_env = uv_args_from_pip(pip_config())
-        if torch_index and "--index-strategy" not in args:
-            # uv would otherwise take every package the torch index also lists
-            # (numpy, requests, ...) from that index alone, at its old versions.
-            args += ["--index-strategy", "unsafe-best-match"]
-        run_env = os.environ | uv_env
-        python = ["--python", str(env_python(env))]
-        # Bytecode compiled at install, as pip does: otherwise the first probe
-        # compiles torch's and vLLM's modules as it imports them, single-threaded.
-        install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink"]
-        install += ["--compile-bytecode", *python]
-        _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
-        if torch_req != pin:  # one file per environment: cells may build at once
-            override = env / "torch-override.txt"
-            override.write_text(torch_req + "\n", "utf-8")
-            args += ["--override", str(override)]
-        _run([*install, *args, *extra, *wanted], run_env)
-        _run(
-            [uv, "pip", "uninstall", "--quiet", *python, *BROKEN_BESIDE_CPU_TORCH],
-            run_env,
-        )
+        override = torch_req if torch_req != pin else None
+        _build_with_uv(env, uv, extra, wanted, torch_index, override)
     else:
-        pip = [str(env_python(env)), "-m", "pip"]
-        _run([sys.executable, "-m", "venv", str(env)])
-        _run([*pip, "install", "--quiet", *extra, *wanted])
-        _run([*pip, "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH])
+        _build_with_pip(env, extra, wanted)
     _install_project(env, uv)
     stamp_file.write_text(json.dumps(stamp | project, indent=1))
     return env, False
+
+
+def _build_with_uv(
+    env: Path,
+    uv: str,
+    extra: list[str],
+    wanted: list[str],
+    torch_index: str | None,
+    override: str | None,
+) -> None:
+    """A uv venv with ``wanted`` installed; ``override`` is a torch requirement
+    standing in for the wheel's pin."""
+    args, uv_env = uv_args_from_pip(pip_config())
+    if torch_index and "--index-strategy" not in args:
+        # uv would otherwise take every package the torch index also lists
+        # (numpy, requests, ...) from that index alone, at its old versions.
+        args += ["--index-strategy", "unsafe-best-match"]
+    run_env = os.environ | uv_env
+    python = ["--python", str(env_python(env))]
+    # Bytecode compiled at install, as pip does: otherwise the first probe
+    # compiles torch's and vLLM's modules as it imports them, single-threaded.
+    install = [uv, "pip", "install", "--quiet", "--link-mode=hardlink"]
+    install += ["--compile-bytecode", *python]
+    _run([uv, "venv", "--quiet", "--python", sys.executable, str(env)], run_env)
+    if override:  # one file per environment: cells may build at once
+        override_file = env / "torch-override.txt"
+        override_file.write_text(override + "\n", "utf-8")
+        args += ["--override", str(override_file)]
+    _run([*install, *args, *extra, *wanted], run_env)
+    _run(
+        [uv, "pip", "uninstall", "--quiet", *python, *BROKEN_BESIDE_CPU_TORCH],
+        run_env,
+    )
+
+
+def _build_with_pip(env: Path, extra: list[str], wanted: list[str]) -> None:
+    pip = [str(env_python(env)), "-m", "pip"]
+    _run([sys.executable, "-m", "venv", str(env)])
+    _run([*pip, "install", "--quiet", *extra, *wanted])
+    _run([*pip, "uninstall", "--quiet", "-y", *BROKEN_BESIDE_CPU_TORCH])
 
 
 def _install_project(env: Path, uv: str | None) -> None:

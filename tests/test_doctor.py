@@ -18,8 +18,8 @@ from conftest import requires_vllm
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
-from patches.cpu_fused_norms.provider import OPT_IN_ENV
-from vllm_patch.doctor.diagnose import _opt_in_finding
+from vllm_patch.doctor import imports
+from vllm_patch.doctor.patches import opt_in_finding
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
@@ -27,11 +27,13 @@ PATCH = "cpu_fused_norms"
 
 def doctor(*args: str, python: str = sys.executable, pythonpath=()):
     """(exit code, findings by check, the whole document)."""
+    from patches.cpu_fused_norms.provider import OPT_IN_ENV  # imports torch
+
     child_env = dict(os.environ)
     child_env.pop(OPT_IN_ENV, None)
     child_env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
     proc = subprocess.run(
-        [python, "-m", "patcher", "doctor", "--json", *args],
+        [python, "-m", "vllm_patch", "doctor", "--json", *args],
         capture_output=True,
         text=True,
         env=child_env,
@@ -64,6 +66,7 @@ HEALTHY = [
 
 
 @requires_vllm
+@pytest.mark.integration
 @pytest.mark.parametrize("check, status, words", HEALTHY)
 def test_a_healthy_environment(healthy, check, status, words):
     rc, findings, doc = healthy
@@ -73,6 +76,7 @@ def test_a_healthy_environment(healthy, check, status, words):
 
 
 @requires_vllm
+@pytest.mark.integration
 def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
     engine.apply(open_tree(copy), select([PATCH])[0])
@@ -124,5 +128,58 @@ def test_the_opt_in_variable(monkeypatch, value, status, words):
         monkeypatch.delenv("SOME_OPT_IN", raising=False)
     else:
         monkeypatch.setenv("SOME_OPT_IN", value)
-    finding = _opt_in_finding("p", "SOME_OPT_IN", "prov", {})
+    finding = opt_in_finding("p", "SOME_OPT_IN", "prov", {})
     assert finding.status == status and words in finding.message
+
+
+# Modules the import steps below load: each does what a broken build can do.
+STEP_MODULES = {
+    "doctor_aborts": "import os\nos.abort()\n",  # a C++ ABI mismatch
+    "doctor_segfaults": "import ctypes\nctypes.string_at(0)\n",
+    "doctor_raises": "raise ImportError('undefined symbol: _ZN3c10')\n",
+    "doctor_hangs": "import time\ntime.sleep(60)\n",
+}
+
+
+STEP_CASES = [
+    pytest.param(["import", "json"], True, None, id="ok-before"),
+    pytest.param(
+        ["import", "doctor_aborts"], False,
+        "the interpreter died while importing (exit code -6", id="abort",
+    ),
+    pytest.param(
+        ["import", "doctor_segfaults"], False,
+        "the interpreter died while importing (exit code -11", id="segfault",
+    ),
+    pytest.param(["from", "os:path"], True, None, id="ok-in-a-new-child"),
+    pytest.param(
+        ["import", "doctor_raises"], False,
+        "ImportError: undefined symbol: _ZN3c10", id="exception",
+    ),
+    pytest.param(
+        ["import", "doctor_hangs"], False,
+        "the interpreter died while importing (no answer within 1 s)", id="hang",
+    ),
+    pytest.param(["import", "os"], True, None, id="ok-after-a-hang"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("step, ok, error", STEP_CASES)
+def test_a_step_that_kills_its_interpreter_fails_alone(step_results, step, ok, error):
+    result = step_results[tuple(step)]
+    assert result["ok"] is ok
+    if error:
+        assert result["error"].startswith(error), result
+
+
+@pytest.fixture(scope="module")
+def step_results(tmp_path_factory):
+    """Every step of the table above in one run, through real children."""
+    folder = tmp_path_factory.mktemp("steps")
+    for name, source in STEP_MODULES.items():
+        (folder / f"{name}.py").write_text(source)
+    steps = [p.values[0] for p in STEP_CASES]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(folder))
+        mp.setattr(imports, "CHILD_TIMEOUT", 1)
+        return imports.run_import_checks(steps)

@@ -349,7 +349,7 @@ def test_strace_kills_at_each_real_syscall(
         put(real_tree, states[START[verb]], watched(real_tree))
         proc = subprocess.run(
             ["strace", "-f", "-o", os.devnull, "-e", f"inject={calls}:signal=KILL:when={n}",
-             sys.executable, "-m", "patcher", verb, "--vllm", str(real_tree)],
+             sys.executable, "-m", "vllm_patch", verb, "--vllm", str(real_tree)],
             env=env, capture_output=True, text=True,
         )  # fmt: skip
         if proc.returncode == 0:

@@ -154,7 +154,7 @@ def test_without_vllm_flag_the_importable_vllm_is_patched(vllm_copy: Path) -> No
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "patcher", *args],
+            [sys.executable, "-m", "vllm_patch", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -33,6 +33,14 @@ def echo(**kwargs):
 def fail(message):
     raise ValueError(message)
 
+def report_then_abort(values, abort):
+    from vllm_patch.runtime.child import report
+    for value in values:
+        report(value)
+    if abort:
+        os.abort()
+    return len(values)
+
 def exit_without_result(code):
     print("about to leave", flush=True)
     os._exit(code)
@@ -143,6 +151,34 @@ def test_a_child_that_dies_without_a_result_says_how(targets):
     assert not outcome.ok
     assert outcome.returncode == 3
     assert outcome.error == "exit code 3: about to leave"
+
+
+@pytest.mark.parametrize(
+    "fork, abort",
+    [
+        pytest.param(False, True, id="interpreter-aborts"),
+        pytest.param(True, True, id="fork-aborts"),
+        pytest.param(False, False, id="interpreter-returns"),
+    ],
+)
+def test_what_a_child_reported_survives_its_crash(targets, fork, abort):
+    values = [{"step": 1}, ["two"], "three"]
+    if fork:
+        sys.path.insert(0, str(targets))  # the fork imports as this process does
+    try:
+        outcome = child.run(
+            "toolkit_targets:report_then_abort",
+            {"values": values, "abort": abort},
+            pythonpath=[targets],
+            timeout=120,
+            fork=fork,
+        )
+    finally:
+        if fork:
+            sys.path.remove(str(targets))
+    assert outcome.reported == values
+    assert outcome.ok is not abort
+    assert outcome.returncode == (-6 if abort else 0)
 
 
 @pytest.mark.integration  # kills a real process group

@@ -145,19 +145,15 @@ def patched_vllm(module: str) -> dict:
     }
     current_platform.import_kernels()
     if all(has_c_op(torch, o) for o in ops):
+        checked = {o: IrOp.registry[o] for o in ops if supported[o]}
         out["strided_inputs"] = {
-            o: noncontiguous_dispatch(IrOp.registry[o], UPSTREAM_PROVIDER)
-            for o in ops
-            if supported[o]
+            o: noncontiguous_dispatch(op, UPSTREAM_PROVIDER)
+            for o, op in checked.items()
         }
         out["numerics"] = [
-            c
-            for o in ops
-            if supported[o]
-            for c in compare_impl(IrOp.registry[o], UPSTREAM_PROVIDER)
+            c for op in checked.values() for c in compare_impl(op, UPSTREAM_PROVIDER)
         ]
-    cls = type(current_platform)
-    out["defines_priority"] = PRIORITY_METHOD in vars(cls)
+    out["defines_priority"] = PRIORITY_METHOD in vars(type(current_platform))
     try:
         eager, inductor = (
             vllm_config(None, compiled=False),
@@ -166,17 +162,30 @@ def patched_vllm(module: str) -> dict:
     except Exception as exc:  # an environment whose config does not import
         out["config_error"] = f"{type(exc).__name__}: {exc}"
         return out
+    out.update(_platform_priority(type(current_platform), eager, inductor))
+    out["provider_with_opt_in"] = _provider_opted_in(module)
+    return out
+
+
+def _platform_priority(cls, eager, inductor) -> dict[str, Any]:
+    """The platform's default priority in the ``eager`` and ``inductor``
+    configs, and the priority vLLM's config ends with eager."""
     get_default = getattr(cls, PRIORITY_METHOD)
-    out["platform_eager"] = dataclasses.asdict(get_default(eager))
-    out["platform_inductor"] = dataclasses.asdict(get_default(inductor))
-    out["final_eager"] = dataclasses.asdict(eager.kernel_config.ir_op_priority)
-    # The out-of-tree provider on a vLLM that has the change: it must stand down.
+    return {
+        "platform_eager": dataclasses.asdict(get_default(eager)),
+        "platform_inductor": dataclasses.asdict(get_default(inductor)),
+        "final_eager": dataclasses.asdict(eager.kernel_config.ir_op_priority),
+    }
+
+
+def _provider_opted_in(module: str) -> dict[str, Any]:
+    """The out-of-tree provider on a vLLM that has the change, opted in: it
+    must stand down."""
     provider = importlib.import_module(module)
     provider.register()
     with env_var(provider.OPT_IN_ENV, "1"):
         config = vllm_config(None, compiled=False)
-    out["provider_with_opt_in"] = {
+    return {
         "final": dataclasses.asdict(config.kernel_config.ir_op_priority),
         "status": provider_status(provider) or {},
     }
-    return out

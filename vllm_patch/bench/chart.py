@@ -52,56 +52,67 @@ def chart(doc: dict[str, Any], path: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     all_rows = doc["perop"]["rows"]
-    rows = [r for r in all_rows if r["provider"] != NATIVE]
     ops = sorted({r["op"] for r in all_rows}) or ["(no op measured)"]
     fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.6 * len(ops)), squeeze=False)
     for ax, op in zip(axes[:, 0], ops, strict=True):
-        op_rows = [r for r in rows if r["op"] == op]
-        series = provider_order(op_rows)
-        configs = []
-        for r in op_rows:
-            c = (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
-            if c not in configs:
-                configs.append(c)
-        width = 0.8 / max(len(series), 1)
-        drawn = 0
-        for i, (p, s) in enumerate(series):
-            values = []
-            for c in configs:
-                hit = [
-                    r
-                    for r in op_rows
-                    if (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
-                    == c
-                    and (r["provider"], r["source"]) == (p, s)
-                    and r.get("status") == "ok"
-                ]
-                values.append(hit[0]["ratio"] if hit else float("nan"))
-            drawn += sum(v == v for v in values)  # not NaN
-            ax.bar(
-                [x + i * width for x in range(len(configs))],
-                values,
-                width,
-                label=label(p, s),
-            )
-        ax.set_title(op)
-        if not drawn:
-            ax.text(
-                0.5, 0.5, _empty_panel_note([r for r in all_rows if r["op"] == op]),
-                transform=ax.transAxes, ha="center", va="center", wrap=True,
-                fontsize=9, color="dimgray",
-            )  # fmt: skip
-            ax.set_xticks([])
-            ax.set_yticks([])
-            continue
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_yscale("log")
-        ax.set_ylabel("speed-up vs native")
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(configs))])
-        ax.set_xticklabels(
-            [_tick(*c) for c in configs], rotation=45, ha="right", fontsize=7
+        _panel(ax, op, [r for r in all_rows if r["op"] == op])
+    _title(fig, doc)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _config(r: dict) -> tuple:
+    return (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
+
+
+def _panel(ax, op: str, all_op_rows: list[dict]) -> None:
+    """One op's bars: a group per configuration, a bar per (provider, source)."""
+    op_rows = [r for r in all_op_rows if r["provider"] != NATIVE]
+    series = provider_order(op_rows)
+    configs = list(dict.fromkeys(_config(r) for r in op_rows))
+    width = 0.8 / max(len(series), 1)
+    drawn = 0
+    for i, (p, s) in enumerate(series):
+        values = []
+        for c in configs:
+            hit = [
+                r
+                for r in op_rows
+                if _config(r) == c
+                and (r["provider"], r["source"]) == (p, s)
+                and r.get("status") == "ok"
+            ]
+            values.append(hit[0]["ratio"] if hit else float("nan"))
+        drawn += sum(v == v for v in values)  # not NaN
+        ax.bar(
+            [x + i * width for x in range(len(configs))],
+            values,
+            width,
+            label=label(p, s),
         )
-        ax.legend(fontsize=8)
+    ax.set_title(op)
+    if not drawn:
+        ax.text(
+            0.5, 0.5, _empty_panel_note(all_op_rows),
+            transform=ax.transAxes, ha="center", va="center", wrap=True,
+            fontsize=9, color="dimgray",
+        )  # fmt: skip
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speed-up vs native")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(configs))])
+    ax.set_xticklabels(
+        [_tick(*c) for c in configs], rotation=45, ha="right", fontsize=7
+    )
+    ax.legend(fontsize=8)
+
+
+def _title(fig, doc: dict[str, Any]) -> None:
+    """The machine and vLLM version on top, under a warning if it was busy."""
     title = f"{doc['machine']['cpu_model']}, vLLM {doc['versions'].get('vllm')}"
     shares = [v for v in doc["interference"].values() if v is not None]
     top = 1.0
@@ -115,6 +126,3 @@ def chart(doc: dict[str, Any], path: Path) -> Path | None:
         top = 0.96
     fig.suptitle(title, y=top - 0.005, va="top")
     fig.tight_layout(rect=(0, 0, 1, top - 0.03))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

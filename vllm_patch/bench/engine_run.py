@@ -153,6 +153,13 @@ def run_generate(
         pythonpath=pythonpath,
         timeout=timeout,
     )
+    return _generate_result(outcome, grep)
+
+
+def _generate_result(
+    outcome: child.ChildOutcome, grep: tuple[str, ...]
+) -> dict[str, Any]:
+    """``run_generate``'s answer, read from the child's outcome and log."""
     result = outcome.result or {}
     found = {}
     if grep:

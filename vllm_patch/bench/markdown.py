@@ -79,8 +79,20 @@ def recommendation_markdown(doc: dict[str, Any], *, snippets: bool = True) -> st
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    m, v, o = doc["machine"], doc["versions"], doc["options"]
     lines = [
+        *_header(doc),
+        *_perop_section(doc),
+        *_e2e_section(doc),
+        "## Recommendation for this machine",
+        "",
+        recommendation_markdown(doc),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _header(doc: dict[str, Any]) -> list[str]:
+    m, v, o = doc["machine"], doc["versions"], doc["options"]
+    return [
         "# vllm-patch bench",
         "",
         f"- Machine: {m['cpu_model']} ({m['arch']}), {m['usable_cpus']} usable CPUs, "
@@ -96,13 +108,18 @@ def markdown(doc: dict[str, Any]) -> str:
         "all cores suffer most when other processes compete for them)",
         *busy_warning(doc),
         "",
+    ]
+
+
+def _perop_section(doc: dict[str, Any]) -> list[str]:
+    lines = [
         "## Per op",
         "",
         "Microseconds per call of the implementation function (no IR dispatch): "
-        f"median [first–third quartile] of {o['samples']} samples, each sample "
-        "timing many calls; ratio = native median / this median, from the same "
-        "process. Every implementation's output was checked against native with "
-        "the op's own tolerance before it was timed.",
+        f"median [first–third quartile] of {doc['options']['samples']} samples, each "
+        "sample timing many calls; ratio = native median / this median, from the "
+        "same process. Every implementation's output was checked against native "
+        "with the op's own tolerance before it was timed.",
         "",
         perop_markdown(doc["perop"]["rows"]),
     ]
@@ -125,28 +142,28 @@ def markdown(doc: dict[str, Any]) -> str:
         ]
     if doc["perop"]["notes"]:
         lines += ["Notes:", ""] + [f"- {n}" for n in doc["perop"]["notes"]] + [""]
-    lines += ["## End to end", ""]
-    if doc.get("e2e"):
-        e = doc["e2e"]
-        lines += [
-            f"Random-weight Llama {e['model']}, batch {e['batch']}, prompt "
-            f"{e['prompt_len']} tokens, {e['max_tokens']} generated tokens, "
-            f"{e['repeats']} timed generates after a warm-up (engine start not timed).",
-            "",
-            e2e_markdown(e["pairs"]),
-            "",
-        ]
-        lines += [f"- **Failed:** {reason}" for reason in e.get("failed", [])]
-        lines += [f"- {n}" for n in e.get("notes", [])]
-        rows = doc["perop"]["rows"]
-        lines += [
-            token_note(p, rows) for p in e["pairs"] if p.get("same_tokens") is False
-        ]
-        lines.append("")
-    else:
-        lines += ["Not run.", ""]
-    lines += ["## Recommendation for this machine", "", recommendation_markdown(doc)]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _e2e_section(doc: dict[str, Any]) -> list[str]:
+    lines = ["## End to end", ""]
+    e = doc.get("e2e")
+    if not e:
+        return [*lines, "Not run.", ""]
+    lines += [
+        f"Random-weight Llama {e['model']}, batch {e['batch']}, prompt "
+        f"{e['prompt_len']} tokens, {e['max_tokens']} generated tokens, "
+        f"{e['repeats']} timed generates after a warm-up (engine start not timed).",
+        "",
+        e2e_markdown(e["pairs"]),
+        "",
+    ]
+    lines += [f"- **Failed:** {reason}" for reason in e.get("failed", [])]
+    lines += [f"- {n}" for n in e.get("notes", [])]
+    rows = doc["perop"]["rows"]
+    lines += [token_note(p, rows) for p in e["pairs"] if p.get("same_tokens") is False]
+    lines.append("")
+    return lines
 
 
 def machine_markdown(doc: dict[str, Any]) -> str:

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_patch.bench.numerics import compare, copy_args
@@ -164,12 +165,23 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """One measured configuration: an op at one dtype and input size."""
+
+    index: int
+    total: int
+    name: str
+    dtype_name: str
+    hidden: int
+    tokens: int
+
+
 def measure(
     spec: dict[str, Any], progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
     """Check and time every implementation; see the module docstring."""
     import torch
-    from vllm.ir.op import IrOp
     from vllm.platforms import current_platform
 
     spec = {**DEFAULT_SPEC, **spec}
@@ -180,109 +192,17 @@ def measure(
     # One thread count per process, set before any parallel region runs:
     # switching counts inside a process leaves OpenMP teams that distort the
     # next measurements.
-    threads = int(spec["threads"])
-    torch.set_num_threads(threads)
-
-    ops = {
-        name: op
-        for name, op in sorted(IrOp.registry.items())
-        if op.has_input_generator and (spec["ops"] is None or name in spec["ops"])
-    }
+    torch.set_num_threads(int(spec["threads"]))
+    ops = _ops_to_measure(spec)
     inventory = {
         name: {p: bool(impl.supported) for p, impl in op.impls.items()}
         for name, op in ops.items()
     }
-
-    def timed_providers(name: str) -> list[str]:
-        chosen = []
-        for provider, supported in inventory[name].items():
-            if provider == NATIVE or not supported:
-                continue
-            if spec["time_only"] is not None and provider not in spec["time_only"]:
-                continue
-            if provider in spec["skip_supported"].get(name, []):
-                continue
-            chosen.append(provider)
-        return chosen
-
-    configs = [
-        (name, dtype, h, t)
-        for name in ops
-        for dtype in spec["dtypes"]
-        for h in spec["hidden_sizes"]
-        for t in spec["num_tokens"]
-    ]
     rows: list[dict[str, Any]] = []
-    for index, (name, dtype_name, hidden, tokens) in enumerate(configs, 1):
-        op = ops[name]
-        providers = timed_providers(name)
-        if not providers and not spec["compile"]:
-            continue
-        dtype = getattr(torch, dtype_name)
-        tolerance = op.get_tolerance(dtype)
-        torch.manual_seed(spec["seed"])
-        args = tuple(
-            op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype)
-        )
-        native_fn = op.impls[NATIVE].impl_fn
-        expected = native_fn(*copy_args(args))
-        base = {
-            "op": name,
-            "dtype": dtype_name,
-            "num_tokens": tokens,
-            "hidden_size": hidden,
-            "shape": list(args[0].shape),
-            "atol": tolerance["atol"],
-            "rtol": tolerance["rtol"],
-            "source": spec["source"],
-            "threads": threads,
-        }
-        candidates: dict[str, Callable] = {}
-        checked: dict[str, dict[str, Any]] = {}
-        if spec["compile"]:
-            progress(f"compiling native {name} {dtype_name} {list(args[0].shape)}")
-            candidates[NATIVE_COMPILED] = _compiled(native_fn)
-        for provider in providers:
-            impl = op.impls[provider]
-            if not impl.supports_args(*args):
-                checked[provider] = {"status": "unsupported_args"}
-                continue
-            candidates[provider] = impl.impl_fn
-        fns: dict[str, Callable] = {NATIVE: native_fn}
-        for provider, fn in candidates.items():
-            found = compare(fn, args, expected, tolerance)
-            checked[provider] = {"max_abs_err": found["max_abs_err"]}
-            if found["ok"]:
-                checked[provider]["status"] = "ok"
-                fns[provider] = fn
-            else:
-                checked[provider].update(status="wrong", error=found["error"])
-        progress(
-            f"[{spec['source']}, {threads} threads] {index}/{len(configs)} {name} "
-            f"{dtype_name} {list(args[0].shape)}: {', '.join(fns)}"
-        )
-        timings = time_round_robin(
-            fns, args, samples=spec["samples"], min_sample_s=spec["min_sample_s"]
-        )
-        native_us = timings[NATIVE]["median_us"]
-        rows.append(
-            {
-                **base,
-                "provider": NATIVE,
-                "status": "ok",
-                "max_abs_err": 0.0,
-                **timings[NATIVE],
-                "native_median_us": native_us,
-                "ratio": 1.0,
-            }
-        )
-        for provider, info in checked.items():
-            row = {**base, "provider": provider, **info}
-            if provider in timings:
-                row.update(timings[provider])
-                row["native_median_us"] = native_us
-                row["ratio"] = native_us / timings[provider]["median_us"]
-            rows.append(row)
+    for shape in _shapes(spec, ops):
+        providers = _timed_providers(spec, shape.name, inventory[shape.name])
+        if providers or spec["compile"]:
+            rows += _measure_shape(spec, ops[shape.name], shape, providers, progress)
     dispatch_rows: list[dict[str, Any]] = []
     for p in spec["dispatch"] or []:
         dispatch_rows += measure_dispatch(spec, p, notes, progress)
@@ -293,6 +213,141 @@ def measure(
         "notes": notes,
         "versions": machine.software(),
     }
+
+
+def _ops_to_measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """The IR ops ``spec`` asks for that have an input generator, by name."""
+    from vllm.ir.op import IrOp
+
+    return {
+        name: op
+        for name, op in sorted(IrOp.registry.items())
+        if op.has_input_generator and (spec["ops"] is None or name in spec["ops"])
+    }
+
+
+def _timed_providers(
+    spec: dict[str, Any], name: str, supported: dict[str, bool]
+) -> list[str]:
+    """The providers of op ``name`` to check and time besides native."""
+    chosen = []
+    for provider, ok in supported.items():
+        if provider == NATIVE or not ok:
+            continue
+        if spec["time_only"] is not None and provider not in spec["time_only"]:
+            continue
+        if provider in spec["skip_supported"].get(name, []):
+            continue
+        chosen.append(provider)
+    return chosen
+
+
+def _shapes(spec: dict[str, Any], ops: dict[str, Any]) -> list[_Shape]:
+    configs = [
+        (name, dtype, h, t)
+        for name in ops
+        for dtype in spec["dtypes"]
+        for h in spec["hidden_sizes"]
+        for t in spec["num_tokens"]
+    ]
+    return [
+        _Shape(index, len(configs), *config) for index, config in enumerate(configs, 1)
+    ]
+
+
+def _measure_shape(
+    spec: dict[str, Any],
+    op,
+    shape: _Shape,
+    providers: list[str],
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Native's row, then one row per provider: checked, and timed if right."""
+    import torch
+
+    dtype = getattr(torch, shape.dtype_name)
+    tolerance = op.get_tolerance(dtype)
+    torch.manual_seed(spec["seed"])
+    args = tuple(
+        op.generate_inputs(
+            num_tokens=shape.tokens, hidden_size=shape.hidden, dtype=dtype
+        )
+    )
+    base = {
+        "op": shape.name,
+        "dtype": shape.dtype_name,
+        "num_tokens": shape.tokens,
+        "hidden_size": shape.hidden,
+        "shape": list(args[0].shape),
+        "atol": tolerance["atol"],
+        "rtol": tolerance["rtol"],
+        "source": spec["source"],
+        "threads": int(spec["threads"]),
+    }
+    fns, checked = _check_candidates(
+        spec, op, shape, providers, args, tolerance, progress
+    )
+    progress(
+        f"[{spec['source']}, {base['threads']} threads] {shape.index}/{shape.total} "
+        f"{shape.name} {shape.dtype_name} {base['shape']}: {', '.join(fns)}"
+    )
+    timings = time_round_robin(
+        fns, args, samples=spec["samples"], min_sample_s=spec["min_sample_s"]
+    )
+    return _shape_rows(base, timings, checked)
+
+
+def _check_candidates(spec, op, shape: _Shape, providers, args, tolerance, progress):
+    """The functions to time (native, then every candidate that matches native
+    within the op's tolerance) and each candidate's check result."""
+    native_fn = op.impls[NATIVE].impl_fn
+    expected = native_fn(*copy_args(args))
+    candidates: dict[str, Callable] = {}
+    checked: dict[str, dict[str, Any]] = {}
+    if spec["compile"]:
+        progress(
+            f"compiling native {shape.name} {shape.dtype_name} {list(args[0].shape)}"
+        )
+        candidates[NATIVE_COMPILED] = _compiled(native_fn)
+    for provider in providers:
+        impl = op.impls[provider]
+        if not impl.supports_args(*args):
+            checked[provider] = {"status": "unsupported_args"}
+            continue
+        candidates[provider] = impl.impl_fn
+    fns: dict[str, Callable] = {NATIVE: native_fn}
+    for provider, fn in candidates.items():
+        found = compare(fn, args, expected, tolerance)
+        checked[provider] = {"max_abs_err": found["max_abs_err"]}
+        if found["ok"]:
+            checked[provider]["status"] = "ok"
+            fns[provider] = fn
+        else:
+            checked[provider].update(status="wrong", error=found["error"])
+    return fns, checked
+
+
+def _shape_rows(base, timings, checked) -> list[dict[str, Any]]:
+    native_us = timings[NATIVE]["median_us"]
+    rows = [
+        {
+            **base,
+            "provider": NATIVE,
+            "status": "ok",
+            "max_abs_err": 0.0,
+            **timings[NATIVE],
+            "native_median_us": native_us,
+            "ratio": 1.0,
+        }
+    ]
+    for provider, info in checked.items():
+        row = {**base, "provider": provider, **info}
+        if provider in timings:
+            row.update(timings[provider])
+            row["native_median_us"] = native_us
+            row["ratio"] = native_us / timings[provider]["median_us"]
+        rows.append(row)
+    return rows
 
 
 @contextlib.contextmanager

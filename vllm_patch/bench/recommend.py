@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_patch.runtime.bench_result import NATIVE, NATIVE_COMPILED
@@ -168,6 +169,16 @@ def _e2e_verdict(bounds: tuple | None, floor: float) -> str | None:
     return NOT_FASTER if bounds[2] < floor else INCONCLUSIVE
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """What one (op, mode) entry recommends, and why."""
+
+    choice: str
+    priority: list[str] | None
+    basis: str
+    needs_apply: bool = False
+
+
 def recommend(
     rows: list[dict[str, Any]],
     e2e: list[dict[str, Any]] | None = None,
@@ -186,115 +197,136 @@ def recommend(
     for op in sorted({r["op"] for r in rows}):
         cands = candidates(rows, op)
         for mode in MODES:
-            best: dict[str, Any] | None = None
-            considered = []
-            for provider, info in sorted(cands.items()):
-                entry = {"provider": provider, "sources": sorted(info["sources"])}
-                if info["wrong"] or not info["ok"]:
-                    entry["verdict"] = (
-                        "rejected: wrong results" if info["wrong"] else "not measured"
-                    )
-                    considered.append(entry)
-                    continue
-                entry.update(_judge(rows, e2e, op, provider, mode, margin, e2e_margin))
-                considered.append(entry)
-                # Prefer what the installed vLLM can use as it is over a
-                # provider that needs the patch applied; then the faster one.
-                entry["rank"] = ("installed" in entry["sources"], entry["score"])
-                if entry["faster"] and (best is None or entry["rank"] > best["rank"]):
-                    best = entry
-            needs_apply = False
-            if best is None:
-                priority = [NATIVE]
-                choice = NATIVE
-                basis = (
-                    "no other implementation"
-                    if not cands
-                    else "; ".join(
-                        f"{c['provider']} not chosen: "
-                        f"{c.get('basis', c.get('verdict'))}"
-                        for c in considered
-                    )
-                )
-                if any(c.get("clarity") == INCONCLUSIVE for c in considered):
-                    # Too close to call even after measuring again: no override,
-                    # vLLM's own default (the upstream rule) stays.
-                    choice, priority = INCONCLUSIVE, None
-                    basis = f"inconclusive, keep the upstream rule ({basis})"
-            else:
-                choice = best["provider"]
-                priority = [choice, NATIVE]
-                basis = best["basis"]
-                needs_apply = "installed" not in best["sources"]
-                if needs_apply:
-                    basis += (
-                        f"; {choice} needs `vllm-patch apply` first: the installed "
-                        "vLLM does not enable it here"
-                    )
+            considered, best = _consider(rows, e2e, op, mode, cands, margin, e2e_margin)
+            chosen = _choose(cands, considered, best)
             if (
                 busy is not None
                 and busy > BUSY_SHARE
                 and any("clarity" in c for c in considered)
             ):
-                # Measured under load: whichever way it came out, another run
-                # may come out the other way.
-                choice, priority, needs_apply = INCONCLUSIVE, None, False
-                basis = (
-                    f"inconclusive, keep the upstream rule: other processes used "
-                    f"{busy:.0%} of the CPU time while measuring ({basis})"
-                )
+                chosen = _measured_under_load(busy, chosen)
             upstream = (
                 "fused" if mode == "eager" and op in upstream_fused_ops else NATIVE
             )
-            agrees = choice == INCONCLUSIVE or (choice != NATIVE) == (
+            agrees = chosen.choice == INCONCLUSIVE or (chosen.choice != NATIVE) == (
                 upstream == "fused"
             )
             out.append(
                 {
                     "op": op,
                     "mode": mode,
-                    "choice": choice,
-                    "priority": priority,
-                    "basis": basis,
+                    "choice": chosen.choice,
+                    "priority": chosen.priority,
+                    "basis": chosen.basis,
                     "considered": considered,
                     "upstream_rule": upstream,
                     "agrees_with_upstream": agrees,
-                    "needs_apply": needs_apply,
+                    "needs_apply": chosen.needs_apply,
                 }
             )
     return out
 
 
+def _consider(rows, e2e, op, mode, cands, margin, e2e_margin):
+    """Every candidate judged for (op, mode), and the best that is faster
+    than native (None if none is)."""
+    best: dict[str, Any] | None = None
+    considered = []
+    for provider, info in sorted(cands.items()):
+        entry = {"provider": provider, "sources": sorted(info["sources"])}
+        if info["wrong"] or not info["ok"]:
+            entry["verdict"] = (
+                "rejected: wrong results" if info["wrong"] else "not measured"
+            )
+            considered.append(entry)
+            continue
+        entry.update(_judge(rows, e2e, op, provider, mode, margin, e2e_margin))
+        considered.append(entry)
+        # Prefer what the installed vLLM can use as it is over a
+        # provider that needs the patch applied; then the faster one.
+        entry["rank"] = ("installed" in entry["sources"], entry["score"])
+        if entry["faster"] and (best is None or entry["rank"] > best["rank"]):
+            best = entry
+    return considered, best
+
+
+def _choose(cands, considered, best) -> _Choice:
+    if best is not None:
+        choice = best["provider"]
+        needs_apply = "installed" not in best["sources"]
+        basis = best["basis"]
+        if needs_apply:
+            basis += (
+                f"; {choice} needs `vllm-patch apply` first: the installed "
+                "vLLM does not enable it here"
+            )
+        return _Choice(choice, [choice, NATIVE], basis, needs_apply)
+    basis = (
+        "no other implementation"
+        if not cands
+        else "; ".join(
+            f"{c['provider']} not chosen: {c.get('basis', c.get('verdict'))}"
+            for c in considered
+        )
+    )
+    if any(c.get("clarity") == INCONCLUSIVE for c in considered):
+        # Too close to call even after measuring again: no override,
+        # vLLM's own default (the upstream rule) stays.
+        return _Choice(
+            INCONCLUSIVE, None, f"inconclusive, keep the upstream rule ({basis})"
+        )
+    return _Choice(NATIVE, [NATIVE], basis)
+
+
+def _measured_under_load(busy: float, chosen: _Choice) -> _Choice:
+    """Measured under load: whichever way it came out, another run may come
+    out the other way."""
+    return _Choice(
+        INCONCLUSIVE,
+        None,
+        f"inconclusive, keep the upstream rule: other processes used "
+        f"{busy:.0%} of the CPU time while measuring ({chosen.basis})",
+    )
+
+
 def _judge(rows, e2e, op, provider, mode, margin, e2e_margin) -> dict[str, Any]:
     if mode == "eager":
-        speedup = geomean(_speedups(rows, op, provider, NATIVE))
-        worst = min(_speedups(rows, op, provider, NATIVE), default=None)
-        bounds = _e2e_bounds(e2e, "eager", provider, op)
-        e2e_ratio = bounds[1] if bounds else None
-        verdict = clarity(rows, op, provider, NATIVE, margin)
-        # End to end only vetoes a provider that is clearly slower there.
-        e2e_verdict = _e2e_verdict(bounds, 1 - e2e_margin)
-        if e2e_verdict == NOT_FASTER:
-            verdict = NOT_FASTER
-        elif e2e_verdict == INCONCLUSIVE and verdict == FASTER:
-            verdict = INCONCLUSIVE
-        basis = f"per op: {_x(speedup)} geomean vs native (slowest case {_x(worst)})"
-        basis += (
-            f"; end to end eager: {_x(e2e_ratio)} tok/s vs native"
-            if e2e_ratio is not None
-            else "; not run end to end"
-        )
-        if verdict == INCONCLUSIVE:
-            basis += ", within the spread of repeated measurements"
-        return {
-            "per_op_speedup": speedup,
-            "per_op_worst": worst,
-            "e2e_ratio": e2e_ratio,
-            "clarity": verdict,
-            "faster": verdict == FASTER,
-            "score": speedup or 0.0,
-            "basis": basis,
-        }
+        return _judge_eager(rows, e2e, op, provider, margin, e2e_margin)
+    return _judge_compiled(rows, e2e, op, provider, margin, e2e_margin)
+
+
+def _judge_eager(rows, e2e, op, provider, margin, e2e_margin) -> dict[str, Any]:
+    speedup = geomean(_speedups(rows, op, provider, NATIVE))
+    worst = min(_speedups(rows, op, provider, NATIVE), default=None)
+    bounds = _e2e_bounds(e2e, "eager", provider, op)
+    e2e_ratio = bounds[1] if bounds else None
+    verdict = clarity(rows, op, provider, NATIVE, margin)
+    # End to end only vetoes a provider that is clearly slower there.
+    e2e_verdict = _e2e_verdict(bounds, 1 - e2e_margin)
+    if e2e_verdict == NOT_FASTER:
+        verdict = NOT_FASTER
+    elif e2e_verdict == INCONCLUSIVE and verdict == FASTER:
+        verdict = INCONCLUSIVE
+    basis = f"per op: {_x(speedup)} geomean vs native (slowest case {_x(worst)})"
+    basis += (
+        f"; end to end eager: {_x(e2e_ratio)} tok/s vs native"
+        if e2e_ratio is not None
+        else "; not run end to end"
+    )
+    if verdict == INCONCLUSIVE:
+        basis += ", within the spread of repeated measurements"
+    return {
+        "per_op_speedup": speedup,
+        "per_op_worst": worst,
+        "e2e_ratio": e2e_ratio,
+        "clarity": verdict,
+        "faster": verdict == FASTER,
+        "score": speedup or 0.0,
+        "basis": basis,
+    }
+
+
+def _judge_compiled(rows, e2e, op, provider, margin, e2e_margin) -> dict[str, Any]:
     bounds = _e2e_bounds(e2e, "compiled", provider, op)
     e2e_ratio = bounds[1] if bounds else None
     speedup = geomean(_speedups(rows, op, provider, NATIVE_COMPILED))

@@ -18,6 +18,9 @@ through here:
   stderr together): callers pick their progress lines out of it.
 - ``timeout`` kills the child's whole process group (an engine's own worker
   processes included).
+- ``report(value)``, called inside the child, hands the parent one JSON-able
+  value at once (``ChildOutcome.reported``, in order): what a target finished
+  before it crashed survives the crash.
 
 On the child's ``PYTHONPATH`` come, in this order: the folders given as
 ``pythonpath`` (a patched copy of vLLM, which must shadow the installed one),
@@ -52,6 +55,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 LOG_TAIL_CHARS = 4000
 _POLL_S = 0.05
+REPORT_ENV = "VLLM_PATCH_CHILD_REPORT"
+"""Set in the child: the file :func:`report` appends to."""
+_REPORT_FILE = "reported.jsonl"
 
 
 class ChildFailed(RuntimeError):
@@ -81,6 +87,8 @@ class ChildOutcome:
     seconds: float = 0.0
     returncode: int | None = None
     timed_out: bool = False
+    reported: list[Any] = field(default_factory=list)
+    """What ``target`` passed to :func:`report`, in order, crash or not."""
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         return self.log[-chars:]
@@ -117,6 +125,10 @@ class Child:
     @property
     def log_file(self) -> Path:
         return Path(self.folder.name) / "log.txt"
+
+    @property
+    def report_file(self) -> Path:
+        return Path(self.folder.name) / _REPORT_FILE
 
 
 def child_env(
@@ -245,8 +257,14 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
                 payload = json.loads(child.result_file.read_text("utf-8"))
             except json.JSONDecodeError:
                 payload = {"error": "the child wrote an unreadable result"}
+        reported = _read_reported(child.report_file)
     outcome = ChildOutcome(
-        child.target, ok=False, log=log, seconds=seconds, returncode=rc
+        child.target,
+        ok=False,
+        log=log,
+        seconds=seconds,
+        returncode=rc,
+        reported=reported,
     )
     if timed_out:
         outcome.timed_out = True
@@ -260,6 +278,19 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
             else "the child wrote no result"
         )
     return outcome
+
+
+def _read_reported(path: Path) -> list[Any]:
+    """The values :func:`report` wrote; a line cut short by a crash is left out."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text("utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
 
 
 def run(
@@ -335,9 +366,17 @@ def load_target(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), function)
 
 
+def report(value: Any) -> None:
+    """In a child: hand ``value`` (JSON-able) to the parent now, so that it
+    survives a crash of this process later on (:attr:`ChildOutcome.reported`)."""
+    with open(os.environ[REPORT_ENV], "a", encoding="utf-8") as out:
+        out.write(json.dumps(value, default=str) + "\n")
+
+
 def child_main(target: str, args_file: Path, result_file: Path) -> int:
     """Call ``target`` with the keyword arguments in ``args_file``; write
     ``{"result": ...}`` or ``{"error": ...}`` (the traceback goes to stderr)."""
+    os.environ[REPORT_ENV] = str(Path(result_file).with_name(_REPORT_FILE))
     try:
         kwargs = json.loads(Path(args_file).read_text("utf-8"))
         result = {"result": load_target(target)(**kwargs)}

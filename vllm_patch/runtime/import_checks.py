@@ -2,12 +2,10 @@
 
 Importing torch, vLLM or transformers can fail with an exception, abort on a
 C++ ABI mismatch or crash outright; in a child, each of those is a finding for
-the parent (``vllm_patch.doctor.diagnose``) rather than a traceback. The child
-runs the steps it is given in order and appends one JSON line per finished step
-to a result file, so when it dies the parent knows which step took it down and
-starts a new child for the rest.
-
-    python -m vllm_patch.runtime.import_checks --steps JSON --result FILE
+the parent (``vllm_patch.doctor``) rather than a traceback. The child
+(``run_steps``, through ``vllm_patch.runtime.child``) runs the steps it is
+given in order and reports each finished step at once, so when it dies the
+parent knows which step took it down and starts a new child for the rest.
 
 A step is ``[kind, argument]``:
 
@@ -20,12 +18,8 @@ A step is ``[kind, argument]``:
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
-import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 # What a provider module may declare about itself; reported as they are.
@@ -143,18 +137,11 @@ def _vllm_kernels() -> dict[str, Any]:
     return {"operators": len(ops)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_patch.runtime.import_checks")
-    parser.add_argument("--steps", required=True, help="JSON list of [kind, arg]")
-    parser.add_argument("--result", required=True, type=Path)
-    args = parser.parse_args(argv)
-    with args.result.open("a", encoding="utf-8") as out:
-        for kind, arg in json.loads(args.steps):
-            result = {"ok": True, **run_step(kind, arg)}
-            out.write(json.dumps({"step": [kind, arg], **result}, default=str) + "\n")
-            out.flush()
-    return 0
+def run_steps(steps: list[list[str]]) -> int:
+    """The child's side: each step's result, reported as soon as it is known
+    (``{"step": [kind, arg], "ok": ..., ...}``); how many steps ran."""
+    from vllm_patch.runtime.child import report
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    for kind, arg in steps:
+        report({"step": [kind, arg], "ok": True, **run_step(kind, arg)})
+    return len(steps)

@@ -26,8 +26,53 @@ from compat_matrix.probe.vllm_ir import (
 from vllm_patch.runtime.import_checks import explain
 
 
+@dataclasses.dataclass
+class _Findings:
+    """What the kernel_config steps record: details, and each problem found."""
+
+    details: dict[str, Any]
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def expect(self, label: str, got: dict, want_first: dict[str, str]) -> None:
+        self.details[label] = {"final": got, "expected_first": want_first}
+        for op, first in want_first.items():
+            if not got.get(op) or got[op][0] != first:
+                self.problems.append(
+                    f"{label}: {op} starts {got.get(op)}, expected {first!r} first"
+                )
+
+
 def check_kernel_config(p: Probe) -> tuple[str, dict]:
     need_provider(p)
+    ops = _config_ops(p)
+    supported = {op: op not in _unsupported_ops(p) for op in ops}
+    redundant = upstream_enabled_ops(ops)
+    opt_in_env = p.module.OPT_IN_ENV
+    found = _Findings(
+        {"ops": ops, "redundant": bool(redundant), "redundant_ops": redundant}
+    )
+    with env_var(opt_in_env, None):
+        plain = _without_opt_in(p, ops, found)
+    _strict_environ(opt_in_env, found)
+    with env_var(opt_in_env, "1"):
+        eager_want = {
+            op: (p.name if supported[op] and op not in redundant else plain[op][0])
+            for op in ops
+        }
+        _with_opt_in(ops, eager_want, found)
+    if not redundant:
+        for op in ops:
+            if plain[op][0] == p.name:
+                found.problems.append(
+                    f"without {opt_in_env} the default already ranks {p.name!r}"
+                )
+    if found.problems:
+        raise Fail(found.problems[0], found.details)
+    return _passed(p, ops, supported, redundant, plain), found.details
+
+
+def _config_ops(p: Probe) -> list[str]:
+    """The provider's ops that vLLM's ``IrOpPriorityConfig`` has a field for."""
     try:
         from vllm.config.kernel import IrOpPriorityConfig
     except Exception as exc:
@@ -36,71 +81,55 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
     ops = [op for op in p.ops if op in fields]
     if not ops:
         raise Skip(f"IrOpPriorityConfig has no field for {', '.join(p.ops)}")
-    supported = {op: op not in _unsupported_ops(p) for op in ops}
-    redundant = upstream_enabled_ops(ops)
-    opt_in_env = p.module.OPT_IN_ENV
-    details: dict[str, Any] = {
-        "ops": ops,
-        "redundant": bool(redundant),
-        "redundant_ops": redundant,
-    }
-    problems: list[str] = []
+    return ops
 
-    def expect(label: str, got: dict, want_first: dict[str, str]) -> None:
-        details[label] = {"final": got, "expected_first": want_first}
-        for op, first in want_first.items():
-            if not got.get(op) or got[op][0] != first:
-                problems.append(
-                    f"{label}: {op} starts {got.get(op)}, expected {first!r} first"
-                )
 
-    with env_var(opt_in_env, None):
-        user = {op: [p.name] for op in ops}
-        expect(
-            "user_priority",
-            final_priority(user, compiled=False),
-            {op: p.name for op in ops},
-        )
-        plain = final_priority(None, compiled=False)
-        details["no_opt_in_eager"] = {"final": plain}
+def _without_opt_in(p: Probe, ops: list[str], found: _Findings) -> dict[str, list]:
+    """A user's priority naming the provider puts it first; returns the
+    default priority (no opt-in, eager)."""
+    found.expect(
+        "user_priority",
+        final_priority({op: [p.name] for op in ops}, compiled=False),
+        {op: p.name for op in ops},
+    )
+    plain = final_priority(None, compiled=False)
+    found.details["no_opt_in_eager"] = {"final": plain}
+    return plain
+
+
+def _strict_environ(opt_in_env: str, found: _Findings) -> None:
     refused = strict_environ_error({opt_in_env: "1"})
-    details["opt_in_strict_environ"] = refused or "accepted"
+    found.details["opt_in_strict_environ"] = refused or "accepted"
     if refused:
-        problems.append(
+        found.problems.append(
             f"with {opt_in_env}=1 vLLM's strict environment validation "
             f"(--fail-on-environ-validation) refuses to start: {refused}"
         )
-    with env_var(opt_in_env, "1"):
-        eager_want = {
-            op: (p.name if supported[op] and op not in redundant else plain[op][0])
-            for op in ops
-        }
-        expect("opt_in_eager", final_priority(None, compiled=False), eager_want)
-        expect(
-            "opt_in_inductor",
-            final_priority(None, compiled=True),
-            {op: "native" for op in ops},
-        )
-        users_native = {op: ["native"] for op in ops}
-        expect(
-            "opt_in_user_native",
-            final_priority(users_native, compiled=False),
-            {op: "native" for op in ops},
-        )
-    if not redundant:
-        for op in ops:
-            if plain[op][0] == p.name:
-                problems.append(
-                    f"without {opt_in_env} the default already ranks {p.name!r}"
-                )
-    if problems:
-        raise Fail(problems[0], details)
+
+
+def _with_opt_in(ops: list[str], eager_want: dict[str, str], found: _Findings) -> None:
+    """Opted in: first in eager where supported, native under Inductor, and a
+    user's ``["native"]`` wins."""
+    found.expect("opt_in_eager", final_priority(None, compiled=False), eager_want)
+    found.expect(
+        "opt_in_inductor",
+        final_priority(None, compiled=True),
+        {op: "native" for op in ops},
+    )
+    found.expect(
+        "opt_in_user_native",
+        final_priority({op: ["native"] for op in ops}, compiled=False),
+        {op: "native" for op in ops},
+    )
+
+
+def _passed(p: Probe, ops, supported, redundant, plain) -> str:
+    opt_in_env = p.module.OPT_IN_ENV
     if redundant:
         return (
             f"redundant: this vLLM enables {UPSTREAM_PROVIDER!r} on CPU for "
             f"{', '.join(redundant)}, so the provider stands down from the default "
-            "ranking and can be removed; ir_op_priority naming it still puts it first",
-            details,
+            "ranking and can be removed; ir_op_priority naming it still puts it first"
         )
     ranked = [op for op in ops if supported[op]]
     how = (
@@ -110,7 +139,7 @@ def check_kernel_config(p: Probe) -> tuple[str, dict]:
         if ranked
         else f"default ranking stays {plain[ops[0]][0]!r} ({p.name!r} unsupported here)"
     )
-    return f"ir_op_priority naming {p.name!r} ends with it first; {how}", details
+    return f"ir_op_priority naming {p.name!r} ends with it first; {how}"
 
 
 def _unsupported_ops(p: Probe) -> list[str]:

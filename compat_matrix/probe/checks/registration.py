@@ -128,34 +128,19 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
     registered = [op for op, impl in first.items() if impl is not None]
     status = provider_status(module)
     skipped = (status or {}).get("skipped", {})
-    expected = list(module.OPS)
     details = {
         "registered": registered,
         "skipped": skipped,
-        "absent_in_this_vllm": [op for op in expected if op not in IrOp.registry],
+        "absent_in_this_vllm": [op for op in module.OPS if op not in IrOp.registry],
         "status": status,
     }
     if not registered:
         raise Fail(
             f"no IR op has a {p.name!r} impl after {p.module_name}.register()", details
         )
-    replaced = [op for op in registered if second[op] is not first[op]]
-    unexplained = [
-        op
-        for op in expected
-        if op in IrOp.registry and op not in registered and op not in skipped
-    ]
-    errors = (status or {}).get("errors") or []
-    if replaced:
-        raise Fail(
-            f"a second register() replaced the impl of {', '.join(replaced)}", details
-        )
-    if unexplained:
-        raise Fail(
-            f"not registered, no reason given: {', '.join(unexplained)}", details
-        )
-    if errors:
-        raise Fail(f"the provider recorded errors: {errors[0]}", details)
+    problem = _registration_problem(module, first, second, registered, status or {})
+    if problem:
+        raise Fail(problem, details)
     p.module, p.ops = module, registered
     reason = (
         f"{p.name!r} registered for {', '.join(registered)}; a second call is a no-op"
@@ -165,6 +150,30 @@ def check_provider_registers(p: Probe) -> tuple[str, dict]:
             f"{op}: {why}" for op, why in skipped.items()
         )
     return reason, details
+
+
+def _registration_problem(module, first, second, registered, status) -> str | None:
+    """The first thing wrong with a registration that registered something:
+    a second call that replaced an impl, an op left out without a reason, or
+    an error the provider recorded."""
+    from vllm.ir.op import IrOp
+
+    replaced = [op for op in registered if second[op] is not first[op]]
+    if replaced:
+        return f"a second register() replaced the impl of {', '.join(replaced)}"
+    unexplained = [
+        op
+        for op in module.OPS
+        if op in IrOp.registry
+        and op not in registered
+        and op not in status.get("skipped", {})
+    ]
+    if unexplained:
+        return f"not registered, no reason given: {', '.join(unexplained)}"
+    errors = status.get("errors") or []
+    if errors:
+        return f"the provider recorded errors: {errors[0]}"
+    return None
 
 
 def _our_entry_points(p: Probe) -> tuple[list, list]:
@@ -213,6 +222,39 @@ def check_plugin_entry_point(p: Probe) -> tuple[str, dict]:
     plugins_filter = os.environ.get("VLLM_PLUGINS")
     if plugins_filter is not None:
         details["VLLM_PLUGINS"] = plugins_filter  # the child runs without the filter
+    result = _plugin_loader_result(p, details)
+    problems = _reload_problems(result)
+    registered = [op for op, yes in result["registered"].items() if yes]
+    loaded = f"entry point {ep.name} = {ep.value} ({_ep_dist(ep)}); vLLM's "
+    if p.pre_ir:
+        problems = (
+            stand_down_problems(result.get("provider_log", []), result.get("status"))
+            + problems
+        )
+        if problems:
+            raise Fail(problems[0], details)
+        return (
+            loaded + "load_general_plugins() called it (and again after a forced "
+            "reload): it stood down with one INFO line, no warning, no traceback",
+            details,
+        )
+    if not registered:
+        problems.insert(0, f"vLLM's load_general_plugins() did not register {p.name!r}")
+    errors = (result.get("status") or {}).get("errors") or []
+    if errors:
+        problems.append(f"the provider recorded errors: {errors[0]}")
+    if problems:
+        raise Fail(problems[0], details)
+    return (
+        loaded + f"load_general_plugins() registered {p.name!r} for "
+        f"{', '.join(registered)}; calling the plugin again was harmless",
+        details,
+    )
+
+
+def _plugin_loader_result(p: Probe, details: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's plugin loader did in its own process (started ahead, or now
+    when the probe runs ``--only`` some checks)."""
     started = p.started.pop("plugin_entry_point", None)
     if started is None:  # not started ahead (--only): a fresh interpreter now
         started = child_tasks.start_task(
@@ -226,7 +268,11 @@ def check_plugin_entry_point(p: Probe) -> tuple[str, dict]:
             f"load_general_plugins() in a new process failed: {child['error']}",
             details,
         )
-    result = child["result"]
+    return child["result"]
+
+
+def _reload_problems(result: dict[str, Any]) -> list[str]:
+    """What went wrong when vLLM loaded the plugin a second time."""
     problems = []
     if result.get("error_after_reload"):
         problems.append(
@@ -237,33 +283,7 @@ def check_plugin_entry_point(p: Probe) -> tuple[str, dict]:
         problems.append(
             f"the forced second plugin load did not call the plugin ({calls})"
         )
-    registered = [op for op, yes in result["registered"].items() if yes]
-    if p.pre_ir:
-        problems = (
-            stand_down_problems(result.get("provider_log", []), result.get("status"))
-            + problems
-        )
-        if problems:
-            raise Fail(problems[0], details)
-        return (
-            f"entry point {ep.name} = {ep.value} ({_ep_dist(ep)}); vLLM's "
-            "load_general_plugins() called it (and again after a forced reload): "
-            "it stood down with one INFO line, no warning, no traceback",
-            details,
-        )
-    if not registered:
-        problems.insert(0, f"vLLM's load_general_plugins() did not register {p.name!r}")
-    errors = (result.get("status") or {}).get("errors") or []
-    if errors:
-        problems.append(f"the provider recorded errors: {errors[0]}")
-    if problems:
-        raise Fail(problems[0], details)
-    return (
-        f"entry point {ep.name} = {ep.value} ({_ep_dist(ep)}); vLLM's "
-        f"load_general_plugins() registered {p.name!r} for {', '.join(registered)}; "
-        f"calling the plugin again was harmless",
-        details,
-    )
+    return problems
 
 
 def _ep_dist(ep) -> str | None:

@@ -145,6 +145,18 @@ def upstream_child_problems(
     r: dict, p: Probe, copy: str
 ) -> tuple[list[str], list[str]]:
     """What is wrong with the patched copy, and what could not be checked here."""
+    problems, unchecked = _kernel_problems(r, p, copy)
+    if r.get("config_error"):
+        unchecked.append(
+            f"priority not checked, vLLM's config does not build: {r['config_error']}"
+        )
+        return problems, unchecked
+    return problems + _priority_problems(r, p), unchecked
+
+
+def _kernel_problems(r: dict, p: Probe, copy: str) -> tuple[list[str], list[str]]:
+    """The copy's ``vllm_c`` norms: imported from the copy, supported on CPU,
+    and right (unless this environment cannot run the kernels)."""
     problems, unchecked = [], []
     if not r["vllm_file"].startswith(copy):
         problems.append(f"the child imported vLLM from {r['vllm_file']}, not the copy")
@@ -163,11 +175,13 @@ def upstream_child_problems(
             problems.append(
                 f"{UPSTREAM_PROVIDER!r} numerics off: {bad[:1] or 'none run'}"
             )
-    if r.get("config_error"):
-        unchecked.append(
-            f"priority not checked, vLLM's config does not build: {r['config_error']}"
-        )
-        return problems, unchecked
+    return problems, unchecked
+
+
+def _priority_problems(r: dict, p: Probe) -> list[str]:
+    """The platform's priority on the copy (``vllm_c`` first eager, native
+    under Inductor), and the provider standing down there when opted in."""
+    problems = []
     for op in r["ops"]:
         eager, inductor = r["platform_eager"].get(op), r["platform_inductor"].get(op)
         if not eager or eager[0] != UPSTREAM_PROVIDER:
@@ -184,4 +198,4 @@ def upstream_child_problems(
             problems.append(
                 "the provider did not report itself redundant on the patched copy"
             )
-    return problems, unchecked
+    return problems

@@ -1,0 +1,34 @@
+"""One line of the doctor's report: a check, its status and, when something
+needs fixing, the fix."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from vllm_patch.runtime import cpu_torch
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # "ok", "info" or "fix"
+    message: str
+    fix: str | None = None
+    fix_argv: list[str] | None = field(default=None, repr=False)
+    """A command ``--fix`` may run as is (only removals of broken packages)."""
+
+    def line(self) -> str:
+        tag = {"ok": "ok  ", "info": "info", "fix": "FIX "}[self.status]
+        return f"[{tag}] {self.message}" + (f" -- fix: {self.fix}" if self.fix else "")
+
+
+def removal(names: list[str], python: str) -> tuple[str, list[str]]:
+    """The fix for packages that do not import beside this torch (text models
+    need none of them), as text and as the command ``--fix`` runs."""
+    argv = cpu_torch.remove_command(python, names)
+    return shlex.join(argv), argv
+
+
+def traceback_hint(python: str, module: str) -> str:
+    return f"{python} -c 'import {module}' shows the traceback"
