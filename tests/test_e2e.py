@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
+# The provider imports torch: without it (the fast tier) this module is skipped.
+pytest.importorskip("torch")
 from patches.cpu_fused_norms import provider
 from vllm_patch.bench import engine_run
 
