@@ -232,10 +232,12 @@ def _cli_finding(name: str | None) -> Finding:
         return Finding(
             "vllm_cli",
             "info",
-            f"the `vllm` command fails here: it asks for the version of a "
-            f"distribution named vllm, and {name or 'this tree'} is installed under "
-            "another name; serve with `python -m vllm.entrypoints.openai.api_server "
-            "--model MODEL ...` (the options of `vllm serve`)",
+            f"the `vllm` command fails here (PackageNotFoundError: vllm): it asks "
+            f"for the version of a distribution named vllm, and {name or 'this tree'} "
+            "is installed under another name; serve with `python -m vllm_patch.serve "
+            "MODEL [options of vllm serve]`, which runs vLLM's own command line with "
+            "that one lookup answered (`python -m vllm.entrypoints.openai.api_server` "
+            "is deprecated from vLLM 0.32 on)",
         )
     return Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
 
@@ -433,6 +435,7 @@ def _patch_findings(tree, patch, results, python) -> list[Finding]:
             )
         )
     out.append(_opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
+    out += _plugin_filter_findings(patch.name, entry, name, status)
     if status.get("redundant"):
         out.append(
             Finding(
@@ -482,17 +485,47 @@ def _opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Fin
             f"ir_op_priority names it ({var}=1 opts in to its default "
             "ranking)",
         )
-    if value.strip() == "1":
+    # The provider judges its own variable (the child ran it in this environment).
+    if status.get("opt_in_ignored"):
+        return Finding(
+            check, "fix", status["opt_in_ignored"], f"export {var}=1 (or unset it)"
+        )
+    if status.get("opt_in"):
         extra = " (not needed: see below)" if status.get("redundant") else ""
         return Finding(
-            check, "ok", f"{var}=1: the default ranking of {name!r} is on{extra}"
+            check, "ok", f"{var}={value}: the default ranking of {name!r} is on{extra}"
         )
     return Finding(
-        check,
-        "fix",
-        f"{var}={value!r} is ignored: only 1 opts in",
-        f"export {var}=1 (or unset it)",
+        check, "info", f"{var}={value!r}: the default ranking of {name!r} is off"
     )
+
+
+def _plugin_filter_findings(
+    patch: str, entry: list[metadata.EntryPoint], name: str, status: dict
+) -> list[Finding]:
+    """vLLM loads only the plugins ``VLLM_PLUGINS`` names, when it is set (split
+    on commas, as vLLM splits it). Without the provider's plugin, a priority
+    naming the provider stops the engine at start, after the model loaded, in an
+    assertion that names nothing."""
+    value = os.environ.get("VLLM_PLUGINS")
+    if value is None or not entry:
+        return []
+    plugin = entry[0].name
+    check = f"{patch}:vllm_plugins"
+    if plugin in value.split(","):
+        return [Finding(check, "ok", f"VLLM_PLUGINS={value!r} names {plugin!r}")]
+    return [
+        Finding(
+            check,
+            "fix" if status.get("opt_in") else "info",
+            f"VLLM_PLUGINS={value!r} leaves out the plugin {plugin!r}: vLLM will not "
+            f"register {name!r}, and an ir_op_priority naming it stops the engine at "
+            "start with 'AssertionError: All providers in priority must be "
+            "registered implementations.'",
+            f"export VLLM_PLUGINS={','.join(filter(None, [value, plugin]))} "
+            "(or unset VLLM_PLUGINS: then vLLM loads every plugin)",
+        )
+    ]
 
 
 # --- the command ---
