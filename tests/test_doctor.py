@@ -27,10 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
 
 
-def doctor(*args: str, python: str = sys.executable, pythonpath=()):
-    """(exit code, findings by check, the whole document)."""
+def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
+    """(exit code, findings by check, the whole document); ``env`` on top of
+    this environment without the opt-in and ``VLLM_PLUGINS``."""
     child_env = dict(os.environ)
     child_env.pop(OPT_IN_ENV, None)
+    child_env.pop("VLLM_PLUGINS", None)
+    child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
     proc = subprocess.run(
         [python, "-m", "patcher", "doctor", "--json", *args],
@@ -88,6 +91,26 @@ def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
         in (redundant["message"])
     )
     assert rc == 0
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_a_vllm_plugins_filter_that_leaves_the_plugin_out():
+    """The one case the provider cannot report itself: vLLM never loads it."""
+    rc, findings, _ = doctor(
+        env={"VLLM_PLUGINS": "lora_filesystem_resolver", OPT_IN_ENV: "1"}
+    )
+    finding = findings[f"{PATCH}:vllm_plugins"]
+    assert finding["status"] == "fix"
+    assert (
+        "VLLM_PLUGINS='lora_filesystem_resolver' leaves out the plugin "
+        "'cpu_fused_norms': vLLM will not register 'vllm_c_cpu'"
+    ) in finding["message"]
+    assert "AssertionError: All providers in priority must be" in finding["message"]
+    assert finding["fix"].startswith(
+        "export VLLM_PLUGINS=lora_filesystem_resolver,cpu_fused_norms"
+    )
+    assert rc == 1
 
 
 @requires_vllm
