@@ -6,7 +6,7 @@ gates them on GPU-like platforms), this plugin registers the same C kernels
 under another provider name, without editing vLLM. vLLM loads it through the
 entry point group ``vllm.general_plugins`` in every process it starts; users pick
 it with ``--kernel-config '{"ir_op_priority": {"rms_norm": ["vllm_c_cpu"]}}'``
-or opt in to a default ranking with ``VLLMPATCH_CPU_FUSED_NORMS=1``.
+or opt in to a default ranking with ``VLLMPATCH_CPU_FUSED_NORMS=1`` (or ``true``).
 
 The default ranking follows the upstream rule (as XPU has it): the fused kernel
 first when not compiling with Inductor, native when compiling, because Inductor
@@ -14,6 +14,14 @@ fuses the native norm into the neighbouring residual add and an opaque kernel
 call breaks that fusion. A user's explicit ``ir_op_priority`` always wins:
 ``KernelConfig.set_platform_defaults`` puts the user's entries first and only
 appends the platform's, and this plugin only changes what the platform returns.
+
+It says in vLLM's own log, once per process, each decision that would
+otherwise change nothing visible: an opt-in value it ignores, native kept
+because Inductor compiles (and how to force the provider), the provider being
+redundant beside this vLLM's own ``vllm_c`` on CPU, and (WARNING) a priority that
+names a provider nobody registered, which vLLM stops on later in a worker with an
+assertion that names nothing. It cannot speak where vLLM does not load it
+(``VLLM_PLUGINS`` without it): ``vllm-patch doctor`` checks that.
 
 Nothing here may break vLLM's start-up: every failure is caught, logged and kept
 in :func:`status`.
