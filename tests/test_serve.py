@@ -226,13 +226,9 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
             code = stop(proc)
     text = log.read_text()
     assert status == 200, body
-    assert body["usage"] == {
-        "prompt_tokens": 3,
-        "completion_tokens": 4,
-        "total_tokens": 7,
-        "prompt_tokens_details": None,
-        "completion_tokens_details": None,
-    }
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3, 4)
+    assert body["choices"][0]["finish_reason"] == "length"
     assert code == 0, text[-3000:]
     for unwanted in ("DeprecationWarning", "Traceback", " ERROR "):
         assert unwanted not in text, unwanted
