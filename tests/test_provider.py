@@ -435,6 +435,9 @@ OLD_VLLMS = [
 UNDER_OLD_VLLM = """
 import json
 import vllm.logger  # vLLM's own logging set-up, as in its processes
+if hasattr(vllm.logger, "configure_logging"):  # vLLM 0.32 sets it up on start
+    from vllm.config.logging import LoggingConfig
+    vllm.logger.configure_logging(LoggingConfig())
 from bench.numerics import functional
 from compat_matrix.probe.provider_module import provider_log
 from patches.cpu_fused_norms import provider
@@ -483,24 +486,7 @@ def old_vllm(tmp_path_factory):
 def test_registration_adapts_to_older_vllm_sources(
     old_vllm, version, registered, skipped, stood_down
 ):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(old_vllm(version)), str(ROOT)])
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", UNDER_OLD_VLLM],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = register_under(old_vllm(version))
     status = out["status"]
     assert status["errors"] == []
     assert status["registered"] == registered
@@ -513,3 +499,50 @@ def test_registration_adapts_to_older_vllm_sources(
         assert status["default_ranking"] == "not installed: no vLLM IR"
     else:  # 0.20's IrOpImpl has only impl_fn: the probe calls that one
         assert out["impl"] == {"has_func_impl_fn": False, "probe_calls_impl_fn": True}
+
+
+def register_under(vllm_folder: Path) -> dict:
+    """The provider registered twice in a child whose vLLM is the one in
+    ``vllm_folder``: its status and what it logged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_folder), str(ROOT)]))
+    env.pop(provider.OPT_IN_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", UNDER_OLD_VLLM],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_beside_vllms_own_kernels_on_cpu_it_says_it_is_redundant(tmp_path):
+    """On a vLLM that enables its own ``vllm_c`` norms on CPU (this one, patched:
+    what an upstream release with the change will be), the registration line
+    says the provider is redundant, for which ops, and what to run."""
+    from patcher.patched_copy import patched_copy
+    from patcher.patchset import select
+    from patcher.tree import open_tree
+
+    patch = select(["cpu_fused_norms"])[0]
+    with patched_copy(open_tree(None), patch, parent=tmp_path) as copy:
+        out = register_under(copy)
+    assert out["status"]["errors"] == []
+    assert out["status"]["redundant_ops"] == list(provider.OPS)
+    (line,) = [r["message"] for r in out["log"]]  # one line, not "registered" alone
+    assert line.startswith(
+        "vllm-patch: registered IR provider 'vllm_c_cpu' for rms_norm, "
+        "fused_add_rms_norm (supported: rms_norm=True, fused_add_rms_norm=True), "
+        "but it is redundant for rms_norm, fused_add_rms_norm: this vLLM enables "
+        "its own 'vllm_c' on CPU"
+    ), line
+    assert "`vllm-patch doctor` confirms that this workaround can go" in line
