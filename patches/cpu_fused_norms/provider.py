@@ -6,7 +6,7 @@ gates them on GPU-like platforms), this plugin registers the same C kernels
 under another provider name, without editing vLLM. vLLM loads it through the
 entry point group ``vllm.general_plugins`` in every process it starts; users pick
 it with ``--kernel-config '{"ir_op_priority": {"rms_norm": ["vllm_c_cpu"]}}'``
-or opt in to a default ranking with ``VLLMPATCH_CPU_FUSED_NORMS=1``.
+or opt in to a default ranking with ``VLLMPATCH_CPU_FUSED_NORMS=1`` (or ``true``).
 
 The default ranking follows the upstream rule (as XPU has it): the fused kernel
 first when not compiling with Inductor, native when compiling, because Inductor
@@ -15,11 +15,20 @@ call breaks that fusion. A user's explicit ``ir_op_priority`` always wins:
 ``KernelConfig.set_platform_defaults`` puts the user's entries first and only
 appends the platform's, and this plugin only changes what the platform returns.
 
+It says in vLLM's own log, once per process, each decision that would
+otherwise change nothing visible: an opt-in value it ignores, native kept
+because Inductor compiles (and how to force the provider), the provider being
+redundant beside this vLLM's own ``vllm_c`` on CPU, and (WARNING) a priority that
+names a provider nobody registered, which vLLM stops on later in a worker with an
+assertion that names nothing. It cannot speak where vLLM does not load it
+(``VLLM_PLUGINS`` without it): ``vllm-patch doctor`` checks that.
+
 Nothing here may break vLLM's start-up: every failure is caught, logged and kept
 in :func:`status`.
 """
 
 import inspect
+import json
 import logging
 import os
 from typing import Any
@@ -35,12 +44,18 @@ OPS = ("rms_norm", "fused_add_rms_norm")
 # Outside vLLM's ``VLLM_`` namespace on purpose: vLLM warns about every ``VLLM_*``
 # variable it does not know, and ``--fail-on-environ-validation`` refuses to start.
 OPT_IN_ENV = "VLLMPATCH_CPU_FUSED_NORMS"
+# Spelled as vLLM spells its own boolean VLLM_* flags (``vllm/envs.py``:
+# ``.lower() in ("true", "1")``); anything else is off, and a value that is
+# neither on nor off is said to be ignored.
+OPT_IN_ON = ("1", "true")
+OPT_IN_OFF = ("", "0", "false")
 PRIORITY_METHOD = "get_default_ir_op_priority"
 _WRAPPER_MARK = "__vllm_patch_provider__"
 
 # vLLM configures handlers for the "vllm" logger tree only; a child of it shows
 # up in vLLM's own log output.
-logger = logging.getLogger("vllm.plugins.cpu_fused_norms")
+LOGGER_NAME = "vllm.plugins.cpu_fused_norms"
+logger = logging.getLogger(LOGGER_NAME)
 
 # The CPU kernels vectorise over the hidden dimension in blocks of 8 elements
 # and raise on anything else (measured: hidden sizes 8, 16, 24, ... only), and
@@ -214,14 +229,20 @@ def register() -> None:
     _status["calls"] += 1
     if _stands_down():
         return
+    newly: list[str] = []
     try:
-        _register_impls()
+        newly = _register_impls()
     except Exception as exc:  # never take vLLM's start-up down with us
         _fail("registering the IR implementations", exc)
+    try:
+        _announce(newly)
+    except Exception as exc:
+        _fail("telling whether this vLLM's own kernels make it redundant", exc)
     try:
         _install_default_ranking()
     except Exception as exc:
         _fail("installing the default ranking", exc)
+    _note_ignored_opt_in()
 
 
 def _stands_down() -> bool:
@@ -253,7 +274,8 @@ def _fail(doing: str, exc: Exception) -> None:
     logger.warning("vllm-patch %s: failed %s", PROVIDER, message, exc_info=True)
 
 
-def _register_impls() -> None:
+def _register_impls() -> list[str]:
+    """The ops registered by this call (none when an earlier call did)."""
     from vllm import ir
 
     support = None
@@ -282,22 +304,52 @@ def _register_impls() -> None:
         if not supported:
             _status["unsupported_reasons"][op_name] = reason
         newly.append(op_name)
+    return newly
 
-    if newly:
+
+def _announce(newly: list[str]) -> None:
+    """One line for what registration did: registered, or registered but
+    redundant where this vLLM's own ``vllm_c`` already runs the ops on CPU."""
+    if not newly:
+        return
+    supported = ", ".join(f"{op}={_status['supported'][op]}" for op in newly)
+    skipped = "; ".join(f"{op}: {why}" for op, why in _status["skipped"].items())
+    registered = (
+        f"vllm-patch: registered IR provider {PROVIDER!r} for {', '.join(newly)} "
+        f"(supported: {supported})" + (f"; skipped {skipped}" if skipped else "")
+    )
+    redundant = _redundant_ops(newly)
+    if redundant:
         logger.info(
-            "vllm-patch: registered IR provider %r for %s (supported: %s)%s",
+            "%s, but it is redundant for %s: this vLLM enables its own %r on CPU "
+            "for them, and %s leaves them to it; `vllm-patch doctor` confirms that "
+            "this workaround can go (name %r instead of %r in any ir_op_priority "
+            "before removing it)",
+            registered,
+            ", ".join(redundant),
+            UPSTREAM_PROVIDER,
+            OPT_IN_ENV,
+            UPSTREAM_PROVIDER,
             PROVIDER,
-            ", ".join(newly),
-            ", ".join(f"{op}={_status['supported'][op]}" for op in newly),
-            "; skipped "
-            + "; ".join(f"{op}: {why}" for op, why in _status["skipped"].items())
-            if _status["skipped"]
-            else "",
         )
+    else:
+        logger.info("%s", registered)
     for op_name, reason in _status["unsupported_reasons"].items():
         logger.info(
             "vllm-patch: %s for %s is not supported: %s", PROVIDER, op_name, reason
         )
+
+
+def _redundant_ops(ops: list[str]) -> list[str]:
+    """Of ``ops``, those this vLLM's own ``"vllm_c"`` runs on CPU. Asked on CPU
+    only: vLLM's kernel modules judge what is available when first imported,
+    and on other platforms other plugins may still be on their way."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    enabled = upstream_enabled_ops()
+    return [op for op in ops if op in enabled]
 
 
 def _bind_kernels(support: dict[str, tuple[bool, str]]) -> None:
@@ -351,8 +403,22 @@ def _install_default_ranking() -> None:
         )
         return
 
+    setattr(cls, PRIORITY_METHOD, classmethod(_ranking(original)))
+    _status["default_ranking"] = f"installed on {cls.__name__}.{PRIORITY_METHOD}"
+
+
+def _ranking(original):
+    """The platform's ``get_default_ir_op_priority`` with this provider ranked
+    in. vLLM calls it from ``KernelConfig.set_platform_defaults`` with the whole
+    config, before it appends the platform's entries to the user's: the one
+    place a plugin sees the priority the user asked for."""
+
     def get_default_ir_op_priority(cls, vllm_config):
         priority = original(cls, vllm_config)
+        try:
+            _note_unknown_providers(vllm_config)
+        except Exception as exc:
+            _fail("checking the providers ir_op_priority names", exc)
         try:
             return rank_fused_first(priority, vllm_config)
         except Exception as exc:  # keep the platform's answer rather than fail
@@ -362,12 +428,28 @@ def _install_default_ranking() -> None:
     setattr(get_default_ir_op_priority, _WRAPPER_MARK, PROVIDER)
     get_default_ir_op_priority.__wrapped__ = original
     get_default_ir_op_priority.__doc__ = original.__doc__
-    setattr(cls, PRIORITY_METHOD, classmethod(get_default_ir_op_priority))
-    _status["default_ranking"] = f"installed on {cls.__name__}.{PRIORITY_METHOD}"
+    return get_default_ir_op_priority
+
+
+def _opt_in_value() -> str:
+    return os.environ.get(OPT_IN_ENV, "").strip().lower()
 
 
 def opted_in() -> bool:
-    return os.environ.get(OPT_IN_ENV, "").strip() == "1"
+    return _opt_in_value() in OPT_IN_ON
+
+
+def ignored_opt_in() -> str | None:
+    """Why the opt-in variable's value changes nothing, when it is neither on
+    nor off; None otherwise."""
+    if OPT_IN_ENV not in os.environ or _opt_in_value() in OPT_IN_ON + OPT_IN_OFF:
+        return None
+    return (
+        f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]!r} is ignored: "
+        f"{' or '.join(OPT_IN_ON)} ranks {PROVIDER} first by default (eager), "
+        f"{' or '.join(v for v in OPT_IN_OFF if v)} (or unset) leaves it off; "
+        "the default ranking stays native"
+    )
 
 
 def compiling_with_inductor(vllm_config) -> bool:
@@ -381,10 +463,9 @@ def compiling_with_inductor(vllm_config) -> bool:
     return getattr(mode, "value", mode) != 0  # CompilationMode.NONE
 
 
-def upstream_enabled_ops() -> list[str]:
-    """Ops whose own ``"vllm_c"`` impl this vLLM supports here (upstream landed,
-    or the tree was patched): for them this provider is redundant."""
-    from vllm import ir
+def _import_ir_kernels() -> None:
+    """vLLM's own IR impls, registered as vLLM registers them before it reads a
+    priority."""
     from vllm.platforms import current_platform
 
     importer = getattr(current_platform, "import_ir_kernels", None)
@@ -392,6 +473,14 @@ def upstream_enabled_ops() -> list[str]:
         importer()
     else:
         import vllm.kernels  # noqa: F401
+
+
+def upstream_enabled_ops() -> list[str]:
+    """Ops whose own ``"vllm_c"`` impl this vLLM supports here (upstream landed,
+    or the tree was patched): for them this provider is redundant."""
+    from vllm import ir
+
+    _import_ir_kernels()
     out = []
     for op_name in OPS:
         op = getattr(ir.ops, op_name, None)
@@ -406,6 +495,7 @@ def rank_fused_first(priority, vllm_config):
     if not opted_in():
         return priority
     if compiling_with_inductor(vllm_config):
+        _note_native_under_inductor()
         return priority  # native: Inductor fuses it with its neighbours
     redundant = upstream_enabled_ops()
     ranked = []
@@ -417,22 +507,104 @@ def rank_fused_first(priority, vllm_config):
             continue
         setattr(priority, op_name, [PROVIDER] + [p for p in current if p != PROVIDER])
         ranked.append(op_name)
-    if ranked and not _status.get("ranked_logged"):
-        _status["ranked_logged"] = True
-        logger.info(
-            "vllm-patch: %s=1, %s ranked first by default for %s (eager)",
+    if ranked:
+        _log_once(
+            "info",
+            "vllm-patch: %s=%s, %s ranked first by default for %s (eager)",
             OPT_IN_ENV,
+            os.environ[OPT_IN_ENV],
             PROVIDER,
             ", ".join(ranked),
         )
     return priority
 
 
+def unknown_providers(ir_op_priority) -> dict[str, tuple[list[str], list[str]]]:
+    """op -> (the providers ``ir_op_priority`` names that the op has no impl
+    of, the ones it has): what vLLM's start-up stops on, in a worker, with
+    ``All providers in priority must be registered implementations.``"""
+    from dataclasses import asdict
+
+    from vllm.ir.op import IrOp
+
+    _import_ir_kernels()
+    out = {}
+    for op_name, names in asdict(ir_op_priority).items():
+        op = IrOp.registry.get(op_name)
+        if op is None or not isinstance(names, list):
+            continue
+        unknown = [p for p in names if p not in op.impls]
+        if unknown:
+            out[op_name] = (unknown, sorted(op.impls))
+    return out
+
+
+# --- what the provider says in vLLM's log, once per process ---
+
+
+def _log_once(level: str, msg: str, *args: Any) -> None:
+    """Through vLLM's own ``info_once`` / ``warning_once`` (a plain record on a
+    vLLM without them), so that each line shows once per process."""
+    from vllm.logger import init_logger
+
+    log = init_logger(LOGGER_NAME)
+    getattr(log, f"{level}_once", getattr(log, level))(msg, *args)
+
+
+def _note_ignored_opt_in() -> None:
+    why = ignored_opt_in()
+    if why:
+        _log_once("info", "vllm-patch: %s", why)
+
+
+def _note_native_under_inductor() -> None:
+    ops = [op for op in _status["registered"] if _status["supported"].get(op)]
+    if not ops:
+        return
+    _log_once(
+        "info",
+        "vllm-patch: %s=%s, but vLLM compiles this model with Inductor, so %s "
+        "stay native: Inductor fuses the native norm with the residual add next "
+        "to it, which an opaque kernel call would prevent. To use %s anyway, "
+        "name it: --ir-op-priority '%s'; or run eager (--enforce-eager), where "
+        "%s ranks it first",
+        OPT_IN_ENV,
+        os.environ[OPT_IN_ENV],
+        ", ".join(ops),
+        PROVIDER,
+        json.dumps({op: [PROVIDER] for op in ops}),
+        OPT_IN_ENV,
+    )
+
+
+def _note_unknown_providers(vllm_config) -> None:
+    kernel_config = getattr(vllm_config, "kernel_config", None)
+    if kernel_config is None:
+        return
+    for op_name, (names, known) in unknown_providers(
+        kernel_config.ir_op_priority
+    ).items():
+        _log_once(
+            "warning",
+            "vllm-patch: ir_op_priority for %s names %s, which %s has no "
+            "implementation registered under (registered: %s), so vLLM will stop "
+            "at engine start with 'AssertionError: All providers in priority must "
+            "be registered implementations.' Check the spelling (this plugin "
+            "registers %r), and that the plugin providing it is loaded "
+            "(VLLM_PLUGINS, when set, must name it; `vllm-patch doctor` checks)",
+            op_name,
+            ", ".join(map(repr, names)),
+            op_name,
+            ", ".join(known),
+            PROVIDER,
+        )
+
+
 def status() -> dict[str, Any]:
     """What this process's registration did, for the probe and for users."""
     out = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in _status.items()}
-    out.pop("ranked_logged", None)
     out["opt_in"] = opted_in()
+    out["opt_in_ignored"] = ignored_opt_in()
     if out["not_applicable"]:
         out["redundant_ops"], out["redundant"] = [], False
         return out

@@ -62,10 +62,12 @@ def cli_finding(dist: metadata.Distribution | None) -> Finding:
         return Finding(
             "vllm_cli",
             "info",
-            f"the `vllm` command fails here: it asks for the version of a "
-            f"distribution named vllm, and {name or 'this tree'} is installed under "
-            "another name; serve with `python -m vllm.entrypoints.openai.api_server "
-            "--model MODEL ...` (the options of `vllm serve`)",
+            f"the `vllm` command fails here (PackageNotFoundError: vllm): it asks "
+            f"for the version of a distribution named vllm, and {name or 'this tree'} "
+            "is installed under another name; serve with `vllm-patch serve MODEL "
+            "[options of vllm serve]`, which runs vLLM's own command line with that "
+            "one lookup answered (`python -m vllm.entrypoints.openai.api_server` is "
+            "deprecated from vLLM 0.32 on)",
         )
     return Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
 

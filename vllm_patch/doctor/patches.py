@@ -69,6 +69,9 @@ def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Findin
     out.append(
         opt_in_finding(patch.name, provider.opt_in_env, provider.name, provider.status)
     )
+    out += plugin_filter_findings(
+        patch.name, _entry_points_of(module), provider.name, provider.status
+    )
     out.append(_redundant_finding(provider))
     return out
 
@@ -179,14 +182,44 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
             f"ir_op_priority names it ({var}=1 opts in to its default "
             "ranking)",
         )
-    if value.strip() == "1":
+    # The provider judges its own variable (the child ran it in this environment).
+    if status.get("opt_in_ignored"):
+        return Finding(
+            check, "fix", status["opt_in_ignored"], f"export {var}=1 (or unset it)"
+        )
+    if status.get("opt_in"):
         extra = " (not needed: see below)" if status.get("redundant") else ""
         return Finding(
-            check, "ok", f"{var}=1: the default ranking of {name!r} is on{extra}"
+            check, "ok", f"{var}={value}: the default ranking of {name!r} is on{extra}"
         )
     return Finding(
-        check,
-        "fix",
-        f"{var}={value!r} is ignored: only 1 opts in",
-        f"export {var}=1 (or unset it)",
+        check, "info", f"{var}={value!r}: the default ranking of {name!r} is off"
     )
+
+
+def plugin_filter_findings(
+    patch: str, entry: list[metadata.EntryPoint], name: str, status: dict
+) -> list[Finding]:
+    """vLLM loads only the plugins ``VLLM_PLUGINS`` names, when it is set (split
+    on commas, as vLLM splits it). Without the provider's plugin, a priority
+    naming the provider stops the engine at start, after the model loaded, in an
+    assertion that names nothing."""
+    value = os.environ.get("VLLM_PLUGINS")
+    if value is None or not entry:
+        return []
+    plugin = entry[0].name
+    check = f"{patch}:vllm_plugins"
+    if plugin in value.split(","):
+        return [Finding(check, "ok", f"VLLM_PLUGINS={value!r} names {plugin!r}")]
+    return [
+        Finding(
+            check,
+            "fix" if status.get("opt_in") else "info",
+            f"VLLM_PLUGINS={value!r} leaves out the plugin {plugin!r}: vLLM will not "
+            f"register {name!r}, and an ir_op_priority naming it stops the engine at "
+            "start with 'AssertionError: All providers in priority must be "
+            "registered implementations.'",
+            f"export VLLM_PLUGINS={','.join(filter(None, [value, plugin]))} "
+            "(or unset VLLM_PLUGINS: then vLLM loads every plugin)",
+        )
+    ]

