@@ -27,14 +27,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# This module is the one home of the provider's identity: the bench, the probe
-# and the doctor read these names from here.
-PROVIDER = "vllm_c_cpu"
-UPSTREAM_PROVIDER = "vllm_c"
-OPS = ("rms_norm", "fused_add_rms_norm")
-# Outside vLLM's ``VLLM_`` namespace on purpose: vLLM warns about every ``VLLM_*``
-# variable it does not know, and ``--fail-on-environ-validation`` refuses to start.
-OPT_IN_ENV = "VLLMPATCH_CPU_FUSED_NORMS"
+from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
+    OPS,
+    OPT_IN_ENV,
+    PROVIDER,
+    UPSTREAM_PROVIDER,
+)
+
 PRIORITY_METHOD = "get_default_ir_op_priority"
 _WRAPPER_MARK = "__vllm_patch_provider__"
 

@@ -126,15 +126,17 @@ DISPATCH_RATIOS = (
 provider's overhead, and what native costs against the upstream provider."""
 
 
-def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
+def dispatch_markdown(rows: list[dict[str, Any]], *, roles_shown: bool = True) -> str:
     """The out-of-tree provider's per-call cost through IR dispatch, against the
-    upstream provider and the minimal reference, per op and shape."""
+    upstream provider and the minimal reference, per op and shape; without
+    ``roles_shown`` the columns are the providers' names alone (a PR's reader
+    knows no roles)."""
     names: dict[str, str] = {}
     for r in rows:
         names.setdefault(r["role"], r["provider"])
     roles = [role for role in DISPATCH_ROLES if role in names]
     header = ["op", "dtype", "shape", "threads", "source"]
-    header += [f"{names[role]} ({role})" for role in roles]
+    header += [f"{names[r]} ({r})" if roles_shown else names[r] for r in roles]
     ratios = [(a, b) for a, b in DISPATCH_RATIOS if a in names and b in names]
     header += [f"{names[a]} / {names[b]}" for a, b in ratios]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -238,7 +240,7 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
             "forward calls the op (`maybe_inplace` where the op has it, no torch "
             "custom-op wrapper): microseconds per call, median [quartiles].",
             "",
-            dispatch_markdown(dispatch),
+            dispatch_markdown(dispatch, roles_shown=False),
         ]
     if pairs:
         e = doc["e2e"]
@@ -252,7 +254,7 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
     else:
         lines += [
             f"End to end with {', '.join(providers)}: not measured by this bench "
-            "run; the `vllm bench` commands in the Test Plan measure it.",
+            "run; the `vllm bench` commands above measure it.",
             "",
         ]
     return "\n".join(lines)
