@@ -53,10 +53,11 @@ class CiEdit:
         """What changed, in the words of a commit message's change list."""
         said = []
         if self.added_tests:
-            said.append(f'the "{self.label}" step runs {", ".join(self.added_tests)}')
+            tests = ", ".join(f"`{t}`" for t in self.added_tests)
+            said.append(f'the "{self.label}" step runs {tests}')
         if self.added_dependencies:
-            deps = ", ".join(self.added_dependencies)
-            said.append(f"and lists {deps} in its {DEPENDENCIES}")
+            deps = ", ".join(f"`{d}`" for d in self.added_dependencies)
+            said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
 
 

@@ -209,13 +209,13 @@ def commit_message(
 
 
 def _wrap(text: str, indent: str = "") -> str:
-    """Each paragraph of ``text`` filled to ``WIDTH``; paths are not split."""
+    """Each paragraph of ``text`` filled to ``WIDTH``; paths and names are
+    split only when one is longer than a line."""
     return "\n\n".join(
         textwrap.fill(
             " ".join(paragraph.split()),
             WIDTH,
             subsequent_indent=indent,
-            break_long_words=False,
             break_on_hyphens=False,
         )
         for paragraph in text.strip().split("\n\n")
