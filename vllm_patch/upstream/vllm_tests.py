@@ -12,6 +12,7 @@ of its fixtures. The outcome is counted from pytest's JUnit XML."""
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import sys
 import tempfile
@@ -159,6 +160,8 @@ def unavailable(checkout: Path, files: list[str], want: Version | None) -> str |
         installed = open_tree(None)
     except PatchError as exc:
         return f"no vLLM build in this environment ({exc.message})"
+    if importlib.util.find_spec("torch") is None:
+        return "no torch in this environment"
     have = read_version(installed)
     if want is None or want != have:
         return (
