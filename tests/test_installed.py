@@ -161,7 +161,7 @@ def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    said = proc.stdout.index("upstream tests: cannot run here (no vLLM build")
+    said = proc.stdout.index("upstream tests: cannot run here (no vLLM installed for")
     assert said < proc.stdout.index("committed")
     body = description(repo).read_text()
     assert "## Overview" in body and "Not run while writing this description" in body

@@ -158,8 +158,8 @@ def unavailable(checkout: Path, files: list[str], want: Version | None) -> str |
         return "not in this checkout"
     try:
         installed = open_tree(None)
-    except PatchError as exc:
-        return f"no vLLM build in this environment ({exc.message})"
+    except PatchError:
+        return f"no vLLM installed for {sys.executable}"
     if importlib.util.find_spec("torch") is None:
         return "no torch in this environment"
     have = read_version(installed)
