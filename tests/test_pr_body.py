@@ -112,6 +112,8 @@ def test_the_description_speaks_of_vllm_alone(tmp_path, release, sections, run, 
         assert "vLLM 0.32.0 (torch 2.13.0+cpu)" in text
     else:  # the reviewer's command instead of a result
         assert f"```bash\npytest {TEST}\n```" in text
+    # Concrete claims from the bench's figures, where there is a bench result.
+    assert ("x faster than native per call" in text) is bench
     if release:
         assert f'runs `{TEST}` in its "CPU-Kernel Tests' in text
     else:

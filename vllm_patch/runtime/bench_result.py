@@ -258,3 +258,34 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def claims(doc: dict[str, Any], provider: str) -> list[str]:
+    """One line per op (``provider``'s speed-up range over native, per call at
+    the highest thread count, and the shapes it was not timed at) and one per
+    end-to-end mode, from ``doc`` alone."""
+    rows = [r for r in doc["perop"]["rows"] if r["provider"] == provider]
+    threads = max((r["threads"] for r in rows), default=None)
+    out = []
+    for op in sorted({r["op"] for r in rows}):
+        mine = [r for r in rows if r["op"] == op and r["threads"] == threads]
+        ratios = [r["ratio"] for r in mine if r.get("status") == "ok"]
+        line = f"`{op}`: " + (
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x faster than native per call"
+            if ratios
+            else "not timed"
+        )
+        line += f" ({len(ratios)} of {len(mine)} dtype/shape points, {threads} threads"
+        wrong = [
+            f"{r['dtype']} {list(r['shape'])}" for r in mine if r["status"] == "wrong"
+        ]
+        if wrong:
+            line += f"; outside native's tolerance, so not timed: {', '.join(wrong)}"
+        out.append(line + ")")
+    for pair in (doc.get("e2e") or {}).get("pairs", []):
+        if pair.get("provider") == provider and pair.get("ratio"):
+            out.append(
+                f"end to end, {pair['mode']}: {pair['ratio']:.3f}x the tokens/s of "
+                "native"
+            )
+    return out

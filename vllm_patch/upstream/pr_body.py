@@ -25,6 +25,7 @@ from packaging.version import Version
 
 from patcher.errors import PatchError
 from patcher.patchset import Patch
+from vllm_patch.runtime.bench_result import claims as bench_claims
 from vllm_patch.runtime.bench_result import evidence_markdown
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream
@@ -111,7 +112,7 @@ def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
     summary, _, motivation = upstream.purpose.partition("\n\n")
     pieces = [
         Piece(("purpose",), "\n\n".join([summary, _changes(facts)])),
-        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts))),
+        Piece(("claims", "purpose"), "\n".join(_claims(patch, upstream, facts))),
         Piece(("plan",), "\n".join(_test_plan(patch, upstream, facts.checkout))),
         Piece(("result", "plan"), "\n".join(_results(patch, upstream, facts))),
         Piece(
@@ -131,7 +132,7 @@ def _changes(facts: Facts) -> str:
     return "\n".join(lines)
 
 
-def _claims(upstream: Upstream, facts: Facts):
+def _claims(patch: Patch, upstream: Upstream, facts: Facts):
     if upstream.rule:
         yield f"- {upstream.rule}"
     run = facts.tests_run
@@ -146,8 +147,10 @@ def _claims(upstream: Upstream, facts: Facts):
             f"- vLLM's CPU CI runs {', '.join(f'`{t}`' for t in ci.added_tests)} "
             f'in its "{ci.label}" step.'
         )
-    if facts.evidence.bench:
-        yield "- Per op and end to end timings against `native`: see the results."
+    for _, data in facts.evidence.bench:
+        machine = data["machine"]["cpu_model"]
+        for line in bench_claims(data, _fused_provider(patch)[0]):
+            yield f"- On {machine}, {line}."
 
 
 def _details(motivation: str, upstream: Upstream, facts: Facts):
