@@ -512,21 +512,26 @@ def repo_from_sdist(version: str, dest: Path) -> git.Repo:
 def released(request, tmp_path_factory) -> Released:
     """``pr`` in its own process (as a user runs it) on the release's repository."""
     version = request.param
-    tmp = tmp_path_factory.mktemp(f"vllm-{version}")
-    repo = repo_from_sdist(version, tmp / "vllm")
+    repo = repo_from_sdist(version, tmp_path_factory.mktemp(f"vllm-{version}") / "vllm")
     base = repo.head.commit
+    done = pr_process(repo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return Released(version, repo, base, done.stdout, description(repo).read_text())
+
+
+def pr_process(repo: git.Repo) -> subprocess.CompletedProcess:
+    """``pr`` in its own process, with no global git configuration."""
+    tmp = Path(repo.working_tree_dir).parent
     (tmp / "gitconfig").write_text("")
     env = {**os.environ, "GIT_CONFIG_GLOBAL": str(tmp / "gitconfig")}
     env["GIT_CONFIG_NOSYSTEM"] = "1"
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "vllm_patch", "pr", "--vllm", repo.working_tree_dir]
         + ["--pytest-k", QUICK, "--evidence", str(tmp / "no-evidence")],
         capture_output=True,
         text=True,
         env=env,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return Released(version, repo, base, done.stdout, description(repo).read_text())
 
 
 def pinned(root: Path, repo_name: str) -> str:
@@ -593,3 +598,17 @@ def test_the_commit_passes_the_releases_pinned_ruff_and_typos(released):
             text=True,
         )
         assert done.returncode == 0, f"{tool}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("released", ["0.27.0"], indirect=True)  # no tests to rerun
+def test_a_rerun_on_the_branch_says_the_same(released):
+    """The CI edit is read back from the commit's parent: same description."""
+    tip = released.repo.head.commit
+
+    done = pr_process(released.repo)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "already committed" in done.stdout
+    assert released.repo.head.commit == tip
+    assert description(released.repo).read_text() == released.body
