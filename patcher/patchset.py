@@ -75,13 +75,14 @@ class Patch:
         """The out-of-tree provider this patch declares in its ``[provider]``
         table, or None: the table (``module``, and the ``reference`` provider
         module the bench times it against), ``patch``, and the identity the
-        module declares (``name`` from ``PROVIDER``, ``ops``, ``opt_in_env``,
-        ``upstream`` from ``UPSTREAM_PROVIDER``): the module is its one home, so
-        this imports it."""
+        ``identity`` module (default: ``module``) declares (``name`` from
+        ``PROVIDER``, ``ops``, ``opt_in_env``, ``upstream`` from
+        ``UPSTREAM_PROVIDER``). That module is imported; a torch-free one keeps
+        this working where torch is not installed."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
-        module = importlib.import_module(table["module"])
+        module = importlib.import_module(table.get("identity", table["module"]))
         return {
             **table,
             "patch": self.name,

@@ -19,6 +19,7 @@ from conftest import requires_vllm
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
+from patches.cpu_fused_norms.identity import OPT_IN_ENV
 from vllm_patch.doctor import imports
 from vllm_patch.doctor.patches import opt_in_finding, plugin_filter_findings
 
@@ -29,8 +30,6 @@ PATCH = "cpu_fused_norms"
 def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
     """(exit code, findings by check, the whole document); ``env`` on top of
     this environment without the opt-in and ``VLLM_PLUGINS``."""
-    from patches.cpu_fused_norms.provider import OPT_IN_ENV  # imports torch
-
     child_env = dict(os.environ)
     child_env.pop(OPT_IN_ENV, None)
     child_env.pop("VLLM_PLUGINS", None)
@@ -99,7 +98,7 @@ def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
 def test_a_vllm_plugins_filter_that_leaves_the_plugin_out():
     """The one case the provider cannot report itself: vLLM never loads it."""
     rc, findings, _ = doctor(
-        env={"VLLM_PLUGINS": "lora_filesystem_resolver", provider().OPT_IN_ENV: "1"}
+        env={"VLLM_PLUGINS": "lora_filesystem_resolver", OPT_IN_ENV: "1"}
     )
     finding = findings[f"{PATCH}:vllm_plugins"]
     assert finding["status"] == "fix"
@@ -157,16 +156,15 @@ def provider():
 @requires_vllm
 @pytest.mark.parametrize("value, status, words", OPT_IN_VALUES)
 def test_the_opt_in_variable(monkeypatch, value, status, words):
-    var = provider().OPT_IN_ENV
     if value is None:
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.delenv(OPT_IN_ENV, raising=False)
     else:
-        monkeypatch.setenv(var, value)
+        monkeypatch.setenv(OPT_IN_ENV, value)
     judged = {
         "opt_in": provider().opted_in(),
         "opt_in_ignored": provider().ignored_opt_in(),
     }
-    finding = opt_in_finding("p", var, "prov", judged)
+    finding = opt_in_finding("p", OPT_IN_ENV, "prov", judged)
     assert finding.status == status and words in finding.message
 
 

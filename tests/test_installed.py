@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_pr import EMAIL, NAME, description, repo_from_sdist
 
 from vllm_patch.runtime.cache import fetch_wheel
 
@@ -115,7 +116,7 @@ def test_pr_help_and_its_default_evidence(installed) -> None:
     assert "--evidence DIR" in proc.stdout
 
     code = (
-        "from patcher import pr_body\n"
+        "from vllm_patch.upstream import pr_body\n"
         "found = pr_body.load_evidence(list(pr_body.DEFAULT_EVIDENCE))\n"
         "print(len(found.compat), len(found.bench))"
     )
@@ -124,7 +125,8 @@ def test_pr_help_and_its_default_evidence(installed) -> None:
     compat, bench = map(int, proc.stdout.split())
     shipped = len(list((PROJECT / "compat_matrix" / "results").glob("*.json")))
     assert compat == shipped
-    assert bench == len(list((PROJECT / "bench" / "reference").rglob("*.json")))
+    reference = PROJECT / "vllm_patch" / "bench" / "reference"
+    assert bench == len(list(reference.rglob("*.json")))
 
 
 def test_the_rendered_patches_are_installed_and_current(installed) -> None:
@@ -139,3 +141,28 @@ def test_the_rendered_patches_are_installed_and_current(installed) -> None:
     assert rendered and all(
         Path(line.split(":")[0]).is_relative_to(bin_dir.parent) for line in rendered
     )
+
+
+@pytest.mark.integration
+def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
+    """The contributor's case: the tool in its own venv (no torch, no vLLM), a
+    clone of vLLM 0.32.0. The tests cannot run there: said before the commit,
+    and the description gives the reviewer's command."""
+    bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "python", "-c", "import torch"], elsewhere, env)
+    assert proc.returncode != 0  # the premise: no torch in the tool's venv
+    repo = repo_from_sdist("0.32.0", tmp_path / "vllm")
+    (tmp_path / "gitconfig").write_text("")
+    env = {**env, "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
+
+    proc = _run(
+        [bin_dir / "vllm-patch", "pr", "--vllm", repo.working_tree_dir], elsewhere, env
+    )
+
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    said = proc.stdout.index("upstream tests: cannot run here (no vLLM installed for")
+    assert said < proc.stdout.index("committed")
+    body = description(repo).read_text()
+    assert "## Overview" in body and "Not run while writing this description" in body
+    assert repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
+import sys
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import git
 import pytest
-from conftest import requires_vllm
+import yaml
+from conftest import has_vllm, requires_vllm
+from test_pr_body import LEAKS
 
 from patcher import engine
 from patcher.tree import open_tree
 from vllm_patch import cli
-from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_wheel
+from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_sdist, fetch_wheel
 from vllm_patch.upstream.meta import pick_patch, upstream_of
 from vllm_patch.upstream.pr_format import find_ruff
 
@@ -152,13 +158,15 @@ def test_commits_exactly_the_patch_formatted(real_wheel, tmp_path, capsys):
         assert all(len(line) <= 88 for line in added_lines(repo, rel))
     # The message and the PR text say what this diff does, from the edit made.
     body = description(repo).read_text()
-    assert UPSTREAM.rule and UPSTREAM.rule in " ".join(commit.message.split())
+    flat = " ".join(commit.message.split())
+    assert UPSTREAM.rule and UPSTREAM.rule in flat
     assert UPSTREAM.rule in body
     for rel, made in plan.described().items():
         assert made, rel
         for change in made:
-            assert f"- {rel}: {change}" in commit.message
+            assert " ".join(f"- {rel}: {change}".split()) in flat
             assert f"- `{rel}`: {change}" in body
+    assert max(len(line) for line in commit.message.splitlines()) <= 72
     out = capsys.readouterr().out
     assert "git -C" in out and "push" in out and "gh pr create" in out
 
@@ -299,12 +307,13 @@ def test_body_without_evidence_says_not_measured(checkout, tmp_path, capsys):
     assert body in capsys.readouterr().out
 
     parts = sections(body)
-    assert list(parts) == ["Purpose", "Test Plan", "Test Result"]
-    result = parts["Test Result"]
-    assert "Not run: no test file of this PR in the checkout" in result
-    assert "Not measured. Produce it with `vllm-patch bench`." in result
+    # No template in this checkout: the fallback layout.
+    assert list(parts) == ["Overview", "Claims", "Validation", "Details"]
+    result = parts["Validation"]
+    assert "Not run while writing this description." in result
+    assert "Not measured for this description" in result
     assert "|" not in result  # no table without a file behind it
-    plan = parts["Test Plan"]
+    plan = parts["Validation"]
     assert "pytest tests/kernels/ir/test_layernorm.py" in plan
     for command in ("lm_eval ", "vllm bench latency", "vllm bench throughput"):
         assert command in plan
@@ -312,7 +321,9 @@ def test_body_without_evidence_says_not_measured(checkout, tmp_path, capsys):
     assert '"rms_norm": ["vllm_c"]' in plan and '"rms_norm": ["native"]' in plan
 
 
-REFERENCE_BENCH = Path(__file__).parents[1] / "bench" / "reference" / "bench.json"
+REFERENCE_BENCH = (
+    Path(__file__).parents[1] / "vllm_patch" / "bench" / "reference" / "bench.json"
+)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -340,7 +351,7 @@ def test_body_speaks_of_vllm_alone(checkout, tmp_path):
     assert run_pr(checkout, evidence=evidence) == 0
 
     body = description(checkout).read_text()
-    result = sections(body)["Test Result"]
+    result = sections(body)["Validation"]
     for word in (
         "kernels_supported",
         "vllm-0.33.0.json",
@@ -426,7 +437,7 @@ def test_checkout_with_tests_gets_one_commit_and_the_measured_test_outcome(
         assert done.returncode == 0, done.stdout + done.stderr
     for rel in commit.stats.files:
         assert all(len(line) <= 88 for line in added_lines(repo, rel))
-    message = commit.message
+    message = " ".join(commit.message.split())
     assert "contiguous" in message
     assert "non-contiguous input is refused by `vllm_c`" in message
     said = [
@@ -434,11 +445,11 @@ def test_checkout_with_tests_gets_one_commit_and_the_measured_test_outcome(
         for line in capsys.readouterr().out.splitlines()
         if line.startswith("upstream tests:")
     ]
-    result = sections(description(repo).read_text())["Test Result"]
+    result = sections(description(repo).read_text())["Validation"]
     # The whole line and section on a failure, not a truncated repr of stdout.
     assert said == ["upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped"], result
     assert "**9 passed, 0 failed, 0 errors, 0 skipped**" in result
-    assert "CPU build of vLLM 0.32.0, torch 2.13.0" in result
+    assert "CPU build of vLLM 0.32.0 (torch 2.13.0" in result
     assert f"-k '{QUICK}'" in result
     for word in ("vllm_c_cpu", "cpu_fused_norms", "compat_matrix", ".json"):
         assert word not in description(repo).read_text()
@@ -460,3 +471,144 @@ def test_unrecognised_test_file_is_left_out_and_said_so(tmp_path, capsys):
     body = description(repo).read_text()
     assert "Left out of this commit: `tests/kernels/ir/test_layernorm.py` " in body
     assert "source shape not recognised" in body
+
+
+# --- vLLM's real repository at a release (PyPI's sdist), as a reviewer sees it --
+
+# One parametrisation of each "vllm_c" kernel test and the registration tests:
+# the whole file takes many minutes on 2 cores.
+RELEASES = ["0.32.0", "0.27.0"]
+CI_STEP = "CPU-Kernel Tests"
+PRE_COMMIT_REV = r"{repo}\s*\n\s*rev:\s*v?(\S+)"
+
+
+@dataclass(frozen=True)
+class Released:
+    """``pr`` run once on a git repository made from vLLM's sdist."""
+
+    version: str
+    repo: git.Repo
+    base: git.Commit
+    stdout: str
+    body: str
+
+
+def repo_from_sdist(version: str, dest: Path) -> git.Repo:
+    shutil.copytree(fetch_sdist("vllm", version), dest)
+    repo = git.Repo.init(dest, initial_branch="main")
+    repo.git.add("-A")
+    repo.git.execute(
+        ["git", "-c", "user.name=Upstream", "-c", "user.email=up@example.com"]
+        + ["commit", "-q", "-m", f"vLLM {version}"]
+    )
+    repo.create_tag(f"v{version}")
+    with repo.config_writer() as cfg:
+        cfg.set_value("user", "name", NAME)
+        cfg.set_value("user", "email", EMAIL)
+    return repo
+
+
+@pytest.fixture(scope="session", params=RELEASES)
+def released(request, tmp_path_factory) -> Released:
+    """``pr`` in its own process (as a user runs it) on the release's repository."""
+    version = request.param
+    repo = repo_from_sdist(version, tmp_path_factory.mktemp(f"vllm-{version}") / "vllm")
+    base = repo.head.commit
+    done = pr_process(repo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return Released(version, repo, base, done.stdout, description(repo).read_text())
+
+
+def pr_process(repo: git.Repo) -> subprocess.CompletedProcess:
+    """``pr`` in its own process, with no global git configuration."""
+    tmp = Path(repo.working_tree_dir).parent
+    (tmp / "gitconfig").write_text("")
+    env = {**os.environ, "GIT_CONFIG_GLOBAL": str(tmp / "gitconfig")}
+    env["GIT_CONFIG_NOSYSTEM"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "pr", "--vllm", repo.working_tree_dir]
+        + ["--pytest-k", QUICK, "--evidence", str(tmp / "no-evidence")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+def pinned(root: Path, repo_name: str) -> str:
+    config = (root / ".pre-commit-config.yaml").read_text()
+    return re.search(PRE_COMMIT_REV.format(repo=re.escape(repo_name)), config)[1]
+
+
+@pytest.mark.integration
+def test_the_description_is_the_releases_template_filled(released):
+    root = Path(released.repo.working_tree_dir)
+    template = (root / ".github/PULL_REQUEST_TEMPLATE.md").read_text()
+    body = released.body
+
+    assert re.findall(r"^## .+$", body, re.M) == re.findall(r"^## .+$", template, re.M)
+    assert body.count("- [ ]") == template.count("- [ ]") > 0
+    assert "[x]" not in body.lower()
+    for leak in [*LEAKS, str(root)]:
+        assert leak not in body, leak
+    assert UPSTREAM.rule in body
+    if has_vllm() and released.version == "0.32.0":
+        assert re.search(r"\*\*\d+ passed, 0 failed, 0 errors", body), body
+    else:  # said before the commit; the reviewer's command in the text instead
+        said = released.stdout.index("upstream tests: cannot run here")
+        assert said < released.stdout.index("committed")
+        assert "```bash\npytest -k " in body
+
+
+@pytest.mark.integration
+def test_the_commit_wires_the_ir_tests_into_the_cpu_kernel_ci_step(released):
+    commit = released.repo.head.commit
+    assert commit.parents == (released.base,)
+    assert UPSTREAM.ci.file in commit.stats.files
+    diff = released.repo.git.diff("HEAD~1", "HEAD", "--", UPSTREAM.ci.file)
+    assert not [
+        line for line in diff.splitlines()[4:] if line.startswith("-")
+    ]  # only added lines
+    doc = yaml.safe_load(
+        (Path(released.repo.working_tree_dir) / UPSTREAM.ci.file).read_text()
+    )
+    (step,) = [s for s in doc["steps"] if CI_STEP in s["label"]]
+    assert "tests/kernels/ir/test_layernorm.py" in " ".join(step["commands"])
+    assert set(UPSTREAM.ci.dependencies) <= set(step["source_file_dependencies"])
+    assert "CPU CI runs `tests/kernels/ir/test_layernorm.py`" in released.body
+
+
+@pytest.mark.integration
+def test_the_commit_passes_the_releases_pinned_ruff_and_typos(released):
+    root = Path(released.repo.working_tree_dir)
+    message = released.repo.head.commit.message
+    assert max(len(line) for line in message.splitlines()) <= 72, message
+    changed = sorted(released.repo.head.commit.stats.files)
+    python = [f for f in changed if f.endswith(".py")]
+    ruff = f"ruff=={pinned(root, 'astral-sh/ruff-pre-commit')}"
+    typos = f"typos=={pinned(root, 'crate-ci/typos')}"
+    for tool, *args in (
+        (ruff, "ruff", "check", *python),
+        (ruff, "ruff", "format", "--check", *python),
+        (typos, "typos", "--force-exclude", *changed),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "uv", "tool", "run", "--from", tool, *args],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, f"{tool}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("released", ["0.27.0"], indirect=True)  # no tests to rerun
+def test_a_rerun_on_the_branch_says_the_same(released):
+    """The CI edit is read back from the commit's parent: same description."""
+    tip = released.repo.head.commit
+
+    done = pr_process(released.repo)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "already committed" in done.stdout
+    assert released.repo.head.commit == tip
+    assert description(released.repo).read_text() == released.body

@@ -76,6 +76,13 @@ def import_all(package, heavy):
             importlib.import_module(f"{package}.{info.name}")
     return [name for name in heavy if name in sys.modules]
 
+def pr_alone():
+    from vllm_patch.upstream import pr
+    from vllm_patch.upstream.meta import pick_patch
+    spec = pick_patch("cpu_fused_norms").provider()
+    return {"upstream": spec["upstream"], "ops": spec["ops"],
+            "imported": [m for m in ("torch", "vllm") if m in sys.modules]}
+
 def software_alone():
     from vllm_patch.runtime import machine
     found = machine.software()
@@ -442,3 +449,15 @@ def test_the_engine_imports_no_torch(targets):
         pythonpath=[targets],
     ).value()
     assert heavy == []
+
+
+def test_pr_and_the_providers_identity_import_no_torch(targets):
+    """`vllm-patch pr` runs from a plain install, where torch may be absent:
+    the PR tooling and the provider's identity (read from its torch-free
+    module) import neither torch nor vLLM."""
+    found = child.run("toolkit_targets:pr_alone", {}, pythonpath=[targets]).value()
+    assert found == {
+        "upstream": "vllm_c",
+        "ops": ["rms_norm", "fused_add_rms_norm"],
+        "imported": [],
+    }

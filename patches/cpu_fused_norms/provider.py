@@ -36,19 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# This module is the one home of the provider's identity: the bench, the probe
-# and the doctor read these names from here.
-PROVIDER = "vllm_c_cpu"
-UPSTREAM_PROVIDER = "vllm_c"
-OPS = ("rms_norm", "fused_add_rms_norm")
-# Outside vLLM's ``VLLM_`` namespace on purpose: vLLM warns about every ``VLLM_*``
-# variable it does not know, and ``--fail-on-environ-validation`` refuses to start.
-OPT_IN_ENV = "VLLMPATCH_CPU_FUSED_NORMS"
-# Spelled as vLLM spells its own boolean VLLM_* flags (``vllm/envs.py``:
-# ``.lower() in ("true", "1")``); anything else is off, and a value that is
-# neither on nor off is said to be ignored.
-OPT_IN_ON = ("1", "true")
-OPT_IN_OFF = ("", "0", "false")
+from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
+    OPS,
+    OPT_IN_ENV,
+    OPT_IN_OFF,
+    OPT_IN_ON,
+    PROVIDER,
+    UPSTREAM_PROVIDER,
+)
+
 PRIORITY_METHOD = "get_default_ir_op_priority"
 _WRAPPER_MARK = "__vllm_patch_provider__"
 

@@ -126,15 +126,17 @@ DISPATCH_RATIOS = (
 provider's overhead, and what native costs against the upstream provider."""
 
 
-def dispatch_markdown(rows: list[dict[str, Any]]) -> str:
+def dispatch_markdown(rows: list[dict[str, Any]], *, roles_shown: bool = True) -> str:
     """The out-of-tree provider's per-call cost through IR dispatch, against the
-    upstream provider and the minimal reference, per op and shape."""
+    upstream provider and the minimal reference, per op and shape; without
+    ``roles_shown`` the columns are the providers' names alone (a PR's reader
+    knows no roles)."""
     names: dict[str, str] = {}
     for r in rows:
         names.setdefault(r["role"], r["provider"])
     roles = [role for role in DISPATCH_ROLES if role in names]
     header = ["op", "dtype", "shape", "threads", "source"]
-    header += [f"{names[role]} ({role})" for role in roles]
+    header += [f"{names[r]} ({r})" if roles_shown else names[r] for r in roles]
     ratios = [(a, b) for a, b in DISPATCH_RATIOS if a in names and b in names]
     header += [f"{names[a]} / {names[b]}" for a, b in ratios]
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -238,7 +240,7 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
             "forward calls the op (`maybe_inplace` where the op has it, no torch "
             "custom-op wrapper): microseconds per call, median [quartiles].",
             "",
-            dispatch_markdown(dispatch),
+            dispatch_markdown(dispatch, roles_shown=False),
         ]
     if pairs:
         e = doc["e2e"]
@@ -252,7 +254,38 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
     else:
         lines += [
             f"End to end with {', '.join(providers)}: not measured by this bench "
-            "run; the `vllm bench` commands in the Test Plan measure it.",
+            "run; the `vllm bench` commands above measure it.",
             "",
         ]
     return "\n".join(lines)
+
+
+def claims(doc: dict[str, Any], provider: str) -> list[str]:
+    """One line per op (``provider``'s speed-up range over native, per call at
+    the highest thread count, and the shapes it was not timed at) and one per
+    end-to-end mode, from ``doc`` alone."""
+    rows = [r for r in doc["perop"]["rows"] if r["provider"] == provider]
+    threads = max((r["threads"] for r in rows), default=None)
+    out = []
+    for op in sorted({r["op"] for r in rows}):
+        mine = [r for r in rows if r["op"] == op and r["threads"] == threads]
+        ratios = [r["ratio"] for r in mine if r.get("status") == "ok"]
+        line = f"`{op}`: " + (
+            f"{min(ratios):.2f}x to {max(ratios):.2f}x faster than native per call"
+            if ratios
+            else "not timed"
+        )
+        line += f" ({len(ratios)} of {len(mine)} dtype/shape points, {threads} threads"
+        wrong = [
+            f"{r['dtype']} {list(r['shape'])}" for r in mine if r["status"] == "wrong"
+        ]
+        if wrong:
+            line += f"; outside native's tolerance, so not timed: {', '.join(wrong)}"
+        out.append(line + ")")
+    for pair in (doc.get("e2e") or {}).get("pairs", []):
+        if pair.get("provider") == provider and pair.get("ratio"):
+            out.append(
+                f"end to end, {pair['mode']}: {pair['ratio']:.3f}x the tokens/s of "
+                "native"
+            )
+    return out

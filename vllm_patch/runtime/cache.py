@@ -1,10 +1,14 @@
-"""The user cache: real vLLM wheels, downloaded once and reused."""
+"""The user cache: real vLLM wheels and source trees, downloaded once and
+reused."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
@@ -21,33 +25,38 @@ def cache_dir() -> Path:
     return Path(base) / "vllm-patch"
 
 
-def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
-    """The wheel of ``package==version``, from the cache or via ``pip download``.
-
-    pip honours the user's configuration (index, find-links, proxies).
-    """
-    folder = cache_dir() / "wheels"
-    found = _cached(folder, package, version)
-    if found:
-        return found
-    folder.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
+def _pip_download(
+    folder: Path, spec: str, *options: str, **run
+) -> subprocess.CompletedProcess:
+    """``pip download --no-deps`` into ``folder``; pip honours the user's
+    configuration (index, find-links, proxies)."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "pip",
             "download",
             "--no-deps",
-            "--only-binary=:all:",
             "--disable-pip-version-check",
             "-q",
             "-d",
             str(folder),
-            f"{package}=={version}",
-            *extra_pip_args,
+            spec,
+            *options,
         ],
-        check=True,
+        **run,
     )
+
+
+def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
+    """The wheel of ``package==version``, from the cache or via ``pip download``."""
+    folder = cache_dir() / "wheels"
+    found = _cached(folder, package, version)
+    if found:
+        return found
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = f"{package}=={version}"
+    _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
     found = _cached(folder, package, version)
     if not found:
         raise FileNotFoundError(f"pip download left no wheel for {package}=={version}")
@@ -59,4 +68,65 @@ def _cached(folder: Path, package: str, version: str) -> Path | None:
         name, ver, _, _ = parse_wheel_filename(wheel.name)
         if name == canonicalize_name(package) and str(ver) == version:
             return wheel
+    return None
+
+
+def fetch_sdist(package: str, version: str) -> Path:
+    """The unpacked source distribution of ``package==version`` (for vLLM: its
+    whole repository at that release), from the cache or via ``pip download``.
+
+    pip has no download-only mode for an sdist: it unpacks it, then builds its
+    metadata, which fails for vLLM (setuptools-rust and the rest of its build
+    requirements are not installed; without build isolation none is fetched).
+    With ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
+    ``TMPDIR`` puts inside the cache; where the metadata does build, pip saves
+    the archive instead.
+    """
+    dest = cache_dir() / "sdists" / f"{canonicalize_name(package)}-{version}"
+    if (dest / "PKG-INFO").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
+        work = Path(tmp)
+        options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
+        env = {**os.environ, "TMPDIR": str(work)}
+        # The metadata build is expected to fail: its output is not shown.
+        done = _pip_download(
+            work / "saved",
+            f"{package}=={version}",
+            *options,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        tree = _unpacked(work, package, version)
+        if tree is None:
+            tail = " / ".join(done.stderr.strip().splitlines()[-3:])
+            raise FileNotFoundError(
+                f"pip download left no source tree of {package}=={version}: {tail}"
+            )
+        shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
+        tree.rename(dest)
+    return dest
+
+
+def _unpacked(work: Path, package: str, version: str) -> Path | None:
+    """The source tree pip left in ``work``: the saved archive unpacked, else
+    the tree it unpacked before failing."""
+    for archive in sorted((work / "saved").glob("*.tar.gz")):
+        with tarfile.open(archive) as tar:
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(work / "archive", **safe)
+    # archive/<name>-<version>/ or pip-download-*/<name>_<hash>/
+    for info in sorted(work.glob("*/*/PKG-INFO")):
+        fields = dict(
+            line.split(": ", 1)
+            for line in info.read_text("utf-8", "replace").splitlines()[:5]
+            if ": " in line
+        )
+        if (
+            canonicalize_name(fields.get("Name", "")) == canonicalize_name(package)
+            and fields.get("Version") == version
+        ):
+            return info.parent
     return None

@@ -1,5 +1,6 @@
 """What a patch says about its upstream pull request: the ``[upstream]`` table of
-its ``patch.toml`` and the Markdown file that holds the PR's Purpose text.
+its ``patch.toml`` (with ``[upstream.ci]``, the CI step its tests join) and the
+Markdown file that holds the PR's Purpose text.
 
 Nothing here knows what a patch changes; every patch-specific word comes from
 the patch folder.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from patcher.errors import PatchError, UsageError
 from patcher.patchset import Patch, all_patches, select
+from vllm_patch.upstream.ci_yaml import CiWiring
 
 TABLE = "upstream"
 
@@ -34,6 +36,12 @@ class Upstream:
     """``package==version`` wheels the patch is rendered against."""
     model: str = "Qwen/Qwen3-0.6B"
     """The small model the Test Plan's accuracy and speed commands use."""
+    numerics_note: str = ""
+    """Optional Markdown: how the change's numerics differ from the reference
+    (e.g. how a kernel's rounding is handled), with figures; the PR's Details
+    carry it, and leave the paragraph out when it is empty."""
+    ci: CiWiring | None = None
+    """Optional ``[upstream.ci]``: the CI step the patch's tests join."""
 
 
 def upstream_of(patch: Patch) -> Upstream:
@@ -62,6 +70,29 @@ def upstream_of(patch: Patch) -> Upstream:
         tests=tuple(table.get("tests", ())),
         rendered_for=rendered_for,
         model=table.get("model", Upstream.model),
+        numerics_note=table.get("numerics_note", "").strip(),
+        ci=_ci_of(table.get("ci"), where),
+    )
+
+
+def _ci_of(table: object, where: str) -> CiWiring | None:
+    """``[upstream.ci]``: ``file``, ``step`` (part of the step's label),
+    ``tests`` and ``source_file_dependencies`` (lists of repository paths)."""
+    if table is None:
+        return None
+    keys = ("file", "step", "tests", "source_file_dependencies")
+    if not isinstance(table, dict) or any(k not in table for k in keys):
+        raise PatchError(
+            "bad [upstream.ci] table",
+            path=where,
+            looked_for=", ".join(keys),
+            found=", ".join(table) if isinstance(table, dict) else type(table).__name__,
+        )
+    return CiWiring(
+        file=table["file"],
+        step=table["step"],
+        tests=tuple(table["tests"]),
+        dependencies=tuple(table["source_file_dependencies"]),
     )
 
 

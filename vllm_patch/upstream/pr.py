@@ -21,6 +21,7 @@ import shlex
 import sys
 import tarfile
 import tempfile
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,16 +29,19 @@ import git
 from packaging.version import InvalidVersion, Version
 
 from patcher import engine
-from patcher.errors import ExitCode, UsageError
+from patcher.errors import ExitCode, PatchError, UsageError
 from patcher.patchset import Patch
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.upstream import pr_body, vllm_tests
+from vllm_patch.upstream import ci_yaml, pr_body, vllm_tests
+from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, pick_patch, upstream_of
 from vllm_patch.upstream.pr_format import FormatReport, check_changes
 
 UPSTREAM_REPO = "vllm-project/vllm"
+WIDTH = 72
+"""Commit message lines: git's convention, which vLLM's history follows."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,12 +193,33 @@ def commit_message(
     upstream: Upstream, identity: Identity, described: dict[str, list[str]]
 ) -> str:
     """Title, why (the patch's text), the rule, what this diff does (from the
-    edit the codemods made), sign-off."""
-    parts = [upstream.title, upstream.body]
+    edit the codemods made), sign-off; wrapped at 72 columns."""
+    if len(upstream.title) > WIDTH:
+        raise PatchError(
+            f"the commit title is over {WIDTH} columns",
+            looked_for="[upstream] title",
+            found=upstream.title,
+        )
+    parts = [_wrap(upstream.body)]
     if upstream.rule:
-        parts.append(upstream.rule)
-    parts.append("\n".join(changes_list(described)))
-    return "\n\n".join(parts) + f"\n\n{identity.signoff}\n"
+        parts.append(_wrap(upstream.rule))
+    parts.append("\n".join(_wrap(item, "  ") for item in changes_list(described)))
+    body = "\n\n".join(parts)
+    return f"{upstream.title}\n\n{body}\n\n{identity.signoff}\n"
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    """Each paragraph of ``text`` filled to ``WIDTH``; paths and names are
+    split only when one is longer than a line."""
+    return "\n\n".join(
+        textwrap.fill(
+            " ".join(paragraph.split()),
+            WIDTH,
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+        )
+        for paragraph in text.strip().split("\n\n")
+    )
 
 
 def changes_list(described: dict[str, list[str]]) -> list[str]:
@@ -204,22 +229,34 @@ def changes_list(described: dict[str, list[str]]) -> list[str]:
     ]
 
 
-def described_in_commit(repo: git.Repo, commit, patch: Patch) -> dict[str, list[str]]:
-    """What the patch changes in ``commit``'s parent, as the codemods describe it
-    (for a branch that already carries the commit)."""
+def described_in_commit(
+    repo: git.Repo, commit, patch: Patch, upstream: Upstream
+) -> tuple[dict[str, list[str]], CiEdit | None]:
+    """What the patch changes in ``commit``'s parent, as the codemods describe it,
+    and the CI edit made there (for a branch that already carries the commit)."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "parent.tar"
         parent = f"{commit.hexsha}^"
-        tests = [
-            e.file
-            for e in patch.test_edits
-            if repo.git.ls_tree("--name-only", parent, "--", e.file)
+        wanted = [e.file for e in patch.test_edits]
+        wanted += [upstream.ci.file] if upstream.ci else []
+        present = [
+            f for f in wanted if repo.git.ls_tree("--name-only", parent, "--", f)
         ]
-        repo.git.archive("--format=tar", "-o", str(archive), parent, "vllm", *tests)
+        repo.git.archive("--format=tar", "-o", str(archive), parent, "vllm", *present)
         with tarfile.open(archive) as tar:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, **safe)
-        return engine.plan(open_tree(tmp), patch).described()
+        ci = ci_yaml.wire(Path(tmp), upstream.ci) if upstream.ci else None
+        return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
+
+
+def _with_ci(
+    described: dict[str, list[str]], ci: CiEdit | None
+) -> dict[str, list[str]]:
+    """The codemods' changes, and the CI file's when it is edited."""
+    if ci is None or ci.text is None:
+        return described
+    return {**described, ci.wiring.file: ci.described()}
 
 
 def find_commit(repo: git.Repo, branch: str, title: str, stop: str | None):
@@ -297,6 +334,7 @@ class Committed:
     commit: git.Commit | None
     """None: the branch has the change but no commit titled like the patch."""
     described: dict[str, list[str]]
+    ci: CiEdit | None = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -400,12 +438,13 @@ def _commit(request: Request, on_branch: OnBranch) -> Committed | None:
                 "nothing to commit, no branch created"
             )
             return None
-        formatting = None if already else _apply_and_commit(request, plan)
+        made = None if already else _apply_and_commit(request, plan)
     except BaseException:
         rollback()
         raise
-    if formatting is None:
+    if made is None:
         return _found_commit(request, on_branch, plan)
+    formatting, ci = made
     commit = repo.head.commit
     print(
         f"{patch.name}: committed {commit.hexsha[:12]} on branch {request.branch}"
@@ -413,7 +452,7 @@ def _commit(request: Request, on_branch: OnBranch) -> Committed | None:
         f"{request.upstream.title}"
     )
     _report_format(formatting)
-    return Committed(plan, commit, plan.described())
+    return Committed(plan, commit, _with_ci(plan.described(), ci), ci)
 
 
 def _found_commit(
@@ -428,46 +467,89 @@ def _found_commit(
         f"{patch.name}: already committed {where}on branch {branch}{switch}; "
         "nothing changed"
     )
-    described = described_in_commit(repo, commit, patch) if commit else {}
-    return Committed(plan, commit, described)
+    if commit is None:
+        return Committed(plan, None, {})
+    described, ci = described_in_commit(repo, commit, patch, request.upstream)
+    return Committed(plan, commit, described, ci)
 
 
-def _apply_and_commit(request: Request, plan: engine.PatchPlan) -> FormatReport:
-    """Write ``plan``, check the changed lines' format, commit with a sign-off."""
+def _before_commit(request: Request, plan: engine.PatchPlan) -> CiEdit | None:
+    """Say what cannot be done here (the tests, the CI wiring) before the
+    commit is made; the CI edit to make."""
+    edited = _edited_tests(plan)
+    version = checkout_version(request.repo, request.root)
+    why_not = vllm_tests.unavailable(request.root, edited, version) if edited else None
+    if why_not:
+        print(
+            f"upstream tests: cannot run here ({why_not}); the PR description "
+            "gives the command a reviewer runs instead"
+        )
+    ci = request.upstream.ci
+    edit = ci_yaml.wire(request.root, ci) if ci else None
+    if edit is not None and edit.text is None:
+        _warn(f"{ci.file} left as it is: {edit.reason}")
+    return edit
+
+
+def _edited_tests(plan: engine.PatchPlan) -> list[str]:
+    return [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
+
+
+def _apply_and_commit(
+    request: Request, plan: engine.PatchPlan
+) -> tuple[FormatReport, CiEdit | None]:
+    """Write ``plan`` and the CI edit, check the changed lines' format, commit
+    with a sign-off."""
+    ci = _before_commit(request, plan)
     originals = {rel: before for rel, (before, _) in plan.file_changes().items()}
     engine.apply(plan.tree, request.patch, planned=plan)
     formatting = check_changes(request.root, originals)
-    request.repo.git.add("--", *originals)
-    message = commit_message(request.upstream, request.identity, plan.described())
+    files = list(originals)
+    if ci is not None and ci.text is not None:
+        _replace(request.root / ci.wiring.file, ci.text)
+        files.append(ci.wiring.file)
+    request.repo.git.add("--", *files)
+    described = _with_ci(plan.described(), ci)
+    message = commit_message(request.upstream, request.identity, described)
     request.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
-    return formatting
+    return formatting, ci
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` as a new file renamed over ``path`` (never in place)."""
+    new = path.with_name(f".{path.name}.new")
+    new.write_text(text, "utf-8")
+    new.replace(path)
 
 
 def _write_description(request: Request, committed: Committed) -> str:
     """The PR description, with the upstream tests of the edited test files run
     now when this machine has the matching vLLM; its text."""
-    root, patch, plan = request.root, request.patch, committed.plan
+    root, plan = request.root, committed.plan
     evidence = pr_body.load_evidence(list(request.evidence))
+    for unreadable in evidence.unreadable:
+        _warn(f"evidence not read: {unreadable}")
     version = checkout_version(request.repo, root)
-    left_out = {e.edit.file: e.skipped.message for e in plan.skipped}
-    edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
+    edited = _edited_tests(plan)
     tests_run = None
     if edited:
-        tests_run = vllm_tests.measure(root, edited, patch, version, request.pytest_k)
+        tests_run = vllm_tests.measure(
+            root, edited, request.patch, version, request.pytest_k
+        )
         outcome = (
             tests_run.summary() if tests_run.ran else f"not run: {tests_run.reason}"
         )
         print(f"upstream tests: {outcome}")
-    body = pr_body.render(
-        patch,
-        request.upstream,
-        version,
-        evidence,
-        root,
-        committed.described,
-        tests_run,
-        left_out,
+    facts = pr_body.Facts(
+        version=version,
+        evidence=evidence,
+        checkout=root,
+        described=committed.described,
+        tests_run=tests_run,
+        left_out={e.edit.file: e.skipped.message for e in plan.skipped},
+        ci=committed.ci,
     )
+    body = pr_body.render(request.patch, request.upstream, facts)
     out = request.description
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(body, "utf-8")

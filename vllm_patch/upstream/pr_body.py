@@ -1,11 +1,15 @@
-"""The pull request description, in vLLM's template (Purpose, Test Plan, Test
-Result), speaking of vLLM alone.
+"""The pull request description: the checkout's own template (``template``)
+filled with text that speaks of vLLM alone.
 
-The Test Result holds only figures this tool measured: the upstream tests run
-in this ``pr`` run, and the bench's ``vllm_c`` against native from its JSON, per
-op and end to end on the patched vLLM (compatibility cells are read but not
-shown: they describe this project's probe, not vLLM). What was not measured
-is shown as such, with the command.
+The pieces: what changed and why (the patch's Purpose text and the diff's
+changes), the claims (the patch's rule and what was measured), the commands a
+reviewer reruns, the results, and the details (the rest of the Purpose text,
+the patch's numerics note, the CI wiring). The results hold only figures
+measured for this description: the upstream tests run in this ``pr`` run, and
+the bench's ``vllm_c`` against native from its JSON, per op and end to end on
+the patched vLLM (compatibility cells are read but not shown: they describe
+this project's probe, not vLLM). What was not measured is shown as such, with
+the command. No local path, traceback or name of this tool goes in.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from packaging.version import Version
 
 from patcher.errors import PatchError
 from patcher.patchset import Patch
+from vllm_patch.runtime.bench_result import claims as bench_claims
 from vllm_patch.runtime.bench_result import evidence_markdown
+from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream
+from vllm_patch.upstream.template import Piece, fill, read_template
 from vllm_patch.upstream.vllm_tests import TestRun, reviewer_command
 
 
@@ -41,7 +48,6 @@ DEFAULT_EVIDENCE = (
 )
 """The compatibility cells' results and the bench's reference result, shipped
 with this project."""
-BENCH_COMMAND = "vllm-patch bench"
 
 
 @dataclass
@@ -87,60 +93,82 @@ def load_evidence(dirs: list[Path]) -> Evidence:
     return found
 
 
-def render(
-    patch: Patch,
-    upstream: Upstream,
-    version: Version | None,
-    evidence: Evidence,
-    checkout: Path | None = None,
-    described: dict[str, list[str]] | None = None,
-    tests_run: TestRun | None = None,
-    left_out: dict[str, str] | None = None,
-) -> str:
-    """vLLM's PR template, speaking of vLLM alone: what the change does, the
-    commands a reviewer pastes, and only figures this tool measured.
-    ``described``: what the diff does, per file, as the codemods recorded it."""
-    parts = [
-        "## Purpose\n",
-        upstream.purpose,
-        "",
-        *([upstream.rule, ""] if upstream.rule else []),
-        "This PR:\n",
-        *[
-            f"- `{rel}`: {change}"
-            for rel, changes in (described or {}).items()
-            for change in changes
-        ],
-        *[
-            f"\nLeft out of this commit: `{file}` ({reason})."
-            for file, reason in (left_out or {}).items()
-        ],
-        "",
-        "## Test Plan\n",
-        *_test_plan(patch, upstream, checkout),
-        "",
-        "## Test Result\n",
-        *_tests_section(tests_run, version, upstream.tests),
-        "",
-        *_bench_section(evidence, patch),
+@dataclass(frozen=True)
+class Facts:
+    """What a description is made of, besides the patch's own text."""
+
+    version: Version | None
+    evidence: Evidence
+    checkout: Path | None = None
+    described: dict[str, list[str]] = field(default_factory=dict)
+    """What the diff does, per file, as the codemods recorded it."""
+    tests_run: TestRun | None = None
+    left_out: dict[str, str] = field(default_factory=dict)
+    ci: CiEdit | None = None
+
+
+def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
+    """The checkout's PR template (or the fallback layout) filled."""
+    summary, _, motivation = upstream.purpose.partition("\n\n")
+    pieces = [
+        Piece(("purpose",), "\n\n".join([summary, _changes(facts)])),
+        Piece(("claims", "purpose"), "\n".join(_claims(patch, upstream, facts))),
+        Piece(("plan",), "\n".join(_test_plan(patch, upstream, facts.checkout))),
+        Piece(("result", "plan"), "\n".join(_results(patch, upstream, facts))),
+        Piece(
+            ("details", "purpose"), "\n\n".join(_details(motivation, upstream, facts))
+        ),
     ]
-    if evidence.unreadable:
-        parts += ["", "Evidence files that could not be read:", ""]
-        parts += [f"- {u}" for u in evidence.unreadable]
-    parts += ["", CHECKLIST]
-    return "\n".join(parts).rstrip() + "\n"
+    return fill(read_template(facts.checkout), pieces)
 
 
-CHECKLIST = """\
----
-<details>
-<summary> Essential Elements of an Effective PR Description Checklist </summary>
+def _changes(facts: Facts) -> str:
+    lines = ["This PR:", ""]
+    lines += [
+        f"- `{rel}`: {change}"
+        for rel, changes in facts.described.items()
+        for change in changes
+    ]
+    return "\n".join(lines)
 
-- [x] The purpose of the PR.
-- [x] The test plan, with the commands to run.
-- [x] The test results, with where each figure was measured.
-- [ ] (Optional) The necessary documentation update.
-</details>"""
+
+def _claims(patch: Patch, upstream: Upstream, facts: Facts):
+    if upstream.rule:
+        yield f"- {upstream.rule}"
+    run = facts.tests_run
+    if run and run.ran:
+        yield (
+            f"- vLLM's tests of the changed code on CPU, with this change: "
+            f"**{run.summary()}** (`{run.command}`, vLLM {run.vllm})."
+        )
+    ci = facts.ci
+    if ci and ci.added_tests:
+        yield (
+            f"- vLLM's CPU CI runs {', '.join(f'`{t}`' for t in ci.added_tests)} "
+            f'in its "{ci.label}" step.'
+        )
+    for _, data in facts.evidence.bench:
+        machine = data["machine"]["cpu_model"]
+        for line in bench_claims(data, _fused_provider(patch)[0]):
+            yield f"- On {machine}, {line}."
+
+
+def _details(motivation: str, upstream: Upstream, facts: Facts):
+    if motivation.strip():
+        yield motivation.strip()
+    if upstream.numerics_note:
+        yield upstream.numerics_note
+    ci = facts.ci
+    if ci and ci.text is None and ci.wiring.tests:
+        tests = ", ".join(f"`{t}`" for t in ci.wiring.tests)
+        yield f"CI: {tests} not added to a CPU CI step: {ci.reason}."
+    for file, reason in facts.left_out.items():
+        yield f"Left out of this commit: `{file}` ({reason})."
+
+
+def _results(patch: Patch, upstream: Upstream, facts: Facts):
+    yield from _tests_section(facts.tests_run, facts.version, upstream.tests)
+    yield from _bench_section(facts.evidence, patch)
 
 
 def _priority(provider: str, ops: list[str]) -> str:
@@ -207,16 +235,21 @@ def _test_plan(patch: Patch, upstream: Upstream, checkout: Path | None):
 
 
 def _tests_section(run: TestRun | None, version: Version | None, tests: tuple):
-    yield "### Upstream tests on CPU\n"
+    yield "### vLLM's tests on CPU\n"
+    build = f"a CPU build of vLLM {version}" if version else "a CPU build of vLLM"
     if run is None or not run.ran:
-        why = run.reason if run else "no test file of this PR in the checkout"
         command = run.command if run else reviewer_command(list(tests))
-        yield f"Not run: {why}. Run `{command}` on a CPU build of vLLM {version or ''}."
+        yield (
+            f"Not run while writing this description. To run them, on {build} "
+            f"with this change:\n\n```bash\n{command}\n```"
+        )
+        yield ""
         return
     yield (
-        f"`{run.command}` with this change, CPU build of vLLM {run.vllm}, torch "
-        f"{run.torch}: **{run.summary()}** in {run.seconds:.0f} s, measured while "
-        f"writing this description on {run.machine}; {run.reason}."
+        f"`{run.command}` with this change, on a CPU build of vLLM {run.vllm} "
+        f"(torch {run.torch}), {run.machine}: **{run.summary()}** in "
+        f"{run.seconds:.0f} s. Run without the repository's `tests/conftest.py`, "
+        "whose fixtures these tests do not use."
     )
     if run.failures:
         bad = run.counts.get("failed", 0) + run.counts.get("errors", 0)
@@ -234,7 +267,10 @@ def _bench_section(evidence: Evidence, patch: Patch):
     fused, _ = _fused_provider(patch)
     yield f"### `{fused}` against native\n"
     if not evidence.bench:
-        yield f"Not measured. Produce it with `{BENCH_COMMAND}`."
+        yield (
+            "Not measured for this description; the speed commands above measure "
+            "it, eager and compiled."
+        )
         return
     for _, data in evidence.bench:
         yield evidence_markdown(data, providers=(fused,))

@@ -12,6 +12,7 @@ of its fixtures. The outcome is counted from pytest's JUnit XML."""
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import sys
 import tempfile
@@ -42,7 +43,7 @@ class TestRun:
     """What a reviewer runs in the checkout (paths relative to it)."""
     ran: bool
     reason: str = ""
-    """Why it did not run, or how the run differs from ``command``."""
+    """Why it did not run (for the terminal: it may name local paths)."""
     counts: dict[str, int] = field(default_factory=dict)
     """``passed``, ``failed``, ``errors``, ``skipped``."""
     failures: tuple[str, ...] = ()
@@ -51,14 +52,23 @@ class TestRun:
     vllm: str = ""
     torch: str = ""
     machine: str = ""
+    """CPU model, architecture and the instruction sets the kernels use."""
 
     def summary(self) -> str:
         order = ("passed", "failed", "errors", "skipped")
         return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in order)
 
 
-def reviewer_command(files: list[str]) -> str:
-    return f"pytest {' '.join(files)}"
+def reviewer_command(files: list[str], keyword: str | None = None) -> str:
+    selected = ["-k", keyword] if keyword else []
+    return shlex.join(["pytest", *selected, *files])
+
+
+def described_machine() -> str:
+    """``CPU model (arch; instruction sets the kernels use)``."""
+    m = machine.facts()
+    flags = ", ".join(m["key_flags"]) or "no vector extensions of note"
+    return f"{m['cpu_model']} ({m['arch']}; {flags})"
 
 
 def run_pytest(
@@ -83,11 +93,6 @@ def run_pytest(
             pythonpath=[site, checkout],
             cwd=site,
         )
-        shown = shlex.join(
-            ["python", "-m", "pytest", *PYTEST_OPTIONS]
-            + (["-k", keyword] if keyword else [])
-            + files
-        )
         if not junit.is_file():
             exited = outcome.result if outcome.ok else outcome.error
             tail = outcome.log.strip().splitlines()[-5:]
@@ -101,21 +106,20 @@ def run_pytest(
         counts, failures = _junit(junit)
     return TestRun(
         tuple(files),
-        reviewer_command(files),
+        reviewer_command(files, keyword),
         ran=True,
-        reason=f"run as `{shown}` with that vLLM first on PYTHONPATH",
         counts=counts,
         failures=failures,
         seconds=round(outcome.seconds, 1),
         vllm=_version_of(site),
         torch=machine.distribution_version("torch") or "not installed",
-        machine=machine.summary(),
+        machine=described_machine(),
     )
 
 
 def pytest_main(argv: list[str]) -> int:
     """pytest's exit code on ``argv``: the child's side of :func:`run_pytest`."""
-    import pytest
+    import pytest  # a dependency of vllm-patch: the child runs in its environment
 
     return int(pytest.main(argv))
 
@@ -147,6 +151,27 @@ def _version_of(site: Path) -> str:
     return str(version) if version else "unknown"
 
 
+def unavailable(checkout: Path, files: list[str], want: Version | None) -> str | None:
+    """Why the tests of ``files`` cannot run here against a matching vLLM
+    build, or None when they can (said before ``pr`` commits)."""
+    if not any((checkout / f).is_file() for f in files):
+        return "not in this checkout"
+    try:
+        installed = open_tree(None)
+    except PatchError:
+        return f"no vLLM installed for {sys.executable}"
+    if importlib.util.find_spec("torch") is None:
+        return "no torch in this environment"
+    have = read_version(installed)
+    if want is None or want != have:
+        return (
+            f"the checkout is vLLM {want or 'of unknown version'}, the vLLM installed "
+            f"for {sys.executable} is {have or 'of unknown version'}; the tests need "
+            "a matching build"
+        )
+    return None
+
+
 def measure(
     checkout: Path,
     files: list[str],
@@ -157,22 +182,9 @@ def measure(
     """The upstream tests of a vLLM ``want`` checkout on a patched, hard-linked
     copy of the installed vLLM, or why they cannot run here."""
     present = [f for f in files if (checkout / f).is_file()]
-    command = reviewer_command(present or files)
-    if not present:
-        return TestRun(tuple(files), command, False, "not in this checkout")
-    try:
-        installed = open_tree(None)
-    except PatchError as exc:
-        return TestRun(tuple(present), command, False, exc.message)
-    have = read_version(installed)
-    if want is None or want != have:
-        return TestRun(
-            tuple(present),
-            command,
-            False,
-            f"the checkout is vLLM {want or 'of unknown version'}, the vLLM installed "
-            f"for {sys.executable} is {have or 'of unknown version'}; the tests need "
-            "a matching build",
-        )
-    with patched_copy(installed, patch) as site:
+    command = reviewer_command(present or files, keyword)
+    why_not = unavailable(checkout, files, want)
+    if why_not:
+        return TestRun(tuple(present or files), command, False, why_not)
+    with patched_copy(open_tree(None), patch) as site:
         return run_pytest(checkout, present, site, keyword)

@@ -1,0 +1,210 @@
+"""Wire a patch's tests into a CI step of the checkout's Buildkite YAML: the
+step (found by its label) runs the test files and lists the changed sources in
+its ``source_file_dependencies``.
+
+The edit is made on the text, line by line in the step's own layout, so every
+other byte stays as it was (comments, quoting, ``$$`` escapes); the result is
+then parsed with PyYAML and must equal the original document with exactly the
+added entries. What the patch adds where is data in its ``[upstream.ci]``
+table (``meta.CiWiring``); nothing here knows about a particular step.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEPENDENCIES = "source_file_dependencies"
+COMMANDS = "commands"
+TEST_PATH = re.compile(r"(?<![\w/.-])tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?")
+
+
+@dataclass(frozen=True)
+class CiWiring:
+    """What a patch adds to a CI step: ``tests`` to the pytest commands of the
+    step whose label contains ``step``, ``dependencies`` to its
+    ``source_file_dependencies``, in ``file`` (a path in the checkout)."""
+
+    file: str
+    step: str
+    tests: tuple[str, ...]
+    dependencies: tuple[str, ...]
+
+
+@dataclass
+class CiEdit:
+    """The edit made, or why the file is left alone (``text`` None)."""
+
+    wiring: CiWiring
+    label: str | None = None
+    """The step's full label."""
+    text: str | None = None
+    """The file's new text."""
+    reason: str = ""
+    added_tests: list[str] = field(default_factory=list)
+    added_dependencies: list[str] = field(default_factory=list)
+    inserted: list[str] = field(default_factory=list)
+    """The command lines added, stripped (to check the parsed result)."""
+
+    def described(self) -> list[str]:
+        """What changed, in the words of a commit message's change list."""
+        said = []
+        if self.added_tests:
+            tests = ", ".join(f"`{t}`" for t in self.added_tests)
+            said.append(f'the "{self.label}" step runs {tests}')
+        if self.added_dependencies:
+            deps = ", ".join(f"`{d}`" for d in self.added_dependencies)
+            said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
+        return [" ".join(said)] if said else []
+
+
+class CiShapeError(ValueError):
+    """The step is not laid out the way the text edit understands."""
+
+
+def wire(root: Path, wiring: CiWiring) -> CiEdit:
+    """The edit of ``wiring.file`` under ``root``; nothing is written."""
+    edit = CiEdit(wiring)
+    path = root / wiring.file
+    if not path.is_file():
+        edit.reason = f"this checkout has no {wiring.file}"
+        return edit
+    before = path.read_text("utf-8")
+    try:
+        edit.label = _find_label(yaml.safe_load(before), wiring.step, wiring.file)
+        after = _edit_text(before, edit)
+        _verify(before, after, edit)
+    except (CiShapeError, yaml.YAMLError) as exc:
+        edit.reason = str(exc)
+        return edit
+    edit.text = after if after != before else None
+    if edit.text is None:
+        edit.reason = f'the "{edit.label}" step runs and lists these already'
+    return edit
+
+
+def _find_label(doc, step: str, file: str) -> str:
+    steps = doc.get("steps") if isinstance(doc, dict) else None
+    labels = [
+        s["label"]
+        for s in steps or []
+        if isinstance(s, dict) and step in str(s.get("label", ""))
+    ]
+    if len(labels) != 1:
+        raise CiShapeError(
+            f"{file}: looked for one step labelled {step!r}, found {len(labels)}"
+        )
+    return labels[0]
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" "))
+
+
+def _step_lines(lines: list[str], label: str) -> tuple[int, int]:
+    """[start, end) of the step whose ``- label:`` line names ``label``."""
+    head = re.compile(r"^(\s*)- label:\s*['\"]?" + re.escape(label) + r"['\"]?\s*$")
+    starts = [i for i, line in enumerate(lines) if head.match(line)]
+    if len(starts) != 1:
+        raise CiShapeError(f"no single '- label: {label}' line")
+    start = starts[0]
+    dash = _indent(lines[start])
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > dash):
+        end += 1
+    return start, end
+
+
+def _key_block(lines: list[str], start: int, end: int, key: str) -> tuple[int, int]:
+    """[first, last) lines of the value of ``key`` inside the step's lines."""
+    keys = [i for i in range(start, end) if re.match(rf"^\s*(- )?{key}:\s*$", lines[i])]
+    if len(keys) != 1:
+        raise CiShapeError(f"no single block '{key}:' in the step")
+    at = keys[0]
+    indent = _indent(lines[at]) + (2 if lines[at].lstrip().startswith("- ") else 0)
+    last = at + 1
+    while last < end and (
+        not lines[last].strip()
+        or _indent(lines[last]) > indent
+        or (_indent(lines[last]) == indent and lines[last].lstrip().startswith("- "))
+    ):
+        last += 1
+    while last > at + 1 and not lines[last - 1].strip():
+        last -= 1  # trailing blank lines belong between steps
+    return at + 1, last
+
+
+def _edit_text(text: str, edit: CiEdit) -> str:
+    lines = text.splitlines(keepends=True)
+    start, end = _step_lines(lines, edit.label)
+    deps_at, deps_end = _key_block(lines, start, end, DEPENDENCIES)
+    cmd_at, cmd_end = _key_block(lines, start, end, COMMANDS)
+    offset, new_tests = _test_lines(lines[cmd_at:cmd_end], edit)
+    inserts = [(cmd_at + offset, new_tests)]
+    offset, new_deps = _dependency_lines(lines[deps_at:deps_end], edit)
+    inserts.append((deps_at + offset, new_deps))
+    for at, added in sorted(inserts, reverse=True):  # later lines first
+        lines[at:at] = added
+    edit.inserted = [line.strip() for line in new_tests]
+    return "".join(lines)
+
+
+def _dependency_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
+    """(offset in the block to insert at, new ``- path`` lines)."""
+    items = [i for i, line in enumerate(block) if line.lstrip().startswith("- ")]
+    if not items:
+        raise CiShapeError(f"{DEPENDENCIES} of the step is not a block list")
+    last = block[items[-1]]
+    prefix = last[: _indent(last)] + "- "
+    listed = {line.strip()[2:].strip() for line in block if line.strip()}
+    new = [d for d in edit.wiring.dependencies if d not in listed]
+    edit.added_dependencies = new
+    return items[-1] + 1, [f"{prefix}{d}\n" for d in new]
+
+
+def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
+    """(offset to insert at, one line per new test, modelled on the last line
+    that names a test file and does not close the command string)."""
+    named = [i for i, line in enumerate(block) if TEST_PATH.search(line)]
+    open_lines = [i for i in named if not block[i].rstrip().endswith(("'", '"'))]
+    if not open_lines:
+        raise CiShapeError(
+            "found no line of the step's commands naming a test file that a new "
+            "line could follow"
+        )
+    model = block[open_lines[-1]]
+    listed = {m.group(0) for line in block for m in TEST_PATH.finditer(line)}
+    new = [t for t in edit.wiring.tests if t not in listed]
+    edit.added_tests = new
+    return open_lines[-1] + 1, [TEST_PATH.sub(t, model, count=1) for t in new]
+
+
+def _verify(before: str, after: str, edit: CiEdit) -> None:
+    """``after`` parses to ``before``'s document plus exactly the added entries."""
+    old, new = yaml.safe_load(before), yaml.safe_load(after)
+    old_step = _step(old, edit.label)
+    new_step = _step(new, edit.label)
+    added = list(edit.added_dependencies)
+    if new_step.get(DEPENDENCIES) != old_step.get(DEPENDENCIES) + added:
+        raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
+    commands = [str(c) for c in new_step.get(COMMANDS, [])]
+    if not all(t in " ".join(commands) for t in edit.added_tests):
+        raise CiShapeError("the edited commands do not run the added tests")
+    new_step[DEPENDENCIES] = old_step.get(DEPENDENCIES)
+    new_step[COMMANDS] = [
+        "".join(
+            line
+            for line in c.splitlines(keepends=True)
+            if line.strip() not in edit.inserted
+        )
+        for c in commands
+    ]
+    if new != old:
+        raise CiShapeError("the text edit changed more than the step's two lists")
+
+
+def _step(doc: dict, label: str) -> dict:
+    return next(s for s in doc["steps"] if s.get("label") == label)
