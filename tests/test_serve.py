@@ -226,6 +226,9 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
                 f"{base}/v1/completions",
                 {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 4},
             )
+            # What the server said while it served; vLLM's own shutdown on
+            # SIGTERM may log its output handler's cancelled traceback under load.
+            served = log.read_text()
         finally:
             code = stop(proc)
     text = log.read_text()
@@ -235,6 +238,6 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
     assert body["choices"][0]["finish_reason"] == "length"
     assert code == 0, text[-3000:]
     for unwanted in ("DeprecationWarning", "Traceback", " ERROR "):
-        assert unwanted not in text, unwanted
+        assert unwanted not in served, unwanted
     assert "Starting vLLM server on http://127.0.0.1:" in text
     assert "but vLLM compiles this model with Inductor" in text
