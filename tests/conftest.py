@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -171,3 +172,85 @@ def checkout(tmp_path: Path) -> Path:
 @pytest.fixture
 def installed(tmp_path: Path) -> Path:
     return make_tree(tmp_path / "tree", "installed")
+
+
+# Child targets (tests of the child runner, the machine facts and the layers): a
+# module of their own, put on the child's path by each test.
+TARGETS = """
+import os, subprocess, sys, time
+from pathlib import Path
+
+def echo(**kwargs):
+    return {"kwargs": kwargs, "pid": os.getpid(), "path": sys.path,
+            "env": {k: os.environ.get(k) for k in ("PYTHONPATH",
+            "PYTHONDONTWRITEBYTECODE", "TOOLKIT_EXTRA", "TOOLKIT_DROPPED")},
+            "patcher": __import__("patcher").__file__}
+
+def fail(message):
+    raise ValueError(message)
+
+def report_then_abort(values, abort):
+    from vllm_patch.runtime.child import report
+    for value in values:
+        report(value)
+    if abort:
+        os.abort()
+    return len(values)
+
+def exit_without_result(code):
+    print("about to leave", flush=True)
+    os._exit(code)
+
+def sleep_with_a_grandchild(pid_file):
+    sub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(pid_file).write_text(str(sub.pid))
+    time.sleep(600)
+
+def talk_then_wait(go_file):
+    print("step 1", flush=True)
+    print("step 2", file=sys.stderr, flush=True)
+    for _ in range(600):  # until the parent answers the first line
+        if Path(go_file).exists():
+            return "answered"
+        time.sleep(0.05)
+    return "never answered"
+
+def modules(names):
+    return {n: n in sys.modules for n in names}
+
+def imports_torch_and_vllm():
+    import torch, vllm
+    from vllm_patch.runtime import machine
+    return {"torch": torch.__version__, "vllm": vllm.__version__,
+            "vllm_file": os.path.dirname(vllm.__file__), "facts": machine.software()}
+
+def import_all(package, heavy):
+    import importlib, pkgutil
+    root = importlib.import_module(package)
+    for info in pkgutil.iter_modules(root.__path__):
+        if info.name != "__main__":
+            importlib.import_module(f"{package}.{info.name}")
+    return [name for name in heavy if name in sys.modules]
+
+def pr_alone():
+    from vllm_patch.upstream import pr
+    from vllm_patch.upstream.meta import pick_patch
+    spec = pick_patch("cpu_fused_norms").provider()
+    return {"upstream": spec["upstream"], "ops": spec["ops"],
+            "imported": [m for m in ("torch", "vllm") if m in sys.modules]}
+
+def software_alone():
+    from vllm_patch.runtime import machine
+    found = machine.software()
+    return {"software": found, "imported": [m for m in ("torch", "vllm")
+                                              if m in sys.modules]}
+"""
+
+
+@pytest.fixture
+def targets(tmp_path: Path) -> Path:
+    """A folder holding the child targets above, for ``pythonpath=``."""
+    folder = tmp_path / "targets"
+    folder.mkdir()
+    (folder / "toolkit_targets.py").write_text(textwrap.dedent(TARGETS))
+    return folder

