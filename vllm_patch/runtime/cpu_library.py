@@ -21,6 +21,13 @@ from pathlib import Path
 LIBRARIES = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}
 """Each CPU class, newest first, and the kernel library vLLM loads for it."""
 OPTION = "--vllm-cpu-library"
+NEEDS = {"avx512_bf16": "avx512_bf16", "avx512": "avx512f", "avx2": "avx2"}
+"""The CPU flag (``/proc/cpuinfo``) each class's build needs."""
+
+
+def runnable(flags: list[str]) -> list[str]:
+    """The classes whose builds a CPU with ``flags`` runs, newest first."""
+    return [c for c in LIBRARIES if NEEDS[c] in flags]
 
 
 def force(library: str) -> None:
@@ -61,6 +68,17 @@ def pytest_configure(config) -> None:
     library = config.getoption(OPTION)
     if library:
         force(library)
+
+
+def pytest_collection_finish(session) -> None:
+    """The tests imported vLLM's kernels: they must be the chosen build's."""
+    import pytest
+
+    library = session.config.getoption(OPTION)
+    if library and LIBRARIES[library] not in loaded():
+        raise pytest.UsageError(
+            f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
+        )
 
 
 def pytest_report_header(config) -> str | None:
