@@ -11,6 +11,7 @@ CPU, CUDA, ROCm or XPU would and record every ``register_impl``.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import shutil
 import sys
@@ -24,6 +25,7 @@ from libcst.codemod import CodemodTest
 
 from patcher import engine
 from patcher.patchset import select
+from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
 from vllm_patch.cli import main
@@ -261,6 +263,23 @@ def test_the_cpu_priority_names_exactly_the_norms(shape, tmp_path_factory, monke
         "NONE": {"default": ["native"], **{op: ["vllm_c", "native"] for op in norms}},
         "VLLM_COMPILE": {"default": ["native"], **{op: ["native"] for op in norms}},
     }
+
+
+@pytest.mark.parametrize("shape", ACCEPTED)
+def test_every_line_the_edit_writes_is_the_pinned_ruffs(shape, tmp_path_factory):
+    """It fits 88 columns and is as ruff lays the patched file out, also in a
+    fork whose statements were not in ruff's layout (long lines, hand-wrapped)."""
+    before, after = patched(shape, tmp_path_factory.getbasetemp())
+    for rel, new in after.items():
+        old = before[rel].splitlines()
+        written = [
+            line[1:]
+            for line in difflib.unified_diff(old, new.splitlines(), lineterm="")
+            if line.startswith("+") and not line.startswith("+++")
+        ]
+        ruffs = set(format_source(new).splitlines())
+        assert written and all(len(line) <= LINE_LENGTH for line in written)
+        assert [line for line in written if line not in ruffs] == []
 
 
 @pytest.mark.parametrize("kind", ["directory", "checkout", "installed"])
