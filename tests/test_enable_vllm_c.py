@@ -337,6 +337,14 @@ def test_crlf_files_stay_crlf_and_round_trip(before, after, reverted) -> None:
 @pytest.mark.parametrize(
     "source,looked_for,found",
     [
+        (
+            HEADER + "IS_CPU = False\n"
+            "@ir.ops.rms_norm.register_impl(\n"
+            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, w: True\n)\n'
+            "def rms_norm(x): ...\n",
+            "IS_CPU unassigned, or `IS_CPU = current_platform.is_cpu()`",
+            "IS_CPU = False",
+        ),
         (HEADER + "X = 1\n", 'register_impl("vllm_c"', "no @ir.ops"),
         (
             HEADER
@@ -412,6 +420,7 @@ def test_crlf_files_stay_crlf_and_round_trip(before, after, reverted) -> None:
         ),
     ],
     ids=[
+        "IS_CPU is something else",
         "no vllm_c impls",
         "no norm impls",
         "no supported=",
