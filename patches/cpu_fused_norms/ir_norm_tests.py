@@ -348,11 +348,14 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
         gate = self.shared_gate(tree, norms)
         if gate is not None:
             self._widen(gate, replace, touched)
+        self.reasons: list[str] = []
         for _, tests in norms:
             for test in tests:
                 self._run_on_cpu(test, gate is None, replace, touched)
             if gate is None:
                 self._expect_on_cpu(tests[0], replace, touched)
+        if self.reasons:
+            self.record(f"The skip reasons of {', '.join(self.reasons)} name CPU.")
         suites = {norm.op: tests[-1] for norm, tests in norms}
         self._skip_native_semantics(suites.get(RMS_NORM.op), replace, touched)
         fused = suites.get(FUSED_ADD_RMS_NORM.op)
@@ -388,6 +391,8 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
             condition = append_operand(condition, cst.And, operand)
             self.record(f"`{test.name.value}` also runs on CPU.")
         new_reason = _reason(reason, cpu=True)
+        if new_reason != reason:
+            self.reasons.append(f"`{test.name.value}`")
         if condition is call.args[0].value and new_reason == reason:
             return
         args = [
