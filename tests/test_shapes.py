@@ -11,6 +11,7 @@ CPU, CUDA, ROCm or XPU would and record every ``register_impl``.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import shutil
 import sys
@@ -24,6 +25,7 @@ from libcst.codemod import CodemodTest
 
 from patcher import engine
 from patcher.patchset import select
+from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
 from vllm_patch.cli import main
@@ -36,8 +38,9 @@ VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"
 MOVED = "vllm/backends/kernels/vllm_c.py", "vllm/backends/platforms/cpu.py"
 BOTH = ("rms_norm", "fused_add_rms_norm")
-# Only a backup tells a CPU gate made by hand from the one apply adds.
-INVERSE_IS_AMBIGUOUS = {"hand_gate"}
+# Only a backup tells a CPU gate made by hand from the one apply adds, or gives
+# back a statement apply laid out anew (it was not in the pinned ruff's layout).
+INVERSE_IS_AMBIGUOUS = {"hand_gate", "long_lines_fork", "older_ruff_layout"}
 
 # shape: (the norms it has, its other vllm_c ops, where vllm_c.py and cpu.py are)
 ACCEPTED = {
@@ -50,7 +53,11 @@ ACCEPTED = {
     "not_cpu": (BOTH, (), (VLLM_C, CPU)),
     "hand_gate": (BOTH, (), (VLLM_C, CPU)),
     "shim_with_target": (BOTH, (), MOVED),
+    "shim_bound_name": (BOTH, (), MOVED),
+    "long_lines_fork": (BOTH, (), (VLLM_C, CPU)),
+    "older_ruff_layout": (BOTH, (), (VLLM_C, CPU)),
 }
+SHIMS = ["shim_with_target", "shim_bound_name"]
 PLATFORMS = {  # what each platform's current_platform.is_*() says yes to
     "cpu": {"is_cpu"},
     "cuda": {"is_cuda", "is_cuda_alike"},
@@ -258,6 +265,23 @@ def test_the_cpu_priority_names_exactly_the_norms(shape, tmp_path_factory, monke
     }
 
 
+@pytest.mark.parametrize("shape", ACCEPTED)
+def test_every_line_the_edit_writes_is_the_pinned_ruffs(shape, tmp_path_factory):
+    """It fits 88 columns and is as ruff lays the patched file out, also in a
+    fork whose statements were not in ruff's layout (long lines, hand-wrapped)."""
+    before, after = patched(shape, tmp_path_factory.getbasetemp())
+    for rel, new in after.items():
+        old = before[rel].splitlines()
+        written = [
+            line[1:]
+            for line in difflib.unified_diff(old, new.splitlines(), lineterm="")
+            if line.startswith("+") and not line.startswith("+++")
+        ]
+        ruffs = set(format_source(new).splitlines())
+        assert written and all(len(line) <= LINE_LENGTH for line in written)
+        assert [line for line in written if line not in ruffs] == []
+
+
 @pytest.mark.parametrize("kind", ["directory", "checkout", "installed"])
 @pytest.mark.parametrize("shape", ACCEPTED)
 def test_apply_then_revert_restores_every_byte(shape, kind, tmp_path):
@@ -288,8 +312,10 @@ def test_a_shim_without_its_module_exits_3_naming_it(tmp_path, capsys):
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
 
 
-def test_a_shim_is_followed_and_both_paths_reported(tmp_path, capsys):
-    root = build("shim_with_target", tmp_path / "tree")
+@pytest.mark.parametrize("shape", SHIMS)
+def test_a_shim_is_followed_and_both_paths_reported(shape, tmp_path, capsys):
+    """``sys.modules[__name__] = import_module(...)``, or a name bound to it."""
+    root = build(shape, tmp_path / "tree")
     shims = {rel: (root / rel).read_bytes() for rel in (VLLM_C, CPU)}
     assert main(["check", "--vllm", str(root)]) == 1
     out = capsys.readouterr().out

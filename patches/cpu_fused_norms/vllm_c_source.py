@@ -49,7 +49,13 @@ REGISTER_IMPL = m.Call(
         m.ZeroOrMore(),
     ],
 )
-ENDS_WITH_IS_CPU_OR = m.BooleanOperation(operator=m.Or(), right=IS_CPU)
+# The module constant the edit caches the CPU check in, as vllm_c.py caches
+# its other platform facts (CUDA_ALIKE, IS_ROCM), with its docstring.
+CPU_CONSTANT = "IS_CPU"
+CPU_CONSTANT_SOURCE = f"{CPU_CONSTANT} = {IS_CPU_SOURCE}"
+CPU_CONSTANT_DOC = '"""CPU kernels ignore strides: they only take contiguous inputs."""'
+CPU_CHECK = IS_CPU | m.Name(CPU_CONSTANT)
+ENDS_WITH_IS_CPU_OR = m.BooleanOperation(operator=m.Or(), right=CPU_CHECK)
 
 
 @dataclass(frozen=True)
@@ -156,9 +162,17 @@ def cpu_enabled_norms(module: cst.Module) -> list[str]:
     return [op for op in NORM_OPS if op in enabled]
 
 
-def cpu_guard(tensors: list[str] | tuple[str, ...]) -> cst.BaseExpression:
-    """``(not current_platform.is_cpu() or x.is_contiguous())``."""
+def cpu_guard(
+    tensors: list[str] | tuple[str, ...], check: str = CPU_CONSTANT
+) -> cst.BaseExpression:
+    """``(not IS_CPU or x.is_contiguous())``, or with another ``check``."""
     contiguous = " and ".join(f"{t}.is_contiguous()" for t in tensors)
     if len(tensors) > 1:
         contiguous = f"({contiguous})"
-    return cst.parse_expression(f"(not {IS_CPU_SOURCE} or {contiguous})")
+    return cst.parse_expression(f"(not {check} or {contiguous})")
+
+
+def contiguity_sentence(tensors: list[str] | tuple[str, ...]) -> str:
+    """What a norm's ``supports_args`` docstring gains: its CPU requirement."""
+    names = " and ".join(tensors)
+    return f"On CPU, {names} must also be contiguous."

@@ -1,0 +1,86 @@
+"""Make vLLM load the kernel build of an older x86 CPU class on a newer CPU.
+
+vLLM's x86 CPU wheels ship their kernels three times: ``_C`` (AVX-512 with
+AVX512-BF16), ``_C_AVX512`` (AVX-512 without it) and ``_C_AVX2``, and load one
+by what ``torch.cpu._is_avx512_supported()`` and
+``torch.cpu._is_avx512_bf16_supported()`` say. Telling vLLM the CPU lacks an
+instruction set makes it load an older build, which the newer CPU runs: so one
+machine measures every class's numerics (the builds without AVX512-BF16
+convert float32 to bfloat16 by truncation). A pytest plugin, for vLLM's own
+tests run in a child::
+
+    pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2 ...
+
+or :func:`force` before vLLM loads its kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+LIBRARIES = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}
+"""Each CPU class, newest first, and the kernel library vLLM loads for it."""
+OPTION = "--vllm-cpu-library"
+NEEDS = {"avx512_bf16": "avx512_bf16", "avx512": "avx512f", "avx2": "avx2"}
+"""The CPU flag (``/proc/cpuinfo``) each class's build needs."""
+
+
+def runnable(flags: list[str]) -> list[str]:
+    """The classes whose builds a CPU with ``flags`` runs, newest first."""
+    return [c for c in LIBRARIES if NEEDS[c] in flags]
+
+
+def force(library: str) -> None:
+    """Have vLLM load ``library``'s build; a class newer than the CPU raises
+    (its instructions would kill the process)."""
+    import torch
+
+    runs = {
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
+        "avx512": torch.cpu._is_avx512_supported(),
+        "avx2": True,
+    }
+    if not runs[library]:
+        raise RuntimeError(f"this CPU cannot run vLLM's {LIBRARIES[library]} build")
+    if library != "avx512_bf16":
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+    if library == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
+
+
+def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
+    """The vLLM kernel libraries this process has mapped (``_C_AVX2``, ...)."""
+    paths = {line.split(" ")[-1] for line in maps.read_text().splitlines()}
+    return sorted(
+        p.rsplit("/", 1)[1].split(".", 1)[0] for p in paths if "/vllm/_C" in p
+    )
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        OPTION,
+        choices=sorted(LIBRARIES),
+        help="the x86 CPU class whose vLLM kernel build to load",
+    )
+
+
+def pytest_configure(config) -> None:
+    library = config.getoption(OPTION)
+    if library:
+        force(library)
+
+
+def pytest_collection_finish(session) -> None:
+    """The tests imported vLLM's kernels: they must be the chosen build's."""
+    import pytest
+
+    library = session.config.getoption(OPTION)
+    if library and LIBRARIES[library] not in loaded():
+        raise pytest.UsageError(
+            f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
+        )
+
+
+def pytest_report_header(config) -> str | None:
+    library = config.getoption(OPTION)
+    return f"vLLM CPU kernels: the {LIBRARIES[library]} build" if library else None
