@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from patcher import doctor, engine, pr
-from patcher.errors import ExitCode, PatchError, UsageError
+from patcher.errors import ExitCode, PatchError, UsageError, shown
 from patcher.patchset import all_patches, select
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -41,7 +41,7 @@ def _own_version() -> str:
 
 
 def _warn(message: str) -> None:
-    print(f"vllm-patch: warning: {message}", file=sys.stderr)
+    print(f"vllm-patch: warning: {shown(message)}", file=sys.stderr)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -67,8 +67,14 @@ def _open(args: argparse.Namespace, writing: str | None = None) -> VllmTree:
 def _plans(
     args: argparse.Namespace, writing: str | None = None
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    tree = _open(args, writing)
-    plans = [engine.plan(tree, p, force=args.force) for p in select(args.patch)]
+    """Every selected patch planned under a shared lock on the tree: never on a
+    tree another vllm-patch is half-way through writing."""
+    tree = open_tree(args.vllm, writing=writing)
+    patches = select(args.patch)
+    with engine.reading(tree, patches) as notes:
+        plans = [engine.plan(tree, p, force=args.force) for p in patches]
+    for note in notes:
+        _warn(note)
     for p in plans:
         for w in p.warnings:
             _warn(w)
@@ -82,7 +88,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         for p in plans:
             version = p.version or "unknown version"
-            print(f"{p.patch.name}: {p.status}  [{tree.location}, vLLM {version}]")
+            where = shown(tree.location)
+            print(f"{p.patch.name}: {p.status}  [{where}, vLLM {version}]")
             if p.error:
                 print("  " + str(p.error).replace("\n", "\n  "))
             for e in p.edits:

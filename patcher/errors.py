@@ -7,6 +7,7 @@ is built from it and a test holds the README's table to it.
 from __future__ import annotations
 
 import enum
+import os
 
 
 class ExitCode(enum.IntEnum):
@@ -54,6 +55,12 @@ class ExitCode(enum.IntEnum):
         return "\n".join(["| code | meaning |", "|---|---|", *rows])
 
 
+def shown(text: str | os.PathLike) -> str:
+    """A path (or a message holding one) as it can be printed anywhere: bytes a
+    file name has that are not UTF-8 become ``\\xNN`` instead of failing to print."""
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
 class PatchError(Exception):
     """A failure that names the file, what was looked for and what was found."""
 
@@ -67,10 +74,10 @@ class PatchError(Exception):
         looked_for: str | None = None,
         found: str | None = None,
     ) -> None:
-        self.message = message
-        self.path = path
-        self.looked_for = looked_for
-        self.found = found
+        self.message = shown(message)
+        self.path = None if path is None else shown(path)
+        self.looked_for = None if looked_for is None else shown(looked_for)
+        self.found = None if found is None else shown(found)
         super().__init__(str(self))
 
     def __str__(self) -> str:
