@@ -143,15 +143,16 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
     _unlink(path)
     with _syscall("write", path):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
+    try:
+        with _syscall("write", path):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
-            _step("fsync")
+        with _syscall("fsync", path):
             os.fsync(fd)
-        finally:
-            os.close(fd)
+    finally:
+        os.close(fd)
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -203,13 +204,12 @@ def _clear(folder: Path, scope: Scope) -> None:
     """Delete the scope's files in ``folder`` (a folder in the place of one: a
     damaged backup), then the folders left empty: anything else vllm-patch
     would not have made there stays, and keeps its folder."""
-    if not _is_real_dir(folder):
-        return
-    for path in sorted(p for p in scope.files if p.is_relative_to(folder)):
-        _rmtree(path)
-    for here, _, _ in sorted(os.walk(folder), reverse=True):  # deepest first
-        _rmdir_if_empty(Path(here))
-    _rmdir_if_empty(folder.parent)
+    if _is_real_dir(folder):
+        for path in sorted(p for p in scope.files if p.is_relative_to(folder)):
+            _rmtree(path)
+        for here, _, _ in sorted(os.walk(folder), reverse=True):  # deepest first
+            _rmdir_if_empty(Path(here))
+    _rmdir_if_empty(folder.parent)  # the store, once it holds no patch's backup
 
 
 # Checks made before anything is written.
@@ -491,6 +491,7 @@ def _roll_back(root: Path, record: dict) -> None:
             _unlink(old)
     for folder in reversed(record["created_folders"]):
         _rmdir_if_empty(Path(folder))
+    _unlink(_record_new(root))  # a record that failed while being written
     _drop_record(root)
 
 

@@ -60,11 +60,11 @@ def read_regular(
     except OSError as exc:
         if not follow and os.path.islink(path):
             raise _not_regular(shown, looked_for, "a symbolic link") from exc
-        raise PatchError(f"cannot read: {exc.strerror}", path=shown) from exc
+        raise PatchError(f"cannot read (open: {exc.strerror})", path=shown) from exc
     try:
         return _read_fd(fd, shown, looked_for, limit)
     except OSError as exc:
-        raise PatchError(f"cannot read: {exc.strerror}", path=shown) from exc
+        raise PatchError(f"cannot read (read: {exc.strerror})", path=shown) from exc
     finally:
         os.close(fd)
 

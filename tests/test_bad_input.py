@@ -162,6 +162,12 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
          ("apply",), CANNOT, ["folder is read-only", "dr-xr-xr-x"])
         for kind in ("checkout", "installed", "directory")
     ],
+    *[
+        (f"read-only-folder-{kind}", tree_with(kind, lambda t: os.chmod(
+            (t / VLLM_C).parent, 0o555)), ("apply",), CANNOT,
+         ["vllm/kernels: folder is read-only", "dr-xr-xr-x"])
+        for kind in ("checkout", "installed", "directory")
+    ],
     ("damaged-backup-apply-folder-in-the-way", tree_with("installed", lambda t: (
         (t / MANIFEST).parent.mkdir(parents=True),
         (t / MANIFEST).write_text("[]"),
