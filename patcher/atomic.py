@@ -521,12 +521,13 @@ def recover(root: Path, scope: Scope, scope_of: Callable[[str], Scope]) -> list[
         for path in list(_leftovers(scope)):
             _unlink(path)
             notes.append(f"deleted {shown(path)}, left by an interrupted write")
-    except OSError as exc:
+    except OSError as exc:  # deleting a leftover: no file of the tree changes
         raise PatchError(
-            f"cannot delete what an interrupted operation left ({what_failed(exc)})",
+            f"cannot delete what an interrupted write left ({what_failed(exc)})",
             path=exc.filename or str(journal),
             looked_for="a writable tree",
-            found="it is left as it is; run again once the file can be written",
+            found="the tree's files are as they were; the next vllm-patch command "
+            "on this tree deletes it",
         ) from exc
     return notes
 

@@ -44,8 +44,12 @@ class ExitCode(enum.IntEnum):
         "non-regular file, a shape the codemod does not recognise, a compatibility "
         "shim whose module is not in the tree, a syntax error, a non-UTF-8 file, a "
         "read-only file or folder, a vLLM version outside the patch's range, an "
-        "interrupted operation that cannot be finished. The message names the "
-        "file, what was looked for and what was found; nothing was changed.",
+        "interrupted operation that cannot be finished, a path leading out of the "
+        "tree (a planted intent record or backup manifest, a link, a .git file "
+        "naming another folder), a file over the size bound. The message names the "
+        "file, what was looked for and what was found; nothing was changed, unless "
+        "a write failed half-way: then it names the system call and says what the "
+        "tree holds and that the next command finishes or undoes it.",
     )
 
     @classmethod

@@ -11,10 +11,11 @@ from pathlib import Path
 
 from patcher.errors import PatchError
 
-MAX_FILE_BYTES = 4 << 20
-"""The largest file read from a tree or a wheel (4 MiB). vLLM's largest source
-file is under 1 MB; parsing a Python file takes about 150 times its size in
-memory, so this also bounds what one hostile file can make the codemods use."""
+MAX_FILE_BYTES = 2 << 20
+"""The largest file read from a tree or a wheel (2 MiB). vLLM's largest source
+file is about 0.3 MB (0.32.0); LibCST takes about 265 times a file's size to
+parse it (measured: 1 GB for 4 MB), so this also keeps one hostile file from
+making the codemods use more than about half a gigabyte."""
 MAX_RECORD_BYTES = 1 << 20
 """The largest intent record or backup manifest read (1 MiB): vllm-patch writes
 them at a few kilobytes."""
