@@ -302,4 +302,5 @@ def test_strace_faults_are_told_truly(tmp_path, states, capsys, verb, calls, err
                 tree, states, verb, proc.returncode, proc.stderr, capsys
             )
         )
-    assert n > 1, "no call of this class was ever made"
+    never = (verb, calls.split(",")[0]) in {("apply", "rmdir"), ("revert", "mkdir")}
+    assert n > 1 or never, "no call of this class was ever made"

@@ -5,7 +5,10 @@ message, exit 3, and nothing read past the bound."""
 
 from __future__ import annotations
 
+import resource
 import struct
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -117,3 +120,21 @@ def test_a_link_inside_the_tree_is_followed(tmp_path) -> None:
     (tree / VLLM_C).symlink_to("../real_vllm_c.py")
     assert main(["apply", "--vllm", str(tree)]) == 0
     assert (tree / VLLM_C).is_symlink() and b"is_cpu()" in real.read_bytes()
+
+
+def at_most_a_gigabyte() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+@pytest.mark.parametrize("build", [inflating, lying], ids=["stated", "lying"])
+def test_a_wheel_member_inflating_to_64mib_needs_under_a_gigabyte(tmp_path, build):
+    """Under a 1 GiB address space (and 10 s), one message, no MemoryError."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "patcher", "check", "--vllm", str(build(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        preexec_fn=at_most_a_gigabyte,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr and VLLM_C in proc.stdout + proc.stderr
