@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from patcher.confine import real
-from patcher.errors import PatchError, shown
+from patcher.errors import PatchError, ReadError, shown
 from patcher.files import MAX_FILE_BYTES, kind, read_regular
 from patcher.journal import (
     JOURNAL,
@@ -121,8 +121,10 @@ def _syscall(call: str, path: Path) -> Iterator[None]:
         raise SyscallError(exc, call, path) from exc
 
 
-def what_failed(exc: OSError) -> str:
+def what_failed(exc: OSError | PatchError) -> str:
     """``rename /t/x: Input/output error``, for a message."""
+    if isinstance(exc, PatchError):
+        return f"{exc.path}: {exc.message}"
     call = getattr(exc, "call", None)
     where = shown(exc.filename) if exc.filename else ""
     return " ".join(filter(None, [call, where])) + f": {exc.strerror or exc}"
@@ -183,8 +185,13 @@ def _is_real_dir(path: Path) -> bool:
         return False
 
 
+def _listdir(path: Path) -> list[str]:
+    with _syscall("open", path):
+        return sorted(os.listdir(path))
+
+
 def _rmdir_if_empty(path: Path) -> None:
-    if _is_real_dir(path) and not os.listdir(path):
+    if _is_real_dir(path) and not _listdir(path):
         with _syscall("rmdir", path):
             os.rmdir(path)
 
@@ -192,7 +199,7 @@ def _rmdir_if_empty(path: Path) -> None:
 def _rmtree(path: Path) -> None:
     """Delete ``path``; a folder with what it holds, never following a link."""
     if _is_real_dir(path):
-        for child in sorted(os.listdir(path)):
+        for child in _listdir(path):
             _rmtree(path / child)
         with _syscall("rmdir", path):
             os.rmdir(path)
@@ -207,9 +214,17 @@ def _clear(folder: Path, scope: Scope) -> None:
     if _is_real_dir(folder):
         for path in sorted(p for p in scope.files if p.is_relative_to(folder)):
             _rmtree(path)
-        for here, _, _ in sorted(os.walk(folder), reverse=True):  # deepest first
-            _rmdir_if_empty(Path(here))
+        _prune(folder)
     _rmdir_if_empty(folder.parent)  # the store, once it holds no patch's backup
+
+
+def _prune(folder: Path) -> None:
+    """Delete the empty folders in ``folder``, deepest first, then itself if
+    that leaves it empty; never following a link."""
+    for name in _listdir(folder):
+        if _is_real_dir(folder / name):
+            _prune(folder / name)
+    _rmdir_if_empty(folder)
 
 
 # Checks made before anything is written.
@@ -374,16 +389,17 @@ def _files(record: dict) -> str:
 
 def _undone(root: Path, record: dict, what: str, exc: OSError) -> PatchError:
     """Roll back after ``exc``; the error that says how that went."""
-    renamed = any(_is_renamed(e) for e in record["renames"])
+    renamed = None
     try:
+        renamed = _renamed(record)
         _roll_back(root, record)
-    except OSError as second:
+    except (OSError, ReadError) as second:
         left = (
-            "the tree is partly written; its record is kept, and the next "
-            "vllm-patch command on this tree finishes or rolls it back"
-            if renamed
-            else f"{_files(record)} unchanged, but files it wrote are left; the "
+            f"{_files(record)} unchanged, but files it wrote are left; the "
             "next vllm-patch command on this tree deletes them"
+            if renamed == []
+            else "the tree may be partly written; its record is kept, and the "
+            "next vllm-patch command on this tree finishes or rolls it back"
         )
         return PatchError(
             f"{what} ({what_failed(exc)}), and undoing it failed "
@@ -435,6 +451,8 @@ def _hash(path: Path) -> str | None:
     """The SHA-256 of a regular file (never blocking on a FIFO), else None."""
     try:
         return sha256(read_regular(path, limit=MAX_FILE_BYTES))
+    except ReadError:  # the system's trouble, not the file's: decide nothing
+        raise
     except PatchError:
         return None
 
@@ -477,11 +495,17 @@ def _can_roll_back(record: dict) -> bool:
     )
 
 
+def _renamed(record: dict) -> list[dict]:
+    """The entries already renamed over their targets (read before acting)."""
+    return [e for e in record["renames"] if _is_renamed(e)]
+
+
 def _roll_back(root: Path, record: dict) -> None:
+    renamed = _renamed(record)  # every read made before the first change
     for entry in reversed(record["renames"]):
         target, new = Path(entry["target"]), Path(entry["new"])
         old = Path(entry["old"]) if entry["old"] else None
-        if _is_renamed(entry):
+        if entry in renamed:
             if old is not None and os.path.lexists(old):
                 _rename(old, target)
             elif old is None:
@@ -534,34 +558,50 @@ def recover(root: Path, scope: Scope, scope_of: Callable[[str], Scope]) -> list[
 
 def _resolve(root: Path, record: dict, scope: Scope) -> str:
     """Finish or roll back the recorded operation; the note saying which."""
-    op, files = record["operation"], _files(record)
-    if all(_is_ready(e) for e in record["renames"]):
-        try:
-            _rename_all(record)
-        except OSError as exc:
-            return _roll_back_or_stop(root, record, "could not be finished", exc)
-        try:
-            _clean_up(root, record, scope)
-        except OSError as exc:
-            raise _stuck(root, record, _unfinished(root, record, exc).message) from exc
-        return f"finished an interrupted {op} ({files})"
-    if not any(_is_renamed(e) for e in record["renames"]):
+    try:
+        ready = all(_is_ready(e) for e in record["renames"])
+        renamed = _renamed(record)
+    except ReadError as exc:
+        why = f"could not be read back ({what_failed(exc)})"
+        raise _stuck(root, record, why) from exc
+    if ready:
+        return _finish(root, record, scope)
+    if not renamed:
         try:
             _roll_back(root, record)
-        except OSError as exc:
+        except (OSError, ReadError) as exc:
             raise _stuck(root, record, f"cannot roll back: {what_failed(exc)}") from exc
         return (
-            f"rolled back an interrupted {op} before it changed a file "
-            f"({files} untouched)"
+            f"rolled back an interrupted {record['operation']} before it changed "
+            f"a file ({_files(record)} untouched)"
         )
     return _roll_back_or_stop(root, record, "was left half done", None)
+
+
+def _finish(root: Path, record: dict, scope: Scope) -> str:
+    """Make the remaining renames (rolled back when one fails), then clean up
+    (kept for the next command when that fails: never rolled back)."""
+    try:
+        _rename_all(record)
+    except OSError as exc:
+        return _roll_back_or_stop(root, record, "could not be finished", exc)
+    try:
+        _clean_up(root, record, scope)
+    except OSError as exc:
+        raise _stuck(root, record, _unfinished(root, record, exc).message) from exc
+    return f"finished an interrupted {record['operation']} ({_files(record)})"
 
 
 def _roll_back_or_stop(root: Path, record: dict, why: str, exc: OSError | None) -> str:
     """Roll back a partly renamed operation, when every replaced file's
     ``.old`` is there to put back; else stop, the tree left as it is."""
     cause = f" ({what_failed(exc)})" if exc else ""
-    if not _can_roll_back(record):
+    try:
+        possible = _can_roll_back(record)
+    except ReadError as second:
+        why = f"{why}{cause}; reading it back failed: {what_failed(second)}"
+        raise _stuck(root, record, why) from second
+    if not possible:
         raise _stuck(
             root,
             record,
@@ -570,7 +610,7 @@ def _roll_back_or_stop(root: Path, record: dict, why: str, exc: OSError | None) 
         )
     try:
         _roll_back(root, record)
-    except OSError as second:
+    except (OSError, ReadError) as second:
         raise _stuck(
             root, record, f"{why}{cause}; rolling it back failed: {what_failed(second)}"
         ) from second
@@ -602,7 +642,7 @@ def _leftovers(scope: Scope) -> Iterator[Path]:
     for folder, files in sorted(wanted.items()):
         if not _is_real_dir(folder):
             continue
-        for name in sorted(os.listdir(folder)):
+        for name in _listdir(folder):
             legacy = _LEGACY_TEMP.match(name)
             if (
                 legacy

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from patcher.atomic import sha256
 from patcher.confine import real, refuse_links
-from patcher.errors import PatchError
+from patcher.errors import PatchError, ReadError
 from patcher.files import kind, read_json, read_regular
 
 BACKUP_DIR = ".vllm-patch-backup"
@@ -81,6 +81,8 @@ class Backup:
             return BackupState()
         try:
             manifest = read_json(self.manifest_path, "the backup's manifest")
+        except ReadError:
+            raise
         except PatchError as exc:
             reason = f"{exc.message} ({exc.found})" if exc.found else exc.message
             return BackupState(problems=(f"{self.manifest_path}: {reason}",))
@@ -113,6 +115,8 @@ class Backup:
         refuse_links(copy, self.base, "part of the backup store")
         try:
             data = read_regular(copy)
+        except ReadError:
+            raise
         except PatchError as exc:
             return f"{copy}: {exc.message}" + (f" ({exc.found})" if exc.found else "")
         if sha256(data) != entry["original_sha256"]:

@@ -299,7 +299,7 @@ def recover(tree: VllmTree, patches: Iterable[Patch]) -> list[str]:
     try:
         if not atomic.pending(tree.location, where):
             return []
-    except FileNotFoundError:
+    except OSError:  # a folder gone under the look: look again, locked
         pass
     with atomic.locked(tree.location):
         return atomic.recover(tree.location, where, _scope_of(tree))

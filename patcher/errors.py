@@ -105,6 +105,11 @@ class PatchError(Exception):
         }
 
 
+class ReadError(PatchError):
+    """A file that exists but could not be read for a reason of the system (too
+    many open files, an I/O error): never taken for a damaged or missing file."""
+
+
 class UsageError(PatchError):
     exit_code = ExitCode.USAGE
 

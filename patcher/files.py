@@ -9,7 +9,7 @@ import os
 import stat
 from pathlib import Path
 
-from patcher.errors import PatchError
+from patcher.errors import PatchError, ReadError
 
 MAX_FILE_BYTES = 2 << 20
 """The largest file read from a tree or a wheel (2 MiB). vLLM's largest source
@@ -61,11 +61,11 @@ def read_regular(
     except OSError as exc:
         if not follow and os.path.islink(path):
             raise _not_regular(shown, looked_for, "a symbolic link") from exc
-        raise PatchError(f"cannot read (open: {exc.strerror})", path=shown) from exc
+        raise ReadError(f"cannot read (open: {exc.strerror})", path=shown) from exc
     try:
         return _read_fd(fd, shown, looked_for, limit)
     except OSError as exc:
-        raise PatchError(f"cannot read (read: {exc.strerror})", path=shown) from exc
+        raise ReadError(f"cannot read (read: {exc.strerror})", path=shown) from exc
     finally:
         os.close(fd)
 
