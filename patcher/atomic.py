@@ -73,8 +73,8 @@ WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 
 FAULT_ENV = "VLLMPATCH_FAULT"
 """For tests only: ``N`` or ``KIND:N`` (KIND one of fsync, rename, link, unlink,
-mkdir, rmdir, write) SIGKILLs this process just before its N-th such step;
-``KIND:N:EIO`` raises that ``OSError`` there instead."""
+mkdir, rmdir, write, open: a folder listed) SIGKILLs this process just before
+its N-th such step; ``KIND:N:EIO`` raises that ``OSError`` there instead."""
 _steps: dict[str, int] = {}
 
 

@@ -318,9 +318,22 @@ def reading(tree: VllmTree, patches: Iterable[Patch]) -> Iterator[list[str]]:
         notes += recover(tree, patches)
         with atomic.locked(tree.location, shared=True):
             # A writer killed between the recovery and this lock left a record.
-            if not atomic.pending(tree.location, scope(tree, patches)):
+            if not _pending(tree, patches):
                 yield notes
                 return
+
+
+def _pending(tree: VllmTree, patches: list[Patch]) -> bool:
+    try:
+        return atomic.pending(tree.location, scope(tree, patches))
+    except OSError as exc:
+        raise PatchError(
+            f"cannot look for an interrupted write ({atomic.what_failed(exc)})",
+            path=str(tree.location),
+            looked_for="the intent record and the files a write leaves",
+            found="nothing was read or changed; if a write was interrupted here, "
+            "the next vllm-patch command on this tree finishes or rolls it back",
+        ) from exc
 
 
 def apply(
