@@ -26,6 +26,11 @@ VERBS = ("list", "check", "diff", "apply", "revert")
 STORE = f"{BACKUP_DIR}/cpu_fused_norms"
 
 
+@pytest.fixture(scope="module")
+def victim_template(tmp_path_factory) -> Path:
+    return make_victim(tmp_path_factory.mktemp("template"))
+
+
 def make_victim(root: Path) -> Path:
     """Files an attacker would like vllm-patch to delete or overwrite: some
     named like its leftovers, a backup store, an empty folder, a source."""
@@ -179,9 +184,10 @@ CASES = [
 @pytest.mark.parametrize("kind,plant,codes,names", CASES)
 @pytest.mark.parametrize("verb", VERBS)
 def test_a_plant_changes_nothing_in_or_beside_the_tree(
-    tmp_path, monkeypatch, capsys, verb, kind, plant, codes, names
+    tmp_path, victim_template, monkeypatch, capsys, verb, kind, plant, codes, names
 ) -> None:
-    victim = make_victim(tmp_path)
+    victim = tmp_path / "victim"
+    shutil.copytree(victim_template, victim, symlinks=True)
     tree = make_tree(tmp_path / "tree", kind)
     plant(tree, victim)
     if (
