@@ -345,7 +345,7 @@ def write_atomically(
             _mkdir(Path(folder))
         for entry, data in zip(record["renames"], targets.values(), strict=True):
             _prepare(entry, data)
-    except OSError as exc:
+    except (OSError, ReadError) as exc:  # ReadError: a file to keep as .old
         raise _undone(root, record, "cannot write", exc) from exc
     try:
         _rename_all(record)
@@ -387,8 +387,11 @@ def _files(record: dict) -> str:
     return ", ".join(shown(e["target"]) for e in record["renames"]) or "no file"
 
 
-def _undone(root: Path, record: dict, what: str, exc: OSError) -> PatchError:
+def _undone(
+    root: Path, record: dict, what: str, exc: OSError | PatchError
+) -> PatchError:
     """Roll back after ``exc``; the error that says how that went."""
+    where = exc.path if isinstance(exc, PatchError) else exc.filename
     renamed = None
     try:
         renamed = _renamed(record)
@@ -404,10 +407,10 @@ def _undone(root: Path, record: dict, what: str, exc: OSError) -> PatchError:
         return PatchError(
             f"{what} ({what_failed(exc)}), and undoing it failed "
             f"({what_failed(second)}): {left}",
-            path=exc.filename or str(root),
+            path=where or str(root),
         )
     done = "every file was restored" if renamed else "nothing was changed"
-    return PatchError(f"{what} ({what_failed(exc)}); {done}", path=exc.filename)
+    return PatchError(f"{what} ({what_failed(exc)}); {done}", path=where)
 
 
 def _unfinished(root: Path, record: dict, exc: OSError) -> PatchError:
