@@ -80,6 +80,7 @@ def assert_true_to_the_tree(tree, states, verb, code, err, capsys) -> str:
     or the message says the next command deals with it, and it does."""
     state = whole(tree, states)
     if code == 0:
+        assert state is not None, err
         assert state == {"apply": "patched", "revert": "original"}.get(verb, state)
         return "done"
     assert code == 3, err
