@@ -7,9 +7,15 @@ files beside it under their tree paths. The manifest maps each backed-up file
 to ``{"original_sha256": ..., "patched_sha256": ...}``.
 
 A backup can be damaged (a copy deleted or edited, the manifest emptied or
-replaced, a folder where a copy was). Reading one never fails: every entry that
-does not hold up is reported in ``problems`` and left out, and the engine falls
-back to the inverse edit for its file.
+replaced, a folder where a copy was). Reading one never fails for that: every
+entry that does not hold up is reported in ``problems`` and left out, and the
+engine falls back to the inverse edit for its file.
+
+A backup can also be planted, by whoever prepared the tree, to make vllm-patch
+act elsewhere: the store (or a folder in it) a link out of the tree, a manifest
+naming files the patch does not touch, a ``.git`` file pointing at another
+folder. Those are refused (``PatchError``, exit 3) before anything is read or
+written through them.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.atomic import sha256
-from patcher.errors import PatchError
-from patcher.files import kind, read_regular
+from patcher.confine import real, refuse_links
+from patcher.errors import PatchError, ReadError
+from patcher.files import kind, read_json, read_regular
 
 BACKUP_DIR = ".vllm-patch-backup"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -38,11 +46,24 @@ class BackupState:
 
 @dataclass(frozen=True)
 class Backup:
-    folder: Path
+    base: Path
+    """Where the store lives, resolved: the tree root, or a checkout's git dir."""
+    patch: str
+    files: frozenset[str] = frozenset()
+    """The tree paths the patch touches: the only entries a manifest may have."""
 
     @classmethod
-    def of(cls, tree_root: Path, patch_name: str) -> Backup:
-        return cls(tree_root / BACKUP_DIR / patch_name)
+    def of(cls, base: Path, patch_name: str, files=frozenset()) -> Backup:
+        """The patch's backup under ``base``, refused when any part of the
+        store is a link (it would lead the writes and deletes elsewhere)."""
+        backup = cls(real(base), patch_name, frozenset(files))
+        for path in [backup.folder, backup.manifest_path]:
+            refuse_links(path, backup.base, "part of the backup store")
+        return backup
+
+    @property
+    def folder(self) -> Path:
+        return self.base / BACKUP_DIR / self.patch
 
     @property
     def manifest_path(self) -> Path:
@@ -59,18 +80,21 @@ class Backup:
         if not self.exists():
             return BackupState()
         try:
-            manifest = json.loads(read_regular(self.manifest_path).decode("utf-8"))
-        except (PatchError, ValueError) as exc:
-            reason = exc.message if isinstance(exc, PatchError) else str(exc)
+            manifest = read_json(self.manifest_path, "the backup's manifest")
+        except ReadError:
+            raise
+        except PatchError as exc:
+            reason = f"{exc.message} ({exc.found})" if exc.found else exc.message
             return BackupState(problems=(f"{self.manifest_path}: {reason}",))
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict):
             return BackupState(
                 problems=(
-                    f'{self.manifest_path}: no "files" table (found '
-                    f"{json.dumps(manifest)[:60]})",
+                    f'{self.manifest_path}: no "files" table (found a '
+                    f"{type(manifest).__name__})",
                 )
             )
+        self._refuse_foreign(files)
         entries, problems = {}, []
         for relpath, entry in files.items():
             problem = self._check(relpath, entry)
@@ -88,15 +112,29 @@ class Backup:
             if not _SHA256.match(str(entry.get(key, ""))):
                 return f"{where} has no valid {key}"
         copy = self.copy_path(relpath)
-        if not copy.resolve().is_relative_to(self.folder.resolve()):
-            return f"{where} points outside the backup"
+        refuse_links(copy, self.base, "part of the backup store")
         try:
             data = read_regular(copy)
+        except ReadError:
+            raise
         except PatchError as exc:
             return f"{copy}: {exc.message}" + (f" ({exc.found})" if exc.found else "")
         if sha256(data) != entry["original_sha256"]:
             return f"{copy}: changed since it was backed up (hash differs)"
         return None
+
+    def _refuse_foreign(self, files: dict) -> None:
+        """A manifest entry for a file the patch does not touch is not damage
+        but a plant: revert would copy it over whatever it names."""
+        for relpath in files:
+            if relpath not in self.files:
+                raise PatchError(
+                    "a backup manifest names a file the patch does not touch",
+                    path=str(self.manifest_path),
+                    looked_for=f"entries for {', '.join(sorted(self.files))} only",
+                    found=f"entry {relpath[:300]!r}; nothing was changed: delete "
+                    f"{self.folder} if you did not make it",
+                )
 
     def files_to_write(
         self, changes: dict[str, tuple[bytes, bytes]], state: BackupState
@@ -135,8 +173,55 @@ class Backup:
         return entry is not None and entry["patched_sha256"] == sha256(current)
 
     def original(self, relpath: str) -> bytes:
+        refuse_links(self.copy_path(relpath), self.base, "part of the backup store")
         return read_regular(self.copy_path(relpath))
 
     def removals(self) -> list[Path]:
         """What ``write_atomically(remove=...)`` deletes to discard the backup."""
         return [self.folder] if self.exists() else []
+
+
+def git_dir(root: Path) -> Path:
+    """The git directory of the checkout at ``root`` (resolved), where its
+    backups live: ``.git`` itself, or the folder a ``.git`` file names when that
+    is a git directory of this very checkout (a linked work tree's, or a
+    submodule's). Anything else is refused: it would put the backups elsewhere."""
+    dot = root / ".git"
+    mode = os.lstat(dot).st_mode
+    if stat.S_ISDIR(mode):
+        return dot
+    if stat.S_ISREG(mode):
+        text = read_regular(dot, limit=4096).decode("utf-8", "replace")
+        key, _, value = text.partition(":")
+        if key.strip() == "gitdir" and value.strip():
+            found = real(root / value.strip())
+            if _belongs_to(found, root):
+                return found
+            raise _foreign_git(dot, f"gitdir: {found}, not a git directory of it")
+    raise _foreign_git(dot, kind(mode) if not stat.S_ISREG(mode) else "no gitdir")
+
+
+def _belongs_to(gitdir: Path, root: Path) -> bool:
+    """Is ``gitdir`` a git directory whose work tree is ``root``?"""
+    if not (gitdir / "HEAD").is_file():
+        return False
+    back = gitdir / "gitdir"  # a linked work tree's: the path of its .git file
+    if back.is_file():
+        line = read_regular(back, limit=4096).decode("utf-8", "replace").strip()
+        return real(gitdir / line) == real(root / ".git")
+    config = gitdir / "config"  # a submodule's: core.worktree
+    if config.is_file():
+        text = read_regular(config).decode("utf-8", "replace")
+        found = re.search(r"^\s*worktree\s*=\s*(.+?)\s*$", text, re.MULTILINE)
+        return bool(found) and real(gitdir / found[1]) == real(root)
+    return False
+
+
+def _foreign_git(dot: Path, found: str) -> PatchError:
+    return PatchError(
+        "a .git that is not this checkout's git directory",
+        path=str(dot),
+        looked_for="a .git folder, or a .git file naming a git directory of this "
+        "work tree (git worktree, submodule)",
+        found=f"{found}; nothing was changed",
+    )

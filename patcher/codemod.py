@@ -100,10 +100,14 @@ def _syntax_error_position(source: str, relpath: str) -> str | None:
     None when CPython compiles what LibCST cannot parse."""
     try:
         compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
-    except SyntaxError as err:
+    except (SyntaxError, ValueError) as err:
+        if "\0" in source:  # CPython gives no position for a NUL byte
+            before = source[: source.index("\0")]
+            line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
+            return f"line {line}, column {column}: a NUL byte (not Python source)"
+        if isinstance(err, ValueError):
+            return str(err)
         return f"line {err.lineno}, column {err.offset}: {err.msg}"
-    except ValueError as err:  # a NUL byte
-        return str(err)
     return None
 
 

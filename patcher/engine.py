@@ -7,7 +7,8 @@ plan is written, atomically. A plan that fails anywhere writes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -15,11 +16,12 @@ from typing import Literal
 from packaging.version import Version
 
 from patcher import atomic, known
-from patcher.atomic import target_of
-from patcher.backup import Backup, BackupState
+from patcher.backup import Backup, BackupState, git_dir
+from patcher.confine import is_inside, real
 from patcher.diff import combined_diff
 from patcher.errors import PatchError
-from patcher.patchset import Edit, Patch
+from patcher.journal import Scope, patch_of
+from patcher.patchset import Edit, Patch, all_patches
 from patcher.shim import follow
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, refuse_wheel
@@ -309,20 +311,45 @@ def _writable_tree(tree: VllmTree, verb: str) -> None:
         refuse_wheel(tree.location, verb)
 
 
-def _work_folders(tree: VllmTree, patches: Iterable[Patch]) -> list[Path]:
-    """Where an interrupted write can leave files: beside each edited file, and
-    in the backup folders."""
-    patches = list(patches)
-    folders = {
-        target_of(tree.path(rel)).parent
-        for p in patches
-        for e in edits_for(tree, p)
-        for rel in {e.file, _followed(tree, e.file)}
-    }
-    for backups in {backup_of(tree, p).folder.parent for p in patches}:
-        if backups.is_dir() and not backups.is_symlink():
-            folders |= {backups, *(d for d in backups.rglob("*") if d.is_dir())}
-    return sorted(folders)
+def _bases(tree: VllmTree) -> tuple[Path, ...]:
+    """Where a write may land: the tree, and a checkout's git directory."""
+    root = real(tree.location)
+    return (root, git_dir(root)) if tree.kind == "checkout" else (root,)
+
+
+def _touched(tree: VllmTree, patch: Patch) -> frozenset[str]:
+    """The tree paths ``patch`` may write: each edit's file and, where that is a
+    compatibility shim, the file it leads to."""
+    files = {e.file for e in patch.edits + patch.test_edits}
+    return frozenset(files | {_followed(tree, rel) for rel in files})
+
+
+def scope(tree: VllmTree, patches: Iterable[Patch]) -> Scope:
+    """What writing ``patches`` to ``tree`` may touch: their files and backups,
+    each resolved, and only where that lies inside the tree (a link out of it
+    is refused when the plan reads it)."""
+    bases = _bases(tree)
+    out = Scope(bases)
+    for patch in patches:
+        backup = backup_of(tree, patch)
+        rels = sorted(backup.files)
+        files = [tree.path(r) for r in rels] + [backup.copy_path(r) for r in rels]
+        files.append(backup.manifest_path)
+        inside = frozenset(real(f) for f in files if is_inside(f, bases))
+        out = out | Scope(bases, inside, frozenset([backup.folder]))
+    return out
+
+
+def _scope_of(tree: VllmTree):
+    """The scope of the patch a record names ("apply of NAME"); a name that is
+    no patch of this project gets an empty scope: every entry is foreign."""
+    by_name = {p.name: p for p in all_patches()}
+
+    def scope_of(operation: str) -> Scope:
+        name = patch_of(operation)
+        return scope(tree, [by_name[name]]) if name in by_name else Scope(())
+
+    return scope_of
 
 
 def _followed(tree: VllmTree, relpath: str) -> str:
@@ -338,16 +365,48 @@ def recover(tree: VllmTree, patches: Iterable[Patch]) -> list[str]:
     if tree.is_wheel:
         return []
     patches = list(patches)
+    where = scope(tree, patches)
     # A first look without the lock, so that a command with nothing to recover
     # never waits for a writer. The writer may be removing the backup folders
-    # this walks; then the look is made again under the lock, where no one is.
+    # this looks into; then the look is made again under the lock.
     try:
-        if not atomic.pending(tree.location, _work_folders(tree, patches)):
+        if not atomic.pending(tree.location, where):
             return []
-    except FileNotFoundError:
+    except OSError:  # a folder gone under the look: look again, locked
         pass
     with atomic.locked(tree.location):
-        return atomic.recover(tree.location, _work_folders(tree, patches))
+        return atomic.recover(tree.location, where, _scope_of(tree))
+
+
+@contextmanager
+def reading(tree: VllmTree, patches: Iterable[Patch]) -> Iterator[list[str]]:
+    """Hold a shared lock on ``tree`` with nothing left to recover, so what is
+    read inside is never a write half done; yields what recovery did first."""
+    patches = list(patches)
+    notes: list[str] = []
+    if tree.is_wheel:
+        yield notes
+        return
+    while True:
+        notes += recover(tree, patches)
+        with atomic.locked(tree.location, shared=True):
+            # A writer killed between the recovery and this lock left a record.
+            if not _pending(tree, patches):
+                yield notes
+                return
+
+
+def _pending(tree: VllmTree, patches: list[Patch]) -> bool:
+    try:
+        return atomic.pending(tree.location, scope(tree, patches))
+    except OSError as exc:
+        raise PatchError(
+            f"cannot look for an interrupted write ({atomic.what_failed(exc)})",
+            path=str(tree.location),
+            looked_for="the intent record and the files a write leaves",
+            found="nothing was read or changed; if a write was interrupted here, "
+            "the next vllm-patch command on this tree finishes or rolls it back",
+        ) from exc
 
 
 def apply(
@@ -369,7 +428,8 @@ def apply(
     ):
         raise ValueError(f"{planned.patch.name}'s plan is not this apply's")
     with atomic.locked(tree.location):
-        notes = atomic.recover(tree.location, _work_folders(tree, [patch]))
+        where = scope(tree, [patch])
+        notes = atomic.recover(tree.location, where, _scope_of(tree))
         if planned is not None and _still_current(tree, planned):
             p = planned
         else:
@@ -397,7 +457,9 @@ def apply(
                 for problem in state.problems
             ]
             writes |= backup.files_to_write(changes, state)
-        atomic.write_atomically(tree.location, writes, label=f"apply of {patch.name}")
+        atomic.write_atomically(
+            tree.location, writes, where, label=f"apply of {patch.name}"
+        )
     partly = any(not e.changes for e in p.edits if e.skipped is None)
     action = "completed" if partly else "applied"
     return Outcome(patch.name, action, _shown(p, changes), tuple(notes))
@@ -414,13 +476,9 @@ def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
 
 
 def backup_of(tree: VllmTree, patch: Patch) -> Backup:
-    """Beside ``vllm/``; for a checkout in its git directory, out of the work tree."""
-    if tree.kind != "checkout":
-        return Backup.of(tree.location, patch.name)
-    git = tree.location / ".git"
-    if git.is_file():  # a linked work tree: "gitdir: <path>"
-        git = (tree.location / git.read_text().partition(":")[2].strip()).resolve()
-    return Backup.of(git, patch.name)
+    """Beside ``vllm/``; for a checkout in its git directory, out of the work tree.
+    Refused (exit 3) when the store is a link or a ``.git`` file points elsewhere."""
+    return Backup.of(_bases(tree)[-1], patch.name, _touched(tree, patch))
 
 
 def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
@@ -452,7 +510,8 @@ def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
     _writable_tree(tree, "revert")
     with atomic.locked(tree.location):
-        notes = atomic.recover(tree.location, _work_folders(tree, [patch]))
+        where = scope(tree, [patch])
+        notes = atomic.recover(tree.location, where, _scope_of(tree))
         backup = backup_of(tree, patch)
         state = backup.read()
         notes += [
@@ -486,6 +545,7 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
             atomic.write_atomically(
                 tree.location,
                 writes,
+                where,
                 remove=backup.removals(),
                 label=f"revert of {patch.name}",
             )

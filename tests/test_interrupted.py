@@ -27,6 +27,7 @@ from patcher import atomic, engine
 from patcher.atomic import FAULT_ENV, JOURNAL, write_atomically
 from patcher.backup import BACKUP_DIR
 from patcher.errors import PatchError
+from patcher.journal import Scope
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch.cli import main
@@ -265,6 +266,11 @@ def test_recover_looks_while_a_writer_removes_the_backup(installed) -> None:
     assert not (installed / BACKUP_DIR).exists()
 
 
+def files(root: Path) -> Scope:
+    """A scope of every file now in ``root``: what the direct writes below may touch."""
+    return Scope((root,), frozenset(p.resolve() for p in root.iterdir()))
+
+
 def test_a_failed_rename_restores_every_file(tmp_path: Path, monkeypatch) -> None:
     """An error (not a kill) at the second file's rename: the first file, already
     replaced, is renamed back."""
@@ -274,7 +280,9 @@ def test_a_failed_rename_restores_every_file(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(atomic, "_steps", {})
     monkeypatch.setenv(FAULT_ENV, "rename:3:EIO")  # 1: the record, 2: a.py
     with pytest.raises(PatchError, match="every file was restored"):
-        write_atomically(tmp_path, {first: b"new a\n", second: b"new b\n"})
+        write_atomically(
+            tmp_path, {first: b"new a\n", second: b"new b\n"}, files(tmp_path)
+        )
     assert snapshot(tmp_path) == {"a.py": b"old a\n", "b.py": b"old b\n"}
 
 
@@ -283,7 +291,7 @@ def test_a_folder_in_place_of_a_file_is_refused_before_writing(tmp_path) -> None
     first.write_bytes(b"old\n")
     (second / "keep").mkdir(parents=True)
     with pytest.raises(PatchError, match="not a regular file"):
-        write_atomically(tmp_path, {first: b"new\n", second: b"new\n"})
+        write_atomically(tmp_path, {first: b"new\n", second: b"new\n"}, files(tmp_path))
     assert snapshot(tmp_path) == {"a.py": b"old\n", "b": b"folder", "b/keep": b"folder"}
 
 
@@ -291,7 +299,7 @@ def test_a_hard_linked_copy_is_never_written_through(tmp_path: Path) -> None:
     original, copy = tmp_path / "original.py", tmp_path / "copy.py"
     original.write_bytes(b"installed\n")
     os.link(original, copy)
-    write_atomically(tmp_path, {copy: b"patched\n"})
+    write_atomically(tmp_path, {copy: b"patched\n"}, files(tmp_path))
     assert original.read_bytes() == b"installed\n"
     assert copy.read_bytes() == b"patched\n"
 

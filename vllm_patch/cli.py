@@ -19,7 +19,7 @@ import sys
 from importlib import metadata
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError
+from patcher.errors import ExitCode, PatchError, UsageError, shown
 from patcher.patchset import all_patches, select
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -50,7 +50,7 @@ def _own_version() -> str:
 
 
 def _warn(message: str) -> None:
-    print(f"vllm-patch: warning: {message}", file=sys.stderr)
+    print(f"vllm-patch: warning: {shown(message)}", file=sys.stderr)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -73,11 +73,25 @@ def _open(args: argparse.Namespace, writing: str | None = None) -> VllmTree:
     return tree
 
 
+def _judged(args: argparse.Namespace, judge, writing: str | None = None):
+    """The tree and ``judge(tree, patch)`` of every selected patch, made under a
+    shared lock on the tree: never on a tree another vllm-patch is half-way
+    through writing."""
+    tree = open_tree(args.vllm, writing=writing)
+    patches = select(args.patch)
+    with engine.reading(tree, patches) as notes:
+        judged = [judge(tree, p) for p in patches]
+    for note in notes:
+        _warn(note)
+    return tree, judged
+
+
 def _plans(
     args: argparse.Namespace, writing: str | None = None
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    tree = _open(args, writing)
-    plans = [engine.plan(tree, p, force=args.force) for p in select(args.patch)]
+    tree, plans = _judged(
+        args, lambda tree, p: engine.plan(tree, p, force=args.force), writing
+    )
     for p in plans:
         for w in p.warnings:
             _warn(w)
@@ -90,8 +104,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in plans], indent=2))
         verdicts = [engine.Verdict.of(p) for p in plans]
     else:
-        tree = _open(args)
-        verdicts = [engine.check(tree, p, force=args.force) for p in select(args.patch)]
+        tree, verdicts = _judged(
+            args, lambda tree, p: engine.check(tree, p, force=args.force)
+        )
         for v in verdicts:
             _print_verdict(tree, v)
     statuses = {v.status for v in verdicts}
@@ -104,7 +119,7 @@ def _print_verdict(tree: VllmTree, v: engine.Verdict) -> None:
     for w in v.warnings:
         _warn(w)
     version = v.version or "unknown version"
-    print(f"{v.patch}: {v.status}  [{tree.location}, vLLM {version}]")
+    print(f"{v.patch}: {v.status}  [{shown(tree.location)}, vLLM {version}]")
     if v.error:
         print("  " + v.error.replace("\n", "\n  "))
     for e in v.edits:
