@@ -30,6 +30,10 @@ from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
 
 PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--noconftest", "--import-mode=append")
+# vLLM's CPU test jobs name the platform: vLLM otherwise infers it from the
+# version of a distribution called ``vllm``, which a checkout's own build
+# metadata (``vllm.egg-info`` of a build for another platform) may answer.
+CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ def run_pytest(
             "vllm_patch.upstream.vllm_tests:pytest_main",
             {"argv": argv},
             pythonpath=[site, checkout],
+            env=CPU_TARGET,
             cwd=site,
         )
         if not junit.is_file():
@@ -103,7 +108,15 @@ def run_pytest(
                 reason=f"pytest exited with {exited} before running: "
                 + " / ".join(tail),
             )
-        counts, failures = _junit(junit)
+        counts, failures, skipped_why = _junit(junit)
+    if not (counts["passed"] or counts["failed"] or counts["errors"]):
+        why = f": {skipped_why}" if skipped_why else ""
+        return TestRun(
+            tuple(files),
+            reviewer_command(files, keyword),
+            ran=False,
+            reason=f"every test skipped ({counts['skipped']}){why}",
+        )
     return TestRun(
         tuple(files),
         reviewer_command(files, keyword),
@@ -124,7 +137,9 @@ def pytest_main(argv: list[str]) -> int:
     return int(pytest.main(argv))
 
 
-def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...]]:
+def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
+    """The counts, the tests that failed (the first few) and the first reason
+    a test was skipped for."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
@@ -143,7 +158,9 @@ def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...]]:
         "errors": total["errors"],
         "skipped": total["skipped"],
     }
-    return counts, tuple(failures[:10])
+    skips = (case.find("skipped") for case in root.iter("testcase"))
+    why = next((s.get("message", "") for s in skips if s is not None), "")
+    return counts, tuple(failures[:10]), why
 
 
 def _version_of(site: Path) -> str:
