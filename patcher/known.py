@@ -20,12 +20,10 @@ from importlib import metadata
 from pathlib import Path
 
 from patcher.errors import PatchError
-from patcher.files import read_regular
+from patcher.files import MAX_RECORD_BYTES, read_regular
 from patcher.tree import VllmTree
 
 FILE_NAME = "known.json"
-MAX_BYTES = 1 << 20
-"""A record larger than this is not one ``render`` wrote: it is ignored."""
 ENGINE = Path(__file__).resolve().parent
 JUDGING_DISTRIBUTIONS = ("libcst", "ruff")
 
@@ -94,10 +92,7 @@ def _record(patch_folder: Path) -> list[dict]:
     """The judged trees, when the record is there, well-formed and current."""
     path = patch_folder / "rendered" / FILE_NAME
     try:
-        data = read_regular(path)
-        if len(data) > MAX_BYTES:
-            return []
-        doc = json.loads(data)
+        doc = json.loads(read_regular(path, limit=MAX_RECORD_BYTES))
     except (PatchError, ValueError, RecursionError):
         return []
     if not isinstance(doc, dict) or doc.get("fingerprint") != fingerprint(patch_folder):

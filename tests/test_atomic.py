@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from conftest import CPU, VLLM_C, make_tree, snapshot
-from patcher.cli import main
 
 from patcher import atomic, engine
 from patcher.atomic import FAULT_ENV, JOURNAL
@@ -24,6 +23,7 @@ from patcher.backup import BACKUP_DIR
 from patcher.journal import NEW, OLD, sibling
 from patcher.patchset import select
 from patcher.tree import open_tree
+from vllm_patch.cli import main
 
 PATCH = select(["cpu_fused_norms"])[0]
 START = {"apply": "original", "revert": "patched"}
@@ -292,7 +292,7 @@ def test_strace_faults_are_told_truly(tmp_path, states, capsys, verb, calls, err
         proc = subprocess.run(
             ["strace", "-f", "-qq", "-o", str(log), *paths,
              "-e", f"inject={calls}:error={error}:when={n}",
-             sys.executable, "-m", "patcher", verb, "--vllm", str(tree)],
+             sys.executable, "-m", "vllm_patch", verb, "--vllm", str(tree)],
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         if "INJECTED" not in log.read_text():

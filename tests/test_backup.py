@@ -12,11 +12,11 @@ from pathlib import Path
 import git
 import pytest
 from conftest import make_tree, snapshot
-from patcher.cli import main
 
 from patcher.backup import BACKUP_DIR, git_dir
 from patcher.errors import PatchError
 from patcher.files import MAX_RECORD_BYTES
+from vllm_patch.cli import main
 
 MANIFEST = f"{BACKUP_DIR}/cpu_fused_norms/manifest.json"
 

@@ -595,7 +595,14 @@ def test_committed_results_name_no_folder_of_the_machine(path):
 
 def _project_copy(dst: Path) -> Path:
     """This project's packages and pyproject.toml, to install editable."""
-    for name in ("patcher", "patches", "compat_matrix", "pyproject.toml", "README.md"):
+    for name in (
+        "patcher",
+        "patches",
+        "vllm_patch",
+        "compat_matrix",
+        "pyproject.toml",
+        "README.md",
+    ):
         src = ROOT / name
         if src.is_dir():
             shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("results"))

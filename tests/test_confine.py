@@ -16,10 +16,10 @@ from pathlib import Path
 import git
 import pytest
 from conftest import VLLM_C, make_tree, snapshot
-from patcher.cli import main
 
 from patcher.backup import BACKUP_DIR
 from patcher.journal import JOURNAL
+from vllm_patch.cli import main
 
 PAYLOAD = b"print('owned')\n"
 VERBS = ("list", "check", "diff", "apply", "revert")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from conftest import VLLM_C, make_tree
-from patcher.cli import main
 
 from patcher.errors import PatchError, shown
 from patcher.journal import JOURNAL
+from vllm_patch.cli import main
 
 NAME = os.fsdecode(b"tr\xffee")
 

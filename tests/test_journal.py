@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from conftest import make_tree, snapshot
-from patcher.cli import main
 
 from patcher.files import MAX_RECORD_BYTES
 from patcher.journal import JOURNAL
+from vllm_patch.cli import main
 
 
 def text(data: str) -> Callable[[Path], None]:
@@ -68,7 +68,7 @@ def test_a_fifo_record_does_not_block(tmp_path, verb) -> None:
     # A process of its own, so that a command that blocks fails the test (the
     # timeout) instead of hanging it.
     proc = subprocess.run(
-        [sys.executable, "-m", "patcher", verb, "--vllm", str(tree)],
+        [sys.executable, "-m", "vllm_patch", verb, "--vllm", str(tree)],
         capture_output=True,
         text=True,
         timeout=10,

@@ -239,6 +239,23 @@ def _member(method: cst.FunctionDef, body: list, tree: cst.Module) -> cst.CSTNod
     return format_member(source, tree).with_changes(leading_lines=method.leading_lines)
 
 
+def _set_skipif(
+    decorator: cst.Decorator, condition: cst.BaseExpression, reason: str, replace
+) -> bool:
+    """Put ``decorator`` (a ``skipif(condition, reason)``) with the new
+    condition and reason (source of a string) in ``replace``, when either
+    changed; whether it did."""
+    call = decorator.decorator
+    if condition is call.args[0].value and reason == _code(call.args[1].value):
+        return False
+    args = [
+        call.args[0].with_changes(value=condition),
+        call.args[1].with_changes(value=cst.SimpleString(reason)),
+    ]
+    replace[decorator] = decorator.with_changes(decorator=call.with_changes(args=args))
+    return True
+
+
 class _IrNormTestsCodemod(TreeCodemod):
     """Finds the norm tests' skips, gate and registration expectations."""
 
@@ -392,16 +409,8 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
         new_reason = _reason(reason, cpu=True)
         if new_reason != reason:
             self.reasons.append(f"`{test.name.value}`")
-        if condition is call.args[0].value and new_reason == reason:
-            return
-        args = [
-            call.args[0].with_changes(value=condition),
-            call.args[1].with_changes(value=cst.SimpleString(new_reason)),
-        ]
-        replace[decorator] = decorator.with_changes(
-            decorator=call.with_changes(args=args)
-        )
-        touched.add(test)
+        if _set_skipif(decorator, condition, new_reason, replace):
+            touched.add(test)
 
     def _expect_on_cpu(self, registration, replace: dict, touched: set) -> None:
         entry = self.vllm_c_entry(registration)
@@ -512,16 +521,8 @@ class StopIrNormTestsOnCpu(_IrNormTestsCodemod):
         if len(operands) > 1 and _code(operands[-1]) == NOT_CPU:
             condition = strip_operand(condition)
         new_reason = _reason(reason, cpu=False)
-        if condition is call.args[0].value and new_reason == reason:
-            return
-        args = [
-            call.args[0].with_changes(value=condition),
-            call.args[1].with_changes(value=cst.SimpleString(new_reason)),
-        ]
-        replace[decorator] = decorator.with_changes(
-            decorator=call.with_changes(args=args)
-        )
-        touched.add(test)
+        if _set_skipif(decorator, condition, new_reason, replace):
+            touched.add(test)
 
     def _restore_methods(self, suite, replace: dict, touched: set) -> None:
         """The native semantics skip out, ``assert_close`` back."""
