@@ -167,6 +167,7 @@ def run_killed(tree: Path, verb: str, step: int) -> bool:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # every step twice over: minutes; `-m slow` runs it
 @pytest.mark.parametrize("verb", ["apply", "revert"])
 def test_a_kill_then_a_fault_in_recovery(tmp_path, states, capsys, verb) -> None:
     """Killed at step K, then the next command fails at its J-th step (EIO)
@@ -260,7 +261,8 @@ STRACE_FAULTS = [
     ("unlink,unlinkat", "EIO"),
     ("rmdir,unlinkat", "EIO"),
     ("rename,renameat,renameat2", "EXDEV"),
-    ("openat", "EMFILE"),
+    # Every open refused: the command's own imports too, so it runs slowly.
+    pytest.param("openat", "EMFILE", marks=pytest.mark.slow),
     ("mkdir,mkdirat", "ENOSPC"),
 ]
 

@@ -293,6 +293,7 @@ def _vllm_c_source() -> bytes:
 
 
 @requires_vllm
+@pytest.mark.slow  # a whole (quick) bench run: minutes; `-m slow` runs it
 def test_a_short_bench_runs_and_keeps_its_schema(tmp_path, monkeypatch):
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is absent")

@@ -150,6 +150,7 @@ def test_the_provider_is_needed_on_032(probed):
 
 @requires_vllm
 @pytest.mark.e2e
+@pytest.mark.slow  # two engine starts; `nox -s compat -- --e2e` runs it per cell
 def test_e2e_generates_with_the_provider_and_the_patched_vllm_c():
     """The slow one (two engine starts, about two minutes on 2 cores)."""
     rc, doc, stderr = probe_cli("--e2e", "--only", "e2e")

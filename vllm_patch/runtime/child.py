@@ -55,7 +55,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 LOG_TAIL_CHARS = 4000
 _POLL_S = 0.05
-REPORT_ENV = "VLLM_PATCH_CHILD_REPORT"
+REPORT_ENV = "VLLMPATCH_CHILD_REPORT"  # not VLLM_*: vLLM refuses unknown ones
 """Set in the child: the file :func:`report` appends to."""
 _REPORT_FILE = "reported.jsonl"
 
