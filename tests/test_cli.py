@@ -366,3 +366,29 @@ def test_help_texts(capsys, verb: str, says: list[str], never: list[str]) -> Non
     text = " ".join(capsys.readouterr().out.split())
     assert all(s in text for s in says)
     assert not any(n in text for n in never)
+
+
+@pytest.mark.parametrize("verb", ["check", "diff", "apply", "revert", "list"])
+def test_the_engines_verbs_need_no_git(installed: Path, verb: str) -> None:
+    """Slim images that serve vLLM have no git: only `pr` needs it."""
+    args = [] if verb == "list" else ["--vllm", str(installed)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", verb, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_pr_without_git_says_it_needs_git(tree: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "pr", "--vllm", str(tree)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "vllm-patch pr cannot start" in proc.stderr and "git" in proc.stderr
+    assert "Traceback" not in proc.stderr
