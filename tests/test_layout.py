@@ -11,10 +11,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 60
 SKIPPED = {"tests", ".nox", ".venv", ".git", "build", "dist"}
-LONG_FOR_NOW = {
-    # Rewritten on another branch; remove this entry when that lands.
-    "vllm_patch/runtime/bench_result.py::evidence_markdown",
-}
 
 
 def sources() -> list[Path]:
@@ -40,11 +36,8 @@ def long_functions(path: Path, root: Path = ROOT) -> dict[str, int]:
 
 
 def test_no_function_is_longer_than_60_lines():
-    found = {k: v for p in sources() for k, v in long_functions(p).items()}
-    over = {k: v for k, v in found.items() if k not in LONG_FOR_NOW}
+    over = {k: v for p in sources() for k, v in long_functions(p).items()}
     assert not over, f"functions over {MAX_LINES} lines: {over}"
-    # An exception that is no longer needed goes from the list.
-    assert not LONG_FOR_NOW - found.keys(), LONG_FOR_NOW - found.keys()
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ this one, from the same process), or a ``status`` saying why it was not timed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_patch.runtime.machine import BUSY_SHARE
@@ -189,13 +190,17 @@ PATCHED_VLLM = "vLLM with this change"
 """Where the upstream provider ran, as a PR description says it."""
 
 
-def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
-    """The figures a reviewer of an upstream PR needs: ``providers`` against
-    the native ops timed in the same vLLM, per op at the highest thread count
-    (only ops with an alternative to native), per call through IR dispatch,
-    and end to end only their runs. Everything from ``doc``, nothing
-    recomputed."""
-    m, v = doc["machine"], doc["versions"]
+@dataclass(frozen=True)
+class _Evidence:
+    """The rows a PR description shows, picked from a bench result."""
+
+    threads: int | None
+    perop: list[dict[str, Any]]
+    dispatch: list[dict[str, Any]]
+    e2e: list[dict[str, Any]]
+
+
+def _evidence(doc: dict[str, Any], providers: tuple[str, ...]) -> _Evidence:
     rows = doc["perop"]["rows"]
     threads = max((r["threads"] for r in rows), default=None)
     natives = (NATIVE, NATIVE_COMPILED)
@@ -220,44 +225,64 @@ def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
         for r in dispatch
         if r["role"] == "native" or r["provider"] in providers
     ]
-    lines = [
+    return _Evidence(threads, shown, dispatch, pairs)
+
+
+def _measured_on(doc: dict[str, Any]) -> list[str]:
+    m, v = doc["machine"], doc["versions"]
+    return [
         f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
         f"{m['usable_cpus']} CPUs; {', '.join(m['key_flags']) or 'no flags of note'}), "
         f"vLLM {v.get('vllm')}, torch {v.get('torch')}; other processes' share of CPU "
         f"time: per op {share(doc['interference'].get('perop'))}, end to end "
         f"{share(doc['interference'].get('e2e'))}.",
         *busy_warning(doc),
-        "",
-        f"Per op, {threads} threads: microseconds per call, median [quartiles], and "
-        "speed-up over native in the same process; every implementation was checked "
-        "against native with the op's own tolerance before it was timed.",
-        "",
-        perop_markdown(shown) if shown else "No implementation other than native.\n",
     ]
-    if dispatch:
-        lines += [
-            f"Per call through vLLM's IR dispatch, {threads} threads, as the eager "
-            "forward calls the op (`maybe_inplace` where the op has it, no torch "
-            "custom-op wrapper): microseconds per call, median [quartiles].",
-            "",
-            dispatch_markdown(dispatch, roles_shown=False),
-        ]
-    if pairs:
-        e = doc["e2e"]
-        lines += [
-            f"End to end: random-weight Llama {e['model']}, batch {e['batch']}, "
-            f"{e['max_tokens']} generated tokens, median of {e['repeats']} generates.",
-            "",
-            e2e_markdown(pairs),
-            "",
-        ]
-    else:
-        lines += [
+
+
+def _end_to_end(doc: dict[str, Any], ev: _Evidence, providers) -> list[str]:
+    if not ev.e2e:
+        return [
             f"End to end with {', '.join(providers)}: not measured by this bench "
             "run; the `vllm bench` commands above measure it.",
             "",
         ]
-    return "\n".join(lines)
+    e = doc["e2e"]
+    return [
+        f"End to end: random-weight Llama {e['model']}, batch {e['batch']}, "
+        f"{e['max_tokens']} generated tokens, median of {e['repeats']} generates.",
+        "",
+        e2e_markdown(ev.e2e),
+        "",
+    ]
+
+
+def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
+    """The figures a reviewer of an upstream PR needs: ``providers`` against
+    the native ops timed in the same vLLM, per op at the highest thread count
+    (only ops with an alternative to native), per call through IR dispatch,
+    and end to end only their runs. Everything from ``doc``, nothing
+    recomputed."""
+    ev = _evidence(doc, providers)
+    none = "No implementation other than native.\n"
+    lines = [
+        *_measured_on(doc),
+        "",
+        f"Per op, {ev.threads} threads: microseconds per call, median [quartiles], "
+        "and speed-up over native in the same process; every implementation was "
+        "checked against native with the op's own tolerance before it was timed.",
+        "",
+        perop_markdown(ev.perop) if ev.perop else none,
+    ]
+    if ev.dispatch:
+        lines += [
+            f"Per call through vLLM's IR dispatch, {ev.threads} threads, as the eager "
+            "forward calls the op (`maybe_inplace` where the op has it, no torch "
+            "custom-op wrapper): microseconds per call, median [quartiles].",
+            "",
+            dispatch_markdown(ev.dispatch, roles_shown=False),
+        ]
+    return "\n".join(lines + _end_to_end(doc, ev, providers))
 
 
 def claims(doc: dict[str, Any], provider: str) -> list[str]:
