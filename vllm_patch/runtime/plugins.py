@@ -1,0 +1,35 @@
+"""vLLM's plugin filter: with ``VLLM_PLUGINS`` set, vLLM loads only the plugins
+it names (split on commas, as vLLM splits it). A plugin it leaves out registers
+nothing, and a priority naming that plugin's provider stops the engine at start
+in an assertion that names nothing: the doctor and ``vllm-patch serve`` say so
+beforehand, in these words."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+FILTER_ENV = "VLLM_PLUGINS"
+
+
+def left_out(plugin: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``VLLM_PLUGINS`` is set and does not name ``plugin``."""
+    value = env.get(FILTER_ENV)
+    return value is not None and plugin not in value.split(",")
+
+
+def left_out_message(plugin: str, provider: str, env=os.environ) -> str:
+    return (
+        f"{FILTER_ENV}={env.get(FILTER_ENV)!r} leaves out the plugin {plugin!r}: "
+        f"vLLM will not register {provider!r}, and an ir_op_priority naming it "
+        "stops the engine at start with 'AssertionError: All providers in "
+        "priority must be registered implementations.'"
+    )
+
+
+def left_out_fix(plugin: str, env=os.environ) -> str:
+    value = env.get(FILTER_ENV) or ""
+    return (
+        f"export {FILTER_ENV}={','.join(filter(None, [value, plugin]))} "
+        f"(or unset {FILTER_ENV}: then vLLM loads every plugin)"
+    )
