@@ -32,8 +32,8 @@ rename is made the operation is only ever finished, never rolled back (the
 clean-up may have deleted the backup). Whatever fails is reported with its system
 call and file, and with what the tree holds now: untouched, restored, or partly
 written with its record kept, which the next command finishes or rolls back.
-Without a record, files with the names above (and the ``.<name>.XXXXXXXX.tmp``
-files of earlier versions) beside the operation's files are leftovers, deleted.
+Without a record, files with the names above beside the operation's files are
+leftovers, deleted.
 
 Tests inject a SIGKILL (or an ``OSError``) at any step through ``FAULT_ENV``.
 """
@@ -45,7 +45,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import signal
 import stat
 import sys
@@ -66,8 +65,6 @@ from patcher.journal import (
     read_record,
     sibling,
 )
-
-_LEGACY_TEMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
 
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 
@@ -636,20 +633,5 @@ def _stuck(root: Path, record: dict, why: str) -> PatchError:
 
 def _leftovers(scope: Scope) -> Iterator[Path]:
     """The names vllm-patch gives the scope's files while writing, where they
-    exist: ``.<name>.vllm-patch.new``/``.old``, and earlier versions'
-    ``.<name>.XXXXXXXX.tmp``."""
+    exist: ``.<name>.vllm-patch.new``/``.old``."""
     yield from (p for p in names(scope.files) if os.path.lexists(p))
-    wanted: dict[Path, set[str]] = {}
-    for path in scope.files:
-        wanted.setdefault(path.parent, set()).add(path.name)
-    for folder, files in sorted(wanted.items()):
-        if not _is_real_dir(folder):
-            continue
-        for name in _listdir(folder):
-            legacy = _LEGACY_TEMP.match(name)
-            if (
-                legacy
-                and legacy["name"] in files
-                and (folder / legacy["name"]).exists()
-            ):
-                yield folder / name
