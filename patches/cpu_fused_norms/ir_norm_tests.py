@@ -122,7 +122,7 @@ RMS_NORM = NormTests(
     "TestRMSNorm",
     """\
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="CPU kernels ignore strides")
-def test_vllm_c_rms_norm_sends_non_contiguous_input_to_native_on_cpu():
+def test_vllm_c_rms_norm_refuses_non_contiguous_on_cpu():
     # A q/k slice of a wider row: the CPU kernel would read the wrong elements.
     x = torch.randn(8, 2 * 2048, dtype=torch.bfloat16)[:, :2048]
     weight = torch.rand(2048, dtype=torch.bfloat16)
@@ -142,7 +142,7 @@ FUSED_ADD_RMS_NORM = NormTests(
     "TestFusedAddRMSNorm",
     """\
 @pytest.mark.skipif(not current_platform.is_cpu(), reason="CPU kernels ignore strides")
-def test_vllm_c_fused_add_rms_norm_sends_non_contiguous_input_to_native_on_cpu():
+def test_vllm_c_fused_add_rms_norm_refuses_non_contiguous_on_cpu():
     # q/k slices of wider rows: the CPU kernel would read the wrong elements.
     x = torch.randn(8, 2 * 2048, dtype=torch.bfloat16)[:, :2048]
     x_residual = torch.randn(8, 2 * 2048, dtype=torch.bfloat16)[:, :2048]
