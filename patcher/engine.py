@@ -61,6 +61,12 @@ class EditPlan:
         return self.edit.file if self.path else None
 
     @property
+    def reason(self) -> str | None:
+        """Why the edit is refused or left out, if it is."""
+        why = self.error or self.skipped
+        return str(why) if why else None
+
+    @property
     def changes(self) -> bool:
         return self.error is None and self.skipped is None and self.before != self.after
 
@@ -139,7 +145,7 @@ class PatchPlan:
                     "via": e.via,
                     "summary": e.edit.summary,
                     "status": e.status(self.direction),
-                    "reason": str(e.error or e.skipped or "") or None,
+                    "reason": e.reason,
                     "changes": list(e.described) if e.changes else [],
                 }
                 for e in self.edits
@@ -251,15 +257,10 @@ class Verdict:
     @classmethod
     def of(cls, p: PatchPlan) -> Verdict:
         edits = tuple(
-            EditVerdict(e.file, e.via, e.status(p.direction), _reason(e))
-            for e in p.edits
+            EditVerdict(e.file, e.via, e.status(p.direction), e.reason) for e in p.edits
         )
         error = str(p.error) if p.error else None
         return cls(p.patch.name, p.version, p.status, error, p.warnings, edits)
-
-
-def _reason(e: EditPlan) -> str | None:
-    return str(e.error or e.skipped) if (e.error or e.skipped) else None
 
 
 def check(tree: VllmTree, patch: Patch, *, force: bool = False) -> Verdict:

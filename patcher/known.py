@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 
+from patcher.atomic import sha256
 from patcher.errors import PatchError
 from patcher.files import MAX_RECORD_BYTES, read_regular
 from patcher.tree import VllmTree
@@ -40,16 +41,16 @@ def fingerprint(patch_folder: Path) -> str:
     return digest.hexdigest()
 
 
-def sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+def _digest(text: str) -> str:
+    return sha256(text.encode("utf-8"))
 
 
 def entry(
     label: str, sources: Mapping[str, str], changes: Mapping[str, tuple[str, str]]
 ) -> dict:
     """One judged tree, from a plan's ``sources`` and ``file_changes()``."""
-    before = {rel: sha256(text) for rel, text in sorted(sources.items())}
-    after = {**before, **{rel: sha256(new) for rel, (_, new) in changes.items()}}
+    before = {rel: _digest(text) for rel, text in sorted(sources.items())}
+    after = {**before, **{rel: _digest(new) for rel, (_, new) in changes.items()}}
     return {"tree": label, "before": before, "after": after}
 
 
@@ -69,7 +70,7 @@ def judged(tree: VllmTree, patch_folder: Path, edited: Iterable[str]) -> str | N
     def found(rel: str) -> str | None:
         if rel not in hashes:
             try:
-                hashes[rel] = sha256(tree.read_text(rel))
+                hashes[rel] = _digest(tree.read_text(rel))
             except PatchError:  # missing or unreadable: the full plan says why
                 hashes[rel] = None
         return hashes[rel]
