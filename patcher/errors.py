@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import sys
 
 
 class ExitCode(enum.IntEnum):
@@ -63,6 +64,11 @@ def shown(text: str | os.PathLike) -> str:
     """A path (or a message holding one) as it can be printed anywhere: bytes a
     file name has that are not UTF-8 become ``\\xNN`` instead of failing to print."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, as every vllm-patch command words it."""
+    print(f"vllm-patch: warning: {shown(message)}", file=sys.stderr)
 
 
 class PatchError(Exception):

@@ -19,7 +19,7 @@ import sys
 from importlib import metadata
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError, shown
+from patcher.errors import ExitCode, PatchError, UsageError, shown, warn
 from patcher.patchset import all_patches, select
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -49,10 +49,6 @@ def _own_version() -> str:
         return "(not installed)"
 
 
-def _warn(message: str) -> None:
-    print(f"vllm-patch: warning: {shown(message)}", file=sys.stderr)
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     patches = all_patches()
     if args.json:
@@ -69,7 +65,7 @@ def _open(args: argparse.Namespace, writing: str | None = None) -> VllmTree:
     """The tree, after finishing or rolling back what a kill interrupted there."""
     tree = open_tree(args.vllm, writing=writing)
     for note in engine.recover(tree, select(args.patch)):
-        _warn(note)
+        warn(note)
     return tree
 
 
@@ -82,7 +78,7 @@ def _judged(args: argparse.Namespace, judge, writing: str | None = None):
     with engine.reading(tree, patches) as notes:
         judged = [judge(tree, p) for p in patches]
     for note in notes:
-        _warn(note)
+        warn(note)
     return tree, judged
 
 
@@ -94,7 +90,7 @@ def _plans(
     )
     for p in plans:
         for w in p.warnings:
-            _warn(w)
+            warn(w)
     return tree, plans
 
 
@@ -117,7 +113,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _print_verdict(tree: VllmTree, v: engine.Verdict) -> None:
     for w in v.warnings:
-        _warn(w)
+        warn(w)
     version = v.version or "unknown version"
     print(f"{v.patch}: {v.status}  [{shown(tree.location)}, vLLM {version}]")
     if v.error:
@@ -149,7 +145,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def _report(outcome: engine.Outcome) -> None:
     for note in outcome.notes:
-        _warn(note)
+        warn(note)
     print(outcome)
 
 

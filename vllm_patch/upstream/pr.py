@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 import tarfile
 import tempfile
 import textwrap
@@ -29,7 +28,7 @@ import git
 from packaging.version import InvalidVersion, Version
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError
+from patcher.errors import ExitCode, PatchError, UsageError, warn
 from patcher.patchset import Patch
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
@@ -429,7 +428,7 @@ def _commit(request: Request, on_branch: OnBranch) -> Committed | None:
         if plan.errors:
             raise plan.errors[0]
         for w in plan.warnings:
-            _warn(w)
+            warn(w)
         already = plan.status is PlanStatus.APPLIED
         if already and on_branch.created:
             rollback()
@@ -487,7 +486,7 @@ def _before_commit(request: Request, plan: engine.PatchPlan) -> CiEdit | None:
     ci = request.upstream.ci
     edit = ci_yaml.wire(request.root, ci) if ci else None
     if edit is not None and edit.text is None:
-        _warn(f"{ci.file} left as it is: {edit.reason}")
+        warn(f"{ci.file} left as it is: {edit.reason}")
     return edit
 
 
@@ -528,7 +527,7 @@ def _write_description(request: Request, committed: Committed) -> str:
     root, plan = request.root, committed.plan
     evidence = pr_body.load_evidence(list(request.evidence))
     for unreadable in evidence.unreadable:
-        _warn(f"evidence not read: {unreadable}")
+        warn(f"evidence not read: {unreadable}")
     version = checkout_version(request.repo, root)
     edited = _edited_tests(plan)
     tests_run = None
@@ -562,7 +561,7 @@ def _write_mbox(request: Request, committed: Committed) -> None:
     if not request.format_patch:
         return
     if committed.commit is None:
-        _warn("no commit titled like the patch on the branch; no mbox written")
+        warn("no commit titled like the patch on the branch; no mbox written")
         return
     folder = request.format_patch
     folder.mkdir(parents=True, exist_ok=True)
@@ -605,8 +604,4 @@ def _report_format(report: FormatReport) -> None:
         where = report.config or "ruff defaults"
         print(f"checked the changed lines with {report.ruff} ({where})")
     for note in report.notes:
-        _warn(note)
-
-
-def _warn(message: str) -> None:
-    print(f"vllm-patch: warning: {message}", file=sys.stderr)
+        warn(note)
