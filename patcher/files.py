@@ -279,3 +279,30 @@ def output_dir(path: Path) -> Path:
             found=kind(st.st_mode),
         )
     return path
+
+
+# --- Data a command reads from a checkout (the CI YAML, the PR template, the
+# ruff settings): no link anywhere below the checkout's root, or it is refused.
+
+
+def read_text_in(
+    root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
+) -> str | None:
+    """``rel`` below the resolved ``root`` as :func:`read_text_at` reads it (so
+    a link on the way is refused, not followed); None when there is no such
+    file (or no ``root``)."""
+    if root is None:
+        return None
+    path = Path(os.path.realpath(root)) / rel
+    try:
+        return read_text_at(path, what, limit=limit)
+    except PatchError:
+        if os.path.lexists(path):
+            raise
+        return None
+
+
+def refusal(exc: PatchError) -> str:
+    """A refusal on one line without its path: for text the user publishes."""
+    parts = [exc.message, exc.looked_for and f"looked for {exc.looked_for}"]
+    return "; ".join(p for p in [*parts, exc.found and f"found {exc.found}"] if p)

@@ -98,13 +98,13 @@ steps:
     [
         pytest.param(None, "this checkout has no", id="no file"),
         pytest.param("steps: []\n", "found 0", id="no such step"),
-        pytest.param(STEP, "changed more than the step", id="one-liner"),
+        pytest.param(STEP, "found no line", id="one-liner"),
         pytest.param(
             STEP.replace("dependencies:\n  - csrc/cpu/", "dependencies: [csrc/cpu/]"),
             "no single block 'source_file_dependencies:'",
             id="flow list",
         ),
-        pytest.param("steps: [\n", "expected", id="not YAML"),
+        pytest.param("steps: [\n", "not YAML", id="not YAML"),
     ],
 )
 def test_what_the_edit_does_not_understand_is_left_alone(tmp_path, text, reason):

@@ -7,6 +7,15 @@ other byte stays as it was (comments, quoting, ``$$`` escapes); the result is
 then parsed with PyYAML and must equal the original document with exactly the
 added entries. What the patch adds where is data in its ``[upstream.ci]``
 table (``meta.CiWiring``); nothing here knows about a particular step.
+
+The file is data, never orders: read only as a regular file inside the work
+tree (no link on the way) of at most ``MAX_BYTES``, UTF-8; parsed by a safe
+loader that refuses nesting deeper than ``MAX_DEPTH``, more than
+``MAX_ALIASES`` aliases and a document that expands past ``MAX_NODES`` nodes,
+so comparing two is linear in their size. An added line holds only the tool's
+own test path and the step's indentation, ``pytest`` flags and continuation
+(``\\``): nothing else of the line it follows is copied. A file that fails any
+of this is left out, with the reason (``left out: ...``), never followed.
 """
 
 from __future__ import annotations
@@ -17,9 +26,25 @@ from pathlib import Path
 
 import yaml
 
+from patcher.errors import PatchError
+from patcher.files import read_text_in, refusal
+
+MAX_BYTES = 256 << 10
+"""vLLM's cpu.yaml is 11 kB (0.32.0)."""
+MAX_DEPTH = 32
+MAX_ALIASES = 16
+MAX_NODES = 100_000
+"""vLLM's cpu.yaml: 2 aliases, about 400 nodes; its nesting is 5 deep."""
 DEPENDENCIES = "source_file_dependencies"
 COMMANDS = "commands"
-TEST_PATH = re.compile(r"(?<![\w/.-])tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?")
+_PATH = r"tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?"
+MODEL = re.compile(
+    rf"(?P<indent>[ \t]*)(?:(?P<pytest>pytest(?: -[A-Za-z]+)* ){_PATH}"
+    rf"|{_PATH}(?P<cont> \\))(?P<eol>\r?\n?)"
+)
+"""A line a new one may follow: a test path alone in a list continued with
+``\\``, or ``pytest -FLAGS`` of one test path; nothing else."""
+TEST_PATH = re.compile(rf"(?<![\w/.-]){_PATH}")
 
 
 @dataclass(frozen=True)
@@ -68,22 +93,78 @@ class CiShapeError(ValueError):
 def wire(root: Path, wiring: CiWiring) -> CiEdit:
     """The edit of ``wiring.file`` under ``root``; nothing is written."""
     edit = CiEdit(wiring)
-    path = root / wiring.file
-    if not path.is_file():
-        edit.reason = f"this checkout has no {wiring.file}"
-        return edit
-    before = path.read_text("utf-8")
     try:
-        edit.label = _find_label(yaml.safe_load(before), wiring.step, wiring.file)
+        before = read_text_in(root, wiring.file, "the CI YAML", limit=MAX_BYTES)
+        if before is None:
+            edit.reason = f"this checkout has no {wiring.file}"
+            return edit
+        edit.label = _find_label(load(before), wiring.step, wiring.file)
         after = _edit_text(before, edit)
         _verify(before, after, edit)
-    except (CiShapeError, yaml.YAMLError) as exc:
+    except PatchError as exc:
+        edit.reason = f"left out: {wiring.file}: {refusal(exc)}"
+        return edit
+    except CiShapeError as exc:
         edit.reason = str(exc)
         return edit
     edit.text = after if after != before else None
     if edit.text is None:
         edit.reason = f'the "{edit.label}" step runs and lists these already'
     return edit
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with bounds on nesting, aliases and expansion."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = self.aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise CiShapeError(f"left out: more than {MAX_ALIASES} YAML aliases")
+            return super().compose_node(parent, index)
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise CiShapeError(f"left out: YAML nested over {MAX_DEPTH} deep")
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None and _expanded(node, {}) > MAX_NODES:
+            raise CiShapeError(f"left out: YAML expanding past {MAX_NODES} nodes")
+        return node
+
+
+def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes of ``node`` with every alias expanded, each node counted once
+    (linear; nesting is bounded by the loader)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = MAX_NODES + 1  # a node inside itself: refused
+        children = node.value if isinstance(node.value, list) else []
+        flat = [
+            c
+            for item in children
+            for c in (item if isinstance(item, tuple) else (item,))
+        ]
+        sizes[id(node)] = 1 + sum(_expanded(c, sizes) for c in flat)
+    return sizes[id(node)]
+
+
+def load(text: str):
+    """The document in ``text`` (``CiShapeError`` past a bound or if it is not
+    YAML: the reason names the line and column, never the file's text)."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise CiShapeError(f"left out: not YAML the safe loader reads{where}") from exc
 
 
 def _find_label(doc, step: str, file: str) -> str:
@@ -166,28 +247,31 @@ def _dependency_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
 
 
 def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
-    """(offset to insert at, one line per new test, modelled on the last line
-    that names a test file and does not close the command string)."""
-    named = [i for i, line in enumerate(block) if TEST_PATH.search(line)]
-    open_lines = [i for i in named if not block[i].rstrip().endswith(("'", '"'))]
-    if not open_lines:
+    """(offset to insert at, one line per new test): the test path in the
+    layout of the last line that is a test path alone or a ``pytest`` of one
+    and does not close the command string."""
+    models = [(i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))]
+    if not models:
         raise CiShapeError(
-            "found no line of the step's commands naming a test file that a new "
-            "line could follow"
+            "found no line of the step's commands that is a test file alone (or "
+            "a pytest of one) that a new line could follow"
         )
-    model = block[open_lines[-1]]
+    at, model = models[-1]
     listed = {m.group(0) for line in block for m in TEST_PATH.finditer(line)}
     new = [t for t in edit.wiring.tests if t not in listed]
     edit.added_tests = new
-    return open_lines[-1] + 1, [TEST_PATH.sub(t, model, count=1) for t in new]
+    indent, pytest, cont, eol = model.group("indent", "pytest", "cont", "eol")
+    return at + 1, [f"{indent}{pytest or ''}{t}{cont or ''}{eol}" for t in new]
 
 
 def _verify(before: str, after: str, edit: CiEdit) -> None:
     """``after`` parses to ``before``'s document plus exactly the added entries."""
-    old, new = yaml.safe_load(before), yaml.safe_load(after)
+    old, new = load(before), load(after)
     old_step = _step(old, edit.label)
     new_step = _step(new, edit.label)
     added = list(edit.added_dependencies)
+    if not isinstance(old_step.get(DEPENDENCIES), list):
+        raise CiShapeError(f"{DEPENDENCIES} of the step is not a list")
     if new_step.get(DEPENDENCIES) != old_step.get(DEPENDENCIES) + added:
         raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
     commands = [str(c) for c in new_step.get(COMMANDS, [])]
@@ -207,4 +291,6 @@ def _verify(before: str, after: str, edit: CiEdit) -> None:
 
 
 def _step(doc: dict, label: str) -> dict:
-    return next(s for s in doc["steps"] if s.get("label") == label)
+    return next(
+        s for s in doc["steps"] if isinstance(s, dict) and s.get("label") == label
+    )

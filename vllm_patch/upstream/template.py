@@ -9,17 +9,30 @@ checklist). Each section is given the kinds of text it asks for by the words
 of its heading (else of its comment), and each piece of the description goes
 to the first section of the kind it prefers. The checklist is the author's: it
 is kept as the template has it, every box unticked.
+
+The template is data: read only as a regular file inside the work tree (no
+link on the way), of at most ``MAX_BYTES``, UTF-8 without NUL; anything else is
+left out (``Template.left_out`` says why, the description says so) and the
+fallback layout is used. A comment the template leaves open is closed where
+its chunk ends, so it cannot swallow what follows.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+from patcher.errors import PatchError
+from patcher.files import read_text_in, refusal
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 FALLBACK = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"
 """The layout used where a checkout has no template (vLLM's newest headings)."""
+MAX_BYTES = 16 << 10
+"""vLLM's template is 1.5 kB (0.32.0); this bound keeps parsing and filling
+a hostile one to milliseconds."""
 
 KINDS = (
     ("purpose", ("purpose", "overview", "summary", "motivation", "description")),
@@ -44,7 +57,7 @@ class Section:
     """The template's text under the heading (its guidance comments)."""
     filled: list[str] = field(default_factory=list)
 
-    @property
+    @cached_property
     def kinds(self) -> tuple[str, ...]:
         for text in (self.title, " ".join(COMMENT.findall(self.body))):
             found = tuple(kind for kind, words in KINDS if _says(text, words))
@@ -63,42 +76,51 @@ class Template:
     and the closing note, as they are."""
     found: bool
     """Read from the checkout (False: the fallback layout)."""
+    left_out: str = ""
+    """Why the checkout's template was not used (``left out: ...``), if it has one."""
 
 
 def _says(text: str, words: tuple[str, ...]) -> bool:
-    low = text.lower()
-    return any(re.search(rf"\b{re.escape(w)}", low) for w in words)
+    return bool(re.search(rf"\b(?:{'|'.join(map(re.escape, words))})", text.lower()))
 
 
 def read_template(root: Path | None) -> Template:
-    """The checkout's template, or the fallback layout when it has none."""
-    path = root / TEMPLATE if root else None
-    if path is not None and path.is_file():
-        parsed = parse(path.read_text("utf-8"), found=True)
-        if parsed.sections:
-            return parsed
-    return parse(FALLBACK, found=False)
+    """The checkout's template, or the fallback layout when it has none or it
+    is left out (``left_out`` then says why)."""
+    text, why = None, ""
+    try:
+        text = read_text_in(root, TEMPLATE, "the PR template", limit=MAX_BYTES)
+    except PatchError as exc:
+        why = f"left out: {TEMPLATE}: {refusal(exc)}"
+    parsed = parse(text, found=True) if text else None
+    if parsed and parsed.sections:
+        return parsed
+    fallback = parse(FALLBACK, found=False)
+    fallback.left_out = why
+    return fallback
 
 
 def parse(text: str, *, found: bool = True) -> Template:
     """Headings (outside code fences) split ``text``; the first thematic break
     or ``<details>`` after a section starts the tail."""
     head: list[str] = []
-    sections: list[Section] = []
+    sections: list[tuple[Section, list[str]]] = []
     lines = text.splitlines(keepends=True)
+    tail = ""
     fenced = False
     for i, line in enumerate(lines):
         fenced ^= line.lstrip().startswith("```")
         heading = None if fenced else HEADING.match(line)
         if heading:
-            sections.append(Section(line.rstrip("\n"), heading.group(2)))
+            sections.append((Section(line.rstrip("\n"), heading.group(2)), []))
         elif sections and not fenced and TAIL.match(line):
-            return Template(_comments(head), sections, "".join(lines[i:]), found)
-        elif sections:
-            sections[-1].body += line
+            tail = "".join(lines[i:])
+            break
         else:
-            head.append(line)
-    return Template(_comments(head), sections, "", found)
+            (sections[-1][1] if sections else head).append(line)
+    for section, body in sections:
+        section.body = "".join(body)
+    return Template(_comments(head), [s for s, _ in sections], tail, found)
 
 
 def _comments(lines: list[str]) -> str:
@@ -126,11 +148,18 @@ def fill(template: Template, pieces: list[Piece]) -> str:
     out = [template.head] if template.head else []
     for section in template.sections:
         body = "\n\n".join(section.filled) if section.filled else section.body.strip()
-        out.append(f"{section.heading}\n\n{body}".rstrip())
+        out.append(_closed(f"{section.heading}\n\n{body}".rstrip()))
+    if template.left_out:
+        out.append(f"_The checkout's PR template was {template.left_out}._")
     text = "\n\n".join(out) + "\n"
     if template.tail:
-        text += "\n" + TICKED.sub(r"\1[ ]", template.tail)
+        text += "\n" + _closed(TICKED.sub(r"\1[ ]", template.tail))
     return text.rstrip() + "\n"
+
+
+def _closed(chunk: str) -> str:
+    """``chunk`` with an HTML comment it leaves open closed at its end."""
+    return chunk + " -->" if chunk.rfind("<!--") > chunk.rfind("-->") else chunk
 
 
 def _place(template: Template, piece: Piece) -> None:
