@@ -4,7 +4,9 @@ The ruff that runs is the one this project pins (``pyproject.toml``, a
 dependency, so it is there with or without ruff in a vLLM checkout), with
 vLLM's settings: 88 columns, Python 3.10. Codemods use it to emit the
 statements they edit already formatted, so ``apply``, ``diff``, the rendered
-patches and ``pr`` all show the same lines.
+patches and ``pr`` all show the same lines. Ruff reads the source on stdin,
+``--isolated`` (no settings file of any folder) and ``--no-cache``: it reads and
+writes no file.
 """
 
 from __future__ import annotations
@@ -51,7 +53,16 @@ def format_source(source: str, indent: str = "    ") -> str:
     else:
         style = ["--config", f"indent-width={len(indent)}"]
     return _run(
-        [ruff_binary(), "format", "--isolated", *VLLM_SETTINGS, *style, "-"], source
+        [
+            ruff_binary(),
+            "format",
+            "--isolated",
+            "--no-cache",
+            *VLLM_SETTINGS,
+            *style,
+            "-",
+        ],
+        source,
     )
 
 

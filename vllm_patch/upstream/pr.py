@@ -1,23 +1,29 @@
 """``vllm-patch pr``: turn a carried patch into a commit on a branch of a vLLM
 git checkout, ready for an upstream pull request.
 
-It creates (or reuses) a branch, applies the patch with the engine, checks the
-changed lines against the checkout's ruff settings, commits with a vLLM-style
-title and a DCO ``Signed-off-by:``, and writes the PR description outside the
-work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``). It never pushes
-and never calls a web API: it prints the commands that would.
+It creates (or reuses) a branch, applies the patch with the engine (one plan,
+one write), checks the changed lines against the checkout's ruff settings,
+wires the patch's tests into the CI YAML, runs vLLM's tests of the edited
+files (the checkout's code: said first, ``--no-tests`` skips them), commits
+with a vLLM-style title and a DCO ``Signed-off-by:``, and writes the PR
+description outside the work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``).
+It never pushes and never calls a web API: it prints the commands that would.
 
-Exit codes: 0 committed, or already committed (nothing changed); 2 usage (not a
-git checkout, dirty tree, detached HEAD without --base, unknown base, missing
-git identity, output inside the work tree); 3 the patch cannot be applied to
-the base. Every refusal happens before anything is written, and a failure after
-the branch was created puts the checkout back as it was.
+All or nothing: every refusal that needs nothing written comes first; any
+failure after the branch was switched (a git step refused by the checkout's
+config or hooks included) puts the checkout back on its starting branch with
+nothing committed, and is one message with an exit code of ``ExitCode``: 2
+usage (not a git checkout, dirty tree, detached HEAD without --base, unknown
+base, no git identity, an output inside the work tree or planted as a link,
+git refusing a step), 3 the patch cannot be applied to the base.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import stat
 import tarfile
 import tempfile
 import textwrap
@@ -29,11 +35,12 @@ from packaging.version import InvalidVersion, Version
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, warn
+from patcher.files import MAX_FILE_BYTES, kind, output_dir, replace_at, write_output
 from patcher.patchset import Patch
 from patcher.status import PlanStatus
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.upstream import ci_yaml, pr_body, vllm_tests
+from vllm_patch.upstream import ci_yaml, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, pick_patch, upstream_of
 from vllm_patch.upstream.pr_format import FormatReport, check_changes
@@ -41,36 +48,31 @@ from vllm_patch.upstream.pr_format import FormatReport, check_changes
 UPSTREAM_REPO = "vllm-project/vllm"
 WIDTH = 72
 """Commit message lines: git's convention, which vLLM's history follows."""
+SAFE = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--vllm",
-        metavar="CHECKOUT",
-        required=True,
-        help="a git checkout of vLLM (work tree root); must be clean",
-    )
-    parser.add_argument(
-        "--patch", metavar="NAME", help="the patch; default: the only one"
-    )
-    parser.add_argument(
+    arg = parser.add_argument
+    arg("--vllm", metavar="CHECKOUT", required=True, help="a clean vLLM git checkout")
+    arg("--patch", metavar="NAME", help="the patch; default: the only one")
+    arg(
         "--branch",
         metavar="NAME",
         help="branch to create or reuse; default: the patch's",
     )
-    parser.add_argument(
+    arg(
         "--base",
         metavar="REF",
         help="branch, tag or commit to start from (e.g. upstream/main); default: the "
         "current branch",
     )
-    parser.add_argument(
+    arg(
         "--format-patch",
         metavar="DIR",
         type=Path,
         help="also write the commit as an mbox patch (git am) into DIR",
     )
-    parser.add_argument(
+    arg(
         "--evidence",
         metavar="DIR",
         type=Path,
@@ -78,20 +80,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read compat cells and bench JSON from DIR (repeatable); default: the "
         "project's compat_matrix/results and vllm_patch/bench/reference",
     )
-    parser.add_argument(
+    arg(
         "--out",
         metavar="FILE",
         type=Path,
         help="where to write the PR description (outside the work tree); default: "
         "<git-dir>/vllm-patch/PR_<branch>.md",
     )
-    parser.add_argument(
+    arg(
+        "--no-tests",
+        action="store_true",
+        help="do not run vLLM's tests of the edited files (they are the checkout's "
+        "code); the description gives the command a reviewer runs",
+    )
+    arg(
         "--pytest-k",
         metavar="EXPR",
-        help="run only the upstream tests matching EXPR (pytest -k) for the Test "
-        "Result; default: every test of the edited files",
+        help="run only the upstream tests matching EXPR (pytest -k); default: every "
+        "test of the edited files",
     )
-    parser.add_argument(
+    arg(
         "--print",
         action="store_true",
         dest="print_body",
@@ -199,9 +207,7 @@ def commit_message(
             looked_for="[upstream] title",
             found=upstream.title,
         )
-    parts = [_wrap(upstream.body)]
-    if upstream.rule:
-        parts.append(_wrap(upstream.rule))
+    parts = [_wrap(upstream.body)] + ([_wrap(upstream.rule)] if upstream.rule else [])
     parts.append("\n".join(_wrap(item, "  ") for item in changes_list(described)))
     body = "\n\n".join(parts)
     return f"{upstream.title}\n\n{body}\n\n{identity.signoff}\n"
@@ -223,74 +229,84 @@ def _wrap(text: str, indent: str = "") -> str:
 
 def changes_list(described: dict[str, list[str]]) -> list[str]:
     """``- file: change`` per change the codemods recorded."""
-    return [
-        f"- {rel}: {change}" for rel, changes in described.items() for change in changes
-    ]
-
-
-def described_in_commit(
-    repo: git.Repo, commit, patch: Patch, upstream: Upstream
-) -> tuple[dict[str, list[str]], CiEdit | None]:
-    """What the patch changes in ``commit``'s parent, as the codemods describe it,
-    and the CI edit made there (for a branch that already carries the commit)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "parent.tar"
-        parent = f"{commit.hexsha}^"
-        wanted = [e.file for e in patch.test_edits]
-        wanted += [upstream.ci.file] if upstream.ci else []
-        present = [
-            f for f in wanted if repo.git.ls_tree("--name-only", parent, "--", f)
-        ]
-        repo.git.archive("--format=tar", "-o", str(archive), parent, "vllm", *present)
-        with tarfile.open(archive) as tar:
-            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(tmp, **safe)
-        ci = ci_yaml.wire(Path(tmp), upstream.ci) if upstream.ci else None
-        return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
+    return [f"- {rel}: {c}" for rel, changes in described.items() for c in changes]
 
 
 def _with_ci(
     described: dict[str, list[str]], ci: CiEdit | None
 ) -> dict[str, list[str]]:
-    """The codemods' changes, and the CI file's when it is edited."""
-    if ci is None or ci.text is None:
+    """The codemods' changes, and the CI file's when it is edited (or, when it
+    is left out, why)."""
+    if ci is None or not (ci.text or ci.reason.startswith("left out")):
         return described
-    return {**described, ci.wiring.file: ci.described()}
+    return {**described, ci.wiring.file: ci.described() if ci.text else [ci.reason]}
 
 
-def find_commit(repo: git.Repo, branch: str, title: str, stop: str | None):
-    rev = f"{stop}..{branch}" if stop else branch
-    for c in repo.iter_commits(rev, max_count=200):
-        if c.summary == title:
-            return c
-    return None
+def described_in_commit(
+    repo: git.Repo, commit: git.Commit, patch: Patch, upstream: Upstream
+) -> tuple[dict[str, list[str]], CiEdit | None]:
+    """What the patch changes in ``commit``'s parent, as the codemods describe it,
+    and the CI edit made there (for a branch that already carries the commit).
+    Only the parent's regular files are written out (a link, a special or an
+    oversized file is left out, never followed)."""
+    parent = f"{commit.hexsha}^"
+    wanted = [e.file for e in patch.test_edits] + (
+        [upstream.ci.file] if upstream.ci else []
+    )
+    present = [f for f in wanted if repo.git.ls_tree("--name-only", parent, "--", f)]
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-parent-") as tmp:
+        proc = repo.git.archive(
+            "--format=tar", parent, "vllm", *present, as_process=True
+        )
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            for member in tar:
+                if member.isreg() and member.size <= MAX_FILE_BYTES:
+                    tar.extract(member, tmp, **SAFE)
+        proc.wait()
+        ci = ci_yaml.wire(Path(tmp), upstream.ci) if upstream.ci else None
+        return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
+
+
+def find_commit(repo: git.Repo, branch: str, title: str) -> git.Commit | None:
+    return next(
+        (c for c in repo.iter_commits(branch, max_count=200) if c.summary == title),
+        None,
+    )
+
+
+def _refuse_planted(path: Path, want_dir: bool = False) -> None:
+    """An output name where a link or special file (or, for a folder, anything
+    but a folder) was planted is refused before anything is done."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+        raise UsageError(
+            "vllm-patch never writes through a link or special file it finds",
+            path=str(path),
+            looked_for="a folder" if want_dir else "a regular file or no file",
+            found=kind(mode),
+        )
 
 
 def description_path(repo: git.Repo, branch: str, out: Path | None) -> Path:
     root = Path(repo.working_tree_dir).resolve()
     git_dir = Path(repo.git_dir).resolve()
+    own = git_dir / "vllm-patch"
     path = (
-        out or git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
-    ).resolve()
-    if path.is_relative_to(root) and not path.is_relative_to(git_dir):
+        Path(os.path.abspath(out)) if out else own / f"PR_{branch.replace('/', '_')}.md"
+    )
+    real = path.parent.resolve() / path.name
+    if real.is_relative_to(root) and not real.is_relative_to(git_dir):
         raise UsageError(
             "the PR description would dirty the work tree; pick a path outside it",
             path=str(path),
         )
+    if not out:
+        _refuse_planted(own, want_dir=True)
+    _refuse_planted(path)
     return path
-
-
-class Rollback:
-    """Put the checkout back where it was if anything fails before the commit."""
-
-    def __init__(self, repo: git.Repo, start: str, branch: str, created: bool):
-        self.repo, self.start, self.branch, self.created = repo, start, branch, created
-
-    def __call__(self) -> None:
-        g = self.repo.git
-        g.checkout("-f", self.start)
-        if self.created:
-            g.branch("-D", self.branch)
 
 
 @dataclass(frozen=True)
@@ -306,23 +322,101 @@ class Request:
     identity: Identity
     description: Path
     """Where the PR description goes (outside the work tree)."""
+    own_description: bool
+    """The default path in the git directory (else ``--out``)."""
     evidence: tuple[Path, ...]
     format_patch: Path | None
+    no_tests: bool
     pytest_k: str | None
     print_body: bool
 
 
-@dataclass(frozen=True)
-class OnBranch:
-    """Where ``pr`` started, and the branch it switched to."""
+def _request(args: argparse.Namespace) -> Request:
+    """Every refusal that needs nothing written: a vLLM git checkout, clean, with
+    a git identity; a valid branch name; outputs outside the work tree, with no
+    link planted where they go."""
+    repo = open_checkout(args.vllm)
+    root = Path(repo.working_tree_dir)
+    open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
+    patch = pick_patch(args.patch)
+    upstream = upstream_of(patch)
+    branch = args.branch or upstream.branch
+    try:
+        named = repo.git.check_ref_format("--branch", branch)
+    except git.GitCommandError:
+        named = None
+    if named != branch or branch.startswith("-"):  # @{-1} names another branch
+        raise UsageError(f"not a valid branch name: {branch!r}")
+    identity = git_identity(repo)
+    refuse_dirty(repo)
+    folder = args.format_patch
+    if folder:
+        if Path(folder).resolve().is_relative_to(root.resolve()):
+            raise UsageError(
+                "--format-patch DIR must be outside the work tree", path=str(folder)
+            )
+        _refuse_planted(Path(folder), want_dir=True)
+    return Request(
+        repo=repo,
+        root=root,
+        patch=patch,
+        upstream=upstream,
+        branch=branch,
+        base=args.base,
+        identity=identity,
+        description=description_path(repo, branch, args.out),
+        own_description=args.out is None,
+        evidence=tuple(Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE),
+        format_patch=Path(folder) if folder else None,
+        no_tests=args.no_tests,
+        pytest_k=args.pytest_k,
+        print_body=args.print_body,
+    )
 
-    start: str
-    """The branch (or detached commit) to go back to on failure."""
-    base_name: str | None
-    """The base as the user named it; None for an existing branch without --base."""
-    created: bool
-    switched: bool
-    """An existing branch, other than the one checked out, was checked out."""
+
+class Checkout:
+    """Where ``pr`` started, the branch it switched to, and how to go back."""
+
+    def __init__(self, request: Request) -> None:
+        repo, branch = request.repo, request.branch
+        self.repo, self.branch, self.root = repo, branch, request.root
+        self.start = (
+            repo.head.commit.hexsha
+            if repo.head.is_detached
+            else repo.active_branch.name
+        )
+        exists = branch in repo.heads
+        self.base_name = request.base
+        """The base as the user named it; None for an existing branch without --base."""
+        if exists and request.base:
+            _, base_commit = resolve_base(repo, request.base)
+            if not repo.is_ancestor(base_commit, repo.heads[branch].commit):
+                raise UsageError(
+                    f"branch {branch} exists and does not contain {request.base}; "
+                    "pass --branch NEW or delete the branch",
+                    path=str(request.root),
+                )
+        elif not exists:
+            self.base_name, base_commit = resolve_base(repo, request.base)
+        self.created, self.switched = not exists, exists and self.start != branch
+        self.tip = None if self.created else repo.heads[branch].commit.hexsha
+        self.new_files: list[str] = []
+        """Files the patch created (gone again on rollback)."""
+        if self.created:
+            repo.git.checkout("-q", "-b", branch, base_commit.hexsha)
+        elif self.switched:
+            repo.git.checkout("-q", branch)
+
+    def rollback(self) -> None:
+        """Back on the starting branch, nothing committed, no file left."""
+        g = self.repo.git
+        if self.tip:
+            g.reset("-q", "--hard", self.tip)
+        g.checkout("-q", "-f", self.start)
+        if self.created:
+            g.branch("-D", self.branch)
+        for rel in self.new_files:
+            Path(self.root, rel).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -337,131 +431,89 @@ class Committed:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The steps in order; a failure before the commit restores the checkout."""
+    """The steps in order; any failure after the branch switch restores the checkout."""
     request = _request(args)
-    on_branch = _switch_branch(request)
-    committed = _commit(request, on_branch)
-    if committed is None:  # the base has the change already: no branch was made
-        return ExitCode.OK
-    body = _write_description(request, committed)
-    _write_mbox(request, committed)
+    try:
+        return _run(request)
+    except git.GitCommandError as exc:
+        said = (exc.stderr or "").strip().removeprefix("stderr:").strip(" '\n")
+        raise UsageError(
+            "git refused a step (the checkout's git config or hooks, as git itself "
+            "runs them); the checkout is back where it was",
+            path=str(request.root),
+            looked_for=f"git {' '.join(map(str, exc.command[1:3]))} to succeed",
+            found=said.splitlines()[-1] if said else f"exit status {exc.status}",
+        ) from exc
+
+
+def _run(request: Request) -> int:
+    checkout = Checkout(request)
+    try:
+        committed = _commit(request, checkout)
+        if committed is None:  # the base has the change already: no branch was made
+            return ExitCode.OK
+        body = _description(request, committed)
+        _write_outputs(request, committed, body)
+    except BaseException:
+        checkout.rollback()
+        raise
     if request.print_body:
         print("\n" + body)
-    _print_next_steps(request, on_branch)
+    _print_next_steps(request, checkout)
     return ExitCode.OK
 
 
-def _request(args: argparse.Namespace) -> Request:
-    """Every refusal that needs nothing written: a vLLM git checkout, clean, with
-    a git identity; a valid branch name; outputs outside the work tree."""
-    repo = open_checkout(args.vllm)
-    root = Path(repo.working_tree_dir)
-    open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
-    patch = pick_patch(args.patch)
-    upstream = upstream_of(patch)
-    branch = args.branch or upstream.branch
-    try:
-        repo.git.check_ref_format("--branch", branch)
-    except git.GitCommandError as exc:
-        raise UsageError(f"not a valid branch name: {branch!r}") from exc
-    identity = git_identity(repo)
-    refuse_dirty(repo)
-    description = description_path(repo, branch, args.out)
-    if args.format_patch and Path(args.format_patch).resolve().is_relative_to(
-        root.resolve()
-    ):
-        raise UsageError(
-            "--format-patch DIR must be outside the work tree",
-            path=str(args.format_patch),
-        )
-    return Request(
-        repo=repo,
-        root=root,
-        patch=patch,
-        upstream=upstream,
-        branch=branch,
-        base=args.base,
-        identity=identity,
-        description=description,
-        evidence=tuple(Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE),
-        format_patch=Path(args.format_patch) if args.format_patch else None,
-        pytest_k=args.pytest_k,
-        print_body=args.print_body,
-    )
-
-
-def _switch_branch(request: Request) -> OnBranch:
-    """Check out the branch: created from the base, or the existing one (which
-    must contain the base, when one is given)."""
-    repo, branch = request.repo, request.branch
-    start = (
-        repo.head.commit.hexsha if repo.head.is_detached else repo.active_branch.name
-    )
-    exists = branch in repo.heads
-    if exists:
-        base_name = request.base
-        if request.base:
-            _, base_commit = resolve_base(repo, request.base)
-            if not repo.is_ancestor(base_commit, repo.heads[branch].commit):
-                raise UsageError(
-                    f"branch {branch} exists and does not contain {request.base}; "
-                    "pass --branch NEW or delete the branch",
-                    path=str(request.root),
-                )
-    else:
-        base_name, base_commit = resolve_base(repo, request.base)
-    switched = exists and start != branch
-    if not exists:
-        repo.git.checkout("-q", "-b", branch, base_commit.hexsha)
-    elif switched:
-        repo.git.checkout("-q", branch)
-    return OnBranch(start, base_name, created=not exists, switched=switched)
-
-
-def _commit(request: Request, on_branch: OnBranch) -> Committed | None:
+def _commit(request: Request, checkout: Checkout) -> Committed | None:
     """Apply the patch and commit it, or find the branch's commit of it; None when
     a new branch would be empty (then it is deleted again)."""
-    repo, patch = request.repo, request.patch
-    rollback = Rollback(repo, on_branch.start, request.branch, on_branch.created)
-    try:
-        plan = engine.plan(open_tree(request.root), patch)
-        if plan.errors:
-            raise plan.errors[0]
-        for w in plan.warnings:
-            warn(w)
-        already = plan.status is PlanStatus.APPLIED
-        if already and on_branch.created:
-            rollback()
+    repo, patch, root = request.repo, request.patch, request.root
+    plan = engine.plan(open_tree(root), patch)
+    if plan.errors:
+        raise plan.errors[0]
+    for w in plan.warnings:
+        warn(w)
+    if plan.status is PlanStatus.APPLIED:
+        if checkout.created:
+            checkout.rollback()
             print(
-                f"{patch.name}: {on_branch.base_name} already contains this change; "
+                f"{patch.name}: {checkout.base_name} already contains this change; "
                 "nothing to commit, no branch created"
             )
             return None
-        made = None if already else _apply_and_commit(request, plan)
-    except BaseException:
-        rollback()
-        raise
-    if made is None:
-        return _found_commit(request, on_branch, plan)
-    formatting, ci = made
+        return _found_commit(request, checkout, plan)
+    changes = plan.file_changes()
+    checkout.new_files = [rel for rel in changes if not os.path.lexists(root / rel)]
+    ci = request.upstream.ci and ci_yaml.wire(root, request.upstream.ci)
+    if ci and ci.text is None:
+        warn(f"{ci.wiring.file} left as it is: {ci.reason}")
+    engine.apply(plan.tree, patch, planned=plan)
+    formatting = check_changes(root, changes)
+    files = list(changes)
+    if ci and ci.text is not None:
+        replace_at(root.resolve() / ci.wiring.file, ci.text.encode())
+        files.append(ci.wiring.file)
+    repo.git.add("--", *files)
+    described = _with_ci(plan.described(), ci)
+    message = commit_message(request.upstream, request.identity, described)
+    repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
     commit = repo.head.commit
     print(
         f"{patch.name}: committed {commit.hexsha[:12]} on branch {request.branch}"
-        f" (from {on_branch.base_name or 'the existing branch'}): "
+        f" (from {checkout.base_name or 'the existing branch'}): "
         f"{request.upstream.title}"
     )
     _report_format(formatting)
-    return Committed(plan, commit, _with_ci(plan.described(), ci), ci)
+    return Committed(plan, commit, described, ci)
 
 
 def _found_commit(
-    request: Request, on_branch: OnBranch, plan: engine.PatchPlan
+    request: Request, checkout: Checkout, plan: engine.PatchPlan
 ) -> Committed:
     """The existing branch's commit of the patch (found by its title)."""
     repo, patch, branch = request.repo, request.patch, request.branch
-    commit = find_commit(repo, branch, request.upstream.title, None)
+    commit = find_commit(repo, branch, request.upstream.title)
     where = f"as {commit.hexsha[:12]} " if commit else ""
-    switch = " (switched to it)" if on_branch.switched else ""
+    switch = " (switched to it)" if checkout.switched else ""
     print(
         f"{patch.name}: already committed {where}on branch {branch}{switch}; "
         "nothing changed"
@@ -472,111 +524,88 @@ def _found_commit(
     return Committed(plan, commit, described, ci)
 
 
-def _before_commit(request: Request, plan: engine.PatchPlan) -> CiEdit | None:
-    """Say what cannot be done here (the tests, the CI wiring) before the
-    commit is made; the CI edit to make."""
-    edited = _edited_tests(plan)
-    version = checkout_version(request.repo, request.root)
-    why_not = vllm_tests.unavailable(request.root, edited, version) if edited else None
+def _tests(
+    request: Request, plan: engine.PatchPlan, version
+) -> vllm_tests.TestRun | None:
+    """vLLM's tests of the edited test files, run now unless ``--no-tests`` or
+    this machine has no matching vLLM: the user is told first that they are
+    the checkout's code."""
+    edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
+    if not edited:
+        return None
+    why_not = "--no-tests" if request.no_tests else None
+    why_not = why_not or vllm_tests.unavailable(request.root, edited, version)
     if why_not:
+        command = vllm_tests.reviewer_command(edited, request.pytest_k)
+        run = vllm_tests.TestRun(tuple(edited), command, ran=False, reason=why_not)
+    else:
         print(
-            f"upstream tests: cannot run here ({why_not}); the PR description "
-            "gives the command a reviewer runs instead"
+            f"upstream tests: running {', '.join(edited)} of the checkout: this runs "
+            "the checkout's own code (the test files and what they import); "
+            "--no-tests skips them",
+            flush=True,
         )
-    ci = request.upstream.ci
-    edit = ci_yaml.wire(request.root, ci) if ci else None
-    if edit is not None and edit.text is None:
-        warn(f"{ci.file} left as it is: {edit.reason}")
-    return edit
+        run = vllm_tests.measure(
+            request.root, edited, request.patch, version, request.pytest_k
+        )
+    print(f"upstream tests: {run.summary() if run.ran else f'not run: {run.reason}'}")
+    return run
 
 
-def _edited_tests(plan: engine.PatchPlan) -> list[str]:
-    return [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
-
-
-def _apply_and_commit(
-    request: Request, plan: engine.PatchPlan
-) -> tuple[FormatReport, CiEdit | None]:
-    """Write ``plan`` and the CI edit, check the changed lines' format, commit
-    with a sign-off."""
-    ci = _before_commit(request, plan)
-    originals = {rel: before for rel, (before, _) in plan.file_changes().items()}
-    engine.apply(plan.tree, request.patch, planned=plan)
-    formatting = check_changes(request.root, originals)
-    files = list(originals)
-    if ci is not None and ci.text is not None:
-        _replace(request.root / ci.wiring.file, ci.text)
-        files.append(ci.wiring.file)
-    request.repo.git.add("--", *files)
-    described = _with_ci(plan.described(), ci)
-    message = commit_message(request.upstream, request.identity, described)
-    request.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
-    return formatting, ci
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``text`` as a new file renamed over ``path`` (never in place)."""
-    new = path.with_name(f".{path.name}.new")
-    new.write_text(text, "utf-8")
-    new.replace(path)
-
-
-def _write_description(request: Request, committed: Committed) -> str:
-    """The PR description, with the upstream tests of the edited test files run
-    now when this machine has the matching vLLM; its text."""
+def _description(request: Request, committed: Committed) -> str:
+    """The PR description's text, with the upstream tests run now."""
     root, plan = request.root, committed.plan
     evidence = pr_body.load_evidence(list(request.evidence))
     for unreadable in evidence.unreadable:
         warn(f"evidence not read: {unreadable}")
+    left_out = template.read_template(root).left_out
+    if left_out:
+        warn(f"PR template {left_out}; the fallback layout is used")
     version = checkout_version(request.repo, root)
-    edited = _edited_tests(plan)
-    tests_run = None
-    if edited:
-        tests_run = vllm_tests.measure(
-            root, edited, request.patch, version, request.pytest_k
-        )
-        outcome = (
-            tests_run.summary() if tests_run.ran else f"not run: {tests_run.reason}"
-        )
-        print(f"upstream tests: {outcome}")
     facts = pr_body.Facts(
         version=version,
         evidence=evidence,
         checkout=root,
         described=committed.described,
-        tests_run=tests_run,
+        tests_run=_tests(request, plan, version),
         left_out={e.edit.file: e.skipped.message for e in plan.skipped},
         ci=committed.ci,
     )
-    body = pr_body.render(request.patch, request.upstream, facts)
+    return pr_body.render(request.patch, request.upstream, facts)
+
+
+def _write_outputs(request: Request, committed: Committed, body: str) -> None:
+    """The description, and with --format-patch the commit as an mbox patch for
+    ``git am``: never through a link or special file found where they go."""
     out = request.description
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(body, "utf-8")
+    if request.own_description:  # out: in the resolved git directory
+        output_dir(out.parent)
+        replace_at(out, body.encode())
+    else:
+        write_output(out, body)
     print(f"PR description: {out}")
-    return body
-
-
-def _write_mbox(request: Request, committed: Committed) -> None:
-    """With --format-patch: the commit as an mbox patch for ``git am``."""
     if not request.format_patch:
         return
     if committed.commit is None:
         warn("no commit titled like the patch on the branch; no mbox written")
         return
-    folder = request.format_patch
-    folder.mkdir(parents=True, exist_ok=True)
-    written = request.repo.git.format_patch(
-        "-1", committed.commit.hexsha, "-o", str(folder.resolve())
-    ).strip()
+    folder = output_dir(request.format_patch)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
+        made = Path(
+            request.repo.git.format_patch(
+                "-1", committed.commit.hexsha, "-o", tmp
+            ).strip()
+        )
+        written = write_output(folder / made.name, made.read_bytes())
     # Plain `git am` strips every leading [...] from the subject, the
     # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
     print(f"mbox patch: {written}")
-    print(f"  apply with: git am --keep-non-patch {shlex.quote(written)}")
+    print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")
 
 
-def _print_next_steps(request: Request, on_branch: OnBranch) -> None:
+def _print_next_steps(request: Request, checkout: Checkout) -> None:
     """The push and ``gh pr create`` commands; nothing is pushed."""
-    pr_base = _pr_base(request.repo, on_branch.base_name)
+    pr_base = _pr_base(request.repo, checkout.base_name)
     title = shlex.quote(request.upstream.title)
     print(
         "\nNothing was pushed. To open the pull request:\n"
@@ -601,7 +630,9 @@ def _pr_base(repo: git.Repo, base_name: str | None) -> str:
 
 def _report_format(report: FormatReport) -> None:
     if report.ruff:
-        where = report.config or "ruff defaults"
-        print(f"checked the changed lines with {report.ruff} ({where})")
+        print(
+            f"checked the changed lines with {report.ruff} "
+            f"({report.config or 'ruff defaults'})"
+        )
     for note in report.notes:
         warn(note)

@@ -7,7 +7,8 @@ rendered patches and the commit are the same lines. Here the pinned ruff checks
 them against the checkout's settings (``ruff format`` and ``ruff check`` on the
 changed lines only, since a ruff other than the one vLLM pins may judge
 untouched code differently) and reports what it would change; nothing is
-rewritten.
+rewritten. The settings are data: only the style tables are passed on, to a
+ruff that reads no settings file and writes no cache.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import difflib
 import json
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher.errors import PatchError
+from patcher.files import read_text_in, refusal
 from patcher.ruff_format import ruff_binary
 
 try:
@@ -27,7 +31,22 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PRE_COMMIT = ".pre-commit-config.yaml"
-RUFF_REV = re.compile(r"astral-sh/ruff-pre-commit\s*\n\s*rev:\s*v?(\S+)")
+RUFF_REV = re.compile(r"astral-sh/ruff-pre-commit[ \t]*\r?\n[ \t]*rev:[ \t]*v?(\S+)")
+CONFIG_FILES = (
+    ("ruff.toml", ()),
+    (".ruff.toml", ()),
+    ("pyproject.toml", ("tool", "ruff")),
+)
+SETTINGS = {
+    "line-length",
+    "indent-width",
+    "target-version",
+    "preview",
+    "lint",
+    "format",
+}
+"""The settings passed on to ruff; the rest (``cache-dir``, ``extend``, ``fix``,
+``output-file``, ``exclude`` ...) could make it read or write elsewhere."""
 
 
 @dataclass
@@ -43,27 +62,52 @@ def find_ruff() -> Path:
     return Path(ruff_binary())
 
 
-def ruff_config(root: Path) -> Path | None:
-    """The checkout's ruff settings: ruff.toml, .ruff.toml or pyproject [tool.ruff]."""
-    for name in ("ruff.toml", ".ruff.toml"):
-        if (root / name).is_file():
-            return root / name
-    pyproject = root / "pyproject.toml"
-    if pyproject.is_file():
+def ruff_settings(root: Path, notes: list[str]) -> tuple[str | None, list[str]]:
+    """(the file the checkout's ruff settings are in, ruff's arguments): always
+    ``--isolated --no-cache``, the settings passed one table at a time, so no
+    file of the checkout tells ruff where to read or write."""
+    argv = ["--isolated", "--no-cache"]
+    for name, keys in CONFIG_FILES:
         try:
-            if "ruff" in tomllib.loads(pyproject.read_text("utf-8")).get("tool", {}):
-                return pyproject
-        except tomllib.TOMLDecodeError:
-            return None
-    return None
+            text = read_text_in(root, name, "ruff settings")
+            table = tomllib.loads(text) if text is not None else None
+        except (PatchError, tomllib.TOMLDecodeError, RecursionError) as exc:
+            why = refusal(exc) if isinstance(exc, PatchError) else "not TOML"
+            notes.append(f"{name} left out ({why}): checked with ruff's defaults")
+            return None, argv
+        for key in keys:
+            table = table.get(key) if isinstance(table, dict) else None
+        if isinstance(table, dict):
+            for key, value in table.items():
+                if key in SETTINGS:
+                    argv += ["--config", f"{key} = {_toml(value)}"]
+            return name, argv
+    notes.append(
+        "no ruff settings at the checkout root (pyproject.toml [tool.ruff] or "
+        "ruff.toml): checked with ruff's defaults"
+    )
+    return None, argv
+
+
+def _toml(value: object) -> str:
+    """``value`` (from a TOML document) spelled as a TOML value."""
+    if isinstance(value, dict):
+        pairs = (f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value, default=str)  # a JSON string or number is TOML's
 
 
 def pinned_ruff(root: Path) -> str | None:
     """The ruff version vLLM's pre-commit pins, if the checkout says."""
-    path = root / PRE_COMMIT
-    if not path.is_file():
+    try:
+        text = read_text_in(root, PRE_COMMIT, "pre-commit settings", limit=1 << 20)
+    except PatchError:
         return None
-    found = RUFF_REV.search(path.read_text("utf-8", "replace"))
+    found = RUFF_REV.search(text or "")
     return found.group(1) if found else None
 
 
@@ -79,49 +123,39 @@ def _inside(start: int, end: int, allowed: list[tuple[int, int]]) -> bool:
     return any(a <= start and end <= b for a, b in allowed)
 
 
-def check_changes(root: Path, originals: dict[str, str]) -> FormatReport:
-    """Check the changed lines of each ``relpath`` (text before the patch given)
-    under ``root``; findings go to the report's notes."""
+def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatReport:
+    """Check the changed lines of each ``relpath`` (its text before and after
+    the patch given); findings go to the report's notes. Ruff reads the source
+    on stdin and runs in an empty folder: it reads and writes no file."""
     report = FormatReport()
-    ruff = find_ruff()
-    files = " ".join(originals)
-    version = _run([str(ruff), "--version"], root).stdout.strip()
-    report.ruff = version
-    config = ruff_config(root)
-    if config is None:
-        report.notes.append(
-            "no ruff settings at the checkout root (pyproject.toml [tool.ruff] or "
-            "ruff.toml): checked with ruff's defaults"
-        )
-        settings = ["--isolated"]
-    else:
-        report.config = str(config.relative_to(root))
-        settings = ["--config", str(config)]
-    pinned = pinned_ruff(root)
-    if pinned and not version.endswith(f" {pinned}"):
-        report.notes.append(
-            f"{version} ran; the checkout's pre-commit pins ruff {pinned}: run "
-            f"`pre-commit run --files {files}` to be sure"
-        )
-    for rel, before in originals.items():
-        after = (root / rel).read_text("utf-8")
-        touched = changed_ranges(before, after)
-        formatted = _run(
-            [str(ruff), "format", *settings, "--stdin-filename", rel, "-"],
-            root,
-            after,
-        )
-        moved = [
-            start + 1
-            for start, end in changed_ranges(formatted.stdout, after)
-            if formatted.returncode == 0 and _overlaps(start, end, touched)
-        ]
-        if moved:
+    ruff = str(find_ruff())
+    report.config, settings = ruff_settings(root, report.notes)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-ruff-") as cwd:
+        version = _run([ruff, "--version"], cwd).stdout.strip()
+        report.ruff = version
+        pinned = pinned_ruff(root)
+        if pinned and not version.endswith(f" {pinned}"):
             report.notes.append(
-                f"{rel}: ruff format with the checkout's settings would lay out "
-                f"lines near {', '.join(map(str, moved))} differently (left as is)"
+                f"{version} ran; the checkout's pre-commit pins ruff {pinned}: run "
+                f"`pre-commit run --files {' '.join(changes)}` to be sure"
             )
-        _lint_inside_patch(ruff, settings, root, rel, touched, report)
+        for rel, (before, after) in changes.items():
+            stdin = [*settings, "--stdin-filename", rel, "-"]
+            touched = changed_ranges(before, after)
+            formatted = _run([ruff, "format", *stdin], cwd, after)
+            moved = [
+                start + 1
+                for start, end in changed_ranges(formatted.stdout, after)
+                if formatted.returncode == 0 and _overlaps(start, end, touched)
+            ]
+            if moved:
+                report.notes.append(
+                    f"{rel}: ruff format with the checkout's settings would lay "
+                    f"out lines near {', '.join(map(str, moved))} differently "
+                    "(left as is)"
+                )
+            lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
+            _lint_inside_patch(_run([*lint, *stdin], cwd, after), rel, touched, report)
     return report
 
 
@@ -129,21 +163,11 @@ def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
     return any(start < b and a < max(end, start + 1) for a, b in ranges)
 
 
-def _lint_inside_patch(ruff, settings, root, rel: str, touched, report) -> None:
-    remaining = _run(
-        [
-            str(ruff),
-            "check",
-            *settings,
-            "--output-format=json",
-            "--exit-zero",
-            rel,
-        ],
-        root,
-    )
+def _lint_inside_patch(done, rel: str, touched, report: FormatReport) -> None:
     try:
-        findings = json.loads(remaining.stdout or "[]")
+        findings = json.loads(done.stdout or "[]")
     except json.JSONDecodeError:
+        report.notes.append(f"{rel}: ruff check did not run with these settings")
         return
     for f in findings:
         row = f.get("location", {}).get("row", 0) - 1
@@ -153,9 +177,7 @@ def _lint_inside_patch(ruff, settings, root, rel: str, touched, report) -> None:
             )
 
 
-def _run(
-    cmd: list[str], cwd: Path, stdin: str | None = None
-) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], cwd: str, stdin: str | None = None):
     return subprocess.run(
         cmd, cwd=cwd, input=stdin, capture_output=True, text=True, check=False
     )
