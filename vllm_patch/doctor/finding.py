@@ -25,8 +25,11 @@ class Finding:
 
 def removal(names: list[str], python: str) -> tuple[str, list[str]]:
     """The fix for packages that do not import beside this torch (text models
-    need none of them), as text and as the command ``--fix`` runs."""
+    need none of them), as text and as the command ``--fix`` runs: pip with
+    ``-I``, so no ``pip/`` in the working folder, no ``PYTHON*`` variable and
+    no user site is used."""
     argv = cpu_torch.remove_command(python, names)
+    argv.insert(1, "-I")
     return shlex.join(argv), argv
 
 
