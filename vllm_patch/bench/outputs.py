@@ -5,27 +5,28 @@ document."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
+from patcher.files import output_dir, write_output
 from vllm_patch.bench import chart, markdown
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, Path]:
-    """Write every output of ``doc`` into ``out``; their paths by kind."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write every output of ``doc`` into ``out``; their paths by kind. Never
+    through a link or special file found there (``write_output``)."""
+    out = output_dir(out)
+    text = markdown.markdown(doc)
     paths = {
-        "json": out / "bench.json",
-        "markdown": out / "bench.md",
-        "machine": out / "machine.md",
+        "json": write_output(out / "bench.json", json.dumps(doc, indent=1) + "\n"),
+        "machine": write_output(out / "machine.md", markdown.machine_markdown(doc)),
     }
-    paths["json"].write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    paths["markdown"].write_text(markdown.markdown(doc))
-    paths["machine"].write_text(markdown.machine_markdown(doc))
-    png = chart.chart(doc, out / "perop_ratios.png")
-    if png is not None:
-        paths["chart"] = png
-    else:
-        with paths["markdown"].open("a") as md:
-            md.write(f"\n{chart.NO_CHART}\n")
-    return paths
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-chart-") as tmp:
+        png = chart.chart(doc, Path(tmp) / "perop_ratios.png")
+        if png is not None:
+            paths["chart"] = write_output(out / png.name, png.read_bytes())
+        else:
+            text += f"\n{chart.NO_CHART}\n"
+    paths["markdown"] = write_output(out / "bench.md", text)
+    return {k: paths[k] for k in ("json", "markdown", "machine", "chart") if k in paths}
