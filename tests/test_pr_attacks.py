@@ -11,6 +11,7 @@ vLLM: these are fast-tier tests."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -404,3 +405,27 @@ def test_python_m_serve_imports_no_planted_vllm(tmp_path):
         check=False,
     )
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("planted", ["bench.json", "bench.md", "machine.md", "."])
+def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
+    """`bench --out DIR`: a link planted at a report's name (or DIR itself a
+    link) is refused, never written through."""
+    from patcher.errors import PatchError
+    from vllm_patch.bench.outputs import write_outputs
+    from vllm_patch.upstream.pr_body import DEFAULT_EVIDENCE
+
+    doc = json.loads((DEFAULT_EVIDENCE[1] / "bench.json").read_text())
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "bashrc").write_text(SECRET)
+    out = tmp_path / "out"
+    if planted == ".":
+        out.symlink_to(victim, target_is_directory=True)
+    else:
+        out.mkdir()
+        (out / planted).symlink_to(victim / "bashrc")
+    before = snapshot(victim)
+    with pytest.raises(PatchError, match="link"):
+        write_outputs(doc, out)
+    assert snapshot(victim) == before
