@@ -4,18 +4,18 @@ git checkout, ready for an upstream pull request.
 It creates (or reuses) a branch, applies the patch with the engine (one plan,
 one write), checks the changed lines against the checkout's ruff settings,
 wires the patch's tests into the CI YAML, runs vLLM's tests of the edited
-files (the checkout's code: said first, ``--no-tests`` skips them), commits
+files (the checkout's code: said first; ``--no-tests`` skips them), commits
 with a vLLM-style title and a DCO ``Signed-off-by:``, and writes the PR
 description outside the work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``).
 It never pushes and never calls a web API: it prints the commands that would.
 
 All or nothing: every refusal that needs nothing written comes first; any
-failure after the branch was switched (a git step refused by the checkout's
-config or hooks included) puts the checkout back on its starting branch with
-nothing committed, and is one message with an exit code of ``ExitCode``: 2
-usage (not a git checkout, dirty tree, detached HEAD without --base, unknown
-base, no git identity, an output inside the work tree or planted as a link,
-git refusing a step), 3 the patch cannot be applied to the base.
+failure after the branch switch (a git step the checkout's config or hooks
+refuse included) puts the checkout back on its starting branch with nothing
+committed. Exit codes (``ExitCode``): 2 usage (not a git checkout, dirty tree,
+detached HEAD without --base, unknown base, no git identity, an output inside
+the work tree or planted as a link, git refusing a step), 3 the patch cannot
+be applied to the base.
 """
 
 from __future__ import annotations
@@ -43,68 +43,38 @@ from patcher.version import read_version
 from vllm_patch.upstream import ci_yaml, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, pick_patch, upstream_of
-from vllm_patch.upstream.pr_format import FormatReport, check_changes
+from vllm_patch.upstream.pr_format import check_changes
 
 UPSTREAM_REPO = "vllm-project/vllm"
 WIDTH = 72
 """Commit message lines: git's convention, which vLLM's history follows."""
 SAFE = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+OPTIONS = [  # (flag, METAVAR (None: a switch), help)
+    ("--vllm", "CHECKOUT", "a clean vLLM git checkout (required)"),
+    ("--patch", "NAME", "the patch; default: the only one"),
+    ("--branch", "NAME", "branch to create or reuse; default: the patch's"),
+    ("--base", "REF", "where to start (e.g. upstream/main); default: this branch"),
+    ("--format-patch", "DIR", "also write the commit as an mbox (git am) into DIR"),
+    ("--evidence", "DIR", "compat cells and bench JSON to read (repeatable)"),
+    (
+        "--out",
+        "FILE",
+        "the PR description; default: <git-dir>/vllm-patch/PR_<branch>.md",
+    ),
+    ("--no-tests", None, "do not run vLLM's tests (the checkout's code) of the edit"),
+    ("--pytest-k", "EXPR", "run only the upstream tests matching EXPR (pytest -k)"),
+    ("--print", None, "also print the PR description"),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    arg = parser.add_argument
-    arg("--vllm", metavar="CHECKOUT", required=True, help="a clean vLLM git checkout")
-    arg("--patch", metavar="NAME", help="the patch; default: the only one")
-    arg(
-        "--branch",
-        metavar="NAME",
-        help="branch to create or reuse; default: the patch's",
-    )
-    arg(
-        "--base",
-        metavar="REF",
-        help="branch, tag or commit to start from (e.g. upstream/main); default: the "
-        "current branch",
-    )
-    arg(
-        "--format-patch",
-        metavar="DIR",
-        type=Path,
-        help="also write the commit as an mbox patch (git am) into DIR",
-    )
-    arg(
-        "--evidence",
-        metavar="DIR",
-        type=Path,
-        action="append",
-        help="read compat cells and bench JSON from DIR (repeatable); default: the "
-        "project's compat_matrix/results and vllm_patch/bench/reference",
-    )
-    arg(
-        "--out",
-        metavar="FILE",
-        type=Path,
-        help="where to write the PR description (outside the work tree); default: "
-        "<git-dir>/vllm-patch/PR_<branch>.md",
-    )
-    arg(
-        "--no-tests",
-        action="store_true",
-        help="do not run vLLM's tests of the edited files (they are the checkout's "
-        "code); the description gives the command a reviewer runs",
-    )
-    arg(
-        "--pytest-k",
-        metavar="EXPR",
-        help="run only the upstream tests matching EXPR (pytest -k); default: every "
-        "test of the edited files",
-    )
-    arg(
-        "--print",
-        action="store_true",
-        dest="print_body",
-        help="also print the PR description on stdout",
-    )
+    for flag, metavar, text in OPTIONS:
+        kind = {"metavar": metavar} if metavar else {"action": "store_true"}
+        if metavar in ("DIR", "FILE"):
+            kind["type"] = Path
+        if flag == "--evidence":
+            kind["action"] = "append"
+        parser.add_argument(flag, help=text, required=flag == "--vllm", **kind)
 
 
 @dataclass(frozen=True)
@@ -153,9 +123,7 @@ def git_identity(repo: git.Repo) -> Identity:
 def refuse_dirty(repo: git.Repo) -> None:
     if repo.is_dirty(index=True, working_tree=True, untracked_files=False):
         changed = [d.a_path for d in repo.index.diff(None)]
-        changed += (
-            [d.a_path for d in repo.index.diff("HEAD")] if repo.head.is_valid() else []
-        )
+        changed += [d.a_path for d in repo.index.diff("HEAD")]
         raise UsageError(
             "the work tree has uncommitted changes; commit or stash them first",
             path=repo.working_tree_dir,
@@ -164,21 +132,19 @@ def refuse_dirty(repo: git.Repo) -> None:
 
 
 def resolve_base(repo: git.Repo, base: str | None) -> tuple[str, git.Commit]:
+    where = repo.working_tree_dir
+    if base is None and repo.head.is_detached:
+        raise UsageError(
+            "HEAD is detached; pass --base REF (e.g. upstream/main)", path=where
+        )
     if base is None:
-        if repo.head.is_detached:
-            raise UsageError(
-                "HEAD is detached; pass --base REF (e.g. upstream/main)",
-                path=repo.working_tree_dir,
-            )
-        if not repo.head.is_valid():
-            raise UsageError("the checkout has no commits", path=repo.working_tree_dir)
         return repo.active_branch.name, repo.head.commit
     try:
         return base, repo.commit(base)
     except (git.BadName, ValueError) as exc:
         raise UsageError(
             f"unknown base {base!r}",
-            path=repo.working_tree_dir,
+            path=where,
             looked_for="a branch, tag or commit (git rev-parse)",
             found="nothing",
         ) from exc
@@ -208,7 +174,8 @@ def commit_message(
             found=upstream.title,
         )
     parts = [_wrap(upstream.body)] + ([_wrap(upstream.rule)] if upstream.rule else [])
-    parts.append("\n".join(_wrap(item, "  ") for item in changes_list(described)))
+    changes = [f"- {rel}: {c}" for rel, cs in described.items() for c in cs]
+    parts.append("\n".join(_wrap(item, "  ") for item in changes))
     body = "\n\n".join(parts)
     return f"{upstream.title}\n\n{body}\n\n{identity.signoff}\n"
 
@@ -225,11 +192,6 @@ def _wrap(text: str, indent: str = "") -> str:
         )
         for paragraph in text.strip().split("\n\n")
     )
-
-
-def changes_list(described: dict[str, list[str]]) -> list[str]:
-    """``- file: change`` per change the codemods recorded."""
-    return [f"- {rel}: {c}" for rel, changes in described.items() for c in changes]
 
 
 def _with_ci(
@@ -267,13 +229,6 @@ def described_in_commit(
         return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
 
 
-def find_commit(repo: git.Repo, branch: str, title: str) -> git.Commit | None:
-    return next(
-        (c for c in repo.iter_commits(branch, max_count=200) if c.summary == title),
-        None,
-    )
-
-
 def _refuse_planted(path: Path, want_dir: bool = False) -> None:
     """An output name where a link or special file (or, for a folder, anything
     but a folder) was planted is refused before anything is done."""
@@ -290,121 +245,76 @@ def _refuse_planted(path: Path, want_dir: bool = False) -> None:
         )
 
 
-def description_path(repo: git.Repo, branch: str, out: Path | None) -> Path:
-    root = Path(repo.working_tree_dir).resolve()
-    git_dir = Path(repo.git_dir).resolve()
-    own = git_dir / "vllm-patch"
-    path = (
-        Path(os.path.abspath(out)) if out else own / f"PR_{branch.replace('/', '_')}.md"
-    )
+def _outside(root: Path, path: Path, flag: str, but: Path | None = None) -> Path:
     real = path.parent.resolve() / path.name
-    if real.is_relative_to(root) and not real.is_relative_to(git_dir):
-        raise UsageError(
-            "the PR description would dirty the work tree; pick a path outside it",
-            path=str(path),
-        )
-    if not out:
-        _refuse_planted(own, want_dir=True)
-    _refuse_planted(path)
+    if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
+        raise UsageError(f"{flag} must be outside the work tree", path=str(path))
     return path
 
 
-@dataclass(frozen=True)
-class Request:
-    """One ``pr`` run's settings, checked before anything is written."""
+class Run:
+    """One ``pr`` run: its settings, checked before anything is written; the
+    branch it switched to, and how to go back."""
 
-    repo: git.Repo
-    root: Path
-    patch: Patch
-    upstream: Upstream
-    branch: str
-    base: str | None
-    identity: Identity
-    description: Path
-    """Where the PR description goes (outside the work tree)."""
-    own_description: bool
-    """The default path in the git directory (else ``--out``)."""
-    evidence: tuple[Path, ...]
-    format_patch: Path | None
-    no_tests: bool
-    pytest_k: str | None
-    print_body: bool
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.repo = repo = open_checkout(args.vllm)
+        self.root = root = Path(repo.working_tree_dir)
+        open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
+        self.patch = pick_patch(args.patch)
+        self.upstream = upstream_of(self.patch)
+        self.branch = branch = args.branch or self.upstream.branch
+        try:
+            named = repo.git.check_ref_format("--branch", branch)
+        except git.GitCommandError:
+            named = None
+        if named != branch or branch.startswith("-"):  # @{-1} names another branch
+            raise UsageError(f"not a valid branch name: {branch!r}")
+        self.identity = git_identity(repo)
+        if not repo.head.is_valid():
+            raise UsageError("the checkout has no commits", path=str(root))
+        refuse_dirty(repo)
+        git_dir = Path(repo.git_dir).resolve()
+        self.own = args.out is None
+        own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
+        out = Path(os.path.abspath(args.out or own))
+        self.description = _outside(root, out, "the PR description", but=git_dir)
+        if self.own:
+            _refuse_planted(out.parent, want_dir=True)
+        _refuse_planted(out)
+        self.mbox = args.format_patch
+        if self.mbox:
+            _outside(root, self.mbox, "--format-patch DIR")
+            _refuse_planted(self.mbox, want_dir=True)
+        self.args = args
+        self.evidence = [Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE]
+        self.new_files: list[str] = []
+        """Files the patch created (gone again on rollback)."""
 
-
-def _request(args: argparse.Namespace) -> Request:
-    """Every refusal that needs nothing written: a vLLM git checkout, clean, with
-    a git identity; a valid branch name; outputs outside the work tree, with no
-    link planted where they go."""
-    repo = open_checkout(args.vllm)
-    root = Path(repo.working_tree_dir)
-    open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
-    patch = pick_patch(args.patch)
-    upstream = upstream_of(patch)
-    branch = args.branch or upstream.branch
-    try:
-        named = repo.git.check_ref_format("--branch", branch)
-    except git.GitCommandError:
-        named = None
-    if named != branch or branch.startswith("-"):  # @{-1} names another branch
-        raise UsageError(f"not a valid branch name: {branch!r}")
-    identity = git_identity(repo)
-    refuse_dirty(repo)
-    folder = args.format_patch
-    if folder:
-        if Path(folder).resolve().is_relative_to(root.resolve()):
-            raise UsageError(
-                "--format-patch DIR must be outside the work tree", path=str(folder)
-            )
-        _refuse_planted(Path(folder), want_dir=True)
-    return Request(
-        repo=repo,
-        root=root,
-        patch=patch,
-        upstream=upstream,
-        branch=branch,
-        base=args.base,
-        identity=identity,
-        description=description_path(repo, branch, args.out),
-        own_description=args.out is None,
-        evidence=tuple(Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE),
-        format_patch=Path(folder) if folder else None,
-        no_tests=args.no_tests,
-        pytest_k=args.pytest_k,
-        print_body=args.print_body,
-    )
-
-
-class Checkout:
-    """Where ``pr`` started, the branch it switched to, and how to go back."""
-
-    def __init__(self, request: Request) -> None:
-        repo, branch = request.repo, request.branch
-        self.repo, self.branch, self.root = repo, branch, request.root
+    def switch(self) -> None:
+        """Check out the branch: created from the base, or the existing one (which
+        must contain the base, when one is given)."""
+        repo, branch, base = self.repo, self.branch, self.args.base
         self.start = (
             repo.head.commit.hexsha
             if repo.head.is_detached
             else repo.active_branch.name
         )
-        exists = branch in repo.heads
-        self.base_name = request.base
-        """The base as the user named it; None for an existing branch without --base."""
-        if exists and request.base:
-            _, base_commit = resolve_base(repo, request.base)
-            if not repo.is_ancestor(base_commit, repo.heads[branch].commit):
-                raise UsageError(
-                    f"branch {branch} exists and does not contain {request.base}; "
-                    "pass --branch NEW or delete the branch",
-                    path=str(request.root),
-                )
-        elif not exists:
-            self.base_name, base_commit = resolve_base(repo, request.base)
-        self.created, self.switched = not exists, exists and self.start != branch
+        self.created = branch not in repo.heads
         self.tip = None if self.created else repo.heads[branch].commit.hexsha
-        self.new_files: list[str] = []
-        """Files the patch created (gone again on rollback)."""
+        self.base_name = base  # None: an existing branch without --base
+        self.switched = False
         if self.created:
-            repo.git.checkout("-q", "-b", branch, base_commit.hexsha)
-        elif self.switched:
+            self.base_name, commit = resolve_base(repo, base)
+            repo.git.checkout("-q", "-b", branch, commit.hexsha)
+            return
+        if base and not repo.is_ancestor(resolve_base(repo, base)[1], self.tip):
+            raise UsageError(
+                f"branch {branch} exists and does not contain {base}; pass --branch "
+                "NEW or delete the branch",
+                path=str(self.root),
+            )
+        self.switched = self.start != branch
+        if self.switched:
             repo.git.checkout("-q", branch)
 
     def rollback(self) -> None:
@@ -419,183 +329,186 @@ class Checkout:
             Path(self.root, rel).unlink(missing_ok=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Committed:
-    """The patch's commit on the branch, new or found there."""
+    """The patch's commit on the branch: to be made, made, or found there."""
 
     plan: engine.PatchPlan
     commit: git.Commit | None
-    """None: the branch has the change but no commit titled like the patch."""
+    """None: not made yet, or the branch has the change but no commit titled
+    like the patch."""
     described: dict[str, list[str]]
     ci: CiEdit | None = None
+    files: tuple[str, ...] = ()
+    """What the commit to make holds."""
 
 
 def run(args: argparse.Namespace) -> int:
     """The steps in order; any failure after the branch switch restores the checkout."""
-    request = _request(args)
+    pr = Run(args)
     try:
-        return _run(request)
+        pr.switch()
+        try:
+            committed = _apply(pr)
+            if committed is None:  # the base has the change already: no branch made
+                return ExitCode.OK
+            body = _description(pr, committed)  # vLLM's tests run before the commit
+            if committed.commit is None and committed.files:
+                committed.commit = _commit(pr, committed)
+            _write_outputs(pr, committed, body)
+        except BaseException:
+            pr.rollback()
+            raise
     except git.GitCommandError as exc:
         said = (exc.stderr or "").strip().removeprefix("stderr:").strip(" '\n")
         raise UsageError(
             "git refused a step (the checkout's git config or hooks, as git itself "
             "runs them); the checkout is back where it was",
-            path=str(request.root),
+            path=str(pr.root),
             looked_for=f"git {' '.join(map(str, exc.command[1:3]))} to succeed",
             found=said.splitlines()[-1] if said else f"exit status {exc.status}",
         ) from exc
-
-
-def _run(request: Request) -> int:
-    checkout = Checkout(request)
-    try:
-        committed = _commit(request, checkout)
-        if committed is None:  # the base has the change already: no branch was made
-            return ExitCode.OK
-        body = _description(request, committed)
-        _write_outputs(request, committed, body)
-    except BaseException:
-        checkout.rollback()
-        raise
-    if request.print_body:
+    if args.print:
         print("\n" + body)
-    _print_next_steps(request, checkout)
+    _print_next_steps(pr)
     return ExitCode.OK
 
 
-def _commit(request: Request, checkout: Checkout) -> Committed | None:
-    """Apply the patch and commit it, or find the branch's commit of it; None when
-    a new branch would be empty (then it is deleted again)."""
-    repo, patch, root = request.repo, request.patch, request.root
-    plan = engine.plan(open_tree(root), patch)
+def _apply(pr: Run) -> Committed | None:
+    """Apply the patch (and the CI edit) to be committed, or find the branch's
+    commit of it; None when a new branch would be empty (then it is deleted)."""
+    plan = engine.plan(open_tree(pr.root), pr.patch)
     if plan.errors:
         raise plan.errors[0]
     for w in plan.warnings:
         warn(w)
+    if plan.status is PlanStatus.APPLIED and pr.created:
+        pr.rollback()
+        print(
+            f"{pr.patch.name}: {pr.base_name} already contains this change; "
+            "nothing to commit, no branch created"
+        )
+        return None
     if plan.status is PlanStatus.APPLIED:
-        if checkout.created:
-            checkout.rollback()
-            print(
-                f"{patch.name}: {checkout.base_name} already contains this change; "
-                "nothing to commit, no branch created"
-            )
-            return None
-        return _found_commit(request, checkout, plan)
+        return _found_commit(pr, plan)
     changes = plan.file_changes()
-    checkout.new_files = [rel for rel in changes if not os.path.lexists(root / rel)]
-    ci = request.upstream.ci and ci_yaml.wire(root, request.upstream.ci)
+    pr.new_files = [rel for rel in changes if not os.path.lexists(pr.root / rel)]
+    ci = pr.upstream.ci and ci_yaml.wire(pr.root, pr.upstream.ci)
     if ci and ci.text is None:
         warn(f"{ci.wiring.file} left as it is: {ci.reason}")
-    engine.apply(plan.tree, patch, planned=plan)
-    formatting = check_changes(root, changes)
+    engine.apply(plan.tree, pr.patch, planned=plan)
+    formatting = check_changes(pr.root, changes)
     files = list(changes)
     if ci and ci.text is not None:
-        replace_at(root.resolve() / ci.wiring.file, ci.text.encode())
+        replace_at(pr.root.resolve() / ci.wiring.file, ci.text.encode())
         files.append(ci.wiring.file)
-    repo.git.add("--", *files)
-    described = _with_ci(plan.described(), ci)
-    message = commit_message(request.upstream, request.identity, described)
-    repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
-    commit = repo.head.commit
+    if formatting.ruff:
+        where = formatting.config or "ruff defaults"
+        print(f"checked the changed lines with {formatting.ruff} ({where})")
+    for note in formatting.notes:
+        warn(note)
+    return Committed(plan, None, _with_ci(plan.described(), ci), ci, files)
+
+
+def _commit(pr: Run, done: Committed) -> git.Commit:
+    """Commit the applied patch with a sign-off."""
+    pr.repo.git.add("--", *done.files)
+    message = commit_message(pr.upstream, pr.identity, done.described)
+    pr.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
+    commit = pr.repo.head.commit
     print(
-        f"{patch.name}: committed {commit.hexsha[:12]} on branch {request.branch}"
-        f" (from {checkout.base_name or 'the existing branch'}): "
-        f"{request.upstream.title}"
+        f"{pr.patch.name}: committed {commit.hexsha[:12]} on branch {pr.branch} (from "
+        f"{pr.base_name or 'the existing branch'}): {pr.upstream.title}"
     )
-    _report_format(formatting)
-    return Committed(plan, commit, described, ci)
+    return commit
 
 
-def _found_commit(
-    request: Request, checkout: Checkout, plan: engine.PatchPlan
-) -> Committed:
+def _found_commit(pr: Run, plan: engine.PatchPlan) -> Committed:
     """The existing branch's commit of the patch (found by its title)."""
-    repo, patch, branch = request.repo, request.patch, request.branch
-    commit = find_commit(repo, branch, request.upstream.title)
+    commits = pr.repo.iter_commits(pr.branch, max_count=200)
+    commit = next((c for c in commits if c.summary == pr.upstream.title), None)
     where = f"as {commit.hexsha[:12]} " if commit else ""
-    switch = " (switched to it)" if checkout.switched else ""
+    switch = " (switched to it)" if pr.switched else ""
     print(
-        f"{patch.name}: already committed {where}on branch {branch}{switch}; "
+        f"{pr.patch.name}: already committed {where}on branch {pr.branch}{switch}; "
         "nothing changed"
     )
     if commit is None:
         return Committed(plan, None, {})
-    described, ci = described_in_commit(repo, commit, patch, request.upstream)
-    return Committed(plan, commit, described, ci)
+    return Committed(
+        plan, commit, *described_in_commit(pr.repo, commit, pr.patch, pr.upstream)
+    )
 
 
-def _tests(
-    request: Request, plan: engine.PatchPlan, version
-) -> vllm_tests.TestRun | None:
+def _tests(pr: Run, plan: engine.PatchPlan, version) -> vllm_tests.TestRun | None:
     """vLLM's tests of the edited test files, run now unless ``--no-tests`` or
     this machine has no matching vLLM: the user is told first that they are
     the checkout's code."""
     edited = [e.edit.file for e in plan.edits if e.edit.optional and not e.skipped]
     if not edited:
         return None
-    why_not = "--no-tests" if request.no_tests else None
-    why_not = why_not or vllm_tests.unavailable(request.root, edited, version)
-    if why_not:
-        command = vllm_tests.reviewer_command(edited, request.pytest_k)
-        run = vllm_tests.TestRun(tuple(edited), command, ran=False, reason=why_not)
-    else:
+    keyword = pr.args.pytest_k
+    why_not = vllm_tests.unavailable(pr.root, edited, version)
+    if pr.args.no_tests or why_not:
+        command = vllm_tests.reviewer_command(edited, keyword)
+        said = (
+            "skipped (--no-tests)"
+            if pr.args.no_tests
+            else f"cannot run here ({why_not})"
+        )
         print(
-            f"upstream tests: running {', '.join(edited)} of the checkout: this runs "
-            "the checkout's own code (the test files and what they import); "
-            "--no-tests skips them",
-            flush=True,
+            f"upstream tests: {said}; the PR description gives the reviewer's command"
         )
-        run = vllm_tests.measure(
-            request.root, edited, request.patch, version, request.pytest_k
-        )
+        return vllm_tests.TestRun(tuple(edited), command, ran=False, reason=said)
+    print(
+        f"upstream tests: running {', '.join(edited)} of the checkout: this runs the "
+        "checkout's own code (the test files and what they import); --no-tests skips "
+        "them",
+        flush=True,
+    )
+    run = vllm_tests.measure(pr.root, edited, pr.patch, version, keyword)
     print(f"upstream tests: {run.summary() if run.ran else f'not run: {run.reason}'}")
     return run
 
 
-def _description(request: Request, committed: Committed) -> str:
+def _description(pr: Run, committed: Committed) -> str:
     """The PR description's text, with the upstream tests run now."""
-    root, plan = request.root, committed.plan
-    evidence = pr_body.load_evidence(list(request.evidence))
+    evidence = pr_body.load_evidence(pr.evidence)
     for unreadable in evidence.unreadable:
         warn(f"evidence not read: {unreadable}")
-    left_out = template.read_template(root).left_out
+    left_out = template.read_template(pr.root).left_out
     if left_out:
         warn(f"PR template {left_out}; the fallback layout is used")
-    version = checkout_version(request.repo, root)
+    version = checkout_version(pr.repo, pr.root)
     facts = pr_body.Facts(
         version=version,
         evidence=evidence,
-        checkout=root,
+        checkout=pr.root,
         described=committed.described,
-        tests_run=_tests(request, plan, version),
-        left_out={e.edit.file: e.skipped.message for e in plan.skipped},
+        tests_run=_tests(pr, committed.plan, version),
+        left_out={e.edit.file: e.skipped.message for e in committed.plan.skipped},
         ci=committed.ci,
     )
-    return pr_body.render(request.patch, request.upstream, facts)
+    return pr_body.render(pr.patch, pr.upstream, facts)
 
 
-def _write_outputs(request: Request, committed: Committed, body: str) -> None:
+def _write_outputs(pr: Run, committed: Committed, body: str) -> None:
     """The description, and with --format-patch the commit as an mbox patch for
     ``git am``: never through a link or special file found where they go."""
-    out = request.description
-    if request.own_description:  # out: in the resolved git directory
-        output_dir(out.parent)
-        replace_at(out, body.encode())
+    if pr.own:  # in the resolved git directory: no link on the way
+        output_dir(pr.description.parent)
+        replace_at(pr.description, body.encode())
     else:
-        write_output(out, body)
-    print(f"PR description: {out}")
-    if not request.format_patch:
+        write_output(pr.description, body)
+    print(f"PR description: {pr.description}")
+    if not pr.mbox:
         return
     if committed.commit is None:
         warn("no commit titled like the patch on the branch; no mbox written")
         return
-    folder = output_dir(request.format_patch)
+    folder = output_dir(pr.mbox)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
-        made = Path(
-            request.repo.git.format_patch(
-                "-1", committed.commit.hexsha, "-o", tmp
-            ).strip()
-        )
+        made = Path(pr.repo.git.format_patch("-1", committed.commit.hexsha, "-o", tmp))
         written = write_output(folder / made.name, made.read_bytes())
     # Plain `git am` strips every leading [...] from the subject, the
     # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
@@ -603,36 +516,17 @@ def _write_outputs(request: Request, committed: Committed, body: str) -> None:
     print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")
 
 
-def _print_next_steps(request: Request, checkout: Checkout) -> None:
+def _print_next_steps(pr: Run) -> None:
     """The push and ``gh pr create`` commands; nothing is pushed."""
-    pr_base = _pr_base(request.repo, checkout.base_name)
-    title = shlex.quote(request.upstream.title)
+    base = pr.base_name or ""
+    remote = next((r for r in pr.repo.remotes if base.startswith(f"{r.name}/")), None)
+    pr_base = base.split("/", 1)[1] if remote else base or "main"
+    pr_base = pr_base if remote or base in pr.repo.heads else "main"
+    title = shlex.quote(pr.upstream.title)
     print(
         "\nNothing was pushed. To open the pull request:\n"
-        f"  git -C {shlex.quote(str(request.root))} push -u <your-fork-remote> "
-        f"{request.branch}\n"
+        f"  git -C {shlex.quote(str(pr.root))} push -u <your-fork-remote> {pr.branch}\n"
         f"  gh pr create --repo {UPSTREAM_REPO} --base {pr_base} "
-        f"--head <your-github-user>:{request.branch} --title {title} "
-        f"--body-file {shlex.quote(str(request.description))}"
+        f"--head <your-github-user>:{pr.branch} --title {title} "
+        f"--body-file {shlex.quote(str(pr.description))}"
     )
-
-
-def _pr_base(repo: git.Repo, base_name: str | None) -> str:
-    """The upstream branch to target: the base's branch name without its remote."""
-    if base_name:
-        for remote in repo.remotes:
-            if base_name.startswith(f"{remote.name}/"):
-                return base_name.split("/", 1)[1]
-        if base_name in repo.heads:
-            return base_name
-    return "main"
-
-
-def _report_format(report: FormatReport) -> None:
-    if report.ruff:
-        print(
-            f"checked the changed lines with {report.ruff} "
-            f"({report.config or 'ruff defaults'})"
-        )
-    for note in report.notes:
-        warn(note)
