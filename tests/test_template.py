@@ -4,6 +4,7 @@ and v0.32.0, copied unchanged from the sdists) and the fallback layout."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,29 @@ def test_a_section_nothing_fits_keeps_its_guidance_and_a_piece_without_a_home_ge
 def test_ticked_boxes_of_a_template_are_unticked():
     text = fill(parse("## Purpose\n---\n- [x] done\n* [X] too\n"), PIECES[:1])
     assert "- [ ] done" in text and "* [ ] too" in text
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param("## a" + " " * 16_000 + "x\n", id="a heading of 16,000 spaces"),
+        pytest.param("## P\n" + "<!--" * 4_000, id="4,000 unclosed comments"),
+        pytest.param("## x\n" * 3_000, id="3,000 headings"),
+        pytest.param("## P\n---\n" + "\n" * 16_000, id="a tail of blank lines"),
+    ],
+)
+def test_a_hostile_template_within_the_bound_is_filled_in_linear_time(source):
+    start = time.monotonic()
+    text = fill(parse(source), PIECES)
+    assert time.monotonic() - start < 1
+    assert text.rfind("<!--") < text.rfind("-->") or "<!--" not in text
+
+
+def test_an_unclosed_comment_is_closed_and_a_bad_template_left_out(tmp_path):
+    text = fill(parse("## Purpose\n\n## Notes\n<!-- open\n\n## Test Plan\n"), PIECES)
+    assert "## Test Plan" in text and "<!-- open -->" in text
+    (tmp_path / TEMPLATE).parent.mkdir(parents=True)
+    (tmp_path / TEMPLATE).write_bytes(b"## Purpose\n\0\n")
+    template = read_template(tmp_path)
+    assert not template.found and "NUL" in template.left_out
+    assert "\0" not in fill(template, PIECES) and "left out" in fill(template, PIECES)

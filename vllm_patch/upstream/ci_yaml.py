@@ -1,21 +1,14 @@
 """Wire a patch's tests into a CI step of the checkout's Buildkite YAML: the
 step (found by its label) runs the test files and lists the changed sources in
-its ``source_file_dependencies``.
+its ``source_file_dependencies`` (the patch's ``[upstream.ci]``, ``CiWiring``).
 
-The edit is made on the text, line by line in the step's own layout, so every
-other byte stays as it was (comments, quoting, ``$$`` escapes); the result is
-then parsed with PyYAML and must equal the original document with exactly the
-added entries. What the patch adds where is data in its ``[upstream.ci]``
-table (``meta.CiWiring``); nothing here knows about a particular step.
-
-The file is data, never orders: read only as a regular file inside the work
-tree (no link on the way) of at most ``MAX_BYTES``, UTF-8; parsed by a safe
-loader that refuses nesting deeper than ``MAX_DEPTH``, more than
-``MAX_ALIASES`` aliases and a document that expands past ``MAX_NODES`` nodes,
-so comparing two is linear in their size. An added line holds only the tool's
-own test path and the step's indentation, ``pytest`` flags and continuation
-(``\\``): nothing else of the line it follows is copied. A file that fails any
-of this is left out, with the reason (``left out: ...``), never followed.
+The edit is made on the text, in the step's own layout, so every other byte
+stays; the result must parse to the original document plus exactly the added
+entries. The file is data: a regular file inside the work tree (no link on the
+way), at most ``MAX_BYTES``, UTF-8, read by a safe loader bounded in nesting,
+aliases and expanded size (so comparing is linear). An added line holds only
+the tool's own path and the step's indentation, ``pytest`` flags and ``\\``
+continuation. Anything else: left out, with the reason, never followed.
 """
 
 from __future__ import annotations
@@ -29,12 +22,10 @@ import yaml
 from patcher.errors import PatchError
 from patcher.files import read_text_in, refusal
 
-MAX_BYTES = 256 << 10
+MAX_BYTES = 64 << 10
 """vLLM's cpu.yaml is 11 kB (0.32.0)."""
-MAX_DEPTH = 32
-MAX_ALIASES = 16
-MAX_NODES = 100_000
-"""vLLM's cpu.yaml: 2 aliases, about 400 nodes; its nesting is 5 deep."""
+MAX_DEPTH, MAX_ALIASES, MAX_NODES = 32, 16, 100_000
+"""vLLM's cpu.yaml: 5 deep, 2 aliases, about 400 nodes."""
 DEPENDENCIES = "source_file_dependencies"
 COMMANDS = "commands"
 _PATH = r"tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?"
@@ -78,12 +69,15 @@ class CiEdit:
         """What changed, in the words of a commit message's change list."""
         said = []
         if self.added_tests:
-            tests = ", ".join(f"`{t}`" for t in self.added_tests)
-            said.append(f'the "{self.label}" step runs {tests}')
+            said.append(f'the "{self.label}" step runs {_listed(self.added_tests)}')
         if self.added_dependencies:
-            deps = ", ".join(f"`{d}`" for d in self.added_dependencies)
+            deps = _listed(self.added_dependencies)
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(f"`{x}`" for x in items)
 
 
 class CiShapeError(ValueError):
@@ -98,14 +92,13 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
         if before is None:
             edit.reason = f"this checkout has no {wiring.file}"
             return edit
-        edit.label = _find_label(load(before), wiring.step, wiring.file)
+        old = load(before)
+        edit.label = _find_label(old, wiring.step, wiring.file)
         after = _edit_text(before, edit)
-        _verify(before, after, edit)
-    except PatchError as exc:
-        edit.reason = f"left out: {wiring.file}: {refusal(exc)}"
-        return edit
-    except CiShapeError as exc:
-        edit.reason = str(exc)
+        _verify(old, after, edit)
+    except (PatchError, CiShapeError) as exc:
+        bad = isinstance(exc, PatchError)
+        edit.reason = f"left out: {wiring.file}: {refusal(exc)}" if bad else str(exc)
         return edit
     edit.text = after if after != before else None
     if edit.text is None:
@@ -113,58 +106,52 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
     return edit
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with bounds on nesting, aliases and expansion."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.depth = self.aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases += 1
-            if self.aliases > MAX_ALIASES:
-                raise CiShapeError(f"left out: more than {MAX_ALIASES} YAML aliases")
-            return super().compose_node(parent, index)
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise CiShapeError(f"left out: YAML nested over {MAX_DEPTH} deep")
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-    def get_single_node(self):
-        node = super().get_single_node()
-        if node is not None and _expanded(node, {}) > MAX_NODES:
-            raise CiShapeError(f"left out: YAML expanding past {MAX_NODES} nodes")
-        return node
-
-
-def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """Nodes of ``node`` with every alias expanded, each node counted once
-    (linear; nesting is bounded by the loader)."""
-    if id(node) not in sizes:
-        sizes[id(node)] = MAX_NODES + 1  # a node inside itself: refused
-        children = node.value if isinstance(node.value, list) else []
-        flat = [
-            c
-            for item in children
-            for c in (item if isinstance(item, tuple) else (item,))
-        ]
-        sizes[id(node)] = 1 + sum(_expanded(c, sizes) for c in flat)
-    return sizes[id(node)]
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""PyYAML's safe loader, libyaml's where PyYAML has it (40 times faster)."""
 
 
 def load(text: str):
-    """The document in ``text`` (``CiShapeError`` past a bound or if it is not
-    YAML: the reason names the line and column, never the file's text)."""
+    """The document in ``text``, read by the safe loader after its events were
+    counted (nesting, aliases) and its node graph measured (the size with every
+    alias expanded, each node counted once): ``CiShapeError`` past a bound or if
+    it is not YAML, naming the line and column, never the file's text."""
     try:
-        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader
+        depth = aliases = 0
+        for event in yaml.parse(text, Loader=LOADER):
+            if isinstance(event, yaml.AliasEvent):
+                aliases += 1
+            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+            if depth > MAX_DEPTH or aliases > MAX_ALIASES:
+                raise CiShapeError(
+                    f"left out: YAML nested over {MAX_DEPTH} deep or with over "
+                    f"{MAX_ALIASES} aliases"
+                )
+        loader = LOADER(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None and _expanded(node, {}) > MAX_NODES:
+                raise CiShapeError(f"left out: YAML expanding past {MAX_NODES} nodes")
+            return loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise CiShapeError(f"left out: not YAML the safe loader reads{where}") from exc
+
+
+def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes of ``node`` with every alias expanded, each node counted once
+    (linear; nesting is bounded)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = MAX_NODES + 1  # a node inside itself: refused
+        items = node.value if isinstance(node.value, list) else []
+        kids = [k for i in items for k in (i if isinstance(i, tuple) else (i,))]
+        sizes[id(node)] = 1 + sum(_expanded(k, sizes) for k in kids)
+    return sizes[id(node)]
 
 
 def _find_label(doc, step: str, file: str) -> str:
@@ -264,27 +251,21 @@ def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
     return at + 1, [f"{indent}{pytest or ''}{t}{cont or ''}{eol}" for t in new]
 
 
-def _verify(before: str, after: str, edit: CiEdit) -> None:
-    """``after`` parses to ``before``'s document plus exactly the added entries."""
-    old, new = load(before), load(after)
-    old_step = _step(old, edit.label)
-    new_step = _step(new, edit.label)
-    added = list(edit.added_dependencies)
+def _verify(old, after: str, edit: CiEdit) -> None:
+    """``after`` parses to the ``old`` document plus exactly the added entries."""
+    new = load(after)
+    old_step, new_step = _step(old, edit.label), _step(new, edit.label)
     if not isinstance(old_step.get(DEPENDENCIES), list):
         raise CiShapeError(f"{DEPENDENCIES} of the step is not a list")
-    if new_step.get(DEPENDENCIES) != old_step.get(DEPENDENCIES) + added:
+    if new_step.get(DEPENDENCIES) != old_step[DEPENDENCIES] + edit.added_dependencies:
         raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
     commands = [str(c) for c in new_step.get(COMMANDS, [])]
     if not all(t in " ".join(commands) for t in edit.added_tests):
         raise CiShapeError("the edited commands do not run the added tests")
     new_step[DEPENDENCIES] = old_step.get(DEPENDENCIES)
+    kept = (c.splitlines(keepends=True) for c in commands)
     new_step[COMMANDS] = [
-        "".join(
-            line
-            for line in c.splitlines(keepends=True)
-            if line.strip() not in edit.inserted
-        )
-        for c in commands
+        "".join(x for x in c if x.strip() not in edit.inserted) for c in kept
     ]
     if new != old:
         raise CiShapeError("the text edit changed more than the step's two lists")

@@ -1,21 +1,14 @@
 """``vllm-patch pr``: turn a carried patch into a commit on a branch of a vLLM
-git checkout, ready for an upstream pull request.
-
-It creates (or reuses) a branch, applies the patch with the engine (one plan,
-one write), checks the changed lines against the checkout's ruff settings,
-wires the patch's tests into the CI YAML, runs vLLM's tests of the edited
-files (the checkout's code: said first; ``--no-tests`` skips them), commits
-with a vLLM-style title and a DCO ``Signed-off-by:``, and writes the PR
-description outside the work tree (default ``<git-dir>/vllm-patch/PR_<branch>.md``).
-It never pushes and never calls a web API: it prints the commands that would.
+git checkout, ready for an upstream pull request: the engine's edit (one plan,
+one write), the changed lines checked with the checkout's ruff settings, the
+CI wiring, vLLM's tests of the edited files (the checkout's code: said first,
+``--no-tests`` skips them), a vLLM-style title and a ``Signed-off-by:``, and
+the PR description outside the work tree. It never pushes.
 
 All or nothing: every refusal that needs nothing written comes first; any
 failure after the branch switch (a git step the checkout's config or hooks
-refuse included) puts the checkout back on its starting branch with nothing
-committed. Exit codes (``ExitCode``): 2 usage (not a git checkout, dirty tree,
-detached HEAD without --base, unknown base, no git identity, an output inside
-the work tree or planted as a link, git refusing a step), 3 the patch cannot
-be applied to the base.
+refuse included) leaves the checkout on its starting branch with nothing
+committed. Exit 2: usage (see ``ExitCode``); 3: the patch cannot be applied.
 """
 
 from __future__ import annotations
@@ -229,26 +222,20 @@ def described_in_commit(
         return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
 
 
-def _refuse_planted(path: Path, want_dir: bool = False) -> None:
-    """An output name where a link or special file (or, for a folder, anything
-    but a folder) was planted is refused before anything is done."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+def _output(root: Path, path: Path, what: str, folder: bool = False, but=None) -> Path:
+    """``path`` for an output: outside the work tree (``but`` excepted), and
+    no link or special file (or, for a ``folder``, anything else) planted there."""
+    real = path.parent.resolve() / path.name
+    if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
+        raise UsageError(f"{what} must be outside the work tree", path=str(path))
+    mode = os.lstat(path).st_mode if os.path.lexists(path) else None
+    if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):
         raise UsageError(
             "vllm-patch never writes through a link or special file it finds",
             path=str(path),
-            looked_for="a folder" if want_dir else "a regular file or no file",
+            looked_for="a folder" if folder else "a regular file or no file",
             found=kind(mode),
         )
-
-
-def _outside(root: Path, path: Path, flag: str, but: Path | None = None) -> Path:
-    real = path.parent.resolve() / path.name
-    if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
-        raise UsageError(f"{flag} must be outside the work tree", path=str(path))
     return path
 
 
@@ -277,14 +264,12 @@ class Run:
         self.own = args.out is None
         own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
         out = Path(os.path.abspath(args.out or own))
-        self.description = _outside(root, out, "the PR description", but=git_dir)
         if self.own:
-            _refuse_planted(out.parent, want_dir=True)
-        _refuse_planted(out)
+            _output(root, out.parent, "the PR description", folder=True, but=git_dir)
+        self.description = _output(root, out, "the PR description", but=git_dir)
         self.mbox = args.format_patch
         if self.mbox:
-            _outside(root, self.mbox, "--format-patch DIR")
-            _refuse_planted(self.mbox, want_dir=True)
+            _output(root, self.mbox, "--format-patch DIR", folder=True)
         self.args = args
         self.evidence = [Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE]
         self.new_files: list[str] = []

@@ -42,10 +42,10 @@ KINDS = (
     ("details", ("detail", "design", "implementation", "trade-off", "limitation")),
 )
 """Kinds of text a section asks for, by the words that ask for it."""
-HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-COMMENT = re.compile(r"<!--(.*?)-->", re.DOTALL)
+ASKS = [(k, re.compile(rf"\b(?:{'|'.join(map(re.escape, ws))})")) for k, ws in KINDS]
+HEADING = re.compile(r"#{1,6}[ \t]+(.*)")
 TAIL = re.compile(r"^\s*(?:(?:-{3,}|\*{3,}|_{3,})\s*$|<details\b)")
-TICKED = re.compile(r"^(\s*[-*]\s+)\[[xX]\]", re.MULTILINE)
+TICKED = re.compile(r"^([ \t]*[-*][ \t]+)\[[xX]\]", re.MULTILINE)
 
 
 @dataclass
@@ -59,8 +59,8 @@ class Section:
 
     @cached_property
     def kinds(self) -> tuple[str, ...]:
-        for text in (self.title, " ".join(COMMENT.findall(self.body))):
-            found = tuple(kind for kind, words in KINDS if _says(text, words))
+        for text in (self.title, " ".join(_html_comments(self.body))):
+            found = tuple(kind for kind, asks in ASKS if asks.search(text.lower()))
             if found:
                 return found
         return ()
@@ -80,8 +80,15 @@ class Template:
     """Why the checkout's template was not used (``left out: ...``), if it has one."""
 
 
-def _says(text: str, words: tuple[str, ...]) -> bool:
-    return bool(re.search(rf"\b(?:{'|'.join(map(re.escape, words))})", text.lower()))
+def _html_comments(text: str) -> list[str]:
+    """The closed ``<!-- ... -->`` comments of ``text``, found in linear time."""
+    found, at = [], 0
+    while (start := text.find("<!--", at)) >= 0 and (
+        end := text.find("-->", start)
+    ) >= 0:
+        found.append(text[start : end + 3])
+        at = end + 3
+    return found
 
 
 def read_template(root: Path | None) -> Template:
@@ -112,7 +119,7 @@ def parse(text: str, *, found: bool = True) -> Template:
         fenced ^= line.lstrip().startswith("```")
         heading = None if fenced else HEADING.match(line)
         if heading:
-            sections.append((Section(line.rstrip("\n"), heading.group(2)), []))
+            sections.append((Section(line.rstrip("\n"), _title(heading[1])), []))
         elif sections and not fenced and TAIL.match(line):
             tail = "".join(lines[i:])
             break
@@ -123,10 +130,18 @@ def parse(text: str, *, found: bool = True) -> Template:
     return Template(_comments(head), [s for s, _ in sections], tail, found)
 
 
+def _title(text: str) -> str:
+    """A heading's text without its closing ``#``s (string methods: a regular
+    expression for it backtracks for minutes on a line of spaces)."""
+    title = text.strip()
+    bare = title.rstrip("#")
+    return bare.rstrip() if not bare or bare[-1] in " \t" else title
+
+
 def _comments(lines: list[str]) -> str:
     """Only the HTML comments: the template's instructions to the author
     (plain text before the first heading) are not part of a description."""
-    return "\n".join(m.group(0) for m in COMMENT.finditer("".join(lines)))
+    return "\n".join(_html_comments("".join(lines)))
 
 
 @dataclass(frozen=True)
