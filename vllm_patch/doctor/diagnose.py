@@ -1,14 +1,8 @@
 """``vllm-patch doctor``: is the environment this Python runs in ready for vLLM on
-CPU and for the carried patches? One finding per line, each with its fix.
-
-Cheap facts come from package metadata and the source tree (nothing imported);
-everything that imports torch, vLLM or transformers runs in a child interpreter
-(``imports``), so an import that raises, aborts or crashes becomes a finding.
-The findings on the environment are ``environment``'s, those on each carried
-patch and its provider ``patches``'.
-
-Statuses: ``ok``; ``info`` (worth knowing, nothing to fix); ``fix`` (something
-needs fixing: the finding carries the command). Exit 0 without a ``fix``, else 1.
+CPU and for the carried patches? One finding per line (``ok``, ``info`` or
+``fix`` with its command); exit 0 without a ``fix``, else 1. Cheap facts come
+from metadata and the source tree (``environment``, ``patches``); every import
+of torch, vLLM or transformers runs in a child interpreter (``imports``).
 """
 
 from __future__ import annotations
@@ -52,9 +46,6 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
     return findings
 
 
-# --- the command ---
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
@@ -82,15 +73,14 @@ def run(args: argparse.Namespace) -> int:
         findings = diagnose(progress=progress)
     ok = not any(f.status == "fix" for f in findings)
     if args.json:
-        doc = {
-            "python": sys.executable,
-            "ok": ok,
-            "findings": [
-                {k: v for k, v in asdict(f).items() if k != "fix_argv"}
-                for f in findings
-            ],
-        }
-        print(json.dumps(doc, indent=2))
+        shown = [
+            {k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in findings
+        ]
+        print(
+            json.dumps(
+                {"python": sys.executable, "ok": ok, "findings": shown}, indent=2
+            )
+        )
     else:
         for f in findings:
             print(f.line())

@@ -1,8 +1,5 @@
-"""What the doctor imports in a child interpreter of the environment (torch,
-vLLM's kernels and config, transformers, vLLM IR, each provider), through the
-one child runner (``vllm_patch.runtime.child``): a step that raises, aborts or
-crashes its interpreter becomes a failed result for that step, and a new child
-runs the steps after it."""
+"""What the doctor imports in a child interpreter (``vllm_patch.runtime.child``):
+a step that raises, aborts or crashes it fails alone; a new child runs the rest."""
 
 from __future__ import annotations
 
@@ -50,11 +47,8 @@ def run_import_checks(
         for result in done:
             results[tuple(result.pop("step"))] = result
         if len(done) < len(remaining):
-            died = (
-                f"no answer within {CHILD_TIMEOUT} s"
-                if outcome.timed_out
-                else outcome.error
-            )
+            died = outcome.error
+            died = f"no answer within {CHILD_TIMEOUT} s" if outcome.timed_out else died
             results[tuple(remaining[len(done)])] = {
                 "ok": False,
                 "error": f"the interpreter died while importing ({died})",
