@@ -1,14 +1,10 @@
 """Check the lines a patch changed the way the checkout's own ruff settings ask,
-so the commit passes vLLM's pre-commit.
-
-The codemods already lay out what they write as vLLM's ruff does (the ruff
-vllm-patch pins, see ``patcher.ruff_format``), so ``apply``, ``diff``, the
-rendered patches and the commit are the same lines. Here the pinned ruff checks
-them against the checkout's settings (``ruff format`` and ``ruff check`` on the
-changed lines only, since a ruff other than the one vLLM pins may judge
-untouched code differently) and reports what it would change; nothing is
-rewritten. The settings are data: only the style tables are passed on, to a
-ruff that reads no settings file and writes no cache.
+so the commit passes vLLM's pre-commit. The codemods already lay out what they
+write as the pinned ruff does (``patcher.ruff_format``); here it runs ``ruff
+format`` and ``ruff check`` with the checkout's settings on the changed lines
+only (another ruff may judge untouched code differently) and reports, never
+rewrites. The settings are data: only their style tables reach a ruff that
+reads no settings file and writes no cache.
 """
 
 from __future__ import annotations
@@ -32,11 +28,11 @@ except ModuleNotFoundError:  # Python 3.10
 
 PRE_COMMIT = ".pre-commit-config.yaml"
 RUFF_REV = re.compile(r"astral-sh/ruff-pre-commit[ \t]*\r?\n[ \t]*rev:[ \t]*v?(\S+)")
-CONFIG_FILES = (
+CONFIG_FILES = [
     ("ruff.toml", ()),
     (".ruff.toml", ()),
     ("pyproject.toml", ("tool", "ruff")),
-)
+]
 SETTINGS = {
     "line-length",
     "indent-width",

@@ -1,20 +1,13 @@
 """The checkout's own pull request template, read and filled.
 
 vLLM's template changes between releases (v0.27.0: Purpose / Test Plan / Test
-Result and an "Essential Elements" checklist; v0.32.0: Overview / Claims /
-Validation / Details and a "Pull Request Checklist"), so nothing here names a
-section: a template is Markdown headings, each with the HTML comment that says
-what belongs there, then a tail (a thematic break or ``<details>``: the
-checklist). Each section is given the kinds of text it asks for by the words
-of its heading (else of its comment), and each piece of the description goes
-to the first section of the kind it prefers. The checklist is the author's: it
-is kept as the template has it, every box unticked.
-
-The template is data: read only as a regular file inside the work tree (no
-link on the way), of at most ``MAX_BYTES``, UTF-8 without NUL; anything else is
-left out (``Template.left_out`` says why, the description says so) and the
-fallback layout is used. A comment the template leaves open is closed where
-its chunk ends, so it cannot swallow what follows.
+Result; v0.32.0: Overview / Claims / Validation / Details), so nothing here
+names a section: each heading (else its HTML comment) says what kinds of text
+it asks for, and each piece of the description goes to the first section of a
+kind it prefers. The tail (from a thematic break or ``<details>``: the
+checklist) is the author's, kept with every box unticked. The template is data
+(``read_text_in``: no link, at most ``MAX_BYTES``, UTF-8 without NUL, else left
+out with the reason), parsed in linear time; a comment it leaves open is closed.
 """
 
 from __future__ import annotations
