@@ -311,6 +311,9 @@ ATTACKS = {
         rc=2,
         says="git refused a step",
     ),
+    "a failing post-checkout hook": Attack(
+        lambda f: hook(f, "post-checkout", "exit 1"), rc=2, says="git refused a step"
+    ),
     "--branch @{-1}": Attack(lambda f: None, rc=2, extra=("--branch", "@{-1}")),
     "an unclosed <!-- in a section the tool does not fill": Attack(
         lambda f: f.write(

@@ -274,20 +274,17 @@ class Run:
         self.evidence = [Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE]
         self.new_files: list[str] = []
         """Files the patch created (gone again on rollback)."""
+        head = repo.head
+        self.start = head.commit.hexsha if head.is_detached else repo.active_branch.name
+        self.created = branch not in repo.heads
+        self.tip = None if self.created else repo.heads[branch].commit.hexsha
+        self.base_name = args.base  # None: an existing branch without --base
+        self.switched = False
 
     def switch(self) -> None:
         """Check out the branch: created from the base, or the existing one (which
         must contain the base, when one is given)."""
         repo, branch, base = self.repo, self.branch, self.args.base
-        self.start = (
-            repo.head.commit.hexsha
-            if repo.head.is_detached
-            else repo.active_branch.name
-        )
-        self.created = branch not in repo.heads
-        self.tip = None if self.created else repo.heads[branch].commit.hexsha
-        self.base_name = base  # None: an existing branch without --base
-        self.switched = False
         if self.created:
             self.base_name, commit = resolve_base(repo, base)
             repo.git.checkout("-q", "-b", branch, commit.hexsha)
@@ -303,13 +300,22 @@ class Run:
             repo.git.checkout("-q", branch)
 
     def rollback(self) -> None:
-        """Back on the starting branch, nothing committed, no file left."""
-        g = self.repo.git
-        if self.tip:
-            g.reset("-q", "--hard", self.tip)
-        g.checkout("-q", "-f", self.start)
-        if self.created:
-            g.branch("-D", self.branch)
+        """Back on the starting branch, nothing committed, no file left (git's
+        hooks are not run: this undoes what ``pr`` did)."""
+        repo = self.repo
+
+        def git(*args: str) -> None:
+            repo.git.execute(["git", "-c", "core.hooksPath=/dev/null", *args])
+
+        if (
+            self.tip
+            and not repo.head.is_detached
+            and repo.active_branch.name == self.branch
+        ):
+            git("reset", "-q", "--hard", self.tip)
+        git("checkout", "-q", "-f", self.start)
+        if self.created and self.branch in repo.heads:
+            git("branch", "-D", self.branch)
         for rel in self.new_files:
             Path(self.root, rel).unlink(missing_ok=True)
 
@@ -332,8 +338,8 @@ def run(args: argparse.Namespace) -> int:
     """The steps in order; any failure after the branch switch restores the checkout."""
     pr = Run(args)
     try:
-        pr.switch()
         try:
+            pr.switch()
             committed = _apply(pr)
             if committed is None:  # the base has the change already: no branch made
                 return ExitCode.OK
