@@ -336,8 +336,8 @@ class Committed:
 
 def run(args: argparse.Namespace) -> int:
     """The steps in order; any failure after the branch switch restores the checkout."""
-    pr = Run(args)
     try:
+        pr = Run(args)
         try:
             pr.switch()
             committed = _apply(pr)
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "git refused a step (the checkout's git config or hooks, as git itself "
             "runs them); the checkout is back where it was",
-            path=str(pr.root),
+            path=str(args.vllm),
             looked_for=f"git {' '.join(map(str, exc.command[1:3]))} to succeed",
             found=said.splitlines()[-1] if said else f"exit status {exc.status}",
         ) from exc
