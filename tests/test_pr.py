@@ -447,7 +447,12 @@ def test_checkout_with_tests_gets_one_commit_and_the_measured_test_outcome(
     ]
     result = sections(description(repo).read_text())["Validation"]
     # The whole line and section on a failure, not a truncated repr of stdout.
-    assert said == ["upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped"], result
+    # Said first: the tests are the checkout's code.
+    assert said[0].startswith(f"upstream tests: running {test_file} of the checkout")
+    assert "the checkout's own code" in said[0] and "--no-tests" in said[0]
+    assert said[1:] == ["upstream tests: 9 passed, 0 failed, 0 errors, 0 skipped"], (
+        result
+    )
     assert "**9 passed, 0 failed, 0 errors, 0 skipped**" in result
     assert "CPU build of vLLM 0.32.0 (torch 2.13.0" in result
     assert f"-k '{QUICK}'" in result
