@@ -115,10 +115,6 @@ def changed_ranges(before: str, after: str) -> list[tuple[int, int]]:
     return [(j1, j2) for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal"]
 
 
-def _inside(start: int, end: int, allowed: list[tuple[int, int]]) -> bool:
-    return any(a <= start and end <= b for a, b in allowed)
-
-
 def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatReport:
     """Check the changed lines of each ``relpath`` (its text before and after
     the patch given); findings go to the report's notes. Ruff reads the source
@@ -167,7 +163,7 @@ def _lint_inside_patch(done, rel: str, touched, report: FormatReport) -> None:
         return
     for f in findings:
         row = f.get("location", {}).get("row", 0) - 1
-        if _inside(row, row + 1, touched):
+        if _overlaps(row, row + 1, touched):
             report.notes.append(
                 f"{rel}:{row + 1}: ruff {f.get('code')} {f.get('message')} (left as is)"
             )
