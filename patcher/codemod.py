@@ -6,7 +6,7 @@ edits (``TARGET``) and can read other files of the same tree. That keeps every
 transform runnable on its own through LibCST's tool::
 
     python -m libcst.tool codemod -x --no-format \\
-        patches.cpu_fused_norms.vllm_c.EnableVllmCOnCpu /path/to/vllm
+        patches.cpu_fused_norms.enable_vllm_c.EnableVllmCOnCpu /path/to/vllm
 
 where it skips every file but its target.
 """
