@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ class Backup:
         try:
             return read_at(path, what, **({"limit": limit} if limit else {}))
         except PatchError as exc:
-            if exc.found in ("a symbolic link",) or "on the way" in exc.message:
+            if str(exc.found).startswith(("a symbolic link", "a link or")):
                 raise PatchError(
                     "part of the backup store is a symbolic link (vllm-patch never "
                     "follows one there)",
@@ -67,12 +68,13 @@ class Backup:
     def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
         """The entries whose copy is present and intact, and what is wrong with
         the rest (one line each)."""
+        if not os.path.lexists(self.folder.parent):
+            return {}, []
         try:
-            data = self._read(self.manifest_path, "the backup's manifest", MAX_MANIFEST_BYTES)
+            what = "the backup's manifest"
+            data = self._read(self.manifest_path, what, MAX_MANIFEST_BYTES)
             files = json.loads(data.decode("utf-8")).get("files")
         except PatchError as exc:
-            if exc.found == "no such file" and not self.folder.exists():
-                return {}, []
             if "symbolic link" in exc.message:
                 raise
             return {}, [f"{self.manifest_path}: {exc.message} ({exc.found})"]
@@ -130,7 +132,15 @@ class Backup:
         for rel, (before, after) in changes.items():
             entry = manifest.get(rel)
             if entry is None or entry["original_sha256"] != sha256(before):
-                replace_at(self.folder / rel, before, make_below=self.root)
+                try:
+                    replace_at(self.folder / rel, before, make_below=self.root)
+                except PatchError as exc:
+                    raise PatchError(
+                        "damaged backup: the place of a backup copy is taken",
+                        path=str(self.folder / rel),
+                        looked_for=f"nothing, or the backup copy of {rel}",
+                        found=f"{exc.found}; delete it and run again",
+                    ) from exc
                 entry = {"original_sha256": sha256(before)}
             manifest[rel] = {**entry, "patched_sha256": sha256(after)}
         text = json.dumps({"files": manifest}, indent=2) + "\n"

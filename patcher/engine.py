@@ -12,6 +12,7 @@ Only ``apply`` and ``revert`` write, one writer at a time (``files.locked``).
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,7 +21,7 @@ from packaging.version import Version
 
 from patcher.backup import Backup, sha256
 from patcher.diff import combined_diff
-from patcher.errors import PatchError
+from patcher.errors import PatchError, shown
 from patcher.files import locked, remove_at, replace_at
 from patcher.patchset import Edit, Patch, defaults, exclusive_with, is_default, select
 from patcher.shim import follow
@@ -221,7 +222,7 @@ def plan(
             found=str(version),
         )
         if force:
-            warnings.append(f"{refusal.message}: {version} not in {patch.versions}")
+            warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
             refusal = None
     refusal = refusal or (_exclusive(tree, patch) if direction == "apply" else None)
     if refusal is not None:
@@ -276,7 +277,7 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             after, described = _edit(edit, direction, before, read_file, restore, path)
         except PatchError as exc:
             if exc.path == edit.file:
-                exc.path = tree.display(path)
+                exc.path = shown(tree.display(path))
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
         texts[path] = after
@@ -316,12 +317,30 @@ class Outcome:
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """Where the originals are kept: every tree but a git checkout (git has them)."""
-    if tree.kind == "checkout":
+    """Where the originals are kept: in the tree, or in a checkout's own git
+    directory (a ``.git`` folder; a linked work tree has none of its own)."""
+    base = tree.location / (".git" if tree.kind == "checkout" else "")
+    if not stat.S_ISDIR(os.lstat(base).st_mode):
         return None
     files = {e.file for e in patch.edits + patch.test_edits}
     files |= {follow(tree, f) for f in files if tree.exists(f)}
-    return Backup(tree.real("."), patch.name, frozenset(files))
+    return Backup(tree.real(os.path.relpath(base, tree.location)), patch.name, frozenset(files))
+
+
+def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
+    """Whether the inverse edits alone turn every changed file back (a checkout
+    then needs no backup): not when part of the change was there already."""
+    changes = p.file_changes()
+    texts = {rel: after for rel, (_, after) in changes.items()}
+    sources = {**p.sources, **texts}
+    try:
+        reverted = _plan_edits(tree, p.patch.edits + p.patch.test_edits, "revert", sources, None)
+        for e in reverted:
+            if e.file in texts and e.error is None and e.skipped is None:
+                texts[e.file] = e.after
+    except PatchError:
+        return False
+    return all(texts[rel] == before for rel, (before, _) in changes.items())
 
 
 def apply(
@@ -340,8 +359,9 @@ def apply(
         if planned.errors:
             raise planned.errors[0]
         changes = planned.file_changes()
+        _refuse_read_only(tree, changes)
         backup = _backup(tree, patch) if changes else None
-        if backup is not None:
+        if backup and (tree.kind == "installed" or not _inverse_restores(tree, planned)):
             entries, problems = backup.read()
             notes += [f"damaged backup, entry left out: {p}" for p in problems]
             originals = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
@@ -368,8 +388,6 @@ def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
 def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]]) -> None:
     """Each file replaced (or deleted) on its own; a failure says how far it got."""
     paths = {rel: tree.real(rel) for rel in changes}
-    for path in paths.values():
-        _refuse_read_only(path)
     done = 0
     for rel, (_, after) in changes.items():
         remove_at(paths[rel], leftovers=True)  # of an earlier, interrupted write
@@ -389,9 +407,12 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]])
         done += 1
 
 
-def _refuse_read_only(path) -> None:
+def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
     """Files and folders marked read-only are left alone, even by root."""
-    for target in [path, path.parent] if os.path.lexists(path) else [path.parent]:
+    paths = [tree.real(rel) for rel in changes]
+    for target in {tree.real("."), *paths, *(p.parent for p in paths)}:
+        if not os.path.lexists(target):
+            continue
         mode = os.stat(target).st_mode
         if not os.access(target, os.W_OK) or not mode & 0o222:
             what = "folder" if target.is_dir() else "file"
@@ -399,7 +420,7 @@ def _refuse_read_only(path) -> None:
                 f"{what} is read-only",
                 path=str(target),
                 looked_for=f"a writable {what}",
-                found=f"mode {oct(mode & 0o777)}",
+                found=f"mode {stat.filemode(mode)}",
             )
 
 
@@ -435,6 +456,7 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
         if p.errors:
             raise p.errors[0]
         changes = p.file_changes()
+        _refuse_read_only(tree, changes)
         _write(tree, changes)
         if backup is not None:
             backup.discard()

@@ -131,13 +131,15 @@ def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
     return decode(read_at(path, what, limit=limit), str(path), what)
 
 
-def decode(data: bytes, where: str, what: str) -> str:
+def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
+    """``data`` as UTF-8, with no NUL byte unless ``nul`` (then the codemod's
+    parser says where it is)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         found = f"byte {data[exc.start]:#04x} at offset {exc.start}"
         raise PatchError("not UTF-8", path=where, looked_for=what, found=found) from exc
-    if "\0" in text:
+    if "\0" in text and not nul:
         raise PatchError("not text", path=where, looked_for=what, found="a NUL byte")
     return text
 

@@ -206,11 +206,13 @@ def select(names: list[str] | None) -> list[Patch]:
     return [by_name[n] for n in names]
 
 
-def is_default(patch: Patch, version: Version | None) -> tuple[bool, str]:
+def is_default(
+    patch: Patch, version: Version | None, ranged: bool = True
+) -> tuple[bool, str]:
     """Whether a plain ``apply`` picks ``patch`` for a tree of ``version`` (None:
-    unknown), and why, in words."""
+    unknown), and why, in words; ``ranged=False`` leaves its range out."""
     shown = f"vLLM {version}" if version else "an unknown vLLM version"
-    if not patch.covers(version):
+    if ranged and not patch.covers(version):
         return False, f"{shown} is outside its range {patch.versions}"
     if patch.default is not None:
         yes = version is None or patch.default.contains(version, prereleases=True)
@@ -224,8 +226,12 @@ def is_default(patch: Patch, version: Version | None) -> tuple[bool, str]:
 
 
 def defaults(version: Version | None) -> list[Patch]:
-    """The patches a plain ``apply``/``check``/``list`` picks for ``version``."""
-    return [p for p in all_patches() if is_default(p, version)[0]]
+    """The patches a plain ``apply``/``check``/``list`` picks for ``version``;
+    where none does, those that would but for their range (which refuse it)."""
+    patches = all_patches()
+    return [p for p in patches if is_default(p, version)[0]] or [
+        p for p in patches if is_default(p, version, ranged=False)[0]
+    ]
 
 
 def exclusive_with(patch: Patch) -> list[Patch]:

@@ -124,7 +124,7 @@ class VllmTree:
 
     def read_text(self, relpath: str) -> str:
         where = self.display(relpath)
-        return decode(self.read_bytes(relpath), where, "UTF-8 Python source")
+        return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
 
     def metadata(self) -> str | None:
         """The dist-info ``METADATA`` of an installed tree or a wheel."""
