@@ -129,6 +129,8 @@ class Backup:
         completed later still reverts to what it was before any patching),
         unless it now is something else (vLLM reinstalled)."""
         manifest = dict(entries)
+        for rel in [*changes, "manifest.json"]:  # what a killed save left
+            remove_at(self.folder / rel, leftovers=True)
         for rel, (before, after) in changes.items():
             entry = manifest.get(rel)
             if entry is None or entry["original_sha256"] != sha256(before):

@@ -352,6 +352,7 @@ def apply(
     refuse_wheel(tree.location, "apply to")
     notes: list[str] = []
     with locked(tree.location):
+        _clean(tree, patch)
         if planned is None or not _still_current(tree, planned):
             if planned is not None:
                 notes.append(f"{patch.name}: the tree changed after the check; planned again")
@@ -374,6 +375,12 @@ def apply(
     return Outcome(patch.name, action, _shown(planned, changes), tuple(notes))
 
 
+def _clean(tree: VllmTree, patch: Patch) -> None:
+    """Delete what an interrupted write of the patch's files left beside them."""
+    for rel in {follow(tree, e.file) for e in patch.edits + patch.test_edits}:
+        remove_at(tree.real(rel), leftovers=True)
+
+
 def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
     """Whether ``tree`` still holds the version and every file text ``p`` read."""
     try:
@@ -390,7 +397,6 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]])
     paths = {rel: tree.real(rel) for rel in changes}
     done = 0
     for rel, (_, after) in changes.items():
-        remove_at(paths[rel], leftovers=True)  # of an earlier, interrupted write
         try:
             if after is None:
                 remove_at(paths[rel])
@@ -410,6 +416,8 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]])
 def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
     """Files and folders marked read-only are left alone, even by root."""
     paths = [tree.real(rel) for rel in changes]
+    if not paths:
+        return
     for target in {tree.real("."), *paths, *(p.parent for p in paths)}:
         if not os.path.lexists(target):
             continue
@@ -435,6 +443,7 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     other file by the inverse edits; then the backup is deleted."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
+        _clean(tree, patch)
         backup = _backup(tree, patch)
         entries, problems = backup.read() if backup else ({}, [])
         restore = {}
