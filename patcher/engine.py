@@ -3,14 +3,15 @@
 Read, plan in memory (each edit's codemod turns the tree's text into new text),
 then write each changed file by atomic replace (``files.replace_at``). Every
 codemod is idempotent and finishes a half-made change, so a kill between two
-files leaves a tree the next ``apply`` completes or ``revert`` undoes, and that
-``check`` reports as ``partly applied``. A tree that is not a git checkout also
-keeps plain copies of its originals (``backup``), for a byte-exact revert.
-Only ``apply`` and ``revert`` write, one writer at a time (``files.locked``).
+files leaves a tree that ``check`` reports as ``partly applied``, the next
+``apply`` completes and ``revert`` undoes. Trees other than git checkouts (and
+checkouts the inverse edit would not give back) keep plain copies of the
+originals (``backup``). Only ``apply`` and ``revert`` write, one at a time.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,6 @@ from typing import Literal
 from packaging.version import Version
 
 from patcher.backup import Backup, sha256
-from patcher.diff import combined_diff
 from patcher.errors import PatchError, shown
 from patcher.files import locked, remove_at, replace_at
 from patcher.patchset import Edit, Patch, defaults, exclusive_with, is_default, select
@@ -30,6 +30,8 @@ from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
 
 Direction = Literal["apply", "revert"]
+Text = str | None
+"""A file's text; None: the file is absent (an edit with ``create = true``)."""
 TESTS_FOLDER = "tests"
 """A tree with this folder beside ``vllm/`` (a checkout) also gets the test edits."""
 
@@ -37,10 +39,8 @@ TESTS_FOLDER = "tests"
 @dataclass(frozen=True)
 class EditPlan:
     edit: Edit
-    before: str | None = None
-    """The file's text before the edit; None: absent (an edit that creates it)."""
-    after: str | None = None
-    """Its text after; None: absent (revert deletes a file apply created)."""
+    before: Text = None
+    after: Text = None
     error: PatchError | None = None
     described: tuple[str, ...] = ()
     """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
@@ -60,13 +60,12 @@ class EditPlan:
 
     @property
     def reason(self) -> str | None:
-        """Why the edit is refused or left out, if it is."""
         why = self.error or self.skipped
         return str(why) if why else None
 
     @property
     def changes(self) -> bool:
-        return self.error is None and self.skipped is None and self.before != self.after
+        return not (self.error or self.skipped) and self.before != self.after
 
     def status(self, direction: Direction = "apply") -> PlanStatus:
         if self.skipped is not None:
@@ -86,9 +85,8 @@ class PatchPlan:
     error: PatchError | None = None
     """A whole-patch refusal (version out of range, an exclusive patch present)."""
     warnings: tuple[str, ...] = ()
-    sources: Mapping[str, str | None] = field(default_factory=dict, repr=False)
-    """Every file the plan read (relpath -> text, None: absent): a plan made
-    earlier is written only while the tree still holds these."""
+    sources: Mapping[str, Text] = field(default_factory=dict, repr=False)
+    """Every file the plan read: a plan is written only while the tree holds these."""
 
     @property
     def errors(self) -> list[PatchError]:
@@ -97,8 +95,6 @@ class PatchPlan:
 
     @property
     def status(self) -> PlanStatus:
-        """``not applicable``; ``applicable``, ``partly applied`` or ``applied``
-        (apply); ``revertible`` or ``not applied`` (revert)."""
         if self.errors:
             return PlanStatus.NOT_APPLICABLE
         made = [e.changes for e in self.edits if e.skipped is None]
@@ -108,17 +104,14 @@ class PatchPlan:
 
     @property
     def skipped(self) -> list[EditPlan]:
-        """Optional edits left out, each with its reason."""
         return [e for e in self.edits if e.skipped is not None]
 
-    def file_changes(self) -> dict[str, tuple[str | None, str | None]]:
-        """relpath -> (text before the patch, text after all its edits); None
-        for a file that is absent."""
-        out: dict[str, tuple[str | None, str | None]] = {}
+    def file_changes(self) -> dict[str, tuple[Text, Text]]:
+        """relpath -> (text before the patch, text after all its edits)."""
+        out: dict[str, tuple[Text, Text]] = {}
         for e in self.edits:
             if e.error is None and e.skipped is None:
-                first = out[e.file][0] if e.file in out else e.before
-                out[e.file] = (first, e.after)
+                out[e.file] = (out[e.file][0] if e.file in out else e.before, e.after)
         return {k: v for k, v in out.items() if v[0] != v[1]}
 
     def described(self) -> dict[str, list[str]]:
@@ -130,9 +123,21 @@ class PatchPlan:
         return out
 
     def diff(self) -> str:
-        return combined_diff((rel, a, b) for rel, (a, b) in self.file_changes().items())
+        """A unified diff ``git apply`` accepts (line endings kept)."""
+        return "".join(_diff(rel, a, b) for rel, (a, b) in self.file_changes().items())
 
     def to_json(self) -> dict:
+        edits = [
+            {
+                "file": e.file,
+                "via": e.via,
+                "summary": e.edit.summary,
+                "status": e.status(self.direction),
+                "reason": e.reason,
+                "changes": list(e.described) if e.changes else [],
+            }
+            for e in self.edits
+        ]
         return {
             "patch": self.patch.name,
             "title": self.patch.title,
@@ -141,18 +146,25 @@ class PatchPlan:
             "status": self.status,
             "error": str(self.error) if self.error else None,
             "warnings": list(self.warnings),
-            "edits": [
-                {
-                    "file": e.file,
-                    "via": e.via,
-                    "summary": e.edit.summary,
-                    "status": e.status(self.direction),
-                    "reason": e.reason,
-                    "changes": list(e.described) if e.changes else [],
-                }
-                for e in self.edits
-            ],
+            "edits": edits,
         }
+
+
+def _diff(rel: str, before: Text, after: Text) -> str:
+    head = [f"diff --git a/{rel} b/{rel}\n"]
+    head += ["new file mode 100644\n"] if before is None else []
+    head += ["deleted file mode 100644\n"] if after is None else []
+    a, b = (f"a/{rel}", f"b/{rel}")
+    for line in difflib.unified_diff(
+        (before or "").splitlines(keepends=True),
+        (after or "").splitlines(keepends=True),
+        "/dev/null" if before is None else a,
+        "/dev/null" if after is None else b,
+    ):
+        head.append(
+            line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
+        )
+    return "".join(head)
 
 
 def choose(tree: VllmTree, names: list[str] | None, direction: Direction = "apply"):
@@ -162,23 +174,24 @@ def choose(tree: VllmTree, names: list[str] | None, direction: Direction = "appl
     if names:
         return select(names)
     version = read_version(tree)
-    if direction == "apply":
-        chosen = defaults(version)
-        if not chosen:
-            why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
-            raise PatchError(
-                "no patch is this tree's default (pass --patch NAME)",
-                path=str(tree.location),
-                looked_for="a patch whose default range holds",
-                found=why,
-            )
-        return chosen
-    return [
-        p
-        for p in select(None)
-        if p.covers(version)
-        and (is_default(p, version)[0] or _present(plan(tree, p, "revert")))
-    ]
+    if direction == "revert":
+        return [
+            p
+            for p in select(None)
+            if p.covers(version)
+            and (is_default(p, version)[0] or _present(plan(tree, p, "revert")))
+        ]
+    chosen = defaults(version)
+    if not chosen:
+        raise PatchError(
+            "no patch is this tree's default (pass --patch NAME)",
+            path=str(tree.location),
+            looked_for="a patch whose default range holds",
+            found="; ".join(
+                f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
+            ),
+        )
+    return chosen
 
 
 def _present(p: PatchPlan) -> bool:
@@ -187,9 +200,8 @@ def _present(p: PatchPlan) -> bool:
 
 def check(
     tree: VllmTree, patches: Iterable[Patch], direction: Direction = "apply", **kw
-) -> list[PatchPlan]:
-    """Each patch planned under a shared lock: never on a tree another
-    vllm-patch is half-way through writing."""
+):
+    """Each patch planned under a shared lock: never on a write half done."""
     if tree.is_wheel:
         return [plan(tree, p, direction, **kw) for p in patches]
     with locked(tree.location, shared=True):
@@ -205,7 +217,7 @@ def plan(
     restore: Mapping[str, str] | None = None,
 ) -> PatchPlan:
     """What ``direction`` would do to ``tree``; nothing is written. ``restore``
-    (relpath -> original text): files revert gives back from a backup."""
+    (relpath -> original text): the files revert takes from a backup."""
     version = read_version(tree)
     warnings: list[str] = []
     if version is None:
@@ -222,12 +234,14 @@ def plan(
             found=str(version),
         )
         if force:
-            warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
+            warnings.append(
+                f"{refusal.message}: {version} not in {patch.versions}; forced"
+            )
             refusal = None
     refusal = refusal or (_exclusive(tree, patch) if direction == "apply" else None)
     if refusal is not None:
         return PatchPlan(patch, tree, direction, version, (), refusal, tuple(warnings))
-    sources: dict[str, str | None] = {}
+    sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
@@ -245,28 +259,26 @@ def _exclusive(tree: VllmTree, patch: Patch) -> PatchError | None:
                 "excludes it",
                 path=str(tree.location),
                 looked_for=f"a tree without {other.name}",
-                found=f"{other.name}'s edits; `vllm-patch revert --patch "
-                f"{other.name}` takes them out",
+                found=f"its edits; `vllm-patch revert --patch {other.name}` takes them out",
             )
     return None
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
-    """Each edit planned; ``sources`` collects every file read (relpath -> text)."""
+    """Each edit planned; ``sources`` collects every file read."""
 
-    def read(rel: str) -> str | None:
+    def read(rel: str) -> Text:
         if rel not in sources:
             sources[rel] = tree.read_text(rel) if tree.exists(rel) else None
         return sources[rel]
 
-    def read_file(rel: str) -> str:
-        return read(follow(tree, rel)) or ""
-
-    texts: dict[str, str | None] = {}  # files as edited so far: edits chain
+    texts: dict[str, Text] = {}  # files as edited so far: edits to one file chain
     for edit in edits:
-        if not (edit.create or tree.exists(edit.file)) and edit.optional:
-            skipped = PatchError("not in this tree", path=tree.display(edit.file))
-            yield EditPlan(edit, skipped=skipped)
+        if edit.optional and not (edit.create or tree.exists(edit.file)):
+            yield EditPlan(
+                edit,
+                skipped=PatchError("not in this tree", path=tree.display(edit.file)),
+            )
             continue
         path = edit.file
         try:
@@ -274,32 +286,41 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             before = texts[path] if path in texts else read(path)
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
-            after, described = _edit(edit, direction, before, read_file, restore, path)
+            after, said = _edit(
+                edit,
+                direction,
+                before,
+                lambda r: read(follow(tree, r)) or "",
+                (restore or {}).get(path),
+            )
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = shown(tree.display(path))
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
         texts[path] = after
-        shim = path if path != edit.file else None
-        yield EditPlan(edit, before, after, described=described, path=shim)
+        yield EditPlan(
+            edit,
+            before,
+            after,
+            described=said,
+            path=path if path != edit.file else None,
+        )
 
 
-def _edit(edit, direction, before, read_file, restore, path):
-    """(text after the edit, what it changed), running its codemod."""
-    from patcher.codemod import run_codemod_described  # LibCST: only when run
+def _edit(edit: Edit, direction, before: Text, read, original: Text):
+    """(the text after ``edit``, what it changed), from its codemod."""
+    from patcher.codemod import run_codemod_described as run  # LibCST: only here
 
-    if direction == "revert" and restore and path in restore:
-        if before == restore[path]:
-            return before, ()
-        return restore[path], ("Restored from the backup.",)
+    if original is not None:  # revert from the backup
+        return original, () if before == original else ("Restored from the backup.",)
     if direction == "apply":
-        return run_codemod_described(edit.apply, before or "", read_file)
+        return run(edit.apply, before or "", read)
     if before is None:
         return None, ()
-    if edit.create and before == run_codemod_described(edit.apply, "", read_file)[0]:
+    if edit.create and before == run(edit.apply, "", read)[0]:
         return None, ("Deleted the file apply created.",)
-    return run_codemod_described(edit.revert, before, read_file)
+    return run(edit.revert, before, read)
 
 
 @dataclass(frozen=True)
@@ -308,8 +329,8 @@ class Outcome:
     action: str
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    """What the engine found besides the patch: a damaged backup, a plan made
-    again. (What the plan warned about is ``PatchPlan.warnings``.)"""
+    """What the engine found besides the plan's warnings: a damaged backup, a
+    plan made again."""
 
     def __str__(self) -> str:
         where = f" ({', '.join(self.files)})" if self.files else ""
@@ -319,60 +340,113 @@ class Outcome:
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     """Where the originals are kept: in the tree, or in a checkout's own git
     directory (a ``.git`` folder; a linked work tree has none of its own)."""
-    base = tree.location / (".git" if tree.kind == "checkout" else "")
-    if not stat.S_ISDIR(os.lstat(base).st_mode):
+    git = ".git" if tree.kind == "checkout" else "."
+    if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
     files = {e.file for e in patch.edits + patch.test_edits}
     files |= {follow(tree, f) for f in files if tree.exists(f)}
-    return Backup(tree.real(os.path.relpath(base, tree.location)), patch.name, frozenset(files))
+    return Backup(tree.real(git), patch.name, frozenset(files))
 
 
 def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
-    """Whether the inverse edits alone turn every changed file back (a checkout
-    then needs no backup): not when part of the change was there already."""
+    """Whether the inverse edits alone give every changed file back (then a
+    checkout needs no backup): not where part of the change was there before."""
     changes = p.file_changes()
-    texts = {rel: after for rel, (_, after) in changes.items()}
-    sources = {**p.sources, **texts}
-    try:
-        reverted = _plan_edits(tree, p.patch.edits + p.patch.test_edits, "revert", sources, None)
-        for e in reverted:
-            if e.file in texts and e.error is None and e.skipped is None:
-                texts[e.file] = e.after
-    except PatchError:
-        return False
-    return all(texts[rel] == before for rel, (before, _) in changes.items())
+    sources = {**p.sources, **{rel: after for rel, (_, after) in changes.items()}}
+    reverted = _plan_edits(
+        tree, p.patch.edits + p.patch.test_edits, "revert", sources, None
+    )
+    texts = {e.file: e.after for e in reverted if not (e.error or e.skipped)}
+    return all(
+        texts.get(rel, after) == before for rel, (before, after) in changes.items()
+    )
 
 
 def apply(
-    tree: VllmTree, patch: Patch, *, force: bool = False, planned: PatchPlan | None = None
+    tree: VllmTree,
+    patch: Patch,
+    *,
+    force: bool = False,
+    planned: PatchPlan | None = None,
 ) -> Outcome:
-    """Apply ``patch`` to ``tree``. ``planned``: the caller's own plan of it,
-    written as it is unless the tree no longer holds what it was made from
-    (another writer came between); then, and without it, planned here."""
+    """Apply ``patch``. ``planned``: the caller's own plan of it, written as it
+    is unless the tree no longer holds what it was made from; then, and without
+    it, planned here."""
     refuse_wheel(tree.location, "apply to")
     notes: list[str] = []
     with locked(tree.location):
         _clean(tree, patch)
         if planned is None or not _still_current(tree, planned):
             if planned is not None:
-                notes.append(f"{patch.name}: the tree changed after the check; planned again")
+                notes.append(
+                    f"{patch.name}: the tree changed after the check; planned again"
+                )
             planned = plan(tree, patch, "apply", force=force)
         if planned.errors:
             raise planned.errors[0]
         changes = planned.file_changes()
         _refuse_read_only(tree, changes)
         backup = _backup(tree, patch) if changes else None
-        if backup and (tree.kind == "installed" or not _inverse_restores(tree, planned)):
+        if backup and (
+            tree.kind == "installed" or not _inverse_restores(tree, planned)
+        ):
             entries, problems = backup.read()
             notes += [f"damaged backup, entry left out: {p}" for p in problems]
-            originals = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
-            backup.save(entries, {r: (a.encode(), b.encode()) for r, (a, b) in originals.items()})
+            made = {
+                r: (a.encode(), b.encode())
+                for r, (a, b) in changes.items()
+                if a is not None
+            }
+            backup.save(entries, made)
         _write(tree, changes)
     if not changes:
         return Outcome(patch.name, "already applied", (), tuple(notes))
     partly = any(not e.changes for e in planned.edits if e.skipped is None)
-    action = "completed" if partly else "applied"
-    return Outcome(patch.name, action, _shown(planned, changes), tuple(notes))
+    return Outcome(
+        patch.name,
+        "completed" if partly else "applied",
+        _shown(planned, changes),
+        tuple(notes),
+    )
+
+
+def revert(tree: VllmTree, patch: Patch) -> Outcome:
+    """Undo ``patch``: each file still as apply left it from its backup copy,
+    every other file by the inverse edits; then the backup is deleted."""
+    refuse_wheel(tree.location, "revert")
+    with locked(tree.location):
+        _clean(tree, patch)
+        backup = _backup(tree, patch)
+        entries, problems = backup.read() if backup else ({}, [])
+        restore = {
+            rel: backup.original(rel).decode("utf-8")
+            for rel, entry in entries.items()
+            if tree.exists(rel)
+            and sha256(tree.read_bytes(rel)) == entry["patched_sha256"]
+        }
+        p = plan(tree, patch, "revert", restore=restore)
+        if p.errors and problems:
+            error = p.errors[0]
+            raise PatchError(
+                "cannot revert: the backup is damaged and the inverse edit does not "
+                f"recognise the file ({error.message})",
+                path=error.path,
+                looked_for=error.looked_for,
+                found=f"{error.found}; backup: {'; '.join(problems)}. Reinstall "
+                f"vLLM to get the original file back, then delete {backup.folder}",
+            )
+        if p.errors:
+            raise p.errors[0]
+        changes = p.file_changes()
+        _refuse_read_only(tree, changes)
+        _write(tree, changes)
+        if backup is not None:
+            backup.discard()
+    notes = [
+        f"damaged backup, reverting by the inverse edit instead: {x}" for x in problems
+    ]
+    action = "reverted" if changes else "nothing to revert"
+    return Outcome(patch.name, action, _shown(p, changes), tuple(notes))
 
 
 def _clean(tree: VllmTree, patch: Patch) -> None:
@@ -392,16 +466,30 @@ def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
         return False
 
 
-def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]]) -> None:
+def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
+    """Files and folders marked read-only are left alone, even by root."""
+    paths = [tree.real(rel) for rel in changes]
+    for target in {tree.real("."), *paths, *(p.parent for p in paths)} if paths else ():
+        if os.path.lexists(target):
+            mode = os.stat(target).st_mode
+            if not os.access(target, os.W_OK) or not mode & 0o222:
+                what = "folder" if stat.S_ISDIR(mode) else "file"
+                raise PatchError(
+                    f"{what} is read-only",
+                    path=str(target),
+                    looked_for=f"a writable {what}",
+                    found=f"mode {stat.filemode(mode)}",
+                )
+
+
+def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
     """Each file replaced (or deleted) on its own; a failure says how far it got."""
-    paths = {rel: tree.real(rel) for rel in changes}
-    done = 0
-    for rel, (_, after) in changes.items():
+    for done, (rel, (_, after)) in enumerate(changes.items()):
         try:
             if after is None:
-                remove_at(paths[rel])
+                remove_at(tree.real(rel))
             else:
-                replace_at(paths[rel], after.encode())
+                replace_at(tree.real(rel), after.encode())
         except OSError as exc:
             raise PatchError(
                 f"cannot write ({exc.strerror})",
@@ -410,64 +498,9 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[str | None, str | None]])
                 found=f"{done} of {len(changes)} files written; the tree is partly "
                 "patched: run apply again to finish, or revert to undo",
             ) from exc
-        done += 1
-
-
-def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
-    """Files and folders marked read-only are left alone, even by root."""
-    paths = [tree.real(rel) for rel in changes]
-    if not paths:
-        return
-    for target in {tree.real("."), *paths, *(p.parent for p in paths)}:
-        if not os.path.lexists(target):
-            continue
-        mode = os.stat(target).st_mode
-        if not os.access(target, os.W_OK) or not mode & 0o222:
-            what = "folder" if target.is_dir() else "file"
-            raise PatchError(
-                f"{what} is read-only",
-                path=str(target),
-                looked_for=f"a writable {what}",
-                found=f"mode {stat.filemode(mode)}",
-            )
 
 
 def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
     """The changed files, each with the shim that led to it."""
     via = {e.file: e.via for e in p.edits if e.via}
     return tuple(f"{r} via the shim {via[r]}" if r in via else r for r in changes)
-
-
-def revert(tree: VllmTree, patch: Patch) -> Outcome:
-    """Undo ``patch``: each file as apply left it from its backup copy, every
-    other file by the inverse edits; then the backup is deleted."""
-    refuse_wheel(tree.location, "revert")
-    with locked(tree.location):
-        _clean(tree, patch)
-        backup = _backup(tree, patch)
-        entries, problems = backup.read() if backup else ({}, [])
-        restore = {}
-        for rel, entry in entries.items():
-            if tree.exists(rel) and sha256(tree.read_bytes(rel)) == entry["patched_sha256"]:
-                restore[rel] = backup.original(rel).decode("utf-8")
-        p = plan(tree, patch, "revert", restore=restore)
-        notes = [f"damaged backup, reverting by the inverse edit instead: {x}" for x in problems]
-        if p.errors and problems:
-            error = p.errors[0]
-            raise PatchError(
-                "cannot revert: the backup is damaged and the inverse edit does not "
-                f"recognise the file ({error.message})",
-                path=error.path,
-                looked_for=error.looked_for,
-                found=f"{error.found}; backup: {'; '.join(problems)}. Reinstall "
-                f"vLLM to get the original file back, then delete {backup.folder}",
-            )
-        if p.errors:
-            raise p.errors[0]
-        changes = p.file_changes()
-        _refuse_read_only(tree, changes)
-        _write(tree, changes)
-        if backup is not None:
-            backup.discard()
-    action = "reverted" if changes else "nothing to revert"
-    return Outcome(patch.name, action, _shown(p, changes), tuple(notes))

@@ -145,7 +145,9 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
 
 
 def _not_regular(path: Path, what: str, found: str) -> PatchError:
-    return PatchError("not a regular file", path=str(path), looked_for=what, found=found)
+    return PatchError(
+        "not a regular file", path=str(path), looked_for=what, found=found
+    )
 
 
 def too_big(shown: str, looked_for: str, limit: int) -> PatchError:

@@ -139,7 +139,9 @@ def _spec(meta: dict, key: str, meta_file: Path) -> SpecifierSet | None:
     try:
         return SpecifierSet(meta[key]) if key in meta or key == "vllm" else None
     except (KeyError, InvalidSpecifier, TypeError) as exc:
-        raise PatchError(f"bad or missing {key!r} specifier: {exc}", path=str(meta_file))
+        raise PatchError(
+            f"bad or missing {key!r} specifier: {exc}", path=str(meta_file)
+        )
 
 
 def load_patch(folder: Path) -> Patch:
@@ -148,7 +150,9 @@ def load_patch(folder: Path) -> Patch:
     try:
         edits, test_edits = (
             tuple(
-                Edit(e["file"], e["apply"], e["revert"], optional, e.get("create", False))
+                Edit(
+                    e["file"], e["apply"], e["revert"], optional, e.get("create", False)
+                )
                 for e in meta.get(table, ())
             )
             for table, optional in (("edits", False), ("test_edits", True))
@@ -216,7 +220,10 @@ def is_default(
         return False, f"{shown} is outside its range {patch.versions}"
     if patch.default is not None:
         yes = version is None or patch.default.contains(version, prereleases=True)
-        return yes, f"{shown} is {'in' if yes else 'outside'} its default {patch.default}"
+        return (
+            yes,
+            f"{shown} is {'in' if yes else 'outside'} its default {patch.default}",
+        )
     if patch.replaces:
         other = {p.name: p for p in all_patches()}.get(patch.replaces)
         taken = other is not None and is_default(other, version)[0]

@@ -129,13 +129,19 @@ class VllmTree:
     def metadata(self) -> str | None:
         """The dist-info ``METADATA`` of an installed tree or a wheel."""
         if self.is_wheel:
-            found = sorted(n for n in self._zip_names if n.endswith(".dist-info/METADATA"))
+            found = sorted(
+                n for n in self._zip_names if n.endswith(".dist-info/METADATA")
+            )
             relpath = found[0] if found else None
         elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
             relpath = str((self.dist_info / "METADATA").relative_to(self.location))
         else:
             relpath = None
-        return None if relpath is None else self.read_bytes(relpath).decode("utf-8", "replace")
+        return (
+            None
+            if relpath is None
+            else self.read_bytes(relpath).decode("utf-8", "replace")
+        )
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
