@@ -87,6 +87,10 @@ def _plan_finding(tree: VllmTree, patch: Patch) -> Finding:
     state = {
         PlanStatus.APPLIED: ("ok", "applied to this vLLM"),
         PlanStatus.APPLICABLE: ("info", "not applied (`vllm-patch apply` applies it)"),
+        PlanStatus.PARTLY_APPLIED: (
+            "fix",
+            "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
+        ),
     }.get(plan.status, ("info", f"cannot be applied here: {_first_line(plan)}"))
     return Finding(f"{patch.name}:patch", state[0], f"patch {patch.name}: {state[1]}")
 
