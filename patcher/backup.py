@@ -13,6 +13,7 @@ refused (exit 3) before anything is read or written through it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.errors import PatchError
-from patcher.files import read_at, remove_at, remove_dirs, replace_at
+from patcher.files import open_dir, read_at, remove_at, replace_at
 
 BACKUP_DIR = ".vllm-patch-backup"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -72,19 +73,22 @@ class Backup:
             return {}, []
         try:
             what = "the backup's manifest"
-            data = self._read(self.manifest_path, what, MAX_MANIFEST_BYTES)
-            files = json.loads(data.decode("utf-8")).get("files")
+            doc = json.loads(self._read(self.manifest_path, what, MAX_MANIFEST_BYTES))
+            files = doc["files"]
+            if not isinstance(files, dict):
+                raise KeyError(files)
         except PatchError as exc:
             if "symbolic link" in exc.message:
                 raise
             return {}, [f"{self.manifest_path}: {exc.message} ({exc.found})"]
-        except (ValueError, RecursionError, AttributeError) as exc:
-            why = "JSON nested too deep" if isinstance(exc, RecursionError) else exc
-            if isinstance(exc, AttributeError):
-                why = 'no "files" table'
+        except (ValueError, RecursionError, LookupError, TypeError) as exc:
+            why = {RecursionError: "JSON nested too deep"}.get(type(exc), exc)
+            why = (
+                why
+                if isinstance(exc, ValueError | RecursionError)
+                else 'no "files" table'
+            )
             return {}, [f"{self.manifest_path}: {why}"]
-        if not isinstance(files, dict):
-            return {}, [f'{self.manifest_path}: no "files" table']
         for rel in files:
             if rel not in self.files:
                 raise PatchError(
@@ -153,4 +157,9 @@ class Backup:
         reads), then the patch's store, and the store's folder if left empty."""
         remove_at(self.manifest_path)
         remove_at(self.folder)
-        remove_dirs(self.folder.parent, self.root)
+        with contextlib.suppress(OSError):  # the store, once empty
+            fd = open_dir(self.root)
+            try:
+                os.rmdir(BACKUP_DIR, dir_fd=fd)
+            finally:
+                os.close(fd)

@@ -25,25 +25,19 @@ from pathlib import Path
 from patcher.errors import PatchError, ReadError, shown
 
 MAX_FILE_BYTES = 2 << 20
-"""The largest file read from a tree or a wheel (2 MiB). vLLM's largest source
-file is about 0.3 MB (0.32.0); LibCST takes about 265 times a file's size to
-parse it, so this also keeps one hostile file from using gigabytes."""
+"""The largest file read from a tree or a wheel (2 MiB; vLLM's largest source is
+about 0.3 MB, and LibCST takes about 265 times a file's size to parse it)."""
 NEW = ".vllm-patch.new"
 """The suffix of the new file :func:`replace_at` writes before its rename."""
-_KINDS = [
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISLNK, "a symbolic link"),
-    (stat.S_ISREG, "a regular file"),
-]
+_KINDS = {"DIR": "a directory", "FIFO": "a FIFO (named pipe)", "SOCK": "a socket",
+          "CHR": "a character device", "BLK": "a block device",
+          "LNK": "a symbolic link", "REG": "a regular file"}  # fmt: skip
 
 
 def kind(mode: int) -> str:
     """What a file is, in words, from its ``st_mode``."""
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    found = (v for k, v in _KINDS.items() if getattr(stat, f"S_IS{k}")(mode))
+    return next(found, "not a regular file")
 
 
 def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
@@ -219,22 +213,6 @@ def _remove(name: str, dfd: int) -> None:
         os.rmdir(name, dir_fd=dfd)
     else:
         os.unlink(name, dir_fd=dfd)
-
-
-def remove_dirs(folder: Path, base: Path) -> None:
-    """Delete ``folder`` and its parents up to ``base`` while they are empty."""
-    while folder != base and folder.is_relative_to(base):
-        try:
-            dfd = open_dir(folder.parent)
-        except PatchError:
-            return
-        try:
-            os.rmdir(folder.name, dir_fd=dfd)
-        except OSError:
-            return
-        finally:
-            os.close(dfd)
-        folder = folder.parent
 
 
 _waited: set[Path] = set()
