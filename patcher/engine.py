@@ -259,7 +259,7 @@ def _exclusive(tree: VllmTree, patch: Patch) -> PatchError | None:
                 "excludes it",
                 path=str(tree.location),
                 looked_for=f"a tree without {other.name}",
-                found=f"its edits; `vllm-patch revert --patch {other.name}` takes them out",
+                found=f"its edits (`vllm-patch revert --patch {other.name}`)",
             )
     return None
 

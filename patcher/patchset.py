@@ -10,9 +10,7 @@ on a tree that has the other, fully or half applied).
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass, field
 from functools import cache
@@ -63,27 +61,8 @@ class Edit:
 
     @property
     def summary(self) -> str:
-        """The first line of the apply codemod's ``DESCRIPTION``, read from its
-        source without importing it (and LibCST)."""
-        module, _, name = self.apply_ref.partition(":")
-        text = _description(module, name)
-        return (text or self.apply.DESCRIPTION).strip().splitlines()[0]
-
-
-@cache
-def _description(module: str, name: str) -> str | None:
-    spec = importlib.util.find_spec(module)
-    source = Path(spec.origin).read_text("utf-8") if spec and spec.origin else ""
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            for stmt in node.body:
-                if (
-                    isinstance(stmt, ast.Assign)
-                    and [ast.unparse(t) for t in stmt.targets] == ["DESCRIPTION"]
-                    and isinstance(stmt.value, ast.Constant)
-                ):
-                    return str(stmt.value.value)
-    return None
+        """The first line of the apply codemod's ``DESCRIPTION`` (imports it)."""
+        return self.apply.DESCRIPTION.strip().splitlines()[0]
 
 
 @dataclass(frozen=True)
@@ -139,9 +118,8 @@ def _spec(meta: dict, key: str, meta_file: Path) -> SpecifierSet | None:
     try:
         return SpecifierSet(meta[key]) if key in meta or key == "vllm" else None
     except (KeyError, InvalidSpecifier, TypeError) as exc:
-        raise PatchError(
-            f"bad or missing {key!r} specifier: {exc}", path=str(meta_file)
-        )
+        msg = f"bad or missing {key!r} specifier: {exc}"
+        raise PatchError(msg, path=str(meta_file)) from exc
 
 
 def load_patch(folder: Path) -> Patch:
@@ -158,7 +136,8 @@ def load_patch(folder: Path) -> Patch:
             for table, optional in (("edits", False), ("test_edits", True))
         )
     except KeyError as exc:
-        raise PatchError(f"an edit without {exc.args[0]!r}", path=str(meta_file))
+        msg = f"an edit without {exc.args[0]!r}"
+        raise PatchError(msg, path=str(meta_file)) from exc
     return Patch(
         name=folder.name,
         title=meta["title"],

@@ -59,7 +59,8 @@ class VllmTree:
         try:
             mode = os.stat(self.location).st_mode
         except OSError as exc:
-            raise PatchError(f"cannot read: {exc.strerror}", path=str(self.location))
+            msg = f"cannot read: {exc.strerror}"
+            raise PatchError(msg, path=str(self.location)) from exc
         if not stat.S_ISREG(mode):  # checked before opening: a FIFO would block
             raise self._bad_wheel(kind(mode))
         try:

@@ -150,6 +150,6 @@ def test_exclusive_patches_refuse_each_other(fake_patches, tmp_path, capsys):
     assert main(["apply", "--patch", "new", "--vllm", str(tree)]) == 3
     err = capsys.readouterr().err
     assert "old is applied here (fully or in part), and new excludes it" in err
-    assert "revert --patch old" in err and snapshot(tree) == applied
+    assert "`vllm-patch revert --patch old`" in err and snapshot(tree) == applied
     assert main(["revert", "--vllm", str(tree)]) == 0
     assert main(["apply", "--patch", "new", "--vllm", str(tree)]) == 0
