@@ -14,6 +14,7 @@ where it skips every file but its target.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
 import libcst as cst
@@ -82,6 +83,7 @@ class TreeCodemod(VisitorBasedCodemodCommand):
 BOM = "\ufeff"
 
 
+@lru_cache(maxsize=8)  # a module is immutable: one parse per text, shared
 def parse(source: str, relpath: str) -> cst.Module:
     try:
         return cst.parse_module(source)
