@@ -127,7 +127,7 @@ class Backup:
     def original(self, rel: str) -> bytes:
         return self._read(self.folder / rel, f"the backup copy of {rel}")
 
-    def save(self, entries: dict, changes: dict[str, tuple[bytes, bytes]]) -> None:
+    def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)) and write the
         manifest. A file backed up already keeps its first original (a tree
         completed later still reverts to what it was before any patching),
@@ -135,7 +135,8 @@ class Backup:
         manifest = dict(entries)
         for rel in [*changes, "manifest.json"]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
-        for rel, (before, after) in changes.items():
+        for rel, texts in changes.items():
+            before, after = (t.encode() for t in texts)
             entry = manifest.get(rel)
             if entry is None or entry["original_sha256"] != sha256(before):
                 try:

@@ -328,9 +328,7 @@ class Outcome:
     patch: str
     action: str
     files: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-    """What the engine found besides the plan's warnings: a damaged backup, a
-    plan made again."""
+    notes: tuple[str, ...] = ()  # a damaged backup, a plan made again
 
     def __str__(self) -> str:
         where = f" ({', '.join(self.files)})" if self.files else ""
@@ -378,9 +376,7 @@ def apply(
         _clean(tree, patch)
         if planned is None or not _still_current(tree, planned):
             if planned is not None:
-                notes.append(
-                    f"{patch.name}: the tree changed after the check; planned again"
-                )
+                notes.append(f"{patch.name}: the tree changed; planned again")
             planned = plan(tree, patch, "apply", force=force)
         if planned.errors:
             raise planned.errors[0]
@@ -392,22 +388,14 @@ def apply(
         ):
             entries, problems = backup.read()
             notes += [f"damaged backup, entry left out: {p}" for p in problems]
-            made = {
-                r: (a.encode(), b.encode())
-                for r, (a, b) in changes.items()
-                if a is not None
-            }
+            made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
             backup.save(entries, made)
         _write(tree, changes)
     if not changes:
         return Outcome(patch.name, "already applied", (), tuple(notes))
     partly = any(not e.changes for e in planned.edits if e.skipped is None)
-    return Outcome(
-        patch.name,
-        "completed" if partly else "applied",
-        _shown(planned, changes),
-        tuple(notes),
-    )
+    action = "completed" if partly else "applied"
+    return Outcome(patch.name, action, _shown(planned, changes), tuple(notes))
 
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
