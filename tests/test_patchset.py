@@ -120,12 +120,10 @@ def test_list_says_where_each_applies_and_why(fake_patches, tmp_path, capsys):
     tree = version_tree(tmp_path / "tree", "0.33.0")
     assert main(["list", "--json", "--vllm", str(tree)]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["old"]["applies"] and not rows["old"]["default"]
+    assert rows["old"]["applies"] and not rows["old"]["is_default"]
     assert "outside its default <0.33" in rows["old"]["why"]
-    assert (
-        rows["new"]["default"]
-        and "old, which it replaces, is not" in rows["new"]["why"]
-    )
+    assert rows["new"]["is_default"] and rows["new"]["default"] is None
+    assert "old, which it replaces, is not" in rows["new"]["why"]
 
 
 def test_a_created_file_comes_and_goes(fake_patches, tmp_path, capsys):

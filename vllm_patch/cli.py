@@ -65,7 +65,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         doc = p.to_json()
         if tree is not None:
             doc["applies"] = p.covers(version)
-            doc["default"], doc["why"] = is_default(p, version)
+            doc["is_default"], doc["why"] = is_default(p, version)
         rows.append(doc)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -76,7 +76,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{doc['name']}  (vLLM {doc['vllm']})\n  {doc['title']}")
         if "applies" in doc:
             applies = "applies here" if doc["applies"] else "does not apply here"
-            chosen = "the default" if doc["default"] else "not the default"
+            chosen = "the default" if doc["is_default"] else "not the default"
             print(f"  {applies}; {chosen}: {doc['why']}")
         for e in doc["edits"] + doc["test_edits"]:
             print(f"  - {e['file']}: {e['summary']}")
