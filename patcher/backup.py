@@ -1,227 +1,166 @@
-"""Backups of original files for installed trees (site-packages, unpacked
-wheels), so ``revert`` restores their exact bytes. Checkouts have git and get
-the inverse edit instead.
+"""Plain copies of the original files, so ``revert`` gives a tree that is not a
+git checkout (site-packages, an unpacked wheel) its exact bytes back.
 
-Layout: ``<tree>/.vllm-patch-backup/<patch>/manifest.json`` and the original
-files beside it under their tree paths. The manifest maps each backed-up file
-to ``{"original_sha256": ..., "patched_sha256": ...}``.
-
-A backup can be damaged (a copy deleted or edited, the manifest emptied or
-replaced, a folder where a copy was). Reading one never fails for that: every
-entry that does not hold up is reported in ``problems`` and left out, and the
-engine falls back to the inverse edit for its file.
-
-A backup can also be planted, by whoever prepared the tree, to make vllm-patch
-act elsewhere: the store (or a folder in it) a link out of the tree, a manifest
-naming files the patch does not touch, a ``.git`` file pointing at another
-folder. Those are refused (``PatchError``, exit 3) before anything is read or
-written through them.
+``<tree>/.vllm-patch-backup/<patch>/manifest.json`` maps each copied file to
+``{"original_sha256": ..., "patched_sha256": ...}``; the copies sit beside it
+under their tree paths. Apply writes the copies and the manifest before the
+sources, so a kill leaves nothing revert cannot use. What is read back is data:
+an entry that does not hold up (a copy gone or edited, the manifest unreadable)
+is damage, reported and left out, and its file reverted by the inverse edit; a
+link in the store, or an entry for a file the patch does not touch, is a plant,
+refused (exit 3) before anything is read or written through it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
-import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.atomic import sha256
-from patcher.confine import real, refuse_links
-from patcher.errors import PatchError, ReadError
-from patcher.files import kind, read_json, read_regular
+from patcher.errors import PatchError
+from patcher.files import open_dir, read_at, remove_at, replace_at
 
 BACKUP_DIR = ".vllm-patch-backup"
+MAX_MANIFEST_BYTES = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 HASHES = ("original_sha256", "patched_sha256")
 
 
-@dataclass(frozen=True)
-class BackupState:
-    entries: dict[str, dict[str, str]] = field(default_factory=dict)
-    """relpath -> hashes, only entries whose copy is present and intact."""
-    problems: tuple[str, ...] = ()
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
 class Backup:
-    base: Path
-    """Where the store lives, resolved: the tree root, or a checkout's git dir."""
+    root: Path
+    """The tree root, resolved."""
     patch: str
-    files: frozenset[str] = frozenset()
+    files: frozenset[str]
     """The tree paths the patch touches: the only entries a manifest may have."""
-
-    @classmethod
-    def of(cls, base: Path, patch_name: str, files=frozenset()) -> Backup:
-        """The patch's backup under ``base``, refused when any part of the
-        store is a link (it would lead the writes and deletes elsewhere)."""
-        backup = cls(real(base), patch_name, frozenset(files))
-        for path in [backup.folder, backup.manifest_path]:
-            refuse_links(path, backup.base, "part of the backup store")
-        return backup
 
     @property
     def folder(self) -> Path:
-        return self.base / BACKUP_DIR / self.patch
+        return self.root / BACKUP_DIR / self.patch
 
     @property
     def manifest_path(self) -> Path:
         return self.folder / "manifest.json"
 
-    def copy_path(self, relpath: str) -> Path:
-        return self.folder / relpath
-
-    def exists(self) -> bool:
-        return os.path.lexists(self.folder)
-
-    def read(self) -> BackupState:
-        """The usable entries and what is wrong with the rest."""
-        if not self.exists():
-            return BackupState()
+    def _read(self, path: Path, what: str, limit: int | None = None) -> bytes:
+        """A file of the store; a link in it is refused, anything else wrong is
+        a ``PatchError`` the caller takes for damage."""
         try:
-            manifest = read_json(self.manifest_path, "the backup's manifest")
-        except ReadError:
-            raise
+            return read_at(path, what, **({"limit": limit} if limit else {}))
         except PatchError as exc:
-            reason = f"{exc.message} ({exc.found})" if exc.found else exc.message
-            return BackupState(problems=(f"{self.manifest_path}: {reason}",))
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            return BackupState(
-                problems=(
-                    f'{self.manifest_path}: no "files" table (found a '
-                    f"{type(manifest).__name__})",
-                )
+            if str(exc.found).startswith(("a symbolic link", "a link or")):
+                raise PatchError(
+                    "part of the backup store is a symbolic link (vllm-patch never "
+                    "follows one there)",
+                    path=str(path),
+                    looked_for="a real folder or file",
+                    found=f"{exc.found}; nothing was changed",
+                ) from exc
+            raise
+
+    def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
+        """The entries whose copy is present and intact, and what is wrong with
+        the rest (one line each)."""
+        if not os.path.lexists(self.folder.parent):
+            return {}, []
+        try:
+            what = "the backup's manifest"
+            doc = json.loads(self._read(self.manifest_path, what, MAX_MANIFEST_BYTES))
+            files = doc["files"]
+            if not isinstance(files, dict):
+                raise KeyError(files)
+        except PatchError as exc:
+            if "symbolic link" in exc.message:
+                raise
+            return {}, [f"{self.manifest_path}: {exc.message} ({exc.found})"]
+        except (ValueError, RecursionError, LookupError, TypeError) as exc:
+            why = {RecursionError: "JSON nested too deep"}.get(type(exc), exc)
+            why = (
+                why
+                if isinstance(exc, ValueError | RecursionError)
+                else 'no "files" table'
             )
-        self._refuse_foreign(files)
+            return {}, [f"{self.manifest_path}: {why}"]
+        for rel in files:
+            if rel not in self.files:
+                raise PatchError(
+                    "a backup manifest names a file the patch does not touch",
+                    path=str(self.manifest_path),
+                    looked_for=f"entries for {', '.join(sorted(self.files))} only",
+                    found=f"entry {rel[:300]!r}; nothing was changed: delete "
+                    f"{self.folder} if you did not make it",
+                )
         entries, problems = {}, []
-        for relpath, entry in files.items():
-            problem = self._check(relpath, entry)
+        for rel, entry in files.items():
+            problem = self._check(rel, entry)
             if problem:
                 problems.append(problem)
             else:
-                entries[relpath] = {k: entry[k] for k in HASHES}
-        return BackupState(entries, tuple(problems))
+                entries[rel] = {k: entry[k] for k in HASHES}
+        return entries, problems
 
-    def _check(self, relpath: str, entry: object) -> str | None:
-        where = f"{self.manifest_path}: entry {relpath!r}"
+    def _check(self, rel: str, entry: object) -> str | None:
+        where = f"{self.manifest_path}: entry {rel!r}"
         if not isinstance(entry, dict):
             return f"{where} is not a table"
         for key in HASHES:
             if not _SHA256.match(str(entry.get(key, ""))):
                 return f"{where} has no valid {key}"
-        copy = self.copy_path(relpath)
-        refuse_links(copy, self.base, "part of the backup store")
         try:
-            data = read_regular(copy)
-        except ReadError:
-            raise
+            data = self.original(rel)
         except PatchError as exc:
-            return f"{copy}: {exc.message}" + (f" ({exc.found})" if exc.found else "")
+            if "symbolic link" in exc.message:
+                raise
+            return f"{exc.path}: {exc.message} ({exc.found})"
         if sha256(data) != entry["original_sha256"]:
-            return f"{copy}: changed since it was backed up (hash differs)"
+            return f"{self.folder / rel}: changed since it was backed up (hash differs)"
         return None
 
-    def _refuse_foreign(self, files: dict) -> None:
-        """A manifest entry for a file the patch does not touch is not damage
-        but a plant: revert would copy it over whatever it names."""
-        for relpath in files:
-            if relpath not in self.files:
-                raise PatchError(
-                    "a backup manifest names a file the patch does not touch",
-                    path=str(self.manifest_path),
-                    looked_for=f"entries for {', '.join(sorted(self.files))} only",
-                    found=f"entry {relpath[:300]!r}; nothing was changed: delete "
-                    f"{self.folder} if you did not make it",
-                )
+    def original(self, rel: str) -> bytes:
+        return self._read(self.folder / rel, f"the backup copy of {rel}")
 
-    def files_to_write(
-        self, changes: dict[str, tuple[bytes, bytes]], state: BackupState
-    ) -> dict[Path, bytes]:
-        """What to add to the write for ``changes`` (relpath -> (before, after)).
-
-        A file already backed up keeps its first original (a half-applied tree
-        completed later still reverts to what it was before any patching), unless
-        the file now is something else (vLLM reinstalled): then it is backed up anew.
-        """
-        manifest = dict(state.entries)
-        out: dict[Path, bytes] = {}
-        for relpath, (before, after) in changes.items():
-            entry = manifest.get(relpath)
+    def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
+        """Copy the originals of ``changes`` (rel -> (before, after)) and write the
+        manifest. A file backed up already keeps its first original (a tree
+        completed later still reverts to what it was before any patching),
+        unless it now is something else (vLLM reinstalled)."""
+        manifest = dict(entries)
+        for rel in [*changes, "manifest.json"]:  # what a killed save left
+            remove_at(self.folder / rel, leftovers=True)
+        for rel, texts in changes.items():
+            before, after = (t.encode() for t in texts)
+            entry = manifest.get(rel)
             if entry is None or entry["original_sha256"] != sha256(before):
-                copy = self.copy_path(relpath)
-                if os.path.lexists(copy) and not copy.is_file():
+                try:
+                    replace_at(self.folder / rel, before, make_below=self.root)
+                except PatchError as exc:
                     raise PatchError(
                         "damaged backup: the place of a backup copy is taken",
-                        path=str(copy),
-                        looked_for=f"nothing, or the backup copy of {relpath}",
-                        found=f"{kind(os.lstat(copy).st_mode)}; delete it and run "
-                        "again",
-                    )
-                out[copy] = before
+                        path=str(self.folder / rel),
+                        looked_for=f"nothing, or the backup copy of {rel}",
+                        found=f"{exc.found}; delete it and run again",
+                    ) from exc
                 entry = {"original_sha256": sha256(before)}
-            manifest[relpath] = {**entry, "patched_sha256": sha256(after)}
-        body = {"files": manifest}
-        out[self.manifest_path] = (json.dumps(body, indent=2) + "\n").encode()
-        return out
+            manifest[rel] = {**entry, "patched_sha256": sha256(after)}
+        text = json.dumps({"files": manifest}, indent=2) + "\n"
+        replace_at(self.manifest_path, text.encode(), make_below=self.root)
 
-    @staticmethod
-    def restorable(state: BackupState, relpath: str, current: bytes) -> bool:
-        """Is the file still exactly as apply left it, with its copy intact?"""
-        entry = state.entries.get(relpath)
-        return entry is not None and entry["patched_sha256"] == sha256(current)
-
-    def original(self, relpath: str) -> bytes:
-        refuse_links(self.copy_path(relpath), self.base, "part of the backup store")
-        return read_regular(self.copy_path(relpath))
-
-    def removals(self) -> list[Path]:
-        """What ``write_atomically(remove=...)`` deletes to discard the backup."""
-        return [self.folder] if self.exists() else []
-
-
-def git_dir(root: Path) -> Path:
-    """The git directory of the checkout at ``root`` (resolved), where its
-    backups live: ``.git`` itself, or the folder a ``.git`` file names when that
-    is a git directory of this very checkout (a linked work tree's, or a
-    submodule's). Anything else is refused: it would put the backups elsewhere."""
-    dot = root / ".git"
-    mode = os.lstat(dot).st_mode
-    if stat.S_ISDIR(mode):
-        return dot
-    if stat.S_ISREG(mode):
-        text = read_regular(dot, limit=4096).decode("utf-8", "replace")
-        key, _, value = text.partition(":")
-        if key.strip() == "gitdir" and value.strip():
-            found = real(root / value.strip())
-            if _belongs_to(found, root):
-                return found
-            raise _foreign_git(dot, f"gitdir: {found}, not a git directory of it")
-    raise _foreign_git(dot, kind(mode) if not stat.S_ISREG(mode) else "no gitdir")
-
-
-def _belongs_to(gitdir: Path, root: Path) -> bool:
-    """Is ``gitdir`` a git directory whose work tree is ``root``?"""
-    if not (gitdir / "HEAD").is_file():
-        return False
-    back = gitdir / "gitdir"  # a linked work tree's: the path of its .git file
-    if back.is_file():
-        line = read_regular(back, limit=4096).decode("utf-8", "replace").strip()
-        return real(gitdir / line) == real(root / ".git")
-    config = gitdir / "config"  # a submodule's: core.worktree
-    if config.is_file():
-        text = read_regular(config).decode("utf-8", "replace")
-        found = re.search(r"^\s*worktree\s*=\s*(.+?)\s*$", text, re.MULTILINE)
-        return bool(found) and real(gitdir / found[1]) == real(root)
-    return False
-
-
-def _foreign_git(dot: Path, found: str) -> PatchError:
-    return PatchError(
-        "a .git that is not this checkout's git directory",
-        path=str(dot),
-        looked_for="a .git folder, or a .git file naming a git directory of this "
-        "work tree (git worktree, submodule)",
-        found=f"{found}; nothing was changed",
-    )
+    def discard(self) -> None:
+        """Delete the manifest first (a kill then leaves only copies no one
+        reads), then the patch's store, and the store's folder if left empty."""
+        remove_at(self.manifest_path)
+        remove_at(self.folder)
+        with contextlib.suppress(OSError):  # the store, once empty
+            fd = open_dir(self.root)
+            try:
+                os.rmdir(BACKUP_DIR, dir_fd=fd)
+            finally:
+                os.close(fd)

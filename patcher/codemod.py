@@ -6,7 +6,7 @@ edits (``TARGET``) and can read other files of the same tree. That keeps every
 transform runnable on its own through LibCST's tool::
 
     python -m libcst.tool codemod -x --no-format \\
-        patches.cpu_fused_norms.vllm_c.EnableVllmCOnCpu /path/to/vllm
+        patches.cpu_fused_norms.enable_vllm_c.EnableVllmCOnCpu /path/to/vllm
 
 where it skips every file but its target.
 """
@@ -14,6 +14,7 @@ where it skips every file but its target.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
 import libcst as cst
@@ -82,6 +83,7 @@ class TreeCodemod(VisitorBasedCodemodCommand):
 BOM = "\ufeff"
 
 
+@lru_cache(maxsize=8)  # a module is immutable: one parse per text, shared
 def parse(source: str, relpath: str) -> cst.Module:
     try:
         return cst.parse_module(source)

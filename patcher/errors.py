@@ -1,8 +1,5 @@
-"""Errors the engine reports, and the exit codes they map to.
-
-``ExitCode`` is the one home of ``vllm-patch``'s exit codes: the CLI's help text
-is built from it and a test holds the table in ``docs/cli.md`` to it.
-"""
+"""Errors the engine reports, and the exit codes they map to (``ExitCode``: the
+one home of ``vllm-patch``'s exit codes, for ``--help`` and ``docs/cli.md``)."""
 
 from __future__ import annotations
 
@@ -19,17 +16,16 @@ class ExitCode(enum.IntEnum):
 
     def __new__(cls, value: int, short: str, meaning: str) -> ExitCode:
         member = int.__new__(cls, value)
-        member._value_ = value
-        member.short = short
-        member.meaning = meaning
+        member._value_, member.short, member.meaning = value, short, meaning
         return member
 
     OK = 0, "done", "done, already applied, or nothing to revert"
     PENDING = (
         1,
         "check found a pending patch, doctor something to fix, or a bench step failed",
-        "`check` found a patch that applies but is not applied yet; `doctor` found "
-        "something to fix; `bench` had a step fail (what it measured is written)",
+        "`check` found a patch that is not applied, or partly applied; `doctor` "
+        "found something to fix; `bench` had a step fail (what it measured is "
+        "written)",
     )
     USAGE = (
         2,
@@ -41,16 +37,15 @@ class ExitCode(enum.IntEnum):
     CANNOT_APPLY = (
         3,
         "cannot apply (nothing changed)",
-        "cannot apply: not a vLLM tree, a bad or damaged wheel, a missing or "
-        "non-regular file, a shape the codemod does not recognise, a compatibility "
-        "shim whose module is not in the tree, a syntax error, a non-UTF-8 file, a "
-        "read-only file or folder, a vLLM version outside the patch's range, an "
-        "interrupted operation that cannot be finished, a path leading out of the "
-        "tree (a planted intent record or backup manifest, a link, a .git file "
-        "naming another folder), a file over the size bound. The message names the "
-        "file, what was looked for and what was found; nothing was changed, unless "
-        "a write failed half-way: then it names the system call and says what the "
-        "tree holds and that the next command finishes or undoes it.",
+        "cannot apply: not a vLLM tree, a bad wheel, a missing or non-regular "
+        "file, a shape the codemod does not recognise, a shim whose module is not "
+        "in the tree, a syntax error, a non-UTF-8 file, a read-only file or "
+        "folder, a vLLM version outside the patch's range, an exclusive patch "
+        "applied, no default patch, a path leading out of the tree (a link, a "
+        "planted backup manifest), a file over the size bound. The message names "
+        "the file, what was looked for and what was found; nothing was changed, "
+        "unless a write failed between two files: then it says how far it got, "
+        "and that apply (or revert) run again finishes it.",
     )
 
     @classmethod
@@ -76,39 +71,23 @@ class PatchError(Exception):
 
     exit_code = ExitCode.CANNOT_APPLY
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: str | None = None,
-        looked_for: str | None = None,
-        found: str | None = None,
-    ) -> None:
+    def __init__(self, message: str, *, path=None, looked_for=None, found=None):
         self.message = shown(message)
-        self.path = None if path is None else shown(path)
-        self.looked_for = None if looked_for is None else shown(looked_for)
-        self.found = None if found is None else shown(found)
+        self.path, self.looked_for, self.found = (
+            None if x is None else shown(x) for x in (path, looked_for, found)
+        )
         super().__init__(str(self))
 
     def __str__(self) -> str:
         parts = [f"{self.path}: {self.message}" if self.path else self.message]
-        if self.looked_for:
-            parts.append(f"  looked for: {self.looked_for}")
-        if self.found:
-            parts.append(f"  found: {self.found}")
-        return "\n".join(parts)
+        parts += [f"  looked for: {self.looked_for}"] if self.looked_for else []
+        return "\n".join(parts + ([f"  found: {self.found}"] if self.found else []))
 
     def to_json(self) -> dict:
         """``{"error": {...}}``, what ``--json`` prints instead of a report."""
-        return {
-            "error": {
-                "code": int(self.exit_code),
-                "message": self.message,
-                "path": self.path,
-                "looked_for": self.looked_for,
-                "found": self.found,
-            }
-        }
+        keys = ("message", "path", "looked_for", "found")
+        doc = {"code": int(self.exit_code)} | {k: getattr(self, k) for k in keys}
+        return {"error": doc}
 
 
 class ReadError(PatchError):

@@ -1,139 +1,50 @@
-"""Reading a file named by the user or found in a tree: regular files only, of a
-bounded size, and never blocking (a FIFO where a source file belongs must not
-hang the command, a link to ``/dev/zero`` must not fill the memory)."""
+"""Every file vllm-patch reads or writes in a tree, or that the user names.
+
+A path is derived by the tool, resolved (links followed) and checked to lie
+inside its bases (:func:`inside`); then each folder on the resolved path is
+opened with O_NOFOLLOW, one at a time from ``/`` (:func:`open_dir`), and the file
+relative to the last one. A link swapped in after the check (a file or a whole
+folder) makes the open fail instead of leading elsewhere. Reads take regular
+files only, bounded, never blocking; writes create a new file exclusively beside
+the target, fsync it and rename it over the target in the same opened folder
+(:func:`replace_at`), so a hard-linked copy of the file is never written through.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
+import fcntl
 import os
 import secrets
 import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from patcher.errors import PatchError, ReadError
+from patcher.errors import PatchError, ReadError, shown
 
 MAX_FILE_BYTES = 2 << 20
-"""The largest file read from a tree or a wheel (2 MiB). vLLM's largest source
-file is about 0.3 MB (0.32.0); LibCST takes about 265 times a file's size to
-parse it (measured: 1 GB for 4 MB), so this also keeps one hostile file from
-making the codemods use more than about half a gigabyte."""
-MAX_RECORD_BYTES = 1 << 20
-"""The largest intent record or backup manifest read (1 MiB): vllm-patch writes
-them at a few kilobytes."""
-
-_KINDS = [
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISLNK, "a symbolic link"),
-]
+"""The largest file read from a tree or a wheel (2 MiB; vLLM's largest source is
+about 0.3 MB, and LibCST takes about 265 times a file's size to parse it)."""
+NEW = ".vllm-patch.new"
+"""The suffix of the new file :func:`replace_at` writes before its rename."""
+_KINDS = {"DIR": "a directory", "FIFO": "a FIFO (named pipe)", "SOCK": "a socket",
+          "CHR": "a character device", "BLK": "a block device",
+          "LNK": "a symbolic link", "REG": "a regular file"}  # fmt: skip
 
 
 def kind(mode: int) -> str:
     """What a file is, in words, from its ``st_mode``."""
-    for test, name in _KINDS:
-        if test(mode):
-            return name
-    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+    found = (v for k, v in _KINDS.items() if getattr(stat, f"S_IS{k}")(mode))
+    return next(found, "not a regular file")
 
 
-def read_regular(
-    path: Path,
-    shown: str | None = None,
-    looked_for: str = "a regular file",
-    *,
-    limit: int = MAX_FILE_BYTES,
-    follow: bool = True,
-) -> bytes:
-    """The bytes of the regular file at ``path`` (a symlink is followed unless
-    ``follow`` is false), at most ``limit`` of them; ``PatchError`` naming
-    ``shown`` (default: the path) for anything else."""
-    shown = shown or str(path)
-    # O_NONBLOCK: opening a FIFO for reading would wait for a writer.
-    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise PatchError(
-            "file not found", path=shown, looked_for=looked_for, found="no such file"
-        ) from exc
-    except OSError as exc:
-        if not follow and os.path.islink(path):
-            raise _not_regular(shown, looked_for, "a symbolic link") from exc
-        raise ReadError(f"cannot read (open: {exc.strerror})", path=shown) from exc
-    try:
-        return _read_fd(fd, shown, looked_for, limit)
-    except OSError as exc:
-        raise ReadError(f"cannot read (read: {exc.strerror})", path=shown) from exc
-    finally:
-        os.close(fd)
-
-
-def _read_fd(fd: int, shown: str, looked_for: str, limit: int) -> bytes:
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        raise _not_regular(shown, looked_for, kind(mode))
-    with os.fdopen(os.dup(fd), "rb") as fh:
-        data = fh.read(limit + 1)  # a file growing while read is caught too
-    if len(data) > limit:
-        raise too_big(shown, looked_for, limit)
-    return data
-
-
-def _not_regular(shown: str, looked_for: str, found: str) -> PatchError:
-    return PatchError(
-        "not a regular file", path=shown, looked_for=looked_for, found=found
-    )
-
-
-def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
-    return PatchError(
-        "file too large",
-        path=shown,
-        looked_for=f"{looked_for}, at most {limit} bytes",
-        found="more",
-    )
-
-
-def read_json(path: Path, looked_for: str) -> object:
-    """The JSON document in the regular file at ``path`` (never through a link,
-    at most ``MAX_RECORD_BYTES``); ``PatchError`` for anything else, a document
-    nested too deep for the parser included."""
-    data = read_regular(
-        path, looked_for=looked_for, limit=MAX_RECORD_BYTES, follow=False
-    )
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        found = "JSON nested too deep" if isinstance(exc, RecursionError) else exc
-        raise PatchError(
-            "not a readable JSON document",
-            path=str(path),
-            looked_for=looked_for,
-            found=str(found),
-        ) from exc
-
-
-# --- Paths in a tree, and outputs, opened without a window between check and use.
-# A path is resolved (links followed) and checked to lie inside its bases first;
-# then every folder on the resolved path is opened with O_NOFOLLOW, one at a
-# time, and the file relative to the last one: a link swapped in after the check
-# makes the open fail instead of leading elsewhere. Writes create a new file
-# beside the target exclusively (never through a name found there) and rename
-# it over the target within that folder.
-
-
-def inside(
-    root: Path, rel: str | Path, bases: tuple[Path, ...] | None = None, *, what: str
-) -> Path:
+def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
     """``root / rel`` with every link resolved, or ``PatchError`` (exit 3) when
     that leads out of ``bases`` (default: ``root``)."""
     path = Path(os.path.realpath(Path(root) / rel))
-    bases = tuple(Path(os.path.realpath(b)) for b in (bases or (root,)))
+    bases = [Path(os.path.realpath(b)) for b in (bases or (root,))]
     if any(path.is_relative_to(b) for b in bases):
         return path
     raise PatchError(
@@ -144,14 +55,20 @@ def inside(
     )
 
 
-def open_dir(folder: Path) -> int:
-    """A file descriptor of the resolved ``folder``, each of its components
-    opened with O_NOFOLLOW: ``PatchError`` if one of them is (now) a link."""
+def open_dir(folder: Path, make_below: Path | None = None) -> int:
+    """A file descriptor of the resolved ``folder``, each component opened with
+    O_NOFOLLOW: ``PatchError`` if one is (now) a link. Missing folders below
+    ``make_below`` are made on the way."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     fd = os.open("/", flags)
+    here = Path("/")
     try:
         for name in folder.relative_to("/").parts:
+            here = here / name
             try:
+                if make_below and here.is_relative_to(make_below):
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o755, dir_fd=fd)
                 nxt = os.open(name, flags, dir_fd=fd)
             except OSError as exc:
                 raise PatchError(
@@ -181,51 +98,76 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
             "file not found", path=str(path), looked_for=what, found="no such file"
         ) from exc
     except OSError as exc:
-        found = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
-        raise _not_regular(str(path), what, found) from exc
+        found = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
+        if exc.errno not in found:
+            msg = f"cannot read (open: {exc.strerror})"
+            raise ReadError(msg, path=str(path)) from exc
+        raise _not_regular(path, what, found[exc.errno]) from exc
     finally:
         os.close(dfd)
     try:
-        return _read_fd(fd, str(path), what, limit)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, what, kind(mode))
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(limit + 1)  # a file growing while read is caught too
+    except OSError as exc:
+        raise ReadError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
     finally:
         os.close(fd)
+    if len(data) > limit:
+        raise too_big(str(path), what, limit)
+    return data
 
 
 def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
     """:func:`read_at` decoded as UTF-8 (no NUL byte); one ``PatchError`` else."""
-    data = read_at(path, what, limit=limit)
+    return decode(read_at(path, what, limit=limit), str(path), what)
+
+
+def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
+    """``data`` as UTF-8, with no NUL byte unless ``nul`` (then the codemod's
+    parser says where it is)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PatchError(
-            "not UTF-8 text",
-            path=str(path),
-            looked_for=what,
-            found=f"byte {data[exc.start]:#04x} at offset {exc.start}",
-        ) from exc
-    if "\0" in text:
-        raise PatchError(
-            "not text", path=str(path), looked_for=what, found="a NUL byte"
-        )
+        found = f"byte {data[exc.start]:#04x} at offset {exc.start}"
+        raise PatchError("not UTF-8", path=where, looked_for=what, found=found) from exc
+    if "\0" in text and not nul:
+        raise PatchError("not text", path=where, looked_for=what, found="a NUL byte")
     return text
 
 
-def replace_at(path: Path, data: bytes, *, mode: int | None = None) -> None:
+def _not_regular(path: Path, what: str, found: str) -> PatchError:
+    return PatchError(
+        "not a regular file", path=str(path), looked_for=what, found=found
+    )
+
+
+def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
+    return PatchError(
+        "file too large",
+        path=shown,
+        looked_for=f"{looked_for}, at most {limit} bytes",
+        found="more",
+    )
+
+
+def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
     """Give the resolved ``path`` the content ``data``: a new file created
     exclusively beside it, fsynced, renamed over it in the same opened folder.
     An existing target must be a regular file (its mode is kept); a link, FIFO
     or folder there is refused, never written through."""
-    dfd = open_dir(path.parent)
+    dfd = open_dir(path.parent, make_below)
     try:
         try:
             st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
-            raise _not_regular(str(path), "a regular file to replace", kind(st.st_mode))
-        if mode is None:
-            mode = stat.S_IMODE(st.st_mode) if st else 0o644
-        tmp = f".{path.name}.{secrets.token_hex(6)}.vllm-patch.new"
+            raise _not_regular(path, "a regular file to replace", kind(st.st_mode))
+        mode = stat.S_IMODE(st.st_mode) if st else 0o644
+        tmp = f".{path.name}.{secrets.token_hex(6)}{NEW}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         fd = os.open(tmp, flags, mode, dir_fd=dfd)
         try:
@@ -244,6 +186,62 @@ def replace_at(path: Path, data: bytes, *, mode: int | None = None) -> None:
         os.close(dfd)
 
 
+def remove_at(path: Path, *, leftovers: bool = False) -> None:
+    """Delete what is at the resolved ``path`` (a folder with what it holds; a
+    link itself, never what it leads to), or with ``leftovers`` the new files an
+    interrupted :func:`replace_at` of it left beside it."""
+    with contextlib.suppress(FileNotFoundError, PatchError):
+        dfd = open_dir(path.parent)
+        try:
+            if not leftovers:
+                _remove(path.name, dfd)
+            for name in os.listdir(dfd) if leftovers else ():
+                if name.startswith(f".{path.name}.") and name.endswith(NEW):
+                    _remove(name, dfd)
+        finally:
+            os.close(dfd)
+
+
+def _remove(name: str, dfd: int) -> None:
+    if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        try:
+            for child in os.listdir(sub):
+                _remove(child, sub)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=dfd)
+    else:
+        os.unlink(name, dir_fd=dfd)
+
+
+_waited: set[Path] = set()
+
+
+@contextlib.contextmanager
+def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
+    """One writer at a time on a tree, or readers beside each other (``shared``):
+    a ``flock`` on the tree's root folder, which creates no file and which the
+    kernel drops when its holder dies. Waiting is said once per tree."""
+    fd = open_dir(Path(os.path.realpath(root)))
+    how = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    try:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if root not in _waited:
+                _waited.add(root)
+                print(
+                    f"vllm-patch: waiting for another vllm-patch on {shown(root)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            fcntl.flock(fd, how)
+        yield
+    finally:
+        os.close(fd)
+
+
 def write_output(path: Path, data: bytes | str) -> Path:
     """Write a file the user named (``--out``, ``--format-patch``, a report in
     ``bench --out``): its folder is the user's choice, but a link, FIFO or other
@@ -251,9 +249,7 @@ def write_output(path: Path, data: bytes | str) -> Path:
     a regular file there is replaced by rename."""
     path = Path(path)
     parent = Path(os.path.realpath(path.parent))
-    if isinstance(data, str):
-        data = data.encode("utf-8")
-    replace_at(parent / path.name, data)
+    replace_at(parent / path.name, data.encode() if isinstance(data, str) else data)
     return path
 
 
@@ -261,22 +257,15 @@ def output_dir(path: Path) -> Path:
     """A folder the user named for outputs: made if missing; refused when the
     name is a link or not a folder (whoever planted it chooses where it leads)."""
     path = Path(path)
-    try:
+    with contextlib.suppress(FileExistsError, NotADirectoryError):
         path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError) as exc:
-        raise PatchError(
-            "not a folder",
-            path=str(path),
-            looked_for="a folder for outputs",
-            found=kind(os.lstat(path).st_mode),
-        ) from exc
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISDIR(mode):
         raise PatchError(
             "not a folder (vllm-patch never writes through a link it finds)",
             path=str(path),
             looked_for="a folder for outputs",
-            found=kind(st.st_mode),
+            found=kind(mode),
         )
     return path
 

@@ -1,5 +1,12 @@
 """The carried patches: one folder each under ``patches/``, described by its
-``patch.toml``. Nothing here knows what a patch changes."""
+``patch.toml``, and which of them a tree gets. Nothing here knows what a patch
+changes.
+
+``vllm`` is where a patch can apply at all; ``default`` (optional), where a plain
+``apply``/``check``/``list`` picks it; ``replaces = "OTHER"`` (optional) makes it
+the default wherever OTHER is not, and the two exclusive (``engine`` refuses one
+on a tree that has the other, fully or half applied).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 try:
     import tomllib
@@ -19,9 +26,6 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from patcher.errors import PatchError, UsageError
-
-if TYPE_CHECKING:  # the codemods import LibCST only when a plan runs them
-    from patcher.codemod import TreeCodemod
 
 PATCHES_PACKAGE = "patches"
 
@@ -34,28 +38,30 @@ def _load_object(ref: str) -> Any:
 @dataclass(frozen=True)
 class Edit:
     """One file's change: the codemod that makes it and the one that undoes it,
-    named as ``module:Class`` and imported (with LibCST) only when used."""
+    named as ``module:Class`` and imported (with LibCST) only when a plan runs."""
 
     file: str
-    """The file it edits, relative to the tree root: ``patch.toml`` is its one
-    home, and each of the two codemods takes it as its ``TARGET``."""
+    """The file it edits, relative to the tree root (each codemod's ``TARGET``)."""
     apply_ref: str
     revert_ref: str
     optional: bool = False
-    """An edit to vLLM's own tests: made only where the tree has them (a
-    checkout), and skipped, with the reason, where its file is missing or has a
-    shape the codemod does not recognise. The source edits never are."""
+    """An edit to vLLM's own tests: made only where the tree has them, and left
+    out, with the reason, where its file is missing or has another shape."""
+    create: bool = False
+    """The file may be absent: the codemod then gets an empty module, and revert
+    deletes the file when it holds exactly what apply wrote."""
 
     @property
-    def apply(self) -> type[TreeCodemod]:
+    def apply(self) -> type:
         return _load_object(self.apply_ref)
 
     @property
-    def revert(self) -> type[TreeCodemod]:
+    def revert(self) -> type:
         return _load_object(self.revert_ref)
 
     @property
     def summary(self) -> str:
+        """The first line of the apply codemod's ``DESCRIPTION`` (imports it)."""
         return self.apply.DESCRIPTION.strip().splitlines()[0]
 
 
@@ -70,15 +76,14 @@ class Patch:
     """The whole ``patch.toml``, for the tools that need more (provider, PR text)."""
     test_edits: tuple[Edit, ...] = ()
     """Edits to vLLM's own tests (``[[test_edits]]``), all optional."""
+    default: SpecifierSet | None = None
+    replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """The out-of-tree provider this patch declares in its ``[provider]``
-        table, or None: the table (``module``, and the ``reference`` provider
-        module the bench times it against), ``patch``, and the identity the
-        ``identity`` module (default: ``module``) declares (``name`` from
-        ``PROVIDER``, ``ops``, ``opt_in_env``, ``upstream`` from
-        ``UPSTREAM_PROVIDER``). That module is imported; a torch-free one keeps
-        this working where torch is not installed."""
+        """The out-of-tree provider of the ``[provider]`` table, or None: the
+        table, ``patch``, and what its ``identity`` module (default: ``module``)
+        declares (``name`` from ``PROVIDER``, ``ops``, ``opt_in_env``,
+        ``upstream`` from ``UPSTREAM_PROVIDER``); that module is imported."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
@@ -92,14 +97,16 @@ class Patch:
             "upstream": getattr(module, "UPSTREAM_PROVIDER", None),
         }
 
-    def covers(self, version: Version) -> bool:
-        return self.versions.contains(version, prereleases=True)
+    def covers(self, version: Version | None) -> bool:
+        return version is None or self.versions.contains(version, prereleases=True)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "title": self.title,
             "vllm": str(self.versions),
+            "default": None if self.default is None else str(self.default),
+            "replaces": self.replaces,
             "edits": [{"file": e.file, "summary": e.summary} for e in self.edits],
             "test_edits": [
                 {"file": e.file, "summary": e.summary} for e in self.test_edits
@@ -107,35 +114,40 @@ class Patch:
         }
 
 
+def _spec(meta: dict, key: str, meta_file: Path) -> SpecifierSet | None:
+    try:
+        return SpecifierSet(meta[key]) if key in meta or key == "vllm" else None
+    except (KeyError, InvalidSpecifier, TypeError) as exc:
+        msg = f"bad or missing {key!r} specifier: {exc}"
+        raise PatchError(msg, path=str(meta_file)) from exc
+
+
 def load_patch(folder: Path) -> Patch:
     meta_file = folder / "patch.toml"
     meta = tomllib.loads(meta_file.read_text("utf-8"))
     try:
-        versions = SpecifierSet(meta["vllm"])
-    except (KeyError, InvalidSpecifier) as exc:
-        raise PatchError(
-            f"bad or missing 'vllm' specifier: {exc}", path=str(meta_file)
-        ) from exc
-    try:
         edits, test_edits = (
             tuple(
-                Edit(e["file"], e["apply"], e["revert"], optional)
+                Edit(
+                    e["file"], e["apply"], e["revert"], optional, e.get("create", False)
+                )
                 for e in meta.get(table, ())
             )
             for table, optional in (("edits", False), ("test_edits", True))
         )
     except KeyError as exc:
-        raise PatchError(
-            f"an edit without {exc.args[0]!r}", path=str(meta_file)
-        ) from exc
+        msg = f"an edit without {exc.args[0]!r}"
+        raise PatchError(msg, path=str(meta_file)) from exc
     return Patch(
         name=folder.name,
         title=meta["title"],
-        versions=versions,
+        versions=_spec(meta, "vllm", meta_file),
         edits=edits,
         folder=folder,
         meta=meta,
         test_edits=test_edits,
+        default=_spec(meta, "default", meta_file),
+        replaces=meta.get("replaces"),
     )
 
 
@@ -164,6 +176,7 @@ def all_patches() -> list[Patch]:
 
 
 def select(names: list[str] | None) -> list[Patch]:
+    """The named patches (all without names); an unknown name is a usage error."""
     patches = all_patches()
     if not names:
         return patches
@@ -174,6 +187,47 @@ def select(names: list[str] | None) -> list[Patch]:
             f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
         )
     return [by_name[n] for n in names]
+
+
+def is_default(
+    patch: Patch, version: Version | None, ranged: bool = True
+) -> tuple[bool, str]:
+    """Whether a plain ``apply`` picks ``patch`` for a tree of ``version`` (None:
+    unknown), and why, in words; ``ranged=False`` leaves its range out."""
+    shown = f"vLLM {version}" if version else "an unknown vLLM version"
+    if ranged and not patch.covers(version):
+        return False, f"{shown} is outside its range {patch.versions}"
+    if patch.default is not None:
+        yes = version is None or patch.default.contains(version, prereleases=True)
+        return (
+            yes,
+            f"{shown} is {'in' if yes else 'outside'} its default {patch.default}",
+        )
+    if patch.replaces:
+        other = {p.name: p for p in all_patches()}.get(patch.replaces)
+        taken = other is not None and is_default(other, version)[0]
+        why = "is" if taken else "is not"
+        return not taken, f"{patch.replaces}, which it replaces, {why} the default"
+    return True, f"{shown} is in its range {patch.versions}"
+
+
+def defaults(version: Version | None) -> list[Patch]:
+    """The patches a plain ``apply``/``check``/``list`` picks for ``version``;
+    where none does, those that would but for their range (which refuse it)."""
+    patches = all_patches()
+    return [p for p in patches if is_default(p, version)[0]] or [
+        p for p in patches if is_default(p, version, ranged=False)[0]
+    ]
+
+
+def exclusive_with(patch: Patch) -> list[Patch]:
+    """The patches that exclude ``patch``: the one it replaces, those replacing it."""
+    return [
+        p
+        for p in all_patches()
+        if p.name != patch.name
+        and (p.replaces == patch.name or p.name == patch.replaces)
+    ]
 
 
 def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:

@@ -14,6 +14,9 @@ class PlanStatus(str, enum.Enum):
 
     APPLICABLE = "applicable"
     """Apply would change the tree."""
+    PARTLY_APPLIED = "partly applied"
+    """Some edits are made, others not (a kill between two files, or part of the
+    change made by hand): apply completes it, revert undoes it."""
     APPLIED = "applied"
     """Apply would change nothing: the tree has the change already."""
     REVERTIBLE = "revertible"

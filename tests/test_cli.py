@@ -63,7 +63,9 @@ def test_apply_plans_each_patch_once(tree: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(engine, "plan", counted)
     assert run("apply", "--vllm", str(tree)) == 0
-    assert [p.patch.name for p in plans] == ["cpu_fused_norms"]
+    assert [p.patch.name for p in plans if p.direction == "apply"] == [
+        "cpu_fused_norms"
+    ]
 
 
 def test_a_plan_the_tree_changed_under_is_made_again(tree: Path) -> None:
@@ -305,7 +307,6 @@ def test_bad_input_exits_3_and_changes_nothing(
     text = err.out + err.err
     assert message in text and names in text
     assert snapshot(tree) == before
-    assert not list(tree.rglob("*.tmp"))
 
 
 @pytest.mark.integration  # the installed console script

@@ -13,7 +13,6 @@ import pytest
 from conftest import VLLM_C, make_tree
 
 from patcher.errors import PatchError, shown
-from patcher.journal import JOURNAL
 from vllm_patch.cli import main
 
 NAME = os.fsdecode(b"tr\xffee")
@@ -29,10 +28,9 @@ def test_shown_escapes_only_what_is_not_utf8() -> None:
     [
         pytest.param(["check"], None, 1, id="check-report"),
         pytest.param(["check", "--json"], None, 1, id="check-json"),
-        pytest.param(["apply"], "vllm/kernels/.vllm_c.py.vllm-patch.new", 0,
-                     id="apply-note"),
-        pytest.param(["diff"], JOURNAL, 3, id="diff-error"),
-        pytest.param(["revert"], JOURNAL, 3, id="revert-error"),
+        pytest.param(["apply"], VLLM_C, 3, id="apply-error"),
+        pytest.param(["diff"], VLLM_C, 3, id="diff-error"),
+        pytest.param(["revert"], VLLM_C, 3, id="revert-error"),
     ],
 )  # fmt: skip
 def test_a_non_utf8_tree_path_prints(tmp_path, monkeypatch, argv, plant, code):

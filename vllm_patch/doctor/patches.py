@@ -34,6 +34,10 @@ def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Findin
     status, state = {
         PlanStatus.APPLIED: ("ok", "applied to this vLLM"),
         PlanStatus.APPLICABLE: ("info", "not applied (`vllm-patch apply` applies it)"),
+        PlanStatus.PARTLY_APPLIED: (
+            "fix",
+            "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
+        ),
     }.get(plan.status, ("info", f"cannot be applied here: {why}"))
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
     module = provider_module(patch)

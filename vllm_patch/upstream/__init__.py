@@ -2,4 +2,4 @@
 checkout, with a pull request description carrying measured evidence
 (``pr`` drives; ``pr_body`` writes the text; ``pr_format`` checks the layout;
 ``vllm_tests`` runs vLLM's own tests; ``meta`` reads a patch's ``[upstream]``
-table; ``render`` renders the patch against real wheels)."""
+table)."""
