@@ -1,9 +1,13 @@
 """What `vllm-patch pr` writes for vLLM's reviewers, rendered without git or
-vLLM: the description in each real template, free of this tool and this
-machine, and the commit message within 72 columns."""
+vLLM: the description in each real template, with the figures of a hand-made
+evidence folder (the shape `bench --serve` writes, TEAM contract 2) and no
+others, within vLLM's pr-checklist (a 1-2 line Overview, supporting tables
+collapsed, under 6 KB outside them), free of this tool and this machine; the
+commit message in prose within 72 columns."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
@@ -12,12 +16,15 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
+from patcher.errors import PatchError
+from vllm_patch.runtime import machine
+from vllm_patch.runtime.cache import fetch_sdist
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
 from vllm_patch.upstream.meta import pick_patch, upstream_of
 from vllm_patch.upstream.pr import WIDTH, Identity, commit_message
 from vllm_patch.upstream.template import TEMPLATE
-from vllm_patch.upstream.vllm_tests import TestRun
+from vllm_patch.upstream.vllm_tests import TestRun, TestRuns, described_machine
 
 PATCH = pick_patch("cpu_fused_norms")
 UPSTREAM = upstream_of(PATCH)
@@ -43,22 +50,135 @@ LEAKS = [
     "/tmp/",
     ".json",
 ]
-RAN = TestRun(
-    files=(TEST,),
-    command=f"pytest {TEST}",
+# How a tool, not an author, speaks; and Python's reprs of a dict or a list.
+TOOL_SPEAK = [
+    "Not run while",
+    "for this description",
+    "not timed",
+    "Shard",
+    "bench run",
+    "not measured",
+    "None",
+    "True",
+    "False",
+    "{'",
+    "['",
+]
+MACHINE = {
+    "cpu_model": "AMD EPYC 9R14",
+    "arch": "x86_64",
+    "usable_cpus": 2,
+    "os": "Linux-6.8-x86_64-with-glibc2.39",
+    "key_flags": ["avx2", "fma", "avx512f", "avx512_bf16"],
+}
+SAME_MACHINE = described_machine(MACHINE)
+KEYS = ("passed", "failed", "errors", "skipped")
+AFTER = TestRun(
+    f"pytest {TEST}",
     ran=True,
-    counts={"passed": 1084, "failed": 0, "errors": 0, "skipped": 724},
-    seconds=360.0,
+    counts=dict(zip(KEYS, (1414, 0, 0, 214), strict=True)),
+    seconds=335.0,
     vllm="0.32.0",
     torch="2.13.0+cpu",
-    machine="AMD EPYC 9R14 (x86_64; avx2, fma, avx512f)",
+    machine=SAME_MACHINE,
 )
-NOT_RAN = TestRun(
-    files=(TEST,),
-    command=f"pytest {TEST}",
-    ran=False,
-    reason=f"the vLLM installed for {sys.executable} is 0.33.0: Traceback ...",
+BEFORE_FAILURES = (
+    "tests.kernels.ir.test_layernorm.TestRMSNorm::test_vllm_c_registration",
+    "tests.kernels.ir.test_layernorm.TestRMSNorm::test_vllm_c_rms_norm_refuses_"
+    "non_contiguous_on_cpu",
 )
+BEFORE = TestRun(
+    f"pytest {TEST}",
+    ran=True,
+    counts=dict(zip(KEYS, (510, 4, 0, 1114), strict=True)),
+    failures=BEFORE_FAILURES,
+    vllm="0.32.0",
+    torch="2.13.0+cpu",
+    machine=SAME_MACHINE,
+)
+RAN = TestRuns(AFTER, BEFORE, ("vllm/kernels/vllm_c.py", "vllm/platforms/cpu.py"))
+NOT_RAN = TestRuns(
+    TestRun(
+        f"pytest {TEST}",
+        ran=False,
+        reason=f"the vLLM installed for {sys.executable} differs: Traceback ...",
+    )
+)
+
+
+def series(*values: float) -> list[float]:
+    return list(values)
+
+
+def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
+    """evidence.json as `bench --serve` writes it (contract 2), by hand."""
+    metrics = {
+        "request_throughput": (0.211, 0.215, 0.209),
+        "output_throughput": (27.01, 27.52, 26.75),
+        "mean_ttft_ms": (812.5, 799.1, 820.0),
+        "median_ttft_ms": (805.0, 790.2, 811.3),
+        "p99_ttft_ms": (1210.7, 1188.4, 1230.9),
+        "mean_tpot_ms": (36.12, 35.87, 36.40),
+        "median_tpot_ms": (36.01, 35.80, 36.33),
+        "p99_tpot_ms": (39.9, 39.1, 40.2),
+        "mean_itl_ms": (36.0, 35.7, 36.3),
+        "median_itl_ms": (35.9, 35.6, 36.2),
+        "p99_itl_ms": (41.0, 40.7, 41.5),
+    }
+    speedup = {"eager": 1.31, "compiled": 0.97}
+
+    def side(factor: float) -> dict:
+        return {
+            m: [round(v * (factor if "throughput" in m else 1 / factor), 3) for v in vs]
+            for m, vs in metrics.items()
+        }
+
+    return {
+        "schema": 1,
+        "machine": MACHINE,
+        "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": patch},
+        "model": {
+            "path": None,
+            "random_weights": True,
+            "description": "a random-weight 8-layer Llama (hidden size 2048)",
+        },
+        "serving": {
+            "commands": [
+                "vllm serve /models/llama --enforce-eager --port 8011",
+                "vllm bench serve --model /models/llama --dataset-name random "
+                "--random-input-len 128 --random-output-len 128 --num-prompts 32 "
+                "--ignore-eos --seed 0 --port 8011",
+            ],
+            "configs": {
+                c: {"base": side(1), "patched": side(f)} for c, f in speedup.items()
+            },
+        },
+        "accuracy": {
+            "tokens": {
+                "prompts": 8,
+                "tokens": 64,
+                "first_divergence": {"prompt": 3, "token": 41},
+                "max_abs_dlogprob": 0.0123,
+            },
+            "lm_eval": {
+                "task": "gsm8k",
+                "base": {"exact_match": 0.412, "stderr": 0.0136},
+                "patched": {"exact_match": 0.409, "stderr": 0.0135},
+            }
+            if lm_eval
+            else None,
+        },
+        "numerics": {
+            "_C": {"rms_norm": 0.0077, "fused_add_rms_norm": 0.0124},
+            "_C_AVX2": {"rms_norm": 0.0135, "fused_add_rms_norm": 0.0186},
+        },
+    }
+
+
+def write_evidence(folder: Path, data: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / pr_body.EVIDENCE).write_text(json.dumps(data))
+    return folder
 
 
 def checkout(tmp_path: Path, release: str | None) -> Path:
@@ -71,16 +191,35 @@ def checkout(tmp_path: Path, release: str | None) -> Path:
     return root
 
 
-def render(root: Path, run: TestRun, evidence: list[Path]) -> str:
+DESCRIBED = {
+    "vllm/kernels/vllm_c.py": ["`GPGPU_DEVICE` gains the CPU"],
+    "vllm/platforms/cpu.py": ["`CpuPlatform.get_default_ir_op_priority`"],
+    TEST: ["the vllm_c tests run on CPU"],
+}
+
+
+def render(root: Path, runs: TestRuns, ev: dict | None, upstream=UPSTREAM) -> str:
+    ci = wire(root, UPSTREAM.ci)
     facts = pr_body.Facts(
         version=Version("0.32.0"),
-        evidence=pr_body.load_evidence(evidence),
+        evidence=ev,
         checkout=root,
-        described={"vllm/kernels/vllm_c.py": ["`GPGPU_DEVICE` gains the CPU"]},
-        tests_run=run,
-        ci=wire(root, UPSTREAM.ci),
+        described={
+            **DESCRIBED,
+            **({ci.wiring.file: ci.described()} if ci.text else {}),
+        },
+        tests=runs,
+        ci=ci,
     )
-    return pr_body.render(PATCH, UPSTREAM, facts)
+    return pr_body.render(PATCH, upstream, facts)
+
+
+def outside_details(text: str) -> str:
+    return re.sub(r"<details>.*?</details>", "", text, flags=re.DOTALL)
+
+
+def section(text: str, title: str) -> str:
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].split("\n---", 1)[0]
 
 
 @pytest.mark.parametrize(
@@ -95,61 +234,172 @@ def render(root: Path, run: TestRun, evidence: list[Path]) -> str:
         ),
     ],
 )
-@pytest.mark.parametrize("run", [RAN, NOT_RAN], ids=["tests ran", "tests not run"])
-@pytest.mark.parametrize("bench", [True, False], ids=["bench", "no bench"])
-def test_the_description_speaks_of_vllm_alone(tmp_path, release, sections, run, bench):
-    evidence = [pr_body.DEFAULT_EVIDENCE[1]] if bench else [tmp_path / "none"]
-    text = render(checkout(tmp_path, release), run, evidence)
+@pytest.mark.parametrize("runs", [RAN, NOT_RAN], ids=["tests ran", "tests not run"])
+@pytest.mark.parametrize("measured", [True, False], ids=["evidence", "no evidence"])
+def test_the_description_is_short_and_speaks_of_vllm_alone(
+    tmp_path, release, sections, runs, measured
+):
+    text = render(checkout(tmp_path, release), runs, evidence() if measured else None)
 
     assert re.findall(r"^## (.+)$", text, re.MULTILINE) == sections
-    for leak in LEAKS:
+    for leak in [*LEAKS, *TOOL_SPEAK]:
         assert leak not in text, leak
     assert "[x]" not in text
     assert UPSTREAM.rule in text
-    if run.ran:
-        assert "**1084 passed, 0 failed, 0 errors, 724 skipped**" in text
-        assert "AMD EPYC 9R14 (x86_64; avx2, fma, avx512f)" in text
-        assert "vLLM 0.32.0 (torch 2.13.0+cpu)" in text
+    assert len(outside_details(text).encode()) < 6000, len(outside_details(text))
+    first = section(text, sections[0])
+    if sections[0] == "Overview":
+        assert len([line for line in first.splitlines() if line.strip()]) <= 2, first
+    # Tables only inside <details>, but the two short ones (tests, lm_eval).
+    tables = re.findall(r"^\| .* \|$\n^\|[-:|]+\|$", outside_details(text), re.M)
+    assert len(tables) <= (1 if runs.after.ran else 0) + (1 if measured else 0)
+    if runs.after.ran:
+        assert "| with this change | 1414 | 0 | 0 | 214 |" in text
+        assert "| without it | 510 | 4 | 0 | 1114 |" in text
+        assert "without it 4 fail (`TestRMSNorm::test_vllm_c_registration`" in text
+        assert f"Measured on {SAME_MACHINE}." in text
+        assert "CPU build of vLLM 0.32.0 (torch 2.13.0+cpu)" in text
     else:  # the reviewer's command instead of a result
         assert f"```bash\npytest {TEST}\n```" in text
-    # Concrete claims from the bench's figures, where there is a bench result.
-    assert ("x faster than native per call" in text) is bench
+        assert "passed" not in text
     if release:
         assert f'runs `{TEST}` in its "CPU-Kernel Tests' in text
-    else:
-        assert f"this checkout has no {UPSTREAM.ci.file}" in text
 
 
-def test_the_numerics_note_is_in_the_details_only_when_the_patch_has_one(tmp_path):
+def test_every_figure_is_the_evidences(tmp_path):
+    ev = evidence()
+    text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
+    serving = ev["serving"]["configs"]
+    for config, sides in serving.items():
+        for metric, base in sides["base"].items():
+            new = sides["patched"][metric]
+            ratio = sorted(new)[1] / sorted(base)[1]
+            row = f"| {config} | {metric} | 3 | {sorted(base)[1]:,.2f} ("
+            assert row in text and f"| {ratio:.2f}x (" in text, (config, metric)
+    for command in ev["serving"]["commands"]:
+        assert command in text
+    assert "1.31x" in section(text, "Claims") and "0.97x" in section(text, "Claims")
+    assert "first differ at prompt 3, token 41" in text
+    assert "|Δ logprob| 0.0123" in text and "random weights" in text
+    assert "gsm8k exact_match: 0.412 ± 0.0136 base, 0.409 ± 0.0135 this change" in text
+    assert "| _C_AVX2 | rms_norm 0.0135, fused_add_rms_norm 0.0186 |" in text
+    # Measured parts are not also given as commands to measure them.
+    assert "lm_eval --model" not in text and "vllm bench serve --model Qwen" not in text
+
+
+def test_what_was_not_measured_is_the_command_that_measures_it(tmp_path):
+    text = render(checkout(tmp_path, "v0.32.0"), NOT_RAN, evidence(lm_eval=False))
+    plan = section(text, "Validation")
+    assert "lm_eval --model local-completions --tasks gsm8k" in plan
+    assert "vllm bench serve --model Qwen" not in plan  # serving was measured
+    bare = render(checkout(tmp_path / "bare", "v0.32.0"), NOT_RAN, None)
+    assert "vllm bench serve --model Qwen/Qwen3-0.6B" in bare
+    assert "--ignore-eos" in bare
+    # No IR priority option: the two builds are compared as they choose.
+    assert "ir_op_priority" not in section(bare, "Validation")
+    assert not re.search(r"\d\.\d\dx", bare)  # no ratio without a measurement
+
+
+def test_one_machine_description(tmp_path):
+    other = {**MACHINE, "cpu_model": "Intel Xeon 8488C"}
+    ev = {**evidence(), "machine": other}
+    text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
+    assert described_machine(machine.facts()).count(";") == 1
+    assert (
+        f"Serving and accuracy measured on {described_machine(other)}; vLLM's tests "
+        f"on {SAME_MACHINE}." in text
+    )
+    assert f"Measured on {SAME_MACHINE}." in render(tmp_path / "same", RAN, evidence())
+
+
+@pytest.mark.parametrize(
+    "spoil, found",
+    [
+        (lambda d: d.update(schema=2), "schema"),
+        (lambda d: d["vllm"].update(patch="other"), "another change (other)"),
+        (
+            lambda d: d["serving"]["configs"]["eager"]["base"].update(
+                output_throughput="fast"
+            ),
+            "serving.configs.eager.base.output_throughput: not numbers",
+        ),
+        (
+            lambda d: d["serving"]["configs"]["eager"].pop("patched"),
+            "serving.configs.eager.patched",
+        ),
+    ],
+    ids=["schema", "another patch", "not numbers", "no patched side"],
+)
+def test_evidence_of_another_shape_is_refused_with_one_message(tmp_path, spoil, found):
+    data = evidence()
+    spoil(data)
+    folder = write_evidence(tmp_path / "ev", data)
+    with pytest.raises(PatchError) as raised:
+        pr_body.load_evidence(folder, PATCH)
+    assert found in str(raised.value) and "evidence.json" in str(raised.value)
+
+
+def test_evidence_through_a_link_is_refused(tmp_path):
+    real = write_evidence(tmp_path / "real", evidence())
+    (tmp_path / "ev").mkdir()
+    (tmp_path / "ev" / pr_body.EVIDENCE).symlink_to(real / pr_body.EVIDENCE)
+    assert pr_body.load_evidence(real, PATCH)["schema"] == 1
+    with pytest.raises(PatchError, match="link"):
+        pr_body.load_evidence(tmp_path / "ev", PATCH)
+
+
+@pytest.mark.integration
+def test_the_form_is_explained_in_the_releases_own_words(tmp_path):
+    """A patch that quotes 0.33.0's vllm/config/kernel.py: the paragraph read
+    from the checkout (the real sdist's file), one line, file named."""
     root = checkout(tmp_path, "v0.32.0")
-    facts = pr_body.Facts(version=None, evidence=pr_body.Evidence(), checkout=root)
-    note = "bfloat16 NOTE with figures"
-    with_note = pr_body.render(
-        PATCH, UPSTREAM.__class__(**{**vars(UPSTREAM), "numerics_note": note}), facts
+    (root / "vllm/config").mkdir(parents=True)
+    kernel = fetch_sdist("vllm", "0.33.0") / "vllm/config/kernel.py"
+    shutil.copy(kernel, root / "vllm/config/kernel.py")
+    quoting = UPSTREAM.__class__(
+        **{**vars(UPSTREAM), "quote": ("vllm/config/kernel.py", "IR is being removed")}
     )
-    without = pr_body.render(
-        PATCH, UPSTREAM.__class__(**{**vars(UPSTREAM), "numerics_note": ""}), facts
+    text = render(root, NOT_RAN, None, quoting)
+    details = section(text, "Details")
+    assert (
+        "`vllm/config/kernel.py` in this release:\n\n> Deprecated: vLLM IR is being "
+        "removed, and this option will be removed in v0.34.0. Kernels will be "
+        "selected by the platform, as for other custom ops.\n" in details
     )
-    assert note in with_note.split("## Details", 1)[1]
-    assert note not in without
+    (root / "vllm/config/kernel.py").unlink()
+    (root / "vllm/config/kernel.py").symlink_to(kernel)  # out of the tree
+    with pytest.raises(PatchError, match="outside the tree"):
+        render(root, NOT_RAN, None, quoting)
 
 
-def test_the_commit_message_wraps_at_72_columns():
-    described = {
-        "vllm/kernels/vllm_c.py": [
-            "`rms_add_no_var_size`, the fused_add_rms_norm impl's `supports_args`, "
-            "refuses a non-contiguous `x` and `x_residual` on CPU"
-        ],
-        TEST: [
-            "New `test_fused_add_rms_norm_vllm_c_sends_non_contiguous_input_to_"
-            "native_on_cpu`: a non-contiguous input goes to native"
-        ],
-    }
-    message = commit_message(UPSTREAM, Identity("Ada", "ada@example.com"), described)
+@pytest.mark.parametrize(
+    "described, said",
+    [
+        ({"vllm/a.py": ["x"]}, "This changes `vllm/a.py`."),
+        (
+            {"vllm/a.py": [], "vllm/b.py": [], "vllm/c.py": []},
+            "This changes `vllm/a.py`, `vllm/b.py` and `vllm/c.py`.",
+        ),
+        (
+            {"vllm/a.py": [], "tests/t.py": [], ".buildkite/cpu.yaml": []},
+            "This changes `vllm/a.py`, with vLLM's tests in `tests/t.py` and their "
+            "CPU CI step in `.buildkite/cpu.yaml`.",
+        ),
+    ],
+)
+def test_what_changes_names_the_files_by_role(described, said):
+    assert pr_body.what_changes(described) == said
+
+
+def test_the_commit_message_is_prose_within_72_columns():
+    message = commit_message(UPSTREAM, Identity("Ada", "ada@example.com"), DESCRIBED)
     lines = message.splitlines()
     assert lines[0] == UPSTREAM.title and lines[1] == ""
     assert max(len(line) for line in lines) <= WIDTH, message
     flat = " ".join(message.split())
     assert " ".join(UPSTREAM.rule.split()) in flat
-    assert "- vllm/kernels/vllm_c.py: `rms_add_no_var_size`" in flat
+    assert (
+        "This changes vllm/kernels/vllm_c.py and vllm/platforms/cpu.py, with " in flat
+    )
+    assert not [line for line in lines if line.startswith("- ")]  # no list
     assert lines[-1] == "Signed-off-by: Ada <ada@example.com>"

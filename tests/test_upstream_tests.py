@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 from conftest import requires_vllm
-from packaging.version import Version
 
 from patcher import engine
 from patcher.tree import linked_copy, open_tree
@@ -24,8 +23,8 @@ from patches.cpu_fused_norms.ir_norm_tests import (
 )
 from vllm_patch.runtime import cpu_library, machine
 from vllm_patch.runtime.patched_copy import patched_copy
-from vllm_patch.upstream.meta import pick_patch
-from vllm_patch.upstream.vllm_tests import measure, run_pytest
+from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.vllm_tests import depends_on, measure, run_pytest, unavailable
 
 pytestmark = [requires_vllm, pytest.mark.integration]
 
@@ -148,19 +147,61 @@ def test_edited_upstream_tests_fail_or_do_not_run_against_unpatched_vllm(
     assert run.counts["failed"] == len(CPU_TESTS)
 
 
-@pytest.mark.parametrize(
-    "files,version,reason",
-    [
-        (["tests/no/such_test.py"], "0.32.0", "not in this checkout"),
-        ([FILE], "0.33.0", "the checkout is vLLM 0.33.0, the vLLM installed for"),
-        ([FILE], None, "the checkout is vLLM of unknown version"),
-    ],
-    ids=["missing file", "another version", "unknown version"],
-)
-def test_what_cannot_run_here_says_why_and_runs_nothing(
-    checkout: Path, files, version, reason
-) -> None:
-    run = measure(checkout, files, PATCH, Version(version) if version else None)
-    assert not run.ran and run.counts == {}
-    assert reason in run.reason
-    assert run.command.startswith("pytest ")
+DEPENDS = depends_on(PATCH, upstream_of(PATCH).ci.dependencies)
+
+
+@pytest.fixture
+def base(tmp_path) -> Path:
+    """The v0.32.0 tests beside the installed vLLM's own copies of the files
+    the run depends on: a checkout `pr` finds matching."""
+    root = tmp_path / "vllm"
+    shutil.copytree(FIXTURES / "vllm_tree", root)
+    shutil.copytree(FIXTURES / "vllm_checkouts/upstream-v0.32.0/tests", root / "tests")
+    for rel in DEPENDS:
+        shutil.copy(open_tree(None).path(rel), root / rel)
+    return root
+
+
+@pytest.fixture
+def same_code(base: Path) -> Path:
+    """``base`` patched: what `pr` commits there."""
+    engine.apply(open_tree(base), PATCH)
+    return base
+
+
+def test_measure_runs_the_tests_with_and_without_the_change(same_code: Path):
+    runs = measure(same_code, [FILE], PATCH, DEPENDS, keyword="registration")
+
+    assert runs.same == tuple(DEPENDS)
+    assert runs.after.ran and runs.after.counts == {
+        "passed": 2,
+        "failed": 0,
+        "errors": 0,
+        "skipped": 0,
+    }, runs.after.failures
+    # The fails-before: the same edited tests against the unpatched build.
+    assert runs.before.ran and runs.before.counts["failed"] == 2
+    assert sorted(f.rsplit("::", 1)[1] for f in runs.before.failures) == sorted(
+        [RMS_NORM.registration, FUSED_ADD_RMS_NORM.registration]
+    )
+
+
+def test_a_file_the_run_depends_on_that_differs_runs_nothing(base: Path):
+    assert unavailable(base, [FILE], PATCH, DEPENDS) is None
+    cpu = base / "vllm/platforms/cpu.py"
+    cpu.write_text(cpu.read_text() + "# 0.33.0's copy\n")
+
+    why = unavailable(base, [FILE], PATCH, DEPENDS)
+    engine.apply(open_tree(base), PATCH)
+    runs = measure(base, [FILE], PATCH, DEPENDS)
+
+    assert why and why.endswith("differ in vllm/platforms/cpu.py")
+    assert not runs.after.ran and runs.before is None
+    assert runs.after.reason.endswith("differ in vllm/platforms/cpu.py")
+    assert runs.after.command == f"pytest {FILE}"
+
+
+def test_tests_missing_from_the_checkout_run_nothing(checkout: Path) -> None:
+    runs = measure(checkout, ["tests/no/such_test.py"], PATCH, DEPENDS)
+    assert not runs.after.ran and runs.after.counts == {}
+    assert runs.after.reason == "not in this checkout"

@@ -1,96 +1,103 @@
-"""The pull request description: the checkout's own template (``template``)
-filled with text that speaks of vLLM alone.
-
-The pieces: what changed and why (the patch's Purpose text and the diff's
-changes), the claims (the patch's rule and what was measured), the commands a
-reviewer reruns, the results, and the details (the rest of the Purpose text,
-the patch's numerics note, the CI wiring). The results hold only figures
-measured for this description: the upstream tests run in this ``pr`` run, and
-the bench's ``vllm_c`` against native from its JSON, per op and end to end on
-the patched vLLM (compatibility cells are read but not shown: they describe
-this project's probe, not vLLM). What was not measured is shown as such, with
-the command. No local path, traceback or name of this tool goes in.
-"""
+"""The pull request description: the checkout's template (``template``) filled
+with text about vLLM alone. Every figure is from this ``pr`` run: vLLM's edited
+tests with and without the change (``vllm_tests``) and ``--evidence DIR``'s
+``evidence.json`` (``bench --serve``: serving, accuracy, numerics, machine); a
+claim not measured is the command that would measure it. Text about the diff is
+generated from it; the rest is the patch's ``upstream.md`` and the checkout's
+paragraph it quotes (``[upstream] quote``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from statistics import median
 
 from packaging.version import Version
 
 from patcher.errors import PatchError
+from patcher.files import inside, read_text_at
 from patcher.patchset import Patch
-from vllm_patch.runtime.bench_result import claims as bench_claims
-from vllm_patch.runtime.bench_result import evidence_markdown
+from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, fill, read_template
-from vllm_patch.upstream.vllm_tests import TestRun, reviewer_command
+from vllm_patch.upstream.vllm_tests import KEYS, TestRuns, described_machine
 
-
-def _data_folder(package: str, folder: str) -> Path:
-    """``folder`` of ``package``'s data, in a checkout or a regular install,
-    found without importing its modules."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PatchError(f"{package} is not installed beside vllm-patch")
-    return Path(next(iter(spec.submodule_search_locations))) / folder
-
-
-DEFAULT_EVIDENCE = (
-    _data_folder("compat_matrix", "results"),
-    _data_folder("vllm_patch.bench", "reference"),
+EVIDENCE = "evidence.json"
+SIDES = {"base": "base", "patched": "this change"}
+METRICS = ("request_throughput", "output_throughput") + tuple(
+    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")
 )
-"""The compatibility cells' results and the bench's reference result, shipped
-with this project."""
+"""``vllm bench serve --save-result``'s names, in the order shown."""
+SERVING = ("config", "metric", "runs", "base: median (min-max)", "this change", "ratio")
+NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
+LM_EVAL_KEYS = ("exact_match", "stderr")
+TABLES = ("machine", "model", "serving", "accuracy", "numerics")
+SERVE = (
+    "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
+    "--dataset-name random --random-input-len 128 --random-output-len 128 "
+    "--num-prompts 64 --ignore-eos --seed 0"
+)
+LM_EVAL = (
+    "lm_eval --model local-completions --tasks gsm8k --model_args "
+    "model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4"
+)
 
 
-@dataclass
-class Evidence:
-    compat: list[tuple[Path, dict]] = field(default_factory=list)
-    bench: list[tuple[Path, dict]] = field(default_factory=list)
-    unreadable: list[str] = field(default_factory=list)
+def load_evidence(folder: Path | None, patch: Patch) -> dict | None:
+    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``
+    (TEAM contract 2: schema 1, serving figures lists of numbers), or None."""
+    if folder is None:
+        return None
+    path = Path(os.path.realpath(folder)) / EVIDENCE  # the file itself no link
+    wanted = f"what `bench --serve` measured for {patch.name}"
+    try:
+        data = json.loads(read_text_at(path, wanted))
+    except ValueError as exc:
+        data = f"not JSON ({exc})"
+    found = data if isinstance(data, str) else _misfit(data, patch)
+    if found:
+        raise PatchError(
+            "not usable evidence", path=str(path), looked_for=wanted, found=found
+        )
+    return data
 
 
-def cell_vllm(data: dict) -> tuple[str | None, str | None]:
-    """(package, version) of a compat cell: ``{"vllm": {"version"}}`` or the
-    matrix's flat ``{"package", "version"}``."""
-    vllm = data.get("vllm")
-    if isinstance(vllm, dict) and vllm.get("version"):
-        return vllm.get("package") or data.get("package"), str(vllm["version"])
-    if isinstance(data.get("version"), str):
-        return data.get("package"), data["version"]
-    return None, None
+def _at(data: object, *keys: str) -> object:
+    for key in keys:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
-def is_compat_cell(data: Any) -> bool:
+def _misfit(data: object, patch: Patch) -> str | None:
+    if _at(data, "schema") != 1:
+        return "no `schema: 1`"
+    if _at(data, "vllm", "patch") != patch.name:
+        return f"figures of another change ({_at(data, 'vllm', 'patch')})"
+    for key in TABLES:
+        if not isinstance(_at(data, key) or {}, dict):
+            return f"{key}: not a table"
+    for config, sides in (_at(data, "serving", "configs") or {}).items():
+        for side in SIDES:
+            for metric, got in (_at(sides, side) or {"": None}).items():
+                if not _numbers(got):
+                    return f"serving.configs.{config}.{side}.{metric}: not numbers"
+    lm = _at(data, "accuracy", "lm_eval")
+    if lm and not _numbers([_at(lm, s, k) for s in SIDES for k in LM_EVAL_KEYS]):
+        return "accuracy.lm_eval: no exact_match and stderr for base and patched"
+    return None
+
+
+def _numbers(got: object) -> bool:
     return (
-        isinstance(data, dict)
-        and isinstance(data.get("checks"), list)
-        and cell_vllm(data)[1] is not None
+        isinstance(got, list)
+        and bool(got)
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in got)
     )
-
-
-def load_evidence(dirs: list[Path]) -> Evidence:
-    """Every ``*.json`` under ``dirs``: compat cells by their schema, the rest bench."""
-    found = Evidence()
-    for folder in dirs:
-        for path in sorted(folder.rglob("*.json")) if folder.is_dir() else []:
-            try:
-                data = json.loads(path.read_text("utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                found.unreadable.append(f"{path}: {exc}")
-                continue
-            if is_compat_cell(data):
-                found.compat.append((path, data))
-            elif isinstance(data, dict):
-                found.bench.append((path, data))
-    return found
 
 
 @dataclass(frozen=True)
@@ -98,180 +105,219 @@ class Facts:
     """What a description is made of, besides the patch's own text."""
 
     version: Version | None
-    evidence: Evidence
+    evidence: dict | None = None
     checkout: Path | None = None
-    described: dict[str, list[str]] = field(default_factory=dict)
-    """What the diff does, per file, as the codemods recorded it."""
-    tests_run: TestRun | None = None
+    described: dict[str, list[str]] = field(default_factory=dict)  # per file
+    tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
     ci: CiEdit | None = None
 
 
 def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
     """The checkout's PR template (or the fallback layout) filled."""
-    summary, _, motivation = upstream.purpose.partition("\n\n")
+    ev = facts.evidence or {}
+    title = re.sub(r"^(\[[^\]]*\])+\s*", "", upstream.title)
+    overview = f"{title}. {what_changes(facts.described)}\n{upstream.rule}"
     pieces = [
-        Piece(("purpose",), "\n\n".join([summary, _changes(facts)])),
-        Piece(("claims", "purpose"), "\n".join(_claims(patch, upstream, facts))),
-        Piece(("plan",), "\n".join(_test_plan(patch, upstream, facts.checkout))),
-        Piece(("result", "plan"), "\n".join(_results(patch, upstream, facts))),
-        Piece(
-            ("details", "purpose"), "\n\n".join(_details(motivation, upstream, facts))
-        ),
+        Piece(("purpose",), overview),
+        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts, ev))),
+        Piece(("plan",), "\n\n".join(_plan(upstream, facts, ev))),
+        Piece(("result", "plan"), "\n\n".join(_results(facts, ev))),
+        Piece(("details", "purpose"), "\n\n".join(_details(upstream, facts))),
     ]
     return fill(read_template(facts.checkout), pieces)
 
 
-def _changes(facts: Facts) -> str:
-    lines = ["This PR:", ""]
-    lines += [
-        f"- `{rel}`: {change}"
-        for rel, changes in facts.described.items()
-        for change in changes
+def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
+    """One sentence naming the files the diff changes: sources, vLLM's tests
+    (under ``tests/``) and CI (under ``.buildkite/``)."""
+    roles: dict[str, list[str]] = {"": [], "tests/": [], ".buildkite/": []}
+    for rel in described:
+        role = next((r for r in roles if r and rel.startswith(r)), "")
+        roles[role].append(f"{mark}{rel}{mark}")
+    src, tests, ci = map(_and, roles.values())
+    tests = f", with vLLM's tests in {tests}" if tests else ""
+    return f"This changes {src}{tests}" + (
+        f" and their CPU CI step in {ci}." if ci else "."
+    )
+
+
+def _and(items: list[str]) -> str:
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+def _claims(upstream: Upstream, facts: Facts, ev: dict):
+    yield _tests_claim(facts.tests, _command(upstream, facts))
+    configs = _at(ev, "serving", "configs") or {}
+    ratios = ", ".join(
+        f"{_ratio(v, 'output_throughput')} {k}" for k, v in configs.items()
+    )
+    if ratios:
+        yield f"- Output throughput against the base, serving {_model(ev)}: {ratios}."
+    else:
+        yield "- Serving speed against the base: to measure, `vllm bench serve`."
+    tokens, lm = _at(ev, "accuracy", "tokens"), _at(ev, "accuracy", "lm_eval")
+    if tokens:
+        where, count = tokens.get("first_divergence"), _plain(tokens.get("tokens"))
+        same = f"first differ at {_plain(where)}" if where else "identical tokens"
+        note = NOT_QUALITY if _at(ev, "model", "random_weights") else ""
+        yield (
+            f"- Greedy completions of {_plain(tokens.get('prompts'))} prompts, "
+            f"{count} tokens, against the base: {same}; largest |Δ logprob| "
+            f"{_plain(tokens.get('max_abs_dlogprob'))}{note}."
+        )
+    if lm:
+        scores = [
+            f"{_plain(lm[s]['exact_match'])} ± {_plain(lm[s]['stderr'])} {said}"
+            for s, said in SIDES.items()
+        ]
+        yield f"- {lm.get('task')} exact_match: {', '.join(scores)}."
+    else:
+        yield "- Accuracy against the base: to measure, `lm_eval` on both builds."
+    if facts.ci and facts.ci.added_tests:
+        tests = ", ".join(f"`{t}`" for t in facts.ci.added_tests)
+        yield f'- vLLM\'s CPU CI runs {tests} in its "{facts.ci.wiring.step}" step.'
+
+
+def _command(upstream: Upstream, facts: Facts) -> str:
+    runs = facts.tests
+    return runs.after.command if runs else shlex.join(["pytest", *upstream.tests])
+
+
+def _tests_claim(runs: TestRuns | None, command: str) -> str:
+    if runs is None or not runs.after.ran:
+        return f"- vLLM's tests of the change: to run, `{command}` with and without it."
+    counts = runs.after.counts
+    shown = ", ".join(f"{counts[k]:,} {k}" for k in KEYS if k != "errors" or counts[k])
+    said = f"- vLLM's edited tests on CPU: {shown} with this change"
+    before = runs.before
+    if before is None or not before.ran:
+        return said + "."
+    failed = before.counts["failed"] + before.counts["errors"]
+    names = ", ".join(f"`{n}`" for n in dict.fromkeys(map(_test_name, before.failures)))
+    return f"{said}; without it {failed} fail" + (f" ({names})." if names else ".")
+
+
+def _test_name(test_id: str) -> str:  # [Class::]test, unparametrised
+    where, _, name = test_id.split("[")[0].rpartition("::")
+    where = where.rsplit(".", 1)[-1]  # a class, or a function's module
+    return f"{where}::{name}" if where[:1].isupper() else name
+
+
+def _model(ev: dict) -> object:
+    return _at(ev, "model", "description") or "the model"
+
+
+def _plain(value: object) -> str:
+    """A value of the evidence in words, never a Python repr."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(map(_plain, value))
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
+
+
+def _ratio(sides: dict, metric: str) -> str:
+    """patched/base of the medians, and the range the repetitions allow."""
+    base, new = sides["base"][metric], sides["patched"][metric]
+    if not min(base):
+        return "-"
+    spread = f"{min(new) / max(base):.2f}-{max(new) / min(base):.2f}"
+    return f"{median(new) / median(base):.2f}x ({spread})"
+
+
+def _plan(upstream: Upstream, facts: Facts, ev: dict):
+    model, command = upstream.model, _command(upstream, facts)
+    build = f"vLLM {facts.version}" if facts.version else "vLLM"
+    yield (
+        f"On a CPU build of {build} (`VLLM_TARGET_DEVICE=cpu`), with and without "
+        "this change:"
+    )
+    yield f"```bash\n{command}\n```"
+    if not ev.get("serving"):
+        yield "Serving, on each build, eager and compiled:"
+        yield f"```bash\n{SERVE.format(model=model)}\n```"
+    if not _at(ev, "accuracy", "lm_eval"):
+        yield f"Accuracy, against `vllm serve {model}` on each build:"
+        yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
+
+
+def _results(facts: Facts, ev: dict):
+    runs = facts.tests if facts.tests and facts.tests.after.ran else None
+    tests = runs.after.machine if runs else None
+    bench = described_machine(ev["machine"]) if ev.get("machine") else None
+    if tests and bench and tests != bench:
+        yield f"Serving and accuracy measured on {bench}; vLLM's tests on {tests}."
+    elif tests or bench:
+        yield f"Measured on {tests or bench}."
+    if runs:
+        yield from _test_table(runs)
+    if ev.get("serving"):
+        yield _serving(ev)
+    if ev.get("numerics"):
+        rows = [(build, _plain(ops)) for build, ops in ev["numerics"].items()]
+        numerics = table(["kernel build", "smallest rtol against native, per op"], rows)
+        yield details("Numerics per x86 kernel build", numerics)
+
+
+def _test_table(runs: TestRuns):
+    after = runs.after
+    same = _and([f"`{f}`" for f in runs.same])
+    yield (
+        f"`{after.command}` on a CPU build of vLLM {after.vllm} (torch {after.torch}) "
+        f"whose {same} are byte for byte this branch's base, in {after.seconds:.0f} s:"
+    )
+    done = [("with this change", after)]
+    done += [("without it", runs.before)] if runs.before and runs.before.ran else []
+    yield table(["vLLM", *KEYS], [(s, *(r.counts[k] for k in KEYS)) for s, r in done])
+    for said, run in done:
+        if run.failures:
+            ids = "\n".join(f"- `{f}`" for f in run.failures)
+            yield details(f"Failing {said} (the first {len(run.failures)})", ids)
+
+
+def _serving(ev: dict) -> str:
+    rows = [
+        (config, metric, len(sides["base"][metric]))
+        + tuple(_spread(sides[s][metric]) for s in SIDES)
+        + (_ratio(sides, metric),)
+        for config, sides in ev["serving"]["configs"].items()
+        for metric in METRICS
+        if metric in sides["base"] and metric in sides["patched"]
     ]
-    return "\n".join(lines)
+    commands = "\n".join(ev["serving"].get("commands") or ())
+    summary = (
+        f"Serving {_model(ev)}: vLLM {_at(ev, 'vllm', 'base')}, and with the change"
+    )
+    return details(summary, f"{table(SERVING, rows)}\n\n```bash\n{commands}\n```")
 
 
-def _claims(patch: Patch, upstream: Upstream, facts: Facts):
-    if upstream.rule:
-        yield f"- {upstream.rule}"
-    run = facts.tests_run
-    if run and run.ran:
-        yield (
-            f"- vLLM's tests of the changed code on CPU, with this change: "
-            f"**{run.summary()}** (`{run.command}`, vLLM {run.vllm})."
-        )
-    ci = facts.ci
-    if ci and ci.added_tests:
-        yield (
-            f"- vLLM's CPU CI runs {', '.join(f'`{t}`' for t in ci.added_tests)} "
-            f'in its "{ci.label}" step.'
-        )
-    for _, data in facts.evidence.bench:
-        machine = data["machine"]["cpu_model"]
-        for line in bench_claims(data, _fused_provider(patch)[0]):
-            yield f"- On {machine}, {line}."
-
-
-def _details(motivation: str, upstream: Upstream, facts: Facts):
-    if motivation.strip():
-        yield motivation.strip()
-    if upstream.numerics_note:
-        yield upstream.numerics_note
+def _details(upstream: Upstream, facts: Facts):
+    yield upstream.purpose
+    quoted = _quote(facts.checkout, upstream.quote) if upstream.quote else None
+    if quoted:
+        yield f"`{upstream.quote[0]}` in this release:\n\n> {quoted}"
     ci = facts.ci
     if ci and ci.text is None and ci.wiring.tests:
         tests = ", ".join(f"`{t}`" for t in ci.wiring.tests)
         yield f"CI: {tests} not added to a CPU CI step: {ci.reason}."
     for file, reason in facts.left_out.items():
         yield f"Left out of this commit: `{file}` ({reason})."
+    changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
+    if changes:
+        yield details("What the diff does, file by file", "\n".join(changes))
 
 
-def _results(patch: Patch, upstream: Upstream, facts: Facts):
-    yield from _tests_section(facts.tests_run, facts.version, upstream.tests)
-    yield from _bench_section(facts.evidence, patch)
-
-
-def _priority(provider: str, ops: list[str]) -> str:
-    return json.dumps({"ir_op_priority": {op: [provider] for op in ops}})
-
-
-def _fused_provider(patch: Patch) -> tuple[str, list[str]]:
-    """The upstream provider the patch enables and its ops, as the patch's
-    provider module declares them."""
-    spec = patch.provider() or {}
-    if spec.get("upstream") and spec.get("ops"):
-        return spec["upstream"], spec["ops"]
-    raise PatchError(
-        "no upstream provider and ops declared",
-        path=str(patch.folder / "patch.toml"),
-        looked_for="[provider] module with UPSTREAM_PROVIDER and OPS",
-        found="none",
-    )
-
-
-def _test_plan(patch: Patch, upstream: Upstream, checkout: Path | None):
-    fused, ops = _fused_provider(patch)
-    model = upstream.model
-    yield "On a CPU build of vLLM (`VLLM_TARGET_DEVICE=cpu`):\n"
-    yield "1. The IR tests this PR extends and the IR op tests:\n"
-    yield f"```bash\npytest {' '.join(upstream.tests)}\n```"
-    missing = [t for t in upstream.tests if checkout and not (checkout / t).is_file()]
-    if missing:
-        yield f"(not in this checkout: {', '.join(f'`{t}`' for t in missing)})"
-    yield ""
-    yield f"2. Accuracy, `{fused}` against `native` norms on a small model:\n"
-    yield "```bash"
-    for name in (fused, "native"):
-        config = shlex.quote(_priority(name, ops))
-        yield f"vllm serve {model} --enforce-eager --kernel-config {config} &"
-        yield (
-            f"lm_eval --model local-completions --model_args "
-            f"model={model},base_url=http://localhost:8000/v1/completions,"
-            "num_concurrent=4 --tasks gsm8k --limit 250"
-        )
-        yield "kill %1"
-    yield "```"
-    yield ""
-    yield (
-        "3. Speed, eager and compiled (drop `--enforce-eager`), each with "
-        f"`{fused}` and with `native`; latency and throughput generate with "
-        "`ignore_eos` already, `bench serve` needs `--ignore-eos`:\n"
-    )
-    yield "```bash"
-    config = shlex.quote(_priority(fused, ops))
-    yield (
-        f"vllm bench latency --model {model} --input-len 128 --output-len 128 "
-        f"--batch-size 1 --enforce-eager --kernel-config {config}"
-    )
-    yield (
-        f"vllm bench throughput --model {model} --input-len 128 --output-len 128 "
-        f"--num-prompts 64 --enforce-eager --kernel-config {config}"
-    )
-    yield (
-        f"vllm bench serve --model {model} --dataset-name random --random-input-len "
-        "128 --random-output-len 128 --num-prompts 64 --ignore-eos"
-    )
-    yield "```"
-
-
-def _tests_section(run: TestRun | None, version: Version | None, tests: tuple):
-    yield "### vLLM's tests on CPU\n"
-    build = f"a CPU build of vLLM {version}" if version else "a CPU build of vLLM"
-    if run is None or not run.ran:
-        command = run.command if run else reviewer_command(list(tests))
-        yield (
-            f"Not run while writing this description. To run them, on {build} "
-            f"with this change:\n\n```bash\n{command}\n```"
-        )
-        yield ""
-        return
-    yield (
-        f"`{run.command}` with this change, on a CPU build of vLLM {run.vllm} "
-        f"(torch {run.torch}), {run.machine}: **{run.summary()}** in "
-        f"{run.seconds:.0f} s. Run without the repository's `tests/conftest.py`, "
-        "whose fixtures these tests do not use."
-    )
-    if run.failures:
-        bad = run.counts.get("failed", 0) + run.counts.get("errors", 0)
-        first = (
-            f" (the first {len(run.failures)} of {bad})"
-            if bad > len(run.failures)
-            else ""
-        )
-        yield f"\nFailed{first}:\n"
-        yield from (f"- `{f}`" for f in run.failures)
-    yield ""
-
-
-def _bench_section(evidence: Evidence, patch: Patch):
-    fused, _ = _fused_provider(patch)
-    yield f"### `{fused}` against native\n"
-    if not evidence.bench:
-        yield (
-            "Not measured for this description; the speed commands above measure "
-            "it, eager and compiled."
-        )
-        return
-    for _, data in evidence.bench:
-        yield evidence_markdown(data, providers=(fused,))
-        yield ""
+def _quote(checkout: Path | None, quote: tuple[str, str]) -> str | None:
+    """The paragraph of the checkout's ``file`` that holds ``says``, one line."""
+    rel, says = quote
+    if checkout is None or not os.path.lexists(checkout / rel):
+        return None
+    what = f"the paragraph saying {says!r}"
+    text = read_text_at(inside(checkout, rel, what=what), what)
+    found = [p for p in re.split(r"\n\s*\n", text) if says in p]
+    return " ".join(found[0].replace('"""', " ").split()) if found else None

@@ -1,14 +1,14 @@
-"""Run vLLM's own tests, from a checkout, against the vLLM installed here.
+"""Run vLLM's own tests, from a checkout, against the vLLM installed here,
+with the change and without it, when the files the run depends on are the
+checkout's bytes there.
 
-vLLM's tests import both ``vllm`` and ``tests``: ``vllm`` must be a built vLLM
-(the checkout's sources have no compiled kernels), ``tests`` the checkout's. So
-pytest runs in a child interpreter (``vllm_patch.runtime.child``) with a site
-folder holding a built ``vllm/`` (a hard-linked copy of the installed vLLM,
-patched or not) first, then the checkout; ``--import-mode=append`` keeps pytest
-from putting the checkout's ``vllm/`` sources first. ``--noconftest`` leaves
-out vLLM's ``tests/conftest.py``, which needs vLLM's test requirements
-(``tblib`` and more) that a runtime install lacks; the IR kernel tests use none
-of its fixtures. The outcome is counted from pytest's JUnit XML."""
+vLLM's tests import ``vllm`` (built: the checkout has no compiled kernels) and
+the checkout's ``tests``: pytest runs in a child (``runtime.child``) with a
+hard-linked copy of the installed vLLM, patched or not, first on its path, then
+the checkout (``--import-mode=append`` keeps the checkout's ``vllm/`` behind).
+``--noconftest`` leaves out ``tests/conftest.py``, which needs vLLM's test
+requirements; the kernel tests use none of its fixtures. pytest's JUnit XML
+gives the counts."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
-
 from patcher.errors import PatchError
 from patcher.patchset import Patch
-from patcher.tree import VllmTree, open_tree
+from patcher.tree import VllmTree, linked_copy, open_tree
 from patcher.version import read_version
 from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
@@ -34,6 +32,9 @@ PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--noconftest", "--import-mode=appen
 # version of a distribution called ``vllm``, which a checkout's own build
 # metadata (``vllm.egg-info`` of a build for another platform) may answer.
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
+KEYS = ("passed", "failed", "errors", "skipped")
+# The counts by the attributes of JUnit's testsuite:
+JUNIT = dict(tests="tests", failed="failures", errors="errors", skipped="skipped")
 
 
 @dataclass(frozen=True)
@@ -42,25 +43,29 @@ class TestRun:
 
     __test__ = False  # not a pytest test class
 
-    files: tuple[str, ...]
-    command: str
-    """What a reviewer runs in the checkout (paths relative to it)."""
+    command: str  # what a reviewer runs in the checkout
     ran: bool
-    reason: str = ""
-    """Why it did not run (for the terminal: it may name local paths)."""
-    counts: dict[str, int] = field(default_factory=dict)
-    """``passed``, ``failed``, ``errors``, ``skipped``."""
-    failures: tuple[str, ...] = ()
-    """Test ids that failed or errored (the first few)."""
+    reason: str = ""  # why not, for the terminal (may name local paths)
+    counts: dict[str, int] = field(default_factory=dict)  # by KEYS
+    failures: tuple[str, ...] = ()  # the first ids that failed or errored
     seconds: float = 0.0
     vllm: str = ""
     torch: str = ""
-    machine: str = ""
-    """CPU model, architecture and the instruction sets the kernels use."""
+    machine: str = ""  # described_machine()
 
     def summary(self) -> str:
-        order = ("passed", "failed", "errors", "skipped")
-        return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in order)
+        return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in KEYS)
+
+
+@dataclass(frozen=True)
+class TestRuns:
+    """The edited tests with the change and without it (the fails-before)."""
+
+    __test__ = False
+
+    after: TestRun
+    before: TestRun | None = None
+    same: tuple[str, ...] = ()  # the files the run depends on, checked
 
 
 def reviewer_command(files: list[str], keyword: str | None = None) -> str:
@@ -68,11 +73,12 @@ def reviewer_command(files: list[str], keyword: str | None = None) -> str:
     return shlex.join(["pytest", *selected, *files])
 
 
-def described_machine() -> str:
-    """``CPU model (arch; instruction sets the kernels use)``."""
-    m = machine.facts()
-    flags = ", ".join(m["key_flags"]) or "no vector extensions of note"
-    return f"{m['cpu_model']} ({m['arch']}; {flags})"
+def described_machine(m: dict | None = None) -> str:
+    """The one description of a machine in a PR: ``machine.summary`` and the
+    instruction sets vLLM's CPU kernels use (of ``m``, else of this one)."""
+    m = m or machine.facts()
+    flags = ", ".join(m.get("key_flags") or ()) or "no vector extensions of note"
+    return f"{machine.summary(m)}; {flags}"
 
 
 def run_pytest(
@@ -80,16 +86,12 @@ def run_pytest(
 ) -> TestRun:
     """pytest on ``files`` (or ``file::test`` ids) of ``checkout``, with
     ``site``'s ``vllm/`` imported; ``keyword`` is pytest's ``-k``."""
+    command = reviewer_command(files, keyword)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
         argv = [*PYTEST_OPTIONS, "-q", f"--rootdir={checkout}", f"--junitxml={junit}"]
         argv += ["-k", keyword] if keyword else []
         argv += [str(checkout / f) for f in files]
-        print(
-            f"vllm-patch: running {reviewer_command(files)} on CPU (minutes)...",
-            file=sys.stderr,
-            flush=True,
-        )
         # cwd=site: `python -m` puts the working directory first on sys.path.
         outcome = child.run(
             "vllm_patch.upstream.vllm_tests:pytest_main",
@@ -100,77 +102,84 @@ def run_pytest(
         )
         if not junit.is_file():
             exited = outcome.result if outcome.ok else outcome.error
-            tail = outcome.log.strip().splitlines()[-5:]
-            return TestRun(
-                tuple(files),
-                reviewer_command(files),
-                ran=False,
-                reason=f"pytest exited with {exited} before running: "
-                + " / ".join(tail),
-            )
+            tail = " / ".join(outcome.log.strip().splitlines()[-5:])
+            return TestRun(command, False, f"pytest exited with {exited}: {tail}")
         counts, failures, skipped_why = _junit(junit)
     if not (counts["passed"] or counts["failed"] or counts["errors"]):
-        why = f": {skipped_why}" if skipped_why else ""
-        return TestRun(
-            tuple(files),
-            reviewer_command(files, keyword),
-            ran=False,
-            reason=f"every test skipped ({counts['skipped']}){why}",
-        )
+        why = f"every test skipped ({counts['skipped']}): {skipped_why}"
+        return TestRun(command, False, why)
     return TestRun(
-        tuple(files),
-        reviewer_command(files, keyword),
+        command,
         ran=True,
         counts=counts,
         failures=failures,
         seconds=round(outcome.seconds, 1),
-        vllm=_version_of(site),
+        vllm=str(read_version(VllmTree(site)) or "unknown"),
         torch=machine.distribution_version("torch") or "not installed",
         machine=described_machine(),
     )
 
 
-def pytest_main(argv: list[str]) -> int:
-    """pytest's exit code on ``argv``: the child's side of :func:`run_pytest`."""
+def pytest_main(argv: list[str]) -> int:  # the child's side of run_pytest
     import pytest  # a dependency of vllm-patch: the child runs in its environment
 
     return int(pytest.main(argv))
 
 
 def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
-    """The counts, the tests that failed (the first few) and the first reason
-    a test was skipped for."""
+    """The counts, the first ids that failed and the first reason to skip."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    for suite in suites:
-        for key in total:
-            total[key] += int(suite.get(key, 0))
+    total = {k: sum(int(s.get(j, 0)) for s in suites) for k, j in JUNIT.items()}
     failures = [
         f"{case.get('classname')}::{case.get('name')}"
         for case in root.iter("testcase")
         if case.find("failure") is not None or case.find("error") is not None
     ]
-    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
-    counts = {
-        "passed": passed,
-        "failed": total["failures"],
-        "errors": total["errors"],
-        "skipped": total["skipped"],
-    }
+    counts = {k: n for k, n in total.items() if k != "tests"}
+    counts = {"passed": total["tests"] - sum(counts.values()), **counts}
     skips = (case.find("skipped") for case in root.iter("testcase"))
     why = next((s.get("message", "") for s in skips if s is not None), "")
     return counts, tuple(failures[:10]), why
 
 
-def _version_of(site: Path) -> str:
-    version = read_version(VllmTree(site))
-    return str(version) if version else "unknown"
+def depends_on(patch: Patch, ci_dependencies: tuple[str, ...] = ()) -> list[str]:
+    """The vLLM files the edited tests' run depends on: the patch's edits and the
+    ``vllm/`` ones of the CI step's ``source_file_dependencies`` (folders/)."""
+    wanted = {e.file for e in patch.edits}
+    wanted |= {d for d in ci_dependencies if d.startswith("vllm/")}
+    return sorted(wanted)
 
 
-def unavailable(checkout: Path, files: list[str], want: Version | None) -> str | None:
-    """Why the tests of ``files`` cannot run here against a matching vLLM
-    build, or None when they can (said before ``pr`` commits)."""
+def _files(tree: VllmTree, entry: str) -> set[str]:
+    found = tree.path(entry).rglob("*.py") if entry.endswith("/") else ()
+    return {p.relative_to(tree.location).as_posix() for p in found} or {entry}
+
+
+def compared(
+    checkout: Path, patch: Patch, depends: list[str]
+) -> tuple[list[str], list[str]]:
+    """The files of ``depends`` (same, differing): same where the checkout has
+    the installed vLLM's bytes, or those the patch gives it (in a checkout
+    before or after the patch); a file absent from both is the same."""
+    from patcher import engine  # libcst: only when a vLLM is here to compare
+
+    trees = (VllmTree(checkout), open_tree(None))
+    names = sorted(set().union(*(_files(t, d) for t in trees for d in depends)))
+    mine, theirs = (
+        {n: t.read_bytes(n) if t.exists(n) else None for n in names} for t in trees
+    )
+    changes = engine.plan(trees[1], patch).file_changes()
+    patched = {rel: after and after.encode() for rel, (_, after) in changes.items()}
+    same = [n for n in names if mine[n] in (theirs[n], patched.get(n, theirs[n]))]
+    return same, [n for n in names if n not in same]
+
+
+def unavailable(
+    checkout: Path, files: list[str], patch: Patch, depends: list[str]
+) -> str | None:
+    """Why the edited tests cannot run here, or None: the installed vLLM is the
+    checkout's code in every file of ``depends`` (said once, by the caller)."""
     if not any((checkout / f).is_file() for f in files):
         return "not in this checkout"
     try:
@@ -179,12 +188,10 @@ def unavailable(checkout: Path, files: list[str], want: Version | None) -> str |
         return f"no vLLM installed for {sys.executable}"
     if importlib.util.find_spec("torch") is None:
         return "no torch in this environment"
-    have = read_version(installed)
-    if want is None or want != have:
+    if differ := ", ".join(compared(checkout, patch, depends)[1]):
         return (
-            f"the checkout is vLLM {want or 'of unknown version'}, the vLLM installed "
-            f"for {sys.executable} is {have or 'of unknown version'}; the tests need "
-            "a matching build"
+            f"the checkout and the vLLM {read_version(installed)} installed for "
+            f"{sys.executable} differ in {differ}"
         )
     return None
 
@@ -193,15 +200,26 @@ def measure(
     checkout: Path,
     files: list[str],
     patch: Patch,
-    want: Version | None,
+    depends: list[str],
     keyword: str | None = None,
-) -> TestRun:
-    """The upstream tests of a vLLM ``want`` checkout on a patched, hard-linked
-    copy of the installed vLLM, or why they cannot run here."""
-    present = [f for f in files if (checkout / f).is_file()]
-    command = reviewer_command(present or files, keyword)
-    why_not = unavailable(checkout, files, want)
-    if why_not:
-        return TestRun(tuple(present or files), command, False, why_not)
-    with patched_copy(open_tree(None), patch) as site:
-        return run_pytest(checkout, present, site, keyword)
+) -> TestRuns:
+    """The edited tests of a checkout on a patched, hard-linked copy of the
+    installed vLLM and on an unpatched one, when the installed vLLM is the
+    checkout's code in ``depends``; else why they cannot run here."""
+    present = [f for f in files if (checkout / f).is_file()] or files
+    command = reviewer_command(present, keyword)
+    why = unavailable(checkout, files, patch, depends)
+    if why:
+        return TestRuns(TestRun(command, False, why))
+    installed, same = open_tree(None), tuple(compared(checkout, patch, depends)[0])
+    print(
+        f"vllm-patch: running {command} on CPU against vLLM {read_version(installed)}"
+        f" ({', '.join(same)}: the checkout's code), with and without the change...",
+        file=sys.stderr,
+        flush=True,
+    )
+    with patched_copy(installed, patch) as site:
+        after = run_pytest(checkout, present, site, keyword)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp:
+        base = linked_copy(installed, Path(tmp)).location
+        return TestRuns(after, run_pytest(checkout, present, base, keyword), same)
