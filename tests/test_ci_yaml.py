@@ -73,7 +73,7 @@ def test_the_cpu_kernel_step_runs_the_ir_tests(
     added = [d[2:] for d in diff if d.startswith("+ ")]
     assert added == [f"  - {d}\n" for d in WIRING.dependencies] + [added_command_line]
     assert edit.described() == [
-        f'the "{label}" step runs `{TEST}` and lists '
+        f'the "{WIRING.step}" step runs `{TEST}` and lists '
         + ", ".join(f"`{d}`" for d in WIRING.dependencies)
         + " in its `source_file_dependencies`"
     ]

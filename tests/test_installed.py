@@ -104,7 +104,7 @@ def test_check_reads_a_real_wheel(installed) -> None:
     assert "+++ b/vllm/kernels/vllm_c.py" in doc["diff"]
 
 
-def test_pr_help_and_its_default_evidence(installed) -> None:
+def test_pr_help_names_the_evidence_folder(installed) -> None:
     bin_dir, env, elsewhere = installed
     proc = _run([bin_dir / "vllm-patch", "--help"], elsewhere, env)
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
@@ -115,18 +115,7 @@ def test_pr_help_and_its_default_evidence(installed) -> None:
     assert proc.stdout.startswith("usage: vllm-patch pr")
     assert "--evidence DIR" in proc.stdout
 
-    code = (
-        "from vllm_patch.upstream import pr_body\n"
-        "found = pr_body.load_evidence(list(pr_body.DEFAULT_EVIDENCE))\n"
-        "print(len(found.compat), len(found.bench))"
-    )
-    proc = _run([bin_dir / "python", "-c", code], elsewhere, env)
-    assert proc.returncode == 0, proc.stderr
-    compat, bench = map(int, proc.stdout.split())
-    shipped = len(list((PROJECT / "compat_matrix" / "results").glob("*.json")))
-    assert compat == shipped
-    reference = PROJECT / "vllm_patch" / "bench" / "reference"
-    assert bench == len(list(reference.rglob("*.json")))
+    assert "evidence.json" in proc.stdout
 
 
 @pytest.mark.integration
@@ -150,5 +139,6 @@ def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
     said = proc.stdout.index("upstream tests: cannot run here (no vLLM installed for")
     assert said < proc.stdout.index("committed")
     body = description(repo).read_text()
-    assert "## Overview" in body and "Not run while writing this description" in body
+    assert "## Overview" in body and "```bash\npytest tests/kernels/ir/" in body
+    assert "upstream tests: not run" not in proc.stdout  # said once, before
     assert repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message

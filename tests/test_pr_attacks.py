@@ -140,7 +140,6 @@ def run(fork: Fork, capsys, *extra: str, print_body: bool = True) -> tuple[int, 
     before, cache = snapshot(fork.victim), os.path.lexists(fork.root / ".ruff_cache")
     start = time.monotonic()
     argv = ["pr", "--vllm", str(fork.root), "--patch", "cpu_fused_norms", "--no-tests"]
-    argv += ["--evidence", str(fork.victim.parent / "no-evidence")]
     rc = cli.main([*argv, *(["--print"] if print_body else []), *extra])
     took = time.monotonic() - start
     out, err = capsys.readouterr()
@@ -415,10 +414,10 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
+    from vllm_patch import bench
     from vllm_patch.bench.outputs import write_outputs
-    from vllm_patch.upstream.pr_body import DEFAULT_EVIDENCE
 
-    doc = json.loads((DEFAULT_EVIDENCE[1] / "bench.json").read_text())
+    doc = json.loads((Path(bench.__file__).parent / "reference/bench.json").read_text())
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "bashrc").write_text(SECRET)

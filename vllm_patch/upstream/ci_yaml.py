@@ -69,7 +69,9 @@ class CiEdit:
         """What changed, in the words of a commit message's change list."""
         said = []
         if self.added_tests:
-            said.append(f'the "{self.label}" step runs {_listed(self.added_tests)}')
+            said.append(
+                f'the "{self.wiring.step}" step runs {_listed(self.added_tests)}'
+            )
         if self.added_dependencies:
             deps = _listed(self.added_dependencies)
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")

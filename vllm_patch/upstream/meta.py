@@ -42,6 +42,10 @@ class Upstream:
     carry it, and leave the paragraph out when it is empty."""
     ci: CiWiring | None = None
     """Optional ``[upstream.ci]``: the CI step the patch's tests join."""
+    quote: tuple[str, str] | None = None
+    """Optional ``quote = {file, says}``: the paragraph of the checkout's
+    ``file`` holding ``says``, quoted in the PR's Details (read at run time:
+    vLLM's own words for why the change takes its form)."""
 
 
 def upstream_of(patch: Patch) -> Upstream:
@@ -72,7 +76,21 @@ def upstream_of(patch: Patch) -> Upstream:
         model=table.get("model", Upstream.model),
         numerics_note=table.get("numerics_note", "").strip(),
         ci=_ci_of(table.get("ci"), where),
+        quote=_quote_of(table.get("quote"), where),
     )
+
+
+def _quote_of(table: object, where: str) -> tuple[str, str] | None:
+    if table is None:
+        return None
+    if not (isinstance(table, dict) and {"file", "says"} <= table.keys()):
+        raise PatchError(
+            "bad [upstream] quote",
+            path=where,
+            looked_for="{file, says}",
+            found=str(table),
+        )
+    return str(table["file"]), str(table["says"])
 
 
 def _ci_of(table: object, where: str) -> CiWiring | None:

@@ -48,7 +48,7 @@ OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--branch", "NAME", "branch to create or reuse; default: the patch's"),
     ("--base", "REF", "where to start (e.g. upstream/main); default: this branch"),
     ("--format-patch", "DIR", "also write the commit as an mbox (git am) into DIR"),
-    ("--evidence", "DIR", "compat cells and bench JSON to read (repeatable)"),
+    ("--evidence", "DIR", "DIR/evidence.json's figures (bench --serve --out DIR)"),
     (
         "--out",
         "FILE",
@@ -65,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         kind = {"metavar": metavar} if metavar else {"action": "store_true"}
         if metavar in ("DIR", "FILE"):
             kind["type"] = Path
-        if flag == "--evidence":
-            kind["action"] = "append"
         parser.add_argument(flag, help=text, required=flag == "--vllm", **kind)
 
 
@@ -167,8 +165,7 @@ def commit_message(
             found=upstream.title,
         )
     parts = [_wrap(upstream.body)] + ([_wrap(upstream.rule)] if upstream.rule else [])
-    changes = [f"- {rel}: {c}" for rel, cs in described.items() for c in cs]
-    parts.append("\n".join(_wrap(item, "  ") for item in changes))
+    parts.append(_wrap(pr_body.what_changes(described, mark="")))
     body = "\n\n".join(parts)
     return f"{upstream.title}\n\n{body}\n\n{identity.signoff}\n"
 
@@ -271,7 +268,7 @@ class Run:
         if self.mbox:
             _output(root, self.mbox, "--format-patch DIR", folder=True)
         self.args = args
-        self.evidence = [Path(d) for d in args.evidence or pr_body.DEFAULT_EVIDENCE]
+        self.evidence = pr_body.load_evidence(args.evidence, self.patch)
         self.new_files: list[str] = []
         """Files the patch created (gone again on rollback)."""
         head = repo.head
@@ -431,7 +428,7 @@ def _found_commit(pr: Run, plan: engine.PatchPlan) -> Committed:
     )
 
 
-def _tests(pr: Run, plan: engine.PatchPlan, version) -> vllm_tests.TestRun | None:
+def _tests(pr: Run, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
     """vLLM's tests of the edited test files, run now unless ``--no-tests`` or
     this machine has no matching vLLM: the user is told first that they are
     the checkout's code."""
@@ -439,7 +436,9 @@ def _tests(pr: Run, plan: engine.PatchPlan, version) -> vllm_tests.TestRun | Non
     if not edited:
         return None
     keyword = pr.args.pytest_k
-    why_not = vllm_tests.unavailable(pr.root, edited, version)
+    ci = pr.upstream.ci
+    depends = vllm_tests.depends_on(pr.patch, ci.dependencies if ci else ())
+    why_not = vllm_tests.unavailable(pr.root, edited, pr.patch, depends)
     if pr.args.no_tests or why_not:
         command = vllm_tests.reviewer_command(edited, keyword)
         said = (
@@ -450,33 +449,31 @@ def _tests(pr: Run, plan: engine.PatchPlan, version) -> vllm_tests.TestRun | Non
         print(
             f"upstream tests: {said}; the PR description gives the reviewer's command"
         )
-        return vllm_tests.TestRun(tuple(edited), command, ran=False, reason=said)
+        return vllm_tests.TestRuns(vllm_tests.TestRun(command, ran=False, reason=said))
     print(
         f"upstream tests: running {', '.join(edited)} of the checkout: this runs the "
         "checkout's own code (the test files and what they import); --no-tests skips "
         "them",
         flush=True,
     )
-    run = vllm_tests.measure(pr.root, edited, pr.patch, version, keyword)
-    print(f"upstream tests: {run.summary() if run.ran else f'not run: {run.reason}'}")
-    return run
+    runs = vllm_tests.measure(pr.root, edited, pr.patch, depends, keyword)
+    after, before = runs.after, runs.before
+    fails = f"; without the change: {before.summary()}" if before and before.ran else ""
+    print(f"upstream tests: {after.summary() + fails if after.ran else after.reason}")
+    return runs
 
 
 def _description(pr: Run, committed: Committed) -> str:
     """The PR description's text, with the upstream tests run now."""
-    evidence = pr_body.load_evidence(pr.evidence)
-    for unreadable in evidence.unreadable:
-        warn(f"evidence not read: {unreadable}")
     left_out = template.read_template(pr.root).left_out
     if left_out:
         warn(f"PR template {left_out}; the fallback layout is used")
-    version = checkout_version(pr.repo, pr.root)
     facts = pr_body.Facts(
-        version=version,
-        evidence=evidence,
+        version=checkout_version(pr.repo, pr.root),
+        evidence=pr.evidence,
         checkout=pr.root,
         described=committed.described,
-        tests_run=_tests(pr, committed.plan, version),
+        tests=_tests(pr, committed.plan),
         left_out={e.edit.file: e.skipped.message for e in committed.plan.skipped},
         ci=committed.ci,
     )
