@@ -438,14 +438,11 @@ def _tests(pr: Run, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
     keyword = pr.args.pytest_k
     ci = pr.upstream.ci
     depends = vllm_tests.depends_on(pr.patch, ci.dependencies if ci else ())
-    why_not = vllm_tests.unavailable(pr.root, edited, pr.patch, depends)
-    if pr.args.no_tests or why_not:
+    no_tests = pr.args.no_tests
+    why_not = no_tests or vllm_tests.unavailable(pr.root, edited, pr.patch, depends)
+    if why_not:
         command = vllm_tests.reviewer_command(edited, keyword)
-        said = (
-            "skipped (--no-tests)"
-            if pr.args.no_tests
-            else f"cannot run here ({why_not})"
-        )
+        said = "skipped (--no-tests)" if no_tests else f"cannot run here ({why_not})"
         print(
             f"upstream tests: {said}; the PR description gives the reviewer's command"
         )
