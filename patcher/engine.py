@@ -24,7 +24,6 @@ from patcher.backup import Backup, sha256
 from patcher.errors import PatchError, shown
 from patcher.files import locked, remove_at, replace_at
 from patcher.patchset import Edit, Patch, defaults, exclusive_with, is_default, select
-from patcher.shim import follow
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
@@ -46,17 +45,10 @@ class EditPlan:
     """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
     skipped: PatchError | None = None
     """Why an optional edit is left out (its file is missing or unrecognised)."""
-    path: str | None = None
-    """The file edited, when ``edit.file`` is a compatibility shim pointing to it."""
 
     @property
     def file(self) -> str:
-        return self.path or self.edit.file
-
-    @property
-    def via(self) -> str | None:
-        """The shim that led to :attr:`file`, if any."""
-        return self.edit.file if self.path else None
+        return self.edit.file
 
     @property
     def reason(self) -> str | None:
@@ -130,7 +122,6 @@ class PatchPlan:
         edits = [
             {
                 "file": e.file,
-                "via": e.via,
                 "summary": e.edit.summary,
                 "status": e.status(self.direction),
                 "reason": e.reason,
@@ -282,7 +273,6 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             continue
         path = edit.file
         try:
-            path = follow(tree, edit.file)
             before = texts[path] if path in texts else read(path)
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
@@ -290,7 +280,7 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
                 edit,
                 direction,
                 before,
-                lambda r: read(follow(tree, r)) or "",
+                lambda r: read(r) or "",
                 (restore or {}).get(path),
             )
         except PatchError as exc:
@@ -299,13 +289,7 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
         texts[path] = after
-        yield EditPlan(
-            edit,
-            before,
-            after,
-            described=said,
-            path=path if path != edit.file else None,
-        )
+        yield EditPlan(edit, before, after, described=said)
 
 
 def _edit(edit: Edit, direction, before: Text, read, original: Text):
@@ -341,9 +325,8 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     git = ".git" if tree.kind == "checkout" else "."
     if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
-    files = {e.file for e in patch.edits + patch.test_edits}
-    files |= {follow(tree, f) for f in files if tree.exists(f)}
-    return Backup(tree.real(git), patch.name, frozenset(files))
+    files = frozenset(e.file for e in patch.edits + patch.test_edits)
+    return Backup(tree.real(git), patch.name, files)
 
 
 def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
@@ -395,7 +378,7 @@ def apply(
         return Outcome(patch.name, "already applied", (), tuple(notes))
     partly = any(not e.changes for e in planned.edits if e.skipped is None)
     action = "completed" if partly else "applied"
-    return Outcome(patch.name, action, _shown(planned, changes), tuple(notes))
+    return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
@@ -434,12 +417,12 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
         f"damaged backup, reverting by the inverse edit instead: {x}" for x in problems
     ]
     action = "reverted" if changes else "nothing to revert"
-    return Outcome(patch.name, action, _shown(p, changes), tuple(notes))
+    return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
 
 def _clean(tree: VllmTree, patch: Patch) -> None:
     """Delete what an interrupted write of the patch's files left beside them."""
-    for rel in {follow(tree, e.file) for e in patch.edits + patch.test_edits}:
+    for rel in {e.file for e in patch.edits + patch.test_edits}:
         remove_at(tree.real(rel), leftovers=True)
 
 
@@ -486,9 +469,3 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
                 found=f"{done} of {len(changes)} files written; the tree is partly "
                 "patched: run apply again to finish, or revert to undo",
             ) from exc
-
-
-def _shown(p: PatchPlan, changes) -> tuple[str, ...]:
-    """The changed files, each with the shim that led to it."""
-    via = {e.file: e.via for e in p.edits if e.via}
-    return tuple(f"{r} via the shim {via[r]}" if r in via else r for r in changes)

@@ -37,15 +37,14 @@ class ExitCode(enum.IntEnum):
     CANNOT_APPLY = (
         3,
         "cannot apply (nothing changed)",
-        "cannot apply: not a vLLM tree, a bad wheel, a missing or non-regular "
-        "file, a shape the codemod does not recognise, a shim whose module is not "
-        "in the tree, a syntax error, a non-UTF-8 file, a read-only file or "
-        "folder, a vLLM version outside the patch's range, an exclusive patch "
-        "applied, no default patch, a path leading out of the tree (a link, a "
-        "planted backup manifest), a file over the size bound. The message names "
-        "the file, what was looked for and what was found; nothing was changed, "
-        "unless a write failed between two files: then it says how far it got, "
-        "and that apply (or revert) run again finishes it.",
+        "cannot apply: not a vLLM tree, a bad wheel, a missing or non-regular file, a "
+        "shape the codemod does not recognise, a syntax error, a non-UTF-8 file, a "
+        "read-only file or folder, a vLLM version outside the patch's range, an "
+        "exclusive patch applied, no default patch, a path leading out of the tree (a "
+        "link, a planted backup manifest), a file over the size bound. The message "
+        "names the file, what was looked for and what was found; nothing was changed, "
+        "unless a write failed between two files: then it says how far it got, and that"
+        " apply (or revert) run again finishes it.",
     )
 
     @classmethod

@@ -36,7 +36,6 @@ SHAPES = FIXTURES / "shapes"
 PATCH = select(["cpu_fused_norms"])[0]
 VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"
-MOVED = "vllm/backends/kernels/vllm_c.py", "vllm/backends/platforms/cpu.py"
 BOTH = ("rms_norm", "fused_add_rms_norm")
 # Only a backup tells a CPU gate made by hand from the one apply adds, or gives
 # back a statement apply laid out anew (it was not in the pinned ruff's layout).
@@ -52,12 +51,9 @@ ACCEPTED = {
     "cpu_in_middle": (BOTH, (), (VLLM_C, CPU)),
     "not_cpu": (BOTH, (), (VLLM_C, CPU)),
     "hand_gate": (BOTH, (), (VLLM_C, CPU)),
-    "shim_with_target": (BOTH, (), MOVED),
-    "shim_bound_name": (BOTH, (), MOVED),
     "long_lines_fork": (BOTH, (), (VLLM_C, CPU)),
     "older_ruff_layout": (BOTH, (), (VLLM_C, CPU)),
 }
-SHIMS = ["shim_with_target", "shim_bound_name"]
 PLATFORMS = {  # what each platform's current_platform.is_*() says yes to
     "cpu": {"is_cpu"},
     "cuda": {"is_cuda", "is_cuda_alike"},
@@ -299,32 +295,6 @@ def test_apply_then_revert_restores_every_byte(shape, kind, tmp_path):
     assert main(["check", "--vllm", str(root)]) == 0  # applied
     assert main(["revert", "--vllm", str(root)]) == 0
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
-
-
-def test_a_shim_without_its_module_exits_3_naming_it(tmp_path, capsys):
-    root = build("shim_without_target", tmp_path / "tree")
-    files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    assert main(["apply", "--vllm", str(root)]) == 3
-    err = capsys.readouterr().err
-    assert f"{root / VLLM_C}: a compatibility shim for module " in err
-    assert "vllm.backends.kernels.vllm_c, which is not in this tree" in err
-    assert "vllm/backends/kernels/vllm_c.py" in err  # where it was looked for
-    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
-
-
-@pytest.mark.parametrize("shape", SHIMS)
-def test_a_shim_is_followed_and_both_paths_reported(shape, tmp_path, capsys):
-    """``sys.modules[__name__] = import_module(...)``, or a name bound to it."""
-    root = build(shape, tmp_path / "tree")
-    shims = {rel: (root / rel).read_bytes() for rel in (VLLM_C, CPU)}
-    assert main(["check", "--vllm", str(root)]) == 1
-    out = capsys.readouterr().out
-    assert f"{MOVED[0]} (via the shim {VLLM_C}): applicable" in out
-    assert main(["apply", "--vllm", str(root)]) == 0
-    out = capsys.readouterr().out
-    assert f"{MOVED[0]} via the shim {VLLM_C}" in out
-    assert f"{MOVED[1]} via the shim {CPU}" in out
-    assert {rel: (root / rel).read_bytes() for rel in (VLLM_C, CPU)} == shims
 
 
 class TestShapes(CodemodTest):

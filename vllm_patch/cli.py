@@ -115,8 +115,7 @@ def _print_plan(tree: VllmTree, p: engine.PatchPlan) -> None:
     if p.error:
         print("  " + str(p.error).replace("\n", "\n  "))
     for e in p.edits:
-        via = f" (via the shim {e.via})" if e.via else ""
-        print(f"  {e.file}{via}: {e.status(p.direction)}")
+        print(f"  {e.file}: {e.status(p.direction)}")
         if e.reason:
             print("    " + e.reason.replace("\n", "\n    "))
 
