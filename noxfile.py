@@ -4,6 +4,7 @@ for the rest."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -79,6 +80,7 @@ CELLS = {
 CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
 
 
+@functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
     """The indexes and find-links of the user's pip configuration as uv options
     (uv does not read pip's configuration; a local +cpu torch is often found

@@ -82,7 +82,7 @@ def test_rows_as_a_literal_table():
         "checks": {n: {"outcome": "passed", "message": ""} for n in report.FORM_CHECKS},
     }
     assert report.table(report.HEADER, map(report.row, [live(), failed, static])) == (
-        "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed |\n"
+        "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
         "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 9/9 |\n"
         "| `0.19.1` | torch==2.13.0+cpu | no IR | ❌ none | ❌ none | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 8/9 |\n"

@@ -13,9 +13,17 @@ TOKENS = 8
 
 
 def main(model: str, mode: str, out: str) -> None:
+    import dataclasses
+
     import torch
     from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
 
+    # A small KV cache: a share of the machine's memory may not be free.
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    small = (
+        {"kv_cache_memory_bytes": 2**28} if "kv_cache_memory_bytes" in fields else {}
+    )
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -23,6 +31,7 @@ def main(model: str, mode: str, out: str) -> None:
         max_model_len=64,
         max_num_seqs=1,
         seed=0,
+        **small,
     )
     prompt = [{"prompt_token_ids": list(range(10, 18))}]
     params = SamplingParams(
@@ -42,4 +51,5 @@ def main(model: str, mode: str, out: str) -> None:
 
 if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
     main(*sys.argv[1:])
