@@ -4,6 +4,7 @@ MATRIX.md's rows, as literal tables."""
 from __future__ import annotations
 
 import json
+import os
 
 from compat_matrix import report
 
@@ -113,3 +114,31 @@ def test_failures_are_listed_with_their_message():
     assert report.render([failed]).endswith(
         "## Failed checks\n\n- `0.32.0` test_route_logged: AssertionError: no line\n"
     )
+
+
+def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):
+    """pip's configuration (here from its environment variables, which rank over
+    its files) as uv's options, and an extra +cpu torch index."""
+    monkeypatch.chdir(report.HERE.parent)
+    import noxfile
+
+    for name in list(os.environ):
+        if name.startswith("PIP_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///a/simple file:///b/simple")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    monkeypatch.setenv("VLLMPATCH_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
+    assert noxfile.pip_sources.__wrapped__() == [
+        "--index-url=https://mirror.example/simple",
+        "--extra-index-url=file:///a/simple",
+        "--extra-index-url=file:///b/simple",
+        "--find-links=/opt/wheels",
+        "--extra-index-url=https://download.pytorch.org/whl/cpu",
+        "--index-strategy=unsafe-best-match",
+    ]
+    monkeypatch.delenv("VLLMPATCH_TORCH_INDEX")
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
+        monkeypatch.delenv(name)
+    assert noxfile.pip_sources.__wrapped__() == []
