@@ -82,9 +82,9 @@ CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.t
 
 @functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
-    """The indexes and find-links of the user's pip configuration as uv options
-    (uv does not read pip's configuration; a local +cpu torch is often found
-    through pip's find-links)."""
+    """uv's install options: the indexes and find-links of the user's pip
+    configuration (uv does not read pip's configuration; a local +cpu torch is
+    often found through pip's find-links)."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
@@ -146,7 +146,7 @@ def compat(session: nox.Session, vllm: str) -> None:
     result = MATRIX / "results" / f"{cell['package']}-{cell['version']}.xml"
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
-    env_key = digest(cell, sources, files=("pyproject.toml",))
+    env_key = digest(cell, sources, "compileall", files=("pyproject.toml",))
     e2e = "--e2e" in session.posargs  # a result with engine starts serves without
     code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
     if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
@@ -158,6 +158,13 @@ def compat(session: nox.Session, vllm: str) -> None:
             else:
                 session.install(*sources, "-e", ".")
                 stamp["torch"] = f"{cell['torch']} (the wheel's pin, not installed)"
+            # Bytecode for the whole environment, as pip compiles at install:
+            # with PYTHONDONTWRITEBYTECODE set, every import of torch and vLLM
+            # would compile them from source again.
+            lib = Path(session.virtualenv.location) / "lib"
+            session.run(
+                "python", "-m", "compileall", "-q", "-j0", str(lib), silent=True
+            )
             stamp.update(env=env_key, code=None)
             stamp_file.write_text(json.dumps(stamp))
         checks = (
