@@ -24,6 +24,7 @@ from calls import MODES
 
 from patcher.patchset import all_patches, select
 from patcher.tree import open_tree
+from patcher.version import read_version
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 
 HERE = Path(__file__).resolve().parent
@@ -65,7 +66,8 @@ def fact(record_testsuite_property):
 @pytest.fixture(scope="session")
 def check_report(tree, fact) -> list[dict]:
     """``vllm-patch check --json`` on the tree: the patches a plain check
-    picks, each with its status (the engine's dry run)."""
+    picks, each with its status (the engine's dry run), or the engine's one
+    error as the only entry."""
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_patch", "check", "--vllm", str(tree.location)]
         + ["--json"],
@@ -74,8 +76,10 @@ def check_report(tree, fact) -> list[dict]:
     )
     report = json.loads(proc.stdout)
     fact("torch", os.environ.get("VLLMPATCH_COMPAT_TORCH"))
-    fact("vllm", report[0]["vllm_version"] if isinstance(report, list) else None)
-    assert isinstance(report, list), f"vllm-patch check failed: {report}"
+    fact("vllm", str(read_version(tree)))
+    if isinstance(report, dict):  # e.g. no patch is this tree's default (exit 3)
+        fact("check_error", report["error"])
+        return [{"patch": None, "status": "error", "error": report["error"]}]
     return report
 
 
