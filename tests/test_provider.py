@@ -273,7 +273,7 @@ RANKING = [
 def test_default_ranking_through_vllm_config(
     ops, monkeypatch, opted_in, compiled, user, final
 ):
-    from compat_matrix.probe.vllm_ir import vllm_config
+    from vllm_helpers import vllm_config
 
     if opted_in:
         monkeypatch.setenv(provider.OPT_IN_ENV, "1")
@@ -305,7 +305,7 @@ def test_opt_in_passes_vllms_strict_environment_validation(variable, error):
     """What ``--fail-on-environ-validation`` runs at start: vLLM's own validation,
     which raises on every ``VLLM_*`` variable vLLM does not know (and only warns
     without the flag)."""
-    from compat_matrix.probe.vllm_ir import strict_environ_error
+    from vllm_helpers import strict_environ_error
 
     assert strict_environ_error({variable: "1"}) == error
 
@@ -376,8 +376,7 @@ def test_what_it_says_in_vllms_log(
 ):
     """Each decision that changes nothing visible gets one line in vLLM's log,
     once per process however often vLLM calls the plugin and builds a config."""
-    from compat_matrix.probe.provider_module import provider_log
-    from compat_matrix.probe.vllm_ir import vllm_config
+    from vllm_helpers import provider_log, vllm_config
 
     if value is None:
         monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
@@ -407,9 +406,7 @@ def test_the_way_out_it_names_under_inductor_works(ops, vllm_log, monkeypatch):
     argument parser, ranks the provider first in a compiled config."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from compat_matrix.probe.provider_module import provider_log
-    from compat_matrix.probe.vllm_ir import vllm_config
+    from vllm_helpers import provider_log, vllm_config
 
     monkeypatch.setenv(provider.OPT_IN_ENV, "1")
     with provider_log(provider.__name__) as log:
@@ -443,7 +440,7 @@ if hasattr(vllm.logger, "configure_logging"):  # vLLM 0.32 sets it up on start
     from vllm.config.logging import LoggingConfig
     vllm.logger.configure_logging(LoggingConfig())
 from vllm_patch.bench.numerics import functional
-from compat_matrix.probe.provider_module import provider_log
+from vllm_helpers import provider_log
 from patches.cpu_fused_norms import provider
 with provider_log(provider.__name__) as log:
     provider.register()
@@ -513,7 +510,11 @@ def register_under(vllm_folder: Path) -> dict:
     import subprocess
     import sys
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(vllm_folder), str(ROOT)]))
+    tests = str(Path(__file__).resolve().parent)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(vllm_folder), str(ROOT), tests]),
+    )
     env.pop(provider.OPT_IN_ENV, None)
     proc = subprocess.run(
         [sys.executable, "-c", UNDER_OLD_VLLM],

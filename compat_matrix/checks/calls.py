@@ -1,0 +1,117 @@
+"""Count vLLM's CPU norm kernel calls through vLLM's own dispatch, without an
+engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager: compilation
+mode NONE; compiled: vLLM's default, which the CPU platform compiles with
+Inductor), set as the current config with its IR op priority (where the release
+has IR), an ``RMSNorm`` instantiated under it (so an out-of-tree ``RMSNorm``
+replaces it, as in a model) and called with and without a residual under
+torch's profiler. The events ``_C::rms_norm`` and ``_C::fused_add_rms_norm``
+count the kernels whatever registered them.
+
+``python calls.py OUT.json`` writes the counts for both modes to OUT.json (the
+checks run it on the patched copy of vLLM, in a fresh interpreter; vLLM logs to
+stdout)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Any
+
+KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+MODES = ("eager", "compiled")
+HIDDEN, TOKENS = 2048, 4
+# The kernels truncate float32 to bfloat16 on builds without AVX512-BF16: the
+# fused add truncates twice, up to 3 * 2**-7 (2.3e-2) relative off native.
+BF16_RTOL = 2.5e-2
+
+
+def final_config(mode: str):
+    """The config a vLLM engine on this CPU would run with, eager or compiled."""
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode
+
+    if mode == "eager":
+        return VllmConfig(
+            compilation_config=CompilationConfig(mode=CompilationMode.NONE)
+        )
+    return VllmConfig()
+
+
+def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
+    """Kernel calls of one RMSNorm called plain and with a residual, the route
+    vLLM took to reach them, and how far its outputs are from native."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    config = final_config(mode)
+    kernel_config = getattr(config, "kernel_config", None)
+    priority = getattr(kernel_config, "ir_op_priority", None)
+    torch.manual_seed(0)
+    kind = getattr(torch, dtype)
+    x = torch.randn(TOKENS, HIDDEN, dtype=kind)
+    residual = torch.randn(TOKENS, HIDDEN, dtype=kind)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(set_current_vllm_config(config))
+        if priority is not None:
+            stack.enter_context(priority.set_priority())
+        norm = RMSNorm(HIDDEN, dtype=kind)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.1)
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
+            out = norm(x.clone())
+            added = norm(x.clone(), residual.clone())
+        native = norm.forward_native(x.clone())
+        native_added = norm.forward_native(x.clone(), residual.clone())
+    names = [e.name for e in prof.events()]
+    cc = config.compilation_config
+    return {
+        "mode": mode,
+        "compilation": {
+            "mode": int(cc.mode),
+            "backend": cc.backend,
+            "custom_ops": list(cc.custom_ops),
+        },
+        "ir_op_priority": str(priority) if priority is not None else None,
+        "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
+        "replaced": type(norm) is not RMSNorm,
+        "calls": {k: names.count(k) for k in KERNELS},
+        # The smallest rtol (at atol 1e-3) at which every output matches native.
+        "rtol_needed": max(
+            float(
+                ((a.float() - b.float()).abs() - 1e-3)
+                .clamp(min=0)
+                .div(b.float().abs().clamp(min=1e-6))
+                .max()
+            )
+            for a, b in zip((out, *added), (native, *native_added), strict=True)
+        ),
+    }
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One line for a failed check: what was called, under which config."""
+    cc = result["compilation"]
+    return (
+        f"{result['mode']}: {result['calls']} via {result['norm_class']}; "
+        f"custom_ops {cc['custom_ops']}, compilation mode {cc['mode']}, "
+        f"{result['ir_op_priority'] or 'no IR'}"
+    )
+
+
+def route(result: dict[str, Any], provider: str) -> str:
+    """How the kernels were reached: an out-of-tree ``RMSNorm`` (CustomOp), the
+    provider ranked in the IR op priority (IR), or neither."""
+    if result["replaced"]:
+        return "CustomOp"
+    if provider in (result["ir_op_priority"] or ""):
+        return "IR"
+    return "none"
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], "w") as out:
+        json.dump({m: count(m) for m in MODES}, out)

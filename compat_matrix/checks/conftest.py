@@ -1,0 +1,168 @@
+"""What the cell's checks share: the vLLM tree they judge (the installed one,
+or a wheel named with ``--vllm-wheel`` for the static cells), the engine's
+report on it (``vllm-patch check --json``: which form of the change a plain
+``check`` picks, and whether it applies), the release's mechanism read from
+its files, and the patched copy's kernel counts, measured in a fresh
+interpreter started before the in-process checks so that it runs beside them.
+
+Every fact the matrix shows is recorded as a property of the test suite in
+pytest's JUnit XML (``record_testsuite_property``); ``compat_matrix.report``
+reads nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from calls import MODES
+
+from patcher.patchset import all_patches, select
+from patcher.tree import open_tree
+from patcher.version import read_version
+from patches.cpu_fused_norms.identity import OPT_IN_ENV
+
+HERE = Path(__file__).resolve().parent
+# The cell runs opted in: the provider's one switch, as a user sets it.
+os.environ.setdefault(OPT_IN_ENV, "1")
+DEPRECATION = re.compile(r"Deprecated: vLLM IR .*?(?=\n\s*\n|\"\"\")", re.DOTALL)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--vllm-wheel",
+        help="PACKAGE==VERSION: judge this wheel statically (default: the vLLM "
+        "installed here, live)",
+    )
+    parser.addoption(
+        "--e2e", action="store_true", help="also start vLLM's engine (slow)"
+    )
+
+
+@pytest.fixture(scope="session")
+def tree(request):
+    """The vLLM tree judged: the wheel asked for (fetched into the user cache)
+    or the installed vLLM."""
+    wanted = request.config.getoption("--vllm-wheel")
+    if not wanted:
+        return open_tree(None)
+    from vllm_patch.runtime.cache import fetch_wheel
+
+    package, _, version = wanted.partition("==")
+    return open_tree(fetch_wheel(package, version))
+
+
+@pytest.fixture(scope="session")
+def fact(record_testsuite_property):
+    """Record one fact of the cell for the report (JSON-encoded)."""
+    return lambda name, value: record_testsuite_property(name, json.dumps(value))
+
+
+@pytest.fixture(scope="session")
+def check_report(tree, fact) -> list[dict]:
+    """``vllm-patch check --json`` on the tree: the patches a plain check
+    picks, each with its status (the engine's dry run), or the engine's one
+    error as the only entry."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "check", "--vllm", str(tree.location)]
+        + ["--json"],
+        capture_output=True,
+        text=True,
+    )
+    report = json.loads(proc.stdout)
+    fact("torch", os.environ.get("VLLMPATCH_COMPAT_TORCH"))
+    fact("vllm", str(read_version(tree)))
+    if isinstance(report, dict):  # e.g. no patch is this tree's default (exit 3)
+        fact("check_error", report["error"])
+        return [{"patch": None, "status": "error", "error": report["error"]}]
+    return report
+
+
+@pytest.fixture(scope="session")
+def form(check_report, fact) -> str | None:
+    """The form of the change the engine picks for this tree: the patch a plain
+    check judges applicable or applied (None when none does)."""
+    picked = [r for r in check_report if r["status"] in ("applicable", "applied")]
+    name = picked[0]["patch"] if picked else None
+    fact("form", name)
+    fact("patch_status", {r["patch"]: r["status"] for r in check_report})
+    return name
+
+
+@pytest.fixture(scope="session")
+def mechanism(tree, fact) -> str:
+    """``IR``, ``IR deprecated`` (quoting the release's own words and naming
+    their file) or ``no IR``, read from the tree's files."""
+    found, quote = "no IR", None
+    if tree.exists("vllm/ir/op.py"):
+        found = "IR"
+        for rel in ("vllm/config/kernel.py", "vllm/config/compilation.py"):
+            text = tree.read_text(rel) if tree.exists(rel) else ""
+            if match := DEPRECATION.search(text):
+                found = "IR deprecated"
+                quote = {"file": rel, "text": " ".join(match.group(0).split())}
+                break
+    fact("mechanism", found)
+    fact("mechanism_quote", quote)
+    return found
+
+
+def forms() -> tuple[str, str]:
+    """(IR form, CustomOp form): the patch that ``replaces`` another is the
+    CustomOp form, the one it replaces the IR form (contract of patch.toml)."""
+    for patch in all_patches():
+        if replaced := patch.meta.get("replaces"):
+            return replaced, patch.name
+    return "cpu_fused_norms", "rms_norm_forward_cpu"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started(request, form, fact):
+    """The chosen form applied to a hard-linked copy of the installed vLLM, and
+    ``calls.py`` run on it (plugins off: the change alone) in a fresh
+    interpreter started now; yields a function that waits for its counts,
+    reverts the copy and returns both (None when there is nothing to apply)."""
+    if request.config.getoption("--vllm-wheel") or form is None:
+        yield None
+        return
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    record: dict = {}
+    with contextlib.ExitStack() as stack:
+        copy = stack.enter_context(
+            patched_copy(open_tree(None), select([form])[0], record=record)
+        )
+        env = os.environ | {"PYTHONPATH": str(copy), "VLLM_PLUGINS": "none"}
+        env.pop(OPT_IN_ENV, None)
+        out = copy / "calls.json"
+        child = subprocess.Popen(
+            [sys.executable, str(HERE / "calls.py"), str(out)],
+            env=env,
+            stdout=stack.enter_context(open(copy / "calls.log", "w")),
+            stderr=subprocess.STDOUT,
+        )
+        stack.callback(child.kill)
+
+        def finish() -> dict:
+            if "counts" not in record:
+                child.wait(timeout=900)
+                log = (copy / "calls.log").read_text()[-3000:]
+                assert child.returncode == 0, f"calls.py on the copy: {log}"
+                record["counts"] = json.loads(out.read_text())
+                stack.close()  # revert the copy: record gets restored, ...
+                fact("patched", {m: record["counts"][m]["calls"] for m in MODES})
+            return record
+
+        yield finish
+
+
+@pytest.fixture
+def patched(started):
+    if started is None:
+        pytest.skip("no form of the change applies here (see test_form_applies)")
+    return started

@@ -1,0 +1,46 @@
+"""``--e2e``: real engine starts with the provider (the cell runs opted in),
+eager and compiled, each in a fresh interpreter: the eager engine calls the CPU
+kernels while generating, the compiled one (Inductor) none, and both generate."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import HERE
+from engine import TOKENS
+
+
+@pytest.fixture(scope="session")
+def model(request):
+    if not request.config.getoption("--e2e"):
+        pytest.skip("engine starts not asked for (--e2e)")
+    from vllm_patch.bench.engine_run import TINY_LLAMA, make_random_llama
+    from vllm_patch.runtime.cache import cache_dir
+
+    return make_random_llama(cache_dir() / "models", **TINY_LLAMA)
+
+
+def run_engine(model, mode, tmp_path, fact) -> dict:
+    out = tmp_path / "engine.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine.py"), str(model), mode, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    found = json.loads(out.read_text())
+    fact(f"e2e_{mode}", found)
+    assert len(found["tokens"]) == TOKENS, found
+    return found
+
+
+def test_e2e_eager_engine_calls_kernels(model, tmp_path, fact):
+    found = run_engine(model, "eager", tmp_path, fact)
+    assert found["calls"]["_C::rms_norm"] >= 1, found
+
+
+def test_e2e_compiled_engine_calls_no_kernel(model, tmp_path, fact):
+    found = run_engine(model, "compiled", tmp_path, fact)
+    assert not any(found["calls"].values()), found

@@ -1,0 +1,91 @@
+"""The out-of-tree provider, live, through vLLM's own plugin loader and
+dispatch: loaded from its entry point without a warning, the CPU kernels called
+in eager mode by the route it logs, numerics within the kernels' bound, and no
+kernel call when compiling (native, which Inductor fuses)."""
+
+import logging
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+from calls import BF16_RTOL, count, describe, route
+
+from patches.cpu_fused_norms.identity import PROVIDER
+
+
+@pytest.fixture(scope="session")
+def plugin_log():
+    """What the plugins logged while vLLM's loader ran them (``vllm.plugins``
+    loggers), as (level, message)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    try:
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    finally:
+        logger.removeHandler(handler)
+    return [
+        (r.levelname, r.getMessage())
+        for r in records
+        if r.name.startswith("vllm.plugins.")
+    ]
+
+
+@pytest.fixture(scope="session")
+def counted(plugin_log, fact):
+    results = {mode: count(mode) for mode in ("eager", "compiled")}
+    fact("provider", {m: r["calls"] for m, r in results.items()})
+    fact("route", route(results["eager"], PROVIDER))
+    return results
+
+
+def test_plugin_loads_quietly(plugin_log):
+    """vLLM's loader found the project's entry point and ran it, which logged
+    no warning or error."""
+    ours = [
+        e
+        for e in entry_points(group="vllm.general_plugins")
+        if e.dist and e.dist.name == "vllm-patch"
+    ]
+    assert ours, "no vllm.general_plugins entry point of vllm-patch"
+    assert ours[0].module in sys.modules, f"{ours[0]} was not loaded"
+    loud = [m for level, m in plugin_log if level not in ("DEBUG", "INFO")]
+    assert not loud, loud[0]
+
+
+def test_eager_calls_rms_norm_kernel(counted):
+    assert counted["eager"]["calls"]["_C::rms_norm"] >= 1, describe(counted["eager"])
+
+
+def test_eager_calls_fused_add_kernel(counted):
+    eager = counted["eager"]
+    if route(eager, PROVIDER) == "IR":
+        from vllm import ir
+
+        if not hasattr(ir.ops, "fused_add_rms_norm"):
+            pytest.skip("this release's IR has no fused_add_rms_norm op")
+    assert eager["calls"]["_C::fused_add_rms_norm"] >= 1, describe(eager)
+
+
+def test_route_logged(counted, plugin_log):
+    """The provider says in vLLM's log which route it took, and it is the one
+    vLLM took."""
+    took = route(counted["eager"], PROVIDER)
+    said = [m for _, m in plugin_log if "route" in m.lower()]
+    assert said, f"no log line names the route ({took} taken): {plugin_log}"
+    assert took in said[0], f"{took} taken, logged: {said[0]}"
+
+
+def test_eager_numerics(counted):
+    rtol = counted["eager"]["rtol_needed"]
+    assert rtol <= BF16_RTOL, f"rtol {rtol:.3g} needed against native"
+
+
+def test_compiled_calls_no_kernel(counted):
+    compiled = counted["compiled"]
+    assert compiled["compilation"]["mode"] != 0, describe(compiled)
+    assert not any(compiled["calls"].values()), describe(compiled)

