@@ -3,6 +3,7 @@ forks."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import time
@@ -100,6 +101,9 @@ def test_what_a_child_reported_survives_its_crash(targets, fork, abort):
     assert outcome.reported == values
     assert outcome.ok is not abort
     assert outcome.returncode == (-6 if abort else 0)
+    if fork and abort and faulthandler.is_enabled():  # pytest's, inherited
+        # The dump goes to the child's log, not into the test runner's output.
+        assert "Fatal Python error: Aborted" in outcome.log
 
 
 @pytest.mark.integration  # kills a real process group
