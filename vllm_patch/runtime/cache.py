@@ -3,6 +3,7 @@ reused."""
 
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
@@ -25,27 +26,12 @@ def cache_dir() -> Path:
     return Path(base) / "vllm-patch"
 
 
-def _pip_download(
-    folder: Path, spec: str, *options: str, **run
-) -> subprocess.CompletedProcess:
+def _pip_download(folder: Path, spec: str, *options: str, **run):
     """``pip download --no-deps`` into ``folder``; pip honours the user's
     configuration (index, find-links, proxies)."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(folder),
-            spec,
-            *options,
-        ],
-        **run,
-    )
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+    pip += ["--disable-pip-version-check", "-d", str(folder), spec, *options]
+    return subprocess.run(pip, **run)
 
 
 def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
@@ -91,13 +77,9 @@ def fetch_sdist(package: str, version: str) -> Path:
         options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
         env = {**os.environ, "TMPDIR": str(work)}
         # The metadata build is expected to fail: its output is not shown.
+        spec = f"{package}=={version}"
         done = _pip_download(
-            work / "saved",
-            f"{package}=={version}",
-            *options,
-            env=env,
-            capture_output=True,
-            text=True,
+            work / "saved", spec, *options, env=env, capture_output=True, text=True
         )
         tree = _unpacked(work, package, version)
         if tree is None:
@@ -119,14 +101,8 @@ def _unpacked(work: Path, package: str, version: str) -> Path | None:
             tar.extractall(work / "archive", **safe)
     # archive/<name>-<version>/ or pip-download-*/<name>_<hash>/
     for info in sorted(work.glob("*/*/PKG-INFO")):
-        fields = dict(
-            line.split(": ", 1)
-            for line in info.read_text("utf-8", "replace").splitlines()[:5]
-            if ": " in line
-        )
-        if (
-            canonicalize_name(fields.get("Name", "")) == canonicalize_name(package)
-            and fields.get("Version") == version
-        ):
+        meta = email.message_from_string(info.read_text("utf-8", "replace"))
+        name, found = canonicalize_name(meta["Name"] or ""), meta["Version"]
+        if name == canonicalize_name(package) and found == version:
             return info.parent
     return None

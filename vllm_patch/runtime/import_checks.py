@@ -26,30 +26,26 @@ from typing import Any
 PROVIDER_ATTRIBUTES = ("PROVIDER", "UPSTREAM_PROVIDER", "OPS", "OPT_IN_ENV")
 
 
-def _packages_in(exc: BaseException) -> list[str]:
-    """Top-level packages of every frame in the exception and its causes, innermost
-    last: the parent names the one that broke an import from these."""
-    found: list[str] = []
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for frame, _ in traceback.walk_tb(exc.__traceback__):
-            name = str(frame.f_globals.get("__name__", "")).split(".")[0]
-            if name and name not in found:
-                found.append(name)
-        exc = exc.__cause__ or exc.__context__
-    return found
-
-
 def describe_error(exc: BaseException) -> dict[str, Any]:
-    chain, seen, cur = [], set(), exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        chain.append(f"{type(cur).__name__}: {cur}".strip())
-        cur = cur.__cause__ or cur.__context__
-    # The innermost cause says what actually broke ("operator ... does not exist");
-    # the packages in the tracebacks say whose code raised it.
-    return {"error": chain[0], "root_error": chain[-1], "packages": _packages_in(exc)}
+    """``error`` (the exception), ``root_error`` (its innermost cause: what
+    actually broke, "operator ... does not exist") and ``packages``: the
+    top-level packages of every frame in the chain, innermost last (whose code
+    raised it)."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    packages = {
+        str(frame.f_globals.get("__name__", "")).split(".")[0]: None
+        for e in chain
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    }
+    said = [f"{type(e).__name__}: {e}".strip() for e in chain]
+    return {
+        "error": said[0],
+        "root_error": said[-1],
+        "packages": [*filter(None, packages)],
+    }
 
 
 def explain(exc: BaseException) -> str:
