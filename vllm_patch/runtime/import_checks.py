@@ -1,19 +1,14 @@
-"""The doctor's heavy checks, run in a child interpreter of the environment.
+"""The doctor's heavy checks, run in a child interpreter of the environment
+(``run_steps``, through ``vllm_patch.runtime.child``): importing torch, vLLM or
+transformers can raise, abort on a C++ ABI mismatch or crash, and each is then
+a finding rather than a traceback. Each finished step is reported at once, so
+when the child dies the parent knows which step took it down.
 
-Importing torch, vLLM or transformers can fail with an exception, abort on a
-C++ ABI mismatch or crash outright; in a child, each of those is a finding for
-the parent (``vllm_patch.doctor``) rather than a traceback. The child
-(``run_steps``, through ``vllm_patch.runtime.child``) runs the steps it is
-given in order and reports each finished step at once, so when it dies the
-parent knows which step took it down and starts a new child for the rest.
-
-A step is ``[kind, argument]``:
-
-- ``["import", "vllm.config"]``: import a module;
-- ``["from", "transformers:LlamaConfig"]``: import a name from a module;
-- ``["provider", "MODULE"]``: import a vLLM plugin module, call its ``register()``
-  and report what its ``status()`` and naming attributes say;
-- ``["kernels", "vllm"]``: load vLLM's C kernels the way vLLM itself does.
+A step is ``[kind, argument]``: ``["import", "vllm.config"]`` imports a module,
+``["from", "transformers:LlamaConfig"]`` a name from one; ``["provider",
+MODULE]`` imports a vLLM plugin, calls its ``register()`` and reports its
+``status()`` and naming attributes; ``["kernels", "vllm"]`` loads vLLM's C
+kernels as vLLM does.
 """
 
 from __future__ import annotations
@@ -121,8 +116,7 @@ def load_vllm_kernels() -> str | None:
     return logged[-1] if logged else None
 
 
-def _vllm_kernels() -> dict[str, Any]:
-    """The doctor's step: loaded when any ``_C::`` operator got registered."""
+def _vllm_kernels() -> dict[str, Any]:  # loaded: some ``_C::`` operator exists
     import torch
 
     logged = load_vllm_kernels()
