@@ -229,9 +229,6 @@ def talk_then_wait(go_file):
         time.sleep(0.05)
     return "never answered"
 
-def modules(names):
-    return {n: n in sys.modules for n in names}
-
 def imports_torch_and_vllm():
     import torch, vllm
     from vllm_patch.runtime import machine

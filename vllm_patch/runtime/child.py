@@ -8,8 +8,7 @@ that crashes or hangs. Every such child goes through here:
 - ``run(target, kwargs)`` calls ``target`` (``"package.module:function"``) with
   the JSON-able keyword arguments ``kwargs`` in a child: a :class:`ChildOutcome`.
 - ``start`` / ``finish`` / ``stop`` split that, so that the parent goes on while
-  the child runs; ``fork=True`` forks this process (its imports done) instead of
-  starting a fresh interpreter.
+  the child runs.
 - ``progress`` gets each line the child prints (stdout and stderr) as it comes.
 - ``timeout`` kills the child's whole process group (an engine's workers too).
 - ``report(value)``, in the child, hands the parent one JSON-able value at once
@@ -26,7 +25,6 @@ nothing beyond the standard library.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import importlib
 import json
 import os
@@ -94,8 +92,6 @@ class Child:
     timeout: float | None
     folder: tempfile.TemporaryDirectory
     proc: subprocess.Popen | None = None
-    pid: int | None = None
-    """The fork's process id (``proc`` is None then)."""
     started: float = field(default_factory=time.perf_counter)
     seen: int = 0  # bytes of the log passed to ``progress``
     partial: str = ""  # and the line it has not finished yet
@@ -137,7 +133,6 @@ def start(
     drop_env: Iterable[str] = (),
     cwd: str | Path | None = None,
     timeout: float | None = None,
-    fork: bool = False,
 ) -> Child:
     """Start ``target(**kwargs)`` in a child without waiting for it.
 
@@ -146,17 +141,10 @@ def start(
     it must not see; ``cwd``: its working directory (default: an empty folder,
     so that nothing of the parent's lands first on ``sys.path``); ``timeout``:
     seconds from now after which :func:`finish` kills it (None: never).
-
-    ``fork=True`` forks this process instead (``python`` and ``env`` do not
-    apply; ``pythonpath`` goes first on ``sys.path``): it starts in well under
-    a second with this process's imports done.
     """
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
-    if fork:
-        child.pid = _fork(child, [str(p) for p in pythonpath], list(drop_env), cwd)
-        return child
     with child.file("log.txt").open("wb") as log:
         child.proc = subprocess.Popen(
             [str(python), "-m", "vllm_patch.runtime.child", target, args, result],
@@ -170,44 +158,12 @@ def start(
     return child
 
 
-def _fork(child: Child, pythonpath: list[str], drop_env: list[str], cwd) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if pid := os.fork():
-        return pid
-    code = 1  # the fork: run the target, never return into the parent's code
-    try:
-        os.setsid()
-        for name in drop_env:
-            os.environ.pop(name, None)
-        sys.path[:0] = pythonpath
-        sys.dont_write_bytecode = True  # never add files to a linked copy
-        if cwd:
-            os.chdir(cwd)
-        log = os.open(
-            child.file("log.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
-        )
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        # The parent's streams and fault handler may write elsewhere (a capturing
-        # test runner): the fork's go to its log.
-        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        if faulthandler.is_enabled():
-            faulthandler.enable(sys.stderr)
-        code = child_main(
-            child.target, child.file("args.json"), child.file("result.json")
-        )
-    finally:
-        os._exit(code)
-
-
 def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
     """Wait for ``child`` (killing its process group at its timeout), passing
     each line of its output to ``progress`` as it comes; its outcome."""
     deadline = None if child.timeout is None else child.started + child.timeout
     timed_out = False
-    while (rc := _poll(child)) is None:
+    while (rc := child.proc.poll()) is None:
         _pass_lines(child, progress)
         if deadline is not None and time.perf_counter() > deadline:
             _kill(child)
@@ -256,29 +212,15 @@ def run(
 
 def stop(child: Child) -> None:
     """End ``child`` if it still runs (one that was never collected)."""
-    if _poll(child) is None:
+    if child.proc.poll() is None:
         _kill(child)
     child.folder.cleanup()
 
 
-def _poll(child: Child) -> int | None:
-    if child.proc is not None:
-        return child.proc.poll()
-    try:
-        pid, status = os.waitpid(child.pid, os.WNOHANG)
-    except ChildProcessError:  # collected already
-        return -1
-    return os.waitstatus_to_exitcode(status) if pid else None
-
-
 def _kill(child: Child) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid if child.proc else child.pid, signal.SIGKILL)
-    if child.proc is not None:
-        child.proc.wait()
-    else:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(child.pid, 0)
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    child.proc.wait()
 
 
 def _pass_lines(child: Child, progress, final: bool = False) -> None:
