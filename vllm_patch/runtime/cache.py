@@ -1,5 +1,4 @@
-"""The user cache: real vLLM wheels and source trees, downloaded once and
-reused."""
+"""The user cache: real vLLM wheels and source trees, downloaded once."""
 
 from __future__ import annotations
 
@@ -36,16 +35,12 @@ def _pip_download(folder: Path, spec: str, *options: str, **run):
 
 def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
     """The wheel of ``package==version``, from the cache or via ``pip download``."""
-    folder = cache_dir() / "wheels"
-    found = _cached(folder, package, version)
-    if found:
-        return found
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = f"{package}=={version}"
-    _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
-    found = _cached(folder, package, version)
-    if not found:
-        raise FileNotFoundError(f"pip download left no wheel for {package}=={version}")
+    folder, spec = cache_dir() / "wheels", f"{package}=={version}"
+    if not (found := _cached(folder, package, version)):
+        folder.mkdir(parents=True, exist_ok=True)
+        _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
+        if not (found := _cached(folder, package, version)):
+            raise FileNotFoundError(f"pip download left no wheel for {spec}")
     return found
 
 
@@ -60,14 +55,11 @@ def _cached(folder: Path, package: str, version: str) -> Path | None:
 def fetch_sdist(package: str, version: str) -> Path:
     """The unpacked source distribution of ``package==version`` (for vLLM: its
     whole repository at that release), from the cache or via ``pip download``.
-
-    pip has no download-only mode for an sdist: it unpacks it, then builds its
-    metadata, which fails for vLLM (setuptools-rust and the rest of its build
-    requirements are not installed; without build isolation none is fetched).
-    With ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
-    ``TMPDIR`` puts inside the cache; where the metadata does build, pip saves
-    the archive instead.
-    """
+    pip unpacks an sdist, then builds its metadata, which fails for vLLM without
+    its build requirements (not fetched without build isolation); with
+    ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
+    ``TMPDIR`` puts in the cache. Where the metadata builds, pip saves the
+    archive instead."""
     dest = cache_dir() / "sdists" / f"{canonicalize_name(package)}-{version}"
     if (dest / "PKG-INFO").is_file():
         return dest

@@ -3,23 +3,17 @@
 Measurements and checks run in children: to use another environment's
 interpreter, to import vLLM from a patched copy, to start clean (one engine,
 one thread count, one IR op priority per process), and to survive a kernel
-that crashes or hangs. Every such child goes through here:
+that crashes or hangs. ``run(target, kwargs)`` calls ``target``
+(``"package.module:function"``) with JSON-able keyword arguments in a child;
+``start``, ``finish`` and ``stop`` split that. ``progress`` gets each line the
+child prints as it comes; ``timeout`` kills the child's process group (an
+engine's workers too); ``report(value)``, in the child, hands the parent a value
+at once, which survives a later crash.
 
-- ``run(target, kwargs)`` calls ``target`` (``"package.module:function"``) with
-  the JSON-able keyword arguments ``kwargs`` in a child: a :class:`ChildOutcome`.
-- ``start`` / ``finish`` / ``stop`` split that, so that the parent goes on while
-  the child runs.
-- ``progress`` gets each line the child prints (stdout and stderr) as it comes.
-- ``timeout`` kills the child's whole process group (an engine's workers too).
-- ``report(value)``, in the child, hands the parent one JSON-able value at once
-  (``ChildOutcome.reported``): what a target finished survives its crash.
-
-The child's ``PYTHONPATH`` (:func:`child_env`): the ``pythonpath`` folders first
-(a patched copy of vLLM shadows the installed one), then ``env``'s, the
-inherited ones, and the project root last, so that ``target`` imports in an
-interpreter that does not have this project installed. The child's side,
-``python -m vllm_patch.runtime.child TARGET ARGS_FILE RESULT_FILE``, imports
-nothing beyond the standard library.
+The child's ``PYTHONPATH`` (:func:`child_env`): ``pythonpath`` first (a patched
+copy shadows the installed vLLM), then ``env``'s, the inherited one, and the
+project root last, so that ``target`` imports where this project is not
+installed. The child's side imports only the standard library.
 """
 
 from __future__ import annotations
@@ -40,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-"""Last on every child's ``PYTHONPATH``: this project's packages import there."""
-REPORT_ENV = "VLLMPATCH_CHILD_REPORT"  # not VLLM_*: vLLM warns about unknown ones
-"""Set in the child: the file :func:`report` appends to."""
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # last on a child's path
+# The file report() appends to; not VLLM_*: vLLM warns about unknown ones.
+REPORT_ENV = "VLLMPATCH_CHILD_REPORT"
 LOG_TAIL_CHARS = 4000
 
 
@@ -53,8 +46,7 @@ class ChildFailed(RuntimeError):
     def __init__(self, outcome: ChildOutcome) -> None:
         self.outcome = outcome
         tail = outcome.log_tail(1500).strip()
-        tail = f"\n{tail}" if tail else ""
-        super().__init__(f"{outcome.target}: {outcome.error}{tail}")
+        super().__init__(f"{outcome.target}: {outcome.error}\n{tail}".strip())
 
 
 @dataclass
@@ -96,8 +88,7 @@ class Child:
     seen: int = 0  # bytes of the log passed to ``progress``
     partial: str = ""  # and the line it has not finished yet
 
-    def file(self, name: str) -> Path:
-        """``args.json``, ``result.json``, ``log.txt`` or ``reported.jsonl``."""
+    def file(self, name: str) -> Path:  # args, result, log, reported
         return Path(self.folder.name) / name
 
 
@@ -134,14 +125,11 @@ def start(
     cwd: str | Path | None = None,
     timeout: float | None = None,
 ) -> Child:
-    """Start ``target(**kwargs)`` in a child without waiting for it.
-
-    ``python``: the interpreter (another environment's); ``env``: variables
-    added; ``pythonpath``: folders first on its path; ``drop_env``: variables
-    it must not see; ``cwd``: its working directory (default: an empty folder,
-    so that nothing of the parent's lands first on ``sys.path``); ``timeout``:
-    seconds from now after which :func:`finish` kills it (None: never).
-    """
+    """Start ``target(**kwargs)`` in a child without waiting for it: in
+    ``python`` (another environment's interpreter), with ``env`` added,
+    ``pythonpath`` first on its path, ``drop_env`` removed, in ``cwd`` (default:
+    an empty folder, so that nothing lands first on its ``sys.path``), killed
+    by :func:`finish` ``timeout`` seconds from now (None: never)."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
@@ -183,20 +171,23 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
         with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
             for line in child.file("reported.jsonl").read_text("utf-8").splitlines():
                 reported.append(json.loads(line))
-    seconds = round(time.perf_counter() - child.started, 2)
-    out = ChildOutcome(child.target, False, log=log, seconds=seconds, returncode=rc)
-    out.timed_out, out.reported = timed_out, reported
     if timed_out:
-        out.error = f"timed out after {child.timeout:.0f} s"
+        error = f"timed out after {child.timeout:.0f} s"
     elif rc == 0 and "result" in payload:
-        out.ok, out.result = True, payload["result"]
-    else:
-        out.error = payload.get("error") or (
-            f"exit code {rc}: {last_error_line(log)}"
-            if rc
-            else "the child wrote no result"
-        )
-    return out
+        error = None
+    elif not (error := payload.get("error")):
+        error = f"exit code {rc}: {last_error_line(log)}" if rc else "no result"
+    return ChildOutcome(
+        child.target,
+        ok=error is None,
+        result=payload.get("result") if error is None else None,
+        error=error,
+        log=log,
+        seconds=round(time.perf_counter() - child.started, 2),
+        returncode=rc,
+        timed_out=timed_out,
+        reported=reported,
+    )
 
 
 def run(

@@ -79,9 +79,8 @@ def run_step(kind: str, arg: str) -> dict[str, Any]:
 
 def _provider(module_name: str) -> dict[str, Any]:
     module = importlib.import_module(module_name)
-    out: dict[str, Any] = {
-        "attributes": {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
-    }
+    attributes = {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    out: dict[str, Any] = {"attributes": attributes}
     register = getattr(module, "register", None)
     if not callable(register):
         return {"ok": False, "error": f"{module_name} has no register()", **out}
@@ -97,23 +96,18 @@ def load_vllm_kernels() -> str | None:
     beside ``_C``), and importing one the CPU cannot run kills the process with
     an illegal instruction. vLLM logs and swallows a failed load; what it
     logged is returned (None when it logged nothing)."""
-    import logging
+    import logging.handlers
 
     from vllm.platforms import current_platform
 
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    keep = Keep(logging.WARNING)
-    logging.getLogger("vllm").addHandler(keep)
+    keep, log = logging.handlers.BufferingHandler(10_000), logging.getLogger("vllm")
+    keep.setLevel(logging.WARNING)
+    log.addHandler(keep)
     try:
         current_platform.import_kernels()
     finally:
-        logging.getLogger("vllm").removeHandler(keep)
-    return logged[-1] if logged else None
+        log.removeHandler(keep)
+    return keep.buffer[-1].getMessage() if keep.buffer else None
 
 
 def _vllm_kernels() -> dict[str, Any]:  # loaded: some ``_C::`` operator exists

