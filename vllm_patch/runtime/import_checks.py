@@ -27,7 +27,7 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     top-level packages of every frame in the chain, innermost last (whose code
     raised it)."""
     chain: list[BaseException] = []
-    while exc is not None and exc not in chain:
+    while exc is not None and not any(e is exc for e in chain):
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     packages = {
