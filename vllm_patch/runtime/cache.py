@@ -68,8 +68,7 @@ def fetch_sdist(package: str, version: str) -> Path:
         work = Path(tmp)
         options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
         env = {**os.environ, "TMPDIR": str(work)}
-        # The metadata build is expected to fail: its output is not shown.
-        spec = f"{package}=={version}"
+        spec = f"{package}=={version}"  # its metadata build fails: output not shown
         done = _pip_download(
             work / "saved", spec, *options, env=env, capture_output=True, text=True
         )
@@ -77,7 +76,7 @@ def fetch_sdist(package: str, version: str) -> Path:
         if tree is None:
             tail = " / ".join(done.stderr.strip().splitlines()[-3:])
             raise FileNotFoundError(
-                f"pip download left no source tree of {package}=={version}: {tail}"
+                f"pip download left no source tree of {spec}: {tail}"
             )
         shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
         tree.rename(dest)

@@ -37,7 +37,6 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # last on a child's path
 # The file report() appends to; not VLLM_*: vLLM warns about unknown ones.
 REPORT_ENV = "VLLMPATCH_CHILD_REPORT"
-LOG_TAIL_CHARS = 4000
 
 
 class ChildFailed(RuntimeError):
@@ -66,7 +65,7 @@ class ChildOutcome:
     timed_out: bool = False
     reported: list[Any] = field(default_factory=list)
 
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+    def log_tail(self, chars: int = 4000) -> str:
         return self.log[-chars:]
 
     def value(self) -> Any:
@@ -153,9 +152,8 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     timed_out = False
     while (rc := child.proc.poll()) is None:
         _pass_lines(child, progress)
-        if deadline is not None and time.perf_counter() > deadline:
+        if timed_out := deadline is not None and time.perf_counter() > deadline:
             _kill(child)
-            timed_out = True
             break
         time.sleep(0.05)
     _pass_lines(child, progress, final=True)
@@ -167,26 +165,20 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
             payload = {}
         except json.JSONDecodeError:
             payload = {"error": "the child wrote an unreadable result"}
-        reported = []  # a line a crash cut short ends it
+        said = []  # what report() wrote; a line a crash cut short ends it
         with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
             for line in child.file("reported.jsonl").read_text("utf-8").splitlines():
-                reported.append(json.loads(line))
+                said.append(json.loads(line))
     if timed_out:
         error = f"timed out after {child.timeout:.0f} s"
     elif rc == 0 and "result" in payload:
         error = None
     elif not (error := payload.get("error")):
         error = f"exit code {rc}: {last_error_line(log)}" if rc else "no result"
+    result = payload.get("result") if error is None else None
+    seconds = round(time.perf_counter() - child.started, 2)
     return ChildOutcome(
-        child.target,
-        ok=error is None,
-        result=payload.get("result") if error is None else None,
-        error=error,
-        log=log,
-        seconds=round(time.perf_counter() - child.started, 2),
-        returncode=rc,
-        timed_out=timed_out,
-        reported=reported,
+        child.target, error is None, result, error, log, seconds, rc, timed_out, said
     )
 
 

@@ -54,11 +54,8 @@ def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption(
-        OPTION,
-        choices=sorted(LIBRARIES),
-        help="the x86 CPU class whose vLLM kernel build to load",
-    )
+    help = "the x86 CPU class whose vLLM kernel build to load"
+    parser.addoption(OPTION, choices=sorted(LIBRARIES), help=help)
 
 
 def pytest_configure(config) -> None:

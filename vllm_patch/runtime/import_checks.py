@@ -91,11 +91,9 @@ def _provider(module_name: str) -> dict[str, Any]:
 
 
 def load_vllm_kernels() -> str | None:
-    """Load vLLM's C kernels as the engine does, through the platform: x86 CPU
-    builds ship one library per instruction set (``_C_AVX2``, ``_C_AVX512``
-    beside ``_C``), and importing one the CPU cannot run kills the process with
-    an illegal instruction. vLLM logs and swallows a failed load; what it
-    logged is returned (None when it logged nothing)."""
+    """Load vLLM's C kernels as the engine does, through the platform (which
+    picks the x86 build the CPU runs: another would kill the process); vLLM
+    logs and swallows a failed load: what it logged, None if nothing."""
     import logging.handlers
 
     from vllm.platforms import current_platform

@@ -35,10 +35,8 @@ def cpu() -> dict[str, Any]:
         key, _, value = (part.strip() for part in line.partition(":"))
         found.setdefault(key, value)
     model = found.get("model name") or platform.processor() or platform.machine()
-    return {
-        "model": model,
-        "flags": (found.get("flags") or found.get("Features") or "").split(),
-    }
+    flags = (found.get("flags") or found.get("Features") or "").split()
+    return {"model": model, "flags": flags}
 
 
 def kernel_flags(flags: list[str]) -> list[str]:
@@ -54,13 +52,8 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def memory_gib() -> float | None:
-    kib = [
-        int(ln.split()[1])
-        for ln in _read("/proc/meminfo")
-        if ln.startswith("MemTotal:")
-    ]
-    return round(kib[0] / 2**20, 1) if kib else None
+def memory_gib() -> float:  # MemTotal of /proc/meminfo
+    return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
 
 
 def facts() -> dict[str, Any]:
@@ -106,10 +99,10 @@ def cpu_snapshot() -> dict[str, float] | None:
     }
 
 
+# Above this share of the CPU time used by other processes while measuring
+# (other_load), figures say more about the load than about the code measured:
+# results carry a warning and recommend nothing.
 BUSY_SHARE = 0.25
-"""Above this share of the CPU time used by other processes while measuring
-(:func:`other_load`), figures say more about the load than about the code
-measured: results carry a warning and recommend nothing."""
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
