@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import importlib.util
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import tempfile
 import textwrap
 import zipfile
 from pathlib import Path
+from resource import RUSAGE_CHILDREN, RUSAGE_SELF
 
 import git
 import pytest
@@ -58,6 +61,47 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or INTEGRATION_FIXTURES & set(item.fixturenames)
         ):
             item.add_marker(pytest.mark.integration)
+
+
+# CPU seconds per test file: wall times (--durations) say more about the other
+# processes on a shared machine than about the tests; CPU time does not.
+CPU_START = pytest.StashKey[float]()
+CPU_PER_FILE: collections.Counter[str] = collections.Counter()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of its children it waited for."""
+    me, children = (resource.getrusage(w) for w in (RUSAGE_SELF, RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item):
+    item.stash[CPU_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = (yield).get_result()
+    if call.when == "teardown":  # sent to pytest-xdist's controller with the report
+        used = _cpu_seconds() - item.stash[CPU_START]
+        report.user_properties.append(("cpu_seconds", used))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            CPU_PER_FILE[report.nodeid.split("::")[0]] += value
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not CPU_PER_FILE:
+        return
+    total = sum(CPU_PER_FILE.values())
+    terminalreporter.write_sep("=", f"CPU seconds per test file ({total:.1f} s in all)")
+    for path, used in CPU_PER_FILE.most_common(10):
+        terminalreporter.write_line(f"{used:7.1f} s  {used / total:4.0%}  {path}")
 
 
 @pytest.fixture(scope="session", params=REAL_WHEELS, ids=lambda p: f"{p[0]}-{p[1]}")
