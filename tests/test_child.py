@@ -1,5 +1,4 @@
-"""vllm_patch.runtime.child: the one child runner, with real subprocesses and
-forks."""
+"""vllm_patch.runtime.child: the one child runner, with real subprocesses."""
 
 from __future__ import annotations
 
@@ -74,29 +73,15 @@ def test_a_child_that_dies_without_a_result_says_how(targets):
     assert outcome.error == "exit code 3: about to leave"
 
 
-@pytest.mark.parametrize(
-    "fork, abort",
-    [
-        pytest.param(False, True, id="interpreter-aborts"),
-        pytest.param(True, True, id="fork-aborts"),
-        pytest.param(False, False, id="interpreter-returns"),
-    ],
-)
-def test_what_a_child_reported_survives_its_crash(targets, fork, abort):
+@pytest.mark.parametrize("abort", [True, False], ids=["aborts", "returns"])
+def test_what_a_child_reported_survives_its_crash(targets, abort):
     values = [{"step": 1}, ["two"], "three"]
-    if fork:
-        sys.path.insert(0, str(targets))  # the fork imports as this process does
-    try:
-        outcome = child.run(
-            "toolkit_targets:report_then_abort",
-            {"values": values, "abort": abort},
-            pythonpath=[targets],
-            timeout=120,
-            fork=fork,
-        )
-    finally:
-        if fork:
-            sys.path.remove(str(targets))
+    outcome = child.run(
+        "toolkit_targets:report_then_abort",
+        {"values": values, "abort": abort},
+        pythonpath=[targets],
+        timeout=120,
+    )
     assert outcome.reported == values
     assert outcome.ok is not abort
     assert outcome.returncode == (-6 if abort else 0)
@@ -127,8 +112,7 @@ def test_a_timeout_kills_the_whole_process_group(targets, tmp_path):
         pytest.fail(f"the grandchild {grandchild} outlived the timeout")
 
 
-@pytest.mark.parametrize("fork", [False, True], ids=["interpreter", "fork"])
-def test_progress_lines_arrive_while_the_child_runs(targets, tmp_path, fork):
+def test_progress_lines_arrive_while_the_child_runs(targets, tmp_path):
     """The child waits for an answer to its first line: it only returns
     "answered" if that line reached the parent while it ran."""
     go = tmp_path / "go"
@@ -139,36 +123,15 @@ def test_progress_lines_arrive_while_the_child_runs(targets, tmp_path, fork):
         if line == "step 1":
             go.touch()
 
-    if fork:
-        sys.path.insert(0, str(targets))  # the fork imports as this process does
-    try:
-        outcome = child.run(
-            "toolkit_targets:talk_then_wait",
-            {"go_file": str(go)},
-            pythonpath=[targets],
-            progress=progress,
-            timeout=120,
-            fork=fork,
-        )
-    finally:
-        if fork:
-            sys.path.remove(str(targets))
+    outcome = child.run(
+        "toolkit_targets:talk_then_wait",
+        {"go_file": str(go)},
+        pythonpath=[targets],
+        progress=progress,
+        timeout=120,
+    )
     assert outcome.value() == "answered"
     assert seen[:2] == ["step 1", "step 2"]
-
-
-def test_a_fork_has_this_process_imports_and_its_own_path(targets):
-    import json  # noqa: F401  (imported here: the fork has it too)
-
-    child_ = child.start(
-        "toolkit_targets:modules",
-        {"names": ["json", "toolkit_targets"]},
-        pythonpath=[targets],
-        fork=True,
-        timeout=60,
-    )
-    assert child_.pid and child_.proc is None
-    assert child.finish(child_).value() == {"json": True, "toolkit_targets": True}
 
 
 def test_stop_ends_a_child_that_was_never_collected(targets, tmp_path):

