@@ -32,6 +32,16 @@ TINY_LLAMA = dict(
     num_kv_heads=2,
     vocab_size=1024,
 )
+# Served by ``bench --serve`` without ``--model``: small enough that 12 server
+# starts and runs fit in half an hour on 2 cores.
+SERVED_LLAMA = dict(
+    hidden_size=512,
+    num_layers=4,
+    intermediate_size=1408,
+    num_heads=8,
+    num_kv_heads=4,
+    vocab_size=4096,
+)
 FINAL_PRIORITY_MARKER = "Final IR op priority after setting platform defaults:"
 
 
@@ -45,8 +55,10 @@ def make_random_llama(
     num_kv_heads: int = 4,
     vocab_size: int = 32000,
     seed: int = 0,
+    tokenizer: bool = False,
 ) -> Path:
-    """A random-weight LlamaForCausalLM (bf16) saved under ``path``.
+    """A random-weight LlamaForCausalLM (bf16) saved under ``path``; with
+    ``tokenizer``, a word-level tokenizer too (:func:`save_word_tokenizer`).
 
     ``path`` is a cache folder: the model goes into a subfolder named by the
     hash of its configuration, and a second call with the same configuration
@@ -63,6 +75,7 @@ def make_random_llama(
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
         "seed": seed,
+        **({"tokenizer": "words"} if tokenizer else {}),
     }
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     target = Path(path) / f"random-llama-{digest[:12]}"
@@ -73,7 +86,11 @@ def make_random_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_config = LlamaConfig(
-        **{k: v for k, v in config.items() if k not in ("seed", "num_hidden_layers")},
+        **{
+            k: v
+            for k, v in config.items()
+            if k not in ("seed", "num_hidden_layers", "tokenizer")
+        },
         num_hidden_layers=num_layers,
         torch_dtype="bfloat16",
     )
@@ -84,6 +101,8 @@ def make_random_llama(
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer:
+            save_word_tokenizer(staging, vocab_size)
         (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
         try:
             staging.rename(target)
@@ -93,6 +112,21 @@ def make_random_llama(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the model's vocabulary (words ``w3`` ..),
+    made locally: a served model needs one for text prompts."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(model_dir)
 
 
 def parse_final_priority(log: str) -> str | None:

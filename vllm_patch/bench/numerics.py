@@ -16,6 +16,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.bench_result import NATIVE
 
 DTYPE_NAMES = ("float32", "bfloat16")
@@ -277,3 +278,106 @@ def noncontiguous_dispatch(op, provider: str, shape=DISPATCH_SHAPE) -> dict:
         out[name]["dispatched_to"] == NATIVE and out[name]["right"] for name in layouts
     )
     return out
+
+
+# --- per x86 kernel build: the CPU kernels themselves against native ----------
+
+BUILD_DTYPES = ("bfloat16", "float16", "float32")
+BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))
+"""(tokens, hidden size): among vLLM's own IR norm test sizes."""
+
+
+def needed_rtol(actual, expected, atol: float) -> float:
+    """The smallest ``rtol`` with which ``torch.testing.assert_close(actual,
+    expected, atol=atol, rtol=...)`` passes (``inf``: none does)."""
+    import torch
+
+    a, e = actual.double(), expected.double()
+    excess = ((a - e).abs() - atol).clamp(min=0)
+    if not bool((excess > 0).any()):
+        return 0.0
+    if bool(((e == 0) & (excess > 0)).any()):
+        return float("inf")
+    return float((excess / e.abs().clamp(min=torch.finfo(torch.float64).tiny)).max())
+
+
+def kernel_call(name: str):
+    """The CPU kernel as a function of the op's inputs, returning its outputs."""
+    import torch
+
+    if name == "rms_norm":
+
+        def call(x, weight, eps):
+            out = torch.empty_like(x)
+            torch.ops._C.rms_norm(out, x, weight, eps)
+            return out
+
+        return call
+
+    def call_fused(x, residual, weight, eps):
+        torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)  # in place
+        return x, residual
+
+    return call_fused
+
+
+def build_numerics(library: str) -> dict:
+    """In a child: load ``library``'s kernel build (``runtime.cpu_library``) and
+    hold its two norm kernels to vLLM's native implementation on vLLM's own
+    generated inputs: per op and dtype, the largest rtol any shape needs."""
+    import torch
+
+    from vllm_patch.runtime import cpu_library
+
+    cpu_library.force(library)
+    from vllm import ir
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    loaded = cpu_library.loaded()
+    found: dict[tuple[str, str], dict] = {}
+    for name in OPS:
+        op = getattr(ir.ops, name)
+        for dtype_name in BUILD_DTYPES:
+            dtype = getattr(torch, dtype_name)
+            tol = op.get_tolerance(dtype)
+            case = found.setdefault(
+                (name, dtype_name),
+                {"op": name, "dtype": dtype_name, "needed_rtol": 0.0, **tol},
+            )
+            for tokens, hidden in BUILD_SHAPES:
+                args = op_inputs(op, (tokens, hidden), dtype)
+                try:
+                    got = as_tuple(kernel_call(name)(*copy_args(args)))
+                except RuntimeError as exc:  # a dtype the build lacks
+                    case["error"] = str(exc).splitlines()[0]
+                    break
+                for a, e in zip(got, expected_of(op, args), strict=True):
+                    need = needed_rtol(a, e, tol["atol"])
+                    case["needed_rtol"] = max(case["needed_rtol"], need)
+    return {"loaded": loaded, "cases": list(found.values())}
+
+
+def per_build(progress) -> dict:
+    """:func:`build_numerics` for every kernel build this CPU runs, each in its
+    own child (a process loads one build)."""
+    from vllm_patch.runtime import child, cpu_library, machine
+
+    builds = {}
+    for cpu_class in cpu_library.runnable(machine.cpu()["flags"]):
+        name = cpu_library.LIBRARIES[cpu_class]
+        progress(f"numerics: the {name} build")
+        outcome = child.run(
+            "vllm_patch.bench.numerics:build_numerics",
+            {"library": cpu_class},
+            timeout=900,
+        )
+        result = outcome.value()
+        if name not in result["loaded"]:
+            raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
+        builds[name] = result["cases"]
+    return {
+        "reference": "vLLM's native IR implementation on the same inputs",
+        "shapes": [list(s) for s in BUILD_SHAPES],
+        "builds": builds,
+    }

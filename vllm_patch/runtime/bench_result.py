@@ -1,316 +1,276 @@
-"""A bench result (``bench.json``) read as data: the words its rows use and
-their Markdown tables, for the bench's own report and for a pull request
-description, which quotes a result without running or importing the bench.
+"""An evidence folder (``vllm-patch bench --out DIR``) read as data: its words,
+its figures' spread and their Markdown, for the bench's own ``evidence.md`` and
+for a pull request description, which quotes a folder without running the bench.
 
-A row is one implementation (``provider``) of one IR op, timed in one vLLM
-(``source``: as installed, or a patched copy) at one shape, dtype and thread
-count: ``median_us`` with its quartiles and ``ratio`` (native's median over
-this one, from the same process), or a ``status`` saying why it was not timed.
+``DIR/evidence.json`` holds ``schema``, ``machine`` (``runtime.machine.facts``),
+``vllm`` (``base``, ``patched``, ``patch``), ``model`` (``path``,
+``random_weights``, ``description``), ``serving`` (``commands``, and per mode
+and side every metric's value per repetition: ``configs``), ``accuracy``
+(``tokens``, ``lm_eval``), ``numerics`` and ``perop`` (or None: not measured).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from pathlib import Path
 from typing import Any
 
-from vllm_patch.runtime.machine import BUSY_SHARE
+from vllm_patch.runtime.markdown import details, table
 
+SCHEMA = 1
+EVIDENCE = "evidence.json"
 NATIVE = "native"
-"""vLLM's own PyTorch implementation of an IR op: every ratio's baseline."""
-NATIVE_COMPILED = "native_compiled"
-"""Pseudo provider: the native implementation under ``torch.compile`` (Inductor)."""
-DISPATCH_ROLES = ("native", "upstream", "reference", "provider")
-"""Columns of the dispatch table: ``provider`` is the out-of-tree one."""
+"""vLLM's own PyTorch implementation of an op: every ratio's baseline."""
+MODES = ("eager", "compiled")
+SIDES = ("base", "patched")
+METRICS = (
+    "request_throughput", "output_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+    "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
+)  # fmt: skip
+"""``vllm bench serve --save-result``'s names for what the table shows."""
+LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 
 
-def _fmt_us(value: float | None) -> str:
-    if value is None:
+def read(folder: Path) -> dict[str, Any]:
+    """``folder``'s evidence document (a regular file, never through a link)."""
+    from patcher.files import read_json
+
+    return read_json(Path(folder) / EVIDENCE, "a vllm-patch bench evidence file")
+
+
+def spread(values: list[float]) -> tuple[float, float, float] | None:
+    """(median, min, max), None for no values."""
+    if not values:
+        return None
+    return statistics.median(values), min(values), max(values)
+
+
+def ratios(doc: dict[str, Any], mode: str, metric: str) -> list[float]:
+    """patched / base per repetition (the two ran one after the other)."""
+    sides = doc["serving"]["configs"].get(mode, {})
+    pairs = zip(
+        sides.get("base", {}).get(metric, []),
+        sides.get("patched", {}).get(metric, []),
+        strict=False,
+    )
+    return [p / b for b, p in pairs if b]
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
+def shown(values: list[float], ratio: bool = False) -> str:
+    """``median [min–max]`` of ``values``; ``-`` for none."""
+    found = spread(values)
+    if found is None:
         return "-"
-    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
+    fmt = (lambda v: f"{v:.3f}x") if ratio else _fmt
+    med, lo, hi = found
+    return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
 
 
-def _timing(row: dict[str, Any] | None) -> str:
-    """Median [quartiles] of a timed row, or why it was not timed."""
-    if row is None:
-        return ""
-    status = row.get("status")
-    if status != "ok":
-        return {
-            "wrong": "wrong result (not timed)",
-            "unsupported_args": "unsupported",
-        }.get(status, str(status))
-    return (
-        f"{_fmt_us(row['median_us'])} [{_fmt_us(row['q1_us'])}–{_fmt_us(row['q3_us'])}]"
+def serving_table(doc: dict[str, Any], mode: str) -> str:
+    sides = doc["serving"]["configs"][mode]
+    rows = [
+        [
+            LABELS.get(m, m.replace("_ms", " (ms)").replace("_", " ")),
+            *(shown(sides.get(s, {}).get(m, [])) for s in SIDES),
+            shown(ratios(doc, mode, m), ratio=True),
+        ]
+        for m in METRICS
+    ]
+    return table(["metric", "base", "patched", "patched / base"], rows)
+
+
+def machine_line(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    flags = ", ".join(m.get("key_flags") or []) or "no listed kernel flags"
+    return f"{m['cpu_model']} ({m['arch']}, {m['usable_cpus']} CPUs; {flags})"
+
+
+def load_line(load: dict[str, Any]) -> str:
+    share = load.get("other_processes_share")
+    before, after = (load.get(k) or ["?"] for k in ("before", "after"))
+    text = f"load average {before[0]} at the start, {after[0]} at the end"
+    return text + (
+        "" if share is None else f"; other processes used {share:.0%} of the CPU time"
     )
 
 
-def _cell(row: dict[str, Any] | None) -> str:
-    text = _timing(row)
-    if row is not None and row.get("status") == "ok" and row["provider"] != NATIVE:
-        text += f" **{row['ratio']:.2f}x**"
-    return text
-
-
-def busy_warning(doc: dict[str, Any]) -> list[str]:
-    shares = [v for v in doc["interference"].values() if v is not None]
-    if not shares or max(shares) <= BUSY_SHARE:
-        return []
-    return [
-        "",
-        f"> **Busy machine:** other processes used up to {max(shares):.0%} of the CPU "
-        "time during this run. Medians of OpenMP-parallel kernels (compiled native, "
-        "the C kernels) on all cores are inflated when their threads get descheduled; "
-        "see the quartiles and `min_us` in the JSON, and rerun on a quiet machine.",
-    ]
-
-
-def share(value: float | None) -> str:
-    return "not measured" if value is None else f"{value:.0%}"
-
-
-def provider_order(rows: list[dict]) -> list[tuple[str, str]]:
-    seen: list[tuple[str, str]] = []
-    for r in rows:
-        key = (r["provider"], r["source"])
-        # A patched copy times its own native ones for its ratios; the table
-        # and the chart show the installed ones.
-        if r["provider"] in (NATIVE, NATIVE_COMPILED) and r["source"] != "installed":
-            continue
-        if key not in seen:
-            seen.append(key)
-
-    def rank(key: tuple[str, str]) -> tuple:
-        p, s = key
-        return (p != NATIVE, p != NATIVE_COMPILED, s != "installed", p, s)
-
-    return sorted(seen, key=rank)
-
-
-def perop_markdown(rows: list[dict[str, Any]]) -> str:
+def kernels_lines(doc: dict[str, Any]) -> list[str]:
+    """What each server logged about its kernel choice."""
     out = []
-    for op in sorted({r["op"] for r in rows}):
-        op_rows = [r for r in rows if r["op"] == op]
-        columns = provider_order(op_rows)
-        out.append(f"#### `{op}`\n")
-        header = ["dtype", "shape", "threads"]
-        for p, s in columns:
-            header.append(label(p, s))
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "---|" * len(header))
-        configs = []
-        for r in op_rows:
-            c = (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
-            if c not in configs:
-                configs.append(c)
-        for dtype, tokens, hidden, threads in configs:
-            cells = [dtype, f"[{tokens}, {hidden}]", str(threads)]
-            for p, s in columns:
-                match = [
-                    r
-                    for r in op_rows
-                    if (r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
-                    == (dtype, tokens, hidden, threads)
-                    and (r["provider"], r["source"]) == (p, s)
-                ]
-                cells.append(_cell(match[0] if match else None))
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    return "\n".join(out)
+    for mode, sides in (doc["serving"].get("server_log") or {}).items():
+        for side in SIDES:
+            for line in sides.get(side) or []:
+                out.append(f"- {mode}, {side}: `{line}`")
+    return out
 
 
-DISPATCH_RATIOS = (
-    ("provider", "reference"),
-    ("provider", "upstream"),
-    ("native", "upstream"),
-)
-"""Ratio columns of the dispatch table (medians, same process): the out-of-tree
-provider's overhead, and what native costs against the upstream provider."""
+def reps(doc: dict[str, Any], mode: str) -> int:
+    sides = doc["serving"]["configs"][mode]
+    return min((len(sides.get(s, {}).get(METRICS[0], [])) for s in SIDES), default=0)
 
 
-def dispatch_markdown(rows: list[dict[str, Any]], *, roles_shown: bool = True) -> str:
-    """The out-of-tree provider's per-call cost through IR dispatch, against the
-    upstream provider and the minimal reference, per op and shape; without
-    ``roles_shown`` the columns are the providers' names alone (a PR's reader
-    knows no roles)."""
-    names: dict[str, str] = {}
-    for r in rows:
-        names.setdefault(r["role"], r["provider"])
-    roles = [role for role in DISPATCH_ROLES if role in names]
-    header = ["op", "dtype", "shape", "threads", "source"]
-    header += [f"{names[r]} ({r})" if roles_shown else names[r] for r in roles]
-    ratios = [(a, b) for a, b in DISPATCH_RATIOS if a in names and b in names]
-    header += [f"{names[a]} / {names[b]}" for a, b in ratios]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    configs: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        key = (r["op"], r["dtype"], r["num_tokens"], r["hidden_size"], r["threads"])
-        configs.setdefault(key + (r["source"],), {})[r["role"]] = r
-    for (op, dtype, tokens, hidden, threads, source), by_role in configs.items():
-        cells = [f"`{op}`", dtype, f"[{tokens}, {hidden}]", str(threads), source]
-        cells += [_timing(by_role.get(role)) for role in roles]
-        for a, b in ratios:
-            ratio = by_role.get(a, {}).get(f"vs_{b}")
-            cells.append(f"**{ratio:.2f}x**" if ratio else "-")
-        out.append("| " + " | ".join(cells) + " |")
+def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
+    acc = doc.get("accuracy") or {}
+    tokens = acc.get("tokens") or {}
+    out = []
+    for mode, found in (tokens.get("configs") or {}).items():
+        first = found["first_divergence"]
+        where = (
+            "the same tokens for every prompt"
+            if first is None
+            else f"first different token: prompt {first['prompt'] + 1}, "
+            f"position {first['position'] + 1}"
+        )
+        out.append(
+            f"- {mode}: {found['identical_prompts']} of {len(found['per_prompt'])} "
+            f"prompts identical ({tokens['max_tokens']} greedy tokens each); {where}; "
+            f"largest |Δ logprob| of the top token before that: "
+            f"{found['max_abs_dlogprob']:.3g}"
+        )
+    if tokens.get("note"):
+        out.append(f"\n{tokens['note']}")
+    lm = acc.get("lm_eval")
+    if lm:
+        rows = [
+            [s, f"{lm[s]['exact_match']:.4f} ± {lm[s]['stderr']:.4f}"]
+            for s in SIDES
+            if s in lm
+        ]
+        filt = next((lm[s]["filter"] for s in SIDES if s in lm), "")
+        out += [
+            "",
+            f"`lm_eval` {lm['task']} ({lm['mode']}, {filt}"
+            + (f", --limit {lm['limit']}" if lm.get("limit") else "")
+            + "):",
+            "",
+            table(["vLLM", "exact_match ± stderr"], rows),
+        ]
+    return out
+
+
+def numerics_markdown(numerics: dict[str, Any]) -> str:
+    rows = [
+        [build, c["op"], c["dtype"], c.get("error") or f"{c['needed_rtol']:.3g}",
+         c["rtol"], c["atol"], "yes" if c["needed_rtol"] <= c["rtol"] else "**no**"]
+        for build, cases in numerics["builds"].items()
+        for c in cases
+    ]  # fmt: skip
+    header = ["kernel build", "op", "dtype", "rtol needed", "rtol allowed", "atol"]
+    return table([*header, "within vLLM's tolerance"], rows)
+
+
+def perop_markdown(perop: dict[str, Any]) -> str:
+    """Microseconds per call: a row per op and token count, a column per vLLM
+    and route, with native's time over it."""
+    columns = list(dict.fromkeys((r["env"], r["route"]) for r in perop["rows"]))
+    cells: dict[tuple, dict] = {}
+    for r in perop["rows"]:
+        text = (
+            "wrong (not timed)"
+            if r.get("wrong")
+            else (
+                f"{r['median_us']:.1f}"
+                + (
+                    ""
+                    if r["route"] == NATIVE
+                    else f" ({r['native_us'] / r['median_us']:.2f}x)"
+                )
+            )
+        )
+        cells.setdefault((r["op"], r["tokens"]), {})[(r["env"], r["route"])] = text
+    rows = [
+        [f"`{op}`", tokens, *(found.get(c) for c in columns)]
+        for (op, tokens), found in cells.items()
+    ]
+    return table(["op", "tokens", *(f"{e}: {r}" for e, r in columns)], rows)
+
+
+def evidence_markdown(doc: dict[str, Any]) -> str:
+    """``evidence.md``: what the run measured, and only that."""
+    v, model = doc["vllm"], doc["model"]
+    out = [
+        "# vllm-patch bench evidence",
+        "",
+        f"- Machine: {machine_line(doc)}",
+        f"- vLLM: base {v['base']}; patched: {v['patched']} with `{v['patch']}`",
+        f"- Model: {model['description']}",
+        f"- Load: {load_line(doc['load'])}",
+    ]
+    if doc.get("interrupted"):
+        out.append("- **Interrupted**: this is what was measured before that.")
+    for failure in doc.get("failed") or []:
+        out.append(f"- **Failed:** {failure}")
+    serving = doc.get("serving") or {}
+    for mode in MODES:
+        if mode not in serving.get("configs", {}):
+            continue
+        out += [
+            "",
+            f"## Serving, {mode}: median [min–max] of {reps(doc, mode)} repetitions",
+            "",
+            serving_table(doc, mode),
+        ]
+    if serving.get("commands"):
+        body = "\n".join(["```", *serving["commands"], "```"])
+        sizes = serving["sizes"]
+        summary = (
+            f"Commands ({sizes['num_prompts']} requests of {sizes['input_len']} "
+            f"tokens in, {sizes['output_len']} out, {sizes['max_concurrency']} at a "
+            "time; a fresh server per repetition)"
+        )
+        out += ["", details(summary, body)]
+    if serving.get("server_log"):
+        out += [
+            "",
+            "What the servers logged about their kernels:",
+            "",
+            *kernels_lines(doc),
+        ]
+    acc = accuracy_markdown(doc)
+    if acc:
+        out += ["", "## Accuracy", "", *acc]
+    if doc.get("numerics"):
+        out += [
+            "",
+            "## Numerics per x86 kernel build",
+            "",
+            numerics_markdown(doc["numerics"]),
+        ]
+    if doc.get("perop"):
+        p = doc["perop"]
+        out += [
+            "",
+            f"## Per op: microseconds per call (native / this), {p['dtype']}, hidden "
+            f"{p['hidden_size']}, {p['threads']} thread",
+            "",
+            perop_markdown(p),
+        ]
     return "\n".join(out) + "\n"
 
 
-def e2e_markdown(pairs: list[dict[str, Any]]) -> str:
-    out = [
-        "| mode | environment | priority | tok/s median [q1–q3] | ratio | "
-        "same tokens | final IR op priority (vLLM log) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for pair in pairs:
-        for name in ("native", "fused"):
-            run = pair[name]
-            med = run.get("median_tokens_per_s")
-            rate = (
-                f"{med:.2f} [{run['q1_tokens_per_s']:.2f}–{run['q3_tokens_per_s']:.2f}]"
-                if med
-                else f"failed: {run.get('error')}"
-            )
-            ratio = (
-                f"**{pair['ratio']:.3f}x**" if name == "fused" and pair["ratio"] else ""
-            )
-            same = "" if name == "native" else str(pair.get("same_tokens"))
-            out.append(
-                f"| {pair['mode']} | {pair['source']} | `{run['ir_op_priority']}` | "
-                f"{rate} | {ratio} | {same} | `{run.get('final_priority')}` |"
-            )
-    return "\n".join(out)
-
-
-def label(provider: str, source: str) -> str:
-    label = "native (torch.compile)" if provider == NATIVE_COMPILED else provider
-    return label if source == "installed" else f"{label} ({source})"
-
-
-PATCHED_VLLM = "vLLM with this change"
-"""Where the upstream provider ran, as a PR description says it."""
-
-
-@dataclass(frozen=True)
-class _Evidence:
-    """The rows a PR description shows, picked from a bench result."""
-
-    threads: int | None
-    perop: list[dict[str, Any]]
-    dispatch: list[dict[str, Any]]
-    e2e: list[dict[str, Any]]
-
-
-def _evidence(doc: dict[str, Any], providers: tuple[str, ...]) -> _Evidence:
-    rows = doc["perop"]["rows"]
-    threads = max((r["threads"] for r in rows), default=None)
-    natives = (NATIVE, NATIVE_COMPILED)
-    # Each provider's rows with the native ones timed beside them (same vLLM,
-    # same process), shown as that vLLM's own columns.
-    sources = {r["source"] for r in rows if r["provider"] in providers}
-    rows = [
-        {**r, "source": "installed"}
-        for r in rows
-        if r["source"] in sources and r["provider"] in (NATIVE, *providers)
-    ]
-    alternatives = {r["op"] for r in rows if r["provider"] not in natives}
-    shown = [r for r in rows if r["threads"] == threads and r["op"] in alternatives]
-    pairs = (doc.get("e2e") or {}).get("pairs", [])
-    dispatch = [r for r in doc["perop"].get("dispatch", []) if r["threads"] == threads]
-    # Both ran in the vLLM the PR produces (a patched copy, or as installed).
-    pairs = [
-        {**p, "source": PATCHED_VLLM} for p in pairs if p.get("provider") in providers
-    ]
-    dispatch = [
-        {**r, "source": PATCHED_VLLM}
-        for r in dispatch
-        if r["role"] == "native" or r["provider"] in providers
-    ]
-    return _Evidence(threads, shown, dispatch, pairs)
-
-
-def _measured_on(doc: dict[str, Any]) -> list[str]:
-    m, v = doc["machine"], doc["versions"]
-    return [
-        f"Measured {doc['started']} on {m['cpu_model']} ({m['arch']}, "
-        f"{m['usable_cpus']} CPUs; {', '.join(m['key_flags']) or 'no flags of note'}), "
-        f"vLLM {v.get('vllm')}, torch {v.get('torch')}; other processes' share of CPU "
-        f"time: per op {share(doc['interference'].get('perop'))}, end to end "
-        f"{share(doc['interference'].get('e2e'))}.",
-        *busy_warning(doc),
-    ]
-
-
-def _end_to_end(doc: dict[str, Any], ev: _Evidence, providers) -> list[str]:
-    if not ev.e2e:
-        return [
-            f"End to end with {', '.join(providers)}: not measured by this bench "
-            "run; the `vllm bench` commands above measure it.",
-            "",
-        ]
-    e = doc["e2e"]
-    return [
-        f"End to end: random-weight Llama {e['model']}, batch {e['batch']}, "
-        f"{e['max_tokens']} generated tokens, median of {e['repeats']} generates.",
-        "",
-        e2e_markdown(ev.e2e),
-        "",
-    ]
-
-
-def evidence_markdown(doc: dict[str, Any], providers: tuple[str, ...]) -> str:
-    """The figures a reviewer of an upstream PR needs: ``providers`` against
-    the native ops timed in the same vLLM, per op at the highest thread count
-    (only ops with an alternative to native), per call through IR dispatch,
-    and end to end only their runs. Everything from ``doc``, nothing
-    recomputed."""
-    ev = _evidence(doc, providers)
-    none = "No implementation other than native.\n"
-    lines = [
-        *_measured_on(doc),
-        "",
-        f"Per op, {ev.threads} threads: microseconds per call, median [quartiles], "
-        "and speed-up over native in the same process; every implementation was "
-        "checked against native with the op's own tolerance before it was timed.",
-        "",
-        perop_markdown(ev.perop) if ev.perop else none,
-    ]
-    if ev.dispatch:
-        lines += [
-            f"Per call through vLLM's IR dispatch, {ev.threads} threads, as the eager "
-            "forward calls the op (`maybe_inplace` where the op has it, no torch "
-            "custom-op wrapper): microseconds per call, median [quartiles].",
-            "",
-            dispatch_markdown(ev.dispatch, roles_shown=False),
-        ]
-    return "\n".join(lines + _end_to_end(doc, ev, providers))
-
-
-def claims(doc: dict[str, Any], provider: str) -> list[str]:
-    """One line per op (``provider``'s speed-up range over native, per call at
-    the highest thread count, and the shapes it was not timed at) and one per
-    end-to-end mode, from ``doc`` alone."""
-    rows = [r for r in doc["perop"]["rows"] if r["provider"] == provider]
-    threads = max((r["threads"] for r in rows), default=None)
+def claims(doc: dict[str, Any]) -> list[str]:
+    """One line per measured result (serving per mode, tokens, lm_eval), from
+    ``doc`` alone: for a description's claims."""
     out = []
-    for op in sorted({r["op"] for r in rows}):
-        mine = [r for r in rows if r["op"] == op and r["threads"] == threads]
-        ratios = [r["ratio"] for r in mine if r.get("status") == "ok"]
-        line = f"`{op}`: " + (
-            f"{min(ratios):.2f}x to {max(ratios):.2f}x faster than native per call"
-            if ratios
-            else "not timed"
-        )
-        line += f" ({len(ratios)} of {len(mine)} dtype/shape points, {threads} threads"
-        wrong = [
-            f"{r['dtype']} {list(r['shape'])}" for r in mine if r["status"] == "wrong"
-        ]
-        if wrong:
-            line += f"; outside native's tolerance, so not timed: {', '.join(wrong)}"
-        out.append(line + ")")
-    for pair in (doc.get("e2e") or {}).get("pairs", []):
-        if pair.get("provider") == provider and pair.get("ratio"):
+    for mode in (doc.get("serving") or {}).get("configs", {}):
+        found = spread(ratios(doc, mode, "output_throughput"))
+        if found:
             out.append(
-                f"end to end, {pair['mode']}: {pair['ratio']:.3f}x the tokens/s of "
-                "native"
+                f"serving, {mode}: patched / base output throughput {found[0]:.3f}x "
+                f"(min {found[1]:.3f}x, max {found[2]:.3f}x over {reps(doc, mode)} "
+                "repetitions with restarts)"
             )
+    tokens = ((doc.get("accuracy") or {}).get("tokens") or {}).get("configs", {})
+    for mode, found in tokens.items():
+        out.append(
+            f"greedy tokens, {mode}: {found['identical_prompts']} of "
+            f"{len(found['per_prompt'])} prompts identical, largest |Δ logprob| "
+            f"{found['max_abs_dlogprob']:.3g}"
+        )
     return out

@@ -1,0 +1,150 @@
+"""Accuracy of the patched vLLM against the base one, from their servers.
+
+:func:`completions` asks a server for greedy completions of a fixed prompt set
+with the top logprob of every generated token (the OpenAI completions API's
+``logprobs``, token ids through vLLM's ``return_tokens_as_token_ids``);
+:func:`compare` lays two servers' answers side by side: the first token where
+they part and the largest |delta logprob| of the top token up to there (after
+it the two continue different texts). With a real model and ``lm_eval``
+installed, :func:`run_lm_eval` runs ``lm_eval --model local-completions``
+against a server: exact_match and its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vllm_patch.bench import server
+
+MAX_TOKENS = 32
+PROMPTS = [
+    "The capital of France is",
+    "Question: What is 12 times 7? Answer:",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+    "Translate to German: Good morning, how are you?",
+    "The largest planet in the solar system is",
+    "Once upon a time, in a small village,",
+]
+"""For a real model: short prompts with a clear greedy continuation."""
+TOKEN_ID = "token_id:"
+
+
+def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
+    """For the random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
+    fixed prompts of ``words`` words each."""
+    rng = random.Random(0)
+    return [
+        " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(words))
+        for _ in range(count)
+    ]
+
+
+def completions(
+    url: str, prompts: list[str], *, progress: Callable[[str], None]
+) -> list[dict[str, list]]:
+    """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
+    progress(f"  accuracy: {len(prompts)} greedy completions with logprobs")
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": server.SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "ignore_eos": True, "seed": 0,
+        }  # fmt: skip
+        answer = server.post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
+        out.append(
+            {
+                "tokens": [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]],
+                "logprobs": answer["token_logprobs"],
+            }
+        )
+    return out
+
+
+def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
+    """Where the patched server's greedy tokens first part from the base's, and
+    the largest |delta logprob| of the top token while the texts are the same
+    (the position where they part included: its context is still shared)."""
+    parts, largest = [], 0.0
+    for b, p in zip(base, patched, strict=True):
+        pairs = list(zip(b["tokens"], p["tokens"], strict=False))
+        at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+        shared = len(pairs) if at is None else at + 1
+        delta = max(
+            (
+                abs(x - y)
+                for x, y in zip(
+                    b["logprobs"][:shared], p["logprobs"][:shared], strict=True
+                )
+            ),
+            default=0.0,
+        )
+        largest = max(largest, delta)
+        parts.append({"diverges_at": at, "max_abs_dlogprob": delta})
+    parted = [
+        (i, d["diverges_at"])
+        for i, d in enumerate(parts)
+        if d["diverges_at"] is not None
+    ]
+    first = min(parted, key=lambda x: (x[1], x[0]), default=None)
+    return {
+        "identical_prompts": len(parts) - len(parted),
+        "first_divergence": None
+        if first is None
+        else {"prompt": first[0], "position": first[1]},
+        "max_abs_dlogprob": largest,
+        "per_prompt": parts,
+        "base": [b["tokens"] for b in base],
+        "patched": [p["tokens"] for p in patched],
+    }
+
+
+def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
+    """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
+    model_args = (
+        f"model={server.SERVED_NAME},base_url={url}/v1/completions,"
+        f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=2,"
+        "max_retries=3,tokenized_requests=False"
+    )
+    command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
+    command += ["--tasks", spec["task"], "--seed", "0"]
+    if spec.get("limit"):
+        command += ["--limit", str(spec["limit"])]
+    if spec.get("include_path"):
+        command += ["--include_path", spec["include_path"]]
+    return command
+
+
+def run_lm_eval(
+    url: str, tokenizer: str, spec: dict[str, Any], progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """exact_match and its stderr (the first exact_match filter the task
+    reports: ``strict-match`` for gsm8k), or ``RuntimeError``."""
+    command = lm_eval_command(url, tokenizer, spec)
+    progress(f"  lm_eval: {spec['task']}")
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
+            capture_output=True, text=True, cwd=folder,
+        )  # fmt: skip
+        found = sorted(Path(folder).rglob("results*.json"))
+        if proc.returncode or not found:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
+        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
+    key = next(k for k in results if k.startswith("exact_match,"))
+    metric_filter = key.split(",", 1)[1]
+    return {
+        "exact_match": results[key],
+        "stderr": results[f"exact_match_stderr,{metric_filter}"],
+        "filter": metric_filter,
+    }

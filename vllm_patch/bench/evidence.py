@@ -1,0 +1,213 @@
+"""One bench run: the evidence folder it writes, part by part.
+
+The base vLLM is the installed one; the patched one is a patched copy of it
+(``vllm_patch.runtime.patched_copy``) with the patch the engine picks for it.
+``evidence.json`` and ``evidence.md`` are rewritten after every measurement
+(``patcher.files.write_output``), so an interrupted or failing run keeps what
+it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from patcher.errors import UsageError
+from patcher.files import output_dir, write_output
+from vllm_patch.runtime import bench_result, machine
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+"""Every child's environment: nothing is downloaded."""
+RANDOM_NOTE = (
+    "The model has random weights: the comparison shows whether the two vLLMs "
+    "compute the same tokens and logprobs, up to where rounding parts them (random "
+    "weights give near-flat distributions, so small rounding differences flip the "
+    "greedy token early). It says nothing about the quality of a trained model's "
+    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
+)
+
+
+def choose_patch(tree) -> Any:
+    """The patch the engine applies to the installed vLLM, or one message."""
+    from patcher import engine
+    from patcher.patchset import all_patches
+    from patcher.status import PlanStatus
+
+    found = []
+    for patch in all_patches():
+        status = engine.plan(tree, patch).status
+        if status is PlanStatus.APPLICABLE:
+            return patch
+        found.append(f"{patch.name}: {status}")
+    raise UsageError(
+        "no patch applies to the installed vLLM, so there is no base and patched "
+        "pair to compare",
+        path=str(tree.location),
+        looked_for="an unpatched vLLM a patch applies to",
+        found="; ".join(found),
+    )
+
+
+def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
+    from vllm_patch.bench.engine_run import SERVED_LLAMA, make_random_llama
+    from vllm_patch.runtime.cache import cache_dir
+
+    progress("building (or reusing) the random-weight Llama")
+    folder = make_random_llama(
+        cache_dir() / "bench-models", **SERVED_LLAMA, tokenizer=True
+    )
+    c = SERVED_LLAMA
+    return str(folder), {
+        "path": None,
+        "random_weights": True,
+        "description": (
+            f"a random-weight Llama made locally ({c['num_layers']} layers, hidden "
+            f"{c['hidden_size']}, vocabulary {c['vocab_size']}, bf16) with a "
+            "word-level tokenizer made locally; nothing downloaded"
+        ),
+        "config": c,
+    }
+
+
+def user_model(path: Path) -> tuple[str, dict[str, Any]]:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise UsageError(
+            "not a model folder",
+            path=str(path),
+            looked_for="a local model folder with config.json",
+            found="no config.json",
+        )
+    arch = ", ".join(json.loads(config.read_text("utf-8")).get("architectures") or [])
+    return str(Path(path).resolve()), {
+        "path": str(path),
+        "random_weights": False,
+        "description": f"`{Path(path).name}` ({arch or 'architecture not stated'}), "
+        "a local folder; nothing downloaded",
+    }
+
+
+class Run:
+    """The evidence document of this run, and how it is written."""
+
+    def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
+        self.out = output_dir(out)
+        self.progress = progress
+        self.snap = machine.cpu_snapshot()
+        self.doc: dict[str, Any] = {
+            "schema": bench_result.SCHEMA,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine.facts(),
+            "load": {"before": machine.load_average()},
+            "vllm": {},
+            "model": {},
+            "serving": None,
+            "accuracy": None,
+            "numerics": None,
+            "perop": None,
+            "failed": [],
+        }
+
+    def save(self) -> None:
+        doc = self.doc
+        doc["load"].update(
+            after=machine.load_average(),
+            other_processes_share=machine.other_load(
+                self.snap, machine.cpu_snapshot(), machine.usable_cpus()
+            ),
+        )
+        doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
+        write_output(self.out / bench_result.EVIDENCE, json.dumps(doc, indent=1) + "\n")
+        if doc["vllm"]:
+            write_output(self.out / "evidence.md", bench_result.evidence_markdown(doc))
+
+    def serve(self, args, copy: str) -> None:
+        from vllm_patch.bench import accuracy, serving
+
+        model, self.doc["model"] = (
+            user_model(args.model) if args.model else random_model(self.progress)
+        )
+        sizes = serving.Sizes(
+            args.input_len, args.output_len, args.num_prompts, args.max_concurrency
+        )
+        shown_model = Path(args.model).name if args.model else "MODEL"
+        self.doc["serving"] = {
+            "commands": serving.commands(shown_model, sizes),
+            "sizes": vars(sizes),
+            "configs": {},
+        }
+        if args.model:
+            prompts = accuracy.PROMPTS
+            note = None
+        else:
+            prompts = accuracy.word_prompts(self.doc["model"]["config"]["vocab_size"])
+            note = RANDOM_NOTE
+        lm_eval = None
+        if args.model and args.lm_eval_task:
+            import importlib.util
+
+            if importlib.util.find_spec("lm_eval") is None:
+                self.doc["failed"].append(
+                    "lm_eval is not installed here (pip install lm-eval): not run"
+                )
+            else:
+                lm_eval = {
+                    "task": args.lm_eval_task,
+                    "limit": args.lm_eval_limit,
+                    "include_path": args.lm_eval_include,
+                    "mode": "eager",
+                }
+        self.doc["accuracy"] = {
+            "tokens": {
+                "prompts": prompts,
+                "max_tokens": accuracy.MAX_TOKENS,
+                "note": note,
+                "configs": {},
+            },
+            "lm_eval": dict(lm_eval) if lm_eval else None,
+        }
+        if lm_eval:
+            self.doc["accuracy"]["lm_eval"]["command"] = " ".join(
+                accuracy.lm_eval_command("http://127.0.0.1:PORT", shown_model, lm_eval)
+            )
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.update(OFFLINE)
+        serving.measure(
+            self.doc,
+            model=model,
+            sides=[
+                serving.Side("base"),
+                serving.Side("patched", (copy,)),
+            ],
+            modes=args.modes,
+            repeats=args.repeats,
+            sizes=sizes,
+            prompts=prompts,
+            lm_eval=self.doc["accuracy"]["lm_eval"],
+            save=self.save,
+            progress=self.progress,
+            drop_env=provider_opt_ins(),
+        )
+
+    def numerics(self, args, copy: str) -> None:
+        from vllm_patch.bench.numerics import per_build
+
+        self.doc["numerics"] = per_build(self.progress)
+
+    def perop(self, args, copy: str) -> None:
+        from vllm_patch.bench.perop import per_op
+
+        envs = {"base": (), "patched": (copy,)}
+        self.doc["perop"] = per_op(envs, self.progress)
+
+
+def provider_opt_ins() -> tuple[str, ...]:
+    """The out-of-tree providers' opt-in variables: never set for a server
+    here, so that the base vLLM is vLLM as installed."""
+    from patcher.patchset import provider_specs
+
+    return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))
