@@ -162,3 +162,13 @@ def test_engine_starts_under_strict_environment_validation(
     else:
         assert not result["ok"]
         assert f"{error} detected: {variable}" in result["error"]
+
+
+@requires_transformers
+def test_a_served_random_llama_brings_a_word_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = engine_run.make_random_llama(tmp_path, **TINY, tokenizer=True)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert tokenizer("w5 w6 w1000")["input_ids"] == [5, 6, 1000]
+    assert model != engine_run.make_random_llama(tmp_path, **TINY)  # no tokenizer

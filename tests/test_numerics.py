@@ -164,3 +164,28 @@ def test_only_a_bfloat16_miss_that_is_all_truncation_is_explained(
     bf16 = cases[1]
     assert bf16["ok"] is explained
     assert ("truncates_bf16" in bf16) is explained
+
+
+# (actual, expected, atol) -> the smallest rtol with which assert_close passes
+NEEDED_RTOL = {
+    "equal": ([1.0, 2.0], [1.0, 2.0], 0.0, 0.0),
+    "within atol": ([1.05, 2.0], [1.0, 2.0], 0.1, 0.0),
+    "beyond atol, relative to expected": ([1.3, 2.0], [1.0, 2.0], 0.1, 0.2),
+    "the worst element counts": ([1.1, 2.8], [1.0, 2.0], 0.0, 0.4),
+    "off where expected is zero": ([0.5], [0.0], 0.1, float("inf")),
+}
+
+
+@pytest.mark.parametrize("case", NEEDED_RTOL.values(), ids=NEEDED_RTOL.keys())
+def test_the_rtol_a_kernel_needs_is_what_assert_close_accepts(case):
+    import torch
+
+    actual, expected, atol, rtol = case
+    a, e = torch.tensor(actual), torch.tensor(expected)
+    need = numerics.needed_rtol(a, e, atol)
+    assert need == pytest.approx(rtol)
+    if need != float("inf"):
+        torch.testing.assert_close(a, e, atol=atol, rtol=need * 1.0001 + 1e-12)
+        if need:
+            with pytest.raises(AssertionError):
+                torch.testing.assert_close(a, e, atol=atol, rtol=need * 0.99)

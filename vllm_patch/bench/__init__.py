@@ -1,9 +1,9 @@
-"""Measurement: does a carried change pay off, and is it right, on this machine?
+"""Measurement: evidence for the change, measured on this machine.
 
-``vllm-patch bench`` (``cli``) times every vLLM IR implementation per op
-(``perop``, checked first against native by ``numerics``) and vLLM end to end
-on a random Llama (``e2e_step`` over ``engine_run``), in the installed vLLM and
-in patched copies of it, and recommends an ``ir_op_priority`` from the figures
-(``recommend``). ``reference/`` holds a reference result. Above ``patcher`` and
-``patches``, below ``compat_matrix``, which reuses the engine runner and the
-numerics."""
+``vllm-patch bench`` (``cli``) writes an evidence folder (``evidence``): vLLM's
+serving benchmark and an accuracy comparison between the installed vLLM and a
+patched copy (``serving`` over ``server``, ``accuracy``), the CPU kernels'
+numerics per x86 build (``numerics``) and a per-call timing of vLLM's routes to
+them (``perop``). ``engine_run`` makes the random-weight Llama and runs the
+offline engine. Above ``patcher`` and ``patches``, below ``compat_matrix``,
+which reuses the engine runner and the numerics."""

@@ -17,7 +17,6 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +47,8 @@ def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
     ]
 
 
-def completions(
-    url: str, prompts: list[str], *, progress: Callable[[str], None]
-) -> list[dict[str, list]]:
+def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    progress(f"  accuracy: {len(prompts)} greedy completions with logprobs")
     out = []
     for prompt in prompts:
         body = {
@@ -124,13 +120,10 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
     return command
 
 
-def run_lm_eval(
-    url: str, tokenizer: str, spec: dict[str, Any], progress: Callable[[str], None]
-) -> dict[str, Any]:
+def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
     """exact_match and its stderr (the first exact_match filter the task
     reports: ``strict-match`` for gsm8k), or ``RuntimeError``."""
     command = lm_eval_command(url, tokenizer, spec)
-    progress(f"  lm_eval: {spec['task']}")
     with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
         proc = subprocess.run(
             [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],

@@ -82,28 +82,11 @@ def make_random_llama(
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(
-        **{
-            k: v
-            for k, v in config.items()
-            if k not in ("seed", "num_hidden_layers", "tokenizer")
-        },
-        num_hidden_layers=num_layers,
-        torch_dtype="bfloat16",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(hf_config).to(torch.bfloat16)
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so an interrupted build is never reused.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
-        if tokenizer:
-            save_word_tokenizer(staging, vocab_size)
-        (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
+        _save_llama(staging, config)
         try:
             staging.rename(target)
         except OSError:
@@ -112,6 +95,22 @@ def make_random_llama(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _save_llama(folder: Path, config: dict[str, Any]) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    own = ("seed", "tokenizer")
+    hf_config = LlamaConfig(
+        **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
+    )
+    torch.manual_seed(config["seed"])
+    model = LlamaForCausalLM(hf_config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    if config.get("tokenizer"):
+        save_word_tokenizer(folder, config["vocab_size"])
+    (folder / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
 
 
 def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,8 @@ from patcher.files import output_dir, write_output
 from vllm_patch.runtime import bench_result, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-"""Every child's environment: nothing is downloaded."""
+"""The servers' and the benchmark client's environment: nothing is downloaded
+(lm_eval may fetch its task's dataset, as the user asked)."""
 RANDOM_NOTE = (
     "The model has random weights: the comparison shows whether the two vLLMs "
     "compute the same tokens and logprobs, up to where rounding parts them (random "
@@ -126,7 +128,7 @@ class Run:
             write_output(self.out / "evidence.md", bench_result.evidence_markdown(doc))
 
     def serve(self, args, copy: str) -> None:
-        from vllm_patch.bench import accuracy, serving
+        from vllm_patch.bench import serving
 
         model, self.doc["model"] = (
             user_model(args.model) if args.model else random_model(self.progress)
@@ -139,17 +141,41 @@ class Run:
             "commands": serving.commands(shown_model, sizes),
             "sizes": vars(sizes),
             "configs": {},
+            "server_log": {},
         }
+        self.doc["accuracy"] = self._accuracy_plan(args, shown_model)
+        kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        serving.measure(
+            self.doc,
+            model=model,
+            sides=[
+                serving.Side("base"),
+                serving.Side("patched", (copy,)),
+            ],
+            modes=args.modes,
+            repeats=args.repeats,
+            sizes=sizes,
+            prompts=self.doc["accuracy"]["tokens"]["prompts"],
+            lm_eval=self.doc["accuracy"]["lm_eval"],
+            save=self.save,
+            progress=self.progress,
+            env={**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache},
+            drop_env=provider_opt_ins(),
+        )
+
+    def _accuracy_plan(self, args, shown_model: str) -> dict[str, Any]:
+        """The prompts, and lm_eval's task where it can run (or why not)."""
+        import importlib.util
+
+        from vllm_patch.bench import accuracy
+
         if args.model:
-            prompts = accuracy.PROMPTS
-            note = None
+            prompts, note = accuracy.PROMPTS, None
         else:
-            prompts = accuracy.word_prompts(self.doc["model"]["config"]["vocab_size"])
-            note = RANDOM_NOTE
+            vocab = self.doc["model"]["config"]["vocab_size"]
+            prompts, note = accuracy.word_prompts(vocab), RANDOM_NOTE
         lm_eval = None
         if args.model and args.lm_eval_task:
-            import importlib.util
-
             if importlib.util.find_spec("lm_eval") is None:
                 self.doc["failed"].append(
                     "lm_eval is not installed here (pip install lm-eval): not run"
@@ -161,37 +187,11 @@ class Run:
                     "include_path": args.lm_eval_include,
                     "mode": "eager",
                 }
-        self.doc["accuracy"] = {
-            "tokens": {
-                "prompts": prompts,
-                "max_tokens": accuracy.MAX_TOKENS,
-                "note": note,
-                "configs": {},
-            },
-            "lm_eval": dict(lm_eval) if lm_eval else None,
-        }
-        if lm_eval:
-            self.doc["accuracy"]["lm_eval"]["command"] = " ".join(
-                accuracy.lm_eval_command("http://127.0.0.1:PORT", shown_model, lm_eval)
-            )
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.update(OFFLINE)
-        serving.measure(
-            self.doc,
-            model=model,
-            sides=[
-                serving.Side("base"),
-                serving.Side("patched", (copy,)),
-            ],
-            modes=args.modes,
-            repeats=args.repeats,
-            sizes=sizes,
-            prompts=prompts,
-            lm_eval=self.doc["accuracy"]["lm_eval"],
-            save=self.save,
-            progress=self.progress,
-            drop_env=provider_opt_ins(),
-        )
+                url = "http://127.0.0.1:PORT"
+                command = accuracy.lm_eval_command(url, shown_model, lm_eval)
+                lm_eval["command"] = shlex.join(command)
+        tokens = {"prompts": prompts, "max_tokens": accuracy.MAX_TOKENS, "note": note}
+        return {"tokens": {**tokens, "configs": {}}, "lm_eval": lm_eval}
 
     def numerics(self, args, copy: str) -> None:
         from vllm_patch.bench.numerics import per_build

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -116,16 +117,17 @@ def start(
 
 
 def stop(server: Server) -> child.ChildOutcome:
-    """SIGTERM to the server's process group, SIGKILL after ``STOP_GRACE``;
-    its outcome (the log)."""
+    """SIGTERM to the server's process group, SIGKILL to what is left of it
+    after ``STOP_GRACE`` (or a second Ctrl-C); its outcome (and ``log``)."""
     proc = server.handle.proc
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=STOP_GRACE)
-    except Exception:  # noqa: BLE001 - a timeout or a second Ctrl-C: kill it
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # an engine process left behind
         proc.wait()
     outcome = child.finish(server.handle)
     server.log = outcome.log

@@ -11,6 +11,7 @@ also answer the accuracy prompts (``vllm_patch.bench.accuracy``).
 
 from __future__ import annotations
 
+import json
 import shlex
 import tempfile
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from vllm_patch.bench import accuracy, server
 from vllm_patch.runtime import child
 from vllm_patch.runtime.bench_result import METRICS, SIDES
 
-LOG_MARKERS = ("Final IR op priority after setting platform defaults",)
+LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
 
 
@@ -68,22 +69,27 @@ def commands(model: str, sizes: Sizes) -> list[str]:
     ]
 
 
-def run_client(url: str, tokenizer: str, sizes: Sizes) -> dict[str, float]:
+def run_client(
+    url: str, tokenizer: str, sizes: Sizes, env: dict[str, str]
+) -> dict[str, float]:
     """One ``vllm bench serve`` run: its metrics, as it saved them."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-bench-") as folder:
         argv = client_args(url, tokenizer, sizes)
         argv += ["--save-result", "--result-dir", folder, "--result-filename"]
-        outcome = child.run(
-            "vllm_patch.serve:vllm_main", {"argv": [*argv, "result.json"]}
+        client = child.start(
+            "vllm_patch.serve:vllm_main", {"argv": [*argv, "result.json"]}, env=env
         )
+        try:
+            outcome = child.finish(client)
+        except BaseException:  # Ctrl-C: the client goes too
+            child.stop(client)
+            raise
         saved = Path(folder) / "result.json"
         if not outcome.ok or not saved.is_file():
             raise RuntimeError(
                 f"vllm bench serve failed: {outcome.error or 'no result saved'}: "
                 f"{child.last_error_line(outcome.log)}"
             )
-        import json
-
         result = json.loads(saved.read_text("utf-8"))
     if result.get("failed"):
         raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
@@ -95,6 +101,12 @@ class Side:
     name: str
     """``base`` or ``patched``."""
     pythonpath: tuple[str, ...] = ()
+
+
+def kernel_lines(log: str) -> list[str]:
+    """The server log's lines on its kernel choice, without their prefixes."""
+    found = {ln.split("] ", 1)[-1] for ln in log.splitlines() if LOG_MARKER in ln}
+    return sorted(found)
 
 
 def measure(
@@ -109,15 +121,15 @@ def measure(
     lm_eval: dict[str, Any] | None,
     save: Callable[[], None],
     progress: Callable[[str], None],
+    env: dict[str, str],
     drop_env: tuple[str, ...] = (),
 ) -> None:
     """Fill ``doc["serving"]`` and ``doc["accuracy"]`` as the runs come,
     calling ``save()`` after each."""
-    configs = doc["serving"]["configs"]
-    answers: dict[str, dict[str, Any]] = {}
+    serving, found = doc["serving"], doc["accuracy"]
     for mode in modes:
-        per_side = configs.setdefault(mode, {})
         for rep in range(1, repeats + 1):
+            answers: dict[str, list] = {}
             for side in sides:
                 label = f"[{mode} {rep}/{repeats}] {side.name}"
                 with server.running(
@@ -125,37 +137,32 @@ def measure(
                     eager=mode == "eager",
                     extra=sizes.serve_extra(),
                     pythonpath=side.pythonpath,
+                    env=env,
                     drop_env=drop_env,
                     say=lambda msg, label=label: progress(f"{label}: {msg}"),
                 ) as srv:
-                    metrics = run_client(srv.url, model, sizes)
+                    metrics = run_client(srv.url, model, sizes, env)
                     progress(
                         f"{label}: {metrics['request_throughput']:.2f} req/s, "
                         f"{metrics['output_throughput']:.1f} output tok/s, "
                         f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                     )
                     if rep == 1:
-                        answers[side.name] = accuracy.completions(
-                            srv.url, prompts, progress=progress
-                        )
+                        progress(f"{label}: {len(prompts)} greedy completions")
+                        answers[side.name] = accuracy.completions(srv.url, prompts)
                         if lm_eval is not None and mode == "eager":
-                            doc["accuracy"]["lm_eval"][side.name] = (
-                                accuracy.run_lm_eval(srv.url, model, lm_eval, progress)
+                            progress(f"{label}: lm_eval {lm_eval['task']}")
+                            found["lm_eval"][side.name] = accuracy.run_lm_eval(
+                                srv.url, model, lm_eval
                             )
-                runs = per_side.setdefault(side.name, {m: [] for m in METRICS})
+                runs = serving["configs"].setdefault(mode, {})
+                runs = runs.setdefault(side.name, {m: [] for m in METRICS})
                 for m in METRICS:
                     runs[m].append(metrics[m])
-                logged = [
-                    ln
-                    for ln in srv.log.splitlines()
-                    if any(k in ln for k in LOG_MARKERS)
-                ]
-                doc["serving"].setdefault("server_log", {}).setdefault(mode, {})[
-                    side.name
-                ] = sorted({ln.split("] ", 1)[-1] for ln in logged})
-                if rep == 1 and len(answers) == len(SIDES):
-                    doc["accuracy"]["tokens"]["configs"][mode] = accuracy.compare(
+                logged = serving["server_log"].setdefault(mode, {})
+                logged[side.name] = kernel_lines(srv.log)
+                if len(answers) == len(SIDES):
+                    found["tokens"]["configs"][mode] = accuracy.compare(
                         answers["base"], answers["patched"]
                     )
-                    answers = {}
                 save()

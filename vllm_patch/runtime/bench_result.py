@@ -58,6 +58,14 @@ def ratios(doc: dict[str, Any], mode: str, metric: str) -> list[float]:
     return [p / b for b, p in pairs if b]
 
 
+def label(metric: str) -> str:
+    """``median_tpot_ms`` as ``TPOT median (ms)``."""
+    if metric in LABELS:
+        return LABELS[metric]
+    stat, name, _ = metric.split("_")
+    return f"{name.upper()} {stat.replace('p99', 'P99')} (ms)"
+
+
 def _fmt(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
@@ -76,7 +84,7 @@ def serving_table(doc: dict[str, Any], mode: str) -> str:
     sides = doc["serving"]["configs"][mode]
     rows = [
         [
-            LABELS.get(m, m.replace("_ms", " (ms)").replace("_", " ")),
+            label(m),
             *(shown(sides.get(s, {}).get(m, [])) for s in SIDES),
             shown(ratios(doc, mode, m), ratio=True),
         ]
@@ -191,22 +199,8 @@ def perop_markdown(perop: dict[str, Any]) -> str:
     return table(["op", "tokens", *(f"{e}: {r}" for e, r in columns)], rows)
 
 
-def evidence_markdown(doc: dict[str, Any]) -> str:
-    """``evidence.md``: what the run measured, and only that."""
-    v, model = doc["vllm"], doc["model"]
-    out = [
-        "# vllm-patch bench evidence",
-        "",
-        f"- Machine: {machine_line(doc)}",
-        f"- vLLM: base {v['base']}; patched: {v['patched']} with `{v['patch']}`",
-        f"- Model: {model['description']}",
-        f"- Load: {load_line(doc['load'])}",
-    ]
-    if doc.get("interrupted"):
-        out.append("- **Interrupted**: this is what was measured before that.")
-    for failure in doc.get("failed") or []:
-        out.append(f"- **Failed:** {failure}")
-    serving = doc.get("serving") or {}
+def serving_markdown(serving: dict[str, Any], doc: dict[str, Any]) -> list[str]:
+    out = []
     for mode in MODES:
         if mode not in serving.get("configs", {}):
             continue
@@ -232,6 +226,25 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
             "",
             *kernels_lines(doc),
         ]
+    return out
+
+
+def evidence_markdown(doc: dict[str, Any]) -> str:
+    """``evidence.md``: what the run measured, and only that."""
+    v, model = doc["vllm"], doc["model"]
+    out = [
+        "# vllm-patch bench evidence",
+        "",
+        f"- Machine: {machine_line(doc)}",
+        f"- vLLM: base {v['base']}; patched: {v['patched']} with `{v['patch']}`",
+        f"- Model: {model['description']}",
+        f"- Load: {load_line(doc['load'])}",
+    ]
+    if doc.get("interrupted"):
+        out.append("- **Interrupted**: this is what was measured before that.")
+    for failure in doc.get("failed") or []:
+        out.append(f"- **Failed:** {failure}")
+    out += serving_markdown(doc.get("serving") or {}, doc)
     acc = accuracy_markdown(doc)
     if acc:
         out += ["", "## Accuracy", "", *acc]
