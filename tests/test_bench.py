@@ -348,3 +348,19 @@ def test_per_op_times_every_route_that_passes_numerics():
                     (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
     assert all(r["median_us"] > 0 for r in found["rows"] if "wrong" not in r)
     assert "| op | tokens | base: native |" in bench_result.perop_markdown(found)
+
+
+def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
+    run = evidence.Run(tmp_path / "out", print)
+    run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
+    run.save()
+    assert bench_result.read(tmp_path / "out") == json.loads(
+        (tmp_path / "out" / "evidence.json").read_text()
+    )
+    assert (tmp_path / "out" / "evidence.md").read_text().startswith("# vllm-patch")
+    (tmp_path / "planted").mkdir()
+    (tmp_path / "planted" / "evidence.json").symlink_to(
+        tmp_path / "out" / "evidence.json"
+    )
+    with pytest.raises(PatchError, match="symbolic link"):
+        bench_result.read(tmp_path / "planted")

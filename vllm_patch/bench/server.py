@@ -100,9 +100,10 @@ def start(
     deadline = time.monotonic() + START_TIMEOUT
     try:
         while not _healthy(server.url):
-            if handle.proc.poll() is not None or time.monotonic() > deadline:
+            ended = handle.proc.poll() is not None
+            if ended or time.monotonic() > deadline:
                 outcome = stop(server)
-                why = "ended" if outcome.returncode is not None else "timed out"
+                why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
                 raise RuntimeError(
                     f"the server {why} before it was healthy: "
                     f"{child.last_error_line(outcome.log)}"

@@ -237,9 +237,10 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
         "",
         f"- Machine: {machine_line(doc)}",
         f"- vLLM: base {v['base']}; patched: {v['patched']} with `{v['patch']}`",
-        f"- Model: {model['description']}",
         f"- Load: {load_line(doc['load'])}",
     ]
+    if model:
+        out.insert(4, f"- Model: {model['description']}")
     if doc.get("interrupted"):
         out.append("- **Interrupted**: this is what was measured before that.")
     for failure in doc.get("failed") or []:
