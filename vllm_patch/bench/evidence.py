@@ -24,6 +24,9 @@ from vllm_patch.runtime import bench_result, machine
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """The servers' and the benchmark client's environment: nothing is downloaded
 (lm_eval may fetch its task's dataset, as the user asked)."""
+LM_EVAL_MODEL_LEN = 4096
+"""The context of servers lm_eval also asks: room for a few-shot prompt and
+its answer."""
 RANDOM_NOTE = (
     "The model has random weights: the comparison shows whether the two vLLMs "
     "compute the same tokens and logprobs, up to where rounding parts them (random "
@@ -134,7 +137,11 @@ class Run:
             user_model(args.model) if args.model else random_model(self.progress)
         )
         sizes = serving.Sizes(
-            args.input_len, args.output_len, args.num_prompts, args.max_concurrency
+            args.input_len,
+            args.output_len,
+            args.num_prompts,
+            args.max_concurrency,
+            LM_EVAL_MODEL_LEN if args.model and args.lm_eval_task else 0,
         )
         shown_model = Path(args.model).name if args.model else "MODEL"
         self.doc["serving"] = {

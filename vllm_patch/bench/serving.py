@@ -33,9 +33,12 @@ class Sizes:
     output_len: int = 128
     num_prompts: int = 32
     max_concurrency: int = 4
+    model_len: int = 0
+    """The servers' ``--max-model-len``; 0: what the benchmark and the accuracy
+    prompts need."""
 
     def serve_extra(self) -> list[str]:
-        length = self.input_len + self.output_len + 64  # + the accuracy prompts'
+        length = self.model_len or self.input_len + self.output_len + 64
         return ["--max-model-len", str(length), "--max-num-seqs"] + [
             str(self.max_concurrency)
         ]
