@@ -36,7 +36,7 @@ def doc_with(configs: dict, **extra) -> dict:
     return {
         "schema": 1,
         "machine": {"cpu_model": "A CPU", "arch": "x86_64", "usable_cpus": 2,
-                    "key_flags": ["avx2"]},
+                    "os": "Linux", "key_flags": ["avx2"]},
         "load": {"before": [1.0, 1, 1], "after": [2.0, 1, 1],
                  "other_processes_share": 0.1},
         "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"},
@@ -67,7 +67,7 @@ def test_the_report_shows_only_what_was_measured():
     text = bench_result.evidence_markdown(doc_with({"eager": eager}, interrupted=True))
     assert "## Serving, eager: median [min–max] of 1 repetitions" in text
     assert "compiled" not in text and "**Interrupted**" in text
-    assert "A CPU (x86_64, 2 CPUs; avx2)" in text
+    assert "A CPU (x86_64), 2 CPUs, Linux; kernel flags: avx2" in text
     assert "other processes used 10% of the CPU time" in text
     assert "## Accuracy" not in text and "Numerics" not in text
 

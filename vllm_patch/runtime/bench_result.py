@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.runtime.machine import summary
 from vllm_patch.runtime.markdown import details, table
 
 SCHEMA = 1
@@ -94,9 +95,10 @@ def serving_table(doc: dict[str, Any], mode: str) -> str:
 
 
 def machine_line(doc: dict[str, Any]) -> str:
+    """The machine as every report names it, and the CPU flags the kernels use."""
     m = doc["machine"]
-    flags = ", ".join(m.get("key_flags") or []) or "no listed kernel flags"
-    return f"{m['cpu_model']} ({m['arch']}, {m['usable_cpus']} CPUs; {flags})"
+    flags = ", ".join(m.get("key_flags") or []) or "none of the listed"
+    return f"{summary(m)}; kernel flags: {flags}"
 
 
 def load_line(load: dict[str, Any]) -> str:
