@@ -38,11 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, help in PARTS.items():
         parts.add_argument(f"--{name}", action="store_true", help=help)
     add = parser.add_argument
-    add("--out", type=Path, required=True, help="folder for evidence.json and .md")
-    add("--model", type=Path, help="a local model folder (default: a random Llama)")
+    add("--out", metavar="DIR", type=Path, required=True, help="evidence folder")
+    add("--model", metavar="PATH", type=Path, help="a local model folder")
     add = parser.add_argument_group("--serve").add_argument
-    add("--modes", type=_modes, default=list(MODES), help="default: eager,compiled")
-    add("--repeats", type=int, default=3, help="server starts per mode and vLLM")
+    add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled")
+    add("--repeats", type=int, default=3, metavar="N", help="server starts (3)")
     for name, help in (
         ("num_prompts", "requests per run"),
         ("input_len", "tokens per prompt"),
@@ -50,10 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("max_concurrency", "requests in flight"),
     ):
         flag = "--" + name.replace("_", "-")
-        add(flag, type=int, default=getattr(Sizes, name), help=f"{help} (%(default)s)")
-    add("--lm-eval-task", default="gsm8k", help="with --model and lm_eval installed")
-    add("--lm-eval-limit", type=int, help="examples of the task (default: all)")
-    add("--lm-eval-include", help="a folder of lm_eval task YAMLs (--include_path)")
+        default = getattr(Sizes, name)
+        add(flag, type=int, default=default, metavar="N", help=f"{help} ({default})")
+    add("--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)")
+    add("--lm-eval-limit", type=int, metavar="N", help="examples of the task")
+    add("--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)")
 
 
 def progress(msg: str) -> None:
