@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from patcher.errors import UsageError
-from patcher.files import output_dir, write_output
+from patcher.files import output_dir, read_regular, write_output
 from vllm_patch.runtime import bench_result, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -79,6 +79,7 @@ def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
 
 
 def user_model(path: Path) -> tuple[str, dict[str, Any]]:
+    """A local model folder (its files may be links, as in a Hugging Face cache)."""
     config = Path(path) / "config.json"
     if not config.is_file():
         raise UsageError(
@@ -87,12 +88,14 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
             looked_for="a local model folder with config.json",
             found="no config.json",
         )
-    arch = ", ".join(json.loads(config.read_text("utf-8")).get("architectures") or [])
+    found = json.loads(read_regular(config, looked_for="a model's config.json"))
+    arch = ", ".join(found.get("architectures") or []) or "architecture not stated"
     return str(Path(path).resolve()), {
         "path": str(path),
         "random_weights": False,
-        "description": f"`{Path(path).name}` ({arch or 'architecture not stated'}), "
-        "a local folder; nothing downloaded",
+        "description": f"`{Path(path).name}` ({arch}), a local folder; nothing "
+        "downloaded",
+        "context": found.get("max_position_embeddings"),
     }
 
 
@@ -136,12 +139,15 @@ class Run:
         model, self.doc["model"] = (
             user_model(args.model) if args.model else random_model(self.progress)
         )
+        context = 0  # what the benchmark needs
+        if args.model and args.lm_eval_task:
+            context = min(LM_EVAL_MODEL_LEN, self.doc["model"]["context"] or 2**31)
         sizes = serving.Sizes(
             args.input_len,
             args.output_len,
             args.num_prompts,
             args.max_concurrency,
-            LM_EVAL_MODEL_LEN if args.model and args.lm_eval_task else 0,
+            context,
         )
         shown_model = Path(args.model).name if args.model else "MODEL"
         self.doc["serving"] = {
@@ -185,7 +191,7 @@ class Run:
         if args.model and args.lm_eval_task:
             if importlib.util.find_spec("lm_eval") is None:
                 self.doc["failed"].append(
-                    "lm_eval is not installed here (pip install lm-eval): not run"
+                    "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
                 )
             else:
                 lm_eval = {
