@@ -11,7 +11,6 @@ vLLM: these are fast-tier tests."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -409,15 +408,13 @@ def test_python_m_serve_imports_no_planted_vllm(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("planted", ["bench.json", "bench.md", "machine.md", "."])
+@pytest.mark.parametrize("planted", ["evidence.json", "evidence.md", "."])
 def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
-    from vllm_patch import bench
-    from vllm_patch.bench.outputs import write_outputs
+    from vllm_patch.bench.evidence import Run
 
-    doc = json.loads((Path(bench.__file__).parent / "reference/bench.json").read_text())
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "bashrc").write_text(SECRET)
@@ -428,6 +425,8 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
         out.mkdir()
         (out / planted).symlink_to(victim / "bashrc")
     before = snapshot(victim)
-    with pytest.raises(PatchError, match="link"):
-        write_outputs(doc, out)
+    with pytest.raises(PatchError, match="link|not a regular file"):
+        run = Run(out, print)
+        run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
+        run.save()
     assert snapshot(victim) == before

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from patcher.errors import UsageError
-from patcher.files import output_dir, read_regular, write_output
+from patcher.files import output_dir, read_text_at, write_output
 from vllm_patch.runtime import bench_result, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -37,23 +37,22 @@ RANDOM_NOTE = (
 
 
 def choose_patch(tree) -> Any:
-    """The patch the engine applies to the installed vLLM, or one message."""
+    """The patch a plain ``vllm-patch apply`` picks for the installed vLLM
+    (``patcher.engine.choose``), which must apply to it: the installed vLLM
+    is the base."""
     from patcher import engine
-    from patcher.patchset import all_patches
     from patcher.status import PlanStatus
 
-    found = []
-    for patch in all_patches():
-        status = engine.plan(tree, patch).status
+    chosen = engine.choose(tree, None)
+    found = [(p, engine.plan(tree, p).status) for p in chosen]
+    for patch, status in found:
         if status is PlanStatus.APPLICABLE:
             return patch
-        found.append(f"{patch.name}: {status}")
     raise UsageError(
-        "no patch applies to the installed vLLM, so there is no base and patched "
-        "pair to compare",
+        "the installed vLLM is not unpatched, so there is no base to compare",
         path=str(tree.location),
-        looked_for="an unpatched vLLM a patch applies to",
-        found="; ".join(found),
+        looked_for="an installed vLLM its default patch applies to",
+        found="; ".join(f"{p.name}: {status}" for p, status in found),
     )
 
 
@@ -88,7 +87,8 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
             looked_for="a local model folder with config.json",
             found="no config.json",
         )
-    found = json.loads(read_regular(config, looked_for="a model's config.json"))
+    resolved = Path(os.path.realpath(config))  # links followed, then no window
+    found = json.loads(read_text_at(resolved, "a model's config.json"))
     arch = ", ".join(found.get("architectures") or []) or "architecture not stated"
     return str(Path(path).resolve()), {
         "path": str(path),

@@ -11,6 +11,8 @@ and side every metric's value per repetition: ``configs``), ``accuracy``
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -35,10 +37,20 @@ LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s
 
 
 def read(folder: Path) -> dict[str, Any]:
-    """``folder``'s evidence document (a regular file, never through a link)."""
-    from patcher.files import read_json
+    """``folder``'s evidence document (the folder is the user's choice; the
+    file in it a regular file, never a link)."""
+    from patcher.errors import PatchError
+    from patcher.files import read_text_at
 
-    return read_json(Path(folder) / EVIDENCE, "a vllm-patch bench evidence file")
+    path = Path(os.path.realpath(folder)) / EVIDENCE
+    what = "a vllm-patch bench evidence file"
+    try:
+        return json.loads(read_text_at(path, what))
+    except (ValueError, RecursionError) as exc:  # bad, or nested too deep
+        found = f"{type(exc).__name__}: {exc}"
+        raise PatchError(
+            "not JSON", path=str(path), looked_for=what, found=found
+        ) from exc
 
 
 def spread(values: list[float]) -> tuple[float, float, float] | None:
