@@ -214,8 +214,7 @@ class Run:
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
 
-        envs = {"base": (), "patched": (copy,)}
-        self.doc["perop"] = per_op(envs, self.progress)
+        self.doc["perop"] = per_op({"base": (), "patched": (copy,)}, self.progress)
 
 
 def provider_opt_ins() -> tuple[str, ...]:

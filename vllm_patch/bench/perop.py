@@ -1,17 +1,12 @@
 """Microseconds per call of the two norms, every way vLLM can run them.
 
-In one vLLM (the base one as installed, or the patched copy) and one child
-per vLLM: vLLM's ``native`` implementation, the CPU kernel called directly
-(``kernel``), each IR provider other than native through IR dispatch first in
-the priority (``ir:<provider>``, as vLLM's eager forward calls the op:
-``maybe_inplace`` where the op has it), and vLLM's ``RMSNorm`` layer in an eager
-configuration (``layer:<class>``: the CustomOp route, an out-of-tree
-replacement registered with ``CustomOp.register_oot`` included). Every form
-is first held to native with the op's own tolerance
-(``vllm_patch.bench.numerics.compare``) and timed only if it passes. Samples
-are short and interleaved, so that load from other processes lands on all of
-them alike; the median is reported.
-"""
+In a child per vLLM (the base one, the patched copy): vLLM's ``native``
+implementation, the CPU ``kernel`` called directly, each other IR provider
+through IR dispatch (``ir:<provider>``, as the eager forward calls the op), and
+vLLM's ``RMSNorm`` layer with custom ops on (``layer:<class>``: the CustomOp
+route, a ``CustomOp.register_oot`` replacement included). Each form is held to
+native with the op's own tolerance first (``numerics.compare``), and timed
+only if it passes: medians of short samples, interleaved."""
 
 from __future__ import annotations
 

@@ -63,12 +63,8 @@ def spread(values: list[float]) -> tuple[float, float, float] | None:
 def ratios(doc: dict[str, Any], mode: str, metric: str) -> list[float]:
     """patched / base per repetition (the two ran one after the other)."""
     sides = doc["serving"]["configs"].get(mode, {})
-    pairs = zip(
-        sides.get("base", {}).get(metric, []),
-        sides.get("patched", {}).get(metric, []),
-        strict=False,
-    )
-    return [p / b for b, p in pairs if b]
+    base, patched = (sides.get(s, {}).get(metric, []) for s in SIDES)
+    return [p / b for b, p in zip(base, patched, strict=False) if b]
 
 
 def label(metric: str) -> str:
@@ -124,12 +120,13 @@ def load_line(load: dict[str, Any]) -> str:
 
 def kernels_lines(doc: dict[str, Any]) -> list[str]:
     """What each server logged about its kernel choice."""
-    out = []
-    for mode, sides in (doc["serving"].get("server_log") or {}).items():
-        for side in SIDES:
-            for line in sides.get(side) or []:
-                out.append(f"- {mode}, {side}: `{line}`")
-    return out
+    logged = doc["serving"].get("server_log") or {}
+    return [
+        f"- {mode}, {side}: `{line}`"
+        for mode, sides in logged.items()
+        for side in SIDES
+        for line in sides.get(side) or []
+    ]
 
 
 def reps(doc: dict[str, Any], mode: str) -> int:
