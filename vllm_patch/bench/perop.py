@@ -61,33 +61,36 @@ def _median_us(
 
 def _layer(name: str, args: tuple, dtype):
     """vLLM's ``RMSNorm`` as an eager CPU engine builds it (custom ops on):
-    its class name and a function of the op's inputs that calls it."""
-    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    its class name, a function of the op's inputs that calls it, and the IR
+    priority the platform gives the op there."""
+    import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.platforms import current_platform
 
-    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))
-    with set_current_vllm_config(config):
+    eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
+    config = vc.VllmConfig(compilation_config=eager)
+    ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
+    with vc.set_current_vllm_config(config):
         layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
     layer.weight.data.copy_(args[-2])
 
     def call(x, *rest):
         return layer(x) if name == "rms_norm" else layer(x, rest[0])
 
-    return type(layer).__name__, call
+    return type(layer).__name__, call, ranked
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     """Every way to run the op here, and the priority each IR route needs."""
-    native = NATIVE
     call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
-    fns = {native: op.impls[native].impl_fn, "kernel": kernel_call(name)}
+    fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": kernel_call(name)}
     scopes = {}
     for provider, impl in op.impls.items():
-        if provider != native and impl.supported and impl.supports_args(*args):
+        if provider != NATIVE and impl.supported and impl.supports_args(*args):
             fns[f"ir:{provider}"] = call
-            scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, native])
-    cls, layer_call = _layer(name, args, dtype)
-    fns[f"layer:{cls}"] = layer_call
+            scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, NATIVE])
+    cls, fns[f"layer:{cls}"], ranked = _layer(name, args, dtype)
+    scopes[f"layer:{cls}"] = lambda: op.set_priority(ranked)
     return fns, scopes
 
 
