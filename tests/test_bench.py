@@ -220,8 +220,9 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     assert "rms_norm=['vllm_c', 'native']" in logged["patched"][0]
     tokens = doc["accuracy"]["tokens"]
     found = tokens["configs"]["eager"]
-    assert len(found["base"]) == len(tokens["prompts"]) == len(found["patched"])
-    assert all(len(t) == tokens["max_tokens"] for t in found["base"])
+    assert len(found["base"]) == tokens["prompts"] == len(found["patched"])
+    assert all(len(t) == tokens["tokens"] for t in found["base"])
+    assert tokens["max_abs_dlogprob"] == found["max_abs_dlogprob"]
     assert doc["accuracy"]["lm_eval"] is None and tokens["note"]
     text = (tmp_path / "out" / "evidence.md").read_text()
     assert "## Serving, eager" in text and "## Accuracy" in text
@@ -321,18 +322,15 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     from vllm_patch.bench.numerics import per_build
     from vllm_patch.runtime import cpu_library, machine
 
-    found = per_build(lambda _m: None)
+    builds, tolerance = per_build(lambda _m: None)
     runnable = cpu_library.runnable(machine.cpu()["flags"])
-    assert sorted(found["builds"]) == sorted(cpu_library.LIBRARIES[c] for c in runnable)
-    for cases in found["builds"].values():
-        assert {(c["op"], c["dtype"]) for c in cases} == {
-            (op, dtype)
-            for op in ("rms_norm", "fused_add_rms_norm")
-            for dtype in ("bfloat16", "float16", "float32")
-        }
-        assert all(c["needed_rtol"] >= 0 for c in cases)
-    text = bench_result.numerics_markdown(found)
-    assert text.count("\n") == 1 + sum(len(c) for c in found["builds"].values())
+    assert sorted(builds) == sorted(cpu_library.LIBRARIES[c] for c in runnable)
+    dtypes = ["bfloat16", "float16", "float32"]
+    for ops in builds.values():
+        assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
+        assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
+    text = bench_result.numerics_markdown(builds, tolerance)
+    assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
 @requires_vllm

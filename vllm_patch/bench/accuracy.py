@@ -104,6 +104,17 @@ def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
     }
 
 
+def summary(configs: dict[str, dict]) -> dict[str, Any]:
+    """Over every mode compared: the earliest divergence and the largest delta."""
+    parted = [(m, f["first_divergence"]) for m, f in configs.items()]
+    first = min(((d["position"], d["prompt"], m) for m, d in parted if d), default=None)
+    return {
+        "first_divergence": first
+        and {"mode": first[2], "prompt": first[1], "position": first[0]},
+        "max_abs_dlogprob": max(f["max_abs_dlogprob"] for f in configs.values()),
+    }
+
+
 def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
     """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
     model_args = (

@@ -168,7 +168,7 @@ class Run:
             modes=args.modes,
             repeats=args.repeats,
             sizes=sizes,
-            prompts=self.doc["accuracy"]["tokens"]["prompts"],
+            prompts=self.doc["accuracy"]["tokens"]["prompt_texts"],
             lm_eval=self.doc["accuracy"]["lm_eval"],
             save=self.save,
             progress=self.progress,
@@ -203,13 +203,14 @@ class Run:
                 url = "http://127.0.0.1:PORT"
                 command = accuracy.lm_eval_command(url, shown_model, lm_eval)
                 lm_eval["command"] = shlex.join(command)
-        tokens = {"prompts": prompts, "max_tokens": accuracy.MAX_TOKENS, "note": note}
-        return {"tokens": {**tokens, "configs": {}}, "lm_eval": lm_eval}
+        tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
+        tokens.update(prompt_texts=prompts, configs={})
+        return {"tokens": tokens, "lm_eval": lm_eval}
 
     def numerics(self, args, copy: str) -> None:
         from vllm_patch.bench.numerics import per_build
 
-        self.doc["numerics"] = per_build(self.progress)
+        self.doc["numerics"], self.doc["tolerance"] = per_build(self.progress)
 
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op

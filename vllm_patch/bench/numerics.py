@@ -358,12 +358,14 @@ def build_numerics(library: str) -> dict:
     return {"loaded": loaded, "cases": list(found.values())}
 
 
-def per_build(progress) -> dict:
+def per_build(progress) -> tuple[dict, dict]:
     """:func:`build_numerics` for every kernel build this CPU runs, each in its
-    own child (a process loads one build)."""
+    own child (a process loads one build): per build, op and dtype the rtol
+    needed against native (on ``BUILD_SHAPES``), and per op and dtype vLLM's
+    own [rtol, atol]."""
     from vllm_patch.runtime import child, cpu_library, machine
 
-    builds = {}
+    builds, tolerance = {}, {}
     for cpu_class in cpu_library.runnable(machine.cpu()["flags"]):
         name = cpu_library.LIBRARIES[cpu_class]
         progress(f"numerics: the {name} build")
@@ -375,9 +377,8 @@ def per_build(progress) -> dict:
         result = outcome.value()
         if name not in result["loaded"]:
             raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
-        builds[name] = result["cases"]
-    return {
-        "reference": "vLLM's native IR implementation on the same inputs",
-        "shapes": [list(s) for s in BUILD_SHAPES],
-        "builds": builds,
-    }
+        for c in result["cases"]:
+            need = c.get("error") or c["needed_rtol"]
+            builds.setdefault(name, {}).setdefault(c["op"], {})[c["dtype"]] = need
+            tolerance.setdefault(c["op"], {})[c["dtype"]] = [c["rtol"], c["atol"]]
+    return builds, tolerance

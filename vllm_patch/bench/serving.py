@@ -165,7 +165,7 @@ def measure(
                 logged = serving["server_log"].setdefault(mode, {})
                 logged[side.name] = kernel_lines(srv.log)
                 if len(answers) == len(SIDES):
-                    found["tokens"]["configs"][mode] = accuracy.compare(
-                        answers["base"], answers["patched"]
-                    )
+                    tokens = found["tokens"]
+                    tokens["configs"][mode] = accuracy.compare(*answers.values())
+                    tokens.update(accuracy.summary(tokens["configs"]))
                 save()

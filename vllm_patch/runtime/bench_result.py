@@ -148,7 +148,7 @@ def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
         )
         out.append(
             f"- {mode}: {found['identical_prompts']} of {len(found['per_prompt'])} "
-            f"prompts identical ({tokens['max_tokens']} greedy tokens each); {where}; "
+            f"prompts identical ({tokens['tokens']} greedy tokens each); {where}; "
             f"largest |Δ logprob| of the top token before that: "
             f"{found['max_abs_dlogprob']:.3g}"
         )
@@ -173,13 +173,16 @@ def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def numerics_markdown(numerics: dict[str, Any]) -> str:
-    rows = [
-        [build, c["op"], c["dtype"], c.get("error") or f"{c['needed_rtol']:.3g}",
-         c["rtol"], c["atol"], "yes" if c["needed_rtol"] <= c["rtol"] else "**no**"]
-        for build, cases in numerics["builds"].items()
-        for c in cases
-    ]  # fmt: skip
+def numerics_markdown(numerics: dict[str, Any], tolerance: dict[str, Any]) -> str:
+    rows = []
+    for build, ops in numerics.items():
+        for op, dtypes in ops.items():
+            for dtype, need in dtypes.items():
+                rtol, atol = tolerance[op][dtype]
+                ok = isinstance(need, float | int) and need <= rtol
+                rows.append(
+                    [build, op, dtype, need, rtol, atol, "yes" if ok else "**no**"]
+                )
     header = ["kernel build", "op", "dtype", "rtol needed", "rtol allowed", "atol"]
     return table([*header, "within vLLM's tolerance"], rows)
 
@@ -265,7 +268,7 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
             "",
             "## Numerics per x86 kernel build",
             "",
-            numerics_markdown(doc["numerics"]),
+            numerics_markdown(doc["numerics"], doc["tolerance"]),
         ]
     if doc.get("perop"):
         p = doc["perop"]
@@ -277,25 +280,3 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
             perop_markdown(p),
         ]
     return "\n".join(out) + "\n"
-
-
-def claims(doc: dict[str, Any]) -> list[str]:
-    """One line per measured result (serving per mode, tokens, lm_eval), from
-    ``doc`` alone: for a description's claims."""
-    out = []
-    for mode in (doc.get("serving") or {}).get("configs", {}):
-        found = spread(ratios(doc, mode, "output_throughput"))
-        if found:
-            out.append(
-                f"serving, {mode}: patched / base output throughput {found[0]:.3f}x "
-                f"(min {found[1]:.3f}x, max {found[2]:.3f}x over {reps(doc, mode)} "
-                "repetitions with restarts)"
-            )
-    tokens = ((doc.get("accuracy") or {}).get("tokens") or {}).get("configs", {})
-    for mode, found in tokens.items():
-        out.append(
-            f"greedy tokens, {mode}: {found['identical_prompts']} of "
-            f"{len(found['per_prompt'])} prompts identical, largest |Δ logprob| "
-            f"{found['max_abs_dlogprob']:.3g}"
-        )
-    return out
