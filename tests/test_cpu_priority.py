@@ -186,7 +186,7 @@ class TestAdd(CodemodTest):
             cpu_after(RETURN_BOTH)
             .replace("envs.VLLM_CPU_CI_ENV", spelled, 1)
             .replace(
-                f'backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"\n',
+                'backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"\n',
                 f'backend = (\n                "eager" if {spelled} else "inductor"\n'
                 "            )\n",
             ),
@@ -240,7 +240,13 @@ def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
             "fields of IrOpPriorityConfig",
         ),
     ],
-    ids=["no CpuPlatform", "no with_default", "no config class", "no CI check", "ops not in config"],
+    ids=[
+        "no CpuPlatform",
+        "no with_default",
+        "no config class",
+        "no CI check",
+        "ops not in config",
+    ],
 )
 def test_unknown_shapes(cpu: str, kernel: str, looked_for: str) -> None:
     files = {
