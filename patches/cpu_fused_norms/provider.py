@@ -35,8 +35,6 @@ and when it stands aside (not CPU, kernels missing, this vLLM's own
 caught, logged and kept in :func:`status`.
 """
 
-from __future__ import annotations
-
 import logging
 import os
 from typing import Any
@@ -255,15 +253,20 @@ def _bind_kernels(support: dict[str, tuple[bool, str]]) -> None:
 def ir_mechanism() -> str:
     """This vLLM's IR: ``"current"``, ``"deprecated"`` (0.33.0: ``vllm/config/
     kernel.py`` says "vLLM IR is being removed", and ``vllm/engine/arg_utils.py``
-    warns whenever ``ir_op_priority`` is set) or ``"absent"`` (before 0.20)."""
+    warns with ``_IR_OP_PRIORITY_DEPRECATION_MESSAGE`` whenever
+    ``ir_op_priority`` is set) or ``"absent"`` (before 0.20). Read from the
+    source, not imported: arg_utils imports half of vLLM."""
     from importlib.util import find_spec
+    from pathlib import Path
 
     if find_spec("vllm.ir") is None:
         return "absent"
-    from vllm.engine import arg_utils
-
-    deprecated = hasattr(arg_utils, "_IR_OP_PRIORITY_DEPRECATION_MESSAGE")
-    return "deprecated" if deprecated else "current"
+    arg_utils = Path(find_spec("vllm.engine.arg_utils").origin).read_text("utf-8")
+    return (
+        "deprecated"
+        if "_IR_OP_PRIORITY_DEPRECATION_MESSAGE" in arg_utils
+        else "current"
+    )
 
 
 # --- registration ---
@@ -337,13 +340,14 @@ def _skip(op_name: str, reason: str) -> None:
 
 
 def _take_custom_op_route(support: dict[str, tuple[bool, str]], ir: str) -> None:
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers import layernorm
+    why = next((reason for ok, reason in support.values() if not ok), None)
+    if why is None:
+        from vllm.model_executor.custom_op import CustomOp
+        from vllm.model_executor.layers import layernorm
 
-    registry = _oot_registry(CustomOp)
-    if CUSTOM_OP_KEY in registry:  # a second plugin call, or another plugin's
-        return
-    why = _stand_aside(support, layernorm.RMSNorm)
+        if CUSTOM_OP_KEY in _oot_registry(CustomOp):  # a second call, or another's
+            return
+        why = _stand_aside(layernorm.RMSNorm)
     if why:
         _status["not_applicable"] = why
         _log_once(
@@ -391,13 +395,8 @@ def _oot_registry(custom_op: type) -> dict:
     return custom_op.op_registry_oot if registry is None else registry
 
 
-def _stand_aside(
-    support: dict[str, tuple[bool, str]], rms_norm_cls: type
-) -> str | None:
-    """Why the CustomOp route would change nothing, or None."""
-    unsupported = [reason for ok, reason in support.values() if not ok]
-    if unsupported:
-        return unsupported[0]
+def _stand_aside(rms_norm_cls: type) -> str | None:
+    """Why the CustomOp route would change nothing here, or None."""
     if "forward_cpu" in vars(rms_norm_cls):
         return "this vLLM's RMSNorm has its own forward_cpu (upstream or patched)"
     if set(OPS) <= set(upstream_enabled_ops()):
