@@ -453,8 +453,8 @@ WHAT_IT_SAYS = [
     (
         "opt-in 'True' is taken, as vLLM takes its own flags: the route",
         "True",
-        f"{provider.OPT_IN_ENV}=True: route CustomOp (it measured no slower per "
-        "call than the IR route): RMSNorm is built as CpuFusedRMSNorm",
+        f"{provider.OPT_IN_ENV}=True: route CustomOp (per call it measured on par "
+        "with the IR route, which it skips): RMSNorm is built as CpuFusedRMSNorm",
     ),
 ]
 
