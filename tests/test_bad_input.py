@@ -152,11 +152,11 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     ("folder-source", tree_with("directory", lambda t: ((t / CPU).unlink(),
      (t / CPU).mkdir())), ALL, CANNOT, [CPU, "not a regular file", "a directory"]),
     ("annotated-version", tree_with("directory", write(
-        "vllm/_version.py", "__version__: str = '0.19.0'\n")),
-     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.19.0"]),
+        "vllm/_version.py", "__version__: str = '0.12.0'\n")),
+     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.12.0"]),
     ("version-only", tree_with("installed", write(
-        "vllm/_version.py", "version = '0.19.0'\n")),
-     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.19.0"]),
+        "vllm/_version.py", "version = '0.12.0'\n")),
+     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.12.0"]),
     *[
         (f"read-only-root-{kind}", tree_with(kind, lambda t: os.chmod(t, 0o555)),
          ("apply",), CANNOT, ["folder is read-only", "dr-xr-xr-x"])

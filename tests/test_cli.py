@@ -28,8 +28,9 @@ def run(*args: str) -> int:
 
 def test_list_json(capsys) -> None:
     assert run("list", "--json") == 0
-    (patch,) = json.loads(capsys.readouterr().out)
-    assert patch["name"] == "cpu_fused_norms"
+    by_name = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert sorted(by_name) == ["cpu_fused_norms", "rms_norm_forward_cpu"]
+    patch = by_name["cpu_fused_norms"]
     assert patch["vllm"] == ">=0.20"
     assert [e["file"] for e in patch["edits"]] == [VLLM_C, CPU]
 
@@ -207,10 +208,12 @@ def test_unpatched_file_without_final_newline_diffs_cleanly(
 
 
 def test_force_overrides_the_version_range(tree: Path, capsys) -> None:
-    (tree / "vllm/_version.py").write_text('__version__ = version = "0.19.1"\n')
+    (tree / "vllm/_version.py").write_text('__version__ = version = "0.12.0"\n')
     assert run("apply", "--vllm", str(tree)) == 3
     assert "outside the patch's range" in capsys.readouterr().err
-    assert run("apply", "--vllm", str(tree), "--force") == 0
+    assert (
+        run("apply", "--vllm", str(tree), "--force", "--patch", "cpu_fused_norms") == 0
+    )
     assert "forced" in capsys.readouterr().err
 
 
@@ -269,7 +272,7 @@ def _not_utf8(root: Path) -> None:
 
 
 def _out_of_range(root: Path) -> None:
-    (root / "vllm/_version.py").write_text('__version__ = version = "0.19.1"\n')
+    (root / "vllm/_version.py").write_text('__version__ = version = "0.12.0"\n')
 
 
 BAD = [
@@ -279,7 +282,7 @@ BAD = [
     (_unknown_shape, "source shape not recognised", VLLM_C),
     (_read_only, "file is read-only", CPU),
     (_not_utf8, "not UTF-8", CPU),
-    (_out_of_range, "outside the patch's range", "0.19.1"),
+    (_out_of_range, "outside the patch's range", "0.12.0"),
 ]
 
 

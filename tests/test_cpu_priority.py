@@ -79,6 +79,11 @@ class CpuPlatform(Platform):
     def get_device_name(cls, device_id: int = 0) -> str:
         return "cpu"
 
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"
+
 
 def after_the_class():
     pass
@@ -94,8 +99,15 @@ METHOD = """
         # Native used by default when compiling: Inductor fuses the native ops
         # into their neighbours, which an opaque kernel call would prevent.
         # Use the fused vLLM C kernels where available when there is no codegen.
+        # Decided on the compilation settings check_and_update_config leaves,
+        # which runs after this.
         cc = vllm_config.compilation_config
-        using_inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
+        backend, mode = cc.backend, cc.mode
+        if mode == CompilationMode.VLLM_COMPILE:
+            backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"
+        if vllm_config.lora_config is not None:
+            mode = CompilationMode.NONE
+        using_inductor = backend == "inductor" and mode != CompilationMode.NONE
         default = ["native"] if using_inductor else ["vllm_c", "native"]
 
 {return_statement}
@@ -119,6 +131,11 @@ class CpuPlatform(Platform):
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return "cpu"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"
 {method}
 
 def after_the_class():
@@ -161,6 +178,21 @@ class TestAdd(CodemodTest):
             CPU_BEFORE, cpu_after(RETURN_RMS), context_override=context(VLLM_C_020)
         )
 
+    def test_020_to_027_spelling_of_the_ci_check(self) -> None:
+        # vLLM 0.20-0.27 read the variable in check_and_update_config itself.
+        spelled = 'os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"'
+        self.assertCodemod(
+            CPU_BEFORE.replace("envs.VLLM_CPU_CI_ENV", spelled),
+            cpu_after(RETURN_BOTH)
+            .replace("envs.VLLM_CPU_CI_ENV", spelled, 1)
+            .replace(
+                'backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"\n',
+                f'backend = (\n                "eager" if {spelled} else "inductor"\n'
+                "            )\n",
+            ),
+            context_override=context(VLLM_C_027),
+        )
+
     def test_existing_method_is_left_alone(self) -> None:
         after = cpu_after(RETURN_BOTH)
         self.assertCodemod(after, after, context_override=context(VLLM_C_027))
@@ -198,12 +230,23 @@ def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
         ),
         (CPU_BEFORE, "class Other:\n    pass\n", "with_default"),
         (
+            CPU_BEFORE.replace("envs.VLLM_CPU_CI_ENV", "False"),
+            KERNEL_CONFIG,
+            "check_and_update_config testing VLLM_CPU_CI_ENV",
+        ),
+        (
             CPU_BEFORE,
             KERNEL_CONFIG.replace("rms_norm", "norm"),
             "fields of IrOpPriorityConfig",
         ),
     ],
-    ids=["no CpuPlatform", "no with_default", "no config class", "ops not in config"],
+    ids=[
+        "no CpuPlatform",
+        "no with_default",
+        "no config class",
+        "no CI check",
+        "ops not in config",
+    ],
 )
 def test_unknown_shapes(cpu: str, kernel: str, looked_for: str) -> None:
     files = {

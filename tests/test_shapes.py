@@ -174,7 +174,8 @@ def priority(source: str, monkeypatch) -> dict[str, dict]:
                 types.SimpleNamespace(
                     compilation_config=types.SimpleNamespace(
                         backend="inductor", mode=mode
-                    )
+                    ),
+                    lora_config=None,
                 )
             )
             for mode in CompilationMode

@@ -3,7 +3,11 @@
 The fused kernels win per call, but under Inductor the native form can win in
 the model, because Inductor fuses it into the neighbouring residual add and an
 opaque kernel call breaks that fusion. So, like CUDA and XPU: ``native`` when
-compiling with Inductor, ``["vllm_c", "native"]`` otherwise. Only for the
+compiling with Inductor, ``["vllm_c", "native"]`` otherwise. vLLM asks before
+``CpuPlatform.check_and_update_config`` rewrites the compilation settings
+(``VLLM_COMPILE`` becomes Inductor, or eager under ``VLLM_CPU_CI_ENV``; LoRA
+turns compilation off), so the method decides on what that rewrite will leave,
+with the tree's own spelling of the CI check. Only for the
 norms whose "vllm_c" implementation the tree enables on CPU (never an op some
 other gate already enabled there: its CPU default stays as it was); every other
 op stays ``native``, since naming a provider an op lacks fails an assertion at
@@ -14,14 +18,15 @@ out as vLLM's ruff lays it out.
 
 from __future__ import annotations
 
+import ast
+
 import libcst as cst
 import libcst.matchers as m
-from libcst.codemod import CodemodContext
 
-from patcher.codemod import TREE_READER, TreeCodemod
+from patcher.codemod import TreeCodemod
 from patcher.ruff_format import format_member
 from patches.cpu_fused_norms.enable_vllm_c import EnableVllmCOnCpu
-from patches.cpu_fused_norms.vllm_c_source import cpu_enabled_norms
+from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
 
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
@@ -42,8 +47,15 @@ def {method}(
     # Native used by default when compiling: Inductor fuses the native ops
     # into their neighbours, which an opaque kernel call would prevent.
     # Use the fused vLLM C kernels where available when there is no codegen.
+    # Decided on the compilation settings check_and_update_config leaves,
+    # which runs after this.
     cc = vllm_config.compilation_config
-    using_inductor = cc.backend == "inductor" and cc.mode != CompilationMode.NONE
+    backend, mode = cc.backend, cc.mode
+    if mode == CompilationMode.VLLM_COMPILE:
+        backend = "eager" if {ci_env} else "inductor"
+    if vllm_config.lora_config is not None:
+        mode = CompilationMode.NONE
+    using_inductor = backend == "inductor" and mode != CompilationMode.NONE
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
     return {config}.with_default(["native"], {per_op})
@@ -54,65 +66,95 @@ CPU_CLASS = m.ClassDef(name=m.Name(CLASS))
 PRIORITY_METHOD = m.FunctionDef(name=m.Name(METHOD))
 
 
-def _config_fields(module: cst.Module) -> tuple[list[str], bool]:
-    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
-    for cls in m.findall(module, m.ClassDef(name=m.Name(CONFIG))):
-        body = cls.body.body
-        fields = [
-            s.body[0].target.value
-            for s in body
-            if m.matches(s, m.SimpleStatementLine([m.AnnAssign(target=m.Name())]))
-        ]
-        with_default = any(
-            m.matches(s, m.FunctionDef(m.Name("with_default"))) for s in body
-        )
-        return fields, with_default
+TYPE_IMPORT_LINE = m.SimpleStatementLine(
+    [m.ImportFrom(names=[m.ImportAlias(name=m.Name(CONFIG))])]
+)
+
+
+def _config_fields(source: str) -> tuple[list[str], bool]:
+    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``
+    (read with ``ast``: the file is only read, and ``ast`` is fast)."""
+    for cls in ast.parse(source).body:
+        if isinstance(cls, ast.ClassDef) and cls.name == CONFIG:
+            fields = [
+                s.target.id
+                for s in cls.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            ]
+            with_default = any(
+                isinstance(s, ast.FunctionDef) and s.name == "with_default"
+                for s in cls.body
+            )
+            return fields, with_default
     return [], False
 
 
+CI_ENV = "VLLM_CPU_CI_ENV"
+UPDATE_METHOD = m.FunctionDef(name=m.Name("check_and_update_config"))
+
+
 class _CpuPlatformCodemod(TreeCodemod):
-    def has_method(self, tree: cst.Module) -> bool:
-        """Whether ``CpuPlatform`` defines the method (refusing a tree without it)."""
-        classes = m.findall(tree, CPU_CLASS)
-        if not classes:
-            names = [c.name.value for c in m.findall(tree, m.ClassDef())]
-            raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
-        return bool(m.findall(classes[0], PRIORITY_METHOD))
+    """Finds ``CpuPlatform`` among the module's statements: no walk of the
+    whole tree (``cpu.py`` is large), only of what it edits."""
+
+    def cpu_class(self, tree: cst.Module) -> tuple[int, cst.ClassDef]:
+        for i, stmt in enumerate(tree.body):
+            if m.matches(stmt, CPU_CLASS):
+                return i, stmt
+        names = [s.name.value for s in tree.body if isinstance(s, cst.ClassDef)]
+        raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
+
+    def with_body(self, tree, at: int, node, body) -> cst.Module:
+        new = node.with_changes(body=node.body.with_changes(body=body))
+        return tree.with_changes(body=[*tree.body[:at], new, *tree.body[at + 1 :]])
 
 
 class AddCpuIrOpPriority(_CpuPlatformCodemod):
     DESCRIPTION = (
         f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
-        "native when compiling with Inductor."
+        "native when the model will be compiled with Inductor."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if self.has_method(tree):
+        at, cls = self.cpu_class(tree)
+        members = list(cls.body.body)
+        if any(m.matches(s, PRIORITY_METHOD) for s in members):
             return tree  # already there, ours or upstream's
-        self.method = self._method(tree)
-        return tree.visit(self)
+        tree = self.with_body(tree, at, cls, [*members, self._method(tree, cls)])
+        for i, stmt in enumerate(tree.body):
+            if m.matches(stmt, TYPE_CHECKING_IF):
+                return self.with_body(tree, i, stmt, self._type_import(stmt))
+        return tree
 
-    def _method(self, tree: cst.Module) -> cst.FunctionDef:
+    def _ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
+        """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
+        (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
+        update = next((s for s in cls.body.body if m.matches(s, UPDATE_METHOD)), None)
+        for node in m.findall(update, m.IfExp() | m.If()) if update else ():
+            code = tree.code_for_node(node.test)
+            if CI_ENV in code:
+                return code
+        raise self.shape_error(
+            f"{CLASS}.check_and_update_config testing {CI_ENV}",
+            "no such test" if update else "no check_and_update_config",
+        )
+
+    def _method(self, tree: cst.Module, cls: cst.ClassDef) -> cst.FunctionDef:
         vllm_c = EnableVllmCOnCpu.TARGET
         # The norms as the companion edit leaves vllm_c.py (it may not have run
-        # yet); what it would record is its own business.
-        context = CodemodContext(scratch={TREE_READER: self.read_tree_file})
-        patched = EnableVllmCOnCpu(context).transform_module(
-            self.parse_tree_file(vllm_c)
-        )
-        fields, with_default = _config_fields(self.parse_tree_file(CONFIG_FILE))
+        # yet): it enables every norm that has a vllm_c impl, or refuses.
+        ops_there = [i.op for i in vllm_c_impls(self.parse_tree_file(vllm_c))]
+        fields, with_default = _config_fields(self.read_tree_file(CONFIG_FILE))
         if not with_default:
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
                 f"{CONFIG} fields {fields}" if fields else f"no class {CONFIG}",
             )
-        # Exactly the norms: an op some other gate already enables on CPU
-        # keeps its native default.
-        ops = [op for op in cpu_enabled_norms(patched) if op in fields]
+        ops = [op for op in NORM_OPS if op in ops_there and op in fields]
         if not ops:
             raise self.shape_error(
-                f"norms enabled on CPU in {vllm_c} that are fields of {CONFIG}",
-                f"enabled: {cpu_enabled_norms(patched)}; fields: {fields}",
+                f"norms with a vllm_c impl in {vllm_c} that are fields of {CONFIG}",
+                f"impls: {ops_there}; fields: {fields}",
             )
         if "class CompilationMode" not in self.read_tree_file(COMPILATION_FILE):
             raise self.shape_error(
@@ -122,35 +164,26 @@ class AddCpuIrOpPriority(_CpuPlatformCodemod):
             method=METHOD,
             config=CONFIG,
             config_module=CONFIG_MODULE,
+            ci_env=self._ci_env(tree, cls),
             per_op=", ".join(f"{op}=default" for op in ops),
         )
         listed = " and ".join(f"`{op}`" for op in ops)
         self.record(
             f"`{CLASS}.{METHOD}` is added: {listed} get "
-            '`["vllm_c", "native"]` when not compiling with Inductor and '
-            '`["native"]` when compiling; every other op keeps `["native"]`'
+            '`["vllm_c", "native"]` unless the model will be compiled with '
+            "Inductor (decided on the compilation settings "
+            '`check_and_update_config` leaves), then `["native"]`; every '
+            'other op keeps `["native"]`'
         )
         method = format_member(source, tree)
         return method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
 
-    def leave_ClassDef(self, original_node, updated_node):
-        if not m.matches(original_node, CPU_CLASS):
-            return updated_node
-        body = updated_node.body
-        return updated_node.with_changes(
-            body=body.with_changes(body=[*body.body, self.method])
-        )
-
-    def leave_If(self, original_node, updated_node):
-        """Add the config's type import to ``if TYPE_CHECKING:``, in sorted place."""
-        if original_node not in self.module.body or not m.matches(
-            original_node, TYPE_CHECKING_IF
-        ):
-            return updated_node
-        body = list(updated_node.body.body)
+    def _type_import(self, node: cst.If) -> list[cst.BaseStatement]:
+        """The config's type import added to ``if TYPE_CHECKING:``, in sorted place."""
+        body = list(node.body.body)
         if any(m.findall(s, m.ImportAlias(name=m.Name(CONFIG))) for s in body):
-            return updated_node
-        new = cst.parse_statement(TYPE_IMPORT, config=self.module.config_for_parsing)
+            return body
+        new = cst.parse_statement(TYPE_IMPORT)
         at = len(body)
         for i, stmt in enumerate(body):
             if m.matches(
@@ -162,37 +195,23 @@ class AddCpuIrOpPriority(_CpuPlatformCodemod):
                     break
         body.insert(at, new)
         self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
-        return updated_node.with_changes(body=updated_node.body.with_changes(body=body))
+        return body
 
 
 class RemoveCpuIrOpPriority(_CpuPlatformCodemod):
     DESCRIPTION = f"Undo AddCpuIrOpPriority: drop {CLASS}.{METHOD} and its type import."
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        return tree.visit(self) if self.has_method(tree) else tree
-
-    @m.call_if_inside(CPU_CLASS)
-    def leave_FunctionDef(self, original_node, updated_node):
-        if m.matches(original_node, PRIORITY_METHOD):
-            self.record(f"`{CLASS}.{METHOD}` is removed")
-            return cst.RemoveFromParent()
-        return updated_node
-
-    def leave_Module(self, original_node, updated_node):
-        # The type import goes too, once nothing else in the file names the config.
-        code = updated_node.code
-        if code.count(CONFIG) > 1:
-            return updated_node
-        return updated_node.visit(_DropTypeImport())
-
-
-class _DropTypeImport(cst.CSTTransformer):
-    def leave_SimpleStatementLine(self, original_node, updated_node):
-        if m.matches(
-            original_node,
-            m.SimpleStatementLine(
-                [m.ImportFrom(names=[m.ImportAlias(name=m.Name(CONFIG))])]
-            ),
-        ):
-            return cst.RemoveFromParent()
-        return updated_node
+        at, cls = self.cpu_class(tree)
+        members = [s for s in cls.body.body if not m.matches(s, PRIORITY_METHOD)]
+        if len(members) == len(cls.body.body):
+            return tree
+        self.record(f"`{CLASS}.{METHOD}` is removed")
+        tree = self.with_body(tree, at, cls, members)
+        if tree.code.count(CONFIG) > 1:  # something else names the config
+            return tree
+        for i, stmt in enumerate(tree.body):
+            if m.matches(stmt, TYPE_CHECKING_IF):
+                kept = [s for s in stmt.body.body if not m.matches(s, TYPE_IMPORT_LINE)]
+                return self.with_body(tree, i, stmt, kept)
+        return tree

@@ -572,13 +572,13 @@ class DisableVllmCOnCpu(_NormCodemod):
         )
 
     def _strip_gate(self, gate: cst.BaseExpression, assignments: dict) -> None:
-        """Only an ``or current_platform.is_cpu()`` that apply would add again:
+        """Only an ``or IS_CPU`` that apply would add again:
         the last operand, of a gate that without it excludes CPU."""
         if gate in self.edits or not m.matches(gate, ENDS_WITH_IS_CPU_OR):
             return
         if not self.admits_cpu(strip_operand(gate), assignments):
             self.edits[gate] = strip_operand
-            self.record(f"`{_source(gate)}` loses `or {IS_CPU_SOURCE}`")
+            self.record(f"`{_source(gate)}` loses `or {_source(gate.right)}`")
 
     def _layout(self, patched: cst.Module, stripped: cst.Module, units, removed):
         """Each edited statement in the layout apply started from: the one that,

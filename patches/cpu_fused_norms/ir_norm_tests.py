@@ -45,11 +45,11 @@ from patcher.codemod import TreeCodemod
 from patcher.ruff_format import format_member, format_node
 from patcher.statements import insert_before, remove_at
 from patches.cpu_fused_norms.bool_operand import append_operand, strip_operand
+from patches.cpu_fused_norms.identity import UPSTREAM_PROVIDER as UPSTREAM
 from patches.cpu_fused_norms.vllm_c_source import (
     ENDS_WITH_IS_CPU_OR,
     IS_CPU,
     IS_CPU_SOURCE,
-    PROVIDER,
 )
 
 NOT_CPU = f"not {IS_CPU_SOURCE}"
@@ -64,7 +64,7 @@ SKIPIF = m.Decorator(
     )
 )
 VLLM_C_ENTRY = m.DictElement(
-    key=m.SimpleString(m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER))
+    key=m.SimpleString(m.MatchIfTrue(lambda s: ast.literal_eval(s) == UPSTREAM))
 )
 REASON = re.compile(r"(Currently only kernels on )(.+)")
 NATIVE_SEMANTICS = "test_native_semantics"
@@ -113,7 +113,7 @@ class NormTests:
     @property
     def siblings(self) -> str:
         """The name prefix of its top-level stride tests (ROCm's)."""
-        return f"test_{PROVIDER}_{self.op}_"
+        return f"test_{UPSTREAM}_{self.op}_"
 
 
 RMS_NORM = NormTests(
@@ -300,7 +300,7 @@ class _IrNormTestsCodemod(TreeCodemod):
         entries = m.findall(test, VLLM_C_ENTRY)
         if len(entries) != 1:
             raise self.shape_error(
-                looked_for=f'one "{PROVIDER}": ... entry in {test.name.value}\'s '
+                looked_for=f'one "{UPSTREAM}": ... entry in {test.name.value}\'s '
                 "expected providers",
                 found=f"{len(entries)} such entries",
             )
@@ -352,7 +352,7 @@ def _named(statement: cst.CSTNode, like: cst.CSTNode | None) -> bool:
 class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
     DESCRIPTION = (
         "Run the rms_norm and fused_add_rms_norm IR tests on CPU, expect "
-        f'"{PROVIDER}" supported there, skip there only what fails there '
+        f'"{UPSTREAM}" supported there, skip there only what fails there '
         "regardless, allow the CPU kernels' bfloat16 truncation, and test that a "
         "non-contiguous input on CPU goes to native."
     )
@@ -392,7 +392,7 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
         touched.add(gate)
         self.record(
             f"`{assign.targets[0].target.value}` gains `or {IS_CPU_SOURCE}`: the "
-            f"norm tests' skips and `{PROVIDER}` expectations read it, nothing else."
+            f"norm tests' skips and `{UPSTREAM}` expectations read it, nothing else."
         )
 
     def _run_on_cpu(self, test, inline: bool, replace: dict, touched: set) -> None:
@@ -420,7 +420,7 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
         replace[entry.value] = append_operand(entry.value, cst.Or, operand)
         touched.add(registration)
         self.record(
-            f"`{registration.name.value}` expects `{PROVIDER}` supported on CPU."
+            f"`{registration.name.value}` expects `{UPSTREAM}` supported on CPU."
         )
 
     def _skip_native_semantics(self, suite, replace: dict, touched: set) -> None:
@@ -480,7 +480,7 @@ class RunIrNormTestsOnCpu(_IrNormTestsCodemod):
             tree = tree.with_changes(body=body)
             self.record(
                 f"New `{norm.added_name}`: on CPU a non-contiguous input is "
-                f"refused by `{PROVIDER}` and the dispatched call matches native."
+                f"refused by `{UPSTREAM}` and the dispatched call matches native."
             )
         return tree
 

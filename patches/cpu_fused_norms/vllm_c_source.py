@@ -12,11 +12,12 @@ from functools import lru_cache
 import libcst as cst
 import libcst.matchers as m
 
-NORM_OPS = ("rms_norm", "fused_add_rms_norm")
+from patches.cpu_fused_norms.identity import OPS as NORM_OPS
+from patches.cpu_fused_norms.identity import UPSTREAM_PROVIDER
+
 # How many leading parameters of each norm's supports_args are the input
 # tensors the CPU kernel reads ignoring their strides.
 NORM_TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
-PROVIDER = "vllm_c"
 IS_CPU_SOURCE = "current_platform.is_cpu()"
 IS_CPU = m.Call(
     func=m.Attribute(value=m.Name("current_platform"), attr=m.Name("is_cpu")), args=()
@@ -42,7 +43,7 @@ REGISTER_IMPL = m.Call(
     args=[
         m.Arg(
             value=m.SimpleString(
-                m.MatchIfTrue(lambda s: ast.literal_eval(s) == PROVIDER)
+                m.MatchIfTrue(lambda s: ast.literal_eval(s) == UPSTREAM_PROVIDER)
             ),
             keyword=None,
         ),

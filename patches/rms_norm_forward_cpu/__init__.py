@@ -1,0 +1,1 @@
+"""RMSNorm.forward_cpu: vLLM's CPU fused RMSNorm kernels (see patch.toml)."""
