@@ -42,6 +42,7 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """Kernel calls of one RMSNorm called plain and with a residual, the route
     vLLM took to reach them, and how far its outputs are from native."""
     import torch
+    import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 

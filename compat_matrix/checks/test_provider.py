@@ -17,6 +17,8 @@ from patches.cpu_fused_norms.identity import PROVIDER
 def plugin_log():
     """What the plugins logged while vLLM's loader ran them (``vllm.plugins``
     loggers), as (level, message)."""
+    import vllm.logger  # noqa: F401  (configures vLLM's loggers, handlers included)
+
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
