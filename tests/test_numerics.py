@@ -9,6 +9,8 @@ from conftest import requires_vllm
 
 # The provider imports torch: without it (the fast tier) this module is skipped.
 pytest.importorskip("torch")
+import numerics_grid as grid
+
 from patches.cpu_fused_norms import provider
 from vllm_patch.bench import numerics
 
@@ -81,15 +83,15 @@ def test_an_in_place_implementation_must_return_the_callers_tensors(ops):
 
 def test_the_provider_passes_the_grid_of_dtypes_and_shapes(ops):
     for name in provider.OPS:
-        cases = numerics.compare_impl(getattr(ops, name), provider.PROVIDER)
-        assert len(cases) == len(numerics.DTYPE_NAMES) * (len(numerics.SHAPES) + 1)
+        cases = grid.compare_impl(getattr(ops, name), provider.PROVIDER)
+        assert len(cases) == len(grid.DTYPE_NAMES) * (len(grid.SHAPES) + 1)
         assert [c for c in cases if not c["ok"]] == []
         assert {c["weight"] for c in cases} == {True, False}
 
 
 def test_strided_inputs_go_to_native_and_stay_right(ops):
     for name in provider.OPS:
-        found = numerics.noncontiguous_dispatch(getattr(ops, name), provider.PROVIDER)
+        found = grid.noncontiguous_dispatch(getattr(ops, name), provider.PROVIDER)
         assert found["ok"], found
         assert found["contiguous"] == provider.PROVIDER
         for layout in ("transposed", "row_strided"):
@@ -137,8 +139,8 @@ def test_a_kernel_that_truncates_to_bfloat16_is_told_from_one_that_rounds(
     import torch
 
     args = numerics.op_inputs(ops.rms_norm, (16, 4096), torch.bfloat16)
-    share = numerics.truncated_share(_native_then(convert), args)
-    assert (share > numerics.TRUNCATION_SHARE) is truncates, share
+    share = grid.truncated_share(_native_then(convert), args)
+    assert (share > grid.TRUNCATION_SHARE) is truncates, share
 
 
 def _grid(ok_fp32: bool, ok_bf16: bool) -> list[dict]:
@@ -160,7 +162,7 @@ def test_only_a_bfloat16_miss_that_is_all_truncation_is_explained(
     ops, convert, ok_fp32, explained
 ):
     cases = _grid(ok_fp32=ok_fp32, ok_bf16=False)
-    numerics._explain_truncation(ops.rms_norm, _Impl(_native_then(convert)), cases)
+    grid.explain_truncation(ops.rms_norm, _Impl(_native_then(convert)), cases)
     bf16 = cases[1]
     assert bf16["ok"] is explained
     assert ("truncates_bf16" in bf16) is explained

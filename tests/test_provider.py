@@ -18,10 +18,10 @@ from conftest import requires_vllm
 # The provider imports torch: without it (the fast tier) this module is skipped.
 pytest.importorskip("torch")
 
+import numerics_grid as grid
 import torch
 
 from patches.cpu_fused_norms import provider
-from vllm_patch.bench import numerics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,8 +132,8 @@ def assert_near_native(fn, args, got, want, tolerance) -> None:
     except AssertionError:
         if args[0].dtype != BF16:
             raise
-        share = numerics.truncated_share(fn, args)
-        assert share is not None and share > numerics.TRUNCATION_SHARE, share
+        share = grid.truncated_share(fn, args)
+        assert share is not None and share > grid.TRUNCATION_SHARE, share
 
 
 @requires_vllm
