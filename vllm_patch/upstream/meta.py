@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from patcher import engine
 from patcher.errors import PatchError, UsageError
-from patcher.patchset import Patch, all_patches, select
+from patcher.patchset import Patch, select
+from patcher.tree import VllmTree
 from vllm_patch.upstream.ci_yaml import CiWiring
 
 TABLE = "upstream"
@@ -114,12 +116,12 @@ def _ci_of(table: object, where: str) -> CiWiring | None:
     )
 
 
-def pick_patch(name: str | None) -> Patch:
-    """The named patch, or the only one that has an ``[upstream]`` table."""
+def pick_patch(name: str | None, tree: VllmTree | None = None) -> Patch:
+    """The named patch, or the tree's default one (``engine.choose``: the form
+    of the change this release needs) that has an ``[upstream]`` table."""
     if name:
         return select([name])[0]
-    patches = all_patches()
-    candidates = [p for p in patches if TABLE in p.meta] or patches
+    candidates = [p for p in engine.choose(tree, None) if TABLE in p.meta]
     if len(candidates) != 1:
         names = ", ".join(p.name for p in candidates) or "none"
         raise UsageError(f"more than one patch could be meant; pass --patch ({names})")

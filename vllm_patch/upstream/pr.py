@@ -243,8 +243,8 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.repo = repo = open_checkout(args.vllm)
         self.root = root = Path(repo.working_tree_dir)
-        open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise, nothing done)
-        self.patch = pick_patch(args.patch)
+        tree = open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise)
+        self.patch = pick_patch(args.patch, tree)
         self.upstream = upstream_of(self.patch)
         self.branch = branch = args.branch or self.upstream.branch
         try:

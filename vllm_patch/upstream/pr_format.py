@@ -62,7 +62,8 @@ def ruff_settings(root: Path, notes: list[str]) -> tuple[str | None, list[str]]:
     """(the file the checkout's ruff settings are in, ruff's arguments): always
     ``--isolated --no-cache``, the settings passed one table at a time, so no
     file of the checkout tells ruff where to read or write."""
-    argv = ["--isolated", "--no-cache"]
+    # src: where first-party packages are (import sorting); ruff only looks.
+    argv = ["--isolated", "--no-cache", "--config", f"src = [{json.dumps(str(root))}]"]
     for name, keys in CONFIG_FILES:
         try:
             text = read_text_in(root, name, "ruff settings")
@@ -133,7 +134,7 @@ def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatRepo
             )
         for rel, (before, after) in changes.items():
             stdin = [*settings, "--stdin-filename", rel, "-"]
-            touched = changed_ranges(before, after)
+            touched = changed_ranges(before or "", after)  # None: a new file
             formatted = _run([ruff, "format", *stdin], cwd, after)
             moved = [
                 start + 1
