@@ -153,7 +153,7 @@ OPT_IN_VALUES = [
     ("1", "ok", "the default ranking of"),
     ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
     ("0", "info", "the default ranking of 'prov' is off"),
-    ("yes", "fix", "='yes' is ignored: 1 or true ranks vllm_c_cpu first"),
+    ("yes", "fix", "='yes' is ignored: 1 or true turns the fused CPU norms on"),
     ("on", "fix", "='on' is ignored"),
 ]
 

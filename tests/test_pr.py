@@ -104,7 +104,8 @@ def checkout(tmp_path) -> git.Repo:
 
 def run_pr(repo: git.Repo, *extra: str, evidence: Path | None = None) -> int:
     measured = ["--evidence", str(evidence)] if evidence else []
-    return cli.main(["pr", "--vllm", repo.working_tree_dir, *measured, *extra])
+    chosen = [] if "--patch" in extra else ["--patch", PATCH.name]
+    return cli.main(["pr", "--vllm", repo.working_tree_dir, *chosen, *measured, *extra])
 
 
 def state(repo: git.Repo) -> tuple:
@@ -474,6 +475,12 @@ class Released:
     stdout: str
     body: str
 
+    @property
+    def upstream(self):
+        """The form of the change this release gets: CustomOp from 0.33.0 on."""
+        form = "rms_norm_forward_cpu" if self.version == "0.33.0" else PATCH.name
+        return upstream_of(pick_patch(form))
+
 
 def repo_from_sdist(version: str, dest: Path) -> git.Repo:
     """vLLM's repository at ``version``: the sdist less the metadata its build
@@ -538,7 +545,7 @@ def test_the_description_is_the_releases_template_filled(released):
     assert "[x]" not in body.lower()
     for leak in [*LEAKS, str(root)]:
         assert leak not in body, leak
-    assert UPSTREAM.rule in body
+    assert released.upstream.rule in body
     if has_vllm() and released.version == "0.32.0":
         # The edited tests with the change, and the fails-before without it.
         said = r"edited tests on CPU: [1-9][\d,]* passed, 0 failed, \d+ skipped with "
@@ -549,25 +556,29 @@ def test_the_description_is_the_releases_template_filled(released):
         assert released.stdout.count("upstream tests:") == 1  # said once
         assert "```bash\npytest -k " in body
     if has_vllm() and released.version == "0.33.0":  # which file is not the same
-        assert "differ in vllm/platforms/cpu.py)" in released.stdout
+        assert "differ in vllm/model_executor/layers/layernorm.py)" in released.stdout
+        assert "ir_op_priority`:" in body  # quoted as deprecated, never advised
+        assert "--ir-op-priority" not in body
 
 
 @pytest.mark.integration
-def test_the_commit_wires_the_ir_tests_into_the_cpu_kernel_ci_step(released):
-    commit = released.repo.head.commit
+def test_the_commit_wires_the_tests_into_the_cpu_kernel_ci_step(released):
+    ci, commit = released.upstream.ci, released.repo.head.commit
     assert commit.parents == (released.base,)
-    assert UPSTREAM.ci.file in commit.stats.files
-    diff = released.repo.git.diff("HEAD~1", "HEAD", "--", UPSTREAM.ci.file)
+    assert ci.file in commit.stats.files
+    diff = released.repo.git.diff("HEAD~1", "HEAD", "--", ci.file)
     assert not [
         line for line in diff.splitlines()[4:] if line.startswith("-")
     ]  # only added lines
-    doc = yaml.safe_load(
-        (Path(released.repo.working_tree_dir) / UPSTREAM.ci.file).read_text()
-    )
+    doc = yaml.safe_load((Path(released.repo.working_tree_dir) / ci.file).read_text())
     (step,) = [s for s in doc["steps"] if CI_STEP in s["label"]]
-    assert "tests/kernels/ir/test_layernorm.py" in " ".join(step["commands"])
-    assert set(UPSTREAM.ci.dependencies) <= set(step["source_file_dependencies"])
-    assert "CPU CI runs `tests/kernels/ir/test_layernorm.py`" in released.body
+    (test,) = ci.tests
+    assert test in " ".join(step["commands"])
+    assert set(ci.dependencies) <= set(step["source_file_dependencies"])
+    assert f"CPU CI runs `{test}`" in released.body
+    if released.version == "0.33.0":  # the CustomOp form leaves IR alone
+        untouched = ("vllm/kernels/vllm_c.py", "vllm/platforms/cpu.py", "vllm/ir/")
+        assert not [f for f in commit.stats.files if f.startswith(untouched)]
 
 
 @pytest.mark.integration

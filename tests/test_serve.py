@@ -197,7 +197,7 @@ def stop(proc: subprocess.Popen) -> int:
 def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
     """``vllm-patch serve MODEL``, compiled as vLLM's default, with the
     opt-in set: the server answers a completion, prints no deprecation warning
-    and no error, and says why the norms stay native."""
+    and no error, and says which route it took and that Inductor keeps native."""
     port = free_port()
     log = tmp_path / "server.log"
     env = dict(
@@ -240,7 +240,8 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
     for unwanted in ("DeprecationWarning", "Traceback", " ERROR "):
         assert unwanted not in served, unwanted
     assert "Starting vLLM server on http://127.0.0.1:" in text
-    assert "but vLLM compiles this model with Inductor" in text
+    assert ": route CustomOp (" in text
+    assert "native where Inductor compiles" in text
 
 
 @pytest.mark.parametrize(
