@@ -459,11 +459,21 @@ def _note_ignored_opt_in() -> None:
 
 def _log_once(level: str, msg: str, *args: Any) -> None:
     """Through vLLM's own ``info_once`` / ``warning_once`` (a plain record on a
-    vLLM without them), so that each line shows once per process."""
+    vLLM without them), so that each line shows once per process. From 0.31 on
+    they log only on the first rank by default (``scope="local"``), which a
+    process outside the workers (the API server, a script) is not: every
+    process the plugin runs in says what it did there."""
     from vllm.logger import init_logger
 
     log = init_logger(LOGGER_NAME)
-    getattr(log, f"{level}_once", getattr(log, level))(msg, *args)
+    once = getattr(log, f"{level}_once", None)
+    if once is None:
+        getattr(log, level)(msg, *args)
+        return
+    try:
+        once(msg, *args, scope="process")
+    except TypeError:  # a vLLM before log scopes
+        once(msg, *args)
 
 
 def status() -> dict[str, Any]:
