@@ -24,12 +24,15 @@ def plugin_log():
     handler.emit = records.append
     logger = logging.getLogger("vllm")
     logger.addHandler(handler)
+    level = logger.level  # 0.31 on configures its level lazily: see INFO now
+    logger.setLevel(logging.DEBUG)
     try:
         from vllm.plugins import load_general_plugins
 
         load_general_plugins()
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     return [
         (r.levelname, r.getMessage())
         for r in records
