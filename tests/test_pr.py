@@ -118,8 +118,8 @@ def state(repo: git.Repo) -> tuple:
     )
 
 
-def description(repo: git.Repo) -> Path:
-    return Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md"
+def description(repo: git.Repo, upstream=None) -> Path:
+    return Path(repo.git_dir) / "vllm-patch" / f"PR_{(upstream or UPSTREAM).branch}.md"
 
 
 def added_lines(repo: git.Repo, rel: str) -> list[str]:
@@ -477,9 +477,15 @@ class Released:
 
     @property
     def upstream(self):
-        """The form of the change this release gets: CustomOp from 0.33.0 on."""
-        form = "rms_norm_forward_cpu" if self.version == "0.33.0" else PATCH.name
-        return upstream_of(pick_patch(form))
+        return form_of(self.version)
+
+
+def form_of(version: str):
+    """The form of the change a release gets: the CustomOp form from 0.33.0 on."""
+    return upstream_of(pick_patch(FORMS.get(version, PATCH.name)))
+
+
+FORMS = {"0.33.0": "rms_norm_forward_cpu"}
 
 
 def repo_from_sdist(version: str, dest: Path) -> git.Repo:
@@ -511,7 +517,8 @@ def released(request, tmp_path_factory) -> Released:
     base = repo.head.commit
     done = pr_process(repo)
     assert done.returncode == 0, done.stdout + done.stderr
-    return Released(version, repo, base, done.stdout, description(repo).read_text())
+    body = description(repo, form_of(version)).read_text()
+    return Released(version, repo, base, done.stdout, body)
 
 
 def pr_process(repo: git.Repo) -> subprocess.CompletedProcess:
@@ -615,4 +622,4 @@ def test_a_rerun_on_the_branch_says_the_same(released):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "already committed" in done.stdout
     assert released.repo.head.commit == tip
-    assert description(released.repo).read_text() == released.body
+    assert description(released.repo, released.upstream).read_text() == released.body
