@@ -57,6 +57,21 @@ class TreeCodemod(VisitorBasedCodemodCommand):
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
 
+    def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:
+        """The module-level class ``name`` and its position, found among the
+        module's statements (no walk of the tree), or a shape error."""
+        for i, stmt in enumerate(tree.body):
+            if isinstance(stmt, cst.ClassDef) and stmt.name.value == name:
+                return i, stmt
+        names = [s.name.value for s in tree.body if isinstance(s, cst.ClassDef)]
+        raise self.shape_error(f"class {name}", f"classes: {names or 'none'}")
+
+    @staticmethod
+    def with_body(tree: cst.Module, at: int, node, body) -> cst.Module:
+        """``tree`` with the body of its ``at``-th statement ``node`` replaced."""
+        new = node.with_changes(body=node.body.with_changes(body=body))
+        return tree.with_changes(body=[*tree.body[:at], new, *tree.body[at + 1 :]])
+
     def parse_tree_file(self, relpath: str) -> cst.Module:
         """Another file of the same tree, parsed."""
         return parse(self.read_tree_file(relpath), relpath)

@@ -62,7 +62,6 @@ def {method}(
 """
 
 TYPE_CHECKING_IF = m.If(test=m.Name("TYPE_CHECKING"))
-CPU_CLASS = m.ClassDef(name=m.Name(CLASS))
 PRIORITY_METHOD = m.FunctionDef(name=m.Name(METHOD))
 
 
@@ -93,30 +92,14 @@ CI_ENV = "VLLM_CPU_CI_ENV"
 UPDATE_METHOD = m.FunctionDef(name=m.Name("check_and_update_config"))
 
 
-class _CpuPlatformCodemod(TreeCodemod):
-    """Finds ``CpuPlatform`` among the module's statements: no walk of the
-    whole tree (``cpu.py`` is large), only of what it edits."""
-
-    def cpu_class(self, tree: cst.Module) -> tuple[int, cst.ClassDef]:
-        for i, stmt in enumerate(tree.body):
-            if m.matches(stmt, CPU_CLASS):
-                return i, stmt
-        names = [s.name.value for s in tree.body if isinstance(s, cst.ClassDef)]
-        raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
-
-    def with_body(self, tree, at: int, node, body) -> cst.Module:
-        new = node.with_changes(body=node.body.with_changes(body=body))
-        return tree.with_changes(body=[*tree.body[:at], new, *tree.body[at + 1 :]])
-
-
-class AddCpuIrOpPriority(_CpuPlatformCodemod):
+class AddCpuIrOpPriority(TreeCodemod):
     DESCRIPTION = (
         f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
         "native when the model will be compiled with Inductor."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.cpu_class(tree)
+        at, cls = self.top_level_class(tree, CLASS)
         members = list(cls.body.body)
         if any(m.matches(s, PRIORITY_METHOD) for s in members):
             return tree  # already there, ours or upstream's
@@ -198,11 +181,11 @@ class AddCpuIrOpPriority(_CpuPlatformCodemod):
         return body
 
 
-class RemoveCpuIrOpPriority(_CpuPlatformCodemod):
+class RemoveCpuIrOpPriority(TreeCodemod):
     DESCRIPTION = f"Undo AddCpuIrOpPriority: drop {CLASS}.{METHOD} and its type import."
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.cpu_class(tree)
+        at, cls = self.top_level_class(tree, CLASS)
         members = [s for s in cls.body.body if not m.matches(s, PRIORITY_METHOD)]
         if len(members) == len(cls.body.body):
             return tree

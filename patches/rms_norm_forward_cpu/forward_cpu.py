@@ -66,7 +66,6 @@ def forward_cpu(
     return x, residual
 """
 
-RMS_NORM_CLASS = m.ClassDef(name=m.Name(CLASS))
 NAMED = m.FunctionDef(name=m.Name(METHOD))
 ANCHOR = m.FunctionDef(name=m.Name(AFTER))
 
@@ -84,29 +83,14 @@ def _imported_names(module: cst.Module) -> set[str]:
     }
 
 
-class _RMSNormCodemod(TreeCodemod):
-    """Finds ``RMSNorm`` among the module's statements (no walk of the tree)."""
-
-    def rms_norm(self, tree: cst.Module) -> tuple[int, cst.ClassDef]:
-        for i, stmt in enumerate(tree.body):
-            if m.matches(stmt, RMS_NORM_CLASS):
-                return i, stmt
-        names = [s.name.value for s in tree.body if isinstance(s, cst.ClassDef)]
-        raise self.shape_error(f"class {CLASS}", f"classes: {names or 'none'}")
-
-    def replace_body(self, tree, at, cls, body) -> cst.Module:
-        new = cls.with_changes(body=cls.body.with_changes(body=body))
-        return tree.with_changes(body=[*tree.body[:at], new, *tree.body[at + 1 :]])
-
-
-class AddRmsNormForwardCpu(_RMSNormCodemod):
+class AddRmsNormForwardCpu(TreeCodemod):
     DESCRIPTION = (
         f"Add {CLASS}.{METHOD}: vLLM's CPU rms_norm and fused_add_rms_norm "
         "kernels for the inputs they handle, forward_native for the rest."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.rms_norm(tree)
+        at, cls = self.top_level_class(tree, CLASS)
         body = list(cls.body.body)
         if any(m.matches(s, NAMED) for s in body):
             return tree  # already there, ours or upstream's
@@ -132,16 +116,16 @@ class AddRmsNormForwardCpu(_RMSNormCodemod):
             "kernels round); `forward_native` for the rest, a weightless norm, "
             f"a variance size override and batch invariance (`{spelling}`)"
         )
-        return self.replace_body(tree, at, cls, body)
+        return self.with_body(tree, at, cls, body)
 
 
-class RemoveRmsNormForwardCpu(_RMSNormCodemod):
+class RemoveRmsNormForwardCpu(TreeCodemod):
     DESCRIPTION = f"Undo AddRmsNormForwardCpu: drop {CLASS}.{METHOD}."
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.rms_norm(tree)
+        at, cls = self.top_level_class(tree, CLASS)
         body = [s for s in cls.body.body if not m.matches(s, NAMED)]
         if len(body) == len(cls.body.body):
             return tree
         self.record(f"`{CLASS}.{METHOD}` is removed")
-        return self.replace_body(tree, at, cls, body)
+        return self.with_body(tree, at, cls, body)
