@@ -17,7 +17,7 @@ import pytest
 from packaging.version import Version
 
 from patcher.errors import PatchError
-from vllm_patch.runtime import machine
+from vllm_patch.runtime import bench_result, machine
 from vllm_patch.runtime.cache import fetch_sdist
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
@@ -157,7 +157,7 @@ def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
             "tokens": {
                 "prompts": 8,
                 "tokens": 64,
-                "first_divergence": {"prompt": 3, "token": 41},
+                "first_divergence": {"mode": "eager", "prompt": 3, "position": 41},
                 "max_abs_dlogprob": 0.0123,
             },
             "lm_eval": {
@@ -177,7 +177,7 @@ def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
 
 def write_evidence(folder: Path, data: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / pr_body.EVIDENCE).write_text(json.dumps(data))
+    (folder / bench_result.EVIDENCE).write_text(json.dumps(data))
     return folder
 
 
@@ -269,19 +269,20 @@ def test_the_description_is_short_and_speaks_of_vllm_alone(
 def test_every_figure_is_the_evidences(tmp_path):
     ev = evidence()
     text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
-    serving = ev["serving"]["configs"]
-    for config, sides in serving.items():
-        for metric, base in sides["base"].items():
-            new = sides["patched"][metric]
-            ratio = sorted(new)[1] / sorted(base)[1]
-            row = f"| {config} | {metric} | 3 | {sorted(base)[1]:,.2f} ("
-            assert row in text and f"| {ratio:.2f}x (" in text, (config, metric)
+    # The serving tables are evidence.md's: one ratio, per repetition.
+    for mode in ev["serving"]["configs"]:
+        assert bench_result.serving_table(ev, mode) in text, mode
+    assert "| output tok/s | 27 [26.8–27.5] | 35.4 [35–36.1] | 1.310x" in text
     for command in ev["serving"]["commands"]:
         assert command in text
-    assert "1.31x" in section(text, "Claims") and "0.97x" in section(text, "Claims")
-    assert "first differ at prompt 3, token 41" in text
+    claims = section(text, "Claims")
+    assert "1.310x [1.310x–1.310x] eager, 0.970x" in claims
+    assert "first different token: prompt 4, position 42 (eager)" in claims
     assert "|Δ logprob| 0.0123" in text and "random weights" in text
-    assert "gsm8k exact_match: 0.412 ± 0.0136 base, 0.409 ± 0.0135 this change" in text
+    assert (
+        "gsm8k exact_match: 0.412 ± 0.0136 base, 0.409 ± 0.0135 with this change"
+        in text
+    )
     assert "| _C_AVX2 | rms_norm 0.0135, fused_add_rms_norm 0.0186 |" in text
     # Measured parts are not also given as commands to measure them.
     assert "lm_eval --model" not in text and "vllm bench serve --model Qwen" not in text
@@ -342,7 +343,7 @@ def test_evidence_of_another_shape_is_refused_with_one_message(tmp_path, spoil, 
 def test_evidence_through_a_link_is_refused(tmp_path):
     real = write_evidence(tmp_path / "real", evidence())
     (tmp_path / "ev").mkdir()
-    (tmp_path / "ev" / pr_body.EVIDENCE).symlink_to(real / pr_body.EVIDENCE)
+    (tmp_path / "ev" / bench_result.EVIDENCE).symlink_to(real / bench_result.EVIDENCE)
     assert pr_body.load_evidence(real, PATCH)["schema"] == 1
     with pytest.raises(PatchError, match="link"):
         pr_body.load_evidence(tmp_path / "ev", PATCH)

@@ -186,18 +186,47 @@ def test_measure_runs_the_tests_with_and_without_the_change(same_code: Path):
     )
 
 
-def test_a_file_the_run_depends_on_that_differs_runs_nothing(base: Path):
-    assert unavailable(base, [FILE], PATCH, DEPENDS) is None
+MARKER = "tests/test_checkout_copy.py"
+
+
+def test_the_checkouts_own_copy_of_a_file_the_change_edits_runs(base: Path):
+    """A checkout of another release: its own cpu.py, with the change in the
+    patched copy and without it in the unpatched one."""
     cpu = base / "vllm/platforms/cpu.py"
-    cpu.write_text(cpu.read_text() + "# 0.33.0's copy\n")
-
-    why = unavailable(base, [FILE], PATCH, DEPENDS)
+    cpu.write_text(cpu.read_text() + "CHECKOUT_COPY = True  # 0.33.0's copy\n")
+    (base / MARKER).write_text(
+        "import vllm.platforms.cpu as cpu\n\n\n"
+        "def test_the_checkouts_copy_ran():\n"
+        "    assert cpu.CHECKOUT_COPY\n"
+    )
+    assert unavailable(base, [FILE], PATCH, DEPENDS) is None
     engine.apply(open_tree(base), PATCH)
-    runs = measure(base, [FILE], PATCH, DEPENDS)
 
-    assert why and why.endswith("differ in vllm/platforms/cpu.py")
+    runs = measure(base, [FILE, MARKER], PATCH, DEPENDS, keyword="registration or copy")
+
+    assert runs.copied == ("vllm/platforms/cpu.py",)
+    assert runs.same == ("vllm/kernels/vllm_c.py",)
+    assert runs.after.counts["passed"] == 3 and not runs.after.failures
+    assert runs.before.counts["passed"] == 1  # the copy, without the change
+    assert sorted(f.rsplit("::", 1)[1] for f in runs.before.failures) == sorted(
+        [RMS_NORM.registration, FUSED_ADD_RMS_NORM.registration]
+    )
+
+
+def test_a_differing_file_the_change_does_not_edit_runs_nothing(base: Path):
+    other = "vllm/platforms/interface.py"
+    depends = [*DEPENDS, other]
+    shutil.copy(open_tree(None).path(other), base / other)
+    assert unavailable(base, [FILE], PATCH, depends) is None
+    (base / other).write_text((base / other).read_text() + "# 0.33.0's copy\n")
+
+    why = unavailable(base, [FILE], PATCH, depends)
+    engine.apply(open_tree(base), PATCH)
+    runs = measure(base, [FILE], PATCH, depends)
+
+    assert why and why.endswith(f"differ in {other}")
     assert not runs.after.ran and runs.before is None
-    assert runs.after.reason.endswith("differ in vllm/platforms/cpu.py")
+    assert runs.after.reason == why
     assert runs.after.command == f"pytest {FILE}"
 
 

@@ -40,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", metavar="DIR", type=Path, required=True, help="evidence folder")
     add("--model", metavar="PATH", type=Path, help="a local model folder")
+    add(
+        "--patch",
+        metavar="NAME",
+        help="the change to measure (default: the one `apply` picks for this vLLM)",
+    )
     add = parser.add_argument_group("--serve").add_argument
     add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled")
     add("--repeats", type=int, default=3, metavar="N", help="server starts (3)")
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from vllm_patch.runtime.patched_copy import patched_copy
 
     tree = open_tree(None)
-    patch = choose_patch(tree)
+    patch = choose_patch(tree, args.patch)
     run = Run(args.out, progress)
     version = software()["vllm"]
     run.doc["vllm"] = {"base": version, "patched": version, "patch": patch.name}

@@ -36,14 +36,14 @@ RANDOM_NOTE = (
 )
 
 
-def choose_patch(tree) -> Any:
-    """The patch a plain ``vllm-patch apply`` picks for the installed vLLM
-    (``patcher.engine.choose``), which must apply to it: the installed vLLM
-    is the base."""
+def choose_patch(tree, name: str | None = None) -> Any:
+    """The patch ``name``, else the one a plain ``vllm-patch apply`` picks for
+    the installed vLLM (``patcher.engine.choose``); it must apply to it: the
+    installed vLLM is the base."""
     from patcher import engine
     from patcher.status import PlanStatus
 
-    chosen = engine.choose(tree, None)
+    chosen = engine.choose(tree, [name] if name else None)
     found = [(p, engine.plan(tree, p).status) for p in chosen]
     for patch, status in found:
         if status is PlanStatus.APPLICABLE:

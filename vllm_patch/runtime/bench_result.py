@@ -67,6 +67,12 @@ def ratios(doc: dict[str, Any], mode: str, metric: str) -> list[float]:
     return [p / b for b, p in zip(base, patched, strict=False) if b]
 
 
+def ratio_shown(doc: dict[str, Any], mode: str, metric: str) -> str:
+    """patched / base of ``metric`` in ``mode``: ``median [min–max]`` of the
+    repetitions' ratios, the one definition every report shows."""
+    return shown(ratios(doc, mode, metric), ratio=True)
+
+
 def label(metric: str) -> str:
     """``median_tpot_ms`` as ``TPOT median (ms)``."""
     if metric in LABELS:
@@ -95,7 +101,7 @@ def serving_table(doc: dict[str, Any], mode: str) -> str:
         [
             label(m),
             *(shown(sides.get(s, {}).get(m, [])) for s in SIDES),
-            shown(ratios(doc, mode, m), ratio=True),
+            ratio_shown(doc, mode, m),
         ]
         for m in METRICS
     ]
@@ -134,18 +140,24 @@ def reps(doc: dict[str, Any], mode: str) -> int:
     return min((len(sides.get(s, {}).get(METRICS[0], [])) for s in SIDES), default=0)
 
 
+def first_difference(first: dict[str, Any] | None) -> str:
+    """Where the greedy tokens first part (``accuracy.compare``'s
+    ``first_divergence``, counted from 0) in words, counted from 1."""
+    if first is None:
+        return "the same tokens for every prompt"
+    mode = f" ({first['mode']})" if first.get("mode") else ""
+    return (
+        f"first different token: prompt {first['prompt'] + 1}, "
+        f"position {first['position'] + 1}{mode}"
+    )
+
+
 def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
     acc = doc.get("accuracy") or {}
     tokens = acc.get("tokens") or {}
     out = []
     for mode, found in (tokens.get("configs") or {}).items():
-        first = found["first_divergence"]
-        where = (
-            "the same tokens for every prompt"
-            if first is None
-            else f"first different token: prompt {first['prompt'] + 1}, "
-            f"position {first['position'] + 1}"
-        )
+        where = first_difference(found["first_divergence"])
         out.append(
             f"- {mode}: {found['identical_prompts']} of {len(found['per_prompt'])} "
             f"prompts identical ({tokens['tokens']} greedy tokens each); {where}; "

@@ -44,7 +44,7 @@ WIDTH = 72
 SAFE = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--vllm", "CHECKOUT", "a clean vLLM git checkout (required)"),
-    ("--patch", "NAME", "the patch; default: the only one"),
+    ("--patch", "NAME", "the patch; default: the form this release gets (`list`)"),
     ("--branch", "NAME", "branch to create or reuse; default: the patch's"),
     ("--base", "REF", "where to start (e.g. upstream/main); default: this branch"),
     ("--format-patch", "DIR", "also write the commit as an mbox (git am) into DIR"),
@@ -447,12 +447,6 @@ def _tests(pr: Run, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
             f"upstream tests: {said}; the PR description gives the reviewer's command"
         )
         return vllm_tests.TestRuns(vllm_tests.TestRun(command, ran=False, reason=said))
-    print(
-        f"upstream tests: running {', '.join(edited)} of the checkout: this runs the "
-        "checkout's own code (the test files and what they import); --no-tests skips "
-        "them",
-        flush=True,
-    )
     runs = vllm_tests.measure(pr.root, edited, pr.patch, depends, keyword)
     after, before = runs.after, runs.before
     fails = f"; without the change: {before.summary()}" if before and before.ran else ""

@@ -8,32 +8,25 @@ paragraph it quotes (``[upstream] quote``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 
 from packaging.version import Version
 
 from patcher.errors import PatchError
 from patcher.files import inside, read_text_at
 from patcher.patchset import Patch
+from vllm_patch.runtime import bench_result
+from vllm_patch.runtime.bench_result import MODES, SIDES
 from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, fill, read_template
 from vllm_patch.upstream.vllm_tests import KEYS, TestRuns, described_machine
 
-EVIDENCE = "evidence.json"
-SIDES = {"base": "base", "patched": "this change"}
-METRICS = ("request_throughput", "output_throughput") + tuple(
-    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")
-)
-"""``vllm bench serve --save-result``'s names, in the order shown."""
-SERVING = ("config", "metric", "runs", "base: median (min-max)", "this change", "ratio")
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 LM_EVAL_KEYS = ("exact_match", "stderr")
 TABLES = ("machine", "model", "serving", "accuracy", "numerics")
@@ -53,16 +46,14 @@ def load_evidence(folder: Path | None, patch: Patch) -> dict | None:
     (TEAM contract 2: schema 1, serving figures lists of numbers), or None."""
     if folder is None:
         return None
-    path = Path(os.path.realpath(folder)) / EVIDENCE  # the file itself no link
-    wanted = f"what `bench --serve` measured for {patch.name}"
-    try:
-        data = json.loads(read_text_at(path, wanted))
-    except ValueError as exc:
-        data = f"not JSON ({exc})"
-    found = data if isinstance(data, str) else _misfit(data, patch)
+    data = bench_result.read(folder)
+    found = _misfit(data, patch)
     if found:
         raise PatchError(
-            "not usable evidence", path=str(path), looked_for=wanted, found=found
+            "not usable evidence",
+            path=str(Path(os.path.realpath(folder)) / bench_result.EVIDENCE),
+            looked_for=f"what `bench --serve` measured for {patch.name}",
+            found=found,
         )
     return data
 
@@ -150,16 +141,21 @@ def _claims(upstream: Upstream, facts: Facts, ev: dict):
     yield _tests_claim(facts.tests, _command(upstream, facts))
     configs = _at(ev, "serving", "configs") or {}
     ratios = ", ".join(
-        f"{_ratio(v, 'output_throughput')} {k}" for k, v in configs.items()
+        f"{bench_result.ratio_shown(ev, m, 'output_throughput')} {m}"
+        for m in MODES
+        if m in configs
     )
     if ratios:
-        yield f"- Output throughput against the base, serving {_model(ev)}: {ratios}."
+        yield (
+            f"- Output throughput with this change over the base, serving "
+            f"{_model(ev)} (median [min–max] over the repetitions): {ratios}."
+        )
     else:
         yield "- Serving speed against the base: to measure, `vllm bench serve`."
     tokens, lm = _at(ev, "accuracy", "tokens"), _at(ev, "accuracy", "lm_eval")
     if tokens:
-        where, count = tokens.get("first_divergence"), _plain(tokens.get("tokens"))
-        same = f"first differ at {_plain(where)}" if where else "identical tokens"
+        count = _plain(tokens.get("tokens"))
+        same = bench_result.first_difference(tokens.get("first_divergence"))
         note = NOT_QUALITY if _at(ev, "model", "random_weights") else ""
         yield (
             f"- Greedy completions of {_plain(tokens.get('prompts'))} prompts, "
@@ -169,7 +165,7 @@ def _claims(upstream: Upstream, facts: Facts, ev: dict):
     if lm:
         scores = [
             f"{_plain(lm[s]['exact_match'])} ± {_plain(lm[s]['stderr'])} {said}"
-            for s, said in SIDES.items()
+            for s, said in zip(SIDES, ("base", "with this change"), strict=True)
         ]
         yield f"- {lm.get('task')} exact_match: {', '.join(scores)}."
     else:
@@ -217,19 +213,6 @@ def _plain(value: object) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def _spread(values: list[float]) -> str:
-    return f"{median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
-
-
-def _ratio(sides: dict, metric: str) -> str:
-    """patched/base of the medians, and the range the repetitions allow."""
-    base, new = sides["base"][metric], sides["patched"][metric]
-    if not min(base):
-        return "-"
-    spread = f"{min(new) / max(base):.2f}-{max(new) / min(base):.2f}"
-    return f"{median(new) / median(base):.2f}x ({spread})"
-
-
 def _plan(upstream: Upstream, facts: Facts, ev: dict):
     model, command = upstream.model, _command(upstream, facts)
     build = f"vLLM {facts.version}" if facts.version else "vLLM"
@@ -265,11 +248,15 @@ def _results(facts: Facts, ev: dict):
 
 
 def _test_table(runs: TestRuns):
-    after = runs.after
-    same = _and([f"`{f}`" for f in runs.same])
+    after, files = runs.after, []
+    if runs.same:
+        files.append(f"whose {_and([f'`{f}`' for f in runs.same])} match this branch")
+    if runs.copied:
+        copied = _and([f"`{f}`" for f in runs.copied])
+        files.append(f"with this branch's {copied} in place of its own")
     yield (
         f"`{after.command}` on a CPU build of vLLM {after.vllm} (torch {after.torch}) "
-        f"whose {same} are byte for byte this branch's base, in {after.seconds:.0f} s:"
+        f"{' and '.join(files)}, in {after.seconds:.0f} s:"
     )
     done = [("with this change", after)]
     done += [("without it", runs.before)] if runs.before and runs.before.ran else []
@@ -281,19 +268,17 @@ def _test_table(runs: TestRuns):
 
 
 def _serving(ev: dict) -> str:
-    rows = [
-        (config, metric, len(sides["base"][metric]))
-        + tuple(_spread(sides[s][metric]) for s in SIDES)
-        + (_ratio(sides, metric),)
-        for config, sides in ev["serving"]["configs"].items()
-        for metric in METRICS
-        if metric in sides["base"] and metric in sides["patched"]
+    tables = [
+        f"{mode}, median [min–max] of {bench_result.reps(ev, mode)} server starts:"
+        f"\n\n{bench_result.serving_table(ev, mode)}"
+        for mode in MODES
+        if mode in ev["serving"]["configs"]
     ]
     commands = "\n".join(ev["serving"].get("commands") or ())
     summary = (
         f"Serving {_model(ev)}: vLLM {_at(ev, 'vllm', 'base')}, and with the change"
     )
-    return details(summary, f"{table(SERVING, rows)}\n\n```bash\n{commands}\n```")
+    return details(summary, "\n\n".join([*tables, f"```bash\n{commands}\n```"]))
 
 
 def _details(upstream: Upstream, facts: Facts):

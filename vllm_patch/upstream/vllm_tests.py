@@ -1,6 +1,7 @@
 """Run vLLM's own tests, from a checkout, against the vLLM installed here,
 with the change and without it, when the files the run depends on are the
-checkout's bytes there.
+checkout's bytes there, or are files the change edits: those are the
+checkout's own, before and after the change, copied over the installed ones.
 
 vLLM's tests import ``vllm`` (built: the checkout has no compiled kernels) and
 the checkout's ``tests``: pytest runs in a child (``runtime.child``) with a
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from patcher.errors import PatchError
+from patcher.files import replace_at
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, linked_copy, open_tree
 from patcher.version import read_version
@@ -66,6 +68,7 @@ class TestRuns:
     after: TestRun
     before: TestRun | None = None
     same: tuple[str, ...] = ()  # the files the run depends on, checked
+    copied: tuple[str, ...] = ()  # of those, the checkout's, copied in
 
 
 def reviewer_command(files: list[str], keyword: str | None = None) -> str:
@@ -175,11 +178,38 @@ def compared(
     return same, [n for n in names if n not in same]
 
 
+def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
+    """The checkout's bytes of the files ``names`` (edited by ``patch``)
+    without the change and with it, whichever of the two the checkout holds."""
+    from patcher import engine
+
+    tree = VllmTree(checkout)
+    reverted, applied = (
+        engine.plan(tree, patch, direction).file_changes()
+        for direction in ("revert", "apply")
+    )
+    now = {n: tree.read_bytes(n) for n in names}
+    return {
+        n: tuple(
+            changes[n][1].encode() if n in changes else now[n]
+            for changes in (reverted, applied)
+        )
+        for n in names
+    }
+
+
+def _foreign(patch: Patch, differing: list[str]) -> list[str]:
+    """The differing files the checkout's own copy cannot stand in for: those
+    the change does not edit."""
+    return [f for f in differing if f not in {e.file for e in patch.edits}]
+
+
 def unavailable(
     checkout: Path, files: list[str], patch: Patch, depends: list[str]
 ) -> str | None:
     """Why the edited tests cannot run here, or None: the installed vLLM is the
-    checkout's code in every file of ``depends`` (said once, by the caller)."""
+    checkout's code in every file of ``depends`` the change does not edit
+    (said once, by the caller)."""
     if not any((checkout / f).is_file() for f in files):
         return "not in this checkout"
     try:
@@ -188,7 +218,7 @@ def unavailable(
         return f"no vLLM installed for {sys.executable}"
     if importlib.util.find_spec("torch") is None:
         return "no torch in this environment"
-    if differ := ", ".join(compared(checkout, patch, depends)[1]):
+    if differ := ", ".join(_foreign(patch, compared(checkout, patch, depends)[1])):
         return (
             f"the checkout and the vLLM {read_version(installed)} installed for "
             f"{sys.executable} differ in {differ}"
@@ -204,22 +234,34 @@ def measure(
     keyword: str | None = None,
 ) -> TestRuns:
     """The edited tests of a checkout on a patched, hard-linked copy of the
-    installed vLLM and on an unpatched one, when the installed vLLM is the
-    checkout's code in ``depends``; else why they cannot run here."""
+    installed vLLM and on an unpatched one, with the checkout's own files where
+    they differ from the installed vLLM's and the change edits them (before
+    the change in the unpatched copy, after it in the patched one); else why
+    they cannot run here."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = reviewer_command(present, keyword)
     why = unavailable(checkout, files, patch, depends)
     if why:
         return TestRuns(TestRun(command, False, why))
-    installed, same = open_tree(None), tuple(compared(checkout, patch, depends)[0])
+    installed = open_tree(None)
+    same, differing = compared(checkout, patch, depends)
+    own = own_sides(checkout, patch, differing)
+    matching = f"; {', '.join(same)} match the checkout" if same else ""
+    copied = f"; its {', '.join(own)} in place of the installed one" if own else ""
     print(
-        f"vllm-patch: running {command} on CPU against vLLM {read_version(installed)}"
-        f" ({', '.join(same)}: the checkout's code), with and without the change...",
-        file=sys.stderr,
+        f"upstream tests: running {command} of the checkout on CPU against vLLM "
+        f"{read_version(installed)}, with and without the change{matching}{copied}. "
+        "This runs the checkout's own code (the test files and what they import); "
+        "--no-tests skips them",
         flush=True,
     )
     with patched_copy(installed, patch) as site:
+        for rel, (_, after) in own.items():
+            replace_at(site / rel, after)
         after = run_pytest(checkout, present, site, keyword)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp:
         base = linked_copy(installed, Path(tmp)).location
-        return TestRuns(after, run_pytest(checkout, present, base, keyword), same)
+        for rel, (before, _) in own.items():
+            replace_at(base / rel, before)
+        before = run_pytest(checkout, present, base, keyword)
+    return TestRuns(after, before, tuple(same), tuple(own))
