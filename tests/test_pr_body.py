@@ -404,3 +404,33 @@ def test_the_commit_message_is_prose_within_72_columns():
     )
     assert not [line for line in lines if line.startswith("- ")]  # no list
     assert lines[-1] == "Signed-off-by: Ada <ada@example.com>"
+
+
+@pytest.mark.parametrize(
+    "same, copied, said",
+    [
+        (
+            ("vllm/kernels/vllm_c.py", "vllm/platforms/cpu.py"),
+            (),
+            "whose `vllm/kernels/vllm_c.py` and `vllm/platforms/cpu.py` match this "
+            "branch, in 335 s:",
+        ),
+        (
+            ("vllm/kernels/vllm_c.py",),
+            ("vllm/platforms/cpu.py",),
+            "whose `vllm/kernels/vllm_c.py` matches this branch and with this "
+            "branch's `vllm/platforms/cpu.py` (without and with the change) in place "
+            "of the build's own, in 335 s:",
+        ),
+        (
+            (),
+            ("vllm/model_executor/layers/layernorm.py",),
+            "(torch 2.13.0+cpu) with this branch's "
+            "`vllm/model_executor/layers/layernorm.py` (without and with the change) "
+            "in place of the build's own, in 335 s:",
+        ),
+    ],
+)
+def test_the_tests_say_which_files_are_this_branchs(tmp_path, same, copied, said):
+    runs = TestRuns(AFTER, BEFORE, same, copied)
+    assert said in render(checkout(tmp_path, "v0.32.0"), runs, None)

@@ -250,10 +250,14 @@ def _results(facts: Facts, ev: dict):
 def _test_table(runs: TestRuns):
     after, files = runs.after, []
     if runs.same:
-        files.append(f"whose {_and([f'`{f}`' for f in runs.same])} match this branch")
+        verb = "matches" if len(runs.same) == 1 else "match"
+        files.append(f"whose {_and([f'`{f}`' for f in runs.same])} {verb} this branch")
     if runs.copied:
         copied = _and([f"`{f}`" for f in runs.copied])
-        files.append(f"with this branch's {copied} in place of its own")
+        files.append(
+            f"with this branch's {copied} (without and with the change) in place of "
+            "the build's own"
+        )
     yield (
         f"`{after.command}` on a CPU build of vLLM {after.vllm} (torch {after.torch}) "
         f"{' and '.join(files)}, in {after.seconds:.0f} s:"

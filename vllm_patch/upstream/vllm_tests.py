@@ -246,11 +246,11 @@ def measure(
     installed = open_tree(None)
     same, differing = compared(checkout, patch, depends)
     own = own_sides(checkout, patch, differing)
-    matching = f"; {', '.join(same)} match the checkout" if same else ""
-    copied = f"; its {', '.join(own)} in place of the installed one" if own else ""
+    files = [f"{', '.join(same)} the same in both"] if same else []
+    files += [f"the checkout's {', '.join(own)} put in"] if own else []
     print(
         f"upstream tests: running {command} of the checkout on CPU against vLLM "
-        f"{read_version(installed)}, with and without the change{matching}{copied}. "
+        f"{read_version(installed)}, with and without the change ({'; '.join(files)}). "
         "This runs the checkout's own code (the test files and what they import); "
         "--no-tests skips them",
         flush=True,
