@@ -246,11 +246,11 @@ def measure(
     installed = open_tree(None)
     same, differing = compared(checkout, patch, depends)
     own = own_sides(checkout, patch, differing)
-    files = [f"{', '.join(same)} the same in both"] if same else []
-    files += [f"the checkout's {', '.join(own)} put in"] if own else []
+    said = [f"{', '.join(same)} the same in both"] if same else []
+    said += [f"the checkout's {', '.join(own)} put in"] if own else []
     print(
         f"upstream tests: running {command} of the checkout on CPU against vLLM "
-        f"{read_version(installed)}, with and without the change ({'; '.join(files)}). "
+        f"{read_version(installed)}, with and without the change ({'; '.join(said)}). "
         "This runs the checkout's own code (the test files and what they import); "
         "--no-tests skips them",
         flush=True,
