@@ -143,7 +143,8 @@ def run(fork: Fork, capsys, *extra: str, print_body: bool = True) -> tuple[int, 
     took = time.monotonic() - start
     out, err = capsys.readouterr()
     assert snapshot(fork.victim) == before  # not a byte changed outside
-    assert took < 10, took
+    # A hang guard, not a speed goal: unbounded, the alias bomb runs for hours.
+    assert took < 60, took
     text = out + err
     assert "Traceback" not in text and SECRET not in text
     assert os.path.lexists(fork.root / ".ruff_cache") == cache  # ruff wrote none
