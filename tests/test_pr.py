@@ -347,7 +347,9 @@ def test_evidence_of_another_change_is_refused_before_anything(
     before = state(checkout)
     assert run_pr(checkout, evidence=folder) == 3
     assert state(checkout) == before
-    assert "figures of another change (rms_norm_forward_cpu)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "figures of another change (rms_norm_forward_cpu)" in err
+    assert "bench --serve --patch cpu_fused_norms --out DIR" in err
     assert not description(checkout).exists()
 
 

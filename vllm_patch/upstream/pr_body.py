@@ -68,7 +68,10 @@ def _misfit(data: object, patch: Patch) -> str | None:
     if _at(data, "schema") != 1:
         return "no `schema: 1`"
     if _at(data, "vllm", "patch") != patch.name:
-        return f"figures of another change ({_at(data, 'vllm', 'patch')})"
+        return (
+            f"figures of another change ({_at(data, 'vllm', 'patch')}); measure this "
+            f"one with `vllm-patch bench --serve --patch {patch.name} --out DIR`"
+        )
     for key in TABLES:
         if not isinstance(_at(data, key) or {}, dict):
             return f"{key}: not a table"
