@@ -4,9 +4,10 @@ For each mode (eager, vLLM's default compiled) and repetition, a fresh server
 of the base vLLM and then one of the patched vLLM (the installed one, and a
 patched copy of it first on the server's ``PYTHONPATH``) each serve one run of
 ``vllm bench serve``: the random dataset with fixed input and output lengths,
-``--ignore-eos``, the same seed and so the same requests. Interleaving the two
-spreads the machine's load drift over both. The first repetition's servers
-also answer the accuracy prompts (``vllm_patch.bench.accuracy``).
+``--ignore-eos``, the same seed and so the same requests. Interleaving the two,
+in turn first, spreads the machine's load drift over both. The first
+repetition's servers also answer the accuracy prompts
+(``vllm_patch.bench.accuracy``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,9 @@ def measure(
     for mode in modes:
         for rep in range(1, repeats + 1):
             answers: dict[str, list] = {}
-            for side in sides:
+            # Base first on odd repetitions, patched first on even ones: what
+            # a server start leaves to the next one falls on both.
+            for side in sides if rep % 2 else sides[::-1]:
                 label = f"[{mode} {rep}/{repeats}] {side.name}"
                 with server.running(
                     model,
@@ -166,6 +169,8 @@ def measure(
                 logged[side.name] = kernel_lines(srv.log)
                 if len(answers) == len(SIDES):
                     tokens = found["tokens"]
-                    tokens["configs"][mode] = accuracy.compare(*answers.values())
+                    tokens["configs"][mode] = accuracy.compare(
+                        *(answers[s] for s in SIDES)
+                    )
                     tokens.update(accuracy.summary(tokens["configs"]))
                 save()
