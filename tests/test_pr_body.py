@@ -1,6 +1,6 @@
 """What `vllm-patch pr` writes for vLLM's reviewers, rendered without git or
 vLLM: the description in each real template, with the figures of a hand-made
-evidence folder (the shape `bench --serve` writes, TEAM contract 2) and no
+evidence folder (the shape `bench --serve` writes, `runtime.bench_result`) and no
 others, within vLLM's pr-checklist (a 1-2 line Overview, supporting tables
 collapsed, under 6 KB outside them), free of this tool and this machine; the
 commit message in prose within 72 columns."""
@@ -111,7 +111,7 @@ def series(*values: float) -> list[float]:
 
 
 def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
-    """evidence.json as `bench --serve` writes it (contract 2), by hand."""
+    """evidence.json as `bench --serve` writes it, by hand."""
     metrics = {
         "request_throughput": (0.211, 0.215, 0.209),
         "output_throughput": (27.01, 27.52, 26.75),

@@ -43,7 +43,7 @@ LM_EVAL = (
 
 def load_evidence(folder: Path | None, patch: Patch) -> dict | None:
     """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``
-    (TEAM contract 2: schema 1, serving figures lists of numbers), or None."""
+    (``runtime.bench_result``: schema 1, serving figures lists of numbers), or None."""
     if folder is None:
         return None
     data = bench_result.read(folder)
