@@ -168,6 +168,29 @@ def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
             if lm_eval
             else None,
         },
+        "perop": {
+            "hidden_size": 2048,
+            "dtype": "bfloat16",
+            "threads": 1,
+            "rows": [
+                {
+                    "env": "base",
+                    "op": "rms_norm",
+                    "tokens": 1,
+                    "route": "native",
+                    "median_us": 30.0,
+                    "native_us": 30.0,
+                },
+                {
+                    "env": "patched",
+                    "op": "rms_norm",
+                    "tokens": 1,
+                    "route": "layer:RMSNorm",
+                    "median_us": 6.0,
+                    "native_us": 30.0,
+                },
+            ],
+        },  # fmt: skip
         "numerics": {
             "_C": {"rms_norm": 0.0077, "fused_add_rms_norm": 0.0124},
             "_C_AVX2": {"rms_norm": 0.0135, "fused_add_rms_norm": 0.0186},
@@ -284,6 +307,7 @@ def test_every_figure_is_the_evidences(tmp_path):
         in text
     )
     assert "| _C_AVX2 | rms_norm 0.0135, fused_add_rms_norm 0.0186 |" in text
+    assert "| `rms_norm` | 1 | 30.0 | 6.0 (5.00x) |" in text
     # Measured parts are not also given as commands to measure them.
     assert "lm_eval --model" not in text and "vllm bench serve --model Qwen" not in text
 

@@ -68,6 +68,8 @@ def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
     return str(folder), {
         "path": None,
         "random_weights": True,
+        "name": f"a random-weight Llama ({c['num_layers']} layers, hidden "
+        f"{c['hidden_size']})",
         "description": (
             f"a random-weight Llama made locally ({c['num_layers']} layers, hidden "
             f"{c['hidden_size']}, vocabulary {c['vocab_size']}, bf16) with a "
@@ -93,6 +95,7 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
     return str(Path(path).resolve()), {
         "path": str(path),
         "random_weights": False,
+        "name": f"`{Path(path).name}` ({arch})",
         "description": f"`{Path(path).name}` ({arch}), a local folder; nothing "
         "downloaded",
         "context": found.get("max_position_embeddings"),

@@ -4,7 +4,7 @@ for a pull request description, which quotes a folder without running the bench.
 
 ``DIR/evidence.json`` holds ``schema``, ``machine`` (``runtime.machine.facts``),
 ``vllm`` (``base``, ``patched``, ``patch``), ``model`` (``path``,
-``random_weights``, ``description``), ``serving`` (``commands``, and per mode
+``random_weights``, ``name``, ``description``), ``serving`` (``commands``, and per mode
 and side every metric's value per repetition: ``configs``), ``accuracy``
 (``tokens``, ``lm_eval``), ``numerics`` and ``perop`` (or None: not measured).
 """
@@ -206,7 +206,7 @@ def perop_markdown(perop: dict[str, Any]) -> str:
     cells: dict[tuple, dict] = {}
     for r in perop["rows"]:
         text = (
-            "wrong (not timed)"
+            "outside the tolerance"
             if r.get("wrong")
             else (
                 f"{r['median_us']:.1f}"

@@ -204,7 +204,8 @@ def _test_name(test_id: str) -> str:  # [Class::]test, unparametrised
 
 
 def _model(ev: dict) -> object:
-    return _at(ev, "model", "description") or "the model"
+    """The model in a few words (its ``description`` is for evidence.md)."""
+    return _at(ev, "model", "name") or _at(ev, "model", "description") or "the model"
 
 
 def _plain(value: object) -> str:
@@ -248,6 +249,13 @@ def _results(facts: Facts, ev: dict):
         rows = [(build, _plain(ops)) for build, ops in ev["numerics"].items()]
         numerics = table(["kernel build", "smallest rtol against native, per op"], rows)
         yield details("Numerics per x86 kernel build", numerics)
+    if ev.get("perop"):
+        p = ev["perop"]
+        yield details(
+            f"Microseconds per call (median; native's time over it), {p['dtype']}, "
+            f"hidden {p['hidden_size']}, {p['threads']} thread",
+            bench_result.perop_markdown(p),
+        )
 
 
 def _test_table(runs: TestRuns):
