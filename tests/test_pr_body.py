@@ -110,6 +110,12 @@ def series(*values: float) -> list[float]:
     return list(values)
 
 
+def perop_row(env: str, route: str, us: float) -> dict:
+    return dict(
+        env=env, op="rms_norm", tokens=1, route=route, median_us=us, native_us=30.0
+    )
+
+
 def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
     """evidence.json as `bench --serve` writes it, by hand."""
     metrics = {
@@ -173,24 +179,11 @@ def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
             "dtype": "bfloat16",
             "threads": 1,
             "rows": [
-                {
-                    "env": "base",
-                    "op": "rms_norm",
-                    "tokens": 1,
-                    "route": "native",
-                    "median_us": 30.0,
-                    "native_us": 30.0,
-                },
-                {
-                    "env": "patched",
-                    "op": "rms_norm",
-                    "tokens": 1,
-                    "route": "layer:RMSNorm",
-                    "median_us": 6.0,
-                    "native_us": 30.0,
-                },
+                perop_row("base", "native", 30.0),
+                perop_row("patched", "layer:RMSNorm", 6.0),
+                perop_row("base", "ir:vllm_c_cpu", 7.0),  # the provider's: left out
             ],
-        },  # fmt: skip
+        },
         "numerics": {
             "_C": {"rms_norm": 0.0077, "fused_add_rms_norm": 0.0124},
             "_C_AVX2": {"rms_norm": 0.0135, "fused_add_rms_norm": 0.0186},

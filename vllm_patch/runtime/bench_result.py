@@ -199,12 +199,13 @@ def numerics_markdown(numerics: dict[str, Any], tolerance: dict[str, Any]) -> st
     return table([*header, "within vLLM's tolerance"], rows)
 
 
-def perop_markdown(perop: dict[str, Any]) -> str:
+def perop_markdown(perop: dict[str, Any], leave_out: tuple[str, ...] = ()) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
-    and route, with native's time over it."""
-    columns = list(dict.fromkeys((r["env"], r["route"]) for r in perop["rows"]))
+    and route (but the routes ``leave_out``), with native's time over it."""
+    kept = [r for r in perop["rows"] if r["route"] not in leave_out]
+    columns = list(dict.fromkeys((r["env"], r["route"]) for r in kept))
     cells: dict[tuple, dict] = {}
-    for r in perop["rows"]:
+    for r in kept:
         text = (
             "outside the tolerance"
             if r.get("wrong")

@@ -18,7 +18,7 @@ from packaging.version import Version
 
 from patcher.errors import PatchError
 from patcher.files import inside, read_text_at
-from patcher.patchset import Patch
+from patcher.patchset import Patch, provider_specs
 from vllm_patch.runtime import bench_result
 from vllm_patch.runtime.bench_result import MODES, SIDES
 from vllm_patch.runtime.markdown import details, table
@@ -251,10 +251,12 @@ def _results(facts: Facts, ev: dict):
         yield details("Numerics per x86 kernel build", numerics)
     if ev.get("perop"):
         p = ev["perop"]
+        # The out-of-tree providers' IR routes are this tool's, not vLLM's.
+        ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
         yield details(
             f"Microseconds per call (median; native's time over it), {p['dtype']}, "
             f"hidden {p['hidden_size']}, {p['threads']} thread",
-            bench_result.perop_markdown(p),
+            bench_result.perop_markdown(p, leave_out=ours),
         )
 
 
