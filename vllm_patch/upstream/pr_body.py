@@ -151,10 +151,12 @@ def _claims(upstream: Upstream, facts: Facts, ev: dict):
     if ratios:
         yield (
             f"- Output throughput with this change over the base, serving "
-            f"{_model(ev)} (median [min–max] over the repetitions): {ratios}."
+            f"{_model(ev)}, median [min–max] of the repetitions: {ratios}."
         )
     else:
         yield "- Serving speed against the base: to measure, `vllm bench serve`."
+    if ev.get("perop"):
+        yield _perop_claim(ev["perop"])
     tokens, lm = _at(ev, "accuracy", "tokens"), _at(ev, "accuracy", "lm_eval")
     if tokens:
         count = _plain(tokens.get("tokens"))
@@ -176,6 +178,28 @@ def _claims(upstream: Upstream, facts: Facts, ev: dict):
     if facts.ci and facts.ci.added_tests:
         tests = ", ".join(f"`{t}`" for t in facts.ci.added_tests)
         yield f'- vLLM\'s CPU CI runs {tests} in its "{facts.ci.wiring.step}" step.'
+
+
+def _perop_claim(perop: dict) -> str:
+    """The base's time per call of vLLM's norm layer over this change's."""
+    layer: dict[str, dict[int, dict[str, float]]] = {}
+    for r in perop["rows"]:
+        if r["route"].startswith("layer:") and "median_us" in r:
+            layer.setdefault(r["op"], {}).setdefault(r["tokens"], {})[r["env"]] = r[
+                "median_us"
+            ]
+    said = [
+        f"{op} "
+        + " / ".join(f"{t['base'] / t['patched']:.1f}x" for t in by.values())
+        + f" at {' / '.join(map(str, by))} tokens"
+        for op, by in layer.items()
+        if all(set(t) >= set(SIDES) for t in by.values())
+    ]
+    return (
+        f"- Per call of vLLM's norm layer ({perop['dtype']}, hidden "
+        f"{perop['hidden_size']}, {perop['threads']} thread), the base's time over "
+        f"this change's: {'; '.join(said)}."
+    )
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
