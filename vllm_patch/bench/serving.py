@@ -134,8 +134,7 @@ def measure(
     for mode in modes:
         for rep in range(1, repeats + 1):
             answers: dict[str, list] = {}
-            # Base first on odd repetitions, patched first on even ones: what
-            # a server start leaves to the next one falls on both.
+            # Each side first in turn: what one start leaves the next falls on both.
             for side in sides if rep % 2 else sides[::-1]:
                 label = f"[{mode} {rep}/{repeats}] {side.name}"
                 with server.running(
