@@ -617,9 +617,10 @@ def test_the_commit_passes_the_releases_pinned_ruff_and_typos(released):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("released", ["0.27.0"], indirect=True)  # no tests to rerun
+@pytest.mark.parametrize("released", ["0.27.0"], indirect=True)  # the quickest
 def test_a_rerun_on_the_branch_says_the_same(released):
-    """The CI edit is read back from the commit's parent: same description."""
+    """The CI edit is read back from the commit's parent: the same description,
+    but for the seconds vLLM's tests took this time."""
     tip = released.repo.head.commit
 
     done = pr_process(released.repo)
@@ -627,4 +628,6 @@ def test_a_rerun_on_the_branch_says_the_same(released):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "already committed" in done.stdout
     assert released.repo.head.commit == tip
-    assert description(released.repo, released.upstream).read_text() == released.body
+    again = description(released.repo, released.upstream).read_text()
+    timed = re.compile(r" in \d+ s:")
+    assert timed.sub(" in N s:", again) == timed.sub(" in N s:", released.body)
