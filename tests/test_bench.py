@@ -219,6 +219,7 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     logged = doc["serving"]["server_log"]["eager"]
     assert "rms_norm=['native']" in logged["base"][0]
     assert "rms_norm=['vllm_c', 'native']" in logged["patched"][0]
+    assert "compilation_config 'custom_ops': ['all']" in logged["patched"]  # eager
     tokens = doc["accuracy"]["tokens"]
     found = tokens["configs"]["eager"]
     assert len(found["base"]) == tokens["prompts"] == len(found["patched"])

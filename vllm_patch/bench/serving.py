@@ -13,6 +13,7 @@ repetition's servers also answer the accuracy prompts
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import tempfile
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from vllm_patch.runtime.bench_result import METRICS, SIDES
 
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
+CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
+"""And from its config line, the custom ops it enables: ``['all']`` runs each
+CustomOp's ``forward_cpu``, ``['none']`` its ``forward_native``."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,9 @@ class Side:
 
 def kernel_lines(log: str) -> list[str]:
     """The server log's lines on its kernel choice, without their prefixes."""
-    found = {ln.split("] ", 1)[-1] for ln in log.splitlines() if LOG_MARKER in ln}
+    lines = log.splitlines()
+    found = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
+    found |= {f"compilation_config {m[0]}" for m in map(CUSTOM_OPS.search, lines) if m}
     return sorted(found)
 
 
