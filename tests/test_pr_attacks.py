@@ -189,6 +189,14 @@ ATTACKS = {
         says="left out: .buildkite/hardware_tests/cpu.yaml",
         check=lambda f, _: not added(f, CI),
     ),
+    "an edited source a link inside the checkout": Attack(
+        lambda f: (
+            (f.root / "vllm/platforms/cpu.py").rename(f.root / "vllm/platforms/_c.py"),
+            f.link("vllm/platforms/cpu.py", "_c.py"),
+        ),
+        rc=2,
+        says="found: a link to vllm/platforms/_c.py",
+    ),
     "the description a link out": Attack(
         lambda f: f.link(
             f".git/vllm-patch/PR_{UPSTREAM.branch}.md",

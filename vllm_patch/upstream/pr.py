@@ -219,6 +219,24 @@ def described_in_commit(
         return _with_ci(engine.plan(open_tree(tmp), patch).described(), ci), ci
 
 
+def refuse_links(root: Path, files: list[str]) -> None:
+    """The engine follows a link that stays in the tree, but git would commit
+    the link, not the edit: a file the change edits or creates must be at its
+    own path in the checkout, no link on the way."""
+    real = Path(os.path.realpath(root))
+    for rel in files:
+        found = Path(os.path.realpath(root / rel))
+        if found != real / rel:
+            raise UsageError(
+                "a file the change edits is reached through a link in the checkout",
+                path=str(root / rel),
+                looked_for="a regular file (or none) at that path, no link on the way",
+                found=f"a link to {found.relative_to(real)}"
+                if found.is_relative_to(real)
+                else "a link out of the checkout",
+            )
+
+
 def _output(root: Path, path: Path, what: str, folder: bool = False, but=None) -> Path:
     """``path`` for an output: outside the work tree (``but`` excepted), and
     no link or special file (or, for a ``folder``, anything else) planted there."""
@@ -380,6 +398,7 @@ def _apply(pr: Run) -> Committed | None:
     if plan.status is PlanStatus.APPLIED:
         return _found_commit(pr, plan)
     changes = plan.file_changes()
+    refuse_links(pr.root, list(changes))
     pr.new_files = [rel for rel in changes if not os.path.lexists(pr.root / rel)]
     ci = pr.upstream.ci and ci_yaml.wire(pr.root, pr.upstream.ci)
     if ci and ci.text is None:
