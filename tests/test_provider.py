@@ -560,17 +560,9 @@ def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
     import subprocess
     import sys
 
-    from vllm_patch.bench.engine_run import make_random_llama
+    from vllm_patch.bench.engine_run import TINY_LLAMA, make_random_llama
 
-    model = make_random_llama(
-        tmp_path,
-        hidden_size=256,
-        num_layers=2,
-        intermediate_size=512,
-        num_heads=4,
-        num_kv_heads=2,
-        vocab_size=1024,
-    )
+    model = make_random_llama(tmp_path, **TINY_LLAMA)
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
