@@ -210,20 +210,30 @@ def unavailable(
     """Why the edited tests cannot run here, or None: the installed vLLM is the
     checkout's code in every file of ``depends`` the change does not edit
     (said once, by the caller)."""
+    return _checked(checkout, files, patch, depends)[0]
+
+
+def _checked(
+    checkout: Path, files: list[str], patch: Patch, depends: list[str]
+) -> tuple[str | None, list[str], list[str]]:
+    """``unavailable``'s answer, and ``compared``'s (empty where it did not
+    come to comparing)."""
     if not any((checkout / f).is_file() for f in files):
-        return "not in this checkout"
+        return "not in this checkout", [], []
     try:
         installed = open_tree(None)
     except PatchError:
-        return f"no vLLM installed for {sys.executable}"
+        return f"no vLLM installed for {sys.executable}", [], []
     if importlib.util.find_spec("torch") is None:
-        return "no torch in this environment"
-    if differ := ", ".join(_foreign(patch, compared(checkout, patch, depends)[1])):
-        return (
+        return "no torch in this environment", [], []
+    same, differing = compared(checkout, patch, depends)
+    if differ := ", ".join(_foreign(patch, differing)):
+        why = (
             f"the checkout and the vLLM {read_version(installed)} installed for "
             f"{sys.executable} differ in {differ}"
         )
-    return None
+        return why, same, differing
+    return None, same, differing
 
 
 def measure(
@@ -240,11 +250,10 @@ def measure(
     they cannot run here."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = reviewer_command(present, keyword)
-    why = unavailable(checkout, files, patch, depends)
+    why, same, differing = _checked(checkout, files, patch, depends)
     if why:
         return TestRuns(TestRun(command, False, why))
     installed = open_tree(None)
-    same, differing = compared(checkout, patch, depends)
     own = own_sides(checkout, patch, differing)
     said = [f"{', '.join(same)} the same in both"] if same else []
     said += [f"the checkout's {', '.join(own)} put in"] if own else []
