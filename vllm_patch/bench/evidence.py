@@ -19,7 +19,7 @@ from typing import Any
 
 from patcher.errors import UsageError
 from patcher.files import output_dir, read_text_at, write_output
-from vllm_patch.runtime import bench_result, machine
+from vllm_patch.runtime import bench_result, evidence_record, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """The servers' and the benchmark client's environment: nothing is downloaded
@@ -110,7 +110,7 @@ class Run:
         self.progress = progress
         self.snap = machine.cpu_snapshot()
         self.doc: dict[str, Any] = {
-            "schema": bench_result.SCHEMA,
+            "schema": evidence_record.SCHEMA,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine.facts(),
             "load": {"before": machine.load_average()},
@@ -132,9 +132,14 @@ class Run:
             ),
         )
         doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
-        write_output(self.out / bench_result.EVIDENCE, json.dumps(doc, indent=1) + "\n")
+        write_output(
+            self.out / evidence_record.EVIDENCE, json.dumps(doc, indent=1) + "\n"
+        )
         if doc["vllm"]:
-            write_output(self.out / "evidence.md", bench_result.evidence_markdown(doc))
+            write_output(
+                self.out / "evidence.md",
+                bench_result.evidence_markdown(evidence_record.parse(doc)),
+            )
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
