@@ -10,8 +10,11 @@ vLLM: these are fast-tier tests."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,8 +25,12 @@ from pathlib import Path
 
 import git
 import pytest
+from markdown_it import MarkdownIt
+from test_pr_body import evidence
 
+from patcher.errors import ExitCode
 from vllm_patch import cli
+from vllm_patch.runtime.evidence_record import EVIDENCE
 from vllm_patch.upstream.meta import pick_patch, upstream_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -439,3 +446,255 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
         run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
         run.save()
     assert snapshot(victim) == before
+
+
+# Evidence someone else prepared (`pr --evidence DIR`). Each payload goes into
+# every string of evidence.json the description can show; the description must
+# show it as data, with its claims and serving tables all there.
+MARK = "PWN"
+PAYLOADS = {
+    "<!-- in every string": f"x <!-- {MARK}",
+    "a ``` fence breakout": f"```\n## {MARK} heading\n- [x] I ran every test {MARK}",
+    "an @team mention": f"@vllm-project/{MARK} and @{MARK}",
+    "a remote image": f"![{MARK}](https://evil.example/{MARK}.png) "
+    f"<img src=https://evil.example/{MARK}.png>",
+    "a javascript: link": f"[{MARK}](javascript:alert(1)) <javascript:{MARK}>",
+    "an unclosed code span and a |": f"`{MARK} | a \\| b \\`|` <!-- {MARK}",
+}
+
+
+def poisoned(payload: str) -> dict:
+    ev = copy.deepcopy(evidence())
+    lines = payload.split("\n")
+    ev["model"].update(name=payload, description=payload)
+    ev["machine"].update(cpu_model=payload, os=payload, key_flags=[payload])
+    ev["vllm"].update(base=payload, patched=payload)
+    ev["serving"]["commands"] += lines
+    ev["serving"]["server_log"] = {"eager": {"base": lines}}
+    ev["accuracy"]["tokens"]["note"] = payload
+    ev["accuracy"]["tokens"]["first_divergence"]["mode"] = payload
+    ev["accuracy"]["lm_eval"]["task"] = payload
+    ev["perop"]["dtype"] = payload
+    ev["perop"]["rows"] += [
+        {**ev["perop"]["rows"][2], "op": payload, "route": "layer:" + payload}
+    ]
+    ev["numerics"][payload] = {payload: {payload: payload}}
+    ev["failed"] = [payload]
+    return ev
+
+
+def published(body: str) -> dict[str, list[str]]:
+    """What GitHub makes of ``body`` (CommonMark and tables): HTML, link and
+    image targets, headings, list items, text, code."""
+    found: dict[str, list[str]] = {k: [] for k in ("html", "url", "heading", "item")}
+    found |= {"text": [], "code": [], "table": []}
+    tokens = MarkdownIt("commonmark").enable("table").parse(body)
+    for i, tok in enumerate(tokens):
+        if tok.type in ("html_block", "html_inline"):
+            found["html"].append(tok.content)
+        if tok.type in ("fence", "code_block"):
+            found["code"].append(tok.content)
+        if tok.type == "table_open":
+            found["table"].append(tokens[i + 4].content)  # the first header cell
+        if tok.type != "inline":
+            continue
+        if tokens[i - 1].type == "heading_open":
+            found["heading"].append(tok.content)
+        if tokens[i - 2].type == "list_item_open":
+            found["item"].append(tok.content)
+        for c in tok.children or ():
+            kind = {"html_inline": "html", "code_inline": "code"}.get(c.type, "text")
+            found[kind].append(c.content)
+            found["url"] += [v for k, v in c.attrs.items() if k in ("href", "src")]
+    return found
+
+
+def assert_data_only(body: str) -> None:
+    seen = published(body)
+    assert not [h for h in seen["html"] if re.search(r"<!--[^>]*" + MARK, h)]
+    assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
+    assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
+    assert not [h for h in seen["heading"] if MARK in h]
+    assert not [i for i in seen["item"] if i.startswith("[x]")]
+    mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
+    assert not mentions, mentions
+    assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
+    assert "Output throughput with this change over the base" in body
+
+
+def plant_evidence(fork: Fork, data: dict | str | bytes) -> Path:
+    folder = fork.victim.parent / "evidence"
+    folder.mkdir(exist_ok=True)
+    raw = data if isinstance(data, str | bytes) else json.dumps(data)
+    (folder / EVIDENCE).write_bytes(raw.encode() if isinstance(raw, str) else raw)
+    return folder
+
+
+def description(fork: Fork) -> str:
+    git_dir = Path(fork.repo.git_dir)
+    return (git_dir / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS.values()), ids=list(PAYLOADS))
+def test_evidence_text_is_published_as_data(fork, capsys, payload):
+    folder = plant_evidence(fork, poisoned(payload))
+
+    rc, out = run(fork, capsys, "--evidence", str(folder), print_body=False)
+
+    assert rc == 0, out
+    body = description(fork)
+    assert_data_only(body)
+    assert MARK in body  # shown, as data
+
+
+def spoiled(change: Callable[[dict], object]) -> dict:
+    ev = copy.deepcopy(evidence())
+    change(ev)
+    return ev
+
+
+ROW = {"env": "base", "op": "rms_norm", "tokens": 1, "route": "native"}
+BAD_EVIDENCE = {
+    "serving.configs a list": (
+        lambda e: e["serving"].update(configs=[]),
+        "serving.configs: not a table",
+    ),
+    "accuracy.tokens a string": (
+        lambda e: e["accuracy"].update(tokens="64"),
+        "accuracy.tokens: not a table",
+    ),
+    "a list of tokens": (
+        lambda e: e["accuracy"]["tokens"].update(tokens=[1, 2]),
+        "accuracy.tokens.tokens: not a whole number",
+    ),
+    "a string first_divergence": (
+        lambda e: e["accuracy"]["tokens"].update(first_divergence="3"),
+        "accuracy.tokens.first_divergence: not a table",
+    ),
+    "perop.rows an int": (
+        lambda e: e["perop"].update(rows=7),
+        "perop.rows: not a list",
+    ),
+    "a row's route an int": (
+        lambda e: e["perop"]["rows"][0].update(route=7),
+        "perop.rows[0].route: not a string",
+    ),
+    "key_flags an int": (
+        lambda e: e["machine"].update(key_flags=7),
+        "machine.key_flags: not a list",
+    ),
+    "commands an int": (
+        lambda e: e["serving"].update(commands=7),
+        "serving.commands: not a list",
+    ),
+    "a 400-digit figure": (
+        lambda e: e["serving"]["configs"]["eager"]["base"].update(
+            output_throughput=[10**400]
+        ),
+        "output_throughput[0]: not a finite number",
+    ),
+    "a 400-digit time per call": (
+        lambda e: e["perop"]["rows"][0].update(median_us=10**400),
+        "perop.rows[0].median_us: not a finite number",
+    ),
+    "a time per call of 0": (
+        lambda e: e["perop"]["rows"][0].update(median_us=0),
+        "perop.rows[0].median_us: not a time above 0",
+    ),
+    "a NaN figure": (
+        lambda e: e["accuracy"]["tokens"].update(max_abs_dlogprob=float("nan")),
+        "max_abs_dlogprob: not a finite number",
+    ),
+    "18,000 distinct perop rows": (
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "tokens": i, "median_us": 1, "native_us": 1}
+                for i in range(18_000)
+            ]
+        ),
+        "perop.rows: more than 2000 entries",
+    ),
+    "25 routes per op": (
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "route": f"r{i}", "median_us": 1, "native_us": 1}
+                for i in range(25)
+            ]
+        ),
+        "perop.rows: more than 24 (env, route) pairs",
+    ),
+    "a 5,000-character model name": (
+        lambda e: e["model"].update(name="x" * 5000),
+        "model.name: longer than 4000 characters",
+    ),
+    "a serving mode of its own": (
+        lambda e: e["serving"]["configs"].update(turbo={}),
+        "serving.configs.turbo: not one of eager, compiled",
+    ),
+    "schema 2": (lambda e: e.update(schema=2), "no `schema: 1`"),
+    "a list for the document": (lambda e: e.clear(), "no `schema: 1`"),
+}
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        *((spoiled(change), says) for change, says in BAD_EVIDENCE.values()),
+        ("[" * 5000 + "]" * 5000, "not JSON"),
+        ('{"schema": 1, "x": ' + "9" * 5000 + "}", "not JSON"),
+        ("x" * (3 << 20), "file too large"),
+        (b'{"schema": 1, "model": {"name": "\xff"}}', "not UTF-8"),
+    ],
+    ids=[
+        *BAD_EVIDENCE,
+        "nested 5,000 deep",
+        "a 5,000-digit integer",
+        "3 MB",
+        "not UTF-8",
+    ],
+)
+def test_evidence_of_the_wrong_shape_is_one_message_before_the_switch(
+    fork, capsys, data, says
+):
+    folder = plant_evidence(fork, data)
+    before = state(fork.repo)
+    start = time.monotonic()
+
+    rc, out = run(fork, capsys, "--evidence", str(folder))
+
+    assert time.monotonic() - start < 10
+    assert rc == ExitCode.CANNOT_APPLY and says in out, out
+    assert state(fork.repo) == before
+
+
+def test_an_evidence_fifo_is_refused(fork, capsys):
+    folder = fork.victim.parent / "evidence"
+    folder.mkdir()
+    os.mkfifo(folder / EVIDENCE)
+    rc, out = run(fork, capsys, "--evidence", str(folder))
+    assert rc == ExitCode.CANNOT_APPLY and "FIFO" in out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "tokens": i, "route": f"layer:R{c}", "median_us": 1.5,
+                 "native_us": 2.5}
+                for i in range(80) for c in range(24)
+            ]
+        ),
+        lambda e: e["serving"].update(commands=["vllm serve " + "x" * 3900] * 200),
+    ],
+    ids=["2,000 perop rows of 24 routes", "200 commands of 4,000 characters"],
+)  # fmt: skip
+def test_the_description_stays_within_githubs_bound(fork, capsys, change):
+    folder = plant_evidence(fork, spoiled(change))
+    rc, out = run(fork, capsys, "--evidence", str(folder), print_body=False)
+    assert rc == 0, out
+    body = description(fork)
+    assert len(body) <= 65_536, len(body)
+    assert (
+        "## Claims" in body and "| metric | base | patched | patched / base |" in body
+    )

@@ -291,9 +291,9 @@ def perop_table(
     return md.table(["op", "tokens", *header], rows, limit)
 
 
-def perop_heading(perop: PerOp) -> str:
+def perop_heading(perop: PerOp, escape=md.text) -> str:
     return (
-        f"microseconds per call (native / this), {md.text(perop.dtype, 20)}, hidden "
+        f"Microseconds per call (native / this), {escape(perop.dtype, 20)}, hidden "
         f"{perop.hidden_size}, {perop.threads} thread"
     )
 
@@ -335,6 +335,6 @@ def evidence_markdown(ev: Evidence) -> str:
         heading = "## Numerics per x86 kernel build"
         out += ["", heading, "", numerics_table(ev.numerics)]
     if ev.perop:
-        heading = f"## Per op: {perop_heading(ev.perop)}"
+        heading = f"## {perop_heading(ev.perop)}"
         out += ["", heading, "", perop_table(ev.perop)]
     return "\n".join(out) + "\n"

@@ -8,6 +8,7 @@ paragraph it quotes (``[upstream] quote``)."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shlex
@@ -94,7 +95,7 @@ def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
     ``BODY_LIMIT``: the evidence's tables cut shorter until it fits."""
     template = read_template(facts.checkout)
     for rows in (100, 20, 3, 0):
-        text = fill(template, _pieces(upstream, facts, rows))
+        text = fill(copy.deepcopy(template), _pieces(upstream, facts, rows))
         if len(text) <= BODY_LIMIT:
             break
     return text
@@ -212,7 +213,7 @@ def _results(facts: Facts, rows: int):
         # The out-of-tree providers' IR routes are this tool's, not vLLM's.
         ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
         yield details(
-            bench_result.perop_heading(ev.perop).capitalize(),
+            bench_result.perop_heading(ev.perop, md.html),
             bench_result.perop_table(ev.perop, leave_out=ours, limit=rows),
         )
 
