@@ -698,3 +698,56 @@ def test_the_description_stays_within_githubs_bound(fork, capsys, change):
     assert (
         "## Claims" in body and "| metric | base | patched | patched / base |" in body
     )
+
+
+def model_folder(
+    tmp_path: Path, config: str | None, link_to: Path | None = None
+) -> Path:
+    folder = tmp_path / "models--org--m" / "snapshots" / "abc123"
+    folder.mkdir(parents=True)
+    if link_to:
+        (folder / "config.json").symlink_to(link_to)
+    else:
+        (folder / "config.json").write_text(config or "")
+    return folder
+
+
+MODEL_FOLDERS = {
+    "config.json a link to an outside JSON file": (
+        lambda t: model_folder(t, None, t / "victim.json"),
+        "leads outside the tree",
+    ),
+    "config.json not JSON": (lambda t: model_folder(t, "{"), "not JSON"),
+    "config.json a list": (lambda t: model_folder(t, "[1]"), "architecture not stated"),
+    "architectures a string": (
+        lambda t: model_folder(t, '{"architectures": "LlamaForCausalLM"}'),
+        "architecture not stated",
+    ),
+    "a Hugging Face cache snapshot": (
+        lambda t: (
+            (t / "models--org--m" / "blobs").mkdir(parents=True),
+            (t / "models--org--m" / "blobs" / "f00").write_text(
+                '{"architectures": ["LlamaForCausalLM"]}'
+            ),
+            model_folder(t, None, Path("../../blobs/f00")),
+        )[-1],
+        "abc123 (LlamaForCausalLM)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "make, says", list(MODEL_FOLDERS.values()), ids=list(MODEL_FOLDERS)
+)
+def test_a_model_folder_s_config_is_read_inside_it(tmp_path, make, says):
+    """`bench --model DIR`: only DIR's own config.json names the model."""
+    from patcher.errors import PatchError
+    from vllm_patch.bench.evidence import user_model
+
+    (tmp_path / "victim.json").write_text(f'{{"architectures": ["{SECRET}"]}}')
+    folder = make(tmp_path)
+    try:
+        said = str(user_model(folder)[1])
+    except PatchError as exc:
+        said = str(exc)
+    assert says in said and SECRET not in said
