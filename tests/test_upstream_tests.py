@@ -90,7 +90,7 @@ def checkout(tmp_path_factory) -> Path:
     upstream = FIXTURES / "vllm_checkouts" / "upstream-v0.32.0"
     shutil.copytree(upstream / "tests", root / "tests")
     tree = open_tree(root)
-    engine.apply(tree, PATCH)
+    engine.apply(tree, engine.plan(tree, PATCH))
     assert RMS_NORM.added_name in tree.read_text(FILE)
     return root
 
@@ -165,7 +165,7 @@ def base(tmp_path) -> Path:
 @pytest.fixture
 def same_code(base: Path) -> Path:
     """``base`` patched: what `pr` commits there."""
-    engine.apply(open_tree(base), PATCH)
+    engine.apply(tree := open_tree(base), engine.plan(tree, PATCH))
     return base
 
 
@@ -200,7 +200,7 @@ def test_the_checkouts_own_copy_of_a_file_the_change_edits_runs(base: Path):
         "    assert cpu.CHECKOUT_COPY\n"
     )
     assert unavailable(base, [FILE], PATCH, DEPENDS) is None
-    engine.apply(open_tree(base), PATCH)
+    engine.apply(tree := open_tree(base), engine.plan(tree, PATCH))
 
     runs = measure(base, [FILE, MARKER], PATCH, DEPENDS, keyword="registration or copy")
 
@@ -221,7 +221,7 @@ def test_a_differing_file_the_change_does_not_edit_runs_nothing(base: Path):
     (base / other).write_text((base / other).read_text() + "# 0.33.0's copy\n")
 
     why = unavailable(base, [FILE], PATCH, depends)
-    engine.apply(open_tree(base), PATCH)
+    engine.apply(tree := open_tree(base), engine.plan(tree, PATCH))
     runs = measure(base, [FILE], PATCH, depends)
 
     assert why and why.endswith(f"differ in {other}")
