@@ -403,7 +403,7 @@ def _apply(pr: Run) -> Committed | None:
     ci = pr.upstream.ci and ci_yaml.wire(pr.root, pr.upstream.ci)
     if ci and ci.text is None:
         warn(f"{ci.wiring.file} left as it is: {ci.reason}")
-    engine.apply(plan.tree, pr.patch, planned=plan)
+    engine.apply(plan.tree, plan)
     formatting = check_changes(pr.root, changes)
     files = list(changes)
     if ci and ci.text is not None:
