@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from patcher.errors import PatchError, ReadError, UsageError, shown
+from patcher.errors import PatchError, ReadError, UsageError, printable
 
 MAX_FILE_BYTES = 2 << 20
 """The largest file read from a tree or a wheel (2 MiB; vLLM's largest source is
@@ -216,14 +216,21 @@ def _remove(name: str, dfd: int) -> None:
 
 
 _waited: set[Path] = set()
+_writing: set[str] = set()
+"""The trees this process holds the writer's lock on."""
 
 
 @contextlib.contextmanager
 def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
     """One writer at a time on a tree, or readers beside each other (``shared``):
     a ``flock`` on the tree's root folder, which creates no file and which the
-    kernel drops when its holder dies. Waiting is said once per tree."""
-    fd = open_dir(Path(os.path.realpath(root)))
+    kernel drops when its holder dies. Waiting is said once per tree. Inside
+    the writer's lock the process takes it again at no cost (plan, then write)."""
+    real = os.path.realpath(root)
+    if real in _writing:
+        yield
+        return
+    fd = open_dir(Path(real))
     how = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     try:
         try:
@@ -232,13 +239,16 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
             if root not in _waited:
                 _waited.add(root)
                 print(
-                    f"vllm-patch: waiting for another vllm-patch on {shown(root)}",
+                    f"vllm-patch: waiting for another vllm-patch on {printable(root)}",
                     file=sys.stderr,
                     flush=True,
                 )
             fcntl.flock(fd, how)
+        if not shared:
+            _writing.add(real)
         yield
     finally:
+        _writing.discard(real)
         os.close(fd)
 
 

@@ -261,7 +261,7 @@ def test_cannot_apply_puts_the_checkout_back(checkout, capsys):
 
 def test_base_that_already_has_the_change_creates_nothing(checkout, capsys):
     tree = open_tree(checkout.working_tree_dir)
-    engine.apply(tree, PATCH)
+    engine.apply(tree, engine.plan(tree, PATCH))
     checkout.git.execute(["git", "commit", "-qam", "merged upstream"])
     before = state(checkout)
 

@@ -405,7 +405,7 @@ def _apply(s: Settings, switched: Switched) -> Commit | None:
     for edit in ci:
         if edit.text is None:
             warn(f"{edit.wiring.file} left as it is: {edit.reason}")
-    engine.apply(plan.tree, s.patch, planned=plan)
+    engine.apply(plan.tree, plan)
     formatting = check_changes(s.root, changes)
     files = list(changes)
     for edit in ci:
