@@ -6,7 +6,9 @@ for a pull request description, which quotes a folder without running the bench.
 ``vllm`` (``base``, ``patched``, ``patch``), ``model`` (``path``,
 ``random_weights``, ``name``, ``description``), ``serving`` (``commands``, and per mode
 and side every metric's value per repetition: ``configs``), ``accuracy``
-(``tokens``, ``lm_eval``), ``numerics`` and ``perop`` (or None: not measured).
+(``tokens``, ``lm_eval``), ``numerics``, ``perop`` and ``qwen3_eager``
+(``vllm_patch.bench.qwen3_eager``: vLLM's #31643 measured) (or None: not
+measured).
 """
 
 from __future__ import annotations
@@ -185,6 +187,56 @@ def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+QWEN3_SIDES = {
+    "base": "base: native",
+    "patched": "patched",
+    "unguarded": "unguarded: the kernels for every input, as before #31643",
+}
+
+
+def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
+    """The eager Qwen3 comparison: per side its kernel calls, its tokens
+    against base's and how varied its text is; the first differing text."""
+    sides, rows = found["sides"], []
+    for side, name in QWEN3_SIDES.items():
+        than = found.get(side)  # base against base: no row of its own
+        shares = sides[side]["distinct_share"]
+        rows.append(
+            [
+                f"{name} (`{found['patch']}`)" if side == "patched" else name,
+                " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
+                than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
+                than and first_difference(than["first_divergence"]),
+                than and f"{than['max_abs_dlogprob']:.3g}",
+                f"{sum(shares) / len(shares):.2f}",
+            ]
+        )
+    header = [
+        "RMSNorm on CPU",
+        "kernel calls (rms_norm + fused add), one prefill and one decode step",
+        "prompts with base's tokens",
+        "first different token",
+        "largest |Δ logprob| before it",
+        "distinct tokens per completion",
+    ]
+    out = [
+        "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
+        "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
+        "k_norm run on strided per-head views of the qkv output, which the CPU "
+        f"kernels read as contiguous. Here: {found['model']['description']}; "
+        f"{len(found['prompts'])} prompts, {found['max_tokens']} greedy tokens "
+        "each, eager, one offline engine per side.",
+        "",
+        table(header, rows),
+    ]
+    first = (found.get("unguarded") or {}).get("first_divergence")
+    if first:
+        texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
+        out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
+        out += [f"- {s}: `{' '.join(t.split()[:16])} …`" for s, t in texts.items()]
+    return out
+
+
 def numerics_markdown(numerics: dict[str, Any], tolerance: dict[str, Any]) -> str:
     rows = []
     for build, ops in numerics.items():
@@ -274,6 +326,9 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
         out.append(f"- **Failed:** {failure}")
     out += serving_markdown(doc.get("serving") or {}, doc)
     acc = accuracy_markdown(doc)
+    if doc.get("qwen3_eager"):
+        acc += ["", "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += qwen3_eager_markdown(doc["qwen3_eager"])
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if doc.get("numerics"):
