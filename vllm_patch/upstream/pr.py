@@ -33,7 +33,7 @@ from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
-from vllm_patch.upstream import ci_yaml, pr_body, template, vllm_tests
+from vllm_patch.upstream import ci_yaml, figures, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, main_form, upstream_of
 from vllm_patch.upstream.pr_format import check_changes
@@ -487,8 +487,7 @@ def _tests(s: Settings, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
     if not edited:
         return None
     keyword = s.args.pytest_k
-    deps = [d for w in s.upstream.ci for d in w.dependencies]
-    depends = vllm_tests.depends_on(s.patch, tuple(deps))
+    depends = _depends(s)
     no_tests = s.args.no_tests
     why_not = no_tests or vllm_tests.unavailable(s.root, edited, s.patch, depends)
     if why_not:
@@ -519,9 +518,24 @@ def _description(s: Settings, switched: Switched, done: Commit) -> str:
         tests=_tests(s, done.plan),
         left_out={e.edit.file: e.skipped.message for e in done.plan.skipped},
         ci=done.ci,
-        measured=None if s.evidence or s.args.no_bench else pr_body.measure(s),
+        measured=None if s.evidence or s.args.no_bench else _measure(s, done.plan),
     )
     return pr_body.render(s.patch, s.upstream, facts, read)
+
+
+def _measure(s: Settings, plan: engine.PatchPlan) -> figures.Measured:
+    """The per-call and eager Qwen3 figures, said first (they take minutes)."""
+    print("figures: per call and eager Qwen3, base and this change (--no-bench skips)")
+    tests = [e.edit.file for e in plan.edits if e.edit.optional]
+    measured = figures.measure(s.root, s.patch, tests, _depends(s), print)
+    if measured.why_not:
+        print(f"figures: cannot measure here ({measured.why_not})")
+    return measured
+
+
+def _depends(s: Settings) -> list[str]:
+    deps = tuple(d for w in s.upstream.ci for d in w.dependencies)
+    return vllm_tests.depends_on(s.patch, deps)
 
 
 def _write_outputs(s: Settings, done: Commit, body: str) -> None:
