@@ -85,7 +85,7 @@ def test_a_healthy_environment(healthy, check, status, words):
 @requires_vllm
 def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
-    engine.apply(open_tree(copy), select([PATCH])[0])
+    engine.apply(tree := open_tree(copy), engine.plan(tree, select([PATCH])[0]))
     rc, findings, _ = doctor(pythonpath=[copy])
     assert str(copy) in findings["vllm"]["message"]
     assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")

@@ -29,12 +29,13 @@ from markdown_it import MarkdownIt
 from test_pr_body import evidence
 
 from patcher.errors import ExitCode
+from patcher.patchset import select
 from vllm_patch import cli
 from vllm_patch.runtime.evidence_record import EVIDENCE
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.meta import upstream_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
-UPSTREAM = upstream_of(pick_patch("cpu_fused_norms"))
+UPSTREAM = upstream_of(select(["cpu_fused_norms"])[0])
 CI = UPSTREAM.ci.file
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 SECRET = "aws_access_key_id = AKIAVICTIMSECRET0001"

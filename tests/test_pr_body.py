@@ -17,16 +17,17 @@ import pytest
 from packaging.version import Version
 
 from patcher.errors import PatchError
+from patcher.patchset import select
 from vllm_patch.runtime import bench_result, evidence_record, machine
 from vllm_patch.runtime.cache import fetch_sdist
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr import WIDTH, Identity, commit_message
 from vllm_patch.upstream.template import TEMPLATE
 from vllm_patch.upstream.vllm_tests import TestRun, TestRuns, described_machine
 
-PATCH = pick_patch("cpu_fused_norms")
+PATCH = select(["cpu_fused_norms"])[0]
 UPSTREAM = upstream_of(PATCH)
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream_files"
 TEST = "tests/kernels/ir/test_layernorm.py"

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import git
 import libcst as cst
+from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
 
 from patcher import engine
 from patcher.patchset import select
 from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
-from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
 from vllm_patch.cli import main
 from vllm_patch.upstream.pr_format import changed_ranges
 

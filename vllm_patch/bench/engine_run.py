@@ -33,7 +33,7 @@ SERVED_LLAMA = dict(
     vocab_size=4096,
 )
 # Qwen3's layout at a small size: q_norm and k_norm over head_dim 64 (a
-# multiple of 8) on strided views, tied embeddings as Qwen3-0.6B.
+# multiple of 8) on strided views.
 TINY_QWEN3 = dict(
     hidden_size=256,
     num_layers=4,
@@ -106,7 +106,8 @@ def make_random_qwen3(
         "vocab_size": vocab_size,
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
+        # Random tied embeddings make every greedy completion one token repeated.
+        "tie_word_embeddings": False,
         "seed": seed,
         **({"tokenizer": "words"} if tokenizer else {}),
     }

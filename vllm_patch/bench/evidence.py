@@ -133,6 +133,7 @@ class Run:
             "accuracy": None,
             "numerics": None,
             "perop": None,
+            "qwen3_eager": None,
             "failed": [],
         }
 
@@ -237,6 +238,12 @@ class Run:
         from vllm_patch.bench.perop import per_op
 
         self.doc["perop"] = per_op({"base": (), "patched": (copy,)}, self.progress)
+
+    def qwen3(self, args, copy: str) -> None:
+        from vllm_patch.bench.qwen3_eager import compare
+
+        patch = self.doc["vllm"]["patch"]
+        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
 
 
 def provider_opt_ins() -> tuple[str, ...]:

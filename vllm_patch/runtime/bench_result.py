@@ -7,6 +7,7 @@ tables and lists (a description has a size bound)."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
@@ -250,6 +251,56 @@ def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
             "",
             md.table(["vLLM", "exact_match ± stderr"], rows, limit),
         ]
+    return out
+
+
+QWEN3_SIDES = {
+    "base": "base: native",
+    "patched": "patched",
+    "unguarded": "unguarded: the kernels for every input, as before #31643",
+}
+
+
+def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
+    """The eager Qwen3 comparison: per side its kernel calls, its tokens
+    against base's and how varied its text is; the first differing text."""
+    sides, rows = found["sides"], []
+    for side, name in QWEN3_SIDES.items():
+        than = found.get(side)  # base against base: no row of its own
+        shares = sides[side]["distinct_share"]
+        rows.append(
+            [
+                f"{name} (`{found['patch']}`)" if side == "patched" else name,
+                " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
+                than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
+                than and first_difference(than["first_divergence"]),
+                than and f"{than['max_abs_dlogprob']:.3g}",
+                f"{sum(shares) / len(shares):.2f}",
+            ]
+        )
+    header = [
+        "RMSNorm on CPU",
+        "kernel calls (rms_norm + fused add), one prefill and one decode step",
+        "prompts with base's tokens",
+        "first different token",
+        "largest |Δ logprob| before it",
+        "distinct tokens per completion",
+    ]
+    out = [
+        "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
+        "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
+        "k_norm run on strided per-head views of the qkv output, which the CPU "
+        f"kernels read as contiguous. Here: {found['model']['description']}; "
+        f"{len(found['prompts'])} prompts, {found['max_tokens']} greedy tokens "
+        "each, eager, one offline engine per side.",
+        "",
+        md.table(header, rows),
+    ]
+    first = (found.get("unguarded") or {}).get("first_divergence")
+    if first:
+        texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
+        out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
+        out += [f"- {s}: `{' '.join(t.split()[:16])} …`" for s, t in texts.items()]
     return out
 
 

@@ -43,7 +43,7 @@ def patched_copy(
         files = sorted({e.file for e in patch.edits})
         before = _hashes(copy, files)
         record["copy"] = str(folder)
-        record["apply"] = str(engine.apply(copy, patch))
+        record["apply"] = str(engine.apply(copy, engine.plan(copy, patch)))
         applied = _hashes(copy, files)
         record["changed"] = applied != before
         try:

@@ -1,10 +1,9 @@
-"""The pull request description: the checkout's template (``template``) filled
-with text about vLLM alone. Every figure is from this ``pr`` run: vLLM's edited
-tests with and without the change (``vllm_tests``) and ``--evidence DIR``'s
-``evidence.json`` (``bench --serve``: serving, accuracy, numerics, machine); a
-claim not measured is the command that would measure it. Text about the diff is
-generated from it; the rest is the patch's ``upstream.md`` and the checkout's
-paragraph it quotes (``[upstream] quote``)."""
+"""The pull request description: the checkout's template (``template``) filled.
+Every figure is from this ``pr`` run: vLLM's edited tests with and without the
+change (``vllm_tests``), the per-call and eager Qwen3 figures (``figures``), or
+``--evidence DIR``'s ``evidence.json``; nothing measured is said so. Text about
+the diff is generated from it; the rest is the patch's ``upstream.md`` and what
+the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -18,16 +17,25 @@ from pathlib import Path
 from packaging.version import Version
 
 from patcher.errors import PatchError
-from patcher.files import inside, read_text_at
+from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
 from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import SIDES, Evidence
 from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
+from vllm_patch.upstream.figures import Measured, spread
 from vllm_patch.upstream.meta import Upstream
-from vllm_patch.upstream.template import Piece, fill, read_template
+from vllm_patch.upstream.template import Piece, Template, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRuns, described_machine
+
+TOOL = "vllm-patch"
+TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
+"""Attribution trailers ``AGENTS.md`` names, the first it names used."""
+HISTORY = "#31643"
+AI_BOX = "AI assistance was used"
+"""The checklist box ticked: the tool that made this change was written with
+AI assistance."""
 
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
@@ -83,19 +91,40 @@ class Facts:
     described: dict[str, list[str]] = field(default_factory=dict)  # per file
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
-    ci: CiEdit | None = None
+    ci: list[CiEdit] = field(default_factory=list)
+    measured: Measured | None = None
+    """None: ``--no-bench`` (or ``--evidence``)."""
 
 
 BODY_LIMIT = 65536
 """GitHub's bound on a pull request's body, in characters."""
 
 
-def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{TOOL} {version(TOOL)}"
+    except PackageNotFoundError:
+        return TOOL
+
+
+def attribution(checkout: Path | None) -> str:
+    """The trailer of the kind the checkout's ``AGENTS.md`` shows, naming the tool."""
+    try:
+        agents = read_text_in(checkout, "AGENTS.md", "AGENTS.md") or ""
+    except PatchError:
+        agents = ""
+    kind = next((t for t in TRAILERS if f"{t}:" in agents), TRAILERS[0])
+    return f"{kind}: {tool_version()}"
+
+
+def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -> str:
     """The checkout's PR template (or the fallback layout) filled, within
     ``BODY_LIMIT``: the evidence's tables cut shorter until it fits."""
-    template = read_template(facts.checkout)
     for rows in (100, 20, 3, 0):
-        text = fill(copy.deepcopy(template), _pieces(upstream, facts, rows))
+        pieces = _pieces(upstream, facts, rows)
+        text = fill(copy.deepcopy(template), pieces, ticked=(AI_BOX,))
         if len(text) <= BODY_LIMIT:
             break
     return text
@@ -133,19 +162,60 @@ def _and(items: list[str]) -> str:
 
 def _claims(upstream: Upstream, facts: Facts, rows: int):
     yield _tests_claim(facts.tests, _command(upstream, facts))
-    ev = facts.evidence
-    yield (ev and bench_result.throughput_claim(ev)) or (
-        "- Serving speed against the base: to measure, `vllm bench serve`."
+    ev, m = facts.evidence, facts.measured
+    if ev:
+        yield from filter(None, bench_result.claims(ev, rows))
+    elif m and m.per_call:
+        yield _per_call_claim(m)
+    if m and m.qwen3:
+        yield _qwen3_claim(m.qwen3)
+    if not (ev or (m and m.per_call)):
+        yield "- Speed and accuracy: nothing was measured."
+    for edit in facts.ci:
+        if edit.added_tests:
+            tests = ", ".join(f"`{t}`" for t in edit.added_tests)
+            where = (
+                f"`{edit.wiring.file}`"
+                if edit.wiring.file.endswith(".sh")
+                else f'its "{edit.wiring.step}" step'
+            )
+            yield f"- vLLM's CPU CI runs {tests} in {where}."
+
+
+def _per_call_claim(m: Measured) -> str:
+    said = [
+        f"`{op}` at {tokens} tokens {_ratio(by):.1f}x"
+        for (op, tokens), by in m.per_call.items()
+        if {"base", "patched"} <= set(by)
+    ]
+    return (
+        "- A call through `RMSNorm` on CPU (eager dispatch, bfloat16, hidden "
+        f"2048, 1 thread), the base's time over this change's: {'; '.join(said)}."
     )
-    if ev and ev.perop:
-        yield from filter(None, [bench_result.perop_claim(ev.perop, rows)])
-    yield from filter(None, [ev and bench_result.tokens_claim(ev)])
-    yield (ev and bench_result.lm_eval_claim(ev)) or (
-        "- Accuracy against the base: to measure, `lm_eval` on both builds."
+
+
+def _ratio(by: dict[str, list[float]]) -> float:
+    import statistics
+
+    return statistics.median(by["base"]) / statistics.median(by["patched"])
+
+
+def _qwen3_claim(q: dict) -> str:
+    patched, unguarded = q["patched"], q["unguarded"]
+    calls = sum(q["sides"]["patched"]["kernel_calls"].values())
+    prompts = len(q["prompts"])
+    said = (
+        f"- Eager Qwen3-architecture model ({HISTORY}'s configuration): with this "
+        f"change {patched['identical_prompts']} of {prompts} prompts give the base's "
+        f"greedy tokens (largest |Δ logprob| {patched['max_abs_dlogprob']:.3g}), "
+        f"the kernels running {calls} times"
     )
-    if facts.ci and facts.ci.added_tests:
-        tests = ", ".join(f"`{t}`" for t in facts.ci.added_tests)
-        yield f'- vLLM\'s CPU CI runs {tests} in its "{facts.ci.wiring.step}" step.'
+    if unguarded["first_divergence"] is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before {HISTORY}, match in "
+        f"{unguarded['identical_prompts']} of {prompts}."
+    )
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
@@ -175,13 +245,15 @@ def _test_name(test_id: str) -> str:  # [Class::]test, unparametrised
 
 def _plan(upstream: Upstream, facts: Facts):
     model, command = upstream.model, _command(upstream, facts)
-    ev = facts.evidence
-    build = f"vLLM {facts.version}" if facts.version else "vLLM"
-    yield (
-        f"On a CPU build of {build} (`VLLM_TARGET_DEVICE=cpu`), with and without "
-        "this change:"
-    )
-    yield f"```bash\n{command}\n```"
+    ev, m = facts.evidence, facts.measured
+    if m and m.vllm:
+        put = ", ".join(f"`{f}`" for f in m.put_in) or "no file"
+        yield (
+            f"Ran on {m.vllm} (the newest CPU build on PyPI) with this branch's "
+            f"{put} put in place of the build's own, kernel build `{m.kernel_build}`"
+            f" ({KERNEL_BUILDS.get(m.kernel_build, 'not an x86 build')})."
+        )
+    yield f"The tests, with and without this change:\n\n```bash\n{command}\n```"
     if not (ev and ev.serving):
         yield "Serving, on each build, eager and compiled:"
         yield f"```bash\n{SERVE.format(model=model)}\n```"
@@ -190,9 +262,23 @@ def _plan(upstream: Upstream, facts: Facts):
         yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
 
 
+KERNEL_BUILDS = {
+    "_C": "AVX512-BF16: every path this change enables runs",
+    "_C_AVX512": (
+        "AVX-512 without AVX512-BF16: the kernels truncate float32 to bfloat16, "
+        "so the bfloat16 fused add stays native and is not exercised"
+    ),
+    "_C_AVX2": (
+        "AVX2: the kernels truncate float32 to bfloat16, so the bfloat16 fused "
+        "add stays native and is not exercised; no vLLM CI job runs the "
+        "`_C_AVX512` or `_C_AVX2` builds"
+    ),
+}
+
+
 def _results(facts: Facts, rows: int):
     runs = facts.tests if facts.tests and facts.tests.after.ran else None
-    ev = facts.evidence
+    ev, m = facts.evidence, facts.measured
     tests = runs.after.machine if runs else None
     bench = ev and ev.machine and described_machine(asdict(ev.machine))
     if tests and bench and tests != bench:
@@ -204,6 +290,10 @@ def _results(facts: Facts, rows: int):
         yield f"Measured on {md.text(tests or bench, 400)}."
     if runs:
         yield from _test_table(runs)
+    if m and m.per_call:
+        yield _per_call_table(m)
+    if m and m.qwen3:
+        yield "\n".join(bench_result.qwen3_eager_markdown(m.qwen3))
     if ev and ev.serving:
         yield _serving(ev, rows)
     if ev and ev.numerics:
@@ -216,6 +306,21 @@ def _results(facts: Facts, rows: int):
             bench_result.perop_heading(ev.perop, md.html),
             bench_result.perop_table(ev.perop, leave_out=ours, limit=rows),
         )
+
+
+def _per_call_table(m: Measured) -> str:
+    columns = ("base", "patched", "native", "kernel")
+    rows = [
+        [f"`{op}`", tokens, *(spread(by[c]) if c in by else None for c in columns)]
+        for (op, tokens), by in m.per_call.items()
+    ]
+    header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
+    return (
+        "Microseconds per call, eager dispatch (bfloat16, hidden 2048, 1 thread): "
+        "median [range] of 3 rounds' medians, base and this change alternating; "
+        "the op's native function and the kernel called directly, for scale:\n\n"
+        + table([*header, "native alone", "kernel alone"], rows)
+    )
 
 
 def _test_table(runs: TestRuns):
@@ -257,26 +362,37 @@ def _named(ev: Evidence) -> str:
 
 def _details(upstream: Upstream, facts: Facts):
     yield upstream.purpose
-    quoted = _quote(facts.checkout, upstream.quote) if upstream.quote else None
-    if quoted:
-        yield f"`{upstream.quote[0]}` in this release:\n\n> {quoted}"
-    ci = facts.ci
-    if ci and ci.text is None and ci.wiring.tests:
-        tests = ", ".join(f"`{t}`" for t in ci.wiring.tests)
-        yield f"CI: {tests} not added to a CPU CI step: {ci.reason}."
+    for edit in facts.ci:
+        if edit.text is None and edit.wiring.tests:
+            tests = ", ".join(f"`{t}`" for t in edit.wiring.tests)
+            yield f"CI: {tests} not added to `{edit.wiring.file}`: {edit.reason}."
     for file, reason in facts.left_out.items():
         yield f"Left out of this commit: `{file}` ({reason})."
+    yield _provenance(facts)
     changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
     if changes:
         yield details("What the diff does, file by file", "\n".join(changes))
 
 
-def _quote(checkout: Path | None, quote: tuple[str, str]) -> str | None:
-    """The paragraph of the checkout's ``file`` that holds ``says``, one line."""
-    rel, says = quote
-    if checkout is None or not os.path.lexists(checkout / rel):
-        return None
-    what = f"the paragraph saying {says!r}"
-    text = read_text_at(inside(checkout, rel, what=what), what)
-    found = [p for p in re.split(r"\n\s*\n", text) if says in p]
-    return " ".join(found[0].replace('"""', " ").split()) if found else None
+def _provenance(facts: Facts) -> str:
+    """What vLLM's ``AGENTS.md`` asks an AI-assisted PR to state."""
+    ran = facts.tests and facts.tests.after.ran
+    return "\n".join(
+        [
+            f"- How this was made: the diff is generated by {tool_version()} (LibCST "
+            "codemods; a tool written with AI assistance), which also ran the tests "
+            "and measurements quoted here and filled this description.",
+            "- Not a duplicate: this branch's base has no `RMSNorm.forward_cpu`; "
+            f"{HISTORY} took the kernels off on purpose, and this PR answers it "
+            "above. Open PRs were not searched by the tool: `gh pr list --repo "
+            'vllm-project/vllm --state open --search "RMSNorm forward_cpu"`.',
+            "- Tests run: "
+            + ("the table above." if ran else "none here; the command above.")
+            + " Model evaluation: "
+            + (
+                "the eager Qwen3 comparison above; gsm8k needs the commands above."
+                if facts.measured and facts.measured.qwen3
+                else "not run here; the commands above."
+            ),
+        ]
+    )
