@@ -7,7 +7,6 @@ tables and lists (a description has a size bound)."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
@@ -21,6 +20,7 @@ from vllm_patch.runtime.evidence_record import (
     Machine,
     Numerics,
     PerOp,
+    Qwen3Eager,
     Serving,
 )
 
@@ -223,6 +223,7 @@ def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
         ev.perop and perop_claim(ev.perop, limit),
         tokens_claim(ev),
         lm_eval_claim(ev),
+        ev.qwen3 and qwen3_claim(ev.qwen3),
     ]
     return [c for c in found if c]
 
@@ -254,27 +255,27 @@ def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
     return out
 
 
-QWEN3_SIDES = {
+QWEN3_LABELS = {
     "base": "base: native",
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
 
 
-def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
+def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
-    sides, rows = found["sides"], []
-    for side, name in QWEN3_SIDES.items():
-        than = found.get(side)  # base against base: no row of its own
-        shares = sides[side]["distinct_share"]
+    rows = []
+    for side, name in QWEN3_LABELS.items():
+        found, than = q.sides[side], q.against.get(side)  # base: no row of its own
+        shares = found.distinct_share
         rows.append(
             [
-                f"{name} (`{found['patch']}`)" if side == "patched" else name,
-                " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
-                than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
-                than and first_difference(than["first_divergence"]),
-                than and f"{than['max_abs_dlogprob']:.3g}",
+                f"{name} ({md.code(q.patch, 60)})" if side == "patched" else name,
+                " + ".join(map(str, found.kernel_calls)),
+                than and f"{than.identical} of {than.prompts}",
+                than and first_difference(than.first),
+                than and f"{than.max_dlogprob:.3g}",
                 f"{sum(shares) / len(shares):.2f}",
             ]
         )
@@ -290,18 +291,37 @@ def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
         "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
         "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
         "k_norm run on strided per-head views of the qkv output, which the CPU "
-        f"kernels read as contiguous. Here: {found['model']['description']}; "
-        f"{len(found['prompts'])} prompts, {found['max_tokens']} greedy tokens "
-        "each, eager, one offline engine per side.",
+        f"kernels read as contiguous. Here: {md.text(q.description, 400)}; "
+        f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
+        "offline engine per side.",
         "",
         md.table(header, rows),
     ]
-    first = (found.get("unguarded") or {}).get("first_divergence")
-    if first:
-        texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
-        out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
-        out += [f"- {s}: `{' '.join(t.split()[:16])} …`" for s, t in texts.items()]
+    first = q.against["unguarded"].first
+    texts = {s: q.sides[s].texts for s in ("base", "unguarded")}
+    if first and all(first.prompt < len(t) for t in texts.values()):
+        out += ["", f"Prompt {first.prompt + 1}'s completion:", ""]
+        out += [
+            f"- {s}: {md.code(' '.join(t[first.prompt].split()[:16]) + ' …')}"
+            for s, t in texts.items()
+        ]
     return out
+
+
+def qwen3_claim(q: Qwen3Eager) -> str:
+    patched, unguarded = q.against["patched"], q.against["unguarded"]
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical} of {q.prompts} prompts give the base's "
+        f"greedy tokens (largest |Δ logprob| {patched.max_dlogprob:.3g}), the "
+        f"kernels running {sum(q.sides['patched'].kernel_calls)} times"
+    )
+    if unguarded.first is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical} of {q.prompts}."
+    )
 
 
 def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
@@ -380,6 +400,13 @@ def evidence_markdown(ev: Evidence) -> str:
             out += ["", "What the servers logged about their kernels:", ""]
             out += kernels_lines(serving)
     acc = accuracy_lines(ev)
+    if ev.qwen3:
+        acc += [
+            "",
+            "### Eager Qwen3 (vLLM #31643)",
+            "",
+            *qwen3_eager_markdown(ev.qwen3),
+        ]
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:

@@ -9,7 +9,7 @@ bounded (counts, string lengths, number sizes); anything else is one
 ``description``, ``random_weights``), ``serving`` (``commands``, ``sizes``, per
 mode, side and metric the value of each repetition: ``configs``; ``server_log``),
 ``accuracy`` (``tokens``, ``lm_eval``), ``numerics`` and ``tolerance``, ``perop``,
-``interrupted`` and ``failed``; a part not measured is None.
+``qwen3_eager``, ``interrupted`` and ``failed``; a part not measured is None.
 """
 
 from __future__ import annotations
@@ -277,16 +277,21 @@ class Tokens:
     configs: dict[str, TokenMode]
 
 
+def _token_mode(found: object, where: str) -> TokenMode:
+    """``accuracy.compare``'s verdict on one pair of sides."""
+    return TokenMode(
+        _req(_count, found, where, "identical_prompts"),
+        len(_req(_list, found, where, "per_prompt", MOST_ROWS)),
+        _opt(_divergence, found, where, "first_divergence"),
+        _req(_number, found, where, "max_abs_dlogprob"),
+    )
+
+
 def _tokens(value: object, at: str) -> Tokens:
-    configs = {}
-    for mode, found in (_opt(_table, value, at, "configs", MODES) or {}).items():
-        where = f"{at}.configs.{mode}"
-        configs[mode] = TokenMode(
-            _req(_count, found, where, "identical_prompts"),
-            len(_req(_list, found, where, "per_prompt", MOST_ROWS)),
-            _opt(_divergence, found, where, "first_divergence"),
-            _req(_number, found, where, "max_abs_dlogprob"),
-        )
+    configs = {
+        mode: _token_mode(found, f"{at}.configs.{mode}")
+        for mode, found in (_opt(_table, value, at, "configs", MODES) or {}).items()
+    }
     return Tokens(
         *(_opt(_count, value, at, k) for k in ("prompts", "tokens")),
         _opt(_divergence, value, at, "first_divergence"),
@@ -407,6 +412,57 @@ def _numerics(value: object, at: str, doc: object) -> Numerics:
     return Numerics(needed, tolerance)
 
 
+QWEN3_SIDES = ("base", "patched", "unguarded")
+"""The eager Qwen3 comparison's sides: vLLM as installed, with the change, and
+the kernels for every input (as before vLLM #31643)."""
+
+
+@dataclass(frozen=True)
+class Qwen3Side:
+    kernel_calls: tuple[int, ...]
+    """Per kernel (rms_norm, fused add), in one prefill and one decode step."""
+    distinct_share: tuple[float, ...]
+    """Per completion, its distinct tokens over its tokens."""
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Qwen3Eager:
+    """``bench --qwen3`` (``bench.qwen3_eager.summarize``)."""
+
+    description: str
+    patch: str
+    prompts: int
+    max_tokens: int
+    sides: dict[str, Qwen3Side]
+    against: dict[str, TokenMode]
+    """``patched`` and ``unguarded`` against ``base``."""
+
+
+def _qwen3_side(value: object, at: str) -> Qwen3Side:
+    calls = _req(_table, value, at, "kernel_calls")
+    return Qwen3Side(
+        tuple(_count(v, f"{at}.kernel_calls.{k}") for k, v in calls.items()),
+        _req(_numbers, value, at, "distinct_share"),
+        _req(_texts, value, at, "texts"),
+    )
+
+
+def qwen3_eager(value: object, at: str = "qwen3_eager") -> Qwen3Eager:
+    """The eager Qwen3 comparison as a record, or ``Bad``."""
+    sides = _req(_table, value, at, "sides", QWEN3_SIDES)
+    if set(sides) != set(QWEN3_SIDES):
+        raise Bad(f"{at}.sides: not {', '.join(QWEN3_SIDES)}")
+    return Qwen3Eager(
+        _req(_text, _req(_table, value, at, "model"), f"{at}.model", "description"),
+        _req(_text, value, at, "patch"),
+        len(_req(_list, value, at, "prompts")),
+        _req(_count, value, at, "max_tokens"),
+        {side: _qwen3_side(sides[side], f"{at}.sides.{side}") for side in QWEN3_SIDES},
+        {s: _req(_token_mode, value, at, s) for s in QWEN3_SIDES[1:]},
+    )
+
+
 @dataclass(frozen=True)
 class Evidence:
     machine: Machine | None
@@ -418,6 +474,7 @@ class Evidence:
     lm_eval: LmEval | None
     numerics: Numerics | None
     perop: PerOp | None
+    qwen3: Qwen3Eager | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
 
@@ -444,6 +501,7 @@ def parse(doc: object) -> Evidence:
         _opt(_lm_eval, accuracy, "accuracy", "lm_eval"),
         _opt(_numerics, doc, "", "numerics", doc),
         _opt(_perop, doc, "", "perop"),
+        _opt(qwen3_eager, doc, "", "qwen3_eager"),
         _get(doc, "", "interrupted")[0] is True,
         _opt(_texts, doc, "", "failed") or (),
     )
