@@ -291,7 +291,9 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
         "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
         "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
         "k_norm run on strided per-head views of the qkv output, which the CPU "
-        f"kernels read as contiguous. Here: {md.text(q.description, 400)}; "
+        "kernels read as contiguous; the patched vLLM sends them to native, but "
+        "for one token's row (a one-sequence decode step), which is contiguous. "
+        f"Here: {md.text(q.description, 400)}; "
         f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
         "offline engine per side.",
         "",
@@ -401,12 +403,8 @@ def evidence_markdown(ev: Evidence) -> str:
             out += kernels_lines(serving)
     acc = accuracy_lines(ev)
     if ev.qwen3:
-        acc += [
-            "",
-            "### Eager Qwen3 (vLLM #31643)",
-            "",
-            *qwen3_eager_markdown(ev.qwen3),
-        ]
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += qwen3_eager_markdown(ev.qwen3)
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:
