@@ -14,14 +14,18 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import requires_vllm
+from conftest import make_tree, requires_vllm
 
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import imports
-from vllm_patch.doctor.patches import opt_in_finding, plugin_filter_findings
+from vllm_patch.doctor import environment, imports
+from vllm_patch.doctor.patches import (
+    _route_findings,
+    opt_in_finding,
+    plugin_filter_findings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
@@ -150,9 +154,9 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
 OPT_IN_VALUES = [
     # (value, status, words): the provider judges the value, the doctor says it
     (None, "info", "is not set"),
-    ("1", "ok", "the default ranking of"),
-    ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
-    ("0", "info", "the default ranking of 'prov' is off"),
+    ("1", "ok", "'prov' is opted in"),
+    ("TRUE", "ok", "'prov' is opted in"),  # vLLM's own spelling of a true flag
+    ("0", "info", "'prov' is not opted in"),
     ("yes", "fix", "='yes' is ignored: 1 or true turns the fused CPU norms on"),
     ("on", "fix", "='on' is ignored"),
 ]
@@ -274,3 +278,40 @@ def step_results(tmp_path_factory):
         mp.setenv("PYTHONPATH", str(folder))
         mp.setattr(imports, "CHILD_TIMEOUT", 1)
         return imports.run_import_checks(steps)
+
+
+def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
+    """vLLM 0.13 - 0.19 have no vLLM IR (no ``vllm/ir/``): no IR step runs and
+    no IR finding is made; from 0.20 on, both."""
+    tree = open_tree(make_tree(tmp_path / "tree"))
+    assert not environment.has_ir(tree)
+    steps = imports.steps_for(["a.provider"], [], environment.has_ir(tree))
+    assert ["from", imports.IR] not in steps and ["provider", "a.provider"] in steps
+    results = {tuple(s): {"ok": True} for s in steps}
+    findings = environment.import_findings(results, None, {}, sys.executable)
+    assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
+    (tree.location / "vllm/ir").mkdir()
+    (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
+    assert environment.has_ir(tree)
+    assert ["from", imports.IR] in imports.steps_for([], [], environment.has_ir(tree))
+
+
+@pytest.mark.parametrize(
+    "status, said",
+    [
+        (
+            {"opt_in": True, "route": "custom_op", "route_reason": "no vLLM IR"},
+            "ok: provider 'prov': route custom_op (no vLLM IR): vLLM's RMSNorm",
+        ),
+        (
+            {"opt_in": True, "not_applicable": "RMSNorm defines forward_cpu"},
+            "info: provider 'prov' changes nothing here: RMSNorm defines forward_cpu",
+        ),
+        ({"opt_in": False, "route": None}, None),
+        ({"opt_in": True, "errors": ["registering: boom"]}, None),  # said above
+    ],
+    ids=["route taken", "stands aside", "not opted in", "failed"],
+)
+def test_the_provider_s_customop_route(status, said):
+    found = [f"{f.status}: {f.message}" for f in _route_findings("p", "prov", status)]
+    assert found == [] if said is None else found[0].startswith(said), found

@@ -28,7 +28,11 @@ def provider_module(patch: Patch) -> str | None:
     return (patch.meta.get("provider") or {}).get("module")
 
 
-def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Finding]:
+def patch_findings(
+    tree: VllmTree, patch: Patch, results, python, ir: bool
+) -> list[Finding]:
+    """``ir``: this vLLM has vLLM IR (from 0.20 on); before it, the provider's
+    IR impls and the upstream IR provider are no part of the story."""
     plan = engine.plan(tree, patch)
     why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
     status, state = {
@@ -52,12 +56,32 @@ def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Findin
         return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
-    out.append(_registered_finding(patch.name, name, status, python))
+    if ir or status.get("errors"):
+        out.append(_registered_finding(patch.name, name, status, python))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
+    out += _route_findings(patch.name, name, status)
     out += plugin_filter_findings(patch.name, entry, name, status)
-    upstream = attrs.get("UPSTREAM_PROVIDER") or "the upstream provider"
-    out.append(_redundant_finding(patch.name, name, upstream, status))
+    if ir:
+        upstream = attrs.get("UPSTREAM_PROVIDER") or "the upstream provider"
+        out.append(_redundant_finding(patch.name, name, upstream, status))
     return out
+
+
+def _route_findings(patch: str, name: str, status: dict) -> list[Finding]:
+    """Opted in: whether the provider's RMSNorm (the CustomOp route) is
+    registered here, or why it stands aside."""
+    check = f"{patch}:route"
+    if not status.get("opt_in") or status.get("errors"):
+        return []
+    if status.get("route"):
+        said = (
+            f"provider {name!r}: route {status['route']} "
+            f"({status.get('route_reason')}): vLLM's RMSNorm.forward_cpu calls the "
+            "CPU kernels where the rms_norm custom op is enabled (eager)"
+        )
+        return [Finding(check, "ok", said)]
+    why = status.get("not_applicable") or "no route taken"
+    return [Finding(check, "info", f"provider {name!r} changes nothing here: {why}")]
 
 
 def _entry_points_of(module: str) -> list[metadata.EntryPoint]:
@@ -136,8 +160,9 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
         return Finding(
             check,
             "info",
-            f"{var} is not set: {name!r} runs only where ir_op_priority names it "
-            f"({var}=1 opts in to its default ranking)",
+            f"{var} is not set: vLLM runs its own RMSNorm ({var}=1 opts in to "
+            f"the provider {name!r}: an RMSNorm whose forward_cpu calls the CPU "
+            "kernels)",
         )
     # The provider judges its own variable (the child ran it in this environment).
     if status.get("opt_in_ignored"):
@@ -146,12 +171,8 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
         )
     if status.get("opt_in"):
         extra = " (not needed: see below)" if status.get("redundant") else ""
-        return Finding(
-            check, "ok", f"{var}={value}: the default ranking of {name!r} is on{extra}"
-        )
-    return Finding(
-        check, "info", f"{var}={value!r}: the default ranking of {name!r} is off"
-    )
+        return Finding(check, "ok", f"{var}={value}: {name!r} is opted in{extra}")
+    return Finding(check, "info", f"{var}={value!r}: {name!r} is not opted in")
 
 
 def plugin_filter_findings(
