@@ -290,9 +290,11 @@ def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
         "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
         "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
         "k_norm run on strided per-head views of the qkv output, which the CPU "
-        f"kernels read as contiguous. Here: {found['model']['description']}; "
-        f"{len(found['prompts'])} prompts, {found['max_tokens']} greedy tokens "
-        "each, eager, one offline engine per side.",
+        "kernels read as contiguous; the patched vLLM sends them to native, but "
+        "for one token's row (a one-sequence decode step), which is contiguous. "
+        f"Here: {found['model']['description']}; {len(found['prompts'])} "
+        f"prompts, {found['max_tokens']} greedy tokens each, eager, one offline "
+        "engine per side.",
         "",
         md.table(header, rows),
     ]
