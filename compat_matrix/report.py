@@ -17,11 +17,15 @@ HERE = Path(__file__).resolve().parent
 CALLS = ("_C::rms_norm", "_C::fused_add_rms_norm")
 # A check's part in a row: which column it proves.
 FORM_CHECKS = ("test_form_applies", "test_form_fits_mechanism")
+# Results of cells not re-run since the checks took their expectations from
+# the rule carry the earlier names (test_patched_eager_calls_kernels, ...).
 PATCHED_CHECKS = (
+    "test_patched_eager_calls_what_the_rule_says",
     "test_patched_eager_calls_kernels",
     "test_patched_compiled_calls_no_kernel",
 )
 ROUTE_CHECKS = (
+    "test_eager_calls_what_the_rule_says",
     "test_eager_calls_rms_norm_kernel",
     "test_eager_calls_fused_add_kernel",
     "test_compiled_calls_no_kernel",
@@ -102,6 +106,7 @@ def row(cell: dict) -> list[str]:
     return [
         f"`{label(cell['cell'])}`",
         cell.get("torch") or "-",
+        f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
         mechanism,
         verified(
             cell, cell.get("form"), FORM_CHECKS + (PATCHED_CHECKS if live else ())
@@ -118,6 +123,7 @@ def row(cell: dict) -> list[str]:
 HEADER = [
     "cell",
     "torch",
+    "kernel build, machine",
     "mechanism",
     "form of the change verified",
     "provider route verified",

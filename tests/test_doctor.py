@@ -63,9 +63,8 @@ HEALTHY = [
     ("ir", "ok", "vllm.ir imports"),
     (f"{PATCH}:patch", "info", "not applied"),
     (f"{PATCH}:entry_point", "ok", "vllm.general_plugins"),
-    (f"{PATCH}:provider", "ok", "'vllm_c_cpu' registers"),
+    (f"{PATCH}:provider", "info", "'vllm_c_cpu' loads and is off"),
     (f"{PATCH}:opt_in", "info", "is not set"),
-    (f"{PATCH}:redundant", "ok", "still useful"),
 ]
 
 
@@ -79,17 +78,17 @@ def test_a_healthy_environment(healthy, check, status, words):
 
 
 @requires_vllm
-def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
+def test_on_a_patched_vllm_the_provider_stands_aside(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
-    engine.apply(tree := open_tree(copy), engine.plan(tree, select([PATCH])[0]))
-    rc, findings, _ = doctor(pythonpath=[copy])
+    patch = select(["rms_norm_forward_cpu"])[0]
+    engine.apply(tree := open_tree(copy), engine.plan(tree, patch))
+    rc, findings, _ = doctor(pythonpath=[copy], env={OPT_IN_ENV: "1"})
     assert str(copy) in findings["vllm"]["message"]
-    assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")
-    redundant = findings[f"{PATCH}:redundant"]
-    assert redundant["status"] == "info"
+    provider = findings[f"{PATCH}:provider"]
+    assert provider["status"] == "info"
     assert (
-        "already enables vllm_c on CPU: the provider 'vllm_c_cpu' can go"
-        in (redundant["message"])
+        "stands aside: this vLLM's RMSNorm has its own forward_cpu"
+        in (provider["message"])
     )
     assert rc == 0
 
@@ -150,9 +149,9 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
 OPT_IN_VALUES = [
     # (value, status, words): the provider judges the value, the doctor says it
     (None, "info", "is not set"),
-    ("1", "ok", "the default ranking of"),
-    ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
-    ("0", "info", "the default ranking of 'prov' is off"),
+    ("1", "ok", "'prov' is on"),
+    ("TRUE", "ok", "'prov' is on"),  # vLLM's own spelling of a true flag
+    ("0", "info", "'prov' is off"),
     ("yes", "fix", "='yes' is ignored: 1 or true turns the fused CPU norms on"),
     ("on", "fix", "='on' is ignored"),
 ]
