@@ -84,8 +84,8 @@ def test_a_healthy_environment(healthy, check, status, words):
 @requires_vllm
 def test_on_a_patched_vllm_the_provider_stands_aside(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
-    tree = open_tree(copy)
-    engine.apply(tree, engine.plan(tree, select(["rms_norm_forward_cpu"])[0]))
+    patch = select(["rms_norm_forward_cpu"])[0]
+    engine.apply(tree := open_tree(copy), engine.plan(tree, patch))
     rc, findings, _ = doctor(pythonpath=[copy], env={OPT_IN_ENV: "1"})
     assert str(copy) in findings["vllm"]["message"]
     provider = findings[f"{PATCH}:provider"]
