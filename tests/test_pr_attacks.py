@@ -16,8 +16,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,14 +34,18 @@ from patcher.errors import ExitCode
 from patcher.patchset import select
 from vllm_patch import cli
 from vllm_patch.runtime.evidence_record import EVIDENCE
+from vllm_patch.upstream import pr, pr_body
 from vllm_patch.upstream.meta import upstream_of
+from vllm_patch.upstream.pr_body import AI_BOX
 
 FIXTURES = Path(__file__).parent / "fixtures"
-UPSTREAM = upstream_of(select(["cpu_fused_norms"])[0])
-CI = UPSTREAM.ci.file
+UPSTREAM_PATCH = "rms_norm_forward_cpu"
+UPSTREAM = upstream_of(select([UPSTREAM_PATCH])[0])
+CI = UPSTREAM.ci[0].file
+LAYERNORM = "vllm/model_executor/layers/layernorm.py"
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 SECRET = "aws_access_key_id = AKIAVICTIMSECRET0001"
-MBOX = "0001-CPU-Kernel-Enable-vLLM-C-fused-RMSNorm-kernels-on-CP.patch"
+MBOX = "0001-CPU-Kernel-RMSNorm.forward_cpu-use-the-CPU-fused-RMS.patch"
 GIB = 1 << 30
 
 
@@ -54,9 +60,11 @@ def isolated_git(tmp_path_factory, monkeypatch):
 
 
 def make_checkout(root: Path, with_tests: bool = False) -> git.Repo:
-    """The fixture vLLM tree with vLLM 0.32.0's CI YAML and PR template (and,
-    ``with_tests``, its tests), committed on ``main``."""
+    """The fixture vLLM tree with vLLM 0.33.0's layernorm.py, 0.32.0's CI YAML
+    and PR template (and, ``with_tests``, its tests), committed on ``main``."""
     shutil.copytree(FIXTURES / "vllm_tree", root)
+    (root / LAYERNORM).parent.mkdir(parents=True)
+    shutil.copy(FIXTURES / "upstream_files/v0.33.0/layernorm.py", root / LAYERNORM)
     if with_tests:
         shutil.copytree(
             FIXTURES / "vllm_checkouts/upstream-v0.32.0/tests", root / "tests"
@@ -146,7 +154,8 @@ class Attack:
 def run(fork: Fork, capsys, *extra: str, print_body: bool = True) -> tuple[int, str]:
     before, cache = snapshot(fork.victim), os.path.lexists(fork.root / ".ruff_cache")
     start = time.monotonic()
-    argv = ["pr", "--vllm", str(fork.root), "--patch", "cpu_fused_norms", "--no-tests"]
+    argv = ["pr", "--vllm", str(fork.root), "--patch", "rms_norm_forward_cpu"]
+    argv += ["--no-tests", "--no-bench"]
     rc = cli.main([*argv, *(["--print"] if print_body else []), *extra])
     took = time.monotonic() - start
     out, err = capsys.readouterr()
@@ -199,11 +208,11 @@ ATTACKS = {
     ),
     "an edited source a link inside the checkout": Attack(
         lambda f: (
-            (f.root / "vllm/platforms/cpu.py").rename(f.root / "vllm/platforms/_c.py"),
-            f.link("vllm/platforms/cpu.py", "_c.py"),
+            (f.root / LAYERNORM).rename(f.root / LAYERNORM.replace("layernorm", "_c")),
+            f.link(LAYERNORM, "_c.py"),
         ),
         rc=2,
-        says="found: a link to vllm/platforms/_c.py",
+        says="found: a link to vllm/model_executor/layers/_c.py",
     ),
     "the description a link out": Attack(
         lambda f: f.link(
@@ -269,7 +278,7 @@ ATTACKS = {
             not in "".join(
                 line for line in added(f, CI).splitlines() if line.startswith("+")
             )
-            and "+      tests/kernels/ir/test_layernorm.py \\" in added(f, CI)
+            and "+      tests/kernels/core/test_cpu_layernorm.py \\" in added(f, CI)
         ),
     ),
     # Hangs, memory, tracebacks.
@@ -388,7 +397,8 @@ def test_a_rerun_whose_parent_has_an_absolute_link_cpu_yaml(fork, capsys):
     body = (
         Path(fork.repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md"
     ).read_text()
-    assert "not added to a CPU CI step" in body
+    assert "`vllm/model_executor/layers/layernorm.py`" in body
+    assert SECRET not in body and "cpu.yaml`" not in body.split("## Details")[0]
 
 
 def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
@@ -397,7 +407,8 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     root = tmp_path / "vllm"
     repo = make_checkout(root, with_tests=True)
     plant = f"open({str(victim / 'ran')!r}, 'w').write('ran')\n"
-    for rel in ("tests/conftest.py", "tests/kernels/ir/conftest.py", "setup.py"):
+    (root / "tests/kernels/core").mkdir()
+    for rel in ("tests/conftest.py", "tests/kernels/core/conftest.py", "setup.py"):
         (root / rel).write_text(plant)
     commit(repo)
 
@@ -406,7 +417,7 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     assert rc == 0 and "upstream tests: skipped (--no-tests)" in out
     assert not (victim / "ran").exists()
     body = (Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
-    assert "pytest tests/kernels/ir/test_layernorm.py" in body  # the reviewer's command
+    assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
 
 
 def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
@@ -509,7 +520,7 @@ PAYLOADS = {
 
 
 def poisoned(payload: str) -> dict:
-    ev = copy.deepcopy(evidence())
+    ev = copy.deepcopy(evidence(UPSTREAM_PATCH))
     lines = payload.split("\n")
     ev["model"].update(name=payload, description=payload)
     ev["machine"].update(cpu_model=payload, os=payload, key_flags=[payload])
@@ -560,7 +571,8 @@ def assert_data_only(body: str) -> None:
     assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
     assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
     assert not [h for h in seen["heading"] if MARK in h]
-    assert not [i for i in seen["item"] if i.startswith("[x]")]
+    ticked = [i for i in seen["item"] if i.startswith("[x]")]
+    assert [i for i in ticked if AI_BOX not in i] == []  # only the tool's own box
     mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
     assert not mentions, mentions
     assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
@@ -593,7 +605,7 @@ def test_evidence_text_is_published_as_data(fork, capsys, payload):
 
 
 def spoiled(change: Callable[[dict], object]) -> dict:
-    ev = copy.deepcopy(evidence())
+    ev = copy.deepcopy(evidence(UPSTREAM_PATCH))
     change(ev)
     return ev
 
@@ -796,3 +808,40 @@ def test_a_model_folder_s_config_is_read_inside_it(tmp_path, make, says):
     except PatchError as exc:
         said = str(exc)
     assert says in said and SECRET not in said
+
+
+# A signal at each step after the branch switch (sent by the step's real
+# function to its own process, as a kill from outside would land there).
+STEPS = {
+    "after the switch": (pr, "checkout_version"),
+    "after the write": (pr, "check_changes"),
+    "while describing": (pr_body, "render"),
+    "before the commit": (pr, "commit_message"),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_at_any_step_puts_the_checkout_back(
+    fork, capsys, monkeypatch, step, sig
+):
+    module, name = STEPS[step]
+    real = getattr(module, name)
+
+    def then_signalled(*args, **kwargs):
+        done = real(*args, **kwargs)
+        os.kill(os.getpid(), getattr(signal, sig))
+        return done
+
+    monkeypatch.setattr(module, name, then_signalled)
+    before = state(fork.repo)
+    copies = set(Path(tempfile.gettempdir()).glob("vllm-patch-*"))
+
+    rc, out = run(fork, capsys)
+
+    assert rc == ExitCode.CANNOT_APPLY, out
+    said = "Ctrl-C" if sig == "SIGINT" else sig
+    (line,) = [x for x in out.splitlines() if "interrupted" in x]
+    assert line.startswith(f"vllm-patch: error: interrupted ({said});")
+    assert state(fork.repo) == before
+    assert set(Path(tempfile.gettempdir()).glob("vllm-patch-*")) <= copies
