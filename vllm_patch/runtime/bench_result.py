@@ -14,8 +14,11 @@ from vllm_patch.runtime.evidence_record import (
     MODES,
     NATIVE,
     SIDES,
+    Decode,
+    DecodeBlock,
     Divergence,
     Evidence,
+    Interval,
     Load,
     Machine,
     Numerics,
@@ -23,6 +26,7 @@ from vllm_patch.runtime.evidence_record import (
     Qwen3Eager,
     Serving,
 )
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 __all__ = ["METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
@@ -371,6 +375,101 @@ def perop_heading(perop: PerOp, escape=md.text) -> str:
     )
 
 
+def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
+    if found is None:
+        return "-"
+    v, lo, hi = (format(x, fmt) for x in (found.value, found.low, found.high))
+    return f"{v}{unit} [{lo}–{hi}]"
+
+
+def verdict(found: Interval, label: str) -> str:
+    """What an interval says against 1.0."""
+    if found.low <= 1.0 <= found.high:
+        return "no difference resolved (the interval contains 1.0)"
+    return f"{label} {'faster' if found.high < 1.0 else 'slower'}"
+
+
+def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+    """A thread count's decode figures: the ratios, per engine the step and
+    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
+    rows = [
+        [
+            md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
+            interval_shown(c.cpu, unit="x"),
+            interval_shown(c.wall, unit="x"),
+            c.pairs,
+        ]
+        for label, c in b.comparisons.items()
+    ]
+    header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
+    out = [md.table([*header, "pairs"], rows, limit), ""]
+    norm = bool(b.norm_ms)
+    header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
+    header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"] if norm else []
+    rows = []
+    for name, step in b.step_ms.items():
+        row = [md.code(name, 60), *(interval_shown(x, ".2f") for x in step)]
+        if norm:
+            inside = b.norm_ms.get(name, (None, None))
+            row += [interval_shown(x, ".2f") for x in inside]
+        rows.append(row)
+    out += [md.table(header, rows, limit), ""]
+    calls = f" ({b.norm_calls:.0f} calls)" if b.norm_calls is not None else ""
+    for side, saved in list(b.savings.items())[:limit]:
+        share, (lo, hi) = saved.share, saved.expected
+        out += [
+            f"- {md.text(side, 60)}: {interval_shown(saved.ms, '.2f')} ms of CPU "
+            f"time saved inside RMSNorm per decode step{calls}, {share.value:.1%} "
+            f"[{share.low:.1%}–{share.high:.1%}] of base's step: a step ratio of "
+            f"{lo:.3f}–{hi:.3f} expected.",
+        ]
+    if b.contradicts is not None:
+        said = ("**contradicts**", "misses") if b.contradicts else (
+            "does not contradict", "meets"
+        )  # fmt: skip
+        out.append(
+            f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
+            f"(its interval {said[1]} the expected one)."
+        )
+    out.append(
+        f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
+        f"{BUSY_SHARE:.0%} of the CPU time)."
+    )
+    return out
+
+
+def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+    """``evidence.md``'s decode section: the headline first."""
+    out = [
+        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"build {md.text(d.kernel_build, 20)}",
+        "",
+        f"{md.text(d.model)}; batch 1; each round, every engine (each kept alive "
+        f"in its own process) generates {d.tokens} tokens, the engines taking "
+        "turns step by step; a round's figure is the median of its decode steps; "
+        "ratios are trimmed means of per-round ratios with bootstrap 95% "
+        "intervals; the CPU time is the engine process's.",
+        "",
+    ]
+    if d.headline:
+        out += decode_block(d.headline, limit)
+    for n, b in list(d.by_threads.items())[:limit]:
+        if n != str(d.threads):
+            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+    for n, b in list(d.compiled.items())[:limit]:
+        out += [
+            "",
+            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)',
+            "",
+            *decode_block(b, limit),
+        ]
+        found = b.comparisons.get("+rms_norm/default")
+        if found:
+            out.append(f"- Kernels under Inductor: {verdict(found.cpu, '+rms_norm')}.")
+    return out
+
+
 def evidence_markdown(ev: Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
     out = ["# vllm-patch bench evidence", ""]
@@ -392,6 +491,8 @@ def evidence_markdown(ev: Evidence) -> str:
     found = claims(ev)
     if found:
         out += ["", "## In short", "", *found]
+    if ev.decode:
+        out += ["", *decode_markdown(ev.decode)]
     serving = ev.serving
     if serving:
         said = "## Serving, {mode}: median [min–max] of {reps} repetitions"

@@ -9,7 +9,8 @@ bounded (counts, string lengths, number sizes); anything else is one
 ``description``, ``random_weights``), ``serving`` (``commands``, ``sizes``, per
 mode, side and metric the value of each repetition: ``configs``; ``server_log``),
 ``accuracy`` (``tokens``, ``lm_eval``), ``numerics`` and ``tolerance``, ``perop``,
-``qwen3_eager``, ``interrupted`` and ``failed``; a part not measured is None.
+``qwen3_eager``, ``decode`` (``docs/bench.md``), ``interrupted`` and ``failed``;
+a part not measured is None.
 """
 
 from __future__ import annotations
@@ -464,6 +465,136 @@ def qwen3_eager(value: object, at: str = "qwen3_eager") -> Qwen3Eager:
 
 
 @dataclass(frozen=True)
+class Interval:
+    """An estimate (a ratio, milliseconds or a share) and its 95% interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+def _interval(value: object, at: str, key: str) -> Interval:
+    found = _req(_number, value, at, key)
+    return Interval(found, *_req(_pair, value, at, "ci95"))
+
+
+def _pair(value: object, at: str) -> tuple[float, float]:
+    if len(_list(value, at)) != 2:
+        raise Bad(f"{at}: not [low, high]")
+    return _number(value[0], f"{at}[0]"), _number(value[1], f"{at}[1]")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    cpu: Interval
+    wall: Interval | None
+    pairs: int
+
+
+@dataclass(frozen=True)
+class Saving:
+    ms: Interval
+    share: Interval
+    expected: tuple[float, float]
+    """The step ratio the saving implies."""
+
+
+@dataclass(frozen=True)
+class DecodeBlock:
+    """One thread count's (or the compiled pair's) decode figures."""
+
+    comparisons: dict[str, Comparison]
+    step_ms: dict[str, tuple[Interval, Interval | None]]
+    """Per engine: CPU and wall milliseconds per decode step."""
+    norm_ms: dict[str, tuple[Interval, Interval | None]]
+    """Per eager engine: the same inside ``RMSNorm``."""
+    norm_calls: float | None
+    savings: dict[str, Saving]
+    contradicts: bool | None
+    rounds: int
+    busy_rounds: int
+
+
+def _ms(b: object, at: str, key: str) -> dict:
+    """Per engine, ``key``'s CPU and ``{key}``'s wall twin's milliseconds."""
+    wall_key = key.replace("_ms", "_wall_ms")
+    wall = _opt(_table, b, at, wall_key) or {}
+    return {
+        name: (
+            _interval(found, f"{at}.{key}.{name}", "ms"),
+            _opt(_interval, wall, f"{at}.{wall_key}", name, "ms"),
+        )
+        for name, found in (_opt(_table, b, at, key) or {}).items()
+    }
+
+
+def _decode_block(b: object, at: str) -> DecodeBlock:
+    comparisons = {
+        label: Comparison(
+            _interval(c, f"{at}.comparisons.{label}", "ratio"),
+            _opt(_interval, c, f"{at}.comparisons.{label}", "wall", "ratio"),
+            _req(_count, c, f"{at}.comparisons.{label}", "n"),
+        )
+        for label, c in _req(_table, b, at, "comparisons").items()
+    }
+    savings = {
+        side: Saving(
+            _req(_interval, found, f"{at}.savings.{side}", "saving_ms", "ms"),
+            _req(_interval, found, f"{at}.savings.{side}", "share", "share"),
+            _req(_pair, found, f"{at}.savings.{side}", "expected_ratio"),
+        )
+        for side, found in (_opt(_table, b, at, "savings") or {}).items()
+    }
+    consistent = _opt(_table, b, at, "consistent")
+    return DecodeBlock(
+        comparisons,
+        _ms(b, at, "step_ms"),
+        _ms(b, at, "norm_ms"),
+        _opt(_number, b, at, "norm_calls_per_step"),
+        savings,
+        None if consistent is None else consistent.get("contradicts") is True,
+        _req(_count, b, at, "rounds"),
+        _req(_count, b, at, "busy_rounds"),
+    )
+
+
+@dataclass(frozen=True)
+class Decode:
+    """``bench --decode``: one decode step, base against patched."""
+
+    model: str
+    dtype: str
+    threads: int
+    kernel_build: str
+    tokens: int
+    headline: DecodeBlock | None
+    by_threads: dict[str, DecodeBlock]
+    compiled: dict[str, DecodeBlock]
+
+
+def _decode(d: object, at: str) -> Decode:
+    model = _req(_table, d, at, "model")
+    named = _opt(_text, model, f"{at}.model", "name")
+    blocks = {
+        part: {
+            n: _decode_block(b, f"{at}.{part}.{n}")
+            for n, b in (_opt(_table, d, at, part) or {}).items()
+        }
+        for part in ("by_threads", "compiled")
+    }
+    return Decode(
+        named or _opt(_text, model, f"{at}.model", "description") or "the model",
+        _req(_text, d, at, "dtype"),
+        _req(_count, d, at, "threads"),
+        _req(_text, d, at, "kernel_build"),
+        _req(_count, d, at, "tokens"),
+        _decode_block(d, at) if _get(d, at, "comparisons")[0] is not None else None,
+        blocks["by_threads"],
+        blocks["compiled"],
+    )
+
+
+@dataclass(frozen=True)
 class Evidence:
     machine: Machine | None
     load: Load | None
@@ -475,6 +606,7 @@ class Evidence:
     numerics: Numerics | None
     perop: PerOp | None
     qwen3: Qwen3Eager | None = None
+    decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
 
@@ -502,6 +634,7 @@ def parse(doc: object) -> Evidence:
         _opt(_numerics, doc, "", "numerics", doc),
         _opt(_perop, doc, "", "perop"),
         _opt(qwen3_eager, doc, "", "qwen3_eager"),
+        _opt(_decode, doc, "", "decode"),
         _get(doc, "", "interrupted")[0] is True,
         _opt(_texts, doc, "", "failed") or (),
     )
