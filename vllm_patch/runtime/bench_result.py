@@ -210,7 +210,7 @@ def perop_markdown(perop: dict[str, Any], leave_out: tuple[str, ...] = ()) -> st
             "outside the tolerance"
             if r.get("wrong")
             else (
-                f"{r['median_us']:.1f}"
+                f"{r['median_us']:.1f} [{r['p10_us']:.1f}–{r['p90_us']:.1f}]"
                 + (
                     ""
                     if r["route"] == NATIVE
@@ -272,6 +272,10 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
         out.append("- **Interrupted**: this is what was measured before that.")
     for failure in doc.get("failed") or []:
         out.append(f"- **Failed:** {failure}")
+    if doc.get("decode"):
+        from vllm_patch.bench.decode import markdown
+
+        out += ["", *markdown(doc["decode"])]
     out += serving_markdown(doc.get("serving") or {}, doc)
     acc = accuracy_markdown(doc)
     if acc:
@@ -285,11 +289,25 @@ def evidence_markdown(doc: dict[str, Any]) -> str:
         ]
     if doc.get("perop"):
         p = doc["perop"]
+        from vllm_patch.bench.perop import SPLIT, split
+
+        loads = ", ".join(
+            f"{x['env']} {x['load_average']} ({x['other_share']:.0%})"
+            for x in p["load"]
+        )
         out += [
             "",
-            f"## Per op: microseconds per call (native / this), {p['dtype']}, hidden "
+            f"## Per op: microseconds per call, median [p10–p90] of the "
+            f"{p['clock']} (native / this), {p['dtype']}, hidden "
             f"{p['hidden_size']}, {p['threads']} thread",
             "",
             perop_markdown(p),
+            "",
+            f"Load average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs.",
+            "",
+            "Where a layer call's time goes (1 token, medians, microseconds):",
+            "",
+            table(["vLLM", "op", "layer (runs)", *SPLIT], split(p)),
         ]
     return "\n".join(out) + "\n"
