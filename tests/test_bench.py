@@ -362,8 +362,46 @@ def test_per_op_times_every_route_that_passes_numerics():
         for tokens in perop.TOKENS:
             assert {(op, tokens, "native"), (op, tokens, "kernel"),
                     (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
-    assert all(r["median_us"] > 0 for r in found["rows"] if "wrong" not in r)
-    assert "| op | tokens | base: native |" in bench_result.perop_markdown(found)
+    timed = [r for r in found["rows"] if "wrong" not in r]
+    assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
+    assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
+    assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
+    assert "| op | tokens | both: native |" in bench_result.perop_markdown(found)
+    split = perop.split(found)
+    assert [row[:2] for row in split] == [["base", "`rms_norm`"],
+                                          ["base", "`fused_add_rms_norm`"]]  # fmt: skip
+    assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_path):
+    """Two rounds on the tiny Llama, eager, one thread: every engine's decode
+    step and the time inside its norms, the comparisons with intervals, in
+    evidence.json and evidence.md."""
+    from vllm_patch.bench import engine_run
+
+    model = engine_run.make_random_llama(tmp_path / "models", **engine_run.TINY_LLAMA)
+    proc = bench(
+        tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
+        "--rounds", "2", "--threads", "1", "--tokens", "4",
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    d = json.loads((tmp_path / "out" / "evidence.json").read_text())["decode"]
+    assert d["dtype"] in ("float32", "bfloat16") and d["threads"] == 1
+    assert d["kernel_build"].startswith("_C") and d["rounds"] == 2
+    assert set(d["comparisons"]) == {"patched/base", "base/base", "provider/base"}
+    for c in d["comparisons"].values():
+        assert c["n"] == 2 and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
+    assert set(d["norm_ms"]) == {"base", "base2", "patched", "provider"}
+    assert all(v["ms"] > 0 for v in d["norm_ms"].values())
+    layers = engine_run.TINY_LLAMA["num_layers"]
+    assert d["norm_calls_per_step"] == 2 * layers + 1
+    assert d["engines"]["provider"]["norm_classes"] == ["CpuFusedRMSNorm"]
+    assert d["engines"]["base"]["custom_ops"] == ["all"]
+    assert len(d["raw"]) == 2 and "saving_ms" in d
+    assert "## Decode step" in (tmp_path / "out" / "evidence.md").read_text()
 
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):

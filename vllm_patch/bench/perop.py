@@ -177,9 +177,10 @@ def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
         if not found["ok"]:  # never timed
             rows.append({**base, "route": route, "wrong": found["error"]})
             del fns[route]
-    layer = next(r for r in fns if r.startswith("layer:"))
-    with scopes[layer]():
-        runs = _runs_kernel(name, fns[layer], args)
+    layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
+    if layer:
+        with scopes[layer]():
+            runs = _runs_kernel(name, fns[layer], args)
     timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
@@ -283,10 +284,10 @@ def split(perop: dict[str, Any], tokens: int = 1) -> list[list]:
     us = {(r["env"], r["op"], r["route"]): r["median_us"] for r in rows}
     out = []
     for r in rows:
-        if not r["route"].startswith("layer:"):
+        env, op, cls = r["env"], r["op"], r["route"].partition(":")[2]
+        forward = us.get((env, op, f"forward:{cls}"))
+        if not r["route"].startswith("layer:") or forward is None:
             continue
-        env, op, cls = r["env"], r["op"], r["route"].split(":", 1)[1]
-        forward = us[(env, op, f"forward:{cls}")]
         kernel = r["impl"] == "kernel"
         impl = us[(env, op, "kernel")] if kernel else us[("both", op, NATIVE)]
         ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
