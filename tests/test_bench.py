@@ -547,7 +547,9 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
 
     text = "\n".join(bench_result.decode_lines(decode_section(busy=(2, 3))))
-    assert text.startswith("## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2")
+    assert text.startswith(
+        "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
+    )
     assert "| base/base (A/A control) |" in text and "### 2 threads" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
