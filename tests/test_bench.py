@@ -22,7 +22,7 @@ from conftest import requires_vllm
 
 from patcher.errors import ExitCode, PatchError
 from vllm_patch.bench import accuracy, evidence, serving
-from vllm_patch.runtime import bench_result
+from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime.bench_result import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +50,7 @@ def doc_with(configs: dict, **extra) -> dict:
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
+    doc = evidence_record.parse(doc).serving
     assert bench_result.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
     assert bench_result.spread([1.1, 1.0, 0.75]) == (1.0, 0.75, 1.1)
     table = bench_result.serving_table(doc, "eager")
@@ -64,7 +65,8 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
 def test_the_report_shows_only_what_was_measured():
     """An interrupted run: one mode, one side of the second repetition."""
     eager = {"base": runs(10, 12), "patched": runs(11)}
-    text = bench_result.evidence_markdown(doc_with({"eager": eager}, interrupted=True))
+    doc = doc_with({"eager": eager}, interrupted=True)
+    text = bench_result.evidence_markdown(evidence_record.parse(doc))
     assert "## Serving, eager: median [min–max] of 1 repetitions" in text
     assert "compiled" not in text and "**Interrupted**" in text
     assert "A CPU (x86_64), 2 CPUs, Linux; kernel flags: avx2" in text
@@ -347,7 +349,10 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     for ops in builds.values():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
-    text = bench_result.numerics_markdown(builds, tolerance)
+    numerics = {"numerics": builds, "tolerance": tolerance}
+    text = bench_result.numerics_table(
+        evidence_record.parse({"schema": 1, **numerics}).numerics
+    )
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
@@ -366,8 +371,9 @@ def test_per_op_times_every_route_that_passes_numerics():
     assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
     assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
     assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
-    assert "| op | tokens | both: native |" in bench_result.perop_markdown(found)
-    split = perop.split(found)
+    typed = evidence_record.parse({"schema": 1, "perop": found}).perop
+    assert "| op | tokens | both: native |" in bench_result.perop_table(typed)
+    split = bench_result.perop_split(typed)
     assert [row[:2] for row in split] == [["base", "`rms_norm`"],
                                           ["base", "`fused_add_rms_norm`"]]  # fmt: skip
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
@@ -408,8 +414,8 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
     run = evidence.BenchRun(tmp_path / "out", print)
     run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
     run.save()
-    assert bench_result.read(tmp_path / "out") == json.loads(
-        (tmp_path / "out" / "evidence.json").read_text()
+    assert evidence_record.read(tmp_path / "out") == evidence_record.parse(
+        json.loads((tmp_path / "out" / "evidence.json").read_text())
     )
     assert (tmp_path / "out" / "evidence.md").read_text().startswith("# vllm-patch")
     (tmp_path / "planted").mkdir()
@@ -417,7 +423,7 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
         tmp_path / "out" / "evidence.json"
     )
     with pytest.raises(PatchError, match="symbolic link"):
-        bench_result.read(tmp_path / "planted")
+        evidence_record.read(tmp_path / "planted")
 
 
 # --- the decode measurement's figures ------------------------------------------
@@ -492,7 +498,7 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
     assert not fine["consistent"]["contradicts"]
     assert odd["consistent"]["contradicts"]
-    text = "\n".join(decode.block_markdown(odd))
+    text = "\n".join(bench_result.decode_block_lines(odd))
     assert "**contradicts**" in text
 
 
@@ -539,15 +545,18 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
-    from vllm_patch.bench import decode
 
-    text = "\n".join(decode.markdown(decode_section(busy=(2, 3))))
-    assert text.startswith("## Decode step: float32, 1 thread(s), kernel build _C_AVX2")
+    text = "\n".join(bench_result.decode_lines(decode_section(busy=(2, 3))))
+    assert text.startswith(
+        "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
+    )
     assert "| base/base (A/A control) |" in text and "### 2 threads" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())
-    assert "## Decode step" in bench_result.evidence_markdown(doc)
+    assert "## Decode step" in bench_result.evidence_markdown(
+        evidence_record.parse(doc)
+    )
 
 
 def test_the_default_dtype_is_the_one_the_kernels_run_in():

@@ -5,7 +5,9 @@ base vLLM against patched, persistent engines interleaved (``decode``);
 ``--serve``: vLLM's serving benchmark and an accuracy comparison, base vLLM
 against patched (``serving``, ``accuracy``); ``--numerics``: the fused kernels
 against native per x86 kernel build (``numerics``); ``--perop``: per-call
-timing of native and the fused kernels and vLLM's routes to them (``perop``).
+timing of native and the fused kernels and vLLM's routes to them (``perop``);
+``--qwen3``: an eager Qwen3, base vs patched vs the kernels unguarded, vLLM's
+#31643 measured (``qwen3_eager``).
 All of it goes into ``--out DIR``: ``evidence.json`` and ``evidence.md``.
 """
 
@@ -43,6 +45,7 @@ PARTS = {
     "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
     "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
     "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
+    "qwen3": "an eager Qwen3, base vs patched vs the kernels unguarded (vLLM #31643)",
 }
 
 
@@ -98,9 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from patcher.errors import ExitCode, UsageError
 
     if not any(getattr(args, p) for p in PARTS):
-        raise UsageError(
-            "name what to measure: --decode, --serve, --numerics and/or --perop"
-        )
+        raise UsageError("name what to measure: " + ", ".join(f"--{p}" for p in PARTS))
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(
             f"vLLM is not importable by this interpreter ({sys.executable}); "
