@@ -7,22 +7,23 @@ patched copy (``patched``) and the installed vLLM with the out-of-tree
 provider's opt-in (``provider``); compiled, the installed vLLM as it compiles
 by default (``compiled``: native norms under Inductor) and the provider with
 ``custom_ops: ["none", "+rms_norm"]`` (``compiled+rms_norm``: the kernels under
-Inductor). A round asks every engine in turn (the order rotates each round) to
-generate ``tokens`` tokens one engine step at a time; a decode step's figure
-is the median over the steps after the first (the prefill), in wall time and in
-the engine's CPU time, and (eager) the time inside ``RMSNorm`` in the same
-steps: a burst of load during one step moves the median little. Each round
-records the share of the machine's CPU time other processes used (busy above
-``machine.BUSY_SHARE``). Round 0 warms up and is not counted; rounds stop at
-``rounds`` or when the next would end past the phase's share of the time
-budget. Then paired ratios, levels and the norm saving with bootstrap
-intervals (``stats``) per thread count.
+Inductor). In a round every engine generates ``tokens`` tokens, one engine
+step at a time and the engines in turn (the order rotates every step and
+round): engine A's k-th step runs seconds from engine B's, under the same
+load. A decode step's figure is the median over the steps after the first
+(the prefill), in wall time and in the engine's CPU time, and (eager) the time
+inside ``RMSNorm`` in the same steps: a burst of load during one step moves
+the median little. Each round records the share of the machine's CPU time
+other processes used (busy above ``machine.BUSY_SHARE``). Round 0 warms up and
+is not counted; rounds stop at ``rounds`` or when the next would end past the
+phase's share of the time budget. Then paired ratios, levels and the norm
+saving with bootstrap intervals (``stats``) per thread count.
 
 The ``decode`` section of ``evidence.json`` (:func:`summary`; ``docs/bench.md``
 shows an example): the headline thread count's figures at the top level
 (``comparisons``, ``norm_ms``, ``saving_ms``, ``step_ms``, ...), every thread
 count's under ``by_threads``, the compiled pair under ``compiled``, each
-round's raw figures under ``rounds``.
+round's raw figures under ``raw``.
 """
 
 from __future__ import annotations
@@ -159,6 +160,27 @@ def per_step(found: dict[str, list[int]], key: str) -> float:
     return mid if key == "norm_calls" else mid / 1e6
 
 
+def interleaved(
+    order: list[Engine], threads: int, tokens: int
+) -> dict[Engine, dict[str, list[int]]]:
+    """Each engine's ``tokens``-token generation at ``threads`` threads, one
+    step of each in turn (the order rotating every step): per engine, each
+    figure's list over the steps."""
+    for e in order:
+        e.ask({"threads": threads, "tokens": tokens})
+    found: dict[Engine, dict[str, list[int]]] = {e: {} for e in order}
+    running = list(order)
+    while running:
+        for e in list(running):
+            answer = e.ask({"step": True})
+            for key, value in answer.items():
+                found[e].setdefault(key, []).append(value)
+            if answer["finished"]:
+                running.remove(e)
+        running = running[1:] + running[:1]
+    return found
+
+
 def measure_phase(
     started: list[Engine],
     *,
@@ -183,8 +205,7 @@ def measure_phase(
             order = started[k:] + started[:k]
             before = machine.cpu_snapshot(pids)
             row: dict[str, Any] = {"round": r, "threads": n, "order": [], "steps": {}}
-            for e in order:
-                found = e.ask({"threads": n, "tokens": tokens})
+            for e, found in interleaved(order, n, tokens).items():
                 assert len(found["cpu"]) > 2, "no decode steps"
                 row["order"].append(e.variant.name)
                 row["steps"][e.variant.name] = {
@@ -192,6 +213,7 @@ def measure_phase(
                     **{f"norm_{c}": round(per_step(found, f"norm_{c}"), 4)
                        for c in CLOCKS},
                     "norm_calls": per_step(found, "norm_calls"),
+                    "cpu_ms": [round(t / 1e6, 2) for t in found["cpu"]],
                 }  # fmt: skip
             share = machine.other_load(
                 before, machine.cpu_snapshot(pids), machine.usable_cpus()
@@ -359,6 +381,3 @@ def run(
         found["eager"], threads=threads, compiled_rows=found["compiled"],
         about=about, meta=meta,
     )  # fmt: skip
-
-
-# --- the report ---------------------------------------------------------------

@@ -5,12 +5,14 @@
 worker and the model run here), then reads one JSON command a line on stdin and
 answers each with one JSON line on stdout; vLLM's own log goes to stderr.
 
-A command ``{"threads": N, "tokens": L}`` generates L tokens greedily from a
-fixed prompt at N torch threads, one engine step at a time, and answers each
-step's time: wall (``perf_counter``), this process's CPU time
-(``process_time``) and, in eager mode, the time inside every ``RMSNorm``
-module of the model (forward pre- and post-hooks), with the calls. The first
-step is the prefill; the others are decode steps. ``{"stop": true}`` ends it.
+``{"threads": N, "tokens": L}`` sets N torch threads and adds a request for
+L tokens, greedy, from a fixed prompt; each ``{"step": true}`` then runs one
+engine step and answers its time: wall (``perf_counter``), this process's CPU
+time (``process_time``) and, in eager mode, the time inside every ``RMSNorm``
+module of the model (forward pre- and post-hooks), with the calls, and whether
+the request finished. The first step is the prefill; the others are decode
+steps. The parent steps every engine in turn, so that their steps run seconds
+apart. ``{"stop": true}`` ends it.
 """
 
 from __future__ import annotations
@@ -100,31 +102,30 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
     )
 
 
-def measure(
-    llm, clock: NormClock | None, tokens: int, request: str
-) -> dict[str, list[int]]:
-    """Per engine step of one ``tokens``-token generation, in nanoseconds:
-    ``wall``, ``cpu`` and inside the norms ``norm_wall``, ``norm_cpu``, and
-    ``norm_calls``."""
+def add_request(llm, tokens: int, request: str) -> None:
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=tokens
     )
-    engine = llm.llm_engine
-    engine.add_request(request, {"prompt_token_ids": PROMPT}, params)
-    out: dict[str, list[int]] = {k: [] for k in ("wall", "cpu", *NORM_KEYS)}
-    done = []
-    while engine.has_unfinished_requests():
-        norms = clock.read() if clock else (0, 0, 0)
-        wall, cpu = time.perf_counter_ns(), time.process_time_ns()
-        done += [o for o in engine.step() if o.finished]
-        out["wall"].append(time.perf_counter_ns() - wall)
-        out["cpu"].append(time.process_time_ns() - cpu)
-        after = clock.read() if clock else (0, 0, 0)
-        for key, a, b in zip(NORM_KEYS, after, norms, strict=True):
-            out[key].append(a - b)
-    assert len(done[0].outputs[0].token_ids) == tokens
+    llm.llm_engine.add_request(request, {"prompt_token_ids": PROMPT}, params)
+
+
+def step(llm, clock: NormClock | None) -> dict[str, Any]:
+    """One engine step, in nanoseconds: ``wall``, ``cpu`` and inside the norms
+    ``norm_wall``, ``norm_cpu``, and ``norm_calls``; ``finished``."""
+    norms = clock.read() if clock else (0, 0, 0)
+    wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+    outputs = llm.llm_engine.step()
+    out: dict[str, Any] = {
+        "wall": time.perf_counter_ns() - wall,
+        "cpu": time.process_time_ns() - cpu,
+    }
+    after = clock.read() if clock else (0, 0, 0)
+    out.update((k, a - b) for k, a, b in zip(NORM_KEYS, after, norms, strict=True))
+    out["finished"] = not llm.llm_engine.has_unfinished_requests()
+    if out["finished"]:
+        assert any(o.finished for o in outputs)
     return out
 
 
@@ -150,8 +151,12 @@ def main(config_text: str) -> int:
         command = json.loads(line)
         if command.get("stop"):
             break
-        set_threads(command["threads"])
-        answer(measure(llm, clock, command["tokens"], str(n)))
+        if command.get("step"):
+            answer(step(llm, clock))
+        else:
+            set_threads(command["threads"])
+            add_request(llm, command["tokens"], str(n))
+            answer({"added": str(n)})
     return 0
 
 

@@ -527,10 +527,10 @@ def decode_lines(decode: dict[str, Any]) -> list[str]:
         f"{d['kernel_build']}",
         "",
         f"{model}; batch 1; each round, every engine (each kept alive in its "
-        f"own process) in turn generates {d['tokens']} tokens; a round's figure "
-        "is the median of its decode steps; ratios are trimmed means of "
-        "per-round ratios with bootstrap 95% intervals; the CPU time is the "
-        "engine process's.",
+        f"own process) generates {d['tokens']} tokens, the engines taking turns "
+        "step by step; a round's figure is the median of its decode steps; "
+        "ratios are trimmed means of per-round ratios with bootstrap 95% "
+        "intervals; the CPU time is the engine process's.",
         "",
     ]
     if "comparisons" in d:
