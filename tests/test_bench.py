@@ -498,7 +498,7 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
     assert not fine["consistent"]["contradicts"]
     assert odd["consistent"]["contradicts"]
-    text = "\n".join(bench_result.decode_block_lines(odd))
+    text = "\n".join(bench_result.decode_block(evidence_record._decode_block(odd, "b")))
     assert "**contradicts**" in text
 
 
@@ -546,11 +546,12 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
 
-    text = "\n".join(bench_result.decode_lines(decode_section(busy=(2, 3))))
+    section = evidence_record._decode(decode_section(busy=(2, 3)), "decode")
+    text = "\n".join(bench_result.decode_markdown(section))
     assert text.startswith(
         "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
     )
-    assert "| base/base (A/A control) |" in text and "### 2 threads" in text
+    assert "| `base/base` (A/A control) |" in text and "### 2 threads" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())

@@ -7,7 +7,6 @@ tables and lists (a description has a size bound)."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
@@ -15,14 +14,19 @@ from vllm_patch.runtime.evidence_record import (
     MODES,
     NATIVE,
     SIDES,
+    Decode,
+    DecodeBlock,
     Divergence,
     Evidence,
+    Interval,
     Load,
     Machine,
     Numerics,
     PerOp,
+    Qwen3Eager,
     Serving,
 )
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 __all__ = ["METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
@@ -223,6 +227,7 @@ def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
         ev.perop and perop_claim(ev.perop, limit),
         tokens_claim(ev),
         lm_eval_claim(ev),
+        ev.qwen3 and qwen3_claim(ev.qwen3),
     ]
     return [c for c in found if c]
 
@@ -254,29 +259,27 @@ def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
     return out
 
 
-QWEN3_SIDES = {
+QWEN3_LABELS = {
     "base": "base: native",
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
 
 
-def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
+def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
-    found = escaped(found)
-    sides, rows = found["sides"], []
-    for side, name in QWEN3_SIDES.items():
-        than = found.get(side)  # base against base: no row of its own
-        shares = sides[side]["distinct_share"]
-        first = than and than["first_divergence"]
+    rows = []
+    for side, name in QWEN3_LABELS.items():
+        found, than = q.sides[side], q.against.get(side)  # base: no row of its own
+        shares = found.distinct_share
         rows.append(
             [
-                f"{name} ({found['patch']})" if side == "patched" else name,
-                " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
-                than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
-                than and first_difference(first and Divergence(**first)),
-                than and f"{than['max_abs_dlogprob']:.3g}",
+                f"{name} ({md.code(q.patch, 60)})" if side == "patched" else name,
+                " + ".join(map(str, found.kernel_calls)),
+                than and f"{than.identical} of {than.prompts}",
+                than and first_difference(than.first),
+                than and f"{than.max_dlogprob:.3g}",
                 f"{sum(shares) / len(shares):.2f}",
             ]
         )
@@ -294,18 +297,37 @@ def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
         "k_norm run on strided per-head views of the qkv output, which the CPU "
         "kernels read as contiguous; the patched vLLM sends them to native, but "
         "for one token's row (a one-sequence decode step), which is contiguous. "
-        f"Here: {found['model']['description']}; {len(found['prompts'])} "
-        f"prompts, {found['max_tokens']} greedy tokens each, eager, one offline "
-        "engine per side.",
+        f"Here: {md.text(q.description, 400)}; "
+        f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
+        "offline engine per side.",
         "",
         md.table(header, rows),
     ]
-    first = (found.get("unguarded") or {}).get("first_divergence")
-    if first:
-        texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
-        out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
-        out += [f"- {s}: {' '.join(t.split()[:16])} …" for s, t in texts.items()]
+    first = q.against["unguarded"].first
+    texts = {s: q.sides[s].texts for s in ("base", "unguarded")}
+    if first and all(first.prompt < len(t) for t in texts.values()):
+        out += ["", f"Prompt {first.prompt + 1}'s completion:", ""]
+        out += [
+            f"- {s}: {md.code(' '.join(t[first.prompt].split()[:16]) + ' …')}"
+            for s, t in texts.items()
+        ]
     return out
+
+
+def qwen3_claim(q: Qwen3Eager) -> str:
+    patched, unguarded = q.against["patched"], q.against["unguarded"]
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical} of {q.prompts} prompts give the base's "
+        f"greedy tokens (largest |Δ logprob| {patched.max_dlogprob:.3g}), the "
+        f"kernels running {sum(q.sides['patched'].kernel_calls)} times"
+    )
+    if unguarded.first is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical} of {q.prompts}."
+    )
 
 
 def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
@@ -418,137 +440,98 @@ def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
     return out
 
 
-# --- the decode section (``bench --decode``), from its bounded tree ---
-
-
-def escaped(tree: Any) -> Any:
-    """A bounded tree (``evidence_record._tree``) with every string, keys
-    included, as literal Markdown text."""
-    if isinstance(tree, dict):
-        return {md.text(k, 80): escaped(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [escaped(v) for v in tree]
-    return md.text(tree, 200) if isinstance(tree, str) else tree
-
-
-def excludes(ci95: list[float], value: float) -> bool:
-    return ci95[0] > value or ci95[1] < value
-
-
-def shown_ratio(found: dict[str, Any] | None) -> str:
-    if not found:
+def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
+    if found is None:
         return "-"
-    lo, hi = found["ci95"]
-    return f"{found['ratio']:.3f}x [{lo:.3f}–{hi:.3f}]"
+    v, lo, hi = (format(x, fmt) for x in (found.value, found.low, found.high))
+    return f"{v}{unit} [{lo}–{hi}]"
 
 
-def shown_ms(found: dict[str, Any] | None) -> str:
-    if not found:
-        return "-"
-    lo, hi = found["ci95"]
-    return f"{found['ms']:.2f} [{lo:.2f}–{hi:.2f}]"
-
-
-def verdict(found: dict[str, Any], label: str) -> str:
+def verdict(found: Interval, label: str) -> str:
     """What an interval says against 1.0."""
-    if not excludes(found["ci95"], 1.0):
+    if found.low <= 1.0 <= found.high:
         return "no difference resolved (the interval contains 1.0)"
-    faster = found["ci95"][1] < 1.0
-    return f"{label} {'faster' if faster else 'slower'}"
+    return f"{label} {'faster' if found.high < 1.0 else 'slower'}"
 
 
-def decode_block_lines(b: dict[str, Any]) -> list[str]:
-    from vllm_patch.runtime.machine import BUSY_SHARE
-
-    comps = b["comparisons"]
+def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+    """A thread count's decode figures: the ratios, per engine the step and
+    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
     rows = [
         [
-            label + (" (A/A control)" if label == "base/base" else ""),
-            shown_ratio(c),
-            shown_ratio(c.get("wall")),
-            c["n"],
+            md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
+            interval_shown(c.cpu, unit="x"),
+            interval_shown(c.wall, unit="x"),
+            c.pairs,
         ]
-        for label, c in comps.items()
+        for label, c in b.comparisons.items()
     ]
-    out = [
-        md.table(["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]",
-                  "pairs"], rows),
-        "",
-    ]  # fmt: skip
+    header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
+    out = [md.table([*header, "pairs"], rows, limit), ""]
+    norm = bool(b.norm_ms)
     header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
-    if "norm_ms" in b:
-        header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"]
-    out.append(
-        md.table(
-            header,
-            [
-                [n, shown_ms(b["step_ms"][n]), shown_ms(b["step_wall_ms"][n])]
-                + (
-                    [shown_ms(b["norm_ms"][n]), shown_ms(b["norm_wall_ms"][n])]
-                    if "norm_ms" in b
-                    else []
-                )
-                for n in b["step_ms"]
-            ],
-        )
-    )
-    for side, s in (b.get("savings") or {}).items():
-        share = s["share"]
+    header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"] if norm else []
+    rows = []
+    for name, step in b.step_ms.items():
+        row = [md.code(name, 60), *(interval_shown(x, ".2f") for x in step)]
+        if norm:
+            inside = b.norm_ms.get(name, (None, None))
+            row += [interval_shown(x, ".2f") for x in inside]
+        rows.append(row)
+    out += [md.table(header, rows, limit), ""]
+    calls = f" ({b.norm_calls:.0f} calls)" if b.norm_calls is not None else ""
+    for side, saved in list(b.savings.items())[:limit]:
+        share, (lo, hi) = saved.share, saved.expected
         out += [
-            "",
-            f"- {side}: {shown_ms(s['saving_ms'])} ms of CPU time saved inside "
-            f"RMSNorm per decode step ({b['norm_calls_per_step']:.0f} calls), "
-            f"{share['share']:.1%} [{share['ci95'][0]:.1%}–{share['ci95'][1]:.1%}] "
-            f"of base's step: a step ratio of {s['expected_ratio'][0]:.3f}–"
-            f"{s['expected_ratio'][1]:.3f} expected.",
+            f"- {md.text(side, 60)}: {interval_shown(saved.ms, '.2f')} ms of CPU "
+            f"time saved inside RMSNorm per decode step{calls}, {share.value:.1%} "
+            f"[{share.low:.1%}–{share.high:.1%}] of base's step: a step ratio of "
+            f"{lo:.3f}–{hi:.3f} expected.",
         ]
-    if "consistent" in b:
-        c = b["consistent"]
+    if b.contradicts is not None:
+        said = ("**contradicts**", "misses") if b.contradicts else (
+            "does not contradict", "meets"
+        )  # fmt: skip
         out.append(
-            "- The end-to-end patched/base ratio "
-            + ("**contradicts**" if c["contradicts"] else "does not contradict")
-            + " the attributed saving (its interval "
-            + ("misses" if c["contradicts"] else "meets")
-            + " the expected one)."
+            f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
+            f"(its interval {said[1]} the expected one)."
         )
     out.append(
-        f"- {b['busy_rounds']} of {b['rounds']} rounds busy (other processes "
-        f"used over {BUSY_SHARE:.0%} of the CPU time)."
+        f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
+        f"{BUSY_SHARE:.0%} of the CPU time)."
     )
     return out
 
 
-def decode_lines(decode: dict[str, Any]) -> list[str]:
-    """The decode section, the headline first; every string in it escaped."""
-    d = escaped(decode)
-    model = d["model"].get("name") or d["model"].get("description")
+def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+    """``evidence.md``'s decode section: the headline first."""
     out = [
-        f"## Decode step: {d['dtype']}, {d['threads']} thread(s), kernel build "
-        f"{d['kernel_build']}",
+        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"build {md.text(d.kernel_build, 20)}",
         "",
-        f"{model}; batch 1; each round, every engine (each kept alive in its "
-        f"own process) generates {d['tokens']} tokens, the engines taking turns "
-        "step by step; a round's figure is the median of its decode steps; "
+        f"{md.text(d.model)}; batch 1; each round, every engine (each kept alive "
+        f"in its own process) generates {d.tokens} tokens, the engines taking "
+        "turns step by step; a round's figure is the median of its decode steps; "
         "ratios are trimmed means of per-round ratios with bootstrap 95% "
         "intervals; the CPU time is the engine process's.",
         "",
     ]
-    if "comparisons" in d:
-        out += decode_block_lines(d)
-    for n, b in d["by_threads"].items():
-        if str(n) != str(d["threads"]):
-            out += ["", f"### {n} threads", "", *decode_block_lines(b)]
-    for n, b in d["compiled"].items():
-        c = b["comparisons"].get("+rms_norm/default")
+    if d.headline:
+        out += decode_block(d.headline, limit)
+    for n, b in list(d.by_threads.items())[:limit]:
+        if n != str(d.threads):
+            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+    for n, b in list(d.compiled.items())[:limit]:
         out += [
             "",
-            f"### Compiled (Inductor), {n} thread(s): custom_ops "
+            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
             '["none", "+rms_norm"] (the kernels) against the default (native)',
             "",
-            *decode_block_lines(b),
+            *decode_block(b, limit),
         ]
-        if c:
-            out.append(f"- Kernels under Inductor: {verdict(c, '+rms_norm')}.")
+        found = b.comparisons.get("+rms_norm/default")
+        if found:
+            out.append(f"- Kernels under Inductor: {verdict(found.cpu, '+rms_norm')}.")
     return out
 
 
@@ -574,7 +557,7 @@ def evidence_markdown(ev: Evidence) -> str:
     if found:
         out += ["", "## In short", "", *found]
     if ev.decode:
-        out += ["", *decode_lines(ev.decode)]
+        out += ["", *decode_markdown(ev.decode)]
     serving = ev.serving
     if serving:
         said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
@@ -585,8 +568,9 @@ def evidence_markdown(ev: Evidence) -> str:
             out += ["", "What the servers logged about their kernels:", ""]
             out += kernels_lines(serving)
     acc = accuracy_lines(ev)
-    if ev.qwen3_eager:
-        acc += ["", *qwen3_eager_markdown(ev.qwen3_eager)]
+    if ev.qwen3:
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += qwen3_eager_markdown(ev.qwen3)
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:
