@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import requires_vllm
 
-from patcher.backup import sha256
+from patcher.backup import hex_digest as sha256
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch.runtime import child

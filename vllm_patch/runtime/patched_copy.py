@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from patcher.backup import sha256
+from patcher.backup import hex_digest
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, linked_copy
 
@@ -67,7 +67,7 @@ def _hashes(tree: VllmTree, files: list[str]) -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     for rel in files:
         try:
-            found[rel] = sha256(tree.path(rel).read_bytes())
+            found[rel] = hex_digest(tree.path(rel).read_bytes())
         except FileNotFoundError:
             found[rel] = None
     return found

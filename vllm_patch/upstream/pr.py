@@ -429,17 +429,17 @@ def _with_ci(described: dict[str, list[str]], ci: list[CiEdit]) -> dict:
     return {**described, **more}
 
 
-def commit_message(s: Settings, trailer: str) -> str:
+def commit_message(upstream: Upstream, identity: Identity, trailer: str) -> str:
     """Title, why (the patch's text), the attribution trailer and the sign-off;
     wrapped at 72 columns. The description says the rest."""
-    title = s.upstream.title
+    title = upstream.title
     if len(title) > WIDTH:
         raise PatchError(
             f"the commit title is over {WIDTH} columns",
             looked_for="[upstream] title",
             found=title,
         )
-    return f"{title}\n\n{_wrap(s.upstream.body)}\n\n{trailer}\n{s.identity.signoff}\n"
+    return f"{title}\n\n{_wrap(upstream.body)}\n\n{trailer}\n{identity.signoff}\n"
 
 
 def _wrap(text: str) -> str:
@@ -454,7 +454,7 @@ def _wrap(text: str) -> str:
 def _commit(s: Settings, switched: Switched, done: Commit, body: str) -> git.Commit:
     """Commit the applied patch with the trailer and a sign-off."""
     s.repo.git.add("--", *done.files)
-    message = commit_message(s, pr_body.attribution(s.root))
+    message = commit_message(s.upstream, s.identity, pr_body.attribution(s.root))
     s.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
     commit = s.repo.head.commit
     print(
