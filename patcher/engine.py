@@ -13,10 +13,11 @@ the next ``apply`` completes and ``revert`` undoes. One writer at a time.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -342,6 +343,20 @@ def _restorable(tree: VllmTree, patch: Patch) -> bool:
     return bool(_originals(tree, patch)[0])
 
 
+@contextlib.contextmanager
+def nothing_changed_on_error() -> Iterator[None]:
+    """A system error (a full disk, an I/O error) before any source is written:
+    one message that says the tree is as it was."""
+    try:
+        yield
+    except OSError as exc:
+        raise PatchError(
+            f"cannot proceed ({exc.strerror or exc})",
+            path=printable(exc.filename) if exc.filename else None,
+            found="nothing was changed",
+        ) from exc
+
+
 @dataclass(frozen=True)
 class Outcome:
     patch: str
@@ -366,26 +381,18 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     refuse_wheel(tree.location, "apply to")
     if planned.errors:
         raise planned.errors[0]
-    patch, notes = planned.patch, []
+    patch, notes, changes = planned.patch, [], planned.file_changes()
     with locked(tree.location):
-        _clean(tree, patch)
-        _still_current(tree, planned)
-        changes = planned.file_changes()
-        _refuse_read_only(tree, changes)
-        backup = _backup(tree, patch) if changes else None
-        if backup is not None:
-            entries, problems = backup.read()
-            notes += [f"damaged backup, entry left out: {p}" for p in problems]
-            made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
-            try:
+        with nothing_changed_on_error():
+            _clean(tree, patch)
+            _still_current(tree, planned)
+            _refuse_read_only(tree, changes)
+            backup = _backup(tree, patch) if changes else None
+            if backup is not None:
+                entries, problems = backup.read()
+                notes += [f"damaged backup, entry left out: {p}" for p in problems]
+                made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
                 backup.save(entries, made)
-            except OSError as exc:
-                raise PatchError(
-                    f"cannot write the backup ({exc.strerror})",
-                    path=printable(exc.filename or backup.folder),
-                    looked_for="room for plain copies of the originals",
-                    found="nothing was changed",
-                ) from exc
         _write(tree, changes)
     if not changes:
         done = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
@@ -400,8 +407,9 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     every other file by the inverse edits; then the backup is deleted."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
-        _clean(tree, patch)
-        p = plan(tree, patch, "revert")
+        with nothing_changed_on_error():
+            _clean(tree, patch)
+            p = plan(tree, patch, "revert")
         damaged = [w for w in p.warnings if w.startswith("damaged backup")]
         if p.errors and damaged:
             error, backup = p.errors[0], _backup(tree, patch)
@@ -419,8 +427,11 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
         _refuse_read_only(tree, changes)
         _write(tree, changes)
         backup = _backup(tree, patch)
-        if backup is not None:
-            backup.discard()
+        try:
+            if backup is not None:
+                backup.discard()
+        except OSError as exc:  # the sources are back: a stale store is harmless
+            damaged.append(f"{backup.folder}: not deleted ({exc.strerror})")
     action = "reverted" if changes else "nothing to revert"
     return Outcome(patch.name, action, tuple(changes), tuple(damaged))
 

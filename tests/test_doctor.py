@@ -22,7 +22,7 @@ from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 from vllm_patch.doctor import environment, imports
 from vllm_patch.doctor.patches import (
-    _route_findings,
+    _registered_finding,
     opt_in_finding,
     plugin_filter_findings,
 )
@@ -67,9 +67,8 @@ HEALTHY = [
     ("ir", "ok", "vllm.ir imports"),
     (f"{PATCH}:patch", "info", "not applied"),
     (f"{PATCH}:entry_point", "ok", "vllm.general_plugins"),
-    (f"{PATCH}:provider", "ok", "'vllm_c_cpu' registers"),
+    (f"{PATCH}:provider", "info", "'vllm_c_cpu' loads and is off"),
     (f"{PATCH}:opt_in", "info", "is not set"),
-    (f"{PATCH}:redundant", "ok", "still useful"),
 ]
 
 
@@ -83,17 +82,17 @@ def test_a_healthy_environment(healthy, check, status, words):
 
 
 @requires_vllm
-def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
+def test_on_a_patched_vllm_the_provider_stands_aside(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
-    engine.apply(tree := open_tree(copy), engine.plan(tree, select([PATCH])[0]))
-    rc, findings, _ = doctor(pythonpath=[copy])
+    patch = select(["rms_norm_forward_cpu"])[0]
+    engine.apply(tree := open_tree(copy), engine.plan(tree, patch))
+    rc, findings, _ = doctor(pythonpath=[copy], env={OPT_IN_ENV: "1"})
     assert str(copy) in findings["vllm"]["message"]
-    assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")
-    redundant = findings[f"{PATCH}:redundant"]
-    assert redundant["status"] == "info"
+    provider = findings[f"{PATCH}:provider"]
+    assert provider["status"] == "info"
     assert (
-        "already enables vllm_c on CPU: the provider 'vllm_c_cpu' can go"
-        in (redundant["message"])
+        "stands aside: this vLLM's RMSNorm has its own forward_cpu"
+        in (provider["message"])
     )
     assert rc == 0
 
@@ -154,9 +153,9 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
 OPT_IN_VALUES = [
     # (value, status, words): the provider judges the value, the doctor says it
     (None, "info", "is not set"),
-    ("1", "ok", "'prov' is opted in"),
-    ("TRUE", "ok", "'prov' is opted in"),  # vLLM's own spelling of a true flag
-    ("0", "info", "'prov' is not opted in"),
+    ("1", "ok", "'prov' is on"),
+    ("TRUE", "ok", "'prov' is on"),  # vLLM's own spelling of a true flag
+    ("0", "info", "'prov' is off"),
     ("yes", "fix", "='yes' is ignored: 1 or true turns the fused CPU norms on"),
     ("on", "fix", "='on' is ignored"),
 ]
@@ -299,19 +298,16 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
 @pytest.mark.parametrize(
     "status, said",
     [
+        ({"route": "CustomOp"}, "ok: provider 'prov': route CustomOp"),
         (
-            {"opt_in": True, "route": "custom_op", "route_reason": "no vLLM IR"},
-            "ok: provider 'prov': route custom_op (no vLLM IR): vLLM's RMSNorm",
+            {"stood_aside": "RMSNorm defines forward_cpu"},
+            "info: provider 'prov' stands aside: RMSNorm defines forward_cpu",
         ),
-        (
-            {"opt_in": True, "not_applicable": "RMSNorm defines forward_cpu"},
-            "info: provider 'prov' changes nothing here: RMSNorm defines forward_cpu",
-        ),
-        ({"opt_in": False, "route": None}, None),
-        ({"opt_in": True, "errors": ["registering: boom"]}, None),  # said above
+        ({"route": None}, "info: provider 'prov' loads and is off"),
+        ({"error": "RuntimeError: boom"}, "fix: provider prov: RuntimeError: boom"),
     ],
-    ids=["route taken", "stands aside", "not opted in", "failed"],
+    ids=["route taken", "stands aside", "off", "failed"],
 )
 def test_the_provider_s_customop_route(status, said):
-    found = [f"{f.status}: {f.message}" for f in _route_findings("p", "prov", status)]
-    assert found == [] if said is None else found[0].startswith(said), found
+    found = _registered_finding("p", "prov", status, "a.provider", "python")
+    assert f"{found.status}: {found.message}" == said

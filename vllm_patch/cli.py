@@ -127,7 +127,8 @@ def _report(outcome: engine.Outcome) -> None:
 def cmd_apply(args: argparse.Namespace) -> int:
     tree = open_tree(args.vllm, writing="apply to")
     with engine.writing(tree):  # planned and written with no writer between
-        _, plans = _plans(args, tree)
+        with engine.nothing_changed_on_error():
+            _, plans = _plans(args, tree)
         for p in plans:  # refuse before the first patch is written, not after
             if p.errors:
                 raise p.errors[0]
@@ -139,7 +140,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_revert(args: argparse.Namespace) -> int:
     tree = open_tree(args.vllm, writing="revert")
     with engine.writing(tree):
-        for patch in engine.choose(tree, args.patch, "revert"):
+        with engine.nothing_changed_on_error():
+            chosen = engine.choose(tree, args.patch, "revert")
+        for patch in chosen:
             _report(engine.revert(tree, patch))
     return ExitCode.OK
 

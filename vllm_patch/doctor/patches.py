@@ -28,11 +28,7 @@ def provider_module(patch: Patch) -> str | None:
     return (patch.meta.get("provider") or {}).get("module")
 
 
-def patch_findings(
-    tree: VllmTree, patch: Patch, results, python, ir: bool
-) -> list[Finding]:
-    """``ir``: this vLLM has vLLM IR (from 0.20 on); before it, the provider's
-    IR impls and the upstream IR provider are no part of the story."""
+def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Finding]:
     plan = engine.plan(tree, patch)
     why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
     status, state = {
@@ -56,32 +52,10 @@ def patch_findings(
         return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
-    if ir or status.get("errors"):
-        out.append(_registered_finding(patch.name, name, status, python))
+    out.append(_registered_finding(patch.name, name, status, module, python))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
-    out += _route_findings(patch.name, name, status)
     out += plugin_filter_findings(patch.name, entry, name, status)
-    if ir:
-        upstream = attrs.get("UPSTREAM_PROVIDER") or "the upstream provider"
-        out.append(_redundant_finding(patch.name, name, upstream, status))
     return out
-
-
-def _route_findings(patch: str, name: str, status: dict) -> list[Finding]:
-    """Opted in: whether the provider's RMSNorm (the CustomOp route) is
-    registered here, or why it stands aside."""
-    check = f"{patch}:route"
-    if not status.get("opt_in") or status.get("errors"):
-        return []
-    if status.get("route"):
-        said = (
-            f"provider {name!r}: route {status['route']} "
-            f"({status.get('route_reason')}): vLLM's RMSNorm.forward_cpu calls the "
-            "CPU kernels where the rms_norm custom op is enabled (eager)"
-        )
-        return [Finding(check, "ok", said)]
-    why = status.get("not_applicable") or "no route taken"
-    return [Finding(check, "info", f"provider {name!r} changes nothing here: {why}")]
 
 
 def _entry_points_of(module: str) -> list[metadata.EntryPoint]:
@@ -110,45 +84,21 @@ def _entry_point_finding(patch: str, module: str, entry, python: str) -> Finding
     return Finding(f"{patch}:entry_point", "ok", said)
 
 
-def _registered_finding(patch: str, name: str, status: dict, python: str) -> Finding:
-    """The ops the provider supports here, or the first error it recorded."""
-    if status.get("errors"):
-        return Finding(
-            f"{patch}:provider",
-            "fix",
-            f"provider {name}: {status['errors'][0]}",
-            f"{python} -m compat_matrix.probe shows each check",
-        )
-    supported = [op for op, yes in (status.get("supported") or {}).items() if yes]
-    reasons = status.get("unsupported_reasons") or {}
-    return Finding(
-        f"{patch}:provider",
-        "ok" if supported else "info",
-        f"provider {name!r} registers; supported here for "
-        f"{', '.join(supported) or 'no op'}"
-        + "".join(f"; {op}: {why}" for op, why in reasons.items()),
-    )
-
-
-def _redundant_finding(patch: str, name: str, upstream: str, status: dict) -> Finding:
-    """Whether this vLLM already enables the upstream provider on CPU."""
-    if status.get("redundant"):
-        return Finding(
-            f"{patch}:redundant",
-            "info",
-            f"this vLLM already enables {upstream} on CPU: the provider {name!r} "
-            "can go (it stands down by itself meanwhile)",
-        )
-    if status.get("redundant_error"):
-        error = status["redundant_error"]
-        said = f"could not tell whether the provider is redundant: {error}"
-        return Finding(f"{patch}:redundant", "info", said)
-    return Finding(
-        f"{patch}:redundant",
-        "ok",
-        f"the provider {name!r} is still useful: this vLLM does not enable "
-        f"{upstream} on CPU",
-    )
+def _registered_finding(
+    patch: str, name: str, status: dict, module: str, python: str
+) -> Finding:
+    """What the provider did when the child ran it: the route it took, why it
+    stood aside (e.g. this vLLM has the change), or the error that stopped it."""
+    check = f"{patch}:provider"
+    if status.get("error"):
+        hint = traceback_hint(python, module)
+        return Finding(check, "fix", f"provider {name}: {status['error']}", hint)
+    if status.get("stood_aside"):
+        said = f"provider {name!r} stands aside: {status['stood_aside']}"
+        return Finding(check, "info", said)
+    if status.get("route"):
+        return Finding(check, "ok", f"provider {name!r}: route {status['route']}")
+    return Finding(check, "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
@@ -160,9 +110,7 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
         return Finding(
             check,
             "info",
-            f"{var} is not set: vLLM runs its own RMSNorm ({var}=1 opts in to "
-            f"the provider {name!r}: an RMSNorm whose forward_cpu calls the CPU "
-            "kernels)",
+            f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)",
         )
     # The provider judges its own variable (the child ran it in this environment).
     if status.get("opt_in_ignored"):
@@ -170,9 +118,8 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
             check, "fix", status["opt_in_ignored"], f"export {var}=1 (or unset it)"
         )
     if status.get("opt_in"):
-        extra = " (not needed: see below)" if status.get("redundant") else ""
-        return Finding(check, "ok", f"{var}={value}: {name!r} is opted in{extra}")
-    return Finding(check, "info", f"{var}={value!r}: {name!r} is not opted in")
+        return Finding(check, "ok", f"{var}={value}: {name!r} is on")
+    return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
 
 
 def plugin_filter_findings(

@@ -1,6 +1,6 @@
 """One real vLLM engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on
 a random-weight Llama, generating under torch's profiler:
-``python engine.py MODEL_DIR eager|compiled OUT.json`` writes the CPU kernels'
+``python engine_start.py MODEL_DIR eager|compiled OUT.json`` writes the CPU kernels'
 calls and the generated token ids to OUT.json (vLLM logs to stdout)."""
 
 import json
