@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 
 from patcher.errors import PatchError
 from patcher.patchset import select
@@ -221,9 +220,7 @@ TOOL = pr_body.tool_version()
 def render(root: Path, runs: TestRuns, ev: dict | None, upstream=UPSTREAM) -> str:
     ci = [wire(root, w) for w in UPSTREAM.ci]
     facts = pr_body.Facts(
-        version=Version("0.33.0"),
         evidence=ev and evidence_record.parse(ev),
-        checkout=root,
         described={
             **DESCRIBED,
             **{e.wiring.file: e.described() for e in ci if e.text},

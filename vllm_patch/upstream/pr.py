@@ -511,9 +511,7 @@ def _description(s: Settings, switched: Switched, done: Change) -> str:
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
     facts = pr_body.Facts(
-        version=checkout_version(s.repo, s.tree),
         evidence=s.evidence,
-        checkout=s.root,
         described=done.described,
         tests=_tests(s, done.plan),
         left_out={e.edit.file: e.skipped.message for e in done.plan.skipped},
