@@ -358,7 +358,8 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            text = f"{r.median_us:.1f}{ratio}"
+            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
+            text = f"{r.median_us:.1f}{spread}{ratio}"
         cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
     rows = [
         [md.code(op, 60), tokens, *(found.get(c) for c in columns)]
@@ -369,10 +370,74 @@ def perop_table(
 
 
 def perop_heading(perop: PerOp, escape=md.text) -> str:
-    return (
-        f"Microseconds per call (native / this), {escape(perop.dtype, 20)}, hidden "
-        f"{perop.hidden_size}, {perop.threads} thread"
+    spread = (
+        ""
+        if perop.clock is None
+        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
     )
+    return (
+        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"hidden {perop.hidden_size}, {perop.threads} thread"
+    )
+
+
+SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
+         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+
+
+def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+    """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
+    call, CustomOp dispatch (layer call - its forward method), the forward
+    method's own work with IR dispatch (forward - what it runs), IR dispatch
+    alone (an ``ir:`` route - the kernel with its allocation), the allocation
+    and the bare kernel (or native's ops). Medians, microseconds."""
+    rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
+    us = {(r.env, r.op, r.route): r.median_us for r in rows}
+    out = []
+    for r in rows:
+        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        forward = us.get((env, op, f"forward:{cls}"))
+        if not r.route.startswith("layer:") or forward is None:
+            continue
+        kernel = r.impl == "kernel"
+        impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
+        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
+              and route.startswith("ir:")]  # fmt: skip
+        cells = [
+            r.median_us,
+            r.median_us - forward,
+            None if impl is None else forward - impl,
+            min(ir) - impl if ir and kernel and impl is not None else None,
+            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, "kernel:bare")) if kernel else impl,
+        ]
+        names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
+        out.append(names + [None if c is None else round(c, 1) for c in cells])
+    return out
+
+
+def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+    """The per-call section: the table, each child's load, where time goes."""
+    out = [perop_table(perop, limit=limit)]
+    if perop.load:
+        loads = ", ".join(
+            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+            for x in perop.load
+        )
+        out += [
+            "",
+            f"Load average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs.",
+        ]
+    split = perop_split(perop)
+    if split:
+        out += [
+            "",
+            "Where a layer call's time goes (1 token, medians, microseconds):",
+            "",
+            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
+        ]
+    return out
 
 
 def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
@@ -512,6 +577,5 @@ def evidence_markdown(ev: Evidence) -> str:
         heading = "## Numerics per x86 kernel build"
         out += ["", heading, "", numerics_table(ev.numerics)]
     if ev.perop:
-        heading = f"## {perop_heading(ev.perop)}"
-        out += ["", heading, "", perop_table(ev.perop)]
+        out += ["", f"## {perop_heading(ev.perop)}", "", *perop_lines(ev.perop)]
     return "\n".join(out) + "\n"

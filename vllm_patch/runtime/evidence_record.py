@@ -340,6 +340,17 @@ class PerOpRow:
     native_us: float | None
     wrong: str | None
     """Why this route was not timed: outside the op's tolerance."""
+    p10_us: float | None = None
+    p90_us: float | None = None
+    impl: str | None = None
+    """A layer route's: what the layer ran, ``kernel`` or ``native``."""
+
+
+@dataclass(frozen=True)
+class ChildLoad:
+    env: str
+    load_average: float
+    other_share: float
 
 
 @dataclass(frozen=True)
@@ -348,6 +359,8 @@ class PerOp:
     dtype: str
     threads: int
     rows: tuple[PerOpRow, ...]
+    clock: str | None = None
+    load: tuple[ChildLoad, ...] = ()
 
 
 def _perop(value: object, at: str) -> PerOp:
@@ -365,15 +378,29 @@ def _perop(value: object, at: str) -> PerOp:
                 _req(_text, row, where, "route"),
                 *timed,
                 wrong,
+                *(_opt(_time, row, where, k) for k in ("p10_us", "p90_us")),
+                _opt(_text, row, where, "impl"),
             )
         )
     if len({(r.env, r.route) for r in rows}) > MOST_COLUMNS:
         raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
+    loads = tuple(
+        ChildLoad(
+            _req(_text, x, f"{at}.load[{i}]", "env"),
+            *(
+                _req(_number, x, f"{at}.load[{i}]", k)
+                for k in ("load_average", "other_share")
+            ),
+        )
+        for i, x in enumerate(_opt(_list, value, at, "load") or [])
+    )
     return PerOp(
         _req(_count, value, at, "hidden_size"),
         _req(_text, value, at, "dtype"),
         _req(_count, value, at, "threads"),
         tuple(rows),
+        _opt(_text, value, at, "clock"),
+        loads,
     )
 
 

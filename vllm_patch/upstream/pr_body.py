@@ -14,8 +14,6 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
-
 from patcher.errors import PatchError
 from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
@@ -85,9 +83,7 @@ def _misfit(ev: Evidence, patch: Patch) -> str | None:
 class Facts:
     """What a description is made of, besides the patch's own text."""
 
-    version: Version | None
     evidence: Evidence | None = None
-    checkout: Path | None = None
     described: dict[str, list[str]] = field(default_factory=dict)  # per file
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
