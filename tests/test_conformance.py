@@ -80,19 +80,6 @@ def results(tmp_path_factory):
     return out
 
 
-FORM_PARAMS = [
-    pytest.param(
-        "ir",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="the IR gate (enable_vllm_c.py) takes the rule on branch engine",
-        ),
-    ),
-    "custom_op",
-    "provider",
-]
-
-
 def _wrong(cells):
     return [
         c
@@ -101,7 +88,7 @@ def _wrong(cells):
     ]
 
 
-@pytest.mark.parametrize("form", FORM_PARAMS)
+@pytest.mark.parametrize("form", FORMS)
 def test_every_eager_cell(results, form):
     cells = results[form]["table"]["cells"]
     assert len(cells) == 324
@@ -110,7 +97,7 @@ def test_every_eager_cell(results, form):
     assert not wrong, f"{len(wrong)} cells, e.g. {wrong[:3]}"
 
 
-@pytest.mark.parametrize("form", FORMS)  # compiled, the IR form ranks native
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_every_compiled_cell(results, form, mode):
     graph = results[form]["table"]["graphs"][mode]
@@ -120,7 +107,7 @@ def test_every_compiled_cell(results, form, mode):
     assert graph["excess"] == 0.0
 
 
-@pytest.mark.parametrize("form", FORM_PARAMS)
+@pytest.mark.parametrize("form", FORMS)
 def test_the_residual_stream_keeps_its_norm(results, form):
     for found in results[form]["drift"]:
         assert abs(found["ratio"] - 1) < 0.01, found
