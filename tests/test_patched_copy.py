@@ -23,7 +23,9 @@ def test_a_patched_copy_leaves_the_installed_vllm_alone(targets):
     with patched_copy(installed, PATCH, record=record) as site:
         assert record["copy"] == str(site) and record["changed"] is True
         for f in files:
-            assert hex_digest((site / f).read_bytes()) != original[f]  # patched here ...
+            assert (
+                hex_digest((site / f).read_bytes()) != original[f]
+            )  # patched here ...
             assert (
                 hex_digest(installed.path(f).read_bytes()) == original[f]
             )  # ... not there

@@ -485,7 +485,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
-    from vllm_patch.bench.evidence import Run
+    from vllm_patch.bench.evidence import BenchRun
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -498,7 +498,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
         (out / planted).symlink_to(victim / "bashrc")
     before = snapshot(victim)
     with pytest.raises(PatchError, match="link|not a regular file"):
-        run = Run(out, print)
+        run = BenchRun(out, print)
         run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
         run.save()
     assert snapshot(victim) == before
@@ -539,6 +539,41 @@ def poisoned(payload: str) -> dict:
     return ev
 
 
+def interval(value: float, key: str = "ratio") -> dict:
+    return {key: value, "ci95": [value * 0.99, value * 1.01], "n": 12}
+
+
+def decoded(name: str = "a random-weight Llama", engine: str = "base") -> dict:
+    """``bench --decode``'s section as docs/bench.md lays it out."""
+    block = {
+        "comparisons": {"patched/base": {**interval(0.98), "wall": interval(0.97)}},
+        "step_ms": {engine: interval(310.2, "ms")},
+        "step_wall_ms": {engine: interval(320.0, "ms")},
+        "norm_ms": {engine: interval(9.1, "ms")},
+        "norm_calls_per_step": 33,
+        "savings": {
+            "patched": {
+                "saving_ms": interval(5.9, "ms"),
+                "share": {"share": 0.019, "ci95": [0.017, 0.021]},
+                "expected_ratio": [0.979, 0.983],
+            }
+        },
+        "consistent": {"contradicts": False, "expected_ratio": [0.979, 0.983]},
+        "rounds": 12,
+        "busy_rounds": 3,
+    }
+    return {
+        "model": {"name": name},
+        "dtype": "float32",
+        "threads": 1,
+        "kernel_build": "_C_AVX2",
+        "tokens": 9,
+        **block,
+        "by_threads": {"1": block, "2": block},
+        "compiled": {"1": block},
+    }
+
+
 def published(body: str) -> dict[str, list[str]]:
     """What GitHub makes of ``body`` (CommonMark and tables): HTML, link and
     image targets, headings, list items, text, code."""
@@ -565,18 +600,20 @@ def published(body: str) -> dict[str, list[str]]:
     return found
 
 
-def assert_data_only(body: str) -> None:
+def assert_data_only(body: str, pr: bool = True) -> None:
     seen = published(body)
     assert not [h for h in seen["html"] if re.search(r"<!--[^>]*" + MARK, h)]
     assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
     assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
-    assert not [h for h in seen["heading"] if MARK in h]
+    assert not [h for h in seen["heading"] if h.startswith(MARK)]  # none made
     ticked = [i for i in seen["item"] if i.startswith("[x]")]
     assert [i for i in ticked if AI_BOX not in i] == []  # only the tool's own box
     mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
     assert not mentions, mentions
     assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
     assert "Output throughput with this change over the base" in body
+    if not pr:
+        assert "## Decode step" in body and "(A/A control)" not in body
 
 
 def plant_evidence(fork: Fork, data: dict | str | bytes) -> Path:
@@ -602,6 +639,19 @@ def test_evidence_text_is_published_as_data(fork, capsys, payload):
     body = description(fork)
     assert_data_only(body)
     assert MARK in body  # shown, as data
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS.values()), ids=list(PAYLOADS))
+def test_evidence_md_shows_the_folder_as_data(payload):
+    """`bench` writes evidence.md with the same writers from the same records:
+    a folder edited afterwards and rendered again shows its strings as data."""
+    from vllm_patch.runtime import bench_result, evidence_record
+
+    doc = poisoned(payload)
+    doc["decode"] = decoded(payload, payload)
+    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    assert_data_only(text, pr=False)
+    assert MARK in text
 
 
 def spoiled(change: Callable[[dict], object]) -> dict:
@@ -687,6 +737,22 @@ BAD_EVIDENCE = {
     "a serving mode of its own": (
         lambda e: e["serving"]["configs"].update(turbo={}),
         "serving.configs.turbo: not one of eager, compiled",
+    ),
+    "decode.comparisons a list": (
+        lambda e: e.update(decode={**decoded(), "comparisons": []}),
+        "decode.comparisons: not a table",
+    ),
+    "a 400-digit decode ratio": (
+        lambda e: e.update(
+            decode={**decoded(), "comparisons": {"p/b": {"ratio": 10**400}}}
+        ),
+        "decode.comparisons.p/b.ratio: not a finite number",
+    ),
+    "a decode interval of three": (
+        lambda e: e.update(
+            decode={**decoded(), "step_ms": {"b": {"ms": 1, "ci95": [1, 2, 3]}}}
+        ),
+        "decode.step_ms.b.ci95: not [low, high]",
     ),
     "schema 2": (lambda e: e.update(schema=2), "no `schema: 1`"),
     "a list for the document": (lambda e: e.clear(), "no `schema: 1`"),

@@ -15,7 +15,7 @@ import pytest
 from conftest import requires_vllm
 
 from vllm_patch.bench import qwen3_eager
-from vllm_patch.runtime import bench_result, machine
+from vllm_patch.runtime import bench_result, evidence_record, machine
 
 CALLS = dict.fromkeys(qwen3_eager.KERNELS, 0)
 PROMPTS = ["w3 w4", "w5 w6"]
@@ -61,13 +61,16 @@ def test_sides_are_compared_with_base_and_shown():
     assert found["unguarded"]["max_abs_dlogprob"] == pytest.approx(0.5)
     assert found["sides"]["unguarded"]["distinct_share"] == [1.0, 2 / 3]
 
-    text = "\n".join(bench_result.qwen3_eager_markdown(found))
+    text = "\n".join(
+        bench_result.qwen3_eager_markdown(evidence_record.qwen3_eager(found))
+    )
     assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
     assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
     assert "- unguarded: `w10 w13 w13 …`" in text
-    doc = {"vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
+    doc = {"schema": 1, "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
     doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=found)
-    assert "### Eager Qwen3 (vLLM #31643)" in bench_result.evidence_markdown(doc)
+    shown = bench_result.evidence_markdown(evidence_record.parse(doc))
+    assert "### Eager Qwen3 (vLLM #31643)" in shown
 
 
 @pytest.mark.skipif(

@@ -108,11 +108,17 @@ def distinct_share(tokens: list[int]) -> float:
 
 
 def compare(
-    copy: str, patch: str, progress: Callable[[str], None] = print
+    copy: str,
+    patch: str,
+    progress: Callable[[str], None] = print,
+    *,
+    base: str | None = None,
 ) -> dict[str, Any]:
     """The three sides on the random Qwen3 (built or reused in the vllm-patch
     cache); ``copy`` is the patched copy's folder (``runtime.patched_copy``) of
-    ``patch``. Its result is :func:`summarize`'s, with the wall time."""
+    ``patch``; ``base``, a folder first on the base and unguarded sides' path
+    (default: none, the installed vLLM). Its result is :func:`summarize`'s,
+    with the wall time."""
     from vllm_patch.bench.engine_run import TINY_QWEN3, make_random_qwen3
     from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
     from vllm_patch.runtime import child
@@ -129,7 +135,8 @@ def compare(
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }
-    paths = {"base": (), "patched": (copy,), "unguarded": ()}
+    before = (base,) if base else ()
+    paths = {"base": before, "patched": (copy,), "unguarded": before}
     found: dict[str, Any] = {}
     for side in SIDES:
         progress(f"Qwen3 eager, {side}: engine start and {PROMPTS} completions")

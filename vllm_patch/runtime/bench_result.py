@@ -7,7 +7,6 @@ tables and lists (a description has a size bound)."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
@@ -15,14 +14,19 @@ from vllm_patch.runtime.evidence_record import (
     MODES,
     NATIVE,
     SIDES,
+    Decode,
+    DecodeBlock,
     Divergence,
     Evidence,
+    Interval,
     Load,
     Machine,
     Numerics,
     PerOp,
+    Qwen3Eager,
     Serving,
 )
+from vllm_patch.runtime.machine import BUSY_SHARE
 
 __all__ = ["METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
@@ -223,6 +227,7 @@ def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
         ev.perop and perop_claim(ev.perop, limit),
         tokens_claim(ev),
         lm_eval_claim(ev),
+        ev.qwen3 and qwen3_claim(ev.qwen3),
     ]
     return [c for c in found if c]
 
@@ -254,27 +259,27 @@ def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
     return out
 
 
-QWEN3_SIDES = {
+QWEN3_LABELS = {
     "base": "base: native",
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
 
 
-def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
+def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
-    sides, rows = found["sides"], []
-    for side, name in QWEN3_SIDES.items():
-        than = found.get(side)  # base against base: no row of its own
-        shares = sides[side]["distinct_share"]
+    rows = []
+    for side, name in QWEN3_LABELS.items():
+        found, than = q.sides[side], q.against.get(side)  # base: no row of its own
+        shares = found.distinct_share
         rows.append(
             [
-                f"{name} (`{found['patch']}`)" if side == "patched" else name,
-                " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
-                than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
-                than and first_difference(than["first_divergence"]),
-                than and f"{than['max_abs_dlogprob']:.3g}",
+                f"{name} ({md.code(q.patch, 60)})" if side == "patched" else name,
+                " + ".join(map(str, found.kernel_calls)),
+                than and f"{than.identical} of {than.prompts}",
+                than and first_difference(than.first),
+                than and f"{than.max_dlogprob:.3g}",
                 f"{sum(shares) / len(shares):.2f}",
             ]
         )
@@ -292,18 +297,37 @@ def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
         "k_norm run on strided per-head views of the qkv output, which the CPU "
         "kernels read as contiguous; the patched vLLM sends them to native, but "
         "for one token's row (a one-sequence decode step), which is contiguous. "
-        f"Here: {found['model']['description']}; {len(found['prompts'])} "
-        f"prompts, {found['max_tokens']} greedy tokens each, eager, one offline "
-        "engine per side.",
+        f"Here: {md.text(q.description, 400)}; "
+        f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
+        "offline engine per side.",
         "",
         md.table(header, rows),
     ]
-    first = (found.get("unguarded") or {}).get("first_divergence")
-    if first:
-        texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
-        out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
-        out += [f"- {s}: `{' '.join(t.split()[:16])} …`" for s, t in texts.items()]
+    first = q.against["unguarded"].first
+    texts = {s: q.sides[s].texts for s in ("base", "unguarded")}
+    if first and all(first.prompt < len(t) for t in texts.values()):
+        out += ["", f"Prompt {first.prompt + 1}'s completion:", ""]
+        out += [
+            f"- {s}: {md.code(' '.join(t[first.prompt].split()[:16]) + ' …')}"
+            for s, t in texts.items()
+        ]
     return out
+
+
+def qwen3_claim(q: Qwen3Eager) -> str:
+    patched, unguarded = q.against["patched"], q.against["unguarded"]
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical} of {q.prompts} prompts give the base's "
+        f"greedy tokens (largest |Δ logprob| {patched.max_dlogprob:.3g}), the "
+        f"kernels running {sum(q.sides['patched'].kernel_calls)} times"
+    )
+    if unguarded.first is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical} of {q.prompts}."
+    )
 
 
 def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
@@ -334,7 +358,8 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            text = f"{r.median_us:.1f}{ratio}"
+            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
+            text = f"{r.median_us:.1f}{spread}{ratio}"
         cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
     rows = [
         [md.code(op, 60), tokens, *(found.get(c) for c in columns)]
@@ -345,10 +370,169 @@ def perop_table(
 
 
 def perop_heading(perop: PerOp, escape=md.text) -> str:
-    return (
-        f"Microseconds per call (native / this), {escape(perop.dtype, 20)}, hidden "
-        f"{perop.hidden_size}, {perop.threads} thread"
+    spread = (
+        ""
+        if perop.clock is None
+        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
     )
+    return (
+        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"hidden {perop.hidden_size}, {perop.threads} thread"
+    )
+
+
+SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
+         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+
+
+def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+    """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
+    call, CustomOp dispatch (layer call - its forward method), the forward
+    method's own work with IR dispatch (forward - what it runs), IR dispatch
+    alone (an ``ir:`` route - the kernel with its allocation), the allocation
+    and the bare kernel (or native's ops). Medians, microseconds."""
+    rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
+    us = {(r.env, r.op, r.route): r.median_us for r in rows}
+    out = []
+    for r in rows:
+        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        forward = us.get((env, op, f"forward:{cls}"))
+        if not r.route.startswith("layer:") or forward is None:
+            continue
+        kernel = r.impl == "kernel"
+        impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
+        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
+              and route.startswith("ir:")]  # fmt: skip
+        cells = [
+            r.median_us,
+            r.median_us - forward,
+            None if impl is None else forward - impl,
+            min(ir) - impl if ir and kernel and impl is not None else None,
+            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, "kernel:bare")) if kernel else impl,
+        ]
+        names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
+        out.append(names + [None if c is None else round(c, 1) for c in cells])
+    return out
+
+
+def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+    """The per-call section: the table, each child's load, where time goes."""
+    out = [perop_table(perop, limit=limit)]
+    if perop.load:
+        loads = ", ".join(
+            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+            for x in perop.load
+        )
+        out += [
+            "",
+            f"Load average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs.",
+        ]
+    split = perop_split(perop)
+    if split:
+        out += [
+            "",
+            "Where a layer call's time goes (1 token, medians, microseconds):",
+            "",
+            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
+        ]
+    return out
+
+
+def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
+    if found is None:
+        return "-"
+    v, lo, hi = (format(x, fmt) for x in (found.value, found.low, found.high))
+    return f"{v}{unit} [{lo}–{hi}]"
+
+
+def verdict(found: Interval, label: str) -> str:
+    """What an interval says against 1.0."""
+    if found.low <= 1.0 <= found.high:
+        return "no difference resolved (the interval contains 1.0)"
+    return f"{label} {'faster' if found.high < 1.0 else 'slower'}"
+
+
+def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+    """A thread count's decode figures: the ratios, per engine the step and
+    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
+    rows = [
+        [
+            md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
+            interval_shown(c.cpu, unit="x"),
+            interval_shown(c.wall, unit="x"),
+            c.pairs,
+        ]
+        for label, c in b.comparisons.items()
+    ]
+    header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
+    out = [md.table([*header, "pairs"], rows, limit), ""]
+    norm = bool(b.norm_ms)
+    header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
+    header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"] if norm else []
+    rows = []
+    for name, step in b.step_ms.items():
+        row = [md.code(name, 60), *(interval_shown(x, ".2f") for x in step)]
+        if norm:
+            inside = b.norm_ms.get(name, (None, None))
+            row += [interval_shown(x, ".2f") for x in inside]
+        rows.append(row)
+    out += [md.table(header, rows, limit), ""]
+    calls = f" ({b.norm_calls:.0f} calls)" if b.norm_calls is not None else ""
+    for side, saved in list(b.savings.items())[:limit]:
+        share, (lo, hi) = saved.share, saved.expected
+        out += [
+            f"- {md.text(side, 60)}: {interval_shown(saved.ms, '.2f')} ms of CPU "
+            f"time saved inside RMSNorm per decode step{calls}, {share.value:.1%} "
+            f"[{share.low:.1%}–{share.high:.1%}] of base's step: a step ratio of "
+            f"{lo:.3f}–{hi:.3f} expected.",
+        ]
+    if b.contradicts is not None:
+        said = ("**contradicts**", "misses") if b.contradicts else (
+            "does not contradict", "meets"
+        )  # fmt: skip
+        out.append(
+            f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
+            f"(its interval {said[1]} the expected one)."
+        )
+    out.append(
+        f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
+        f"{BUSY_SHARE:.0%} of the CPU time)."
+    )
+    return out
+
+
+def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+    """``evidence.md``'s decode section: the headline first."""
+    out = [
+        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"build {md.text(d.kernel_build, 20)}",
+        "",
+        f"{md.text(d.model)}; batch 1; each round, every engine (each kept alive "
+        f"in its own process) generates {d.tokens} tokens, the engines taking "
+        "turns step by step; a round's figure is the median of its decode steps; "
+        "ratios are trimmed means of per-round ratios with bootstrap 95% "
+        "intervals; the CPU time is the engine process's.",
+        "",
+    ]
+    if d.headline:
+        out += decode_block(d.headline, limit)
+    for n, b in list(d.by_threads.items())[:limit]:
+        if n != str(d.threads):
+            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+    for n, b in list(d.compiled.items())[:limit]:
+        out += [
+            "",
+            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)',
+            "",
+            *decode_block(b, limit),
+        ]
+        found = b.comparisons.get("+rms_norm/default")
+        if found:
+            out.append(f"- Kernels under Inductor: {verdict(found.cpu, '+rms_norm')}.")
+    return out
 
 
 def evidence_markdown(ev: Evidence) -> str:
@@ -372,6 +556,8 @@ def evidence_markdown(ev: Evidence) -> str:
     found = claims(ev)
     if found:
         out += ["", "## In short", "", *found]
+    if ev.decode:
+        out += ["", *decode_markdown(ev.decode)]
     serving = ev.serving
     if serving:
         said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
@@ -382,12 +568,14 @@ def evidence_markdown(ev: Evidence) -> str:
             out += ["", "What the servers logged about their kernels:", ""]
             out += kernels_lines(serving)
     acc = accuracy_lines(ev)
+    if ev.qwen3:
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += qwen3_eager_markdown(ev.qwen3)
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:
         heading = "## Numerics per x86 kernel build"
         out += ["", heading, "", numerics_table(ev.numerics)]
     if ev.perop:
-        heading = f"## {perop_heading(ev.perop)}"
-        out += ["", heading, "", perop_table(ev.perop)]
+        out += ["", f"## {perop_heading(ev.perop)}", "", *perop_lines(ev.perop)]
     return "\n".join(out) + "\n"

@@ -9,7 +9,8 @@ bounded (counts, string lengths, number sizes); anything else is one
 ``description``, ``random_weights``), ``serving`` (``commands``, ``sizes``, per
 mode, side and metric the value of each repetition: ``configs``; ``server_log``),
 ``accuracy`` (``tokens``, ``lm_eval``), ``numerics`` and ``tolerance``, ``perop``,
-``interrupted`` and ``failed``; a part not measured is None.
+``qwen3_eager``, ``decode`` (``docs/bench.md``), ``interrupted`` and ``failed``;
+a part not measured is None.
 """
 
 from __future__ import annotations
@@ -277,16 +278,21 @@ class Tokens:
     configs: dict[str, TokenMode]
 
 
+def _token_mode(found: object, where: str) -> TokenMode:
+    """``accuracy.compare``'s verdict on one pair of sides."""
+    return TokenMode(
+        _req(_count, found, where, "identical_prompts"),
+        len(_req(_list, found, where, "per_prompt", MOST_ROWS)),
+        _opt(_divergence, found, where, "first_divergence"),
+        _req(_number, found, where, "max_abs_dlogprob"),
+    )
+
+
 def _tokens(value: object, at: str) -> Tokens:
-    configs = {}
-    for mode, found in (_opt(_table, value, at, "configs", MODES) or {}).items():
-        where = f"{at}.configs.{mode}"
-        configs[mode] = TokenMode(
-            _req(_count, found, where, "identical_prompts"),
-            len(_req(_list, found, where, "per_prompt", MOST_ROWS)),
-            _opt(_divergence, found, where, "first_divergence"),
-            _req(_number, found, where, "max_abs_dlogprob"),
-        )
+    configs = {
+        mode: _token_mode(found, f"{at}.configs.{mode}")
+        for mode, found in (_opt(_table, value, at, "configs", MODES) or {}).items()
+    }
     return Tokens(
         *(_opt(_count, value, at, k) for k in ("prompts", "tokens")),
         _opt(_divergence, value, at, "first_divergence"),
@@ -334,6 +340,17 @@ class PerOpRow:
     native_us: float | None
     wrong: str | None
     """Why this route was not timed: outside the op's tolerance."""
+    p10_us: float | None = None
+    p90_us: float | None = None
+    impl: str | None = None
+    """A layer route's: what the layer ran, ``kernel`` or ``native``."""
+
+
+@dataclass(frozen=True)
+class ChildLoad:
+    env: str
+    load_average: float
+    other_share: float
 
 
 @dataclass(frozen=True)
@@ -342,6 +359,8 @@ class PerOp:
     dtype: str
     threads: int
     rows: tuple[PerOpRow, ...]
+    clock: str | None = None
+    load: tuple[ChildLoad, ...] = ()
 
 
 def _perop(value: object, at: str) -> PerOp:
@@ -359,15 +378,29 @@ def _perop(value: object, at: str) -> PerOp:
                 _req(_text, row, where, "route"),
                 *timed,
                 wrong,
+                *(_opt(_time, row, where, k) for k in ("p10_us", "p90_us")),
+                _opt(_text, row, where, "impl"),
             )
         )
     if len({(r.env, r.route) for r in rows}) > MOST_COLUMNS:
         raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
+    loads = tuple(
+        ChildLoad(
+            _req(_text, x, f"{at}.load[{i}]", "env"),
+            *(
+                _req(_number, x, f"{at}.load[{i}]", k)
+                for k in ("load_average", "other_share")
+            ),
+        )
+        for i, x in enumerate(_opt(_list, value, at, "load") or [])
+    )
     return PerOp(
         _req(_count, value, at, "hidden_size"),
         _req(_text, value, at, "dtype"),
         _req(_count, value, at, "threads"),
         tuple(rows),
+        _opt(_text, value, at, "clock"),
+        loads,
     )
 
 
@@ -407,6 +440,187 @@ def _numerics(value: object, at: str, doc: object) -> Numerics:
     return Numerics(needed, tolerance)
 
 
+QWEN3_SIDES = ("base", "patched", "unguarded")
+"""The eager Qwen3 comparison's sides: vLLM as installed, with the change, and
+the kernels for every input (as before vLLM #31643)."""
+
+
+@dataclass(frozen=True)
+class Qwen3Side:
+    kernel_calls: tuple[int, ...]
+    """Per kernel (rms_norm, fused add), in one prefill and one decode step."""
+    distinct_share: tuple[float, ...]
+    """Per completion, its distinct tokens over its tokens."""
+    texts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Qwen3Eager:
+    """``bench --qwen3`` (``bench.qwen3_eager.summarize``)."""
+
+    description: str
+    patch: str
+    prompts: int
+    max_tokens: int
+    sides: dict[str, Qwen3Side]
+    against: dict[str, TokenMode]
+    """``patched`` and ``unguarded`` against ``base``."""
+
+
+def _qwen3_side(value: object, at: str) -> Qwen3Side:
+    calls = _req(_table, value, at, "kernel_calls")
+    return Qwen3Side(
+        tuple(_count(v, f"{at}.kernel_calls.{k}") for k, v in calls.items()),
+        _req(_numbers, value, at, "distinct_share"),
+        _req(_texts, value, at, "texts"),
+    )
+
+
+def qwen3_eager(value: object, at: str = "qwen3_eager") -> Qwen3Eager:
+    """The eager Qwen3 comparison as a record, or ``Bad``."""
+    sides = _req(_table, value, at, "sides", QWEN3_SIDES)
+    if set(sides) != set(QWEN3_SIDES):
+        raise Bad(f"{at}.sides: not {', '.join(QWEN3_SIDES)}")
+    return Qwen3Eager(
+        _req(_text, _req(_table, value, at, "model"), f"{at}.model", "description"),
+        _req(_text, value, at, "patch"),
+        len(_req(_list, value, at, "prompts")),
+        _req(_count, value, at, "max_tokens"),
+        {side: _qwen3_side(sides[side], f"{at}.sides.{side}") for side in QWEN3_SIDES},
+        {s: _req(_token_mode, value, at, s) for s in QWEN3_SIDES[1:]},
+    )
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate (a ratio, milliseconds or a share) and its 95% interval."""
+
+    value: float
+    low: float
+    high: float
+
+
+def _interval(value: object, at: str, key: str) -> Interval:
+    found = _req(_number, value, at, key)
+    return Interval(found, *_req(_pair, value, at, "ci95"))
+
+
+def _pair(value: object, at: str) -> tuple[float, float]:
+    if len(_list(value, at)) != 2:
+        raise Bad(f"{at}: not [low, high]")
+    return _number(value[0], f"{at}[0]"), _number(value[1], f"{at}[1]")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    cpu: Interval
+    wall: Interval | None
+    pairs: int
+
+
+@dataclass(frozen=True)
+class Saving:
+    ms: Interval
+    share: Interval
+    expected: tuple[float, float]
+    """The step ratio the saving implies."""
+
+
+@dataclass(frozen=True)
+class DecodeBlock:
+    """One thread count's (or the compiled pair's) decode figures."""
+
+    comparisons: dict[str, Comparison]
+    step_ms: dict[str, tuple[Interval, Interval | None]]
+    """Per engine: CPU and wall milliseconds per decode step."""
+    norm_ms: dict[str, tuple[Interval, Interval | None]]
+    """Per eager engine: the same inside ``RMSNorm``."""
+    norm_calls: float | None
+    savings: dict[str, Saving]
+    contradicts: bool | None
+    rounds: int
+    busy_rounds: int
+
+
+def _ms(b: object, at: str, key: str) -> dict:
+    """Per engine, ``key``'s CPU and ``{key}``'s wall twin's milliseconds."""
+    wall_key = key.replace("_ms", "_wall_ms")
+    wall = _opt(_table, b, at, wall_key) or {}
+    return {
+        name: (
+            _interval(found, f"{at}.{key}.{name}", "ms"),
+            _opt(_interval, wall, f"{at}.{wall_key}", name, "ms"),
+        )
+        for name, found in (_opt(_table, b, at, key) or {}).items()
+    }
+
+
+def _decode_block(b: object, at: str) -> DecodeBlock:
+    comparisons = {
+        label: Comparison(
+            _interval(c, f"{at}.comparisons.{label}", "ratio"),
+            _opt(_interval, c, f"{at}.comparisons.{label}", "wall", "ratio"),
+            _req(_count, c, f"{at}.comparisons.{label}", "n"),
+        )
+        for label, c in _req(_table, b, at, "comparisons").items()
+    }
+    savings = {
+        side: Saving(
+            _req(_interval, found, f"{at}.savings.{side}", "saving_ms", "ms"),
+            _req(_interval, found, f"{at}.savings.{side}", "share", "share"),
+            _req(_pair, found, f"{at}.savings.{side}", "expected_ratio"),
+        )
+        for side, found in (_opt(_table, b, at, "savings") or {}).items()
+    }
+    consistent = _opt(_table, b, at, "consistent")
+    return DecodeBlock(
+        comparisons,
+        _ms(b, at, "step_ms"),
+        _ms(b, at, "norm_ms"),
+        _opt(_number, b, at, "norm_calls_per_step"),
+        savings,
+        None if consistent is None else consistent.get("contradicts") is True,
+        _req(_count, b, at, "rounds"),
+        _req(_count, b, at, "busy_rounds"),
+    )
+
+
+@dataclass(frozen=True)
+class Decode:
+    """``bench --decode``: one decode step, base against patched."""
+
+    model: str
+    dtype: str
+    threads: int
+    kernel_build: str
+    tokens: int
+    headline: DecodeBlock | None
+    by_threads: dict[str, DecodeBlock]
+    compiled: dict[str, DecodeBlock]
+
+
+def _decode(d: object, at: str) -> Decode:
+    model = _req(_table, d, at, "model")
+    named = _opt(_text, model, f"{at}.model", "name")
+    blocks = {
+        part: {
+            n: _decode_block(b, f"{at}.{part}.{n}")
+            for n, b in (_opt(_table, d, at, part) or {}).items()
+        }
+        for part in ("by_threads", "compiled")
+    }
+    return Decode(
+        named or _opt(_text, model, f"{at}.model", "description") or "the model",
+        _req(_text, d, at, "dtype"),
+        _req(_count, d, at, "threads"),
+        _req(_text, d, at, "kernel_build"),
+        _req(_count, d, at, "tokens"),
+        _decode_block(d, at) if _get(d, at, "comparisons")[0] is not None else None,
+        blocks["by_threads"],
+        blocks["compiled"],
+    )
+
+
 @dataclass(frozen=True)
 class Evidence:
     machine: Machine | None
@@ -418,6 +632,8 @@ class Evidence:
     lm_eval: LmEval | None
     numerics: Numerics | None
     perop: PerOp | None
+    qwen3: Qwen3Eager | None = None
+    decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
 
@@ -444,6 +660,8 @@ def parse(doc: object) -> Evidence:
         _opt(_lm_eval, accuracy, "accuracy", "lm_eval"),
         _opt(_numerics, doc, "", "numerics", doc),
         _opt(_perop, doc, "", "perop"),
+        _opt(qwen3_eager, doc, "", "qwen3_eager"),
+        _opt(_decode, doc, "", "decode"),
         _get(doc, "", "interrupted")[0] is True,
         _opt(_texts, doc, "", "failed") or (),
     )

@@ -315,8 +315,8 @@ def _signals_held() -> Iterator[None]:
 
 
 @dataclass
-class Commit:
-    """The patch's commit on the branch: to be made, made, or found there."""
+class Change:
+    """The patch's change on the branch: its commit to be made, made, or found."""
 
     plan: engine.PatchPlan
     commit: git.Commit | None
@@ -358,7 +358,7 @@ def _steps(args: argparse.Namespace) -> int:
             return ExitCode.OK
         body = _description(s, switched, done)  # vLLM's tests run before the commit
         if done.commit is None and done.files:
-            done.commit = _commit(s, switched, done, body)
+            done.commit = _commit(s, switched, done)
         _write_outputs(s, done, body)
         switched.keep = True
     if args.print:
@@ -381,7 +381,7 @@ def _refuse_ir_era(s: Settings, version: Version | None) -> None:
     )
 
 
-def _apply(s: Settings, switched: Switched) -> Commit | None:
+def _apply(s: Settings, switched: Switched) -> Change | None:
     """Apply the patch (and the CI edits) to be committed, or find the branch's
     commit of it; None when a new branch would be empty (then it is deleted)."""
     _refuse_ir_era(s, checkout_version(s.repo, s.tree))
@@ -415,7 +415,7 @@ def _apply(s: Settings, switched: Switched) -> Commit | None:
     print(f"formatted and checked the changed files with {formatting.ruff}")
     for note in formatting.notes:
         warn(note)
-    return Commit(plan, None, _with_ci(plan.described(), ci), ci, tuple(files))
+    return Change(plan, None, _with_ci(plan.described(), ci), ci, tuple(files))
 
 
 def _with_ci(described: dict[str, list[str]], ci: list[CiEdit]) -> dict:
@@ -429,17 +429,17 @@ def _with_ci(described: dict[str, list[str]], ci: list[CiEdit]) -> dict:
     return {**described, **more}
 
 
-def commit_message(s: Settings, trailer: str) -> str:
+def commit_message(upstream: Upstream, identity: Identity, trailer: str) -> str:
     """Title, why (the patch's text), the attribution trailer and the sign-off;
     wrapped at 72 columns. The description says the rest."""
-    title = s.upstream.title
+    title = upstream.title
     if len(title) > WIDTH:
         raise PatchError(
             f"the commit title is over {WIDTH} columns",
             looked_for="[upstream] title",
             found=title,
         )
-    return f"{title}\n\n{_wrap(s.upstream.body)}\n\n{trailer}\n{s.identity.signoff}\n"
+    return f"{title}\n\n{_wrap(upstream.body)}\n\n{trailer}\n{identity.signoff}\n"
 
 
 def _wrap(text: str) -> str:
@@ -451,10 +451,10 @@ def _wrap(text: str) -> str:
     )
 
 
-def _commit(s: Settings, switched: Switched, done: Commit, body: str) -> git.Commit:
+def _commit(s: Settings, switched: Switched, done: Change) -> git.Commit:
     """Commit the applied patch with the trailer and a sign-off."""
     s.repo.git.add("--", *done.files)
-    message = commit_message(s, pr_body.attribution(s.root))
+    message = commit_message(s.upstream, s.identity, pr_body.attribution(s.root))
     s.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
     commit = s.repo.head.commit
     print(
@@ -464,7 +464,7 @@ def _commit(s: Settings, switched: Switched, done: Commit, body: str) -> git.Com
     return commit
 
 
-def _found_commit(s: Settings, plan: engine.PatchPlan) -> Commit:
+def _found_commit(s: Settings, plan: engine.PatchPlan) -> Change:
     """The existing branch's commit of the patch (found by its title): what it
     changes is the files it holds."""
     commits = s.repo.iter_commits(s.branch, max_count=200)
@@ -476,7 +476,7 @@ def _found_commit(s: Settings, plan: engine.PatchPlan) -> Commit:
         "nothing changed"
     )
     files = sorted(commit.stats.files) if commit else []
-    return Commit(plan, commit, {f: [] for f in files})
+    return Change(plan, commit, {f: [] for f in files})
 
 
 def _tests(s: Settings, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
@@ -504,16 +504,14 @@ def _tests(s: Settings, plan: engine.PatchPlan) -> vllm_tests.TestRuns | None:
     return runs
 
 
-def _description(s: Settings, switched: Switched, done: Commit) -> str:
+def _description(s: Settings, switched: Switched, done: Change) -> str:
     """The PR description's text, with the upstream tests and the figures
     measured now."""
     read = template.read_template(s.root)
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
     facts = pr_body.Facts(
-        version=checkout_version(s.repo, s.tree),
         evidence=s.evidence,
-        checkout=s.root,
         described=done.described,
         tests=_tests(s, done.plan),
         left_out={e.edit.file: e.skipped.message for e in done.plan.skipped},
@@ -538,7 +536,7 @@ def _depends(s: Settings) -> list[str]:
     return vllm_tests.depends_on(s.patch, deps)
 
 
-def _write_outputs(s: Settings, done: Commit, body: str) -> None:
+def _write_outputs(s: Settings, done: Change, body: str) -> None:
     """The description, and with --format-patch the commit as an mbox patch for
     ``git am``: never through a link or special file found where they go."""
     if s.own_description:  # in the resolved git directory: no link on the way

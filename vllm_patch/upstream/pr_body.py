@@ -14,8 +14,6 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
-
 from patcher.errors import PatchError
 from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
@@ -85,9 +83,7 @@ def _misfit(ev: Evidence, patch: Patch) -> str | None:
 class Facts:
     """What a description is made of, besides the patch's own text."""
 
-    version: Version | None
     evidence: Evidence | None = None
-    checkout: Path | None = None
     described: dict[str, list[str]] = field(default_factory=dict)  # per file
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
@@ -167,8 +163,8 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
         yield from filter(None, bench_result.claims(ev, rows))
     elif m and m.per_call:
         yield _per_call_claim(m)
-    if m and m.qwen3:
-        yield _qwen3_claim(m.qwen3)
+    if m and m.qwen3 and not (ev and ev.qwen3):
+        yield bench_result.qwen3_claim(evidence_record.qwen3_eager(m.qwen3))
     if not (ev or (m and m.per_call)):
         yield "- Speed and accuracy: nothing was measured."
     for edit in facts.ci:
@@ -198,24 +194,6 @@ def _ratio(by: dict[str, list[float]]) -> float:
     import statistics
 
     return statistics.median(by["base"]) / statistics.median(by["patched"])
-
-
-def _qwen3_claim(q: dict) -> str:
-    patched, unguarded = q["patched"], q["unguarded"]
-    calls = sum(q["sides"]["patched"]["kernel_calls"].values())
-    prompts = len(q["prompts"])
-    said = (
-        f"- Eager Qwen3-architecture model ({HISTORY}'s configuration): with this "
-        f"change {patched['identical_prompts']} of {prompts} prompts give the base's "
-        f"greedy tokens (largest |Δ logprob| {patched['max_abs_dlogprob']:.3g}), "
-        f"the kernels running {calls} times"
-    )
-    if unguarded["first_divergence"] is None:
-        return said + "; the kernels unguarded give the same tokens too."
-    return (
-        f"{said}; the kernels unguarded, as before {HISTORY}, match in "
-        f"{unguarded['identical_prompts']} of {prompts}."
-    )
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
@@ -292,8 +270,11 @@ def _results(facts: Facts, rows: int):
         yield from _test_table(runs)
     if m and m.per_call:
         yield _per_call_table(m)
-    if m and m.qwen3:
-        yield "\n".join(bench_result.qwen3_eager_markdown(m.qwen3))
+    qwen3 = (ev and ev.qwen3) or (
+        m and m.qwen3 and evidence_record.qwen3_eager(m.qwen3)
+    )
+    if qwen3:
+        yield "\n".join(bench_result.qwen3_eager_markdown(qwen3))
     if ev and ev.serving:
         yield _serving(ev, rows)
     if ev and ev.numerics:
