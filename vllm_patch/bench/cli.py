@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip
     add("--threads", type=_threads, default=[1, 2], metavar="1,2",
         help="torch thread counts, the first is the headline's (1,2)")  # fmt: skip
-    add("--rounds", type=int, default=12, metavar="N", help="repetitions (12)")
+    add("--rounds", type=int, default=20, metavar="N", help="repetitions (20)")
     add("--tokens", type=int, default=9, metavar="L",
         help="tokens per generation: a prefill, L - 1 decode steps (9)")  # fmt: skip
     add("--budget", type=float, default=25.0, metavar="MIN",

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,8 @@ COMPARISONS = {
 }
 COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
+MIN_ROUNDS = 3
+"""Rounds measured whatever the budget: fewer give no interval worth the name."""
 SHARE = {"eager": 0.7, "compiled": 0.3}
 """Each phase's share of the time budget (the eager one has four engines)."""
 
@@ -124,7 +127,7 @@ class Engine:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 9)
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 
@@ -190,14 +193,16 @@ def measure_phase(
     deadline: float,
     progress,
 ) -> list[dict[str, Any]]:
-    """Round 0 (warm-up, dropped) then up to ``rounds`` rounds, none expected
-    to end after ``deadline`` (``time.monotonic``); per round and thread count,
-    every engine in turn (rotating), with the other processes' CPU share."""
+    """Round 0 (warm-up, dropped) then up to ``rounds`` rounds, none past
+    ``MIN_ROUNDS`` expected to end after ``deadline`` (``time.monotonic``);
+    per round and thread count, every engine in turn (:func:`interleaved`),
+    with the other processes' CPU share."""
     out = []
     pids = [e.proc.pid for e in started]
     began = time.monotonic()
     for r in range(rounds + 1):
-        if r > 1 and time.monotonic() + (time.monotonic() - began) / r > deadline:
+        late = time.monotonic() + (time.monotonic() - began) / max(r, 1) > deadline
+        if r > MIN_ROUNDS and late:
             progress(f"decode: time budget reached after {r - 1} rounds")
             break
         for n in threads:

@@ -39,6 +39,15 @@ THREADS = 1
 """One thread, what vLLM gives its worker on a 2-core machine; on a loaded
 machine OpenMP teams also wait for a descheduled thread."""
 ROUNDS = 2
+CACHING_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(2**26),
+    "MALLOC_TRIM_THRESHOLD_": str(2**27),
+}
+"""glibc keeps freed memory for reuse, as a caching allocator does (vLLM's CPU
+worker asks for tcmalloc in ``LD_PRELOAD``): by default every tensor of 128 KiB
+or more is a fresh mapping whose pages fault in on first touch, and under memory
+pressure that cost dominated 512-token calls and moved their median between two
+runs more than twofold."""
 SAMPLES = 61
 SAMPLE_S = 0.001
 WARMUP_S = 0.05
@@ -210,7 +219,10 @@ def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
             progress(f"per op: {env} ({r + 1}/{ROUNDS})")
             before = machine.cpu_snapshot()
             samples += child.run(
-                "vllm_patch.bench.perop:measure", {"env": env}, pythonpath=pythonpath
+                "vllm_patch.bench.perop:measure",
+                {"env": env},
+                pythonpath=pythonpath,
+                env=CACHING_MALLOC,
             ).value()
             load.append(
                 {
