@@ -1,7 +1,8 @@
-"""Plain copies of the original files, so ``revert`` gives a tree that is not a
-git checkout (site-packages, an unpacked wheel) its exact bytes back.
+"""Plain copies of the original files, so ``revert`` gives every tree its exact
+bytes back, and so a tree says which patch it holds.
 
-``<tree>/.vllm-patch-backup/<patch>/manifest.json`` maps each copied file to
+``<home>/.vllm-patch-backup/<patch>/manifest.json`` (``home``: the tree's root,
+or a checkout's ``.git`` folder) maps each copied file to
 ``{"original_sha256": ..., "patched_sha256": ...}``; the copies sit beside it
 under their tree paths. Apply writes the copies and the manifest before the
 sources, so a kill leaves nothing revert cannot use. What is read back is data:
@@ -30,21 +31,23 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 HASHES = ("original_sha256", "patched_sha256")
 
 
-def sha256(data: bytes) -> str:
+def hex_digest(data: bytes) -> str:
+    """The SHA-256 of ``data`` in hex, as the manifest keeps it."""
     return hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
 class Backup:
-    root: Path
-    """The tree root, resolved."""
+    home: Path
+    """The folder the store sits in, resolved: the tree's root, or a checkout's
+    ``.git`` folder."""
     patch: str
     files: frozenset[str]
     """The tree paths the patch touches: the only entries a manifest may have."""
 
     @property
     def folder(self) -> Path:
-        return self.root / BACKUP_DIR / self.patch
+        return self.home / BACKUP_DIR / self.patch
 
     @property
     def manifest_path(self) -> Path:
@@ -120,7 +123,7 @@ class Backup:
             if "symbolic link" in exc.message:
                 raise
             return f"{exc.path}: {exc.message} ({exc.found})"
-        if sha256(data) != entry["original_sha256"]:
+        if hex_digest(data) != entry["original_sha256"]:
             return f"{self.folder / rel}: changed since it was backed up (hash differs)"
         return None
 
@@ -138,9 +141,9 @@ class Backup:
         for rel, texts in changes.items():
             before, after = (t.encode() for t in texts)
             entry = manifest.get(rel)
-            if entry is None or entry["original_sha256"] != sha256(before):
+            if entry is None or entry["original_sha256"] != hex_digest(before):
                 try:
-                    replace_at(self.folder / rel, before, make_below=self.root)
+                    replace_at(self.folder / rel, before, make_below=self.home)
                 except PatchError as exc:
                     raise PatchError(
                         "damaged backup: the place of a backup copy is taken",
@@ -148,10 +151,10 @@ class Backup:
                         looked_for=f"nothing, or the backup copy of {rel}",
                         found=f"{exc.found}; delete it and run again",
                     ) from exc
-                entry = {"original_sha256": sha256(before)}
-            manifest[rel] = {**entry, "patched_sha256": sha256(after)}
+                entry = {"original_sha256": hex_digest(before)}
+            manifest[rel] = {**entry, "patched_sha256": hex_digest(after)}
         text = json.dumps({"files": manifest}, indent=2) + "\n"
-        replace_at(self.manifest_path, text.encode(), make_below=self.root)
+        replace_at(self.manifest_path, text.encode(), make_below=self.home)
 
     def discard(self) -> None:
         """Delete the manifest first (a kill then leaves only copies no one
@@ -159,7 +162,7 @@ class Backup:
         remove_at(self.manifest_path)
         remove_at(self.folder)
         with contextlib.suppress(OSError):  # the store, once empty
-            fd = open_dir(self.root)
+            fd = open_dir(self.home)
             try:
                 os.rmdir(BACKUP_DIR, dir_fd=fd)
             finally:

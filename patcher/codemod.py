@@ -1,26 +1,31 @@
 """The contract between the engine and a patch's codemods.
 
-A patch edits a file with a :class:`TreeCodemod`, an ordinary LibCST
-``VisitorBasedCodemodCommand`` that also knows which file of a vLLM tree it
-edits (``TARGET``) and can read other files of the same tree. That keeps every
-transform runnable on its own through LibCST's tool::
+A patch edits a file with a :class:`TreeCodemod`: LibCST's codemod interface
+(``DESCRIPTION``, ``transform_module_impl``, a ``CodemodContext``-like
+``context``), which also knows which file of a vLLM tree it edits (``TARGET``)
+and can read other files of the same tree. It keeps every transform runnable on
+its own through LibCST's tool and testable with ``CodemodTest``::
 
     python -m libcst.tool codemod -x --no-format \\
         patches.cpu_fused_norms.enable_vllm_c.EnableVllmCOnCpu /path/to/vllm
 
-where it skips every file but its target.
+where it skips every file but its target. It does not subclass LibCST's
+``Codemod``: importing ``libcst.codemod`` imports ``libcst.matchers``, half a
+second of every ``check``, so the codemods use plain nodes and :func:`names`.
 """
 
 from __future__ import annotations
 
+import ast
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
 
 import libcst as cst
-from libcst.codemod import CodemodContext, SkipFile, VisitorBasedCodemodCommand
 
-from patcher.errors import PatchError, ShapeNotRecognised
+from patcher.errors import PatchError, ShapeNotRecognised, VllmHasItsOwn
 from patcher.patchset import declared_file
 
 TREE_READER = "vllm_patch.read_tree_file"
@@ -32,9 +37,20 @@ CHANGES = "vllm_patch.changes"
 edit actually made (see :meth:`TreeCodemod.record`)."""
 
 
-class TreeCodemod(VisitorBasedCodemodCommand):
+@dataclass
+class Context:
+    """What a codemod reads of LibCST's ``CodemodContext`` (the engine's own:
+    creating LibCST's imports ``libcst.codemod``)."""
+
+    filename: str | None = None
+    scratch: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class TreeCodemod:
     """A codemod for one file of a vLLM source tree."""
 
+    DESCRIPTION: str = ""
     TARGET: str = ""
     """Path of the edited file relative to the tree root, e.g. ``vllm/kernels/x.py``:
     for a codemod a patch lists, the ``file`` its ``patch.toml`` gives it."""
@@ -43,11 +59,28 @@ class TreeCodemod(VisitorBasedCodemodCommand):
         super().__init_subclass__(**kwargs)
         cls.TARGET = declared_file(cls) or cls.TARGET
 
+    def __init__(self, context) -> None:
+        self.context = context
+
+    @staticmethod
+    def add_args(arg_parser) -> None:
+        """No options (``libcst.tool`` asks)."""
+
+    @classmethod
+    def get_inherited_dependencies(cls) -> frozenset:
+        """No LibCST metadata (``libcst.tool`` asks)."""
+        return frozenset()
+
     def transform_module(self, tree: cst.Module) -> cst.Module:
         filename = self.context.filename
         if filename and not PurePosixPath(Path(filename).as_posix()).match(self.TARGET):
+            from libcst.codemod import SkipFile  # run by libcst.tool: imported
+
             raise SkipFile(f"{type(self).__name__} edits only {self.TARGET}")
-        return super().transform_module(tree)
+        return self.transform_module_impl(tree)
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        raise NotImplementedError
 
     def record(self, change: str) -> None:
         """Say what this run changed, in one sentence (Markdown): which names,
@@ -56,6 +89,12 @@ class TreeCodemod(VisitorBasedCodemodCommand):
 
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
+
+    def vllm_has_its_own(self, what: str) -> VllmHasItsOwn:
+        """What to raise when the file has vLLM's own form of the change (``what``,
+        e.g. "vLLM's own RMSNorm.forward_cpu"), not this tool's: the engine then
+        leaves the file as it is, and ``check`` reports it (exit 0)."""
+        return VllmHasItsOwn(f"{self.TARGET} has {what}")
 
     def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:
         """The module-level class ``name`` and its position, found among the
@@ -76,6 +115,19 @@ class TreeCodemod(VisitorBasedCodemodCommand):
         """Another file of the same tree, parsed."""
         return parse(self.read_tree_file(relpath), relpath)
 
+    def read_tree_ast(self, relpath: str) -> ast.Module:
+        """Another file of the same tree, parsed by ``ast`` (fast: to read only)."""
+        text = self.read_tree_file(relpath)
+        try:
+            return ast.parse(text.removeprefix(BOM), relpath)
+        except (SyntaxError, ValueError) as exc:
+            raise PatchError(
+                "syntax error",
+                path=relpath,
+                looked_for="a Python module",
+                found=_syntax_error_position(text, relpath) or str(exc),
+            ) from exc
+
     def read_tree_file(self, relpath: str) -> str:
         """Source of another file of the same vLLM tree."""
         reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
@@ -93,6 +145,26 @@ class TreeCodemod(VisitorBasedCodemodCommand):
             return path.read_text(encoding="utf-8")
         except OSError as exc:
             raise PatchError(f"cannot read: {exc.strerror}", path=str(path)) from exc
+
+
+class _Names(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.counts[node.value] += 1
+
+
+def names(node: cst.CSTNode) -> Counter[str]:
+    """How often each name occurs in ``node``."""
+    visitor = _Names()
+    node.visit(visitor)
+    return visitor.counts
+
+
+def source(node: cst.CSTNode) -> str:
+    """A node's code, stripped."""
+    return cst.Module([]).code_for_node(node).strip()
 
 
 BOM = "\ufeff"
@@ -146,8 +218,6 @@ def run_codemod_described(
     """:func:`run_codemod`, and the changes the codemod recorded (one sentence each)."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
-    context = CodemodContext(
-        filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
-    )
+    context = Context(codemod.TARGET, {TREE_READER: read_tree_file})
     code = codemod(context).transform_module(module).code
     return bom + code, tuple(context.scratch.get(CHANGES, ()))

@@ -1,27 +1,30 @@
-"""Plan, apply and revert patches on a vLLM tree: a codemod runner.
+"""Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
 
-Read, plan in memory (each edit's codemod turns the tree's text into new text),
-then write each changed file by atomic replace (``files.replace_at``). Every
-codemod is idempotent and finishes a half-made change, so a kill between two
-files leaves a tree that ``check`` reports as ``partly applied``, the next
-``apply`` completes and ``revert`` undoes. Trees other than git checkouts (and
-checkouts the inverse edit would not give back) keep plain copies of the
-originals (``backup``). Only ``apply`` and ``revert`` write, one at a time.
+``choose`` picks the patches and settles exclusivity from the trees' backups (no
+plan of another patch); ``plan`` runs each edit's codemod once, in memory;
+``apply(tree, plan)`` writes exactly that plan, or refuses when the tree changed
+since. Every tree keeps plain copies of the originals (``backup``: in the tree,
+in a checkout's ``.git``), written before the sources, so ``revert`` gives the
+bytes back and the inverse codemods, used where there is no copy, need only be
+right in meaning. Each file is replaced atomically (``files.replace_at``): a
+kill between two files leaves a tree ``check`` reports as ``partly applied``,
+the next ``apply`` completes and ``revert`` undoes. One writer at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from packaging.version import Version
 
-from patcher.backup import Backup, sha256
-from patcher.errors import PatchError, shown
+from patcher.backup import Backup, hex_digest
+from patcher.errors import PatchError, VllmHasItsOwn, printable
 from patcher.files import locked, remove_at, replace_at
 from patcher.patchset import Edit, Patch, defaults, exclusive_with, is_default, select
 from patcher.status import PlanStatus
@@ -33,6 +36,7 @@ Text = str | None
 """A file's text; None: the file is absent (an edit with ``create = true``)."""
 TESTS_FOLDER = "tests"
 """A tree with this folder beside ``vllm/`` (a checkout) also gets the test edits."""
+RESTORED = "Restored from the backup."
 
 
 @dataclass(frozen=True)
@@ -41,10 +45,12 @@ class EditPlan:
     before: Text = None
     after: Text = None
     error: PatchError | None = None
-    described: tuple[str, ...] = ()
+    said: tuple[str, ...] = ()
     """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
     skipped: PatchError | None = None
     """Why an optional edit is left out (its file is missing or unrecognised)."""
+    own: str | None = None
+    """What vLLM's own form of the change in the file is (``VllmHasItsOwn``)."""
 
     @property
     def file(self) -> str:
@@ -52,7 +58,7 @@ class EditPlan:
 
     @property
     def reason(self) -> str | None:
-        why = self.error or self.skipped
+        why = self.error or self.skipped or self.own
         return str(why) if why else None
 
     @property
@@ -64,6 +70,8 @@ class EditPlan:
             return PlanStatus.SKIPPED
         if self.error is not None:
             return PlanStatus.NOT_APPLICABLE
+        if self.own is not None:
+            return PlanStatus.IN_VLLM
         return PlanStatus.pending(direction, self.changes)
 
 
@@ -75,7 +83,7 @@ class PatchPlan:
     version: Version | None
     edits: tuple[EditPlan, ...]
     error: PatchError | None = None
-    """A whole-patch refusal (version out of range, an exclusive patch present)."""
+    """A whole-patch refusal (the version out of range)."""
     warnings: tuple[str, ...] = ()
     sources: Mapping[str, Text] = field(default_factory=dict, repr=False)
     """Every file the plan read: a plan is written only while the tree holds these."""
@@ -89,10 +97,18 @@ class PatchPlan:
     def status(self) -> PlanStatus:
         if self.errors:
             return PlanStatus.NOT_APPLICABLE
+        if self.in_vllm:
+            return PlanStatus.IN_VLLM
         made = [e.changes for e in self.edits if e.skipped is None]
         if self.direction == "apply" and any(made) and not all(made):
             return PlanStatus.PARTLY_APPLIED
         return PlanStatus.pending(self.direction, any(made))
+
+    @property
+    def in_vllm(self) -> bool:
+        """vLLM has its own form of the change in a file: the patch, which
+        would not be this tool's alone, writes nothing."""
+        return any(e.own for e in self.edits)
 
     @property
     def skipped(self) -> list[EditPlan]:
@@ -101,7 +117,7 @@ class PatchPlan:
     def file_changes(self) -> dict[str, tuple[Text, Text]]:
         """relpath -> (text before the patch, text after all its edits)."""
         out: dict[str, tuple[Text, Text]] = {}
-        for e in self.edits:
+        for e in self.edits if not self.in_vllm else ():
             if e.error is None and e.skipped is None:
                 out[e.file] = (out[e.file][0] if e.file in out else e.before, e.after)
         return {k: v for k, v in out.items() if v[0] != v[1]}
@@ -111,7 +127,7 @@ class PatchPlan:
         out: dict[str, list[str]] = {}
         for e in self.edits:
             if e.changes:
-                out.setdefault(e.file, []).extend(e.described)
+                out.setdefault(e.file, []).extend(e.said)
         return out
 
     def diff(self) -> str:
@@ -125,7 +141,7 @@ class PatchPlan:
                 "summary": e.edit.summary,
                 "status": e.status(self.direction),
                 "reason": e.reason,
-                "changes": list(e.described) if e.changes else [],
+                "changes": list(e.said) if e.changes else [],
             }
             for e in self.edits
         ]
@@ -158,21 +174,23 @@ def _diff(rel: str, before: Text, after: Text) -> str:
     return "".join(head)
 
 
-def choose(tree: VllmTree, names: list[str] | None, direction: Direction = "apply"):
+def choose(
+    tree: VllmTree, names: list[str] | None, direction: Direction = "apply"
+) -> list[Patch]:
     """The patches a command acts on: the named ones, else the tree's defaults
-    (``patchset.is_default``); a plain revert also takes every other patch in
-    range that is there to revert."""
-    if names:
-        return select(names)
+    (``patchset.is_default``); a plain revert also takes every patch in range
+    whose edits apply left in the tree. Apply refuses a patch while one it
+    excludes is there (its backup holds a file the tree still has as patched)."""
     version = read_version(tree)
     if direction == "revert":
+        if names:
+            return select(names)
         return [
             p
             for p in select(None)
-            if p.covers(version)
-            and (is_default(p, version)[0] or _present(plan(tree, p, "revert")))
+            if p.covers(version) and (is_default(p, version)[0] or _restorable(tree, p))
         ]
-    chosen = defaults(version)
+    chosen = select(names) if names else defaults(version)
     if not chosen:
         raise PatchError(
             "no patch is this tree's default (pass --patch NAME)",
@@ -182,21 +200,25 @@ def choose(tree: VllmTree, names: list[str] | None, direction: Direction = "appl
                 f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
             ),
         )
+    for patch in chosen:
+        for other in exclusive_with(patch):
+            if _restorable(tree, other):
+                raise PatchError(
+                    f"{other.name} is applied here (fully or in part), and "
+                    f"{patch.name} excludes it",
+                    path=str(tree.location),
+                    looked_for=f"a tree without {other.name}",
+                    found=f"its edits (`vllm-patch revert --patch {other.name}`)",
+                )
     return chosen
 
 
-def _present(p: PatchPlan) -> bool:
-    return not p.errors and p.status is PlanStatus.REVERTIBLE
-
-
-def check(
-    tree: VllmTree, patches: Iterable[Patch], direction: Direction = "apply", **kw
-):
+def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
     """Each patch planned under a shared lock: never on a write half done."""
     if tree.is_wheel:
-        return [plan(tree, p, direction, **kw) for p in patches]
+        return [plan(tree, p, **kw) for p in patches]
     with locked(tree.location, shared=True):
-        return [plan(tree, p, direction, **kw) for p in patches]
+        return [plan(tree, p, **kw) for p in patches]
 
 
 def plan(
@@ -205,10 +227,9 @@ def plan(
     direction: Direction = "apply",
     *,
     force: bool = False,
-    restore: Mapping[str, str] | None = None,
 ) -> PatchPlan:
-    """What ``direction`` would do to ``tree``; nothing is written. ``restore``
-    (relpath -> original text): the files revert takes from a backup."""
+    """What ``direction`` would do to ``tree``; nothing is written. A revert
+    takes each file still as apply left it from the backup."""
     version = read_version(tree)
     warnings: list[str] = []
     if version is None:
@@ -216,7 +237,6 @@ def plan(
             f"{tree.location}: no readable vLLM version ({VERSION_FILE}, dist-info or "
             "wheel name); judging by the source's shape alone"
         )
-    refusal = None
     if direction == "apply" and not patch.covers(version):
         refusal = PatchError(
             "vLLM version outside the patch's range (--force overrides)",
@@ -224,14 +244,16 @@ def plan(
             looked_for=f"vllm{patch.versions}",
             found=str(version),
         )
-        if force:
-            warnings.append(
-                f"{refusal.message}: {version} not in {patch.versions}; forced"
-            )
-            refusal = None
-    refusal = refusal or (_exclusive(tree, patch) if direction == "apply" else None)
-    if refusal is not None:
-        return PatchPlan(patch, tree, direction, version, (), refusal, tuple(warnings))
+        if not force:
+            return PatchPlan(patch, tree, direction, version, (), refusal, (*warnings,))
+        warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
+    restore: dict[str, str] = {}
+    if direction == "revert":
+        restore, problems = _originals(tree, patch)
+        warnings += [
+            f"damaged backup, reverting by the inverse edit instead: {x}"
+            for x in problems
+        ]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
@@ -239,20 +261,6 @@ def plan(
     return PatchPlan(
         patch, tree, direction, version, edits, None, tuple(warnings), sources
     )
-
-
-def _exclusive(tree: VllmTree, patch: Patch) -> PatchError | None:
-    """The refusal to apply ``patch`` where a patch exclusive with it is there."""
-    for other in exclusive_with(patch):
-        if _present(plan(tree, other, "revert")):
-            return PatchError(
-                f"{other.name} is applied here (fully or in part), and {patch.name} "
-                "excludes it",
-                path=str(tree.location),
-                looked_for=f"a tree without {other.name}",
-                found=f"its edits (`vllm-patch revert --patch {other.name}`)",
-            )
-    return None
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
@@ -276,28 +284,26 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             before = texts[path] if path in texts else read(path)
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
-            after, said = _edit(
-                edit,
-                direction,
-                before,
-                lambda r: read(r) or "",
-                (restore or {}).get(path),
-            )
+            if path in restore:
+                after, said = restore[path], (RESTORED,)
+            else:
+                after, said = _edit(edit, direction, before, lambda r: read(r) or "")
+        except VllmHasItsOwn as exc:
+            yield EditPlan(edit, before, before, own=str(exc))
+            continue
         except PatchError as exc:
             if exc.path == edit.file:
-                exc.path = shown(tree.display(path))
+                exc.path = printable(tree.display(path))
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
             continue
         texts[path] = after
-        yield EditPlan(edit, before, after, described=said)
+        yield EditPlan(edit, before, after, said=said if after != before else ())
 
 
-def _edit(edit: Edit, direction, before: Text, read, original: Text):
-    """(the text after ``edit``, what it changed), from its codemod."""
+def _edit(edit: Edit, direction, before: Text, read):
+    """(the text after ``edit``, what it changed), from its codemod: run once."""
     from patcher.codemod import run_codemod_described as run  # LibCST: only here
 
-    if original is not None:  # revert from the backup
-        return original, () if before == original else ("Restored from the backup.",)
     if direction == "apply":
         return run(edit.apply, before or "", read)
     if before is None:
@@ -307,21 +313,11 @@ def _edit(edit: Edit, direction, before: Text, read, original: Text):
     return run(edit.revert, before, read)
 
 
-@dataclass(frozen=True)
-class Outcome:
-    patch: str
-    action: str
-    files: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()  # a damaged backup, a plan made again
-
-    def __str__(self) -> str:
-        where = f" ({', '.join(self.files)})" if self.files else ""
-        return f"{self.patch}: {self.action}{where}"
-
-
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     """Where the originals are kept: in the tree, or in a checkout's own git
-    directory (a ``.git`` folder; a linked work tree has none of its own)."""
+    directory (a ``.git`` folder: a linked work tree has none, and no backup)."""
+    if tree.is_wheel:
+        return None
     git = ".git" if tree.kind == "checkout" else "."
     if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
@@ -329,53 +325,78 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     return Backup(tree.real(git), patch.name, files)
 
 
-def _inverse_restores(tree: VllmTree, p: PatchPlan) -> bool:
-    """Whether the inverse edits alone give every changed file back (then a
-    checkout needs no backup): not where part of the change was there before."""
-    changes = p.file_changes()
-    sources = {**p.sources, **{rel: after for rel, (_, after) in changes.items()}}
-    reverted = _plan_edits(
-        tree, p.patch.edits + p.patch.test_edits, "revert", sources, None
-    )
-    texts = {e.file: e.after for e in reverted if not (e.error or e.skipped)}
-    return all(
-        texts.get(rel, after) == before for rel, (before, after) in changes.items()
-    )
+def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
+    """relpath -> original text, for each file the tree still holds as apply
+    left it and has an intact backup copy of; and what is wrong with the backup."""
+    backup = _backup(tree, patch)
+    entries, problems = backup.read() if backup else ({}, [])
+    return {
+        rel: backup.original(rel).decode("utf-8")
+        for rel, entry in entries.items()
+        if tree.exists(rel)
+        and hex_digest(tree.read_bytes(rel)) == entry["patched_sha256"]
+    }, problems
 
 
-def apply(
-    tree: VllmTree,
-    patch: Patch,
-    *,
-    force: bool = False,
-    planned: PatchPlan | None = None,
-) -> Outcome:
-    """Apply ``patch``. ``planned``: the caller's own plan of it, written as it
-    is unless the tree no longer holds what it was made from; then, and without
-    it, planned here."""
+def _restorable(tree: VllmTree, patch: Patch) -> bool:
+    """Whether ``patch`` is applied here (fully or in part), by its backup."""
+    return bool(_originals(tree, patch)[0])
+
+
+@contextlib.contextmanager
+def nothing_changed_on_error() -> Iterator[None]:
+    """A system error (a full disk, an I/O error) before any source is written:
+    one message that says the tree is as it was."""
+    try:
+        yield
+    except OSError as exc:
+        raise PatchError(
+            f"cannot proceed ({exc.strerror or exc})",
+            path=printable(exc.filename) if exc.filename else None,
+            found="nothing was changed",
+        ) from exc
+
+
+@dataclass(frozen=True)
+class Outcome:
+    patch: str
+    action: str
+    files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # a damaged backup
+
+    def __str__(self) -> str:
+        where = f" ({', '.join(self.files)})" if self.files else ""
+        return f"{self.patch}: {self.action}{where}"
+
+
+def writing(tree: VllmTree):
+    """The one-writer lock on ``tree``: hold it from the plan to the write."""
+    return locked(tree.location)
+
+
+def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
+    """Write ``planned`` (an apply plan of ``tree``) as it is: the originals to
+    the backup first, then each changed file. A tree that no longer holds what
+    the plan read is refused, never planned again here."""
     refuse_wheel(tree.location, "apply to")
-    notes: list[str] = []
+    if planned.errors:
+        raise planned.errors[0]
+    patch, notes, changes = planned.patch, [], planned.file_changes()
     with locked(tree.location):
-        _clean(tree, patch)
-        if planned is None or not _still_current(tree, planned):
-            if planned is not None:
-                notes.append(f"{patch.name}: the tree changed; planned again")
-            planned = plan(tree, patch, "apply", force=force)
-        if planned.errors:
-            raise planned.errors[0]
-        changes = planned.file_changes()
-        _refuse_read_only(tree, changes)
-        backup = _backup(tree, patch) if changes else None
-        if backup and (
-            tree.kind == "installed" or not _inverse_restores(tree, planned)
-        ):
-            entries, problems = backup.read()
-            notes += [f"damaged backup, entry left out: {p}" for p in problems]
-            made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
-            backup.save(entries, made)
+        with nothing_changed_on_error():
+            _clean(tree, patch)
+            _still_current(tree, planned)
+            _refuse_read_only(tree, changes)
+            backup = _backup(tree, patch) if changes else None
+            if backup is not None:
+                entries, problems = backup.read()
+                notes += [f"damaged backup, entry left out: {p}" for p in problems]
+                made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
+                backup.save(entries, made)
         _write(tree, changes)
     if not changes:
-        return Outcome(patch.name, "already applied", (), tuple(notes))
+        done = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
+        return Outcome(patch.name, done, (), tuple(notes))
     partly = any(not e.changes for e in planned.edits if e.skipped is None)
     action = "completed" if partly else "applied"
     return Outcome(patch.name, action, tuple(changes), tuple(notes))
@@ -386,38 +407,33 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     every other file by the inverse edits; then the backup is deleted."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
-        _clean(tree, patch)
-        backup = _backup(tree, patch)
-        entries, problems = backup.read() if backup else ({}, [])
-        restore = {
-            rel: backup.original(rel).decode("utf-8")
-            for rel, entry in entries.items()
-            if tree.exists(rel)
-            and sha256(tree.read_bytes(rel)) == entry["patched_sha256"]
-        }
-        p = plan(tree, patch, "revert", restore=restore)
-        if p.errors and problems:
-            error = p.errors[0]
+        with nothing_changed_on_error():
+            _clean(tree, patch)
+            p = plan(tree, patch, "revert")
+        damaged = [w for w in p.warnings if w.startswith("damaged backup")]
+        if p.errors and damaged:
+            error, backup = p.errors[0], _backup(tree, patch)
             raise PatchError(
                 "cannot revert: the backup is damaged and the inverse edit does not "
                 f"recognise the file ({error.message})",
                 path=error.path,
                 looked_for=error.looked_for,
-                found=f"{error.found}; backup: {'; '.join(problems)}. Reinstall "
-                f"vLLM to get the original file back, then delete {backup.folder}",
+                found=f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get "
+                f"the original file back, then delete {backup.folder}",
             )
         if p.errors:
             raise p.errors[0]
         changes = p.file_changes()
         _refuse_read_only(tree, changes)
         _write(tree, changes)
-        if backup is not None:
-            backup.discard()
-    notes = [
-        f"damaged backup, reverting by the inverse edit instead: {x}" for x in problems
-    ]
+        backup = _backup(tree, patch)
+        try:
+            if backup is not None:
+                backup.discard()
+        except OSError as exc:  # the sources are back: a stale store is harmless
+            damaged.append(f"{backup.folder}: not deleted ({exc.strerror})")
     action = "reverted" if changes else "nothing to revert"
-    return Outcome(patch.name, action, tuple(changes), tuple(notes))
+    return Outcome(patch.name, action, tuple(changes), tuple(damaged))
 
 
 def _clean(tree: VllmTree, patch: Patch) -> None:
@@ -426,15 +442,22 @@ def _clean(tree: VllmTree, patch: Patch) -> None:
         remove_at(tree.real(rel), leftovers=True)
 
 
-def _still_current(tree: VllmTree, p: PatchPlan) -> bool:
-    """Whether ``tree`` still holds the version and every file text ``p`` read."""
+def _still_current(tree: VllmTree, p: PatchPlan) -> None:
+    """Refuse when ``tree`` no longer holds the version and every file ``p`` read."""
     try:
-        return read_version(tree) == p.version and all(
+        same = read_version(tree) == p.version and all(
             (tree.read_text(rel) if tree.exists(rel) else None) == text
             for rel, text in p.sources.items()
         )
-    except PatchError:  # a file gone or unreadable: the new plan says which
-        return False
+    except PatchError:  # a file gone or unreadable
+        same = False
+    if not same:
+        raise PatchError(
+            "the tree changed since it was planned; run again",
+            path=str(tree.location),
+            looked_for=f"the files {p.patch.name} was planned on",
+            found="other contents; nothing was changed",
+        )
 
 
 def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
@@ -462,10 +485,15 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
             else:
                 replace_at(tree.real(rel), after.encode())
         except OSError as exc:
+            how_far = (
+                "nothing was changed"
+                if done == 0
+                else f"{done} of {len(changes)} files written; the tree is partly "
+                "patched: run apply again to finish, or revert to undo"
+            )
             raise PatchError(
                 f"cannot write ({exc.strerror})",
                 path=tree.display(rel),
                 looked_for="a file vllm-patch may replace",
-                found=f"{done} of {len(changes)} files written; the tree is partly "
-                "patched: run apply again to finish, or revert to undo",
+                found=how_far,
             ) from exc

@@ -54,7 +54,7 @@ class ExitCode(enum.IntEnum):
         return "\n".join(["| code | meaning |", "|---|---|", *rows])
 
 
-def shown(text: str | os.PathLike) -> str:
+def printable(text: str | os.PathLike) -> str:
     """A path (or a message holding one) as it can be printed anywhere: bytes a
     file name has that are not UTF-8 become ``\\xNN`` instead of failing to print."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
@@ -62,7 +62,7 @@ def shown(text: str | os.PathLike) -> str:
 
 def warn(message: str) -> None:
     """One warning line on stderr, as every vllm-patch command words it."""
-    print(f"vllm-patch: warning: {shown(message)}", file=sys.stderr)
+    print(f"vllm-patch: warning: {printable(message)}", file=sys.stderr)
 
 
 class PatchError(Exception):
@@ -71,9 +71,9 @@ class PatchError(Exception):
     exit_code = ExitCode.CANNOT_APPLY
 
     def __init__(self, message: str, *, path=None, looked_for=None, found=None):
-        self.message = shown(message)
+        self.message = printable(message)
         self.path, self.looked_for, self.found = (
-            None if x is None else shown(x) for x in (path, looked_for, found)
+            None if x is None else printable(x) for x in (path, looked_for, found)
         )
         super().__init__(str(self))
 
@@ -96,6 +96,12 @@ class ReadError(PatchError):
 
 class UsageError(PatchError):
     exit_code = ExitCode.USAGE
+
+
+class VllmHasItsOwn(Exception):
+    """Raised by a codemod whose file already has vLLM's own form of the change,
+    not the one this tool writes: apply and revert leave the file as it is, and
+    ``check`` says so and exits 0. The message says what vLLM has."""
 
 
 class ShapeNotRecognised(PatchError):

@@ -38,12 +38,6 @@ def ruff_binary() -> str:
     return str(find_ruff_bin())
 
 
-@cache
-def ruff_version() -> str:
-    """``ruff X.Y.Z`` as the pinned binary reports it."""
-    return _run([ruff_binary(), "--version"], "").strip()
-
-
 @lru_cache(maxsize=1024)
 def format_source(source: str, indent: str = "    ") -> str:
     """``source`` (a whole module or snippet) as ``ruff format`` lays it out with
@@ -52,7 +46,7 @@ def format_source(source: str, indent: str = "    ") -> str:
         style = ["--config", 'format.indent-style="tab"']
     else:
         style = ["--config", f"indent-width={len(indent)}"]
-    return _run(
+    return _ruff(
         [
             ruff_binary(),
             "format",
@@ -66,7 +60,7 @@ def format_source(source: str, indent: str = "    ") -> str:
     )
 
 
-def _run(cmd: list[str], stdin: str) -> str:
+def _ruff(cmd: list[str], stdin: str) -> str:
     # Bytes in and out: text mode would translate the file's line endings.
     done = subprocess.run(cmd, input=stdin.encode(), capture_output=True, check=False)
     if done.returncode != 0:
@@ -78,20 +72,20 @@ def _run(cmd: list[str], stdin: str) -> str:
     return done.stdout.decode()
 
 
-def format_node(node: cst.CSTNode, module: cst.Module) -> cst.CSTNode:
-    """A module-level statement of ``module``, or a decorator of one, laid out as
-    ``ruff format`` lays it out there (comments above it kept as they are)."""
-    nl = module.default_newline
-    bare = node.with_changes(leading_lines=[])
-    if isinstance(node, cst.Decorator):
-        # A decorator is formatted on its own; a stub function carries it.
-        source = module.code_for_node(bare) + f"def _(): pass{nl}"
-        out = format_source(source, module.default_indent)
-        new = cst.parse_statement(out, config=module.config_for_parsing).decorators[0]
-    else:
-        out = format_source(module.code_for_node(bare), module.default_indent)
-        new = cst.parse_statement(out, config=module.config_for_parsing)
-    return new.with_changes(leading_lines=node.leading_lines)
+def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
+    """``module`` with its top-level statements at the indices ``at`` as ruff
+    lays out the whole module (one run of ruff); the others keep their bytes."""
+    if not at:
+        return module
+    ruffs = cst.parse_module(format_source(module.code, module.default_indent))
+    if len(ruffs.body) != len(module.body):
+        raise PatchError(
+            "ruff format splits or joins statements",
+            looked_for="a module ruff lays out statement by statement",
+            found=f"{len(module.body)} statements, {len(ruffs.body)} after ruff",
+        )
+    body = [ruffs.body[i] if i in at else s for i, s in enumerate(module.body)]
+    return module.with_changes(body=body)
 
 
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:

@@ -23,6 +23,8 @@ class PlanStatus(str, enum.Enum):
     """Revert would change the tree."""
     NOT_APPLIED = "not applied"
     """Revert would change nothing: the tree does not have the change."""
+    IN_VLLM = "in vLLM"
+    """vLLM has its own form of the change: nothing to apply or revert."""
     NOT_APPLICABLE = "not applicable"
     """The codemod refused (or the version is out of range): nothing is written."""
     SKIPPED = "skipped"

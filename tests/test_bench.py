@@ -22,7 +22,7 @@ from conftest import requires_vllm
 
 from patcher.errors import ExitCode, PatchError
 from vllm_patch.bench import accuracy, evidence, serving
-from vllm_patch.runtime import bench_result
+from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime.bench_result import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +50,7 @@ def doc_with(configs: dict, **extra) -> dict:
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
+    doc = evidence_record.parse(doc).serving
     assert bench_result.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
     assert bench_result.spread([1.1, 1.0, 0.75]) == (1.0, 0.75, 1.1)
     table = bench_result.serving_table(doc, "eager")
@@ -64,7 +65,8 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
 def test_the_report_shows_only_what_was_measured():
     """An interrupted run: one mode, one side of the second repetition."""
     eager = {"base": runs(10, 12), "patched": runs(11)}
-    text = bench_result.evidence_markdown(doc_with({"eager": eager}, interrupted=True))
+    doc = doc_with({"eager": eager}, interrupted=True)
+    text = bench_result.evidence_markdown(evidence_record.parse(doc))
     assert "## Serving, eager: median [min–max] of 1 repetitions" in text
     assert "compiled" not in text and "**Interrupted**" in text
     assert "A CPU (x86_64), 2 CPUs, Linux; kernel flags: avx2" in text
@@ -347,7 +349,10 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     for ops in builds.values():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
-    text = bench_result.numerics_markdown(builds, tolerance)
+    numerics = {"numerics": builds, "tolerance": tolerance}
+    text = bench_result.numerics_table(
+        evidence_record.parse({"schema": 1, **numerics}).numerics
+    )
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
@@ -363,15 +368,16 @@ def test_per_op_times_every_route_that_passes_numerics():
             assert {(op, tokens, "native"), (op, tokens, "kernel"),
                     (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
     assert all(r["median_us"] > 0 for r in found["rows"] if "wrong" not in r)
-    assert "| op | tokens | base: native |" in bench_result.perop_markdown(found)
+    found = evidence_record.parse({"schema": 1, "perop": found}).perop
+    assert "| op | tokens | base: native |" in bench_result.perop_table(found)
 
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
     run = evidence.Run(tmp_path / "out", print)
     run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
     run.save()
-    assert bench_result.read(tmp_path / "out") == json.loads(
-        (tmp_path / "out" / "evidence.json").read_text()
+    assert evidence_record.read(tmp_path / "out") == evidence_record.parse(
+        json.loads((tmp_path / "out" / "evidence.json").read_text())
     )
     assert (tmp_path / "out" / "evidence.md").read_text().startswith("# vllm-patch")
     (tmp_path / "planted").mkdir()
@@ -379,4 +385,4 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
         tmp_path / "out" / "evidence.json"
     )
     with pytest.raises(PatchError, match="symbolic link"):
-        bench_result.read(tmp_path / "planted")
+        evidence_record.read(tmp_path / "planted")

@@ -17,6 +17,8 @@ from conftest import CPU, FIXTURE, VLLM_C, snapshot
 
 from patcher import engine
 from patcher.backup import BACKUP_DIR
+from patcher.codemod import TreeCodemod
+from patcher.errors import PatchError
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch.cli import main
@@ -54,37 +56,45 @@ def test_second_apply_changes_nothing(tree: Path, capsys) -> None:
     assert snapshot(tree) == after_first
 
 
-def test_apply_plans_each_patch_once(tree: Path, monkeypatch) -> None:
-    """The plan the CLI checks before writing is the plan it writes."""
+def test_apply_runs_each_codemod_once_per_edited_file(tree: Path, monkeypatch):
+    """One plan, each edit's codemod run once on it, and that plan written."""
     plans, real_plan = [], engine.plan
+    runs, real_run = [], TreeCodemod.transform_module
 
     def counted(*args, **kwargs):
         plans.append(real_plan(*args, **kwargs))
         return plans[-1]
 
+    def ran(codemod, module):
+        runs.append(type(codemod).__name__)
+        return real_run(codemod, module)
+
     monkeypatch.setattr(engine, "plan", counted)
+    monkeypatch.setattr(TreeCodemod, "transform_module", ran)
     assert run("apply", "--vllm", str(tree)) == 0
-    assert [p.patch.name for p in plans if p.direction == "apply"] == [
-        "cpu_fused_norms"
+    assert [(p.patch.name, p.direction) for p in plans] == [
+        ("cpu_fused_norms", "apply")
     ]
+    assert runs == ["EnableVllmCOnCpu", "AddCpuIrOpPriority"]
 
 
-def test_a_plan_the_tree_changed_under_is_made_again(tree: Path) -> None:
-    """A file edited between the check and the write keeps the edit: the engine
-    does not write a plan made from other text."""
+def test_a_plan_the_tree_changed_under_is_refused(tree: Path) -> None:
+    """A file edited between the plan and the write keeps the edit: the engine
+    writes exactly the plan, or nothing and says to run again."""
     patch = select(["cpu_fused_norms"])[0]
     vllm = open_tree(str(tree))
-    checked = engine.plan(vllm, patch)
+    planned = engine.plan(vllm, patch)
     with (tree / VLLM_C).open("a") as f:
-        f.write("# edited after the check\n")
+        f.write("# edited after the plan\n")
+    edited = snapshot(tree)
 
-    outcome = engine.apply(vllm, patch, planned=checked)
+    with pytest.raises(PatchError, match="the tree changed since it was planned"):
+        engine.apply(vllm, planned)
 
+    assert snapshot(tree) == edited
+    outcome = engine.apply(vllm, engine.plan(vllm, patch))
     assert outcome.action == "applied"
-    assert any("planned again" in n for n in outcome.notes)
-    text = (tree / VLLM_C).read_text()
-    assert text.endswith("# edited after the check\n")
-    assert "or IS_CPU" in text
+    assert (tree / VLLM_C).read_text().endswith("# edited after the plan\n")
 
 
 def test_half_applied_tree_is_completed_not_doubled(tree: Path, capsys) -> None:
@@ -124,17 +134,27 @@ def test_lines_other_than_the_edit_are_byte_identical(tree: Path) -> None:
     assert all(len(line.rstrip(b"\n")) <= 88 for line in after)
 
 
-def test_checkout_reverts_by_inverse_edit(checkout: Path, capsys) -> None:
+def test_a_checkout_keeps_its_backup_in_git(checkout: Path, capsys) -> None:
     original = snapshot(checkout)
     run("apply", "--vllm", str(checkout))
     assert not (checkout / BACKUP_DIR).exists()
-    assert git.Repo(checkout).is_dirty()
+    assert (checkout / ".git" / BACKUP_DIR / "cpu_fused_norms").is_dir()
+    assert git.Repo(checkout).is_dirty() and not git.Repo(checkout).untracked_files
     assert run("revert", "--vllm", str(checkout)) == 0
     assert "reverted" in capsys.readouterr().out
     assert snapshot(checkout) == original
     assert not git.Repo(checkout).is_dirty()
+    assert not (checkout / ".git" / BACKUP_DIR).exists()
     assert run("revert", "--vllm", str(checkout)) == 0
     assert "nothing to revert" in capsys.readouterr().out
+
+
+def test_without_its_backup_a_tree_reverts_by_the_inverse_edit(installed: Path):
+    original = snapshot(installed)
+    run("apply", "--vllm", str(installed))
+    shutil.rmtree(installed / BACKUP_DIR)
+    assert run("revert", "--vllm", str(installed)) == 0
+    assert snapshot(installed) == original  # the fixture is in ruff's layout
 
 
 def test_installed_tree_reverts_from_backup(installed: Path) -> None:

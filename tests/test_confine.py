@@ -126,7 +126,7 @@ READ_BACKUP = {"check": 0, "diff": 0, "apply": 0, "revert": 3}
 CASES = [
     pytest.param("directory", old_journal, PLAIN, [], id="old-journal-ignored"),
     pytest.param("directory", leftover_link, PLAIN, [], id="leftover-link"),
-    pytest.param("installed", link(BACKUP_DIR, lambda v: v / BACKUP_DIR), WRITE,
+    pytest.param("installed", link(BACKUP_DIR, lambda v: v / BACKUP_DIR), ALL,
                  [BACKUP_DIR, "symbolic link"], id="backup-store-link"),
     pytest.param("installed", link(STORE, lambda v: v / STORE), WRITE,
                  [STORE, "symbolic link"], id="backup-patch-folder-link"),

@@ -14,14 +14,18 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import requires_vllm
+from conftest import make_tree, requires_vllm
 
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import imports
-from vllm_patch.doctor.patches import opt_in_finding, plugin_filter_findings
+from vllm_patch.doctor import environment, imports
+from vllm_patch.doctor.patches import (
+    _registered_finding,
+    opt_in_finding,
+    plugin_filter_findings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
@@ -63,9 +67,8 @@ HEALTHY = [
     ("ir", "ok", "vllm.ir imports"),
     (f"{PATCH}:patch", "info", "not applied"),
     (f"{PATCH}:entry_point", "ok", "vllm.general_plugins"),
-    (f"{PATCH}:provider", "ok", "'vllm_c_cpu' registers"),
+    (f"{PATCH}:provider", "info", "'vllm_c_cpu' loads and is off"),
     (f"{PATCH}:opt_in", "info", "is not set"),
-    (f"{PATCH}:redundant", "ok", "still useful"),
 ]
 
 
@@ -79,17 +82,17 @@ def test_a_healthy_environment(healthy, check, status, words):
 
 
 @requires_vllm
-def test_on_a_patched_vllm_the_provider_can_go(tmp_path):
+def test_on_a_patched_vllm_the_provider_stands_aside(tmp_path):
     copy = linked_copy(open_tree(None), tmp_path / "tree").location  # hard links
-    engine.apply(open_tree(copy), select([PATCH])[0])
-    rc, findings, _ = doctor(pythonpath=[copy])
+    patch = select(["rms_norm_forward_cpu"])[0]
+    engine.apply(tree := open_tree(copy), engine.plan(tree, patch))
+    rc, findings, _ = doctor(pythonpath=[copy], env={OPT_IN_ENV: "1"})
     assert str(copy) in findings["vllm"]["message"]
-    assert findings[f"{PATCH}:patch"]["message"].endswith("applied to this vLLM")
-    redundant = findings[f"{PATCH}:redundant"]
-    assert redundant["status"] == "info"
+    provider = findings[f"{PATCH}:provider"]
+    assert provider["status"] == "info"
     assert (
-        "already enables vllm_c on CPU: the provider 'vllm_c_cpu' can go"
-        in (redundant["message"])
+        "stands aside: this vLLM's RMSNorm has its own forward_cpu"
+        in (provider["message"])
     )
     assert rc == 0
 
@@ -150,9 +153,9 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
 OPT_IN_VALUES = [
     # (value, status, words): the provider judges the value, the doctor says it
     (None, "info", "is not set"),
-    ("1", "ok", "the default ranking of"),
-    ("TRUE", "ok", "the default ranking of"),  # vLLM's own spelling of a true flag
-    ("0", "info", "the default ranking of 'prov' is off"),
+    ("1", "ok", "'prov' is on"),
+    ("TRUE", "ok", "'prov' is on"),  # vLLM's own spelling of a true flag
+    ("0", "info", "'prov' is off"),
     ("yes", "fix", "='yes' is ignored: 1 or true turns the fused CPU norms on"),
     ("on", "fix", "='on' is ignored"),
 ]
@@ -274,3 +277,37 @@ def step_results(tmp_path_factory):
         mp.setenv("PYTHONPATH", str(folder))
         mp.setattr(imports, "CHILD_TIMEOUT", 1)
         return imports.run_import_checks(steps)
+
+
+def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
+    """vLLM 0.13 - 0.19 have no vLLM IR (no ``vllm/ir/``): no IR step runs and
+    no IR finding is made; from 0.20 on, both."""
+    tree = open_tree(make_tree(tmp_path / "tree"))
+    assert not environment.has_ir(tree)
+    steps = imports.steps_for(["a.provider"], [], environment.has_ir(tree))
+    assert ["from", imports.IR] not in steps and ["provider", "a.provider"] in steps
+    results = {tuple(s): {"ok": True} for s in steps}
+    findings = environment.import_findings(results, None, {}, sys.executable)
+    assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
+    (tree.location / "vllm/ir").mkdir()
+    (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
+    assert environment.has_ir(tree)
+    assert ["from", imports.IR] in imports.steps_for([], [], environment.has_ir(tree))
+
+
+@pytest.mark.parametrize(
+    "status, said",
+    [
+        ({"route": "CustomOp"}, "ok: provider 'prov': route CustomOp"),
+        (
+            {"stood_aside": "RMSNorm defines forward_cpu"},
+            "info: provider 'prov' stands aside: RMSNorm defines forward_cpu",
+        ),
+        ({"route": None}, "info: provider 'prov' loads and is off"),
+        ({"error": "RuntimeError: boom"}, "fix: provider prov: RuntimeError: boom"),
+    ],
+    ids=["route taken", "stands aside", "off", "failed"],
+)
+def test_the_provider_s_customop_route(status, said):
+    found = _registered_finding("p", "prov", status, "a.provider", "python")
+    assert f"{found.status}: {found.message}" == said

@@ -1,68 +1,274 @@
-"""EnableVllmCOnCpu / DisableVllmCOnCpu on every source shape of vllm_c.py, before and after."""
+"""EnableVllmCOnCpu / DisableVllmCOnCpu on the shapes of vllm_c.py vLLM 0.20 -
+0.32 ship, before and after."""
 
 from __future__ import annotations
 
-import pytest
-from libcst.codemod import CodemodTest
+import ast
 
-from patcher.codemod import run_codemod
+import pytest
+from libcst.codemod import CodemodContext, CodemodTest
+
+from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
 
-HEADER = """
+CASES = [
+    pytest.param(
+        '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
-"""
-# What apply adds after the module's last platform fact (CUDA_ALIKE here).
-HEADER_CPU = (
-    HEADER
-    + """IS_CPU = current_platform.is_cpu()
-\"\"\"CPU kernels ignore strides: they only take contiguous inputs.\"\"\"
-"""
-)
-CHECK = """
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+IS_ROCM = current_platform.is_rocm()
+"""ROCm needs shape normalization before calling some vLLM C kernels."""
+GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()
+
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None and (weight is None or weight.dtype == x.dtype)
 )
-"""
-CHECK_CPU = """
+"""vLLM kernel requires no variance_size override and matching input/weight dtype."""
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None and (weight is None or weight.dtype == x.dtype)
+)
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=rms_add_no_var_size,
+    supported=GPGPU_DEVICE,
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+''',
+        '''
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+IS_ROCM = current_platform.is_rocm()
+"""ROCm needs shape normalization before calling some vLLM C kernels."""
+IS_CPU = current_platform.is_cpu()
+GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or IS_CPU
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
+
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not IS_CPU or x.is_contiguous())
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
 )
-"""
-ADD_CHECK = """
-rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
-    variance_size is None and weight is None
+"""vLLM kernel requires no variance_size override and matching input/weight dtype."""
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=GPGPU_DEVICE
 )
-\"\"\"No variance_size, no weight.\"\"\"
-"""
-ADD_CHECK_CPU = """
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
 rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
     variance_size is None
-    and weight is None
-    and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
+    and (weight is None or weight.dtype == x.dtype)
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_ADD_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+            and x_residual.dtype == x.dtype
+            and x_residual.is_contiguous()
+        )
+    )
 )
-\"\"\"No variance_size, no weight. On CPU, x and x_residual must also be contiguous.\"\"\"
-"""
-RMS_NORM = """
 
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=rms_no_var_size)
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=rms_add_no_var_size,
+    supported=GPGPU_DEVICE,
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+''',
+        id="0.27-0.32: GPGPU_DEVICE, which only the norms use, gains `or IS_CPU`",
+    ),
+    pytest.param(
+        """
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+
+rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
+    variance_size is None and (weight is None or weight.dtype == x.dtype)
+)
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
+)
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-"""
 
-# (name, before, after, reverted): every test below runs them both ways. The
-# revert gives ``before`` back where it was in ruff's layout, else ``reverted``
-# (ruff's layout of it: the engine restores the bytes from its backup then).
-CASES = [
-    (
-        "0.20: the one norm gets its own gate; an older ruff's lambda layout "
-        "becomes the pinned ruff's",
-        HEADER
-        + """
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: True,
+    supported=CUDA_ALIKE,
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+""",
+        '''
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+IS_CPU = current_platform.is_cpu()
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
+
+rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and (weight is None or weight.dtype == x.dtype)
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
+)
+
+
+RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE
+)
+def rms_norm(x, weight, epsilon, variance_size=None): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c",
+    supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
+        True
+        and (
+            not IS_CPU
+            or (
+                weight is not None
+                and x.dtype in CPU_ADD_DTYPES
+                and weight.dtype == x.dtype
+                and x.shape[-1] % 8 == 0
+                and x.is_contiguous()
+                and x_residual.dtype == x.dtype
+                and x_residual.is_contiguous()
+            )
+        )
+    ),
+    supported=RMS_NORM_DEVICE,
+    inplace=True,
+)
+def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
+''',
+        id="0.24-0.26: CUDA_ALIKE keeps its meaning, the norms get their own gate",
+    ),
+    pytest.param(
+        '''
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+
 rms_no_var_size = (
     lambda x, weight, epsilon, variance_size=None: variance_size is None
     and (weight is None or weight.dtype == x.dtype)
@@ -73,10 +279,61 @@ rms_no_var_size = (
     "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-        HEADER_CPU
-        + CHECK_CPU
-        + """
+''',
+        '''
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+IS_CPU = current_platform.is_cpu()
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
+
+rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and (weight is None or weight.dtype == x.dtype)
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
+)
+
 
 RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 
@@ -85,384 +342,220 @@ RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
     "vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-        HEADER
-        + CHECK
-        + """
-
-@ir.ops.rms_norm.register_impl(
-    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
-)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
+''',
+        id="0.20: rms_norm only; an older ruff's predicate comes out in ruff's layout",
     ),
-    (
-        "0.24: CUDA_ALIKE also gates gelu_and_mul: the norms get their own gate",
-        HEADER
-        + CHECK
-        + ADD_CHECK
-        + """
+    pytest.param(
+        """
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+
 
 @ir.ops.rms_norm.register_impl(
-    "vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE
+    "vllm_c", supports_args=lambda x, w: a or b, supported=CUDA_ALIKE
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.fused_add_rms_norm.register_impl(
-    "vllm_c",
-    supports_args=rms_add_no_var_size,
-    supported=CUDA_ALIKE,
-    inplace=True,
-)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
-def gelu_and_mul(x): ...
 """,
-        HEADER_CPU
-        + CHECK_CPU
-        + ADD_CHECK_CPU
-        + """
+        '''
+import torch
+
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+IS_CPU = current_platform.is_cpu()
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
+
 
 RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 
 
 @ir.ops.rms_norm.register_impl(
-    "vllm_c", supports_args=rms_no_var_size, supported=RMS_NORM_DEVICE
-)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c",
-    supports_args=rms_add_no_var_size,
+    supports_args=lambda x, w: (
+        (a or b)
+        and (
+            not IS_CPU
+            or (
+                w is not None
+                and x.dtype in CPU_DTYPES
+                and w.dtype == x.dtype
+                and x.shape[-1] % 8 == 0
+                and x.is_contiguous()
+            )
+        )
+    ),
     supported=RMS_NORM_DEVICE,
-    inplace=True,
-)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.gelu_and_mul.register_impl("vllm_c", supports_args=rms_no_var_size, supported=CUDA_ALIKE)
-def gelu_and_mul(x): ...
-""",
-        None,
-    ),
-    (
-        "0.27+: GPGPU_DEVICE gains IS_CPU, XPU-only quant impl stays",
-        HEADER
-        + "GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()\n"
-        + CHECK
-        + ADD_CHECK
-        + """
-
-@ir.ops.fused_add_rms_norm.register_impl(
-    "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
-)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.static_scaled_fp8_quant.register_impl(
-    "vllm_c", supported=current_platform.is_xpu()
-)
-def static_scaled_fp8_quant(x, scale): ...
-"""
-        + RMS_NORM,
-        HEADER_CPU
-        + "GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or IS_CPU\n"
-        + CHECK_CPU
-        + ADD_CHECK_CPU
-        + """
-
-@ir.ops.fused_add_rms_norm.register_impl(
-    "vllm_c", supports_args=rms_add_no_var_size, supported=GPGPU_DEVICE, inplace=True
-)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.static_scaled_fp8_quant.register_impl(
-    "vllm_c", supported=current_platform.is_xpu()
-)
-def static_scaled_fp8_quant(x, scale): ...
-"""
-        + RMS_NORM,
-        None,
-    ),
-    (
-        "multi-line GPGPU_DEVICE keeps each comment on its line; the decorator "
-        "holding the lambda is laid out as ruff does",
-        HEADER
-        + """
-GPGPU_DEVICE = (
-    CUDA_ALIKE  # CUDA and ROCm
-    or current_platform.is_xpu()  # Intel GPUs
-)
-
-
-@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight, eps: True,)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-        HEADER_CPU
-        + """
-GPGPU_DEVICE = (
-    CUDA_ALIKE  # CUDA and ROCm
-    or current_platform.is_xpu()  # Intel GPUs
-    or IS_CPU
-)
-
-
-@ir.ops.rms_norm.register_impl(
-    "vllm_c",
-    supported=GPGPU_DEVICE,
-    supports_args=lambda x, weight, eps: True and (not IS_CPU or x.is_contiguous()),
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-        HEADER
-        + """
-GPGPU_DEVICE = (
-    CUDA_ALIKE  # CUDA and ROCm
-    or current_platform.is_xpu()  # Intel GPUs
-)
-
-
-@ir.ops.rms_norm.register_impl(
-    "vllm_c",
-    supported=GPGPU_DEVICE,
-    supports_args=lambda x, weight, eps: True,
-)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-    ),
-    (
-        "statements not in ruff's layout (redundant parentheses, one operand "
-        "over lines, a line over 88 columns) come out in ruff's",
-        HEADER
-        + """GPGPU_DEVICE = (
-    CUDA_ALIKE
-)
-check = lambda x, weight, eps: (eps > 0)
-add_check = lambda x, x_residual, weight, epsilon, variance_size=None: variance_size is None
-
-
-@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-""",
-        HEADER_CPU
-        + """GPGPU_DEVICE = CUDA_ALIKE or IS_CPU
-check = lambda x, weight, eps: eps > 0 and (not IS_CPU or x.is_contiguous())
-add_check = lambda x, x_residual, weight, epsilon, variance_size=None: (
-    variance_size is None
-    and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
-)
-
-
-@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-""",
-        HEADER
-        + """GPGPU_DEVICE = CUDA_ALIKE
-check = lambda x, weight, eps: eps > 0
-add_check = lambda x, x_residual, weight, epsilon, variance_size=None: (
-    variance_size is None
-)
-
-
-@ir.ops.rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=check)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-
-
-@ir.ops.fused_add_rms_norm.register_impl('vllm_c', supported=GPGPU_DEVICE, supports_args=add_check)
-def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-""",
+''',
+        id="an `or` predicate keeps its meaning in parentheses",
     ),
 ]
-IDS = [c[0] for c in CASES]
+
+
+# The tree's cpu.py (here without vLLM's per-CPU-class x86 builds), which the
+# rule's per-process function reads.
+READ = {"vllm/platforms/cpu.py": "class CpuPlatform:\n    pass\n"}.__getitem__
+
+
+def same_code(a: str, b: str) -> bool:
+    return ast.dump(ast.parse(a)) == ast.dump(ast.parse(b))
 
 
 class TestEnable(CodemodTest):
     TRANSFORM = EnableVllmCOnCpu
 
-    def test_cases(self) -> None:
-        for name, before, after, _ in CASES:
-            with self.subTest(name):
-                self.assertCodemod(before, after)
-
-    def test_half_patched_file_is_completed_not_doubled(self) -> None:
-        _, before, after, _ = CASES[1]  # 0.24: two norms, each with its own check
-        half = after.replace(ADD_CHECK_CPU, ADD_CHECK)
-        assert half not in (before, after)
-        self.assertCodemod(half, after)
-
-    def test_already_patched_is_unchanged(self) -> None:
-        for name, _, after, _ in CASES:
-            with self.subTest(name):
-                self.assertCodemod(after, after)
-
 
 class TestDisable(CodemodTest):
     TRANSFORM = DisableVllmCOnCpu
 
-    def test_cases_reverse(self) -> None:
-        for name, before, after, reverted in CASES:
-            with self.subTest(name):
-                self.assertCodemod(after, reverted or before)
 
-    def test_unpatched_is_unchanged(self) -> None:
-        for name, before, _, _ in CASES:
-            with self.subTest(name):
-                self.assertCodemod(before, before)
+def context() -> CodemodContext:
+    return CodemodContext(scratch={TREE_READER: READ})
 
 
-@pytest.mark.parametrize("before,after,reverted", [c[1:] for c in CASES], ids=IDS)
-def test_crlf_files_stay_crlf_and_round_trip(before, after, reverted) -> None:
-    def crlf(text: str) -> str:
-        return text.replace("\n", "\r\n")
+@pytest.mark.parametrize("before,after", CASES)
+def test_apply(before: str, after: str) -> None:
+    TestEnable().assertCodemod(before, after, context_override=context())
 
-    patched = run_codemod(EnableVllmCOnCpu, crlf(before), read_tree_file=None)
-    assert patched == crlf(after)
-    back = run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None)
-    assert back == crlf(reverted or before)
+
+@pytest.mark.parametrize("before,after", CASES)
+def test_apply_again_changes_nothing(before: str, after: str) -> None:
+    TestEnable().assertCodemod(after, after, context_override=context())
+
+
+@pytest.mark.parametrize("before,after", CASES)
+def test_revert_gives_the_same_code_back(before: str, after: str) -> None:
+    """The same bytes where the tree was in ruff's layout; the same Python
+    always (the engine restores the bytes from its backup)."""
+    reverted = run_codemod(DisableVllmCOnCpu, after, READ)
+    assert same_code(reverted, before)
+    assert run_codemod(EnableVllmCOnCpu, reverted, READ) == after
+
+
+def test_revert_of_an_unpatched_file_changes_nothing() -> None:
+    before = CASES[0].values[0]
+    TestDisable().assertCodemod(before, before)
+
+
+def test_crlf_round_trips() -> None:
+    before, after = (text.replace("\n", "\r\n") for text in CASES[0].values)
+    assert run_codemod(EnableVllmCOnCpu, before, READ) == after
+    assert run_codemod(DisableVllmCOnCpu, after, READ) == before
+
+
+HEADER = """import torch
+from vllm import ir
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+"""
 
 
 @pytest.mark.parametrize(
     "source,looked_for,found",
     [
-        (
+        pytest.param(
             HEADER + "IS_CPU = False\n"
-            "@ir.ops.rms_norm.register_impl(\n"
-            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, w: True\n)\n'
+            '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
+            "supports_args=lambda x, w: True)\n"
             "def rms_norm(x): ...\n",
             "IS_CPU unassigned, or `IS_CPU = current_platform.is_cpu()`",
             "IS_CPU = False",
+            id="IS_CPU is something else",
         ),
-        (HEADER + "X = 1\n", 'register_impl("vllm_c"', "no @ir.ops"),
-        (
-            HEADER
-            + '@ir.ops.gelu_and_mul.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
-            "def gelu_and_mul(x): ...\n",
-            "rms_norm",
-            "vllm_c impls for gelu_and_mul",
+        pytest.param(
+            HEADER + "X = 1\n",
+            'register_impl("vllm_c"',
+            "no such impl",
+            id="no norm impls",
         ),
-        (
+        pytest.param(
             HEADER + '@ir.ops.rms_norm.register_impl("vllm_c")\ndef rms_norm(x): ...\n',
             "supported= in",
-            "without supported=",
+            "none",
+            id="no supported=",
         ),
-        (
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=True)\n'
-            "def rms_norm(x): ...\n",
+        pytest.param(
+            'import torch\n@ir.ops.rms_norm.register_impl("vllm_c", supported=True, '
+            "supports_args=lambda x: True)\ndef rms_norm(x): ...\n",
             "current_platform",
-            "no current_platform",
+            "none",
+            id="no current_platform",
         ),
-        (
-            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE)\n'
-            "def rms_norm(x): ...\n",
-            "supports_args= in",
-            "without supports_args=",
-        ),
-        (
-            HEADER + "@ir.ops.rms_norm.register_impl(\n"
-            '    "vllm_c", supported=CUDA_ALIKE, supports_args=make_check()\n)\n'
-            "def rms_norm(x): ...\n",
-            "a lambda or def as the rms_norm impl's supports_args",
+        pytest.param(
+            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
+            "supports_args=make_check())\ndef rms_norm(x): ...\n",
+            "a lambda as the rms_norm impl's supports_args",
             "make_check()",
+            id="supports_args not a lambda",
         ),
-        (
-            HEADER + "@ir.ops.fused_add_rms_norm.register_impl(\n"
-            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x: True\n)\n'
+        pytest.param(
+            HEADER + '@ir.ops.fused_add_rms_norm.register_impl("vllm_c", '
+            "supported=CUDA_ALIKE, supports_args=lambda x: True)\n"
             "def fused_add_rms_norm(x): ...\n",
-            "taking its 2 input tensor(s) first",
+            "taking its input tensors, then the weight",
             "parameters ['x']",
+            id="too few tensor parameters",
         ),
-        (
-            HEADER + "@ir.ops.rms_norm.register_impl(\n"
-            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, w: True\n)\n'
-            "def rms_norm(x): ...\n"
-            "@ir.ops.fused_add_rms_norm.register_impl(\n"
-            '    "vllm_c", supported=current_platform.is_cuda(), supports_args=lambda x, r: True\n)\n'
+        pytest.param(
+            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
+            "supports_args=lambda x, w: True)\ndef rms_norm(x): ...\n"
+            '@ir.ops.fused_add_rms_norm.register_impl("vllm_c", '
+            "supported=current_platform.is_cuda(), supports_args=lambda x, r: True)\n"
             "def fused_add_rms_norm(x): ...\n",
-            "norms sharing one gate",
-            "rms_norm: CUDA_ALIKE, fused_add_rms_norm: current_platform.is_cuda()",
+            "the norms gated by one name",
+            "current_platform.is_cuda()",
+            id="norms behind different gates",
         ),
-        (
-            HEADER + "check = lambda x, w: True\n"
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, supports_args=check)\n'
-            "def rms_norm(x): ...\n"
-            '@ir.ops.gelu_new.register_impl("vllm_c", supported=current_platform.is_cpu(), supports_args=check)\n'
-            "def gelu_new(x): ...\n",
-            "that no impl supported on CPU shares",
-            "check is also the supports_args of gelu_new",
+        pytest.param(
+            HEADER + "GPGPU_DEVICE = CUDA_ALIKE\n"
+            '@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, '
+            "supports_args=lambda x, w: True)\ndef rms_norm(x): ...\n"
+            '@ir.ops.silu_and_mul.register_impl("vllm_c", supported=GPGPU_DEVICE)\n'
+            "def silu_and_mul(x): ...\n",
+            "GPGPU_DEVICE gating only the norms",
+            "3 uses",
+            id="GPGPU_DEVICE also gates a kernel the CPU build lacks",
         ),
-        (
-            HEADER
-            + "def check(x, w):\n    if x:\n        return False\n    return True\n"
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, supports_args=check)\n'
-            "def rms_norm(x): ...\n",
-            "def check (the rms_norm impl's supports_args) returning one expression",
-            "a body of 2 statement(s)",
-        ),
-        (
-            HEADER + "@ir.ops.rms_norm.register_impl(\n"
-            '    "vllm_c", supported=CUDA_ALIKE, supports_args=lambda x, weight: a or b\n)\n'
-            "def rms_norm(x): ...\n",
-            "to extend: `... and X`",
-            "a or b",
-        ),
-    ],
-    ids=[
-        "IS_CPU is something else",
-        "no vllm_c impls",
-        "no norm impls",
-        "no supported=",
-        "no current_platform",
-        "no supports_args=",
-        "supports_args not a lambda",
-        "too few tensor parameters",
-        "norms behind different gates",
-        "check shared with an impl on CPU",
-        "def check with more than a return",
-        "`or` body would bind wrong",
     ],
 )
 def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> None:
     with pytest.raises(ShapeNotRecognised) as exc:
-        run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
+        run_codemod(EnableVllmCOnCpu, source, READ)
     assert exc.value.path == "vllm/kernels/vllm_c.py"
     assert looked_for in exc.value.looked_for
     assert found in exc.value.found
-
-
-def test_a_gate_that_is_not_only_platform_checks_gets_the_cpu_gate_too() -> None:
-    """flag() may say anything on CPU; ``flag() or current_platform.is_cpu()``
-    is flag() everywhere else."""
-    source = HEADER + (
-        "@ir.ops.rms_norm.register_impl(\n"
-        '    "vllm_c",\n'
-        "    supported=flag(),\n"
-        "    supports_args=lambda x, w: True,\n"
-        ")\n"
-        "def rms_norm(x): ...\n"
-    )
-    patched = run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
-    assert "RMS_NORM_DEVICE = flag() or IS_CPU\n" in patched
-    assert run_codemod(DisableVllmCOnCpu, patched, read_tree_file=None) == source
-
-
-def test_revert_leaves_a_cpu_gate_it_did_not_add() -> None:
-    source = HEADER + (
-        "GPGPU_DEVICE = current_platform.is_cpu() or CUDA_ALIKE\n\n\n"
-        "@ir.ops.rms_norm.register_impl(\n"
-        '    "vllm_c", supported=GPGPU_DEVICE, supports_args=lambda x, weight: True\n)\n'
-        "def rms_norm(x): ...\n"
-    )
-    assert run_codemod(DisableVllmCOnCpu, source, read_tree_file=None) == source

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import VLLM_C, make_tree
 
-from patcher.errors import PatchError, shown
+from patcher.errors import PatchError, printable
 from vllm_patch.cli import main
 
 NAME = os.fsdecode(b"tr\xffee")
 
 
 def test_shown_escapes_only_what_is_not_utf8() -> None:
-    assert shown(Path("/a") / NAME / "é.py") == "/a/tr\\xffee/é.py"
+    assert printable(Path("/a") / NAME / "é.py") == "/a/tr\\xffee/é.py"
     assert PatchError("x", path=str(Path(NAME))).path == "tr\\xffee"
 
 

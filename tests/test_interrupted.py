@@ -146,6 +146,23 @@ def test_an_io_error_between_two_files_says_how_far_it_got(tmp_path, states, cap
     assert_recovers(tree, states, capsys)
 
 
+@pytest.mark.integration
+@needs_strace
+def test_a_full_disk_before_any_file_is_written_says_nothing_changed(
+    tmp_path, states, capsys
+):
+    """The first write of apply is the first backup copy's: refused, it leaves
+    the tree as it was, and the message says so."""
+    tree = tmp_path / "tree"
+    put(tree, states["original"])
+    done = strace(tree, "apply", "write:error=ENOSPC:when=1")
+    assert done.returncode == 3, done.stderr
+    assert "No space left on device" in done.stderr
+    assert "nothing was changed" in done.stderr and "partly" not in done.stderr
+    assert sources(snapshot(tree)) == sources(states["original"])
+    assert_recovers(tree, states, capsys)
+
+
 def test_leftovers_of_a_killed_write_go_with_the_next_apply(tree, capsys) -> None:
     leftover = tree / "vllm/kernels" / f".vllm_c.py.0123456789ab{NEW}"
     leftover.write_text("half")
@@ -162,7 +179,7 @@ def test_a_half_applied_tree_is_reported_then_finished(tree, tmp_path, capsys):
     assert check_word(tree, capsys) == "partly applied"
     assert main(["check", "--vllm", str(tree)]) == 1
     assert main(["apply", "--vllm", str(tree)]) == 0
-    assert snapshot(tree) == snapshot(patched)
+    assert sources(snapshot(tree)) == sources(snapshot(patched))
 
 
 def holding_the_lock(tree: Path, seconds: float, write=None, shared=False) -> int:

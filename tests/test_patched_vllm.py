@@ -146,7 +146,8 @@ def test_patched_vllm_uses_fused_kernels_unless_inductor_will_compile(
     installed_sums = {f: sha(installed / f) for f in files}
     copy_sums = {f: sha(vllm_copy / f) for f in files}
 
-    outcome = engine.apply(open_tree(vllm_copy), patch)
+    tree = open_tree(vllm_copy)
+    outcome = engine.apply(tree, engine.plan(tree, patch))
     assert outcome.action == "applied"
     try:
         result = run_probe(vllm_copy)

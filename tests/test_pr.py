@@ -19,17 +19,18 @@ from conftest import has_vllm, requires_vllm
 from test_pr_body import LEAKS, TOOL_SPEAK, evidence, outside_details, write_evidence
 
 from patcher import engine
+from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch import cli
-from vllm_patch.runtime import bench_result
+from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_sdist, fetch_wheel
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr_body import what_changes
 from vllm_patch.upstream.pr_format import find_ruff
 
 pytestmark = pytest.mark.integration
 
-PATCH = pick_patch("cpu_fused_norms")
+PATCH = select(["cpu_fused_norms"])[0]
 UPSTREAM = upstream_of(PATCH)
 NAME, EMAIL = "Ada Lovelace", "ada@example.com"
 # The files the patch reads or edits, and what a checkout needs to be a vLLM tree.
@@ -261,7 +262,7 @@ def test_cannot_apply_puts_the_checkout_back(checkout, capsys):
 
 def test_base_that_already_has_the_change_creates_nothing(checkout, capsys):
     tree = open_tree(checkout.working_tree_dir)
-    engine.apply(tree, PATCH)
+    engine.apply(tree, engine.plan(tree, PATCH))
     checkout.git.execute(["git", "commit", "-qam", "merged upstream"])
     before = state(checkout)
 
@@ -334,7 +335,8 @@ def test_body_carries_the_evidence_and_speaks_of_vllm_alone(checkout, tmp_path):
         assert word not in body, word
     assert len(outside_details(body).encode()) < 6000
     for mode in measured["serving"]["configs"]:  # evidence.md's tables
-        assert bench_result.serving_table(measured, mode) in body
+        serving = evidence_record.parse(measured).serving
+        assert bench_result.serving_table(serving, mode) in body
     assert measured["serving"]["commands"][1] in body
 
 

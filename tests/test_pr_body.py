@@ -17,16 +17,17 @@ import pytest
 from packaging.version import Version
 
 from patcher.errors import PatchError
-from vllm_patch.runtime import bench_result, machine
+from patcher.patchset import select
+from vllm_patch.runtime import bench_result, evidence_record, machine
 from vllm_patch.runtime.cache import fetch_sdist
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr import WIDTH, Identity, commit_message
 from vllm_patch.upstream.template import TEMPLATE
 from vllm_patch.upstream.vllm_tests import TestRun, TestRuns, described_machine
 
-PATCH = pick_patch("cpu_fused_norms")
+PATCH = select(["cpu_fused_norms"])[0]
 UPSTREAM = upstream_of(PATCH)
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream_files"
 TEST = "tests/kernels/ir/test_layernorm.py"
@@ -186,15 +187,16 @@ def evidence(patch: str = "cpu_fused_norms", *, lm_eval: bool = True) -> dict:
             ],
         },
         "numerics": {
-            "_C": {"rms_norm": 0.0077, "fused_add_rms_norm": 0.0124},
-            "_C_AVX2": {"rms_norm": 0.0135, "fused_add_rms_norm": 0.0186},
+            "_C": {"rms_norm": {"bfloat16": 0.0077}},
+            "_C_AVX2": {"rms_norm": {"bfloat16": 0.0135}},
         },
+        "tolerance": {"rms_norm": {"bfloat16": [0.016, 0.01]}},
     }
 
 
 def write_evidence(folder: Path, data: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / bench_result.EVIDENCE).write_text(json.dumps(data))
+    (folder / evidence_record.EVIDENCE).write_text(json.dumps(data))
     return folder
 
 
@@ -219,7 +221,7 @@ def render(root: Path, runs: TestRuns, ev: dict | None, upstream=UPSTREAM) -> st
     ci = wire(root, UPSTREAM.ci)
     facts = pr_body.Facts(
         version=Version("0.32.0"),
-        evidence=ev,
+        evidence=ev and evidence_record.parse(ev),
         checkout=root,
         described={
             **DESCRIBED,
@@ -287,8 +289,9 @@ def test_every_figure_is_the_evidences(tmp_path):
     ev = evidence()
     text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
     # The serving tables are evidence.md's: one ratio, per repetition.
+    serving = evidence_record.parse(ev).serving
     for mode in ev["serving"]["configs"]:
-        assert bench_result.serving_table(ev, mode) in text, mode
+        assert bench_result.serving_table(serving, mode) in text, mode
     assert "| output tok/s | 27 [26.8–27.5] | 35.4 [35–36.1] | 1.310x" in text
     for command in ev["serving"]["commands"]:
         assert command in text
@@ -300,7 +303,7 @@ def test_every_figure_is_the_evidences(tmp_path):
         "gsm8k exact_match: 0.412 ± 0.0136 base, 0.409 ± 0.0135 with this change"
         in text
     )
-    assert "| _C_AVX2 | rms_norm 0.0135, fused_add_rms_norm 0.0186 |" in text
+    assert "| \\_C_AVX2 | rms_norm | bfloat16 | 0.0135 | 0.016 | 0.01 | yes |" in text
     assert "| `rms_norm` | 1 | 30.0 | 10.0 (3.00x) | 6.0 (5.00x) |" in text
     assert "the base's time over this change's: rms_norm 1.7x at 1 tokens." in claims
     # Measured parts are not also given as commands to measure them.
@@ -341,7 +344,7 @@ def test_one_machine_description(tmp_path):
             lambda d: d["serving"]["configs"]["eager"]["base"].update(
                 output_throughput="fast"
             ),
-            "serving.configs.eager.base.output_throughput: not numbers",
+            "serving.configs.eager.base.output_throughput: not a list",
         ),
         (
             lambda d: d["serving"]["configs"]["eager"].pop("patched"),
@@ -362,8 +365,10 @@ def test_evidence_of_another_shape_is_refused_with_one_message(tmp_path, spoil, 
 def test_evidence_through_a_link_is_refused(tmp_path):
     real = write_evidence(tmp_path / "real", evidence())
     (tmp_path / "ev").mkdir()
-    (tmp_path / "ev" / bench_result.EVIDENCE).symlink_to(real / bench_result.EVIDENCE)
-    assert pr_body.load_evidence(real, PATCH)["schema"] == 1
+    (tmp_path / "ev" / evidence_record.EVIDENCE).symlink_to(
+        real / evidence_record.EVIDENCE
+    )
+    assert pr_body.load_evidence(real, PATCH).vllm.patch == PATCH.name
     with pytest.raises(PatchError, match="link"):
         pr_body.load_evidence(tmp_path / "ev", PATCH)
 

@@ -11,10 +11,11 @@ import git
 import libcst as cst
 
 from patcher import engine
+from patcher.backup import BACKUP_DIR
 from patcher.patchset import select
 from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
-from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
+from patches.cpu_fused_norms.enable_vllm_c import norm_impls
 from vllm_patch.cli import main
 from vllm_patch.upstream.pr_format import changed_ranges
 
@@ -65,8 +66,8 @@ def test_apply_apply_revert_on_unpacked_wheel(extracted_wheel: Path, capsys) -> 
     assert read(root, VLLM_C, CPU) == original
 
 
-def test_inverse_edit_alone_restores_real_sources(extracted_wheel: Path) -> None:
-    """A checkout has no backup: the inverse codemods must give the bytes back."""
+def test_a_checkout_reverts_real_sources_byte_for_byte(extracted_wheel: Path):
+    """From the backup a checkout keeps in its .git."""
     root = extracted_wheel
     for info in root.glob("*.dist-info"):
         shutil.rmtree(info)
@@ -77,10 +78,22 @@ def test_inverse_edit_alone_restores_real_sources(extracted_wheel: Path) -> None
     assert read(root, VLLM_C, CPU) == original
 
 
+def test_the_inverse_edit_alone_gives_the_same_code_back(extracted_wheel: Path):
+    """Without a backup the inverse codemods are right in meaning."""
+    root = extracted_wheel
+    original = read(root, VLLM_C, CPU)
+    assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    shutil.rmtree(root / BACKUP_DIR)
+    assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    for rel, data in read(root, VLLM_C, CPU).items():
+        assert ast.dump(ast.parse(data)) == ast.dump(ast.parse(original[rel]))
+
+
 def test_pinned_ruff_changes_no_line_the_patch_touched(real_wheel: Path) -> None:
     """Every line the patch adds or edits is laid out as vLLM's ruff (the pinned
     one, 88 columns) lays it out: formatting the patched file leaves them be."""
     plan = engine.plan(open_tree(real_wheel), select(["cpu_fused_norms"])[0])
+    assert sorted(plan.file_changes()) == sorted([VLLM_C, CPU])
     for rel, (before, after) in plan.file_changes().items():
         touched = {
             line for a, b in changed_ranges(before, after) for line in range(a, b)
@@ -96,16 +109,16 @@ def test_pinned_ruff_changes_no_line_the_patch_touched(real_wheel: Path) -> None
         assert all(len(lines[i]) <= LINE_LENGTH for i in touched), rel
 
 
-def test_every_other_vllm_c_impl_keeps_its_arguments(extracted_wheel: Path) -> None:
-    def others(code: str) -> list:
-        module = cst.parse_module(code)
-        text = cst.Module([]).code_for_node
-        return [
-            (i.op, text(i.supported), text(i.supports_args))
-            for i in vllm_c_impls(module)
-            if i.op not in NORM_OPS
-        ]
-
-    source = (extracted_wheel / VLLM_C).read_text()
+def test_only_the_norms_impls_change(extracted_wheel: Path) -> None:
+    """Every statement of vllm_c.py but the norms' gates and predicates, and
+    the CPU constant, is as it was."""
+    before = (extracted_wheel / VLLM_C).read_text()
     main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(extracted_wheel)])
-    assert others((extracted_wheel / VLLM_C).read_text()) == others(source)
+    after = (extracted_wheel / VLLM_C).read_text()
+    assert set(norm_impls(cst.parse_module(after))) == set(
+        norm_impls(cst.parse_module(before))
+    )
+    kept = set(ast.unparse(s) for s in ast.parse(before).body)
+    new = [ast.unparse(s) for s in ast.parse(after).body if ast.unparse(s) not in kept]
+    allowed = ("IS_CPU", "GPGPU_DEVICE", "RMS_NORM_DEVICE", "rms_", "@ir.ops.")
+    assert new and all(s.startswith(allowed) or "CPU kernels" in s for s in new), new

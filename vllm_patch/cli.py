@@ -11,7 +11,7 @@ import json
 import sys
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError, shown, warn
+from patcher.errors import ExitCode, PatchError, UsageError, printable, warn
 from patcher.patchset import all_patches, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -50,7 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return ExitCode.OK
     if tree is not None:
-        print(f"[{shown(tree.location)}, vLLM {version or 'unknown version'}]")
+        print(f"[{printable(tree.location)}, vLLM {version or 'unknown version'}]")
     for doc in rows:
         print(f"{doc['name']}  (vLLM {doc['vllm']})\n  {doc['title']}")
         if "applies" in doc:
@@ -63,11 +63,12 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _plans(
-    args: argparse.Namespace, writing: str | None = None
+    args: argparse.Namespace, tree: VllmTree | None = None
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    """The tree and the plan of every chosen patch, made under a shared lock."""
-    tree = open_tree(args.vllm, writing=writing)
-    plans = engine.check(tree, engine.choose(tree, args.patch), force=args.force)
+    """The tree and the plan of every chosen patch, made under a shared lock
+    (or the writer's, already held)."""
+    tree = tree or open_tree(args.vllm)
+    plans = engine.plan_all(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:
         for w in p.warnings:
             warn(w)
@@ -90,7 +91,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _print_plan(tree: VllmTree, p: engine.PatchPlan) -> None:
     version = p.version or "unknown version"
-    print(f"{p.patch.name}: {p.status}  [{shown(tree.location)}, vLLM {version}]")
+    print(f"{p.patch.name}: {p.status}  [{printable(tree.location)}, vLLM {version}]")
     if p.error:
         print("  " + str(p.error).replace("\n", "\n  "))
     for e in p.edits:
@@ -124,19 +125,25 @@ def _report(outcome: engine.Outcome) -> None:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    tree, plans = _plans(args, writing="apply to")
-    for p in plans:  # refuse before the first patch is written, not after
-        if p.errors:
-            raise p.errors[0]
-    for p in plans:  # each written as checked (its warnings shown by _plans)
-        _report(engine.apply(tree, p.patch, force=args.force, planned=p))
+    tree = open_tree(args.vllm, writing="apply to")
+    with engine.writing(tree):  # planned and written with no writer between
+        with engine.nothing_changed_on_error():
+            _, plans = _plans(args, tree)
+        for p in plans:  # refuse before the first patch is written, not after
+            if p.errors:
+                raise p.errors[0]
+        for p in plans:
+            _report(engine.apply(tree, p))
     return ExitCode.OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     tree = open_tree(args.vllm, writing="revert")
-    for patch in engine.choose(tree, args.patch, "revert"):
-        _report(engine.revert(tree, patch))
+    with engine.writing(tree):
+        with engine.nothing_changed_on_error():
+            chosen = engine.choose(tree, args.patch, "revert")
+        for patch in chosen:
+            _report(engine.revert(tree, patch))
     return ExitCode.OK
 
 

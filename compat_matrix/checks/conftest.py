@@ -26,6 +26,7 @@ from patcher.patchset import all_patches, select
 from patcher.tree import open_tree
 from patcher.version import read_version
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from vllm_patch.runtime import machine
 
 HERE = Path(__file__).resolve().parent
 # The cell runs opted in: the provider's one switch, as a user sets it.
@@ -64,7 +65,7 @@ def fact(record_testsuite_property):
 
 
 @pytest.fixture(scope="session")
-def check_report(tree, fact) -> list[dict]:
+def check_report(request, tree, fact) -> list[dict]:
     """``vllm-patch check --json`` on the tree: the patches a plain check
     picks, each with its status (the engine's dry run), or the engine's one
     error as the only entry."""
@@ -76,6 +77,9 @@ def check_report(tree, fact) -> list[dict]:
     )
     report = json.loads(proc.stdout)
     fact("torch", os.environ.get("VLLMPATCH_COMPAT_TORCH"))
+    if not request.config.getoption("--vllm-wheel"):  # live: what ran, where
+        fact("kernel_build", machine.kernel_build())
+        fact("machine", machine.cpu()["model"])
     fact("vllm", str(read_version(tree)))
     if isinstance(report, dict):  # e.g. no patch is this tree's default (exit 3)
         fact("check_error", report["error"])

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import HERE
-from engine import TOKENS
+from engine_start import TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def model(request):
 def run_engine(model, mode, tmp_path, fact) -> dict:
     out = tmp_path / "engine.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine.py"), str(model), mode, str(out)],
+        [sys.executable, str(HERE / "engine_start.py"), str(model), mode, str(out)],
         capture_output=True,
         text=True,
         timeout=1800,

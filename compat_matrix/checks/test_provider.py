@@ -8,7 +8,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
-from calls import BF16_RTOL, count, describe, route
+from calls import BF16_RTOL, count, describe, route, unexpected
 
 from patches.cpu_fused_norms.identity import PROVIDER
 
@@ -62,18 +62,11 @@ def test_plugin_loads_quietly(plugin_log):
     assert not loud, loud[0]
 
 
-def test_eager_calls_rms_norm_kernel(counted):
-    assert counted["eager"]["calls"]["_C::rms_norm"] >= 1, describe(counted["eager"])
-
-
-def test_eager_calls_fused_add_kernel(counted):
+def test_eager_calls_what_the_rule_says(counted):
+    """Each kernel runs eager exactly where the rule expects it (bfloat16: the
+    fused add only on builds that round)."""
     eager = counted["eager"]
-    if route(eager, PROVIDER) == "IR":
-        from vllm import ir
-
-        if not hasattr(ir.ops, "fused_add_rms_norm"):
-            pytest.skip("this release's IR has no fused_add_rms_norm op")
-    assert eager["calls"]["_C::fused_add_rms_norm"] >= 1, describe(eager)
+    assert not unexpected(eager), describe(eager)
 
 
 def test_route_logged(counted, plugin_log):
@@ -93,4 +86,4 @@ def test_eager_numerics(counted):
 def test_compiled_calls_no_kernel(counted):
     compiled = counted["compiled"]
     assert compiled["compilation"]["mode"] != 0, describe(compiled)
-    assert not any(compiled["calls"].values()), describe(compiled)
+    assert not unexpected(compiled), describe(compiled)

@@ -1,38 +1,34 @@
 """Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms have.
 
-The fused kernels win per call, but under Inductor the native form can win in
-the model, because Inductor fuses it into the neighbouring residual add and an
-opaque kernel call breaks that fusion. So, like CUDA and XPU: ``native`` when
-compiling with Inductor, ``["vllm_c", "native"]`` otherwise. vLLM asks before
-``CpuPlatform.check_and_update_config`` rewrites the compilation settings
+``["vllm_c", "native"]`` for the norms with a "vllm_c" impl in the tree's
+``vllm_c.py`` that are fields of its ``IrOpPriorityConfig``, and ``native``
+when Inductor will compile the model: Inductor fuses the native norm into the
+neighbouring residual add, which an opaque kernel call would prevent. vLLM asks
+before ``CpuPlatform.check_and_update_config`` rewrites the compilation settings
 (``VLLM_COMPILE`` becomes Inductor, or eager under ``VLLM_CPU_CI_ENV``; LoRA
 turns compilation off), so the method decides on what that rewrite will leave,
-with the tree's own spelling of the CI check. Only for the
-norms whose "vllm_c" implementation the tree enables on CPU (never an op some
-other gate already enabled there: its CPU default stays as it was); every other
-op stays ``native``, since naming a provider an op lacks fails an assertion at
-start-up. The norms come from the tree's ``vllm_c.py`` (as the companion edit
-leaves it) and must be fields of its ``IrOpPriorityConfig``. The method is laid
-out as vLLM's ruff lays it out.
+with the tree's own spelling of the CI check. Every other op keeps ``native``:
+naming a provider an op lacks fails an assertion at start-up. A
+``get_default_ir_op_priority`` that is not this one is vLLM's own, left alone.
 """
 
 from __future__ import annotations
 
 import ast
+import textwrap
 
 import libcst as cst
-import libcst.matchers as m
 
-from patcher.codemod import TreeCodemod
+from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_member
-from patches.cpu_fused_norms.enable_vllm_c import EnableVllmCOnCpu
-from patches.cpu_fused_norms.vllm_c_source import NORM_OPS, vllm_c_impls
+from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
 
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
 CONFIG = "IrOpPriorityConfig"
 CONFIG_MODULE = "vllm.config.kernel"
 CONFIG_FILE = "vllm/config/kernel.py"
+VLLM_C_FILE = "vllm/kernels/vllm_c.py"
 COMPILATION_FILE = "vllm/config/compilation.py"
 TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
 
@@ -61,19 +57,46 @@ def {method}(
     return {config}.with_default(["native"], {per_op})
 """
 
-TYPE_CHECKING_IF = m.If(test=m.Name("TYPE_CHECKING"))
-PRIORITY_METHOD = m.FunctionDef(name=m.Name(METHOD))
+
+def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
+    return next(
+        (
+            s
+            for s in cls.body.body
+            if isinstance(s, cst.FunctionDef) and s.name.value == name
+        ),
+        None,
+    )
 
 
-TYPE_IMPORT_LINE = m.SimpleStatementLine(
-    [m.ImportFrom(names=[m.ImportAlias(name=m.Name(CONFIG))])]
-)
+def _type_checking(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.If) and source(stmt.test) == "TYPE_CHECKING"
 
 
-def _config_fields(source: str) -> tuple[list[str], bool]:
-    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``
-    (read with ``ast``: the file is only read, and ``ast`` is fast)."""
-    for cls in ast.parse(source).body:
+def _import_from(stmt: cst.CSTNode) -> cst.ImportFrom | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and isinstance(
+        stmt.body[0], cst.ImportFrom
+    ):
+        return stmt.body[0]
+    return None
+
+
+class _Tests(cst.CSTVisitor):
+    """The tests of every ``if`` and conditional expression in a node."""
+
+    def __init__(self) -> None:
+        self.found: list[cst.BaseExpression] = []
+
+    def visit_If(self, node: cst.If) -> None:
+        self.found.append(node.test)
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        self.found.append(node.test)
+
+
+def _config_fields(module: ast.Module) -> tuple[list[str], bool]:
+    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
+    for cls in module.body:
         if isinstance(cls, ast.ClassDef) and cls.name == CONFIG:
             fields = [
                 s.target.id
@@ -88,33 +111,47 @@ def _config_fields(source: str) -> tuple[list[str], bool]:
     return [], False
 
 
+def _vllm_c_ops(module: ast.Module) -> list[str]:
+    """The ops ``vllm_c.py`` registers a "vllm_c" impl of:
+    ``@ir.ops.<op>.register_impl("vllm_c", ...)``."""
+    return [
+        d.func.value.attr
+        for f in module.body
+        if isinstance(f, ast.FunctionDef)
+        for d in f.decorator_list
+        if isinstance(d, ast.Call)
+        and isinstance(d.func, ast.Attribute)
+        and d.func.attr == "register_impl"
+        and isinstance(d.func.value, ast.Attribute)
+        and d.args
+        and isinstance(d.args[0], ast.Constant)
+        and d.args[0].value == UPSTREAM_PROVIDER
+    ]
+
+
 CI_ENV = "VLLM_CPU_CI_ENV"
-UPDATE_METHOD = m.FunctionDef(name=m.Name("check_and_update_config"))
 
 
-class AddCpuIrOpPriority(TreeCodemod):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
-        "native when the model will be compiled with Inductor."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+class _Priority(TreeCodemod):
+    def existing(self, tree: cst.Module):
+        """(the class's index, the class, its priority method or None); a method
+        other than this tool's is vLLM's own, and raises ``VllmHasItsOwn``."""
         at, cls = self.top_level_class(tree, CLASS)
-        members = list(cls.body.body)
-        if any(m.matches(s, PRIORITY_METHOD) for s in members):
-            return tree  # already there, ours or upstream's
-        tree = self.with_body(tree, at, cls, [*members, self._method(tree, cls)])
-        for i, stmt in enumerate(tree.body):
-            if m.matches(stmt, TYPE_CHECKING_IF):
-                return self.with_body(tree, i, stmt, self._type_import(stmt))
-        return tree
+        found = _method(cls, METHOD)
+        if found is not None and _meaning(
+            textwrap.dedent(tree.code_for_node(found).lstrip("\r\n"))
+        ) != _meaning(self.method_source(tree, cls)[0]):
+            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
+        return at, cls, found
 
-    def _ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
+    def ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
         """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
         (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
-        update = next((s for s in cls.body.body if m.matches(s, UPDATE_METHOD)), None)
-        for node in m.findall(update, m.IfExp() | m.If()) if update else ():
-            code = tree.code_for_node(node.test)
+        update, tests = _method(cls, "check_and_update_config"), _Tests()
+        if update is not None:
+            update.visit(tests)
+        for test in tests.found:
+            code = tree.code_for_node(test)
             if CI_ENV in code:
                 return code
         raise self.shape_error(
@@ -122,21 +159,19 @@ class AddCpuIrOpPriority(TreeCodemod):
             "no such test" if update else "no check_and_update_config",
         )
 
-    def _method(self, tree: cst.Module, cls: cst.ClassDef) -> cst.FunctionDef:
-        vllm_c = EnableVllmCOnCpu.TARGET
-        # The norms as the companion edit leaves vllm_c.py (it may not have run
-        # yet): it enables every norm that has a vllm_c impl, or refuses.
-        ops_there = [i.op for i in vllm_c_impls(self.parse_tree_file(vllm_c))]
-        fields, with_default = _config_fields(self.read_tree_file(CONFIG_FILE))
+    def method_source(self, tree: cst.Module, cls: cst.ClassDef):
+        """The method this tool writes for the tree (at column 0), and its ops."""
+        ops_there = _vllm_c_ops(self.read_tree_ast(VLLM_C_FILE))
+        fields, with_default = _config_fields(self.read_tree_ast(CONFIG_FILE))
         if not with_default:
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
                 f"{CONFIG} fields {fields}" if fields else f"no class {CONFIG}",
             )
-        ops = [op for op in NORM_OPS if op in ops_there and op in fields]
+        ops = [op for op in OPS if op in ops_there and op in fields]
         if not ops:
             raise self.shape_error(
-                f"norms with a vllm_c impl in {vllm_c} that are fields of {CONFIG}",
+                f"norms with a vllm_c impl in {VLLM_C_FILE}, fields of {CONFIG}",
                 f"impls: {ops_there}; fields: {fields}",
             )
         if "class CompilationMode" not in self.read_tree_file(COMPILATION_FILE):
@@ -147,9 +182,27 @@ class AddCpuIrOpPriority(TreeCodemod):
             method=METHOD,
             config=CONFIG,
             config_module=CONFIG_MODULE,
-            ci_env=self._ci_env(tree, cls),
+            ci_env=self.ci_env(tree, cls),
             per_op=", ".join(f"{op}=default" for op in ops),
         )
+        return source, ops
+
+
+def _meaning(source: str) -> str:
+    return ast.dump(ast.parse(source))
+
+
+class AddCpuIrOpPriority(_Priority):
+    DESCRIPTION = (
+        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
+        "native when the model will be compiled with Inductor."
+    )
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        at, cls, found = self.existing(tree)
+        if found is not None:
+            return tree
+        source, ops = self.method_source(tree, cls)
         listed = " and ".join(f"`{op}`" for op in ops)
         self.record(
             f"`{CLASS}.{METHOD}` is added: {listed} get "
@@ -159,21 +212,24 @@ class AddCpuIrOpPriority(TreeCodemod):
             'other op keeps `["native"]`'
         )
         method = format_member(source, tree)
-        return method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        method = method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+        tree = self.with_body(tree, at, cls, [*cls.body.body, method])
+        for i, stmt in enumerate(tree.body):
+            if _type_checking(stmt):
+                return self.with_body(tree, i, stmt, self._type_import(stmt))
+        return tree
 
     def _type_import(self, node: cst.If) -> list[cst.BaseStatement]:
         """The config's type import added to ``if TYPE_CHECKING:``, in sorted place."""
         body = list(node.body.body)
-        if any(m.findall(s, m.ImportAlias(name=m.Name(CONFIG))) for s in body):
+        if any(names(s)[CONFIG] for s in body):
             return body
         new = cst.parse_statement(TYPE_IMPORT)
         at = len(body)
         for i, stmt in enumerate(body):
-            if m.matches(
-                stmt, m.SimpleStatementLine([m.ImportFrom(module=m.DoNotCare())])
-            ):
-                module = cst.Module([]).code_for_node(stmt.body[0].module)
-                if module > CONFIG_MODULE:
+            found = _import_from(stmt)
+            if found is not None and found.module is not None:
+                if source(found.module) > CONFIG_MODULE:
                     at = i
                     break
         body.insert(at, new)
@@ -181,20 +237,24 @@ class AddCpuIrOpPriority(TreeCodemod):
         return body
 
 
-class RemoveCpuIrOpPriority(TreeCodemod):
-    DESCRIPTION = f"Undo AddCpuIrOpPriority: drop {CLASS}.{METHOD} and its type import."
+class RemoveCpuIrOpPriority(_Priority):
+    DESCRIPTION = (
+        f"Undo AddCpuIrOpPriority: drop this tool's {CLASS}.{METHOD} (never "
+        "vLLM's own) and its type import."
+    )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.top_level_class(tree, CLASS)
-        members = [s for s in cls.body.body if not m.matches(s, PRIORITY_METHOD)]
-        if len(members) == len(cls.body.body):
+        at, cls, found = self.existing(tree)
+        if found is None:
             return tree
         self.record(f"`{CLASS}.{METHOD}` is removed")
-        tree = self.with_body(tree, at, cls, members)
+        tree = self.with_body(
+            tree, at, cls, [s for s in cls.body.body if s is not found]
+        )
         if tree.code.count(CONFIG) > 1:  # something else names the config
             return tree
         for i, stmt in enumerate(tree.body):
-            if m.matches(stmt, TYPE_CHECKING_IF):
-                kept = [s for s in stmt.body.body if not m.matches(s, TYPE_IMPORT_LINE)]
+            if _type_checking(stmt):
+                kept = [s for s in stmt.body.body if source(s) != TYPE_IMPORT]
                 return self.with_body(tree, i, stmt, kept)
         return tree

@@ -1,622 +1,415 @@
-"""Mark the "vllm_c" RMSNorm implementations supported on CPU.
+"""Mark the "vllm_c" RMSNorm implementations supported on CPU, where the CPU
+kernels match the native norm.
 
-The rule: on CPU, exactly ``rms_norm`` and ``fused_add_rms_norm`` change; on
-every other platform, and for every other op, nothing changes.
-
-vLLM's CPU build ships ``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``,
-but ``vllm/kernels/vllm_c.py`` gates their IR implementations on GPU-like
-platforms. The file caches platform facts as module constants (``CUDA_ALIKE``,
-``IS_ROCM``), so the CPU check becomes one more, ``IS_CPU =
-current_platform.is_cpu()`` (with its docstring) after the last of them, and
-the gate gains ``or IS_CPU``:
-
-* ``GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()`` (0.27 and later)
-  is widened, as upstream does, only when the two norms are its only users;
-* otherwise (``supported=CUDA_ALIKE`` in 0.20 to 0.26, or a ``GPGPU_DEVICE``
-  that also gates ``silu_and_mul``) the norms' own ``supported=`` arguments
-  name a new gate, because the shared name also gates kernels the CPU build
-  lacks;
-* a norm whose gate already admits CPU keeps it as it is.
-
-Whether a gate admits CPU is evaluated, not searched for: ``or not
-current_platform.is_cpu()`` mentions CPU but excludes it.
-
-The CPU kernels ignore strides: on a non-contiguous input (a q/k slice of a
-fused qkv projection, a transposed view) they return wrong numbers without an
-error. So each norm's ``supports_args`` (a lambda or a ``def`` returning one
-expression, with whatever parameter names it has) also gains ``and (not IS_CPU
-or x.is_contiguous())`` for its input tensors (the input, and the residual for
-the fused add), which sends such calls to the native implementation on CPU and
-changes nothing elsewhere; its docstring gains the sentence that says so.
-
-Each statement the edit touches comes out as vLLM's ruff lays it out, also
-where the tree did not have it that way (a fork formatted otherwise): every
-line the edit writes is ruff's. The revert finds the layout that apply started
-from where apply kept it, and proves it by applying again; where apply
-reformatted a statement the engine reverts from its backup.
+vLLM 0.20 - 0.32's ``vllm/kernels/vllm_c.py`` registers the norms' "vllm_c"
+impls with ``supported=CUDA_ALIKE`` (0.20 - 0.26) or ``supported=GPGPU_DEVICE``
+(0.27 on, a name only the norms use). The edit caches ``IS_CPU =
+current_platform.is_cpu()`` after the module's platform facts; ``GPGPU_DEVICE``
+gains ``or IS_CPU``, or the norms get ``RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU``
+(``CUDA_ALIKE`` keeps its meaning). The eligibility rule comes from its one
+home, ``patches/rms_norm_forward_cpu/rule.py``: ``cpu_fused_norm_dtypes()``
+(per process: the build and the machine) is added and called once, at import,
+into ``CPU_DTYPES, CPU_ADD_DTYPES``; each norm's ``supports_args`` lambda gains
+``and (not IS_CPU or (<the rule's per-call checks>))``. Every statement the
+edit writes comes out as vLLM's ruff lays it out.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import libcst as cst
-import libcst.matchers as m
-from libcst.codemod import CodemodContext
 
-from patcher.codemod import CHANGES, TreeCodemod
-from patcher.docstrings import docstring_of, with_sentence, without_sentence
-from patcher.errors import ShapeNotRecognised
-from patcher.ruff_format import format_node
-from patcher.statements import (
-    drop_at,
-    holds,
-    insert_at,
-    insert_before,
-    remove_at,
-    unit_at,
-    units_holding,
-    with_unit,
-)
-from patches.cpu_fused_norms.bool_operand import (
-    append_operand,
-    can_append,
-    strip_operand,
-)
-from patches.cpu_fused_norms.vllm_c_source import (
-    CPU_CONSTANT,
-    CPU_CONSTANT_DOC,
-    CPU_CONSTANT_SOURCE,
-    ENDS_WITH_IS_CPU_OR,
-    IS_CPU,
-    IS_CPU_SOURCE,
-    NORM_OPS,
-    NORM_TENSORS,
-    PLATFORM_CALL,
-    VllmCImpl,
-    admits,
-    contiguity_sentence,
-    cpu_guard,
-    module_assignments,
-    name_counts,
-    vllm_c_impls,
-)
+from patcher.codemod import TreeCodemod, names, source
+from patcher.ruff_format import format_statements
+from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
+from patches.rms_norm_forward_cpu.rule import call_checks, dtypes_function
 
 GATE = "GPGPU_DEVICE"
-# The norms' own gate, where GPGPU_DEVICE or CUDA_ALIKE also gates other impls.
 NORM_GATE = "RMS_NORM_DEVICE"
-# A module constant caching a platform fact: ``IS_ROCM = current_platform.is_rocm()``.
-PLATFORM_FACT = m.SimpleStatementLine(
-    [m.Assign([m.AssignTarget(m.Name())], value=PLATFORM_CALL)]
+IS_CPU = "IS_CPU"
+IS_CPU_LINE = f"{IS_CPU} = current_platform.is_cpu()"
+FUNCTION = "cpu_fused_norm_dtypes"
+DTYPES = {"rms_norm": "CPU_DTYPES", "fused_add_rms_norm": "CPU_ADD_DTYPES"}
+DTYPES_LINES = (
+    f"{', '.join(DTYPES.values())} = {FUNCTION}()",
+    '"""The dtypes in which the CPU kernels match native here, once per process."""',
 )
-CPU_FACT = m.SimpleStatementLine(
-    [m.Assign([m.AssignTarget(m.Name(CPU_CONSTANT))], value=IS_CPU)]
-)
+CPU_PY = "vllm/platforms/cpu.py"
+# How many leading parameters of each norm's supports_args are its input tensors.
+TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
 
-@dataclass(frozen=True)
-class Predicate:
-    """A norm's ``supports_args``: the expression it returns and its tensors."""
-
-    name: str | None
-    """The module-level name it is bound to, or None when written inline."""
-    body: cst.BaseExpression
-    tensors: tuple[str, ...]
-    """Its own names for the input tensors (the input, and the residual)."""
-    doc: cst.SimpleString | None = None
-    """Its docstring: the string after its assignment, or its ``def``'s own."""
-    doc_indent: str = ""
-    """The indentation of the docstring's lines (a ``def``'s body's)."""
+def _assigned(stmt: cst.CSTNode) -> tuple[str, cst.BaseExpression] | None:
+    """(name, value) of a module-level ``NAME = value`` statement."""
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        small = stmt.body[0]
+        if (
+            isinstance(small, cst.Assign)
+            and len(small.targets) == 1
+            and isinstance(small.targets[0].target, cst.Name)
+        ):
+            return small.targets[0].target.value, small.value
+    return None
 
 
-def _source(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node).strip()
+def _platform_fact(stmt: cst.CSTNode) -> bool:
+    """A constant caching a platform fact: ``IS_ROCM = current_platform.is_rocm()``."""
+    found = _assigned(stmt)
+    code = source(found[1]) if found else ""
+    return code.startswith("current_platform.is_") and code.endswith("()")
 
 
-def _same_code(a: cst.CSTNode, b: cst.CSTNode) -> bool:
-    """Equal as Python, whatever the layout."""
-    dump = lambda n: ast.dump(ast.parse(f"({_source(n)})", mode="eval"))  # noqa: E731
-    return dump(a) == dump(b)
+def _docstring(stmt: cst.CSTNode) -> bool:
+    return (
+        isinstance(stmt, cst.SimpleStatementLine)
+        and isinstance(stmt.body[0], cst.Expr)
+        and isinstance(stmt.body[0].value, cst.SimpleString)
+    )
 
 
-def _describe(impls: list[VllmCImpl]) -> str:
-    if not impls:
-        return 'no @ir.ops.<op>.register_impl("vllm_c", ...) at all'
-    return "vllm_c impls for " + ", ".join(i.op for i in impls)
+def _norm_op(call: cst.CSTNode) -> str | None:
+    """The op of ``ir.ops.<op>.register_impl("vllm_c", ...)``, if a norm."""
+    if not (
+        isinstance(call, cst.Call)
+        and isinstance(call.func, cst.Attribute)
+        and call.func.attr.value == "register_impl"
+        and isinstance(call.func.value, cst.Attribute)
+        and call.args
+        and call.args[0].keyword is None
+        and isinstance(call.args[0].value, cst.SimpleString)
+        and call.args[0].value.evaluated_value == UPSTREAM_PROVIDER
+    ):
+        return None
+    op = call.func.value.attr.value
+    return op if op in OPS else None
 
 
-def _ops(ops: list[str]) -> str:
-    return " and ".join(", ".join(ops).rsplit(", ", 1))
+def cpu_guard(op: str, params: list[str]) -> str:
+    """``(not IS_CPU or (<the rule's per-call checks>))`` for the norm's
+    ``supports_args`` parameters (its tensors first, then the weight)."""
+    x, residual = params[0], params[1] if TENSORS[op] > 1 else None
+    weight = params[TENSORS[op]]
+    checks = call_checks(x, weight, DTYPES[op], residual, weight_may_be_none=True)
+    return f"(not {IS_CPU} or ({checks}))"
 
 
-def _impls(ops: list[str]) -> str:
-    """``the `vllm_c` rms_norm impl's``, or ``... impls'`` for several."""
-    ending = "s'" if len(ops) > 1 else "'s"
-    return f"the `vllm_c` {_ops(ops)} impl{ending}"
+def norm_impls(tree: cst.Module) -> dict[str, tuple[int, int, cst.Call]]:
+    """op -> (its statement's index, its decorator's, the ``register_impl("vllm_c",
+    ...)`` call)."""
+    found = {}
+    for i, stmt in enumerate(tree.body):
+        for j, decorator in enumerate(getattr(stmt, "decorators", ())):
+            op = _norm_op(decorator.decorator)
+            if op is not None:
+                found[op] = (i, j, decorator.decorator)
+    return found
+
+
+def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
+    return next(
+        (a.value for a in call.args if a.keyword and a.keyword.value == name), None
+    )
+
+
+def _assignment(tree: cst.Module, name: str) -> int | None:
+    """The index of the module-level ``name = ...`` statement."""
+    return next(
+        (i for i, s in enumerate(tree.body) if (_assigned(s) or ("",))[0] == name),
+        None,
+    )
+
+
+def _value(tree: cst.Module, at: int) -> cst.BaseExpression:
+    return tree.body[at].body[0].value
+
+
+def _uses(tree: cst.Module, name: str) -> int:
+    return names(tree)[name]
+
+
+def _ends_with(expr: cst.BaseExpression, operator: type, code: str) -> bool:
+    """Whether ``expr`` is ``... <operator> code``, however laid out."""
+    meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
+    return (
+        isinstance(expr, cst.BooleanOperation)
+        and isinstance(expr.operator, operator)
+        and meaning(source(expr.right)) == meaning(code)
+    )
+
+
+def _at(tree: cst.Module, code: str) -> int | None:
+    """The index of the module-level statement whose code is ``code``."""
+    return next((i for i, s in enumerate(tree.body) if source(s) == code), None)
+
+
+def _defined(tree: cst.Module, name: str) -> int | None:
+    return next(
+        (
+            i
+            for i, s in enumerate(tree.body)
+            if isinstance(s, cst.FunctionDef) and s.name.value == name
+        ),
+        None,
+    )
+
+
+def _and(expr: cst.BaseExpression, operand: cst.BaseExpression):
+    """``expr and operand``, in ``expr``'s outer parentheses: ``(a and b)``
+    becomes ``(a and b and operand)``."""
+    inner = expr.with_changes(lpar=[], rpar=[])
+    if not isinstance(inner, cst.BooleanOperation | cst.Comparison | cst.Name) or (
+        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, cst.Or)
+    ):
+        inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    return cst.BooleanOperation(
+        inner, cst.And(), operand, lpar=expr.lpar, rpar=expr.rpar
+    )
+
+
+def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
+    return cst.parse_statement(code + tree.default_newline, tree.config_for_parsing)
+
+
+class _Edit:
+    """The statements of one module being edited: replaced, inserted, removed
+    by their index in the original, then laid out by ruff in one pass."""
+
+    def __init__(self, tree: cst.Module) -> None:
+        self.tree, self.body = tree, list(tree.body)
+        self.inserted: dict[int, list[cst.BaseStatement]] = {}
+        self.removed: set[int] = set()
+        self.edited: set[int] = set()
+
+    def assign(self, at: int, value: cst.BaseExpression) -> None:
+        stmt = self.body[at]
+        self.body[at] = stmt.with_changes(body=[stmt.body[0].with_changes(value=value)])
+        self.edited.add(at)
+
+    def keyword(self, at: int, j: int, name: str, value: cst.BaseExpression) -> None:
+        """The ``name=`` argument of decorator ``j`` of statement ``at``."""
+        decorators = list(self.body[at].decorators)
+        call = decorators[j].decorator
+        args = [
+            a.with_changes(value=value) if a.keyword and a.keyword.value == name else a
+            for a in call.args
+        ]
+        decorators[j] = decorators[j].with_changes(
+            decorator=call.with_changes(args=args)
+        )
+        self.body[at] = self.body[at].with_changes(decorators=decorators)
+        self.edited.add(at)
+
+    def changed(self) -> bool:
+        return bool(self.edited or self.inserted or self.removed)
+
+    def result(self) -> cst.Module:
+        body, formatted = [], set()
+        for i, stmt in enumerate(self.body):
+            for new in self.inserted.get(i, ()):
+                formatted.add(len(body))
+                body.append(new)
+            if i in self.removed:
+                continue
+            if i in self.edited:
+                formatted.add(len(body))
+            body.append(stmt)
+        return format_statements(self.tree.with_changes(body=body), formatted)
 
 
 class _NormCodemod(TreeCodemod):
-    """Finds the norm impls' gates and argument checks; subclasses edit them."""
-
-    edits: dict[cst.CSTNode, Callable[[cst.CSTNode], cst.CSTNode]]
-    docs: dict[cst.SimpleString, cst.SimpleString]
-    """Docstrings replaced as they are (not reformatted: ruff keeps them)."""
-
-    def norms(self, tree: cst.Module) -> list[VllmCImpl]:
-        impls = vllm_c_impls(tree)
-        norms = [i for i in impls if i.op in NORM_OPS]
+    def norms(self, tree: cst.Module) -> dict[str, tuple[int, int, cst.Call]]:
+        norms = norm_impls(tree)
         if not norms:
             raise self.shape_error(
-                looked_for='@ir.ops.rms_norm.register_impl("vllm_c", ...) '
-                "(or fused_add_rms_norm)",
-                found=_describe(impls),
+                '@ir.ops.rms_norm.register_impl("vllm_c", ...)', "no such impl"
             )
-        for impl in norms:
+        for op, (_, _, call) in norms.items():
             for keyword in ("supported", "supports_args"):
-                if getattr(impl, keyword) is None:
+                if _keyword(call, keyword) is None:
                     raise self.shape_error(
-                        looked_for=f'{keyword}= in the "vllm_c" {impl.op} impl',
-                        found=f"register_impl without {keyword}=",
+                        f'{keyword}= in the "vllm_c" {op} impl', "none"
                     )
+        gates = {source(_keyword(c, "supported")) for _, _, c in norms.values()}
+        if len(gates) != 1 or not gates.pop().isidentifier():
+            raise self.shape_error("the norms gated by one name", ", ".join(gates))
         return norms
 
-    def admits_cpu(self, gate: cst.BaseExpression, assignments: dict) -> bool:
-        """Whether ``gate`` is surely true on CPU. A gate that depends on more
-        than ``current_platform.is_*()`` (a flag, a call) counts as not: it gains
-        ``or current_platform.is_cpu()``, which changes nothing elsewhere."""
-        return admits(gate, "cpu", assignments) is True
+    @staticmethod
+    def gate(norms) -> str:
+        return _keyword(next(iter(norms.values()))[2], "supported").value
 
-    def shared_gate_users(self, tree: cst.Module, norms: list[VllmCImpl]) -> list:
-        """What else than the norms' ``supported=`` names ``GPGPU_DEVICE``: the
-        other impls' ops, and "other code" for any other use."""
-        refs = name_counts(tree)[GATE] - 1  # less its assignment
-        by_norms = sum(m.matches(i.supported, m.Name(GATE)) for i in norms)
-        others = [
-            i.op
-            for i in vllm_c_impls(tree)
-            if i.op not in NORM_OPS
-            and i.supported is not None
-            and m.findall(i.supported, m.Name(GATE))
-        ]
-        if refs - by_norms > len(others):
-            others.append("other code")
-        return others
-
-    def widens_gate(self, impl: VllmCImpl, tree, norms, assignments) -> bool:
-        """Whether the norm's gate is ``GPGPU_DEVICE`` and only the norms use it."""
-        return (
-            m.matches(impl.supported, m.Name(GATE))
-            and GATE in assignments
-            and not self.shared_gate_users(tree, norms)
-        )
-
-    def predicate(self, impl: VllmCImpl, tree: cst.Module, assignments) -> Predicate:
-        """The norm's ``supports_args``: a lambda (inline or a module-level
-        name) or a module-level ``def`` that returns one expression."""
-        value, name = impl.supports_args, None
+    def predicate(self, tree, op: str, call: cst.Call):
+        """The norm's ``supports_args`` lambda, and its input tensors' names."""
+        value = _keyword(call, "supports_args")
         if isinstance(value, cst.Name):
-            name = value.value
-            functions = {
-                s.name.value: s for s in tree.body if isinstance(s, cst.FunctionDef)
-            }
-            value = assignments.get(name) or functions.get(name) or value
-        if isinstance(value, cst.Lambda):
-            params, body = value.params, value.body
-        elif isinstance(value, cst.FunctionDef):
-            params, body = value.params, self._returned(value, impl)
-        else:
+            at = _assignment(tree, value.value)
+            value = value if at is None else _value(tree, at)
+        if not isinstance(value, cst.Lambda):
             raise self.shape_error(
-                looked_for=f"a lambda or def as the {impl.op} impl's supports_args",
-                found=_source(value),
+                f"a lambda as the {op} impl's supports_args", source(value)
             )
-        names = [p.name.value for p in (*params.posonly_params, *params.params)]
-        count = NORM_TENSORS[impl.op]
-        if len(names) < count:
-            raise self.shape_error(
-                looked_for=f"{impl.op}'s supports_args taking its {count} input "
-                "tensor(s) first",
-                found=f"parameters {names}",
-            )
-        self._not_shared(impl, name, tree, assignments)
-        doc, indent = _docstring(value, name, tree)
-        return Predicate(name, body, tuple(names[:count]), doc, indent)
-
-    def _returned(self, func: cst.FunctionDef, impl: VllmCImpl) -> cst.BaseExpression:
-        body = list(func.body.body)
-        if body and m.matches(
-            body[0], m.SimpleStatementLine([m.Expr(m.SimpleString())])
-        ):
-            body = body[1:]  # the docstring
-        if len(body) == 1 and m.matches(
-            body[0], m.SimpleStatementLine([m.Return(value=m.DoNotCare())])
-        ):
-            returned = body[0].body[0].value
-            if returned is not None:
-                return returned
-        raise self.shape_error(
-            looked_for=f"def {func.name.value} (the {impl.op} impl's supports_args) "
-            "returning one expression",
-            found=f"a body of {len(body)} statement(s)",
-        )
-
-    def _not_shared(self, impl, name: str | None, tree, assignments) -> None:
-        """A guard on a check another impl supported on CPU shares would change
-        that op on CPU too."""
-        if name is None:
-            return
-        sharing = [
-            i.op
-            for i in vllm_c_impls(tree)
-            if i.op not in NORM_OPS
-            and m.matches(i.supports_args, m.Name(name))
-            and i.supported is not None
-            and admits(i.supported, "cpu", assignments) is not False
+        params = [
+            p.name.value for p in (*value.params.posonly_params, *value.params.params)
         ]
-        if sharing:
+        if len(params) < TENSORS[op] + 1:
             raise self.shape_error(
-                looked_for=f"a supports_args for {impl.op} that no impl supported "
-                "on CPU shares",
-                found=f"{name} is also the supports_args of {', '.join(sharing)}",
+                f"{op}'s supports_args taking its input tensors, then the weight",
+                f"parameters {params}",
             )
+        return value, params
 
-    def on_leave(self, original_node, updated_node):
-        updated_node = super().on_leave(original_node, updated_node)
-        if original_node in self.docs:
-            return self.docs[original_node]
-        edit = self.edits.get(original_node)
-        return edit(updated_node) if edit else updated_node
+    def set_predicate(self, tree, edit: _Edit, norm, new: cst.Lambda) -> None:
+        at, j, call = norm
+        named = _keyword(call, "supports_args")
+        if isinstance(named, cst.Name):
+            edit.assign(_assignment(tree, named.value), new)
+        else:
+            edit.keyword(at, j, "supports_args", new)
 
 
 class EnableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU '
-        f"({CPU_CONSTANT_SOURCE} beside the module's other platform facts; "
-        f"{GATE} gains `or {CPU_CONSTANT}` when only the norms use it, else the "
-        f"norms get a gate of their own, {NORM_GATE}), for contiguous inputs "
-        "(the CPU kernels ignore strides)."
+        'Mark the "vllm_c" RMSNorm kernels supported on CPU (`IS_CPU` beside the '
+        f"module's platform facts; {GATE} gains `or IS_CPU`, else the norms get "
+        f"{NORM_GATE}), where they match native: the eligibility rule's "
+        f"{FUNCTION}() once at import, its per-call checks in supports_args."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if not name_counts(tree)["current_platform"]:
-            raise self.shape_error(
-                looked_for="current_platform imported from vllm.platforms",
-                found="no current_platform in the module",
-            )
-        assignments = module_assignments(tree)
+        for name in ("current_platform", "torch"):
+            if not _uses(tree, name):
+                raise self.shape_error(f"{name} imported", "none")
         norms = self.norms(tree)
-        self.edits, self.docs = {}, {}
-        self.first_said = len(self.context.scratch.get(CHANGES, ()))
-        own = [i for i in norms if self._gate(i, tree, norms, assignments)]
-        new_gate = self._own_gate(own, tree, assignments) if own else None
-        for impl in norms:
-            self._guard(impl, tree, assignments)
-        if not self.edits:
-            return tree
-        # Every statement the edit touches comes out as vLLM's ruff lays it out,
-        # also where the tree had it otherwise: so does every line it writes.
-        for at in units_holding(tree, self.edits):
-            unit = unit_at(tree, at)
-            edit = self.edits.get(unit)
-            self.edits[unit] = lambda n, e=edit: format_node(e(n) if e else n, tree)
-        users = [at[0] for at in units_holding(tree, self.edits)]
-        users += [new_gate[0]] if new_gate is not None else []
-        constant = self._cpu_constant(tree, assignments, min(users))
-        result = tree.visit(self)
-        if new_gate is not None:
-            result = insert_before(result, *new_gate)
-        if constant is not None:
-            at, after_facts = constant
-            insert = insert_at if after_facts else insert_before
-            result = insert(result, at, *_cpu_constant_statements(tree))
-        return result
-
-    def _cpu_constant(self, tree, assignments, first_user: int):
-        """Where ``IS_CPU`` goes, before ``tree.body[first_user]`` (its first
-        user): (index, True) right after the last platform fact above it and
-        that fact's docstring; (index, False) before the first user where there
-        is none; None where the module has it already."""
-        value = assignments.get(CPU_CONSTANT)
-        if value is not None:
-            defined = [i for i, s in enumerate(tree.body) if m.matches(s, CPU_FACT)]
-            if not defined or defined[0] > first_user:
-                raise self.shape_error(
-                    looked_for=f"{CPU_CONSTANT} unassigned, or `{CPU_CONSTANT_SOURCE}` "
-                    "before its first use",
-                    found=f"{CPU_CONSTANT} = {_source(value)}",
+        edit = _Edit(tree)
+        self._gate(tree, norms, edit)
+        users = []
+        for op, norm in norms.items():
+            check, params = self.predicate(tree, op, norm[2])
+            named = _keyword(norm[2], "supports_args")
+            inline = isinstance(named, cst.Lambda)
+            users.append(norm[0] if inline else _assignment(tree, named.value))
+            guard = cpu_guard(op, params)
+            if not _ends_with(check.body, cst.And, guard):
+                body = _and(check.body, cst.parse_expression(guard))
+                self.set_predicate(tree, edit, norm, check.with_changes(body=body))
+                self.record(
+                    f"the {op} impl's `supports_args` takes on CPU only the inputs "
+                    f"where the kernel matches native: `and {guard}`"
                 )
-            return None
-        # Said first: the sentences after it use the name.
-        said = self.context.scratch.setdefault(CHANGES, [])
-        said.insert(
-            self.first_said,
-            f"`{CPU_CONSTANT_SOURCE}` caches the CPU check beside the module's "
-            "other platform facts",
-        )
-        facts = [
-            i
-            for i, stmt in enumerate(tree.body[:first_user])
-            if m.matches(stmt, PLATFORM_FACT)
-        ]
-        if not facts:
-            return first_user, False
-        at = facts[-1] + 1
-        if at < first_user and docstring_of(tree.body, at) is not None:
-            at += 1
-        return at, True
+        cpu = _assignment(tree, IS_CPU)
+        if cpu is not None and source(_value(tree, cpu)) != "current_platform.is_cpu()":
+            raise self.shape_error(
+                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
+            )
+        if not edit.changed():
+            return tree
+        if cpu is None:
+            self._cpu_constant(tree, edit)
+        self._dtypes(tree, edit, min(users))
+        return edit.result()
 
-    def _gate(self, impl: VllmCImpl, tree, norms, assignments) -> bool:
-        """Widen the norm's gate if it is the norms' own ``GPGPU_DEVICE``; True
-        when the norm needs a gate of its own instead."""
-        if self.admits_cpu(impl.supported, assignments):
-            return False
-        if not self.widens_gate(impl, tree, norms, assignments):
-            return True
-        target = assignments[GATE]
-        if target not in self.edits:
-            ops = [i.op for i in norms if m.matches(i.supported, m.Name(GATE))]
+    def _dtypes(self, tree, edit: _Edit, first_user: int) -> None:
+        """The rule's ``cpu_fused_norm_dtypes()`` and its one call, before the
+        first norm predicate or impl."""
+        new = []
+        if _defined(tree, FUNCTION) is None:
+            code = dtypes_function(self.read_tree_file(CPU_PY))
+            new.append(cst.parse_statement(code, tree.config_for_parsing))
+        if _at(tree, DTYPES_LINES[0]) is None:
+            new += [_statement(line, tree) for line in DTYPES_LINES]
+        there = edit.inserted.setdefault(first_user, [])
+        at = int(bool(there) and source(there[0]) == IS_CPU_LINE)  # after IS_CPU
+        there[at:at] = new
+        if new:
             self.record(
-                f"`{GATE}` gains `or {CPU_CONSTANT}`: it gates only the "
-                f"`vllm_c` {_ops(ops)} impls"
+                f"`{FUNCTION}()` (the dtypes in which the kernels match native on "
+                f"this build and machine) is added and called once: "
+                f"`{DTYPES_LINES[0]}`"
             )
-        self._append(target, cst.Or, cst.Name(CPU_CONSTANT))
-        return False
 
-    def _own_gate(self, own: list[VllmCImpl], tree, assignments):
-        """``RMS_NORM_DEVICE = <their gate> or IS_CPU`` before
-        the first of them, and their ``supported=`` names it: the shared gate
-        stays as it is for everything else it gates."""
-        gate = own[0].supported
-        differ = [i.op for i in own if not _same_code(i.supported, gate)]
-        if differ or NORM_GATE in assignments:
+    def _cpu_constant(self, tree, edit: _Edit) -> None:
+        """``IS_CPU`` after the last platform fact (and its docstring)."""
+        facts = [i for i, s in enumerate(tree.body) if _platform_fact(s)]
+        if not facts:
             raise self.shape_error(
-                looked_for=f"norms sharing one gate, and no {NORM_GATE} yet",
-                found=f"{NORM_GATE} already assigned"
-                if NORM_GATE in assignments
-                else ", ".join(f"{i.op}: {_source(i.supported)}" for i in own),
+                "constants such as CUDA_ALIKE = current_platform.is_cuda_alike()",
+                "none",
             )
-        if not can_append(gate, cst.Or):
-            gate = gate.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-        for impl in own:
-            self.edits[impl.supported] = lambda _: cst.Name(NORM_GATE)
-        statement = format_node(
-            cst.parse_statement(
-                f"{NORM_GATE} = {_source(gate)} or {CPU_CONSTANT}\n",
-                config=tree.config_for_parsing,
-            ),
-            tree,
-        )
-        users = self._gate_users(own[0].supported, tree)
-        also = f", which also gates {_ops(users)}," if users else ""
-        self.record(
-            f"{_impls([i.op for i in own])} "
-            f"`supported={_source(own[0].supported)}` becomes `{NORM_GATE}`, a new "
-            f"name for `{_source(gate)} or {CPU_CONSTANT}` "
-            f"(`{_source(own[0].supported)}`{also} stays as it is)"
-        )
-        gates = {impl.supported for impl in own}
-        first = next(i for i, stmt in enumerate(tree.body) if holds(stmt, gates))
-        return first, statement
+        at = facts[-1] + 1
+        at += at < len(tree.body) and _docstring(tree.body[at])
+        edit.inserted[at] = [_statement(IS_CPU_LINE, tree), *edit.inserted.get(at, ())]
+        self.record(f"`{IS_CPU_LINE}` caches the CPU check")
 
-    def _gate_users(self, gate: cst.BaseExpression, tree) -> list[str]:
-        names = {n.value for n in m.findall(gate, m.Name())}
-        return [
-            i.op
-            for i in vllm_c_impls(tree)
-            if i.op not in NORM_OPS
-            and i.supported is not None
-            and names & {n.value for n in m.findall(i.supported, m.Name())}
-        ]
-
-    def _guard(self, impl: VllmCImpl, tree, assignments) -> None:
-        check = self.predicate(impl, tree, assignments)
-        if _ends_with_guard(check.body, check.tensors) or check.body in self.edits:
+    def _gate(self, tree, norms, edit: _Edit) -> None:
+        gate, at = self.gate(norms), _assignment(tree, self.gate(norms))
+        if gate == NORM_GATE or (
+            at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU)
+        ):
             return
-        guard = cpu_guard(check.tensors)
-        tensors = _ops([f"`{t}`" for t in check.tensors])
-        where = f"`{check.name}`" if check.name else "the inline lambda"
-        said = self._document(check)
-        self.record(
-            f"{where}, the {impl.op} impl's `supports_args`, refuses a "
-            f"non-contiguous {tensors} on CPU: `and {_source(guard)}`{said}"
+        if gate == GATE and at is not None:
+            if _uses(tree, GATE) != 1 + len(norms):
+                raise self.shape_error(
+                    f"{GATE} gating only the norms", f"{_uses(tree, GATE)} uses"
+                )
+            value = cst.parse_expression(f"{source(_value(tree, at))} or {IS_CPU}")
+            edit.assign(at, value)
+            self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
+            return
+        first = min(i for i, _, _ in norms.values())
+        own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}", tree)
+        lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
+        edit.inserted.setdefault(first, []).append(
+            own.with_changes(leading_lines=lines)
         )
-        self._append(check.body, cst.And, guard)
-
-    def _document(self, check: Predicate) -> str:
-        """The predicate's docstring gains its CPU requirement; what to add to
-        the record of it."""
-        sentence = contiguity_sentence(check.tensors)
-        doc = check.doc
-        if doc is None or without_sentence(doc.value, sentence) is not None:
-            return ""
-        column = len(check.doc_indent)
-        new = with_sentence(doc.value, sentence, column, check.doc_indent)
-        if new is None:
-            return ""
-        self.docs[doc] = doc.with_changes(value=new)
-        return f'; its docstring adds "{sentence}"'
-
-    def _append(self, target, operator: type[cst.BaseBooleanOp], operand) -> None:
-        if not can_append(target, operator):
-            raise self.shape_error(
-                looked_for=f"an operand to extend: `... {operator.__name__.lower()} X`",
-                found=_source(target),
-            )
-        self.edits.setdefault(target, lambda n: append_operand(n, operator, operand))
-
-
-def _after_fact(tree: cst.Module, at: int) -> bool:
-    """Whether ``tree.body[at]`` follows a platform fact (or its docstring)."""
-    before = [s for s in tree.body[max(at - 2, 0) : at]]
-    return any(m.matches(s, PLATFORM_FACT) for s in before)
-
-
-def _cpu_constant_statements(tree: cst.Module) -> list[cst.BaseStatement]:
-    """``IS_CPU = current_platform.is_cpu()`` and its docstring."""
-    nl = tree.default_newline
-    return [
-        cst.parse_statement(line + nl, config=tree.config_for_parsing)
-        for line in (CPU_CONSTANT_SOURCE, CPU_CONSTANT_DOC)
-    ]
-
-
-def _docstring(value: cst.CSTNode, name: str | None, tree: cst.Module):
-    """A predicate's docstring and its lines' indentation: a ``def``'s own, or
-    the string right after the statement binding ``name`` to a lambda."""
-    if isinstance(value, cst.FunctionDef):
-        return docstring_of(value.body.body, 0), tree.default_indent
-    binds = m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(name or ""))])])
-    found = [i for i, stmt in enumerate(tree.body) if m.matches(stmt, binds)]
-    return (docstring_of(tree.body, found[0] + 1) if found else None), ""
-
-
-def _ends_with_guard(body: cst.BaseExpression, tensors) -> bool:
-    """Whether ``body`` ends with the contiguity guard (``IS_CPU``, or the
-    ``current_platform.is_cpu()`` call earlier versions of this edit wrote)."""
-    return m.matches(body, m.BooleanOperation(operator=m.And())) and any(
-        _same_code(body.right, cpu_guard(tensors, check))
-        for check in (CPU_CONSTANT, IS_CPU_SOURCE)
-    )
+        for i, j, _ in norms.values():
+            edit.keyword(i, j, "supported", cst.Name(NORM_GATE))
+        self.record(
+            f"the norms' `supported={gate}` becomes `{NORM_GATE}`, a new name for "
+            f"`{gate} or {IS_CPU}` (`{gate}` keeps its meaning)"
+        )
 
 
 class DisableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
-        "Undo EnableVllmCOnCpu: drop the CPU gate, the contiguity check and its "
-        f"sentence, and {CPU_CONSTANT} where nothing else uses it."
+        f"Undo EnableVllmCOnCpu: the norms' gate without `or {IS_CPU}`, their "
+        f"supports_args without the CPU checks, and {FUNCTION}(), its call and "
+        f"{IS_CPU} where nothing else uses them."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        assignments = module_assignments(tree)
         norms = self.norms(tree)
-        self.edits, self.docs = {}, {}
-        own_gate = self._own_gate(tree, norms, assignments)
-        for impl in norms:
-            gate = impl.supported
-            if self.widens_gate(impl, tree, norms, assignments):
-                gate = assignments[GATE]
-            self._strip_gate(gate, assignments)
-            self._strip_guard(impl, tree, assignments)
-        if not self.edits:
-            return tree
-        units = units_holding(tree, self.edits)
-        stripped = tree.visit(self)
-        removed = {own_gate: 1} if own_gate is not None else {}
-        going = [] if own_gate is None else [tree.body[own_gate]]
-        constant = self._unused_constant(tree, stripped, going)
-        if constant is not None:
-            removed[constant] = 2
-        for at in sorted(removed, reverse=True):
-            if at == own_gate:
-                stripped = remove_at(stripped, at)
-            elif tree.body[at].leading_lines or not _after_fact(tree, at):
-                stripped = remove_at(stripped, at, 2)
+        edit = _Edit(tree)
+        gate, at = self.gate(norms), _assignment(tree, self.gate(norms))
+        if at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU):
+            old = _value(tree, at).left
+            if gate == NORM_GATE:
+                edit.removed.add(at)
+                for i, j, _ in norms.values():
+                    edit.keyword(i, j, "supported", old)
             else:
-                stripped = drop_at(stripped, at, 2)
-        return self._layout(tree, stripped, units, removed)
-
-    def _strip_guard(self, impl: VllmCImpl, tree, assignments) -> None:
-        check = self.predicate(impl, tree, assignments)
-        if not _ends_with_guard(check.body, check.tensors):
-            return
-        self.edits[check.body] = strip_operand
-        self.record(f"the CPU contiguity check of {impl.op} is removed")
-        sentence = contiguity_sentence(check.tensors)
-        old = check.doc and without_sentence(check.doc.value, sentence)
-        if old:
-            self.docs[check.doc] = check.doc.with_changes(value=old)
-
-    def _unused_constant(self, tree, stripped: cst.Module, going) -> int | None:
-        """Where apply's ``IS_CPU`` statement is, if nothing but it and the
-        ``going`` statements uses it any more."""
-        uses = sum(len(m.findall(s, m.Name(CPU_CONSTANT))) for s in going)
-        if name_counts(stripped)[CPU_CONSTANT] - uses != 1:
-            return None
-        code = tree.code_for_node
-        for i, stmt in enumerate(tree.body[:-2]):
-            if m.matches(stmt, CPU_FACT):
-                doc = tree.body[i + 1].with_changes(leading_lines=[])
-                return i if code(doc).strip() == CPU_CONSTANT_DOC else None
-        return None
-
-    def _own_gate(self, tree, norms, assignments) -> int | None:
-        """Where apply's ``RMS_NORM_DEVICE`` statement is, if the norms use it
-        and nothing else does; their ``supported=`` get its old gate back."""
-        value = assignments.get(NORM_GATE)
-        users = [i for i in norms if m.matches(i.supported, m.Name(NORM_GATE))]
-        refs = name_counts(tree)[NORM_GATE] - 1
-        if (
-            value is None
-            or not users
-            or refs != len(users)
-            or not m.matches(value, ENDS_WITH_IS_CPU_OR)
-            or self.admits_cpu(value.left, assignments)
-        ):
-            return None
-        gate = value.left
-        if gate.lpar and not m.matches(gate, m.Name()):
-            gate = gate.with_changes(lpar=[], rpar=[])
-        for impl in users:
-            self.edits[impl.supported] = lambda _, g=gate: g
-        self.record(
-            f"{_impls([i.op for i in users])} `supported=` "
-            f"goes back to `{_source(gate)}`; `{NORM_GATE}` is removed"
-        )
-        return next(
-            i
-            for i, stmt in enumerate(tree.body)
-            if m.matches(
-                stmt,
-                m.SimpleStatementLine([m.Assign([m.AssignTarget(m.Name(NORM_GATE))])]),
-            )
-        )
-
-    def _strip_gate(self, gate: cst.BaseExpression, assignments: dict) -> None:
-        """Only an ``or IS_CPU`` that apply would add again:
-        the last operand, of a gate that without it excludes CPU."""
-        if gate in self.edits or not m.matches(gate, ENDS_WITH_IS_CPU_OR):
-            return
-        if not self.admits_cpu(strip_operand(gate), assignments):
-            self.edits[gate] = strip_operand
-            self.record(f"`{_source(gate)}` loses `or {_source(gate.right)}`")
-
-    def _layout(self, patched: cst.Module, stripped: cst.Module, units, removed):
-        """Each edited statement in the layout apply started from: the one that,
-        applied again, gives the patched statement back (ruff's, or the tree's
-        own where apply kept it). Apply again proves it. ``removed``: how many
-        statements went at each place of ``patched``."""
-
-        def there(at):  # the unit's place in ``stripped``
-            moved = sum(n for r, n in removed.items() if r < at[0])
-            return (at[0] - moved, at[1])
-
-        pending = {
-            at: [
-                format_node(unit_at(stripped, there(at)), stripped),
-                unit_at(stripped, there(at)),
-            ]
-            for at in units
-        }
-        result = stripped
-        while pending:
-            trial = stripped
-            for at, candidates in pending.items():
-                trial = with_unit(trial, there(at), candidates[0])
-            try:
-                again = EnableVllmCOnCpu(CodemodContext()).transform_module(trial)
-            except ShapeNotRecognised:
-                again = None
-            for at in list(pending):
-                code = patched.code_for_node
-                if again is not None and code(again.body[at[0]]) == code(
-                    patched.body[at[0]]
-                ):
-                    result = with_unit(result, there(at), pending.pop(at)[0])
-                    continue
-                pending[at].pop(0)
-                if not pending[at]:
-                    raise self.shape_error(
-                        looked_for="a statement as apply lays it out",
-                        found=code(patched.body[at[0]]).strip(),
-                    )
-        return result
+                edit.assign(at, old)
+            self.record(f"the norms' gate is `{source(old)}` again")
+        for op, norm in norms.items():
+            check, params = self.predicate(tree, op, norm[2])
+            if _ends_with(check.body, cst.And, cpu_guard(op, params)):
+                body = check.body
+                left = body.left.with_changes(lpar=body.lpar, rpar=body.rpar)
+                self.set_predicate(tree, edit, norm, check.with_changes(body=left))
+                self.record(f"the {op} impl's `supports_args` loses its CPU checks")
+        if not edit.changed():
+            return tree
+        left = cst.Module([s for i, s in enumerate(edit.body) if i not in edit.removed])
+        call = _at(tree, DTYPES_LINES[0])
+        if call is not None and not any(_uses(left, n) > 1 for n in DTYPES.values()):
+            edit.removed.add(call)
+            if source(tree.body[call + 1]) == DTYPES_LINES[1]:
+                edit.removed.add(call + 1)
+            defined = _defined(tree, FUNCTION)
+            if defined is not None and _uses(left, FUNCTION) == 2:  # def and call
+                edit.removed.add(defined)
+        cpu = _assignment(tree, IS_CPU)
+        left = cst.Module([s for i, s in enumerate(edit.body) if i not in edit.removed])
+        if cpu is not None and _uses(left, IS_CPU) == 1:
+            edit.removed.add(cpu)
+        return edit.result()

@@ -9,7 +9,11 @@ the kernel for the inputs it handles, ``forward_native`` for the rest. Whether i
 runs is vLLM's own rule, decided on the final compilation config: custom ops are
 enabled when not compiling with Inductor (``custom_ops: ["all"]``) and disabled
 when Inductor compiles (``["none"]``: native, which Inductor fuses), and
-``+rms_norm`` / ``-rms_norm`` override it. Only ``layernorm.py`` changes.
+``+rms_norm`` / ``-rms_norm`` override it. Where the kernels run is
+``rule.py``'s: ``layernorm.py`` gains its ``cpu_fused_norm_dtypes()``, a line
+in ``RMSNorm.__init__`` and ``RMSNorm.forward_cpu``. A ``forward_cpu`` that is
+not this one is vLLM's own: both codemods raise ``VllmHasItsOwn``, and
+``apply`` and ``revert`` leave the file as it is.
 """
 
 from __future__ import annotations
@@ -18,56 +22,19 @@ import libcst as cst
 import libcst.matchers as m
 
 from patcher.codemod import TreeCodemod
-from patcher.ruff_format import format_member
+from patcher.ruff_format import format_member, format_source
+from patches.rms_norm_forward_cpu import rule
 
 CLASS = "RMSNorm"
 METHOD = "forward_cpu"
 AFTER = "forward_native"
-
-# The release's spelling of "batch invariance is on": a function before 0.19,
-# then the environment flag.
-BATCH_INVARIANT = {
-    "vllm_is_batch_invariant": "vllm_is_batch_invariant()",
-    "envs": "envs.VLLM_BATCH_INVARIANT",
-}
-
-METHOD_TEMPLATE = """\
-def forward_cpu(
-    self,
-    x: torch.Tensor,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # The CPU kernels ignore strides and need a weight of the input's dtype and
-    # a hidden size that is a multiple of 8. Other inputs, a weightless norm, a
-    # variance size override and batch invariance take the native path.
-    if (
-        {batch_invariant}
-        or not self.has_weight
-        or self.variance_size_override is not None
-        or x.shape[-1] % 8 != 0
-        or self.weight.dtype != x.dtype
-        or not x.is_contiguous()
-    ):
-        return self.forward_native(x, residual)
-    if residual is None:
-        out = torch.empty_like(x)
-        torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
-        return out
-    # Built for CPUs without AVX512-BF16, the kernels truncate to bfloat16
-    # where torch rounds: twice in the fused add, which takes its bfloat16
-    # output beyond test_layernorm.py's tolerance, so it stays native there.
-    if not residual.is_contiguous() or (
-        x.dtype == torch.bfloat16 and not torch.cpu._is_avx512_bf16_supported()
-    ):
-        return self.forward_native(x, residual)
-    torch.ops._C.fused_add_rms_norm(
-        x, residual, self.weight.data, self.variance_epsilon
-    )
-    return x, residual
-"""
+FUNCTION = "cpu_fused_norm_dtypes"
+CPU_PY = "vllm/platforms/cpu.py"
 
 NAMED = m.FunctionDef(name=m.Name(METHOD))
 ANCHOR = m.FunctionDef(name=m.Name(AFTER))
+INIT = m.FunctionDef(name=m.Name("__init__"))
+DTYPES_DEF = m.FunctionDef(name=m.Name(FUNCTION))
 
 
 def _imported_names(module: cst.Module) -> set[str]:
@@ -83,49 +50,129 @@ def _imported_names(module: cst.Module) -> set[str]:
     }
 
 
-class AddRmsNormForwardCpu(TreeCodemod):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vLLM's CPU rms_norm and fused_add_rms_norm "
-        "kernels for the inputs they handle, forward_native for the rest."
-    )
+def batch_invariant(module: cst.Module) -> str | None:
+    """The release's spelling of "batch invariance is on", by its imports."""
+    imported = _imported_names(module)
+    return next((s for n, s in rule.BATCH_INVARIANT.items() if n in imported), None)
 
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls = self.top_level_class(tree, CLASS)
-        body = list(cls.body.body)
-        if any(m.matches(s, NAMED) for s in body):
-            return tree  # already there, ours or upstream's
-        anchors = [i for i, s in enumerate(body) if m.matches(s, ANCHOR)]
-        if not anchors:
-            raise self.shape_error(f"{CLASS}.{AFTER}", "no such method")
-        imported = _imported_names(tree)
-        spelling = next((s for n, s in BATCH_INVARIANT.items() if n in imported), None)
+
+class _Edit(TreeCodemod):
+    """What both directions share: the three pieces, laid out for this tree."""
+
+    def pieces(self, tree: cst.Module) -> tuple[cst.BaseStatement, ...]:
+        spelling = batch_invariant(tree)
         if spelling is None:
             raise self.shape_error(
                 "an import of vllm_is_batch_invariant or vllm.envs",
                 "neither is imported",
             )
-        method = format_member(
-            METHOD_TEMPLATE.format(batch_invariant=spelling), tree
-        ).with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        body.insert(anchors[0] + 1, method)
-        self.record(
-            f"`{CLASS}.{METHOD}` is added: `torch.ops._C.rms_norm` and "
-            "`torch.ops._C.fused_add_rms_norm` for contiguous inputs with a "
-            "weight of their dtype and a hidden size that is a multiple of 8 "
-            "(the fused add in bfloat16 only on CPUs with AVX512-BF16, whose "
-            "kernels round); `forward_native` for the rest, a weightless norm, "
-            f"a variance size override and batch invariance (`{spelling}`)"
+        nl = tree.default_newline
+        function = cst.parse_statement(
+            format_source(rule.dtypes_function(self.read_tree_file(CPU_PY))).replace(
+                "\n", nl
+            ),
+            config=tree.config_for_parsing,
         )
-        return self.with_body(tree, at, cls, body)
+        init = rule.INIT_LINES.format(batch_invariant=spelling)
+        init_lines = format_member(
+            f"def _(self):\n{rule.indented(init)}", tree
+        ).body.body
+        return function, init_lines, format_member(rule.FORWARD_CPU, tree)
+
+    def ours_at(self, tree: cst.Module, body) -> int | None:
+        """Where this tool's forward_cpu is in the class ``body``; None without
+        one; vLLM's own (any other) raises ``VllmHasItsOwn``."""
+        found = [i for i, s in enumerate(body) if m.matches(s, NAMED)]
+        if not found:
+            return None
+        if not _same(body[found[0]], self.pieces(tree)[2]):
+            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
+        return found[0]
 
 
-class RemoveRmsNormForwardCpu(TreeCodemod):
-    DESCRIPTION = f"Undo AddRmsNormForwardCpu: drop {CLASS}.{METHOD}."
+def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
+    """The same code, whatever the blank lines and comments above it."""
+    return a.with_changes(leading_lines=()).deep_equals(
+        b.with_changes(leading_lines=())
+    )
+
+
+class AddRmsNormForwardCpu(_Edit):
+    DESCRIPTION = (
+        f"Add {CLASS}.{METHOD}: vLLM's CPU rms_norm and fused_add_rms_norm "
+        "kernels where they match forward_native, forward_native for the rest."
+    )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
-        body = [s for s in cls.body.body if not m.matches(s, NAMED)]
-        if len(body) == len(cls.body.body):
+        body = list(cls.body.body)
+        if self.ours_at(tree, body) is not None:
+            return tree  # applied already
+        anchors = [i for i, s in enumerate(body) if m.matches(s, ANCHOR)]
+        inits = [i for i, s in enumerate(body) if m.matches(s, INIT)]
+        if not anchors or not inits:
+            raise self.shape_error(f"{CLASS}.__init__ and {CLASS}.{AFTER}", "missing")
+        function, init_lines, method = self.pieces(tree)
+        init = body[inits[0]]
+        body[inits[0]] = init.with_changes(
+            body=init.body.with_changes(body=[*init.body.body, *init_lines])
+        )
+        blank = [cst.EmptyLine(indent=False)]
+        body.insert(anchors[0] + 1, method.with_changes(leading_lines=blank))
+        tree = self.with_body(tree, at, cls, body)
+        # Above the class and the comments that belong to it.
+        two_blank = [cst.EmptyLine(indent=False)] * 2
+        statements = list(tree.body)
+        comments = [c for c in statements[at].leading_lines if c.comment is not None]
+        statements[at] = statements[at].with_changes(leading_lines=two_blank + comments)
+        statements.insert(at, function.with_changes(leading_lines=two_blank))
+        self.record(
+            f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU "
+            "kernels match `forward_native` in on this machine, decided once per "
+            f"layer in `{CLASS}.__init__`): `torch.ops._C.rms_norm` and "
+            "`torch.ops._C.fused_add_rms_norm` for contiguous inputs of one such "
+            "dtype with a hidden size that is a multiple of 8; `forward_native` "
+            "for the rest, a weightless norm, a variance size override and batch "
+            "invariance"
+        )
+        return tree.with_changes(body=statements)
+
+
+class RemoveRmsNormForwardCpu(_Edit):
+    DESCRIPTION = (
+        f"Undo AddRmsNormForwardCpu: drop {CLASS}.{METHOD}, its line in "
+        f"{CLASS}.__init__ and {FUNCTION}; a {METHOD} that is not this tool's "
+        "is vLLM's own and stays."
+    )
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        at, cls = self.top_level_class(tree, CLASS)
+        body = list(cls.body.body)
+        mine = self.ours_at(tree, body)
+        if mine is None:
             return tree
-        self.record(f"`{CLASS}.{METHOD}` is removed")
-        return self.with_body(tree, at, cls, body)
+        function, init_lines, _ = self.pieces(tree)
+        del body[mine]
+        for i, stmt in enumerate(body):
+            if m.matches(stmt, INIT):
+                kept = _without_tail(list(stmt.body.body), init_lines)
+                body[i] = stmt.with_changes(body=stmt.body.with_changes(body=kept))
+        tree = self.with_body(tree, at, cls, body)
+        statements = [
+            s
+            for s in tree.body
+            if not (m.matches(s, DTYPES_DEF) and _same(s, function))
+        ]
+        self.record(f"`{CLASS}.{METHOD}` and `{FUNCTION}` are removed")
+        return tree.with_changes(body=statements)
+
+
+def _without_tail(stmts: list, tail) -> list:
+    n = len(tail)
+    if (
+        n
+        and len(stmts) >= n
+        and all(_same(a, b) for a, b in zip(stmts[-n:], tail, strict=True))
+    ):
+        return stmts[:-n]
+    return stmts

@@ -3,7 +3,9 @@
 ``--serve``: vLLM's serving benchmark and an accuracy comparison, base vLLM
 against patched (``serving``, ``accuracy``); ``--numerics``: the fused kernels
 against native per x86 kernel build (``numerics``); ``--perop``: per-call
-timing of native and the fused kernels and vLLM's routes to them (``perop``).
+timing of native and the fused kernels and vLLM's routes to them (``perop``);
+``--qwen3``: an eager Qwen3, base vs patched vs the kernels unguarded, vLLM's
+#31643 measured (``qwen3_eager``).
 All of it goes into ``--out DIR``: ``evidence.json`` and ``evidence.md``.
 """
 
@@ -30,6 +32,7 @@ PARTS = {
     "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
     "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
     "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
+    "qwen3": "an eager Qwen3, base vs patched vs the kernels unguarded (vLLM #31643)",
 }
 
 
@@ -74,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from patcher.errors import ExitCode, UsageError
 
     if not any(getattr(args, p) for p in PARTS):
-        raise UsageError("name what to measure: --serve, --numerics and/or --perop")
+        raise UsageError(
+            "name what to measure: --serve, --numerics, --perop and/or --qwen3"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(
             f"vLLM is not importable by this interpreter ({sys.executable}); "

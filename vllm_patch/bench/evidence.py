@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import UsageError
-from patcher.files import output_dir, read_text_at, write_output
-from vllm_patch.runtime import bench_result, machine
+from patcher.errors import PatchError, UsageError
+from patcher.files import inside, output_dir, read_text_at, write_output
+from vllm_patch.runtime import bench_result, evidence_record, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """The servers' and the benchmark client's environment: nothing is downloaded
@@ -80,25 +80,38 @@ def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
 
 
 def user_model(path: Path) -> tuple[str, dict[str, Any]]:
-    """A local model folder (its files may be links, as in a Hugging Face cache)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
+    """A local model folder. Its ``config.json`` is read inside it (or, for a
+    Hugging Face cache snapshot, its repository's ``blobs/``): a link leading
+    elsewhere is refused, so no outside file's text reaches the evidence."""
+    folder = Path(os.path.realpath(path))
+    if not os.path.lexists(folder / "config.json"):
         raise UsageError(
             "not a model folder",
             path=str(path),
             looked_for="a local model folder with config.json",
             found="no config.json",
         )
-    resolved = Path(os.path.realpath(config))  # links followed, then no window
-    found = json.loads(read_text_at(resolved, "a model's config.json"))
-    arch = ", ".join(found.get("architectures") or []) or "architecture not stated"
-    return str(Path(path).resolve()), {
+    blobs = (
+        [folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else []
+    )
+    what = "a model's config.json"
+    config = inside(folder, "config.json", [folder, *blobs], what=what)
+    try:
+        found = json.loads(read_text_at(config, what))
+    except (ValueError, RecursionError) as exc:
+        raise PatchError("not JSON", path=str(config), looked_for=what) from exc
+    names = found.get("architectures") if isinstance(found, dict) else None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        names = []
+    arch = ", ".join(names) or "architecture not stated"
+    context = isinstance(found, dict) and found.get("max_position_embeddings")
+    return str(folder), {
         "path": str(path),
         "random_weights": False,
-        "name": f"`{Path(path).name}` ({arch})",
-        "description": f"`{Path(path).name}` ({arch}), a local folder; nothing "
+        "name": f"{Path(path).name} ({arch})",
+        "description": f"{Path(path).name} ({arch}), a local folder; nothing "
         "downloaded",
-        "context": found.get("max_position_embeddings"),
+        "context": context if type(context) is int and context > 0 else None,
     }
 
 
@@ -110,7 +123,7 @@ class Run:
         self.progress = progress
         self.snap = machine.cpu_snapshot()
         self.doc: dict[str, Any] = {
-            "schema": bench_result.SCHEMA,
+            "schema": evidence_record.SCHEMA,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine.facts(),
             "load": {"before": machine.load_average()},
@@ -120,6 +133,7 @@ class Run:
             "accuracy": None,
             "numerics": None,
             "perop": None,
+            "qwen3_eager": None,
             "failed": [],
         }
 
@@ -132,9 +146,14 @@ class Run:
             ),
         )
         doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
-        write_output(self.out / bench_result.EVIDENCE, json.dumps(doc, indent=1) + "\n")
+        write_output(
+            self.out / evidence_record.EVIDENCE, json.dumps(doc, indent=1) + "\n"
+        )
         if doc["vllm"]:
-            write_output(self.out / "evidence.md", bench_result.evidence_markdown(doc))
+            write_output(
+                self.out / "evidence.md",
+                bench_result.evidence_markdown(evidence_record.parse(doc)),
+            )
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
@@ -219,6 +238,12 @@ class Run:
         from vllm_patch.bench.perop import per_op
 
         self.doc["perop"] = per_op({"base": (), "patched": (copy,)}, self.progress)
+
+    def qwen3(self, args, copy: str) -> None:
+        from vllm_patch.bench.qwen3_eager import compare
+
+        patch = self.doc["vllm"]["patch"]
+        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
 
 
 def provider_opt_ins() -> tuple[str, ...]:

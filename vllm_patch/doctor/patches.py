@@ -52,11 +52,9 @@ def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Findin
         return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
-    out.append(_registered_finding(patch.name, name, status, python))
+    out.append(_registered_finding(patch.name, name, status, module, python))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
     out += plugin_filter_findings(patch.name, entry, name, status)
-    upstream = attrs.get("UPSTREAM_PROVIDER") or "the upstream provider"
-    out.append(_redundant_finding(patch.name, name, upstream, status))
     return out
 
 
@@ -86,45 +84,21 @@ def _entry_point_finding(patch: str, module: str, entry, python: str) -> Finding
     return Finding(f"{patch}:entry_point", "ok", said)
 
 
-def _registered_finding(patch: str, name: str, status: dict, python: str) -> Finding:
-    """The ops the provider supports here, or the first error it recorded."""
-    if status.get("errors"):
-        return Finding(
-            f"{patch}:provider",
-            "fix",
-            f"provider {name}: {status['errors'][0]}",
-            f"{python} -m compat_matrix.probe shows each check",
-        )
-    supported = [op for op, yes in (status.get("supported") or {}).items() if yes]
-    reasons = status.get("unsupported_reasons") or {}
-    return Finding(
-        f"{patch}:provider",
-        "ok" if supported else "info",
-        f"provider {name!r} registers; supported here for "
-        f"{', '.join(supported) or 'no op'}"
-        + "".join(f"; {op}: {why}" for op, why in reasons.items()),
-    )
-
-
-def _redundant_finding(patch: str, name: str, upstream: str, status: dict) -> Finding:
-    """Whether this vLLM already enables the upstream provider on CPU."""
-    if status.get("redundant"):
-        return Finding(
-            f"{patch}:redundant",
-            "info",
-            f"this vLLM already enables {upstream} on CPU: the provider {name!r} "
-            "can go (it stands down by itself meanwhile)",
-        )
-    if status.get("redundant_error"):
-        error = status["redundant_error"]
-        said = f"could not tell whether the provider is redundant: {error}"
-        return Finding(f"{patch}:redundant", "info", said)
-    return Finding(
-        f"{patch}:redundant",
-        "ok",
-        f"the provider {name!r} is still useful: this vLLM does not enable "
-        f"{upstream} on CPU",
-    )
+def _registered_finding(
+    patch: str, name: str, status: dict, module: str, python: str
+) -> Finding:
+    """What the provider did when the child ran it: the route it took, why it
+    stood aside (e.g. this vLLM has the change), or the error that stopped it."""
+    check = f"{patch}:provider"
+    if status.get("error"):
+        hint = traceback_hint(python, module)
+        return Finding(check, "fix", f"provider {name}: {status['error']}", hint)
+    if status.get("stood_aside"):
+        said = f"provider {name!r} stands aside: {status['stood_aside']}"
+        return Finding(check, "info", said)
+    if status.get("route"):
+        return Finding(check, "ok", f"provider {name!r}: route {status['route']}")
+    return Finding(check, "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
@@ -136,8 +110,7 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
         return Finding(
             check,
             "info",
-            f"{var} is not set: {name!r} runs only where ir_op_priority names it "
-            f"({var}=1 opts in to its default ranking)",
+            f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)",
         )
     # The provider judges its own variable (the child ran it in this environment).
     if status.get("opt_in_ignored"):
@@ -145,13 +118,8 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
             check, "fix", status["opt_in_ignored"], f"export {var}=1 (or unset it)"
         )
     if status.get("opt_in"):
-        extra = " (not needed: see below)" if status.get("redundant") else ""
-        return Finding(
-            check, "ok", f"{var}={value}: the default ranking of {name!r} is on{extra}"
-        )
-    return Finding(
-        check, "info", f"{var}={value!r}: the default ranking of {name!r} is off"
-    )
+        return Finding(check, "ok", f"{var}={value}: {name!r} is on")
+    return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
 
 
 def plugin_filter_findings(

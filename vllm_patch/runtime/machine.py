@@ -44,6 +44,27 @@ def kernel_flags(flags: list[str]) -> list[str]:
     return [f for f in KERNEL_FLAGS if f in set(flags)]
 
 
+def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -> str:
+    """The kernel build vLLM loads on this machine: on x86 ``_C_AVX2``,
+    ``_C_AVX512`` or ``_C`` (AVX512-BF16), chosen as ``CpuPlatform.import_kernels``
+    chooses (``avx512f``, then ``avx512_bf16``), or ``_C`` where the wheel ships
+    one build; else the architecture (``aarch64``, ``ppc64le``, ...). Read from
+    ``/proc/cpuinfo`` and the files of ``vllm_dir`` (the installed ``vllm/``
+    when None), without importing torch or vLLM."""
+    arch = platform.machine()
+    if arch not in ("x86_64", "AMD64"):
+        return arch
+    if vllm_dir is None:
+        spec = importlib.util.find_spec("vllm")
+        vllm_dir = Path(next(iter(spec.submodule_search_locations or ["."])))
+    if not any(vllm_dir.glob("_C_AVX512.*")):
+        return "_C"
+    flags = cpu()["flags"] if flags is None else flags
+    if "avx512f" not in flags:
+        return "_C_AVX2"
+    return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity), not the machine's count."""
     try:

@@ -1,0 +1,308 @@
+"""The conformance table, run in a child interpreter by ``test_conformance.py``:
+one vLLM (the installed one, a patched copy, or the installed one with the
+provider opted in) and every cell of dtype x hidden size x layout x residual x
+weight, eager and compiled, each an ``RMSNorm`` built under vLLM's config for
+its mode and called under torch's profiler. A cell records whether a kernel
+ran (``_C::`` events), whether the rule (``rule.py``) expects one, its error
+against native (``forward_native`` with vLLM's IR priority unset: native) and
+any exception native did not raise."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+DTYPES = ("float32", "bfloat16", "float16")
+HIDDEN = (8, 12, 2048, 4100)
+LAYOUTS = ("contiguous", "strided", "3d")
+RESIDUALS = ("none", "same", "other")
+WEIGHTS = ("weight", "none", "variance")
+OTHER = {"float32": "bfloat16", "bfloat16": "float32", "float16": "float32"}
+KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+TOKENS, STEPS = 3, 64
+
+
+# The compiled modes, one graph each, take every dtype and residual with these
+# (layout, hidden size, weight): each value of each dimension, every branch
+# of the rule, at a tenth of the eager table's compile time.
+COMPILED = (
+    ("contiguous", 2048, "weight"),
+    ("strided", 2048, "weight"),
+    ("3d", 12, "weight"),
+    ("contiguous", 8, "none"),
+    ("3d", 4100, "variance"),
+)
+
+
+def cells():
+    return list(itertools.product(DTYPES, HIDDEN, LAYOUTS, RESIDUALS, WEIGHTS))
+
+
+def compiled_cells():
+    return [
+        (dtype, hidden, layout, residual, weight)
+        for dtype, residual, (layout, hidden, weight) in itertools.product(
+            DTYPES, RESIDUALS, COMPILED
+        )
+    ]
+
+
+def _config(mode: str):
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CompilationMode
+
+    if mode == "eager":
+        cc = CompilationConfig(mode=CompilationMode.NONE)
+    else:
+        ops = ["none", "+rms_norm"] if mode == "plus_rms_norm" else ["none"]
+        cc = CompilationConfig(custom_ops=ops)
+    return VllmConfig(compilation_config=cc)
+
+
+@contextlib.contextmanager
+def _under(config):
+    """``config`` current, with its IR op priority where the release has IR."""
+    from vllm.config import set_current_vllm_config
+
+    priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
+    with set_current_vllm_config(config), contextlib.ExitStack() as stack:
+        if priority is not None:
+            stack.enter_context(priority.set_priority())
+        yield
+
+
+def _inputs(cell, seed: int):
+    import torch
+
+    dtype, hidden, layout, residual, _ = cell
+    kind = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    if layout == "strided":  # a q/k norm's input: heads of a slice of qkv
+        qkv = torch.randn(TOKENS, 4 * hidden, generator=g).to(kind)
+        x = qkv[:, : 2 * hidden].view(TOKENS, 2, hidden)
+    else:
+        shape = (2, TOKENS, hidden) if layout == "3d" else (TOKENS, hidden)
+        x = torch.randn(*shape, generator=g).to(kind)
+    if residual == "none":
+        return x, None
+    other = kind if residual == "same" else getattr(torch, OTHER[dtype])
+    return x, torch.randn(x.shape, generator=g).to(other)
+
+
+def _layer(cell):
+    import torch
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    dtype, hidden, _, _, weight = cell
+    norm = RMSNorm(
+        hidden,
+        var_hidden_size=hidden // 2 if weight == "variance" else None,
+        has_weight=weight != "none",
+        dtype=getattr(torch, dtype),
+    )
+    if weight != "none":
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.1, generator=torch.Generator().manual_seed(1))
+    return norm
+
+
+def _clone(t):
+    """A copy with the same strides (``clone`` makes a slice contiguous)."""
+    if t is None:
+        return None
+    return torch_empty_strided(t).copy_(t)
+
+
+def torch_empty_strided(t):
+    import torch
+
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+
+
+def _call(fn, x, residual):
+    try:
+        out = fn(_clone(x)) if residual is None else fn(_clone(x), _clone(residual))
+        return out, None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def _error(got, want, dtype_of) -> float:
+    """The largest excess over vLLM's IR tolerance for the output's dtype
+    (``get_tolerance``): 0 within it."""
+    from vllm import ir
+
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    worst = 0.0
+    for a, b in zip(got, want, strict=True):
+        tol = ir.ops.rms_norm.get_tolerance(dtype_of(b))
+        over = (
+            (a.float() - b.float()).abs() - tol["atol"] - tol["rtol"] * b.float().abs()
+        )
+        worst = max(worst, float(over.max()), 0.0 if a.shape == b.shape else 1.0)
+    return worst
+
+
+def _expects(form: str, mode: str, cell, norm, x, residual) -> bool:
+    from patches.rms_norm_forward_cpu import rule
+
+    dtype, _, _, res, weight = cell
+    if mode == "compiled":
+        return False
+    if form == "ir":  # forward_native -> vLLM IR: vllm_c ranked only eager
+        if mode != "eager" or weight == "variance":
+            return False
+        check = rule.call_predicate(res != "none", weight_may_be_none=True)
+        w = norm.weight.data if norm.has_weight else None
+        norm_dtypes, add_dtypes = rule.installed_dtypes()
+    else:
+        check = rule.call_predicate(res != "none")
+        w = norm.weight
+        norm_dtypes, add_dtypes = (
+            rule.installed_dtypes() if weight == "weight" else ((), ())
+        )
+    dtypes = norm_dtypes if res == "none" else add_dtypes
+    return bool(check(x, w, dtypes, residual))
+
+
+def run(form: str, modes: list[str], backend: str = "inductor") -> dict:
+    """Every cell in each of ``modes`` for ``form`` (``custom_op``, ``ir``,
+    ``provider``); the compiled modes as one ``torch.compile(fullgraph=True)``
+    of a module calling every cell, kernel calls counted for the whole graph."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the kernels, as a model does)
+
+    if form == "provider":
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    torch.manual_seed(0)
+    out: dict = {"cells": [], "graphs": {}}
+    table = cells()
+    references = []
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    for i, cell in enumerate(table):
+        x, residual = _inputs(cell, i)
+        with set_current_vllm_config(VllmConfig()):  # no IR priority: native
+            want, raised = _call(_layer(cell).forward_native, x, residual)
+        references.append((x, residual, want, raised))
+    for mode in modes:
+        config = _config(mode)
+        with _under(config):
+            norms = [_layer(cell) for cell in table]
+        if mode == "eager":
+            with _under(config):
+                for cell, norm, (x, residual, want, raised) in zip(
+                    table, norms, references, strict=True
+                ):
+                    with torch.profiler.profile() as prof:
+                        got, error = _call(norm, x, residual)
+                    names = [e.name for e in prof.events()]
+                    out["cells"].append(
+                        {
+                            "cell": cell,
+                            "mode": mode,
+                            "kernel": sum(names.count(k) for k in KERNELS),
+                            "expected": _expects(form, mode, cell, norm, x, residual),
+                            "raised": error if error != raised else None,
+                            "excess": _error(got, want, lambda t: t.dtype)
+                            if got is not None and want is not None
+                            else 0.0,
+                        }
+                    )
+            continue
+        out["graphs"][mode] = _graph(
+            form, mode, config, table, norms, references, backend
+        )
+    return out
+
+
+def _graph(form, mode, config, table, norms, references, backend) -> dict:
+    import torch
+
+    chosen = set(compiled_cells())
+    cases = [
+        i for i, ref in enumerate(references) if ref[3] is None and table[i] in chosen
+    ]
+
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = torch.nn.ModuleList(norms[i] for i in cases)
+
+        def forward(self, inputs):
+            return [
+                norm(x) if r is None else norm(x, r)
+                for norm, (x, r) in zip(self.norms, inputs, strict=True)
+            ]
+
+    inputs = [(_clone(references[i][0]), _clone(references[i][1])) for i in cases]
+    expected = {k: 0 for k in KERNELS}
+    for i in cases:
+        x, residual = references[i][:2]
+        if _expects(form, mode, table[i], norms[i], x, residual):
+            expected[KERNELS[residual is not None]] += 1
+    with _under(config):
+        compiled = torch.compile(Table(), fullgraph=True, backend=backend)
+        try:
+            got = compiled(inputs)
+        except Exception as exc:
+            return {"raised": f"{type(exc).__name__}: {str(exc)[:500]}"}
+        fresh = [(_clone(references[i][0]), _clone(references[i][1])) for i in cases]
+        with torch.profiler.profile() as prof:
+            compiled(fresh)
+    names = [e.name for e in prof.events()]
+    excess = max(
+        _error(g, references[i][2], lambda t: t.dtype)
+        for g, i in zip(got, cases, strict=True)
+    )
+    return {
+        "cells": len(cases),
+        "calls": {k: names.count(k) for k in KERNELS},
+        "expected": expected,
+        "excess": excess,
+        "raised": None,
+    }
+
+
+def drift(form: str, library: str | None = None) -> dict:
+    """The residual stream after STEPS bfloat16 fused adds of small updates
+    through an eager ``RMSNorm``: its norm against the exact (float64) sum,
+    and the kernel build loaded."""
+    if library:
+        from vllm_patch.runtime import cpu_library
+
+        cpu_library.force(library)
+    import torch
+    import vllm._custom_ops  # noqa: F401
+
+    from vllm_patch.runtime.cpu_library import loaded
+
+    if form == "provider":
+        from vllm.plugins import load_general_plugins
+
+        load_general_plugins()
+    g = torch.Generator().manual_seed(0)
+    config = _config("eager")
+    with _under(config):
+        norm = _layer(("bfloat16", 2048, "contiguous", "same", "weight"))
+        residual = torch.randn(4, 2048, generator=g).to(torch.bfloat16)
+        exact = residual.double()
+        with torch.profiler.profile() as prof:
+            for _ in range(STEPS):
+                update = (0.05 * torch.randn(4, 2048, generator=g)).to(torch.bfloat16)
+                exact += update.double()
+                _, residual = norm(update, residual)
+    names = [e.name for e in prof.events()]
+    return {
+        "ratio": float(residual.double().norm() / exact.norm()),
+        "fused_add_calls": names.count(KERNELS[1]),
+        "build": loaded(),
+    }
+
+
+def everything(form: str, modes: list[str], backend: str) -> dict:
+    """The table and the residual stream's drift, in one interpreter."""
+    return {"table": run(form, modes, backend), "drift": [drift(form)]}
