@@ -137,6 +137,7 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
     assert report.row(cell) == [
         "`0.19.1 aarch64, QEMU_CPU=max`",
         "2.10.0+cpu",
+        "`aarch64` on qemu-user, QEMU_CPU=max",
         "no IR",
         "❌ rms_norm_forward_cpu",
         "✅ CustomOp",
