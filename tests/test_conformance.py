@@ -82,17 +82,7 @@ def results(tmp_path_factory):
     return out
 
 
-FORM_PARAMS = [
-    pytest.param(
-        "ir",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="the IR gate (enable_vllm_c.py) takes the rule on branch engine",
-        ),
-    ),
-    "custom_op",
-    "provider",
-]
+FORM_PARAMS = ["ir", "custom_op", "provider"]
 
 
 def _wrong(cells):
