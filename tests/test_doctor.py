@@ -14,14 +14,18 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from conftest import requires_vllm
+from conftest import make_tree, requires_vllm
 
 from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import imports
-from vllm_patch.doctor.patches import opt_in_finding, plugin_filter_findings
+from vllm_patch.doctor import environment, imports
+from vllm_patch.doctor.patches import (
+    _registered_finding,
+    opt_in_finding,
+    plugin_filter_findings,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
@@ -273,3 +277,37 @@ def step_results(tmp_path_factory):
         mp.setenv("PYTHONPATH", str(folder))
         mp.setattr(imports, "CHILD_TIMEOUT", 1)
         return imports.run_import_checks(steps)
+
+
+def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
+    """vLLM 0.13 - 0.19 have no vLLM IR (no ``vllm/ir/``): no IR step runs and
+    no IR finding is made; from 0.20 on, both."""
+    tree = open_tree(make_tree(tmp_path / "tree"))
+    assert not environment.has_ir(tree)
+    steps = imports.steps_for(["a.provider"], [], environment.has_ir(tree))
+    assert ["from", imports.IR] not in steps and ["provider", "a.provider"] in steps
+    results = {tuple(s): {"ok": True} for s in steps}
+    findings = environment.import_findings(results, None, {}, sys.executable)
+    assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
+    (tree.location / "vllm/ir").mkdir()
+    (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
+    assert environment.has_ir(tree)
+    assert ["from", imports.IR] in imports.steps_for([], [], environment.has_ir(tree))
+
+
+@pytest.mark.parametrize(
+    "status, said",
+    [
+        ({"route": "CustomOp"}, "ok: provider 'prov': route CustomOp"),
+        (
+            {"stood_aside": "RMSNorm defines forward_cpu"},
+            "info: provider 'prov' stands aside: RMSNorm defines forward_cpu",
+        ),
+        ({"route": None}, "info: provider 'prov' loads and is off"),
+        ({"error": "RuntimeError: boom"}, "fix: provider prov: RuntimeError: boom"),
+    ],
+    ids=["route taken", "stands aside", "off", "failed"],
+)
+def test_the_provider_s_customop_route(status, said):
+    found = _registered_finding("p", "prov", status, "a.provider", "python")
+    assert f"{found.status}: {found.message}" == said

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from patcher.codemod import run_codemod
+from patcher.errors import VllmHasItsOwn
 from patches.rms_norm_forward_cpu import rule
 from patches.rms_norm_forward_cpu.forward_cpu import (
     AddRmsNormForwardCpu,
@@ -86,11 +87,12 @@ def test_apply_writes_the_rule_and_revert_takes_it_back(cpu_py, x86_rounds):
     assert revert(after, cpu_py) == before
 
 
-def test_a_forward_cpu_of_vllms_own_is_left_alone():
-    """A vLLM that ships its own RMSNorm.forward_cpu: neither direction edits."""
-    own = LAYERNORM.format(own=OWN)
-    assert apply(own) == own
-    assert revert(own) == own
+@pytest.mark.parametrize("direction", [apply, revert], ids=["apply", "revert"])
+def test_a_forward_cpu_of_vllms_own_is_left_alone(direction):
+    """A vLLM that ships its own RMSNorm.forward_cpu: neither direction edits;
+    the engine reports it (``VllmHasItsOwn``)."""
+    with pytest.raises(VllmHasItsOwn, match="vLLM's own RMSNorm.forward_cpu"):
+        direction(LAYERNORM.format(own=OWN))
 
 
 def test_the_rule_as_python():

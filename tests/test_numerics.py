@@ -1,16 +1,15 @@
 """vllm_patch.bench.numerics, the one comparison of an IR implementation against native,
-on the real vLLM: right and wrong implementations, and in-place ones (the
-bench's minimal IR provider, ``reference.py``, as the subject)."""
+on the real vLLM: right and wrong implementations, and in-place ones (vLLM's
+own ``"vllm_c"`` fused add, its kernel called directly, as the subject)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import requires_vllm
 
-# The provider imports torch: without it (the fast tier) this module is skipped.
+# Without torch (the fast tier) this module is skipped.
 pytest.importorskip("torch")
 
-from patches.cpu_fused_norms import reference
 from vllm_patch.bench import numerics
 
 pytestmark = requires_vllm
@@ -18,10 +17,11 @@ pytestmark = requires_vllm
 
 @pytest.fixture(scope="module")
 def ops():
-    """vLLM IR ops with the bench's minimal provider registered."""
+    """vLLM IR ops, vLLM's kernels loaded."""
+    import vllm._custom_ops  # noqa: F401
+    import vllm.kernels  # noqa: F401
     from vllm import ir
 
-    reference.register()
     return ir.ops
 
 
@@ -60,7 +60,7 @@ def test_an_in_place_implementation_must_return_the_callers_tensors(ops):
     import torch
 
     op = ops.fused_add_rms_norm
-    impl = op.impls[reference.PROVIDER]
+    impl = op.impls["vllm_c"]
     assert impl.inplace
     args = numerics.op_inputs(op, (16, 2048), torch.bfloat16)
     expected = numerics.expected_of(op, args)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from conftest import requires_vllm
 
+from patcher.backup import hex_digest
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch.runtime import child
-from vllm_patch.runtime.patched_copy import patched_copy, sha256
+from vllm_patch.runtime.patched_copy import patched_copy
 
 PATCH = select(["cpu_fused_norms"])[0]
 
@@ -17,13 +18,17 @@ PATCH = select(["cpu_fused_norms"])[0]
 def test_a_patched_copy_leaves_the_installed_vllm_alone(targets):
     installed = open_tree(None)
     files = sorted({e.file for e in PATCH.edits})
-    original = {f: sha256(installed.path(f)) for f in files}
+    original = {f: hex_digest(installed.path(f).read_bytes()) for f in files}
     record: dict = {}
     with patched_copy(installed, PATCH, record=record) as site:
         assert record["copy"] == str(site) and record["changed"] is True
         for f in files:
-            assert sha256(site / f) != original[f]  # patched here ...
-            assert sha256(installed.path(f)) == original[f]  # ... not there
+            assert (
+                hex_digest((site / f).read_bytes()) != original[f]
+            )  # patched here ...
+            assert (
+                hex_digest(installed.path(f).read_bytes()) == original[f]
+            )  # ... not there
         # Untouched files are the installed ones, linked: no copy of vLLM's bytes.
         init = "vllm/__init__.py"
         assert (site / init).stat().st_ino == installed.path(init).stat().st_ino
@@ -36,7 +41,7 @@ def test_a_patched_copy_leaves_the_installed_vllm_alone(targets):
     assert not site.exists()
     assert record["restored"] is True and record["original_unchanged"] is True
     assert record["hashes"]["before"] == original
-    assert {f: sha256(installed.path(f)) for f in files} == original
+    assert {f: hex_digest(installed.path(f).read_bytes()) for f in files} == original
 
 
 @requires_vllm

@@ -10,11 +10,16 @@ vLLM: these are fast-tier tests."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,16 +27,25 @@ from pathlib import Path
 
 import git
 import pytest
+from markdown_it import MarkdownIt
+from test_pr_body import evidence
 
+from patcher.errors import ExitCode
+from patcher.patchset import select
 from vllm_patch import cli
-from vllm_patch.upstream.meta import pick_patch, upstream_of
+from vllm_patch.runtime.evidence_record import EVIDENCE
+from vllm_patch.upstream import pr, pr_body
+from vllm_patch.upstream.meta import upstream_of
+from vllm_patch.upstream.pr_body import AI_BOX
 
 FIXTURES = Path(__file__).parent / "fixtures"
-UPSTREAM = upstream_of(pick_patch("cpu_fused_norms"))
-CI = UPSTREAM.ci.file
+UPSTREAM_PATCH = "rms_norm_forward_cpu"
+UPSTREAM = upstream_of(select([UPSTREAM_PATCH])[0])
+CI = UPSTREAM.ci[0].file
+LAYERNORM = "vllm/model_executor/layers/layernorm.py"
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
 SECRET = "aws_access_key_id = AKIAVICTIMSECRET0001"
-MBOX = "0001-CPU-Kernel-Enable-vLLM-C-fused-RMSNorm-kernels-on-CP.patch"
+MBOX = "0001-CPU-Kernel-RMSNorm.forward_cpu-use-the-CPU-fused-RMS.patch"
 GIB = 1 << 30
 
 
@@ -46,9 +60,11 @@ def isolated_git(tmp_path_factory, monkeypatch):
 
 
 def make_checkout(root: Path, with_tests: bool = False) -> git.Repo:
-    """The fixture vLLM tree with vLLM 0.32.0's CI YAML and PR template (and,
-    ``with_tests``, its tests), committed on ``main``."""
+    """The fixture vLLM tree with vLLM 0.33.0's layernorm.py, 0.32.0's CI YAML
+    and PR template (and, ``with_tests``, its tests), committed on ``main``."""
     shutil.copytree(FIXTURES / "vllm_tree", root)
+    (root / LAYERNORM).parent.mkdir(parents=True)
+    shutil.copy(FIXTURES / "upstream_files/v0.33.0/layernorm.py", root / LAYERNORM)
     if with_tests:
         shutil.copytree(
             FIXTURES / "vllm_checkouts/upstream-v0.32.0/tests", root / "tests"
@@ -138,7 +154,8 @@ class Attack:
 def run(fork: Fork, capsys, *extra: str, print_body: bool = True) -> tuple[int, str]:
     before, cache = snapshot(fork.victim), os.path.lexists(fork.root / ".ruff_cache")
     start = time.monotonic()
-    argv = ["pr", "--vllm", str(fork.root), "--patch", "cpu_fused_norms", "--no-tests"]
+    argv = ["pr", "--vllm", str(fork.root), "--patch", "rms_norm_forward_cpu"]
+    argv += ["--no-tests", "--no-bench"]
     rc = cli.main([*argv, *(["--print"] if print_body else []), *extra])
     took = time.monotonic() - start
     out, err = capsys.readouterr()
@@ -191,11 +208,11 @@ ATTACKS = {
     ),
     "an edited source a link inside the checkout": Attack(
         lambda f: (
-            (f.root / "vllm/platforms/cpu.py").rename(f.root / "vllm/platforms/_c.py"),
-            f.link("vllm/platforms/cpu.py", "_c.py"),
+            (f.root / LAYERNORM).rename(f.root / LAYERNORM.replace("layernorm", "_c")),
+            f.link(LAYERNORM, "_c.py"),
         ),
         rc=2,
-        says="found: a link to vllm/platforms/_c.py",
+        says="found: a link to vllm/model_executor/layers/_c.py",
     ),
     "the description a link out": Attack(
         lambda f: f.link(
@@ -261,7 +278,7 @@ ATTACKS = {
             not in "".join(
                 line for line in added(f, CI).splitlines() if line.startswith("+")
             )
-            and "+      tests/kernels/ir/test_layernorm.py \\" in added(f, CI)
+            and "+      tests/kernels/core/test_cpu_layernorm.py \\" in added(f, CI)
         ),
     ),
     # Hangs, memory, tracebacks.
@@ -380,7 +397,8 @@ def test_a_rerun_whose_parent_has_an_absolute_link_cpu_yaml(fork, capsys):
     body = (
         Path(fork.repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md"
     ).read_text()
-    assert "not added to a CPU CI step" in body
+    assert "`vllm/model_executor/layers/layernorm.py`" in body
+    assert SECRET not in body and "cpu.yaml`" not in body.split("## Details")[0]
 
 
 def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
@@ -389,7 +407,8 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     root = tmp_path / "vllm"
     repo = make_checkout(root, with_tests=True)
     plant = f"open({str(victim / 'ran')!r}, 'w').write('ran')\n"
-    for rel in ("tests/conftest.py", "tests/kernels/ir/conftest.py", "setup.py"):
+    (root / "tests/kernels/core").mkdir()
+    for rel in ("tests/conftest.py", "tests/kernels/core/conftest.py", "setup.py"):
         (root / rel).write_text(plant)
     commit(repo)
 
@@ -398,23 +417,67 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     assert rc == 0 and "upstream tests: skipped (--no-tests)" in out
     assert not (victim / "ran").exists()
     body = (Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
-    assert "pytest tests/kernels/ir/test_layernorm.py" in body  # the reviewer's command
+    assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
 
 
-def test_python_m_serve_imports_no_planted_vllm(tmp_path):
-    """`python -m vllm_patch` leaves the working folder off sys.path, as the
-    console script does: a `vllm/` planted there is never imported."""
+def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
+    """`python -m vllm_patch` (its own package found) leaves the working folder
+    off sys.path, as the console script does: a `vllm/` planted there is
+    neither imported nor taken for the installed vLLM (`list` looks it up)."""
     (tmp_path / "vllm").mkdir()
     marker = tmp_path / "imported"
     (tmp_path / "vllm" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "serve", "Qwen/Qwen3-0.6B"],
-        cwd=tmp_path,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.32.0'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "list"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert str(tmp_path) not in proc.stdout + proc.stderr
     assert not marker.exists()
+
+
+def plant_package(folder: Path) -> Path:
+    """A ``vllm_patch/`` in ``folder`` that leaves a mark when imported."""
+    marker = folder / "imported"
+    (folder / "vllm_patch").mkdir()
+    (folder / "vllm_patch" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    return marker
+
+
+def test_python_safe_path_m_never_imports_a_planted_vllm_patch(tmp_path):
+    """The documented `-m` form leaves the working folder off sys.path."""
+    marker = plant_package(tmp_path)
+    safe = "-P" if sys.version_info >= (3, 11) else "-I"
+    proc = subprocess.run(
+        [sys.executable, safe, "-m", "vllm_patch", "--version"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "vllm-patch " in proc.stdout
+    assert not marker.exists()
+
+
+def test_python_m_refuses_to_run_on_a_planted_vllm_patch(tmp_path):
+    """Plain `python -m vllm_patch` there: Python imports the planted package
+    first (nothing installed can stop that), then finds this `__main__`
+    through the installed package; it refuses to run on top of it."""
+    import vllm_patch
+
+    marker = plant_package(tmp_path)
+    main = Path(vllm_patch.__file__).with_name("__main__.py")
+    code = (
+        "import runpy, sys; sys.path.insert(0, ''); import vllm_patch; "
+        f"sys.argv = ['vllm-patch', '--version']; runpy.run_path({str(main)!r}, "
+        "run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert marker.exists()  # what -m did before this module ran
+    assert proc.returncode == ExitCode.USAGE and not proc.stdout
+    assert "another vllm_patch package" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("planted", ["evidence.json", "evidence.md", "."])
@@ -422,7 +485,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
-    from vllm_patch.bench.evidence import Run
+    from vllm_patch.bench.evidence import BenchRun
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -435,7 +498,416 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
         (out / planted).symlink_to(victim / "bashrc")
     before = snapshot(victim)
     with pytest.raises(PatchError, match="link|not a regular file"):
-        run = Run(out, print)
+        run = BenchRun(out, print)
         run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
         run.save()
     assert snapshot(victim) == before
+
+
+# Evidence someone else prepared (`pr --evidence DIR`). Each payload goes into
+# every string of evidence.json the description can show; the description must
+# show it as data, with its claims and serving tables all there.
+MARK = "PWN"
+PAYLOADS = {
+    "<!-- in every string": f"x <!-- {MARK}",
+    "a ``` fence breakout": f"```\n## {MARK} heading\n- [x] I ran every test {MARK}",
+    "an @team mention": f"@vllm-project/{MARK} and @{MARK}",
+    "a remote image": f"![{MARK}](https://evil.example/{MARK}.png) "
+    f"<img src=https://evil.example/{MARK}.png>",
+    "a javascript: link": f"[{MARK}](javascript:alert(1)) <javascript:{MARK}>",
+    "an unclosed code span and a |": f"`{MARK} | a \\| b \\`|` <!-- {MARK}",
+}
+
+
+def poisoned(payload: str) -> dict:
+    ev = copy.deepcopy(evidence(UPSTREAM_PATCH))
+    lines = payload.split("\n")
+    ev["model"].update(name=payload, description=payload)
+    ev["machine"].update(cpu_model=payload, os=payload, key_flags=[payload])
+    ev["vllm"].update(base=payload, patched=payload)
+    ev["serving"]["commands"] += lines
+    ev["serving"]["server_log"] = {"eager": {"base": lines}}
+    ev["accuracy"]["tokens"]["note"] = payload
+    ev["accuracy"]["tokens"]["first_divergence"]["mode"] = payload
+    ev["accuracy"]["lm_eval"]["task"] = payload
+    ev["perop"]["dtype"] = payload
+    ev["perop"]["rows"] += [
+        {**ev["perop"]["rows"][2], "op": payload, "route": "layer:" + payload}
+    ]
+    ev["numerics"][payload] = {payload: {payload: payload}}
+    ev["failed"] = [payload]
+    return ev
+
+
+def interval(value: float, key: str = "ratio") -> dict:
+    return {key: value, "ci95": [value * 0.99, value * 1.01], "n": 12}
+
+
+def decoded(name: str = "a random-weight Llama", engine: str = "base") -> dict:
+    """``bench --decode``'s section as docs/bench.md lays it out."""
+    block = {
+        "comparisons": {"patched/base": {**interval(0.98), "wall": interval(0.97)}},
+        "step_ms": {engine: interval(310.2, "ms")},
+        "step_wall_ms": {engine: interval(320.0, "ms")},
+        "norm_ms": {engine: interval(9.1, "ms")},
+        "norm_calls_per_step": 33,
+        "savings": {
+            "patched": {
+                "saving_ms": interval(5.9, "ms"),
+                "share": {"share": 0.019, "ci95": [0.017, 0.021]},
+                "expected_ratio": [0.979, 0.983],
+            }
+        },
+        "consistent": {"contradicts": False, "expected_ratio": [0.979, 0.983]},
+        "rounds": 12,
+        "busy_rounds": 3,
+    }
+    return {
+        "model": {"name": name},
+        "dtype": "float32",
+        "threads": 1,
+        "kernel_build": "_C_AVX2",
+        "tokens": 9,
+        **block,
+        "by_threads": {"1": block, "2": block},
+        "compiled": {"1": block},
+    }
+
+
+def published(body: str) -> dict[str, list[str]]:
+    """What GitHub makes of ``body`` (CommonMark and tables): HTML, link and
+    image targets, headings, list items, text, code."""
+    found: dict[str, list[str]] = {k: [] for k in ("html", "url", "heading", "item")}
+    found |= {"text": [], "code": [], "table": []}
+    tokens = MarkdownIt("commonmark").enable("table").parse(body)
+    for i, tok in enumerate(tokens):
+        if tok.type in ("html_block", "html_inline"):
+            found["html"].append(tok.content)
+        if tok.type in ("fence", "code_block"):
+            found["code"].append(tok.content)
+        if tok.type == "table_open":
+            found["table"].append(tokens[i + 4].content)  # the first header cell
+        if tok.type != "inline":
+            continue
+        if tokens[i - 1].type == "heading_open":
+            found["heading"].append(tok.content)
+        if tokens[i - 2].type == "list_item_open":
+            found["item"].append(tok.content)
+        for c in tok.children or ():
+            kind = {"html_inline": "html", "code_inline": "code"}.get(c.type, "text")
+            found[kind].append(c.content)
+            found["url"] += [v for k, v in c.attrs.items() if k in ("href", "src")]
+    return found
+
+
+def assert_data_only(body: str, pr: bool = True) -> None:
+    seen = published(body)
+    assert not [h for h in seen["html"] if re.search(r"<!--[^>]*" + MARK, h)]
+    assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
+    assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
+    assert not [h for h in seen["heading"] if h.startswith(MARK)]  # none made
+    ticked = [i for i in seen["item"] if i.startswith("[x]")]
+    assert [i for i in ticked if AI_BOX not in i] == []  # only the tool's own box
+    mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
+    assert not mentions, mentions
+    assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
+    assert "Output throughput with this change over the base" in body
+    if not pr:
+        assert "## Decode step" in body and "(A/A control)" not in body
+
+
+def plant_evidence(fork: Fork, data: dict | str | bytes) -> Path:
+    folder = fork.victim.parent / "evidence"
+    folder.mkdir(exist_ok=True)
+    raw = data if isinstance(data, str | bytes) else json.dumps(data)
+    (folder / EVIDENCE).write_bytes(raw.encode() if isinstance(raw, str) else raw)
+    return folder
+
+
+def description(fork: Fork) -> str:
+    git_dir = Path(fork.repo.git_dir)
+    return (git_dir / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS.values()), ids=list(PAYLOADS))
+def test_evidence_text_is_published_as_data(fork, capsys, payload):
+    folder = plant_evidence(fork, poisoned(payload))
+
+    rc, out = run(fork, capsys, "--evidence", str(folder), print_body=False)
+
+    assert rc == 0, out
+    body = description(fork)
+    assert_data_only(body)
+    assert MARK in body  # shown, as data
+
+
+@pytest.mark.parametrize("payload", list(PAYLOADS.values()), ids=list(PAYLOADS))
+def test_evidence_md_shows_the_folder_as_data(payload):
+    """`bench` writes evidence.md with the same writers from the same records:
+    a folder edited afterwards and rendered again shows its strings as data."""
+    from vllm_patch.runtime import bench_result, evidence_record
+
+    doc = poisoned(payload)
+    doc["decode"] = decoded(payload, payload)
+    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    assert_data_only(text, pr=False)
+    assert MARK in text
+
+
+def spoiled(change: Callable[[dict], object]) -> dict:
+    ev = copy.deepcopy(evidence(UPSTREAM_PATCH))
+    change(ev)
+    return ev
+
+
+ROW = {"env": "base", "op": "rms_norm", "tokens": 1, "route": "native"}
+BAD_EVIDENCE = {
+    "serving.configs a list": (
+        lambda e: e["serving"].update(configs=[]),
+        "serving.configs: not a table",
+    ),
+    "accuracy.tokens a string": (
+        lambda e: e["accuracy"].update(tokens="64"),
+        "accuracy.tokens: not a table",
+    ),
+    "a list of tokens": (
+        lambda e: e["accuracy"]["tokens"].update(tokens=[1, 2]),
+        "accuracy.tokens.tokens: not a whole number",
+    ),
+    "a string first_divergence": (
+        lambda e: e["accuracy"]["tokens"].update(first_divergence="3"),
+        "accuracy.tokens.first_divergence: not a table",
+    ),
+    "perop.rows an int": (
+        lambda e: e["perop"].update(rows=7),
+        "perop.rows: not a list",
+    ),
+    "a row's route an int": (
+        lambda e: e["perop"]["rows"][0].update(route=7),
+        "perop.rows[0].route: not a string",
+    ),
+    "key_flags an int": (
+        lambda e: e["machine"].update(key_flags=7),
+        "machine.key_flags: not a list",
+    ),
+    "commands an int": (
+        lambda e: e["serving"].update(commands=7),
+        "serving.commands: not a list",
+    ),
+    "a 400-digit figure": (
+        lambda e: e["serving"]["configs"]["eager"]["base"].update(
+            output_throughput=[10**400]
+        ),
+        "output_throughput[0]: not a finite number",
+    ),
+    "a 400-digit time per call": (
+        lambda e: e["perop"]["rows"][0].update(median_us=10**400),
+        "perop.rows[0].median_us: not a finite number",
+    ),
+    "a time per call of 0": (
+        lambda e: e["perop"]["rows"][0].update(median_us=0),
+        "perop.rows[0].median_us: not a time above 0",
+    ),
+    "a NaN figure": (
+        lambda e: e["accuracy"]["tokens"].update(max_abs_dlogprob=float("nan")),
+        "max_abs_dlogprob: not a finite number",
+    ),
+    "18,000 distinct perop rows": (
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "tokens": i, "median_us": 1, "native_us": 1}
+                for i in range(18_000)
+            ]
+        ),
+        "perop.rows: more than 2000 entries",
+    ),
+    "25 routes per op": (
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "route": f"r{i}", "median_us": 1, "native_us": 1}
+                for i in range(25)
+            ]
+        ),
+        "perop.rows: more than 24 (env, route) pairs",
+    ),
+    "a 5,000-character model name": (
+        lambda e: e["model"].update(name="x" * 5000),
+        "model.name: longer than 4000 characters",
+    ),
+    "a serving mode of its own": (
+        lambda e: e["serving"]["configs"].update(turbo={}),
+        "serving.configs.turbo: not one of eager, compiled",
+    ),
+    "decode.comparisons a list": (
+        lambda e: e.update(decode={**decoded(), "comparisons": []}),
+        "decode.comparisons: not a table",
+    ),
+    "a 400-digit decode ratio": (
+        lambda e: e.update(
+            decode={**decoded(), "comparisons": {"p/b": {"ratio": 10**400}}}
+        ),
+        "decode.comparisons.p/b.ratio: not a finite number",
+    ),
+    "a decode interval of three": (
+        lambda e: e.update(
+            decode={**decoded(), "step_ms": {"b": {"ms": 1, "ci95": [1, 2, 3]}}}
+        ),
+        "decode.step_ms.b.ci95: not [low, high]",
+    ),
+    "schema 2": (lambda e: e.update(schema=2), "no `schema: 1`"),
+    "a list for the document": (lambda e: e.clear(), "no `schema: 1`"),
+}
+
+
+@pytest.mark.parametrize(
+    "data, says",
+    [
+        *((spoiled(change), says) for change, says in BAD_EVIDENCE.values()),
+        ("[" * 5000 + "]" * 5000, "not JSON"),
+        ('{"schema": 1, "x": ' + "9" * 5000 + "}", "not JSON"),
+        ("x" * (3 << 20), "file too large"),
+        (b'{"schema": 1, "model": {"name": "\xff"}}', "not UTF-8"),
+    ],
+    ids=[
+        *BAD_EVIDENCE,
+        "nested 5,000 deep",
+        "a 5,000-digit integer",
+        "3 MB",
+        "not UTF-8",
+    ],
+)
+def test_evidence_of_the_wrong_shape_is_one_message_before_the_switch(
+    fork, capsys, data, says
+):
+    folder = plant_evidence(fork, data)
+    before = state(fork.repo)
+    start = time.monotonic()
+
+    rc, out = run(fork, capsys, "--evidence", str(folder))
+
+    assert time.monotonic() - start < 10
+    assert rc == ExitCode.CANNOT_APPLY and says in out, out
+    assert state(fork.repo) == before
+
+
+def test_an_evidence_fifo_is_refused(fork, capsys):
+    folder = fork.victim.parent / "evidence"
+    folder.mkdir()
+    os.mkfifo(folder / EVIDENCE)
+    rc, out = run(fork, capsys, "--evidence", str(folder))
+    assert rc == ExitCode.CANNOT_APPLY and "FIFO" in out
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda e: e["perop"].update(
+            rows=[
+                {**ROW, "tokens": i, "route": f"layer:R{c}", "median_us": 1.5,
+                 "native_us": 2.5}
+                for i in range(80) for c in range(24)
+            ]
+        ),
+        lambda e: e["serving"].update(commands=["vllm serve " + "x" * 3900] * 200),
+    ],
+    ids=["2,000 perop rows of 24 routes", "200 commands of 4,000 characters"],
+)  # fmt: skip
+def test_the_description_stays_within_githubs_bound(fork, capsys, change):
+    folder = plant_evidence(fork, spoiled(change))
+    rc, out = run(fork, capsys, "--evidence", str(folder), print_body=False)
+    assert rc == 0, out
+    body = description(fork)
+    assert len(body) <= 65_536, len(body)
+    assert (
+        "## Claims" in body and "| metric | base | patched | patched / base |" in body
+    )
+
+
+def model_folder(
+    tmp_path: Path, config: str | None, link_to: Path | None = None
+) -> Path:
+    folder = tmp_path / "models--org--m" / "snapshots" / "abc123"
+    folder.mkdir(parents=True)
+    if link_to:
+        (folder / "config.json").symlink_to(link_to)
+    else:
+        (folder / "config.json").write_text(config or "")
+    return folder
+
+
+MODEL_FOLDERS = {
+    "config.json a link to an outside JSON file": (
+        lambda t: model_folder(t, None, t / "victim.json"),
+        "leads outside the tree",
+    ),
+    "config.json not JSON": (lambda t: model_folder(t, "{"), "not JSON"),
+    "config.json a list": (lambda t: model_folder(t, "[1]"), "architecture not stated"),
+    "architectures a string": (
+        lambda t: model_folder(t, '{"architectures": "LlamaForCausalLM"}'),
+        "architecture not stated",
+    ),
+    "a Hugging Face cache snapshot": (
+        lambda t: (
+            (t / "models--org--m" / "blobs").mkdir(parents=True),
+            (t / "models--org--m" / "blobs" / "f00").write_text(
+                '{"architectures": ["LlamaForCausalLM"]}'
+            ),
+            model_folder(t, None, Path("../../blobs/f00")),
+        )[-1],
+        "abc123 (LlamaForCausalLM)",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "make, says", list(MODEL_FOLDERS.values()), ids=list(MODEL_FOLDERS)
+)
+def test_a_model_folder_s_config_is_read_inside_it(tmp_path, make, says):
+    """`bench --model DIR`: only DIR's own config.json names the model."""
+    from patcher.errors import PatchError
+    from vllm_patch.bench.evidence import user_model
+
+    (tmp_path / "victim.json").write_text(f'{{"architectures": ["{SECRET}"]}}')
+    folder = make(tmp_path)
+    try:
+        said = str(user_model(folder)[1])
+    except PatchError as exc:
+        said = str(exc)
+    assert says in said and SECRET not in said
+
+
+# A signal at each step after the branch switch (sent by the step's real
+# function to its own process, as a kill from outside would land there).
+STEPS = {
+    "after the switch": (pr, "checkout_version"),
+    "after the write": (pr, "check_changes"),
+    "while describing": (pr_body, "render"),
+    "before the commit": (pr, "commit_message"),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_at_any_step_puts_the_checkout_back(
+    fork, capsys, monkeypatch, step, sig
+):
+    module, name = STEPS[step]
+    real = getattr(module, name)
+
+    def then_signalled(*args, **kwargs):
+        done = real(*args, **kwargs)
+        os.kill(os.getpid(), getattr(signal, sig))
+        return done
+
+    monkeypatch.setattr(module, name, then_signalled)
+    before = state(fork.repo)
+    copies = set(Path(tempfile.gettempdir()).glob("vllm-patch-*"))
+
+    rc, out = run(fork, capsys)
+
+    assert rc == ExitCode.CANNOT_APPLY, out
+    said = "Ctrl-C" if sig == "SIGINT" else sig
+    (line,) = [x for x in out.splitlines() if "interrupted" in x]
+    assert line.startswith(f"vllm-patch: error: interrupted ({said});")
+    assert state(fork.repo) == before
+    assert set(Path(tempfile.gettempdir()).glob("vllm-patch-*")) <= copies

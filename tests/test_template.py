@@ -117,6 +117,16 @@ def test_ticked_boxes_of_a_template_are_unticked():
     assert "- [ ] done" in text and "* [ ] too" in text
 
 
+def test_only_the_boxes_saying_what_is_true_are_ticked():
+    tail = "---\n- [x] I ran it\n- [ ] AI assistance was used (yes)\n- [ ] other\n"
+    text = fill(parse("## Purpose\n" + tail), PIECES[:1], ticked=("AI assistance",))
+    assert re.findall(r"^- \[(.)\] (.*)$", text, re.M) == [
+        (" ", "I ran it"),
+        ("x", "AI assistance was used (yes)"),
+        (" ", "other"),
+    ]
+
+
 @pytest.mark.parametrize(
     "source",
     [

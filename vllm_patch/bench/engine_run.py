@@ -1,6 +1,7 @@
 """A random-weight Llama made locally with ``transformers`` (no hub), with a
 word-level tokenizer when it is to be served: the model the serving benchmark
-and the matrix's engine starts run when the user names none."""
+and the matrix's engine starts run when the user names none. And a random
+Qwen3, whose q/k norms run per head on views of the qkv projection's output."""
 
 from __future__ import annotations
 
@@ -30,6 +31,28 @@ SERVED_LLAMA = dict(
     num_heads=8,
     num_kv_heads=4,
     vocab_size=4096,
+)
+# Qwen3's layout at a small size: q_norm and k_norm over head_dim 64 (a
+# multiple of 8) on strided views.
+TINY_QWEN3 = dict(
+    hidden_size=256,
+    num_layers=4,
+    intermediate_size=768,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+)
+# ``bench --decode``'s default: a realistic decode shape (hidden 2048, 16
+# layers, TinyLlama-1.1B's widths) with a small vocabulary, so that four fp32
+# engines (3 GB each) fit beside each other.
+DECODE_LLAMA = dict(
+    hidden_size=2048,
+    num_layers=16,
+    intermediate_size=5632,
+    num_heads=16,
+    num_kv_heads=4,
+    vocab_size=8192,
 )
 
 
@@ -65,8 +88,46 @@ def make_random_llama(
         "seed": seed,
         **({"tokenizer": "words"} if tokenizer else {}),
     }
+    return _cached(Path(path), "random-llama", config)
+
+
+def make_random_qwen3(
+    path: Path,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    seed: int = 0,
+    tokenizer: bool = False,
+) -> Path:
+    """A random-weight Qwen3ForCausalLM (bf16), cached under ``path`` as
+    :func:`make_random_llama`'s model is (``TINY_QWEN3`` gives the sizes)."""
+    config = {
+        "architecture": "qwen3",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "intermediate_size": intermediate_size,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        # Random tied embeddings make every greedy completion one token repeated.
+        "tie_word_embeddings": False,
+        "seed": seed,
+        **({"tokenizer": "words"} if tokenizer else {}),
+    }
+    return _cached(Path(path), "random-qwen3", config)
+
+
+def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    target = Path(path) / f"random-llama-{digest[:12]}"
+    target = path / f"{name}-{digest[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
 
@@ -74,7 +135,7 @@ def make_random_llama(
     # Build beside the target and rename, so an interrupted build is never reused.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _save_llama(staging, config)
+        _save_model(staging, config)
         try:
             staging.rename(target)
         except OSError:
@@ -85,16 +146,26 @@ def make_random_llama(
     return target
 
 
-def _save_llama(folder: Path, config: dict[str, Any]) -> None:
+def _save_model(folder: Path, config: dict[str, Any]) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    own = ("seed", "tokenizer")
-    hf_config = LlamaConfig(
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    config_class, model_class = classes[config.get("architecture", "llama")]
+    own = ("seed", "tokenizer", "architecture")
+    hf_config = config_class(
         **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
     )
     torch.manual_seed(config["seed"])
-    model = LlamaForCausalLM(hf_config).to(torch.bfloat16)
+    model = model_class(hf_config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
     if config.get("tokenizer"):
         save_word_tokenizer(folder, config["vocab_size"])

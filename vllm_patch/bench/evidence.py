@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import UsageError
-from patcher.files import output_dir, read_text_at, write_output
-from vllm_patch.runtime import bench_result, machine
+from patcher.errors import PatchError, UsageError
+from patcher.files import inside, output_dir, read_text_at, write_output
+from vllm_patch.bench.engine_run import DECODE_LLAMA, SERVED_LLAMA
+from vllm_patch.runtime import bench_result, evidence_record, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """The servers' and the benchmark client's environment: nothing is downloaded
@@ -56,15 +57,19 @@ def choose_patch(tree, name: str | None = None) -> Any:
     )
 
 
-def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
-    from vllm_patch.bench.engine_run import SERVED_LLAMA, make_random_llama
+def random_model(
+    progress: Callable[[str], None], c: dict[str, int], tokenizer: bool = True
+) -> tuple[str, dict[str, Any]]:
+    """The random-weight Llama of configuration ``c``, built in a child (and
+    cached) with a word-level tokenizer if asked."""
+    from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 
     progress("building (or reusing) the random-weight Llama")
-    folder = make_random_llama(
-        cache_dir() / "bench-models", **SERVED_LLAMA, tokenizer=True
-    )
-    c = SERVED_LLAMA
+    folder = child.run(
+        "vllm_patch.bench.engine_run:make_random_llama",
+        {"path": str(cache_dir() / "bench-models"), **c, "tokenizer": tokenizer},
+    ).value()
     return str(folder), {
         "path": None,
         "random_weights": True,
@@ -72,37 +77,52 @@ def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
         f"{c['hidden_size']})",
         "description": (
             f"a random-weight Llama made locally ({c['num_layers']} layers, hidden "
-            f"{c['hidden_size']}, vocabulary {c['vocab_size']}, bf16) with a "
-            "word-level tokenizer made locally; nothing downloaded"
+            f"{c['hidden_size']}, intermediate {c['intermediate_size']}, "
+            f"vocabulary {c['vocab_size']}, bf16 weights)"
+            + (" with a word-level tokenizer made locally" if tokenizer else "")
+            + "; nothing downloaded"
         ),
         "config": c,
     }
 
 
 def user_model(path: Path) -> tuple[str, dict[str, Any]]:
-    """A local model folder (its files may be links, as in a Hugging Face cache)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
+    """A local model folder. Its ``config.json`` is read inside it (or, for a
+    Hugging Face cache snapshot, its repository's ``blobs/``): a link leading
+    elsewhere is refused, so no outside file's text reaches the evidence."""
+    folder = Path(os.path.realpath(path))
+    if not os.path.lexists(folder / "config.json"):
         raise UsageError(
             "not a model folder",
             path=str(path),
             looked_for="a local model folder with config.json",
             found="no config.json",
         )
-    resolved = Path(os.path.realpath(config))  # links followed, then no window
-    found = json.loads(read_text_at(resolved, "a model's config.json"))
-    arch = ", ".join(found.get("architectures") or []) or "architecture not stated"
-    return str(Path(path).resolve()), {
+    blobs = (
+        [folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else []
+    )
+    what = "a model's config.json"
+    config = inside(folder, "config.json", [folder, *blobs], what=what)
+    try:
+        found = json.loads(read_text_at(config, what))
+    except (ValueError, RecursionError) as exc:
+        raise PatchError("not JSON", path=str(config), looked_for=what) from exc
+    names = found.get("architectures") if isinstance(found, dict) else None
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        names = []
+    arch = ", ".join(names) or "architecture not stated"
+    context = isinstance(found, dict) and found.get("max_position_embeddings")
+    return str(folder), {
         "path": str(path),
         "random_weights": False,
-        "name": f"`{Path(path).name}` ({arch})",
-        "description": f"`{Path(path).name}` ({arch}), a local folder; nothing "
+        "name": f"{Path(path).name} ({arch})",
+        "description": f"{Path(path).name} ({arch}), a local folder; nothing "
         "downloaded",
-        "context": found.get("max_position_embeddings"),
+        "context": context if type(context) is int and context > 0 else None,
     }
 
 
-class Run:
+class BenchRun:
     """The evidence document of this run, and how it is written."""
 
     def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
@@ -110,16 +130,18 @@ class Run:
         self.progress = progress
         self.snap = machine.cpu_snapshot()
         self.doc: dict[str, Any] = {
-            "schema": bench_result.SCHEMA,
+            "schema": evidence_record.SCHEMA,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine.facts(),
             "load": {"before": machine.load_average()},
             "vllm": {},
             "model": {},
+            "decode": None,
             "serving": None,
             "accuracy": None,
             "numerics": None,
             "perop": None,
+            "qwen3_eager": None,
             "failed": [],
         }
 
@@ -132,15 +154,44 @@ class Run:
             ),
         )
         doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
-        write_output(self.out / bench_result.EVIDENCE, json.dumps(doc, indent=1) + "\n")
+        write_output(
+            self.out / evidence_record.EVIDENCE, json.dumps(doc, indent=1) + "\n"
+        )
         if doc["vllm"]:
-            write_output(self.out / "evidence.md", bench_result.evidence_markdown(doc))
+            write_output(
+                self.out / "evidence.md",
+                bench_result.evidence_markdown(evidence_record.parse(doc)),
+            )
+
+    def decode(self, args, copy: str) -> None:
+        from vllm_patch.bench import decode
+
+        if args.model:
+            model, meta = user_model(args.model)
+        else:
+            model, meta = random_model(self.progress, DECODE_LLAMA, tokenizer=False)
+        self.doc["model"] = self.doc["model"] or meta
+        flags = self.doc["machine"]["flags"]
+        self.doc["decode"] = decode.run(
+            model=model,
+            model_meta=meta,
+            paths={"base": (), "patched": (copy,)},
+            dtype=args.dtype or decode.default_dtype(flags),
+            modes=args.modes,
+            rounds=args.rounds,
+            threads=args.threads,
+            tokens=args.tokens,
+            budget_s=args.budget * 60,
+            progress=self.progress,
+        )
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
 
         model, self.doc["model"] = (
-            user_model(args.model) if args.model else random_model(self.progress)
+            user_model(args.model)
+            if args.model
+            else random_model(self.progress, SERVED_LLAMA)
         )
         context = 0  # what the benchmark needs
         if args.model and args.lm_eval_task:
@@ -219,6 +270,12 @@ class Run:
         from vllm_patch.bench.perop import per_op
 
         self.doc["perop"] = per_op({"base": (), "patched": (copy,)}, self.progress)
+
+    def qwen3(self, args, copy: str) -> None:
+        from vllm_patch.bench.qwen3_eager import compare
+
+        patch = self.doc["vllm"]["patch"]
+        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
 
 
 def provider_opt_ins() -> tuple[str, ...]:

@@ -39,7 +39,8 @@ def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
             "vllm-patch doctor: importing torch, vLLM, transformers and the "
             "providers in a child interpreter (some seconds) ..."
         )
-    results = run_import_checks(steps_for(providers, list(companions)), python)
+    ir = environment.has_ir(tree)
+    results = run_import_checks(steps_for(providers, list(companions), ir), python)
     findings += environment.import_findings(results, dist, companions, python)
     for patch in patches:
         findings += patch_findings(tree, patch, results, python)

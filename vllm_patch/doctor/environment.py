@@ -1,11 +1,12 @@
 """The doctor's findings on the environment: which vLLM this Python has, its
 ``vllm`` command, torch and vLLM's C kernels, the packages that break beside a
-``+cpu`` torch, vLLM's config, transformers and vLLM IR. Cheap facts come from
-package metadata and the source tree; what needs an import comes from the
-child's results (``imports``)."""
+``+cpu`` torch, vLLM's config, transformers and vLLM IR (from 0.20 on). Cheap
+facts come from package metadata and the source tree; what needs an import
+comes from the child's results (``imports``)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 from importlib import metadata
 
@@ -25,6 +26,11 @@ def installed(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def has_ir(tree: VllmTree) -> bool:
+    """Whether this vLLM has vLLM IR (from 0.20 on): ``vllm/ir/op.py``."""
+    return os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
 
 
 def vllm_distribution(tree: VllmTree) -> metadata.Distribution | None:
@@ -94,11 +100,12 @@ def import_findings(results, dist, companions: dict[str, str], python) -> list[F
         ("transformers", ("from", TRANSFORMERS), "transformers (LlamaConfig)"),
     ):
         out.append(import_finding(check, label, results[step], broken, python))
-    ir = results[("from", IR)]
+    ir = results.get(("from", IR))
+    if ir is None:  # a release before vLLM IR: nothing to judge
+        return out
     if ir["ok"]:
         return [*out, Finding("ir", "ok", "vLLM IR: vllm.ir imports")]
-    fix = "vLLM IR exists from vLLM 0.20 on: "
-    fix += _pip(python, "install", f"{CPU_DISTRIBUTION}>=0.20")
+    fix = traceback_hint(python, IR.split(":")[0])
     return [*out, Finding("ir", "fix", f"vLLM IR does not import: {ir['error']}", fix)]
 
 

@@ -16,14 +16,15 @@ TRANSFORMERS = "transformers:LlamaConfig"
 IR = "vllm.ir.op:IrOp"
 
 
-def steps_for(providers: list[str], companions: list[str]) -> list[list[str]]:
-    """Every step, in the order the child runs them."""
+def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[list[str]]:
+    """Every step, in the order the child runs them (vLLM IR's with ``ir``: a
+    release from 0.20 on)."""
     return [
         list(TORCH),
         list(VLLM_KERNELS),
         ["import", CONFIG],
         ["from", TRANSFORMERS],
-        ["from", IR],
+        *([["from", IR]] if ir else []),
         *(["provider", m] for m in providers),
         *(["import", c] for c in companions),
     ]

@@ -52,7 +52,7 @@ def patch_findings(tree: VllmTree, patch: Patch, results, python) -> list[Findin
         return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
-    out.append(_registered_finding(patch.name, name, status, python))
+    out.append(_registered_finding(patch.name, name, status, module, python))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
     out += plugin_filter_findings(patch.name, entry, name, status)
     return out
@@ -84,12 +84,14 @@ def _entry_point_finding(patch: str, module: str, entry, python: str) -> Finding
     return Finding(f"{patch}:entry_point", "ok", said)
 
 
-def _registered_finding(patch: str, name: str, status: dict, python: str) -> Finding:
+def _registered_finding(
+    patch: str, name: str, status: dict, module: str, python: str
+) -> Finding:
     """What the provider did when the child ran it: the route it took, why it
     stood aside (e.g. this vLLM has the change), or the error that stopped it."""
     check = f"{patch}:provider"
     if status.get("error"):
-        hint = f"{python} -m compat_matrix.probe shows each check"
+        hint = traceback_hint(python, module)
         return Finding(check, "fix", f"provider {name}: {status['error']}", hint)
     if status.get("stood_aside"):
         said = f"provider {name!r} stands aside: {status['stood_aside']}"

@@ -1,56 +1,38 @@
-"""An evidence folder (``vllm-patch bench --out DIR``) read as data: its words,
-its figures' spread and their Markdown, for the bench's own ``evidence.md`` and
-for a pull request description, which quotes a folder without running the bench.
-
-``DIR/evidence.json`` holds ``schema``, ``machine`` (``runtime.machine.facts``),
-``vllm`` (``base``, ``patched``, ``patch``), ``model`` (``path``,
-``random_weights``, ``name``, ``description``), ``serving`` (``commands``, and per mode
-and side every metric's value per repetition: ``configs``), ``accuracy``
-(``tokens``, ``lm_eval``), ``numerics`` and ``perop`` (or None: not measured).
-"""
+"""The section writers of an evidence folder's figures: ``evidence.md`` and a
+pull request description's evidence parts are both written by these, from the
+records of ``evidence_record`` alone. Every string read from the folder is
+rendered as data (``markdown.text``/``code``/``fence``/``html``); ``limit`` cuts
+tables and lists (a description has a size bound)."""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-from pathlib import Path
-from typing import Any
 
-from vllm_patch.runtime.machine import summary
-from vllm_patch.runtime.markdown import details, table
+from vllm_patch.runtime import markdown as md
+from vllm_patch.runtime.evidence_record import (
+    METRICS,
+    MODES,
+    NATIVE,
+    SIDES,
+    Decode,
+    DecodeBlock,
+    Divergence,
+    Evidence,
+    Interval,
+    Load,
+    Machine,
+    Numerics,
+    PerOp,
+    Qwen3Eager,
+    Serving,
+)
+from vllm_patch.runtime.machine import BUSY_SHARE
 
-SCHEMA = 1
-EVIDENCE = "evidence.json"
-NATIVE = "native"
-"""vLLM's own PyTorch implementation of an op: every ratio's baseline."""
-MODES = ("eager", "compiled")
-SIDES = ("base", "patched")
-METRICS = (
-    "request_throughput", "output_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-)  # fmt: skip
-"""``vllm bench serve --save-result``'s names for what the table shows."""
+__all__ = ["METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
-
-
-def read(folder: Path) -> dict[str, Any]:
-    """``folder``'s evidence document (the folder is the user's choice; the
-    file in it a regular file, never a link)."""
-    from patcher.errors import PatchError
-    from patcher.files import read_text_at
-
-    path = Path(os.path.realpath(folder)) / EVIDENCE
-    what = "a vllm-patch bench evidence file"
-    try:
-        return json.loads(read_text_at(path, what))
-    except (ValueError, RecursionError) as exc:  # bad, or nested too deep
-        found = f"{type(exc).__name__}: {exc}"
-        raise PatchError(
-            "not JSON", path=str(path), looked_for=what, found=found
-        ) from exc
+NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
+ROWS = 500
+"""The most rows of a table in ``evidence.md``."""
 
 
 def spread(values: list[float]) -> tuple[float, float, float] | None:
@@ -60,17 +42,17 @@ def spread(values: list[float]) -> tuple[float, float, float] | None:
     return statistics.median(values), min(values), max(values)
 
 
-def ratios(doc: dict[str, Any], mode: str, metric: str) -> list[float]:
+def ratios(serving: Serving, mode: str, metric: str) -> list[float]:
     """patched / base per repetition (the two ran one after the other)."""
-    sides = doc["serving"]["configs"].get(mode, {})
-    base, patched = (sides.get(s, {}).get(metric, []) for s in SIDES)
+    sides = serving.configs.get(mode, {})
+    base, patched = (sides.get(s, {}).get(metric, ()) for s in SIDES)
     return [p / b for b, p in zip(base, patched, strict=False) if b]
 
 
-def ratio_shown(doc: dict[str, Any], mode: str, metric: str) -> str:
+def ratio_shown(serving: Serving, mode: str, metric: str) -> str:
     """patched / base of ``metric`` in ``mode``: ``median [min–max]`` of the
     repetitions' ratios, the one definition every report shows."""
-    return shown(ratios(doc, mode, metric), ratio=True)
+    return spread_shown(ratios(serving, mode, metric), ratio=True)
 
 
 def label(metric: str) -> str:
@@ -85,7 +67,7 @@ def _fmt(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
-def shown(values: list[float], ratio: bool = False) -> str:
+def spread_shown(values: list[float], ratio: bool = False) -> str:
     """``median [min–max]`` of ``values``; ``-`` for none."""
     found = spread(values)
     if found is None:
@@ -95,201 +77,505 @@ def shown(values: list[float], ratio: bool = False) -> str:
     return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
 
 
-def serving_table(doc: dict[str, Any], mode: str) -> str:
-    sides = doc["serving"]["configs"][mode]
+def serving_table(serving: Serving, mode: str) -> str:
+    sides = serving.configs[mode]
     rows = [
         [
             label(m),
-            *(shown(sides.get(s, {}).get(m, [])) for s in SIDES),
-            ratio_shown(doc, mode, m),
+            *(spread_shown(list(sides.get(s, {}).get(m, ()))) for s in SIDES),
+            ratio_shown(serving, mode, m),
         ]
         for m in METRICS
     ]
-    return table(["metric", "base", "patched", "patched / base"], rows)
+    return md.table(["metric", "base", "patched", "patched / base"], rows)
 
 
-def machine_line(doc: dict[str, Any]) -> str:
+def reps(serving: Serving, mode: str) -> int:
+    sides = serving.configs[mode]
+    return min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
+
+
+def serving_tables(serving: Serving, said: str) -> list[str]:
+    """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
+    return [
+        f"{said.format(mode=mode, reps=reps(serving, mode))}\n\n"
+        + serving_table(serving, mode)
+        for mode in MODES
+        if mode in serving.configs
+    ]
+
+
+def commands(serving: Serving, limit: int = ROWS) -> str:
+    """The commands the run used, as a code block."""
+    return md.fence(serving.commands[:limit], "bash")
+
+
+def commands_summary(serving: Serving) -> str:
+    s = serving.sizes
+    return (
+        "Commands"
+        if s is None
+        else f"Commands ({s.num_prompts} requests of {s.input_len} tokens in, "
+        f"{s.output_len} out, {s.max_concurrency} at a time; a fresh server per "
+        "repetition)"
+    )
+
+
+def machine_line(m: Machine) -> str:
     """The machine as every report names it, and the CPU flags the kernels use."""
-    m = doc["machine"]
-    flags = ", ".join(m.get("key_flags") or []) or "none of the listed"
-    return f"{summary(m)}; kernel flags: {flags}"
+    flags = ", ".join(m.key_flags[:32]) or "none of the listed"
+    return md.text(f"{m.summary()}; kernel flags: {flags}", 400)
 
 
-def load_line(load: dict[str, Any]) -> str:
-    share = load.get("other_processes_share")
-    before, after = (load.get(k) or ["?"] for k in ("before", "after"))
-    text = f"load average {before[0]} at the start, {after[0]} at the end"
+def load_line(load: Load) -> str:
+    before, after = ("?" if v is None else f"{v:g}" for v in (load.before, load.after))
+    text = f"load average {before} at the start, {after} at the end"
+    share = load.other_share
     return text + (
         "" if share is None else f"; other processes used {share:.0%} of the CPU time"
     )
 
 
-def kernels_lines(doc: dict[str, Any]) -> list[str]:
+def kernels_lines(serving: Serving, limit: int = ROWS) -> list[str]:
     """What each server logged about its kernel choice."""
-    logged = doc["serving"].get("server_log") or {}
     return [
-        f"- {mode}, {side}: `{line}`"
-        for mode, sides in logged.items()
+        f"- {mode}, {side}: {md.code(line)}"
+        for mode, sides in serving.server_log.items()
         for side in SIDES
-        for line in sides.get(side) or []
+        for line in sides.get(side, ())[:limit]
     ]
 
 
-def reps(doc: dict[str, Any], mode: str) -> int:
-    sides = doc["serving"]["configs"][mode]
-    return min((len(sides.get(s, {}).get(METRICS[0], [])) for s in SIDES), default=0)
-
-
-def first_difference(first: dict[str, Any] | None) -> str:
-    """Where the greedy tokens first part (``accuracy.compare``'s
-    ``first_divergence``, counted from 0) in words, counted from 1."""
+def first_difference(first: Divergence | None) -> str:
+    """Where the greedy tokens first part (counted from 0 in the evidence) in
+    words, counted from 1."""
     if first is None:
         return "the same tokens for every prompt"
-    mode = f" ({first['mode']})" if first.get("mode") else ""
+    mode = f" ({md.text(first.mode, 20)})" if first.mode else ""
     return (
-        f"first different token: prompt {first['prompt'] + 1}, "
-        f"position {first['position'] + 1}{mode}"
+        f"first different token: prompt {first.prompt + 1}, "
+        f"position {first.position + 1}{mode}"
     )
 
 
-def accuracy_markdown(doc: dict[str, Any]) -> list[str]:
-    acc = doc.get("accuracy") or {}
-    tokens = acc.get("tokens") or {}
+def model_name(ev: Evidence) -> str:
+    """The model in a few words (its description is for ``evidence.md``)."""
+    model = ev.model
+    return md.text((model and (model.name or model.description)) or "the model")
+
+
+def throughput_claim(ev: Evidence) -> str | None:
+    configs = ev.serving.configs if ev.serving else {}
+    said = ", ".join(
+        f"{ratio_shown(ev.serving, m, 'output_throughput')} {m}"
+        for m in MODES
+        if m in configs
+    )
+    return said and (
+        f"- Output throughput with this change over the base, serving "
+        f"{model_name(ev)}, median [min–max] of the repetitions: {said}."
+    )
+
+
+def tokens_claim(ev: Evidence) -> str | None:
+    t = ev.tokens
+    if t is None or t.max_dlogprob is None:
+        return None
+    note = NOT_QUALITY if ev.model and ev.model.random_weights else ""
+    return (
+        f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
+        f"the base: {first_difference(t.first)}; largest |Δ logprob| "
+        f"{t.max_dlogprob:.3g}{note}."
+    )
+
+
+def lm_eval_claim(ev: Evidence) -> str | None:
+    lm = ev.lm_eval
+    if lm is None or set(lm.scores) != set(SIDES):
+        return None
+    scores = [
+        f"{lm.scores[s][0]:.3g} ± {lm.scores[s][1]:.3g} {said}"
+        for s, said in zip(SIDES, ("base", "with this change"), strict=True)
+    ]
+    return f"- {md.text(lm.task, 60)} exact_match: {', '.join(scores)}."
+
+
+def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
+    """The base's time per call of vLLM's norm layer over this change's."""
+    layer: dict[str, dict[int, dict[str, float]]] = {}
+    for r in perop.rows:
+        if r.route.startswith("layer:") and r.median_us:
+            layer.setdefault(r.op, {}).setdefault(r.tokens, {})[r.env] = r.median_us
+    said = [
+        f"{md.text(op, 60)} "
+        + " / ".join(f"{t['base'] / t['patched']:.1f}x" for t in by.values())
+        + f" at {' / '.join(map(str, by))} tokens"
+        for op, by in layer.items()
+        if all(set(t) >= set(SIDES) for t in by.values())
+    ]
+    return said and (
+        f"- Per call of vLLM's norm layer ({md.text(perop.dtype, 20)}, hidden "
+        f"{perop.hidden_size}, {perop.threads} thread), the base's time over "
+        f"this change's: {'; '.join(said[:limit])}."
+    )
+
+
+def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
+    """What the figures say, a line each (what was not measured: no line)."""
+    found = [
+        throughput_claim(ev),
+        ev.perop and perop_claim(ev.perop, limit),
+        tokens_claim(ev),
+        lm_eval_claim(ev),
+        ev.qwen3 and qwen3_claim(ev.qwen3),
+    ]
+    return [c for c in found if c]
+
+
+def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
     out = []
-    for mode, found in (tokens.get("configs") or {}).items():
-        where = first_difference(found["first_divergence"])
+    t = ev.tokens
+    for mode, found in (t.configs if t else {}).items():
         out.append(
-            f"- {mode}: {found['identical_prompts']} of {len(found['per_prompt'])} "
-            f"prompts identical ({tokens['tokens']} greedy tokens each); {where}; "
+            f"- {mode}: {found.identical} of {found.prompts} prompts identical "
+            f"({t.tokens} greedy tokens each); {first_difference(found.first)}; "
             f"largest |Δ logprob| of the top token before that: "
-            f"{found['max_abs_dlogprob']:.3g}"
+            f"{found.max_dlogprob:.3g}"
         )
-    if tokens.get("note"):
-        out.append(f"\n{tokens['note']}")
-    lm = acc.get("lm_eval")
-    if lm:
-        rows = [
-            [s, f"{lm[s]['exact_match']:.4f} ± {lm[s]['stderr']:.4f}"]
-            for s in SIDES
-            if s in lm
-        ]
-        filt = next((lm[s]["filter"] for s in SIDES if s in lm), "")
+    if t and t.note:
+        out.append(f"\n{md.text(t.note, 1000)}")
+    lm = ev.lm_eval
+    if lm and lm.scores:
+        rows = [[s, f"{em:.4f} ± {se:.4f}"] for s, (em, se) in lm.scores.items()]
+        how = ", ".join(md.text(x, 60) for x in (lm.mode, lm.filter) if x) + (
+            f", --limit {lm.limit}" if lm.limit else ""
+        )
         out += [
             "",
-            f"`lm_eval` {lm['task']} ({lm['mode']}, {filt}"
-            + (f", --limit {lm['limit']}" if lm.get("limit") else "")
-            + "):",
+            f"`lm_eval` {md.text(lm.task, 60)} ({how}):",
             "",
-            table(["vLLM", "exact_match ± stderr"], rows),
+            md.table(["vLLM", "exact_match ± stderr"], rows, limit),
         ]
     return out
 
 
-def numerics_markdown(numerics: dict[str, Any], tolerance: dict[str, Any]) -> str:
+QWEN3_LABELS = {
+    "base": "base: native",
+    "patched": "patched",
+    "unguarded": "unguarded: the kernels for every input, as before #31643",
+}
+
+
+def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
+    """The eager Qwen3 comparison: per side its kernel calls, its tokens
+    against base's and how varied its text is; the first differing text."""
     rows = []
-    for build, ops in numerics.items():
+    for side, name in QWEN3_LABELS.items():
+        found, than = q.sides[side], q.against.get(side)  # base: no row of its own
+        shares = found.distinct_share
+        rows.append(
+            [
+                f"{name} ({md.code(q.patch, 60)})" if side == "patched" else name,
+                " + ".join(map(str, found.kernel_calls)),
+                than and f"{than.identical} of {than.prompts}",
+                than and first_difference(than.first),
+                than and f"{than.max_dlogprob:.3g}",
+                f"{sum(shares) / len(shares):.2f}",
+            ]
+        )
+    header = [
+        "RMSNorm on CPU",
+        "kernel calls (rms_norm + fused add), one prefill and one decode step",
+        "prompts with base's tokens",
+        "first different token",
+        "largest |Δ logprob| before it",
+        "distinct tokens per completion",
+    ]
+    out = [
+        "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
+        "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
+        "k_norm run on strided per-head views of the qkv output, which the CPU "
+        "kernels read as contiguous; the patched vLLM sends them to native, but "
+        "for one token's row (a one-sequence decode step), which is contiguous. "
+        f"Here: {md.text(q.description, 400)}; "
+        f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
+        "offline engine per side.",
+        "",
+        md.table(header, rows),
+    ]
+    first = q.against["unguarded"].first
+    texts = {s: q.sides[s].texts for s in ("base", "unguarded")}
+    if first and all(first.prompt < len(t) for t in texts.values()):
+        out += ["", f"Prompt {first.prompt + 1}'s completion:", ""]
+        out += [
+            f"- {s}: {md.code(' '.join(t[first.prompt].split()[:16]) + ' …')}"
+            for s, t in texts.items()
+        ]
+    return out
+
+
+def qwen3_claim(q: Qwen3Eager) -> str:
+    patched, unguarded = q.against["patched"], q.against["unguarded"]
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical} of {q.prompts} prompts give the base's "
+        f"greedy tokens (largest |Δ logprob| {patched.max_dlogprob:.3g}), the "
+        f"kernels running {sum(q.sides['patched'].kernel_calls)} times"
+    )
+    if unguarded.first is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical} of {q.prompts}."
+    )
+
+
+def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
+    rows = []
+    for build, ops in numerics.needed.items():
         for op, dtypes in ops.items():
             for dtype, need in dtypes.items():
-                rtol, atol = tolerance[op][dtype]
-                ok = isinstance(need, float | int) and need <= rtol
-                rows.append(
-                    [build, op, dtype, need, rtol, atol, "yes" if ok else "**no**"]
-                )
+                rtol, atol = numerics.tolerance.get(op, {}).get(dtype, (None, None))
+                ok = None if rtol is None or isinstance(need, str) else need <= rtol
+                shown = md.text(need, 200) if isinstance(need, str) else need
+                names = (md.text(x, 60) for x in (build, op, dtype))
+                verdict = {True: "yes", False: "**no**", None: "-"}[ok]
+                rows.append([*names, shown, rtol, atol, verdict])
     header = ["kernel build", "op", "dtype", "rtol needed", "rtol allowed", "atol"]
-    return table([*header, "within vLLM's tolerance"], rows)
+    return md.table([*header, "within vLLM's tolerance"], rows, limit)
 
 
-def perop_markdown(perop: dict[str, Any], leave_out: tuple[str, ...] = ()) -> str:
+def perop_table(
+    perop: PerOp, leave_out: tuple[str, ...] = (), limit: int = ROWS
+) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
     and route (but the routes ``leave_out``), with native's time over it."""
-    kept = [r for r in perop["rows"] if r["route"] not in leave_out]
-    columns = list(dict.fromkeys((r["env"], r["route"]) for r in kept))
+    kept = [r for r in perop.rows if r.route not in leave_out]
+    columns = list(dict.fromkeys((r.env, r.route) for r in kept))
     cells: dict[tuple, dict] = {}
     for r in kept:
-        text = (
-            "outside the tolerance"
-            if r.get("wrong")
-            else (
-                f"{r['median_us']:.1f}"
-                + (
-                    ""
-                    if r["route"] == NATIVE
-                    else f" ({r['native_us'] / r['median_us']:.2f}x)"
-                )
-            )
-        )
-        cells.setdefault((r["op"], r["tokens"]), {})[(r["env"], r["route"])] = text
+        if r.wrong:
+            text = "outside the tolerance"
+        else:
+            ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
+            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
+            text = f"{r.median_us:.1f}{spread}{ratio}"
+        cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
     rows = [
-        [f"`{op}`", tokens, *(found.get(c) for c in columns)]
+        [md.code(op, 60), tokens, *(found.get(c) for c in columns)]
         for (op, tokens), found in cells.items()
     ]
-    return table(["op", "tokens", *(f"{e}: {r}" for e, r in columns)], rows)
+    header = [md.text(f"{e}: {r}", 60) for e, r in columns]
+    return md.table(["op", "tokens", *header], rows, limit)
 
 
-def serving_markdown(serving: dict[str, Any], doc: dict[str, Any]) -> list[str]:
+def perop_heading(perop: PerOp, escape=md.text) -> str:
+    spread = (
+        ""
+        if perop.clock is None
+        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
+    )
+    return (
+        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"hidden {perop.hidden_size}, {perop.threads} thread"
+    )
+
+
+SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
+         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+
+
+def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+    """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
+    call, CustomOp dispatch (layer call - its forward method), the forward
+    method's own work with IR dispatch (forward - what it runs), IR dispatch
+    alone (an ``ir:`` route - the kernel with its allocation), the allocation
+    and the bare kernel (or native's ops). Medians, microseconds."""
+    rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
+    us = {(r.env, r.op, r.route): r.median_us for r in rows}
     out = []
-    for mode in MODES:
-        if mode not in serving.get("configs", {}):
+    for r in rows:
+        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        forward = us.get((env, op, f"forward:{cls}"))
+        if not r.route.startswith("layer:") or forward is None:
             continue
-        out += [
-            "",
-            f"## Serving, {mode}: median [min–max] of {reps(doc, mode)} repetitions",
-            "",
-            serving_table(doc, mode),
+        kernel = r.impl == "kernel"
+        impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
+        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
+              and route.startswith("ir:")]  # fmt: skip
+        cells = [
+            r.median_us,
+            r.median_us - forward,
+            None if impl is None else forward - impl,
+            min(ir) - impl if ir and kernel and impl is not None else None,
+            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, "kernel:bare")) if kernel else impl,
         ]
-    if serving.get("commands"):
-        body = "\n".join(["```", *serving["commands"], "```"])
-        sizes = serving["sizes"]
-        summary = (
-            f"Commands ({sizes['num_prompts']} requests of {sizes['input_len']} "
-            f"tokens in, {sizes['output_len']} out, {sizes['max_concurrency']} at a "
-            "time; a fresh server per repetition)"
+        names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
+        out.append(names + [None if c is None else round(c, 1) for c in cells])
+    return out
+
+
+def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+    """The per-call section: the table, each child's load, where time goes."""
+    out = [perop_table(perop, limit=limit)]
+    if perop.load:
+        loads = ", ".join(
+            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+            for x in perop.load
         )
-        out += ["", details(summary, body)]
-    if serving.get("server_log"):
         out += [
             "",
-            "What the servers logged about their kernels:",
+            f"Load average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs.",
+        ]
+    split = perop_split(perop)
+    if split:
+        out += [
             "",
-            *kernels_lines(doc),
+            "Where a layer call's time goes (1 token, medians, microseconds):",
+            "",
+            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
         ]
     return out
 
 
-def evidence_markdown(doc: dict[str, Any]) -> str:
-    """``evidence.md``: what the run measured, and only that."""
-    v, model = doc["vllm"], doc["model"]
-    out = [
-        "# vllm-patch bench evidence",
-        "",
-        f"- Machine: {machine_line(doc)}",
-        f"- vLLM: base {v['base']}; patched: {v['patched']} with `{v['patch']}`",
-        f"- Load: {load_line(doc['load'])}",
+def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
+    if found is None:
+        return "-"
+    v, lo, hi = (format(x, fmt) for x in (found.value, found.low, found.high))
+    return f"{v}{unit} [{lo}–{hi}]"
+
+
+def verdict(found: Interval, label: str) -> str:
+    """What an interval says against 1.0."""
+    if found.low <= 1.0 <= found.high:
+        return "no difference resolved (the interval contains 1.0)"
+    return f"{label} {'faster' if found.high < 1.0 else 'slower'}"
+
+
+def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+    """A thread count's decode figures: the ratios, per engine the step and
+    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
+    rows = [
+        [
+            md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
+            interval_shown(c.cpu, unit="x"),
+            interval_shown(c.wall, unit="x"),
+            c.pairs,
+        ]
+        for label, c in b.comparisons.items()
     ]
-    if model:
-        out.insert(4, f"- Model: {model['description']}")
-    if doc.get("interrupted"):
+    header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
+    out = [md.table([*header, "pairs"], rows, limit), ""]
+    norm = bool(b.norm_ms)
+    header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
+    header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"] if norm else []
+    rows = []
+    for name, step in b.step_ms.items():
+        row = [md.code(name, 60), *(interval_shown(x, ".2f") for x in step)]
+        if norm:
+            inside = b.norm_ms.get(name, (None, None))
+            row += [interval_shown(x, ".2f") for x in inside]
+        rows.append(row)
+    out += [md.table(header, rows, limit), ""]
+    calls = f" ({b.norm_calls:.0f} calls)" if b.norm_calls is not None else ""
+    for side, saved in list(b.savings.items())[:limit]:
+        share, (lo, hi) = saved.share, saved.expected
+        out += [
+            f"- {md.text(side, 60)}: {interval_shown(saved.ms, '.2f')} ms of CPU "
+            f"time saved inside RMSNorm per decode step{calls}, {share.value:.1%} "
+            f"[{share.low:.1%}–{share.high:.1%}] of base's step: a step ratio of "
+            f"{lo:.3f}–{hi:.3f} expected.",
+        ]
+    if b.contradicts is not None:
+        said = ("**contradicts**", "misses") if b.contradicts else (
+            "does not contradict", "meets"
+        )  # fmt: skip
+        out.append(
+            f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
+            f"(its interval {said[1]} the expected one)."
+        )
+    out.append(
+        f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
+        f"{BUSY_SHARE:.0%} of the CPU time)."
+    )
+    return out
+
+
+def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+    """``evidence.md``'s decode section: the headline first."""
+    out = [
+        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"build {md.text(d.kernel_build, 20)}",
+        "",
+        f"{md.text(d.model)}; batch 1; each round, every engine (each kept alive "
+        f"in its own process) generates {d.tokens} tokens, the engines taking "
+        "turns step by step; a round's figure is the median of its decode steps; "
+        "ratios are trimmed means of per-round ratios with bootstrap 95% "
+        "intervals; the CPU time is the engine process's.",
+        "",
+    ]
+    if d.headline:
+        out += decode_block(d.headline, limit)
+    for n, b in list(d.by_threads.items())[:limit]:
+        if n != str(d.threads):
+            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+    for n, b in list(d.compiled.items())[:limit]:
+        out += [
+            "",
+            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)',
+            "",
+            *decode_block(b, limit),
+        ]
+        found = b.comparisons.get("+rms_norm/default")
+        if found:
+            out.append(f"- Kernels under Inductor: {verdict(found.cpu, '+rms_norm')}.")
+    return out
+
+
+def evidence_markdown(ev: Evidence) -> str:
+    """``evidence.md``: what the run measured, and only that."""
+    out = ["# vllm-patch bench evidence", ""]
+    if ev.machine:
+        out.append(f"- Machine: {machine_line(ev.machine)}")
+    if ev.vllm:
+        v = ev.vllm
+        out.append(
+            f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
+            f"with {md.code(v.patch, 60)}"
+        )
+    if ev.model and ev.model.description:
+        out.append(f"- Model: {md.text(ev.model.description, 400)}")
+    if ev.load:
+        out.append(f"- Load: {load_line(ev.load)}")
+    if ev.interrupted:
         out.append("- **Interrupted**: this is what was measured before that.")
-    for failure in doc.get("failed") or []:
-        out.append(f"- **Failed:** {failure}")
-    out += serving_markdown(doc.get("serving") or {}, doc)
-    acc = accuracy_markdown(doc)
+    out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
+    found = claims(ev)
+    if found:
+        out += ["", "## In short", "", *found]
+    if ev.decode:
+        out += ["", *decode_markdown(ev.decode)]
+    serving = ev.serving
+    if serving:
+        said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
+        out += [line for t in serving_tables(serving, said) for line in ("", t)]
+        if serving.commands:
+            out += ["", md.details(commands_summary(serving), commands(serving))]
+        if serving.server_log:
+            out += ["", "What the servers logged about their kernels:", ""]
+            out += kernels_lines(serving)
+    acc = accuracy_lines(ev)
+    if ev.qwen3:
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += qwen3_eager_markdown(ev.qwen3)
     if acc:
         out += ["", "## Accuracy", "", *acc]
-    if doc.get("numerics"):
-        out += [
-            "",
-            "## Numerics per x86 kernel build",
-            "",
-            numerics_markdown(doc["numerics"], doc["tolerance"]),
-        ]
-    if doc.get("perop"):
-        p = doc["perop"]
-        out += [
-            "",
-            f"## Per op: microseconds per call (native / this), {p['dtype']}, hidden "
-            f"{p['hidden_size']}, {p['threads']} thread",
-            "",
-            perop_markdown(p),
-        ]
+    if ev.numerics:
+        heading = "## Numerics per x86 kernel build"
+        out += ["", heading, "", numerics_table(ev.numerics)]
+    if ev.perop:
+        out += ["", f"## {perop_heading(ev.perop)}", "", *perop_lines(ev.perop)]
     return "\n".join(out) + "\n"

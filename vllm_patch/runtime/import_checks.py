@@ -43,22 +43,6 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     }
 
 
-def explain(exc: BaseException) -> str:
-    """An import failure in one line, naming the package that broke it when it
-    is one of those that break beside a ``+cpu`` torch (the doctor has the fix)."""
-    from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
-
-    found = describe_error(exc)
-    culprits = [p for p in found["packages"] if p in BROKEN_BESIDE_CPU_TORCH]
-    if culprits:
-        return (
-            f"{', '.join(culprits)} breaks the import ({found['root_error']}); "
-            "`vllm-patch doctor` names the fix"
-        )
-    cause = found["root_error"]
-    return found["error"] + (f" (caused by {cause})" if cause != found["error"] else "")
-
-
 def run_step(kind: str, arg: str) -> dict[str, Any]:
     try:
         if kind == "import":

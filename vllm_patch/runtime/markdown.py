@@ -1,21 +1,78 @@
 """The one way vllm-patch writes Markdown: tables and collapsed sections, for
-every report (bench, matrix, doctor, PR description)."""
+every report (bench, matrix, doctor, PR description), and every string it did
+not write itself rendered as data: :func:`text` in prose and in table cells,
+:func:`code` and :func:`fence` for commands and names, :func:`html` inside a
+``<summary>``. None of them lets a string open HTML (``<!--``), a link or an
+image, break out of a code span or fence, or mention a GitHub user or team."""
 
 from __future__ import annotations
 
+import html as _html
+import re
 from collections.abc import Iterable, Sequence
+
+SHORT = 120
+"""Free text (a model's or a machine's name) is cut to this many characters."""
+_PUNCT = re.compile(r"([\\`*\[\]<>&!~#])|(?<!\w)_|_(?!\w)")
+_MENTION = "@\u200b"  # a zero-width space after @: GitHub mentions no one
+
+
+def printable(value: object, limit: int = SHORT) -> str:
+    """``value`` on one line of printable characters (control, format and
+    bidi characters as spaces, runs of spaces as one), cut to ``limit``."""
+    text = "".join(c if c.isprintable() else " " for c in str(value))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def text(value: object, limit: int = SHORT) -> str:
+    """``value`` as literal Markdown text: :func:`printable`, every character
+    Markdown or HTML would read as syntax backslash-escaped, ``@`` inert."""
+    found = printable(value, limit)
+    found = _PUNCT.sub(lambda m: "\\" + m[0], found)
+    return found.replace("@", _MENTION)
+
+
+def html(value: object, limit: int = SHORT) -> str:
+    """``value`` as literal text inside an HTML element (``<summary>``)."""
+    return _html.escape(printable(value, limit), quote=False).replace("@", _MENTION)
+
+
+def code(value: object, limit: int = 1000) -> str:
+    """``value`` as an inline code span whose fence no backtick run in it
+    closes (nothing inside a code span is Markdown, HTML or a mention)."""
+    found = printable(value, limit)
+    fence = "`" * (max(map(len, re.findall("`+", found)), default=0) + 1)
+    pad = " " if found[:1] == "`" or found[-1:] == "`" else ""
+    return f"{fence}{pad}{found}{pad}{fence}"
+
+
+def fence(lines: Iterable[object], info: str = "", limit: int = 2000) -> str:
+    """``lines`` as a fenced code block no line in it can close: a fence longer
+    than any backtick run (each line printable, cut to ``limit``)."""
+    body = [printable(line, limit) for line in lines]
+    run = max((len(r) for b in body for r in re.findall("`+", b)), default=0)
+    mark = "`" * max(3, run + 1)
+    return "\n".join([f"{mark}{info}", *body, mark])
 
 
 def cell(value: object) -> str:
-    """A value as a table cell: ``|`` escaped, newlines as spaces, None as ``-``."""
-    text = "-" if value is None else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A value as a table cell: newlines as spaces, None as ``-``, every ``|``
+    escaped so that it splits no cell (in code spans too: an odd number of
+    backslashes before it, as GitHub's table parser counts them)."""
+    found = "-" if value is None else str(value).replace("\n", " ")
+    return re.sub(r"(\\*)\|", lambda m: m[1] + "\\" * (1 + len(m[1]) % 2) + "|", found)
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+def table(
+    header: Sequence[str], rows: Iterable[Sequence[object]], limit: int | None = None
+) -> str:
     """A GitHub-flavoured Markdown table; numbers right-aligned by column
-    when every value in it is a number."""
+    when every value in it is a number. Past ``limit`` rows, a note says how
+    many were left out."""
     rows = [list(r) for r in rows]
+    left = len(rows) - limit if limit is not None and len(rows) > limit else 0
+    rows = rows[: len(rows) - left]
     numeric = [
         bool(rows) and all(isinstance(r[i], int | float) for r in rows)
         for i in range(len(header))
@@ -25,9 +82,12 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
         "|" + "|".join("---:" if n else "---" for n in numeric) + "|",
     ]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    if left:
+        lines.append(f"\n({left:,} more rows left out here: too long to show)")
     return "\n".join(lines)
 
 
 def details(summary: str, body: str) -> str:
-    """``body`` collapsed under ``summary`` (GitHub's ``<details>``)."""
+    """``body`` collapsed under ``summary`` (GitHub's ``<details>``; the
+    summary is HTML: :func:`html` any data in it)."""
     return f"<details>\n<summary>{summary}</summary>\n\n{body.strip()}\n\n</details>"

@@ -7,13 +7,13 @@ vLLM (``vllm_patch.runtime.child``, ``pythonpath=``)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from patcher.backup import hex_digest
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, linked_copy
 
@@ -63,12 +63,11 @@ def patched_copy(
 
 
 def _hashes(tree: VllmTree, files: list[str]) -> dict[str, str | None]:
-    return {f: sha256(tree.path(f)) for f in files}
-
-
-def sha256(path: Path) -> str | None:
-    """The file's SHA-256, None where it is missing."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return None
+    """Each file's SHA-256, None where it is missing."""
+    found: dict[str, str | None] = {}
+    for rel in files:
+        try:
+            found[rel] = hex_digest(tree.path(rel).read_bytes())
+        except FileNotFoundError:
+            found[rel] = None
+    return found

@@ -68,7 +68,10 @@ class CiEdit:
     def described(self) -> list[str]:
         """What changed, in the words of a commit message's change list."""
         said = []
-        if self.added_tests:
+        if self.added_tests and self.wiring.file.endswith(".sh"):
+            tests = _listed(self.added_tests)
+            said.append(f"runs {tests} after `{self.wiring.step}`")
+        elif self.added_tests:
             said.append(
                 f'the "{self.wiring.step}" step runs {_listed(self.added_tests)}'
             )
@@ -90,14 +93,18 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
     """The edit of ``wiring.file`` under ``root``; nothing is written."""
     edit = CiEdit(wiring)
     try:
-        before = read_text_in(root, wiring.file, "the CI YAML", limit=MAX_BYTES)
+        before = read_text_in(root, wiring.file, "the CI file", limit=MAX_BYTES)
         if before is None:
             edit.reason = f"this checkout has no {wiring.file}"
             return edit
-        old = load(before)
-        edit.label = _find_label(old, wiring.step, wiring.file)
-        after = _edit_text(before, edit)
-        _verify(old, after, edit)
+        if wiring.file.endswith(".sh"):
+            edit.label = wiring.file.rsplit("/", 1)[-1]
+            after = _script_text(before, edit)
+        else:
+            old = load(before)
+            edit.label = _find_label(old, wiring.step, wiring.file)
+            after = _edit_text(before, edit)
+            _verify(old, after, edit)
     except (PatchError, CiShapeError) as exc:
         bad = isinstance(exc, PatchError)
         edit.reason = f"left out: {wiring.file}: {refusal(exc)}" if bad else str(exc)
@@ -251,6 +258,25 @@ def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
     edit.added_tests = new
     indent, pytest, cont, eol = model.group("indent", "pytest", "cont", "eol")
     return at + 1, [f"{indent}{pytest or ''}{t}{cont or ''}{eol}" for t in new]
+
+
+def _script_text(text: str, edit: CiEdit) -> str:
+    """A shell script with the new tests' ``pytest`` lines after the one line
+    that runs ``wiring.step`` (a sibling test), in its layout."""
+    lines = text.splitlines(keepends=True)
+    at = [
+        i
+        for i, line in enumerate(lines)
+        if (m := MODEL.fullmatch(line)) and m["pytest"] and edit.wiring.step in line
+    ]
+    if len(at) != 1:
+        raise CiShapeError(
+            f"{edit.wiring.file}: looked for one `pytest` line of "
+            f"{edit.wiring.step}, found {len(at)}"
+        )
+    offset, new = _test_lines([lines[at[0]]], edit)
+    lines[at[0] + offset : at[0] + offset] = new
+    return "".join(lines)
 
 
 def _verify(old, after: str, edit: CiEdit) -> None:

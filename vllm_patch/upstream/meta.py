@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from patcher import engine
 from patcher.errors import PatchError, UsageError
 from patcher.patchset import Patch, select
-from patcher.tree import VllmTree
-from vllm_patch.upstream.ci_yaml import CiWiring
+from vllm_patch.upstream.ci_yaml import DEPENDENCIES, CiWiring
 
 TABLE = "upstream"
 
@@ -38,16 +36,8 @@ class Upstream:
     """``package==version`` wheels the patch is rendered against."""
     model: str = "Qwen/Qwen3-0.6B"
     """The small model the Test Plan's accuracy and speed commands use."""
-    numerics_note: str = ""
-    """Optional Markdown: how the change's numerics differ from the reference
-    (e.g. how a kernel's rounding is handled), with figures; the PR's Details
-    carry it, and leave the paragraph out when it is empty."""
-    ci: CiWiring | None = None
-    """Optional ``[upstream.ci]``: the CI step the patch's tests join."""
-    quote: tuple[str, str] | None = None
-    """Optional ``quote = {file, says}``: the paragraph of the checkout's
-    ``file`` holding ``says``, quoted in the PR's Details (read at run time:
-    vLLM's own words for why the change takes its form)."""
+    ci: tuple[CiWiring, ...] = ()
+    """``[[upstream.ci]]``: the CI entry points the patch's tests join."""
 
 
 def upstream_of(patch: Patch) -> Upstream:
@@ -76,31 +66,21 @@ def upstream_of(patch: Patch) -> Upstream:
         tests=tuple(table.get("tests", ())),
         rendered_for=rendered_for,
         model=table.get("model", Upstream.model),
-        numerics_note=table.get("numerics_note", "").strip(),
-        ci=_ci_of(table.get("ci"), where),
-        quote=_quote_of(table.get("quote"), where),
+        ci=tuple(_ci_of(t, where) for t in _listed(table.get("ci", ()))),
     )
 
 
-def _quote_of(table: object, where: str) -> tuple[str, str] | None:
-    if table is None:
-        return None
-    if not (isinstance(table, dict) and {"file", "says"} <= table.keys()):
-        raise PatchError(
-            "bad [upstream] quote",
-            path=where,
-            looked_for="{file, says}",
-            found=str(table),
-        )
-    return str(table["file"]), str(table["says"])
+def _listed(tables: object) -> list:
+    """``[[upstream.ci]]`` entries (a single ``[upstream.ci]`` table is one)."""
+    return [tables] if isinstance(tables, dict) else list(tables)
 
 
-def _ci_of(table: object, where: str) -> CiWiring | None:
-    """``[upstream.ci]``: ``file``, ``step`` (part of the step's label),
-    ``tests`` and ``source_file_dependencies`` (lists of repository paths)."""
-    if table is None:
-        return None
-    keys = ("file", "step", "tests", "source_file_dependencies")
+def _ci_of(table: object, where: str) -> CiWiring:
+    """One ``[[upstream.ci]]``: ``file`` and ``tests``; for Buildkite YAML
+    ``step`` (part of the step's label) and ``source_file_dependencies``, for a
+    shell script ``after`` (the test whose ``pytest`` line the new ones follow)."""
+    script = isinstance(table, dict) and str(table.get("file", "")).endswith(".sh")
+    keys = ("file", "tests", *(("after",) if script else ("step", DEPENDENCIES)))
     if not isinstance(table, dict) or any(k not in table for k in keys):
         raise PatchError(
             "bad [upstream.ci] table",
@@ -110,19 +90,23 @@ def _ci_of(table: object, where: str) -> CiWiring | None:
         )
     return CiWiring(
         file=table["file"],
-        step=table["step"],
+        step=table.get("step", table.get("after", "")),
         tests=tuple(table["tests"]),
-        dependencies=tuple(table["source_file_dependencies"]),
+        dependencies=tuple(table.get(DEPENDENCIES, ())),
     )
 
 
-def pick_patch(name: str | None, tree: VllmTree | None = None) -> Patch:
-    """The named patch, or the tree's default one (``engine.choose``: the form
-    of the change this release needs) that has an ``[upstream]`` table."""
-    if name:
-        return select([name])[0]
-    candidates = [p for p in engine.choose(tree, None) if TABLE in p.meta]
-    if len(candidates) != 1:
-        names = ", ".join(p.name for p in candidates) or "none"
-        raise UsageError(f"more than one patch could be meant; pass --patch ({names})")
-    return candidates[0]
+def main_form(name: str | None) -> Patch:
+    """The form of the change vLLM's main takes: the patch with an
+    ``[upstream]`` table that no other patch replaces (the one ``pr`` sends);
+    a named patch must be it."""
+    patches = [p for p in select(None) if TABLE in p.meta]
+    replaced = {p.replaces for p in patches}
+    (form,) = [p for p in patches if p.name not in replaced]
+    if name and select([name])[0] != form:
+        raise UsageError(
+            f"pr commits only the form of the change vLLM's main takes: --patch "
+            f"{form.name} (it applies to vLLM {form.versions}); {name} is not sent "
+            "upstream"
+        )
+    return form

@@ -1,35 +1,40 @@
-"""The pull request description: the checkout's template (``template``) filled
-with text about vLLM alone. Every figure is from this ``pr`` run: vLLM's edited
-tests with and without the change (``vllm_tests``) and ``--evidence DIR``'s
-``evidence.json`` (``bench --serve``: serving, accuracy, numerics, machine); a
-claim not measured is the command that would measure it. Text about the diff is
-generated from it; the rest is the patch's ``upstream.md`` and the checkout's
-paragraph it quotes (``[upstream] quote``)."""
+"""The pull request description: the checkout's template (``template``) filled.
+Every figure is from this ``pr`` run: vLLM's edited tests with and without the
+change (``vllm_tests``), the per-call and eager Qwen3 figures (``figures``), or
+``--evidence DIR``'s ``evidence.json``; nothing measured is said so. Text about
+the diff is generated from it; the rest is the patch's ``upstream.md`` and what
+the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from packaging.version import Version
-
 from patcher.errors import PatchError
-from patcher.files import inside, read_text_at
+from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
-from vllm_patch.runtime import bench_result
-from vllm_patch.runtime.bench_result import MODES, SIDES
+from vllm_patch.runtime import bench_result, evidence_record
+from vllm_patch.runtime import markdown as md
+from vllm_patch.runtime.evidence_record import SIDES, Evidence
 from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
+from vllm_patch.upstream.figures import Measured, spread
 from vllm_patch.upstream.meta import Upstream
-from vllm_patch.upstream.template import Piece, fill, read_template
+from vllm_patch.upstream.template import Piece, Template, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRuns, described_machine
 
-NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
-LM_EVAL_KEYS = ("exact_match", "stderr")
-TABLES = ("machine", "model", "serving", "accuracy", "numerics")
+TOOL = "vllm-patch"
+TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
+"""Attribution trailers ``AGENTS.md`` names, the first it names used."""
+HISTORY = "#31643"
+AI_BOX = "AI assistance was used"
+"""The checklist box ticked: the tool that made this change was written with
+AI assistance."""
+
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
     "--dataset-name random --random-input-len 128 --random-output-len 128 "
@@ -41,85 +46,96 @@ LM_EVAL = (
 )
 
 
-def load_evidence(folder: Path | None, patch: Patch) -> dict | None:
+def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
     """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``
-    (``runtime.bench_result``: schema 1, serving figures lists of numbers), or None."""
+    (``runtime.evidence_record``), both vLLMs measured, or None."""
     if folder is None:
         return None
-    data = bench_result.read(folder)
-    found = _misfit(data, patch)
+    ev = evidence_record.read(folder)
+    found = _misfit(ev, patch)
     if found:
         raise PatchError(
             "not usable evidence",
-            path=str(Path(os.path.realpath(folder)) / bench_result.EVIDENCE),
+            path=str(Path(os.path.realpath(folder)) / evidence_record.EVIDENCE),
             looked_for=f"what `bench --serve` measured for {patch.name}",
             found=found,
         )
-    return data
+    return ev
 
 
-def _at(data: object, *keys: str) -> object:
-    for key in keys:
-        data = data.get(key) if isinstance(data, dict) else None
-    return data
-
-
-def _misfit(data: object, patch: Patch) -> str | None:
-    if _at(data, "schema") != 1:
-        return "no `schema: 1`"
-    if _at(data, "vllm", "patch") != patch.name:
+def _misfit(ev: Evidence, patch: Patch) -> str | None:
+    if ev.vllm is None or ev.vllm.patch != patch.name:
+        said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
         return (
-            f"figures of another change ({_at(data, 'vllm', 'patch')}); measure this "
+            f"figures of another change ({said}); measure this "
             f"one with `vllm-patch bench --serve --patch {patch.name} --out DIR`"
         )
-    for key in TABLES:
-        if not isinstance(_at(data, key) or {}, dict):
-            return f"{key}: not a table"
-    for config, sides in (_at(data, "serving", "configs") or {}).items():
+    for mode, sides in (ev.serving.configs if ev.serving else {}).items():
         for side in SIDES:
-            for metric, got in (_at(sides, side) or {"": None}).items():
-                if not _numbers(got):
-                    return f"serving.configs.{config}.{side}.{metric}: not numbers"
-    lm = _at(data, "accuracy", "lm_eval")
-    if lm and not _numbers([_at(lm, s, k) for s in SIDES for k in LM_EVAL_KEYS]):
+            if not sides.get(side):
+                return f"serving.configs.{mode}.{side}: not measured"
+    if ev.lm_eval and set(ev.lm_eval.scores) != set(SIDES):
         return "accuracy.lm_eval: no exact_match and stderr for base and patched"
     return None
-
-
-def _numbers(got: object) -> bool:
-    return (
-        isinstance(got, list)
-        and bool(got)
-        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in got)
-    )
 
 
 @dataclass(frozen=True)
 class Facts:
     """What a description is made of, besides the patch's own text."""
 
-    version: Version | None
-    evidence: dict | None = None
-    checkout: Path | None = None
+    evidence: Evidence | None = None
     described: dict[str, list[str]] = field(default_factory=dict)  # per file
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
-    ci: CiEdit | None = None
+    ci: list[CiEdit] = field(default_factory=list)
+    measured: Measured | None = None
+    """None: ``--no-bench`` (or ``--evidence``)."""
 
 
-def render(patch: Patch, upstream: Upstream, facts: Facts) -> str:
-    """The checkout's PR template (or the fallback layout) filled."""
-    ev = facts.evidence or {}
+BODY_LIMIT = 65536
+"""GitHub's bound on a pull request's body, in characters."""
+
+
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{TOOL} {version(TOOL)}"
+    except PackageNotFoundError:
+        return TOOL
+
+
+def attribution(checkout: Path | None) -> str:
+    """The trailer of the kind the checkout's ``AGENTS.md`` shows, naming the tool."""
+    try:
+        agents = read_text_in(checkout, "AGENTS.md", "AGENTS.md") or ""
+    except PatchError:
+        agents = ""
+    kind = next((t for t in TRAILERS if f"{t}:" in agents), TRAILERS[0])
+    return f"{kind}: {tool_version()}"
+
+
+def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -> str:
+    """The checkout's PR template (or the fallback layout) filled, within
+    ``BODY_LIMIT``: the evidence's tables cut shorter until it fits."""
+    for rows in (100, 20, 3, 0):
+        pieces = _pieces(upstream, facts, rows)
+        text = fill(copy.deepcopy(template), pieces, ticked=(AI_BOX,))
+        if len(text) <= BODY_LIMIT:
+            break
+    return text
+
+
+def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
     title = re.sub(r"^(\[[^\]]*\])+\s*", "", upstream.title)
     overview = f"{title}. {what_changes(facts.described)}\n{upstream.rule}"
-    pieces = [
+    return [
         Piece(("purpose",), overview),
-        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts, ev))),
-        Piece(("plan",), "\n\n".join(_plan(upstream, facts, ev))),
-        Piece(("result", "plan"), "\n\n".join(_results(facts, ev))),
+        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts, rows))),
+        Piece(("plan",), "\n\n".join(_plan(upstream, facts))),
+        Piece(("result", "plan"), "\n\n".join(_results(facts, rows))),
         Piece(("details", "purpose"), "\n\n".join(_details(upstream, facts))),
     ]
-    return fill(read_template(facts.checkout), pieces)
 
 
 def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
@@ -140,66 +156,44 @@ def _and(items: list[str]) -> str:
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
-def _claims(upstream: Upstream, facts: Facts, ev: dict):
+def _claims(upstream: Upstream, facts: Facts, rows: int):
     yield _tests_claim(facts.tests, _command(upstream, facts))
-    configs = _at(ev, "serving", "configs") or {}
-    ratios = ", ".join(
-        f"{bench_result.ratio_shown(ev, m, 'output_throughput')} {m}"
-        for m in MODES
-        if m in configs
-    )
-    if ratios:
-        yield (
-            f"- Output throughput with this change over the base, serving "
-            f"{_model(ev)}, median [min–max] of the repetitions: {ratios}."
-        )
-    else:
-        yield "- Serving speed against the base: to measure, `vllm bench serve`."
-    if ev.get("perop"):
-        yield _perop_claim(ev["perop"])
-    tokens, lm = _at(ev, "accuracy", "tokens"), _at(ev, "accuracy", "lm_eval")
-    if tokens:
-        count = _plain(tokens.get("tokens"))
-        same = bench_result.first_difference(tokens.get("first_divergence"))
-        note = NOT_QUALITY if _at(ev, "model", "random_weights") else ""
-        yield (
-            f"- Greedy completions of {_plain(tokens.get('prompts'))} prompts, "
-            f"{count} tokens, against the base: {same}; largest |Δ logprob| "
-            f"{_plain(tokens.get('max_abs_dlogprob'))}{note}."
-        )
-    if lm:
-        scores = [
-            f"{_plain(lm[s]['exact_match'])} ± {_plain(lm[s]['stderr'])} {said}"
-            for s, said in zip(SIDES, ("base", "with this change"), strict=True)
-        ]
-        yield f"- {lm.get('task')} exact_match: {', '.join(scores)}."
-    else:
-        yield "- Accuracy against the base: to measure, `lm_eval` on both builds."
-    if facts.ci and facts.ci.added_tests:
-        tests = ", ".join(f"`{t}`" for t in facts.ci.added_tests)
-        yield f'- vLLM\'s CPU CI runs {tests} in its "{facts.ci.wiring.step}" step.'
+    ev, m = facts.evidence, facts.measured
+    if ev:
+        yield from filter(None, bench_result.claims(ev, rows))
+    elif m and m.per_call:
+        yield _per_call_claim(m)
+    if m and m.qwen3 and not (ev and ev.qwen3):
+        yield bench_result.qwen3_claim(evidence_record.qwen3_eager(m.qwen3))
+    if not (ev or (m and m.per_call)):
+        yield "- Speed and accuracy: nothing was measured."
+    for edit in facts.ci:
+        if edit.added_tests:
+            tests = ", ".join(f"`{t}`" for t in edit.added_tests)
+            where = (
+                f"`{edit.wiring.file}`"
+                if edit.wiring.file.endswith(".sh")
+                else f'its "{edit.wiring.step}" step'
+            )
+            yield f"- vLLM's CPU CI runs {tests} in {where}."
 
 
-def _perop_claim(perop: dict) -> str:
-    """The base's time per call of vLLM's norm layer over this change's."""
-    layer: dict[str, dict[int, dict[str, float]]] = {}
-    for r in perop["rows"]:
-        if r["route"].startswith("layer:") and "median_us" in r:
-            layer.setdefault(r["op"], {}).setdefault(r["tokens"], {})[r["env"]] = r[
-                "median_us"
-            ]
+def _per_call_claim(m: Measured) -> str:
     said = [
-        f"{op} "
-        + " / ".join(f"{t['base'] / t['patched']:.1f}x" for t in by.values())
-        + f" at {' / '.join(map(str, by))} tokens"
-        for op, by in layer.items()
-        if all(set(t) >= set(SIDES) for t in by.values())
+        f"`{op}` at {tokens} tokens {_ratio(by):.1f}x"
+        for (op, tokens), by in m.per_call.items()
+        if {"base", "patched"} <= set(by)
     ]
     return (
-        f"- Per call of vLLM's norm layer ({perop['dtype']}, hidden "
-        f"{perop['hidden_size']}, {perop['threads']} thread), the base's time over "
-        f"this change's: {'; '.join(said)}."
+        "- A call through `RMSNorm` on CPU (eager dispatch, bfloat16, hidden "
+        f"2048, 1 thread), the base's time over this change's: {'; '.join(said)}."
     )
+
+
+def _ratio(by: dict[str, list[float]]) -> float:
+    import statistics
+
+    return statistics.median(by["base"]) / statistics.median(by["patched"])
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
@@ -217,7 +211,7 @@ def _tests_claim(runs: TestRuns | None, command: str) -> str:
     if before is None or not before.ran:
         return said + "."
     failed = before.counts["failed"] + before.counts["errors"]
-    names = ", ".join(f"`{n}`" for n in dict.fromkeys(map(_test_name, before.failures)))
+    names = ", ".join(map(md.code, dict.fromkeys(map(_test_name, before.failures))))
     return f"{said}; without it {failed} fail" + (f" ({names})." if names else ".")
 
 
@@ -227,61 +221,87 @@ def _test_name(test_id: str) -> str:  # [Class::]test, unparametrised
     return f"{where}::{name}" if where[:1].isupper() else name
 
 
-def _model(ev: dict) -> object:
-    """The model in a few words (its ``description`` is for evidence.md)."""
-    return _at(ev, "model", "name") or _at(ev, "model", "description") or "the model"
-
-
-def _plain(value: object) -> str:
-    """A value of the evidence in words, never a Python repr."""
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return ", ".join(map(_plain, value))
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
-def _plan(upstream: Upstream, facts: Facts, ev: dict):
+def _plan(upstream: Upstream, facts: Facts):
     model, command = upstream.model, _command(upstream, facts)
-    build = f"vLLM {facts.version}" if facts.version else "vLLM"
-    yield (
-        f"On a CPU build of {build} (`VLLM_TARGET_DEVICE=cpu`), with and without "
-        "this change:"
-    )
-    yield f"```bash\n{command}\n```"
-    if not ev.get("serving"):
+    ev, m = facts.evidence, facts.measured
+    if m and m.vllm:
+        put = ", ".join(f"`{f}`" for f in m.put_in) or "no file"
+        yield (
+            f"Ran on {m.vllm} (the newest CPU build on PyPI) with this branch's "
+            f"{put} put in place of the build's own, kernel build `{m.kernel_build}`"
+            f" ({KERNEL_BUILDS.get(m.kernel_build, 'not an x86 build')})."
+        )
+    yield f"The tests, with and without this change:\n\n```bash\n{command}\n```"
+    if not (ev and ev.serving):
         yield "Serving, on each build, eager and compiled:"
         yield f"```bash\n{SERVE.format(model=model)}\n```"
-    if not _at(ev, "accuracy", "lm_eval"):
+    if not (ev and ev.lm_eval):
         yield f"Accuracy, against `vllm serve {model}` on each build:"
         yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
 
 
-def _results(facts: Facts, ev: dict):
+KERNEL_BUILDS = {
+    "_C": "AVX512-BF16: every path this change enables runs",
+    "_C_AVX512": (
+        "AVX-512 without AVX512-BF16: the kernels truncate float32 to bfloat16, "
+        "so the bfloat16 fused add stays native and is not exercised"
+    ),
+    "_C_AVX2": (
+        "AVX2: the kernels truncate float32 to bfloat16, so the bfloat16 fused "
+        "add stays native and is not exercised; no vLLM CI job runs the "
+        "`_C_AVX512` or `_C_AVX2` builds"
+    ),
+}
+
+
+def _results(facts: Facts, rows: int):
     runs = facts.tests if facts.tests and facts.tests.after.ran else None
+    ev, m = facts.evidence, facts.measured
     tests = runs.after.machine if runs else None
-    bench = described_machine(ev["machine"]) if ev.get("machine") else None
+    bench = ev and ev.machine and described_machine(asdict(ev.machine))
     if tests and bench and tests != bench:
-        yield f"Serving and accuracy measured on {bench}; vLLM's tests on {tests}."
+        yield (
+            f"Serving and accuracy measured on {md.text(bench, 400)}; vLLM's tests "
+            f"on {md.text(tests, 400)}."
+        )
     elif tests or bench:
-        yield f"Measured on {tests or bench}."
+        yield f"Measured on {md.text(tests or bench, 400)}."
     if runs:
         yield from _test_table(runs)
-    if ev.get("serving"):
-        yield _serving(ev)
-    if ev.get("numerics"):
-        rows = [(build, _plain(ops)) for build, ops in ev["numerics"].items()]
-        numerics = table(["kernel build", "smallest rtol against native, per op"], rows)
+    if m and m.per_call:
+        yield _per_call_table(m)
+    qwen3 = (ev and ev.qwen3) or (
+        m and m.qwen3 and evidence_record.qwen3_eager(m.qwen3)
+    )
+    if qwen3:
+        yield "\n".join(bench_result.qwen3_eager_markdown(qwen3))
+    if ev and ev.serving:
+        yield _serving(ev, rows)
+    if ev and ev.numerics:
+        numerics = bench_result.numerics_table(ev.numerics, rows)
         yield details("Numerics per x86 kernel build", numerics)
-    if ev.get("perop"):
-        p = ev["perop"]
+    if ev and ev.perop:
         # The out-of-tree providers' IR routes are this tool's, not vLLM's.
         ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
         yield details(
-            f"Microseconds per call (median; native's time over it), {p['dtype']}, "
-            f"hidden {p['hidden_size']}, {p['threads']} thread",
-            bench_result.perop_markdown(p, leave_out=ours),
+            bench_result.perop_heading(ev.perop, md.html),
+            bench_result.perop_table(ev.perop, leave_out=ours, limit=rows),
         )
+
+
+def _per_call_table(m: Measured) -> str:
+    columns = ("base", "patched", "native", "kernel")
+    rows = [
+        [f"`{op}`", tokens, *(spread(by[c]) if c in by else None for c in columns)]
+        for (op, tokens), by in m.per_call.items()
+    ]
+    header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
+    return (
+        "Microseconds per call, eager dispatch (bfloat16, hidden 2048, 1 thread): "
+        "median [range] of 3 rounds' medians, base and this change alternating; "
+        "the op's native function and the kernel called directly, for scale:\n\n"
+        + table([*header, "native alone", "kernel alone"], rows)
+    )
 
 
 def _test_table(runs: TestRuns):
@@ -304,46 +324,56 @@ def _test_table(runs: TestRuns):
     yield table(["vLLM", *KEYS], [(s, *(r.counts[k] for k in KEYS)) for s, r in done])
     for said, run in done:
         if run.failures:
-            ids = "\n".join(f"- `{f}`" for f in run.failures)
+            ids = "\n".join(f"- {md.code(f)}" for f in run.failures)
             yield details(f"Failing {said} (the first {len(run.failures)})", ids)
 
 
-def _serving(ev: dict) -> str:
-    tables = [
-        f"{mode}, median [min–max] of {bench_result.reps(ev, mode)} server starts:"
-        f"\n\n{bench_result.serving_table(ev, mode)}"
-        for mode in MODES
-        if mode in ev["serving"]["configs"]
-    ]
-    commands = "\n".join(ev["serving"].get("commands") or ())
-    summary = (
-        f"Serving {_model(ev)}: vLLM {_at(ev, 'vllm', 'base')}, and with the change"
-    )
-    return details(summary, "\n\n".join([*tables, f"```bash\n{commands}\n```"]))
+def _serving(ev: Evidence, rows: int) -> str:
+    said = "{mode}, median [min–max] of {reps} server starts:"
+    tables = bench_result.serving_tables(ev.serving, said)
+    base = f"vLLM {md.html(ev.vllm.base, 40)}, and" if ev.vllm else "vLLM"
+    summary = f"Serving {md.html(_named(ev), 80)}: {base} with the change"
+    commands = bench_result.commands(ev.serving, rows)
+    return details(summary, "\n\n".join([*tables, commands]))
+
+
+def _named(ev: Evidence) -> str:
+    return (ev.model and (ev.model.name or ev.model.description)) or "the model"
 
 
 def _details(upstream: Upstream, facts: Facts):
     yield upstream.purpose
-    quoted = _quote(facts.checkout, upstream.quote) if upstream.quote else None
-    if quoted:
-        yield f"`{upstream.quote[0]}` in this release:\n\n> {quoted}"
-    ci = facts.ci
-    if ci and ci.text is None and ci.wiring.tests:
-        tests = ", ".join(f"`{t}`" for t in ci.wiring.tests)
-        yield f"CI: {tests} not added to a CPU CI step: {ci.reason}."
+    for edit in facts.ci:
+        if edit.text is None and edit.wiring.tests:
+            tests = ", ".join(f"`{t}`" for t in edit.wiring.tests)
+            yield f"CI: {tests} not added to `{edit.wiring.file}`: {edit.reason}."
     for file, reason in facts.left_out.items():
         yield f"Left out of this commit: `{file}` ({reason})."
+    yield _provenance(facts)
     changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
     if changes:
         yield details("What the diff does, file by file", "\n".join(changes))
 
 
-def _quote(checkout: Path | None, quote: tuple[str, str]) -> str | None:
-    """The paragraph of the checkout's ``file`` that holds ``says``, one line."""
-    rel, says = quote
-    if checkout is None or not os.path.lexists(checkout / rel):
-        return None
-    what = f"the paragraph saying {says!r}"
-    text = read_text_at(inside(checkout, rel, what=what), what)
-    found = [p for p in re.split(r"\n\s*\n", text) if says in p]
-    return " ".join(found[0].replace('"""', " ").split()) if found else None
+def _provenance(facts: Facts) -> str:
+    """What vLLM's ``AGENTS.md`` asks an AI-assisted PR to state."""
+    ran = facts.tests and facts.tests.after.ran
+    return "\n".join(
+        [
+            f"- How this was made: the diff is generated by {tool_version()} (LibCST "
+            "codemods; a tool written with AI assistance), which also ran the tests "
+            "and measurements quoted here and filled this description.",
+            "- Not a duplicate: this branch's base has no `RMSNorm.forward_cpu`; "
+            f"{HISTORY} took the kernels off on purpose, and this PR answers it "
+            "above. Open PRs were not searched by the tool: `gh pr list --repo "
+            'vllm-project/vllm --state open --search "RMSNorm forward_cpu"`.',
+            "- Tests run: "
+            + ("the table above." if ran else "none here; the command above.")
+            + " Model evaluation: "
+            + (
+                "the eager Qwen3 comparison above; gsm8k needs the commands above."
+                if facts.measured and facts.measured.qwen3
+                else "not run here; the commands above."
+            ),
+        ]
+    )

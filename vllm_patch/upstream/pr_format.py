@@ -1,19 +1,23 @@
-"""Check the lines a patch changed the way the checkout's own ruff settings ask,
-so the commit passes vLLM's pre-commit. The codemods already lay out what they
-write as the pinned ruff does (``patcher.ruff_format``); here it runs ``ruff
-format`` and ``ruff check`` with the checkout's settings on the changed lines
-only (another ruff may judge untouched code differently) and reports, never
-rewrites. The settings are data: only their style tables reach a ruff that
-reads no settings file and writes no cache.
+"""Check the lines a patch changed as the checkout's pre-commit does, with the
+ruff and typos versions it pins (their PyPI wheels' binaries, kept in the user
+cache; where they cannot be had, the project's ruff, and the report says so).
+The codemods already lay out what they write as ruff does
+(``patcher.ruff_format``); here ``ruff format`` and ``ruff check`` run with the
+checkout's settings on the changed lines only (another ruff may judge untouched
+code differently), and ``typos`` on the changed files; findings are reported,
+never rewritten. The ruff settings are data: only their style tables reach a
+ruff that reads no settings file and writes no cache.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import subprocess
 import tempfile
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +31,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PRE_COMMIT = ".pre-commit-config.yaml"
-RUFF_REV = re.compile(r"astral-sh/ruff-pre-commit[ \t]*\r?\n[ \t]*rev:[ \t]*v?(\S+)")
+REV = r"{repo}[ \t]*\r?\n[ \t]*rev:[ \t]*v?([\w.]+)"
+TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
+"""The pre-commit hooks whose pinned version runs here: PyPI name, hook repo."""
 CONFIG_FILES = [
     ("ruff.toml", ()),
     (".ruff.toml", ()),
@@ -49,13 +55,41 @@ SETTINGS = {
 class FormatReport:
     ruff: str | None = None
     """``ruff X.Y.Z`` that ran."""
+    typos: str | None = None
+    """``typos X.Y.Z`` that ran, if the checkout pins one and it could be had."""
     config: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def find_ruff() -> Path:
-    """The pinned ruff, not whichever one the checkout or PATH has."""
-    return Path(ruff_binary())
+def pinned_tool(name: str, version: str) -> Path:
+    """The binary of the ``name==version`` wheel from PyPI, unpacked once into
+    the user cache (``OSError`` or ``CalledProcessError`` when it cannot be had)."""
+    from vllm_patch.runtime.cache import cache_dir, fetch_wheel
+
+    binary = cache_dir() / "tools" / f"{name}-{version}" / name
+    if not binary.is_file():
+        wheel = fetch_wheel(name, version)
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(
+                n for n in zf.namelist() if n.endswith(f".data/scripts/{name}")
+            )
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            part = binary.with_suffix(".part")
+            part.write_bytes(zf.read(member))
+            part.chmod(0o755)
+            os.replace(part, binary)
+    return binary
+
+
+def find_tool(root: Path, name: str, notes: list[str]) -> str | None:
+    """The checkout's pinned ``name``, else (ruff only) the project's own."""
+    pinned = pinned_version(root, TOOLS[name])
+    if pinned:
+        try:
+            return str(pinned_tool(name, pinned))
+        except (OSError, StopIteration, subprocess.CalledProcessError) as exc:
+            notes.append(f"{name} {pinned} (pinned) could not be had: {exc}")
+    return ruff_binary() if name == "ruff" else None
 
 
 def ruff_settings(root: Path, notes: list[str]) -> tuple[str | None, list[str]]:
@@ -98,13 +132,13 @@ def _toml(value: object) -> str:
     return json.dumps(value, default=str)  # a JSON string or number is TOML's
 
 
-def pinned_ruff(root: Path) -> str | None:
-    """The ruff version vLLM's pre-commit pins, if the checkout says."""
+def pinned_version(root: Path, repo: str) -> str | None:
+    """The version of the hook ``repo`` vLLM's pre-commit pins, if it says."""
     try:
         text = read_text_in(root, PRE_COMMIT, "pre-commit settings", limit=1 << 20)
     except PatchError:
         return None
-    found = RUFF_REV.search(text or "")
+    found = re.search(REV.format(repo=re.escape(repo)), text or "")
     return found.group(1) if found else None
 
 
@@ -121,12 +155,12 @@ def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatRepo
     the patch given); findings go to the report's notes. Ruff reads the source
     on stdin and runs in an empty folder: it reads and writes no file."""
     report = FormatReport()
-    ruff = str(find_ruff())
+    ruff = find_tool(root, "ruff", report.notes)
     report.config, settings = ruff_settings(root, report.notes)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-ruff-") as cwd:
-        version = _run([ruff, "--version"], cwd).stdout.strip()
+        version = _capture([ruff, "--version"], cwd).stdout.strip()
         report.ruff = version
-        pinned = pinned_ruff(root)
+        pinned = pinned_version(root, TOOLS["ruff"])
         if pinned and not version.endswith(f" {pinned}"):
             report.notes.append(
                 f"{version} ran; the checkout's pre-commit pins ruff {pinned}: run "
@@ -135,7 +169,7 @@ def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatRepo
         for rel, (before, after) in changes.items():
             stdin = [*settings, "--stdin-filename", rel, "-"]
             touched = changed_ranges(before or "", after)  # None: a new file
-            formatted = _run([ruff, "format", *stdin], cwd, after)
+            formatted = _capture([ruff, "format", *stdin], cwd, after)
             moved = [
                 start + 1
                 for start, end in changed_ranges(formatted.stdout, after)
@@ -148,8 +182,20 @@ def check_changes(root: Path, changes: dict[str, tuple[str, str]]) -> FormatRepo
                     "(left as is)"
                 )
             lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
-            _lint_inside_patch(_run([*lint, *stdin], cwd, after), rel, touched, report)
+            done = _capture([*lint, *stdin], cwd, after)
+            _lint_inside_patch(done, rel, touched, report)
+    _typos(root, list(changes), report)
     return report
+
+
+def _typos(root: Path, files: list[str], report: FormatReport) -> None:
+    """The pinned typos on the changed files, as pre-commit runs it there."""
+    typos = find_tool(root, "typos", report.notes)
+    if typos is None:
+        return
+    report.typos = _capture([typos, "--version"], str(root)).stdout.strip()
+    done = _capture([typos, "--force-exclude", "--format=brief", *files], str(root))
+    report.notes += [f"typos: {line}" for line in done.stdout.splitlines()[:20]]
 
 
 def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
@@ -170,7 +216,7 @@ def _lint_inside_patch(done, rel: str, touched, report: FormatReport) -> None:
             )
 
 
-def _run(cmd: list[str], cwd: str, stdin: str | None = None):
+def _capture(cmd: list[str], cwd: str, stdin: str | None = None):
     return subprocess.run(
         cmd, cwd=cwd, input=stdin, capture_output=True, text=True, check=False
     )

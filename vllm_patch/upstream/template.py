@@ -146,10 +146,11 @@ class Piece:
     text: str
 
 
-def fill(template: Template, pieces: list[Piece]) -> str:
+def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
     """The template with every piece in its section; a section that gets none
     keeps its guidance for the author, a piece that has no section gets one of
-    its own before the tail."""
+    its own before the tail. In the tail every box is unticked but those whose
+    line says one of ``ticked``."""
     for piece in pieces:
         if piece.text.strip():
             _place(template, piece)
@@ -161,7 +162,15 @@ def fill(template: Template, pieces: list[Piece]) -> str:
         out.append(f"_The checkout's PR template was {template.left_out}._")
     text = "\n\n".join(out) + "\n"
     if template.tail:
-        text += "\n" + _closed(TICKED.sub(r"\1[ ]", template.tail))
+        tail = TICKED.sub(r"\1[ ]", template.tail)
+        for said in ticked:
+            tail = re.sub(
+                rf"^([ \t]*[-*][ \t]+)\[ \](?=.*{re.escape(said)})",
+                r"\1[x]",
+                tail,
+                flags=re.MULTILINE,
+            )
+        text += "\n" + _closed(tail)
     return text.rstrip() + "\n"
 
 

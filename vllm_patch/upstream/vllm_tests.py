@@ -7,9 +7,8 @@ vLLM's tests import ``vllm`` (built: the checkout has no compiled kernels) and
 the checkout's ``tests``: pytest runs in a child (``runtime.child``) with a
 hard-linked copy of the installed vLLM, patched or not, first on its path, then
 the checkout (``--import-mode=append`` keeps the checkout's ``vllm/`` behind).
-``--noconftest`` leaves out ``tests/conftest.py``, which needs vLLM's test
-requirements; the kernel tests use none of its fixtures. pytest's JUnit XML
-gives the counts."""
+``tests/conftest.py`` (``default_vllm_config``) needs ``tblib`` beside vLLM.
+pytest's JUnit XML gives the counts."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from patcher.version import read_version
 from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
 
-PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--noconftest", "--import-mode=append")
+PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
 # vLLM's CPU test jobs name the platform: vLLM otherwise infers it from the
 # version of a distribution called ``vllm``, which a checkout's own build
 # metadata (``vllm.egg-info`` of a build for another platform) may answer.

