@@ -21,13 +21,11 @@ import pytest
 
 from patcher.patchset import select
 from vllm_patch.runtime.cache import fetch_wheel
-from vllm_patch.upstream.meta import upstream_of
 
-# The real wheels the tests read: one per source shape of the edited files, the
-# list the patch is rendered against (its [upstream] rendered_for says which shape).
+# The real wheels the tests read: one per source shape of the IR form's edited
+# files (its patch.toml's wheels says which shape).
 REAL_WHEELS = [
-    tuple(spec.split("=="))
-    for spec in upstream_of(select(["cpu_fused_norms"])[0]).rendered_for
+    tuple(spec.split("==")) for spec in select(["cpu_fused_norms"])[0].meta["wheels"]
 ]
 
 
