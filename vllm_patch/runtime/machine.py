@@ -146,7 +146,9 @@ def other_load(before: dict | None, after: dict | None, cpus: int) -> float | No
         return None
     wall = after["wall"] - before["wall"]
     others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
-    return round(max(0.0, others) / (wall * cpus), 3) if wall > 0 else None
+    if wall <= 0:
+        return None
+    return round(min(1.0, max(0.0, others) / (wall * cpus)), 3)  # ticks are coarse
 
 
 def distribution_version(name: str) -> str | None:
