@@ -153,7 +153,8 @@ def patched(root: Path) -> dict[str, str]:
     dest = root / "opt/patched"
     shutil.rmtree(dest, ignore_errors=True)
     tree = linked_copy(open_tree(root / "opt/sp"), dest)
-    return {p.name: str(engine.apply(tree, p)) for p in engine.choose(tree, None)}
+    plans = [engine.plan(tree, p) for p in engine.choose(tree, None)]
+    return {p.patch.name: str(engine.apply(tree, p)) for p in plans}
 
 
 @contextlib.contextmanager
