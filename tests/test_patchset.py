@@ -31,7 +31,6 @@ def test_the_provider_is_what_its_module_declares():
     assert spec["ops"] == list(provider.OPS)
     assert spec["opt_in_env"] == provider.OPT_IN_ENV
     assert spec["upstream"] == provider.UPSTREAM_PROVIDER
-    assert spec["reference"]  # the bench's minimal reference provider
     assert provider_specs([PATCH]) == [spec]
 
 

@@ -70,8 +70,8 @@ def patched(shape: str, tmp: Path) -> tuple[dict[str, str], dict[str, str]]:
 
 
 class Tensor:
-    def __init__(self, contiguous: bool = True, dtype: str = "bf16") -> None:
-        self.contiguous, self.dtype = contiguous, dtype
+    def __init__(self, contiguous=True, dtype="float32", hidden=16) -> None:
+        self.contiguous, self.dtype, self.shape = contiguous, dtype, (4, hidden)
 
     def is_contiguous(self) -> bool:
         return self.contiguous
@@ -83,6 +83,9 @@ class Platform:
 
     def import_kernels(self) -> None:  # vllm_c.py 0.20 calls it on import
         pass
+
+    def get_cpu_architecture(self):
+        return sys.modules["vllm.platforms"].CpuArchEnum.X86
 
     def __getattr__(self, check: str):
         if not check.startswith("is_"):
@@ -125,6 +128,18 @@ def stand_ins(platform: str, registry: dict) -> dict[str, types.ModuleType]:
         )
     }
     modules["torch"].Tensor = Tensor
+    for dtype in ("float32", "float16", "bfloat16"):
+        setattr(modules["torch"], dtype, dtype)
+    modules["torch"].ops = types.SimpleNamespace(
+        _C=types.SimpleNamespace(rms_norm=None),
+        mkldnn=types.SimpleNamespace(_is_mkldnn_bf16_supported=lambda: False),
+    )
+    modules["torch"].cpu = types.SimpleNamespace(
+        _is_avx512_bf16_supported=lambda: False  # as _C_AVX2 here: bf16 truncates
+    )
+    modules["vllm.platforms"].CpuArchEnum = enum.Enum(
+        "CpuArchEnum", "X86 ARM POWERPC S390X"
+    )
     modules["vllm.ir"].ops = types.SimpleNamespace(
         **{op: register_impl(op) for op in (*BOTH, "silu_and_mul", "gelu_new")}
     )
@@ -169,20 +184,25 @@ def priority(source: str, monkeypatch) -> dict[str, dict]:
 
 
 def calls(op: str) -> dict[str, tuple]:
-    """supports_args arguments: all contiguous, and each tensor not."""
-    w = Tensor()
+    """supports_args arguments: what the kernel takes ("eligible"), and each
+    way it does not: a strided tensor, a hidden size not a multiple of 8, a
+    residual of another dtype, a bf16 fused add on a build that truncates."""
+    w, bf16 = Tensor(), Tensor(dtype="bfloat16")
     if op == "rms_norm":
         return {
-            "contiguous": (Tensor(), w, 1e-6),
+            "eligible": (Tensor(), w, 1e-6),
             "x strided": (Tensor(False), w, 1e-6),
+            "hidden 12": (Tensor(hidden=12), w, 1e-6),
+            "no weight": (Tensor(), None, 1e-6),
         }
-    if op == "fused_add_rms_norm":
-        return {
-            "contiguous": (Tensor(), Tensor(), w, 1e-6),
-            "x strided": (Tensor(False), Tensor(), w, 1e-6),
-            "residual strided": (Tensor(), Tensor(False), w, 1e-6),
-        }
-    return {"contiguous": (Tensor(),), "x strided": (Tensor(False),)}
+    return {
+        "eligible": (Tensor(), Tensor(), w, 1e-6),
+        "x strided": (Tensor(False), Tensor(), w, 1e-6),
+        "residual strided": (Tensor(), Tensor(False), w, 1e-6),
+        "hidden 4100": (Tensor(hidden=4100), Tensor(hidden=4100), w, 1e-6),
+        "bf16 residual beside fp32 x": (Tensor(), bf16, w, 1e-6),
+        "bf16 on a truncating build": (bf16, bf16, bf16, 1e-6),
+    }
 
 
 def observed(registry: dict) -> dict:
@@ -221,8 +241,8 @@ def test_the_rule_holds_on_every_real_wheel(real_wheel, platform, monkeypatch):
 
 
 def assert_the_rule(was: dict, now: dict, platform: str) -> None:
-    """Off CPU nothing changes; on CPU only the norms do: supported, and
-    refusing a non-contiguous tensor, with their other conditions as they were."""
+    """Off CPU nothing changes; on CPU only the norms do: supported where the
+    kernel matches native, refusing every input where it does not."""
     assert sorted(was) == sorted(now)
     if platform != "cpu":
         assert now == was
@@ -232,8 +252,8 @@ def assert_the_rule(was: dict, now: dict, platform: str) -> None:
     for op in set(was) & set(BOTH):
         supported, checks = now[op]
         assert supported
-        assert checks["contiguous"] == was[op][1]["contiguous"]
-        assert not any(v for k, v in checks.items() if k != "contiguous")
+        assert checks["eligible"] == was[op][1]["eligible"] is True
+        assert not any(v for k, v in checks.items() if k != "eligible"), checks
 
 
 @pytest.mark.parametrize("shape", ACCEPTED)

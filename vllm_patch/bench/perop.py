@@ -1,17 +1,29 @@
-"""Microseconds per call of the two norms, every way vLLM can run them.
+"""Microseconds per call of the two norms, every way vLLM can run them, and
+where a layer call's time goes.
 
-In a child per vLLM (the base one, the patched copy): vLLM's ``native``
-implementation, the CPU ``kernel`` called directly, each other IR provider
-through IR dispatch (``ir:<provider>``, as the eager forward calls the op), and
-vLLM's ``RMSNorm`` layer with custom ops on (``layer:<class>``: the CustomOp
-route, a ``CustomOp.register_oot`` replacement included). Each form is held to
-native with the op's own tolerance first (``numerics.compare``), and timed
-only if it passes: medians of short samples, interleaved."""
+In a child per vLLM (the base one, the patched copy; ``ROUNDS`` children each,
+alternating): vLLM's ``native`` implementation, the CPU ``kernel`` (allocating
+its output, as an impl does), each other IR provider through IR dispatch
+(``ir:<provider>``, as the eager forward calls the op), vLLM's ``RMSNorm``
+layer with custom ops on (``layer:<class>``: the CustomOp route, a
+``CustomOp.register_oot`` replacement included) and that layer's forward
+method called directly (``forward:<class>``: without ``nn.Module.__call__`` and
+``CustomOp.forward``). Each is held to native with the op's own tolerance first
+(``numerics.compare``) and timed only if it passes. For the split of a call,
+two parts are timed alone: the bare kernel into a ready output
+(``kernel:bare``, the overload bound once) and the output's allocation
+(``alloc``, ``torch.empty_like``).
+
+Timing: each sample is a short loop; its time is the calling thread's CPU time
+(``time.thread_time_ns``), which excludes the time the thread waits while
+other processes run, beside wall time; every route is warmed up first, then
+sampled in turn. Per route: median, p10 and p90 of the samples of every round.
+``native`` is the same code in both vLLMs: its samples from both make one
+baseline, shared by every ratio."""
 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,39 +36,48 @@ TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1
-"""One thread: on a loaded machine, OpenMP teams waiting for a descheduled
-thread inflate parallel kernels' times many-fold."""
-SAMPLES = 51
-SAMPLE_S = 0.0005
+"""One thread, what vLLM gives its worker on a 2-core machine; on a loaded
+machine OpenMP teams also wait for a descheduled thread."""
+ROUNDS = 2
+SAMPLES = 61
+SAMPLE_S = 0.001
+WARMUP_S = 0.05
 
 
-def _median_us(
+def _sample_us(
     fns: dict[str, Callable], args: tuple, scopes: dict[str, Callable]
-) -> dict[str, float]:
-    """Median microseconds per call of each function, sampled in turn, inputs
+) -> dict[str, dict[str, list[float]]]:
+    """Microseconds per call of each function per sample (``cpu``: the
+    thread's CPU time, ``wall``), sampled in turn after a warm-up, inputs
     restored before each sample (the in-place ones write into them) and
     ``scopes[name]()`` (a dispatch priority) entered around each sample."""
     import torch
 
     works = {name: copy_args(args) for name in fns}
-    calls, per_call = {}, {name: [] for name in fns}
+    calls = {}
+    found = {name: {"cpu": [], "wall": []} for name in fns}
 
-    def sample(name: str, n: int) -> float:
+    def sample(name: str, n: int) -> tuple[float, float]:
         for w, a in zip(works[name], args, strict=True):
             if isinstance(w, torch.Tensor):
                 w.copy_(a)
         with scopes.get(name, contextlib.nullcontext)():
-            t0 = time.perf_counter()
+            cpu, wall = time.thread_time_ns(), time.perf_counter_ns()
             for _ in range(n):
                 fns[name](*works[name])
-            return time.perf_counter() - t0
+            return time.thread_time_ns() - cpu, time.perf_counter_ns() - wall
 
-    for name in fns:  # warm-up and calibration
-        calls[name] = max(1, round(SAMPLE_S * 20 / sample(name, 20)))
+    for name in fns:  # warm-up, then calibration on the warm code
+        n = 1
+        while sample(name, n)[0] < WARMUP_S * 1e9:
+            n *= 2
+        calls[name] = max(1, round(SAMPLE_S * 1e9 * n / sample(name, n)[0]))
     for _ in range(SAMPLES):
         for name in fns:
-            per_call[name].append(sample(name, calls[name]) / calls[name])
-    return {name: statistics.median(v) * 1e6 for name, v in per_call.items()}
+            cpu, wall = sample(name, calls[name])
+            found[name]["cpu"].append(cpu / calls[name] / 1e3)
+            found[name]["wall"].append(wall / calls[name] / 1e3)
+    return found
 
 
 def _layer(name: str, args: tuple, dtype):
@@ -77,7 +98,11 @@ def _layer(name: str, args: tuple, dtype):
     def call(x, *rest):
         return layer(x) if name == "rms_norm" else layer(x, rest[0])
 
-    return type(layer).__name__, call, ranked
+    def forward(x, *rest):
+        method = layer._forward_method
+        return method(x) if name == "rms_norm" else method(x, rest[0])
+
+    return type(layer).__name__, call, forward, ranked
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
@@ -89,9 +114,26 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
             fns[f"ir:{provider}"] = call
             scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, NATIVE])
-    cls, fns[f"layer:{cls}"], ranked = _layer(name, args, dtype)
-    scopes[f"layer:{cls}"] = lambda: op.set_priority(ranked)
+    cls, layer, forward, ranked = _layer(name, args, dtype)
+    fns[f"layer:{cls}"], fns[f"forward:{cls}"] = layer, forward
+    for route in (f"layer:{cls}", f"forward:{cls}"):
+        scopes[route] = lambda: op.set_priority(ranked)
     return fns, scopes
+
+
+def _parts(name: str, args: tuple) -> dict[str, Callable]:
+    """The parts of a kernel call timed alone: the bound kernel into a ready
+    output, and (for the op that allocates one) the allocation."""
+    import torch
+
+    kernel = getattr(torch.ops._C, name).default
+    if name == "fused_add_rms_norm":
+        return {"kernel:bare": kernel}
+    out = torch.empty_like(args[0])
+    return {
+        "kernel:bare": lambda x, w, eps: kernel(out, x, w, eps),
+        "alloc": lambda x, w, eps: torch.empty_like(x),
+    }
 
 
 def measure(env: str) -> list[dict[str, Any]]:
@@ -135,21 +177,94 @@ def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
         if not found["ok"]:  # never timed
             rows.append({**base, "route": route, "wrong": found["error"]})
             del fns[route]
-    timed = _median_us(fns, args, scopes)
+    layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
+    if layer:
+        with scopes[layer]():
+            runs = _runs_kernel(name, fns[layer], args)
+    timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
     return rows + [
-        {**base, "route": r, "median_us": us, "native_us": timed[NATIVE]}
+        {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
         for r, us in timed.items()
     ]
 
 
-def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
-    """:func:`measure` in each vLLM (label: its ``PYTHONPATH`` folders)."""
-    from vllm_patch.runtime import child
+def _runs_kernel(name: str, fn: Callable, args: tuple) -> str:
+    """``"kernel"`` if a call of ``fn`` runs the op's CPU kernel (torch's
+    profiler sees ``_C::<name>``), else ``"native"``."""
+    import torch
 
-    rows = []
-    for env, pythonpath in envs.items():
-        progress(f"per op: {env}")
-        rows += child.run(
-            "vllm_patch.bench.perop:measure", {"env": env}, pythonpath=pythonpath
-        ).value()
-    return {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": THREADS, "rows": rows}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        fn(*copy_args(args))
+    return "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
+
+
+def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
+    """:func:`measure` ``ROUNDS`` times in each vLLM, alternating (label: its
+    ``PYTHONPATH`` folders), with the machine's load over each child; rows of
+    pooled samples (:func:`pooled`)."""
+    from vllm_patch.runtime import child, machine
+
+    samples, load = [], []
+    for r in range(ROUNDS):
+        for env, pythonpath in envs.items():
+            progress(f"per op: {env} ({r + 1}/{ROUNDS})")
+            before = machine.cpu_snapshot()
+            samples += child.run(
+                "vllm_patch.bench.perop:measure", {"env": env}, pythonpath=pythonpath
+            ).value()
+            load.append(
+                {
+                    "env": env,
+                    "load_average": machine.load_average()[0],
+                    "other_share": machine.other_load(
+                        before, machine.cpu_snapshot(), machine.usable_cpus()
+                    ),
+                }
+            )
+    return {
+        "hidden_size": HIDDEN,
+        "dtype": DTYPE,
+        "threads": THREADS,
+        "clock": "thread CPU time",
+        "rounds": ROUNDS,
+        "load": load,
+        "rows": pooled(samples),
+    }
+
+
+def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per env, op, tokens and route: ``median_us``, ``p10_us``,
+    ``p90_us`` (CPU time), ``wall_median_us`` over every round's samples;
+    ``native`` pooled over both envs (``env`` "both") and ``native_us``, its
+    median, on every row of the op and tokens."""
+    from vllm_patch.bench.stats import quantiles
+
+    keyed: dict[tuple, dict[str, Any]] = {}
+    for s in samples:
+        env = "both" if s["route"] == NATIVE else s["env"]
+        key = (env, s["op"], s["tokens"], s["route"])
+        row = keyed.setdefault(
+            key, {k: v for k, v in s.items() if k not in ("cpu", "wall")}
+        )
+        row["env"] = env
+        for clock in ("cpu", "wall"):
+            row.setdefault(clock, []).extend(s.get(clock, []))
+    native = {
+        (op, tokens): quantiles(row["cpu"])["median"]
+        for (_, op, tokens, route), row in keyed.items()
+        if route == NATIVE
+    }
+    out = []
+    for row in keyed.values():
+        cpu, wall = row.pop("cpu", []), row.pop("wall", [])
+        if cpu:
+            q = quantiles(cpu)
+            row.update(
+                median_us=round(q["median"], 3),
+                p10_us=round(q["p10"], 3),
+                p90_us=round(q["p90"], 3),
+                wall_median_us=round(quantiles(wall)["median"], 3),
+                native_us=round(native[(row["op"], row["tokens"])], 3),
+            )
+        out.append(row)
+    return out

@@ -264,16 +264,18 @@ QWEN3_SIDES = {
 def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
+    found = escaped(found)
     sides, rows = found["sides"], []
     for side, name in QWEN3_SIDES.items():
         than = found.get(side)  # base against base: no row of its own
         shares = sides[side]["distinct_share"]
+        first = than and than["first_divergence"]
         rows.append(
             [
-                f"{name} (`{found['patch']}`)" if side == "patched" else name,
+                f"{name} ({found['patch']})" if side == "patched" else name,
                 " + ".join(str(n) for n in sides[side]["kernel_calls"].values()),
                 than and f"{than['identical_prompts']} of {len(than['per_prompt'])}",
-                than and first_difference(than["first_divergence"]),
+                than and first_difference(first and Divergence(**first)),
                 than and f"{than['max_abs_dlogprob']:.3g}",
                 f"{sum(shares) / len(shares):.2f}",
             ]
@@ -302,7 +304,7 @@ def qwen3_eager_markdown(found: dict[str, Any]) -> list[str]:
     if first:
         texts = {s: sides[s]["texts"][first["prompt"]] for s in ("base", "unguarded")}
         out += ["", f"Prompt {first['prompt'] + 1}'s completion:", ""]
-        out += [f"- {s}: `{' '.join(t.split()[:16])} …`" for s, t in texts.items()]
+        out += [f"- {s}: {' '.join(t.split()[:16])} …" for s, t in texts.items()]
     return out
 
 
@@ -334,7 +336,8 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            text = f"{r.median_us:.1f}{ratio}"
+            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
+            text = f"{r.median_us:.1f}{spread}{ratio}"
         cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
     rows = [
         [md.code(op, 60), tokens, *(found.get(c) for c in columns)]
@@ -345,10 +348,208 @@ def perop_table(
 
 
 def perop_heading(perop: PerOp, escape=md.text) -> str:
-    return (
-        f"Microseconds per call (native / this), {escape(perop.dtype, 20)}, hidden "
-        f"{perop.hidden_size}, {perop.threads} thread"
+    spread = (
+        ""
+        if perop.clock is None
+        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
     )
+    return (
+        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"hidden {perop.hidden_size}, {perop.threads} thread"
+    )
+
+
+SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
+         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+
+
+def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+    """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
+    call, CustomOp dispatch (layer call - its forward method), the forward
+    method's own work with IR dispatch (forward - what it runs), IR dispatch
+    alone (an ``ir:`` route - the kernel with its allocation), the allocation
+    and the bare kernel (or native's ops). Medians, microseconds."""
+    rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
+    us = {(r.env, r.op, r.route): r.median_us for r in rows}
+    out = []
+    for r in rows:
+        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        forward = us.get((env, op, f"forward:{cls}"))
+        if not r.route.startswith("layer:") or forward is None:
+            continue
+        kernel = r.impl == "kernel"
+        impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
+        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
+              and route.startswith("ir:")]  # fmt: skip
+        cells = [
+            r.median_us,
+            r.median_us - forward,
+            None if impl is None else forward - impl,
+            min(ir) - impl if ir and kernel and impl is not None else None,
+            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, "kernel:bare")) if kernel else impl,
+        ]
+        names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
+        out.append(names + [None if c is None else round(c, 1) for c in cells])
+    return out
+
+
+def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+    """The per-call section: the table, each child's load, where time goes."""
+    out = [perop_table(perop, limit=limit)]
+    if perop.load:
+        loads = ", ".join(
+            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+            for x in perop.load
+        )
+        out += [
+            "",
+            f"Load average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs.",
+        ]
+    split = perop_split(perop)
+    if split:
+        out += [
+            "",
+            "Where a layer call's time goes (1 token, medians, microseconds):",
+            "",
+            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
+        ]
+    return out
+
+
+# --- the decode section (``bench --decode``), from its bounded tree ---
+
+
+def escaped(tree: Any) -> Any:
+    """A bounded tree (``evidence_record._tree``) with every string, keys
+    included, as literal Markdown text."""
+    if isinstance(tree, dict):
+        return {md.text(k, 80): escaped(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [escaped(v) for v in tree]
+    return md.text(tree, 200) if isinstance(tree, str) else tree
+
+
+def excludes(ci95: list[float], value: float) -> bool:
+    return ci95[0] > value or ci95[1] < value
+
+
+def shown_ratio(found: dict[str, Any] | None) -> str:
+    if not found:
+        return "-"
+    lo, hi = found["ci95"]
+    return f"{found['ratio']:.3f}x [{lo:.3f}–{hi:.3f}]"
+
+
+def shown_ms(found: dict[str, Any] | None) -> str:
+    if not found:
+        return "-"
+    lo, hi = found["ci95"]
+    return f"{found['ms']:.2f} [{lo:.2f}–{hi:.2f}]"
+
+
+def verdict(found: dict[str, Any], label: str) -> str:
+    """What an interval says against 1.0."""
+    if not excludes(found["ci95"], 1.0):
+        return "no difference resolved (the interval contains 1.0)"
+    faster = found["ci95"][1] < 1.0
+    return f"{label} {'faster' if faster else 'slower'}"
+
+
+def decode_block_lines(b: dict[str, Any]) -> list[str]:
+    from vllm_patch.runtime.machine import BUSY_SHARE
+
+    comps = b["comparisons"]
+    rows = [
+        [
+            label + (" (A/A control)" if label == "base/base" else ""),
+            shown_ratio(c),
+            shown_ratio(c.get("wall")),
+            c["n"],
+        ]
+        for label, c in comps.items()
+    ]
+    out = [
+        md.table(["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]",
+                  "pairs"], rows),
+        "",
+    ]  # fmt: skip
+    header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
+    if "norm_ms" in b:
+        header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"]
+    out.append(
+        md.table(
+            header,
+            [
+                [n, shown_ms(b["step_ms"][n]), shown_ms(b["step_wall_ms"][n])]
+                + (
+                    [shown_ms(b["norm_ms"][n]), shown_ms(b["norm_wall_ms"][n])]
+                    if "norm_ms" in b
+                    else []
+                )
+                for n in b["step_ms"]
+            ],
+        )
+    )
+    for side, s in (b.get("savings") or {}).items():
+        share = s["share"]
+        out += [
+            "",
+            f"- {side}: {shown_ms(s['saving_ms'])} ms of CPU time saved inside "
+            f"RMSNorm per decode step ({b['norm_calls_per_step']:.0f} calls), "
+            f"{share['share']:.1%} [{share['ci95'][0]:.1%}–{share['ci95'][1]:.1%}] "
+            f"of base's step: a step ratio of {s['expected_ratio'][0]:.3f}–"
+            f"{s['expected_ratio'][1]:.3f} expected.",
+        ]
+    if "consistent" in b:
+        c = b["consistent"]
+        out.append(
+            "- The end-to-end patched/base ratio "
+            + ("**contradicts**" if c["contradicts"] else "does not contradict")
+            + " the attributed saving (its interval "
+            + ("misses" if c["contradicts"] else "meets")
+            + " the expected one)."
+        )
+    out.append(
+        f"- {b['busy_rounds']} of {b['rounds']} rounds busy (other processes "
+        f"used over {BUSY_SHARE:.0%} of the CPU time)."
+    )
+    return out
+
+
+def decode_lines(decode: dict[str, Any]) -> list[str]:
+    """The decode section, the headline first; every string in it escaped."""
+    d = escaped(decode)
+    model = d["model"].get("name") or d["model"].get("description")
+    out = [
+        f"## Decode step: {d['dtype']}, {d['threads']} thread(s), kernel build "
+        f"{d['kernel_build']}",
+        "",
+        f"{model}; batch 1; each round, every engine (each kept alive in its "
+        f"own process) generates {d['tokens']} tokens, the engines taking turns "
+        "step by step; a round's figure is the median of its decode steps; "
+        "ratios are trimmed means of per-round ratios with bootstrap 95% "
+        "intervals; the CPU time is the engine process's.",
+        "",
+    ]
+    if "comparisons" in d:
+        out += decode_block_lines(d)
+    for n, b in d["by_threads"].items():
+        if str(n) != str(d["threads"]):
+            out += ["", f"### {n} threads", "", *decode_block_lines(b)]
+    for n, b in d["compiled"].items():
+        c = b["comparisons"].get("+rms_norm/default")
+        out += [
+            "",
+            f"### Compiled (Inductor), {n} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)',
+            "",
+            *decode_block_lines(b),
+        ]
+        if c:
+            out.append(f"- Kernels under Inductor: {verdict(c, '+rms_norm')}.")
+    return out
 
 
 def evidence_markdown(ev: Evidence) -> str:
@@ -372,6 +573,8 @@ def evidence_markdown(ev: Evidence) -> str:
     found = claims(ev)
     if found:
         out += ["", "## In short", "", *found]
+    if ev.decode:
+        out += ["", *decode_lines(ev.decode)]
     serving = ev.serving
     if serving:
         said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
@@ -382,12 +585,13 @@ def evidence_markdown(ev: Evidence) -> str:
             out += ["", "What the servers logged about their kernels:", ""]
             out += kernels_lines(serving)
     acc = accuracy_lines(ev)
+    if ev.qwen3_eager:
+        acc += ["", *qwen3_eager_markdown(ev.qwen3_eager)]
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:
         heading = "## Numerics per x86 kernel build"
         out += ["", heading, "", numerics_table(ev.numerics)]
     if ev.perop:
-        heading = f"## {perop_heading(ev.perop)}"
-        out += ["", heading, "", perop_table(ev.perop)]
+        out += ["", f"## {perop_heading(ev.perop)}", "", *perop_lines(ev.perop)]
     return "\n".join(out) + "\n"

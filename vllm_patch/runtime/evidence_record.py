@@ -334,6 +334,17 @@ class PerOpRow:
     native_us: float | None
     wrong: str | None
     """Why this route was not timed: outside the op's tolerance."""
+    p10_us: float | None = None
+    p90_us: float | None = None
+    impl: str | None = None
+    """A layer route's: what the layer ran, ``kernel`` or ``native``."""
+
+
+@dataclass(frozen=True)
+class ChildLoad:
+    env: str
+    load_average: float
+    other_share: float
 
 
 @dataclass(frozen=True)
@@ -342,6 +353,8 @@ class PerOp:
     dtype: str
     threads: int
     rows: tuple[PerOpRow, ...]
+    clock: str | None = None
+    load: tuple[ChildLoad, ...] = ()
 
 
 def _perop(value: object, at: str) -> PerOp:
@@ -359,16 +372,79 @@ def _perop(value: object, at: str) -> PerOp:
                 _req(_text, row, where, "route"),
                 *timed,
                 wrong,
+                *(_opt(_time, row, where, k) for k in ("p10_us", "p90_us")),
+                _opt(_text, row, where, "impl"),
             )
         )
     if len({(r.env, r.route) for r in rows}) > MOST_COLUMNS:
         raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
+    loads = tuple(
+        ChildLoad(
+            _req(_text, x, f"{at}.load[{i}]", "env"),
+            *(
+                _req(_number, x, f"{at}.load[{i}]", k)
+                for k in ("load_average", "other_share")
+            ),
+        )
+        for i, x in enumerate(_opt(_list, value, at, "load") or [])
+    )
     return PerOp(
         _req(_count, value, at, "hidden_size"),
         _req(_text, value, at, "dtype"),
         _req(_count, value, at, "threads"),
         tuple(rows),
+        _opt(_text, value, at, "clock"),
+        loads,
     )
+
+
+MOST_NODES = 50_000
+"""The most values in a section kept as a bounded tree (``decode``)."""
+
+
+def _tree(value: object, at: str, budget: list[int], depth: int = 0) -> object:
+    """``value`` as bounded JSON data: tables, lists, strings, numbers,
+    booleans, None; at most ``MOST_NODES`` of them, nested at most 8 deep."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 8:
+        raise Bad(f"{at}: more than {MOST_NODES} values or nested too deep")
+    if isinstance(value, dict):
+        return {
+            k: _tree(v, f"{at}.{_cut(k)}", budget, depth + 1)
+            for k, v in _table(value, at).items()
+        }
+    if isinstance(value, list):
+        return [
+            _tree(v, f"{at}[{i}]", budget, depth + 1)
+            for i, v in enumerate(_list(value, at, MOST_NODES))
+        ]
+    if isinstance(value, str):
+        return _text(value, at)
+    if value is None or isinstance(value, bool):
+        return value
+    return _number(value, at)
+
+
+DECODE_KEYS = (
+    "dtype",
+    "threads",
+    "kernel_build",
+    "model",
+    "tokens",
+    "by_threads",
+    "compiled",
+)
+
+
+def _decode(value: object, at: str) -> dict[str, Any]:
+    """``bench --decode``'s section (docs/bench.md) as bounded data, with the
+    keys its writer reads."""
+    found = _tree(value, at, [MOST_NODES])
+    for key in DECODE_KEYS:
+        _req(lambda v, w: v, found, at, key)
+    for key in ("by_threads", "compiled", "model"):
+        _table(found[key], f"{at}.{key}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -418,6 +494,10 @@ class Evidence:
     lm_eval: LmEval | None
     numerics: Numerics | None
     perop: PerOp | None
+    decode: dict[str, Any] | None = None
+    """``bench --decode``'s section, checked as bounded data (``_decode``)."""
+    qwen3_eager: dict[str, Any] | None = None
+    """``bench --qwen3``'s section, checked as bounded data."""
     interrupted: bool = False
     failed: tuple[str, ...] = ()
 
@@ -444,6 +524,8 @@ def parse(doc: object) -> Evidence:
         _opt(_lm_eval, accuracy, "accuracy", "lm_eval"),
         _opt(_numerics, doc, "", "numerics", doc),
         _opt(_perop, doc, "", "perop"),
+        _opt(_decode, doc, "", "decode"),
+        _opt(lambda v, at: _tree(v, at, [MOST_NODES]), doc, "", "qwen3_eager"),
         _get(doc, "", "interrupted")[0] is True,
         _opt(_texts, doc, "", "failed") or (),
     )

@@ -103,9 +103,10 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def cpu_snapshot() -> dict[str, float] | None:
-    """Busy CPU seconds of the whole machine and of this process and its
-    children, for :func:`other_load` over the time between two snapshots."""
+def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
+    """Busy CPU seconds of the whole machine and of this process, its ended
+    children and the running processes ``pids``, for :func:`other_load` over
+    the time between two snapshots."""
     stat = _read("/proc/stat")
     if not stat:
         return None
@@ -116,14 +117,26 @@ def cpu_snapshot() -> dict[str, float] | None:
     return {
         "wall": time.monotonic(),
         "busy_s": (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
-        "own_s": own.ru_utime + own.ru_stime + me.ru_utime + me.ru_stime,
+        "own_s": own.ru_utime
+        + own.ru_stime
+        + me.ru_utime
+        + me.ru_stime
+        + sum(map(process_cpu_s, pids)),
     }
 
 
-# Above this share of the CPU time used by other processes while measuring
-# (other_load), figures say more about the load than about the code measured:
-# results carry a warning and recommend nothing.
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds a running process has used (``/proc/PID/stat``), 0 once gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return 0.0
+    fields = stat[0].rsplit(")", 1)[1].split()  # after the command's name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 BUSY_SHARE = 0.25
+"""Above this share of the CPU time used by other processes while measuring
+(:func:`other_load`), a repetition is flagged busy."""
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
