@@ -190,10 +190,8 @@ def _per_call_claim(m: Measured) -> str:
     )
 
 
-def _ratio(by: dict[str, list[float]]) -> float:
-    import statistics
-
-    return statistics.median(by["base"]) / statistics.median(by["patched"])
+def _ratio(by: dict[str, tuple[float, float, float]]) -> float:
+    return by["base"][0] / by["patched"][0]
 
 
 def _qwen3_claim(q: dict) -> str:
@@ -312,9 +310,10 @@ def _per_call_table(m: Measured) -> str:
     ]
     header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
     return (
-        "Microseconds per call, eager dispatch (bfloat16, hidden 2048, 1 thread): "
-        "median [range] of 3 rounds' medians, base and this change alternating; "
-        "the op's native function and the kernel called directly, for scale:\n\n"
+        "Microseconds per call (the thread's CPU time), eager dispatch (bfloat16, "
+        "hidden 2048, 1 thread): median [p10–p90] of every round's samples, "
+        "base and this change alternating; the op's native function and the "
+        "kernel called alone, for scale:\n\n"
         + table([*header, "native alone", "kernel alone"], rows)
     )
 
