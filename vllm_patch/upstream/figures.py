@@ -1,16 +1,14 @@
 """What ``pr`` measures without ``--evidence``, in a few minutes on 2 cores:
 microseconds per call through ``RMSNorm``'s dispatch at decode and prefill
-shapes (``bench.perop``, base and patched alternating for ``ROUNDS`` rounds:
-the median and range of the rounds' medians) and the eager Qwen3 comparison
-that answers vLLM #31643 (``bench.qwen3_eager``). Both run on the installed
-vLLM with the checkout's own edited files put in, before the change on the
-base side and after it on the patched one."""
+shapes (``bench.perop.per_op``: base and patched alternating, the thread's CPU
+time, median and p10-p90 of every round's samples) and the eager Qwen3
+comparison that answers vLLM #31643 (``bench.qwen3_eager``). Both run on the
+installed vLLM with the checkout's own edited files put in, before the change
+on the base side and after it on the patched one."""
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +17,9 @@ from patcher.files import replace_at
 from patcher.patchset import Patch
 from patcher.tree import linked_copy, open_tree
 from patcher.version import read_version
-from vllm_patch.runtime import child, machine
+from vllm_patch.runtime import machine
 from vllm_patch.runtime.patched_copy import patched_copy
 from vllm_patch.upstream import vllm_tests
-
-ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -35,9 +31,9 @@ class Measured:
     kernel_build: str = ""
     put_in: tuple[str, ...] = ()
     """The checkout's files put in place of the build's own."""
-    per_call: dict[tuple[str, int], dict[str, list[float]]] | None = None
-    """Per (op, tokens): per side, each round's median microseconds of a call
-    through ``RMSNorm``; ``native`` and ``kernel`` called directly for scale."""
+    per_call: dict[tuple[str, int], dict[str, tuple[float, float, float]]] | None = None
+    """Per (op, tokens): per side, the median, p10 and p90 microseconds of a
+    call through ``RMSNorm``; ``native`` and ``kernel`` called alone for scale."""
     qwen3: dict[str, Any] | None = None
     why_not: str = ""
 
@@ -74,32 +70,28 @@ def measure(
     return Measured(vllm, build, tuple(own), per_call, qwen3)
 
 
-def _per_call(sites: dict[str, Path], progress: Callable[[str], None]) -> dict:
-    """``bench.perop``'s rows of each side, ``ROUNDS`` rounds alternating."""
-    found: dict[tuple[str, int], dict[str, list[float]]] = {}
-    for r in range(ROUNDS):
-        for env, site in sites.items():
-            progress(f"per call: {env} ({r + 1}/{ROUNDS})")
-            rows = child.run(
-                "vllm_patch.bench.perop:measure", {"env": env}, pythonpath=[site]
-            ).value()
-            for row in rows:
-                side = _side(row)
-                if side and "median_us" in row:
-                    cell = found.setdefault((row["op"], row["tokens"]), {})
-                    cell.setdefault(side, []).append(row["median_us"])
+def _per_call(sites: dict[str, Path], progress) -> dict:
+    """``bench.perop.per_op``'s rows of both sides, by op and token count."""
+    from vllm_patch.bench.perop import per_op
+
+    found: dict[tuple[str, int], dict[str, tuple[float, float, float]]] = {}
+    for row in per_op({e: (str(p),) for e, p in sites.items()}, progress)["rows"]:
+        side = _side(row)
+        if side and "median_us" in row:
+            cell = found.setdefault((row["op"], row["tokens"]), {})
+            cell[side] = (row["median_us"], row["p10_us"], row["p90_us"])
     return found
 
 
 def _side(row: dict) -> str | None:
-    """The column a row goes to: each side's ``RMSNorm`` call, and the bare
-    native and kernel calls (the patched side's) for scale."""
+    """The column a row goes to: each side's ``RMSNorm`` call, and native
+    (both sides' samples) and the patched side's kernel alone, for scale."""
     if row["route"].startswith("layer:"):
         return row["env"]
-    if row["env"] == "patched" and row["route"] in ("native", "kernel"):
+    if row["route"] == "native" or (row["env"], row["route"]) == ("patched", "kernel"):
         return row["route"]
     return None
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}–{max(values):.1f}]"
+def spread(q: tuple[float, float, float]) -> str:
+    return f"{q[0]:.1f} [{q[1]:.1f}–{q[2]:.1f}]"

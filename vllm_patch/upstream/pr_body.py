@@ -190,10 +190,8 @@ def _per_call_claim(m: Measured) -> str:
     )
 
 
-def _ratio(by: dict[str, list[float]]) -> float:
-    import statistics
-
-    return statistics.median(by["base"]) / statistics.median(by["patched"])
+def _ratio(by: dict[str, tuple[float, float, float]]) -> float:
+    return by["base"][0] / by["patched"][0]
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
@@ -266,6 +264,9 @@ def _results(facts: Facts, rows: int):
         )
     elif tests or bench:
         yield f"Measured on {md.text(tests or bench, 400)}."
+    if ev and ev.decode:  # the evidence's headline: time per decode step
+        lines = bench_result.decode_lines(ev.decode)
+        yield "\n".join(re.sub(r"^#{2,3} (.+)$", r"**\1**", x) for x in lines)
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
@@ -297,9 +298,10 @@ def _per_call_table(m: Measured) -> str:
     ]
     header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
     return (
-        "Microseconds per call, eager dispatch (bfloat16, hidden 2048, 1 thread): "
-        "median [range] of 3 rounds' medians, base and this change alternating; "
-        "the op's native function and the kernel called directly, for scale:\n\n"
+        "Microseconds per call (the thread's CPU time), eager dispatch (bfloat16, "
+        "hidden 2048, 1 thread): median [p10–p90] of every round's samples, "
+        "base and this change alternating; the op's native function and the "
+        "kernel called alone, for scale:\n\n"
         + table([*header, "native alone", "kernel alone"], rows)
     )
 
