@@ -438,3 +438,21 @@ def test_the_commit_message_is_prose_within_72_columns(tmp_path):
 def test_the_tests_say_which_files_are_this_branchs(tmp_path, same, copied, said):
     runs = TestRuns(AFTER, BEFORE, same, copied)
     assert said in render(checkout(tmp_path, "v0.32.0"), runs, None)
+
+
+def test_the_per_call_claim_leaves_out_what_stayed_native():
+    """On a build that truncates, the bfloat16 fused add stays native: base
+    over this change there is native over native, never a claim."""
+    from vllm_patch.upstream.figures import Measured
+
+    per_call = {
+        ("rms_norm", 1): {"base": (120.0, 100.0, 140.0), "patched": (20.0, 15, 30)},
+        ("fused_add_rms_norm", 1): {"base": (150.0, 1, 2), "patched": (100.0, 1, 2)},
+    }
+    runs = {("rms_norm", 1): "kernel", ("fused_add_rms_norm", 1): "native"}
+    claim = pr_body._per_call_claim(Measured(per_call=per_call, patched_runs=runs))
+    assert "`rms_norm` at 1 tokens 6.0x" in claim
+    assert "`fused_add_rms_norm` at" not in claim
+    assert "`fused_add_rms_norm` stayed native here" in claim
+    table = pr_body._per_call_table(Measured(per_call=per_call, patched_runs=runs))
+    assert table.splitlines()[-1].endswith("| native |")

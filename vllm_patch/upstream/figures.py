@@ -36,6 +36,10 @@ class Measured:
     call through ``RMSNorm``; ``native`` and ``kernel`` called alone for scale."""
     qwen3: dict[str, Any] | None = None
     why_not: str = ""
+    patched_runs: dict[tuple[str, int], str] | None = None
+    """Per (op, tokens): what this change's ``RMSNorm`` ran, ``kernel`` or
+    ``native`` (the rule keeps some inputs native, e.g. the bfloat16 fused
+    add on a build that truncates)."""
 
 
 def installed_build() -> tuple[str, str]:
@@ -63,24 +67,28 @@ def measure(
         for rel, (before, after) in own.items():
             replace_at(site / rel, after)
             replace_at(base / rel, before)
-        per_call = _per_call({"base": base, "patched": site}, progress)
+        per_call, runs = _per_call({"base": base, "patched": site}, progress)
         from vllm_patch.bench import qwen3_eager
 
-        qwen3 = qwen3_eager.compare(str(site), patch.name, progress)
-    return Measured(vllm, build, tuple(own), per_call, qwen3)
+        qwen3 = qwen3_eager.compare(str(site), patch.name, progress, base=str(base))
+    return Measured(vllm, build, tuple(own), per_call, qwen3, "", runs)
 
 
-def _per_call(sites: dict[str, Path], progress) -> dict:
-    """``bench.perop.per_op``'s rows of both sides, by op and token count."""
+def _per_call(sites: dict[str, Path], progress) -> tuple[dict, dict]:
+    """``bench.perop.per_op``'s rows of both sides, by op and token count, and
+    what the patched side's layer ran there."""
     from vllm_patch.bench.perop import per_op
 
     found: dict[tuple[str, int], dict[str, tuple[float, float, float]]] = {}
+    runs: dict[tuple[str, int], str] = {}
     for row in per_op({e: (str(p),) for e, p in sites.items()}, progress)["rows"]:
         side = _side(row)
         if side and "median_us" in row:
             cell = found.setdefault((row["op"], row["tokens"]), {})
             cell[side] = (row["median_us"], row["p10_us"], row["p90_us"])
-    return found
+            if side == "patched":
+                runs[(row["op"], row["tokens"])] = row.get("impl", "")
+    return found, runs
 
 
 def _side(row: dict) -> str | None:

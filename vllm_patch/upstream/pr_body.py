@@ -179,14 +179,25 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
 
 
 def _per_call_claim(m: Measured) -> str:
+    """Base over this change where this change's layer ran the kernel; where
+    the rule kept it native, a ratio would compare native with native."""
+    runs = m.patched_runs or {}
     said = [
         f"`{op}` at {tokens} tokens {_ratio(by):.1f}x"
         for (op, tokens), by in m.per_call.items()
-        if {"base", "patched"} <= set(by)
+        if {"base", "patched"} <= set(by) and runs.get((op, tokens)) == "kernel"
     ]
+    native = sorted({op for (op, _), ran in runs.items() if ran == "native"})
+    kept = (
+        f" {_and([f'`{op}`' for op in native])} stayed native here, as the rule "
+        "has it on this kernel build."
+        if native
+        else ""
+    )
     return (
         "- A call through `RMSNorm` on CPU (eager dispatch, bfloat16, hidden "
-        f"2048, 1 thread), the base's time over this change's: {'; '.join(said)}."
+        f"2048, 1 thread), the base's time over this change's: "
+        f"{'; '.join(said) or 'no call reached the kernel'}.{kept}"
     )
 
 
@@ -292,8 +303,14 @@ def _results(facts: Facts, rows: int):
 
 def _per_call_table(m: Measured) -> str:
     columns = ("base", "patched", "native", "kernel")
+    runs = m.patched_runs or {}
     rows = [
-        [f"`{op}`", tokens, *(spread(by[c]) if c in by else None for c in columns)]
+        [
+            f"`{op}`",
+            tokens,
+            *(spread(by[c]) if c in by else None for c in columns),
+            runs.get((op, tokens)) or None,
+        ]
         for (op, tokens), by in m.per_call.items()
     ]
     header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
@@ -302,7 +319,7 @@ def _per_call_table(m: Measured) -> str:
         "hidden 2048, 1 thread): median [p10–p90] of every round's samples, "
         "base and this change alternating; the op's native function and the "
         "kernel called alone, for scale:\n\n"
-        + table([*header, "native alone", "kernel alone"], rows)
+        + table([*header, "native alone", "kernel alone", "this change ran"], rows)
     )
 
 
