@@ -91,8 +91,7 @@ def main(side: str, cases: list[str]) -> None:
             "vllm": vllm.__version__,
             "vllm_file": vllm.__file__,
             "custom_ops": list(config.compilation_config.custom_ops),
-            "provider_route": status and status["route"],
-            "provider_errors": status and status["errors"],
+            "provider_status": status,
             "seconds": round(time.monotonic() - START, 1),
         }
     )

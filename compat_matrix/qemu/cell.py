@@ -234,7 +234,9 @@ def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
         "form": next(iter(applied), None),
         "patch_status": applied,
         "mechanism": "no IR",
-        "route": (runs["provider"]["setup"] or {}).get("provider_route"),
+        "route": ((runs["provider"]["setup"] or {}).get("provider_status") or {}).get(
+            "route"
+        ),
         "provider": bf16_calls(runs["provider"]),
         "patched": bf16_calls(runs["patched"]),
         "runs": runs,
