@@ -889,7 +889,7 @@ STEPS = {
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
 def test_a_signal_at_any_step_puts_the_checkout_back(
-    fork, capsys, monkeypatch, step, sig
+    fork, capsys, monkeypatch, tmp_path_factory, step, sig
 ):
     module, name = STEPS[step]
     real = getattr(module, name)
@@ -901,7 +901,10 @@ def test_a_signal_at_any_step_puts_the_checkout_back(
 
     monkeypatch.setattr(module, name, then_signalled)
     before = state(fork.repo)
-    copies = set(Path(tempfile.gettempdir()).glob("vllm-patch-*"))
+    # pr's temporary folders in a folder of this test's own (other tests
+    # running beside it make theirs in the system's).
+    temp = tmp_path_factory.mktemp("temp")
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
 
     rc, out = run(fork, capsys)
 
@@ -910,4 +913,4 @@ def test_a_signal_at_any_step_puts_the_checkout_back(
     (line,) = [x for x in out.splitlines() if "interrupted" in x]
     assert line.startswith(f"vllm-patch: error: interrupted ({said});")
     assert state(fork.repo) == before
-    assert set(Path(tempfile.gettempdir()).glob("vllm-patch-*")) <= copies
+    assert list(temp.iterdir()) == []
