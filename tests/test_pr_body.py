@@ -456,3 +456,38 @@ def test_the_per_call_claim_leaves_out_what_stayed_native():
     assert "`fused_add_rms_norm` stayed native here" in claim
     table = pr_body._per_call_table(Measured(per_call=per_call, patched_runs=runs))
     assert table.splitlines()[-1].endswith("| native |")
+
+
+def test_per_op_rows_become_the_per_call_figures_and_what_ran():
+    """``bench.perop.per_op``'s rows (the shape it writes): each side's layer
+    call, native and the kernel alone for scale; a wrong route is left out."""
+    from vllm_patch.upstream.figures import by_shape
+
+    def row(env, route, us, **extra):
+        return {"env": env, "op": "fused_add_rms_norm", "tokens": 1, "route": route,
+                "median_us": us, "p10_us": us - 1, "p90_us": us + 1, **extra}  # fmt: skip
+
+    rows = [
+        row("base", "layer:RMSNorm", 150.0, impl="native"),
+        row("patched", "layer:RMSNorm", 149.0, impl="native"),
+        row("both", "native", 100.0),
+        row("patched", "kernel", 7.0),
+        row("base", "kernel", 7.5),
+        {
+            "env": "patched",
+            "op": "fused_add_rms_norm",
+            "tokens": 1,
+            "route": "ir:vllm_c",
+            "wrong": "outside the tolerance",
+        },  # fmt: skip
+    ]
+    found, runs = by_shape(rows)
+    assert found == {
+        ("fused_add_rms_norm", 1): {
+            "base": (150.0, 149.0, 151.0),
+            "patched": (149.0, 148.0, 150.0),
+            "native": (100.0, 99.0, 101.0),
+            "kernel": (7.0, 6.0, 8.0),
+        }
+    }
+    assert runs == {("fused_add_rms_norm", 1): "native"}

@@ -75,13 +75,17 @@ def measure(
 
 
 def _per_call(sites: dict[str, Path], progress) -> tuple[dict, dict]:
-    """``bench.perop.per_op``'s rows of both sides, by op and token count, and
-    what the patched side's layer ran there."""
     from vllm_patch.bench.perop import per_op
 
+    return by_shape(per_op({e: (str(p),) for e, p in sites.items()}, progress)["rows"])
+
+
+def by_shape(rows: list[dict]) -> tuple[dict, dict]:
+    """``bench.perop.per_op``'s rows of both sides, by op and token count, and
+    what the patched side's layer ran there."""
     found: dict[tuple[str, int], dict[str, tuple[float, float, float]]] = {}
     runs: dict[tuple[str, int], str] = {}
-    for row in per_op({e: (str(p),) for e, p in sites.items()}, progress)["rows"]:
+    for row in rows:
         side = _side(row)
         if side and "median_us" in row:
             cell = found.setdefault((row["op"], row["tokens"]), {})
