@@ -489,7 +489,8 @@ def test_the_description_is_the_releases_template_filled(released):
         # The edited tests with the change, and the fails-before without it;
         # its own layernorm.py ran.
         said = r"edited tests on CPU: [1-9][\d,]* passed, 0 failed, \d+ skipped with "
-        assert re.search(said + r"this change; without it [1-9]\d* fail", body), body
+        ran = re.search(said + r"this change; without it [1-9]\d* fail", body)
+        assert ran, released.stdout
         own = "the checkout's vllm/model_executor/layers/layernorm.py put in"
         assert own in released.stdout
         assert "with this branch's `vllm/model_executor/layers/layernorm.py`" in body

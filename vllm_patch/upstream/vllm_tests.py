@@ -7,7 +7,8 @@ vLLM's tests import ``vllm`` (built: the checkout has no compiled kernels) and
 the checkout's ``tests``: pytest runs in a child (``runtime.child``) with a
 hard-linked copy of the installed vLLM, patched or not, first on its path, then
 the checkout (``--import-mode=append`` keeps the checkout's ``vllm/`` behind).
-``tests/conftest.py`` (``default_vllm_config``) needs ``tblib`` beside vLLM.
+``tests/conftest.py`` (``default_vllm_config``) needs ``tblib`` beside vLLM
+(a dependency of this tool for that).
 pytest's JUnit XML gives the counts."""
 
 from __future__ import annotations
