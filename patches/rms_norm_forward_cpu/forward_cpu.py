@@ -129,8 +129,8 @@ class AddRmsNormForwardCpu(_Edit):
         self.record(
             f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU "
             "kernels match `forward_native` in on this machine, decided once per "
-            f"layer in `{CLASS}.__init__`): `torch.ops._C.rms_norm` and "
-            "`torch.ops._C.fused_add_rms_norm` for contiguous inputs of one such "
+            f"layer in `{CLASS}.__init__`): `ops.rms_norm` and "
+            "`ops.fused_add_rms_norm` for contiguous inputs of one such "
             "dtype with a hidden size that is a multiple of 8; `forward_native` "
             "for the rest, a weightless norm, a variance size override and batch "
             "invariance"

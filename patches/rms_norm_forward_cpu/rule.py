@@ -142,6 +142,8 @@ def call_predicate(residual: bool, weight_may_be_none: bool = False):
 
 
 # The CustomOp form: what RMSNorm gains (and the provider's subclass runs).
+# The kernels through vllm._custom_ops, imported where used, as layernorm.py's
+# poly_norm does.
 INIT_LINES = """\
 # The dtypes in which vLLM's CPU kernels match forward_native for this
 # layer: none without a weight, with a variance size override or with
@@ -161,16 +163,16 @@ def forward_cpu(
     x: torch.Tensor,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    from vllm import _custom_ops as ops
+
     # The kernels ignore strides and take the hidden size in blocks of 8.
     if residual is None:
         if {call_checks("x", "self.weight", "self.cpu_dtypes")}:
             out = torch.empty_like(x)
-            torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
+            ops.rms_norm(out, x, self.weight.data, self.variance_epsilon)
             return out
     elif {call_checks("x", "self.weight", "self.cpu_add_dtypes", "residual")}:
-        torch.ops._C.fused_add_rms_norm(
-            x, residual, self.weight.data, self.variance_epsilon
-        )
+        ops.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
         return x, residual
     return self.forward_native(x, residual)
 """
