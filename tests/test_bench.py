@@ -62,6 +62,23 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     )
 
 
+def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
+    eager = {"base": runs(10, 20), "patched": runs(11, 20), "base2": runs(9, 22)}
+    doc = evidence_record.parse(doc_with({"eager": eager}))
+    assert bench_result.ratios(doc.serving, "eager", "output_throughput", "base2") == [
+        0.9,
+        1.1,
+    ]
+    lines = bench_result.serving_table(doc.serving, "eager").splitlines()
+    assert lines[0] == (
+        "| metric | base | patched | patched / base | base2 / base (A/A) |"
+    )
+    assert "| output tok/s | 15 [10–20] | 15.5 [11–20] | 1.050x [1.000x–1.100x] | "
+    "1.000x [0.900x–1.100x] |" in lines
+    claim = bench_result.throughput_claim(doc)
+    assert "1.050x [1.000x–1.100x] eager (A/A: 1.000x [0.900x–1.100x])" in claim
+
+
 def test_the_report_shows_only_what_was_measured():
     """An interrupted run: one mode, one side of the second repetition."""
     eager = {"base": runs(10, 12), "patched": runs(11)}

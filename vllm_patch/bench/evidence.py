@@ -218,6 +218,7 @@ class BenchRun:
             sides=[
                 serving.Side("base"),
                 serving.Side("patched", (copy,)),
+                serving.Side(serving.A_A),
             ],
             modes=args.modes,
             repeats=args.repeats,

@@ -1,11 +1,12 @@
 """vLLM's serving benchmark, the base vLLM against the patched one.
 
 For each mode (eager, vLLM's default compiled) and repetition, a fresh server
-of the base vLLM and then one of the patched vLLM (the installed one, and a
-patched copy of it first on the server's ``PYTHONPATH``) each serve one run of
-``vllm bench serve``: the random dataset with fixed input and output lengths,
-``--ignore-eos``, the same seed and so the same requests. Interleaving the two,
-in turn first, spreads the machine's load drift over both. The first
+of the base vLLM, one of the patched vLLM (the installed one, and a patched
+copy of it first on the server's ``PYTHONPATH``) and one of the base again
+(``A_A``: the A/A control, whose ratio to the base is the noise floor) each
+serve one run of ``vllm bench serve``: the random dataset with fixed input and output lengths,
+``--ignore-eos``, the same seed and so the same requests. The order reverses
+every repetition, spreading the machine's load drift over all three. The first
 repetition's servers also answer the accuracy prompts
 (``vllm_patch.bench.accuracy``).
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 from vllm_patch.bench import accuracy, server
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import METRICS, SIDES
+from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
@@ -107,7 +108,7 @@ def run_client(
 @dataclass
 class Side:
     name: str
-    """``base`` or ``patched``."""
+    """``base``, ``patched`` or ``A_A`` (the base again)."""
     pythonpath: tuple[str, ...] = ()
 
 
@@ -158,7 +159,7 @@ def measure(
                         f"{metrics['output_throughput']:.1f} output tok/s, "
                         f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                     )
-                    if rep == 1:
+                    if rep == 1 and side.name in SIDES:
                         progress(f"{label}: {len(prompts)} greedy completions")
                         answers[side.name] = accuracy.completions(srv.url, prompts)
                         if lm_eval is not None and mode == "eager":
@@ -172,7 +173,7 @@ def measure(
                     runs[m].append(metrics[m])
                 logged = serving["server_log"].setdefault(mode, {})
                 logged[side.name] = kernel_lines(srv.log)
-                if len(answers) == len(SIDES):
+                if side.name in SIDES and len(answers) == len(SIDES):
                     tokens = found["tokens"]
                     tokens["configs"][mode] = accuracy.compare(
                         *(answers[s] for s in SIDES)

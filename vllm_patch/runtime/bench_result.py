@@ -10,9 +10,11 @@ import statistics
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
+    A_A,
     METRICS,
     MODES,
     NATIVE,
+    SERVED,
     SIDES,
     Decode,
     DecodeBlock,
@@ -28,7 +30,7 @@ from vllm_patch.runtime.evidence_record import (
 )
 from vllm_patch.runtime.machine import BUSY_SHARE
 
-__all__ = ["METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
+__all__ = ["A_A", "METRICS", "MODES", "NATIVE", "SIDES"]  # the format's names, for bench
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 ROWS = 500
@@ -42,17 +44,21 @@ def spread(values: list[float]) -> tuple[float, float, float] | None:
     return statistics.median(values), min(values), max(values)
 
 
-def ratios(serving: Serving, mode: str, metric: str) -> list[float]:
-    """patched / base per repetition (the two ran one after the other)."""
+def ratios(
+    serving: Serving, mode: str, metric: str, over: str = "patched"
+) -> list[float]:
+    """``over`` / base per repetition (the servers ran one after the other)."""
     sides = serving.configs.get(mode, {})
-    base, patched = (sides.get(s, {}).get(metric, ()) for s in SIDES)
-    return [p / b for b, p in zip(base, patched, strict=False) if b]
+    base, other = (sides.get(s, {}).get(metric, ()) for s in ("base", over))
+    return [p / b for b, p in zip(base, other, strict=False) if b]
 
 
-def ratio_shown(serving: Serving, mode: str, metric: str) -> str:
-    """patched / base of ``metric`` in ``mode``: ``median [min–max]`` of the
+def ratio_shown(
+    serving: Serving, mode: str, metric: str, over: str = "patched"
+) -> str:
+    """``over`` / base of ``metric`` in ``mode``: ``median [min–max]`` of the
     repetitions' ratios, the one definition every report shows."""
-    return spread_shown(ratios(serving, mode, metric), ratio=True)
+    return spread_shown(ratios(serving, mode, metric, over), ratio=True)
 
 
 def label(metric: str) -> str:
@@ -78,16 +84,20 @@ def spread_shown(values: list[float], ratio: bool = False) -> str:
 
 
 def serving_table(serving: Serving, mode: str) -> str:
+    """Per metric each vLLM's figures, patched / base and, where the run had
+    it, the A/A control (the base served twice): the noise floor."""
     sides = serving.configs[mode]
+    over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
         [
             label(m),
             *(spread_shown(list(sides.get(s, {}).get(m, ()))) for s in SIDES),
-            ratio_shown(serving, mode, m),
+            *(ratio_shown(serving, mode, m, o) for o in over),
         ]
         for m in METRICS
     ]
-    return md.table(["metric", "base", "patched", "patched / base"], rows)
+    heads = ["metric", "base", "patched", "patched / base"]
+    return md.table(heads + [f"{A_A} / base (A/A)"] * (len(over) - 1), rows)
 
 
 def reps(serving: Serving, mode: str) -> int:
@@ -141,7 +151,7 @@ def kernels_lines(serving: Serving, limit: int = ROWS) -> list[str]:
     return [
         f"- {mode}, {side}: {md.code(line)}"
         for mode, sides in serving.server_log.items()
-        for side in SIDES
+        for side in SERVED
         for line in sides.get(side, ())[:limit]
     ]
 
@@ -168,6 +178,11 @@ def throughput_claim(ev: Evidence) -> str | None:
     configs = ev.serving.configs if ev.serving else {}
     said = ", ".join(
         f"{ratio_shown(ev.serving, m, 'output_throughput')} {m}"
+        + (
+            f" (A/A: {ratio_shown(ev.serving, m, 'output_throughput', A_A)})"
+            if A_A in configs[m]
+            else ""
+        )
         for m in MODES
         if m in configs
     )

@@ -29,6 +29,9 @@ NATIVE = "native"
 """vLLM's own PyTorch implementation of an op: every ratio's baseline."""
 MODES = ("eager", "compiled")
 SIDES = ("base", "patched")
+A_A = "base2"
+"""The base served again: ``--serve``'s A/A control (older evidence lacks it)."""
+SERVED = (*SIDES, A_A)
 METRICS = (
     "request_throughput", "output_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
@@ -203,7 +206,7 @@ class Serving:
     commands: tuple[str, ...]
     sizes: Sizes | None
     configs: dict[str, dict[str, dict[str, tuple[float, ...]]]]
-    """Per mode (``MODES``), side (``SIDES``) and metric (``METRICS``)."""
+    """Per mode (``MODES``), side (``SERVED``) and metric (``METRICS``)."""
     server_log: dict[str, dict[str, tuple[str, ...]]]
 
 
@@ -218,7 +221,7 @@ def _serving(value: object, at: str) -> Serving:
     configs: dict = {}
     for mode, sides in _req(_table, value, at, "configs", MODES).items():
         where = f"{at}.configs.{mode}"
-        for side, metrics in _table(sides, where, SIDES).items():
+        for side, metrics in _table(sides, where, SERVED).items():
             here = f"{where}.{side}"
             configs.setdefault(mode, {})[side] = {
                 m: _numbers(v, f"{here}.{m}")
@@ -229,7 +232,7 @@ def _serving(value: object, at: str) -> Serving:
         where = f"{at}.server_log.{mode}"
         logged[mode] = {
             side: _texts(lines or [], f"{where}.{side}")
-            for side, lines in _table(sides, where, SIDES).items()
+            for side, lines in _table(sides, where, SERVED).items()
         }
     sizes = _opt(_table, value, at, "sizes")
     return Serving(
