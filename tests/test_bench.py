@@ -73,8 +73,10 @@ def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
     assert lines[0] == (
         "| metric | base | patched | patched / base | base2 / base (A/A) |"
     )
-    assert "| output tok/s | 15 [10–20] | 15.5 [11–20] | 1.050x [1.000x–1.100x] | "
-    "1.000x [0.900x–1.100x] |" in lines
+    assert (
+        "| output tok/s | 15 [10–20] | 15.5 [11–20] | 1.050x [1.000x–1.100x] | "
+        "1.000x [0.900x–1.100x] |"
+    ) in lines
     claim = bench_result.throughput_claim(doc)
     assert "1.050x [1.000x–1.100x] eager (A/A: 1.000x [0.900x–1.100x])" in claim
 
@@ -513,10 +515,14 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
 
     fine = decode.block(decode_rows(patched=0.97, norm_saved=3.0), decode.COMPARISONS)
     odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
+    more = decode.block(decode_rows(patched=0.9, norm_saved=3.0), decode.COMPARISONS)
     assert not fine["consistent"]["contradicts"]
-    assert odd["consistent"]["contradicts"]
-    text = "\n".join(bench_result.decode_block(evidence_record._decode_block(odd, "b")))
-    assert "**contradicts**" in text
+    assert odd["consistent"]["contradicts"] and more["consistent"]["contradicts"]
+    for found, said in [(odd, "saves less than"), (more, "saves more than")]:
+        block = evidence_record._decode_block(found, "b")
+        text = "\n".join(bench_result.decode_block(block))
+        assert "**contradicts** the attributed saving" in text
+        assert f"the step {said} the time inside RMSNorm" in text
 
 
 def decode_section(**rows_how):

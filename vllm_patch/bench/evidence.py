@@ -218,7 +218,7 @@ class BenchRun:
             sides=[
                 serving.Side("base"),
                 serving.Side("patched", (copy,)),
-                serving.Side(serving.A_A),
+                serving.Side(bench_result.A_A),
             ],
             modes=args.modes,
             repeats=args.repeats,

@@ -4,9 +4,10 @@ For each mode (eager, vLLM's default compiled) and repetition, a fresh server
 of the base vLLM, one of the patched vLLM (the installed one, and a patched
 copy of it first on the server's ``PYTHONPATH``) and one of the base again
 (``A_A``: the A/A control, whose ratio to the base is the noise floor) each
-serve one run of ``vllm bench serve``: the random dataset with fixed input and output lengths,
-``--ignore-eos``, the same seed and so the same requests. The order reverses
-every repetition, spreading the machine's load drift over all three. The first
+serve one run of ``vllm bench serve``: the random dataset with fixed input and
+output lengths, ``--ignore-eos``, the same seed and so the same requests. The
+order reverses every repetition, spreading the machine's load drift over all
+three. The first
 repetition's servers also answer the accuracy prompts
 (``vllm_patch.bench.accuracy``).
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from vllm_patch.bench import accuracy, server
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
+from vllm_patch.runtime.bench_result import METRICS, SIDES
 
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
