@@ -262,7 +262,13 @@ def test_the_description_is_short_and_speaks_of_vllm_alone(
     assert text.count(TOOL) == 1
     for leak in [*LEAKS, *TOOL_SPEAK]:
         assert leak not in text.replace(TOOL, ""), leak
-    assert [x for x in re.findall(r"^- \[x\].*", text, re.M) if AI_BOX not in x] == []
+    ticked = [x for x in re.findall(r"^- \[x\].*", text, re.M) if AI_BOX not in x]
+    # Testing and Validation only where the tests ran, failing before (and the
+    # v0.32.0 template has the box).
+    tested = runs is RAN and release == "v0.32.0"
+    assert [t.split(":")[0] for t in ticked] == [
+        "- [x] **Testing and Validation"
+    ] * tested
     assert UPSTREAM.rule in text
     assert len(outside_details(text).encode()) < 6000, len(outside_details(text))
     first = section(text, sections[0])

@@ -32,8 +32,12 @@ TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
 """Attribution trailers ``AGENTS.md`` names, the first it names used."""
 HISTORY = "#31643"
 AI_BOX = "AI assistance was used"
-"""The checklist box ticked: the tool that made this change was written with
-AI assistance."""
+"""A checklist box always ticked: the tool that made this change was written
+with AI assistance."""
+TESTED_BOX = "Testing and Validation:"
+"""A checklist box ticked when it is true of this run: the edited tests ran
+here, passing with the change and failing without it, and vLLM's CPU CI runs
+them. The other boxes are the author's judgement."""
 
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
@@ -120,10 +124,24 @@ def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -
     ``BODY_LIMIT``: the evidence's tables cut shorter until it fits."""
     for rows in (100, 20, 3, 0):
         pieces = _pieces(upstream, facts, rows)
-        text = fill(copy.deepcopy(template), pieces, ticked=(AI_BOX,))
+        text = fill(copy.deepcopy(template), pieces, ticked=_ticked(facts))
         if len(text) <= BODY_LIMIT:
             break
     return text
+
+
+def _ticked(facts: Facts) -> tuple[str, ...]:
+    runs = facts.tests
+    tested = (
+        runs is not None
+        and runs.after.ran
+        and runs.before is not None
+        and runs.before.ran
+        and not (runs.after.counts.get("failed") or runs.after.counts.get("errors"))
+        and runs.before.counts.get("failed", 0) > 0
+        and bool(facts.ci)
+    )
+    return (AI_BOX, TESTED_BOX) if tested else (AI_BOX,)
 
 
 def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
