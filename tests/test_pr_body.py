@@ -457,7 +457,7 @@ def test_the_per_call_claim_leaves_out_what_stayed_native():
     }
     runs = {("rms_norm", 1): "kernel", ("fused_add_rms_norm", 1): "native"}
     claim = pr_body._per_call_claim(Measured(per_call=per_call, patched_runs=runs))
-    assert "`rms_norm` at 1 tokens 6.0x" in claim
+    assert "`rms_norm` at 1 token 6.0x" in claim
     assert "`fused_add_rms_norm` at" not in claim
     assert "`fused_add_rms_norm` stayed native here" in claim
     table = pr_body._per_call_table(Measured(per_call=per_call, patched_runs=runs))

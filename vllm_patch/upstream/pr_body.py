@@ -196,12 +196,16 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
             yield f"- vLLM's CPU CI runs {tests} in {where}."
 
 
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
 def _per_call_claim(m: Measured) -> str:
     """Base over this change where this change's layer ran the kernel; where
     the rule kept it native, a ratio would compare native with native."""
     runs = m.patched_runs or {}
     said = [
-        f"`{op}` at {tokens} tokens {_ratio(by):.1f}x"
+        f"`{op}` at {_tokens(tokens)} {_ratio(by):.1f}x"
         for (op, tokens), by in m.per_call.items()
         if {"base", "patched"} <= set(by) and runs.get((op, tokens)) == "kernel"
     ]
