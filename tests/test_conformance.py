@@ -12,7 +12,9 @@ keeps its norm within 1% of exact on every kernel build this CPU loads.
 
 Each form runs in its own child (``conformance_table.py``): the CustomOp form
 and the IR form on a patched copy, the provider opted in on the installed
-vLLM. Expectations come from the rule, so the table holds on any build."""
+vLLM. Expectations come from the rule, so the table holds on any build.
+``nox -s conformance`` keeps the table's summary (``conformance``, a test-suite
+property of its JUnit XML) in ``compat_matrix/results/``, for MATRIX.md."""
 
 from __future__ import annotations
 
@@ -111,6 +113,45 @@ def test_every_compiled_cell(results, form, mode):
 def test_the_residual_stream_keeps_its_norm(results, form):
     for found in results[form]["drift"]:
         assert abs(found["ratio"] - 1) < 0.01, found
+
+
+def test_the_table_is_recorded(results, record_testsuite_property):
+    """Per form and dtype the eager cells that ran a kernel, ran native, or
+    went wrong; per form and compiled mode the graph's kernel calls against
+    the rule's; the residual stream per build; and where it ran."""
+    import json
+
+    from vllm.version import __version__
+
+    summary = {
+        "machine": "{cpu_model} ({arch}), {usable_cpus} CPUs".format(**machine.facts()),
+        "build": results["provider"]["drift"][0]["build"],
+        "vllm": __version__,
+        "forms": {
+            form: {
+                "eager": {
+                    dtype: _counts(
+                        [c for c in found["table"]["cells"] if c["cell"][0] == dtype]
+                    )
+                    for dtype in ("float32", "bfloat16", "float16")
+                },
+                "graphs": found["table"]["graphs"],
+                "drift": found["drift"],
+            }
+            for form, found in results.items()
+        },
+    }
+    record_testsuite_property("conformance", json.dumps(summary))
+    for form in summary["forms"].values():
+        assert [c["kernel"] + c["native"] for c in form["eager"].values()] == [108] * 3
+
+
+def _counts(cells: list[dict]) -> dict[str, int]:
+    return {
+        "kernel": sum(c["kernel"] > 0 for c in cells),
+        "native": sum(c["kernel"] == 0 for c in cells),
+        "wrong": len(_wrong(cells)),
+    }
 
 
 def test_the_plus_rms_norm_graph_runs_the_kernels(results):

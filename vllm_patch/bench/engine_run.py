@@ -22,8 +22,8 @@ TINY_LLAMA = dict(
     num_kv_heads=2,
     vocab_size=1024,
 )
-# Served by ``bench --serve`` without ``--model``: small enough that 12 server
-# starts and runs fit in half an hour on 2 cores.
+# Served by ``bench --serve`` without ``--model``: small enough that a server
+# starts and serves a run in well under a minute on 2 cores.
 SERVED_LLAMA = dict(
     hidden_size=512,
     num_layers=4,
