@@ -197,37 +197,46 @@ CONFORMANCE = (
 )
 
 
+EAGER_HEADER = ["build, machine", "vLLM", "form", "dtype"]
+EAGER_HEADER += ["eager cells: kernel / native / wrong"]
+GRAPH_HEADER = ["build, machine", "form", "custom_ops", "cells", "kernel calls"]
+GRAPH_HEADER += ["the rule's", "verified"]
+DRIFT_HEADER = ["kernel build", "form", "norm / exact", "fused add kernel calls"]
+CUSTOM_OPS = {"compiled": '`["none"]`', "plus_rms_norm": '`["none", "+rms_norm"]`'}
+
+
+def _builds(names: list[str]) -> str:
+    return f"`{'+'.join(names) or 'none'}`"
+
+
 def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
     """A conformance result's eager, compiled and residual-stream rows."""
-    where = f"`{'+'.join(found['build']) or 'none'}` on {found['machine']}"
+    where = f"{_builds(found['build'])} on {found['machine']}"
     eager, graphs, drift = [], [], []
     for form, got in found["forms"].items():
         for dtype, c in got["eager"].items():
             counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
             eager.append([where, found["vllm"], FORMS[form], dtype, counts])
         for mode, g in got["graphs"].items():
-            shown = "+".join(str(g.get("calls", {}).get(k, "-")) for k in CALLS)
-            rule = "+".join(str(g.get("expected", {}).get(k, "-")) for k in CALLS)
+            shown, rule = (
+                "+".join(str(g.get(key, {}).get(k, "-")) for k in CALLS)
+                for key in ("calls", "expected")
+            )
             fine = not g.get("raised") and shown == rule and g.get("excess") == 0.0
-            mode = (
-                '`["none", "+rms_norm"]`' if mode == "plus_rms_norm" else '`["none"]`'
-            )
+            verdict = MARK["passed" if fine else "failed"]
             graphs.append(
-                [
-                    where,
-                    FORMS[form],
-                    mode,
-                    g.get("cells", "-"),
-                    shown,
-                    rule,
-                    MARK["passed" if fine else "failed"],
-                ]
+                [where, FORMS[form], CUSTOM_OPS[mode], g.get("cells", "-")]
+                + [shown, rule, verdict]
             )
-        for d in got["drift"]:
-            ratio = f"{d['ratio']:.4f}"
-            drift.append(
-                [f"`{'+'.join(d['build'])}`", FORMS[form], ratio, d["fused_add_calls"]]
-            )
+        drift += [
+            [
+                _builds(d["build"]),
+                FORMS[form],
+                f"{d['ratio']:.4f}",
+                d["fused_add_calls"],
+            ]
+            for d in got["drift"]
+        ]
     return eager, graphs, drift
 
 
@@ -241,63 +250,33 @@ def qemu_rows(cell: dict) -> list[list]:
             check = cell["checks"].get(f"test_{side}_{dtype}", {})
             wrong = len(cases) if check.get("outcome") == "failed" else 0
             counts = f"{kernel} / {len(cases) - kernel} / {wrong}"
-            rows.append(
-                [
-                    f"`aarch64` on {cell['machine']}",
-                    cell["vllm"],
-                    FORMS[side],
-                    dtype,
-                    counts,
-                ]
-            )
+            where = f"`aarch64` on {cell['machine']}"
+            rows.append([where, cell["vllm"], FORMS[side], dtype, counts])
     return rows
 
 
 def conformance(results: list[dict], cells: list[dict]) -> str:
+    """The conformance section: the x86 tables kept and the aarch64 cells."""
     eager, graphs, drift = [], [], []
     for found in results:
-        rows = conformance_rows(found)
-        eager, graphs, drift = eager + rows[0], graphs + rows[1], drift + rows[2]
-    eager += [
-        r for c in cells if c.get("kernel_build") == "aarch64" for r in qemu_rows(c)
-    ]
+        more = conformance_rows(found)
+        eager, graphs, drift = eager + more[0], graphs + more[1], drift + more[2]
+    arm = [c for c in cells if c.get("kernel_build") == "aarch64"]
+    eager += [r for c in arm for r in qemu_rows(c)]
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
     return "\n\n".join(
         [
             CONFORMANCE,
-            table(
-                [
-                    "build, machine",
-                    "vLLM",
-                    "form",
-                    "dtype",
-                    "eager cells: kernel / native / wrong",
-                ],
-                eager,
-            ),
+            table(EAGER_HEADER, eager),
             "Compiled by Inductor: one `torch.compile(fullgraph=True)` graph of 45 "
             "cells per mode (every value of each dimension), its `_C` calls "
             "(rms_norm + fused add) against the rule's, outputs within tolerance.",
-            table(
-                [
-                    "build, machine",
-                    "form",
-                    "custom_ops",
-                    "cells",
-                    "kernel calls",
-                    "the rule's",
-                    "verified",
-                ],
-                graphs,
-            ),
+            table(GRAPH_HEADER, graphs),
             "The residual stream after 64 bfloat16 fused adds of small updates "
             "(its norm over the exact sum's; 1.0 is exact), per kernel build this "
             "CPU loads:",
-            table(
-                ["kernel build", "form", "norm / exact", "fused add kernel calls"],
-                drift,
-            ),
+            table(DRIFT_HEADER, drift),
         ]
     )
 
