@@ -23,6 +23,7 @@ import pytest
 from patcher.patchset import select
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from tests.conformance_table import DTYPES
 from vllm_patch.runtime import child, cpu_library, machine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -133,7 +134,7 @@ def test_the_table_is_recorded(results, record_testsuite_property):
                     dtype: _counts(
                         [c for c in found["table"]["cells"] if c["cell"][0] == dtype]
                     )
-                    for dtype in ("float32", "bfloat16", "float16")
+                    for dtype in DTYPES
                 },
                 "graphs": found["table"]["graphs"],
                 "drift": found["drift"],
@@ -143,7 +144,9 @@ def test_the_table_is_recorded(results, record_testsuite_property):
     }
     record_testsuite_property("conformance", json.dumps(summary))
     for form in summary["forms"].values():
-        assert [c["kernel"] + c["native"] for c in form["eager"].values()] == [108] * 3
+        assert [c["kernel"] + c["native"] for c in form["eager"].values()] == [
+            108
+        ] * len(DTYPES)
 
 
 def _counts(cells: list[dict]) -> dict[str, int]:
