@@ -379,6 +379,22 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
+def test_per_op_at_each_thread_count_is_a_section_of_its_own():
+    def perop(threads: int, us: float) -> dict:
+        row = {"env": "both", "op": "rms_norm", "tokens": 1, "route": "native"}
+        row |= {"median_us": us, "native_us": us, "p10_us": us, "p90_us": us}
+        return {"hidden_size": 2048, "dtype": "bfloat16", "threads": threads,
+                "rows": [row]}  # fmt: skip
+
+    doc = {"schema": 1, "perop": perop(1, 20.0), "perop_threads": [perop(2, 23.0)]}
+    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    headings = re.findall(r"^## Microseconds per call.*$", text, re.M)
+    assert [h.rsplit(", ", 1)[1] for h in headings] == ["1 thread(s)", "2 thread(s)"]
+    assert "| `rms_norm` | 1 | 23.0 [23.0–23.0] |" in text.split(headings[1])[1]
+    with pytest.raises(evidence_record.Bad, match="perop_threads.*more than 8"):
+        evidence_record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
+
+
 @requires_vllm
 @pytest.mark.integration
 def test_per_op_times_every_route_that_passes_numerics():

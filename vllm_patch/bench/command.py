@@ -63,11 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled",
         help="--decode and --serve: eager and/or compiled (both)")  # fmt: skip
+    add("--threads", type=_threads, default=[1, 2], metavar="1,2",
+        help="--decode and --perop: torch thread counts, the first is the "
+        "headline's (1,2)")  # fmt: skip
     add = parser.add_argument_group("--decode").add_argument
     add("--dtype", choices=("float32", "bfloat16"),
         help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip
-    add("--threads", type=_threads, default=[1, 2], metavar="1,2",
-        help="torch thread counts, the first is the headline's (1,2)")  # fmt: skip
     add("--rounds", type=int, default=20, metavar="N", help="repetitions (20)")
     add("--tokens", type=int, default=9, metavar="L",
         help="tokens per generation: a prefill, L - 1 decode steps (9)")  # fmt: skip

@@ -270,7 +270,10 @@ class BenchRun:
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
 
-        self.doc["perop"] = per_op({"base": (), "patched": (copy,)}, self.progress)
+        envs = {"base": (), "patched": (copy,)}
+        first, *more = args.threads
+        self.doc["perop"] = per_op(envs, self.progress, first)
+        self.doc["perop_threads"] = [per_op(envs, self.progress, n) for n in more]
 
     def qwen3(self, args, copy: str) -> None:
         from vllm_patch.bench.qwen3_eager import compare

@@ -36,8 +36,9 @@ TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1
-"""One thread, what vLLM gives its worker on a 2-core machine; on a loaded
-machine OpenMP teams also wait for a descheduled thread."""
+"""The default: one thread, what vLLM gives its worker on a 2-core machine; on
+a loaded machine OpenMP teams also wait for a descheduled thread (``bench
+--perop --threads`` measures others too)."""
 ROUNDS = 2
 CACHING_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(2**26),
@@ -145,8 +146,9 @@ def _parts(name: str, args: tuple) -> dict[str, Callable]:
     }
 
 
-def measure(env: str) -> list[dict[str, Any]]:
-    """In a child: the rows of this vLLM (``env`` labels them)."""
+def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
+    """In a child: the rows of this vLLM (``env`` labels them) at ``threads``
+    torch threads."""
     import torch
     from vllm import ir
     from vllm.platforms import current_platform
@@ -156,7 +158,7 @@ def measure(env: str) -> list[dict[str, Any]]:
     if hasattr(current_platform, "import_ir_kernels"):
         current_platform.import_ir_kernels()
     load_general_plugins()  # out-of-tree providers and layers, as vLLM loads them
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     unwrap = getattr(ir, "enable_torch_wrap", None)  # off in eager CPU engines
     dtype = getattr(torch, DTYPE)
     rows = []
@@ -207,7 +209,9 @@ def _runs_kernel(name: str, fn: Callable, args: tuple) -> str:
     return "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
 
 
-def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
+def per_op(
+    envs: dict[str, tuple[str, ...]], progress, threads: int = THREADS
+) -> dict[str, Any]:
     """:func:`measure` ``ROUNDS`` times in each vLLM, alternating (label: its
     ``PYTHONPATH`` folders), with the machine's load over each child; rows of
     pooled samples (:func:`pooled`)."""
@@ -216,11 +220,11 @@ def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
     samples, load = [], []
     for r in range(ROUNDS):
         for env, pythonpath in envs.items():
-            progress(f"per op: {env} ({r + 1}/{ROUNDS})")
+            progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
             before = machine.cpu_snapshot()
             samples += child.run(
                 "vllm_patch.bench.perop:measure",
-                {"env": env},
+                {"env": env, "threads": threads},
                 pythonpath=pythonpath,
                 env=CACHING_MALLOC,
             ).value()
@@ -236,7 +240,7 @@ def per_op(envs: dict[str, tuple[str, ...]], progress) -> dict[str, Any]:
     return {
         "hidden_size": HIDDEN,
         "dtype": DTYPE,
-        "threads": THREADS,
+        "threads": threads,
         "clock": "thread CPU time",
         "rounds": ROUNDS,
         "load": load,

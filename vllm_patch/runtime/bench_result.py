@@ -229,7 +229,7 @@ def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
     ]
     return said and (
         f"- Per call of vLLM's norm layer ({md.text(perop.dtype, 20)}, hidden "
-        f"{perop.hidden_size}, {perop.threads} thread), the base's time over "
+        f"{perop.hidden_size}, {perop.threads} thread(s)), the base's time over "
         f"this change's: {'; '.join(said[:limit])}."
     )
 
@@ -391,7 +391,7 @@ def perop_heading(perop: PerOp, escape=md.text) -> str:
     )
     return (
         f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
-        f"hidden {perop.hidden_size}, {perop.threads} thread"
+        f"hidden {perop.hidden_size}, {perop.threads} thread(s)"
     )
 
 
@@ -599,6 +599,6 @@ def evidence_markdown(ev: Evidence) -> str:
     if ev.numerics:
         heading = "## Numerics per x86 kernel build"
         out += ["", heading, "", numerics_table(ev.numerics)]
-    if ev.perop:
-        out += ["", f"## {perop_heading(ev.perop)}", "", *perop_lines(ev.perop)]
+    for perop in [ev.perop, *ev.perop_threads] if ev.perop else []:
+        out += ["", f"## {perop_heading(perop)}", "", *perop_lines(perop)]
     return "\n".join(out) + "\n"

@@ -45,6 +45,8 @@ MANY = 200
 """The most entries of a list or table (repetitions, commands, log lines)."""
 MOST_ROWS = 2000
 """The most per-op rows (a run writes a few dozen)."""
+MOST_THREADS = 8
+"""The most other thread counts a ``perop`` comes at (``perop_threads``)."""
 MOST_COLUMNS = 24
 """The most (vLLM, route) pairs in the per-op table."""
 LARGEST = 1e15
@@ -639,6 +641,8 @@ class Evidence:
     decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
+    perop_threads: tuple[PerOp, ...] = ()
+    """``perop`` at the other thread counts of the run."""
 
 
 def parse(doc: object) -> Evidence:
@@ -667,6 +671,12 @@ def parse(doc: object) -> Evidence:
         _opt(_decode, doc, "", "decode"),
         _get(doc, "", "interrupted")[0] is True,
         _opt(_texts, doc, "", "failed") or (),
+        tuple(
+            _perop(found, f"perop_threads[{i}]")
+            for i, found in enumerate(
+                _opt(_list, doc, "", "perop_threads", MOST_THREADS) or []
+            )
+        ),
     )
 
 
