@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
@@ -568,14 +567,19 @@ def test_a_rerun_on_the_branch_commits_nothing(released):
 def test_sigterm_while_vllms_tests_run_puts_everything_back(tmp_path):
     repo = repo_from_sdist(RELEASE, tmp_path / "vllm")
     before = state(repo)
-    copies = set(Path(tempfile.gettempdir()).glob("vllm-patch-*"))
+    # Its own temporary folder: other tests (and runs) make vllm-patch-* too.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    run = pr_process(repo)
+    run["env"]["TMPDIR"] = str(scratch)
     proc = subprocess.Popen(
-        **pr_process(repo), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        **run, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     for line in proc.stdout:
         if line.startswith("upstream tests: running"):
             break
     time.sleep(5)  # pytest is running in its child, on the copies
+    assert list(scratch.glob("vllm-patch-*"))  # the copies, to be removed
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
 
@@ -584,4 +588,4 @@ def test_sigterm_while_vllms_tests_run_puts_everything_back(tmp_path):
     (line,) = [x for x in err.splitlines() if "interrupted" in x]
     assert line.startswith("vllm-patch: error: interrupted (SIGTERM);")
     assert state(repo) == before
-    assert set(Path(tempfile.gettempdir()).glob("vllm-patch-*")) <= copies
+    assert list(scratch.glob("vllm-patch-*")) == []
