@@ -7,9 +7,8 @@ copy of it first on the server's ``PYTHONPATH``) and one of the base again
 serve one run of ``vllm bench serve``: the random dataset with fixed input and
 output lengths, ``--ignore-eos``, the same seed and so the same requests. The
 order reverses every repetition, spreading the machine's load drift over all
-three. The first
-repetition's servers also answer the accuracy prompts
-(``vllm_patch.bench.accuracy``).
+three. The first repetition's base and patched servers also answer the
+accuracy prompts (``vllm_patch.bench.accuracy``).
 """
 
 from __future__ import annotations
