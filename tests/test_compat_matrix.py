@@ -146,20 +146,18 @@ def test_failures_are_listed_with_their_message():
 def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     eager = {"float32": {"kernel": 27, "native": 81, "wrong": 0}}
     graph = {"cells": 45, "calls": {k: 3 for k in report.CALLS}, "raised": None}
+    provider = {
+        "eager": eager,
+        "graphs": {
+            "compiled": {**graph, "expected": graph["calls"], "excess": 0.0},
+            "plus_rms_norm": {**graph, "expected": {}, "excess": 0.0},
+        },
+        "drift": {"ratio": 1.00049, "fused_add_calls": 64, "build": ["_C"]},
+    }
     found = {
         "machine": "AMD EPYC (x86_64), 2 CPUs, Linux",
-        "build": ["_C"],
         "vllm": "0.32.0",
-        "forms": {
-            "provider": {
-                "eager": eager,
-                "graphs": {
-                    "compiled": {**graph, "expected": graph["calls"], "excess": 0.0},
-                    "plus_rms_norm": {**graph, "expected": {}, "excess": 0.0},
-                },
-                "drift": [{"ratio": 1.00049, "fused_add_calls": 64, "build": ["_C"]}],
-            }
-        },
+        "tables": [{"build": ["_C"], "forms": {"provider": provider}}],
     }
     text = report.conformance([found], [])
     where = "`_C` on AMD EPYC (x86_64), 2 CPUs, Linux"
