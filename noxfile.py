@@ -149,7 +149,9 @@ def compat(session: nox.Session, vllm: str) -> None:
     result = MATRIX / "results" / f"{cell['package']}-{cell['version']}.xml"
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
-    env_key = digest(cell, sources, "compileall", files=("pyproject.toml",))
+    env_key = digest(
+        cell, sources, "compileall", files=("pyproject.toml", "noxfile.py")
+    )
     e2e = "--e2e" in session.posargs  # a result with engine starts serves without
     code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
     if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
@@ -159,7 +161,9 @@ def compat(session: nox.Session, vllm: str) -> None:
             if live:
                 stamp["torch"] = install_cell(session, cell, sources)
             else:
-                session.install(*sources, "-e", ".")
+                # pip: the checks download the release's wheel with it (a uv
+                # environment has none).
+                session.install(*sources, "-e", ".", "pip")
                 stamp["torch"] = f"{cell['torch']} (the wheel's pin, not installed)"
             # Bytecode for the whole environment, as pip compiles at install:
             # with PYTHONDONTWRITEBYTECODE set, every import of torch and vLLM
