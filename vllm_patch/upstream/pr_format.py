@@ -31,7 +31,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PRE_COMMIT = ".pre-commit-config.yaml"
-REV = r"{repo}[ \t]*\r?\n[ \t]*rev:[ \t]*v?([\w.]+)"
+REV = (
+    r"{repo}[ \t]*\r?\n[ \t]*rev:[ \t]*v?([\w.]+)"
+    r"(?:[ \t]*#[ \t]*frozen:[ \t]*v?([\w.]+))?"
+)
+"""A hook's ``rev``: a tag (``v0.14.0``) or, as ``pre-commit autoupdate
+--freeze`` writes it (vLLM 0.34 on), a commit and ``# frozen: v0.17.2``."""
 TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
 """The pre-commit hooks whose pinned version runs here: PyPI name, hook repo."""
 CONFIG_FILES = [
@@ -139,7 +144,10 @@ def pinned_version(root: Path, repo: str) -> str | None:
     except PatchError:
         return None
     found = re.search(REV.format(repo=re.escape(repo)), text or "")
-    return found.group(1) if found else None
+    if not found:
+        return None
+    rev, frozen = found.groups()
+    return frozen or (None if re.fullmatch(r"[0-9a-f]{40}", rev) else rev)
 
 
 def changed_ranges(before: str, after: str) -> list[tuple[int, int]]:
