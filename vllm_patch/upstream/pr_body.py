@@ -25,7 +25,7 @@ from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.figures import Measured, spread
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, Template, fill
-from vllm_patch.upstream.vllm_tests import KEYS, TestRuns, described_machine
+from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
 
 TOOL = "vllm-patch"
 TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
@@ -135,13 +135,18 @@ def _ticked(facts: Facts) -> tuple[str, ...]:
     tested = (
         runs is not None
         and runs.after.ran
+        and not _failed(runs.after)
         and runs.before is not None
         and runs.before.ran
-        and not (runs.after.counts.get("failed") or runs.after.counts.get("errors"))
-        and runs.before.counts.get("failed", 0) > 0
+        and _failed(runs.before) > 0
         and bool(facts.ci)
     )
     return (AI_BOX, TESTED_BOX) if tested else (AI_BOX,)
+
+
+def _failed(run: TestRun) -> int:
+    """The tests of a run that failed or errored."""
+    return run.counts["failed"] + run.counts["errors"]
 
 
 def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
@@ -241,7 +246,7 @@ def _tests_claim(runs: TestRuns | None, command: str) -> str:
     before = runs.before
     if before is None or not before.ran:
         return said + "."
-    failed = before.counts["failed"] + before.counts["errors"]
+    failed = _failed(before)
     names = ", ".join(map(md.code, dict.fromkeys(map(_test_name, before.failures))))
     return f"{said}; without it {failed} fail" + (f" ({names})." if names else ".")
 
