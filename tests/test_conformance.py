@@ -26,7 +26,7 @@ import pytest
 from patcher.patchset import select
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from tests.conformance_table import DTYPES, cells
+from tests.conformance_table import DIMENSIONS, DTYPES, cells
 from vllm_patch.runtime import child, cpu_library, machine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -41,11 +41,11 @@ MODES = ["eager", "compiled", "plus_rms_norm"]
 BACKEND = "inductor"
 
 
-def _start(form: str, copy_of=None, target="everything", **kwargs):
+def _start(form: str, copy_of=None, **kwargs):
     """The provider with every plugin and the opt-in; a form with no plugin."""
     provider = form == "provider"
     return child.start(
-        f"tests.conformance_table:{target}",
+        "tests.conformance_table:everything",
         {"form": form, **kwargs},
         pythonpath=[copy_of] if copy_of else [],
         env={OPT_IN_ENV: "1"} if provider else {"VLLM_PLUGINS": "none"},
@@ -153,6 +153,7 @@ def test_the_table_is_recorded(results, record_testsuite_property):
     ]
     machine_is = "{cpu_model} ({arch}), {usable_cpus} CPUs".format(**machine.facts())
     summary = {"machine": machine_is, "vllm": __version__, "tables": tables}
+    summary["dimensions"] = {name: list(values) for name, values in DIMENSIONS.items()}
     record_testsuite_property("conformance", json.dumps(summary))
     for table in tables:
         for form in table["forms"].values():
