@@ -603,6 +603,17 @@ def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
     )
 
 
+def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
+    ev = evidence_record.parse(doc_with({}, decode=decode_section()))
+    first = bench_result.claims(ev)[0]
+    b = ev.decode.headline
+    said = bench_result.interval_shown(b.comparisons["patched/base"].cpu, unit="x")
+    control = bench_result.interval_shown(b.comparisons["base/base"].cpu, unit="x")
+    assert first.startswith("- A decode step (float32, 1 thread(s), kernel build")
+    assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
+    assert "ms saved inside RMSNorm per step" in first
+
+
 def test_the_default_dtype_is_the_one_the_kernels_run_in():
     from vllm_patch.bench import decode
 

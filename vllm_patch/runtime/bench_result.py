@@ -234,9 +234,33 @@ def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
     )
 
 
+def decode_claim(d: Decode) -> str | None:
+    """The headline: a decode step with this change over the base, beside
+    the A/A control, and the time saved inside ``RMSNorm``."""
+    b = d.headline
+    ratio = b and b.comparisons.get("patched/base")
+    if ratio is None:
+        return None
+    control = b.comparisons.get("base/base")
+    aa = f" (A/A control {interval_shown(control.cpu, unit='x')})" if control else ""
+    saved = b.savings.get("patched")
+    inside = saved and (
+        f"; {interval_shown(saved.ms, '.2f')} ms saved inside RMSNorm per step, "
+        f"{saved.share.value:.1%} of it"
+    )
+    return (
+        f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"build {md.code(d.kernel_build, 20)}, {md.text(d.model, 80)}), this "
+        f"change's CPU time over the base's, 95% interval: "
+        f"{interval_shown(ratio.cpu, unit='x')}{aa}{inside or ''}."
+    )
+
+
 def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
-    """What the figures say, a line each (what was not measured: no line)."""
+    """What the figures say, a line each (what was not measured: no line);
+    the decode step first, the headline."""
     found = [
+        ev.decode and decode_claim(ev.decode),
         throughput_claim(ev),
         ev.perop and perop_claim(ev.perop, limit),
         tokens_claim(ev),
