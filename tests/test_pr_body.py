@@ -497,3 +497,15 @@ def test_per_op_rows_become_the_per_call_figures_and_what_ran():
         }
     }
     assert runs == {("fused_add_rms_norm", 1): "native"}
+
+
+def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):
+    from test_bench import decode_section
+
+    ev = {**evidence(), "decode": decode_section()}
+    text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
+    claims = section(text, "Claims").splitlines()
+    evidence_claims = [c for c in claims if c.startswith("- ") and "tests" not in c]
+    assert evidence_claims[0].startswith("- A decode step (float32, 1 thread(s)")
+    assert "**Decode step: float32, 1 thread(s), kernel build" in text
+    assert "| `base/base` (A/A control) |" in text
