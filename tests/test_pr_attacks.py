@@ -457,16 +457,31 @@ def test_python_safe_path_m_never_imports_a_planted_vllm_patch(tmp_path):
     assert not marker.exists()
 
 
+def test_python_m_never_imports_a_planted_vllm_patch(tmp_path):
+    """Plain `python -m vllm_patch` there: the install's start-up hook
+    (`vllm_patch.pth`) imported the real package before Python put the
+    working folder on sys.path, so the planted one never runs."""
+    marker = plant_package(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "--version"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "vllm-patch " in proc.stdout, proc.stderr
+    assert not marker.exists()
+
+
 def test_python_m_refuses_to_run_on_a_planted_vllm_patch(tmp_path):
-    """Plain `python -m vllm_patch` there: Python imports the planted package
-    first (nothing installed can stop that), then finds this `__main__`
-    through the installed package; it refuses to run on top of it."""
+    """Without the start-up hook (`python -S`, or the planted package put
+    first by hand as here), Python imports the planted package first, then
+    finds this `__main__` through the installed package; it refuses to run on
+    top of it."""
     import vllm_patch
 
     marker = plant_package(tmp_path)
     main = Path(vllm_patch.__file__).with_name("__main__.py")
     code = (
-        "import runpy, sys; sys.path.insert(0, ''); import vllm_patch; "
+        "import runpy, sys; sys.modules.pop('vllm_patch', None); "
+        "sys.path.insert(0, ''); import vllm_patch; "
         f"sys.argv = ['vllm-patch', '--version']; runpy.run_path({str(main)!r}, "
         "run_name='__main__')"
     )

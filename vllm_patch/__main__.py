@@ -1,11 +1,10 @@
 """``python -m vllm_patch``: the ``vllm-patch`` command. Plain ``-m`` puts the
-working folder first on ``sys.path`` and imports the package ``vllm_patch``
-from there if it holds one, before any of this code runs: in a folder someone
-else prepared, run ``vllm-patch`` or ``python -P -m vllm_patch`` (``-I`` before
-Python 3.11), which never look there. This module refuses to run on top of a
-``vllm_patch`` package that is not its own, and takes the working folder off
-``sys.path`` before anything else is imported, so a ``vllm/`` (or ``torch/``,
-``pip/``) planted there is never imported."""
+working folder first on ``sys.path``; the install's start-up hook
+(``vllm_patch.pth``) has imported this package before that, so a ``vllm_patch/``
+planted there is never imported. Without the hook (``python -S``) Python may
+import the planted one first: then this module refuses to run. It takes the
+working folder off ``sys.path`` before importing anything else, so a planted
+``vllm/`` (or ``torch/``, ``pip/``) is never imported either."""
 
 import os
 import sys
