@@ -97,10 +97,7 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
             edit.label = wiring.file.rsplit("/", 1)[-1]
             after = _script_text(before, edit)
         else:
-            old = load_yaml(before)
-            edit.label = _find_label(old, wiring.step, wiring.file)
-            after = _edit_text(before, edit)
-            _verify(old, after, edit)
+            after = _yaml_text(before, edit)
     except PatchError as exc:
         edit.reason, edit.left_out = f"left out: {wiring.file}: {refusal(exc)}", True
         return edit
@@ -113,11 +110,11 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
     return edit
 
 
-def load_yaml(text: str):
-    """The document in ``text``, read by the safe loader after its events were
-    counted (nesting, aliases) and its node graph measured (the size with every
-    alias expanded, each node counted once, so comparing is linear): past a
-    bound or not YAML, ``CiRefused`` naming the line and column, never the text."""
+def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
+    """The node graph and document in ``text``, read by the safe loader after
+    its events were counted (nesting, aliases) and its nodes measured (the size
+    with every alias expanded, each node counted once, so comparing is linear):
+    past a bound or not YAML, ``CiRefused`` naming the line, never the text."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -137,7 +134,7 @@ def load_yaml(text: str):
             node = loader.get_single_node()
             if node is not None and _expanded(node, {}) > MAX_NODES:
                 raise CiRefused(f"left out: YAML expanding past {MAX_NODES} nodes")
-            return loader.construct_document(node) if node is not None else None
+            return node, loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
@@ -156,76 +153,54 @@ def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[id(node)]
 
 
-def _find_label(doc, step: str, file: str) -> str:
-    steps = doc.get("steps") if isinstance(doc, dict) else None
-    labels = [
-        s["label"]
-        for s in steps or []
-        if isinstance(s, dict) and step in str(s.get("label", ""))
-    ]
-    if len(labels) != 1:
-        raise CiShapeError(
-            f"{file}: looked for one step labelled {step!r}, found {len(labels)}"
-        )
-    return labels[0]
+def _get(node: yaml.Node | None, key: str) -> yaml.Node | None:
+    """The value of ``key`` in a mapping node that has it once, else None."""
+    mapping = isinstance(node, yaml.MappingNode)
+    found = [v for k, v in node.value if k.value == key] if mapping else []
+    return found[0] if len(found) == 1 else None
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip(" "))
-
-
-def _step_lines(lines: list[str], label: str) -> tuple[int, int]:
-    """[start, end) of the step whose ``- label:`` line names ``label``."""
-    head = re.compile(r"^(\s*)- label:\s*['\"]?" + re.escape(label) + r"['\"]?\s*$")
-    starts = [i for i, line in enumerate(lines) if head.match(line)]
-    if len(starts) != 1:
-        raise CiShapeError(f"no single '- label: {label}' line")
-    start = starts[0]
-    dash, end = _indent(lines[start]), start + 1
-    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > dash):
-        end += 1
-    return start, end
-
-
-def _key_block(lines: list[str], start: int, end: int, key: str) -> tuple[int, int]:
-    """[first, last) lines of the value of ``key`` inside the step's lines."""
-    keys = [i for i in range(start, end) if re.match(rf"^\s*(- )?{key}:\s*$", lines[i])]
-    if len(keys) != 1:
+def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
+    """The items of the step's ``key``, a block list of at least one."""
+    found = _get(step, key)
+    if not isinstance(found, yaml.SequenceNode) or found.flow_style or not found.value:
         raise CiShapeError(f"no single block '{key}:' in the step")
-    at = keys[0]
-    indent = _indent(lines[at]) + (2 if lines[at].lstrip().startswith("- ") else 0)
-    last = at + 1
-    while last < end and (
-        not lines[last].strip()
-        or _indent(lines[last]) > indent
-        or (_indent(lines[last]) == indent and lines[last].lstrip().startswith("- "))
-    ):
-        last += 1
-    while last > at + 1 and not lines[last - 1].strip():
-        last -= 1  # trailing blank lines belong between steps
-    return at + 1, last
+    return found.value
 
 
-def _edit_text(text: str, edit: CiEdit) -> str:
-    """The step's commands run the new tests and its dependencies list the
-    new files, each added after the last line of its kind, in its layout."""
+def _yaml_text(text: str, edit: CiEdit) -> str:
+    """The step's commands run the new tests and its dependencies list the new
+    files, each added after the last line of its kind, in its layout."""
+    node, old = load_yaml(text)
+    steps = _get(node, "steps")
+    found = [
+        (label.value, step, i)
+        for i, step in enumerate(
+            steps.value if isinstance(steps, yaml.SequenceNode) else []
+        )
+        if isinstance(label := _get(step, "label"), yaml.ScalarNode)
+        and edit.wiring.step in label.value
+    ]
+    if len(found) != 1:
+        raise CiShapeError(
+            f"{edit.wiring.file}: looked for one step labelled {edit.wiring.step!r}, "
+            f"found {len(found)}"
+        )
+    edit.label, step, index = found[0]
+    deps, commands = (_block_list(step, k) for k in (DEPENDENCIES, "commands"))
     lines = text.splitlines(keepends=True)
-    start, end = _step_lines(lines, edit.label)
-    deps_at, deps_end = _key_block(lines, start, end, DEPENDENCIES)
-    cmd_at, cmd_end = _key_block(lines, start, end, "commands")
-    offset, new_tests = _test_lines(lines[cmd_at:cmd_end], edit)
-    block = lines[deps_at:deps_end]
-    items = [i for i, line in enumerate(block) if line.lstrip().startswith("- ")]
-    if not items:
-        raise CiShapeError(f"{DEPENDENCIES} of the step is not a block list")
-    prefix = block[items[-1]][: _indent(block[items[-1]])] + "- "
-    listed = {line.strip()[2:].strip() for line in block if line.strip()}
+    start, last = commands[0].start_mark.line, commands[-1].end_mark
+    offset, new_tests = _test_lines(lines[start : last.line + (last.column > 0)], edit)
+    listed = {d.value for d in deps}
     edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
-    new_deps = [f"{prefix}{d}\n" for d in edit.added_dependencies]
-    inserts = [(cmd_at + offset, new_tests), (deps_at + items[-1] + 1, new_deps)]
+    item = lines[deps[-1].start_mark.line]  # its indentation and "- ", no more
+    dash = item[: len(item) - len(item.lstrip(" "))] + "- "
+    new_deps = [f"{dash}{d}\n" for d in edit.added_dependencies]
+    inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
     for at, added in sorted(inserts, reverse=True):  # the later lines first
         lines[at:at] = added
     edit.inserted = [line.strip() for line in new_tests]
+    _verify(old, "".join(lines), edit, index)
     return "".join(lines)
 
 
@@ -267,27 +242,23 @@ def _script_text(text: str, edit: CiEdit) -> str:
     return "".join(lines)
 
 
-def _verify(old, after: str, edit: CiEdit) -> None:
-    """``after`` parses to the ``old`` document plus exactly the added entries."""
-    new = load_yaml(after)
-    old_step, new_step = (
-        next(
-            s
-            for s in d["steps"]
-            if isinstance(s, dict) and s.get("label") == edit.label
-        )
-        for d in (old, new)
-    )
-    if not isinstance(old_step.get(DEPENDENCIES), list):
-        raise CiShapeError(f"{DEPENDENCIES} of the step is not a list")
-    if new_step.get(DEPENDENCIES) != old_step[DEPENDENCIES] + edit.added_dependencies:
+def _verify(old, after: str, edit: CiEdit, index: int) -> None:
+    """``after`` parses to the ``old`` document plus exactly the added entries
+    in its step ``index``."""
+    new = load_yaml(after)[1]
+    steps = new.get("steps") if isinstance(new, dict) else None
+    step = steps[index] if isinstance(steps, list) and len(steps) > index else {}
+    was = old["steps"][index]
+    if not isinstance(step, dict) or (
+        step.get(DEPENDENCIES) != was[DEPENDENCIES] + edit.added_dependencies
+    ):
         raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
-    commands = [str(c) for c in new_step.get("commands", [])]
+    commands = [str(c) for c in step.get("commands", [])]
     if not all(t in " ".join(commands) for t in edit.added_tests):
         raise CiShapeError("the edited commands do not run the added tests")
-    new_step[DEPENDENCIES] = old_step.get(DEPENDENCIES)
+    step[DEPENDENCIES] = was[DEPENDENCIES]
     kept = (c.splitlines(keepends=True) for c in commands)
-    new_step["commands"] = [
+    step["commands"] = [
         "".join(x for x in c if x.strip() not in edit.inserted) for c in kept
     ]
     if new != old:

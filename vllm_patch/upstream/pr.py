@@ -41,11 +41,7 @@ OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--base", "REF", "where to start (e.g. upstream/main); default: this branch"),
     ("--format-patch", "DIR", "also write the commit as an mbox (git am) into DIR"),
     ("--evidence", "DIR", "DIR/evidence.json's figures (bench --serve --out DIR)"),
-    (
-        "--out",
-        "FILE",
-        "the PR description; default: <git-dir>/vllm-patch/PR_<branch>.md",
-    ),
+    ("--out", "FILE", "the PR description; default: in <git-dir>/vllm-patch/"),
     ("--no-tests", None, "do not run vLLM's tests (the checkout's code) of the edit"),
     ("--no-bench", None, "measure nothing (without --evidence: per call, accuracy)"),
     ("--pytest-k", "EXPR", "run only the upstream tests matching EXPR (pytest -k)"),
@@ -76,6 +72,8 @@ class Settings:
     evidence: Evidence | None
     start: str  # the branch (or, detached, the commit) to come back to
     tip: str | None  # the existing branch's commit (None: the branch is created)
+    base: str | None  # where the branch starts, or which it must contain
+    base_commit: str | None
     args: argparse.Namespace
 
 
@@ -125,25 +123,6 @@ def signoff(repo: git.Repo) -> str:
     return f"Signed-off-by: {name.strip()} <{rest.partition('>')[0].strip()}>"
 
 
-def resolve_base(repo: git.Repo, base: str | None) -> tuple[str, git.Commit]:
-    where = repo.working_tree_dir
-    if base is None and repo.head.is_detached:
-        raise UsageError(
-            "HEAD is detached; pass --base REF (e.g. upstream/main)", path=where
-        )
-    if base is None:
-        return repo.active_branch.name, repo.head.commit
-    try:
-        return base, repo.commit(base)
-    except (git.BadName, ValueError) as exc:
-        raise UsageError(
-            f"unknown base {base!r}",
-            path=where,
-            looked_for="a branch, tag or commit (git rev-parse)",
-            found="nothing",
-        ) from exc
-
-
 def checkout_version(repo: git.Repo, tree: VllmTree) -> Version | None:
     """vllm/_version.py when the build wrote it, else the nearest v* tag."""
     version = read_version(tree)
@@ -171,14 +150,23 @@ def preflight(args: argparse.Namespace) -> Settings:
     if named != branch or branch.startswith("-"):  # @{-1} names another branch
         raise UsageError(f"not a valid branch name: {branch!r}")
     identity = signoff(repo)
-    git_dir = Path(repo.git_dir).resolve()
-    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
-    out = Path(os.path.abspath(args.out or own))
-    if args.out is None:
-        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
-    output_path(root, out, "the PR description", but=git_dir)
-    if args.format_patch:
-        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
+    out = _outputs(repo, branch, args)
+    tip = repo.heads[branch].commit.hexsha if branch in repo.heads else None
+    base = args.base
+    if base is None and tip is None and repo.head.is_detached:
+        raise UsageError(
+            "HEAD is detached; pass --base REF (e.g. upstream/main)", path=str(root)
+        )
+    base = base or (None if tip else repo.active_branch.name)
+    try:
+        base_commit = base and repo.commit(base).hexsha
+    except (git.BadName, ValueError) as exc:
+        raise UsageError(
+            f"unknown base {base!r}",
+            path=str(root),
+            looked_for="a branch, tag or commit (git rev-parse)",
+            found="nothing",
+        ) from exc
     head = repo.head
     return Settings(
         repo=repo,
@@ -191,16 +179,31 @@ def preflight(args: argparse.Namespace) -> Settings:
         description=out,
         evidence=pr_body.load_evidence(args.evidence, patch),
         start=head.commit.hexsha if head.is_detached else repo.active_branch.name,
-        tip=repo.heads[branch].commit.hexsha if branch in repo.heads else None,
+        tip=tip,
+        base=base,
+        base_commit=base_commit,
         args=args,
     )
 
 
+def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
+    """The description's path, and the outputs checked: outside the work tree
+    but in its git directory, no link or special file planted at the name."""
+    root, git_dir = Path(repo.working_tree_dir), Path(repo.git_dir).resolve()
+    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
+    out = Path(os.path.abspath(args.out or own))
+    if args.out is None:
+        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
+    output_path(root, out, "the PR description", but=git_dir)
+    if args.format_patch:
+        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
+    return out
+
+
 @dataclass
 class Work:
-    """What ``on_branch`` did, and what the steps inside it found and made."""
+    """What the steps on the branch found and made."""
 
-    base: str | None
     new_files: list[str] = field(default_factory=list)  # gone again on rollback
     keep: bool = False  # set by the last step: the branch stays as it is
     plan: engine.PatchPlan | None = None
@@ -214,16 +217,13 @@ class Work:
 def on_branch(s: Settings) -> Iterator[Work]:
     """On the branch (created from the base, or the existing one, which must
     contain the base); back where the checkout was on any exit without ``keep``."""
-    work = Work(s.args.base)
+    work = Work()
     try:
         if s.tip is None:
-            work.base, commit = resolve_base(s.repo, s.args.base)
-            s.repo.git.checkout("-q", "-b", s.branch, commit.hexsha)
-        elif work.base and not s.repo.is_ancestor(
-            resolve_base(s.repo, work.base)[1], s.tip
-        ):
+            s.repo.git.checkout("-q", "-b", s.branch, s.base_commit)
+        elif s.base and not s.repo.is_ancestor(s.base_commit, s.tip):
             raise UsageError(
-                f"branch {s.branch} exists and does not contain {work.base}; pass "
+                f"branch {s.branch} exists and does not contain {s.base}; pass "
                 "--branch NEW or delete the branch",
                 path=str(s.root),
             )
@@ -300,7 +300,7 @@ def _steps(args: argparse.Namespace) -> int:
         work.keep = True
     if args.print:
         print("\n" + body)
-    _print_next_steps(s, work)
+    _print_next_steps(s)
     return ExitCode.OK
 
 
@@ -329,7 +329,7 @@ def _apply(s: Settings, work: Work) -> bool:
         warn(w)
     if plan.status is PlanStatus.APPLIED and s.tip is None:
         print(
-            f"{s.patch.name}: {work.base} already contains this change; "
+            f"{s.patch.name}: {s.base} already contains this change; "
             "nothing to commit, no branch created"
         )
         return False
@@ -391,7 +391,7 @@ def _commit(s: Settings, work: Work) -> git.Commit:
     commit = s.repo.head.commit
     print(
         f"{s.patch.name}: committed {commit.hexsha[:12]} on branch {s.branch} (from "
-        f"{work.base or 'the existing branch'}): {s.upstream.title}"
+        f"{s.base or 'the existing branch'}): {s.upstream.title}"
     )
     return commit
 
@@ -452,9 +452,9 @@ def _write_outputs(s: Settings, work: Work, body: str) -> None:
         print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")
 
 
-def _print_next_steps(s: Settings, work: Work) -> None:
+def _print_next_steps(s: Settings) -> None:
     """The push and ``gh pr create`` commands; nothing is pushed."""
-    base = work.base or ""
+    base = s.base or ""
     remote = any(base.startswith(f"{r.name}/") for r in s.repo.remotes)
     pr_base = (
         base.split("/", 1)[1] if remote else base if base in s.repo.heads else "main"
