@@ -125,8 +125,7 @@ def signoff(repo: git.Repo) -> str:
 
 def checkout_version(repo: git.Repo, tree: VllmTree) -> Version | None:
     """vllm/_version.py when the build wrote it, else the nearest v* tag."""
-    version = read_version(tree)
-    if version is not None:
+    if (version := read_version(tree)) is not None:
         return version
     try:
         tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
@@ -295,7 +294,17 @@ def _steps(args: argparse.Namespace) -> int:
             return ExitCode.OK
         body = _description(s, work)  # vLLM's tests run before the commit
         if work.commit is None and work.files:
-            work.commit = _commit(s, work)
+            s.repo.git.add("--", *work.files)
+            message = commit_message(s.upstream, s.signoff, pr_body.attribution(s.root))
+            s.repo.git.commit(
+                "--no-verify", "-q", "--cleanup=whitespace", "-m", message
+            )
+            work.commit = s.repo.head.commit
+            print(
+                f"{s.patch.name}: committed {work.commit.hexsha[:12]} on branch "
+                f"{s.branch} (from {s.base or 'the existing branch'}): "
+                f"{s.upstream.title}"
+            )
         _write_outputs(s, work, body)
         work.keep = True
     if args.print:
@@ -382,18 +391,6 @@ def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
         for p in upstream.body.strip().split("\n\n")
     )
     return f"{upstream.title}\n\n{why}\n\n{trailer}\n{signoff}\n"
-
-
-def _commit(s: Settings, work: Work) -> git.Commit:
-    s.repo.git.add("--", *work.files)
-    message = commit_message(s.upstream, s.signoff, pr_body.attribution(s.root))
-    s.repo.git.commit("--no-verify", "-q", "--cleanup=whitespace", "-m", message)
-    commit = s.repo.head.commit
-    print(
-        f"{s.patch.name}: committed {commit.hexsha[:12]} on branch {s.branch} (from "
-        f"{s.base or 'the existing branch'}): {s.upstream.title}"
-    )
-    return commit
 
 
 def _description(s: Settings, work: Work) -> str:
