@@ -153,7 +153,7 @@ def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[id(node)]
 
 
-def _get(node: yaml.Node | None, key: str) -> yaml.Node | None:
+def _value_of(node: yaml.Node | None, key: str) -> yaml.Node | None:
     """The value of ``key`` in a mapping node that has it once, else None."""
     mapping = isinstance(node, yaml.MappingNode)
     found = [v for k, v in node.value if k.value == key] if mapping else []
@@ -162,7 +162,7 @@ def _get(node: yaml.Node | None, key: str) -> yaml.Node | None:
 
 def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
     """The items of the step's ``key``, a block list of at least one."""
-    found = _get(step, key)
+    found = _value_of(step, key)
     if not isinstance(found, yaml.SequenceNode) or found.flow_style or not found.value:
         raise CiShapeError(f"no single block '{key}:' in the step")
     return found.value
@@ -172,13 +172,13 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     """The step's commands run the new tests and its dependencies list the new
     files, each added after the last line of its kind, in its layout."""
     node, old = load_yaml(text)
-    steps = _get(node, "steps")
+    steps = _value_of(node, "steps")
     found = [
         (label.value, step, i)
         for i, step in enumerate(
             steps.value if isinstance(steps, yaml.SequenceNode) else []
         )
-        if isinstance(label := _get(step, "label"), yaml.ScalarNode)
+        if isinstance(label := _value_of(step, "label"), yaml.ScalarNode)
         and edit.wiring.step in label.value
     ]
     if len(found) != 1:

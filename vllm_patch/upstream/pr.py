@@ -412,7 +412,7 @@ def _description(s: Settings, work: Work) -> str:
     measured = None
     if not (s.evidence or s.args.no_bench):
         print(
-            "figures: per call and eager Qwen3, base and this change (--no-bench skips)"
+            "figures: per call and eager Qwen3, base vs this change (--no-bench skips)"
         )
         tests = [e.edit.file for e in optional]
         measured = figures.measure(s.root, s.patch, tests, depends, print)

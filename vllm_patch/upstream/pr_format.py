@@ -32,19 +32,8 @@ REV = (
 """A hook's ``rev``: a tag (``v0.14.0``) or, as ``pre-commit autoupdate
 --freeze`` writes it (vLLM 0.34 on), a commit and ``# frozen: v0.17.2``."""
 TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
-CONFIG_FILES = [
-    ("ruff.toml", ()),
-    (".ruff.toml", ()),
-    ("pyproject.toml", ("tool", "ruff")),
-]
-SETTINGS = {
-    "line-length",
-    "indent-width",
-    "target-version",
-    "preview",
-    "lint",
-    "format",
-}
+CONFIG_FILES = {"ruff.toml": (), ".ruff.toml": (), "pyproject.toml": ("tool", "ruff")}
+SETTINGS = "line-length indent-width target-version preview lint format".split()
 """The settings passed on to ruff; the rest (``cache-dir``, ``extend``, ``fix``,
 ``output-file``, ``exclude`` ...) could make it read or write elsewhere."""
 
@@ -77,7 +66,7 @@ def ruff_settings(root: Path, notes: list[str]) -> list[str]:
     where to read or write."""
     # src: where first-party packages are (import sorting); ruff only looks.
     argv = ["--isolated", "--no-cache", "--config", f"src = [{json.dumps(str(root))}]"]
-    for name, keys in CONFIG_FILES:
+    for name, keys in CONFIG_FILES.items():
         try:
             text = read_text_in(root, name, "ruff settings")
             table = tomllib.loads(text) if text is not None else None

@@ -224,9 +224,7 @@ def run_tests(
     why, same, differing = _checked(checkout, files, patch, depends, skip)
     if why:
         said = why if skip else f"cannot run here ({why})"
-        print(
-            f"upstream tests: {said}; the PR description gives the reviewer's command"
-        )
+        print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
     installed = open_tree(None)
     own = own_sides(checkout, patch, differing)
