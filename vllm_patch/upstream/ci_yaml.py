@@ -1,10 +1,8 @@
-"""A patch's tests wired into a CI entry point of the checkout: a Buildkite YAML
-step found by its label (its pytest commands and ``source_file_dependencies``)
-or a shell script (after a sibling test's ``pytest`` line). The edit is made on
-the text, in its layout; YAML must parse to the original plus exactly the added
-entries. The file is data (docs/safety.md); an added line holds only the tool's
-own path and the model line's indentation, ``pytest`` flags and ``\\``.
-Anything else is left alone, with the reason."""
+"""A patch's tests wired into a CI entry point of the checkout (a Buildkite YAML
+step, a shell script), edited as text in its layout; YAML must parse to the
+original plus exactly the added entries. The file is data (docs/safety.md); an
+added line holds only a path and its model line's indentation, pytest flags and
+``\\``. Anything else is left alone, with the reason."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ TEST_PATH = re.compile(rf"(?<![\w/.-]){_PATH}")
 
 @dataclass(frozen=True)
 class CiWiring:
-    """``tests`` to run in ``file`` (a path in the checkout): in the step whose
-    label contains ``step``, which lists ``dependencies``, or in a script after
-    the ``pytest`` line of the test ``step``."""
+    """``tests`` to run in ``file``: in the step whose label contains ``step``
+    (listing ``dependencies``), or in a script after the test ``step``'s line."""
 
     file: str
     step: str
@@ -111,10 +108,9 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """The node graph and document in ``text``, read by the safe loader after
-    its events were counted (nesting, aliases) and its nodes measured (the size
-    with every alias expanded, each node counted once, so comparing is linear):
-    past a bound or not YAML, ``CiRefused`` naming the line, never the text."""
+    """The node graph and document in ``text``, within the bounds (nesting and
+    aliases counted first, then the size with aliases expanded, so comparing is
+    linear); else ``CiRefused``, naming the line, never the text."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -205,9 +201,8 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
 
 
 def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
-    """(offset to insert at, one line per new test): the test path in the
-    layout of the last line that is a test path alone or a ``pytest`` of one
-    and does not close the command string."""
+    """(offset to insert at, one line per new test) in the layout of the last
+    ``MODEL`` line of ``block``."""
     models = [(i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))]
     if not models:
         raise CiShapeError(

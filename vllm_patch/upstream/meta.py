@@ -43,9 +43,8 @@ def upstream_of(patch: Patch) -> Upstream:
 
 
 def _wiring(table: object, patch: Patch) -> CiWiring:
-    """One ``[[upstream.ci]]``: ``file`` and ``tests``; for Buildkite YAML
-    ``step`` (part of the step's label) and ``source_file_dependencies``, for a
-    shell script ``after`` (the test whose ``pytest`` line the new ones follow)."""
+    """One ``[[upstream.ci]]``: ``file``, ``tests``, and ``step`` (part of its
+    label) and ``source_file_dependencies``, or for a script ``after`` (a test)."""
     script = isinstance(table, dict) and str(table.get("file", "")).endswith(".sh")
     keys = ("file", "tests", *(("after",) if script else ("step", DEPENDENCIES)))
     if not isinstance(table, dict) or any(k not in table for k in keys):
@@ -64,9 +63,8 @@ def _wiring(table: object, patch: Patch) -> CiWiring:
 
 
 def main_form(name: str | None) -> Patch:
-    """The form of the change vLLM's main takes (the one ``pr`` sends): the
-    patch with an ``[upstream]`` table that no other patch replaces; a named
-    patch must be it."""
+    """The patch ``pr`` sends (an ``[upstream]`` table, replaced by no other):
+    the form of the change vLLM's main takes; a named patch must be it."""
     patches = [p for p in select(None) if "upstream" in p.meta]
     replaced = {p.replaces for p in patches}
     (form,) = [p for p in patches if p.name not in replaced]

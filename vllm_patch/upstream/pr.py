@@ -394,9 +394,7 @@ def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
 
 
 def _description(s: Settings, work: Work) -> str:
-    """The PR description, with vLLM's tests run and the figures measured now
-    (each said first: the tests are the checkout's code, the figures take
-    minutes)."""
+    """The PR description, with vLLM's tests run and the figures measured now."""
     read = template.read_template(s.root)
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")

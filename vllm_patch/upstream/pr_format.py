@@ -1,8 +1,6 @@
-"""The lines a patch changed, checked as the checkout's pre-commit does: with the
-ruff and typos it pins (their PyPI wheels' binaries; else the project's ruff),
-on the changed lines only; findings are reported, never rewritten. The ruff
-settings are data: only their style tables reach a ruff that reads no settings
-file and writes no cache."""
+"""The changed lines checked with the ruff and typos the checkout's pre-commit
+pins (else the project's ruff): findings are reported, never rewritten. Only the
+style tables of its ruff settings reach a ruff that reads and writes no file."""
 
 from __future__ import annotations
 
@@ -61,9 +59,7 @@ def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
 
 
 def ruff_settings(root: Path, notes: list[str]) -> list[str]:
-    """ruff's arguments: always ``--isolated --no-cache``, the checkout's
-    settings passed one table at a time, so no file of the checkout tells ruff
-    where to read or write."""
+    """``--isolated --no-cache`` and the checkout's ``SETTINGS``, one by one."""
     # src: where first-party packages are (import sorting); ruff only looks.
     argv = ["--isolated", "--no-cache", "--config", f"src = [{json.dumps(str(root))}]"]
     for name, keys in CONFIG_FILES.items():

@@ -123,10 +123,8 @@ def _title(text: str) -> str:
 
 
 def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
-    """The template with every piece in the first section of a kind it prefers
-    (else in one of its own before the tail); a section that gets none keeps
-    its guidance. In the tail every box is unticked but those whose line says
-    one of ``ticked``."""
+    """Each piece in the first section of a kind it prefers (else its own), the
+    guidance kept where none went; in the tail only the ``ticked`` boxes ticked."""
     for piece in (p for p in pieces if p.text.strip()):
         home = next(
             (s for kind in piece.prefers for s in template.sections if kind in s.kinds),

@@ -139,9 +139,8 @@ def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """The files of ``depends`` (same, differing): same where the checkout has
-    the installed vLLM's bytes, or those the patch gives it (in a checkout
-    before or after the patch); a file absent from both is the same."""
+    """The files of ``depends`` (same, differing): the checkout has the
+    installed vLLM's bytes, or the patched ones (absent from both: the same)."""
     from patcher import engine  # libcst: only when a vLLM is here to compare
 
     trees = (VllmTree(checkout), open_tree(None))
@@ -215,10 +214,9 @@ def run_tests(
     keyword: str | None = None,
     skip: bool = False,
 ) -> TestRuns:
-    """The edited tests of a checkout on a patched copy of the installed vLLM
-    and on an unpatched one, with the checkout's own files the change edits
-    (before it in the unpatched copy, after it in the patched one); else why
-    they cannot run here (``skip``: ``--no-tests``), said first."""
+    """The edited tests on a patched and an unpatched copy of the installed
+    vLLM, with the checkout's own sides of the files the change edits put in;
+    else why they cannot run here (``skip``: ``--no-tests``)."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = reviewer_command(present, keyword)
     why, same, differing = _checked(checkout, files, patch, depends, skip)
