@@ -186,7 +186,8 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     deps, commands = (_block_list(step, k) for k in (DEPENDENCIES, "commands"))
     lines = text.splitlines(keepends=True)
     start, last = commands[0].start_mark.line, commands[-1].end_mark
-    offset, new_tests = _test_lines(lines[start : last.line + (last.column > 0)], edit)
+    end = last.line + 1 if last.column else last.line  # a block scalar ends at 0
+    offset, new_tests = _test_lines(lines[start:end], edit)
     listed = {d.value for d in deps}
     edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
     item = lines[deps[-1].start_mark.line]  # its indentation and "- ", no more

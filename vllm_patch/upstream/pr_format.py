@@ -91,9 +91,7 @@ def _toml(value: object) -> str:
         return "{" + ", ".join(pairs) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(map(_toml, value)) + "]"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return json.dumps(value, default=str)  # a JSON string or number is TOML's
+    return json.dumps(value, default=str)  # JSON's strings, numbers, true: TOML's
 
 
 def pinned_version(root: Path, repo: str) -> str | None:
