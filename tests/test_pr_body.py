@@ -21,7 +21,7 @@ from vllm_patch.runtime import bench_result, evidence_record, machine
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
 from vllm_patch.upstream.meta import upstream_of
-from vllm_patch.upstream.pr import WIDTH, Identity, commit_message
+from vllm_patch.upstream.pr import WIDTH, commit_message
 from vllm_patch.upstream.pr_body import AI_BOX
 from vllm_patch.upstream.template import TEMPLATE, read_template
 from vllm_patch.upstream.vllm_tests import TestRun, TestRuns, described_machine
@@ -401,7 +401,7 @@ def test_what_changes_names_the_files_by_role(described, said):
 def test_the_commit_message_is_prose_within_72_columns(tmp_path):
     (tmp_path / "AGENTS.md").write_text("Add `Co-authored-by:` (or `Assisted-by:`)")
     trailer = pr_body.attribution(tmp_path)
-    message = commit_message(UPSTREAM, Identity("Ada", "ada@example.com"), trailer)
+    message = commit_message(UPSTREAM, "Signed-off-by: Ada <ada@example.com>", trailer)
     lines = message.splitlines()
     assert lines[0] == UPSTREAM.title and lines[1] == ""
     assert max(len(line) for line in lines) <= WIDTH, message

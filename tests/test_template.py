@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vllm_patch.upstream.template import TEMPLATE, Piece, fill, parse, read_template
+from vllm_patch.upstream.template import (
+    TEMPLATE,
+    Piece,
+    fill,
+    parse_template,
+    read_template,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "upstream_files"
 PIECES = [
@@ -99,12 +105,12 @@ def test_a_checkout_without_a_template_gets_the_fallback_layout(tmp_path):
     ],
 )
 def test_sections_are_read_by_meaning(source, kinds):
-    assert {s.title: s.kinds for s in parse(source).sections} == kinds
+    assert {s.title: s.kinds for s in parse_template(source).sections} == kinds
 
 
 def test_a_section_nothing_fits_keeps_its_guidance_and_a_piece_without_a_home_gets_one():
     text = fill(
-        parse("## Purpose\n\n## Changelog\n<!-- user facing -->\n"),
+        parse_template("## Purpose\n\n## Changelog\n<!-- user facing -->\n"),
         [Piece(("purpose",), "WHAT"), Piece(("plan",), "PLAN")],
     )
     assert headings(text) == ["Purpose", "Changelog", "Plan"]
@@ -113,13 +119,15 @@ def test_a_section_nothing_fits_keeps_its_guidance_and_a_piece_without_a_home_ge
 
 
 def test_ticked_boxes_of_a_template_are_unticked():
-    text = fill(parse("## Purpose\n---\n- [x] done\n* [X] too\n"), PIECES[:1])
+    text = fill(parse_template("## Purpose\n---\n- [x] done\n* [X] too\n"), PIECES[:1])
     assert "- [ ] done" in text and "* [ ] too" in text
 
 
 def test_only_the_boxes_saying_what_is_true_are_ticked():
     tail = "---\n- [x] I ran it\n- [ ] AI assistance was used (yes)\n- [ ] other\n"
-    text = fill(parse("## Purpose\n" + tail), PIECES[:1], ticked=("AI assistance",))
+    text = fill(
+        parse_template("## Purpose\n" + tail), PIECES[:1], ticked=("AI assistance",)
+    )
     assert re.findall(r"^- \[(.)\] (.*)$", text, re.M) == [
         (" ", "I ran it"),
         ("x", "AI assistance was used (yes)"),
@@ -138,13 +146,15 @@ def test_only_the_boxes_saying_what_is_true_are_ticked():
 )
 def test_a_hostile_template_within_the_bound_is_filled_in_linear_time(source):
     start = time.monotonic()
-    text = fill(parse(source), PIECES)
+    text = fill(parse_template(source), PIECES)
     assert time.monotonic() - start < 1
     assert text.rfind("<!--") < text.rfind("-->") or "<!--" not in text
 
 
 def test_an_unclosed_comment_is_closed_and_a_bad_template_left_out(tmp_path):
-    text = fill(parse("## Purpose\n\n## Notes\n<!-- open\n\n## Test Plan\n"), PIECES)
+    text = fill(
+        parse_template("## Purpose\n\n## Notes\n<!-- open\n\n## Test Plan\n"), PIECES
+    )
     assert "## Test Plan" in text and "<!-- open -->" in text
     (tmp_path / TEMPLATE).parent.mkdir(parents=True)
     (tmp_path / TEMPLATE).write_bytes(b"## Purpose\n\0\n")

@@ -1,5 +1,1 @@
-"""``vllm-patch pr``: a carried patch as a commit on a branch of a vLLM
-checkout, with a pull request description carrying measured evidence
-(``pr`` drives; ``pr_body`` writes the text; ``pr_format`` checks the layout;
-``vllm_tests`` runs vLLM's own tests; ``meta`` reads a patch's ``[upstream]``
-table)."""
+"""``vllm-patch pr`` and its steps: a patch as a signed-off commit and a PR."""

@@ -1,15 +1,8 @@
-"""Wire a patch's tests into a CI step of the checkout's Buildkite YAML: the
-step (found by its label) runs the test files and lists the changed sources in
-its ``source_file_dependencies`` (the patch's ``[upstream.ci]``, ``CiWiring``).
-
-The edit is made on the text, in the step's own layout, so every other byte
-stays; the result must parse to the original document plus exactly the added
-entries. The file is data: a regular file inside the work tree (no link on the
-way), at most ``MAX_BYTES``, UTF-8, read by a safe loader bounded in nesting,
-aliases and expanded size (so comparing is linear). An added line holds only
-the tool's own path and the step's indentation, ``pytest`` flags and ``\\``
-continuation. Anything else: left out, with the reason, never followed.
-"""
+"""A patch's tests wired into a CI entry point of the checkout (a Buildkite YAML
+step, a shell script), edited as text in its layout; YAML must parse to the
+original plus exactly the added entries. The file is data (docs/safety.md); an
+added line holds only a path and its model line's indentation, pytest flags and
+``\\``. Anything else is left alone, with the reason."""
 
 from __future__ import annotations
 
@@ -22,12 +15,10 @@ import yaml
 from patcher.errors import PatchError
 from patcher.files import read_text_in, refusal
 
-MAX_BYTES = 64 << 10
-"""vLLM's cpu.yaml is 11 kB (0.32.0)."""
-MAX_DEPTH, MAX_ALIASES, MAX_NODES = 32, 16, 100_000
-"""vLLM's cpu.yaml: 5 deep, 2 aliases, about 400 nodes."""
+CI_BYTES = 64 << 10  # vLLM's cpu.yaml is 11 kB (0.32.0)
+MAX_DEPTH, MAX_ALIASES, MAX_NODES = 32, 16, 100_000  # cpu.yaml: 5, 2, about 400
 DEPENDENCIES = "source_file_dependencies"
-COMMANDS = "commands"
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: 40 times faster
 _PATH = r"tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?"
 MODEL = re.compile(
     rf"(?P<indent>[ \t]*)(?:(?P<pytest>pytest(?: -[A-Za-z]+)* ){_PATH}"
@@ -40,9 +31,8 @@ TEST_PATH = re.compile(rf"(?<![\w/.-]){_PATH}")
 
 @dataclass(frozen=True)
 class CiWiring:
-    """What a patch adds to a CI step: ``tests`` to the pytest commands of the
-    step whose label contains ``step``, ``dependencies`` to its
-    ``source_file_dependencies``, in ``file`` (a path in the checkout)."""
+    """``tests`` to run in ``file``: in the step whose label contains ``step``
+    (listing ``dependencies``), or in a script after the test ``step``'s line."""
 
     file: str
     step: str
@@ -52,48 +42,51 @@ class CiWiring:
 
 @dataclass
 class CiEdit:
-    """The edit made, or why the file is left alone (``text`` None)."""
+    """The file's new ``text``, or why it is left alone (``text`` None)."""
 
     wiring: CiWiring
-    label: str | None = None
-    """The step's full label."""
+    label: str | None = None  # the step's full label
     text: str | None = None
-    """The file's new text."""
     reason: str = ""
+    left_out: bool = False  # refused as data (a link, a bound, not YAML)
     added_tests: list[str] = field(default_factory=list)
     added_dependencies: list[str] = field(default_factory=list)
-    inserted: list[str] = field(default_factory=list)
-    """The command lines added, stripped (to check the parsed result)."""
+    inserted: list[str] = field(default_factory=list)  # command lines, stripped
 
     def described(self) -> list[str]:
-        """What changed, in the words of a commit message's change list."""
-        said = []
-        if self.added_tests and self.wiring.file.endswith(".sh"):
-            tests = _listed(self.added_tests)
-            said.append(f"runs {tests} after `{self.wiring.step}`")
-        elif self.added_tests:
-            said.append(
-                f'the "{self.wiring.step}" step runs {_listed(self.added_tests)}'
-            )
-        if self.added_dependencies:
-            deps = _listed(self.added_dependencies)
+        """What changed, for a commit's change list; or why it is left alone."""
+        if self.text is None:
+            return [self.reason]
+        said, step = [], self.wiring.step
+        if tests := _backticked(self.added_tests):
+            script = self.wiring.file.endswith(".sh")
+            said += [
+                f"runs {tests} after `{step}`"
+                if script
+                else f'the "{step}" step runs {tests}'
+            ]
+        if deps := _backticked(self.added_dependencies):
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
 
 
-def _listed(items: list[str]) -> str:
+def _backticked(items: list[str]) -> str:
     return ", ".join(f"`{x}`" for x in items)
 
 
 class CiShapeError(ValueError):
-    """The step is not laid out the way the text edit understands."""
+    """The file is not laid out the way the text edit understands."""
+
+
+class CiRefused(CiShapeError):
+    """The file is refused as data: past a bound, or not YAML."""
 
 
 def wire(root: Path, wiring: CiWiring) -> CiEdit:
     """The edit of ``wiring.file`` under ``root``; nothing is written."""
     edit = CiEdit(wiring)
     try:
-        before = read_text_in(root, wiring.file, "the CI file", limit=MAX_BYTES)
+        before = read_text_in(root, wiring.file, "the CI file", limit=CI_BYTES)
         if before is None:
             edit.reason = f"this checkout has no {wiring.file}"
             return edit
@@ -101,13 +94,12 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
             edit.label = wiring.file.rsplit("/", 1)[-1]
             after = _script_text(before, edit)
         else:
-            old = load(before)
-            edit.label = _find_label(old, wiring.step, wiring.file)
-            after = _edit_text(before, edit)
-            _verify(old, after, edit)
-    except (PatchError, CiShapeError) as exc:
-        bad = isinstance(exc, PatchError)
-        edit.reason = f"left out: {wiring.file}: {refusal(exc)}" if bad else str(exc)
+            after = _yaml_text(before, edit)
+    except PatchError as exc:
+        edit.reason, edit.left_out = f"left out: {wiring.file}: {refusal(exc)}", True
+        return edit
+    except CiShapeError as exc:
+        edit.reason, edit.left_out = str(exc), isinstance(exc, CiRefused)
         return edit
     edit.text = after if after != before else None
     if edit.text is None:
@@ -115,26 +107,21 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
     return edit
 
 
-LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""PyYAML's safe loader, libyaml's where PyYAML has it (40 times faster)."""
-
-
-def load(text: str):
-    """The document in ``text``, read by the safe loader after its events were
-    counted (nesting, aliases) and its node graph measured (the size with every
-    alias expanded, each node counted once): ``CiShapeError`` past a bound or if
-    it is not YAML, naming the line and column, never the file's text."""
+def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
+    """The node graph and document in ``text``, within the bounds (nesting and
+    aliases counted first, then the size with aliases expanded, so comparing is
+    linear); else ``CiRefused``, naming the line, never the text."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
             if isinstance(event, yaml.AliasEvent):
                 aliases += 1
-            elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            elif isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
-            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
             if depth > MAX_DEPTH or aliases > MAX_ALIASES:
-                raise CiShapeError(
+                raise CiRefused(
                     f"left out: YAML nested over {MAX_DEPTH} deep or with over "
                     f"{MAX_ALIASES} aliases"
                 )
@@ -142,19 +129,18 @@ def load(text: str):
         try:
             node = loader.get_single_node()
             if node is not None and _expanded(node, {}) > MAX_NODES:
-                raise CiShapeError(f"left out: YAML expanding past {MAX_NODES} nodes")
-            return loader.construct_document(node) if node is not None else None
+                raise CiRefused(f"left out: YAML expanding past {MAX_NODES} nodes")
+            return node, loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise CiShapeError(f"left out: not YAML the safe loader reads{where}") from exc
+        raise CiRefused(f"left out: not YAML the safe loader reads{where}") from exc
 
 
 def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """Nodes of ``node`` with every alias expanded, each node counted once
-    (linear; nesting is bounded)."""
+    """Nodes of ``node`` with every alias expanded, each node counted once."""
     if id(node) not in sizes:
         sizes[id(node)] = MAX_NODES + 1  # a node inside itself: refused
         items = node.value if isinstance(node.value, list) else []
@@ -163,89 +149,61 @@ def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
     return sizes[id(node)]
 
 
-def _find_label(doc, step: str, file: str) -> str:
-    steps = doc.get("steps") if isinstance(doc, dict) else None
-    labels = [
-        s["label"]
-        for s in steps or []
-        if isinstance(s, dict) and step in str(s.get("label", ""))
-    ]
-    if len(labels) != 1:
-        raise CiShapeError(
-            f"{file}: looked for one step labelled {step!r}, found {len(labels)}"
-        )
-    return labels[0]
+def _value_of(node: yaml.Node | None, key: str) -> yaml.Node | None:
+    """The value of ``key`` in a mapping node that has it once, else None."""
+    mapping = isinstance(node, yaml.MappingNode)
+    found = [v for k, v in node.value if k.value == key] if mapping else []
+    return found[0] if len(found) == 1 else None
 
 
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip(" "))
-
-
-def _step_lines(lines: list[str], label: str) -> tuple[int, int]:
-    """[start, end) of the step whose ``- label:`` line names ``label``."""
-    head = re.compile(r"^(\s*)- label:\s*['\"]?" + re.escape(label) + r"['\"]?\s*$")
-    starts = [i for i, line in enumerate(lines) if head.match(line)]
-    if len(starts) != 1:
-        raise CiShapeError(f"no single '- label: {label}' line")
-    start = starts[0]
-    dash = _indent(lines[start])
-    end = start + 1
-    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > dash):
-        end += 1
-    return start, end
-
-
-def _key_block(lines: list[str], start: int, end: int, key: str) -> tuple[int, int]:
-    """[first, last) lines of the value of ``key`` inside the step's lines."""
-    keys = [i for i in range(start, end) if re.match(rf"^\s*(- )?{key}:\s*$", lines[i])]
-    if len(keys) != 1:
+def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
+    """The items of the step's ``key``, a block list of at least one."""
+    found = _value_of(step, key)
+    if not isinstance(found, yaml.SequenceNode) or found.flow_style or not found.value:
         raise CiShapeError(f"no single block '{key}:' in the step")
-    at = keys[0]
-    indent = _indent(lines[at]) + (2 if lines[at].lstrip().startswith("- ") else 0)
-    last = at + 1
-    while last < end and (
-        not lines[last].strip()
-        or _indent(lines[last]) > indent
-        or (_indent(lines[last]) == indent and lines[last].lstrip().startswith("- "))
-    ):
-        last += 1
-    while last > at + 1 and not lines[last - 1].strip():
-        last -= 1  # trailing blank lines belong between steps
-    return at + 1, last
+    return found.value
 
 
-def _edit_text(text: str, edit: CiEdit) -> str:
+def _yaml_text(text: str, edit: CiEdit) -> str:
+    """The step's commands run the new tests and its dependencies list the new
+    files, each added after the last line of its kind, in its layout."""
+    node, old = load_yaml(text)
+    steps = _value_of(node, "steps")
+    found = [
+        (label.value, step, i)
+        for i, step in enumerate(
+            steps.value if isinstance(steps, yaml.SequenceNode) else []
+        )
+        if isinstance(label := _value_of(step, "label"), yaml.ScalarNode)
+        and edit.wiring.step in label.value
+    ]
+    if len(found) != 1:
+        raise CiShapeError(
+            f"{edit.wiring.file}: looked for one step labelled {edit.wiring.step!r}, "
+            f"found {len(found)}"
+        )
+    edit.label, step, index = found[0]
+    deps, commands = (_block_list(step, k) for k in (DEPENDENCIES, "commands"))
     lines = text.splitlines(keepends=True)
-    start, end = _step_lines(lines, edit.label)
-    deps_at, deps_end = _key_block(lines, start, end, DEPENDENCIES)
-    cmd_at, cmd_end = _key_block(lines, start, end, COMMANDS)
-    offset, new_tests = _test_lines(lines[cmd_at:cmd_end], edit)
-    inserts = [(cmd_at + offset, new_tests)]
-    offset, new_deps = _dependency_lines(lines[deps_at:deps_end], edit)
-    inserts.append((deps_at + offset, new_deps))
-    for at, added in sorted(inserts, reverse=True):  # later lines first
+    start, last = commands[0].start_mark.line, commands[-1].end_mark
+    end = last.line + 1 if last.column else last.line  # a block scalar ends at 0
+    offset, new_tests = _test_lines(lines[start:end], edit)
+    listed = {d.value for d in deps}
+    edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
+    item = lines[deps[-1].start_mark.line]  # its indentation and "- ", no more
+    dash = item[: len(item) - len(item.lstrip(" "))] + "- "
+    new_deps = [f"{dash}{d}\n" for d in edit.added_dependencies]
+    inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
+    for at, added in sorted(inserts, reverse=True):  # the later lines first
         lines[at:at] = added
     edit.inserted = [line.strip() for line in new_tests]
+    _verify(old, "".join(lines), edit, index)
     return "".join(lines)
 
 
-def _dependency_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
-    """(offset in the block to insert at, new ``- path`` lines)."""
-    items = [i for i, line in enumerate(block) if line.lstrip().startswith("- ")]
-    if not items:
-        raise CiShapeError(f"{DEPENDENCIES} of the step is not a block list")
-    last = block[items[-1]]
-    prefix = last[: _indent(last)] + "- "
-    listed = {line.strip()[2:].strip() for line in block if line.strip()}
-    new = [d for d in edit.wiring.dependencies if d not in listed]
-    edit.added_dependencies = new
-    return items[-1] + 1, [f"{prefix}{d}\n" for d in new]
-
-
 def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
-    """(offset to insert at, one line per new test): the test path in the
-    layout of the last line that is a test path alone or a ``pytest`` of one
-    and does not close the command string."""
+    """(offset to insert at, one line per new test) in the layout of the last
+    ``MODEL`` line of ``block``."""
     models = [(i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))]
     if not models:
         raise CiShapeError(
@@ -254,10 +212,11 @@ def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
         )
     at, model = models[-1]
     listed = {m.group(0) for line in block for m in TEST_PATH.finditer(line)}
-    new = [t for t in edit.wiring.tests if t not in listed]
-    edit.added_tests = new
+    edit.added_tests = [t for t in edit.wiring.tests if t not in listed]
     indent, pytest, cont, eol = model.group("indent", "pytest", "cont", "eol")
-    return at + 1, [f"{indent}{pytest or ''}{t}{cont or ''}{eol}" for t in new]
+    return at + 1, [
+        f"{indent}{pytest or ''}{t}{cont or ''}{eol}" for t in edit.added_tests
+    ]
 
 
 def _script_text(text: str, edit: CiEdit) -> str:
@@ -279,27 +238,24 @@ def _script_text(text: str, edit: CiEdit) -> str:
     return "".join(lines)
 
 
-def _verify(old, after: str, edit: CiEdit) -> None:
-    """``after`` parses to the ``old`` document plus exactly the added entries."""
-    new = load(after)
-    old_step, new_step = _step(old, edit.label), _step(new, edit.label)
-    if not isinstance(old_step.get(DEPENDENCIES), list):
-        raise CiShapeError(f"{DEPENDENCIES} of the step is not a list")
-    if new_step.get(DEPENDENCIES) != old_step[DEPENDENCIES] + edit.added_dependencies:
+def _verify(old, after: str, edit: CiEdit, index: int) -> None:
+    """``after`` parses to the ``old`` document plus exactly the added entries
+    in its step ``index``."""
+    new = load_yaml(after)[1]
+    steps = new.get("steps") if isinstance(new, dict) else None
+    step = steps[index] if isinstance(steps, list) and len(steps) > index else {}
+    was = old["steps"][index]
+    if not isinstance(step, dict) or (
+        step.get(DEPENDENCIES) != was[DEPENDENCIES] + edit.added_dependencies
+    ):
         raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
-    commands = [str(c) for c in new_step.get(COMMANDS, [])]
+    commands = [str(c) for c in step.get("commands", [])]
     if not all(t in " ".join(commands) for t in edit.added_tests):
         raise CiShapeError("the edited commands do not run the added tests")
-    new_step[DEPENDENCIES] = old_step.get(DEPENDENCIES)
+    step[DEPENDENCIES] = was[DEPENDENCIES]
     kept = (c.splitlines(keepends=True) for c in commands)
-    new_step[COMMANDS] = [
+    step["commands"] = [
         "".join(x for x in c if x.strip() not in edit.inserted) for c in kept
     ]
     if new != old:
         raise CiShapeError("the text edit changed more than the step's two lists")
-
-
-def _step(doc: dict, label: str) -> dict:
-    return next(
-        s for s in doc["steps"] if isinstance(s, dict) and s.get("label") == label
-    )

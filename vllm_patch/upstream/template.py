@@ -1,19 +1,14 @@
-"""The checkout's own pull request template, read and filled.
-
-vLLM's template changes between releases (v0.27.0: Purpose / Test Plan / Test
-Result; v0.32.0: Overview / Claims / Validation / Details), so nothing here
-names a section: each heading (else its HTML comment) says what kinds of text
-it asks for, and each piece of the description goes to the first section of a
-kind it prefers. The tail (from a thematic break or ``<details>``: the
-checklist) is the author's, kept with every box unticked. The template is data
-(``read_text_in``: no link, at most ``MAX_BYTES``, UTF-8 without NUL, else left
-out with the reason), parsed in linear time; a comment it leaves open is closed.
-"""
+"""The checkout's own PR template, filled. vLLM's changes between releases
+(v0.27.0: Purpose / Test Plan / Test Result; v0.32.0: Overview / Claims /
+Validation / Details), so each heading (else its HTML comment) says what kinds
+of text it asks for. The tail (from a thematic break or ``<details>``: the
+checklist) is the author's, its boxes unticked. The template is data, parsed in
+linear time; a comment it leaves open is closed."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -21,20 +16,15 @@ from patcher.errors import PatchError
 from patcher.files import read_text_in, refusal
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
-FALLBACK = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"
-"""The layout used where a checkout has no template (vLLM's newest headings)."""
-MAX_BYTES = 16 << 10
-"""vLLM's template is 1.5 kB (0.32.0); this bound keeps parsing and filling
-a hostile one to milliseconds."""
-
-KINDS = (
+FALLBACK = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"  # vLLM's newest
+TEMPLATE_BYTES = 16 << 10  # vLLM's is 1.5 kB (0.32.0): a hostile one fills in ms
+KINDS = (  # kinds of text a section asks for, by the words that ask for it
     ("purpose", ("purpose", "overview", "summary", "motivation", "description")),
     ("claims", ("claim", "accomplishment", "highlight")),
     ("plan", ("test plan", "validation", "how to test", "testing", "reproduce")),
     ("result", ("result", "validation", "evidence")),
     ("details", ("detail", "design", "implementation", "trade-off", "limitation")),
 )
-"""Kinds of text a section asks for, by the words that ask for it."""
 ASKS = [(k, re.compile(rf"\b(?:{'|'.join(map(re.escape, ws))})")) for k, ws in KINDS]
 HEADING = re.compile(r"#{1,6}[ \t]+(.*)")
 TAIL = re.compile(r"^\s*(?:(?:-{3,}|\*{3,}|_{3,})\s*$|<details\b)")
@@ -43,11 +33,9 @@ TICKED = re.compile(r"^([ \t]*[-*][ \t]+)\[[xX]\]", re.MULTILINE)
 
 @dataclass
 class Section:
-    heading: str
-    """The heading line as the template writes it."""
+    heading: str  # the line as the template writes it
     title: str
-    body: str = ""
-    """The template's text under the heading (its guidance comments)."""
+    body: str = ""  # the template's text under the heading (its guidance)
     filled: list[str] = field(default_factory=list)
 
     @cached_property
@@ -61,16 +49,20 @@ class Section:
 
 @dataclass
 class Template:
-    head: str
-    """Before the first heading: its comments (e.g. a linter directive)."""
+    head: str  # the comments before the first heading (e.g. a linter directive)
     sections: list[Section]
-    tail: str
-    """From the thematic break or ``<details>`` after the sections: the checklist
-    and the closing note, as they are."""
-    found: bool
-    """Read from the checkout (False: the fallback layout)."""
-    left_out: str = ""
-    """Why the checkout's template was not used (``left out: ...``), if it has one."""
+    tail: str  # from the break after the sections: the checklist, as it is
+    found: bool  # read from the checkout (False: the fallback layout)
+    left_out: str = ""  # why the checkout's template was not used, if it has one
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of the description and the section kinds it may go to, in order
+    of preference."""
+
+    prefers: tuple[str, ...]
+    text: str
 
 
 def _html_comments(text: str) -> list[str]:
@@ -89,25 +81,23 @@ def read_template(root: Path | None) -> Template:
     is left out (``left_out`` then says why)."""
     text, why = None, ""
     try:
-        text = read_text_in(root, TEMPLATE, "the PR template", limit=MAX_BYTES)
+        text = read_text_in(root, TEMPLATE, "the PR template", limit=TEMPLATE_BYTES)
     except PatchError as exc:
         why = f"left out: {TEMPLATE}: {refusal(exc)}"
-    parsed = parse(text, found=True) if text else None
+    parsed = parse_template(text) if text else None
     if parsed and parsed.sections:
         return parsed
-    fallback = parse(FALLBACK, found=False)
-    fallback.left_out = why
-    return fallback
+    return replace(parse_template(FALLBACK), found=False, left_out=why)
 
 
-def parse(text: str, *, found: bool = True) -> Template:
+def parse_template(text: str) -> Template:
     """Headings (outside code fences) split ``text``; the first thematic break
-    or ``<details>`` after a section starts the tail."""
+    or ``<details>`` after a section starts the tail. Before the first heading,
+    only the HTML comments stay: the rest is the template's word to the author."""
     head: list[str] = []
     sections: list[tuple[Section, list[str]]] = []
     lines = text.splitlines(keepends=True)
-    tail = ""
-    fenced = False
+    tail, fenced = "", False
     for i, line in enumerate(lines):
         fenced ^= line.lstrip().startswith("```")
         heading = None if fenced else HEADING.match(line)
@@ -120,7 +110,8 @@ def parse(text: str, *, found: bool = True) -> Template:
             (sections[-1][1] if sections else head).append(line)
     for section, body in sections:
         section.body = "".join(body)
-    return Template(_comments(head), [s for s, _ in sections], tail, found)
+    head_comments = "\n".join(_html_comments("".join(head)))
+    return Template(head_comments, [s for s, _ in sections], tail, found=True)
 
 
 def _title(text: str) -> str:
@@ -131,29 +122,19 @@ def _title(text: str) -> str:
     return bare.rstrip() if not bare or bare[-1] in " \t" else title
 
 
-def _comments(lines: list[str]) -> str:
-    """Only the HTML comments: the template's instructions to the author
-    (plain text before the first heading) are not part of a description."""
-    return "\n".join(_html_comments("".join(lines)))
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A block of the description and the section kinds it may go to, in order
-    of preference."""
-
-    prefers: tuple[str, ...]
-    text: str
-
-
 def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
-    """The template with every piece in its section; a section that gets none
-    keeps its guidance for the author, a piece that has no section gets one of
-    its own before the tail. In the tail every box is unticked but those whose
-    line says one of ``ticked``."""
-    for piece in pieces:
-        if piece.text.strip():
-            _place(template, piece)
+    """Each piece in the first section of a kind it prefers (else its own), the
+    guidance kept where none went; in the tail only the ``ticked`` boxes ticked."""
+    for piece in (p for p in pieces if p.text.strip()):
+        home = next(
+            (s for kind in piece.prefers for s in template.sections if kind in s.kinds),
+            None,
+        )
+        if home is None:
+            title = piece.prefers[0].capitalize()
+            template.sections.append(Section(f"## {title}", title))
+            home = template.sections[-1]
+        home.filled.append(piece.text.strip())
     out = [template.head] if template.head else []
     for section in template.sections:
         body = "\n\n".join(section.filled) if section.filled else section.body.strip()
@@ -164,12 +145,8 @@ def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) 
     if template.tail:
         tail = TICKED.sub(r"\1[ ]", template.tail)
         for said in ticked:
-            tail = re.sub(
-                rf"^([ \t]*[-*][ \t]+)\[ \](?=.*{re.escape(said)})",
-                r"\1[x]",
-                tail,
-                flags=re.MULTILINE,
-            )
+            box = rf"^([ \t]*[-*][ \t]+)\[ \](?=.*{re.escape(said)})"
+            tail = re.sub(box, r"\1[x]", tail, flags=re.MULTILINE)
         text += "\n" + _closed(tail)
     return text.rstrip() + "\n"
 
@@ -177,13 +154,3 @@ def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) 
 def _closed(chunk: str) -> str:
     """``chunk`` with an HTML comment it leaves open closed at its end."""
     return chunk + " -->" if chunk.rfind("<!--") > chunk.rfind("-->") else chunk
-
-
-def _place(template: Template, piece: Piece) -> None:
-    for kind in piece.prefers:
-        for section in template.sections:
-            if kind in section.kinds:
-                section.filled.append(piece.text.strip())
-                return
-    title = piece.prefers[0].capitalize()
-    template.sections.append(Section(f"## {title}", title, filled=[piece.text]))

@@ -1,15 +1,7 @@
-"""Run vLLM's own tests, from a checkout, against the vLLM installed here,
-with the change and without it, when the files the run depends on are the
-checkout's bytes there, or are files the change edits: those are the
-checkout's own, before and after the change, copied over the installed ones.
-
-vLLM's tests import ``vllm`` (built: the checkout has no compiled kernels) and
-the checkout's ``tests``: pytest runs in a child (``runtime.child``) with a
-hard-linked copy of the installed vLLM, patched or not, first on its path, then
-the checkout (``--import-mode=append`` keeps the checkout's ``vllm/`` behind).
-``tests/conftest.py`` (``default_vllm_config``) needs ``tblib`` beside vLLM
-(a dependency of this tool for that).
-pytest's JUnit XML gives the counts."""
+"""vLLM's own tests of a checkout, run against the installed vLLM (a checkout
+has no compiled kernels) with the change and without it: pytest in a child on
+a hard-linked copy, patched or not, with the checkout's own copies of the files
+the change edits put in. Needs ``tblib`` (vLLM's ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -35,7 +27,6 @@ PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
 # metadata (``vllm.egg-info`` of a build for another platform) may answer.
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
 KEYS = ("passed", "failed", "errors", "skipped")
-# The counts by the attributes of JUnit's testsuite:
 JUNIT = dict(tests="tests", failed="failures", errors="errors", skipped="skipped")
 
 
@@ -72,8 +63,7 @@ class TestRuns:
 
 
 def reviewer_command(files: list[str], keyword: str | None = None) -> str:
-    selected = ["-k", keyword] if keyword else []
-    return shlex.join(["pytest", *selected, *files])
+    return shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
 
 
 def described_machine(m: dict | None = None) -> str:
@@ -87,8 +77,7 @@ def described_machine(m: dict | None = None) -> str:
 def run_pytest(
     checkout: Path, files: list[str], site: Path, keyword: str | None = None
 ) -> TestRun:
-    """pytest on ``files`` (or ``file::test`` ids) of ``checkout``, with
-    ``site``'s ``vllm/`` imported; ``keyword`` is pytest's ``-k``."""
+    """pytest on ``files`` of ``checkout`` with ``site``'s ``vllm/`` imported."""
     command = reviewer_command(files, keyword)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
@@ -130,7 +119,8 @@ def pytest_main(argv: list[str]) -> int:  # the child's side of run_pytest
 
 
 def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
-    """The counts, the first ids that failed and the first reason to skip."""
+    """The counts (by JUnit's testsuite attributes), the first ids that failed
+    and the first reason to skip."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(j, 0)) for s in suites) for k, j in JUNIT.items()}
@@ -146,29 +136,20 @@ def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
     return counts, tuple(failures[:10]), why
 
 
-def depends_on(patch: Patch, ci_dependencies: tuple[str, ...] = ()) -> list[str]:
-    """The vLLM files the edited tests' run depends on: the patch's edits and the
-    ``vllm/`` ones of the CI step's ``source_file_dependencies`` (folders/)."""
-    wanted = {e.file for e in patch.edits}
-    wanted |= {d for d in ci_dependencies if d.startswith("vllm/")}
-    return sorted(wanted)
-
-
-def _files(tree: VllmTree, entry: str) -> set[str]:
-    found = tree.path(entry).rglob("*.py") if entry.endswith("/") else ()
-    return {p.relative_to(tree.location).as_posix() for p in found} or {entry}
-
-
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """The files of ``depends`` (same, differing): same where the checkout has
-    the installed vLLM's bytes, or those the patch gives it (in a checkout
-    before or after the patch); a file absent from both is the same."""
+    """The files of ``depends`` (same, differing): the checkout has the
+    installed vLLM's bytes, or the patched ones (absent from both: the same)."""
     from patcher import engine  # libcst: only when a vLLM is here to compare
 
     trees = (VllmTree(checkout), open_tree(None))
-    names = sorted(set().union(*(_files(t, d) for t in trees for d in depends)))
+
+    def files(tree: VllmTree, entry: str) -> set[str]:
+        found = tree.path(entry).rglob("*.py") if entry.endswith("/") else ()
+        return {p.relative_to(tree.location).as_posix() for p in found} or {entry}
+
+    names = sorted(set().union(*(files(t, d) for t in trees for d in depends)))
     mine, theirs = (
         {n: t.read_bytes(n) if t.exists(n) else None for n in names} for t in trees
     )
@@ -184,40 +165,27 @@ def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
     from patcher import engine
 
     tree = VllmTree(checkout)
-    reverted, applied = (
-        engine.plan(tree, patch, direction).file_changes()
-        for direction in ("revert", "apply")
-    )
-    now = {n: tree.read_bytes(n) for n in names}
+    sides = [engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")]
     return {
-        n: tuple(
-            changes[n][1].encode() if n in changes else now[n]
-            for changes in (reverted, applied)
-        )
+        n: tuple(c[n][1].encode() if n in c else tree.read_bytes(n) for c in sides)
         for n in names
     }
-
-
-def _foreign(patch: Patch, differing: list[str]) -> list[str]:
-    """The differing files the checkout's own copy cannot stand in for: those
-    the change does not edit."""
-    return [f for f in differing if f not in {e.file for e in patch.edits}]
 
 
 def unavailable(
     checkout: Path, files: list[str], patch: Patch, depends: list[str]
 ) -> str | None:
     """Why the edited tests cannot run here, or None: the installed vLLM is the
-    checkout's code in every file of ``depends`` the change does not edit
-    (said once, by the caller)."""
+    checkout's code in every file of ``depends`` the change does not edit."""
     return _checked(checkout, files, patch, depends)[0]
 
 
 def _checked(
-    checkout: Path, files: list[str], patch: Patch, depends: list[str]
+    checkout: Path, files: list[str], patch: Patch, depends: list[str], skip=False
 ) -> tuple[str | None, list[str], list[str]]:
-    """``unavailable``'s answer, and ``compared``'s (empty where it did not
-    come to comparing)."""
+    """``unavailable``'s answer, and ``compared``'s when it came to comparing."""
+    if skip:
+        return "skipped (--no-tests)", [], []
     if not any((checkout / f).is_file() for f in files):
         return "not in this checkout", [], []
     try:
@@ -227,32 +195,35 @@ def _checked(
     if importlib.util.find_spec("torch") is None:
         return "no torch in this environment", [], []
     same, differing = compared(checkout, patch, depends)
-    if differ := ", ".join(_foreign(patch, differing)):
-        why = (
+    edited = {e.file for e in patch.edits}
+    if foreign := ", ".join(f for f in differing if f not in edited):
+        return (
             f"the checkout and the vLLM {read_version(installed)} installed for "
-            f"{sys.executable} differ in {differ}"
+            f"{sys.executable} differ in {foreign}",
+            same,
+            differing,
         )
-        return why, same, differing
     return None, same, differing
 
 
-def measure(
+def run_tests(
     checkout: Path,
     files: list[str],
     patch: Patch,
     depends: list[str],
     keyword: str | None = None,
+    skip: bool = False,
 ) -> TestRuns:
-    """The edited tests of a checkout on a patched, hard-linked copy of the
-    installed vLLM and on an unpatched one, with the checkout's own files where
-    they differ from the installed vLLM's and the change edits them (before
-    the change in the unpatched copy, after it in the patched one); else why
-    they cannot run here."""
+    """The edited tests on a patched and an unpatched copy of the installed
+    vLLM, with the checkout's own sides of the files the change edits put in;
+    else why they cannot run here (``skip``: ``--no-tests``)."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = reviewer_command(present, keyword)
-    why, same, differing = _checked(checkout, files, patch, depends)
+    why, same, differing = _checked(checkout, files, patch, depends, skip)
     if why:
-        return TestRuns(TestRun(command, False, why))
+        said = why if skip else f"cannot run here ({why})"
+        print(f"upstream tests: {said}; the description gives the reviewer's command")
+        return TestRuns(TestRun(command, False, said))
     installed = open_tree(None)
     own = own_sides(checkout, patch, differing)
     said = [f"{', '.join(same)} the same in both"] if same else []
@@ -273,4 +244,6 @@ def measure(
         for rel, (before, _) in own.items():
             replace_at(base / rel, before)
         before = run_pytest(checkout, present, base, keyword)
+    fails = f"; without the change: {before.summary()}" if before.ran else ""
+    print(f"upstream tests: {after.summary() + fails if after.ran else after.reason}")
     return TestRuns(after, before, tuple(same), tuple(own))
