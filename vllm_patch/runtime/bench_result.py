@@ -1,8 +1,6 @@
-"""The one set of section writers of an evidence folder's figures, from the
-records of ``evidence_record`` alone: ``evidence.md`` and a pull request
-description are both written by these. Every string read from the folder is
-rendered as data (``markdown``); ``limit`` cuts tables and lists (a
-description has a size bound)."""
+"""The one set of section writers of ``evidence_record``'s records, for
+``evidence.md`` and a pull request description alike: every string read is
+rendered as data (``markdown``); ``limit`` cuts tables and lists."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ from vllm_patch.runtime.evidence_record import (
 )
 from vllm_patch.runtime.machine import BUSY_SHARE
 
-# The format's names, for bench.
-__all__ = ["A_A", "METRICS", "MODES", "NATIVE", "SIDES"]
+# bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 ROWS = 500
@@ -83,8 +80,8 @@ def _fmt(value: float) -> str:
 
 
 def serving_table(serving: Serving, mode: str) -> str:
-    """Per metric each vLLM's figures, patched / base and, where the run had
-    it, the A/A control (the base served twice): the noise floor."""
+    """Per metric each vLLM's figures, patched / base and the A/A control (the
+    base served twice, where the run had it): the noise floor."""
     sides = serving.configs[mode]
     over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
@@ -109,22 +106,6 @@ def serving_tables(serving: Serving, said: str) -> list[str]:
             f"{said.format(mode=mode, reps=reps)}\n\n{serving_table(serving, mode)}"
         )
     return out
-
-
-def commands(serving: Serving, limit: int = ROWS) -> str:
-    """The commands the run used, as a code block."""
-    return md.fence(serving.commands[:limit], "bash")
-
-
-def commands_summary(serving: Serving) -> str:
-    s = serving.sizes
-    return (
-        "Commands"
-        if s is None
-        else f"Commands ({s.num_prompts} requests of {s.input_len} tokens in, "
-        f"{s.output_len} out, {s.max_concurrency} at a time; a fresh server per "
-        "repetition)"
-    )
 
 
 def machine_line(m: Machine) -> str:
@@ -166,10 +147,9 @@ def throughput_claim(ev: Evidence) -> str | None:
         for m in MODES
         if m in configs
     )
-    named = md.text(ev.model.named() if ev.model else "the model")
     return said and (
         f"- Output throughput with this change over the base, serving "
-        f"{named}, median [min–max] of the repetitions: {said}."
+        f"{md.text(ev.model.named())}, median [min–max] of the repetitions: {said}."
     )
 
 
@@ -177,7 +157,7 @@ def tokens_claim(ev: Evidence) -> str | None:
     t = ev.accuracy.tokens
     if t is None or t.max_abs_dlogprob is None:
         return None
-    note = NOT_QUALITY if ev.model and ev.model.random_weights else ""
+    note = NOT_QUALITY if ev.model.random_weights else ""
     return (
         f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
         f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
@@ -199,9 +179,8 @@ def lm_eval_claim(ev: Evidence) -> str | None:
 
 
 def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
-    """The base's time per call of vLLM's norm layer over this change's where
-    this change's layer ran the kernel; where the rule kept it native, a ratio
-    would compare native with native."""
+    """The base's time per call of vLLM's norm layer over this change's, where
+    this change's ran the kernel (else a ratio of native over native)."""
     layer: dict[tuple[str, int], dict[str, PerOpRow]] = {}
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
@@ -251,8 +230,7 @@ def decode_claim(d: Decode) -> str | None:
 
 
 def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
-    """What the figures say, a line each (what was not measured: no line);
-    the decode step first, the headline."""
+    """What the figures say, a line each, the decode step (the headline) first."""
     found = [
         ev.decode and decode_claim(ev.decode),
         throughput_claim(ev),
@@ -333,7 +311,7 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
         "k_norm run on strided per-head views of the qkv output, which the CPU "
         "kernels read as contiguous; the patched vLLM sends them to native, but "
         "for one token's row (a one-sequence decode step), which is contiguous. "
-        f"Here: {md.text(q.model.description, 400)}; "
+        f"Here: {md.text(q.model.named(), 400)}; "
         f"{len(q.prompts)} prompts, {q.max_tokens} greedy tokens each, eager, one "
         "offline engine per side.",
         "",
@@ -486,8 +464,8 @@ def interval_shown(found: Estimate | None, fmt: str = ".3f", unit: str = "") -> 
 
 
 def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
-    """A thread count's decode figures: the ratios, per engine the step and
-    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
+    """A thread count's decode figures: ratios, per engine the step and the
+    time inside ``RMSNorm``, the saving and whether the ratio agrees with it."""
     rows = [
         [
             md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
@@ -599,7 +577,7 @@ def evidence_markdown(ev: Evidence) -> str:
             f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
             f"with {md.code(v.patch, 60)}"
         )
-    if ev.model and ev.model.description:
+    if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")
     if ev.load:
         out.append(f"- Load: {load_line(ev.load)}")
@@ -629,8 +607,14 @@ def evidence_markdown(ev: Evidence) -> str:
 def _serving_lines(serving: Serving) -> list[str]:
     said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
     out = [line for t in serving_tables(serving, said) for line in ("", t)]
+    s = serving.sizes
+    summary = s and (
+        f" ({s.num_prompts} requests of {s.input_len} tokens in, {s.output_len} "
+        f"out, {s.max_concurrency} at a time; a fresh server per repetition)"
+    )
     if serving.commands:
-        out += ["", md.details(commands_summary(serving), commands(serving))]
+        commands = md.fence(serving.commands, "bash")
+        out += ["", md.details(f"Commands{summary or ''}", commands)]
     if serving.server_log:
         out += ["", "What the servers logged about their kernels:", ""]
         out += [

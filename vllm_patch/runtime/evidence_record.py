@@ -40,10 +40,9 @@ LONGEST = 4000
 MANY = 200
 """The most entries of a list or table (repetitions, commands, log lines)."""
 MOST_ROWS = 2000
-"""The most per-op rows (a run writes a few dozen), per-prompt verdicts and
-numerics figures."""
+"""The most per-op rows (a run writes a few dozen), prompts, numerics figures."""
 MOST_THREADS = 8
-"""The most other thread counts a ``perop`` comes at (``perop_threads``)."""
+"""The most other thread counts of ``perop`` (``perop_threads``)."""
 MOST_COLUMNS = 24
 """The most (vLLM, route) pairs in the per-op table."""
 LARGEST = 1e15
@@ -56,20 +55,22 @@ class Bad(Exception):
 
 
 class Meta(NamedTuple):
-    """Bounds beyond a type's own, as ``Annotated`` metadata."""
+    """Bounds beyond a type's own, as ``Annotated`` metadata: a list's most
+    entries and whether it may be empty, a number's being a time above 0."""
 
     most: int = MANY
-    """The most entries of a list."""
     empty: bool = True
     time: bool = False
-    """A number above 0."""
 
 
 Time = Annotated[float, Meta(time=True)]
 Numbers = Annotated[tuple[float, ...], Meta(empty=False)]
 record = dataclass(frozen=True, kw_only=True)
-"""A record: a table of the file, its fields its keys; one without a default
-is required."""
+"""A table of the file, its fields its keys; one without a default is required."""
+
+
+def empty():
+    return field(default_factory=dict)
 
 
 def typed(kind, value: object, at: str):
@@ -88,7 +89,7 @@ def typed(kind, value: object, at: str):
         return _list(kind, meta, value, at)
     if get_origin(kind) is dict:
         return _table(*get_args(kind), value, at)
-    return _SCALARS[kind](value, at, meta)
+    return _scalar(kind, meta, value, at)
 
 
 @functools.cache
@@ -146,43 +147,31 @@ def _table(key, kind, value: object, at: str) -> dict:
     for name in value:
         if keys is not None and name not in keys:
             raise Bad(f"{at}.{str(name)[:40]}: not one of {', '.join(keys)}")
-        _text(name, at)
+        _scalar(str, Meta(), name, at)
     return {name: typed(kind, v, f"{at}.{name}") for name, v in value.items()}
 
 
-def _text(value: object, at: str, meta: Meta | None = None) -> str:
-    if not isinstance(value, str):
-        raise Bad(f"{at}: not a string")
-    if len(value) > LONGEST:
+def _scalar(kind: type, meta: Meta, value: object, at: str):
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
+        raise Bad(f"{at}: not {_NAMES[kind]}")
+    if kind is str and len(value) > LONGEST:
         raise Bad(f"{at}: longer than {LONGEST} characters")
-    return value
-
-
-def _count(value: object, at: str, meta: Meta) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Bad(f"{at}: not a whole number")
-    if not 0 <= value <= MOST_COUNT:
+    if kind is int and not 0 <= value <= MOST_COUNT:
         raise Bad(f"{at}: not a count from 0 to {MOST_COUNT:,}")
-    return value
-
-
-def _number(value: object, at: str, meta: Meta) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise Bad(f"{at}: not a number")
-    if not abs(value) <= LARGEST:  # NaN and infinities too
+    if kind is float and not abs(value) <= LARGEST:  # NaN and infinities too
         raise Bad(f"{at}: not a finite number of at most {LARGEST:g}")
     if meta.time and not value > 0:
         raise Bad(f"{at}: not a time above 0")
     return value
 
 
-def _flag(value: object, at: str, meta: Meta) -> bool:
-    if not isinstance(value, bool):
-        raise Bad(f"{at}: not true or false")
-    return value
-
-
-_SCALARS = {str: _text, int: _count, float: _number, bool: _flag}
+_NAMES = {
+    str: "a string",
+    int: "a whole number",
+    float: "a number",
+    bool: "true or false",
+}
 
 
 @record
@@ -197,7 +186,6 @@ class Machine:
 @record
 class Load:
     before: tuple[float, ...] = ()
-    """``os.getloadavg()`` at the start (and ``after``, at the end)."""
     after: tuple[float, ...] = ()
     other_processes_share: float | None = None
 
@@ -230,13 +218,11 @@ class Sizes:
 
 @record
 class Serving:
-    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = field(
-        default_factory=dict
-    )
+    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()
     """Per mode, side and metric the value of each repetition."""
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
-    server_log: dict[Mode, dict[Served, tuple[str, ...]]] = field(default_factory=dict)
+    server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
 
 
 @record
@@ -271,7 +257,7 @@ class Tokens:
     first_divergence: Divergence | None = None
     max_abs_dlogprob: float | None = None
     note: str | None = None
-    configs: dict[Mode, TokenMode] = field(default_factory=dict)
+    configs: dict[Mode, TokenMode] = empty()
 
 
 @record
@@ -308,13 +294,13 @@ class PerOpRow:
     tokens: int
     route: str
     wrong: str | None = None
-    """Why this route was not timed: outside the op's tolerance."""
+    """Why this route was not timed (outside the op's tolerance)."""
     median_us: Time | None = None
     native_us: Time | None = None
     p10_us: Time | None = None
     p90_us: Time | None = None
     impl: str | None = None
-    """A layer route's: what the layer ran, ``kernel`` or ``native``."""
+    """What a layer route ran, ``kernel`` or ``native``."""
 
     def checked(self, value: dict, at: str) -> PerOpRow:
         for key in [] if self.wrong else ["median_us", "native_us"]:
@@ -353,16 +339,14 @@ class Tolerance(NamedTuple):
 @record
 class Qwen3Side:
     kernel_calls: dict[str, int]
-    """Per kernel (rms_norm, fused add), in one prefill and one decode step."""
+    """Per kernel, in one prefill and one decode step."""
     distinct_share: Numbers
-    """Per completion, its distinct tokens over its tokens."""
     texts: tuple[str, ...]
 
 
 @record
 class Qwen3Sides:
-    """vLLM as installed, with the change, and the kernels for every input (as
-    before vLLM #31643)."""
+    """vLLM as installed, with the change, and the kernels for every input."""
 
     base: Qwen3Side
     patched: Qwen3Side
@@ -370,21 +354,15 @@ class Qwen3Sides:
 
 
 @record
-class Described:
-    description: str
-
-
-@record
 class Qwen3Eager:
-    """``bench --qwen3`` (``bench.qwen3_eager.summarize``)."""
+    """``bench.qwen3_eager.summarize``: ``patched`` and ``unguarded`` against base."""
 
-    model: Described
+    model: Model
     patch: str
     prompts: tuple[str, ...]
     max_tokens: int
     sides: Qwen3Sides
     patched: TokenMode
-    """Against ``base`` (and ``unguarded`` alike)."""
     unguarded: TokenMode
 
 
@@ -426,10 +404,9 @@ class Share(Estimate):
 
 @record
 class Comparison(Ratio):
-    """The CPU time's ratio, and the wall time's."""
+    """The CPU time's ratio over ``n`` pairs, and the wall time's."""
 
     n: int
-    """The pairs."""
     wall: Ratio | None = None
 
 
@@ -438,7 +415,6 @@ class Saving:
     saving_ms: Ms
     share: Share
     expected_ratio: Span
-    """The step ratio the saving implies."""
 
 
 @record
@@ -452,15 +428,14 @@ class DecodeBlock:
 
     rounds: int
     busy_rounds: int
-    comparisons: dict[str, Comparison] = field(default_factory=dict)
-    step_ms: dict[str, Ms] = field(default_factory=dict)
-    """Per engine: CPU milliseconds per decode step (and ``_wall``)."""
-    step_wall_ms: dict[str, Ms] = field(default_factory=dict)
-    norm_ms: dict[str, Ms] = field(default_factory=dict)
-    """Per eager engine: the same inside ``RMSNorm``."""
-    norm_wall_ms: dict[str, Ms] = field(default_factory=dict)
+    comparisons: dict[str, Comparison] = empty()
+    step_ms: dict[str, Ms] = empty()
+    """Per engine, CPU milliseconds per step (and inside ``RMSNorm``, wall)."""
+    step_wall_ms: dict[str, Ms] = empty()
+    norm_ms: dict[str, Ms] = empty()
+    norm_wall_ms: dict[str, Ms] = empty()
     norm_calls_per_step: float | None = None
-    savings: dict[str, Saving] = field(default_factory=dict)
+    savings: dict[str, Saving] = empty()
     consistent: Consistent | None = None
 
 
@@ -474,8 +449,8 @@ class Decode:
     threads: int
     kernel_build: str
     tokens: int
-    by_threads: dict[str, DecodeBlock] = field(default_factory=dict)
-    compiled: dict[str, DecodeBlock] = field(default_factory=dict)
+    by_threads: dict[str, DecodeBlock] = empty()
+    compiled: dict[str, DecodeBlock] = empty()
     headline: DecodeBlock | None = None
 
     def checked(self, value: dict, at: str) -> Decode:
@@ -492,12 +467,12 @@ class Evidence:
     machine: Machine | None = None
     load: Load | None = None
     vllm: Versions | None = None
-    model: Model | None = None
+    model: Model = Model()
     serving: Serving | None = None
     accuracy: Accuracy = Accuracy()
     numerics: Needed | None = None
     """Per kernel build, op and dtype: the rtol needed, or why none."""
-    tolerance: dict[str, dict[str, Tolerance]] = field(default_factory=dict)
+    tolerance: dict[str, dict[str, Tolerance]] = empty()
     """Per op and dtype: vLLM's own rtol and atol."""
     perop: PerOp | None = None
     qwen3_eager: Qwen3Eager | None = None

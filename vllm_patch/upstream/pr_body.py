@@ -1,9 +1,7 @@
-"""The pull request description: the checkout's template (``template``) filled.
-Every figure is from this ``pr`` run: vLLM's edited tests with and without the
-change (``vllm_tests``), the per-call and eager Qwen3 figures (``figures``), or
-``--evidence DIR``'s ``evidence.json``; nothing measured is said so. Text about
-the diff is generated from it; the rest is the patch's ``upstream.md`` and what
-the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The pull request description: the checkout's template (``template``) filled
+with this run's figures only (``vllm_tests``, ``figures`` or ``--evidence``,
+rendered by ``bench_result``; nothing measured is said so), the patch's
+``upstream.md`` and what the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -30,14 +28,11 @@ from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_ma
 TOOL = "vllm-patch"
 TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
 """Attribution trailers ``AGENTS.md`` names, the first it names used."""
-HISTORY = "#31643"
 AI_BOX = "AI assistance was used"
-"""A checklist box always ticked: the tool that made this change was written
-with AI assistance."""
+"""A checklist box always ticked: the tool was written with AI assistance."""
 TESTED_BOX = "Testing and Validation:"
-"""A checklist box ticked when it is true of this run: the edited tests ran
-here, passing with the change and failing without it, and vLLM's CPU CI runs
-them. The other boxes are the author's judgement."""
+"""Ticked when the edited tests ran here, passing with the change and failing
+without it, and vLLM's CPU CI runs them. The other boxes are the author's."""
 
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
@@ -51,8 +46,8 @@ LM_EVAL = (
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
-    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``
-    (``runtime.evidence_record``), both vLLMs measured, or None."""
+    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``,
+    both vLLMs measured, or None."""
     if folder is None:
         return None
     ev = evidence_record.read(folder)
@@ -186,7 +181,7 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
     if ev:
         yield from filter(None, bench_result.claims(ev, rows))
     elif m and m.per_call:
-        yield bench_result.perop_claim(m.per_call)
+        yield bench_result.perop_claim(m.per_call, rows)
     if m and m.qwen3 and not (ev and ev.qwen3_eager):
         yield bench_result.qwen3_claim(m.qwen3)
     if not (ev or (m and m.per_call)):
@@ -285,7 +280,7 @@ def _results(facts: Facts, rows: int):
     if m and m.per_call:
         yield details(
             bench_result.perop_heading(m.per_call, md.html),
-            bench_result.perop_table(m.per_call, _scale),
+            bench_result.perop_table(m.per_call, _scale, rows),
         )
     qwen3 = (ev and ev.qwen3_eager) or (m and m.qwen3)
     if qwen3:
@@ -337,9 +332,8 @@ def _serving(ev: Evidence, rows: int) -> str:
     said = "{mode}, median [min–max] of {reps} server starts:"
     tables = bench_result.serving_tables(ev.serving, said)
     base = f"vLLM {md.html(ev.vllm.base, 40)}, and" if ev.vllm else "vLLM"
-    named = ev.model.named() if ev.model else "the model"
-    summary = f"Serving {md.html(named, 80)}: {base} with the change"
-    commands = bench_result.commands(ev.serving, rows)
+    summary = f"Serving {md.html(ev.model.named(), 80)}: {base} with the change"
+    commands = md.fence(ev.serving.commands[:rows], "bash")
     return details(summary, "\n\n".join([*tables, commands]))
 
 
@@ -366,7 +360,7 @@ def _provenance(facts: Facts) -> str:
             "codemods; a tool written with AI assistance), which also ran the tests "
             "and measurements quoted here and filled this description.",
             "- Not a duplicate: this branch's base has no `RMSNorm.forward_cpu`; "
-            f"{HISTORY} took the kernels off on purpose, and this PR answers it "
+            "#31643 took the kernels off on purpose, and this PR answers it "
             "above. Open PRs were not searched by the tool: `gh pr list --repo "
             'vllm-project/vllm --state open --search "RMSNorm forward_cpu"`.',
             "- Tests run: "
