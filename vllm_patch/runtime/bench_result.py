@@ -195,11 +195,13 @@ def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
         ratio = by["base"].median_us / by["patched"].median_us
         noun = "token" if tokens == 1 else "tokens"
         said.append(f"{md.code(op, 60)} at {tokens} {noun} {ratio:.1f}x")
+    if not (said or native):
+        return None
     kept = native and (
         f" {', '.join(native)} stayed native here, as the rule has it on this "
         "kernel build."
     )
-    return (said or native) and (
+    return (
         f"- A call through `RMSNorm` on CPU ({md.text(perop.dtype, 20)}, hidden "
         f"{perop.hidden_size}, {perop.threads} thread(s)), the base's time over "
         f"this change's: {'; '.join(said[:limit]) or 'no call reached the kernel'}."

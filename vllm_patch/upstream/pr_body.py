@@ -148,9 +148,10 @@ def _failed(run: TestRun) -> int:
 def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
     title = re.sub(r"^(\[[^\]]*\])+\s*", "", upstream.title)
     overview = f"{title}. {what_changes(facts.described)}\n{upstream.rule}"
+    claims = _claims(upstream, facts, rows)  # a part not measured: None
     return [
         Piece(("purpose",), overview),
-        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts, rows))),
+        Piece(("claims", "purpose"), "\n".join(filter(None, claims))),
         Piece(("plan",), "\n\n".join(_plan(upstream, facts))),
         Piece(("result", "plan"), "\n\n".join(_results(facts, rows))),
         Piece(("details", "purpose"), "\n\n".join(_details(upstream, facts))),
@@ -179,7 +180,7 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
     yield _tests_claim(facts.tests, _command(upstream, facts))
     ev, m = facts.evidence, facts.measured
     if ev:
-        yield from filter(None, bench_result.claims(ev, rows))
+        yield from bench_result.claims(ev, rows)
     elif m and m.per_call:
         yield bench_result.perop_claim(m.per_call, rows)
     if m and m.qwen3 and not (ev and ev.qwen3_eager):
