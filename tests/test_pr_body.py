@@ -482,7 +482,8 @@ def render_measured(root: Path, measured) -> str:
 
 def test_per_op_rows_become_the_per_call_figures_and_what_ran(tmp_path):
     """``bench.perop.per_op``'s rows: each side's layer call, native and the
-    kernel alone for scale; every other route is left out of the PR's table."""
+    patched kernel alone for scale; every other route is left out of the PR's
+    table."""
     from vllm_patch.upstream.figures import Measured
 
     rows = [
@@ -490,6 +491,7 @@ def test_per_op_rows_become_the_per_call_figures_and_what_ran(tmp_path):
         per_op_row("patched", "layer:RMSNorm", 149.0, impl="native"),
         per_op_row("both", "native", 100.0),
         per_op_row("patched", "kernel", 7.0),
+        per_op_row("base", "kernel", 7.5),
         per_op_row("base", "forward:RMSNorm", 7.5),
         {
             "env": "patched",

@@ -301,8 +301,9 @@ def _results(facts: Facts, rows: int):
 
 
 def _scale(row: PerOpRow) -> bool:
-    """Each side's ``RMSNorm`` call, and native and the kernel alone for scale."""
-    return row.route.startswith("layer:") or row.route in (NATIVE, "kernel")
+    """Each side's ``RMSNorm`` call; native and the patched kernel, for scale."""
+    scale = row.route == NATIVE or (row.env, row.route) == ("patched", "kernel")
+    return scale or row.route.startswith("layer:")
 
 
 def _test_table(runs: TestRuns):
