@@ -242,6 +242,10 @@ def _plan(upstream: Upstream, facts: Facts):
         yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
 
 
+TRUNCATES = (
+    "the kernels truncate float32 to bfloat16, so the bfloat16 fused add stays "
+    "native and is not exercised"
+)
 KERNEL_BUILDS = {
     "_C": (
         "AVX512-BF16: every kernel path this change enables on x86 runs; not "
@@ -249,14 +253,9 @@ KERNEL_BUILDS = {
         "fused add stays native (no vLLM CI job runs them), and aarch64, POWER "
         "and s390x"
     ),
-    "_C_AVX512": (
-        "AVX-512 without AVX512-BF16: the kernels truncate float32 to bfloat16, "
-        "so the bfloat16 fused add stays native and is not exercised"
-    ),
+    "_C_AVX512": f"AVX-512 without AVX512-BF16: {TRUNCATES}",
     "_C_AVX2": (
-        "AVX2: the kernels truncate float32 to bfloat16, so the bfloat16 fused "
-        "add stays native and is not exercised; no vLLM CI job runs the "
-        "`_C_AVX512` or `_C_AVX2` builds"
+        f"AVX2: {TRUNCATES}; no vLLM CI job runs the `_C_AVX512` or `_C_AVX2` builds"
     ),
 }
 
