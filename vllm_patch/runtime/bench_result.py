@@ -362,11 +362,11 @@ def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
 
 
 def perop_table(
-    perop: PerOp, shown: Callable[[PerOpRow], bool] = lambda _: True, limit=ROWS
+    perop: PerOp, shown: Callable[[PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
-    and route (the rows ``shown``), with native's time over it and what a
-    layer ran."""
+    and route (of the rows ``shown``: all by default), with native's time over
+    it and what a layer ran."""
     kept = [r for r in perop.rows if shown(r)]
     columns = list(dict.fromkeys((r.env, r.route) for r in kept))
     cells: dict[tuple, dict] = {}
@@ -375,7 +375,8 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
+            low, high = r.p10_us, r.p90_us
+            spread = "" if None in (low, high) else f" [{low:.1f}–{high:.1f}]"
             ran = f", ran {md.text(r.impl, 20)}" if r.impl else ""
             text = f"{r.median_us:.1f}{spread}{ratio}{ran}"
         cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
