@@ -373,9 +373,7 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
     numerics = {"numerics": builds, "tolerance": tolerance}
-    text = bench_result.numerics_table(
-        evidence_record.parse({"schema": 1, **numerics}).numerics
-    )
+    text = bench_result.numerics_table(evidence_record.parse({"schema": 1, **numerics}))
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
@@ -539,7 +537,7 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     assert not fine["consistent"]["contradicts"]
     assert odd["consistent"]["contradicts"] and more["consistent"]["contradicts"]
     for found, said in [(odd, "saves less than"), (more, "saves more than")]:
-        block = evidence_record._decode_block(found, "b")
+        block = evidence_record.typed(evidence_record.DecodeBlock, found, "b")
         text = "\n".join(bench_result.decode_block(block))
         assert "**contradicts** the attributed saving" in text
         assert f"the step {said} the time inside RMSNorm" in text
@@ -589,7 +587,9 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
 
-    section = evidence_record._decode(decode_section(busy=(2, 3)), "decode")
+    section = evidence_record.typed(
+        evidence_record.Decode, decode_section(busy=(2, 3)), "decode"
+    )
     text = "\n".join(bench_result.decode_markdown(section))
     assert text.startswith(
         "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
@@ -607,8 +607,8 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     ev = evidence_record.parse(doc_with({}, decode=decode_section()))
     first = bench_result.claims(ev)[0]
     b = ev.decode.headline
-    said = bench_result.interval_shown(b.comparisons["patched/base"].cpu, unit="x")
-    control = bench_result.interval_shown(b.comparisons["base/base"].cpu, unit="x")
+    said = bench_result.interval_shown(b.comparisons["patched/base"], unit="x")
+    control = bench_result.interval_shown(b.comparisons["base/base"], unit="x")
     assert first.startswith("- A decode step (float32, 1 thread(s), kernel build")
     assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
     assert "ms saved inside RMSNorm per step" in first

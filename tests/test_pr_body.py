@@ -311,7 +311,7 @@ def test_every_figure_is_the_evidences(tmp_path):
     )
     assert "| \\_C_AVX2 | rms_norm | bfloat16 | 0.0135 | 0.016 | 0.01 | yes |" in text
     assert "| `rms_norm` | 1 | 30.0 | 10.0 (3.00x) | 6.0 (5.00x) |" in text
-    assert "the base's time over this change's: rms_norm 1.7x at 1 tokens." in claims
+    assert "the base's time over this change's: `rms_norm` at 1 token 1.7x." in claims
     # Measured parts are not also given as commands to measure them.
     assert "lm_eval --model" not in text and "vllm bench serve --model Qwen" not in text
 
@@ -446,39 +446,53 @@ def test_the_tests_say_which_files_are_this_branchs(tmp_path, same, copied, said
     assert said in render(checkout(tmp_path, "v0.32.0"), runs, None)
 
 
-def test_the_per_call_claim_leaves_out_what_stayed_native():
+def per_op_row(env, route, us, **extra):
+    """A row of ``bench.perop.per_op`` (the shape it writes)."""
+    return {"env": env, "op": "fused_add_rms_norm", "tokens": 1, "route": route,
+            "median_us": us, "native_us": 100.0, "p10_us": us - 1,
+            "p90_us": us + 1, **extra}  # fmt: skip
+
+
+def test_the_per_call_claim_leaves_out_what_stayed_native(tmp_path):
     """On a build that truncates, the bfloat16 fused add stays native: base
     over this change there is native over native, never a claim."""
     from vllm_patch.upstream.figures import Measured
 
-    per_call = {
-        ("rms_norm", 1): {"base": (120.0, 100.0, 140.0), "patched": (20.0, 15, 30)},
-        ("fused_add_rms_norm", 1): {"base": (150.0, 1, 2), "patched": (100.0, 1, 2)},
-    }
-    runs = {("rms_norm", 1): "kernel", ("fused_add_rms_norm", 1): "native"}
-    claim = pr_body._per_call_claim(Measured(per_call=per_call, patched_runs=runs))
+    rows = [
+        {**per_op_row("base", "layer:RMSNorm", 120.0), "op": "rms_norm"},
+        {**per_op_row("patched", "layer:RMSNorm", 20.0, impl="kernel"),
+         "op": "rms_norm"},
+        per_op_row("base", "layer:RMSNorm", 150.0, impl="native"),
+        per_op_row("patched", "layer:RMSNorm", 100.0, impl="native"),
+    ]  # fmt: skip
+    found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
+    per_call = evidence_record.typed(evidence_record.PerOp, found, "perop")
+    claim = section(render_measured(tmp_path, Measured(per_call=per_call)), "Claims")
     assert "`rms_norm` at 1 token 6.0x" in claim
     assert "`fused_add_rms_norm` at" not in claim
     assert "`fused_add_rms_norm` stayed native here" in claim
-    table = pr_body._per_call_table(Measured(per_call=per_call, patched_runs=runs))
-    assert table.splitlines()[-1].endswith("| native |")
+    table = bench_result.perop_table(per_call)
+    assert table.splitlines()[-1].endswith(", ran native |")
 
 
-def test_per_op_rows_become_the_per_call_figures_and_what_ran():
-    """``bench.perop.per_op``'s rows (the shape it writes): each side's layer
-    call, native and the kernel alone for scale; a wrong route is left out."""
-    from vllm_patch.upstream.figures import by_shape
+def render_measured(root: Path, measured) -> str:
+    facts = pr_body.Facts(measured=measured)
+    return pr_body.render(PATCH, UPSTREAM, facts, read_template(root))
 
-    def row(env, route, us, **extra):
-        return {"env": env, "op": "fused_add_rms_norm", "tokens": 1, "route": route,
-                "median_us": us, "p10_us": us - 1, "p90_us": us + 1, **extra}  # fmt: skip
+
+def test_per_op_rows_become_the_per_call_figures_and_what_ran(tmp_path):
+    """``bench.perop.per_op``'s rows: each side's layer call, native and the
+    patched kernel alone for scale; every other route is left out of the PR's
+    table."""
+    from vllm_patch.upstream.figures import Measured
 
     rows = [
-        row("base", "layer:RMSNorm", 150.0, impl="native"),
-        row("patched", "layer:RMSNorm", 149.0, impl="native"),
-        row("both", "native", 100.0),
-        row("patched", "kernel", 7.0),
-        row("base", "kernel", 7.5),
+        per_op_row("base", "layer:RMSNorm", 150.0, impl="native"),
+        per_op_row("patched", "layer:RMSNorm", 149.0, impl="native"),
+        per_op_row("both", "native", 100.0),
+        per_op_row("patched", "kernel", 7.0),
+        per_op_row("base", "kernel", 7.5),
+        per_op_row("base", "forward:RMSNorm", 7.5),
         {
             "env": "patched",
             "op": "fused_add_rms_norm",
@@ -487,16 +501,20 @@ def test_per_op_rows_become_the_per_call_figures_and_what_ran():
             "wrong": "outside the tolerance",
         },  # fmt: skip
     ]
-    found, runs = by_shape(rows)
-    assert found == {
-        ("fused_add_rms_norm", 1): {
-            "base": (150.0, 149.0, 151.0),
-            "patched": (149.0, 148.0, 150.0),
-            "native": (100.0, 99.0, 101.0),
-            "kernel": (7.0, 6.0, 8.0),
-        }
-    }
-    assert runs == {("fused_add_rms_norm", 1): "native"}
+    found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
+    per_call = evidence_record.typed(evidence_record.PerOp, found, "perop")
+    text = render_measured(tmp_path, Measured(per_call=per_call))
+    table = re.findall(r"^\| op \|.*\n.*\n.*$", text, re.M)
+    header, _, row = table[0].splitlines()
+    assert header == (
+        "| op | tokens | base: layer:RMSNorm | patched: layer:RMSNorm | "
+        "both: native | patched: kernel |"
+    )
+    assert row == (
+        "| `fused_add_rms_norm` | 1 | 150.0 [149.0–151.0] (0.67x), ran native | "
+        "149.0 [148.0–150.0] (0.67x), ran native | 100.0 [99.0–101.0] | "
+        "7.0 [6.0–8.0] (14.29x) |"
+    )
 
 
 def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):

@@ -1,12 +1,11 @@
-"""The section writers of an evidence folder's figures: ``evidence.md`` and a
-pull request description's evidence parts are both written by these, from the
-records of ``evidence_record`` alone. Every string read from the folder is
-rendered as data (``markdown.text``/``code``/``fence``/``html``); ``limit`` cuts
-tables and lists (a description has a size bound)."""
+"""The one set of section writers of ``evidence_record``'s records, for
+``evidence.md`` and a pull request description alike: every string read is
+rendered as data (``markdown``); ``limit`` cuts tables and lists."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import (
@@ -19,19 +18,18 @@ from vllm_patch.runtime.evidence_record import (
     Decode,
     DecodeBlock,
     Divergence,
+    Estimate,
     Evidence,
-    Interval,
     Load,
     Machine,
-    Numerics,
     PerOp,
+    PerOpRow,
     Qwen3Eager,
     Serving,
 )
 from vllm_patch.runtime.machine import BUSY_SHARE
 
-# The format's names, for bench.
-__all__ = ["A_A", "METRICS", "MODES", "NATIVE", "SIDES"]
+# bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 ROWS = 500
@@ -55,8 +53,7 @@ def ratios(
 
 
 def ratio_shown(serving: Serving, mode: str, metric: str, over: str = "patched") -> str:
-    """``over`` / base of ``metric`` in ``mode``: ``median [min–max]`` of the
-    repetitions' ratios, the one definition every report shows."""
+    """``median [min–max]`` of the repetitions' ratios: what every report shows."""
     return spread_shown(ratios(serving, mode, metric, over), ratio=True)
 
 
@@ -66,10 +63,6 @@ def label(metric: str) -> str:
         return LABELS[metric]
     stat, name, _ = metric.split("_")
     return f"{name.upper()} {stat.replace('p99', 'P99')} (ms)"
-
-
-def _fmt(value: float) -> str:
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
 
 
 def spread_shown(values: list[float], ratio: bool = False) -> str:
@@ -82,9 +75,13 @@ def spread_shown(values: list[float], ratio: bool = False) -> str:
     return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
 
 
+def _fmt(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+
+
 def serving_table(serving: Serving, mode: str) -> str:
-    """Per metric each vLLM's figures, patched / base and, where the run had
-    it, the A/A control (the base served twice): the noise floor."""
+    """Per metric each vLLM's figures, patched / base and the A/A control (the
+    base served twice, where the run had it): the noise floor."""
     sides = serving.configs[mode]
     over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
@@ -99,65 +96,36 @@ def serving_table(serving: Serving, mode: str) -> str:
     return md.table(heads + [f"{A_A} / base (A/A)"] * (len(over) - 1), rows)
 
 
-def reps(serving: Serving, mode: str) -> int:
-    sides = serving.configs[mode]
-    return min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
-
-
 def serving_tables(serving: Serving, said: str) -> list[str]:
     """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
-    return [
-        f"{said.format(mode=mode, reps=reps(serving, mode))}\n\n"
-        + serving_table(serving, mode)
-        for mode in MODES
-        if mode in serving.configs
-    ]
-
-
-def commands(serving: Serving, limit: int = ROWS) -> str:
-    """The commands the run used, as a code block."""
-    return md.fence(serving.commands[:limit], "bash")
-
-
-def commands_summary(serving: Serving) -> str:
-    s = serving.sizes
-    return (
-        "Commands"
-        if s is None
-        else f"Commands ({s.num_prompts} requests of {s.input_len} tokens in, "
-        f"{s.output_len} out, {s.max_concurrency} at a time; a fresh server per "
-        "repetition)"
-    )
+    out = []
+    for mode in (m for m in MODES if m in serving.configs):
+        sides = serving.configs[mode]
+        reps = min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
+        out.append(
+            f"{said.format(mode=mode, reps=reps)}\n\n{serving_table(serving, mode)}"
+        )
+    return out
 
 
 def machine_line(m: Machine) -> str:
     """The machine as every report names it, and the CPU flags the kernels use."""
     flags = ", ".join(m.key_flags[:32]) or "none of the listed"
-    return md.text(f"{m.summary()}; kernel flags: {flags}", 400)
+    said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
+    return md.text(f"{said}; kernel flags: {flags}", 400)
 
 
 def load_line(load: Load) -> str:
-    before, after = ("?" if v is None else f"{v:g}" for v in (load.before, load.after))
+    before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
     text = f"load average {before} at the start, {after} at the end"
-    share = load.other_share
+    share = load.other_processes_share
     return text + (
         "" if share is None else f"; other processes used {share:.0%} of the CPU time"
     )
 
 
-def kernels_lines(serving: Serving, limit: int = ROWS) -> list[str]:
-    """What each server logged about its kernel choice."""
-    return [
-        f"- {mode}, {side}: {md.code(line)}"
-        for mode, sides in serving.server_log.items()
-        for side in SERVED
-        for line in sides.get(side, ())[:limit]
-    ]
-
-
 def first_difference(first: Divergence | None) -> str:
-    """Where the greedy tokens first part (counted from 0 in the evidence) in
-    words, counted from 1."""
+    """Where the greedy tokens first part, counted from 1."""
     if first is None:
         return "the same tokens for every prompt"
     mode = f" ({md.text(first.mode, 20)})" if first.mode else ""
@@ -165,12 +133,6 @@ def first_difference(first: Divergence | None) -> str:
         f"first different token: prompt {first.prompt + 1}, "
         f"position {first.position + 1}{mode}"
     )
-
-
-def model_name(ev: Evidence) -> str:
-    """The model in a few words (its description is for ``evidence.md``)."""
-    model = ev.model
-    return md.text((model and (model.name or model.description)) or "the model")
 
 
 def throughput_claim(ev: Evidence) -> str | None:
@@ -187,50 +149,63 @@ def throughput_claim(ev: Evidence) -> str | None:
     )
     return said and (
         f"- Output throughput with this change over the base, serving "
-        f"{model_name(ev)}, median [min–max] of the repetitions: {said}."
+        f"{md.text(ev.model.named())}, median [min–max] of the repetitions: {said}."
     )
 
 
 def tokens_claim(ev: Evidence) -> str | None:
-    t = ev.tokens
-    if t is None or t.max_dlogprob is None:
+    t = ev.accuracy.tokens
+    if t is None or t.max_abs_dlogprob is None:
         return None
-    note = NOT_QUALITY if ev.model and ev.model.random_weights else ""
+    note = NOT_QUALITY if ev.model.random_weights else ""
     return (
         f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
-        f"the base: {first_difference(t.first)}; largest |Δ logprob| "
-        f"{t.max_dlogprob:.3g}{note}."
+        f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
+        f"{t.max_abs_dlogprob:.3g}{note}."
     )
 
 
 def lm_eval_claim(ev: Evidence) -> str | None:
-    lm = ev.lm_eval
+    lm = ev.accuracy.lm_eval
     if lm is None or set(lm.scores) != set(SIDES):
         return None
     scores = [
-        f"{lm.scores[s][0]:.3g} ± {lm.scores[s][1]:.3g} {said}"
-        for s, said in zip(SIDES, ("base", "with this change"), strict=True)
+        f"{s.exact_match:.3g} ± {s.stderr:.3g} {said}"
+        for s, said in zip(
+            lm.scores.values(), ("base", "with this change"), strict=True
+        )
     ]
     return f"- {md.text(lm.task, 60)} exact_match: {', '.join(scores)}."
 
 
 def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
-    """The base's time per call of vLLM's norm layer over this change's."""
-    layer: dict[str, dict[int, dict[str, float]]] = {}
+    """The base's time per call of vLLM's norm layer over this change's, where
+    this change's ran the kernel (else a ratio of native over native)."""
+    layer: dict[tuple[str, int], dict[str, PerOpRow]] = {}
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
-            layer.setdefault(r.op, {}).setdefault(r.tokens, {})[r.env] = r.median_us
-    said = [
-        f"{md.text(op, 60)} "
-        + " / ".join(f"{t['base'] / t['patched']:.1f}x" for t in by.values())
-        + f" at {' / '.join(map(str, by))} tokens"
-        for op, by in layer.items()
-        if all(set(t) >= set(SIDES) for t in by.values())
-    ]
-    return said and (
-        f"- Per call of vLLM's norm layer ({md.text(perop.dtype, 20)}, hidden "
+            layer.setdefault((r.op, r.tokens), {})[r.env] = r
+    said, native = [], {}
+    for (op, tokens), by in layer.items():
+        if not set(SIDES) <= set(by):
+            continue
+        if by["patched"].impl == "native":
+            native[md.code(op, 60)] = None
+            continue
+        ratio = by["base"].median_us / by["patched"].median_us
+        noun = "token" if tokens == 1 else "tokens"
+        said.append(f"{md.code(op, 60)} at {tokens} {noun} {ratio:.1f}x")
+    if not (said or native):
+        return None
+    kept = native and (
+        f" {', '.join(native)} stayed native here, as the rule has it on this "
+        "kernel build."
+    )
+    return (
+        f"- A call through `RMSNorm` on CPU ({md.text(perop.dtype, 20)}, hidden "
         f"{perop.hidden_size}, {perop.threads} thread(s)), the base's time over "
-        f"this change's: {'; '.join(said[:limit])}."
+        f"this change's: {'; '.join(said[:limit]) or 'no call reached the kernel'}."
+        f"{kept or ''}"
     )
 
 
@@ -242,50 +217,52 @@ def decode_claim(d: Decode) -> str | None:
     if ratio is None:
         return None
     control = b.comparisons.get("base/base")
-    aa = f" (A/A control {interval_shown(control.cpu, unit='x')})" if control else ""
+    aa = f" (A/A control {interval_shown(control, unit='x')})" if control else ""
     saved = b.savings.get("patched")
     inside = saved and (
-        f"; {interval_shown(saved.ms, '.2f')} ms saved inside RMSNorm per step, "
-        f"{saved.share.value:.1%} of it"
+        f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
+        f"step, {saved.share.value:.1%} of it"
     )
     return (
         f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-        f"build {md.code(d.kernel_build, 20)}, {md.text(d.model, 80)}), this "
-        f"change's CPU time over the base's, 95% interval: "
-        f"{interval_shown(ratio.cpu, unit='x')}{aa}{inside or ''}."
+        f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
+        f"this change's CPU time over the base's, 95% interval: "
+        f"{interval_shown(ratio, unit='x')}{aa}{inside or ''}."
     )
 
 
 def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
-    """What the figures say, a line each (what was not measured: no line);
-    the decode step first, the headline."""
+    """What the figures say, a line each, the decode step (the headline) first."""
     found = [
         ev.decode and decode_claim(ev.decode),
         throughput_claim(ev),
         ev.perop and perop_claim(ev.perop, limit),
         tokens_claim(ev),
         lm_eval_claim(ev),
-        ev.qwen3 and qwen3_claim(ev.qwen3),
+        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
     ]
     return [c for c in found if c]
 
 
 def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
     out = []
-    t = ev.tokens
+    t = ev.accuracy.tokens
     for mode, found in (t.configs if t else {}).items():
         out.append(
-            f"- {mode}: {found.identical} of {found.prompts} prompts identical "
-            f"({t.tokens} greedy tokens each); {first_difference(found.first)}; "
-            f"largest |Δ logprob| of the top token before that: "
-            f"{found.max_dlogprob:.3g}"
+            f"- {mode}: {found.identical_prompts} of {len(found.per_prompt)} prompts "
+            f"identical ({t.tokens} greedy tokens each); "
+            f"{first_difference(found.first_divergence)}; largest |Δ logprob| of "
+            f"the top token before that: {found.max_abs_dlogprob:.3g}"
         )
     if t and t.note:
         out.append(f"\n{md.text(t.note, 1000)}")
-    lm = ev.lm_eval
+    lm = ev.accuracy.lm_eval
     if lm and lm.scores:
-        rows = [[s, f"{em:.4f} ± {se:.4f}"] for s, (em, se) in lm.scores.items()]
-        how = ", ".join(md.text(x, 60) for x in (lm.mode, lm.filter) if x) + (
+        rows = [
+            [s, f"{x.exact_match:.4f} ± {x.stderr:.4f}"] for s, x in lm.scores.items()
+        ]
+        first = next(iter(lm.scores.values())).filter
+        how = ", ".join(md.text(x, 60) for x in (lm.mode, first) if x) + (
             f", --limit {lm.limit}" if lm.limit else ""
         )
         out += [
@@ -302,6 +279,14 @@ QWEN3_LABELS = {
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
+QWEN3_HEADER = [
+    "RMSNorm on CPU",
+    "kernel calls (rms_norm + fused add), one prefill and one decode step",
+    "prompts with base's tokens",
+    "first different token",
+    "largest |Δ logprob| before it",
+    "distinct tokens per completion",
+]
 
 
 def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
@@ -309,40 +294,33 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     against base's and how varied its text is; the first differing text."""
     rows = []
     for side, name in QWEN3_LABELS.items():
-        found, than = q.sides[side], q.against.get(side)  # base: no row of its own
+        found = getattr(q.sides, side)
+        than = getattr(q, side) if side != "base" else None
         shares = found.distinct_share
         rows.append(
             [
                 f"{name} ({md.code(q.patch, 60)})" if side == "patched" else name,
-                " + ".join(map(str, found.kernel_calls)),
-                than and f"{than.identical} of {than.prompts}",
-                than and first_difference(than.first),
-                than and f"{than.max_dlogprob:.3g}",
+                " + ".join(map(str, found.kernel_calls.values())),
+                than and f"{than.identical_prompts} of {len(q.prompts)}",
+                than and first_difference(than.first_divergence),
+                than and f"{than.max_abs_dlogprob:.3g}",
                 f"{sum(shares) / len(shares):.2f}",
             ]
         )
-    header = [
-        "RMSNorm on CPU",
-        "kernel calls (rms_norm + fused add), one prefill and one decode step",
-        "prompts with base's tokens",
-        "first different token",
-        "largest |Δ logprob| before it",
-        "distinct tokens per completion",
-    ]
     out = [
         "vLLM #31643 put `RMSNorm` on native on CPU after the kernels, reached "
         "with `--enforce-eager`, gave gibberish on Qwen3-0.6B. Qwen3's q_norm and "
         "k_norm run on strided per-head views of the qkv output, which the CPU "
         "kernels read as contiguous; the patched vLLM sends them to native, but "
         "for one token's row (a one-sequence decode step), which is contiguous. "
-        f"Here: {md.text(q.description, 400)}; "
-        f"{q.prompts} prompts, {q.max_tokens} greedy tokens each, eager, one "
+        f"Here: {md.text(q.model.named(), 400)}; "
+        f"{len(q.prompts)} prompts, {q.max_tokens} greedy tokens each, eager, one "
         "offline engine per side.",
         "",
-        md.table(header, rows),
+        md.table(QWEN3_HEADER, rows),
     ]
-    first = q.against["unguarded"].first
-    texts = {s: q.sides[s].texts for s in ("base", "unguarded")}
+    first = q.unguarded.first_divergence
+    texts = {s: getattr(q.sides, s).texts for s in ("base", "unguarded")}
     if first and all(first.prompt < len(t) for t in texts.values()):
         out += ["", f"Prompt {first.prompt + 1}'s completion:", ""]
         out += [
@@ -353,27 +331,27 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
 
 
 def qwen3_claim(q: Qwen3Eager) -> str:
-    patched, unguarded = q.against["patched"], q.against["unguarded"]
+    patched, unguarded = q.patched, q.unguarded
     said = (
         "- Eager Qwen3-architecture model (#31643's configuration): with this "
-        f"change {patched.identical} of {q.prompts} prompts give the base's "
-        f"greedy tokens (largest |Δ logprob| {patched.max_dlogprob:.3g}), the "
-        f"kernels running {sum(q.sides['patched'].kernel_calls)} times"
+        f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
+        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
+        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
     )
-    if unguarded.first is None:
+    if unguarded.first_divergence is None:
         return said + "; the kernels unguarded give the same tokens too."
     return (
         f"{said}; the kernels unguarded, as before #31643, match in "
-        f"{unguarded.identical} of {q.prompts}."
+        f"{unguarded.identical_prompts} of {len(q.prompts)}."
     )
 
 
-def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
+def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
     rows = []
-    for build, ops in numerics.needed.items():
+    for build, ops in (ev.numerics or {}).items():
         for op, dtypes in ops.items():
             for dtype, need in dtypes.items():
-                rtol, atol = numerics.tolerance.get(op, {}).get(dtype, (None, None))
+                rtol, atol = ev.tolerance.get(op, {}).get(dtype, (None, None))
                 ok = None if rtol is None or isinstance(need, str) else need <= rtol
                 shown = md.text(need, 200) if isinstance(need, str) else need
                 names = (md.text(x, 60) for x in (build, op, dtype))
@@ -384,11 +362,12 @@ def numerics_table(numerics: Numerics, limit: int = ROWS) -> str:
 
 
 def perop_table(
-    perop: PerOp, leave_out: tuple[str, ...] = (), limit: int = ROWS
+    perop: PerOp, shown: Callable[[PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
-    and route (but the routes ``leave_out``), with native's time over it."""
-    kept = [r for r in perop.rows if r.route not in leave_out]
+    and route (of the rows ``shown``: all by default), with native's time over
+    it and what a layer ran."""
+    kept = [r for r in perop.rows if shown(r)]
     columns = list(dict.fromkeys((r.env, r.route) for r in kept))
     cells: dict[tuple, dict] = {}
     for r in kept:
@@ -396,8 +375,10 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            spread = "" if r.p10_us is None else f" [{r.p10_us:.1f}–{r.p90_us:.1f}]"
-            text = f"{r.median_us:.1f}{spread}{ratio}"
+            low, high = r.p10_us, r.p90_us
+            spread = "" if None in (low, high) else f" [{low:.1f}–{high:.1f}]"
+            ran = f", ran {md.text(r.impl, 20)}" if r.impl else ""
+            text = f"{r.median_us:.1f}{spread}{ratio}{ran}"
         cells.setdefault((r.op, r.tokens), {})[(r.env, r.route)] = text
     rows = [
         [md.code(op, 60), tokens, *(found.get(c) for c in columns)]
@@ -478,76 +459,74 @@ def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
     return out
 
 
-def interval_shown(found: Interval | None, fmt: str = ".3f", unit: str = "") -> str:
+def interval_shown(found: Estimate | None, fmt: str = ".3f", unit: str = "") -> str:
     if found is None:
         return "-"
-    v, lo, hi = (format(x, fmt) for x in (found.value, found.low, found.high))
+    v, lo, hi = (format(x, fmt) for x in (found.value, *found.ci95))
     return f"{v}{unit} [{lo}–{hi}]"
 
 
-def verdict(found: Interval, label: str) -> str:
-    """What an interval says against 1.0."""
-    if found.low <= 1.0 <= found.high:
-        return "no difference resolved (the interval contains 1.0)"
-    return f"{label} {'faster' if found.high < 1.0 else 'slower'}"
-
-
 def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
-    """A thread count's decode figures: the ratios, per engine the step and
-    the time inside ``RMSNorm``, the saving and whether the ratio agrees."""
+    """A thread count's decode figures: ratios, per engine the step and the
+    time inside ``RMSNorm``, the saving and whether the ratio agrees with it."""
     rows = [
         [
             md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
-            interval_shown(c.cpu, unit="x"),
+            interval_shown(c, unit="x"),
             interval_shown(c.wall, unit="x"),
-            c.pairs,
+            c.n,
         ]
         for label, c in b.comparisons.items()
     ]
     header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
     out = [md.table([*header, "pairs"], rows, limit), ""]
-    norm = bool(b.norm_ms)
     header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
-    header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"] if norm else []
-    rows = []
-    for name, step in b.step_ms.items():
-        row = [md.code(name, 60), *(interval_shown(x, ".2f") for x in step)]
-        if norm:
-            inside = b.norm_ms.get(name, (None, None))
-            row += [interval_shown(x, ".2f") for x in inside]
-        rows.append(row)
+    parts = [b.step_ms, b.step_wall_ms]
+    if b.norm_ms:
+        header += ["inside RMSNorm, CPU ms", "inside RMSNorm, wall ms"]
+        parts += [b.norm_ms, b.norm_wall_ms]
+    rows = [
+        [md.code(name, 60), *(interval_shown(p.get(name), ".2f") for p in parts)]
+        for name in b.step_ms
+    ]
     out += [md.table(header, rows, limit), ""]
-    calls = f" ({b.norm_calls:.0f} calls)" if b.norm_calls is not None else ""
+    calls = b.norm_calls_per_step
+    calls = f" ({calls:.0f} calls)" if calls is not None else ""
     for side, saved in list(b.savings.items())[:limit]:
-        share, (lo, hi) = saved.share, saved.expected
+        share, (lo, hi) = saved.share, saved.expected_ratio
         out += [
-            f"- {md.text(side, 60)}: {interval_shown(saved.ms, '.2f')} ms of CPU "
-            f"time saved inside RMSNorm per decode step{calls}, {share.value:.1%} "
-            f"[{share.low:.1%}–{share.high:.1%}] of base's step: a step ratio of "
-            f"{lo:.3f}–{hi:.3f} expected.",
+            f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms of "
+            f"CPU time saved inside RMSNorm per decode step{calls}, "
+            f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
+            f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected.",
         ]
-    if b.contradicts is not None:
-        said = ("**contradicts**", "misses") if b.contradicts else (
-            "does not contradict", "meets"
-        )  # fmt: skip
-        how = ""
-        if b.contradicts and "patched" in b.savings:
-            ratio = b.comparisons["patched/base"].cpu
-            more = ratio.high < b.savings["patched"].expected[0]
-            how = (
-                ": the step saves more than the time inside RMSNorm accounts for"
-                if more
-                else ": the step saves less than the time inside RMSNorm"
-            )
-        out.append(
-            f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
-            f"(its interval {said[1]} the expected one){how}."
-        )
+    if b.consistent is not None:
+        out.append(_consistent(b))
     out.append(
         f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
         f"{BUSY_SHARE:.0%} of the CPU time)."
     )
     return out
+
+
+def _consistent(b: DecodeBlock) -> str:
+    """Whether the end-to-end ratio agrees with the saving attributed."""
+    if not b.consistent.contradicts:
+        said, how = ("does not contradict", "meets"), ""
+    else:
+        said, how = ("**contradicts**", "misses"), ""
+        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+        if ratio and saved:
+            more = ratio.ci95.high < saved.expected_ratio.low
+            how = ": the step saves " + (
+                "more than the time inside RMSNorm accounts for"
+                if more
+                else "less than the time inside RMSNorm"
+            )
+    return (
+        f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
+        f"(its interval {said[1]} the expected one){how}."
+    )
 
 
 def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
@@ -556,8 +535,8 @@ def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
         f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
         f"build {md.text(d.kernel_build, 20)}",
         "",
-        f"{md.text(d.model)}; batch 1; each round, every engine (each kept alive "
-        f"in its own process) generates {d.tokens} tokens, the engines taking "
+        f"{md.text(d.model.named())}; batch 1; each round, every engine (each kept "
+        f"alive in its own process) generates {d.tokens} tokens, the engines taking "
         "turns step by step; a round's figure is the median of its decode steps; "
         "ratios are trimmed means of per-round ratios with bootstrap 95% "
         "intervals; the CPU time is the engine process's.",
@@ -578,8 +557,16 @@ def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
         ]
         found = b.comparisons.get("+rms_norm/default")
         if found:
-            out.append(f"- Kernels under Inductor: {verdict(found.cpu, '+rms_norm')}.")
+            out.append(f"- Kernels under Inductor: {_verdict(found, '+rms_norm')}.")
     return out
+
+
+def _verdict(found: Estimate, label: str) -> str:
+    """What an interval says against 1.0."""
+    low, high = found.ci95
+    if low <= 1.0 <= high:
+        return "no difference resolved (the interval contains 1.0)"
+    return f"{label} {'faster' if high < 1.0 else 'slower'}"
 
 
 def evidence_markdown(ev: Evidence) -> str:
@@ -593,7 +580,7 @@ def evidence_markdown(ev: Evidence) -> str:
             f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
             f"with {md.code(v.patch, 60)}"
         )
-    if ev.model and ev.model.description:
+    if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")
     if ev.load:
         out.append(f"- Load: {load_line(ev.load)}")
@@ -605,24 +592,38 @@ def evidence_markdown(ev: Evidence) -> str:
         out += ["", "## In short", "", *found]
     if ev.decode:
         out += ["", *decode_markdown(ev.decode)]
-    serving = ev.serving
-    if serving:
-        said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
-        out += [line for t in serving_tables(serving, said) for line in ("", t)]
-        if serving.commands:
-            out += ["", md.details(commands_summary(serving), commands(serving))]
-        if serving.server_log:
-            out += ["", "What the servers logged about their kernels:", ""]
-            out += kernels_lines(serving)
+    if ev.serving:
+        out += _serving_lines(ev.serving)
     acc = accuracy_lines(ev)
-    if ev.qwen3:
+    if ev.qwen3_eager:
         acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
-        acc += qwen3_eager_markdown(ev.qwen3)
+        acc += qwen3_eager_markdown(ev.qwen3_eager)
     if acc:
         out += ["", "## Accuracy", "", *acc]
     if ev.numerics:
-        heading = "## Numerics per x86 kernel build"
-        out += ["", heading, "", numerics_table(ev.numerics)]
+        out += ["", "## Numerics per x86 kernel build", "", numerics_table(ev)]
     for perop in [ev.perop, *ev.perop_threads] if ev.perop else []:
         out += ["", f"## {perop_heading(perop)}", "", *perop_lines(perop)]
     return "\n".join(out) + "\n"
+
+
+def _serving_lines(serving: Serving) -> list[str]:
+    said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
+    out = [line for t in serving_tables(serving, said) for line in ("", t)]
+    s = serving.sizes
+    summary = s and (
+        f" ({s.num_prompts} requests of {s.input_len} tokens in, {s.output_len} "
+        f"out, {s.max_concurrency} at a time; a fresh server per repetition)"
+    )
+    if serving.commands:
+        commands = md.fence(serving.commands, "bash")
+        out += ["", md.details(f"Commands{summary or ''}", commands)]
+    if serving.server_log:
+        out += ["", "What the servers logged about their kernels:", ""]
+        out += [
+            f"- {mode}, {side}: {md.code(line)}"
+            for mode, sides in serving.server_log.items()
+            for side in SERVED
+            for line in sides.get(side, ())[:ROWS]
+        ]
+    return out

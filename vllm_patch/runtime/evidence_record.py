@@ -1,25 +1,20 @@
-"""An evidence folder (``vllm-patch bench --out DIR``) parsed once into frozen
-records, for ``evidence.md`` and a PR description alike (``bench_result``
-renders only these). The file is data: every value is checked for its type and
-bounded (counts, string lengths, number sizes); anything else is one
-``PatchError`` (exit 3) naming the field.
-
-``DIR/evidence.json`` holds ``schema``, ``machine`` (``runtime.machine.facts``),
-``load``, ``vllm`` (``base``, ``patched``, ``patch``), ``model`` (``name``,
-``description``, ``random_weights``), ``serving`` (``commands``, ``sizes``, per
-mode, side and metric the value of each repetition: ``configs``; ``server_log``),
-``accuracy`` (``tokens``, ``lm_eval``), ``numerics`` and ``tolerance``, ``perop``,
-``qwen3_eager``, ``decode`` (``docs/bench.md``), ``interrupted`` and ``failed``;
-a part not measured is None.
-"""
+"""``DIR/evidence.json`` (``vllm-patch bench --out DIR``, ``docs/bench.md``) read
+once into frozen records shaped as the file is, for ``evidence.md`` and a PR
+description alike. The file is data: one reader, driven by the records' type
+hints, checks every value's type and bounds (``Meta``); anything else is one
+``PatchError`` (exit 3) naming the field. A part not measured is None."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
-from dataclasses import dataclass
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal, NamedTuple, get_args, get_origin
 
 from patcher.errors import PatchError
 
@@ -27,175 +22,193 @@ SCHEMA = 1
 EVIDENCE = "evidence.json"
 NATIVE = "native"
 """vLLM's own PyTorch implementation of an op: every ratio's baseline."""
-MODES = ("eager", "compiled")
 SIDES = ("base", "patched")
 A_A = "base2"
 """The base served again: ``--serve``'s A/A control (older evidence lacks it)."""
-SERVED = (*SIDES, A_A)
-METRICS = (
+Mode = Literal["eager", "compiled"]
+Served = Literal["base", "patched", "base2"]
+Metric = Literal[
     "request_throughput", "output_throughput",
     "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
     "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
     "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-)  # fmt: skip
+]  # fmt: skip
 """``vllm bench serve --save-result``'s names for what the table shows."""
+MODES, SERVED, METRICS = get_args(Mode), get_args(Served), get_args(Metric)
 LONGEST = 4000
 """The longest string read (a command); names are cut shorter when rendered."""
 MANY = 200
 """The most entries of a list or table (repetitions, commands, log lines)."""
 MOST_ROWS = 2000
-"""The most per-op rows (a run writes a few dozen)."""
+"""The most per-op rows (a run writes a few dozen), prompts, numerics figures."""
 MOST_THREADS = 8
-"""The most other thread counts a ``perop`` comes at (``perop_threads``)."""
+"""The most other thread counts of ``perop`` (``perop_threads``)."""
 MOST_COLUMNS = 24
 """The most (vLLM, route) pairs in the per-op table."""
 LARGEST = 1e15
 """No figure's magnitude is larger (a 400-digit integer is not a figure)."""
+MOST_COUNT = 10**7
 
 
 class Bad(Exception):
     """A field that is not what ``bench`` writes: its dotted name, and why."""
 
 
-def _get(data: object, where: str, key: str) -> tuple[object, str]:
-    if not isinstance(data, dict):
-        raise Bad(f"{where or 'the document'}: not a table")
-    return data.get(key), f"{where}.{key}" if where else key
+class Meta(NamedTuple):
+    """Bounds beyond a type's own, as ``Annotated`` metadata: a list's most
+    entries and whether it may be empty, a number's being a time above 0."""
+
+    most: int = MANY
+    empty: bool = True
+    time: bool = False
 
 
-def _table(value: object, where: str, keys=None) -> dict[str, Any]:
+Time = Annotated[float, Meta(time=True)]
+Numbers = Annotated[tuple[float, ...], Meta(empty=False)]
+record = dataclass(frozen=True, kw_only=True)
+"""A table of the file, its fields its keys; one without a default is required."""
+
+
+def empty():
+    return field(default_factory=dict)
+
+
+def typed(kind, value: object, at: str):
+    """``value`` as ``kind``: a record, a ``NamedTuple`` (a list of that many),
+    ``tuple[X, ...]``, ``dict[K, X]`` (``K`` a ``Literal``: only those keys),
+    ``str``, ``int`` (a count), ``float``, ``bool`` or a union, optionally
+    ``Annotated`` with ``Meta``. Else ``Bad`` naming the first field that is not."""
+    meta = Meta()
+    if get_origin(kind) is Annotated:
+        kind, meta = get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        return _record(kind, value, at)
+    if get_origin(kind) in (typing.Union, types.UnionType):
+        return _union(get_args(kind), value, at)
+    if get_origin(kind) is tuple or hasattr(kind, "_fields"):
+        return _list(kind, meta, value, at)
+    if get_origin(kind) is dict:
+        return _table(*get_args(kind), value, at)
+    return _scalar(kind, meta, value, at)
+
+
+@functools.cache
+def _hints(kind) -> dict[str, object]:
+    return typing.get_type_hints(kind, include_extras=True)
+
+
+def _record(kind, value: object, at: str):
     if not isinstance(value, dict):
-        raise Bad(f"{where}: not a table")
-    if len(value) > MANY:
-        raise Bad(f"{where}: more than {MANY} entries")
-    for key in value:
-        if keys is not None and key not in keys:
-            raise Bad(f"{where}.{_cut(key)}: not one of {', '.join(keys)}")
-        _text(key, where)
-    return value
+        raise Bad(f"{at or 'the document'}: not a table")
+    found = {}
+    for f in dataclasses.fields(kind):
+        where = f"{at}.{f.name}" if at else f.name
+        if value.get(f.name) not in (None, {}):
+            found[f.name] = typed(_hints(kind)[f.name], value[f.name], where)
+        elif f.default is f.default_factory is dataclasses.MISSING:
+            raise Bad(f"{where}: missing")
+    made = kind(**found)
+    return made.checked(value, at) if hasattr(made, "checked") else made
 
 
-def _list(value: object, where: str, most: int = MANY) -> list:
+def _union(kinds: tuple, value: object, at: str):
+    if value is None and type(None) in kinds:
+        return None
+    for kind in (k for k in kinds if k is not type(None)):
+        try:
+            return typed(kind, value, at)
+        except Bad as exc:
+            last = exc
+    raise last
+
+
+def _list(kind, meta: Meta, value: object, at: str) -> tuple:
     if not isinstance(value, list):
-        raise Bad(f"{where}: not a list")
-    if len(value) > most:
-        raise Bad(f"{where}: more than {most} entries")
+        raise Bad(f"{at}: not a list")
+    if hasattr(kind, "_fields"):  # a NamedTuple: exactly its fields
+        if len(value) != len(kind._fields):
+            raise Bad(f"{at}: not [{', '.join(kind._fields)}]")
+        items = zip(_hints(kind).values(), value, strict=True)
+        return kind(*(typed(k, v, f"{at}[{i}]") for i, (k, v) in enumerate(items)))
+    if len(value) > meta.most:
+        raise Bad(f"{at}: more than {meta.most} entries")
+    if not (value or meta.empty):
+        raise Bad(f"{at}: empty")
+    item = get_args(kind)[0]
+    return tuple(typed(item, v, f"{at}[{i}]") for i, v in enumerate(value))
+
+
+def _table(key, kind, value: object, at: str) -> dict:
+    if not isinstance(value, dict):
+        raise Bad(f"{at}: not a table")
+    if len(value) > MANY:
+        raise Bad(f"{at}: more than {MANY} entries")
+    keys = get_args(key) if get_origin(key) is Literal else None
+    for name in value:
+        if keys is not None and name not in keys:
+            raise Bad(f"{at}.{str(name)[:40]}: not one of {', '.join(keys)}")
+        _scalar(str, Meta(), name, at)
+    return {name: typed(kind, v, f"{at}.{name}") for name, v in value.items()}
+
+
+def _scalar(kind: type, meta: Meta, value: object, at: str):
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
+        raise Bad(f"{at}: not {_NAMES[kind]}")
+    if kind is str and len(value) > LONGEST:
+        raise Bad(f"{at}: longer than {LONGEST} characters")
+    if kind is int and not 0 <= value <= MOST_COUNT:
+        raise Bad(f"{at}: not a count from 0 to {MOST_COUNT:,}")
+    if kind is float and not abs(value) <= LARGEST:  # NaN and infinities too
+        raise Bad(f"{at}: not a finite number of at most {LARGEST:g}")
+    if meta.time and not value > 0:
+        raise Bad(f"{at}: not a time above 0")
     return value
 
 
-def _text(value: object, where: str) -> str:
-    if not isinstance(value, str):
-        raise Bad(f"{where}: not a string")
-    if len(value) > LONGEST:
-        raise Bad(f"{where}: longer than {LONGEST} characters")
-    return value
+_NAMES = {
+    str: "a string",
+    int: "a whole number",
+    float: "a number",
+    bool: "true or false",
+}
 
 
-def _number(value: object, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise Bad(f"{where}: not a number")
-    if not abs(value) <= LARGEST:  # NaN and infinities too
-        raise Bad(f"{where}: not a finite number of at most {LARGEST:g}")
-    return value
-
-
-def _time(value: object, where: str) -> float:
-    if not _number(value, where) > 0:
-        raise Bad(f"{where}: not a time above 0")
-    return value
-
-
-def _count(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Bad(f"{where}: not a whole number")
-    if not 0 <= value <= 10**7:
-        raise Bad(f"{where}: not a count from 0 to 10,000,000")
-    return value
-
-
-def _opt(read, data: object, where: str, key: str, *extra):
-    value, at = _get(data, where, key)
-    return None if value is None else read(value, at, *extra)
-
-
-def _req(read, data: object, where: str, key: str, *extra):
-    value, at = _get(data, where, key)
-    if value is None:
-        raise Bad(f"{at}: missing")
-    return read(value, at, *extra)
-
-
-def _texts(value: object, where: str) -> tuple[str, ...]:
-    return tuple(_text(v, f"{where}[{i}]") for i, v in enumerate(_list(value, where)))
-
-
-def _cut(value: object) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else text[:39] + "…"
-
-
-@dataclass(frozen=True)
+@record
 class Machine:
     cpu_model: str
     arch: str
     usable_cpus: int
     os: str
-    key_flags: tuple[str, ...]
-
-    def summary(self) -> str:
-        """``CPU model (arch), N CPUs, OS`` (``runtime.machine.summary``)."""
-        return f"{self.cpu_model} ({self.arch}), {self.usable_cpus} CPUs, {self.os}"
+    key_flags: tuple[str, ...] = ()
 
 
-def _machine(value: object, at: str) -> Machine:
-    return Machine(
-        *(_req(_text, value, at, k) for k in ("cpu_model", "arch")),
-        _req(_count, value, at, "usable_cpus"),
-        _req(_text, value, at, "os"),
-        _opt(_texts, value, at, "key_flags") or (),
-    )
-
-
-@dataclass(frozen=True)
+@record
 class Load:
-    before: float | None
-    after: float | None
-    other_share: float | None
+    before: tuple[float, ...] = ()
+    after: tuple[float, ...] = ()
+    other_processes_share: float | None = None
 
 
-def _load(value: object, at: str) -> Load:
-    first = [
-        _number(found[0], f"{at}.{k}[0]") if found else None
-        for k in ("before", "after")
-        for found in [_opt(_list, value, at, k)]
-    ]
-    return Load(*first, _opt(_number, value, at, "other_processes_share"))
-
-
-@dataclass(frozen=True)
+@record
 class Versions:
     base: str
     patched: str
     patch: str
 
 
-@dataclass(frozen=True)
+@record
 class Model:
-    name: str | None
-    description: str | None
-    random_weights: bool
+    name: str | None = None
+    description: str | None = None
+    random_weights: bool = False
+
+    def named(self) -> str:
+        """The model in a few words."""
+        return self.name or self.description or "the model"
 
 
-def _model(value: object, at: str) -> Model:
-    weights, _ = _get(value, at, "random_weights")
-    return Model(
-        _opt(_text, value, at, "name"),
-        _opt(_text, value, at, "description"),
-        weights is True,
-    )
-
-
-@dataclass(frozen=True)
+@record
 class Sizes:
     num_prompts: int
     input_len: int
@@ -203,52 +216,16 @@ class Sizes:
     max_concurrency: int
 
 
-@dataclass(frozen=True)
+@record
 class Serving:
-    commands: tuple[str, ...]
-    sizes: Sizes | None
-    configs: dict[str, dict[str, dict[str, tuple[float, ...]]]]
-    """Per mode (``MODES``), side (``SERVED``) and metric (``METRICS``)."""
-    server_log: dict[str, dict[str, tuple[str, ...]]]
+    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()
+    """Per mode, side and metric the value of each repetition."""
+    commands: tuple[str, ...] = ()
+    sizes: Sizes | None = None
+    server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
 
 
-def _numbers(value: object, at: str) -> tuple[float, ...]:
-    found = tuple(_number(v, f"{at}[{i}]") for i, v in enumerate(_list(value, at)))
-    if not found:
-        raise Bad(f"{at}: no numbers")
-    return found
-
-
-def _serving(value: object, at: str) -> Serving:
-    configs: dict = {}
-    for mode, sides in _req(_table, value, at, "configs", MODES).items():
-        where = f"{at}.configs.{mode}"
-        for side, metrics in _table(sides, where, SERVED).items():
-            here = f"{where}.{side}"
-            configs.setdefault(mode, {})[side] = {
-                m: _numbers(v, f"{here}.{m}")
-                for m, v in _table(metrics, here, METRICS).items()
-            }
-    logged: dict = {}
-    for mode, sides in (_opt(_table, value, at, "server_log", MODES) or {}).items():
-        where = f"{at}.server_log.{mode}"
-        logged[mode] = {
-            side: _texts(lines or [], f"{where}.{side}")
-            for side, lines in _table(sides, where, SERVED).items()
-        }
-    sizes = _opt(_table, value, at, "sizes")
-    return Serving(
-        _opt(_texts, value, at, "commands") or (),
-        sizes
-        and Sizes(
-            *(_req(_count, sizes, f"{at}.sizes", k) for k in Sizes.__annotations__)
-        ),
-        configs,
-        logged,
-    )
-
-
-@dataclass(frozen=True)
+@record
 class Divergence:
     """Where greedy tokens first part, counted from 0 (``mode``: over all)."""
 
@@ -257,427 +234,267 @@ class Divergence:
     mode: str | None = None
 
 
-def _divergence(value: object, at: str) -> Divergence:
-    return Divergence(
-        _req(_count, value, at, "prompt"),
-        _req(_count, value, at, "position"),
-        _opt(_text, value, at, "mode"),
-    )
+@record
+class PerPrompt:
+    max_abs_dlogprob: float
+    diverges_at: int | None = None
 
 
-@dataclass(frozen=True)
+@record
 class TokenMode:
-    identical: int
-    prompts: int
-    first: Divergence | None
-    max_dlogprob: float
-
-
-@dataclass(frozen=True)
-class Tokens:
-    prompts: int | None
-    tokens: int | None
-    first: Divergence | None
-    max_dlogprob: float | None
-    note: str | None
-    configs: dict[str, TokenMode]
-
-
-def _token_mode(found: object, where: str) -> TokenMode:
     """``accuracy.compare``'s verdict on one pair of sides."""
-    return TokenMode(
-        _req(_count, found, where, "identical_prompts"),
-        len(_req(_list, found, where, "per_prompt", MOST_ROWS)),
-        _opt(_divergence, found, where, "first_divergence"),
-        _req(_number, found, where, "max_abs_dlogprob"),
-    )
+
+    identical_prompts: int
+    per_prompt: Annotated[tuple[PerPrompt, ...], Meta(most=MOST_ROWS)]
+    max_abs_dlogprob: float
+    first_divergence: Divergence | None = None
 
 
-def _tokens(value: object, at: str) -> Tokens:
-    configs = {
-        mode: _token_mode(found, f"{at}.configs.{mode}")
-        for mode, found in (_opt(_table, value, at, "configs", MODES) or {}).items()
-    }
-    return Tokens(
-        *(_opt(_count, value, at, k) for k in ("prompts", "tokens")),
-        _opt(_divergence, value, at, "first_divergence"),
-        _opt(_number, value, at, "max_abs_dlogprob"),
-        _opt(_text, value, at, "note"),
-        configs,
-    )
+@record
+class Tokens:
+    prompts: int | None = None
+    tokens: int | None = None
+    first_divergence: Divergence | None = None
+    max_abs_dlogprob: float | None = None
+    note: str | None = None
+    configs: dict[Mode, TokenMode] = empty()
 
 
-@dataclass(frozen=True)
+@record
+class Score:
+    exact_match: float
+    stderr: float
+    filter: str | None = None
+
+
+@record
 class LmEval:
     task: str
-    mode: str | None
-    limit: int | None
-    filter: str | None
-    scores: dict[str, tuple[float, float]]
-    """Per side measured: exact_match and its stderr."""
+    mode: str | None = None
+    limit: int | None = None
+    base: Score | None = None
+    patched: Score | None = None
+
+    @property
+    def scores(self) -> dict[str, Score]:
+        """Per side measured, its score."""
+        return {s: getattr(self, s) for s in SIDES if getattr(self, s)}
 
 
-def _lm_eval(value: object, at: str) -> LmEval:
-    scores, filters = {}, []
-    for side in SIDES:
-        found, where = _get(value, at, side)
-        if found is not None:
-            scores[side] = tuple(
-                _req(_number, found, where, k) for k in ("exact_match", "stderr")
-            )
-            filters.append(_opt(_text, found, where, "filter"))
-    return LmEval(
-        _req(_text, value, at, "task"),
-        _opt(_text, value, at, "mode"),
-        _opt(_count, value, at, "limit"),
-        next(iter(filters), None),
-        scores,
-    )
+@record
+class Accuracy:
+    tokens: Tokens | None = None
+    lm_eval: LmEval | None = None
 
 
-@dataclass(frozen=True)
+@record
 class PerOpRow:
     env: str
     op: str
     tokens: int
     route: str
-    median_us: float | None
-    native_us: float | None
-    wrong: str | None
-    """Why this route was not timed: outside the op's tolerance."""
-    p10_us: float | None = None
-    p90_us: float | None = None
+    wrong: str | None = None
+    """Why this route was not timed (outside the op's tolerance)."""
+    median_us: Time | None = None
+    native_us: Time | None = None
+    p10_us: Time | None = None
+    p90_us: Time | None = None
     impl: str | None = None
-    """A layer route's: what the layer ran, ``kernel`` or ``native``."""
+    """What a layer route ran, ``kernel`` or ``native``."""
+
+    def checked(self, value: dict, at: str) -> PerOpRow:
+        for key in [] if self.wrong else ["median_us", "native_us"]:
+            if getattr(self, key) is None:
+                raise Bad(f"{at}.{key}: missing")
+        return self
 
 
-@dataclass(frozen=True)
+@record
 class ChildLoad:
     env: str
     load_average: float
     other_share: float
 
 
-@dataclass(frozen=True)
+@record
 class PerOp:
     hidden_size: int
     dtype: str
     threads: int
-    rows: tuple[PerOpRow, ...]
+    rows: Annotated[tuple[PerOpRow, ...], Meta(most=MOST_ROWS)]
     clock: str | None = None
     load: tuple[ChildLoad, ...] = ()
 
-
-def _perop(value: object, at: str) -> PerOp:
-    rows = []
-    for i, row in enumerate(_req(_list, value, at, "rows", MOST_ROWS)):
-        where = f"{at}.rows[{i}]"
-        wrong = _opt(_text, row, where, "wrong")
-        timed = (None, None) if wrong else (
-            _req(_time, row, where, k) for k in ("median_us", "native_us")
-        )  # fmt: skip
-        rows.append(
-            PerOpRow(
-                *(_req(_text, row, where, k) for k in ("env", "op")),
-                _req(_count, row, where, "tokens"),
-                _req(_text, row, where, "route"),
-                *timed,
-                wrong,
-                *(_opt(_time, row, where, k) for k in ("p10_us", "p90_us")),
-                _opt(_text, row, where, "impl"),
-            )
-        )
-    if len({(r.env, r.route) for r in rows}) > MOST_COLUMNS:
-        raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
-    loads = tuple(
-        ChildLoad(
-            _req(_text, x, f"{at}.load[{i}]", "env"),
-            *(
-                _req(_number, x, f"{at}.load[{i}]", k)
-                for k in ("load_average", "other_share")
-            ),
-        )
-        for i, x in enumerate(_opt(_list, value, at, "load") or [])
-    )
-    return PerOp(
-        _req(_count, value, at, "hidden_size"),
-        _req(_text, value, at, "dtype"),
-        _req(_count, value, at, "threads"),
-        tuple(rows),
-        _opt(_text, value, at, "clock"),
-        loads,
-    )
+    def checked(self, value: dict, at: str) -> PerOp:
+        if len({(r.env, r.route) for r in self.rows}) > MOST_COLUMNS:
+            raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
+        return self
 
 
-@dataclass(frozen=True)
-class Numerics:
-    needed: dict[str, dict[str, dict[str, float | str]]]
-    """Per kernel build, op and dtype: the rtol needed, or why none."""
-    tolerance: dict[str, dict[str, tuple[float, float]]]
-    """Per op and dtype: vLLM's own rtol and atol."""
+class Tolerance(NamedTuple):
+    rtol: float
+    atol: float
 
 
-def _needed(value: object, at: str) -> float | str:
-    return value if isinstance(value, str) and _text(value, at) else _number(value, at)
-
-
-def _numerics(value: object, at: str, doc: object) -> Numerics:
-    needed = {
-        build: {
-            op: {
-                dtype: _needed(v, f"{at}.{build}.{op}.{dtype}")
-                for dtype, v in _table(dtypes, f"{at}.{build}.{op}").items()
-            }
-            for op, dtypes in _table(ops, f"{at}.{build}").items()
-        }
-        for build, ops in _table(value, at).items()
-    }
-    if sum(len(d) for ops in needed.values() for d in ops.values()) > MOST_ROWS:
-        raise Bad(f"{at}: more than {MOST_ROWS} figures")
-    tolerance = {}
-    for op, dtypes in (_opt(_table, doc, "", "tolerance") or {}).items():
-        for dtype, pair in _table(dtypes, f"tolerance.{op}").items():
-            where = f"tolerance.{op}.{dtype}"
-            if len(_list(pair, where)) != 2:
-                raise Bad(f"{where}: not [rtol, atol]")
-            found = tuple(_number(v, where) for v in pair)
-            tolerance.setdefault(op, {})[dtype] = found
-    return Numerics(needed, tolerance)
-
-
-QWEN3_SIDES = ("base", "patched", "unguarded")
-"""The eager Qwen3 comparison's sides: vLLM as installed, with the change, and
-the kernels for every input (as before vLLM #31643)."""
-
-
-@dataclass(frozen=True)
+@record
 class Qwen3Side:
-    kernel_calls: tuple[int, ...]
-    """Per kernel (rms_norm, fused add), in one prefill and one decode step."""
-    distinct_share: tuple[float, ...]
-    """Per completion, its distinct tokens over its tokens."""
+    kernel_calls: dict[str, int]
+    """Per kernel, in one prefill and one decode step."""
+    distinct_share: Numbers
     texts: tuple[str, ...]
 
 
-@dataclass(frozen=True)
+@record
+class Qwen3Sides:
+    """vLLM as installed, with the change, and the kernels for every input."""
+
+    base: Qwen3Side
+    patched: Qwen3Side
+    unguarded: Qwen3Side
+
+
+@record
 class Qwen3Eager:
-    """``bench --qwen3`` (``bench.qwen3_eager.summarize``)."""
+    """``bench.qwen3_eager.summarize``: ``patched`` and ``unguarded`` against base."""
 
-    description: str
+    model: Model
     patch: str
-    prompts: int
+    prompts: tuple[str, ...]
     max_tokens: int
-    sides: dict[str, Qwen3Side]
-    against: dict[str, TokenMode]
-    """``patched`` and ``unguarded`` against ``base``."""
-
-
-def _qwen3_side(value: object, at: str) -> Qwen3Side:
-    calls = _req(_table, value, at, "kernel_calls")
-    return Qwen3Side(
-        tuple(_count(v, f"{at}.kernel_calls.{k}") for k, v in calls.items()),
-        _req(_numbers, value, at, "distinct_share"),
-        _req(_texts, value, at, "texts"),
-    )
+    sides: Qwen3Sides
+    patched: TokenMode
+    unguarded: TokenMode
 
 
 def qwen3_eager(value: object, at: str = "qwen3_eager") -> Qwen3Eager:
     """The eager Qwen3 comparison as a record, or ``Bad``."""
-    sides = _req(_table, value, at, "sides", QWEN3_SIDES)
-    if set(sides) != set(QWEN3_SIDES):
-        raise Bad(f"{at}.sides: not {', '.join(QWEN3_SIDES)}")
-    return Qwen3Eager(
-        _req(_text, _req(_table, value, at, "model"), f"{at}.model", "description"),
-        _req(_text, value, at, "patch"),
-        len(_req(_list, value, at, "prompts")),
-        _req(_count, value, at, "max_tokens"),
-        {side: _qwen3_side(sides[side], f"{at}.sides.{side}") for side in QWEN3_SIDES},
-        {s: _req(_token_mode, value, at, s) for s in QWEN3_SIDES[1:]},
-    )
+    return typed(Qwen3Eager, value, at)
 
 
-@dataclass(frozen=True)
-class Interval:
-    """An estimate (a ratio, milliseconds or a share) and its 95% interval."""
-
-    value: float
+class Span(NamedTuple):
     low: float
     high: float
 
 
-def _interval(value: object, at: str, key: str) -> Interval:
-    found = _req(_number, value, at, key)
-    return Interval(found, *_req(_pair, value, at, "ci95"))
+class Estimate:
+    """A figure (a ratio, milliseconds or a share) and its 95% interval."""
+
+    @property
+    def value(self) -> float:
+        return getattr(self, dataclasses.fields(self)[0].name)
 
 
-def _pair(value: object, at: str) -> tuple[float, float]:
-    if len(_list(value, at)) != 2:
-        raise Bad(f"{at}: not [low, high]")
-    return _number(value[0], f"{at}[0]"), _number(value[1], f"{at}[1]")
+@record
+class Ratio(Estimate):
+    ratio: float
+    ci95: Span
 
 
-@dataclass(frozen=True)
-class Comparison:
-    cpu: Interval
-    wall: Interval | None
-    pairs: int
+@record
+class Ms(Estimate):
+    ms: float
+    ci95: Span
 
 
-@dataclass(frozen=True)
+@record
+class Share(Estimate):
+    share: float
+    ci95: Span
+
+
+@record
+class Comparison(Ratio):
+    """The CPU time's ratio over ``n`` pairs, and the wall time's."""
+
+    n: int
+    wall: Ratio | None = None
+
+
+@record
 class Saving:
-    ms: Interval
-    share: Interval
-    expected: tuple[float, float]
-    """The step ratio the saving implies."""
+    saving_ms: Ms
+    share: Share
+    expected_ratio: Span
 
 
-@dataclass(frozen=True)
+@record
+class Consistent:
+    contradicts: bool = False
+
+
+@record
 class DecodeBlock:
     """One thread count's (or the compiled pair's) decode figures."""
 
-    comparisons: dict[str, Comparison]
-    step_ms: dict[str, tuple[Interval, Interval | None]]
-    """Per engine: CPU and wall milliseconds per decode step."""
-    norm_ms: dict[str, tuple[Interval, Interval | None]]
-    """Per eager engine: the same inside ``RMSNorm``."""
-    norm_calls: float | None
-    savings: dict[str, Saving]
-    contradicts: bool | None
     rounds: int
     busy_rounds: int
+    comparisons: dict[str, Comparison] = empty()
+    step_ms: dict[str, Ms] = empty()
+    """Per engine, CPU milliseconds per step (and inside ``RMSNorm``, wall)."""
+    step_wall_ms: dict[str, Ms] = empty()
+    norm_ms: dict[str, Ms] = empty()
+    norm_wall_ms: dict[str, Ms] = empty()
+    norm_calls_per_step: float | None = None
+    savings: dict[str, Saving] = empty()
+    consistent: Consistent | None = None
 
 
-def _ms(b: object, at: str, key: str) -> dict:
-    """Per engine, ``key``'s CPU and ``{key}``'s wall twin's milliseconds."""
-    wall_key = key.replace("_ms", "_wall_ms")
-    wall = _opt(_table, b, at, wall_key) or {}
-    return {
-        name: (
-            _interval(found, f"{at}.{key}.{name}", "ms"),
-            _opt(_interval, wall, f"{at}.{wall_key}", name, "ms"),
-        )
-        for name, found in (_opt(_table, b, at, key) or {}).items()
-    }
-
-
-def _decode_block(b: object, at: str) -> DecodeBlock:
-    comparisons = {
-        label: Comparison(
-            _interval(c, f"{at}.comparisons.{label}", "ratio"),
-            _opt(_interval, c, f"{at}.comparisons.{label}", "wall", "ratio"),
-            _req(_count, c, f"{at}.comparisons.{label}", "n"),
-        )
-        for label, c in _req(_table, b, at, "comparisons").items()
-    }
-    savings = {
-        side: Saving(
-            _req(_interval, found, f"{at}.savings.{side}", "saving_ms", "ms"),
-            _req(_interval, found, f"{at}.savings.{side}", "share", "share"),
-            _req(_pair, found, f"{at}.savings.{side}", "expected_ratio"),
-        )
-        for side, found in (_opt(_table, b, at, "savings") or {}).items()
-    }
-    consistent = _opt(_table, b, at, "consistent")
-    return DecodeBlock(
-        comparisons,
-        _ms(b, at, "step_ms"),
-        _ms(b, at, "norm_ms"),
-        _opt(_number, b, at, "norm_calls_per_step"),
-        savings,
-        None if consistent is None else consistent.get("contradicts") is True,
-        _req(_count, b, at, "rounds"),
-        _req(_count, b, at, "busy_rounds"),
-    )
-
-
-@dataclass(frozen=True)
+@record
 class Decode:
-    """``bench --decode``: one decode step, base against patched."""
+    """``bench --decode``: one decode step, base against patched; ``headline``
+    the block at the top level, at ``threads``."""
 
-    model: str
+    model: Model
     dtype: str
     threads: int
     kernel_build: str
     tokens: int
-    headline: DecodeBlock | None
-    by_threads: dict[str, DecodeBlock]
-    compiled: dict[str, DecodeBlock]
+    by_threads: dict[str, DecodeBlock] = empty()
+    compiled: dict[str, DecodeBlock] = empty()
+    headline: DecodeBlock | None = None
+
+    def checked(self, value: dict, at: str) -> Decode:
+        if value.get("comparisons") is None:
+            return self
+        return dataclasses.replace(self, headline=typed(DecodeBlock, value, at))
 
 
-def _decode(d: object, at: str) -> Decode:
-    model = _req(_table, d, at, "model")
-    named = _opt(_text, model, f"{at}.model", "name")
-    blocks = {
-        part: {
-            n: _decode_block(b, f"{at}.{part}.{n}")
-            for n, b in (_opt(_table, d, at, part) or {}).items()
-        }
-        for part in ("by_threads", "compiled")
-    }
-    return Decode(
-        named or _opt(_text, model, f"{at}.model", "description") or "the model",
-        _req(_text, d, at, "dtype"),
-        _req(_count, d, at, "threads"),
-        _req(_text, d, at, "kernel_build"),
-        _req(_count, d, at, "tokens"),
-        _decode_block(d, at) if _get(d, at, "comparisons")[0] is not None else None,
-        blocks["by_threads"],
-        blocks["compiled"],
-    )
+Needed = dict[str, dict[str, dict[str, float | str]]]
 
 
-@dataclass(frozen=True)
+@record
 class Evidence:
-    machine: Machine | None
-    load: Load | None
-    vllm: Versions | None
-    model: Model | None
-    serving: Serving | None
-    tokens: Tokens | None
-    lm_eval: LmEval | None
-    numerics: Numerics | None
-    perop: PerOp | None
-    qwen3: Qwen3Eager | None = None
+    machine: Machine | None = None
+    load: Load | None = None
+    vllm: Versions | None = None
+    model: Model = Model()
+    serving: Serving | None = None
+    accuracy: Accuracy = Accuracy()
+    numerics: Needed | None = None
+    """Per kernel build, op and dtype: the rtol needed, or why none."""
+    tolerance: dict[str, dict[str, Tolerance]] = empty()
+    """Per op and dtype: vLLM's own rtol and atol."""
+    perop: PerOp | None = None
+    qwen3_eager: Qwen3Eager | None = None
     decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
-    perop_threads: tuple[PerOp, ...] = ()
+    perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()
     """``perop`` at the other thread counts of the run."""
+
+    def checked(self, value: dict, at: str) -> Evidence:
+        needed = self.numerics or {}
+        if sum(len(d) for ops in needed.values() for d in ops.values()) > MOST_ROWS:
+            raise Bad(f"numerics: more than {MOST_ROWS} figures")
+        return self
 
 
 def parse(doc: object) -> Evidence:
     """``doc`` (``evidence.json`` loaded) as records, or ``Bad`` naming the
-    first field that is not what ``bench`` writes. A part still empty (a run
-    in progress) is None."""
-    if _get(doc, "", "schema")[0] != SCHEMA:
+    first field that is not what ``bench`` writes."""
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise Bad(f"no `schema: {SCHEMA}`")
-    vllm = _opt(_table, doc, "", "vllm") or None
-    accuracy = _opt(_table, doc, "", "accuracy") or {}
-    model = _opt(_table, doc, "", "model")
-    return Evidence(
-        _opt(_machine, doc, "", "machine"),
-        _opt(_load, doc, "", "load"),
-        vllm
-        and Versions(
-            *(_req(_text, vllm, "vllm", k) for k in ("base", "patched", "patch"))
-        ),
-        _model(model, "model") if model else None,
-        _opt(_serving, doc, "", "serving"),
-        _opt(_tokens, accuracy, "accuracy", "tokens"),
-        _opt(_lm_eval, accuracy, "accuracy", "lm_eval"),
-        _opt(_numerics, doc, "", "numerics", doc),
-        _opt(_perop, doc, "", "perop"),
-        _opt(qwen3_eager, doc, "", "qwen3_eager"),
-        _opt(_decode, doc, "", "decode"),
-        _get(doc, "", "interrupted")[0] is True,
-        _opt(_texts, doc, "", "failed") or (),
-        tuple(
-            _perop(found, f"perop_threads[{i}]")
-            for i, found in enumerate(
-                _opt(_list, doc, "", "perop_threads", MOST_THREADS) or []
-            )
-        ),
-    )
+    return typed(Evidence, doc, "")
 
 
 def read(folder: Path) -> Evidence:

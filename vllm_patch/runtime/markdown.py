@@ -1,9 +1,7 @@
-"""The one way vllm-patch writes Markdown: tables and collapsed sections, for
-every report (bench, matrix, doctor, PR description), and every string it did
-not write itself rendered as data: :func:`text` in prose and in table cells,
-:func:`code` and :func:`fence` for commands and names, :func:`html` inside a
-``<summary>``. None of them lets a string open HTML (``<!--``), a link or an
-image, break out of a code span or fence, or mention a GitHub user or team."""
+"""The one way vllm-patch writes Markdown (tables, collapsed sections) and
+renders a string it did not write as data (:func:`text`, :func:`code`,
+:func:`fence`, :func:`html`): none lets a string open HTML (``<!--``), a link
+or an image, break out of a code span or fence, or mention a GitHub user."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The pull request description: the checkout's template (``template``) filled.
-Every figure is from this ``pr`` run: vLLM's edited tests with and without the
-change (``vllm_tests``), the per-call and eager Qwen3 figures (``figures``), or
-``--evidence DIR``'s ``evidence.json``; nothing measured is said so. Text about
-the diff is generated from it; the rest is the patch's ``upstream.md`` and what
-the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The pull request description: the checkout's template (``template``) filled
+with this run's figures only (``vllm_tests``, ``figures`` or ``--evidence``,
+rendered by ``bench_result``; nothing measured is said so), the patch's
+``upstream.md`` and what the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -19,10 +17,10 @@ from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
 from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import SIDES, Evidence
+from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
 from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
-from vllm_patch.upstream.figures import Measured, spread
+from vllm_patch.upstream.figures import Measured
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, Template, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
@@ -30,14 +28,11 @@ from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_ma
 TOOL = "vllm-patch"
 TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
 """Attribution trailers ``AGENTS.md`` names, the first it names used."""
-HISTORY = "#31643"
 AI_BOX = "AI assistance was used"
-"""A checklist box always ticked: the tool that made this change was written
-with AI assistance."""
+"""A checklist box always ticked: the tool was written with AI assistance."""
 TESTED_BOX = "Testing and Validation:"
-"""A checklist box ticked when it is true of this run: the edited tests ran
-here, passing with the change and failing without it, and vLLM's CPU CI runs
-them. The other boxes are the author's judgement."""
+"""Ticked when the edited tests ran here, passing with the change and failing
+without it, and vLLM's CPU CI runs them. The other boxes are the author's."""
 
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
@@ -51,8 +46,8 @@ LM_EVAL = (
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
-    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``
-    (``runtime.evidence_record``), both vLLMs measured, or None."""
+    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``,
+    both vLLMs measured, or None."""
     if folder is None:
         return None
     ev = evidence_record.read(folder)
@@ -78,7 +73,8 @@ def _misfit(ev: Evidence, patch: Patch) -> str | None:
         for side in SIDES:
             if not sides.get(side):
                 return f"serving.configs.{mode}.{side}: not measured"
-    if ev.lm_eval and set(ev.lm_eval.scores) != set(SIDES):
+    lm = ev.accuracy.lm_eval
+    if lm and set(lm.scores) != set(SIDES):
         return "accuracy.lm_eval: no exact_match and stderr for base and patched"
     return None
 
@@ -152,9 +148,10 @@ def _failed(run: TestRun) -> int:
 def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
     title = re.sub(r"^(\[[^\]]*\])+\s*", "", upstream.title)
     overview = f"{title}. {what_changes(facts.described)}\n{upstream.rule}"
+    claims = _claims(upstream, facts, rows)  # a part not measured: None
     return [
         Piece(("purpose",), overview),
-        Piece(("claims", "purpose"), "\n".join(_claims(upstream, facts, rows))),
+        Piece(("claims", "purpose"), "\n".join(filter(None, claims))),
         Piece(("plan",), "\n\n".join(_plan(upstream, facts))),
         Piece(("result", "plan"), "\n\n".join(_results(facts, rows))),
         Piece(("details", "purpose"), "\n\n".join(_details(upstream, facts))),
@@ -183,11 +180,11 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
     yield _tests_claim(facts.tests, _command(upstream, facts))
     ev, m = facts.evidence, facts.measured
     if ev:
-        yield from filter(None, bench_result.claims(ev, rows))
+        yield from bench_result.claims(ev, rows)
     elif m and m.per_call:
-        yield _per_call_claim(m)
-    if m and m.qwen3 and not (ev and ev.qwen3):
-        yield bench_result.qwen3_claim(evidence_record.qwen3_eager(m.qwen3))
+        yield bench_result.perop_claim(m.per_call, rows)
+    if m and m.qwen3 and not (ev and ev.qwen3_eager):
+        yield bench_result.qwen3_claim(m.qwen3)
     if not (ev or (m and m.per_call)):
         yield "- Speed and accuracy: nothing was measured."
     for edit in facts.ci:
@@ -199,37 +196,6 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
                 else f'its "{edit.wiring.step}" step'
             )
             yield f"- vLLM's CPU CI runs {tests} in {where}."
-
-
-def _tokens(n: int) -> str:
-    return f"{n} token" if n == 1 else f"{n} tokens"
-
-
-def _per_call_claim(m: Measured) -> str:
-    """Base over this change where this change's layer ran the kernel; where
-    the rule kept it native, a ratio would compare native with native."""
-    runs = m.patched_runs or {}
-    said = [
-        f"`{op}` at {_tokens(tokens)} {_ratio(by):.1f}x"
-        for (op, tokens), by in m.per_call.items()
-        if {"base", "patched"} <= set(by) and runs.get((op, tokens)) == "kernel"
-    ]
-    native = sorted({op for (op, _), ran in runs.items() if ran == "native"})
-    kept = (
-        f" {_and([f'`{op}`' for op in native])} stayed native here, as the rule "
-        "has it on this kernel build."
-        if native
-        else ""
-    )
-    return (
-        "- A call through `RMSNorm` on CPU (eager dispatch, bfloat16, hidden "
-        f"2048, 1 thread), the base's time over this change's: "
-        f"{'; '.join(said) or 'no call reached the kernel'}.{kept}"
-    )
-
-
-def _ratio(by: dict[str, tuple[float, float, float]]) -> float:
-    return by["base"][0] / by["patched"][0]
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
@@ -271,11 +237,15 @@ def _plan(upstream: Upstream, facts: Facts):
     if not (ev and ev.serving):
         yield "Serving, on each build, eager and compiled:"
         yield f"```bash\n{SERVE.format(model=model)}\n```"
-    if not (ev and ev.lm_eval):
+    if not (ev and ev.accuracy.lm_eval):
         yield f"Accuracy, against `vllm serve {model}` on each build:"
         yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
 
 
+TRUNCATES = (
+    "the kernels truncate float32 to bfloat16, so the bfloat16 fused add stays "
+    "native and is not exercised"
+)
 KERNEL_BUILDS = {
     "_C": (
         "AVX512-BF16: every kernel path this change enables on x86 runs; not "
@@ -283,14 +253,9 @@ KERNEL_BUILDS = {
         "fused add stays native (no vLLM CI job runs them), and aarch64, POWER "
         "and s390x"
     ),
-    "_C_AVX512": (
-        "AVX-512 without AVX512-BF16: the kernels truncate float32 to bfloat16, "
-        "so the bfloat16 fused add stays native and is not exercised"
-    ),
+    "_C_AVX512": f"AVX-512 without AVX512-BF16: {TRUNCATES}",
     "_C_AVX2": (
-        "AVX2: the kernels truncate float32 to bfloat16, so the bfloat16 fused "
-        "add stays native and is not exercised; no vLLM CI job runs the "
-        "`_C_AVX512` or `_C_AVX2` builds"
+        f"AVX2: {TRUNCATES}; no vLLM CI job runs the `_C_AVX512` or `_C_AVX2` builds"
     ),
 }
 
@@ -313,46 +278,31 @@ def _results(facts: Facts, rows: int):
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
-        yield _per_call_table(m)
-    qwen3 = (ev and ev.qwen3) or (
-        m and m.qwen3 and evidence_record.qwen3_eager(m.qwen3)
-    )
+        yield details(
+            bench_result.perop_heading(m.per_call, md.html),
+            bench_result.perop_table(m.per_call, _scale, rows),
+        )
+    qwen3 = (ev and ev.qwen3_eager) or (m and m.qwen3)
     if qwen3:
         yield "\n".join(bench_result.qwen3_eager_markdown(qwen3))
     if ev and ev.serving:
         yield _serving(ev, rows)
     if ev and ev.numerics:
-        numerics = bench_result.numerics_table(ev.numerics, rows)
+        numerics = bench_result.numerics_table(ev, rows)
         yield details("Numerics per x86 kernel build", numerics)
     if ev and ev.perop:
         # The out-of-tree providers' IR routes are this tool's, not vLLM's.
         ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
         yield details(
             bench_result.perop_heading(ev.perop, md.html),
-            bench_result.perop_table(ev.perop, leave_out=ours, limit=rows),
+            bench_result.perop_table(ev.perop, lambda r: r.route not in ours, rows),
         )
 
 
-def _per_call_table(m: Measured) -> str:
-    columns = ("base", "patched", "native", "kernel")
-    runs = m.patched_runs or {}
-    rows = [
-        [
-            f"`{op}`",
-            tokens,
-            *(spread(by[c]) if c in by else None for c in columns),
-            runs.get((op, tokens)) or None,
-        ]
-        for (op, tokens), by in m.per_call.items()
-    ]
-    header = ["op", "tokens", "`RMSNorm` base", "`RMSNorm` this change"]
-    return (
-        "Microseconds per call (the thread's CPU time), eager dispatch (bfloat16, "
-        "hidden 2048, 1 thread): median [p10–p90] of every round's samples, "
-        "base and this change alternating; the op's native function and the "
-        "kernel called alone, for scale:\n\n"
-        + table([*header, "native alone", "kernel alone", "this change ran"], rows)
-    )
+def _scale(row: PerOpRow) -> bool:
+    """Each side's ``RMSNorm`` call; native and the patched kernel, for scale."""
+    scale = row.route == NATIVE or (row.env, row.route) == ("patched", "kernel")
+    return scale or row.route.startswith("layer:")
 
 
 def _test_table(runs: TestRuns):
@@ -383,13 +333,9 @@ def _serving(ev: Evidence, rows: int) -> str:
     said = "{mode}, median [min–max] of {reps} server starts:"
     tables = bench_result.serving_tables(ev.serving, said)
     base = f"vLLM {md.html(ev.vllm.base, 40)}, and" if ev.vllm else "vLLM"
-    summary = f"Serving {md.html(_named(ev), 80)}: {base} with the change"
-    commands = bench_result.commands(ev.serving, rows)
+    summary = f"Serving {md.html(ev.model.named(), 80)}: {base} with the change"
+    commands = md.fence(ev.serving.commands[:rows], "bash")
     return details(summary, "\n\n".join([*tables, commands]))
-
-
-def _named(ev: Evidence) -> str:
-    return (ev.model and (ev.model.name or ev.model.description)) or "the model"
 
 
 def _details(upstream: Upstream, facts: Facts):
@@ -415,7 +361,7 @@ def _provenance(facts: Facts) -> str:
             "codemods; a tool written with AI assistance), which also ran the tests "
             "and measurements quoted here and filled this description.",
             "- Not a duplicate: this branch's base has no `RMSNorm.forward_cpu`; "
-            f"{HISTORY} took the kernels off on purpose, and this PR answers it "
+            "#31643 took the kernels off on purpose, and this PR answers it "
             "above. Open PRs were not searched by the tool: `gh pr list --repo "
             'vllm-project/vllm --state open --search "RMSNorm forward_cpu"`.',
             "- Tests run: "
