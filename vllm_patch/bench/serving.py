@@ -1,36 +1,35 @@
-"""vLLM's serving benchmark, the base vLLM against the patched one.
+"""``bench --serve``: vLLM's serving benchmark, the base vLLM against the
+patched one (docs/bench.md).
 
-For each mode (eager, vLLM's default compiled) and repetition, a fresh server
-of the base vLLM, one of the patched vLLM (the installed one, and a patched
-copy of it first on the server's ``PYTHONPATH``) and one of the base again
-(``A_A``: the A/A control, whose ratio to the base is the noise floor) each
-serve one run of ``vllm bench serve``: the random dataset with fixed input and
-output lengths, ``--ignore-eos``, the same seed and so the same requests. The
-order reverses every repetition, spreading the machine's load drift over all
-three. The first repetition's base and patched servers also answer the
-accuracy prompts (``vllm_patch.bench.accuracy``).
+For each mode and repetition a fresh server of the base vLLM, of the patched
+one and of the base again (``A_A``: the A/A control, the noise floor) each
+serve one run of ``vllm bench serve`` (the same seeded requests); the order
+reverses every repetition, spreading the load's drift over all three. The
+first repetition's base and patched servers also answer the accuracy prompts.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from vllm_patch.bench import accuracy, server
+from vllm_patch.bench.engine_run import SERVED_LLAMA
+from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import METRICS, SIDES
+from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
 """And from its config line, the custom ops it enables: ``['all']`` runs each
 CustomOp's ``forward_cpu``, ``['none']`` its ``forward_native``."""
+LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,7 @@ class Sizes:
     output_len: int = 128
     num_prompts: int = 32
     max_concurrency: int = 4
-    model_len: int = 0
-    """The servers' ``--max-model-len``; 0: what the benchmark and the accuracy
-    prompts need."""
+    model_len: int = 0  # --max-model-len; 0: what the benchmark needs
 
     def serve_extra(self) -> list[str]:
         length = self.model_len or self.input_len + self.output_len + 64
@@ -66,8 +63,7 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
 
 
 def commands(model: str, sizes: Sizes) -> list[str]:
-    """The commands as a reviewer runs them (``vllm`` is ``vllm-patch serve``'s
-    launcher here); the server's port is PORT."""
+    """The commands as a reviewer runs them; the server's port is PORT."""
     serve = shlex.join(["vllm", "serve", *server.serve_args(model, 0, False, [])])
     serve = serve.replace("--port 0", "--port PORT")
     extra = shlex.join(sizes.serve_extra())
@@ -105,13 +101,6 @@ def run_client(
     return {m: result[m] for m in METRICS}
 
 
-@dataclass
-class Side:
-    name: str
-    """``base``, ``patched`` or ``A_A`` (the base again)."""
-    pythonpath: tuple[str, ...] = ()
-
-
 def kernel_lines(log: str) -> list[str]:
     """The server log's lines on its kernel choice, without their prefixes."""
     lines = log.splitlines()
@@ -120,63 +109,85 @@ def kernel_lines(log: str) -> list[str]:
     return sorted(found)
 
 
-def measure(
-    doc: dict[str, Any],
-    *,
-    model: str,
-    sides: list[Side],
-    modes: list[str],
-    repeats: int,
-    sizes: Sizes,
-    prompts: list[str],
-    lm_eval: dict[str, Any] | None,
-    save: Callable[[], None],
-    progress: Callable[[str], None],
-    env: dict[str, str],
-    drop_env: tuple[str, ...] = (),
-) -> None:
-    """Fill ``doc["serving"]`` and ``doc["accuracy"]`` as the runs come,
-    calling ``save()`` after each."""
-    serving, found = doc["serving"], doc["accuracy"]
-    for mode in modes:
-        for rep in range(1, repeats + 1):
+def run(bench, args, copy: str) -> None:
+    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then filled as
+    the runs come (:func:`measure`)."""
+    model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    bench.doc["model"] = meta
+    context = 0  # what the benchmark needs
+    if args.model and args.lm_eval_task:
+        context = min(LM_EVAL_MODEL_LEN, meta["context"] or 2**31)
+    sizes = Sizes(
+        args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
+    )
+    shown = Path(args.model).name if args.model else "MODEL"
+    bench.doc["serving"] = {
+        "commands": commands(shown, sizes),
+        "sizes": vars(sizes),
+        "configs": {},
+        "server_log": {},
+    }
+    bench.doc["accuracy"] = accuracy.plan(args, meta, shown, bench.doc["failed"])
+    measure(bench, args, model, sizes, copy)
+
+
+def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
+    """Every mode's repetitions, each a server per side; saved after each."""
+    kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
+    served = [("base", ()), ("patched", (copy,)), (A_A, ())]
+    for mode in args.modes:
+        for rep in range(1, args.repeats + 1):
             answers: dict[str, list] = {}
             # Each side first in turn: what one start leaves the next falls on both.
-            for side in sides if rep % 2 else sides[::-1]:
-                label = f"[{mode} {rep}/{repeats}] {side.name}"
+            for side, pythonpath in served if rep % 2 else served[::-1]:
+                label = f"[{mode} {rep}/{args.repeats}] {side}"
+
+                def say(msg: str, label: str = label) -> None:
+                    bench.progress(f"{label}: {msg}")
+
                 with server.running(
                     model,
                     eager=mode == "eager",
                     extra=sizes.serve_extra(),
-                    pythonpath=side.pythonpath,
+                    pythonpath=pythonpath,
                     env=env,
-                    drop_env=drop_env,
-                    say=lambda msg, label=label: progress(f"{label}: {msg}"),
+                    drop_env=provider_opt_ins(),
+                    say=say,
                 ) as srv:
                     metrics = run_client(srv.url, model, sizes, env)
-                    progress(
-                        f"{label}: {metrics['request_throughput']:.2f} req/s, "
+                    say(
+                        f"{metrics['request_throughput']:.2f} req/s, "
                         f"{metrics['output_throughput']:.1f} output tok/s, "
                         f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                     )
-                    if rep == 1 and side.name in SIDES:
-                        progress(f"{label}: {len(prompts)} greedy completions")
-                        answers[side.name] = accuracy.completions(srv.url, prompts)
-                        if lm_eval is not None and mode == "eager":
-                            progress(f"{label}: lm_eval {lm_eval['task']}")
-                            found["lm_eval"][side.name] = accuracy.run_lm_eval(
-                                srv.url, model, lm_eval
-                            )
-                runs = serving["configs"].setdefault(mode, {})
-                runs = runs.setdefault(side.name, {m: [] for m in METRICS})
-                for m in METRICS:
-                    runs[m].append(metrics[m])
-                logged = serving["server_log"].setdefault(mode, {})
-                logged[side.name] = kernel_lines(srv.log)
-                if side.name in SIDES and len(answers) == len(SIDES):
-                    tokens = found["tokens"]
-                    tokens["configs"][mode] = accuracy.compare(
-                        *(answers[s] for s in SIDES)
-                    )
-                    tokens.update(accuracy.summary(tokens["configs"]))
-                save()
+                    if rep == 1 and side in SIDES:
+                        found = _answers(bench.doc, side, srv.url, model, mode, say)
+                        answers[side] = found
+                _record(bench.doc, mode, side, metrics, srv.log, answers)
+                bench.save()
+
+
+def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
+    """A base or patched server's completions of the accuracy prompts, and
+    (eager) its ``lm_eval`` figures where asked."""
+    prompts = doc["accuracy"]["tokens"]["prompt_texts"]
+    say(f"{len(prompts)} greedy completions")
+    answers = accuracy.completions(url, prompts)
+    lm_eval = doc["accuracy"]["lm_eval"]
+    if lm_eval is not None and mode == "eager":
+        say(f"lm_eval {lm_eval['task']}")
+        lm_eval[side] = accuracy.run_lm_eval(url, model, lm_eval)
+    return answers
+
+
+def _record(doc: dict, mode: str, side: str, metrics, log: str, answers) -> None:
+    runs = doc["serving"]["configs"].setdefault(mode, {})
+    runs = runs.setdefault(side, {m: [] for m in METRICS})
+    for m in METRICS:
+        runs[m].append(metrics[m])
+    doc["serving"]["server_log"].setdefault(mode, {})[side] = kernel_lines(log)
+    if side in SIDES and len(answers) == len(SIDES):
+        tokens = doc["accuracy"]["tokens"]
+        tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
+        tokens.update(accuracy.summary(tokens["configs"]))

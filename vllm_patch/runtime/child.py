@@ -2,18 +2,9 @@
 
 Measurements and checks run in children: to use another environment's
 interpreter, to import vLLM from a patched copy, to start clean (one engine,
-one thread count, one IR op priority per process), and to survive a kernel
-that crashes or hangs. ``run(target, kwargs)`` calls ``target``
-(``"package.module:function"``) with JSON-able keyword arguments in a child;
-``start``, ``finish`` and ``stop`` split that. ``progress`` gets each line the
-child prints as it comes; ``timeout`` kills the child's process group (an
-engine's workers too); ``report(value)``, in the child, hands the parent a value
-at once, which survives a later crash.
-
-The child's ``PYTHONPATH`` (:func:`child_env`): ``pythonpath`` first (a patched
-copy shadows the installed vLLM), then ``env``'s, the inherited one, and the
-project root last, so that ``target`` imports where this project is not
-installed. The child's side imports only the standard library.
+one IR op priority per process) and to survive a kernel that crashes or hangs
+(a timeout kills the child's whole process group). The child's side imports
+only the standard library.
 """
 
 from __future__ import annotations
@@ -50,10 +41,9 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """What one child did: ``result`` (what ``target`` returned) when ``ok``, else
-    ``error``: ``target``'s exception (``"TypeError: ..."``), ``"timed out after
-    N s"``, or the exit code with the last error line. ``log`` is everything it
-    printed; ``reported``, what it passed to :func:`report`, crash or not."""
+    """``result`` when ``ok``, else ``error``: the target's exception, ``"timed
+    out after N s"`` or the exit code with the last error line. ``reported``:
+    what the child passed to :func:`report`, crash or not."""
 
     target: str
     ok: bool
@@ -97,9 +87,11 @@ def child_env(
     pythonpath: Iterable[str | Path] = (),
     drop_env: Iterable[str] = (),
 ) -> dict[str, str]:
-    """This process's environment with ``env`` on top and ``drop_env`` removed,
-    and the ``PYTHONPATH`` of the module docstring. A child given ``pythonpath``
-    (a hard-linked copy) writes no bytecode: it adds no files to the copy."""
+    """This process's environment with ``env`` on top, ``drop_env`` removed and
+    ``PYTHONPATH``: ``pythonpath`` first (a patched copy shadows the installed
+    vLLM), then ``env``'s, the inherited one, the project root last (the target
+    imports where this project is not installed). A child given ``pythonpath``
+    (a hard-linked copy) writes no bytecode into it."""
     dropped = set(drop_env)
     base = {k: v for k, v in os.environ.items() if k not in dropped}
     env = dict(env or {})
@@ -124,11 +116,10 @@ def start(
     cwd: str | Path | None = None,
     timeout: float | None = None,
 ) -> Child:
-    """Start ``target(**kwargs)`` in a child without waiting for it: in
-    ``python`` (another environment's interpreter), with ``env`` added,
-    ``pythonpath`` first on its path, ``drop_env`` removed, in ``cwd`` (default:
-    an empty folder, so that nothing lands first on its ``sys.path``), killed
-    by :func:`finish` ``timeout`` seconds from now (None: never)."""
+    """Start ``target(**kwargs)`` (``"package.module:function"``) in ``python``
+    with :func:`child_env`, in ``cwd`` (default: an empty folder, so that
+    nothing lands first on its ``sys.path``); :func:`finish` kills it
+    ``timeout`` seconds from now (None: never)."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
@@ -153,7 +144,7 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     while (rc := child.proc.poll()) is None:
         _pass_lines(child, progress)
         if timed_out := deadline is not None and time.perf_counter() > deadline:
-            _kill(child)
+            kill_group(child.proc)
             break
         time.sleep(0.05)
     _pass_lines(child, progress, final=True)
@@ -196,14 +187,24 @@ def run(
 def stop(child: Child) -> None:
     """End ``child`` if it still runs (one that was never collected)."""
     if child.proc.poll() is None:
-        _kill(child)
+        kill_group(child.proc)
     child.folder.cleanup()
 
 
-def _kill(child: Child) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid, signal.SIGKILL)
-    child.proc.wait()
+def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
+    """End the process group ``proc`` leads (started with ``start_new_session``):
+    SIGTERM and ``grace`` seconds to leave first if given, then SIGKILL to what
+    is left (an engine process left behind too); reaped."""
+    try:
+        if grace:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _pass_lines(child: Child, progress, final: bool = False) -> None:
