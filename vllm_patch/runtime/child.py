@@ -1,11 +1,7 @@
-"""Run one function in a child process and get its JSON result back.
-
-Measurements and checks run in children: to use another environment's
-interpreter, to import vLLM from a patched copy, to start clean (one engine,
-one IR op priority per process) and to survive a kernel that crashes or hangs
-(a timeout kills the child's whole process group). The child's side imports
-only the standard library.
-"""
+"""Run one function in a child process and get its JSON result back: in
+another environment's interpreter, with vLLM from a patched copy, in a clean
+process, surviving a kernel that crashes or hangs (a timeout kills the child's
+process group). The child's side imports only the standard library."""
 
 from __future__ import annotations
 
@@ -41,9 +37,8 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """``result`` when ``ok``, else ``error``: the target's exception, ``"timed
-    out after N s"`` or the exit code with the last error line. ``reported``:
-    what the child passed to :func:`report`, crash or not."""
+    """``result`` when ``ok``, else ``error`` (the target's exception, a
+    timeout, the exit code); ``reported``: what it passed to :func:`report`."""
 
     target: str
     ok: bool
@@ -59,7 +54,6 @@ class ChildOutcome:
         return self.log[-chars:]
 
     def value(self) -> Any:
-        """The result; :class:`ChildFailed` (with the log's tail) without one."""
         if not self.ok:
             raise ChildFailed(self)
         return self.result
@@ -67,8 +61,6 @@ class ChildOutcome:
 
 @dataclass
 class Child:
-    """A started child: :func:`finish` collects it, :func:`stop` ends it."""
-
     target: str
     timeout: float | None
     folder: tempfile.TemporaryDirectory
@@ -137,8 +129,8 @@ def start(
 
 
 def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
-    """Wait for ``child`` (killing its process group at its timeout), passing
-    each line of its output to ``progress`` as it comes; its outcome."""
+    """Wait for ``child`` (killed at its timeout), each line of its output to
+    ``progress`` as it comes; its outcome."""
     deadline = None if child.timeout is None else child.started + child.timeout
     timed_out = False
     while (rc := child.proc.poll()) is None:
@@ -180,21 +172,20 @@ def run(
     progress: Callable[[str], None] | None = None,
     **how: Any,
 ) -> ChildOutcome:
-    """:func:`start` then :func:`finish`; ``how`` as :func:`start` takes it."""
+    """:func:`start` then :func:`finish`."""
     return finish(start(target, kwargs, **how), progress)
 
 
 def stop(child: Child) -> None:
-    """End ``child`` if it still runs (one that was never collected)."""
+    """End a child that was never collected."""
     if child.proc.poll() is None:
         kill_group(child.proc)
     child.folder.cleanup()
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
-    """End the process group ``proc`` leads (started with ``start_new_session``):
-    SIGTERM and ``grace`` seconds to leave first if given, then SIGKILL to what
-    is left (an engine process left behind too); reaped."""
+    """End the process group ``proc`` leads: SIGTERM and ``grace`` seconds
+    first if given, then SIGKILL to what is left (an engine left behind)."""
     try:
         if grace:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -232,15 +223,13 @@ def last_error_line(log: str) -> str:
 
 
 def report(value: Any) -> None:
-    """In a child: hand ``value`` (JSON-able) to the parent now, so that it
-    survives a crash of this process later on (:attr:`ChildOutcome.reported`)."""
+    """In a child: hand ``value`` to the parent now, to survive a later crash."""
     with open(os.environ[REPORT_ENV], "a", encoding="utf-8") as out:
         out.write(json.dumps(value, default=str) + "\n")
 
 
 def child_main(target: str, args_file: Path, result_file: Path) -> int:
-    """Call ``target`` with the keyword arguments in ``args_file``; write
-    ``{"result": ...}`` or ``{"error": ...}`` (the traceback goes to stderr)."""
+    """``target(**args)``; write ``{"result": ...}`` or ``{"error": ...}``."""
     os.environ[REPORT_ENV] = str(Path(result_file).with_name("reported.jsonl"))
     module, _, function = target.partition(":")
     try:
