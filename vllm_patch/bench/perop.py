@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.bench.numerics import compare, copy_args, kernel_call
+from vllm_patch.bench.numerics import compare, copy_args, kernel_call, op_inputs
 from vllm_patch.runtime.bench_result import NATIVE
 
 TOKENS = (1, 16, 512)
@@ -151,17 +151,14 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
         for name in OPS:
             op = getattr(ir.ops, name)
             for tokens in TOKENS:
-                torch.manual_seed(0)
-                args = tuple(
-                    op.generate_inputs(
-                        num_tokens=tokens, hidden_size=HIDDEN, dtype=dtype
-                    )
-                )
+                args = op_inputs(op, (tokens, HIDDEN), dtype)
                 rows += _measure_shape(env, op, name, args, dtype)
     return rows
 
 
 def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
+    import torch
+
     fns, scopes = _routes(op, name, args, dtype)
     expected = fns[NATIVE](*copy_args(args))
     tol = op.get_tolerance(dtype)
@@ -174,24 +171,17 @@ def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
             rows.append({**base, "route": route, "wrong": found["error"]})
             del fns[route]
     layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
-    if layer:
-        with scopes[layer]():
-            runs = _runs_kernel(name, fns[layer], args)
+    if layer:  # does a layer call run the op's CPU kernel?
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with scopes[layer](), torch.profiler.profile(activities=cpu) as p:
+            fns[layer](*copy_args(args))
+        kernel = any(e.name == f"_C::{name}" for e in p.events())
+        runs = "kernel" if kernel else NATIVE
     timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
         for r, us in timed.items()
     ]
-
-
-def _runs_kernel(name: str, fn: Callable, args: tuple) -> str:
-    """``"kernel"`` if a call of ``fn`` runs the op's CPU kernel (torch's
-    profiler sees ``_C::<name>``), else ``"native"``."""
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-        fn(*copy_args(args))
-    return "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
 
 
 def per_op(
@@ -240,12 +230,9 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s in samples:
         env = "both" if s["route"] == NATIVE else s["env"]
         key = (env, s["op"], s["tokens"], s["route"])
-        row = keyed.setdefault(
-            key, {k: v for k, v in s.items() if k not in ("cpu", "wall")}
-        )
-        row["env"] = env
+        row = keyed.setdefault(key, {**s, "env": env, "cpu": [], "wall": []})
         for clock in ("cpu", "wall"):
-            row.setdefault(clock, []).extend(s.get(clock, []))
+            row[clock] += s.get(clock, [])
     native = {
         (op, tokens): quantiles(row["cpu"])["median"]
         for (_, op, tokens, route), row in keyed.items()
@@ -253,7 +240,7 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     }
     out = []
     for row in keyed.values():
-        cpu, wall = row.pop("cpu", []), row.pop("wall", [])
+        cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
             q = quantiles(cpu)
             row.update(

@@ -90,11 +90,6 @@ def generate(
     }
 
 
-def distinct_share(tokens: list[int]) -> float:
-    """Distinct tokens over tokens: near 1 for varied text, low for a loop."""
-    return len(set(tokens)) / len(tokens) if tokens else 0.0
-
-
 def compare(
     copy: str,
     patch: str,
@@ -168,12 +163,14 @@ def summarize(
     }
     for side in SIDES:
         done = found[side]["completions"]
+        tokens = [c["tokens"] for c in done]
         logprobs = [lp for c in done for lp in c["logprobs"]]
         result["sides"][side] = {
             **{k: found[side][k] for k in KEPT},
-            "tokens": [c["tokens"] for c in done],
+            "tokens": tokens,
             "mean_logprob": sum(logprobs) / len(logprobs),
-            "distinct_share": [distinct_share(c["tokens"]) for c in done],
+            # distinct tokens over tokens: near 1 for varied text, low for a loop
+            "distinct_share": [len(set(t)) / len(t) if t else 0.0 for t in tokens],
             "texts": [c["text"] for c in done],
         }
     for side in ("patched", "unguarded"):

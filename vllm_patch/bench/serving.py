@@ -93,12 +93,6 @@ def commands(model: str, sizes: Sizes) -> list[str]:
     ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
     """The arguments of ``vllm serve`` for one server."""
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
@@ -148,7 +142,9 @@ def running(
     """A healthy server of ``model`` (``how`` as ``child.start`` takes it),
     stopped on exit; ``RuntimeError`` with the end of its log if it ends or
     times out first."""
-    port = free_port()
+    with socket.socket() as s:  # a free port
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
     args = {"args": serve_args(model, port, eager, extra)}
     handle = child.start("vllm_patch.serve:serve", args, **how)
     server = Server(handle, f"http://{HOST}:{port}")
@@ -207,16 +203,13 @@ def kernel_lines(log: str) -> list[str]:
 
 
 def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
-    """The ``accuracy`` section before its runs: the prompts for ``model``
-    (its meta), and lm_eval's task where it can run (or why not, in
-    ``failed``)."""
+    """The ``accuracy`` section before its runs: the prompts for ``model`` (its
+    meta), lm_eval's task where it can run (else why not, in ``failed``)."""
     if args.model:
         prompts, note = accuracy.PROMPTS, None
     else:
-        prompts, note = (
-            accuracy.word_prompts(model["config"]["vocab_size"]),
-            accuracy.RANDOM_NOTE,
-        )
+        vocab = model["config"]["vocab_size"]
+        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
     lm_eval = None
     if args.model and args.lm_eval_task:
         if importlib.util.find_spec("lm_eval") is None:
@@ -230,7 +223,7 @@ def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
                 "include_path": args.lm_eval_include,
                 "mode": "eager",
             }
-            command = lm_eval_command("http://127.0.0.1:PORT", shown, lm_eval)
+            command = lm_eval_command(f"http://{HOST}:PORT", shown, lm_eval)
             lm_eval["command"] = shlex.join(command)
     tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
     tokens.update(prompt_texts=prompts, configs={})

@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
+
 KERNEL_FLAGS = tuple(
     "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
     " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
@@ -40,10 +42,8 @@ def cpu() -> dict[str, Any]:
 
 
 def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -> str:
-    """The kernel build vLLM loads here, chosen as ``CpuPlatform.import_kernels``
-    chooses: on x86 ``_C_AVX2``, ``_C_AVX512`` or ``_C`` (AVX512-BF16; also a
-    wheel of one build), else the architecture. ``vllm_dir``: the installed
-    ``vllm/`` when None."""
+    """The kernel build vLLM loads here (``cpu_library``; ``_C`` from a wheel of
+    one build), else the architecture; ``vllm_dir``: the installed ``vllm/``."""
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):
         return arch
@@ -53,9 +53,7 @@ def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -
     if not any(vllm_dir.glob("_C_AVX512.*")):
         return "_C"
     flags = cpu()["flags"] if flags is None else flags
-    if "avx512f" not in flags:
-        return "_C_AVX2"
-    return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+    return LIBRARIES[next(iter(runnable(flags)), "avx2")]
 
 
 def usable_cpus() -> int:
