@@ -1,12 +1,10 @@
 """``bench --decode``: what the change does to one decode step, resolved on a
-noisy machine (docs/bench.md explains the design and shows the section).
+noisy machine (docs/bench.md: the design and the section it writes).
 
-One engine process per variant (``decode_engine``), kept alive. In a round
-every engine generates ``--tokens`` tokens one engine step at a time, the
-engines in turn (the order rotating every step and round), so that the k-th
-steps of all engines run seconds apart under the same load; an engine's figure
-is the median over its decode steps, so a burst of load during one step moves
-it little. Round 0 warms up; the ratios are paired per round (``stats``).
+One engine process per variant (``decode_engine``), kept alive; in a round the
+engines take turns step by step, so that their k-th steps run seconds apart
+under the same load, and an engine's figure is the median over its decode
+steps. Round 0 warms up; ratios are paired per round (``stats``).
 """
 
 from __future__ import annotations

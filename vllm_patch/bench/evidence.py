@@ -1,9 +1,6 @@
-"""One bench run's evidence folder, part by part.
-
-The base vLLM is the installed one; the patched one, a patched copy of it
-(``runtime.patched_copy``). ``evidence.json`` and ``evidence.md`` are rewritten
-after every measurement (``patcher.files.write_output``): an interrupted or
-failing run keeps what it measured.
+"""One bench run's evidence folder, part by part: base is the installed vLLM,
+patched a patched copy of it. ``evidence.json`` and ``evidence.md`` are
+rewritten after every measurement, so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations

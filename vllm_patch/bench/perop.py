@@ -1,16 +1,10 @@
-"""Microseconds per call of the two norms, every way vLLM can run them, and
-where a layer call's time goes.
-
-In a child per vLLM (base, patched; ``ROUNDS`` each, alternating): ``native``,
-the CPU ``kernel`` (allocating its output, as an impl does), each other IR
-provider through IR dispatch (``ir:<provider>``), vLLM's ``RMSNorm`` layer with
-custom ops on (``layer:<class>``: the CustomOp route) and its forward method
-called directly (``forward:<class>``); each held to native first
-(``numerics.compare``) and timed only if it passes. Timed alone for the split
-of a call: the bare kernel into a ready output (``kernel:bare``) and the
-allocation (``alloc``). A sample is a short loop timed in the thread's CPU time
-(which excludes waiting while other processes run) beside wall time. ``native``
-is the same code in both vLLMs: its samples from both make one baseline."""
+"""Microseconds per call of the two norms, every way vLLM runs them, in a child
+per vLLM (``ROUNDS`` each, alternating): ``native``, the CPU ``kernel``, each IR
+provider (``ir:<provider>``), the ``RMSNorm`` layer (``layer:<class>``, the
+CustomOp route) and its forward method (``forward:<class>``), each timed only if
+it matches native (``numerics.compare``); and a call's parts alone
+(``kernel:bare``, ``alloc``). A sample is a short loop timed in the thread's CPU
+time, which excludes waiting while other processes run."""
 
 from __future__ import annotations
 

@@ -1,15 +1,12 @@
-"""vLLM's #31643 answered by measurement: an eager Qwen3, base vs patched vs
-the kernels unguarded.
+"""vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
+unguarded.
 
-#31643 gave ``RMSNorm`` on CPU a ``forward_cpu -> forward_native``: eager, the
-inherited ``forward_cpu -> forward_cuda`` had reached the C++ kernels, and
-Qwen3-0.6B produced gibberish (its ``q_norm`` and ``k_norm`` run on strided
-per-head views; the kernels read their input as contiguous). One offline
-engine per side, greedy, on a random Qwen3 in float32 (where kernels and native
-agree to rounding, so a changed token is a changed computation): **base**,
-**patched** (a patched copy) and **unguarded** (``forward_cpu`` calling the
-kernels for every input, as before #31643). The profiler counts each side's
-kernel calls: a patched side equal to base because it never ran them shows.
+#31643 made ``RMSNorm.forward_cpu`` native: eager, the kernels it had reached
+turned Qwen3-0.6B into gibberish (``q_norm`` and ``k_norm`` run on strided
+per-head views; the kernels read their input as contiguous). One greedy engine
+per side on a random Qwen3 in float32, where kernels and native agree to
+rounding, so a changed token is a changed computation; the profiler counts each
+side's kernel calls, so a patched side that never ran them shows.
 """
 
 from __future__ import annotations

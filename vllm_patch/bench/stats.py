@@ -1,10 +1,7 @@
-"""Paired figures and their bootstrap intervals, in plain Python.
-
-A repetition measures every engine seconds apart, so its figures form pairs
-that share the load of the moment. A ratio's estimate is the trimmed mean of
-the per-repetition log ratios: one busy repetition at either end moves it
-little. The interval is a seeded percentile bootstrap with the same estimator.
-"""
+"""Paired figures and their bootstrap intervals. A repetition's figures share
+the load of the moment, so a ratio is the trimmed mean of per-repetition log
+ratios (one busy repetition moves it little), its interval a seeded percentile
+bootstrap of the same estimator."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""The doctor's import checks, run in a child (``run_steps``): importing torch,
-vLLM or transformers can raise, abort on a C++ ABI mismatch or crash, and each
-is then a finding. Each step is reported once done, so when the child dies the
-parent knows which step took it down.
-
-A step is ``[kind, argument]``: ``["import", MODULE]``, ``["from",
-"MODULE:NAME"]``, ``["provider", MODULE]`` (a vLLM plugin: ``register()``, then
-its ``status()`` and naming attributes), ``["kernels", "vllm"]`` (vLLM's C
-kernels, loaded as vLLM loads them).
+"""The doctor's import checks, run in a child (``run_steps``): an import can
+raise, abort on a C++ ABI mismatch or crash, and each is a finding. Each step is
+reported once done, so the parent knows which one took a dead child down. A
+step: ``["import", MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider",
+MODULE]`` (a vLLM plugin registered), ``["kernels", "vllm"]``.
 """
 
 from __future__ import annotations
