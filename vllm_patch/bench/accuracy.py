@@ -40,9 +40,8 @@ def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
 
 
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
-    """Where the patched greedy tokens first part from the base's, and the
-    largest |delta logprob| while the texts are the same (the position where
-    they part included: its context is still shared)."""
+    """Where the patched tokens first part from the base's, and the largest
+    |delta logprob| up to there (that position included: its context is shared)."""
     parts = []
     for b, p in zip(base, patched, strict=True):
         pairs = list(zip(b["tokens"], p["tokens"], strict=False))

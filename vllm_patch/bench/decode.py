@@ -160,10 +160,8 @@ def figures(found: dict[str, list[int]]) -> dict[str, Any]:
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
-    """Round 0 (warm-up, dropped) then up to ``args.rounds`` rounds, none past
-    ``MIN_ROUNDS`` expected to end after ``deadline`` (``time.monotonic``); per
-    round and thread count, every engine (:func:`interleaved`) and the other
-    processes' CPU share."""
+    """Round 0 (warm-up, dropped), then rounds until ``args.rounds`` or (past
+    ``MIN_ROUNDS``) ``deadline``: per thread count, every engine and the load."""
     out = []
     pids = [e.proc.pid for e in started]
     began = time.monotonic()

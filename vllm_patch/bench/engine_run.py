@@ -61,9 +61,8 @@ HF_NAMES = {
 def make_random_llama(
     path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
 ) -> Path:
-    """A random-weight LlamaForCausalLM (bf16) of ``sizes`` (``TINY_LLAMA``'s
-    keys) in a folder under ``path`` named by its configuration's hash, built
-    once; with ``tokenizer``, a word-level tokenizer too."""
+    """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
+    once into ``path``/its configuration's hash; ``tokenizer``: with one."""
     config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-5)
     return _cached(Path(path), "random-llama", config)
 

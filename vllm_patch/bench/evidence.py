@@ -48,9 +48,8 @@ def random_model(
     tokenizer: bool = True,
     kind: str = "llama",
 ) -> tuple[str, dict[str, Any]]:
-    """The random-weight model of sizes ``c`` (``engine_run``), built in a child
-    (torch stays out of this process) or reused from the cache, and its
-    description."""
+    """The random model of sizes ``c`` (``engine_run``), built in a child or
+    reused from the cache, and its description."""
     from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 

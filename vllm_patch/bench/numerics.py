@@ -41,11 +41,9 @@ def compare(
     *,
     inplace: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Call ``fn`` on a copy of ``args`` and hold its output tensors to
-    ``expected`` (native's: count, shapes, dtypes, ``tolerance``): ``ok``,
-    ``max_abs_diff`` per output, ``max_abs_err`` and ``error`` (the first
-    reason). ``inplace``: the argument indices whose tensors the outputs must
-    be, in order; adds ``inplace``."""
+    """``fn`` on a copy of ``args``, its output tensors held to native's
+    ``expected``: ``ok``, ``max_abs_diff``, ``max_abs_err``, ``error``.
+    ``inplace``: the argument indices whose tensors the outputs must be."""
     import torch
 
     given = copy_args(args)
@@ -188,9 +186,8 @@ def build_numerics(library: str) -> dict:
 
 
 def per_build(progress) -> tuple[dict, dict]:
-    """:func:`build_numerics` per kernel build this CPU runs, a child each (a
-    process loads one build): per build, op and dtype the rtol needed, and per
-    op and dtype vLLM's own [rtol, atol]."""
+    """:func:`build_numerics` per build this CPU runs, a child each: per build,
+    op and dtype the rtol needed; per op and dtype vLLM's [rtol, atol]."""
     from vllm_patch.runtime import child, cpu_library, machine
 
     builds, tolerance = {}, {}

@@ -37,9 +37,8 @@ WARMUP_S = 0.05
 def _sample_us(
     fns: dict[str, Callable], args: tuple, scopes: dict[str, Callable]
 ) -> dict[str, dict[str, list[float]]]:
-    """Microseconds per call of each function per sample (``cpu``: the
-    thread's, ``wall``), sampled in turn after a warm-up, the inputs restored
-    before each (in-place ones write into them), in ``scopes[name]()``."""
+    """Microseconds per call of each function per sample (``cpu``, ``wall``),
+    in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
     import torch
 
     works = {name: copy_args(args) for name in fns}
@@ -70,9 +69,8 @@ def _sample_us(
 
 
 def _layer(name: str, args: tuple, dtype):
-    """vLLM's ``RMSNorm`` as an eager CPU engine builds it (custom ops on): its
-    class name, functions of the op's inputs calling it and its forward method,
-    and the IR priority the platform gives the op there."""
+    """vLLM's ``RMSNorm`` as an eager CPU engine builds it: its class name, it
+    and its forward method as functions of the op's inputs, the op's priority."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
@@ -182,8 +180,7 @@ def per_op(
     envs: dict[str, tuple[str, ...]], progress, threads: int = THREADS
 ) -> dict[str, Any]:
     """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
-    ``PYTHONPATH`` folders), alternating, with the load over each child; rows
-    of pooled samples (:func:`pooled`)."""
+    ``PYTHONPATH``), alternating, with the load; the :func:`pooled` rows."""
     from vllm_patch.runtime import child, machine
 
     samples, load = [], []

@@ -45,9 +45,8 @@ def unguarded_forward_cpu(self, x, residual=None):
 def generate(
     model: str, prompts: list[str], max_tokens: int, dtype: str, unguarded: bool
 ) -> dict[str, Any]:
-    """In a child: one eager engine's greedy completions (token ids, the top
-    logprob of each, the text), its kernel calls in the first prompt's prefill
-    and one decode step, and its ``RMSNorm.forward_cpu`` and ``layernorm.py``."""
+    """In a child: one eager engine's greedy completions, its kernel calls in
+    one prompt's first two steps, its ``RMSNorm.forward_cpu`` and file."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import layernorm
@@ -94,9 +93,8 @@ def compare(
     *,
     base: str | None = None,
 ) -> dict[str, Any]:
-    """The three sides; ``copy``: the patched copy's folder of ``patch``;
-    ``base``: a folder first on the other sides' path (default: none, the
-    installed vLLM). :func:`summarize`'s result, with the wall time."""
+    """The three sides, ``copy`` the patched one's folder, ``base`` one first on
+    the others' path (default: the installed vLLM); :func:`summarize`'s."""
     from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
 
@@ -136,10 +134,8 @@ def compare(
 def summarize(
     found: dict[str, dict[str, Any]], prompts: list[str], patch: str
 ) -> dict[str, Any]:
-    """The JSON-able result from each side's :func:`generate` (and its
-    ``seconds``): the model; per side its kernel calls, tokens, mean logprob,
-    distinct share and texts; base against patched and against unguarded
-    (``accuracy.compare``)."""
+    """The result from each side's :func:`generate`: the model, each side's
+    figures, base against patched and unguarded (``accuracy.compare``)."""
     c = TINY_QWEN3
     result = {
         "model": {

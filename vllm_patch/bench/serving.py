@@ -135,9 +135,8 @@ def running(
     say: Callable[[str], None] = print,
     **how: Any,
 ) -> Iterator[Server]:
-    """A healthy server of ``model`` (``how`` as ``child.start`` takes it),
-    stopped on exit; ``RuntimeError`` with the end of its log if it ends or
-    times out first."""
+    """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
+    exit; ``RuntimeError`` with its log's end if it ends or times out first."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
