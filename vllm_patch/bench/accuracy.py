@@ -1,26 +1,12 @@
-"""Accuracy of the patched vLLM against the base one, from their servers.
-
-:func:`completions` asks a server for greedy completions of a fixed prompt set
-with the top logprob of every generated token (the OpenAI completions API's
-``logprobs``, token ids through vLLM's ``return_tokens_as_token_ids``);
-:func:`compare` lays two servers' answers side by side: the first token where
-they part and the largest |delta logprob| of the top token up to there (after
-it the two continue different texts). With a real model and ``lm_eval``
-installed, :func:`run_lm_eval` runs ``lm_eval --model local-completions``
-against a server: exact_match and its stderr.
+"""Accuracy of the patched vLLM against the base one: where two servers'
+greedy tokens first part, and the largest |delta logprob| up to there (after
+it they continue different texts). ``serving`` asks the servers.
 """
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
-
-from vllm_patch.bench import server
 
 MAX_TOKENS = 32
 PROMPTS = [
@@ -34,11 +20,17 @@ PROMPTS = [
     "Once upon a time, in a small village,",
 ]
 """For a real model: short prompts with a clear greedy continuation."""
-TOKEN_ID = "token_id:"
+RANDOM_NOTE = (
+    "The model has random weights: the comparison shows whether the two vLLMs "
+    "compute the same tokens and logprobs, up to where rounding parts them (random "
+    "weights give near-flat distributions, so small rounding differences flip the "
+    "greedy token early). It says nothing about the quality of a trained model's "
+    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
+)
 
 
 def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
-    """For the random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
+    """For a random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
     fixed prompts of ``words`` words each."""
     rng = random.Random(0)
     return [
@@ -47,57 +39,27 @@ def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
     ]
 
 
-def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
-    """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    out = []
-    for prompt in prompts:
-        body = {
-            "model": server.SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
-            "ignore_eos": True, "seed": 0,
-        }  # fmt: skip
-        answer = server.post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
-        out.append(
-            {
-                "tokens": [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]],
-                "logprobs": answer["token_logprobs"],
-            }
-        )
-    return out
-
-
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
-    """Where the patched server's greedy tokens first part from the base's, and
-    the largest |delta logprob| of the top token while the texts are the same
-    (the position where they part included: its context is still shared)."""
-    parts, largest = [], 0.0
+    """Where the patched tokens first part from the base's, and the largest
+    |delta logprob| up to there (that position included: its context is shared)."""
+    parts = []
     for b, p in zip(base, patched, strict=True):
         pairs = list(zip(b["tokens"], p["tokens"], strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
         shared = len(pairs) if at is None else at + 1
-        delta = max(
-            (
-                abs(x - y)
-                for x, y in zip(
-                    b["logprobs"][:shared], p["logprobs"][:shared], strict=True
-                )
-            ),
-            default=0.0,
-        )
-        largest = max(largest, delta)
+        deltas = zip(b["logprobs"][:shared], p["logprobs"][:shared], strict=True)
+        delta = max((abs(x - y) for x, y in deltas), default=0.0)
         parts.append({"diverges_at": at, "max_abs_dlogprob": delta})
     parted = [
-        (i, d["diverges_at"])
+        (d["diverges_at"], i)
         for i, d in enumerate(parts)
         if d["diverges_at"] is not None
     ]
-    first = min(parted, key=lambda x: (x[1], x[0]), default=None)
+    first = min(parted, default=None)
     return {
         "identical_prompts": len(parts) - len(parted),
-        "first_divergence": None
-        if first is None
-        else {"prompt": first[0], "position": first[1]},
-        "max_abs_dlogprob": largest,
+        "first_divergence": first and {"prompt": first[1], "position": first[0]},
+        "max_abs_dlogprob": max((d["max_abs_dlogprob"] for d in parts), default=0.0),
         "per_prompt": parts,
         "base": [b["tokens"] for b in base],
         "patched": [p["tokens"] for p in patched],
@@ -112,43 +74,4 @@ def summary(configs: dict[str, dict]) -> dict[str, Any]:
         "first_divergence": first
         and {"mode": first[2], "prompt": first[1], "position": first[0]},
         "max_abs_dlogprob": max(f["max_abs_dlogprob"] for f in configs.values()),
-    }
-
-
-def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
-    """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
-    model_args = (
-        f"model={server.SERVED_NAME},base_url={url}/v1/completions,"
-        f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=2,"
-        "max_retries=3,tokenized_requests=False"
-    )
-    command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
-    command += ["--tasks", spec["task"], "--seed", "0"]
-    if spec.get("limit"):
-        command += ["--limit", str(spec["limit"])]
-    if spec.get("include_path"):
-        command += ["--include_path", spec["include_path"]]
-    return command
-
-
-def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """exact_match and its stderr (the first exact_match filter the task
-    reports: ``strict-match`` for gsm8k), or ``RuntimeError``."""
-    command = lm_eval_command(url, tokenizer, spec)
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
-            capture_output=True, text=True, cwd=folder,
-        )  # fmt: skip
-        found = sorted(Path(folder).rglob("results*.json"))
-        if proc.returncode or not found:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
-        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
-    key = next(k for k in results if k.startswith("exact_match,"))
-    metric_filter = key.split(",", 1)[1]
-    return {
-        "exact_match": results[key],
-        "stderr": results[f"exact_match_stderr,{metric_filter}"],
-        "filter": metric_filter,
     }

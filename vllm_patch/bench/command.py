@@ -1,15 +1,5 @@
-"""``vllm-patch bench``: evidence for the change, measured on this machine.
-
-``--decode`` (the headline): the time of one decode step and inside the norms,
-base vLLM against patched, persistent engines interleaved (``decode``);
-``--serve``: vLLM's serving benchmark and an accuracy comparison, base vLLM
-against patched (``serving``, ``accuracy``); ``--numerics``: the fused kernels
-against native per x86 kernel build (``numerics``); ``--perop``: per-call
-timing of native and the fused kernels and vLLM's routes to them (``perop``);
-``--qwen3``: an eager Qwen3, base vs patched vs the kernels unguarded, vLLM's
-#31643 measured (``qwen3_eager``).
-All of it goes into ``--out DIR``: ``evidence.json`` and ``evidence.md``.
-"""
+"""``vllm-patch bench``: the parts asked for (``PARTS``, each a method of
+``evidence.BenchRun``), measured into ``--out DIR``."""
 
 from __future__ import annotations
 

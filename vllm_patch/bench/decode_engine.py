@@ -1,18 +1,12 @@
 """One vLLM engine kept alive in its own process, timing decode steps on request.
 
-``python -m vllm_patch.bench.decode_engine CONFIG_JSON`` starts vLLM's offline
-``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine, its
-worker and the model run here), then reads one JSON command a line on stdin and
-answers each with one JSON line on stdout; vLLM's own log goes to stderr.
-
-``{"threads": N, "tokens": L}`` sets N torch threads and adds a request for
-L tokens, greedy, from a fixed prompt; each ``{"step": true}`` then runs one
-engine step and answers its time: wall (``perf_counter``), this process's CPU
-time (``process_time``) and, in eager mode, the time inside every ``RMSNorm``
-module of the model (forward pre- and post-hooks), with the calls, and whether
-the request finished. The first step is the prefill; the others are decode
-steps. The parent steps every engine in turn, so that their steps run seconds
-apart. ``{"stop": true}`` ends it.
+``python -m vllm_patch.bench.decode_engine CONFIG_JSON`` runs vLLM's offline
+``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), answers
+``{"ready": ...}``, then one JSON line on stdout per command line on stdin:
+``{"threads": N, "tokens": L}`` adds a greedy request for L tokens, each
+``{"step": true}`` runs one engine step (the first is the prefill) and answers
+its wall and CPU nanoseconds and, eager, those inside every ``RMSNorm``;
+``{"stop": true}`` ends it. vLLM's own log goes to stderr.
 """
 
 from __future__ import annotations
@@ -31,19 +25,16 @@ class NormClock:
     """Wall and CPU nanoseconds spent inside the hooked modules, and calls."""
 
     def __init__(self) -> None:
-        self.wall = self.cpu = self.calls = 0
+        self.totals = (0, 0, 0)  # as NORM_KEYS
         self._start = (0, 0)
 
     def before(self, module, args) -> None:
         self._start = (time.perf_counter_ns(), time.process_time_ns())
 
     def after(self, module, args, output) -> None:
-        self.wall += time.perf_counter_ns() - self._start[0]
-        self.cpu += time.process_time_ns() - self._start[1]
-        self.calls += 1
-
-    def read(self) -> tuple[int, int, int]:
-        return self.wall, self.cpu, self.calls
+        wall, cpu, calls = self.totals
+        wall += time.perf_counter_ns() - self._start[0]
+        self.totals = (wall, cpu + time.process_time_ns() - self._start[1], calls + 1)
 
 
 def hook_norms(model, clock: NormClock) -> list[str]:
@@ -61,8 +52,7 @@ def hook_norms(model, clock: NormClock) -> list[str]:
 
 
 def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]]:
-    """The engine ``config`` describes, its norm clock (eager only) and what it
-    says about itself."""
+    """The engine, its norm clock (eager only) and what it says about itself."""
     import dataclasses
 
     from vllm import LLM
@@ -89,39 +79,31 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
     )
     clock = None if compiled else NormClock()
     hooked = llm.apply_model(lambda m: hook_norms(m, clock))[0] if clock else []
-    vllm_config = llm.llm_engine.vllm_config
     return (
         llm,
         clock,
         {
             "pid": os.getpid(),
             "kernel_build": cpu_library.loaded(),
-            "custom_ops": list(vllm_config.compilation_config.custom_ops),
+            "custom_ops": list(
+                llm.llm_engine.vllm_config.compilation_config.custom_ops
+            ),
             "norm_classes": hooked,
         },
     )
 
 
-def add_request(llm, tokens: int, request: str) -> None:
-    from vllm import SamplingParams
-
-    params = SamplingParams(
-        temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=tokens
-    )
-    llm.llm_engine.add_request(request, {"prompt_token_ids": PROMPT}, params)
-
-
 def step(llm, clock: NormClock | None) -> dict[str, Any]:
     """One engine step, in nanoseconds: ``wall``, ``cpu`` and inside the norms
     ``norm_wall``, ``norm_cpu``, and ``norm_calls``; ``finished``."""
-    norms = clock.read() if clock else (0, 0, 0)
+    norms = clock.totals if clock else (0, 0, 0)
     wall, cpu = time.perf_counter_ns(), time.process_time_ns()
     outputs = llm.llm_engine.step()
     out: dict[str, Any] = {
         "wall": time.perf_counter_ns() - wall,
         "cpu": time.process_time_ns() - cpu,
     }
-    after = clock.read() if clock else (0, 0, 0)
+    after = clock.totals if clock else (0, 0, 0)
     out.update((k, a - b) for k, a, b in zip(NORM_KEYS, after, norms, strict=True))
     out["finished"] = not llm.llm_engine.has_unfinished_requests()
     if out["finished"]:
@@ -133,14 +115,15 @@ def main(config_text: str) -> int:
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    config = json.loads(config_text)
 
     import torch
 
     # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it
     # starts (it binds threads itself in its own processes, not in this one).
     set_threads = torch.set_num_threads
-    llm, clock, about = start(config)
+    from vllm import SamplingParams
+
+    llm, clock, about = start(json.loads(config_text))
 
     def answer(value: Any) -> None:
         answers.write(json.dumps(value) + "\n")
@@ -153,10 +136,16 @@ def main(config_text: str) -> int:
             break
         if command.get("step"):
             answer(step(llm, clock))
-        else:
-            set_threads(command["threads"])
-            add_request(llm, command["tokens"], str(n))
-            answer({"added": str(n)})
+            continue
+        set_threads(command["threads"])
+        params = SamplingParams(
+            temperature=0.0,
+            ignore_eos=True,
+            detokenize=False,
+            max_tokens=command["tokens"],
+        )
+        llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
+        answer({"added": str(n)})
     return 0
 
 

@@ -1,6 +1,5 @@
-"""A random-weight Llama made locally with ``transformers`` (no hub), with a
-word-level tokenizer when it is to be served: the model the serving benchmark
-and the matrix's engine starts run when the user names none. And a random
+"""Random-weight models made locally with ``transformers`` (no hub), cached by
+configuration: a Llama (with a word-level tokenizer when it is served) and a
 Qwen3, whose q/k norms run per head on views of the qkv projection's output."""
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-# The smallest Llama that still runs every layer type: for checks that the engine
-# runs a given kernel, not for timing.
+# The smallest Llama that still runs every layer type: for checks that the
+# engine runs a given kernel, not for timing.
 TINY_LLAMA = dict(
     hidden_size=256,
     num_layers=2,
@@ -22,8 +21,8 @@ TINY_LLAMA = dict(
     num_kv_heads=2,
     vocab_size=1024,
 )
-# Served by ``bench --serve`` without ``--model``: small enough that a server
-# starts and serves a run in well under a minute on 2 cores.
+# ``bench --serve`` without ``--model``: a server starts and serves a run in
+# well under a minute on 2 cores.
 SERVED_LLAMA = dict(
     hidden_size=512,
     num_layers=4,
@@ -32,8 +31,7 @@ SERVED_LLAMA = dict(
     num_kv_heads=4,
     vocab_size=4096,
 )
-# Qwen3's layout at a small size: q_norm and k_norm over head_dim 64 (a
-# multiple of 8) on strided views.
+# Qwen3's layout, small: q_norm and k_norm over head_dim 64 on strided views.
 TINY_QWEN3 = dict(
     hidden_size=256,
     num_layers=4,
@@ -43,9 +41,8 @@ TINY_QWEN3 = dict(
     head_dim=64,
     vocab_size=2048,
 )
-# ``bench --decode``'s default: a realistic decode shape (hidden 2048, 16
-# layers, TinyLlama-1.1B's widths) with a small vocabulary, so that four fp32
-# engines (3 GB each) fit beside each other.
+# ``bench --decode``'s default: TinyLlama-1.1B's widths, a small vocabulary, so
+# that four fp32 engines (3 GB each) fit beside each other.
 DECODE_LLAMA = dict(
     hidden_size=2048,
     num_layers=16,
@@ -54,75 +51,41 @@ DECODE_LLAMA = dict(
     num_kv_heads=4,
     vocab_size=8192,
 )
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
 
 
 def make_random_llama(
-    path: Path,
-    *,
-    hidden_size: int = 2048,
-    num_layers: int = 8,
-    intermediate_size: int = 5632,
-    num_heads: int = 16,
-    num_kv_heads: int = 4,
-    vocab_size: int = 32000,
-    seed: int = 0,
-    tokenizer: bool = False,
+    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
 ) -> Path:
-    """A random-weight LlamaForCausalLM (bf16) saved under ``path``; with
-    ``tokenizer``, a word-level tokenizer too (:func:`save_word_tokenizer`).
-
-    ``path`` is a cache folder: the model goes into a subfolder named by the
-    hash of its configuration, and a second call with the same configuration
-    returns it without rebuilding. Returns the model folder.
-    """
-    config = {
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "intermediate_size": intermediate_size,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "seed": seed,
-        **({"tokenizer": "words"} if tokenizer else {}),
-    }
+    """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
+    once into ``path``/its configuration's hash; ``tokenizer``: with one."""
+    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-5)
     return _cached(Path(path), "random-llama", config)
 
 
 def make_random_qwen3(
-    path: Path,
-    *,
-    hidden_size: int,
-    num_layers: int,
-    intermediate_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    vocab_size: int,
-    seed: int = 0,
-    tokenizer: bool = False,
+    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
 ) -> Path:
-    """A random-weight Qwen3ForCausalLM (bf16), cached under ``path`` as
-    :func:`make_random_llama`'s model is (``TINY_QWEN3`` gives the sizes)."""
-    config = {
-        "architecture": "qwen3",
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "intermediate_size": intermediate_size,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": vocab_size,
+    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama` (sizes:
+    ``TINY_QWEN3``'s keys)."""
+    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-6)
+    return _cached(Path(path), "random-qwen3", {"architecture": "qwen3", **config})
+
+
+def _config(sizes: dict, seed: int, tokenizer: bool, **fixed: Any) -> dict:
+    return {
+        **{HF_NAMES.get(k, k): v for k, v in sizes.items()},
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
         # Random tied embeddings make every greedy completion one token repeated.
         "tie_word_embeddings": False,
         "seed": seed,
+        **fixed,
         **({"tokenizer": "words"} if tokenizer else {}),
     }
-    return _cached(Path(path), "random-qwen3", config)
 
 
 def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
@@ -130,7 +93,6 @@ def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
     target = path / f"{name}-{digest[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
-
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so an interrupted build is never reused.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
@@ -173,8 +135,8 @@ def _save_model(folder: Path, config: dict[str, Any]) -> None:
 
 
 def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over the model's vocabulary (words ``w3`` ..),
-    made locally: a served model needs one for text prompts."""
+    """A word-level tokenizer over the vocabulary (words ``w3`` ..): a served
+    model needs one for text prompts."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

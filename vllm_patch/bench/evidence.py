@@ -1,17 +1,12 @@
-"""One bench run: the evidence folder it writes, part by part.
-
-The base vLLM is the installed one; the patched one is a patched copy of it
-(``vllm_patch.runtime.patched_copy``) with the patch the engine picks for it.
-``evidence.json`` and ``evidence.md`` are rewritten after every measurement
-(``patcher.files.write_output``), so an interrupted or failing run keeps what
-it measured.
+"""One bench run's evidence folder, part by part: base is the installed vLLM,
+patched a patched copy of it. ``evidence.json`` and ``evidence.md`` are
+rewritten after every measurement, so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,28 +14,18 @@ from typing import Any
 
 from patcher.errors import PatchError, UsageError
 from patcher.files import inside, output_dir, read_text_at, write_output
-from vllm_patch.bench.engine_run import DECODE_LLAMA, SERVED_LLAMA
+from vllm_patch.bench.engine_run import DECODE_LLAMA
 from vllm_patch.runtime import bench_result, evidence_record, machine
 
+# The servers', clients' and engines' environment: nothing is downloaded
+# (lm_eval may fetch its task's dataset, as the user asked).
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-"""The servers' and the benchmark client's environment: nothing is downloaded
-(lm_eval may fetch its task's dataset, as the user asked)."""
-LM_EVAL_MODEL_LEN = 4096
-"""The context of servers lm_eval also asks: room for a few-shot prompt and
-its answer."""
-RANDOM_NOTE = (
-    "The model has random weights: the comparison shows whether the two vLLMs "
-    "compute the same tokens and logprobs, up to where rounding parts them (random "
-    "weights give near-flat distributions, so small rounding differences flip the "
-    "greedy token early). It says nothing about the quality of a trained model's "
-    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
-)
+SECTIONS = ("decode", "serving", "accuracy", "numerics", "perop", "qwen3_eager")
 
 
 def choose_patch(tree, name: str | None = None) -> Any:
     """The patch ``name``, else the one a plain ``vllm-patch apply`` picks for
-    the installed vLLM (``patcher.engine.choose``); it must apply to it: the
-    installed vLLM is the base."""
+    the installed vLLM; it must apply to it: the installed vLLM is the base."""
     from patcher import engine
     from patcher.status import PlanStatus
 
@@ -58,27 +43,30 @@ def choose_patch(tree, name: str | None = None) -> Any:
 
 
 def random_model(
-    progress: Callable[[str], None], c: dict[str, int], tokenizer: bool = True
+    progress: Callable[[str], None],
+    c: dict[str, int],
+    tokenizer: bool = True,
+    kind: str = "llama",
 ) -> tuple[str, dict[str, Any]]:
-    """The random-weight Llama of configuration ``c``, built in a child (and
-    cached) with a word-level tokenizer if asked."""
+    """The random model of sizes ``c`` (``engine_run``), built in a child or
+    reused from the cache, and its description."""
     from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 
-    progress("building (or reusing) the random-weight Llama")
+    name = {"llama": "Llama", "qwen3": "Qwen3"}[kind]
+    progress(f"building (or reusing) the random-weight {name}")
     folder = child.run(
-        "vllm_patch.bench.engine_run:make_random_llama",
+        f"vllm_patch.bench.engine_run:make_random_{kind}",
         {"path": str(cache_dir() / "bench-models"), **c, "tokenizer": tokenizer},
     ).value()
+    sizes = f"{c['num_layers']} layers, hidden {c['hidden_size']}"
     return str(folder), {
         "path": None,
         "random_weights": True,
-        "name": f"a random-weight Llama ({c['num_layers']} layers, hidden "
-        f"{c['hidden_size']})",
+        "name": f"a random-weight {name} ({sizes})",
         "description": (
-            f"a random-weight Llama made locally ({c['num_layers']} layers, hidden "
-            f"{c['hidden_size']}, intermediate {c['intermediate_size']}, "
-            f"vocabulary {c['vocab_size']}, bf16 weights)"
+            f"a random-weight {name} made locally ({sizes}, intermediate "
+            f"{c['intermediate_size']}, vocabulary {c['vocab_size']}, bf16 weights)"
             + (" with a word-level tokenizer made locally" if tokenizer else "")
             + "; nothing downloaded"
         ),
@@ -112,18 +100,27 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
         names = []
     arch = ", ".join(names) or "architecture not stated"
     context = isinstance(found, dict) and found.get("max_position_embeddings")
+    name = f"{Path(path).name} ({arch})"
     return str(folder), {
         "path": str(path),
         "random_weights": False,
-        "name": f"{Path(path).name} ({arch})",
-        "description": f"{Path(path).name} ({arch}), a local folder; nothing "
-        "downloaded",
+        "name": name,
+        "description": f"{name}, a local folder; nothing downloaded",
         "context": context if type(context) is int and context > 0 else None,
     }
 
 
+def provider_opt_ins() -> tuple[str, ...]:
+    """The out-of-tree providers' opt-in variables: never set for a measured
+    vLLM here, so that the base vLLM is vLLM as installed."""
+    from patcher.patchset import provider_specs
+
+    return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))
+
+
 class BenchRun:
-    """The evidence document of this run, and how it is written."""
+    """The evidence document of this run, how it is written, and its parts
+    (``command.PARTS``), each ``part(args, copy)`` with the patched copy."""
 
     def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
         self.out = output_dir(out)
@@ -136,12 +133,7 @@ class BenchRun:
             "load": {"before": machine.load_average()},
             "vllm": {},
             "model": {},
-            "decode": None,
-            "serving": None,
-            "accuracy": None,
-            "numerics": None,
-            "perop": None,
-            "qwen3_eager": None,
+            **dict.fromkeys(SECTIONS),  # None: not measured
             "failed": [],
         }
 
@@ -149,118 +141,33 @@ class BenchRun:
         doc = self.doc
         doc["load"].update(
             after=machine.load_average(),
-            other_processes_share=machine.other_load(
-                self.snap, machine.cpu_snapshot(), machine.usable_cpus()
-            ),
+            other_processes_share=machine.other_share(self.snap),
         )
         doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
-        write_output(
-            self.out / evidence_record.EVIDENCE, json.dumps(doc, indent=1) + "\n"
-        )
+        text = json.dumps(doc, indent=1) + "\n"
+        write_output(self.out / evidence_record.EVIDENCE, text)
         if doc["vllm"]:
-            write_output(
-                self.out / "evidence.md",
-                bench_result.evidence_markdown(evidence_record.parse(doc)),
-            )
+            markdown = bench_result.evidence_markdown(evidence_record.parse(doc))
+            write_output(self.out / "evidence.md", markdown)
+
+    def model(self, args, sizes: dict[str, int], tokenizer: bool) -> tuple:
+        """``--model``'s folder, else the random Llama of ``sizes``; its meta."""
+        if args.model:
+            return user_model(args.model)
+        return random_model(self.progress, sizes, tokenizer)
 
     def decode(self, args, copy: str) -> None:
         from vllm_patch.bench import decode
 
-        if args.model:
-            model, meta = user_model(args.model)
-        else:
-            model, meta = random_model(self.progress, DECODE_LLAMA, tokenizer=False)
+        model, meta = self.model(args, DECODE_LLAMA, tokenizer=False)
         self.doc["model"] = self.doc["model"] or meta
-        flags = self.doc["machine"]["flags"]
-        self.doc["decode"] = decode.run(
-            model=model,
-            model_meta=meta,
-            paths={"base": (), "patched": (copy,)},
-            dtype=args.dtype or decode.default_dtype(flags),
-            modes=args.modes,
-            rounds=args.rounds,
-            threads=args.threads,
-            tokens=args.tokens,
-            budget_s=args.budget * 60,
-            progress=self.progress,
-        )
+        paths = {"base": (), "patched": (copy,)}
+        self.doc["decode"] = decode.run(args, model, meta, paths, self.progress)
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
 
-        model, self.doc["model"] = (
-            user_model(args.model)
-            if args.model
-            else random_model(self.progress, SERVED_LLAMA)
-        )
-        context = 0  # what the benchmark needs
-        if args.model and args.lm_eval_task:
-            context = min(LM_EVAL_MODEL_LEN, self.doc["model"]["context"] or 2**31)
-        sizes = serving.Sizes(
-            args.input_len,
-            args.output_len,
-            args.num_prompts,
-            args.max_concurrency,
-            context,
-        )
-        shown_model = Path(args.model).name if args.model else "MODEL"
-        self.doc["serving"] = {
-            "commands": serving.commands(shown_model, sizes),
-            "sizes": vars(sizes),
-            "configs": {},
-            "server_log": {},
-        }
-        self.doc["accuracy"] = self._accuracy_plan(args, shown_model)
-        kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-        serving.measure(
-            self.doc,
-            model=model,
-            sides=[
-                serving.Side("base"),
-                serving.Side("patched", (copy,)),
-                serving.Side(bench_result.A_A),
-            ],
-            modes=args.modes,
-            repeats=args.repeats,
-            sizes=sizes,
-            prompts=self.doc["accuracy"]["tokens"]["prompt_texts"],
-            lm_eval=self.doc["accuracy"]["lm_eval"],
-            save=self.save,
-            progress=self.progress,
-            env={**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache},
-            drop_env=provider_opt_ins(),
-        )
-
-    def _accuracy_plan(self, args, shown_model: str) -> dict[str, Any]:
-        """The prompts, and lm_eval's task where it can run (or why not)."""
-        import importlib.util
-
-        from vllm_patch.bench import accuracy
-
-        if args.model:
-            prompts, note = accuracy.PROMPTS, None
-        else:
-            vocab = self.doc["model"]["config"]["vocab_size"]
-            prompts, note = accuracy.word_prompts(vocab), RANDOM_NOTE
-        lm_eval = None
-        if args.model and args.lm_eval_task:
-            if importlib.util.find_spec("lm_eval") is None:
-                self.doc["failed"].append(
-                    "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
-                )
-            else:
-                lm_eval = {
-                    "task": args.lm_eval_task,
-                    "limit": args.lm_eval_limit,
-                    "include_path": args.lm_eval_include,
-                    "mode": "eager",
-                }
-                url = "http://127.0.0.1:PORT"
-                command = accuracy.lm_eval_command(url, shown_model, lm_eval)
-                lm_eval["command"] = shlex.join(command)
-        tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
-        tokens.update(prompt_texts=prompts, configs={})
-        return {"tokens": tokens, "lm_eval": lm_eval}
+        serving.run(self, args, copy)
 
     def numerics(self, args, copy: str) -> None:
         from vllm_patch.bench.numerics import per_build
@@ -280,11 +187,3 @@ class BenchRun:
 
         patch = self.doc["vllm"]["patch"]
         self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
-
-
-def provider_opt_ins() -> tuple[str, ...]:
-    """The out-of-tree providers' opt-in variables: never set for a server
-    here, so that the base vLLM is vLLM as installed."""
-    from patcher.patchset import provider_specs
-
-    return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))

@@ -1,17 +1,13 @@
-"""Numerics of an IR implementation against the op's own ``native`` one.
-
-:func:`compare` is the one comparison: call an implementation on a copy of the
-inputs and hold every output tensor to native's (same count, shapes, dtypes,
-within the op's own ``get_tolerance``), and, for an in-place implementation,
-check that the outputs are the caller's tensors. The bench checks every
-implementation with it before timing it. Inputs always come from the op's own
-generator (:func:`op_inputs`). Below it, the CPU kernels of each x86 build
-against native (:func:`per_build`).
+"""Numerics of an IR implementation against the op's own ``native`` one, on
+the op's own generated inputs: :func:`compare`, the one comparison (the bench
+checks every implementation with it before timing it), and the CPU kernels of
+each x86 build against native (:func:`per_build`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,14 +16,12 @@ from vllm_patch.runtime.bench_result import NATIVE
 
 
 def copy_args(args: Sequence[Any]) -> tuple:
-    """Each tensor copied with its strides (a view into a wider row stays one),
-    the rest as is: an implementation may write into its inputs."""
+    """Each tensor copied with its strides (a strided view stays one), the rest
+    as is: an implementation may write into its inputs."""
     import torch
 
     return tuple(
-        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(
-            a
-        )
+        a.new_empty_strided(a.shape, a.stride()).copy_(a)
         if isinstance(a, torch.Tensor)
         else a
         for a in args
@@ -47,12 +41,9 @@ def compare(
     *,
     inplace: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Call ``fn`` on a copy of ``args`` and hold its output tensors to
-    ``expected`` (native's on the same inputs): ``ok``, ``max_abs_diff`` per
-    output, ``max_abs_err`` (the largest; None when none could be compared) and
-    ``error`` (the first reason it is not ok). ``inplace``: the argument
-    indices whose tensors the outputs must be, in order (an in-place impl
-    returns the activations it updated); adds ``inplace``."""
+    """``fn`` on a copy of ``args``, its output tensors held to native's
+    ``expected``: ``ok``, ``max_abs_diff``, ``max_abs_err``, ``error``.
+    ``inplace``: the argument indices whose tensors the outputs must be."""
     import torch
 
     given = copy_args(args)
@@ -100,28 +91,18 @@ def activation_indices(op) -> list[int]:
     return [i for i, name in enumerate(params) if name.startswith("x")]
 
 
-def _weight_index(op) -> int | None:
-    params = list(inspect.signature(op.impls[NATIVE].impl_fn).parameters)
-    return params.index("weight") if "weight" in params else None
-
-
-def op_inputs(op, shape, dtype, *, weighted: bool = True, seed: int = 0) -> tuple:
+def op_inputs(op, shape, dtype) -> tuple:
     """The op's own generated inputs for ``shape`` (leading dims flattened into
-    tokens, then restored on the activations); ``weighted=False``: no weight."""
+    tokens, restored on the activations), seeded."""
     import torch
 
-    torch.manual_seed(seed)
-    tokens = 1
-    for d in shape[:-1]:
-        tokens *= d
+    torch.manual_seed(0)
+    tokens = math.prod(shape[:-1])
     args = list(
         op.generate_inputs(num_tokens=tokens, hidden_size=shape[-1], dtype=dtype)
     )
     for i in activation_indices(op):
         args[i] = args[i].reshape(shape)
-    w = _weight_index(op)
-    if not weighted and w is not None:
-        args[w] = None
     return tuple(args)
 
 
@@ -130,11 +111,8 @@ def expected_of(op, args: Sequence[Any]) -> tuple:
     return as_tuple(op.impls[NATIVE].impl_fn(*copy_args(args)))
 
 
-# --- per x86 kernel build: the CPU kernels themselves against native ----------
-
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
-BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))
-"""(tokens, hidden size): among vLLM's own IR norm test sizes."""
+BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes
 
 
 def needed_rtol(actual, expected, atol: float) -> float:
@@ -172,9 +150,8 @@ def kernel_call(name: str):
 
 
 def build_numerics(library: str) -> dict:
-    """In a child: load ``library``'s kernel build (``runtime.cpu_library``) and
-    hold its two norm kernels to vLLM's native implementation on vLLM's own
-    generated inputs: per op and dtype, the largest rtol any shape needs."""
+    """In a child: load ``library``'s kernel build (``runtime.cpu_library``);
+    per op and dtype, the largest rtol its kernel needs against native."""
     import torch
 
     from vllm_patch.runtime import cpu_library
@@ -209,10 +186,8 @@ def build_numerics(library: str) -> dict:
 
 
 def per_build(progress) -> tuple[dict, dict]:
-    """:func:`build_numerics` for every kernel build this CPU runs, each in its
-    own child (a process loads one build): per build, op and dtype the rtol
-    needed against native (on ``BUILD_SHAPES``), and per op and dtype vLLM's
-    own [rtol, atol]."""
+    """:func:`build_numerics` per build this CPU runs, a child each: per build,
+    op and dtype the rtol needed; per op and dtype vLLM's [rtol, atol]."""
     from vllm_patch.runtime import child, cpu_library, machine
 
     builds, tolerance = {}, {}

@@ -1,25 +1,10 @@
-"""Microseconds per call of the two norms, every way vLLM can run them, and
-where a layer call's time goes.
-
-In a child per vLLM (the base one, the patched copy; ``ROUNDS`` children each,
-alternating): vLLM's ``native`` implementation, the CPU ``kernel`` (allocating
-its output, as an impl does), each other IR provider through IR dispatch
-(``ir:<provider>``, as the eager forward calls the op), vLLM's ``RMSNorm``
-layer with custom ops on (``layer:<class>``: the CustomOp route, a
-``CustomOp.register_oot`` replacement included) and that layer's forward
-method called directly (``forward:<class>``: without ``nn.Module.__call__`` and
-``CustomOp.forward``). Each is held to native with the op's own tolerance first
-(``numerics.compare``) and timed only if it passes. For the split of a call,
-two parts are timed alone: the bare kernel into a ready output
-(``kernel:bare``, the overload bound once) and the output's allocation
-(``alloc``, ``torch.empty_like``).
-
-Timing: each sample is a short loop; its time is the calling thread's CPU time
-(``time.thread_time_ns``), which excludes the time the thread waits while
-other processes run, beside wall time; every route is warmed up first, then
-sampled in turn. Per route: median, p10 and p90 of the samples of every round.
-``native`` is the same code in both vLLMs: its samples from both make one
-baseline, shared by every ratio."""
+"""Microseconds per call of the two norms, every way vLLM runs them, in a child
+per vLLM (``ROUNDS`` each, alternating): ``native``, the CPU ``kernel``, each IR
+provider (``ir:<provider>``), the ``RMSNorm`` layer (``layer:<class>``, the
+CustomOp route) and its forward method (``forward:<class>``), each timed only if
+it matches native (``numerics.compare``); and a call's parts alone
+(``kernel:bare``, ``alloc``). A sample is a short loop timed in the thread's CPU
+time, which excludes waiting while other processes run."""
 
 from __future__ import annotations
 
@@ -29,26 +14,21 @@ from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.bench.numerics import compare, copy_args, kernel_call
+from vllm_patch.bench.numerics import compare, copy_args, kernel_call, op_inputs
 from vllm_patch.runtime.bench_result import NATIVE
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
-THREADS = 1
-"""The default: one thread, what vLLM gives its worker on a 2-core machine; on
-a loaded machine OpenMP teams also wait for a descheduled thread (``bench
---perop --threads`` measures others too)."""
+THREADS = 1  # what vLLM gives its worker on a 2-core machine
 ROUNDS = 2
 CACHING_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(2**26),
     "MALLOC_TRIM_THRESHOLD_": str(2**27),
 }
-"""glibc keeps freed memory for reuse, as a caching allocator does (vLLM's CPU
-worker asks for tcmalloc in ``LD_PRELOAD``): by default every tensor of 128 KiB
-or more is a fresh mapping whose pages fault in on first touch, and under memory
-pressure that cost dominated 512-token calls and moved their median between two
-runs more than twofold."""
+"""glibc keeps freed memory for reuse, as vLLM's tcmalloc does: by default every
+tensor of 128 KiB or more is a fresh mapping whose pages fault in on first
+touch, which under memory pressure moved 512-token medians twofold."""
 SAMPLES = 61
 SAMPLE_S = 0.001
 WARMUP_S = 0.05
@@ -57,10 +37,8 @@ WARMUP_S = 0.05
 def _sample_us(
     fns: dict[str, Callable], args: tuple, scopes: dict[str, Callable]
 ) -> dict[str, dict[str, list[float]]]:
-    """Microseconds per call of each function per sample (``cpu``: the
-    thread's CPU time, ``wall``), sampled in turn after a warm-up, inputs
-    restored before each sample (the in-place ones write into them) and
-    ``scopes[name]()`` (a dispatch priority) entered around each sample."""
+    """Microseconds per call of each function per sample (``cpu``, ``wall``),
+    in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
     import torch
 
     works = {name: copy_args(args) for name in fns}
@@ -91,9 +69,8 @@ def _sample_us(
 
 
 def _layer(name: str, args: tuple, dtype):
-    """vLLM's ``RMSNorm`` as an eager CPU engine builds it (custom ops on):
-    its class name, a function of the op's inputs that calls it, and the IR
-    priority the platform gives the op there."""
+    """vLLM's ``RMSNorm`` as an eager CPU engine builds it: its class name, it
+    and its forward method as functions of the op's inputs, the op's priority."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
@@ -132,8 +109,8 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
 
 
 def _parts(name: str, args: tuple) -> dict[str, Callable]:
-    """The parts of a kernel call timed alone: the bound kernel into a ready
-    output, and (for the op that allocates one) the allocation."""
+    """A kernel call's parts timed alone: the bound kernel into a ready output,
+    and (for the op that allocates one) the allocation."""
     import torch
 
     kernel = getattr(torch.ops._C, name).default
@@ -166,17 +143,14 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
         for name in OPS:
             op = getattr(ir.ops, name)
             for tokens in TOKENS:
-                torch.manual_seed(0)
-                args = tuple(
-                    op.generate_inputs(
-                        num_tokens=tokens, hidden_size=HIDDEN, dtype=dtype
-                    )
-                )
+                args = op_inputs(op, (tokens, HIDDEN), dtype)
                 rows += _measure_shape(env, op, name, args, dtype)
     return rows
 
 
 def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
+    import torch
+
     fns, scopes = _routes(op, name, args, dtype)
     expected = fns[NATIVE](*copy_args(args))
     tol = op.get_tolerance(dtype)
@@ -189,9 +163,12 @@ def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
             rows.append({**base, "route": route, "wrong": found["error"]})
             del fns[route]
     layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
-    if layer:
-        with scopes[layer]():
-            runs = _runs_kernel(name, fns[layer], args)
+    if layer:  # does a layer call run the op's CPU kernel?
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with scopes[layer](), torch.profiler.profile(activities=cpu) as p:
+            fns[layer](*copy_args(args))
+        kernel = any(e.name == f"_C::{name}" for e in p.events())
+        runs = "kernel" if kernel else NATIVE
     timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
@@ -199,22 +176,11 @@ def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
     ]
 
 
-def _runs_kernel(name: str, fn: Callable, args: tuple) -> str:
-    """``"kernel"`` if a call of ``fn`` runs the op's CPU kernel (torch's
-    profiler sees ``_C::<name>``), else ``"native"``."""
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-        fn(*copy_args(args))
-    return "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
-
-
 def per_op(
     envs: dict[str, tuple[str, ...]], progress, threads: int = THREADS
 ) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times in each vLLM, alternating (label: its
-    ``PYTHONPATH`` folders), with the machine's load over each child; rows of
-    pooled samples (:func:`pooled`)."""
+    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
+    ``PYTHONPATH``), alternating, with the load; the :func:`pooled` rows."""
     from vllm_patch.runtime import child, machine
 
     samples, load = [], []
@@ -228,14 +194,10 @@ def per_op(
                 pythonpath=pythonpath,
                 env=CACHING_MALLOC,
             ).value()
+            load_average = machine.load_average()[0]
+            share = machine.other_share(before)
             load.append(
-                {
-                    "env": env,
-                    "load_average": machine.load_average()[0],
-                    "other_share": machine.other_load(
-                        before, machine.cpu_snapshot(), machine.usable_cpus()
-                    ),
-                }
+                {"env": env, "load_average": load_average, "other_share": share}
             )
     return {
         "hidden_size": HIDDEN,
@@ -251,20 +213,17 @@ def per_op(
 def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per env, op, tokens and route: ``median_us``, ``p10_us``,
     ``p90_us`` (CPU time), ``wall_median_us`` over every round's samples;
-    ``native`` pooled over both envs (``env`` "both") and ``native_us``, its
-    median, on every row of the op and tokens."""
+    ``native`` pooled over both envs (``env`` "both"), its median as
+    ``native_us`` on every row of the op and tokens."""
     from vllm_patch.bench.stats import quantiles
 
     keyed: dict[tuple, dict[str, Any]] = {}
     for s in samples:
         env = "both" if s["route"] == NATIVE else s["env"]
         key = (env, s["op"], s["tokens"], s["route"])
-        row = keyed.setdefault(
-            key, {k: v for k, v in s.items() if k not in ("cpu", "wall")}
-        )
-        row["env"] = env
+        row = keyed.setdefault(key, {**s, "env": env, "cpu": [], "wall": []})
         for clock in ("cpu", "wall"):
-            row.setdefault(clock, []).extend(s.get(clock, []))
+            row[clock] += s.get(clock, [])
     native = {
         (op, tokens): quantiles(row["cpu"])["median"]
         for (_, op, tokens, route), row in keyed.items()
@@ -272,7 +231,7 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     }
     out = []
     for row in keyed.values():
-        cpu, wall = row.pop("cpu", []), row.pop("wall", [])
+        cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
             q = quantiles(cpu)
             row.update(

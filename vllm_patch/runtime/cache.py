@@ -53,13 +53,11 @@ def _cached(folder: Path, package: str, version: str) -> Path | None:
 
 
 def fetch_sdist(package: str, version: str) -> Path:
-    """The unpacked source distribution of ``package==version`` (for vLLM: its
-    whole repository at that release), from the cache or via ``pip download``.
-    pip unpacks an sdist, then builds its metadata, which fails for vLLM without
-    its build requirements (not fetched without build isolation); with
-    ``--no-clean`` the unpacked tree stays in pip's temporary folder, which
-    ``TMPDIR`` puts in the cache. Where the metadata builds, pip saves the
-    archive instead."""
+    """The unpacked sdist of ``package==version`` (vLLM's: its repository at
+    that release), from the cache or via ``pip download``. pip's metadata build
+    fails for vLLM without its build requirements; ``--no-clean`` keeps the tree
+    pip unpacked in its temporary folder, which ``TMPDIR`` puts in the cache.
+    Where the metadata builds, pip saves the archive instead."""
     dest = cache_dir() / "sdists" / f"{canonicalize_name(package)}-{version}"
     if (dest / "PKG-INFO").is_file():
         return dest
@@ -84,8 +82,8 @@ def fetch_sdist(package: str, version: str) -> Path:
 
 
 def _unpacked(work: Path, package: str, version: str) -> Path | None:
-    """The source tree pip left in ``work``: the saved archive unpacked, else
-    the tree it unpacked before failing."""
+    """The tree pip left in ``work``: the saved archive unpacked, else the one
+    it unpacked before failing."""
     for archive in sorted((work / "saved").glob("*.tar.gz")):
         with tarfile.open(archive) as tar:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}

@@ -1,20 +1,7 @@
-"""Run one function in a child process and get its JSON result back.
-
-Measurements and checks run in children: to use another environment's
-interpreter, to import vLLM from a patched copy, to start clean (one engine,
-one thread count, one IR op priority per process), and to survive a kernel
-that crashes or hangs. ``run(target, kwargs)`` calls ``target``
-(``"package.module:function"``) with JSON-able keyword arguments in a child;
-``start``, ``finish`` and ``stop`` split that. ``progress`` gets each line the
-child prints as it comes; ``timeout`` kills the child's process group (an
-engine's workers too); ``report(value)``, in the child, hands the parent a value
-at once, which survives a later crash.
-
-The child's ``PYTHONPATH`` (:func:`child_env`): ``pythonpath`` first (a patched
-copy shadows the installed vLLM), then ``env``'s, the inherited one, and the
-project root last, so that ``target`` imports where this project is not
-installed. The child's side imports only the standard library.
-"""
+"""Run one function in a child process and get its JSON result back: in
+another environment's interpreter, with vLLM from a patched copy, in a clean
+process, surviving a kernel that crashes or hangs (a timeout kills the child's
+process group). The child's side imports only the standard library."""
 
 from __future__ import annotations
 
@@ -50,10 +37,8 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """What one child did: ``result`` (what ``target`` returned) when ``ok``, else
-    ``error``: ``target``'s exception (``"TypeError: ..."``), ``"timed out after
-    N s"``, or the exit code with the last error line. ``log`` is everything it
-    printed; ``reported``, what it passed to :func:`report`, crash or not."""
+    """``result`` when ``ok``, else ``error`` (the target's exception, a
+    timeout, the exit code); ``reported``: what it passed to :func:`report`."""
 
     target: str
     ok: bool
@@ -69,7 +54,6 @@ class ChildOutcome:
         return self.log[-chars:]
 
     def value(self) -> Any:
-        """The result; :class:`ChildFailed` (with the log's tail) without one."""
         if not self.ok:
             raise ChildFailed(self)
         return self.result
@@ -77,8 +61,6 @@ class ChildOutcome:
 
 @dataclass
 class Child:
-    """A started child: :func:`finish` collects it, :func:`stop` ends it."""
-
     target: str
     timeout: float | None
     folder: tempfile.TemporaryDirectory
@@ -97,9 +79,11 @@ def child_env(
     pythonpath: Iterable[str | Path] = (),
     drop_env: Iterable[str] = (),
 ) -> dict[str, str]:
-    """This process's environment with ``env`` on top and ``drop_env`` removed,
-    and the ``PYTHONPATH`` of the module docstring. A child given ``pythonpath``
-    (a hard-linked copy) writes no bytecode: it adds no files to the copy."""
+    """This process's environment with ``env`` on top, ``drop_env`` removed and
+    ``PYTHONPATH``: ``pythonpath`` first (a patched copy shadows the installed
+    vLLM), then ``env``'s, the inherited one, the project root last (the target
+    imports where this project is not installed). A child given ``pythonpath``
+    (a hard-linked copy) writes no bytecode into it."""
     dropped = set(drop_env)
     base = {k: v for k, v in os.environ.items() if k not in dropped}
     env = dict(env or {})
@@ -124,11 +108,10 @@ def start(
     cwd: str | Path | None = None,
     timeout: float | None = None,
 ) -> Child:
-    """Start ``target(**kwargs)`` in a child without waiting for it: in
-    ``python`` (another environment's interpreter), with ``env`` added,
-    ``pythonpath`` first on its path, ``drop_env`` removed, in ``cwd`` (default:
-    an empty folder, so that nothing lands first on its ``sys.path``), killed
-    by :func:`finish` ``timeout`` seconds from now (None: never)."""
+    """Start ``target(**kwargs)`` (``"package.module:function"``) in ``python``
+    with :func:`child_env`, in ``cwd`` (default: an empty folder, so that
+    nothing lands first on its ``sys.path``); :func:`finish` kills it
+    ``timeout`` seconds from now (None: never)."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
@@ -146,14 +129,14 @@ def start(
 
 
 def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
-    """Wait for ``child`` (killing its process group at its timeout), passing
-    each line of its output to ``progress`` as it comes; its outcome."""
+    """Wait for ``child`` (killed at its timeout), each line of its output to
+    ``progress`` as it comes; its outcome."""
     deadline = None if child.timeout is None else child.started + child.timeout
     timed_out = False
     while (rc := child.proc.poll()) is None:
         _pass_lines(child, progress)
         if timed_out := deadline is not None and time.perf_counter() > deadline:
-            _kill(child)
+            kill_group(child.proc)
             break
         time.sleep(0.05)
     _pass_lines(child, progress, final=True)
@@ -189,21 +172,30 @@ def run(
     progress: Callable[[str], None] | None = None,
     **how: Any,
 ) -> ChildOutcome:
-    """:func:`start` then :func:`finish`; ``how`` as :func:`start` takes it."""
+    """:func:`start` then :func:`finish`."""
     return finish(start(target, kwargs, **how), progress)
 
 
 def stop(child: Child) -> None:
-    """End ``child`` if it still runs (one that was never collected)."""
+    """End a child that was never collected."""
     if child.proc.poll() is None:
-        _kill(child)
+        kill_group(child.proc)
     child.folder.cleanup()
 
 
-def _kill(child: Child) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.proc.pid, signal.SIGKILL)
-    child.proc.wait()
+def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
+    """End the process group ``proc`` leads: SIGTERM and ``grace`` seconds
+    first if given, then SIGKILL to what is left (an engine left behind)."""
+    try:
+        if grace:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _pass_lines(child: Child, progress, final: bool = False) -> None:
@@ -231,15 +223,13 @@ def last_error_line(log: str) -> str:
 
 
 def report(value: Any) -> None:
-    """In a child: hand ``value`` (JSON-able) to the parent now, so that it
-    survives a crash of this process later on (:attr:`ChildOutcome.reported`)."""
+    """In a child: hand ``value`` to the parent now, to survive a later crash."""
     with open(os.environ[REPORT_ENV], "a", encoding="utf-8") as out:
         out.write(json.dumps(value, default=str) + "\n")
 
 
 def child_main(target: str, args_file: Path, result_file: Path) -> int:
-    """Call ``target`` with the keyword arguments in ``args_file``; write
-    ``{"result": ...}`` or ``{"error": ...}`` (the traceback goes to stderr)."""
+    """``target(**args)``; write ``{"result": ...}`` or ``{"error": ...}``."""
     os.environ[REPORT_ENV] = str(Path(result_file).with_name("reported.jsonl"))
     module, _, function = target.partition(":")
     try:

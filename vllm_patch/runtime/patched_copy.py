@@ -1,8 +1,7 @@
-"""vLLM as a patch leaves it, without touching the installed vLLM: a
-hard-linked copy of the installed ``vllm/`` (``patcher.tree.linked_copy``)
-patched by the engine, which writes by rename only, so no write goes through a
-link. A child with the copy first on its ``PYTHONPATH`` imports the patched
-vLLM (``vllm_patch.runtime.child``, ``pythonpath=``)."""
+"""vLLM as a patch leaves it, the installed vLLM untouched: a hard-linked copy
+of ``vllm/`` (``patcher.tree.linked_copy``) patched by the engine, which writes
+by rename only, so no write goes through a link. A child with the copy first on
+its ``PYTHONPATH`` (``child.run(pythonpath=)``) imports the patched vLLM."""
 
 from __future__ import annotations
 
@@ -26,14 +25,11 @@ def patched_copy(
     parent: Path | None = None,
     record: dict[str, Any] | None = None,
 ) -> Iterator[Path]:
-    """A temporary hard-linked copy of ``tree`` with ``patch`` applied: the
-    folder to put first on ``PYTHONPATH``, removed on exit (the engine's
-    ``PatchError`` propagates). ``record`` gets ``copy`` (the folder),
-    ``apply`` (the engine's outcome) and ``changed`` (false on a tree that has
-    the patch already); on exit, after the engine reverts the copy, ``revert``,
-    ``hashes`` of the patch's files (before, applied, reverted), ``restored``
-    (revert gave the bytes back) and ``original_unchanged`` (no write went
-    through a link to the installed files)."""
+    """The folder of a temporary copy of ``tree`` with ``patch`` applied,
+    removed on exit. ``record`` gets ``copy``, ``apply`` (the engine's outcome)
+    and ``changed``; on exit, the copy reverted: ``revert``, ``hashes`` of the
+    patch's files (before, applied, reverted), ``restored`` and
+    ``original_unchanged`` (no write went through a link)."""
     from patcher import engine  # libcst: only when a copy is made
 
     checked, record = record is not None, {} if record is None else record
@@ -64,10 +60,9 @@ def patched_copy(
 
 def _hashes(tree: VllmTree, files: list[str]) -> dict[str, str | None]:
     """Each file's SHA-256, None where it is missing."""
-    found: dict[str, str | None] = {}
-    for rel in files:
-        try:
-            found[rel] = hex_digest(tree.path(rel).read_bytes())
-        except FileNotFoundError:
-            found[rel] = None
-    return found
+    return {
+        rel: hex_digest(tree.path(rel).read_bytes())
+        if tree.path(rel).is_file()
+        else None
+        for rel in files
+    }

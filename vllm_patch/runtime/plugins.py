@@ -1,7 +1,5 @@
-"""vLLM's plugin filter: with ``VLLM_PLUGINS`` set, vLLM loads only the plugins
-it names (split on commas, as vLLM splits it). A plugin it leaves out registers
-nothing, silently: the doctor and ``vllm-patch serve`` say so beforehand, in
-these words."""
+"""vLLM's plugin filter: with ``VLLM_PLUGINS`` set, vLLM silently loads only the
+plugins it names (comma-separated); the doctor and ``serve`` say so first."""
 
 from __future__ import annotations
 
