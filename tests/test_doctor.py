@@ -287,7 +287,7 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
     steps = imports.steps_for(["a.provider"], [], environment.has_ir(tree))
     assert ["from", imports.IR] not in steps and ["provider", "a.provider"] in steps
     results = {tuple(s): {"ok": True} for s in steps}
-    findings = environment.import_findings(results, None, {}, sys.executable)
+    findings = environment.import_findings(results, None, {})
     assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
     (tree.location / "vllm/ir").mkdir()
     (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
@@ -309,5 +309,5 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
     ids=["route taken", "stands aside", "off", "failed"],
 )
 def test_the_provider_s_customop_route(status, said):
-    found = _registered_finding("p", "prov", status, "a.provider", "python")
+    found = _registered_finding("p", "prov", status, "a.provider")
     assert f"{found.status}: {found.message}" == said

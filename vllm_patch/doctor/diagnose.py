@@ -1,9 +1,7 @@
-"""``vllm-patch doctor``: is the environment this Python runs in ready for vLLM on
-CPU and for the carried patches? One finding per line (``ok``, ``info`` or
-``fix`` with its command); exit 0 without a ``fix``, else 1. Cheap facts come
-from metadata and the source tree (``environment``, ``patches``); every import
-of torch, vLLM or transformers runs in a child interpreter (``imports``).
-"""
+"""``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
+its command); exit 0 without a ``fix``, else 1. Cheap facts come from metadata
+and the source tree; every import of torch, vLLM or transformers runs in a child
+interpreter (``imports``)."""
 
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
+from importlib import metadata
 
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
@@ -24,26 +23,29 @@ from vllm_patch.doctor.imports import run_import_checks, steps_for
 from vllm_patch.doctor.patches import patch_findings, provider_module
 
 
-def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def diagnose() -> list[Finding]:
     try:
         tree = open_tree(None)
     except PatchError as exc:
-        return [environment.no_vllm_finding(exc, python)]
-    dist = environment.vllm_distribution(tree)
+        return [environment.no_vllm_finding(exc)]
+    dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
     findings = [environment.vllm_finding(tree, dist), environment.cli_finding(dist)]
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
     companions = environment.installed_companions()
-    if progress:
-        progress(
-            "vllm-patch doctor: importing torch, vLLM, transformers and the "
-            "providers in a child interpreter (some seconds) ..."
-        )
-    ir = environment.has_ir(tree)
-    results = run_import_checks(steps_for(providers, list(companions), ir), python)
-    findings += environment.import_findings(results, dist, companions, python)
+    say(
+        "vllm-patch doctor: importing torch, vLLM, transformers and the "
+        "providers in a child interpreter (some seconds) ..."
+    )
+    steps = steps_for(providers, list(companions), environment.has_ir(tree))
+    results = run_import_checks(steps)
+    findings += environment.import_findings(results, dist, companions)
     for patch in patches:
-        findings += patch_findings(tree, patch, results, python)
+        findings += patch_findings(tree, patch, results)
     return findings
 
 
@@ -59,29 +61,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    findings = diagnose(progress=progress)
+    findings = diagnose()
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
     if args.fix and commands:
-        progress("vllm-patch doctor --fix runs, in this order:")
+        say("vllm-patch doctor --fix runs, in this order:")
         for argv in commands:
-            progress(f"  {shlex.join(argv)}")
+            say(f"  {shlex.join(argv)}")
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
-        findings = diagnose(progress=progress)
+        findings = diagnose()
     ok = not any(f.status == "fix" for f in findings)
     if args.json:
-        shown = [
+        found = [
             {k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in findings
         ]
-        print(
-            json.dumps(
-                {"python": sys.executable, "ok": ok, "findings": shown}, indent=2
-            )
-        )
+        doc = {"python": sys.executable, "ok": ok, "findings": found}
+        print(json.dumps(doc, indent=2))
     else:
         for f in findings:
             print(f.line())

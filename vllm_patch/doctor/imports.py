@@ -3,7 +3,6 @@ a step that raises, aborts or crashes it fails alone; a new child runs the rest.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from vllm_patch.runtime import child
@@ -17,8 +16,7 @@ IR = "vllm.ir.op:IrOp"
 
 
 def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[list[str]]:
-    """Every step, in the order the child runs them (vLLM IR's with ``ir``: a
-    release from 0.20 on)."""
+    """Every step, in the order the child runs them (vLLM IR's with ``ir``)."""
     return [
         list(TORCH),
         list(VLLM_KERNELS),
@@ -30,29 +28,24 @@ def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[lis
     ]
 
 
-def run_import_checks(
-    steps: list[list[str]], python: str = sys.executable
-) -> dict[tuple[str, str], dict[str, Any]]:
-    """Each step's result; a step that killed its interpreter (or hung) is a
-    failure, and a new child runs the steps after it."""
+def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each step's result by ``(kind, argument)``; a step that killed its
+    interpreter (or hung) is a failure, and a new child runs the steps after it."""
     results: dict[tuple[str, str], dict[str, Any]] = {}
-    remaining = list(steps)
-    while remaining:
+    while steps:
         outcome = child.run(
             "vllm_patch.runtime.import_checks:run_steps",
-            {"steps": remaining},
-            python=python,
+            {"steps": steps},
             timeout=CHILD_TIMEOUT,
         )
-        done = outcome.reported
-        for result in done:
+        for result in outcome.reported:
             results[tuple(result.pop("step"))] = result
-        if len(done) < len(remaining):
+        done = len(outcome.reported)
+        if done < len(steps):
             died = outcome.error
-            died = f"no answer within {CHILD_TIMEOUT} s" if outcome.timed_out else died
-            results[tuple(remaining[len(done)])] = {
-                "ok": False,
-                "error": f"the interpreter died while importing ({died})",
-            }
-        remaining = remaining[len(done) + 1 :]
+            if outcome.timed_out:
+                died = f"no answer within {CHILD_TIMEOUT} s"
+            error = f"the interpreter died while importing ({died})"
+            results[tuple(steps[done])] = {"ok": False, "error": error}
+        steps = steps[done + 1 :]
     return results
