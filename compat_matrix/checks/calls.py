@@ -1,15 +1,12 @@
 """Count vLLM's CPU norm kernel calls through vLLM's own dispatch, without an
-engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager: compilation
-mode NONE; compiled: vLLM's default, which the CPU platform compiles with
+engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager, or compiled by
 Inductor), set as the current config with its IR op priority (where the release
-has IR), an ``RMSNorm`` instantiated under it (so an out-of-tree ``RMSNorm``
-replaces it, as in a model) and called with and without a residual under
-torch's profiler. The events ``_C::rms_norm`` and ``_C::fused_add_rms_norm``
-count the kernels whatever registered them.
+has IR), an ``RMSNorm`` built under it (so an out-of-tree ``RMSNorm`` replaces
+it, as in a model) and called with and without a residual under torch's
+profiler, whose ``_C::`` events count the kernels whatever registered them.
 
-``python calls.py OUT.json`` writes the counts for both modes to OUT.json (the
-checks run it on the patched copy of vLLM, in a fresh interpreter; vLLM logs to
-stdout)."""
+``python calls.py OUT.json`` writes both modes' counts (the checks run it on the
+patched copy, in a fresh interpreter; vLLM logs to stdout)."""
 
 from __future__ import annotations
 
@@ -26,15 +23,16 @@ HIDDEN, TOKENS = 2048, 4
 BF16_RTOL = 1.6e-2
 
 
-def expected(mode: str, dtype: str) -> dict[str, bool]:
-    """Whether each kernel runs, by the rule (``rule.py``): eager, for
-    ``dtype`` on this machine's build; never compiling."""
-    import torch
+def kernel_calls(prof) -> dict[str, int]:
+    """How often a torch profiler saw each kernel."""
+    names = [e.name for e in prof.events()]
+    return {k: names.count(k) for k in KERNELS}
 
-    from patches.rms_norm_forward_cpu.rule import installed_dtypes
 
-    dtypes = installed_dtypes() if mode == "eager" else ((), ())
-    return {k: getattr(torch, dtype) in d for k, d in zip(KERNELS, dtypes, strict=True)}
+def rtol_needed(a, b) -> float:
+    """The smallest rtol (at atol 1e-3) at which ``a`` matches ``b``."""
+    excess = ((a.double() - b.double()).abs() - 1e-3).clamp(min=0)
+    return float(excess.div(b.double().abs().clamp(min=1e-6)).max())
 
 
 def final_config(mode: str):
@@ -51,15 +49,18 @@ def final_config(mode: str):
 
 def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """Kernel calls of one RMSNorm called plain and with a residual, the route
-    vLLM took to reach them, and how far its outputs are from native."""
+    vLLM took to reach them, what the rule expects (``rule.py``: eager, for
+    ``dtype`` on this machine's build; never compiling) and how far the outputs
+    are from native."""
     import torch
     import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
+    from patches.rms_norm_forward_cpu.rule import installed_dtypes
+
     config = final_config(mode)
-    kernel_config = getattr(config, "kernel_config", None)
-    priority = getattr(kernel_config, "ir_op_priority", None)
+    priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
     torch.manual_seed(0)
     kind = getattr(torch, dtype)
     x = torch.randn(TOKENS, HIDDEN, dtype=kind)
@@ -78,8 +79,8 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
             added = norm(x.clone(), residual.clone())
         native = norm.forward_native(x.clone())
         native_added = norm.forward_native(x.clone(), residual.clone())
-    names = [e.name for e in prof.events()]
     cc = config.compilation_config
+    dtypes = installed_dtypes() if mode == "eager" else ((), ())
     return {
         "mode": mode,
         "compilation": {
@@ -90,16 +91,10 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
         "ir_op_priority": str(priority) if priority is not None else None,
         "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
         "replaced": type(norm) is not RMSNorm,
-        "calls": {k: names.count(k) for k in KERNELS},
-        "expected": expected(mode, dtype),
-        # The smallest rtol (at atol 1e-3) at which every output matches native.
-        "rtol_needed": max(
-            float(
-                ((a.float() - b.float()).abs() - 1e-3)
-                .clamp(min=0)
-                .div(b.float().abs().clamp(min=1e-6))
-                .max()
-            )
+        "calls": kernel_calls(prof),
+        "expected": {k: kind in d for k, d in zip(KERNELS, dtypes, strict=True)},
+        "rtol_needed": max(  # how far the outputs are from native
+            rtol_needed(a, b)
             for a, b in zip((out, *added), (native, *native_added), strict=True)
         ),
     }

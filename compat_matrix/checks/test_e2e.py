@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import HERE
-from engine_start import TOKENS
+from conftest import CHECKS_DIR
+from engine_start import NEW_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -23,8 +23,9 @@ def model(request):
 
 def run_engine(model, mode, tmp_path, fact) -> dict:
     out = tmp_path / "engine.json"
+    script = CHECKS_DIR / "engine_start.py"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_start.py"), str(model), mode, str(out)],
+        [sys.executable, str(script), str(model), mode, str(out)],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -32,7 +33,7 @@ def run_engine(model, mode, tmp_path, fact) -> dict:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     found = json.loads(out.read_text())
     fact(f"e2e_{mode}", found)
-    assert len(found["tokens"]) == TOKENS, found
+    assert len(found["tokens"]) == NEW_TOKENS, found
     return found
 
 
