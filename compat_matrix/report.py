@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-from compat_matrix.checks.calls import KERNELS
+from compat_matrix.checks.calls import NORM_KERNELS
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
 from vllm_patch.runtime.markdown import table
@@ -113,7 +113,7 @@ def calls(counts: dict | None) -> str:
     if not counts:
         return "-"
     return " / ".join(
-        "+".join(str(counts[m][k]) for k in KERNELS) if m in counts else "-"
+        "+".join(str(counts[m][k]) for k in NORM_KERNELS) if m in counts else "-"
         for m in ("eager", "compiled")
     )
 
@@ -181,7 +181,7 @@ def _builds(names: list[str]) -> str:
 def _graph(g: dict) -> list:
     """A compiled graph's cells, kernel calls, the rule's and the verdict."""
     got, rule = (
-        "+".join(str(g.get(key, {}).get(k, "-")) for k in KERNELS)
+        "+".join(str(g.get(key, {}).get(k, "-")) for k in NORM_KERNELS)
         for key in ("calls", "expected")
     )
     fine = not g.get("raised") and got == rule and g.get("excess") == 0.0

@@ -15,9 +15,9 @@ import json
 import sys
 from typing import Any
 
-KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
-MODES = ("eager", "compiled")
-HIDDEN, TOKENS = 2048, 4
+NORM_KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+COUNT_MODES = ("eager", "compiled")
+NORM_HIDDEN, NORM_TOKENS = 2048, 4
 # bfloat16's tolerance in vLLM IR (vllm/ir/tolerances.py); a truncating build
 # runs rms_norm only (up to 2 * 2**-8 relative off native), never the fused add.
 BF16_RTOL = 1.6e-2
@@ -26,7 +26,7 @@ BF16_RTOL = 1.6e-2
 def kernel_calls(prof) -> dict[str, int]:
     """How often a torch profiler saw each kernel."""
     names = [e.name for e in prof.events()]
-    return {k: names.count(k) for k in KERNELS}
+    return {k: names.count(k) for k in NORM_KERNELS}
 
 
 def rtol_needed(a, b) -> float:
@@ -63,13 +63,13 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
     torch.manual_seed(0)
     kind = getattr(torch, dtype)
-    x = torch.randn(TOKENS, HIDDEN, dtype=kind)
-    residual = torch.randn(TOKENS, HIDDEN, dtype=kind)
+    x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
+    residual = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
     with contextlib.ExitStack() as stack:
         stack.enter_context(set_current_vllm_config(config))
         if priority is not None:
             stack.enter_context(priority.set_priority())
-        norm = RMSNorm(HIDDEN, dtype=kind)
+        norm = RMSNorm(NORM_HIDDEN, dtype=kind)
         with torch.no_grad():
             norm.weight.normal_(1.0, 0.1)
         with torch.profiler.profile(
@@ -92,7 +92,7 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
         "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
         "replaced": type(norm) is not RMSNorm,
         "calls": kernel_calls(prof),
-        "expected": {k: kind in d for k, d in zip(KERNELS, dtypes, strict=True)},
+        "expected": {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)},
         "rtol_needed": max(  # how far the outputs are from native
             rtol_needed(a, b)
             for a, b in zip((out, *added), (native, *native_added), strict=True)
@@ -104,7 +104,7 @@ def unexpected(result: dict[str, Any]) -> list[str]:
     """The kernels that ran where the rule says native, or did not run where it
     says kernel."""
     calls, want = result["calls"], result["expected"]
-    return [k for k in KERNELS if (calls[k] > 0) != want[k]]
+    return [k for k in NORM_KERNELS if (calls[k] > 0) != want[k]]
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -130,4 +130,4 @@ def route(result: dict[str, Any], provider: str) -> str:
 
 if __name__ == "__main__":
     with open(sys.argv[1], "w") as out:
-        json.dump({m: count(m) for m in MODES}, out)
+        json.dump({m: count(m) for m in COUNT_MODES}, out)

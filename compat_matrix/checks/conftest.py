@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from calls import MODES
+from calls import COUNT_MODES
 
 from patcher.patchset import all_patches, select
 from patcher.tree import open_tree
@@ -149,7 +149,7 @@ def started(request, form, fact):
                 assert child.returncode == 0, f"calls.py on the copy: {log}"
                 record["counts"] = json.loads((copy / "calls.json").read_text())
                 stack.close()  # revert the copy: record gets restored, ...
-                fact("patched", {m: record["counts"][m]["calls"] for m in MODES})
+                fact("patched", {m: record["counts"][m]["calls"] for m in COUNT_MODES})
             return record
 
         yield finish

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from calls import HIDDEN, TOKENS, final_config, kernel_calls, rtol_needed
+from calls import NORM_HIDDEN, NORM_TOKENS, final_config, kernel_calls, rtol_needed
 
 START = time.monotonic()
 
@@ -40,7 +40,7 @@ def run_case(torch, norm, dtype: str, op: str) -> dict:
     calls it made, how far it is from native, and its and native's largest
     relative error against float64."""
     torch.manual_seed(0)
-    x = torch.randn(TOKENS, HIDDEN, dtype=getattr(torch, dtype))
+    x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=getattr(torch, dtype))
     residual = torch.randn_like(x) if op == "fused_add_rms_norm" else None
     args = (x,) if residual is None else (x, residual)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
@@ -85,7 +85,7 @@ def main(side: str, cases: list[str]) -> None:
         for case in cases:
             dtype, op = case.split("/")
             if dtype not in norms:
-                norms[dtype] = RMSNorm(HIDDEN, dtype=getattr(torch, dtype))
+                norms[dtype] = RMSNorm(NORM_HIDDEN, dtype=getattr(torch, dtype))
                 with torch.no_grad():
                     norms[dtype].weight.normal_(1.0, 0.1)
             say(case=case, started=True)

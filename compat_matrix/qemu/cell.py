@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from xml.etree import ElementTree
 
-from compat_matrix.checks.calls import BF16_RTOL, KERNELS
+from compat_matrix.checks.calls import BF16_RTOL, NORM_KERNELS
 from compat_matrix.qemu import chroot
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 
@@ -88,7 +88,7 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
             failures.append(f"{op}: raised {case['error']}")
             continue
         wanted = dtype != "bfloat16" or bf16
-        expected = {k: int(wanted and k == f"_C::{op}") for k in KERNELS}
+        expected = {k: int(wanted and k == f"_C::{op}") for k in NORM_KERNELS}
         if case["calls"] != expected:
             failures.append(
                 f"{op}: kernel calls {case['calls']}, the rule expects {expected} "
@@ -171,7 +171,7 @@ def bf16_calls(cases: dict) -> dict:
     """The bfloat16 cases' kernel calls, as the other cells count them (one norm
     called plain and with a residual)."""
     found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in CELL_OPS]
-    return {"eager": {k: sum(c.get(k, 0) for c in found) for k in KERNELS}}
+    return {"eager": {k: sum(c.get(k, 0) for c in found) for k in NORM_KERNELS}}
 
 
 def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
@@ -204,9 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="QEMU_CPU (repeat it to run several CPUs side by side)",
     )
-    parser.add_argument("--root", type=Path, default=None)
     args = parser.parse_args(argv)
-    root = args.root or chroot.default_root()
+    root = chroot.default_root()  # $VLLMPATCH_ARM_ROOT, else the user cache
     applied = chroot.prepare(root)
     logs = root.parent / f"{root.name}-logs"
     logs.mkdir(exist_ok=True)

@@ -23,7 +23,7 @@ from vllm_patch.doctor.imports import run_import_checks, steps_for
 from vllm_patch.doctor.patches import patch_findings, provider_module
 
 
-def say(message: str) -> None:
+def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -37,7 +37,7 @@ def diagnose() -> list[Finding]:
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
     companions = environment.installed_companions()
-    say(
+    progress(
         "vllm-patch doctor: importing torch, vLLM, transformers and the "
         "providers in a child interpreter (some seconds) ..."
     )
@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> int:
     findings = diagnose()
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
     if args.fix and commands:
-        say("vllm-patch doctor --fix runs, in this order:")
+        progress("vllm-patch doctor --fix runs, in this order:")
         for argv in commands:
-            say(f"  {shlex.join(argv)}")
+            progress(f"  {shlex.join(argv)}")
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)

@@ -13,7 +13,13 @@ from packaging.version import InvalidVersion, Version
 
 from patcher.tree import VllmTree
 from vllm_patch.doctor.finding import PYTHON, Finding, pip, removal, traceback_hint
-from vllm_patch.doctor.imports import CONFIG, IR, TORCH, TRANSFORMERS, VLLM_KERNELS
+from vllm_patch.doctor.imports import (
+    CONFIG_MODULE,
+    IR,
+    TORCH,
+    TRANSFORMERS,
+    VLLM_KERNELS,
+)
 from vllm_patch.runtime import cpu_torch
 from vllm_patch.runtime.machine import distribution_version as installed
 
@@ -81,7 +87,7 @@ def import_findings(results, dist, companions: dict[str, str]) -> list[Finding]:
     broken = {c: v for c, v in companions.items() if not results[("import", c)]["ok"]}
     out += companion_findings(results, broken, torch_version)
     for check, step, label in (
-        ("config", ("import", CONFIG), CONFIG),
+        ("config", ("import", CONFIG_MODULE), CONFIG_MODULE),
         ("transformers", ("from", TRANSFORMERS), "transformers (LlamaConfig)"),
         ("ir", ("from", IR), "vllm.ir"),  # none before vLLM IR: nothing to judge
     ):

@@ -10,7 +10,7 @@ from vllm_patch.runtime import child
 CHILD_TIMEOUT = 300
 VLLM_KERNELS = ("kernels", "vllm")
 TORCH = ("import", "torch")
-CONFIG = "vllm.config"
+CONFIG_MODULE = "vllm.config"
 TRANSFORMERS = "transformers:LlamaConfig"
 IR = "vllm.ir.op:IrOp"
 
@@ -20,7 +20,7 @@ def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[lis
     return [
         list(TORCH),
         list(VLLM_KERNELS),
-        ["import", CONFIG],
+        ["import", CONFIG_MODULE],
         ["from", TRANSFORMERS],
         *([["from", IR]] if ir else []),
         *(["provider", m] for m in providers),
