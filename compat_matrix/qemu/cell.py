@@ -20,6 +20,7 @@ from xml.etree import ElementTree
 
 from compat_matrix.checks.calls import BF16_RTOL, NORM_KERNELS
 from compat_matrix.qemu import chroot
+from compat_matrix.report import result_file
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 
 # QEMU_CPU -> whether it has BF16, and what it stands for. The build is
@@ -45,8 +46,7 @@ SIDE_ENV = {
 
 
 def result_path(cpu: str) -> Path:
-    release = chroot.RELEASE.replace("==", "-")
-    return Path(__file__).resolve().parents[1] / f"results/{release}-aarch64-{cpu}.xml"
+    return result_file(chroot.RELEASE, f"-aarch64-{cpu}")
 
 
 def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
