@@ -23,6 +23,13 @@ from patcher.version import read_version
 WHEEL_VERBS = ("list", "check", "diff")
 # What --force does, for the verbs that take it.
 FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
+HELP = {
+    "vllm": "directory containing the vllm/ package (checkout root or site-packages)"
+    "{}; default: the vLLM installed for this Python",
+    "patch": "this patch (repeatable), among those whose vLLM range holds; default: "
+    "the tree's default patches (see `list`)",
+    "force": "{} even if the tree's vLLM version is outside the patch's range",
+}
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.command", "measure the change here"),
@@ -157,27 +164,12 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
     if name in WHEEL_VERBS:
         p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--vllm",
-        metavar="PATH",
-        help="directory containing the vllm/ package (checkout root or "
-        f"site-packages){wheel}; default: the vLLM installed for this Python",
-    )
-    if name == "list":
-        return
-    p.add_argument(
-        "--patch",
-        metavar="NAME",
-        action="append",
-        help="this patch (repeatable), among those whose vLLM range holds; "
-        "default: the tree's default patches (see `list`)",
-    )
+    p.add_argument("--vllm", metavar="PATH", help=HELP["vllm"].format(wheel))
+    if name != "list":
+        p.add_argument("--patch", metavar="NAME", action="append", help=HELP["patch"])
     if name in FORCE:
         p.add_argument(
-            "--force",
-            action="store_true",
-            help=f"{FORCE[name]} even if the tree's vLLM version is outside the "
-            "patch's range",
+            "--force", action="store_true", help=HELP["force"].format(FORCE[name])
         )
 
 

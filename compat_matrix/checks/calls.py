@@ -3,16 +3,11 @@ engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager, or compiled by
 Inductor), set as the current config with its IR op priority (where the release
 has IR), an ``RMSNorm`` built under it (so an out-of-tree ``RMSNorm`` replaces
 it, as in a model) and called with and without a residual under torch's
-profiler, whose ``_C::`` events count the kernels whatever registered them.
-
-``python calls.py OUT.json`` writes both modes' counts (the checks run it on the
-patched copy, in a fresh interpreter; vLLM logs to stdout)."""
+profiler, whose ``_C::`` events count the kernels whatever registered them."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 from typing import Any
 
 NORM_KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
@@ -128,6 +123,7 @@ def route(result: dict[str, Any], provider: str) -> str:
     return "none"
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1], "w") as out:
-        json.dump({m: count(m) for m in COUNT_MODES}, out)
+def count_modes() -> dict[str, dict[str, Any]]:
+    """:func:`count` in both modes (the checks run it on the patched copy, in a
+    child interpreter)."""
+    return {m: count(m) for m in COUNT_MODES}

@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from calls import COUNT_MODES
@@ -24,7 +23,6 @@ from patcher.version import read_version
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 from vllm_patch.runtime import machine
 
-CHECKS_DIR = Path(__file__).resolve().parent
 # The cell runs opted in: the provider's one switch, as a user sets it.
 os.environ.setdefault(OPT_IN_ENV, "1")
 DEPRECATION = re.compile(r"Deprecated: vLLM IR .*?(?=\n\s*\n|\"\"\")", re.DOTALL)
@@ -119,12 +117,13 @@ def forms() -> tuple[str, str]:
 @pytest.fixture(scope="session", autouse=True)
 def started(request, form, fact):
     """The chosen form applied to a hard-linked copy of the installed vLLM, and
-    ``calls.py`` run on it (plugins off: the change alone) in a fresh
+    ``calls.count_modes`` run on it (plugins off: the change alone) in a fresh
     interpreter started now; yields a function that waits for its counts,
     reverts the copy and returns both (None when there is nothing to apply)."""
     if request.config.getoption("--vllm-wheel") or form is None:
         yield None
         return
+    from vllm_patch.runtime import child
     from vllm_patch.runtime.patched_copy import patched_copy
 
     record: dict = {}
@@ -132,22 +131,18 @@ def started(request, form, fact):
         copy = stack.enter_context(
             patched_copy(open_tree(None), select([form])[0], record=record)
         )
-        env = os.environ | {"PYTHONPATH": str(copy), "VLLM_PLUGINS": "none"}
-        env.pop(OPT_IN_ENV, None)
-        child = subprocess.Popen(
-            [sys.executable, str(CHECKS_DIR / "calls.py"), str(copy / "calls.json")],
-            env=env,
-            stdout=stack.enter_context(open(copy / "calls.log", "w")),
-            stderr=subprocess.STDOUT,
+        counting = child.start(
+            "compat_matrix.checks.calls:count_modes",
+            pythonpath=[copy],
+            env={"VLLM_PLUGINS": "none"},
+            drop_env=[OPT_IN_ENV],
+            timeout=900,
         )
-        stack.callback(child.kill)
+        stack.callback(child.stop, counting)
 
         def finish() -> dict:
             if "counts" not in record:
-                child.wait(timeout=900)
-                log = (copy / "calls.log").read_text()[-3000:]
-                assert child.returncode == 0, f"calls.py on the copy: {log}"
-                record["counts"] = json.loads((copy / "calls.json").read_text())
+                record["counts"] = child.finish(counting).value()  # or its log
                 stack.close()  # revert the copy: record gets restored, ...
                 fact("patched", {m: record["counts"][m]["calls"] for m in COUNT_MODES})
             return record

@@ -1,18 +1,19 @@
 """One real vLLM engine, in-process, on a random-weight Llama, generating under
-torch's profiler: ``python engine_start.py MODEL_DIR eager|compiled OUT.json``
-writes the CPU kernels' calls and the generated token ids to OUT.json."""
+torch's profiler (the ``--e2e`` checks run it in a child interpreter)."""
 
 import dataclasses
-import json
 import os
-import sys
 
-from calls import kernel_calls
+from compat_matrix.checks.calls import kernel_calls
 
 NEW_TOKENS = 8
 
 
-def main(model: str, mode: str, out: str) -> None:
+def generate(model: str, mode: str) -> dict:
+    """The CPU kernels' calls while ``mode`` (eager or compiled) generates, and
+    the token ids it generated."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
     import torch
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -38,12 +39,4 @@ def main(model: str, mode: str, out: str) -> None:
     llm.generate(prompt, params, use_tqdm=False)  # warm-up: compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         result = llm.generate(prompt, params, use_tqdm=False)
-    found = {"calls": kernel_calls(p), "tokens": list(result[0].outputs[0].token_ids)}
-    with open(out, "w") as f:
-        json.dump(found, f)
-
-
-if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
-    main(*sys.argv[1:])
+    return {"calls": kernel_calls(p), "tokens": list(result[0].outputs[0].token_ids)}
