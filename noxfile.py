@@ -49,15 +49,18 @@ def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
     return xml
 
 
-def keep_result(session: nox.Session, xml: Path, result: Path | None) -> None:
+def keep_result(session: nox.Session, xml: Path, result: Path) -> None:
     """``xml`` written fresh at ``result`` (a link or FIFO there is refused,
-    never written through); the session fails when a check in it failed."""
-    if result is not None:
-        write_output(result, xml.read_bytes())
-        session.log(f"wrote {result}")
-    suite = read_suite(result or xml)
+    never written through)."""
+    write_output(result, xml.read_bytes())
+    session.log(f"wrote {result}")
+
+
+def judge_result(session: nox.Session, result: Path) -> None:
+    """The session fails when a check in the result failed."""
+    suite = read_suite(result)
     if int(suite.get("failures")) + int(suite.get("errors")):
-        session.error(f"checks failed (see {result or xml})")
+        session.error(f"checks failed (see {result})")
 
 
 @nox.session(venv_backend="venv")
@@ -163,7 +166,8 @@ def compat(session: nox.Session, vllm: str) -> None:
     code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
     if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
         session.log(f"unchanged since its last run: {result}")
-        return keep_result(session, result, None)
+        judge_result(session, result)
+        return
     if stamp.get("env") != env_key:
         stamp = {"env": env_key, "torch": install_cell(session, cell, sources)}
         compile_env(session)
@@ -172,8 +176,9 @@ def compat(session: nox.Session, vllm: str) -> None:
     if cell["mode"] != "full":  # the wheel's static checks
         checks = [f"{checks[0]}/test_wheel.py", f"--vllm-wheel={release}"]
     xml = pytest_junit(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
-    stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
     keep_result(session, xml, result)
+    stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
+    judge_result(session, result)
 
 
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
@@ -185,7 +190,7 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     the user cache); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
-    keep_result(session, qemu_result(cpu), None)
+    judge_result(session, qemu_result(cpu))
 
 
 @nox.session(venv_backend="venv", default=False)
@@ -203,7 +208,9 @@ def conformance(session: nox.Session) -> None:
         session.error(f"conformance: no table recorded (see {xml})")
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
     where = f"-{platform.machine()}-{build}"  # vLLM's own pick on this machine
-    keep_result(session, xml, result_file("conformance", where))
+    result = result_file("conformance", where)
+    keep_result(session, xml, result)
+    judge_result(session, result)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-from compat_matrix.checks.calls import NORM_KERNELS
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
+from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.markdown import table
 
 COMPAT_DIR = Path(__file__).resolve().parent
+# The profiler's names of the provider's ops (rms_norm + fused add), as counted.
+CALL_NAMES = tuple(f"_C::{op}" for op in OPS)
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
 # A check's part in a row: which column it proves. The aarch64 cells
@@ -119,7 +121,7 @@ def calls(counts: dict | None) -> str:
     if not counts:
         return "-"
     return " / ".join(
-        "+".join(str(counts[m][k]) for k in NORM_KERNELS) if m in counts else "-"
+        "+".join(str(counts[m][k]) for k in CALL_NAMES) if m in counts else "-"
         for m in ("eager", "compiled")
     )
 
@@ -187,7 +189,7 @@ def _builds(names: list[str]) -> str:
 def _graph(g: dict) -> list:
     """A compiled graph's cells, kernel calls, the rule's and the verdict."""
     got, rule = (
-        "+".join(str(g.get(key, {}).get(k, "-")) for k in NORM_KERNELS)
+        "+".join(str(g.get(key, {}).get(k, "-")) for k in CALL_NAMES)
         for key in ("calls", "expected")
     )
     fine = not g.get("raised") and got == rule and g.get("excess") == 0.0
