@@ -68,10 +68,9 @@ CONFORMANCE = (
     "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
     "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
     "weight `variance`: a variance size override). *Wrong*: a kernel where the "
-    "rule says native "
-    "or the reverse, an exception native does not raise, or an output beyond "
-    "vLLM IR's tolerance of native. The aarch64 rows: one norm per op (2 cases) "
-    "under qemu-user, eager."
+    "rule says native or the reverse, an exception native does not raise, or an "
+    "output beyond vLLM IR's tolerance of native. The aarch64 rows: one norm "
+    "per op (2 cases) under qemu-user, eager."
 )
 EAGER_HEADER = ["build, machine", "vLLM", "form", "dtype"]
 EAGER_HEADER += ["eager cells: kernel / native / wrong"]

@@ -51,10 +51,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     version = read_version(tree) if tree else None
     rows = []
     for p in all_patches():
-        rows.append(doc := p.to_json())
+        doc = p.to_json()
         if tree is not None:
             doc["applies"] = p.covers(version)
             doc["is_default"], doc["why"] = is_default(p, version)
+        rows.append(doc)
     if args.json:
         print(json.dumps(rows, indent=2))
         return ExitCode.OK
