@@ -43,8 +43,8 @@ def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str]
 
 
 def vllm_main(argv: Sequence[str]) -> int:
-    """``vllm ARGV...`` in this process (the ``vllm`` script ``dist`` declares,
-    else vLLM's own); its exit code."""
+    """``vllm ARGV...`` in this process (the ``vllm`` script vLLM's distribution
+    declares, else vLLM's own CLI); its exit code."""
     dist = owning_distribution()
     if dist is not None:
         metadata.version = answering_vllm(metadata.version, vllm_version(dist))
