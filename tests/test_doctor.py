@@ -20,7 +20,7 @@ from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import environment, imports
+from vllm_patch.doctor import diagnose, environment
 from vllm_patch.doctor.patches import (
     _registered_finding,
     opt_in_finding,
@@ -275,8 +275,8 @@ def step_results(tmp_path_factory):
     steps = [p.values[0] for p in STEP_CASES]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", str(folder))
-        mp.setattr(imports, "CHILD_TIMEOUT", 1)
-        return imports.run_import_checks(steps)
+        mp.setattr(diagnose, "CHILD_TIMEOUT", 1)
+        return diagnose.run_import_checks(steps)
 
 
 def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
@@ -284,15 +284,17 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
     no IR finding is made; from 0.20 on, both."""
     tree = open_tree(make_tree(tmp_path / "tree"))
     assert not environment.has_ir(tree)
-    steps = imports.steps_for(["a.provider"], [], environment.has_ir(tree))
-    assert ["from", imports.IR] not in steps and ["provider", "a.provider"] in steps
+    steps = environment.steps_for(["a.provider"], [], environment.has_ir(tree))
+    assert ["from", environment.IR] not in steps and ["provider", "a.provider"] in steps
     results = {tuple(s): {"ok": True} for s in steps}
-    findings = environment.import_findings(results, None, {}, sys.executable)
+    findings = environment.import_findings(results, None, {})
     assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
     (tree.location / "vllm/ir").mkdir()
     (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
     assert environment.has_ir(tree)
-    assert ["from", imports.IR] in imports.steps_for([], [], environment.has_ir(tree))
+    assert ["from", environment.IR] in environment.steps_for(
+        [], [], environment.has_ir(tree)
+    )
 
 
 @pytest.mark.parametrize(
@@ -309,5 +311,5 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
     ids=["route taken", "stands aside", "off", "failed"],
 )
 def test_the_provider_s_customop_route(status, said):
-    found = _registered_finding("p", "prov", status, "a.provider", "python")
+    found = _registered_finding("p", "prov", status, "a.provider")
     assert f"{found.status}: {found.message}" == said

@@ -1,7 +1,8 @@
-"""The ``vllm-patch`` command line: the engine's verbs and the jobs above it
-(``JOBS``: modules with ``add_arguments(parser)`` and ``run(args)``, imported only
-when their verb is named). Every error, a bad command line included, is one
-message on stderr (under ``--json`` also on stdout); exit codes are ``ExitCode``."""
+"""The ``vllm-patch`` command line: the engine's verbs, each a ``cmd_*`` function
+whose docstring is its help, and the jobs above them (``JOBS``: modules with
+``add_arguments(parser)`` and ``run(args)``, imported only when named). Every
+error, a bad command line included, is one message on stderr (under ``--json``
+also on stdout); exit codes are ``ExitCode``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,18 @@ from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 
-# The verbs that read a wheel (apply and revert refuse one: it is an archive).
+# The verbs that read a wheel and answer in JSON (apply and revert refuse a
+# wheel: it is an archive).
 WHEEL_VERBS = ("list", "check", "diff")
+# What --force does, for the verbs that take it.
+FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
+HELP = {
+    "vllm": "directory containing the vllm/ package (checkout root or site-packages)"
+    "{}; default: the vLLM installed for this Python",
+    "patch": "this patch (repeatable), among those whose vLLM range holds; default: "
+    "the tree's default patches (see `list`)",
+    "force": "{} even if the tree's vLLM version is outside the patch's range",
+}
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.command", "measure the change here"),
@@ -30,14 +41,13 @@ JOBS = {
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """Every patch; with a tree (``--vllm``, else the installed vLLM if there is
-    one), whether it applies there and whether it is that tree's default, and why."""
+    """list the carried patches: where each applies, and the tree's default"""
     try:
         tree = open_tree(args.vllm)
     except PatchError:
         if args.vllm:
             raise
-        tree = None
+        tree = None  # no vLLM here: the patches alone
     version = read_version(tree) if tree else None
     rows = []
     for p in all_patches():
@@ -63,25 +73,35 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _plans(
-    args: argparse.Namespace, tree: VllmTree | None = None
+    args: argparse.Namespace, tree: VllmTree | None = None, refuse: bool = False
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
     """The tree and the plan of every chosen patch, made under a shared lock
-    (or the writer's, already held)."""
+    (or the writer's, already held); ``refuse``: a plan's first error raised."""
     tree = tree or open_tree(args.vllm)
     plans = engine.plan_all(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:
         for w in p.warnings:
             warn(w)
+        if refuse and p.errors:
+            raise p.errors[0]
     return tree, plans
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """show, per patch and edit, applied/applicable/not applicable"""
     tree, plans = _plans(args)
     if args.json:  # the full plans: JSON also gives each edit's changes
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
         for p in plans:
-            _print_plan(tree, p)
+            where = f"{printable(tree.location)}, vLLM {p.version or 'unknown version'}"
+            print(f"{p.patch.name}: {p.status}  [{where}]")
+            if p.error:
+                print("  " + str(p.error).replace("\n", "\n  "))
+            for e in p.edits:
+                print(f"  {e.file}: {e.status(p.direction)}")
+                if e.reason:
+                    print("    " + e.reason.replace("\n", "\n    "))
     statuses = {p.status for p in plans}
     if PlanStatus.NOT_APPLICABLE in statuses:
         return ExitCode.CANNOT_APPLY
@@ -89,22 +109,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     return ExitCode.PENDING if statuses & pending else ExitCode.OK
 
 
-def _print_plan(tree: VllmTree, p: engine.PatchPlan) -> None:
-    version = p.version or "unknown version"
-    print(f"{p.patch.name}: {p.status}  [{printable(tree.location)}, vLLM {version}]")
-    if p.error:
-        print("  " + str(p.error).replace("\n", "\n  "))
-    for e in p.edits:
-        print(f"  {e.file}: {e.status(p.direction)}")
-        if e.reason:
-            print("    " + e.reason.replace("\n", "\n    "))
-
-
 def cmd_diff(args: argparse.Namespace) -> int:
-    _, plans = _plans(args)
-    for p in plans:
-        if p.errors:
-            raise p.errors[0]
+    """print the unified diff (git apply format); write nothing"""
+    _, plans = _plans(args, refuse=True)
     if args.json:
         doc = [
             {"patch": p.patch.name, "status": p.status, "diff": p.diff()} for p in plans
@@ -125,19 +132,18 @@ def _report(outcome: engine.Outcome) -> None:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    """apply the patches (each file atomic; idempotent)"""
     tree = open_tree(args.vllm, writing="apply to")
     with engine.writing(tree):  # planned and written with no writer between
-        with engine.nothing_changed_on_error():
-            _, plans = _plans(args, tree)
-        for p in plans:  # refuse before the first patch is written, not after
-            if p.errors:
-                raise p.errors[0]
+        with engine.nothing_changed_on_error():  # refused before the first write
+            _, plans = _plans(args, tree, refuse=True)
         for p in plans:
             _report(engine.apply(tree, p))
     return ExitCode.OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
+    """undo the patches (byte-identical)"""
     tree = open_tree(args.vllm, writing="revert")
     with engine.writing(tree):
         with engine.nothing_changed_on_error():
@@ -152,6 +158,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}\n{self.format_usage().rstrip()}")
 
 
+def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
+    name = func.__name__.removeprefix("cmd_")
+    p = sub.add_parser(name, help=func.__doc__, description=func.__doc__)
+    p.set_defaults(func=func)
+    wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
+    if name in WHEEL_VERBS:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--vllm", metavar="PATH", help=HELP["vllm"].format(wheel))
+    if name != "list":
+        p.add_argument("--patch", metavar="NAME", action="append", help=HELP["patch"])
+    if name in FORCE:
+        p.add_argument(
+            "--force", action="store_true", help=HELP["force"].format(FORCE[name])
+        )
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     from vllm_patch.runtime.machine import distribution_version
 
@@ -163,7 +185,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _engine_verbs(sub)
+    for func in (cmd_list, cmd_check, cmd_diff, cmd_apply, cmd_revert):
+        _engine_verb(sub, func)
     named = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help) in JOBS.items():
         p = sub.add_parser(name, help=help, description=help)
@@ -177,64 +200,6 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         job.add_arguments(p)
         p.set_defaults(func=job.run)
     return parser
-
-
-# (verb, function, help, what --force does); list and revert take no --force.
-ENGINE_VERBS = [
-    (
-        "list",
-        cmd_list,
-        "list the carried patches: where each applies, and the tree's default",
-        None,
-    ),
-    (
-        "check",
-        cmd_check,
-        "show, per patch and edit, applied/applicable/not applicable",
-        "judge the tree by its shape",
-    ),
-    (
-        "diff",
-        cmd_diff,
-        "print the unified diff (git apply format); write nothing",
-        "print the diff",
-    ),
-    ("apply", cmd_apply, "apply the patches (each file atomic; idempotent)", "apply"),
-    ("revert", cmd_revert, "undo the patches (byte-identical)", None),
-]
-
-
-def _engine_verbs(sub: argparse._SubParsersAction) -> None:
-    for name, func, help, force in ENGINE_VERBS:
-        p = sub.add_parser(name, help=help, description=help)
-        p.set_defaults(func=func)
-        if name in ("list", "check", "diff"):
-            p.add_argument(
-                "--json", action="store_true", help="machine-readable output"
-            )
-        wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
-        p.add_argument(
-            "--vllm",
-            metavar="PATH",
-            help="directory containing the vllm/ package (checkout root or "
-            f"site-packages){wheel}; default: the vLLM installed for this Python",
-        )
-        if name == "list":
-            continue
-        p.add_argument(
-            "--patch",
-            metavar="NAME",
-            action="append",
-            help="this patch (repeatable), among those whose vLLM range holds; "
-            "default: the tree's default patches (see `list`)",
-        )
-        if force:
-            p.add_argument(
-                "--force",
-                action="store_true",
-                help=f"{force} even if the tree's vLLM version is outside the "
-                "patch's range",
-            )
 
 
 def main(argv: list[str] | None = None) -> int:

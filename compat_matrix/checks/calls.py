@@ -1,40 +1,33 @@
 """Count vLLM's CPU norm kernel calls through vLLM's own dispatch, without an
-engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager: compilation
-mode NONE; compiled: vLLM's default, which the CPU platform compiles with
+engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager, or compiled by
 Inductor), set as the current config with its IR op priority (where the release
-has IR), an ``RMSNorm`` instantiated under it (so an out-of-tree ``RMSNorm``
-replaces it, as in a model) and called with and without a residual under
-torch's profiler. The events ``_C::rms_norm`` and ``_C::fused_add_rms_norm``
-count the kernels whatever registered them.
-
-``python calls.py OUT.json`` writes the counts for both modes to OUT.json (the
-checks run it on the patched copy of vLLM, in a fresh interpreter; vLLM logs to
-stdout)."""
+has IR), an ``RMSNorm`` built under it (so an out-of-tree ``RMSNorm`` replaces
+it, as in a model) and called with and without a residual under torch's
+profiler, whose ``_C::`` events count the kernels whatever registered them."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 from typing import Any
 
-KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
-MODES = ("eager", "compiled")
-HIDDEN, TOKENS = 2048, 4
+NORM_KERNELS = ("_C::rms_norm", "_C::fused_add_rms_norm")
+COUNT_MODES = ("eager", "compiled")
+NORM_HIDDEN, NORM_TOKENS = 2048, 4
 # bfloat16's tolerance in vLLM IR (vllm/ir/tolerances.py); a truncating build
 # runs rms_norm only (up to 2 * 2**-8 relative off native), never the fused add.
 BF16_RTOL = 1.6e-2
 
 
-def expected(mode: str, dtype: str) -> dict[str, bool]:
-    """Whether each kernel runs, by the rule (``rule.py``): eager, for
-    ``dtype`` on this machine's build; never compiling."""
-    import torch
+def kernel_calls(prof) -> dict[str, int]:
+    """How often a torch profiler saw each kernel."""
+    names = [e.name for e in prof.events()]
+    return {k: names.count(k) for k in NORM_KERNELS}
 
-    from patches.rms_norm_forward_cpu.rule import installed_dtypes
 
-    dtypes = installed_dtypes() if mode == "eager" else ((), ())
-    return {k: getattr(torch, dtype) in d for k, d in zip(KERNELS, dtypes, strict=True)}
+def rtol_needed(a, b) -> float:
+    """The smallest rtol (at atol 1e-3) at which ``a`` matches ``b``."""
+    excess = ((a.double() - b.double()).abs() - 1e-3).clamp(min=0)
+    return float(excess.div(b.double().abs().clamp(min=1e-6)).max())
 
 
 def final_config(mode: str):
@@ -51,24 +44,27 @@ def final_config(mode: str):
 
 def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """Kernel calls of one RMSNorm called plain and with a residual, the route
-    vLLM took to reach them, and how far its outputs are from native."""
+    vLLM took to reach them, what the rule expects (``rule.py``: eager, for
+    ``dtype`` on this machine's build; never compiling) and how far the outputs
+    are from native."""
     import torch
     import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
+    from patches.rms_norm_forward_cpu.rule import installed_dtypes
+
     config = final_config(mode)
-    kernel_config = getattr(config, "kernel_config", None)
-    priority = getattr(kernel_config, "ir_op_priority", None)
+    priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
     torch.manual_seed(0)
     kind = getattr(torch, dtype)
-    x = torch.randn(TOKENS, HIDDEN, dtype=kind)
-    residual = torch.randn(TOKENS, HIDDEN, dtype=kind)
+    x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
+    residual = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
     with contextlib.ExitStack() as stack:
         stack.enter_context(set_current_vllm_config(config))
         if priority is not None:
             stack.enter_context(priority.set_priority())
-        norm = RMSNorm(HIDDEN, dtype=kind)
+        norm = RMSNorm(NORM_HIDDEN, dtype=kind)
         with torch.no_grad():
             norm.weight.normal_(1.0, 0.1)
         with torch.profiler.profile(
@@ -78,8 +74,8 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
             added = norm(x.clone(), residual.clone())
         native = norm.forward_native(x.clone())
         native_added = norm.forward_native(x.clone(), residual.clone())
-    names = [e.name for e in prof.events()]
     cc = config.compilation_config
+    dtypes = installed_dtypes() if mode == "eager" else ((), ())
     return {
         "mode": mode,
         "compilation": {
@@ -90,16 +86,10 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
         "ir_op_priority": str(priority) if priority is not None else None,
         "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
         "replaced": type(norm) is not RMSNorm,
-        "calls": {k: names.count(k) for k in KERNELS},
-        "expected": expected(mode, dtype),
-        # The smallest rtol (at atol 1e-3) at which every output matches native.
-        "rtol_needed": max(
-            float(
-                ((a.float() - b.float()).abs() - 1e-3)
-                .clamp(min=0)
-                .div(b.float().abs().clamp(min=1e-6))
-                .max()
-            )
+        "calls": kernel_calls(prof),
+        "expected": {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)},
+        "rtol_needed": max(  # how far the outputs are from native
+            rtol_needed(a, b)
             for a, b in zip((out, *added), (native, *native_added), strict=True)
         ),
     }
@@ -109,7 +99,7 @@ def unexpected(result: dict[str, Any]) -> list[str]:
     """The kernels that ran where the rule says native, or did not run where it
     says kernel."""
     calls, want = result["calls"], result["expected"]
-    return [k for k in KERNELS if (calls[k] > 0) != want[k]]
+    return [k for k in NORM_KERNELS if (calls[k] > 0) != want[k]]
 
 
 def describe(result: dict[str, Any]) -> str:
@@ -133,6 +123,7 @@ def route(result: dict[str, Any], provider: str) -> str:
     return "none"
 
 
-if __name__ == "__main__":
-    with open(sys.argv[1], "w") as out:
-        json.dump({m: count(m) for m in MODES}, out)
+def count_modes() -> dict[str, dict[str, Any]]:
+    """:func:`count` in both modes (the checks run it on the patched copy, in a
+    child interpreter)."""
+    return {m: count(m) for m in COUNT_MODES}

@@ -1,13 +1,9 @@
-"""What the cell's checks share: the vLLM tree they judge (the installed one,
-or a wheel named with ``--vllm-wheel`` for the static cells), the engine's
-report on it (``vllm-patch check --json``: which form of the change a plain
-``check`` picks, and whether it applies), the release's mechanism read from
-its files, and the patched copy's kernel counts, measured in a fresh
-interpreter started before the in-process checks so that it runs beside them.
-
-Every fact the matrix shows is recorded as a property of the test suite in
-pytest's JUnit XML (``record_testsuite_property``); ``compat_matrix.report``
-reads nothing else."""
+"""What a cell's checks share: the vLLM tree judged (the installed one, or
+``--vllm-wheel``'s for a static cell), ``vllm-patch check --json`` on it, its
+mechanism read from its files, and the patched copy's kernel counts (a fresh
+interpreter started before the in-process checks, so it runs beside them).
+Every fact the matrix shows is a test-suite property of pytest's JUnit XML;
+``compat_matrix.report`` reads nothing else."""
 
 from __future__ import annotations
 
@@ -17,10 +13,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from calls import MODES
+from calls import COUNT_MODES
 
 from patcher.patchset import all_patches, select
 from patcher.tree import open_tree
@@ -28,7 +23,6 @@ from patcher.version import read_version
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 from vllm_patch.runtime import machine
 
-HERE = Path(__file__).resolve().parent
 # The cell runs opted in: the provider's one switch, as a user sets it.
 os.environ.setdefault(OPT_IN_ENV, "1")
 DEPRECATION = re.compile(r"Deprecated: vLLM IR .*?(?=\n\s*\n|\"\"\")", re.DOTALL)
@@ -49,13 +43,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def tree(request):
     """The vLLM tree judged: the wheel asked for (fetched into the user cache)
     or the installed vLLM."""
-    wanted = request.config.getoption("--vllm-wheel")
-    if not wanted:
+    if not (wanted := request.config.getoption("--vllm-wheel")):
         return open_tree(None)
     from vllm_patch.runtime.cache import fetch_wheel
 
-    package, _, version = wanted.partition("==")
-    return open_tree(fetch_wheel(package, version))
+    return open_tree(fetch_wheel(*wanted.split("==")))
 
 
 @pytest.fixture(scope="session")
@@ -69,11 +61,9 @@ def check_report(request, tree, fact) -> list[dict]:
     """``vllm-patch check --json`` on the tree: the patches a plain check
     picks, each with its status (the engine's dry run), or the engine's one
     error as the only entry."""
+    command = [sys.executable, "-m", "vllm_patch", "check", "--json"]
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "check", "--vllm", str(tree.location)]
-        + ["--json"],
-        capture_output=True,
-        text=True,
+        [*command, "--vllm", str(tree.location)], capture_output=True, text=True
     )
     report = json.loads(proc.stdout)
     fact("torch", os.environ.get("VLLMPATCH_COMPAT_TORCH"))
@@ -118,22 +108,22 @@ def mechanism(tree, fact) -> str:
 
 def forms() -> tuple[str, str]:
     """(IR form, CustomOp form): the patch that ``replaces`` another is the
-    CustomOp form, the one it replaces the IR form (contract of patch.toml)."""
-    for patch in all_patches():
-        if replaced := patch.meta.get("replaces"):
-            return replaced, patch.name
-    return "cpu_fused_norms", "rms_norm_forward_cpu"
+    CustomOp form, the one it replaces the IR form (patch.toml's contract)."""
+    return next(
+        (p.meta["replaces"], p.name) for p in all_patches() if "replaces" in p.meta
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)
 def started(request, form, fact):
     """The chosen form applied to a hard-linked copy of the installed vLLM, and
-    ``calls.py`` run on it (plugins off: the change alone) in a fresh
+    ``calls.count_modes`` run on it (plugins off: the change alone) in a fresh
     interpreter started now; yields a function that waits for its counts,
     reverts the copy and returns both (None when there is nothing to apply)."""
     if request.config.getoption("--vllm-wheel") or form is None:
         yield None
         return
+    from vllm_patch.runtime import child
     from vllm_patch.runtime.patched_copy import patched_copy
 
     record: dict = {}
@@ -141,25 +131,20 @@ def started(request, form, fact):
         copy = stack.enter_context(
             patched_copy(open_tree(None), select([form])[0], record=record)
         )
-        env = os.environ | {"PYTHONPATH": str(copy), "VLLM_PLUGINS": "none"}
-        env.pop(OPT_IN_ENV, None)
-        out = copy / "calls.json"
-        child = subprocess.Popen(
-            [sys.executable, str(HERE / "calls.py"), str(out)],
-            env=env,
-            stdout=stack.enter_context(open(copy / "calls.log", "w")),
-            stderr=subprocess.STDOUT,
+        counting = child.start(
+            "compat_matrix.checks.calls:count_modes",
+            pythonpath=[copy],
+            env={"VLLM_PLUGINS": "none"},
+            drop_env=[OPT_IN_ENV],
+            timeout=900,
         )
-        stack.callback(child.kill)
+        stack.callback(child.stop, counting)
 
         def finish() -> dict:
             if "counts" not in record:
-                child.wait(timeout=900)
-                log = (copy / "calls.log").read_text()[-3000:]
-                assert child.returncode == 0, f"calls.py on the copy: {log}"
-                record["counts"] = json.loads(out.read_text())
+                record["counts"] = child.finish(counting).value()  # or its log
                 stack.close()  # revert the copy: record gets restored, ...
-                fact("patched", {m: record["counts"][m]["calls"] for m in MODES})
+                fact("patched", {m: record["counts"][m]["calls"] for m in COUNT_MODES})
             return record
 
         yield finish

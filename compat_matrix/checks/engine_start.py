@@ -1,20 +1,19 @@
-"""One real vLLM engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on
-a random-weight Llama, generating under torch's profiler:
-``python engine_start.py MODEL_DIR eager|compiled OUT.json`` writes the CPU kernels'
-calls and the generated token ids to OUT.json (vLLM logs to stdout)."""
+"""One real vLLM engine, in-process, on a random-weight Llama, generating under
+torch's profiler (the ``--e2e`` checks run it in a child interpreter)."""
 
-import json
+import dataclasses
 import os
-import sys
 
-from calls import KERNELS
+from compat_matrix.checks.calls import kernel_calls
 
-TOKENS = 8
+NEW_TOKENS = 8
 
 
-def main(model: str, mode: str, out: str) -> None:
-    import dataclasses
-
+def generate(model: str, mode: str) -> dict:
+    """The CPU kernels' calls while ``mode`` (eager or compiled) generates, and
+    the token ids it generated."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
     import torch
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -35,21 +34,9 @@ def main(model: str, mode: str, out: str) -> None:
     )
     prompt = [{"prompt_token_ids": list(range(10, 18))}]
     params = SamplingParams(
-        temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=TOKENS
+        temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=NEW_TOKENS
     )
     llm.generate(prompt, params, use_tqdm=False)  # warm-up: compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         result = llm.generate(prompt, params, use_tqdm=False)
-    names = [e.name for e in p.events()]
-    found = {
-        "calls": {k: names.count(k) for k in KERNELS},
-        "tokens": list(result[0].outputs[0].token_ids),
-    }
-    with open(out, "w") as f:
-        json.dump(found, f)
-
-
-if __name__ == "__main__":
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
-    main(*sys.argv[1:])
+    return {"calls": kernel_calls(p), "tokens": list(result[0].outputs[0].token_ids)}

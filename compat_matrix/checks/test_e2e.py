@@ -2,13 +2,8 @@
 eager and compiled, each in a fresh interpreter: the eager engine calls the CPU
 kernels while generating, the compiled one (Inductor) none, and both generate."""
 
-import json
-import subprocess
-import sys
-
 import pytest
-from conftest import HERE
-from engine_start import TOKENS
+from engine_start import NEW_TOKENS
 
 
 @pytest.fixture(scope="session")
@@ -21,26 +16,22 @@ def model(request):
     return make_random_llama(cache_dir() / "models", **TINY_LLAMA)
 
 
-def run_engine(model, mode, tmp_path, fact) -> dict:
-    out = tmp_path / "engine.json"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_start.py"), str(model), mode, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    found = json.loads(out.read_text())
+def run_engine(model, mode, fact) -> dict:
+    from vllm_patch.runtime import child
+
+    target = "compat_matrix.checks.engine_start:generate"
+    outcome = child.run(target, {"model": str(model), "mode": mode}, timeout=1800)
+    found = outcome.value()  # else its log's tail
     fact(f"e2e_{mode}", found)
-    assert len(found["tokens"]) == TOKENS, found
+    assert len(found["tokens"]) == NEW_TOKENS, found
     return found
 
 
-def test_e2e_eager_engine_calls_kernels(model, tmp_path, fact):
-    found = run_engine(model, "eager", tmp_path, fact)
+def test_e2e_eager_engine_calls_kernels(model, fact):
+    found = run_engine(model, "eager", fact)
     assert found["calls"]["_C::rms_norm"] >= 1, found
 
 
-def test_e2e_compiled_engine_calls_no_kernel(model, tmp_path, fact):
-    found = run_engine(model, "compiled", tmp_path, fact)
+def test_e2e_compiled_engine_calls_no_kernel(model, fact):
+    found = run_engine(model, "compiled", fact)
     assert not any(found["calls"].values()), found

@@ -1,15 +1,11 @@
-"""The aarch64 cell's cases, run inside the arm64 chroot under qemu-user (this
-file is copied there beside ``calls.py``; torch and vLLM are the chroot's).
+"""The aarch64 cell's cases, run in the arm64 chroot beside ``calls.py``.
 
-``python3 cases.py SIDE CASE...`` (SIDE ``patched``: the patched copy of vLLM
-first on ``PYTHONPATH``; ``provider``: vLLM as installed, the project's plugin
-loaded by vLLM's own loader) calls vLLM's ``RMSNorm``, built under an eager
-config as a model builds it, once per CASE (``float32/rms_norm``,
-``bfloat16/fused_add_rms_norm``, ...) under torch's profiler, and compares it
-with ``forward_native`` and a float64 reference. It prints one JSON line
-before each case and one after, flushed: when a kernel takes the process down
-(SIGILL on a CPU without an instruction the build uses) the last line names
-the case that died."""
+``python3 cases.py SIDE CASE...`` (``patched``: the patched copy first on
+``PYTHONPATH``; ``provider``: the plugin loaded by vLLM's loader) calls vLLM's
+``RMSNorm``, built under an eager config, once per CASE (``float32/rms_norm``,
+...) under torch's profiler, against ``forward_native`` and float64. A JSON line
+before and after each case, flushed: when a kernel kills the process (SIGILL),
+the last line names the case."""
 
 from __future__ import annotations
 
@@ -17,20 +13,13 @@ import json
 import sys
 import time
 
-from calls import HIDDEN, KERNELS, TOKENS, final_config
+from calls import NORM_HIDDEN, NORM_TOKENS, final_config, kernel_calls, rtol_needed
 
 START = time.monotonic()
 
 
 def say(**line) -> None:
     print(json.dumps(line), flush=True)
-
-
-def rtol_needed(a, b) -> float:
-    """The smallest rtol (at atol 1e-3) at which ``a`` matches ``b``."""
-    a, b = a.double(), b.double()
-    excess = ((a - b).abs() - 1e-3).clamp(min=0)
-    return float(excess.div(b.abs().clamp(min=1e-6)).max())
 
 
 def max_rel_error(a, exact) -> float:
@@ -51,7 +40,7 @@ def run_case(torch, norm, dtype: str, op: str) -> dict:
     calls it made, how far it is from native, and its and native's largest
     relative error against float64."""
     torch.manual_seed(0)
-    x = torch.randn(TOKENS, HIDDEN, dtype=getattr(torch, dtype))
+    x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=getattr(torch, dtype))
     residual = torch.randn_like(x) if op == "fused_add_rms_norm" else None
     args = (x,) if residual is None else (x, residual)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
@@ -60,9 +49,8 @@ def run_case(torch, norm, dtype: str, op: str) -> dict:
     if residual is None:
         got, native = (got,), (native,)
     exact = reference(x, residual, norm.weight.data, norm.variance_epsilon)
-    names = [e.name for e in p.events()]
     return {
-        "calls": {k: names.count(k) for k in KERNELS},
+        "calls": kernel_calls(p),
         "rtol_vs_native": max(map(rtol_needed, got, native)),
         "max_rel_error": max(map(max_rel_error, got, exact)),
         "native_max_rel_error": max(map(max_rel_error, native, exact)),
@@ -85,32 +73,28 @@ def main(side: str, cases: list[str]) -> None:
 
         status = provider_status()
     config = final_config("eager")
-    say(
-        setup={
-            "torch": torch.__version__,
-            "vllm": vllm.__version__,
-            "vllm_file": vllm.__file__,
-            "custom_ops": list(config.compilation_config.custom_ops),
-            "provider_status": status,
-            "seconds": round(time.monotonic() - START, 1),
-        }
+    setup = dict(
+        torch=torch.__version__, vllm=vllm.__version__, vllm_file=vllm.__file__
     )
+    setup["custom_ops"] = list(config.compilation_config.custom_ops)
+    setup["provider_status"] = status
+    setup["seconds"] = round(time.monotonic() - START, 1)
+    say(setup=setup)
     norms = {}
     with set_current_vllm_config(config):
         for case in cases:
             dtype, op = case.split("/")
             if dtype not in norms:
-                norms[dtype] = RMSNorm(HIDDEN, dtype=getattr(torch, dtype))
+                norms[dtype] = RMSNorm(NORM_HIDDEN, dtype=getattr(torch, dtype))
                 with torch.no_grad():
                     norms[dtype].weight.normal_(1.0, 0.1)
-            norm = norms[dtype]
             say(case=case, started=True)
             began = time.monotonic()
             try:
-                result = run_case(torch, norm, dtype, op)
+                result = run_case(torch, norms[dtype], dtype, op)
             except Exception as exc:  # an exception native does not raise: a failure
                 result = {"error": f"{type(exc).__name__}: {exc}"}
-            result["norm_class"] = type(norm).__qualname__
+            result["norm_class"] = type(norms[dtype]).__qualname__
             result["seconds"] = round(time.monotonic() - began, 2)
             say(case=case, **result)
 

