@@ -26,7 +26,7 @@ import pytest
 from patcher.patchset import select
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from tests.conformance_table import DIMENSIONS, DTYPES, cells
+from tests.conformance_table import DIMENSIONS, DTYPES, cells, summary, wrong
 from vllm_patch.runtime import child, cpu_library, machine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -93,21 +93,13 @@ def results(tmp_path_factory):
     return out
 
 
-def _wrong(cells):
-    return [
-        c
-        for c in cells
-        if c["raised"] or c["excess"] > 0 or (c["kernel"] > 0) != c["expected"]
-    ]
-
-
 @pytest.mark.parametrize("run", RUNS, ids=IDS)
 def test_every_eager_cell(results, run):
     cells = results[run]["table"]["cells"]
     assert len(cells) == 324
     assert any(c["kernel"] for c in cells) and not all(c["kernel"] for c in cells)
-    wrong = _wrong(cells)
-    assert not wrong, f"{len(wrong)} cells, e.g. {wrong[:3]}"
+    bad = wrong(cells)
+    assert not bad, f"{len(bad)} cells, e.g. {bad[:3]}"
 
 
 @pytest.mark.parametrize("run", RUNS, ids=IDS)
@@ -147,7 +139,7 @@ def test_the_table_is_recorded(results, record_testsuite_property):
         {
             "build": results["provider", library]["drift"]["build"],
             "forced": library is not None,
-            "forms": {form: _summary(results[form, library]) for form in FORMS},
+            "forms": {form: summary(results[form, library]) for form in FORMS},
         }
         for library in BUILDS
     ]
@@ -159,27 +151,6 @@ def test_the_table_is_recorded(results, record_testsuite_property):
         for form in table["forms"].values():
             counted = [c["kernel"] + c["native"] for c in form["eager"].values()]
             assert counted == [108] * len(DTYPES)
-
-
-def _summary(found: dict) -> dict:
-    return {
-        "eager": {
-            dtype: _counts(
-                [c for c in found["table"]["cells"] if c["cell"][0] == dtype]
-            )
-            for dtype in DTYPES
-        },
-        "graphs": found["table"]["graphs"],
-        "drift": found["drift"],
-    }
-
-
-def _counts(cells: list[dict]) -> dict[str, int]:
-    return {
-        "kernel": sum(c["kernel"] > 0 for c in cells),
-        "native": sum(c["kernel"] == 0 for c in cells),
-        "wrong": len(_wrong(cells)),
-    }
 
 
 def test_the_plus_rms_norm_graph_runs_the_kernels(results):
