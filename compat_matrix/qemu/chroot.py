@@ -106,13 +106,15 @@ def wheels(root: Path, work: Path) -> None:
 
 def project(root: Path) -> None:
     """This project (its plugin's entry point, which vLLM's loader finds) in
-    ``/opt/project``, the cases beside ``calls.py`` in ``/opt/cell``."""
+    ``/opt/project``; the cases beside ``calls.py``, and the conformance
+    table, in ``/opt/cell``."""
     target, cell = root / "opt/project", root / "opt/cell"
     for folder in (target, cell):
         shutil.rmtree(folder, ignore_errors=True)
     uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    for path in ("compat_matrix/qemu/cases.py", "compat_matrix/checks/calls.py"):
+    cases = ("compat_matrix/qemu/cases.py", "compat_matrix/checks/calls.py")
+    for path in (*cases, "tests/conformance_table.py"):
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 
