@@ -12,6 +12,7 @@ writes no file.
 from __future__ import annotations
 
 import subprocess
+import textwrap
 from functools import cache, lru_cache
 
 import libcst as cst
@@ -91,9 +92,9 @@ def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
     """A class member written at column 0 (``source``), laid out as ruff lays it
     out inside a class of ``module`` (its indentation and line endings)."""
-    lines = source.splitlines(keepends=True)
-    indented = "".join(f"    {line}" if line.strip() else line for line in lines)
-    out = format_source(f"class _:\n{indented}", module.default_indent)
+    out = format_source(
+        f"class _:\n{textwrap.indent(source, '    ')}", module.default_indent
+    )
     out = out.replace("\n", module.default_newline)  # ruff kept the "\n" it got
     klass = cst.parse_statement(out, config=module.config_for_parsing)
     return klass.body.body[0]
