@@ -34,8 +34,7 @@ DTYPES_LINES = (
 CPU_PY = "vllm/platforms/cpu.py"
 # How many leading parameters of each norm's supports_args are its input tensors.
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
-GONE = None
-"""A statement removed, in the ``new`` map :func:`_rebuild` takes."""
+GONE = None  # a statement removed, in the ``new`` map _rebuild takes
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,7 @@ def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
     return cst.parse_statement(code + tree.default_newline, tree.config_for_parsing)
 
 
-def _rebuild(tree: cst.Module, new: dict, before: dict) -> cst.Module:
+def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Module:
     """``tree`` with statement ``i`` replaced by ``new[i]`` (``GONE``: removed)
     and ``before[i]`` inserted before it; what is new laid out by ruff."""
     body, formatted = [], set()
@@ -137,16 +136,11 @@ def _rebuild(tree: cst.Module, new: dict, before: dict) -> cst.Module:
         for added in before.get(i, ()):
             formatted.add(len(body))
             body.append(added)
-        if i in new and new[i] is not GONE:
-            formatted.add(len(body))
-        body += [new.get(i, stmt)] if new.get(i, stmt) is not GONE else []
-    return format_statements(tree.with_changes(body=body), formatted)
-
-
-def _left(tree: cst.Module, new: dict) -> cst.Module:
-    """What :func:`_rebuild` keeps, unformatted: to count the names still used."""
-    kept = [new.get(i, s) for i, s in enumerate(tree.body)]
-    return cst.Module([s for s in kept if s is not GONE])
+        if new.get(i, stmt) is not GONE:
+            formatted |= {len(body)} if i in new else set()
+            body.append(new.get(i, stmt))
+    tree = tree.with_changes(body=body)
+    return format_statements(tree, formatted) if layout else tree
 
 
 class _NormCodemod(TreeCodemod):
@@ -313,7 +307,8 @@ class DisableVllmCOnCpu(_NormCodemod):
                 self.record(f"the {n.op} impl's `supports_args` loses its CPU checks")
         if not new:
             return tree
-        left, call = names(_left(tree, new)), _at(tree, DTYPES_LINES[0])
+        left = names(_rebuild(tree, new, {}, False))
+        call = _at(tree, DTYPES_LINES[0])
         if call is not None and not any(left[n] > 1 for n in DTYPES.values()):
             new[call] = GONE
             if source(tree.body[call + 1]) == DTYPES_LINES[1]:
@@ -323,6 +318,6 @@ class DisableVllmCOnCpu(_NormCodemod):
                 if function and left[FUNCTION] == 2:  # its def and its call
                     new[i] = GONE
         cpu = _assignment(tree, IS_CPU)
-        if cpu is not None and names(_left(tree, new))[IS_CPU] == 1:
+        if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
             new[cpu] = GONE
         return _rebuild(tree, new, {})
