@@ -89,11 +89,6 @@ class PatchError(Exception):
         return {"error": doc}
 
 
-class ReadError(PatchError):
-    """A file that exists but could not be read for a reason of the system (too
-    many open files, an I/O error): never taken for a damaged or missing file."""
-
-
 class UsageError(PatchError):
     exit_code = ExitCode.USAGE
 

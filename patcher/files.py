@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from patcher.errors import PatchError, ReadError, UsageError, printable
+from patcher.errors import PatchError, UsageError, printable
 
 # The largest file read from a tree or a wheel: vLLM's largest source is about
 # 0.3 MB, and LibCST takes about 265 times a file's size to parse it.
@@ -98,7 +98,7 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
         found = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
         if exc.errno not in found:
             msg = f"cannot read (open: {exc.strerror})"
-            raise ReadError(msg, path=str(path)) from exc
+            raise PatchError(msg, path=str(path)) from exc
         raise _not_regular(path, what, found[exc.errno]) from exc
     finally:
         os.close(dfd)
@@ -109,7 +109,7 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
         with os.fdopen(os.dup(fd), "rb") as fh:
             data = fh.read(limit + 1)  # a file growing while read is caught too
     except OSError as exc:
-        raise ReadError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
+        raise PatchError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
     finally:
         os.close(fd)
     if len(data) > limit:

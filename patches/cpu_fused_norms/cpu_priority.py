@@ -71,19 +71,6 @@ def _type_checking(tree: cst.Module) -> int | None:
     return next(found, None)
 
 
-class _Tests(cst.CSTVisitor):
-    """The tests of every ``if`` and conditional expression in a node."""
-
-    def __init__(self) -> None:
-        self.found: list[cst.BaseExpression] = []
-
-    def visit_If(self, node: cst.If) -> None:
-        self.found.append(node.test)
-
-    def visit_IfExp(self, node: cst.IfExp) -> None:
-        self.found.append(node.test)
-
-
 def _config_fields(module: ast.Module) -> tuple[list[str], bool]:
     """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
     for cls in module.body:
@@ -116,12 +103,12 @@ class _Priority(TreeCodemod):
     def ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
         """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
         (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
-        update, tests = _method(cls, "check_and_update_config"), _Tests()
-        if update is not None:
-            update.visit(tests)
-        for test in tests.found:
-            if CI_ENV in tree.code_for_node(test):
-                return tree.code_for_node(test)
+        update = _method(cls, "check_and_update_config")
+        code = textwrap.dedent(tree.code_for_node(update)) if update else ""
+        tests = [n.test for n in ast.walk(ast.parse(code)) if hasattr(n, "test")]
+        for test in map(lambda t: ast.get_source_segment(code, t), tests):
+            if CI_ENV in test:
+                return test
         raise self.shape_error(
             f"{CLASS}.check_and_update_config testing {CI_ENV}",
             "no such test" if update else "no check_and_update_config",
