@@ -272,7 +272,7 @@ def _and(expr: cst.BaseExpression, operand: cst.BaseExpression):
     becomes ``(a and b and operand)``."""
     inner = expr.with_changes(lpar=[], rpar=[])
     if not (
-        isinstance(inner, cst.BooleanOperation) and inner.operator.__class__ is cst.And
+        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, cst.And)
     ):
         inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     return cst.BooleanOperation(inner, cst.And(), operand, expr.lpar, expr.rpar)
