@@ -95,8 +95,9 @@ class _Priority(TreeCodemod):
         method of that name is vLLM's own, and raises ``VllmHasItsOwn``."""
         at, cls = self.top_level_class(tree, CLASS)
         found = _method(cls, METHOD)
-        ours = self.method_source(tree, cls)[0]
-        if found is not None and _meaning(tree.code_for_node(found)) != _meaning(ours):
+        if found is not None and _meaning(tree.code_for_node(found)) != _meaning(
+            self.method_source(tree, cls)[0]
+        ):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
         return at, cls, found
 
@@ -105,10 +106,12 @@ class _Priority(TreeCodemod):
         (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
         update = _method(cls, "check_and_update_config")
         code = textwrap.dedent(tree.code_for_node(update)) if update else ""
-        tests = [n.test for n in ast.walk(ast.parse(code)) if hasattr(n, "test")]
-        for test in map(lambda t: ast.get_source_segment(code, t), tests):
-            if CI_ENV in test:
-                return test
+        lines = code.splitlines()
+        for node in ast.walk(ast.parse(code)):
+            test = getattr(node, "test", None)
+            if test and CI_ENV in "".join(lines[test.lineno - 1 : test.end_lineno]):
+                if CI_ENV in (found := ast.get_source_segment(code, test)):
+                    return found
         raise self.shape_error(
             f"{CLASS}.check_and_update_config testing {CI_ENV}",
             "no such test" if update else "no check_and_update_config",

@@ -56,8 +56,7 @@ class Norm:
     def guard(self) -> str:
         """``(not IS_CPU or (<the rule's per-call checks>))`` on the lambda's
         parameters: the input tensors first, then the weight."""
-        params = self.check.params
-        p = [x.name.value for x in (*params.posonly_params, *params.params)]
+        p = [x.name.value for x in self.check.params.params]
         x, residual = p[0], p[1] if TENSORS[self.op] > 1 else None
         weight = p[TENSORS[self.op]]
         checks = call_checks(x, weight, DTYPES[self.op], residual, True)
@@ -186,8 +185,9 @@ class EnableVllmCOnCpu(_NormCodemod):
     )
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        used = names(tree)
         for name in ("current_platform", "torch"):
-            if not names(tree)[name]:
+            if not used[name]:
                 raise self.shape_error(f"{name} imported", "none")
         norms = self.norms(tree)
         cpu = _assignment(tree, IS_CPU)
@@ -203,7 +203,7 @@ class EnableVllmCOnCpu(_NormCodemod):
                     tree, n.check_at, n.check.with_changes(body=body)
                 )
                 self.record(f"the {n.op} impl's `supports_args` gains `and {n.guard}`")
-        self._gate(tree, norms, new, before)
+        self._gate(tree, norms, new, before, used[GATE])
         if not new and not before:
             return tree
         if cpu is None:
@@ -243,7 +243,7 @@ class EnableVllmCOnCpu(_NormCodemod):
         before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
         self.record(f"`{IS_CPU_LINE}` caches the CPU check")
 
-    def _gate(self, tree: cst.Module, norms: list[Norm], new, before) -> None:
+    def _gate(self, tree, norms: list[Norm], new, before, uses: int) -> None:
         gate = norms[0].gate.value
         at = _assignment(tree, gate)
         if gate == NORM_GATE or (
@@ -251,7 +251,6 @@ class EnableVllmCOnCpu(_NormCodemod):
         ):
             return
         if gate == GATE and at is not None:
-            uses = names(tree)[GATE]
             if uses != 1 + len(norms):
                 raise self.shape_error(f"{GATE} gating only the norms", f"{uses} uses")
             value = cst.parse_expression(f"{source(_value(tree, at))} or {IS_CPU}")
