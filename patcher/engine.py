@@ -131,7 +131,7 @@ class PatchPlan:
                 "summary": e.edit.summary,
                 "status": e.status(self.direction),
                 "reason": e.reason,
-                "changes": list(e.said) if e.changes else [],
+                "changes": list(e.said),
             }
             for e in self.edits
         ]

@@ -132,16 +132,12 @@ def ignored_opt_in() -> str | None:
 
 
 def _log_once(message: str) -> None:
-    """Through vLLM's own ``info_once`` (a plain record on a vLLM without it),
-    once per process: from 0.31 on it logs only on the first rank by default
-    (``scope="local"``), which a process outside the workers is not."""
+    """Through vLLM's own ``info_once``, once per process: from 0.31 on it logs
+    only on the first rank by default (``scope="local"``), which a process
+    outside the workers is not."""
     from vllm.logger import init_logger
 
-    log = init_logger(LOGGER_NAME)
-    once = getattr(log, "info_once", None)
-    if once is None:
-        log.info("vllm-patch: %s", message)
-        return
+    once = init_logger(LOGGER_NAME).info_once
     try:
         once("vllm-patch: %s", message, scope="process")
     except TypeError:  # a vLLM before log scopes
