@@ -307,7 +307,7 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     whose ``.git`` is a file, has none), else in the tree."""
     if tree.is_wheel:
         return None
-    git = ".git" if tree.kind == "checkout" else "."
+    git = ".git" if tree.is_checkout else "."
     if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
     files = frozenset(e.file for e in patch.edits + patch.test_edits)

@@ -29,14 +29,9 @@ class VllmTree:
         return self.location.suffix == ".whl"
 
     @property
-    def kind(self) -> str:
-        """``wheel``, ``checkout`` (a git work tree), ``installed`` (has dist-info
-        beside ``vllm/``: site-packages or an unpacked wheel) or ``directory``."""
-        if self.is_wheel:
-            return "wheel"
-        if os.path.lexists(self.location / ".git"):
-            return "checkout"
-        return "installed" if self.dist_info is not None else "directory"
+    def is_checkout(self) -> bool:
+        """A git work tree (its ``.git`` a folder, or a file: a linked one)."""
+        return not self.is_wheel and os.path.lexists(self.location / ".git")
 
     @cached_property
     def dist_info(self) -> Path | None:
