@@ -153,9 +153,5 @@ class Backup:
         the patch's store, and the store's folder if left empty."""
         remove_at(self.manifest_path)
         remove_at(self.folder)
-        with contextlib.suppress(OSError):  # the store, once empty
-            fd = open_dir(self.home)
-            try:
-                os.rmdir(BACKUP_DIR, dir_fd=fd)
-            finally:
-                os.close(fd)
+        with contextlib.suppress(OSError), open_dir(self.home) as fd:
+            os.rmdir(BACKUP_DIR, dir_fd=fd)  # the store, once empty

@@ -105,12 +105,7 @@ class TreeCodemod:
         try:
             return ast.parse(text.removeprefix(BOM), relpath)
         except (SyntaxError, ValueError) as exc:
-            raise PatchError(
-                "syntax error",
-                path=relpath,
-                looked_for="a Python module",
-                found=_syntax_error_position(text, relpath) or str(exc),
-            ) from exc
+            raise _syntax_error(text, relpath, "a Python module", str(exc)) from exc
 
     def read_tree_file(self, relpath: str) -> str:
         reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
@@ -155,29 +150,26 @@ def parse(source: str, relpath: str) -> cst.Module:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        raise PatchError(
-            "syntax error",
-            path=relpath,
-            looked_for="a Python module LibCST can parse",
-            found=_syntax_error_position(source, relpath)
-            or f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
-        ) from exc
+        where = f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}"
+        looked_for = "a Python module LibCST can parse"
+        raise _syntax_error(source, relpath, looked_for, where) from exc
 
 
-def _syntax_error_position(source: str, relpath: str) -> str | None:
-    """Where CPython puts the error (LibCST's parser may point a line later);
-    None when CPython compiles what LibCST cannot parse."""
+def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
+    """A syntax error where CPython puts it (LibCST's parser may point a line
+    later), else where the parser that failed said (``said``)."""
     try:
         compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as err:
         if "\0" in source:  # CPython gives no position for a NUL byte
             before = source[: source.index("\0")]
             line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
-            return f"line {line}, column {column}: a NUL byte (not Python source)"
-        if isinstance(err, ValueError):
-            return str(err)
-        return f"line {err.lineno}, column {err.offset}: {err.msg}"
-    return None
+            said = f"line {line}, column {column}: a NUL byte (not Python source)"
+        elif isinstance(err, ValueError):
+            said = str(err)
+        else:
+            said = f"line {err.lineno}, column {err.offset}: {err.msg}"
+    return PatchError("syntax error", path=relpath, looked_for=looked_for, found=said)
 
 
 def run_codemod(

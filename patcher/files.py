@@ -52,10 +52,11 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
     )
 
 
-def open_dir(folder: Path, make_below: Path | None = None) -> int:
+@contextlib.contextmanager
+def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
     """A descriptor of the resolved ``folder``, each component opened with
     O_NOFOLLOW (a link: ``PatchError``); missing folders below ``make_below``
-    are made."""
+    are made. Closed on leaving."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     fd = os.open("/", flags)
     here = Path("/")
@@ -78,18 +79,18 @@ def open_dir(folder: Path, make_below: Path | None = None) -> int:
                 ) from exc
             os.close(fd)
             fd = nxt
-    except BaseException:
+        yield fd
+    finally:
         os.close(fd)
-        raise
-    return fd
 
 
 def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
     """The bytes of the regular file at the resolved ``path`` (no link, FIFO or
     device; at most ``limit`` bytes)."""
-    dfd = open_dir(path.parent)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
     try:
-        fd = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+        with open_dir(path.parent) as dfd:
+            fd = os.open(path.name, flags, dir_fd=dfd)
     except FileNotFoundError as exc:
         raise PatchError(
             "file not found", path=str(path), looked_for=what, found="no such file"
@@ -100,8 +101,6 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
             msg = f"cannot read (open: {exc.strerror})"
             raise PatchError(msg, path=str(path)) from exc
         raise _not_regular(path, what, found[exc.errno]) from exc
-    finally:
-        os.close(dfd)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -153,8 +152,7 @@ def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
     """Give the resolved ``path`` the content ``data`` by rename (see above); an
     existing target must be a regular file, whose mode is kept."""
-    dfd = open_dir(path.parent, make_below)
-    try:
+    with open_dir(path.parent, make_below) as dfd:
         try:
             st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -177,24 +175,21 @@ def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> No
                 os.unlink(tmp, dir_fd=dfd)
             raise
         os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def remove_at(path: Path, *, leftovers: bool = False) -> None:
     """Delete what is at the resolved ``path`` (a folder with its contents; a
     link, not its target), or with ``leftovers`` what an interrupted
     :func:`replace_at` of it left beside it."""
-    with contextlib.suppress(FileNotFoundError, PatchError):
-        dfd = open_dir(path.parent)
-        try:
-            if not leftovers:
-                _remove(path.name, dfd)
-            for name in os.listdir(dfd) if leftovers else ():
-                if name.startswith(f".{path.name}.") and name.endswith(NEW):
-                    _remove(name, dfd)
-        finally:
-            os.close(dfd)
+    with (
+        contextlib.suppress(FileNotFoundError, PatchError),
+        open_dir(path.parent) as dfd,
+    ):
+        if not leftovers:
+            _remove(path.name, dfd)
+        for name in os.listdir(dfd) if leftovers else ():
+            if name.startswith(f".{path.name}.") and name.endswith(NEW):
+                _remove(name, dfd)
 
 
 def _remove(name: str, dfd: int) -> None:
@@ -223,9 +218,8 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
     if real in _writing:
         yield
         return
-    fd = open_dir(Path(real))
     how = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    try:
+    with open_dir(Path(real)) as fd:
         try:
             fcntl.flock(fd, how | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -239,10 +233,10 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
             fcntl.flock(fd, how)
         if not shared:
             _writing.add(real)
-        yield
-    finally:
-        _writing.discard(real)
-        os.close(fd)
+        try:
+            yield
+        finally:
+            _writing.discard(real)
 
 
 def write_output(path: Path, data: bytes | str) -> Path:
