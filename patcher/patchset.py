@@ -222,7 +222,6 @@ def exclusive_with(patch: Patch) -> list[Patch]:
     ]
 
 
-def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:
-    """:meth:`Patch.provider` of every patch (default: all) that declares one."""
-    found = (p.provider() for p in (all_patches() if patches is None else patches))
-    return [spec for spec in found if spec is not None]
+def provider_specs() -> list[dict[str, Any]]:
+    """:meth:`Patch.provider` of every patch that declares one."""
+    return [spec for p in all_patches() if (spec := p.provider()) is not None]
