@@ -211,9 +211,7 @@ class EnableVllmCOnCpu(_NormCodemod):
         first = min(n.check_at for n in norms)
         there = before.setdefault(first, [])
         added = []
-        if not any(
-            getattr(s, "name", None) and s.name.value == FUNCTION for s in tree.body
-        ):
+        if not used[FUNCTION]:
             code = dtypes_function(self.read_tree_file(CPU_PY))
             added.append(cst.parse_statement(code, tree.config_for_parsing))
         if _at(tree, DTYPES_LINES[0]) is None:
