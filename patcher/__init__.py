@@ -1,6 +1,1 @@
-"""vllm-patch: apply, check and upstream small, carried changes to a vLLM tree.
-
-The engine in this package knows nothing about any particular change: each
-change lives in its own folder under ``patches/`` with a ``patch.toml`` and the
-LibCST codemods that perform it.
-"""
+"""The engine: plan, apply and revert the patches under ``patches/`` on a vLLM tree."""

@@ -2,14 +2,11 @@
 bytes back, and so a tree says which patch it holds.
 
 ``<home>/.vllm-patch-backup/<patch>/manifest.json`` (``home``: the tree's root,
-or a checkout's ``.git`` folder) maps each copied file to
-``{"original_sha256": ..., "patched_sha256": ...}``; the copies sit beside it
-under their tree paths. Apply writes the copies and the manifest before the
-sources, so a kill leaves nothing revert cannot use. What is read back is data:
-an entry that does not hold up (a copy gone or edited, the manifest unreadable)
-is damage, reported and left out, and its file reverted by the inverse edit; a
-link in the store, or an entry for a file the patch does not touch, is a plant,
-refused (exit 3) before anything is read or written through it.
+or a checkout's ``.git``) maps each copied file to its ``original_sha256`` and
+``patched_sha256``; the copies sit beside it, written before the sources. What
+is read back is data: an entry that does not hold up is damage, reported and
+left out (its file is reverted by the inverse edit); a link in the store, or an
+entry for a file the patch does not touch, is a plant, refused (exit 3).
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from patcher.errors import PatchError
-from patcher.files import open_dir, read_at, remove_at, replace_at
+from patcher.files import MAX_FILE_BYTES, open_dir, read_at, remove_at, replace_at
 
 BACKUP_DIR = ".vllm-patch-backup"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -38,12 +35,9 @@ def hex_digest(data: bytes) -> str:
 
 @dataclass(frozen=True)
 class Backup:
-    home: Path
-    """The folder the store sits in, resolved: the tree's root, or a checkout's
-    ``.git`` folder."""
+    home: Path  # resolved: the tree's root, or a checkout's ``.git`` folder
     patch: str
-    files: frozenset[str]
-    """The tree paths the patch touches: the only entries a manifest may have."""
+    files: frozenset[str]  # the tree paths the patch touches: the only entries
 
     @property
     def folder(self) -> Path:
@@ -53,11 +47,11 @@ class Backup:
     def manifest_path(self) -> Path:
         return self.folder / "manifest.json"
 
-    def _read(self, path: Path, what: str, limit: int | None = None) -> bytes:
+    def _read(self, path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
         """A file of the store; a link in it is refused, anything else wrong is
         a ``PatchError`` the caller takes for damage."""
         try:
-            return read_at(path, what, **({"limit": limit} if limit else {}))
+            return read_at(path, what, limit=limit)
         except PatchError as exc:
             if str(exc.found).startswith(("a symbolic link", "a link or")):
                 raise PatchError(
@@ -74,24 +68,22 @@ class Backup:
         the rest (one line each)."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
+        where = self.manifest_path
         try:
-            what = "the backup's manifest"
-            doc = json.loads(self._read(self.manifest_path, what, MAX_MANIFEST_BYTES))
-            files = doc["files"]
+            data = self._read(where, "the backup's manifest", MAX_MANIFEST_BYTES)
+            files = json.loads(data)["files"]
             if not isinstance(files, dict):
-                raise KeyError(files)
+                raise TypeError(files)
         except PatchError as exc:
             if "symbolic link" in exc.message:
                 raise
-            return {}, [f"{self.manifest_path}: {exc.message} ({exc.found})"]
-        except (ValueError, RecursionError, LookupError, TypeError) as exc:
-            why = {RecursionError: "JSON nested too deep"}.get(type(exc), exc)
-            why = (
-                why
-                if isinstance(exc, ValueError | RecursionError)
-                else 'no "files" table'
-            )
-            return {}, [f"{self.manifest_path}: {why}"]
+            return {}, [f"{where}: {exc.message} ({exc.found})"]
+        except RecursionError:
+            return {}, [f"{where}: JSON nested too deep"]
+        except ValueError as exc:
+            return {}, [f"{where}: {exc}"]
+        except (LookupError, TypeError):
+            return {}, [f'{where}: no "files" table']
         for rel in files:
             if rel not in self.files:
                 raise PatchError(
@@ -131,10 +123,10 @@ class Backup:
         return self._read(self.folder / rel, f"the backup copy of {rel}")
 
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
-        """Copy the originals of ``changes`` (rel -> (before, after)) and write the
-        manifest. A file backed up already keeps its first original (a tree
-        completed later still reverts to what it was before any patching),
-        unless it now is something else (vLLM reinstalled)."""
+        """Copy the originals of ``changes`` (rel -> (before, after)), then the
+        manifest. A file backed up already keeps its first original (so a tree
+        completed later reverts to what it was before), unless it now is
+        something else (vLLM reinstalled)."""
         manifest = dict(entries)
         for rel in [*changes, "manifest.json"]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
@@ -157,13 +149,9 @@ class Backup:
         replace_at(self.manifest_path, text.encode(), make_below=self.home)
 
     def discard(self) -> None:
-        """Delete the manifest first (a kill then leaves only copies no one
-        reads), then the patch's store, and the store's folder if left empty."""
+        """The manifest first (a kill then leaves only copies no one reads), then
+        the patch's store, and the store's folder if left empty."""
         remove_at(self.manifest_path)
         remove_at(self.folder)
-        with contextlib.suppress(OSError):  # the store, once empty
-            fd = open_dir(self.home)
-            try:
-                os.rmdir(BACKUP_DIR, dir_fd=fd)
-            finally:
-                os.close(fd)
+        with contextlib.suppress(OSError), open_dir(self.home) as fd:
+            os.rmdir(BACKUP_DIR, dir_fd=fd)  # the store, once empty

@@ -1,17 +1,10 @@
-"""The contract between the engine and a patch's codemods.
-
-A patch edits a file with a :class:`TreeCodemod`: LibCST's codemod interface
-(``DESCRIPTION``, ``transform_module_impl``, a ``CodemodContext``-like
-``context``), which also knows which file of a vLLM tree it edits (``TARGET``)
-and can read other files of the same tree. It keeps every transform runnable on
-its own through LibCST's tool and testable with ``CodemodTest``::
-
-    python -m libcst.tool codemod -x --no-format \\
-        patches.cpu_fused_norms.enable_vllm_c.EnableVllmCOnCpu /path/to/vllm
-
-where it skips every file but its target. It does not subclass LibCST's
-``Codemod``: importing ``libcst.codemod`` imports ``libcst.matchers``, half a
-second of every ``check``, so the codemods use plain nodes and :func:`names`.
+"""The contract between the engine and a patch's codemods: LibCST's codemod
+interface (``DESCRIPTION``, ``transform_module_impl``, a ``context``), the file
+of the tree each edits (``TARGET``, from its ``patch.toml``) and reads of the
+tree's other files. Each also runs alone through ``python -m libcst.tool
+codemod`` (skipping every file but its target) and under ``CodemodTest``. It
+does not subclass LibCST's ``Codemod``: importing ``libcst.codemod`` imports
+``libcst.matchers``, half a second of every ``check``.
 """
 
 from __future__ import annotations
@@ -28,19 +21,16 @@ import libcst as cst
 from patcher.errors import PatchError, ShapeNotRecognised, VllmHasItsOwn
 from patcher.patchset import declared_file
 
+# Keys in ``CodemodContext.scratch``: the engine's ``relpath -> str`` reader of
+# the tree's files (also inside a wheel), and the sentences the codemod recorded.
 TREE_READER = "vllm_patch.read_tree_file"
-"""Key in ``CodemodContext.scratch``: a callable ``relpath -> str`` the engine
-provides so a codemod can read sibling files (also from inside a wheel)."""
 CHANGES = "vllm_patch.changes"
-"""Key in ``CodemodContext.scratch``: the list each codemod appends one sentence
-(Markdown) to per change it made, so commit messages and PR text describe the
-edit actually made (see :meth:`TreeCodemod.record`)."""
+BOM = "\ufeff"
 
 
 @dataclass
 class Context:
-    """What a codemod reads of LibCST's ``CodemodContext`` (the engine's own:
-    creating LibCST's imports ``libcst.codemod``)."""
+    """What a codemod reads of LibCST's ``CodemodContext``."""
 
     filename: str | None = None
     scratch: dict = field(default_factory=dict)
@@ -51,9 +41,7 @@ class TreeCodemod:
     """A codemod for one file of a vLLM source tree."""
 
     DESCRIPTION: str = ""
-    TARGET: str = ""
-    """Path of the edited file relative to the tree root, e.g. ``vllm/kernels/x.py``:
-    for a codemod a patch lists, the ``file`` its ``patch.toml`` gives it."""
+    TARGET: str = ""  # the edited file in the tree, from its patch.toml's ``file``
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,22 +71,19 @@ class TreeCodemod:
         raise NotImplementedError
 
     def record(self, change: str) -> None:
-        """Say what this run changed, in one sentence (Markdown): which names,
-        which arguments, which methods. Read back by :func:`run_codemod_described`."""
+        """Say what this run changed, in one sentence (Markdown), for the PR text."""
         self.context.scratch.setdefault(CHANGES, []).append(change)
 
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
 
     def vllm_has_its_own(self, what: str) -> VllmHasItsOwn:
-        """What to raise when the file has vLLM's own form of the change (``what``,
-        e.g. "vLLM's own RMSNorm.forward_cpu"), not this tool's: the engine then
-        leaves the file as it is, and ``check`` reports it (exit 0)."""
+        """To raise when the file has vLLM's own form of the change, not this
+        tool's: the engine leaves it, ``check`` reports it (exit 0)."""
         return VllmHasItsOwn(f"{self.TARGET} has {what}")
 
     def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:
-        """The module-level class ``name`` and its position, found among the
-        module's statements (no walk of the tree), or a shape error."""
+        """The module-level class ``name`` and its index, or a shape error."""
         for i, stmt in enumerate(tree.body):
             if isinstance(stmt, cst.ClassDef) and stmt.name.value == name:
                 return i, stmt
@@ -112,24 +97,17 @@ class TreeCodemod:
         return tree.with_changes(body=[*tree.body[:at], new, *tree.body[at + 1 :]])
 
     def parse_tree_file(self, relpath: str) -> cst.Module:
-        """Another file of the same tree, parsed."""
         return parse(self.read_tree_file(relpath), relpath)
 
     def read_tree_ast(self, relpath: str) -> ast.Module:
-        """Another file of the same tree, parsed by ``ast`` (fast: to read only)."""
+        """Another file of the tree, parsed by ``ast`` (fast: to read only)."""
         text = self.read_tree_file(relpath)
         try:
             return ast.parse(text.removeprefix(BOM), relpath)
         except (SyntaxError, ValueError) as exc:
-            raise PatchError(
-                "syntax error",
-                path=relpath,
-                looked_for="a Python module",
-                found=_syntax_error_position(text, relpath) or str(exc),
-            ) from exc
+            raise _syntax_error(text, relpath, "a Python module", str(exc)) from exc
 
     def read_tree_file(self, relpath: str) -> str:
-        """Source of another file of the same vLLM tree."""
         reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
         if reader is not None:
             return reader(relpath)
@@ -167,57 +145,46 @@ def source(node: cst.CSTNode) -> str:
     return cst.Module([]).code_for_node(node).strip()
 
 
-BOM = "\ufeff"
-
-
 @lru_cache(maxsize=8)  # a module is immutable: one parse per text, shared
 def parse(source: str, relpath: str) -> cst.Module:
     try:
         return cst.parse_module(source)
     except cst.ParserSyntaxError as exc:
-        raise PatchError(
-            "syntax error",
-            path=relpath,
-            looked_for="a Python module LibCST can parse",
-            found=_syntax_error_position(source, relpath)
-            or f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}",
-        ) from exc
+        where = f"line {exc.raw_line}, column {exc.raw_column}: {exc.message}"
+        looked_for = "a Python module LibCST can parse"
+        raise _syntax_error(source, relpath, looked_for, where) from exc
 
 
-def _syntax_error_position(source: str, relpath: str) -> str | None:
-    """Where CPython puts the error (LibCST's parser may point a line later);
-    None when CPython compiles what LibCST cannot parse."""
+def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
+    """A syntax error where CPython puts it (LibCST's parser may point a line
+    later), else where the parser that failed said (``said``)."""
     try:
         compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as err:
         if "\0" in source:  # CPython gives no position for a NUL byte
             before = source[: source.index("\0")]
             line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
-            return f"line {line}, column {column}: a NUL byte (not Python source)"
-        if isinstance(err, ValueError):
-            return str(err)
-        return f"line {err.lineno}, column {err.offset}: {err.msg}"
-    return None
+            said = f"line {line}, column {column}: a NUL byte (not Python source)"
+        elif isinstance(err, ValueError):
+            said = str(err)
+        else:
+            said = f"line {err.lineno}, column {err.offset}: {err.msg}"
+    return PatchError("syntax error", path=relpath, looked_for=looked_for, found=said)
 
 
 def run_codemod(
-    codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
+    codemod: type[TreeCodemod],
+    source: str,
+    read_tree_file: Callable[[str], str],
+    said: list[str] | None = None,
 ) -> str:
-    """Run ``codemod`` on ``source`` (the text of its target) and return the result.
-
-    Raises ``PatchError`` for a syntax error and ``ShapeNotRecognised`` from the
-    codemod itself; LibCST keeps every byte outside the edited nodes, and a
-    byte-order mark, which LibCST drops, is put back.
-    """
-    return run_codemod_described(codemod, source, read_tree_file)[0]
-
-
-def run_codemod_described(
-    codemod: type[TreeCodemod], source: str, read_tree_file: Callable[[str], str]
-) -> tuple[str, tuple[str, ...]]:
-    """:func:`run_codemod`, and the changes the codemod recorded (one sentence each)."""
+    """``codemod`` run on ``source`` (its target's text); what it recorded is
+    added to ``said``. LibCST keeps every byte outside the edited nodes; a
+    byte-order mark, which LibCST drops, is put back."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
     context = Context(codemod.TARGET, {TREE_READER: read_tree_file})
     code = codemod(context).transform_module(module).code
-    return bom + code, tuple(context.scratch.get(CHANGES, ()))
+    if said is not None:
+        said += context.scratch.get(CHANGES, ())
+    return bom + code

@@ -1,14 +1,10 @@
 """Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
 
-``choose`` picks the patches and settles exclusivity from the trees' backups (no
-plan of another patch); ``plan`` runs each edit's codemod once, in memory;
-``apply(tree, plan)`` writes exactly that plan, or refuses when the tree changed
-since. Every tree keeps plain copies of the originals (``backup``: in the tree,
-in a checkout's ``.git``), written before the sources, so ``revert`` gives the
-bytes back and the inverse codemods, used where there is no copy, need only be
-right in meaning. Each file is replaced atomically (``files.replace_at``): a
-kill between two files leaves a tree ``check`` reports as ``partly applied``,
-the next ``apply`` completes and ``revert`` undoes. One writer at a time.
+``choose`` settles which patches (exclusivity from the trees' backups);
+``plan`` runs each edit's codemod once, in memory; ``apply(tree, plan)``
+writes exactly that plan, or refuses when the tree changed since. The
+originals go to a backup first, so ``revert`` gives the bytes back and the
+inverse codemods, used where there is no copy, need only be right in meaning.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ import difflib
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,10 +29,8 @@ from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
 
 Direction = Literal["apply", "revert"]
-Text = str | None
-"""A file's text; None: the file is absent (an edit with ``create = true``)."""
-TESTS_FOLDER = "tests"
-"""A tree with this folder beside ``vllm/`` (a checkout) also gets the test edits."""
+Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
+TESTS_FOLDER = "tests"  # beside ``vllm/`` (a checkout): the test edits too
 RESTORED = "Restored from the backup."
 
 
@@ -45,12 +40,9 @@ class EditPlan:
     before: Text = None
     after: Text = None
     error: PatchError | None = None
-    said: tuple[str, ...] = ()
-    """What the codemod changed, one sentence each (see ``TreeCodemod.record``)."""
-    skipped: PatchError | None = None
-    """Why an optional edit is left out (its file is missing or unrecognised)."""
-    own: str | None = None
-    """What vLLM's own form of the change in the file is (``VllmHasItsOwn``)."""
+    said: tuple[str, ...] = ()  # what the codemod changed (``TreeCodemod.record``)
+    skipped: PatchError | None = None  # why an optional edit is left out
+    own: str | None = None  # vLLM's own form of the change (``VllmHasItsOwn``)
 
     @property
     def file(self) -> str:
@@ -82,11 +74,10 @@ class PatchPlan:
     direction: Direction
     version: Version | None
     edits: tuple[EditPlan, ...]
-    error: PatchError | None = None
-    """A whole-patch refusal (the version out of range)."""
+    error: PatchError | None = None  # a whole-patch refusal (version out of range)
     warnings: tuple[str, ...] = ()
     sources: Mapping[str, Text] = field(default_factory=dict, repr=False)
-    """Every file the plan read: a plan is written only while the tree holds these."""
+    """Every file the plan read: it is written only while the tree holds these."""
 
     @property
     def errors(self) -> list[PatchError]:
@@ -106,8 +97,7 @@ class PatchPlan:
 
     @property
     def in_vllm(self) -> bool:
-        """vLLM has its own form of the change in a file: the patch, which
-        would not be this tool's alone, writes nothing."""
+        """vLLM has its own form of the change in a file: the patch writes nothing."""
         return any(e.own for e in self.edits)
 
     @property
@@ -141,7 +131,7 @@ class PatchPlan:
                 "summary": e.edit.summary,
                 "status": e.status(self.direction),
                 "reason": e.reason,
-                "changes": list(e.said) if e.changes else [],
+                "changes": list(e.said),
             }
             for e in self.edits
         ]
@@ -177,10 +167,9 @@ def _diff(rel: str, before: Text, after: Text) -> str:
 def choose(
     tree: VllmTree, names: list[str] | None, direction: Direction = "apply"
 ) -> list[Patch]:
-    """The patches a command acts on: the named ones, else the tree's defaults
-    (``patchset.is_default``); a plain revert also takes every patch in range
-    whose edits apply left in the tree. Apply refuses a patch while one it
-    excludes is there (its backup holds a file the tree still has as patched)."""
+    """The named patches, else the tree's defaults (a plain revert: also those
+    its backups show applied). A patch is refused while one it excludes is
+    applied (its backup holds a file the tree still has as patched)."""
     version = read_version(tree)
     if direction == "revert":
         if names:
@@ -215,9 +204,8 @@ def choose(
 
 def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
     """Each patch planned under a shared lock: never on a write half done."""
-    if tree.is_wheel:
-        return [plan(tree, p, **kw) for p in patches]
-    with locked(tree.location, shared=True):
+    lock = nullcontext() if tree.is_wheel else locked(tree.location, shared=True)
+    with lock:
         return [plan(tree, p, **kw) for p in patches]
 
 
@@ -228,8 +216,8 @@ def plan(
     *,
     force: bool = False,
 ) -> PatchPlan:
-    """What ``direction`` would do to ``tree``; nothing is written. A revert
-    takes each file still as apply left it from the backup."""
+    """What ``direction`` would do to ``tree``, written nowhere. A revert takes
+    each file still as apply left it from the backup."""
     version = read_version(tree)
     warnings: list[str] = []
     if version is None:
@@ -264,14 +252,14 @@ def plan(
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
-    """Each edit planned; ``sources`` collects every file read."""
+    """Each edit planned (edits to one file chain); ``sources`` gets every file read."""
 
     def read(rel: str) -> Text:
         if rel not in sources:
             sources[rel] = tree.read_text(rel) if tree.exists(rel) else None
         return sources[rel]
 
-    texts: dict[str, Text] = {}  # files as edited so far: edits to one file chain
+    texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
         if edit.optional and not (edit.create or tree.exists(edit.file)):
             yield EditPlan(
@@ -302,23 +290,24 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
 
 def _edit(edit: Edit, direction, before: Text, read):
     """(the text after ``edit``, what it changed), from its codemod: run once."""
-    from patcher.codemod import run_codemod_described as run  # LibCST: only here
+    from patcher.codemod import run_codemod  # LibCST: only here
 
+    said: list[str] = []
     if direction == "apply":
-        return run(edit.apply, before or "", read)
+        return run_codemod(edit.apply, before or "", read, said), tuple(said)
     if before is None:
         return None, ()
-    if edit.create and before == run(edit.apply, "", read)[0]:
+    if edit.create and before == run_codemod(edit.apply, "", read):
         return None, ("Deleted the file apply created.",)
-    return run(edit.revert, before, read)
+    return run_codemod(edit.revert, before, read, said), tuple(said)
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """Where the originals are kept: in the tree, or in a checkout's own git
-    directory (a ``.git`` folder: a linked work tree has none, and no backup)."""
+    """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
+    whose ``.git`` is a file, has none), else in the tree."""
     if tree.is_wheel:
         return None
-    git = ".git" if tree.kind == "checkout" else "."
+    git = ".git" if tree.is_checkout else "."
     if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
     files = frozenset(e.file for e in patch.edits + patch.test_edits)
@@ -326,8 +315,8 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
-    """relpath -> original text, for each file the tree still holds as apply
-    left it and has an intact backup copy of; and what is wrong with the backup."""
+    """relpath -> original text of each file still as apply left it with an
+    intact backup copy; and what is wrong with the backup."""
     backup = _backup(tree, patch)
     entries, problems = backup.read() if backup else ({}, [])
     return {
@@ -345,8 +334,8 @@ def _restorable(tree: VllmTree, patch: Patch) -> bool:
 
 @contextlib.contextmanager
 def nothing_changed_on_error() -> Iterator[None]:
-    """A system error (a full disk, an I/O error) before any source is written:
-    one message that says the tree is as it was."""
+    """A system error (full disk, I/O) before any source is written: one
+    message that says the tree is as it was."""
     try:
         yield
     except OSError as exc:
@@ -375,9 +364,8 @@ def writing(tree: VllmTree):
 
 
 def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
-    """Write ``planned`` (an apply plan of ``tree``) as it is: the originals to
-    the backup first, then each changed file. A tree that no longer holds what
-    the plan read is refused, never planned again here."""
+    """Write ``planned`` as it is: the originals to the backup first, then each
+    changed file; refused when the tree no longer holds what the plan read."""
     refuse_wheel(tree.location, "apply to")
     if planned.errors:
         raise planned.errors[0]
@@ -403,8 +391,8 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
 
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
-    """Undo ``patch``: each file still as apply left it from its backup copy,
-    every other file by the inverse edits; then the backup is deleted."""
+    """Undo ``patch`` (from the backup, else by the inverse edits); then the
+    backup is deleted."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
         with nothing_changed_on_error():
@@ -443,7 +431,7 @@ def _clean(tree: VllmTree, patch: Patch) -> None:
 
 
 def _still_current(tree: VllmTree, p: PatchPlan) -> None:
-    """Refuse when ``tree`` no longer holds the version and every file ``p`` read."""
+    """Refused unless ``tree`` still holds ``p``'s version and every file it read."""
     try:
         same = read_version(tree) == p.version and all(
             (tree.read_text(rel) if tree.exists(rel) else None) == text
@@ -477,7 +465,7 @@ def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
 
 
 def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
-    """Each file replaced (or deleted) on its own; a failure says how far it got."""
+    """Each file replaced (or deleted); a failure says how far it got."""
     for done, (rel, (_, after)) in enumerate(changes.items()):
         try:
             if after is None:

@@ -1,5 +1,5 @@
-"""Errors the engine reports, and the exit codes they map to (``ExitCode``: the
-one home of ``vllm-patch``'s exit codes, for ``--help`` and ``docs/cli.md``)."""
+"""Errors the engine reports, and ``ExitCode``: the one home of ``vllm-patch``'s
+exit codes, for ``--help`` and ``docs/cli.md``."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import sys
 
 
 class ExitCode(enum.IntEnum):
-    short: str
-    """For ``--help``."""
-    meaning: str
-    """For the table in ``docs/cli.md``."""
+    short: str  # for ``--help``
+    meaning: str  # for the table in ``docs/cli.md``
 
     def __new__(cls, value: int, short: str, meaning: str) -> ExitCode:
         member = int.__new__(cls, value)
@@ -55,8 +53,8 @@ class ExitCode(enum.IntEnum):
 
 
 def printable(text: str | os.PathLike) -> str:
-    """A path (or a message holding one) as it can be printed anywhere: bytes a
-    file name has that are not UTF-8 become ``\\xNN`` instead of failing to print."""
+    """A path (or a message holding one) printable anywhere: non-UTF-8 bytes of
+    a file name become ``\\xNN``."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 
@@ -89,19 +87,13 @@ class PatchError(Exception):
         return {"error": doc}
 
 
-class ReadError(PatchError):
-    """A file that exists but could not be read for a reason of the system (too
-    many open files, an I/O error): never taken for a damaged or missing file."""
-
-
 class UsageError(PatchError):
     exit_code = ExitCode.USAGE
 
 
 class VllmHasItsOwn(Exception):
-    """Raised by a codemod whose file already has vLLM's own form of the change,
-    not the one this tool writes: apply and revert leave the file as it is, and
-    ``check`` says so and exits 0. The message says what vLLM has."""
+    """A codemod's file has vLLM's own form of the change, not this tool's: apply
+    and revert leave it, ``check`` says so and exits 0."""
 
 
 class ShapeNotRecognised(PatchError):

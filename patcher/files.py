@@ -1,13 +1,11 @@
 """Every file vllm-patch reads or writes in a tree, or that the user names.
 
-A path is derived by the tool, resolved (links followed) and checked to lie
-inside its bases (:func:`inside`); then each folder on the resolved path is
-opened with O_NOFOLLOW, one at a time from ``/`` (:func:`open_dir`), and the file
-relative to the last one. A link swapped in after the check (a file or a whole
-folder) makes the open fail instead of leading elsewhere. Reads take regular
-files only, bounded, never blocking; writes create a new file exclusively beside
-the target, fsync it and rename it over the target in the same opened folder
-(:func:`replace_at`), so a hard-linked copy of the file is never written through.
+A path is resolved and checked to lie inside its bases (:func:`inside`); then
+each folder on it is opened with O_NOFOLLOW from ``/`` (:func:`open_dir`), so a
+link swapped in after the check fails the open. Reads take regular files only,
+bounded, never blocking; a write creates a new file beside the target, fsyncs
+it and renames it over the target (:func:`replace_at`): a hard-linked copy of
+the file is never written through.
 """
 
 from __future__ import annotations
@@ -22,13 +20,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from patcher.errors import PatchError, ReadError, UsageError, printable
+from patcher.errors import PatchError, UsageError, printable
 
+# The largest file read from a tree or a wheel: vLLM's largest source is about
+# 0.3 MB, and LibCST takes about 265 times a file's size to parse it.
 MAX_FILE_BYTES = 2 << 20
-"""The largest file read from a tree or a wheel (2 MiB; vLLM's largest source is
-about 0.3 MB, and LibCST takes about 265 times a file's size to parse it)."""
-NEW = ".vllm-patch.new"
-"""The suffix of the new file :func:`replace_at` writes before its rename."""
+NEW = ".vllm-patch.new"  # the suffix of the file replace_at renames
 _KINDS = {"DIR": "a directory", "FIFO": "a FIFO (named pipe)", "SOCK": "a socket",
           "CHR": "a character device", "BLK": "a block device",
           "LNK": "a symbolic link", "REG": "a regular file"}  # fmt: skip
@@ -55,10 +52,11 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
     )
 
 
-def open_dir(folder: Path, make_below: Path | None = None) -> int:
-    """A file descriptor of the resolved ``folder``, each component opened with
-    O_NOFOLLOW: ``PatchError`` if one is (now) a link. Missing folders below
-    ``make_below`` are made on the way."""
+@contextlib.contextmanager
+def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
+    """A descriptor of the resolved ``folder``, each component opened with
+    O_NOFOLLOW (a link: ``PatchError``); missing folders below ``make_below``
+    are made. Closed on leaving."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     fd = os.open("/", flags)
     here = Path("/")
@@ -81,18 +79,18 @@ def open_dir(folder: Path, make_below: Path | None = None) -> int:
                 ) from exc
             os.close(fd)
             fd = nxt
-    except BaseException:
+        yield fd
+    finally:
         os.close(fd)
-        raise
-    return fd
 
 
 def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file at the resolved ``path``, opened through
-    :func:`open_dir` (no link, FIFO or device; at most ``limit`` bytes)."""
-    dfd = open_dir(path.parent)
+    """The bytes of the regular file at the resolved ``path`` (no link, FIFO or
+    device; at most ``limit`` bytes)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
     try:
-        fd = os.open(path.name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+        with open_dir(path.parent) as dfd:
+            fd = os.open(path.name, flags, dir_fd=dfd)
     except FileNotFoundError as exc:
         raise PatchError(
             "file not found", path=str(path), looked_for=what, found="no such file"
@@ -101,10 +99,8 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
         found = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
         if exc.errno not in found:
             msg = f"cannot read (open: {exc.strerror})"
-            raise ReadError(msg, path=str(path)) from exc
+            raise PatchError(msg, path=str(path)) from exc
         raise _not_regular(path, what, found[exc.errno]) from exc
-    finally:
-        os.close(dfd)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -112,7 +108,7 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
         with os.fdopen(os.dup(fd), "rb") as fh:
             data = fh.read(limit + 1)  # a file growing while read is caught too
     except OSError as exc:
-        raise ReadError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
+        raise PatchError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
     finally:
         os.close(fd)
     if len(data) > limit:
@@ -126,8 +122,8 @@ def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
 
 
 def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
-    """``data`` as UTF-8, with no NUL byte unless ``nul`` (then the codemod's
-    parser says where it is)."""
+    """``data`` as UTF-8, with no NUL byte unless ``nul`` (the parser then says
+    where it is)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -154,12 +150,9 @@ def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
 
 
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
-    """Give the resolved ``path`` the content ``data``: a new file created
-    exclusively beside it, fsynced, renamed over it in the same opened folder.
-    An existing target must be a regular file (its mode is kept); a link, FIFO
-    or folder there is refused, never written through."""
-    dfd = open_dir(path.parent, make_below)
-    try:
+    """Give the resolved ``path`` the content ``data`` by rename (see above); an
+    existing target must be a regular file, whose mode is kept."""
+    with open_dir(path.parent, make_below) as dfd:
         try:
             st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
@@ -182,24 +175,21 @@ def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> No
                 os.unlink(tmp, dir_fd=dfd)
             raise
         os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def remove_at(path: Path, *, leftovers: bool = False) -> None:
-    """Delete what is at the resolved ``path`` (a folder with what it holds; a
-    link itself, never what it leads to), or with ``leftovers`` the new files an
-    interrupted :func:`replace_at` of it left beside it."""
-    with contextlib.suppress(FileNotFoundError, PatchError):
-        dfd = open_dir(path.parent)
-        try:
-            if not leftovers:
-                _remove(path.name, dfd)
-            for name in os.listdir(dfd) if leftovers else ():
-                if name.startswith(f".{path.name}.") and name.endswith(NEW):
-                    _remove(name, dfd)
-        finally:
-            os.close(dfd)
+    """Delete what is at the resolved ``path`` (a folder with its contents; a
+    link, not its target), or with ``leftovers`` what an interrupted
+    :func:`replace_at` of it left beside it."""
+    with (
+        contextlib.suppress(FileNotFoundError, PatchError),
+        open_dir(path.parent) as dfd,
+    ):
+        if not leftovers:
+            _remove(path.name, dfd)
+        for name in os.listdir(dfd) if leftovers else ():
+            if name.startswith(f".{path.name}.") and name.endswith(NEW):
+                _remove(name, dfd)
 
 
 def _remove(name: str, dfd: int) -> None:
@@ -216,23 +206,20 @@ def _remove(name: str, dfd: int) -> None:
 
 
 _waited: set[Path] = set()
-_writing: set[str] = set()
-"""The trees this process holds the writer's lock on."""
+_writing: set[str] = set()  # the trees this process holds the writer's lock on
 
 
 @contextlib.contextmanager
 def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
-    """One writer at a time on a tree, or readers beside each other (``shared``):
-    a ``flock`` on the tree's root folder, which creates no file and which the
-    kernel drops when its holder dies. Waiting is said once per tree. Inside
-    the writer's lock the process takes it again at no cost (plan, then write)."""
+    """One writer at a time on a tree, or readers beside each other: a ``flock``
+    on its root folder (no file made; dropped when its holder dies). Inside
+    the writer's lock the process takes it again at no cost."""
     real = os.path.realpath(root)
     if real in _writing:
         yield
         return
-    fd = open_dir(Path(real))
     how = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    try:
+    with open_dir(Path(real)) as fd:
         try:
             fcntl.flock(fd, how | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -246,17 +233,15 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
             fcntl.flock(fd, how)
         if not shared:
             _writing.add(real)
-        yield
-    finally:
-        _writing.discard(real)
-        os.close(fd)
+        try:
+            yield
+        finally:
+            _writing.discard(real)
 
 
 def write_output(path: Path, data: bytes | str) -> Path:
-    """Write a file the user named (``--out``, ``--format-patch``, a report in
-    ``bench --out``): its folder is the user's choice, but a link, FIFO or other
-    non-regular file found at the name itself is refused, never written through;
-    a regular file there is replaced by rename."""
+    """Write a file the user named (``--out``): the folder is the user's choice;
+    anything but a regular file at the name is refused, never written through."""
     path = Path(path)
     parent = Path(os.path.realpath(path.parent))
     replace_at(parent / path.name, data.encode() if isinstance(data, str) else data)
@@ -264,8 +249,8 @@ def write_output(path: Path, data: bytes | str) -> Path:
 
 
 def output_dir(path: Path) -> Path:
-    """A folder the user named for outputs: made if missing; refused when the
-    name is a link or not a folder (whoever planted it chooses where it leads)."""
+    """A folder the user named for outputs, made if missing; a link or non-folder
+    there is refused (whoever planted it chooses where it leads)."""
     path = Path(path)
     with contextlib.suppress(FileExistsError, NotADirectoryError):
         path.mkdir(parents=True, exist_ok=True)
@@ -281,9 +266,8 @@ def output_dir(path: Path) -> Path:
 
 
 def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) -> Path:
-    """``path`` for an output of a command on the work tree ``root``: outside
-    it (``but`` excepted), and no link or special file (for a ``folder``,
-    anything but a folder) planted at the name."""
+    """``path`` for an output of a command on the work tree ``root``: outside it
+    (``but`` excepted), no link or special file planted at the name."""
     real = path.parent.resolve() / path.name
     if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
         raise UsageError(f"{what} must be outside the work tree", path=str(path))
@@ -299,9 +283,8 @@ def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) ->
 
 
 def own_paths(root: Path, files: list[str]) -> None:
-    """Each of ``files`` at its own path below ``root``, no link on the way:
-    the engine follows a link that stays in the tree, but git commits the link,
-    not the edit."""
+    """Each of ``files`` at its own path below ``root``, no link on the way (git
+    would commit the link, not the edit)."""
     real = Path(os.path.realpath(root))
     for rel in files:
         found = Path(os.path.realpath(root / rel))
@@ -316,16 +299,11 @@ def own_paths(root: Path, files: list[str]) -> None:
             )
 
 
-# --- Data a command reads from a checkout (the CI YAML, the PR template, the
-# ruff settings): no link anywhere below the checkout's root, or it is refused.
-
-
 def read_text_in(
     root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
 ) -> str | None:
-    """``rel`` below the resolved ``root`` as :func:`read_text_at` reads it (so
-    a link on the way is refused, not followed); None when there is no such
-    file (or no ``root``)."""
+    """Data read from a checkout (CI YAML, PR template): ``rel`` below ``root``
+    as :func:`read_text_at` reads it; None without such a file (or ``root``)."""
     if root is None:
         return None
     path = Path(os.path.realpath(root)) / rel

@@ -1,11 +1,8 @@
-"""The carried patches: one folder each under ``patches/``, described by its
-``patch.toml``, and which of them a tree gets. Nothing here knows what a patch
-changes.
+"""The carried patches (``patches/<name>/patch.toml``) and which a tree gets.
 
-``vllm`` is where a patch can apply at all; ``default`` (optional), where a plain
-``apply``/``check``/``list`` picks it; ``replaces = "OTHER"`` (optional) makes it
-the default wherever OTHER is not, and the two exclusive (``engine`` refuses one
-on a tree that has the other, fully or half applied).
+``vllm`` is where a patch can apply; ``default`` (optional), where a plain
+``apply``/``check``/``list`` picks it; ``replaces = "OTHER"`` makes it the
+default wherever OTHER is not, and the two exclusive.
 """
 
 from __future__ import annotations
@@ -37,19 +34,18 @@ def _load_object(ref: str) -> Any:
 
 @dataclass(frozen=True)
 class Edit:
-    """One file's change: the codemod that makes it and the one that undoes it,
-    named as ``module:Class`` and imported (with LibCST) only when a plan runs."""
+    """One file's change: its codemod and the inverse, as ``module:Class``,
+    imported (with LibCST) only when a plan runs."""
 
-    file: str
-    """The file it edits, relative to the tree root (each codemod's ``TARGET``)."""
+    file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
     revert_ref: str
+    # An edit to vLLM's tests: made only where the tree has them, left out
+    # (with the reason) where its file is missing or has another shape.
     optional: bool = False
-    """An edit to vLLM's own tests: made only where the tree has them, and left
-    out, with the reason, where its file is missing or has another shape."""
+    # The file may be absent: the codemod gets an empty module, and revert
+    # deletes the file when it holds exactly what apply wrote.
     create: bool = False
-    """The file may be absent: the codemod then gets an empty module, and revert
-    deletes the file when it holds exactly what apply wrote."""
 
     @property
     def apply(self) -> type:
@@ -61,8 +57,10 @@ class Edit:
 
     @property
     def summary(self) -> str:
-        """The first line of the apply codemod's ``DESCRIPTION`` (imports it)."""
         return self.apply.DESCRIPTION.strip().splitlines()[0]
+
+    def to_json(self) -> dict[str, str]:
+        return {"file": self.file, "summary": self.summary}
 
 
 @dataclass(frozen=True)
@@ -72,18 +70,14 @@ class Patch:
     versions: SpecifierSet
     edits: tuple[Edit, ...]
     folder: Path
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
-    """The whole ``patch.toml``, for the tools that need more (provider, PR text)."""
-    test_edits: tuple[Edit, ...] = ()
-    """Edits to vLLM's own tests (``[[test_edits]]``), all optional."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)  # patch.toml
+    test_edits: tuple[Edit, ...] = ()  # ``[[test_edits]]``, all optional
     default: SpecifierSet | None = None
     replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """The out-of-tree provider of the ``[provider]`` table, or None: the
-        table, ``patch``, and what its ``identity`` module (default: ``module``)
-        declares (``name`` from ``PROVIDER``, ``ops``, ``opt_in_env``,
-        ``upstream`` from ``UPSTREAM_PROVIDER``); that module is imported."""
+        """The ``[provider]`` table, or None, with ``patch`` and what its
+        ``identity`` module (default: ``module``, imported) declares."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
@@ -107,10 +101,8 @@ class Patch:
             "vllm": str(self.versions),
             "default": None if self.default is None else str(self.default),
             "replaces": self.replaces,
-            "edits": [{"file": e.file, "summary": e.summary} for e in self.edits],
-            "test_edits": [
-                {"file": e.file, "summary": e.summary} for e in self.test_edits
-            ],
+            "edits": [e.to_json() for e in self.edits],
+            "test_edits": [e.to_json() for e in self.test_edits],
         }
 
 
@@ -153,7 +145,7 @@ def load_patch(folder: Path) -> Patch:
 
 def declared_file(codemod: type) -> str | None:
     """The file ``codemod`` edits, from the ``patch.toml`` beside its module
-    (None for a class no patch lists, e.g. a shared base class)."""
+    (None for a class no patch lists)."""
     module = sys.modules[codemod.__module__]
     ref = f"{codemod.__module__}:{codemod.__qualname__}"
     meta_file = Path(module.__file__ or "").with_name("patch.toml")
@@ -192,8 +184,8 @@ def select(names: list[str] | None) -> list[Patch]:
 def is_default(
     patch: Patch, version: Version | None, ranged: bool = True
 ) -> tuple[bool, str]:
-    """Whether a plain ``apply`` picks ``patch`` for a tree of ``version`` (None:
-    unknown), and why, in words; ``ranged=False`` leaves its range out."""
+    """Whether a plain ``apply`` picks ``patch`` for ``version`` (None: unknown),
+    and why; ``ranged=False`` leaves its range out."""
     shown = f"vLLM {version}" if version else "an unknown vLLM version"
     if ranged and not patch.covers(version):
         return False, f"{shown} is outside its range {patch.versions}"
@@ -212,8 +204,8 @@ def is_default(
 
 
 def defaults(version: Version | None) -> list[Patch]:
-    """The patches a plain ``apply``/``check``/``list`` picks for ``version``;
-    where none does, those that would but for their range (which refuse it)."""
+    """The patches a plain ``apply`` picks for ``version``; where none does,
+    those that would but for their range (which then refuse it)."""
     patches = all_patches()
     return [p for p in patches if is_default(p, version)[0]] or [
         p for p in patches if is_default(p, version, ranged=False)[0]
@@ -230,7 +222,6 @@ def exclusive_with(patch: Patch) -> list[Patch]:
     ]
 
 
-def provider_specs(patches: list[Patch] | None = None) -> list[dict[str, Any]]:
-    """:meth:`Patch.provider` of every patch (default: all) that declares one."""
-    found = (p.provider() for p in (all_patches() if patches is None else patches))
-    return [spec for spec in found if spec is not None]
+def provider_specs() -> list[dict[str, Any]]:
+    """:meth:`Patch.provider` of every patch that declares one."""
+    return [spec for p in all_patches() if (spec := p.provider()) is not None]

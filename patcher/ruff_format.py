@@ -1,25 +1,20 @@
-"""Lay out Python source the way vLLM's ``ruff format`` does.
-
-The ruff that runs is the one this project pins (``pyproject.toml``, a
-dependency, so it is there with or without ruff in a vLLM checkout), with
-vLLM's settings: 88 columns, Python 3.10. Codemods use it to emit the
-statements they edit already formatted, so ``apply``, ``diff``, the rendered
-patches and ``pr`` all show the same lines. Ruff reads the source on stdin,
-``--isolated`` (no settings file of any folder) and ``--no-cache``: it reads and
-writes no file.
+"""Lay out Python source as vLLM's ``ruff format`` does (88 columns, Python
+3.10), with the ruff this project pins, so ``apply``, ``diff`` and ``pr`` show
+the same lines. ``--isolated --no-cache``, source on stdin: no file is read
+or written.
 """
 
 from __future__ import annotations
 
 import subprocess
+import textwrap
 from functools import cache, lru_cache
 
 import libcst as cst
 
 from patcher.errors import PatchError
 
-# vLLM's pyproject.toml [tool.ruff]: line-length = 88; it targets Python 3.10.
-LINE_LENGTH = 88
+LINE_LENGTH = 88  # vLLM's pyproject.toml [tool.ruff]
 VLLM_SETTINGS = ("--line-length", str(LINE_LENGTH), "--target-version", "py310")
 
 
@@ -46,23 +41,11 @@ def format_source(source: str, indent: str = "    ") -> str:
         style = ["--config", 'format.indent-style="tab"']
     else:
         style = ["--config", f"indent-width={len(indent)}"]
-    return _ruff(
-        [
-            ruff_binary(),
-            "format",
-            "--isolated",
-            "--no-cache",
-            *VLLM_SETTINGS,
-            *style,
-            "-",
-        ],
-        source,
-    )
-
-
-def _ruff(cmd: list[str], stdin: str) -> str:
+    cmd = [ruff_binary(), "format", "--isolated", "--no-cache", *VLLM_SETTINGS]
     # Bytes in and out: text mode would translate the file's line endings.
-    done = subprocess.run(cmd, input=stdin.encode(), capture_output=True, check=False)
+    done = subprocess.run(
+        [*cmd, *style, "-"], input=source.encode(), capture_output=True, check=False
+    )
     if done.returncode != 0:
         raise PatchError(
             "ruff format failed",
@@ -91,9 +74,9 @@ def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
     """A class member written at column 0 (``source``), laid out as ruff lays it
     out inside a class of ``module`` (its indentation and line endings)."""
-    lines = source.splitlines(keepends=True)
-    indented = "".join(f"    {line}" if line.strip() else line for line in lines)
-    out = format_source(f"class _:\n{indented}", module.default_indent)
+    out = format_source(
+        f"class _:\n{textwrap.indent(source, '    ')}", module.default_indent
+    )
     out = out.replace("\n", module.default_newline)  # ruff kept the "\n" it got
     klass = cst.parse_statement(out, config=module.config_for_parsing)
     return klass.body.body[0]

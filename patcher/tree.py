@@ -1,6 +1,5 @@
-"""Find a vLLM source tree and read its files: a directory that holds the
-``vllm/`` package (a git checkout, site-packages, an unpacked wheel) or a
-``.whl`` file, which is read-only."""
+"""A vLLM tree: a directory holding ``vllm/`` (a git checkout, site-packages,
+an unpacked wheel) or a ``.whl`` file, read-only."""
 
 from __future__ import annotations
 
@@ -23,22 +22,16 @@ MARKER = "vllm/__init__.py"
 
 @dataclass(frozen=True)
 class VllmTree:
-    location: Path
-    """The directory that contains ``vllm/``, or the ``.whl`` file."""
+    location: Path  # the directory that holds ``vllm/``, or the ``.whl`` file
 
     @property
     def is_wheel(self) -> bool:
         return self.location.suffix == ".whl"
 
     @property
-    def kind(self) -> str:
-        """``wheel``, ``checkout`` (a git work tree), ``installed`` (has dist-info
-        beside ``vllm/``: site-packages or an unpacked wheel) or ``directory``."""
-        if self.is_wheel:
-            return "wheel"
-        if os.path.lexists(self.location / ".git"):
-            return "checkout"
-        return "installed" if self.dist_info is not None else "directory"
+    def is_checkout(self) -> bool:
+        """A git work tree (its ``.git`` a folder, or a file: a linked one)."""
+        return not self.is_wheel and os.path.lexists(self.location / ".git")
 
     @cached_property
     def dist_info(self) -> Path | None:
@@ -56,7 +49,6 @@ class VllmTree:
         return f"{self.location}{'!/' if self.is_wheel else '/'}{relpath}"
 
     def _wheel(self) -> zipfile.ZipFile:
-        """The wheel, opened; a file that is not a readable zip is refused."""
         try:
             mode = os.stat(self.location).st_mode
         except OSError as exc:
@@ -97,8 +89,7 @@ class VllmTree:
         return inside(self.location, relpath, what="a symbolic link")
 
     def read_bytes(self, relpath: str) -> bytes:
-        """A file's bytes (at most ``MAX_FILE_BYTES``). A link in a directory
-        tree is followed only while it stays inside the tree."""
+        """A file's bytes, bounded; a link is followed only inside the tree."""
         looked_for = f"{relpath} in the vLLM tree"
         if not self.is_wheel:
             return read_at(self.real(relpath), looked_for)
@@ -129,7 +120,6 @@ class VllmTree:
         return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
 
     def metadata(self) -> str | None:
-        """The dist-info ``METADATA`` of an installed tree or a wheel."""
         if self.is_wheel:
             found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
         elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
@@ -140,10 +130,9 @@ class VllmTree:
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
-    """A copy of an installed tree's ``vllm/`` package, its dist-info and bundled
-    libraries under ``dest``, file by file hard links where the file system
-    allows. Instant, and safe to patch: the engine replaces files by rename,
-    which never writes through a link to the original."""
+    """An installed tree's ``vllm/``, dist-info and bundled libraries under
+    ``dest`` as hard links where the file system allows: instant, and safe to
+    patch (the engine replaces files by rename)."""
 
     def link(src: str, dst: str) -> None:
         try:
@@ -162,8 +151,8 @@ def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
 
 
 def refuse_wheel(location: Path, verb: str) -> None:
-    """``apply``/``revert`` take a directory: a ``.whl`` path is a usage error,
-    whether or not the file is a good zip (it is never opened)."""
+    """A ``.whl`` path given to ``apply``/``revert`` is a usage error (the file
+    is never opened)."""
     if location.suffix == ".whl":
         raise UsageError(
             f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
@@ -173,8 +162,8 @@ def refuse_wheel(location: Path, verb: str) -> None:
 
 
 def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTree:
-    """The tree named on the command line, or the vLLM of this interpreter.
-    ``writing`` (a verb: "apply to", "revert") refuses a ``.whl`` before reading it."""
+    """The tree named on the command line, or this interpreter's vLLM; with
+    ``writing`` (a verb: "revert") a ``.whl`` is refused before it is read."""
     if spec is None:
         # find_spec on a top-level name locates the package without running it.
         found = importlib.util.find_spec("vllm")

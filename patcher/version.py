@@ -1,5 +1,5 @@
-"""Read the version of a vLLM tree without importing it: from
-``vllm/_version.py``, else the dist-info, else the wheel's name."""
+"""A vLLM tree's version, without importing it: ``vllm/_version.py``, else the
+dist-info, else the wheel's name."""
 
 from __future__ import annotations
 

@@ -128,8 +128,8 @@ def test_lines_other_than_the_edit_are_byte_identical(tree: Path) -> None:
         b"GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu()\n",
         b"rms_no_var_size = lambda x, weight, epsilon, variance_size=None:"
         b" variance_size is None\n",
-        b"    supports_args=lambda x, x_residual, weight, epsilon,"
-        b" variance_size=None: True,\n",
+        b"rms_add_no_var_size = lambda x, x_residual, weight, epsilon,"
+        b" variance_size=None: True\n",
     ]
     assert all(len(line.rstrip(b"\n")) <= 88 for line in after)
 

@@ -304,17 +304,26 @@ def test_remove(vllm_c: str, before: str, after: str) -> None:
     assert run_codemod(RemoveCpuIrOpPriority, before, read) == before
 
 
-VLLMS_OWN = (
-    CASES[0]
-    .values[1]
-    .replace(
-        "    @classmethod\n    def check_and_update_config",
-        "    @classmethod\n"
-        '    def get_default_ir_op_priority(cls, vllm_config) -> "IrOpPriorityConfig":\n'
-        '        return IrOpPriorityConfig.with_default(["vllm_c", "native"])\n\n'
-        "    @classmethod\n    def check_and_update_config",
-    )
-)
+VLLMS_OWN = """
+from typing import TYPE_CHECKING
+
+from .interface import Platform
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.kernel import IrOpPriorityConfig
+
+
+class CpuPlatform(Platform):
+    @classmethod
+    def get_default_ir_op_priority(cls, vllm_config) -> "IrOpPriorityConfig":
+        return IrOpPriorityConfig.with_default(["vllm_c", "native"])
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        if vllm_config.compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            backend = "eager" if envs.VLLM_CPU_CI_ENV else "inductor"
+"""
 
 
 @pytest.mark.parametrize("codemod", [AddCpuIrOpPriority, RemoveCpuIrOpPriority])

@@ -145,13 +145,16 @@ def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
         id="0.27-0.32: GPGPU_DEVICE, which only the norms use, gains `or IS_CPU`",
     ),
     pytest.param(
-        """
+        '''
 import torch
 
 from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+IS_ROCM = current_platform.is_rocm()
+"""ROCm needs shape normalization before calling some vLLM C kernels."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
     variance_size is None and (weight is None or weight.dtype == x.dtype)
@@ -164,14 +167,19 @@ rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
+rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None and (weight is None or weight.dtype == x.dtype)
+)
+
+
 @ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c",
-    supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: True,
+    supports_args=rms_add_no_var_size,
     supported=CUDA_ALIKE,
     inplace=True,
 )
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
-""",
+''',
         '''
 import torch
 
@@ -179,6 +187,9 @@ from vllm import ir
 from vllm.platforms import current_platform
 
 CUDA_ALIKE = current_platform.is_cuda_alike()
+"""Most kernels in this file are supported on all CUDA-alike platforms."""
+IS_ROCM = current_platform.is_rocm()
+"""ROCm needs shape normalization before calling some vLLM C kernels."""
 IS_CPU = current_platform.is_cpu()
 
 
@@ -235,23 +246,27 @@ RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 
 
+rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None: (
+    variance_size is None
+    and (weight is None or weight.dtype == x.dtype)
+    and (
+        not IS_CPU
+        or (
+            weight is not None
+            and x.dtype in CPU_ADD_DTYPES
+            and weight.dtype == x.dtype
+            and x.shape[-1] % 8 == 0
+            and x.is_contiguous()
+            and x_residual.dtype == x.dtype
+            and x_residual.is_contiguous()
+        )
+    )
+)
+
+
 @ir.ops.fused_add_rms_norm.register_impl(
     "vllm_c",
-    supports_args=lambda x, x_residual, weight, epsilon, variance_size=None: (
-        True
-        and (
-            not IS_CPU
-            or (
-                weight is not None
-                and x.dtype in CPU_ADD_DTYPES
-                and weight.dtype == x.dtype
-                and x.shape[-1] % 8 == 0
-                and x.is_contiguous()
-                and x_residual.dtype == x.dtype
-                and x_residual.is_contiguous()
-            )
-        )
-    ),
+    supports_args=rms_add_no_var_size,
     supported=RMS_NORM_DEVICE,
     inplace=True,
 )
@@ -345,84 +360,6 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 ''',
         id="0.20: rms_norm only; an older ruff's predicate comes out in ruff's layout",
     ),
-    pytest.param(
-        """
-import torch
-
-from vllm import ir
-from vllm.platforms import current_platform
-
-CUDA_ALIKE = current_platform.is_cuda_alike()
-
-
-@ir.ops.rms_norm.register_impl(
-    "vllm_c", supports_args=lambda x, w: a or b, supported=CUDA_ALIKE
-)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-""",
-        '''
-import torch
-
-from vllm import ir
-from vllm.platforms import current_platform
-
-CUDA_ALIKE = current_platform.is_cuda_alike()
-IS_CPU = current_platform.is_cpu()
-
-
-def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
-    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
-    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    if not current_platform.is_cpu():
-        return (), ()
-    current_platform.import_kernels()
-    if not hasattr(torch.ops._C, "rms_norm"):
-        return (), ()
-    arch = current_platform.get_cpu_architecture()
-    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
-    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = [torch.float32]
-    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
-        dtypes.append(torch.float16)
-    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
-        dtypes.append(torch.bfloat16)
-    # The fused add writes the residual back in bfloat16: builds that
-    # truncate float32 to bfloat16 there bias it, layer after layer.
-    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
-    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
-    return tuple(dtypes), tuple(add_dtypes)
-
-
-CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
-"""The dtypes in which the CPU kernels match native here, once per process."""
-
-
-RMS_NORM_DEVICE = CUDA_ALIKE or IS_CPU
-
-
-@ir.ops.rms_norm.register_impl(
-    "vllm_c",
-    supports_args=lambda x, w: (
-        (a or b)
-        and (
-            not IS_CPU
-            or (
-                w is not None
-                and x.dtype in CPU_DTYPES
-                and w.dtype == x.dtype
-                and x.shape[-1] % 8 == 0
-                and x.is_contiguous()
-            )
-        )
-    ),
-    supported=RMS_NORM_DEVICE,
-)
-def rms_norm(x, weight, epsilon, variance_size=None): ...
-''',
-        id="an `or` predicate keeps its meaning in parentheses",
-    ),
 ]
 
 
@@ -477,76 +414,149 @@ def test_crlf_round_trips() -> None:
     assert run_codemod(DisableVllmCOnCpu, after, READ) == before
 
 
-HEADER = """import torch
-from vllm import ir
-from vllm.platforms import current_platform
-
-CUDA_ALIKE = current_platform.is_cuda_alike()
-"""
-
-
 @pytest.mark.parametrize(
     "source,looked_for,found",
     [
         pytest.param(
-            HEADER + "IS_CPU = False\n"
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
-            "supports_args=lambda x, w: True)\n"
-            "def rms_norm(x): ...\n",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+IS_CPU = False
+check = lambda x, w: True
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check, supported=CUDA_ALIKE)
+def rms_norm(x): ...
+""",
             "IS_CPU unassigned, or `IS_CPU = current_platform.is_cpu()`",
             "IS_CPU = False",
             id="IS_CPU is something else",
         ),
         pytest.param(
-            HEADER + "X = 1\n",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+""",
             'register_impl("vllm_c"',
             "no such impl",
             id="no norm impls",
         ),
         pytest.param(
-            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c")\ndef rms_norm(x): ...\n',
-            "supported= in",
+            """import torch
+from vllm.platforms import current_platform
+
+check = lambda x, w: True
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check)
+def rms_norm(x): ...
+""",
+            "supported=NAME in",
             "none",
             id="no supported=",
         ),
         pytest.param(
-            'import torch\n@ir.ops.rms_norm.register_impl("vllm_c", supported=True, '
-            "supports_args=lambda x: True)\ndef rms_norm(x): ...\n",
+            """import torch
+
+check = lambda x, w: True
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check, supported=True)
+def rms_norm(x): ...
+""",
             "current_platform",
             "none",
             id="no current_platform",
         ),
         pytest.param(
-            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
-            "supports_args=make_check())\ndef rms_norm(x): ...\n",
-            "a lambda as the rms_norm impl's supports_args",
-            "make_check()",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+
+
+@ir.ops.rms_norm.register_impl(
+    "vllm_c", supports_args=lambda x, w: True, supported=CUDA_ALIKE
+)
+def rms_norm(x): ...
+""",
+            "supports_args=NAME in",
+            "lambda x, w: True",
+            id="supports_args written in the decorator",
+        ),
+        pytest.param(
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+check = make_check()
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check, supported=CUDA_ALIKE)
+def rms_norm(x): ...
+""",
+            "rms_norm's supports_args a module-level lambda",
+            "check",
             id="supports_args not a lambda",
         ),
         pytest.param(
-            HEADER + '@ir.ops.fused_add_rms_norm.register_impl("vllm_c", '
-            "supported=CUDA_ALIKE, supports_args=lambda x: True)\n"
-            "def fused_add_rms_norm(x): ...\n",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+check = lambda x: True
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c", supports_args=check, supported=CUDA_ALIKE
+)
+def fused_add_rms_norm(x): ...
+""",
             "taking its input tensors, then the weight",
-            "parameters ['x']",
+            "x",
             id="too few tensor parameters",
         ),
         pytest.param(
-            HEADER + '@ir.ops.rms_norm.register_impl("vllm_c", supported=CUDA_ALIKE, '
-            "supports_args=lambda x, w: True)\ndef rms_norm(x): ...\n"
-            '@ir.ops.fused_add_rms_norm.register_impl("vllm_c", '
-            "supported=current_platform.is_cuda(), supports_args=lambda x, r: True)\n"
-            "def fused_add_rms_norm(x): ...\n",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+IS_CUDA = current_platform.is_cuda()
+check = lambda x, w: True
+add_check = lambda x, r, w: True
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check, supported=CUDA_ALIKE)
+def rms_norm(x): ...
+
+
+@ir.ops.fused_add_rms_norm.register_impl(
+    "vllm_c", supports_args=add_check, supported=IS_CUDA
+)
+def fused_add_rms_norm(x): ...
+""",
             "the norms gated by one name",
-            "current_platform.is_cuda()",
+            "CUDA_ALIKE, IS_CUDA",
             id="norms behind different gates",
         ),
         pytest.param(
-            HEADER + "GPGPU_DEVICE = CUDA_ALIKE\n"
-            '@ir.ops.rms_norm.register_impl("vllm_c", supported=GPGPU_DEVICE, '
-            "supports_args=lambda x, w: True)\ndef rms_norm(x): ...\n"
-            '@ir.ops.silu_and_mul.register_impl("vllm_c", supported=GPGPU_DEVICE)\n'
-            "def silu_and_mul(x): ...\n",
+            """import torch
+from vllm.platforms import current_platform
+
+CUDA_ALIKE = current_platform.is_cuda_alike()
+GPGPU_DEVICE = CUDA_ALIKE
+check = lambda x, w: True
+
+
+@ir.ops.rms_norm.register_impl("vllm_c", supports_args=check, supported=GPGPU_DEVICE)
+def rms_norm(x): ...
+
+
+@ir.ops.silu_and_mul.register_impl("vllm_c", supported=GPGPU_DEVICE)
+def silu_and_mul(x): ...
+""",
             "GPGPU_DEVICE gating only the norms",
             "3 uses",
             id="GPGPU_DEVICE also gates a kernel the CPU build lacks",

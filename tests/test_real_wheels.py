@@ -74,6 +74,8 @@ def test_a_checkout_reverts_real_sources_byte_for_byte(extracted_wheel: Path):
     git.Repo.init(root)
     original = read(root, VLLM_C, CPU)
     assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    patched = read(root, VLLM_C, CPU)
+    assert all(patched[rel] != original[rel] for rel in original)
     assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     assert read(root, VLLM_C, CPU) == original
 
@@ -83,6 +85,8 @@ def test_the_inverse_edit_alone_gives_the_same_code_back(extracted_wheel: Path):
     root = extracted_wheel
     original = read(root, VLLM_C, CPU)
     assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    patched = read(root, VLLM_C, CPU)
+    assert all(patched[rel] != original[rel] for rel in original)
     shutil.rmtree(root / BACKUP_DIR)
     assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     for rel, data in read(root, VLLM_C, CPU).items():

@@ -298,6 +298,7 @@ def test_apply_then_revert_restores_every_byte(shape, kind, tmp_path):
         (root / "vllm-0.27.0.dist-info" / "METADATA").write_text("Version: 0.27.0\n")
     files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     assert main(["apply", "--vllm", str(root)]) == 0
+    assert all((root / rel).read_bytes() != files[root / rel] for rel in (VLLM_C, CPU))
     assert main(["check", "--vllm", str(root)]) == 0  # applied
     assert main(["revert", "--vllm", str(root)]) == 0
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files
@@ -310,6 +311,7 @@ def test_the_inverse_edit_alone_gives_the_same_code_back(shape, tmp_path):
     root = build(shape, tmp_path / "tree")
     original = {rel: (root / rel).read_text() for rel in (VLLM_C, CPU)}
     assert main(["apply", "--vllm", str(root)]) == 0
+    assert all((root / rel).read_text() != text for rel, text in original.items())
     shutil.rmtree(root / BACKUP_DIR)
     assert main(["revert", "--vllm", str(root)]) == 0
     for rel, text in original.items():

@@ -1,25 +1,18 @@
 """vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change.
 
-vLLM loads this plugin (entry point group ``vllm.general_plugins``) in every
-process it starts, maybe more than once per process. Without
-``VLLMPATCH_CPU_FUSED_NORMS=1`` (or ``true``) it does nothing: no kernel load,
-no vLLM import. With it, on every release (0.13 on), it takes one route:
-``CustomOp.register_oot(name="RMSNorm")`` makes vLLM build, wherever a model
-asks for ``RMSNorm``, a subclass that runs the very source the upstream change
-(``patches/rms_norm_forward_cpu``) writes into ``RMSNorm``: its
-``__init__`` line and ``forward_cpu``, with ``cpu_fused_norm_dtypes()``, from
-``rule.py``, compiled in a namespace made of the release's own ``layernorm``
-module. vLLM decides when ``forward_cpu`` runs, as for every custom op: eager
-(``custom_ops: ["all"]``) runs it, a model Inductor compiles (``["none"]``)
-stays native; ``+rms_norm`` / ``-rms_norm`` override that.
-
-It stands aside on a vLLM whose ``RMSNorm`` has a ``forward_cpu`` already
-(upstream's or the patched one), and off CPU. One line in vLLM's log says what
-it did; :func:`status` keeps it. Nothing here may break vLLM's start-up.
+vLLM calls :func:`register` (``vllm.general_plugins``) in every process it
+starts. Off without ``VLLMPATCH_CPU_FUSED_NORMS=1`` (no torch, no vLLM
+imported); on, one route on every release: ``CustomOp.register_oot`` builds
+``RMSNorm`` as a subclass running the upstream form's ``__init__`` line and
+``forward_cpu`` from ``rule.py``, compiled in the release's ``layernorm``
+namespace. It stands aside off CPU and where ``RMSNorm`` has a ``forward_cpu``;
+one log line says what it did, :func:`status` keeps it; it never breaks start-up.
 """
 
 import logging
 import os
+import sys
+import textwrap
 from pathlib import Path
 
 from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
@@ -32,10 +25,7 @@ from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
 )
 from patches.rms_norm_forward_cpu import rule
 
-# vLLM configures handlers for the "vllm" logger tree only; a child of it shows
-# up in vLLM's own log output.
-LOGGER_NAME = "vllm.plugins.cpu_fused_norms"
-logger = logging.getLogger(LOGGER_NAME)
+LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
 
 CUSTOM_OP = "CustomOp"
 CUSTOM_OP_KEY = "RMSNorm"
@@ -62,8 +52,8 @@ def custom_op_class(layernorm) -> type:
     exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
     init = rule.INIT_LINES.format(batch_invariant=spelling)
     source = CLASS_SOURCE.format(
-        init=rule.indented(init, " " * 8),
-        forward_cpu=rule.indented(rule.FORWARD_CPU, " " * 4),
+        init=textwrap.indent(init, " " * 8),
+        forward_cpu=textwrap.indent(rule.FORWARD_CPU, " " * 4),
     )
     exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
     return namespace["CpuFusedRMSNorm"]
@@ -79,7 +69,9 @@ def register() -> None:
         _register()
     except Exception as exc:  # never take vLLM's start-up down with us
         _status["error"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("vllm-patch %s: failed: %s", PROVIDER, _status["error"])
+        logging.getLogger(LOGGER_NAME).warning(
+            "vllm-patch %s: failed: %s", PROVIDER, _status["error"]
+        )
 
 
 def _register() -> None:
@@ -115,8 +107,6 @@ def _register() -> None:
 
 def _oot_registry(custom_op: type) -> dict:
     """``op_registry_oot``: module level from 0.15 on, a class attribute before."""
-    import sys
-
     registry = getattr(sys.modules[custom_op.__module__], "op_registry_oot", None)
     return custom_op.op_registry_oot if registry is None else registry
 
@@ -142,16 +132,12 @@ def ignored_opt_in() -> str | None:
 
 
 def _log_once(message: str) -> None:
-    """Through vLLM's own ``info_once`` (a plain record on a vLLM without it),
-    once per process: from 0.31 on it logs only on the first rank by default
-    (``scope="local"``), which a process outside the workers is not."""
+    """Through vLLM's own ``info_once``, once per process: from 0.31 on it logs
+    only on the first rank by default (``scope="local"``), which a process
+    outside the workers is not."""
     from vllm.logger import init_logger
 
-    log = init_logger(LOGGER_NAME)
-    once = getattr(log, "info_once", None)
-    if once is None:
-        log.info("vllm-patch: %s", message)
-        return
+    once = init_logger(LOGGER_NAME).info_once
     try:
         once("vllm-patch: %s", message, scope="process")
     except TypeError:  # a vLLM before log scopes

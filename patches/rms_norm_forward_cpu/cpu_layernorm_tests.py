@@ -1,8 +1,6 @@
-"""Create vLLM's test of ``RMSNorm.forward_cpu``, beside
-``test_cpu_activation.py``: through vLLM's dispatch (``default_vllm_config``
-with ``+rms_norm``), the kernel runs and matches ``forward_native`` within the
-op's tolerance, and each input the kernels do not handle goes native while its
-eligible twin reaches the kernel; kernel calls counted by torch's profiler.
+"""Create vLLM's test of ``RMSNorm.forward_cpu`` beside ``test_cpu_activation.py``:
+through vLLM's dispatch the kernel matches ``forward_native``, and each input
+the kernels do not handle goes native (kernel calls counted by the profiler).
 """
 
 from __future__ import annotations

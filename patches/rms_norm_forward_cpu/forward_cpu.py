@@ -1,25 +1,17 @@
-"""Give ``RMSNorm`` a ``forward_cpu`` that calls vLLM's CPU kernels.
-
-vLLM's ``CustomOp`` dispatch calls ``forward_cpu`` on CPU for an enabled op;
-``CustomOp.forward_cpu`` falls back to ``forward_native``, and ``RMSNorm``
-defines none, so on CPU every norm runs the PyTorch form although the CPU build
-ships ``torch.ops._C.rms_norm`` and ``fused_add_rms_norm``. The method added
-here is ``GELU.forward_cpu``'s idiom (``vllm/model_executor/layers/activation.py``):
-the kernel for the inputs it handles, ``forward_native`` for the rest. Whether it
-runs is vLLM's own rule, decided on the final compilation config: custom ops are
-enabled when not compiling with Inductor (``custom_ops: ["all"]``) and disabled
-when Inductor compiles (``["none"]``: native, which Inductor fuses), and
-``+rms_norm`` / ``-rms_norm`` override it. Where the kernels run is
-``rule.py``'s: ``layernorm.py`` gains its ``cpu_fused_norm_dtypes()``, a line
-in ``RMSNorm.__init__`` and ``RMSNorm.forward_cpu``. A ``forward_cpu`` that is
-not this one is vLLM's own: both codemods raise ``VllmHasItsOwn``, and
-``apply`` and ``revert`` leave the file as it is.
+"""Give ``RMSNorm`` a ``forward_cpu`` that calls vLLM's CPU kernels, in
+``GELU.forward_cpu``'s idiom (``vllm/model_executor/layers/activation.py``):
+the kernel for the inputs it matches native on, ``forward_native`` for the
+rest. ``CustomOp`` decides when it runs (eager: ``custom_ops: ["all"]``; a model
+Inductor compiles stays native). ``layernorm.py`` gains ``rule.py``'s
+``cpu_fused_norm_dtypes()``, a line in ``RMSNorm.__init__`` and the method. A
+``forward_cpu`` that is not this one is vLLM's own (``VllmHasItsOwn``).
 """
 
 from __future__ import annotations
 
+import textwrap
+
 import libcst as cst
-import libcst.matchers as m
 
 from patcher.codemod import TreeCodemod
 from patcher.ruff_format import format_member, format_source
@@ -31,63 +23,27 @@ AFTER = "forward_native"
 FUNCTION = "cpu_fused_norm_dtypes"
 CPU_PY = "vllm/platforms/cpu.py"
 
-NAMED = m.FunctionDef(name=m.Name(METHOD))
-ANCHOR = m.FunctionDef(name=m.Name(AFTER))
-INIT = m.FunctionDef(name=m.Name("__init__"))
-DTYPES_DEF = m.FunctionDef(name=m.Name(FUNCTION))
+
+def _is_def(stmt: cst.CSTNode, name: str) -> bool:
+    return isinstance(stmt, cst.FunctionDef) and stmt.name.value == name
 
 
-def _imported_names(module: cst.Module) -> set[str]:
-    """The names the module's top-level imports bind."""
-    return {
-        alias.evaluated_alias or alias.evaluated_name
-        for stmt in module.body
-        if isinstance(stmt, cst.SimpleStatementLine)
-        for small in stmt.body
-        if isinstance(small, (cst.Import, cst.ImportFrom))
-        and not isinstance(small.names, cst.ImportStar)
-        for alias in small.names
-    }
+def _def_at(body, name: str) -> int | None:
+    return next((i for i, s in enumerate(body) if _is_def(s, name)), None)
 
 
 def batch_invariant(module: cst.Module) -> str | None:
     """The release's spelling of "batch invariance is on", by its imports."""
-    imported = _imported_names(module)
+    imported = {
+        alias.evaluated_alias or alias.evaluated_name
+        for stmt in module.body
+        if isinstance(stmt, cst.SimpleStatementLine)
+        for small in stmt.body
+        if isinstance(small, cst.Import | cst.ImportFrom)
+        and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    }
     return next((s for n, s in rule.BATCH_INVARIANT.items() if n in imported), None)
-
-
-class _Edit(TreeCodemod):
-    """What both directions share: the three pieces, laid out for this tree."""
-
-    def pieces(self, tree: cst.Module) -> tuple[cst.BaseStatement, ...]:
-        spelling = batch_invariant(tree)
-        if spelling is None:
-            raise self.shape_error(
-                "an import of vllm_is_batch_invariant or vllm.envs",
-                "neither is imported",
-            )
-        nl = tree.default_newline
-        function = cst.parse_statement(
-            format_source(rule.dtypes_function(self.read_tree_file(CPU_PY))).replace(
-                "\n", nl
-            ),
-            config=tree.config_for_parsing,
-        )
-        init = rule.INIT_LINES.format(batch_invariant=spelling)
-        init_lines = format_member(
-            f"def _(self):\n{rule.indented(init)}", tree
-        ).body.body
-        return function, init_lines, format_member(rule.FORWARD_CPU, tree)
-
-    def ours_at(self, tree: cst.Module, body) -> int | None:
-        """Where this tool's forward_cpu is in the class ``body``; None without
-        one; vLLM's own (any other) raises ``VllmHasItsOwn``."""
-        found = [i for i, s in enumerate(body) if m.matches(s, NAMED)]
-        if not found:
-            return None
-        if not _same(body[found[0]], self.pieces(tree)[2]):
-            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
-        return found[0]
 
 
 def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
@@ -95,6 +51,33 @@ def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
     return a.with_changes(leading_lines=()).deep_equals(
         b.with_changes(leading_lines=())
     )
+
+
+class _Edit(TreeCodemod):
+    def pieces(self, tree: cst.Module) -> tuple:
+        """The function, the ``__init__`` lines and the method, laid out for
+        this tree."""
+        spelling = batch_invariant(tree)
+        if spelling is None:
+            raise self.shape_error(
+                "an import of vllm_is_batch_invariant or vllm.envs",
+                "neither is imported",
+            )
+        code = format_source(rule.dtypes_function(self.read_tree_file(CPU_PY)))
+        function = cst.parse_statement(
+            code.replace("\n", tree.default_newline), config=tree.config_for_parsing
+        )
+        init = rule.INIT_LINES.format(batch_invariant=spelling)
+        init = format_member(f"def _(self):\n{textwrap.indent(init, '    ')}", tree)
+        return function, init.body.body, format_member(rule.FORWARD_CPU, tree)
+
+    def ours_at(self, tree: cst.Module, body) -> int | None:
+        """Where this tool's forward_cpu is in the class ``body``; None without
+        one; vLLM's own (any other) raises ``VllmHasItsOwn``."""
+        at = _def_at(body, METHOD)
+        if at is not None and not _same(body[at], self.pieces(tree)[2]):
+            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
+        return at
 
 
 class AddRmsNormForwardCpu(_Edit):
@@ -108,24 +91,23 @@ class AddRmsNormForwardCpu(_Edit):
         body = list(cls.body.body)
         if self.ours_at(tree, body) is not None:
             return tree  # applied already
-        anchors = [i for i, s in enumerate(body) if m.matches(s, ANCHOR)]
-        inits = [i for i, s in enumerate(body) if m.matches(s, INIT)]
-        if not anchors or not inits:
+        anchor, init = _def_at(body, AFTER), _def_at(body, "__init__")
+        if anchor is None or init is None:
             raise self.shape_error(f"{CLASS}.__init__ and {CLASS}.{AFTER}", "missing")
         function, init_lines, method = self.pieces(tree)
-        init = body[inits[0]]
-        body[inits[0]] = init.with_changes(
-            body=init.body.with_changes(body=[*init.body.body, *init_lines])
+        old = body[init]
+        body[init] = old.with_changes(
+            body=old.body.with_changes(body=[*old.body.body, *init_lines])
         )
-        blank = [cst.EmptyLine(indent=False)]
-        body.insert(anchors[0] + 1, method.with_changes(leading_lines=blank))
+        blank = cst.EmptyLine(indent=False)
+        body.insert(anchor + 1, method.with_changes(leading_lines=[blank]))
         tree = self.with_body(tree, at, cls, body)
         # Above the class and the comments that belong to it.
-        two_blank = [cst.EmptyLine(indent=False)] * 2
         statements = list(tree.body)
         comments = [c for c in statements[at].leading_lines if c.comment is not None]
-        statements[at] = statements[at].with_changes(leading_lines=two_blank + comments)
-        statements.insert(at, function.with_changes(leading_lines=two_blank))
+        lines = [blank, blank, *comments]
+        statements[at] = statements[at].with_changes(leading_lines=lines)
+        statements.insert(at, function.with_changes(leading_lines=[blank, blank]))
         self.record(
             f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU "
             "kernels match `forward_native` in on this machine, decided once per "
@@ -151,28 +133,20 @@ class RemoveRmsNormForwardCpu(_Edit):
         mine = self.ours_at(tree, body)
         if mine is None:
             return tree
-        function, init_lines, _ = self.pieces(tree)
+        function, tail, _ = self.pieces(tree)
         del body[mine]
-        for i, stmt in enumerate(body):
-            if m.matches(stmt, INIT):
-                kept = _without_tail(list(stmt.body.body), init_lines)
-                body[i] = stmt.with_changes(body=stmt.body.with_changes(body=kept))
+        init = _def_at(body, "__init__")
+        if init is not None:
+            stmts = list(body[init].body.body)
+            n = len(tail)
+            if len(stmts) >= n and all(map(_same, stmts[len(stmts) - n :], tail)):
+                stmts = stmts[: len(stmts) - n]
+            body[init] = body[init].with_changes(
+                body=body[init].body.with_changes(body=stmts)
+            )
         tree = self.with_body(tree, at, cls, body)
         statements = [
-            s
-            for s in tree.body
-            if not (m.matches(s, DTYPES_DEF) and _same(s, function))
+            s for s in tree.body if not (_is_def(s, FUNCTION) and _same(s, function))
         ]
         self.record(f"`{CLASS}.{METHOD}` and `{FUNCTION}` are removed")
         return tree.with_changes(body=statements)
-
-
-def _without_tail(stmts: list, tail) -> list:
-    n = len(tail)
-    if (
-        n
-        and len(stmts) >= n
-        and all(_same(a, b) for a, b in zip(stmts[-n:], tail, strict=True))
-    ):
-        return stmts[:-n]
-    return stmts

