@@ -144,9 +144,9 @@ def test_the_table_is_recorded(results, record_testsuite_property):
         for library in BUILDS
     ]
     machine_is = "{cpu_model} ({arch}), {usable_cpus} CPUs".format(**machine.facts())
-    summary = {"machine": machine_is, "vllm": __version__, "tables": tables}
-    summary["dimensions"] = {name: list(values) for name, values in DIMENSIONS.items()}
-    record_testsuite_property("conformance", json.dumps(summary))
+    doc = {"machine": machine_is, "vllm": __version__, "tables": tables}
+    doc["dimensions"] = {name: list(values) for name, values in DIMENSIONS.items()}
+    record_testsuite_property("conformance", json.dumps(doc))
     for table in tables:
         for form in table["forms"].values():
             counted = [c["kernel"] + c["native"] for c in form["eager"].values()]
