@@ -69,6 +69,11 @@ HEALTHY = [
     (f"{PATCH}:entry_point", "ok", "vllm.general_plugins"),
     (f"{PATCH}:provider", "info", "'vllm_c_cpu' loads and is off"),
     (f"{PATCH}:opt_in", "info", "is not set"),
+    (
+        "rms_norm_forward_cpu:patch",
+        "info",
+        "not this vLLM's default (`vllm-patch apply --patch rms_norm_forward_cpu`",
+    ),
 ]
 
 
@@ -88,6 +93,10 @@ def test_on_a_patched_vllm_the_provider_stands_aside(tmp_path):
     engine.apply(tree := open_tree(copy), engine.plan(tree, patch))
     rc, findings, _ = doctor(pythonpath=[copy], env={OPT_IN_ENV: "1"})
     assert str(copy) in findings["vllm"]["message"]
+    assert findings[f"{PATCH}:patch"]["message"] == (
+        f"patch {PATCH}: not applied: rms_norm_forward_cpu is applied here, "
+        "and excludes it"
+    )
     provider = findings[f"{PATCH}:provider"]
     assert provider["status"] == "info"
     assert (

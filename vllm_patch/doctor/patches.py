@@ -8,9 +8,10 @@ import os
 from importlib import metadata
 
 from patcher import engine
-from patcher.patchset import Patch
+from patcher.patchset import Patch, exclusive_with, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree
+from patcher.version import read_version
 from vllm_patch.doctor.finding import Finding, pip, traceback_hint
 from vllm_patch.runtime import plugins
 from vllm_patch.runtime.child import PROJECT_ROOT
@@ -30,10 +31,24 @@ def provider_module(patch: Patch) -> str | None:
     return (patch.meta.get("provider") or {}).get("module")
 
 
+def _not_applied(tree: VllmTree, patch: Patch) -> str | None:
+    """Why a plain ``apply`` would not apply an applicable ``patch``: the other
+    form is applied, or it is not this vLLM's default."""
+    for other in exclusive_with(patch):
+        if engine.plan(tree, other).status is PlanStatus.APPLIED:
+            return f"not applied: {other.name} is applied here, and excludes it"
+    if not is_default(patch, read_version(tree))[0]:
+        how = f"`vllm-patch apply --patch {patch.name}`"
+        return f"not applied; not this vLLM's default ({how} applies it)"
+    return None
+
+
 def patch_findings(tree: VllmTree, patch: Patch, results) -> list[Finding]:
     plan = engine.plan(tree, patch)
     why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
     status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
+    if plan.status is PlanStatus.APPLICABLE:
+        state = _not_applied(tree, patch) or state
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
     if not (module := provider_module(patch)):
         return out
