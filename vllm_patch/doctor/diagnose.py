@@ -1,7 +1,6 @@
 """``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
-its command); exit 0 without a ``fix``, else 1. Cheap facts come from metadata
-and the source tree; every import of torch, vLLM or transformers runs in a child
-interpreter: a step that raises, aborts or crashes it fails alone."""
+its command); exit 0 without a ``fix``, else 1. Every import of torch, vLLM or
+transformers runs in a child: a step that crashes it fails alone."""
 
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ def progress(message: str) -> None:
 
 
 def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
-    """Each step's result by ``(kind, argument)``; a step that killed its
-    interpreter (or hung) is a failure, and a new child runs the steps after it."""
+    """Each step's result by ``(kind, argument)``; one that killed its child (or
+    hung) fails, and a new child runs the rest."""
     results: dict[tuple[str, str], dict[str, Any]] = {}
     while steps:
         outcome = child.run(

@@ -1,7 +1,6 @@
-"""The doctor's findings on the environment: which vLLM, its ``vllm`` command,
-torch and vLLM's C kernels, the packages that break beside a ``+cpu`` torch,
-vLLM's config, transformers and vLLM IR (from 0.20 on); and the import steps
-a child interpreter runs for them (``vllm_patch.runtime.import_checks``)."""
+"""The doctor's findings on the environment (vLLM, its command, torch, the C
+kernels, the packages that break beside a ``+cpu`` torch, config, transformers,
+vLLM IR) and the import steps a child runs for them."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def installed_companions() -> dict[str, str]:
 
 
 def import_findings(results, dist, companions: dict[str, str]) -> list[Finding]:
-    """Torch and the C kernels, the companions, vLLM's config, transformers and
-    vLLM IR (only where this vLLM has it), from the child's results."""
+    """The findings on the child's import steps."""
     torch_version, pin = installed("torch"), _pinned_torch(dist)
     torch = results[TORCH]
     if torch["ok"]:
@@ -120,8 +118,7 @@ def _pinned_torch(dist: metadata.Distribution | None) -> Requirement | None:
 
 
 def _kernels_finding(c: dict, pin, torch_version) -> Finding:
-    """vLLM's C kernels; when they do not load, whether the installed torch is
-    the one this vLLM was built for."""
+    """vLLM's C kernels; when they do not load, whether torch is the pinned one."""
     if c["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")
@@ -146,8 +143,8 @@ def _torch_fix(pin: Requirement | None) -> str:
 
 
 def companion_findings(results, broken, torch_version) -> list[Finding]:
-    """Each companion installed here: imports beside torch, or its removal (and,
-    once, PyTorch's +cpu builds of them as the other way out)."""
+    """Each installed companion imports, else its removal (once, the +cpu builds
+    as the other way out)."""
     out = []
     for name in cpu_torch.BROKEN_BESIDE_CPU_TORCH:
         if ("import", name) not in results:
@@ -172,8 +169,8 @@ def companion_findings(results, broken, torch_version) -> list[Finding]:
 
 
 def import_finding(check, label, step, results, broken) -> Finding:
-    """An import that fails: the broken companions its traceback passes through,
-    with their removal, else the command that shows the traceback."""
+    """A failed import: the broken companions in its traceback and their
+    removal, else the command that shows the traceback."""
     result, module = results[step], step[1].partition(":")[0]
     if result["ok"]:
         return Finding(check, "ok", f"{label} imports")

@@ -1,5 +1,4 @@
-"""One line of the doctor's report, and the fixes it names: commands for the
-Python the doctor runs in (the one to check)."""
+"""One line of the doctor's report, and its fixes for the Python it checks."""
 
 from __future__ import annotations
 
@@ -31,10 +30,9 @@ def pip(*args: str) -> str:
 
 
 def removal(names: list[str]) -> tuple[str, list[str]]:
-    """The fix for packages that do not import beside this torch (text models
-    need none of them), as text and as the command ``--fix`` runs: pip with
-    ``-I``, so no ``pip/`` in the working folder, no ``PYTHON*`` variable and
-    no user site is used."""
+    """Removing packages that break beside this torch (text models need none),
+    as text and as ``--fix``'s command: pip under ``-I`` (no ``pip/`` of the
+    working folder, no ``PYTHON*`` variable, no user site)."""
     argv = cpu_torch.remove_command(PYTHON, names)
     argv.insert(1, "-I")
     return shlex.join(argv), argv

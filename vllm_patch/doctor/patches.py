@@ -1,6 +1,5 @@
-"""The doctor's findings on each carried patch: its state in this vLLM, and for
-a patch with an out-of-tree provider, its plugin entry point, its registration
-(from the child's results), its opt-in variable and vLLM's plugin filter."""
+"""The doctor's findings on each carried patch: its state here, and for an
+out-of-tree provider its entry point, registration, opt-in and plugin filter."""
 
 from __future__ import annotations
 
@@ -85,8 +84,8 @@ def _entry_point_finding(patch: str, module: str, entry) -> Finding:
 
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
-    """What the provider did when the child ran it: the route it took, why it
-    stood aside (e.g. this vLLM has the change), or the error that stopped it."""
+    """What the provider did in the child: its route, why it stood aside, or
+    the error that stopped it."""
     check = f"{patch}:provider"
     if status.get("error"):
         said = f"provider {name}: {status['error']}"
@@ -116,8 +115,7 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
 
 
 def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[Finding]:
-    """Whether vLLM's plugin filter (``VLLM_PLUGINS``) lets the provider's
-    plugin load."""
+    """Whether ``VLLM_PLUGINS`` lets the provider's plugin load."""
     if FILTER_ENV not in os.environ or not entry:
         return []
     plugin, check = entry[0].name, f"{patch}:vllm_plugins"

@@ -1,8 +1,6 @@
 """A patch's tests wired into a CI entry point of the checkout (a Buildkite YAML
 step, a shell script), edited as text in its layout; YAML must parse to the
-original plus exactly the added entries. The file is data (docs/safety.md); an
-added line holds only a path and its model line's indentation, pytest flags and
-``\\``. Anything else is left alone, with the reason."""
+original plus exactly the added entries. The file is data (docs/safety.md)."""
 
 from __future__ import annotations
 
@@ -20,12 +18,12 @@ MAX_DEPTH, MAX_ALIASES, MAX_NODES = 32, 16, 100_000  # cpu.yaml: 5, 2, about 400
 DEPENDENCIES = "source_file_dependencies"
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: 40 times faster
 _PATH = r"tests/[\w/.-]+\.py(?:::[\w:.\[\]-]+)?"
+# A line a new one may follow: a test path alone in a list continued with a
+# backslash, or ``pytest -FLAGS`` of one test path; nothing else.
 MODEL = re.compile(
     rf"(?P<indent>[ \t]*)(?:(?P<pytest>pytest(?: -[A-Za-z]+)* ){_PATH}"
     rf"|{_PATH}(?P<cont> \\))(?P<eol>\r?\n?)"
 )
-"""A line a new one may follow: a test path alone in a list continued with
-``\\``, or ``pytest -FLAGS`` of one test path; nothing else."""
 TEST_PATH = re.compile(rf"(?<![\w/.-]){_PATH}")
 
 
@@ -54,7 +52,7 @@ class CiEdit:
     inserted: list[str] = field(default_factory=list)  # command lines, stripped
 
     def described(self) -> list[str]:
-        """What changed, for a commit's change list; or why it is left alone."""
+        """What changed, or why it is left alone."""
         if self.text is None:
             return [self.reason]
         said, step = [], self.wiring.step
@@ -108,9 +106,8 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """The node graph and document in ``text``, within the bounds (nesting and
-    aliases counted first, then the size with aliases expanded, so comparing is
-    linear); else ``CiRefused``, naming the line, never the text."""
+    """The node graph and document in ``text`` within the bounds (the size with
+    aliases expanded counted last); else ``CiRefused``, naming only the line."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -165,8 +162,7 @@ def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
 
 
 def _yaml_text(text: str, edit: CiEdit) -> str:
-    """The step's commands run the new tests and its dependencies list the new
-    files, each added after the last line of its kind, in its layout."""
+    """The new tests and files each added after the step's last line of its kind."""
     node, old = load_yaml(text)
     steps = _value_of(node, "steps")
     found = [
@@ -202,8 +198,7 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
 
 
 def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
-    """(offset to insert at, one line per new test) in the layout of the last
-    ``MODEL`` line of ``block``."""
+    """(where to insert, a line per new test) laid out as ``block``'s last MODEL."""
     models = [(i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))]
     if not models:
         raise CiShapeError(
@@ -220,8 +215,7 @@ def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
 
 
 def _script_text(text: str, edit: CiEdit) -> str:
-    """A shell script with the new tests' ``pytest`` lines after the one line
-    that runs ``wiring.step`` (a sibling test), in its layout."""
+    """The new tests' ``pytest`` lines after the one running ``wiring.step``."""
     lines = text.splitlines(keepends=True)
     at = [
         i
@@ -239,8 +233,7 @@ def _script_text(text: str, edit: CiEdit) -> str:
 
 
 def _verify(old, after: str, edit: CiEdit, index: int) -> None:
-    """``after`` parses to the ``old`` document plus exactly the added entries
-    in its step ``index``."""
+    """``after`` parses to ``old`` plus exactly the added entries of step ``index``."""
     new = load_yaml(after)[1]
     steps = new.get("steps") if isinstance(new, dict) else None
     step = steps[index] if isinstance(steps, list) and len(steps) > index else {}

@@ -58,9 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True)
-class Settings:
-    """One ``pr`` run, checked before anything is written."""
-
+class Settings:  # one run's, checked before anything is written
     repo: git.Repo
     root: Path
     tree: VllmTree
@@ -78,7 +76,7 @@ class Settings:
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP, raised where ``pr`` is, as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM or SIGHUP, raised as Ctrl-C raises KeyboardInterrupt."""
 
 
 def open_checkout(path: Path) -> git.Repo:
@@ -106,8 +104,7 @@ def open_checkout(path: Path) -> git.Repo:
 
 
 def signoff(repo: git.Repo) -> str:
-    """The sign-off of the committer identity configured explicitly (no guessing
-    from the host name: the sign-off must name a real person)."""
+    """The explicitly configured committer's (never guessed from the host)."""
     try:
         ident = repo.git.execute(
             ["git", "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"]
@@ -186,8 +183,7 @@ def preflight(args: argparse.Namespace) -> Settings:
 
 
 def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
-    """The description's path; every output outside the work tree (its git
-    directory excepted), with no link or special file planted at the name."""
+    """The description's path; outputs outside the work tree (but its .git)."""
     root, git_dir = Path(repo.working_tree_dir), Path(repo.git_dir).resolve()
     own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
     out = Path(os.path.abspath(args.out or own))
@@ -200,9 +196,7 @@ def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
 
 
 @dataclass
-class Work:
-    """What the steps on the branch found and made."""
-
+class Work:  # what the steps on the branch found and made
     new_files: list[str] = field(default_factory=list)  # gone again on rollback
     keep: bool = False  # set by the last step: the branch stays as it is
     plan: engine.PatchPlan | None = None
@@ -214,8 +208,8 @@ class Work:
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (created from the base, or the existing one, which must
-    contain the base); back where the checkout was on any exit without ``keep``."""
+    """On the branch (new from the base, or existing and containing it); back
+    where the checkout was on any exit without ``keep``."""
     work = Work()
     try:
         if s.tip is None:
@@ -240,8 +234,7 @@ def on_branch(s: Settings) -> Iterator[Work]:
 
 
 def _rollback(s: Settings, work: Work) -> None:
-    """Back on the starting branch, nothing committed, no file left (git's
-    hooks are not run: this undoes what ``pr`` did)."""
+    """Back on the starting branch, nothing committed, no file left (no hooks)."""
     repo = s.repo
 
     def git_(*args: str) -> None:
@@ -257,8 +250,7 @@ def _rollback(s: Settings, work: Work) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The steps in order; SIGTERM and SIGHUP raise :class:`Interrupted` as
-    Ctrl-C raises KeyboardInterrupt: one line, exit 3."""
+    """The steps; SIGTERM, SIGHUP and Ctrl-C: one line, exit 3."""
 
     def interrupted(signum, _frame):
         raise Interrupted(signal.Signals(signum).name)
@@ -309,13 +301,23 @@ def _steps(args: argparse.Namespace) -> int:
         work.keep = True
     if args.print:
         print("\n" + body)
-    _print_next_steps(s)
+    base = s.base or ""  # nothing is pushed: the commands that would
+    remote = any(base.startswith(f"{r.name}/") for r in s.repo.remotes)
+    pr_base = (
+        base.split("/", 1)[1] if remote else base if base in s.repo.heads else "main"
+    )
+    print(
+        "\nNothing was pushed. To open the pull request:\n"
+        f"  git -C {shlex.quote(str(s.root))} push -u <your-fork-remote> {s.branch}\n"
+        f"  gh pr create --repo vllm-project/vllm --base {pr_base} "
+        f"--head <your-github-user>:{s.branch} --title {shlex.quote(s.upstream.title)} "
+        f"--body-file {shlex.quote(str(s.description))}"
+    )
     return ExitCode.OK
 
 
 def _refuse_ir_era(s: Settings, version: Version | None) -> None:
-    """Without ``--patch``, a release whose own form is another (the vLLM IR
-    form, 0.20 - 0.32) is refused: ``pr`` sends the form vLLM's main takes."""
+    """Without ``--patch``, a release whose own form is another is refused."""
     if s.args.patch or version is None or s.patch in defaults(version):
         return
     theirs = ", ".join(p.name for p in defaults(version)) or "none"
@@ -328,8 +330,8 @@ def _refuse_ir_era(s: Settings, version: Version | None) -> None:
 
 
 def _apply(s: Settings, work: Work) -> bool:
-    """Apply the patch and the CI edits, or find the branch's commit of it;
-    False when a new branch would be empty (then it is deleted)."""
+    """Apply the patch and CI edits, or find the branch's commit of it; False
+    when a new branch would be empty (then it is deleted)."""
     _refuse_ir_era(s, checkout_version(s.repo, s.tree))
     work.plan = plan = engine.plan(s.tree, s.patch)
     if plan.errors:
@@ -378,8 +380,7 @@ def _apply(s: Settings, work: Work) -> bool:
 
 
 def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
-    """Title, why (the patch's text, each paragraph filled to ``WIDTH``), the
-    attribution trailer and the sign-off. The description says the rest."""
+    """Title, why (each paragraph filled to ``WIDTH``), trailer and sign-off."""
     if len(upstream.title) > WIDTH:
         raise PatchError(
             f"the commit title is over {WIDTH} columns",
@@ -399,8 +400,7 @@ def _description(s: Settings, work: Work) -> str:
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
     optional = [e for e in work.plan.edits if e.edit.optional]
-    # What the edited tests' run depends on: the patch's files, and the vllm/
-    # ones the CI step lists (folders end in /).
+    # The run depends on the patch's files and the CI step's vllm/ ones.
     ci = {d for w in s.upstream.ci for d in w.dependencies if d.startswith("vllm/")}
     depends = sorted(ci | {e.file for e in s.patch.edits})
     runs = None
@@ -428,8 +428,7 @@ def _description(s: Settings, work: Work) -> str:
 
 
 def _write_outputs(s: Settings, work: Work, body: str) -> None:
-    """The description, and with --format-patch the commit as an mbox patch for
-    ``git am``: never through a link or special file found where they go."""
+    """The description, and with --format-patch the commit as an mbox."""
     if s.args.out is None:  # in the resolved git directory: no link on the way
         replace_at(output_dir(s.description.parent) / s.description.name, body.encode())
     else:
@@ -446,19 +445,3 @@ def _write_outputs(s: Settings, work: Work, body: str) -> None:
         # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
         print(f"mbox patch: {written}")
         print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")
-
-
-def _print_next_steps(s: Settings) -> None:
-    """The push and ``gh pr create`` commands; nothing is pushed."""
-    base = s.base or ""
-    remote = any(base.startswith(f"{r.name}/") for r in s.repo.remotes)
-    pr_base = (
-        base.split("/", 1)[1] if remote else base if base in s.repo.heads else "main"
-    )
-    print(
-        "\nNothing was pushed. To open the pull request:\n"
-        f"  git -C {shlex.quote(str(s.root))} push -u <your-fork-remote> {s.branch}\n"
-        f"  gh pr create --repo vllm-project/vllm --base {pr_base} "
-        f"--head <your-github-user>:{s.branch} --title {shlex.quote(s.upstream.title)} "
-        f"--body-file {shlex.quote(str(s.description))}"
-    )

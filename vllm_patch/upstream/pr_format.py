@@ -1,6 +1,5 @@
 """The changed lines checked with the ruff and typos the checkout's pre-commit
-pins (else the project's ruff): findings are reported, never rewritten. Only the
-style tables of its ruff settings reach a ruff that reads and writes no file."""
+pins (else the project's ruff): findings are reported, never rewritten."""
 
 from __future__ import annotations
 
@@ -31,9 +30,9 @@ REV = (
 --freeze`` writes it (vLLM 0.34 on), a commit and ``# frozen: v0.17.2``."""
 TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
 CONFIG_FILES = {"ruff.toml": (), ".ruff.toml": (), "pyproject.toml": ("tool", "ruff")}
+# Passed on to ruff; the rest (cache-dir, extend, output-file ...) could make it
+# read or write elsewhere.
 SETTINGS = "line-length indent-width target-version preview lint format".split()
-"""The settings passed on to ruff; the rest (``cache-dir``, ``extend``, ``fix``,
-``output-file``, ``exclude`` ...) could make it read or write elsewhere."""
 
 
 def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
@@ -122,9 +121,8 @@ def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
 def check_changes(
     root: Path, changes: dict[str, tuple[str, str]]
 ) -> tuple[str, list[str]]:
-    """The ruff that ran, and the notes of the pinned ruff and typos on the
-    changed lines of each ``relpath`` (its text before and after the patch).
-    Ruff reads the source on stdin and runs in an empty folder."""
+    """The ruff that ran, and the pinned ruff's and typos' notes on the changed
+    lines (ruff reads stdin in an empty folder)."""
     notes: list[str] = []
     pins = {name: pinned_version(root, hook) for name, hook in TOOLS.items()}
     ruff = pinned_tool("ruff", pins["ruff"], notes) or ruff_binary()
@@ -146,8 +144,7 @@ def check_changes(
 
 
 def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
-    """``ruff format`` and ``ruff check`` on the text after the change: what
-    they say of the lines that differ from the text before it."""
+    """What ``ruff format`` and ``ruff check`` say of the changed lines."""
     before, after = sides
     touched = changed_ranges(before, after)
     formatted = _capture([ruff, "format", *settings], cwd, after)

@@ -1,9 +1,7 @@
-"""The checkout's own PR template, filled. vLLM's changes between releases
-(v0.27.0: Purpose / Test Plan / Test Result; v0.32.0: Overview / Claims /
-Validation / Details), so each heading (else its HTML comment) says what kinds
-of text it asks for. The tail (from a thematic break or ``<details>``: the
-checklist) is the author's, its boxes unticked. The template is data, parsed in
-linear time; a comment it leaves open is closed."""
+"""The checkout's own PR template, filled. vLLM's changes between releases, so
+each heading (else its HTML comment) says what kinds of text it asks for. The
+tail (the checklist) is the author's, its boxes unticked. The template is data,
+parsed in linear time; a comment it leaves open is closed."""
 
 from __future__ import annotations
 
@@ -57,10 +55,7 @@ class Template:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """A block of the description and the section kinds it may go to, in order
-    of preference."""
-
+class Piece:  # a block of the description, and the kinds it prefers, in order
     prefers: tuple[str, ...]
     text: str
 
@@ -77,8 +72,7 @@ def _html_comments(text: str) -> list[str]:
 
 
 def read_template(root: Path | None) -> Template:
-    """The checkout's template, or the fallback layout when it has none or it
-    is left out (``left_out`` then says why)."""
+    """The checkout's template, else the fallback (``left_out`` says why)."""
     text, why = None, ""
     try:
         text = read_text_in(root, TEMPLATE, "the PR template", limit=TEMPLATE_BYTES)

@@ -1,7 +1,6 @@
 """vLLM's own tests of a checkout, run against the installed vLLM (a checkout
-has no compiled kernels) with the change and without it: pytest in a child on
-a hard-linked copy, patched or not, with the checkout's own copies of the files
-the change edits put in. Needs ``tblib`` (vLLM's ``tests/conftest.py``)."""
+has no compiled kernels) with the change and without it: pytest in a child on a
+hard-linked copy with the checkout's sides of the edited files put in."""
 
 from __future__ import annotations
 
@@ -31,9 +30,7 @@ JUNIT = dict(tests="tests", failed="failures", errors="errors", skipped="skipped
 
 
 @dataclass(frozen=True)
-class TestRun:
-    """One pytest run of upstream test files (or why it did not run)."""
-
+class TestRun:  # one pytest run of upstream test files (or why it did not run)
     __test__ = False  # not a pytest test class
 
     command: str  # what a reviewer runs in the checkout
@@ -51,9 +48,7 @@ class TestRun:
 
 
 @dataclass(frozen=True)
-class TestRuns:
-    """The edited tests with the change and without it (the fails-before)."""
-
+class TestRuns:  # the edited tests with the change and without it
     __test__ = False
 
     after: TestRun
@@ -67,8 +62,7 @@ def reviewer_command(files: list[str], keyword: str | None = None) -> str:
 
 
 def described_machine(m: dict | None = None) -> str:
-    """The one description of a machine in a PR: ``machine.summary`` and the
-    instruction sets vLLM's CPU kernels use (of ``m``, else of this one)."""
+    """``machine.summary`` and the instruction sets vLLM's CPU kernels use."""
     m = m or machine.facts()
     flags = ", ".join(m.get("key_flags") or ()) or "no vector extensions of note"
     return f"{machine.summary(m)}; {flags}"
@@ -119,8 +113,7 @@ def pytest_main(argv: list[str]) -> int:  # the child's side of run_pytest
 
 
 def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
-    """The counts (by JUnit's testsuite attributes), the first ids that failed
-    and the first reason to skip."""
+    """The counts, the first ids that failed and the first reason to skip."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(j, 0)) for s in suites) for k, j in JUNIT.items()}
