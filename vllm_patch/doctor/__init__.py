@@ -1,2 +1,1 @@
-"""``vllm-patch doctor``: is this environment ready for vLLM on CPU and for the
-carried patches?"""
+"""``vllm-patch doctor``: is this environment ready for vLLM on CPU and the patches?"""

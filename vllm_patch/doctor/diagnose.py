@@ -89,9 +89,8 @@ def run(args: argparse.Namespace) -> int:
     findings = diagnose()
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
     if args.fix and commands:
-        progress("vllm-patch doctor --fix runs, in this order:")
-        for argv in commands:
-            progress(f"  {shlex.join(argv)}")
+        said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
+        progress(f"vllm-patch doctor --fix runs, in this order:{said}")
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)

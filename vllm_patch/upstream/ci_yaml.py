@@ -57,12 +57,10 @@ class CiEdit:
             return [self.reason]
         said, step = [], self.wiring.step
         if tests := _backticked(self.added_tests):
-            script = self.wiring.file.endswith(".sh")
-            said += [
-                f"runs {tests} after `{step}`"
-                if script
-                else f'the "{step}" step runs {tests}'
-            ]
+            if self.wiring.file.endswith(".sh"):
+                said.append(f"runs {tests} after `{step}`")
+            else:
+                said.append(f'the "{step}" step runs {tests}')
         if deps := _backticked(self.added_dependencies):
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
