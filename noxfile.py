@@ -97,11 +97,8 @@ def pip_sources() -> list[str]:
     found = re.findall(r"^([^.]+)\.([\w-]+)='(.*)'$", out, re.MULTILINE)
     rank = {"global": 0, "install": 1, ":env:": 2}  # as pip ranks them
     config = {k: v for _, k, v in sorted(found, key=lambda f: rank.get(f[0], 0))}
-    args = [f"--index-url={config['index-url']}"] if "index-url" in config else []
-    args += [
-        f"--extra-index-url={u}" for u in config.get("extra-index-url", "").split()
-    ]
-    args += [f"--find-links={f}" for f in config.get("find-links", "").split()]
+    keys = ("index-url", "extra-index-url", "find-links")
+    args = [f"--{k}={v}" for k in keys for v in config.get(k, "").split()]
     if index := os.environ.get("VLLMPATCH_TORCH_INDEX"):  # e.g. PyTorch's CPU index
         args.append(f"--extra-index-url={index}")
     # The best version across all indexes, as pip picks it (uv's default takes

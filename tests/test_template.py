@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_patch.upstream.template import (
+    FALLBACK,
     TEMPLATE,
     Piece,
     fill,
@@ -79,8 +80,8 @@ def test_each_piece_goes_to_the_section_that_asks_for_it(tmp_path, release, plac
 
 def test_a_checkout_without_a_template_gets_the_fallback_layout(tmp_path):
     template = read_template(tmp_path)
+    assert template == parse_template(FALLBACK)
     text = fill(template, PIECES)
-    assert not template.found
     assert headings(text) == ["Overview", "Claims", "Validation", "Details"]
     assert "[ ]" not in text
 
@@ -159,5 +160,6 @@ def test_an_unclosed_comment_is_closed_and_a_bad_template_left_out(tmp_path):
     (tmp_path / TEMPLATE).parent.mkdir(parents=True)
     (tmp_path / TEMPLATE).write_bytes(b"## Purpose\n\0\n")
     template = read_template(tmp_path)
-    assert not template.found and "NUL" in template.left_out
+    assert template.sections == parse_template(FALLBACK).sections
+    assert "NUL" in template.left_out
     assert "\0" not in fill(template, PIECES) and "left out" in fill(template, PIECES)

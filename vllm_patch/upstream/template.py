@@ -50,7 +50,6 @@ class Template:
     head: str  # the comments before the first heading (e.g. a linter directive)
     sections: list[Section]
     tail: str  # from the break after the sections: the checklist, as it is
-    found: bool  # read from the checkout (False: the fallback layout)
     left_out: str = ""  # why the checkout's template was not used, if it has one
 
 
@@ -81,7 +80,7 @@ def read_template(root: Path | None) -> Template:
     parsed = parse_template(text) if text else None
     if parsed and parsed.sections:
         return parsed
-    return replace(parse_template(FALLBACK), found=False, left_out=why)
+    return replace(parse_template(FALLBACK), left_out=why)
 
 
 def parse_template(text: str) -> Template:
@@ -105,7 +104,7 @@ def parse_template(text: str) -> Template:
     for section, body in sections:
         section.body = "".join(body)
     head_comments = "\n".join(_html_comments("".join(head)))
-    return Template(head_comments, [s for s, _ in sections], tail, found=True)
+    return Template(head_comments, [s for s, _ in sections], tail)
 
 
 def _title(text: str) -> str:
