@@ -41,12 +41,10 @@ def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str]
 
 def vllm_main(argv: Sequence[str]) -> int:
     """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's CLI)."""
-    dist = owning_distribution()
+    dist, scripts = owning_distribution(), ()
     if dist is not None:
         metadata.version = answering_vllm(metadata.version, vllm_version(dist))
-    scripts = (
-        dist.entry_points.select(group="console_scripts", name=VLLM) if dist else ()
-    )
+        scripts = dist.entry_points.select(group="console_scripts", name=VLLM)
     if scripts:
         cli_main = next(iter(scripts)).load()
     else:

@@ -109,12 +109,9 @@ def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
-            if isinstance(event, yaml.AliasEvent):
-                aliases += 1
-            elif isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
+            aliases += isinstance(event, yaml.AliasEvent)
+            depth += isinstance(event, yaml.CollectionStartEvent)
+            depth -= isinstance(event, yaml.CollectionEndEvent)
             if depth > MAX_DEPTH or aliases > MAX_ALIASES:
                 raise CiRefused(
                     f"left out: YAML nested over {MAX_DEPTH} deep or with over "
