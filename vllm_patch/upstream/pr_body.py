@@ -18,7 +18,6 @@ from patcher.patchset import Patch, provider_specs
 from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
-from vllm_patch.runtime.markdown import details, table
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.figures import Measured
 from vllm_patch.upstream.meta import Upstream
@@ -128,15 +127,9 @@ def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -
 
 def _ticked(facts: Facts) -> tuple[str, ...]:
     runs = facts.tests
-    tested = (
-        runs is not None
-        and runs.after.ran
-        and not _failed(runs.after)
-        and runs.before is not None
-        and runs.before.ran
-        and _failed(runs.before) > 0
-        and bool(facts.ci)
-    )
+    before = runs and runs.before
+    passed = runs and runs.after.ran and not _failed(runs.after)
+    tested = passed and before and before.ran and _failed(before) and facts.ci
     return (AI_BOX, TESTED_BOX) if tested else (AI_BOX,)
 
 
@@ -278,7 +271,7 @@ def _results(facts: Facts, rows: int):
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
-        yield details(
+        yield md.details(
             bench_result.perop_heading(m.per_call, md.html),
             bench_result.perop_table(m.per_call, _scale, rows),
         )
@@ -289,11 +282,11 @@ def _results(facts: Facts, rows: int):
         yield _serving(ev, rows)
     if ev and ev.numerics:
         numerics = bench_result.numerics_table(ev, rows)
-        yield details("Numerics per x86 kernel build", numerics)
+        yield md.details("Numerics per x86 kernel build", numerics)
     if ev and ev.perop:
         # The out-of-tree providers' IR routes are this tool's, not vLLM's.
         ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
-        yield details(
+        yield md.details(
             bench_result.perop_heading(ev.perop, md.html),
             bench_result.perop_table(ev.perop, lambda r: r.route not in ours, rows),
         )
@@ -322,11 +315,13 @@ def _test_table(runs: TestRuns):
     )
     done = [("with this change", after)]
     done += [("without it", runs.before)] if runs.before and runs.before.ran else []
-    yield table(["vLLM", *KEYS], [(s, *(r.counts[k] for k in KEYS)) for s, r in done])
+    yield md.table(
+        ["vLLM", *KEYS], [(s, *(r.counts[k] for k in KEYS)) for s, r in done]
+    )
     for said, run in done:
         if run.failures:
             ids = "\n".join(f"- {md.code(f)}" for f in run.failures)
-            yield details(f"Failing {said} (the first {len(run.failures)})", ids)
+            yield md.details(f"Failing {said} (the first {len(run.failures)})", ids)
 
 
 def _serving(ev: Evidence, rows: int) -> str:
@@ -335,7 +330,7 @@ def _serving(ev: Evidence, rows: int) -> str:
     base = f"vLLM {md.html(ev.vllm.base, 40)}, and" if ev.vllm else "vLLM"
     summary = f"Serving {md.html(ev.model.named(), 80)}: {base} with the change"
     commands = md.fence(ev.serving.commands[:rows], "bash")
-    return details(summary, "\n\n".join([*tables, commands]))
+    return md.details(summary, "\n\n".join([*tables, commands]))
 
 
 def _details(upstream: Upstream, facts: Facts):
@@ -349,7 +344,7 @@ def _details(upstream: Upstream, facts: Facts):
     yield _provenance(facts)
     changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
     if changes:
-        yield details("What the diff does, file by file", "\n".join(changes))
+        yield md.details("What the diff does, file by file", "\n".join(changes))
 
 
 def _provenance(facts: Facts) -> str:
