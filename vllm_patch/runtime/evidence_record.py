@@ -195,7 +195,6 @@ class Model:
     random_weights: bool = False
 
     def named(self) -> str:
-        """The model in a few words."""
         return self.name or self.description or "the model"
 
 
@@ -268,7 +267,6 @@ class LmEval:
 
     @property
     def scores(self) -> dict[str, Score]:
-        """Per side measured, its score."""
         return {s: getattr(self, s) for s in SIDES if getattr(self, s)}
 
 
