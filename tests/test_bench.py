@@ -52,7 +52,8 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
     doc = evidence_record.parse(doc).serving
     assert bench_result.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
-    assert bench_result.spread([1.1, 1.0, 0.75]) == (1.0, 0.75, 1.1)
+    spread = bench_result.spread_shown([1.1, 1.0, 0.75], ratio=True)
+    assert spread == "1.000x [0.750x–1.100x]"  # median [min–max]
     table = bench_result.serving_table(doc, "eager")
     lines = table.splitlines()
     assert lines[0] == "| metric | base | patched | patched / base |"

@@ -62,7 +62,9 @@ def test_sides_are_compared_with_base_and_shown():
     assert found["sides"]["unguarded"]["distinct_share"] == [1.0, 2 / 3]
 
     text = "\n".join(
-        bench_result.qwen3_eager_markdown(evidence_record.qwen3_eager(found))
+        bench_result.qwen3_eager_markdown(
+            evidence_record.typed(evidence_record.Qwen3Eager, found, "")
+        )
     )
     assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
     assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text

@@ -1,7 +1,6 @@
 """One bench run's evidence folder, part by part: base is the installed vLLM,
 patched a patched copy of it. ``evidence.json`` and ``evidence.md`` are
-rewritten after every measurement, so an interrupted run keeps what it measured.
-"""
+rewritten after every measurement: an interrupted run keeps what it measured."""
 
 from __future__ import annotations
 

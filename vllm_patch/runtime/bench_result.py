@@ -20,8 +20,6 @@ from vllm_patch.runtime.evidence_record import (
     Divergence,
     Estimate,
     Evidence,
-    Load,
-    Machine,
     PerOp,
     PerOpRow,
     Qwen3Eager,
@@ -34,13 +32,6 @@ LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 ROWS = 500
 """The most rows of a table in ``evidence.md``."""
-
-
-def spread(values: list[float]) -> tuple[float, float, float] | None:
-    """(median, min, max), None for no values."""
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
 
 
 def ratios(
@@ -67,11 +58,10 @@ def label(metric: str) -> str:
 
 def spread_shown(values: list[float], ratio: bool = False) -> str:
     """``median [min–max]`` of ``values``; ``-`` for none."""
-    found = spread(values)
-    if found is None:
+    if not values:
         return "-"
     fmt = (lambda v: f"{v:.3f}x") if ratio else _fmt
-    med, lo, hi = found
+    med, lo, hi = statistics.median(values), min(values), max(values)
     return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
 
 
@@ -106,22 +96,6 @@ def serving_tables(serving: Serving, said: str) -> list[str]:
             f"{said.format(mode=mode, reps=reps)}\n\n{serving_table(serving, mode)}"
         )
     return out
-
-
-def machine_line(m: Machine) -> str:
-    """The machine as every report names it, and the CPU flags the kernels use."""
-    flags = ", ".join(m.key_flags[:32]) or "none of the listed"
-    said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
-    return md.text(f"{said}; kernel flags: {flags}", 400)
-
-
-def load_line(load: Load) -> str:
-    before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
-    text = f"load average {before} at the start, {after} at the end"
-    share = load.other_processes_share
-    return text + (
-        "" if share is None else f"; other processes used {share:.0%} of the CPU time"
-    )
 
 
 def first_difference(first: Divergence | None) -> str:
@@ -169,13 +143,11 @@ def lm_eval_claim(ev: Evidence) -> str | None:
     lm = ev.accuracy.lm_eval
     if lm is None or set(lm.scores) != set(SIDES):
         return None
-    scores = [
-        f"{s.exact_match:.3g} ± {s.stderr:.3g} {said}"
-        for s, said in zip(
-            lm.scores.values(), ("base", "with this change"), strict=True
-        )
-    ]
-    return f"- {md.text(lm.task, 60)} exact_match: {', '.join(scores)}."
+    b, p = lm.base, lm.patched
+    return (
+        f"- {md.text(lm.task, 60)} exact_match: {b.exact_match:.3g} ± {b.stderr:.3g} "
+        f"base, {p.exact_match:.3g} ± {p.stderr:.3g} with this change."
+    )
 
 
 def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
@@ -279,14 +251,10 @@ QWEN3_LABELS = {
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
-QWEN3_HEADER = [
-    "RMSNorm on CPU",
+QWEN3_HEADER = ("RMSNorm on CPU",
     "kernel calls (rms_norm + fused add), one prefill and one decode step",
-    "prompts with base's tokens",
-    "first different token",
-    "largest |Δ logprob| before it",
-    "distinct tokens per completion",
-]
+    "prompts with base's tokens", "first different token",
+    "largest |Δ logprob| before it", "distinct tokens per completion")  # fmt: skip
 
 
 def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
@@ -511,11 +479,10 @@ def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
 
 def _consistent(b: DecodeBlock) -> str:
     """Whether the end-to-end ratio agrees with the saving attributed."""
-    if not b.consistent.contradicts:
-        said, how = ("does not contradict", "meets"), ""
-    else:
-        said, how = ("**contradicts**", "misses"), ""
-        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+    said, how = ("does not contradict", "meets"), ""
+    ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+    if b.consistent.contradicts:
+        said = ("**contradicts**", "misses")
         if ratio and saved:
             more = ratio.ci95.high < saved.expected_ratio.low
             how = ": the step saves " + (
@@ -556,24 +523,22 @@ def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
             *decode_block(b, limit),
         ]
         found = b.comparisons.get("+rms_norm/default")
-        if found:
-            out.append(f"- Kernels under Inductor: {_verdict(found, '+rms_norm')}.")
+        if found:  # what the interval says against 1.0
+            low, high = found.ci95
+            said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"
+            if low <= 1.0 <= high:
+                said = "no difference resolved (the interval contains 1.0)"
+            out.append(f"- Kernels under Inductor: {said}.")
     return out
-
-
-def _verdict(found: Estimate, label: str) -> str:
-    """What an interval says against 1.0."""
-    low, high = found.ci95
-    if low <= 1.0 <= high:
-        return "no difference resolved (the interval contains 1.0)"
-    return f"{label} {'faster' if high < 1.0 else 'slower'}"
 
 
 def evidence_markdown(ev: Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
     out = ["# vllm-patch bench evidence", ""]
-    if ev.machine:
-        out.append(f"- Machine: {machine_line(ev.machine)}")
+    if m := ev.machine:  # and the CPU flags the kernels use
+        flags = ", ".join(m.key_flags[:32]) or "none of the listed"
+        said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
+        out.append(f"- Machine: {md.text(f'{said}; kernel flags: {flags}', 400)}")
     if ev.vllm:
         v = ev.vllm
         out.append(
@@ -582,8 +547,14 @@ def evidence_markdown(ev: Evidence) -> str:
         )
     if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")
-    if ev.load:
-        out.append(f"- Load: {load_line(ev.load)}")
+    if load := ev.load:
+        before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
+        share = load.other_processes_share
+        used = "" if share is None else f"{share:.0%}"
+        out.append(
+            f"- Load: load average {before} at the start, {after} at the end"
+            + (used and f"; other processes used {used} of the CPU time")
+        )
     if ev.interrupted:
         out.append("- **Interrupted**: this is what was measured before that.")
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]

@@ -20,11 +20,9 @@ from patcher.errors import PatchError
 
 SCHEMA = 1
 EVIDENCE = "evidence.json"
-NATIVE = "native"
-"""vLLM's own PyTorch implementation of an op: every ratio's baseline."""
+NATIVE = "native"  # vLLM's own PyTorch implementation of an op: the baseline
 SIDES = ("base", "patched")
-A_A = "base2"
-"""The base served again: ``--serve``'s A/A control (older evidence lacks it)."""
+A_A = "base2"  # the base served again: --serve's A/A control (not in older files)
 Mode = Literal["eager", "compiled"]
 Served = Literal["base", "patched", "base2"]
 Metric = Literal[
@@ -35,18 +33,12 @@ Metric = Literal[
 ]  # fmt: skip
 """``vllm bench serve --save-result``'s names for what the table shows."""
 MODES, SERVED, METRICS = get_args(Mode), get_args(Served), get_args(Metric)
-LONGEST = 4000
-"""The longest string read (a command); names are cut shorter when rendered."""
-MANY = 200
-"""The most entries of a list or table (repetitions, commands, log lines)."""
-MOST_ROWS = 2000
-"""The most per-op rows (a run writes a few dozen), prompts, numerics figures."""
-MOST_THREADS = 8
-"""The most other thread counts of ``perop`` (``perop_threads``)."""
-MOST_COLUMNS = 24
-"""The most (vLLM, route) pairs in the per-op table."""
-LARGEST = 1e15
-"""No figure's magnitude is larger (a 400-digit integer is not a figure)."""
+LONGEST = 4000  # characters of a string (a command); names are cut shorter
+MANY = 200  # entries of a list or table (repetitions, commands, log lines)
+MOST_ROWS = 2000  # per-op rows (a run writes a few dozen), prompts, numerics
+MOST_THREADS = 8  # other thread counts of perop (perop_threads)
+MOST_COLUMNS = 24  # (vLLM, route) pairs in the per-op table
+LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
 MOST_COUNT = 10**7
 
 
@@ -55,8 +47,7 @@ class Bad(Exception):
 
 
 class Meta(NamedTuple):
-    """Bounds beyond a type's own, as ``Annotated`` metadata: a list's most
-    entries and whether it may be empty, a number's being a time above 0."""
+    """``Annotated`` bounds: a list's most entries, may it be empty, a time > 0."""
 
     most: int = MANY
     empty: bool = True
@@ -204,7 +195,6 @@ class Model:
     random_weights: bool = False
 
     def named(self) -> str:
-        """The model in a few words."""
         return self.name or self.description or "the model"
 
 
@@ -277,7 +267,6 @@ class LmEval:
 
     @property
     def scores(self) -> dict[str, Score]:
-        """Per side measured, its score."""
         return {s: getattr(self, s) for s in SIDES if getattr(self, s)}
 
 
@@ -364,11 +353,6 @@ class Qwen3Eager:
     sides: Qwen3Sides
     patched: TokenMode
     unguarded: TokenMode
-
-
-def qwen3_eager(value: object, at: str = "qwen3_eager") -> Qwen3Eager:
-    """The eager Qwen3 comparison as a record, or ``Bad``."""
-    return typed(Qwen3Eager, value, at)
 
 
 class Span(NamedTuple):
@@ -459,9 +443,6 @@ class Decode:
         return dataclasses.replace(self, headline=typed(DecodeBlock, value, at))
 
 
-Needed = dict[str, dict[str, dict[str, float | str]]]
-
-
 @record
 class Evidence:
     machine: Machine | None = None
@@ -470,7 +451,7 @@ class Evidence:
     model: Model = Model()
     serving: Serving | None = None
     accuracy: Accuracy = Accuracy()
-    numerics: Needed | None = None
+    numerics: dict[str, dict[str, dict[str, float | str]]] | None = None
     """Per kernel build, op and dtype: the rtol needed, or why none."""
     tolerance: dict[str, dict[str, Tolerance]] = empty()
     """Per op and dtype: vLLM's own rtol and atol."""
@@ -507,11 +488,7 @@ def read(folder: Path) -> Evidence:
     try:
         return parse(json.loads(read_text_at(path, what)))
     except (ValueError, RecursionError) as exc:  # bad, or nested too deep
-        found = f"{type(exc).__name__}: {exc}"
-        raise PatchError(
-            "not JSON", path=str(path), looked_for=what, found=found
-        ) from exc
+        why, found = "not JSON", f"{type(exc).__name__}: {exc}"
     except Bad as exc:
-        raise PatchError(
-            "not usable evidence", path=str(path), looked_for=what, found=str(exc)
-        ) from exc
+        why, found = "not usable evidence", str(exc)
+    raise PatchError(why, path=str(path), looked_for=what, found=found)

@@ -69,5 +69,5 @@ def measure(
         build,
         tuple(own),
         evidence_record.typed(PerOp, per_call, "perop"),
-        evidence_record.qwen3_eager(qwen3),
+        evidence_record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
     )
