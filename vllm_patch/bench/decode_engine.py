@@ -1,13 +1,7 @@
-"""One vLLM engine kept alive in its own process, timing decode steps on request.
-
-``python -m vllm_patch.bench.decode_engine CONFIG_JSON`` runs vLLM's offline
-``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), answers
-``{"ready": ...}``, then one JSON line on stdout per command line on stdin:
-``{"threads": N, "tokens": L}`` adds a greedy request for L tokens, each
-``{"step": true}`` runs one engine step (the first is the prefill) and answers
-its wall and CPU nanoseconds and, eager, those inside every ``RMSNorm``;
-``{"stop": true}`` ends it. vLLM's own log goes to stderr.
-"""
+"""``python -m vllm_patch.bench.decode_engine CONFIG_JSON``: vLLM's ``LLM`` in
+this process, answering ``{"ready": ...}`` then a JSON line on stdout per command
+line on stdin: ``{"threads": N, "tokens": L}`` adds a greedy request, ``{"step":
+true}`` times one engine step, ``{"stop": true}`` ends. vLLM logs to stderr."""
 
 from __future__ import annotations
 
@@ -94,8 +88,7 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
 
 
 def step(llm, clock: NormClock | None) -> dict[str, Any]:
-    """One engine step, in nanoseconds: ``wall``, ``cpu`` and inside the norms
-    ``norm_wall``, ``norm_cpu``, and ``norm_calls``; ``finished``."""
+    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
     norms = clock.totals if clock else (0, 0, 0)
     wall, cpu = time.perf_counter_ns(), time.process_time_ns()
     outputs = llm.llm_engine.step()

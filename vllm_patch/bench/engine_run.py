@@ -58,32 +58,26 @@ HF_NAMES = {
 }
 
 
-def make_random_llama(
-    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
-) -> Path:
+def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
     once into ``path``/its configuration's hash; ``tokenizer``: with one."""
-    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-5)
-    return _cached(Path(path), "random-llama", config)
+    return _cached(Path(path), "random-llama", _config(sizes, seed, tokenizer, 1e-5))
 
 
-def make_random_qwen3(
-    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
-) -> Path:
-    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama` (sizes:
-    ``TINY_QWEN3``'s keys)."""
-    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-6)
-    return _cached(Path(path), "random-qwen3", {"architecture": "qwen3", **config})
+def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
+    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
+    config = {"architecture": "qwen3", **_config(sizes, seed, tokenizer, 1e-6)}
+    return _cached(Path(path), "random-qwen3", config)
 
 
-def _config(sizes: dict, seed: int, tokenizer: bool, **fixed: Any) -> dict:
+def _config(sizes: dict, seed: int, tokenizer: bool, rms_norm_eps: float) -> dict:
     return {
         **{HF_NAMES.get(k, k): v for k, v in sizes.items()},
         "max_position_embeddings": 2048,
         # Random tied embeddings make every greedy completion one token repeated.
         "tie_word_embeddings": False,
         "seed": seed,
-        **fixed,
+        "rms_norm_eps": rms_norm_eps,
         **({"tokenizer": "words"} if tokenizer else {}),
     }
 
@@ -110,18 +104,11 @@ def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
 
 def _save_model(folder: Path, config: dict[str, Any]) -> None:
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers
 
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }
-    config_class, model_class = classes[config.get("architecture", "llama")]
+    kind = {"llama": "Llama", "qwen3": "Qwen3"}[config.get("architecture", "llama")]
+    config_class = getattr(transformers, f"{kind}Config")
+    model_class = getattr(transformers, f"{kind}ForCausalLM")
     own = ("seed", "tokenizer", "architecture")
     hf_config = config_class(
         **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"

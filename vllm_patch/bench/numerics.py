@@ -133,20 +133,17 @@ def kernel_call(name: str):
     """The CPU kernel as a function of the op's inputs, returning its outputs."""
     import torch
 
-    if name == "rms_norm":
+    kernel = getattr(torch.ops._C, name)
 
-        def call(x, weight, eps):
+    def call(x, *rest):  # rest: [residual,] weight, eps
+        if name == "rms_norm":
             out = torch.empty_like(x)
-            torch.ops._C.rms_norm(out, x, weight, eps)
+            kernel(out, x, *rest)
             return out
+        kernel(x, *rest)  # in place
+        return x, rest[0]
 
-        return call
-
-    def call_fused(x, residual, weight, eps):
-        torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)  # in place
-        return x, residual
-
-    return call_fused
+    return call
 
 
 def build_numerics(library: str) -> dict:

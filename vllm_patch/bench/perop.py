@@ -22,13 +22,10 @@ HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1  # what vLLM gives its worker on a 2-core machine
 ROUNDS = 2
-CACHING_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(2**26),
-    "MALLOC_TRIM_THRESHOLD_": str(2**27),
-}
-"""glibc keeps freed memory for reuse, as vLLM's tcmalloc does: by default every
-tensor of 128 KiB or more is a fresh mapping whose pages fault in on first
-touch, which under memory pressure moved 512-token medians twofold."""
+# glibc keeps freed memory, as vLLM's tcmalloc does: by default a tensor of 128
+# KiB or more is a fresh mapping faulting in, which moved 512-token medians twofold.
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**26)}
+CACHING_MALLOC["MALLOC_TRIM_THRESHOLD_"] = str(2**27)
 SAMPLES = 61
 SAMPLE_S = 0.001
 WARMUP_S = 0.05
@@ -194,11 +191,8 @@ def per_op(
                 pythonpath=pythonpath,
                 env=CACHING_MALLOC,
             ).value()
-            load_average = machine.load_average()[0]
-            share = machine.other_share(before)
-            load.append(
-                {"env": env, "load_average": load_average, "other_share": share}
-            )
+            average, share = machine.load_average()[0], machine.other_share(before)
+            load.append({"env": env, "load_average": average, "other_share": share})
     return {
         "hidden_size": HIDDEN,
         "dtype": DTYPE,
@@ -234,12 +228,8 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
             q = quantiles(cpu)
-            row.update(
-                median_us=round(q["median"], 3),
-                p10_us=round(q["p10"], 3),
-                p90_us=round(q["p90"], 3),
-                wall_median_us=round(quantiles(wall)["median"], 3),
-                native_us=round(native[(row["op"], row["tokens"])], 3),
-            )
+            row |= {f"{k}_us": round(q[k], 3) for k in ("median", "p10", "p90")}
+            row["wall_median_us"] = round(quantiles(wall)["median"], 3)
+            row["native_us"] = round(native[row["op"], row["tokens"]], 3)
         out.append(row)
     return out
