@@ -60,31 +60,21 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
         extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
+    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False, "seed": 0}
+    length = len(PROMPT) + config["max_tokens"] + 8
     llm = LLM(
         model=config["model"],
         dtype=config["dtype"],
         skip_tokenizer_init=True,
         enforce_eager=not compiled,
-        max_model_len=len(PROMPT) + config["max_tokens"] + 8,
-        max_num_seqs=1,
-        enable_prefix_caching=False,
-        seed=0,
+        max_model_len=length,
         **extra,
     )
     clock = None if compiled else NormClock()
     hooked = llm.apply_model(lambda m: hook_norms(m, clock))[0] if clock else []
-    return (
-        llm,
-        clock,
-        {
-            "pid": os.getpid(),
-            "kernel_build": cpu_library.loaded(),
-            "custom_ops": list(
-                llm.llm_engine.vllm_config.compilation_config.custom_ops
-            ),
-            "norm_classes": hooked,
-        },
-    )
+    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
+    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
+    return llm, clock, about | {"norm_classes": hooked}
 
 
 def step(llm, clock: NormClock | None) -> dict[str, Any]:
@@ -131,11 +121,9 @@ def main(config_text: str) -> int:
             answer(step(llm, clock))
             continue
         set_threads(command["threads"])
+        tokens = command["tokens"]
         params = SamplingParams(
-            temperature=0.0,
-            ignore_eos=True,
-            detokenize=False,
-            max_tokens=command["tokens"],
+            temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=tokens
         )
         llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
         answer({"added": str(n)})

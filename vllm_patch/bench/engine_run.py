@@ -11,46 +11,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# A model's sizes, in the order the tables below give them.
+SIZES = ("hidden_size", "num_layers", "intermediate_size", "num_heads")
+SIZES += ("num_kv_heads", "vocab_size")
 # The smallest Llama that still runs every layer type: for checks that the
 # engine runs a given kernel, not for timing.
-TINY_LLAMA = dict(
-    hidden_size=256,
-    num_layers=2,
-    intermediate_size=512,
-    num_heads=4,
-    num_kv_heads=2,
-    vocab_size=1024,
-)
+TINY_LLAMA = dict(zip(SIZES, (256, 2, 512, 4, 2, 1024), strict=True))
 # ``bench --serve`` without ``--model``: a server starts and serves a run in
 # well under a minute on 2 cores.
-SERVED_LLAMA = dict(
-    hidden_size=512,
-    num_layers=4,
-    intermediate_size=1408,
-    num_heads=8,
-    num_kv_heads=4,
-    vocab_size=4096,
-)
+SERVED_LLAMA = dict(zip(SIZES, (512, 4, 1408, 8, 4, 4096), strict=True))
 # Qwen3's layout, small: q_norm and k_norm over head_dim 64 on strided views.
-TINY_QWEN3 = dict(
-    hidden_size=256,
-    num_layers=4,
-    intermediate_size=768,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=2048,
-)
+TINY_QWEN3 = dict(zip(SIZES, (256, 4, 768, 4, 2, 2048), strict=True), head_dim=64)
 # ``bench --decode``'s default: TinyLlama-1.1B's widths, a small vocabulary, so
 # that four fp32 engines (3 GB each) fit beside each other.
-DECODE_LLAMA = dict(
-    hidden_size=2048,
-    num_layers=16,
-    intermediate_size=5632,
-    num_heads=16,
-    num_kv_heads=4,
-    vocab_size=8192,
-)
+DECODE_LLAMA = dict(zip(SIZES, (2048, 16, 5632, 16, 4, 8192), strict=True))
 HF_NAMES = {
     "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads",

@@ -79,12 +79,11 @@ def _layer(name: str, args: tuple, dtype):
         layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
     layer.weight.data.copy_(args[-2])
 
-    def call(x, *rest):
-        return layer(x) if name == "rms_norm" else layer(x, rest[0])
+    def call(x, *rest):  # rest: [residual,] weight, eps; the layer holds the last
+        return layer(x, *rest[:-2])
 
     def forward(x, *rest):
-        method = layer._forward_method
-        return method(x) if name == "rms_norm" else method(x, rest[0])
+        return layer._forward_method(x, *rest[:-2])
 
     return type(layer).__name__, call, forward, ranked
 

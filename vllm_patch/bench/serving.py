@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,9 +53,7 @@ class Sizes:
 
     def serve_extra(self) -> list[str]:
         length = self.model_len or self.input_len + self.output_len + 64
-        return ["--max-model-len", str(length), "--max-num-seqs"] + [
-            str(self.max_concurrency)
-        ]
+        return f"--max-model-len {length} --max-num-seqs {self.max_concurrency}".split()
 
 
 def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
@@ -114,12 +112,7 @@ def _healthy(url: str) -> bool:
 
 @contextlib.contextmanager
 def running(
-    model: str,
-    *,
-    eager: bool,
-    extra: Sequence[str] = (),
-    say: Callable[[str], None] = print,
-    **how: Any,
+    model: str, *, eager: bool, extra: Sequence[str], say, **how: Any
 ) -> Iterator[Server]:
     """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
     exit; ``RuntimeError`` with its log's end if it ends or times out first."""

@@ -160,13 +160,7 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     )
 
 
-def run(
-    target: str,
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    progress: Callable[[str], None] | None = None,
-    **how: Any,
-) -> ChildOutcome:
+def run(target: str, kwargs=None, *, progress=None, **how: Any) -> ChildOutcome:
     return finish(start(target, kwargs, **how), progress)
 
 

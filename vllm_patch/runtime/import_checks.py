@@ -26,11 +26,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         for frame, _ in traceback.walk_tb(e.__traceback__)
     }
     said = [f"{type(e).__name__}: {e}".strip() for e in chain]
-    return {
-        "error": said[0],
-        "root_error": said[-1],
-        "packages": [*filter(None, packages)],
-    }
+    found = {"error": said[0], "root_error": said[-1]}
+    return found | {"packages": [*filter(None, packages)]}
 
 
 def run_step(kind: str, arg: str) -> dict[str, Any]:

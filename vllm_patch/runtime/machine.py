@@ -15,12 +15,11 @@ from typing import Any
 
 from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
 
+# The /proc/cpuinfo flags that decide which vLLM CPU kernels exist and how fast.
 KERNEL_FLAGS = tuple(
     "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
     " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
 )
-"""The ``/proc/cpuinfo`` flags that decide which vLLM CPU kernels exist and how
-fast they run."""
 
 
 def _read(path: str) -> list[str]:
@@ -80,9 +79,8 @@ def facts() -> dict[str, Any]:
     }
 
 
-def summary(m: dict[str, Any] | None = None) -> str:
+def summary(m: dict[str, Any]) -> str:
     """One line for a report: ``CPU model (arch), N CPUs, OS``."""
-    m = m or facts()
     return f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}"
 
 
@@ -118,8 +116,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-BUSY_SHARE = 0.25
-"""Above this :func:`other_load` a repetition is flagged busy."""
+BUSY_SHARE = 0.25  # above this other_load, a repetition is flagged busy
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
