@@ -95,7 +95,7 @@ def step(llm, clock: NormClock | None) -> dict[str, Any]:
 
 
 def main(config_text: str) -> int:
-    answers = os.fdopen(os.dup(1), "w")
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -107,18 +107,13 @@ def main(config_text: str) -> int:
     from vllm import SamplingParams
 
     llm, clock, about = start(json.loads(config_text))
-
-    def answer(value: Any) -> None:
-        answers.write(json.dumps(value) + "\n")
-        answers.flush()
-
-    answer({"ready": about})
+    print(json.dumps({"ready": about}), file=answers)
     for n, line in enumerate(sys.stdin):
         command = json.loads(line)
         if command.get("stop"):
             break
         if command.get("step"):
-            answer(step(llm, clock))
+            print(json.dumps(step(llm, clock)), file=answers)
             continue
         set_threads(command["threads"])
         tokens = command["tokens"]
@@ -126,7 +121,7 @@ def main(config_text: str) -> int:
             temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=tokens
         )
         llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
-        answer({"added": str(n)})
+        print(json.dumps({"added": str(n)}), file=answers)
     return 0
 
 

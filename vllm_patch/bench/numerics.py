@@ -1,8 +1,6 @@
-"""Numerics of an IR implementation against the op's own ``native`` one, on
-the op's own generated inputs: :func:`compare`, the one comparison (the bench
-checks every implementation with it before timing it), and the CPU kernels of
-each x86 build against native (:func:`per_build`).
-"""
+"""An IR implementation against the op's ``native`` one on the op's own inputs
+(:func:`compare`, the one comparison), and each x86 build's kernels against
+native (:func:`per_build`)."""
 
 from __future__ import annotations
 
@@ -191,12 +189,8 @@ def per_build(progress) -> tuple[dict, dict]:
     for cpu_class in cpu_library.runnable(machine.cpu()["flags"]):
         name = cpu_library.LIBRARIES[cpu_class]
         progress(f"numerics: the {name} build")
-        outcome = child.run(
-            "vllm_patch.bench.numerics:build_numerics",
-            {"library": cpu_class},
-            timeout=900,
-        )
-        result = outcome.value()
+        asked = {"library": cpu_class}
+        result = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
         if name not in result["loaded"]:
             raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
         for c in result["cases"]:

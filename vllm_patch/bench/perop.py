@@ -1,10 +1,7 @@
-"""Microseconds per call of the two norms, every way vLLM runs them, in a child
-per vLLM (``ROUNDS`` each, alternating): ``native``, the CPU ``kernel``, each IR
-provider (``ir:<provider>``), the ``RMSNorm`` layer (``layer:<class>``, the
-CustomOp route) and its forward method (``forward:<class>``), each timed only if
-it matches native (``numerics.compare``); and a call's parts alone
-(``kernel:bare``, ``alloc``). A sample is a short loop timed in the thread's CPU
-time, which excludes waiting while other processes run."""
+"""Microseconds per call of the two norms by route, a child per vLLM: ``native``,
+``kernel``, ``ir:<provider>``, ``layer:<class>`` (the CustomOp route),
+``forward:<class>``, each timed only if it matches native; a call's parts
+(``kernel:bare``, ``alloc``). Thread CPU time: waiting for others is left out."""
 
 from __future__ import annotations
 
@@ -65,31 +62,14 @@ def _sample_us(
     return found
 
 
-def _layer(name: str, args: tuple, dtype):
-    """vLLM's ``RMSNorm`` as an eager CPU engine builds it: its class name, it
-    and its forward method as functions of the op's inputs, the op's priority."""
+def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
+    """Every way to run the op here, and the priority each route needs: the IR
+    providers, and vLLM's ``RMSNorm`` as an eager CPU engine builds it, called
+    and through its forward method."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
 
-    eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
-    config = vc.VllmConfig(compilation_config=eager)
-    ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
-    with vc.set_current_vllm_config(config):
-        layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
-    layer.weight.data.copy_(args[-2])
-
-    def call(x, *rest):  # rest: [residual,] weight, eps; the layer holds the last
-        return layer(x, *rest[:-2])
-
-    def forward(x, *rest):
-        return layer._forward_method(x, *rest[:-2])
-
-    return type(layer).__name__, call, forward, ranked
-
-
-def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here, and the priority each IR route needs."""
     call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
     fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": kernel_call(name)}
     scopes = {}
@@ -97,8 +77,15 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
             fns[f"ir:{provider}"] = call
             scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, NATIVE])
-    cls, layer, forward, ranked = _layer(name, args, dtype)
-    fns[f"layer:{cls}"], fns[f"forward:{cls}"] = layer, forward
+    eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
+    config = vc.VllmConfig(compilation_config=eager)
+    ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
+    with vc.set_current_vllm_config(config):
+        layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
+    layer.weight.data.copy_(args[-2])
+    cls = type(layer).__name__  # called with x [, residual]: it holds the rest
+    fns[f"layer:{cls}"] = lambda x, *rest: layer(x, *rest[:-2])
+    fns[f"forward:{cls}"] = lambda x, *rest: layer._forward_method(x, *rest[:-2])
     for route in (f"layer:{cls}", f"forward:{cls}"):
         scopes[route] = lambda: op.set_priority(ranked)
     return fns, scopes
@@ -184,12 +171,9 @@ def per_op(
         for env, pythonpath in envs.items():
             progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
             before = machine.cpu_snapshot()
-            samples += child.run(
-                "vllm_patch.bench.perop:measure",
-                {"env": env, "threads": threads},
-                pythonpath=pythonpath,
-                env=CACHING_MALLOC,
-            ).value()
+            asked = {"env": env, "threads": threads}
+            how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
+            samples += child.run(f"{__name__}:measure", asked, **how).value()
             average, share = machine.load_average()[0], machine.other_share(before)
             load.append({"env": env, "load_average": average, "other_share": share})
     return {

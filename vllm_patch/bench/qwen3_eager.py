@@ -104,29 +104,20 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict
     return result
 
 
-def summarize(
-    found: dict[str, dict[str, Any]], prompts: list[str], patch: str
-) -> dict[str, Any]:
+def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
     """The result from each side's :func:`generate`: the model, each side's
     figures, base against patched and unguarded (``accuracy.compare``)."""
     c = TINY_QWEN3
-    result = {
-        "model": {
-            "description": (
-                f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
-                f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
-                f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
-                f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
-                "made locally; nothing downloaded"
-            ),
-            "config": c,
-            "dtype": DTYPE,
-        },
-        "patch": patch,
-        "prompts": prompts,
-        "max_tokens": MAX_TOKENS,
-        "sides": {},
-    }
+    description = (
+        f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
+        f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
+        f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
+        f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
+        "made locally; nothing downloaded"
+    )
+    model = {"description": description, "config": c, "dtype": DTYPE}
+    result = {"model": model, "patch": patch, "prompts": prompts}
+    result |= {"max_tokens": MAX_TOKENS, "sides": {}}
     for side in SIDES:
         done = found[side]["completions"]
         tokens = [c["tokens"] for c in done]

@@ -187,9 +187,7 @@ def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
     lm_eval = None
     if args.model and args.lm_eval_task:
         if importlib.util.find_spec("lm_eval") is None:
-            failed.append(
-                "lm_eval: not installed (pip install 'lm-eval[api]'), not run"
-            )
+            failed.append("lm_eval not installed (pip install 'lm-eval[api]'), not run")
         else:
             lm_eval = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
             lm_eval |= {"include_path": args.lm_eval_include, "mode": "eager"}
@@ -270,12 +268,8 @@ def run(bench, args, copy: str) -> None:
         args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
     )
     shown = Path(args.model).name if args.model else "MODEL"
-    bench.doc["serving"] = {
-        "commands": commands(shown, sizes),
-        "sizes": vars(sizes),
-        "configs": {},
-        "server_log": {},
-    }
+    serving = {"commands": commands(shown, sizes), "sizes": vars(sizes)}
+    bench.doc["serving"] = serving | {"configs": {}, "server_log": {}}
     bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
     measure(bench, args, model, sizes, copy)
 
