@@ -32,8 +32,7 @@ class NormClock:
 
 
 def hook_norms(model, clock: NormClock) -> list[str]:
-    """Time every ``RMSNorm`` (vLLM's class, or a subclass registered in its
-    place) of ``model``; the class names hooked."""
+    """Time every ``RMSNorm`` (or a subclass in its place): the class names."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     names = []
@@ -55,21 +54,15 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
     from vllm_patch.runtime import cpu_library
 
     compiled = config["mode"] == "compiled"
-    extra: dict[str, Any] = {}
+    length = len(PROMPT) + config["max_tokens"] + 8
+    extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
+    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
     if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
         extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
-    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False, "seed": 0}
-    length = len(PROMPT) + config["max_tokens"] + 8
-    llm = LLM(
-        model=config["model"],
-        dtype=config["dtype"],
-        skip_tokenizer_init=True,
-        enforce_eager=not compiled,
-        max_model_len=length,
-        **extra,
-    )
+    extra["skip_tokenizer_init"] = True
+    llm = LLM(model=config["model"], enforce_eager=not compiled, **extra)
     clock = None if compiled else NormClock()
     hooked = llm.apply_model(lambda m: hook_norms(m, clock))[0] if clock else []
     about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}

@@ -96,8 +96,7 @@ def _save_model(folder: Path, config: dict[str, Any]) -> None:
 
 
 def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over the vocabulary (words ``w3`` ..): a served
-    model needs one for text prompts."""
+    """A word-level tokenizer (words ``w3`` ..): a served model needs one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

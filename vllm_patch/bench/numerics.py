@@ -57,9 +57,8 @@ def compare(
     error = None
     for a, e in zip(got, want, strict=True):
         if a.shape != e.shape or a.dtype != e.dtype:
-            error = (
-                error or f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
-            )
+            wrong = f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+            error = error or wrong
             continue
         diff = (a.float() - e.float()).abs()
         out["max_abs_diff"].append(float(diff.max()) if diff.numel() else 0.0)
@@ -68,8 +67,7 @@ def compare(
         except AssertionError as exc:
             first = str(exc).strip().splitlines()[0]
             error = error or f"outside tolerance {tolerance}: {first}"
-    if out["max_abs_diff"]:
-        out["max_abs_err"] = max(out["max_abs_diff"])
+    out["max_abs_err"] = max(out["max_abs_diff"], default=None)
     if inplace:
         same = len(got) >= len(inplace) and all(
             got[k].data_ptr() == given[i].data_ptr() for k, i in enumerate(inplace)

@@ -107,8 +107,7 @@ def _parts(name: str, args: tuple) -> dict[str, Callable]:
 
 
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
-    """In a child: the rows of this vLLM (``env`` labels them) at ``threads``
-    torch threads."""
+    """In a child: this vLLM's rows (``env`` labels them)."""
     import torch
     from vllm import ir
     from vllm.platforms import current_platform

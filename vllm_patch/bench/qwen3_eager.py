@@ -105,8 +105,7 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict
 
 
 def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
-    """The result from each side's :func:`generate`: the model, each side's
-    figures, base against patched and unguarded (``accuracy.compare``)."""
+    """The result from each side's :func:`generate`, each compared to base."""
     c = TINY_QWEN3
     description = (
         f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -106,7 +105,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
             return response.status == 200
-    except (OSError, urllib.error.URLError):  # not listening yet
+    except OSError:  # not listening yet (URLError is one)
         return False
 
 
@@ -226,16 +225,14 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
     )
     command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
     command += ["--tasks", spec["task"], "--seed", "0"]
-    if spec.get("limit"):
-        command += ["--limit", str(spec["limit"])]
-    if spec.get("include_path"):
-        command += ["--include_path", spec["include_path"]]
+    for key in ("limit", "include_path"):
+        if spec.get(key):
+            command += ["--" + key, str(spec[key])]
     return command
 
 
 def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """exact_match and its stderr (the task's first exact_match filter:
-    ``strict-match`` for gsm8k)."""
+    """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
     command = lm_eval_command(url, tokenizer, spec)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
         proc = subprocess.run(
@@ -257,8 +254,7 @@ def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then filled as
-    the runs come (:func:`measure`)."""
+    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then measured."""
     model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
     bench.doc["model"] = meta
     context = 0  # what the benchmark needs
@@ -305,8 +301,7 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
 
 
 def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
-    """A base or patched server's completions of the accuracy prompts, and
-    (eager) its ``lm_eval`` figures where asked."""
+    """A base or patched server's completions and (eager) ``lm_eval`` figures."""
     prompts = doc["accuracy"]["tokens"]["prompt_texts"]
     say(f"{len(prompts)} greedy completions")
     answers = completions(url, prompts)

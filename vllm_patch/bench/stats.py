@@ -22,8 +22,7 @@ def trimmed_mean(values: Sequence[float]) -> float:
 
 
 def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
-    """(trimmed mean, low, high): the estimate and its 95 % percentile interval,
-    the resampling seeded."""
+    """(trimmed mean, low, high): a seeded 95 % percentile bootstrap."""
     if not values:
         raise ValueError("no values to estimate from")
     rng = random.Random(0)

@@ -79,8 +79,7 @@ def fetch_sdist(package: str, version: str) -> Path:
 
 
 def _unpacked(work: Path, package: str, version: str) -> Path | None:
-    """The tree pip left in ``work``: the saved archive unpacked, else the one
-    it unpacked before failing."""
+    """The tree pip left: its saved archive unpacked, else its own (it failed)."""
     for archive in sorted((work / "saved").glob("*.tar.gz")):
         with tarfile.open(archive) as tar:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}

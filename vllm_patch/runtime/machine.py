@@ -158,8 +158,7 @@ def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
 
 
 def software() -> dict[str, Any]:
-    """Python, torch, vLLM (distribution and folder) and this project's versions,
-    from metadata: what importing them would say, at no cost."""
+    """The versions of Python, torch, vLLM (and its folder) from metadata."""
     spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
     folders = list(spec.submodule_search_locations or []) if spec else []
     package = Path(folders[0]) if folders else None
