@@ -67,10 +67,9 @@ class Engine:
     def __init__(self, variant: Variant, config: dict, paths: dict) -> None:
         self.variant, self.about = variant, {}
         self.log = tempfile.TemporaryFile("w+")
+        opt_in = {OPT_IN_ENV: "1"} if variant.provider else {}
         env = child.child_env(
-            {OPT_IN_ENV: "1"} if variant.provider else {},
-            pythonpath=paths[variant.vllm],
-            drop_env=[OPT_IN_ENV],
+            opt_in, pythonpath=paths[variant.vllm], drop_env=[OPT_IN_ENV]
         )
         config = {**config, "mode": variant.mode, "custom_ops": variant.custom_ops}
         self.proc = subprocess.Popen(
@@ -92,7 +91,7 @@ class Engine:
         return json.loads(line)
 
     def stop(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
+        with contextlib.suppress(OSError):  # a broken pipe
             self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -25,11 +25,8 @@ TINY_QWEN3 = dict(zip(SIZES, (256, 4, 768, 4, 2, 2048), strict=True), head_dim=6
 # ``bench --decode``'s default: TinyLlama-1.1B's widths, a small vocabulary, so
 # that four fp32 engines (3 GB each) fit beside each other.
 DECODE_LLAMA = dict(zip(SIZES, (2048, 16, 5632, 16, 4, 8192), strict=True))
-HF_NAMES = {
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-}
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}
+HF_NAMES["num_kv_heads"] = "num_key_value_heads"
 
 
 def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:

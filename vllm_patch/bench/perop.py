@@ -100,10 +100,8 @@ def _parts(name: str, args: tuple) -> dict[str, Callable]:
     if name == "fused_add_rms_norm":
         return {"kernel:bare": kernel}
     out = torch.empty_like(args[0])
-    return {
-        "kernel:bare": lambda x, w, eps: kernel(out, x, w, eps),
-        "alloc": lambda x, w, eps: torch.empty_like(x),
-    }
+    bare = {"kernel:bare": lambda x, w, eps: kernel(out, x, w, eps)}
+    return bare | {"alloc": lambda x, w, eps: torch.empty_like(x)}
 
 
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
@@ -175,15 +173,9 @@ def per_op(
             samples += child.run(f"{__name__}:measure", asked, **how).value()
             average, share = machine.load_average()[0], machine.other_share(before)
             load.append({"env": env, "load_average": average, "other_share": share})
-    return {
-        "hidden_size": HIDDEN,
-        "dtype": DTYPE,
-        "threads": threads,
-        "clock": "thread CPU time",
-        "rounds": ROUNDS,
-        "load": load,
-        "rows": pooled(samples),
-    }
+    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
+    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
+    return found | {"rows": pooled(samples)}
 
 
 def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ side's kernel calls."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
@@ -43,15 +42,9 @@ def generate(
 
     if unguarded:
         layernorm.RMSNorm.forward_cpu = unguarded_forward_cpu
-    llm = LLM(
-        model=model,
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=128,
-        max_num_seqs=len(prompts),
-        seed=0,
-        kv_cache_memory_bytes=2**28,
-    )
+    sizes = {"max_model_len": 128, "max_num_seqs": len(prompts), "seed": 0}
+    sizes["kv_cache_memory_bytes"] = 2**28
+    llm = LLM(model=model, enforce_eager=True, dtype=dtype, **sizes)
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, seed=0
     )
@@ -138,9 +131,7 @@ def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
     return result
 
 
-def measure(
-    patch: str = "rms_norm_forward_cpu", progress: Callable[[str], None] = print
-) -> dict[str, Any]:
+def measure(patch: str = "rms_norm_forward_cpu", progress=print) -> dict:
     """:func:`compare` with its own patched copy of the installed vLLM (the
     CustomOp form by default: the change a PR to vLLM 0.33 or later carries)."""
     from patcher.patchset import select

@@ -61,9 +61,8 @@ def level(values: Figures) -> dict[str, object]:
 
 def difference(first: Figures, second: Figures) -> dict[str, object]:
     """The :func:`level` of first - second per repetition (both present)."""
-    return level(
-        [a - b for a, b in zip(first, second, strict=True) if None not in (a, b)]
-    )
+    pairs = zip(first, second, strict=True)
+    return level([a - b for a, b in pairs if None not in (a, b)])
 
 
 def quantiles(values: Sequence[float]) -> dict[str, float]:

@@ -70,9 +70,7 @@ def fetch_sdist(package: str, version: str) -> Path:
         tree = _unpacked(work, package, version)
         if tree is None:
             tail = " / ".join(done.stderr.strip().splitlines()[-3:])
-            raise FileNotFoundError(
-                f"pip download left no source tree of {spec}: {tail}"
-            )
+            raise FileNotFoundError(f"pip left no source tree of {spec}: {tail}")
         shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
         tree.rename(dest)
     return dest

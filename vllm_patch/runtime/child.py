@@ -221,10 +221,8 @@ def child_main(target: str, args_file: Path, result_file: Path) -> int:
     module, _, function = target.partition(":")
     try:
         kwargs = json.loads(Path(args_file).read_text("utf-8"))
-        result = {
-            "result": getattr(importlib.import_module(module), function)(**kwargs)
-        }
-        code = 0
+        call = getattr(importlib.import_module(module), function)
+        result, code = {"result": call(**kwargs)}, 0
     except BaseException as exc:  # reported to the parent, which owns the verdict
         traceback.print_exc()
         result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1

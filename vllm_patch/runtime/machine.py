@@ -97,14 +97,10 @@ def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
         return None
     ticks = [int(x) for x in stat[0].split()[1:]]
     idle = sum(ticks[3:5])  # idle + iowait
-    own = resource.getrusage(resource.RUSAGE_CHILDREN)
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return {
-        "wall": time.monotonic(),
-        "busy_s": (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
-        "own_s": sum(map(process_cpu_s, pids))
-        + sum(r.ru_utime + r.ru_stime for r in (own, me)),
-    }
+    busy = (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    ours = map(resource.getrusage, (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF))
+    own = sum(map(process_cpu_s, pids)) + sum(r.ru_utime + r.ru_stime for r in ours)
+    return {"wall": time.monotonic(), "busy_s": busy, "own_s": own}
 
 
 def process_cpu_s(pid: int) -> float:
