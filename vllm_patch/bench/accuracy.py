@@ -42,19 +42,16 @@ def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
     """Where the patched tokens first part from the base's, and the largest
     |delta logprob| up to there (that position included: its context is shared)."""
-    parts = []
-    for b, p in zip(base, patched, strict=True):
+    parts, parted = [], []
+    for i, (b, p) in enumerate(zip(base, patched, strict=True)):
         pairs = list(zip(b["tokens"], p["tokens"], strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
         shared = len(pairs) if at is None else at + 1
         deltas = zip(b["logprobs"][:shared], p["logprobs"][:shared], strict=True)
         delta = max((abs(x - y) for x, y in deltas), default=0.0)
         parts.append({"diverges_at": at, "max_abs_dlogprob": delta})
-    parted = [
-        (d["diverges_at"], i)
-        for i, d in enumerate(parts)
-        if d["diverges_at"] is not None
-    ]
+        if at is not None:
+            parted.append((at, i))
     first = min(parted, default=None)
     return {
         "identical_prompts": len(parts) - len(parted),

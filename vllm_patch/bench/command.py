@@ -46,11 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--out", metavar="DIR", type=Path, required=True, help="evidence folder")
     add("--model", metavar="PATH", type=Path, help="a local model folder")
-    add(
-        "--patch",
-        metavar="NAME",
-        help="the change to measure (default: the one `apply` picks for this vLLM)",
-    )
+    add("--patch", metavar="NAME", help="the change to measure (default: the one "
+        "`apply` picks for this vLLM)")  # fmt: skip
     add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled",
         help="--decode and --serve: eager and/or compiled (both)")  # fmt: skip
     add("--threads", type=_threads, default=[1, 2], metavar="1,2",

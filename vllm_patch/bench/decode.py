@@ -1,16 +1,13 @@
-"""``bench --decode``: what the change does to one decode step, resolved on a
-noisy machine (docs/bench.md: the design and the section it writes).
-
-One engine process per variant (``decode_engine``), kept alive; in a round the
-engines take turns step by step, so that their k-th steps run seconds apart
-under the same load, and an engine's figure is the median over its decode
-steps. Round 0 warms up; ratios are paired per round (``stats``).
-"""
+"""``bench --decode``: one decode step, base vs patched, on a noisy machine
+(docs/bench.md). One live engine per variant (``decode_engine``); in a round
+they take turns step by step, so their k-th steps share the load, and ratios
+are paired per round (``stats``). Round 0 warms up."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,10 +67,9 @@ class Engine:
     def __init__(self, variant: Variant, config: dict, paths: dict) -> None:
         self.variant, self.about = variant, {}
         self.log = tempfile.TemporaryFile("w+")
+        opt_in = {OPT_IN_ENV: "1"} if variant.provider else {}
         env = child.child_env(
-            {OPT_IN_ENV: "1"} if variant.provider else {},
-            pythonpath=paths[variant.vllm],
-            drop_env=[OPT_IN_ENV],
+            opt_in, pythonpath=paths[variant.vllm], drop_env=[OPT_IN_ENV]
         )
         config = {**config, "mode": variant.mode, "custom_ops": variant.custom_ops}
         self.proc = subprocess.Popen(
@@ -84,7 +80,6 @@ class Engine:
         )  # fmt: skip
 
     def ask(self, command: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Send ``command`` (None: nothing) and read the engine's answer."""
         if command is not None:
             self.proc.stdin.write(json.dumps(command) + "\n")
             self.proc.stdin.flush()
@@ -96,7 +91,7 @@ class Engine:
         return json.loads(line)
 
     def stop(self) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
+        with contextlib.suppress(OSError):  # a broken pipe
             self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -123,11 +118,8 @@ def engines(phase, config: dict, paths: dict, progress) -> Iterator[list[Engine]
 
 
 def per_step(found: dict[str, list[int]], key: str) -> float:
-    """The median of ``key`` over the decode steps (all but the first), in
-    milliseconds (calls as they are)."""
-    decode = sorted(found[key][1:])
-    n = len(decode)
-    mid = (decode[(n - 1) // 2] + decode[n // 2]) / 2
+    """The median of ``key`` over the decode steps, nanoseconds in ms."""
+    mid = float(statistics.median(found[key][1:]))  # the first is the prefill
     return mid if key == "norm_calls" else mid / 1e6
 
 
@@ -188,7 +180,7 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
     return out
 
 
-def column(rows: list[dict], variant: str, key: str) -> list[float | None]:
+def column(rows: list[dict], variant: str, key: str) -> list:
     return [r["steps"].get(variant, {}).get(key) for r in rows]
 
 
@@ -243,14 +235,7 @@ def saving(rows: list[dict], variant: str) -> dict[str, Any]:
     }
 
 
-def summary(
-    rows: list[dict],
-    *,
-    threads: list[int],
-    compiled_rows: list[dict],
-    about: dict[str, dict],
-    meta: dict[str, Any],
-) -> dict[str, Any]:
+def summary(rows: list, threads: list, compiled_rows: list, about: dict, meta: dict):
     """The ``decode`` section: ``meta``, the first thread count's block at the
     top level, every count's under ``by_threads``, compiled under ``compiled``."""
 
@@ -298,10 +283,5 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
         with engines(PHASES[mode], config, paths, progress) as started:
             about.update({e.variant.name: e.about for e in started})
             found[mode] = measure_phase(started, args, deadline, progress)
-    return summary(
-        found["eager"],
-        threads=args.threads,
-        compiled_rows=found["compiled"],
-        about=about,
-        meta={"model": meta, "dtype": dtype, "tokens": args.tokens},
-    )
+    meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
+    return summary(found["eager"], args.threads, found["compiled"], about, meta)

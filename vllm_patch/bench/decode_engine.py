@@ -1,13 +1,7 @@
-"""One vLLM engine kept alive in its own process, timing decode steps on request.
-
-``python -m vllm_patch.bench.decode_engine CONFIG_JSON`` runs vLLM's offline
-``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), answers
-``{"ready": ...}``, then one JSON line on stdout per command line on stdin:
-``{"threads": N, "tokens": L}`` adds a greedy request for L tokens, each
-``{"step": true}`` runs one engine step (the first is the prefill) and answers
-its wall and CPU nanoseconds and, eager, those inside every ``RMSNorm``;
-``{"stop": true}`` ends it. vLLM's own log goes to stderr.
-"""
+"""``python -m vllm_patch.bench.decode_engine CONFIG_JSON``: vLLM's ``LLM`` in
+this process, answering ``{"ready": ...}`` then a JSON line on stdout per command
+line on stdin: ``{"threads": N, "tokens": L}`` adds a greedy request, ``{"step":
+true}`` times one engine step, ``{"stop": true}`` ends. vLLM logs to stderr."""
 
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ class NormClock:
 
 
 def hook_norms(model, clock: NormClock) -> list[str]:
-    """Time every ``RMSNorm`` (vLLM's class, or a subclass registered in its
-    place) of ``model``; the class names hooked."""
+    """Time every ``RMSNorm`` (or a subclass in its place): the class names."""
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     names = []
@@ -61,41 +54,24 @@ def start(config: dict[str, Any]) -> tuple[Any, NormClock | None, dict[str, Any]
     from vllm_patch.runtime import cpu_library
 
     compiled = config["mode"] == "compiled"
-    extra: dict[str, Any] = {}
+    length = len(PROMPT) + config["max_tokens"] + 8
+    extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
+    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
     if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
         extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
-    llm = LLM(
-        model=config["model"],
-        dtype=config["dtype"],
-        skip_tokenizer_init=True,
-        enforce_eager=not compiled,
-        max_model_len=len(PROMPT) + config["max_tokens"] + 8,
-        max_num_seqs=1,
-        enable_prefix_caching=False,
-        seed=0,
-        **extra,
-    )
+    extra["skip_tokenizer_init"] = True
+    llm = LLM(model=config["model"], enforce_eager=not compiled, **extra)
     clock = None if compiled else NormClock()
     hooked = llm.apply_model(lambda m: hook_norms(m, clock))[0] if clock else []
-    return (
-        llm,
-        clock,
-        {
-            "pid": os.getpid(),
-            "kernel_build": cpu_library.loaded(),
-            "custom_ops": list(
-                llm.llm_engine.vllm_config.compilation_config.custom_ops
-            ),
-            "norm_classes": hooked,
-        },
-    )
+    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
+    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
+    return llm, clock, about | {"norm_classes": hooked}
 
 
 def step(llm, clock: NormClock | None) -> dict[str, Any]:
-    """One engine step, in nanoseconds: ``wall``, ``cpu`` and inside the norms
-    ``norm_wall``, ``norm_cpu``, and ``norm_calls``; ``finished``."""
+    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
     norms = clock.totals if clock else (0, 0, 0)
     wall, cpu = time.perf_counter_ns(), time.process_time_ns()
     outputs = llm.llm_engine.step()
@@ -112,7 +88,7 @@ def step(llm, clock: NormClock | None) -> dict[str, Any]:
 
 
 def main(config_text: str) -> int:
-    answers = os.fdopen(os.dup(1), "w")
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
@@ -124,28 +100,21 @@ def main(config_text: str) -> int:
     from vllm import SamplingParams
 
     llm, clock, about = start(json.loads(config_text))
-
-    def answer(value: Any) -> None:
-        answers.write(json.dumps(value) + "\n")
-        answers.flush()
-
-    answer({"ready": about})
+    print(json.dumps({"ready": about}), file=answers)
     for n, line in enumerate(sys.stdin):
         command = json.loads(line)
         if command.get("stop"):
             break
         if command.get("step"):
-            answer(step(llm, clock))
+            print(json.dumps(step(llm, clock)), file=answers)
             continue
         set_threads(command["threads"])
+        tokens = command["tokens"]
         params = SamplingParams(
-            temperature=0.0,
-            ignore_eos=True,
-            detokenize=False,
-            max_tokens=command["tokens"],
+            temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=tokens
         )
         llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
-        answer({"added": str(n)})
+        print(json.dumps({"added": str(n)}), file=answers)
     return 0
 
 

@@ -11,79 +11,44 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# A model's sizes, in the order the tables below give them.
+SIZES = ("hidden_size", "num_layers", "intermediate_size", "num_heads")
+SIZES += ("num_kv_heads", "vocab_size")
 # The smallest Llama that still runs every layer type: for checks that the
 # engine runs a given kernel, not for timing.
-TINY_LLAMA = dict(
-    hidden_size=256,
-    num_layers=2,
-    intermediate_size=512,
-    num_heads=4,
-    num_kv_heads=2,
-    vocab_size=1024,
-)
+TINY_LLAMA = dict(zip(SIZES, (256, 2, 512, 4, 2, 1024), strict=True))
 # ``bench --serve`` without ``--model``: a server starts and serves a run in
 # well under a minute on 2 cores.
-SERVED_LLAMA = dict(
-    hidden_size=512,
-    num_layers=4,
-    intermediate_size=1408,
-    num_heads=8,
-    num_kv_heads=4,
-    vocab_size=4096,
-)
+SERVED_LLAMA = dict(zip(SIZES, (512, 4, 1408, 8, 4, 4096), strict=True))
 # Qwen3's layout, small: q_norm and k_norm over head_dim 64 on strided views.
-TINY_QWEN3 = dict(
-    hidden_size=256,
-    num_layers=4,
-    intermediate_size=768,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    vocab_size=2048,
-)
+TINY_QWEN3 = dict(zip(SIZES, (256, 4, 768, 4, 2, 2048), strict=True), head_dim=64)
 # ``bench --decode``'s default: TinyLlama-1.1B's widths, a small vocabulary, so
 # that four fp32 engines (3 GB each) fit beside each other.
-DECODE_LLAMA = dict(
-    hidden_size=2048,
-    num_layers=16,
-    intermediate_size=5632,
-    num_heads=16,
-    num_kv_heads=4,
-    vocab_size=8192,
-)
-HF_NAMES = {
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-}
+DECODE_LLAMA = dict(zip(SIZES, (2048, 16, 5632, 16, 4, 8192), strict=True))
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}
+HF_NAMES["num_kv_heads"] = "num_key_value_heads"
 
 
-def make_random_llama(
-    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
-) -> Path:
+def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
     once into ``path``/its configuration's hash; ``tokenizer``: with one."""
-    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-5)
-    return _cached(Path(path), "random-llama", config)
+    return _cached(Path(path), "random-llama", _config(sizes, seed, tokenizer, 1e-5))
 
 
-def make_random_qwen3(
-    path: Path, *, seed: int = 0, tokenizer: bool = False, **sizes: int
-) -> Path:
-    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama` (sizes:
-    ``TINY_QWEN3``'s keys)."""
-    config = _config(sizes, seed, tokenizer, rms_norm_eps=1e-6)
-    return _cached(Path(path), "random-qwen3", {"architecture": "qwen3", **config})
+def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
+    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
+    config = {"architecture": "qwen3", **_config(sizes, seed, tokenizer, 1e-6)}
+    return _cached(Path(path), "random-qwen3", config)
 
 
-def _config(sizes: dict, seed: int, tokenizer: bool, **fixed: Any) -> dict:
+def _config(sizes: dict, seed: int, tokenizer: bool, rms_norm_eps: float) -> dict:
     return {
         **{HF_NAMES.get(k, k): v for k, v in sizes.items()},
         "max_position_embeddings": 2048,
         # Random tied embeddings make every greedy completion one token repeated.
         "tie_word_embeddings": False,
         "seed": seed,
-        **fixed,
+        "rms_norm_eps": rms_norm_eps,
         **({"tokenizer": "words"} if tokenizer else {}),
     }
 
@@ -110,18 +75,11 @@ def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
 
 def _save_model(folder: Path, config: dict[str, Any]) -> None:
     import torch
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers
 
-    classes = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }
-    config_class, model_class = classes[config.get("architecture", "llama")]
+    kind = {"llama": "Llama", "qwen3": "Qwen3"}[config.get("architecture", "llama")]
+    config_class = getattr(transformers, f"{kind}Config")
+    model_class = getattr(transformers, f"{kind}ForCausalLM")
     own = ("seed", "tokenizer", "architecture")
     hf_config = config_class(
         **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
@@ -135,8 +93,7 @@ def _save_model(folder: Path, config: dict[str, Any]) -> None:
 
 
 def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer over the vocabulary (words ``w3`` ..): a served
-    model needs one for text prompts."""
+    """A word-level tokenizer (words ``w3`` ..): a served model needs one."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

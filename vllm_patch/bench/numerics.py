@@ -1,8 +1,6 @@
-"""Numerics of an IR implementation against the op's own ``native`` one, on
-the op's own generated inputs: :func:`compare`, the one comparison (the bench
-checks every implementation with it before timing it), and the CPU kernels of
-each x86 build against native (:func:`per_build`).
-"""
+"""An IR implementation against the op's ``native`` one on the op's own inputs
+(:func:`compare`, the one comparison), and each x86 build's kernels against
+native (:func:`per_build`)."""
 
 from __future__ import annotations
 
@@ -59,9 +57,8 @@ def compare(
     error = None
     for a, e in zip(got, want, strict=True):
         if a.shape != e.shape or a.dtype != e.dtype:
-            error = (
-                error or f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
-            )
+            wrong = f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
+            error = error or wrong
             continue
         diff = (a.float() - e.float()).abs()
         out["max_abs_diff"].append(float(diff.max()) if diff.numel() else 0.0)
@@ -70,8 +67,7 @@ def compare(
         except AssertionError as exc:
             first = str(exc).strip().splitlines()[0]
             error = error or f"outside tolerance {tolerance}: {first}"
-    if out["max_abs_diff"]:
-        out["max_abs_err"] = max(out["max_abs_diff"])
+    out["max_abs_err"] = max(out["max_abs_diff"], default=None)
     if inplace:
         same = len(got) >= len(inplace) and all(
             got[k].data_ptr() == given[i].data_ptr() for k, i in enumerate(inplace)
@@ -133,20 +129,17 @@ def kernel_call(name: str):
     """The CPU kernel as a function of the op's inputs, returning its outputs."""
     import torch
 
-    if name == "rms_norm":
+    kernel = getattr(torch.ops._C, name)
 
-        def call(x, weight, eps):
+    def call(x, *rest):  # rest: [residual,] weight, eps
+        if name == "rms_norm":
             out = torch.empty_like(x)
-            torch.ops._C.rms_norm(out, x, weight, eps)
+            kernel(out, x, *rest)
             return out
+        kernel(x, *rest)  # in place
+        return x, rest[0]
 
-        return call
-
-    def call_fused(x, residual, weight, eps):
-        torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)  # in place
-        return x, residual
-
-    return call_fused
+    return call
 
 
 def build_numerics(library: str) -> dict:
@@ -162,16 +155,14 @@ def build_numerics(library: str) -> dict:
 
     current_platform.import_kernels()
     loaded = cpu_library.loaded()
-    found: dict[tuple[str, str], dict] = {}
+    cases = []
     for name in OPS:
         op = getattr(ir.ops, name)
         for dtype_name in BUILD_DTYPES:
             dtype = getattr(torch, dtype_name)
             tol = op.get_tolerance(dtype)
-            case = found.setdefault(
-                (name, dtype_name),
-                {"op": name, "dtype": dtype_name, "needed_rtol": 0.0, **tol},
-            )
+            case = {"op": name, "dtype": dtype_name, "needed_rtol": 0.0, **tol}
+            cases.append(case)
             for tokens, hidden in BUILD_SHAPES:
                 args = op_inputs(op, (tokens, hidden), dtype)
                 try:
@@ -182,7 +173,7 @@ def build_numerics(library: str) -> dict:
                 for a, e in zip(got, expected_of(op, args), strict=True):
                     need = needed_rtol(a, e, tol["atol"])
                     case["needed_rtol"] = max(case["needed_rtol"], need)
-    return {"loaded": loaded, "cases": list(found.values())}
+    return {"loaded": loaded, "cases": cases}
 
 
 def per_build(progress) -> tuple[dict, dict]:
@@ -194,12 +185,8 @@ def per_build(progress) -> tuple[dict, dict]:
     for cpu_class in cpu_library.runnable(machine.cpu()["flags"]):
         name = cpu_library.LIBRARIES[cpu_class]
         progress(f"numerics: the {name} build")
-        outcome = child.run(
-            "vllm_patch.bench.numerics:build_numerics",
-            {"library": cpu_class},
-            timeout=900,
-        )
-        result = outcome.value()
+        asked = {"library": cpu_class}
+        result = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
         if name not in result["loaded"]:
             raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
         for c in result["cases"]:

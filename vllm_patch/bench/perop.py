@@ -1,10 +1,7 @@
-"""Microseconds per call of the two norms, every way vLLM runs them, in a child
-per vLLM (``ROUNDS`` each, alternating): ``native``, the CPU ``kernel``, each IR
-provider (``ir:<provider>``), the ``RMSNorm`` layer (``layer:<class>``, the
-CustomOp route) and its forward method (``forward:<class>``), each timed only if
-it matches native (``numerics.compare``); and a call's parts alone
-(``kernel:bare``, ``alloc``). A sample is a short loop timed in the thread's CPU
-time, which excludes waiting while other processes run."""
+"""Microseconds per call of the two norms by route, a child per vLLM: ``native``,
+``kernel``, ``ir:<provider>``, ``layer:<class>`` (the CustomOp route),
+``forward:<class>``, each timed only if it matches native; a call's parts
+(``kernel:bare``, ``alloc``). Thread CPU time: waiting for others is left out."""
 
 from __future__ import annotations
 
@@ -22,13 +19,10 @@ HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1  # what vLLM gives its worker on a 2-core machine
 ROUNDS = 2
-CACHING_MALLOC = {
-    "MALLOC_MMAP_THRESHOLD_": str(2**26),
-    "MALLOC_TRIM_THRESHOLD_": str(2**27),
-}
-"""glibc keeps freed memory for reuse, as vLLM's tcmalloc does: by default every
-tensor of 128 KiB or more is a fresh mapping whose pages fault in on first
-touch, which under memory pressure moved 512-token medians twofold."""
+# glibc keeps freed memory, as vLLM's tcmalloc does: by default a tensor of 128
+# KiB or more is a fresh mapping faulting in, which moved 512-token medians twofold.
+CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**26)}
+CACHING_MALLOC["MALLOC_TRIM_THRESHOLD_"] = str(2**27)
 SAMPLES = 61
 SAMPLE_S = 0.001
 WARMUP_S = 0.05
@@ -68,32 +62,14 @@ def _sample_us(
     return found
 
 
-def _layer(name: str, args: tuple, dtype):
-    """vLLM's ``RMSNorm`` as an eager CPU engine builds it: its class name, it
-    and its forward method as functions of the op's inputs, the op's priority."""
+def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
+    """Every way to run the op here, and the priority each route needs: the IR
+    providers, and vLLM's ``RMSNorm`` as an eager CPU engine builds it, called
+    and through its forward method."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
 
-    eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
-    config = vc.VllmConfig(compilation_config=eager)
-    ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
-    with vc.set_current_vllm_config(config):
-        layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
-    layer.weight.data.copy_(args[-2])
-
-    def call(x, *rest):
-        return layer(x) if name == "rms_norm" else layer(x, rest[0])
-
-    def forward(x, *rest):
-        method = layer._forward_method
-        return method(x) if name == "rms_norm" else method(x, rest[0])
-
-    return type(layer).__name__, call, forward, ranked
-
-
-def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here, and the priority each IR route needs."""
     call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
     fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": kernel_call(name)}
     scopes = {}
@@ -101,8 +77,15 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
             fns[f"ir:{provider}"] = call
             scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, NATIVE])
-    cls, layer, forward, ranked = _layer(name, args, dtype)
-    fns[f"layer:{cls}"], fns[f"forward:{cls}"] = layer, forward
+    eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
+    config = vc.VllmConfig(compilation_config=eager)
+    ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
+    with vc.set_current_vllm_config(config):
+        layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
+    layer.weight.data.copy_(args[-2])
+    cls = type(layer).__name__  # called with x [, residual]: it holds the rest
+    fns[f"layer:{cls}"] = lambda x, *rest: layer(x, *rest[:-2])
+    fns[f"forward:{cls}"] = lambda x, *rest: layer._forward_method(x, *rest[:-2])
     for route in (f"layer:{cls}", f"forward:{cls}"):
         scopes[route] = lambda: op.set_priority(ranked)
     return fns, scopes
@@ -117,15 +100,12 @@ def _parts(name: str, args: tuple) -> dict[str, Callable]:
     if name == "fused_add_rms_norm":
         return {"kernel:bare": kernel}
     out = torch.empty_like(args[0])
-    return {
-        "kernel:bare": lambda x, w, eps: kernel(out, x, w, eps),
-        "alloc": lambda x, w, eps: torch.empty_like(x),
-    }
+    bare = {"kernel:bare": lambda x, w, eps: kernel(out, x, w, eps)}
+    return bare | {"alloc": lambda x, w, eps: torch.empty_like(x)}
 
 
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
-    """In a child: the rows of this vLLM (``env`` labels them) at ``threads``
-    torch threads."""
+    """In a child: this vLLM's rows (``env`` labels them)."""
     import torch
     from vllm import ir
     from vllm.platforms import current_platform
@@ -188,26 +168,14 @@ def per_op(
         for env, pythonpath in envs.items():
             progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
             before = machine.cpu_snapshot()
-            samples += child.run(
-                "vllm_patch.bench.perop:measure",
-                {"env": env, "threads": threads},
-                pythonpath=pythonpath,
-                env=CACHING_MALLOC,
-            ).value()
-            load_average = machine.load_average()[0]
-            share = machine.other_share(before)
-            load.append(
-                {"env": env, "load_average": load_average, "other_share": share}
-            )
-    return {
-        "hidden_size": HIDDEN,
-        "dtype": DTYPE,
-        "threads": threads,
-        "clock": "thread CPU time",
-        "rounds": ROUNDS,
-        "load": load,
-        "rows": pooled(samples),
-    }
+            asked = {"env": env, "threads": threads}
+            how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
+            samples += child.run(f"{__name__}:measure", asked, **how).value()
+            average, share = machine.load_average()[0], machine.other_share(before)
+            load.append({"env": env, "load_average": average, "other_share": share})
+    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
+    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
+    return found | {"rows": pooled(samples)}
 
 
 def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -234,12 +202,8 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
             q = quantiles(cpu)
-            row.update(
-                median_us=round(q["median"], 3),
-                p10_us=round(q["p10"], 3),
-                p90_us=round(q["p90"], 3),
-                wall_median_us=round(quantiles(wall)["median"], 3),
-                native_us=round(native[(row["op"], row["tokens"])], 3),
-            )
+            row |= {f"{k}_us": round(q[k], 3) for k in ("median", "p10", "p90")}
+            row["wall_median_us"] = round(quantiles(wall)["median"], 3)
+            row["native_us"] = round(native[row["op"], row["tokens"]], 3)
         out.append(row)
     return out

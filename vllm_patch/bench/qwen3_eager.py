@@ -1,23 +1,18 @@
 """vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
-unguarded.
-
-#31643 made ``RMSNorm.forward_cpu`` native: eager, the kernels it had reached
-turned Qwen3-0.6B into gibberish (``q_norm`` and ``k_norm`` run on strided
-per-head views; the kernels read their input as contiguous). One greedy engine
-per side on a random Qwen3 in float32, where kernels and native agree to
+unguarded (which read ``q_norm``/``k_norm``'s strided per-head views as
+contiguous). A random Qwen3 in float32, where kernels and native agree to
 rounding, so a changed token is a changed computation; the profiler counts each
-side's kernel calls, so a patched side that never ran them shows.
-"""
+side's kernel calls."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import accuracy
 from vllm_patch.bench.engine_run import TINY_QWEN3
+from vllm_patch.bench.numerics import kernel_call
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
@@ -30,16 +25,10 @@ KEPT = ("kernel_calls", "forward_cpu", "layernorm", "seconds")  # per side, as f
 
 def unguarded_forward_cpu(self, x, residual=None):
     """``RMSNorm`` on CPU before #31643: the kernels for every input."""
-    import torch
-
+    rest = (self.weight.data, self.variance_epsilon)
     if residual is None:
-        out = torch.empty_like(x)
-        torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
-        return out
-    torch.ops._C.fused_add_rms_norm(
-        x, residual, self.weight.data, self.variance_epsilon
-    )
-    return x, residual
+        return kernel_call("rms_norm")(x, *rest)
+    return kernel_call("fused_add_rms_norm")(x, residual, *rest)
 
 
 def generate(
@@ -53,15 +42,9 @@ def generate(
 
     if unguarded:
         layernorm.RMSNorm.forward_cpu = unguarded_forward_cpu
-    llm = LLM(
-        model=model,
-        enforce_eager=True,
-        dtype=dtype,
-        max_model_len=128,
-        max_num_seqs=len(prompts),
-        seed=0,
-        kv_cache_memory_bytes=2**28,
-    )
+    sizes = {"max_model_len": 128, "max_num_seqs": len(prompts), "seed": 0}
+    sizes["kv_cache_memory_bytes"] = 2**28
+    llm = LLM(model=model, enforce_eager=True, dtype=dtype, **sizes)
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True, seed=0
     )
@@ -86,13 +69,7 @@ def generate(
     }
 
 
-def compare(
-    copy: str,
-    patch: str,
-    progress: Callable[[str], None] = print,
-    *,
-    base: str | None = None,
-) -> dict[str, Any]:
+def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
     """The three sides, ``copy`` the patched one's folder, ``base`` one first on
     the others' path (default: the installed vLLM); :func:`summarize`'s."""
     from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
@@ -101,29 +78,18 @@ def compare(
     started = time.monotonic()
     folder, _ = random_model(progress, TINY_QWEN3, kind="qwen3")
     prompts = accuracy.word_prompts(TINY_QWEN3["vocab_size"], PROMPTS)
-    env = {
-        **OFFLINE,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    how = {"env": env, "drop_env": provider_opt_ins(), "timeout": TIMEOUT}
+    asked = {"model": folder, "prompts": prompts, "dtype": DTYPE}
     before = (base,) if base else ()
     paths = {"base": before, "patched": (copy,), "unguarded": before}
     found: dict[str, Any] = {}
     for side in SIDES:
         progress(f"Qwen3 eager, {side}: engine start and {PROMPTS} completions")
+        asked |= {"max_tokens": MAX_TOKENS, "unguarded": side == "unguarded"}
         outcome = child.run(
-            f"{__name__}:generate",
-            {
-                "model": folder,
-                "prompts": prompts,
-                "max_tokens": MAX_TOKENS,
-                "dtype": DTYPE,
-                "unguarded": side == "unguarded",
-            },
-            env=env,
-            pythonpath=paths[side],
-            drop_env=provider_opt_ins(),
-            timeout=TIMEOUT,
+            f"{__name__}:generate", asked, pythonpath=paths[side], **how
         )
         found[side] = {**outcome.value(), "seconds": outcome.seconds}
     result = summarize(found, prompts, patch)
@@ -131,29 +97,19 @@ def compare(
     return result
 
 
-def summarize(
-    found: dict[str, dict[str, Any]], prompts: list[str], patch: str
-) -> dict[str, Any]:
-    """The result from each side's :func:`generate`: the model, each side's
-    figures, base against patched and unguarded (``accuracy.compare``)."""
+def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
+    """The result from each side's :func:`generate`, each compared to base."""
     c = TINY_QWEN3
-    result = {
-        "model": {
-            "description": (
-                f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
-                f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
-                f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
-                f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
-                "made locally; nothing downloaded"
-            ),
-            "config": c,
-            "dtype": DTYPE,
-        },
-        "patch": patch,
-        "prompts": prompts,
-        "max_tokens": MAX_TOKENS,
-        "sides": {},
-    }
+    description = (
+        f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
+        f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
+        f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
+        f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
+        "made locally; nothing downloaded"
+    )
+    model = {"description": description, "config": c, "dtype": DTYPE}
+    result = {"model": model, "patch": patch, "prompts": prompts}
+    result |= {"max_tokens": MAX_TOKENS, "sides": {}}
     for side in SIDES:
         done = found[side]["completions"]
         tokens = [c["tokens"] for c in done]
@@ -175,9 +131,7 @@ def summarize(
     return result
 
 
-def measure(
-    patch: str = "rms_norm_forward_cpu", progress: Callable[[str], None] = print
-) -> dict[str, Any]:
+def measure(patch: str = "rms_norm_forward_cpu", progress=print) -> dict:
     """:func:`compare` with its own patched copy of the installed vLLM (the
     CustomOp form by default: the change a PR to vLLM 0.33 or later carries)."""
     from patcher.patchset import select

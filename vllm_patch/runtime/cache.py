@@ -26,8 +26,7 @@ def cache_dir() -> Path:
 
 
 def _pip_download(folder: Path, spec: str, *options: str, **run):
-    """``pip download --no-deps`` into ``folder``; pip honours the user's
-    configuration (index, find-links, proxies)."""
+    """``pip download --no-deps`` (with the user's index, proxies)."""
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
     pip += ["--disable-pip-version-check", "-d", str(folder), spec, *options]
     return subprocess.run(pip, **run)
@@ -53,11 +52,9 @@ def _cached(folder: Path, package: str, version: str) -> Path | None:
 
 
 def fetch_sdist(package: str, version: str) -> Path:
-    """The unpacked sdist of ``package==version`` (vLLM's: its repository at
-    that release), from the cache or via ``pip download``. pip's metadata build
-    fails for vLLM without its build requirements; ``--no-clean`` keeps the tree
-    pip unpacked in its temporary folder, which ``TMPDIR`` puts in the cache.
-    Where the metadata builds, pip saves the archive instead."""
+    """The unpacked sdist of ``package==version``, cached. vLLM's metadata build
+    fails without its build requirements: ``--no-clean`` keeps the tree pip
+    unpacked (in ``TMPDIR``, here the cache); else pip saves the archive."""
     dest = cache_dir() / "sdists" / f"{canonicalize_name(package)}-{version}"
     if (dest / "PKG-INFO").is_file():
         return dest
@@ -73,17 +70,14 @@ def fetch_sdist(package: str, version: str) -> Path:
         tree = _unpacked(work, package, version)
         if tree is None:
             tail = " / ".join(done.stderr.strip().splitlines()[-3:])
-            raise FileNotFoundError(
-                f"pip download left no source tree of {spec}: {tail}"
-            )
+            raise FileNotFoundError(f"pip left no source tree of {spec}: {tail}")
         shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
         tree.rename(dest)
     return dest
 
 
 def _unpacked(work: Path, package: str, version: str) -> Path | None:
-    """The tree pip left in ``work``: the saved archive unpacked, else the one
-    it unpacked before failing."""
+    """The tree pip left: its saved archive unpacked, else its own (it failed)."""
     for archive in sorted((work / "saved").glob("*.tar.gz")):
         with tarfile.open(archive) as tar:
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}

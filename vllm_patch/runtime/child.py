@@ -1,7 +1,6 @@
-"""Run one function in a child process and get its JSON result back: in
-another environment's interpreter, with vLLM from a patched copy, in a clean
-process, surviving a kernel that crashes or hangs (a timeout kills the child's
-process group). The child's side imports only the standard library."""
+"""Run one function in a child process (another interpreter, a patched copy
+first on its path, surviving a crash or a hang) and get its JSON result back.
+The child's side imports only the standard library."""
 
 from __future__ import annotations
 
@@ -79,11 +78,9 @@ def child_env(
     pythonpath: Iterable[str | Path] = (),
     drop_env: Iterable[str] = (),
 ) -> dict[str, str]:
-    """This process's environment with ``env`` on top, ``drop_env`` removed and
-    ``PYTHONPATH``: ``pythonpath`` first (a patched copy shadows the installed
-    vLLM), then ``env``'s, the inherited one, the project root last (the target
-    imports where this project is not installed). A child given ``pythonpath``
-    (a hard-linked copy) writes no bytecode into it."""
+    """This environment, ``env`` on top, ``drop_env`` removed; ``PYTHONPATH``:
+    ``pythonpath`` first (a patched copy, kept free of bytecode), ``env``'s, the
+    inherited one, the project root last (where it is not installed)."""
     dropped = set(drop_env)
     base = {k: v for k, v in os.environ.items() if k not in dropped}
     env = dict(env or {})
@@ -108,10 +105,9 @@ def start(
     cwd: str | Path | None = None,
     timeout: float | None = None,
 ) -> Child:
-    """Start ``target(**kwargs)`` (``"package.module:function"``) in ``python``
-    with :func:`child_env`, in ``cwd`` (default: an empty folder, so that
-    nothing lands first on its ``sys.path``); :func:`finish` kills it
-    ``timeout`` seconds from now (None: never)."""
+    """Start ``target(**kwargs)`` (``"module:function"``) in ``python`` with
+    :func:`child_env`, in ``cwd`` (default: an empty folder, so that nothing
+    lands first on its ``sys.path``), killed ``timeout`` s from now."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
@@ -129,8 +125,7 @@ def start(
 
 
 def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
-    """Wait for ``child`` (killed at its timeout), each line of its output to
-    ``progress`` as it comes; its outcome."""
+    """Wait for ``child``, each line of its output to ``progress`` as it comes."""
     deadline = None if child.timeout is None else child.started + child.timeout
     timed_out = False
     while (rc := child.proc.poll()) is None:
@@ -165,19 +160,11 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     )
 
 
-def run(
-    target: str,
-    kwargs: Mapping[str, Any] | None = None,
-    *,
-    progress: Callable[[str], None] | None = None,
-    **how: Any,
-) -> ChildOutcome:
-    """:func:`start` then :func:`finish`."""
+def run(target: str, kwargs=None, *, progress=None, **how: Any) -> ChildOutcome:
     return finish(start(target, kwargs, **how), progress)
 
 
 def stop(child: Child) -> None:
-    """End a child that was never collected."""
     if child.proc.poll() is None:
         kill_group(child.proc)
     child.folder.cleanup()
@@ -234,10 +221,8 @@ def child_main(target: str, args_file: Path, result_file: Path) -> int:
     module, _, function = target.partition(":")
     try:
         kwargs = json.loads(Path(args_file).read_text("utf-8"))
-        result = {
-            "result": getattr(importlib.import_module(module), function)(**kwargs)
-        }
-        code = 0
+        call = getattr(importlib.import_module(module), function)
+        result, code = {"result": call(**kwargs)}, 0
     except BaseException as exc:  # reported to the parent, which owns the verdict
         traceback.print_exc()
         result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1

@@ -1,12 +1,6 @@
-"""Make vLLM load the kernel build of an older x86 CPU class on a newer CPU.
-
-vLLM's x86 wheels ship ``_C`` (AVX512-BF16), ``_C_AVX512`` and ``_C_AVX2`` and
-pick one by ``torch.cpu._is_avx512_supported()`` and
-``_is_avx512_bf16_supported()``; saying no loads an older build, so one machine
-measures every class's numerics. Also a pytest plugin::
-
-    pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2 ...
-"""
+"""Make vLLM load an older x86 class's kernel build (``_C_AVX512``, ``_C_AVX2``)
+by having ``torch.cpu._is_avx512*_supported()`` say no. Also a pytest plugin:
+``pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2``."""
 
 from __future__ import annotations
 

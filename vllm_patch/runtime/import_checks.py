@@ -1,9 +1,7 @@
-"""The doctor's import checks, run in a child (``run_steps``): an import can
-raise, abort on a C++ ABI mismatch or crash, and each is a finding. Each step is
-reported once done, so the parent knows which one took a dead child down. A
-step: ``["import", MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider",
-MODULE]`` (a vLLM plugin registered), ``["kernels", "vllm"]``.
-"""
+"""The doctor's import checks in a child (``run_steps``), each step reported once
+done, so that the parent knows which one took a crashed child down: ``["import",
+MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider", MODULE]``, ``["kernels",
+"vllm"]``."""
 
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         for frame, _ in traceback.walk_tb(e.__traceback__)
     }
     said = [f"{type(e).__name__}: {e}".strip() for e in chain]
-    return {
-        "error": said[0],
-        "root_error": said[-1],
-        "packages": [*filter(None, packages)],
-    }
+    found = {"error": said[0], "root_error": said[-1]}
+    return found | {"packages": [*filter(None, packages)]}
 
 
 def run_step(kind: str, arg: str) -> dict[str, Any]:

@@ -15,12 +15,11 @@ from typing import Any
 
 from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
 
+# The /proc/cpuinfo flags that decide which vLLM CPU kernels exist and how fast.
 KERNEL_FLAGS = tuple(
     "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
     " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
 )
-"""The ``/proc/cpuinfo`` flags that decide which vLLM CPU kernels exist and how
-fast they run."""
 
 
 def _read(path: str) -> list[str]:
@@ -80,9 +79,8 @@ def facts() -> dict[str, Any]:
     }
 
 
-def summary(m: dict[str, Any] | None = None) -> str:
+def summary(m: dict[str, Any]) -> str:
     """One line for a report: ``CPU model (arch), N CPUs, OS``."""
-    m = m or facts()
     return f"{m['cpu_model']} ({m['arch']}), {m['usable_cpus']} CPUs, {m['os']}"
 
 
@@ -99,14 +97,10 @@ def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
         return None
     ticks = [int(x) for x in stat[0].split()[1:]]
     idle = sum(ticks[3:5])  # idle + iowait
-    own = resource.getrusage(resource.RUSAGE_CHILDREN)
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return {
-        "wall": time.monotonic(),
-        "busy_s": (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK"),
-        "own_s": sum(map(process_cpu_s, pids))
-        + sum(r.ru_utime + r.ru_stime for r in (own, me)),
-    }
+    busy = (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    ours = map(resource.getrusage, (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF))
+    own = sum(map(process_cpu_s, pids)) + sum(r.ru_utime + r.ru_stime for r in ours)
+    return {"wall": time.monotonic(), "busy_s": busy, "own_s": own}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -118,8 +112,7 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-BUSY_SHARE = 0.25
-"""Above this :func:`other_load` a repetition is flagged busy."""
+BUSY_SHARE = 0.25  # above this other_load, a repetition is flagged busy
 
 
 def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
@@ -161,8 +154,7 @@ def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
 
 
 def software() -> dict[str, Any]:
-    """Python, torch, vLLM (distribution and folder) and this project's versions,
-    from metadata: what importing them would say, at no cost."""
+    """The versions of Python, torch, vLLM (and its folder) from metadata."""
     spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
     folders = list(spec.submodule_search_locations or []) if spec else []
     package = Path(folders[0]) if folders else None

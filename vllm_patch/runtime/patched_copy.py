@@ -1,7 +1,5 @@
-"""vLLM as a patch leaves it, the installed vLLM untouched: a hard-linked copy
-of ``vllm/`` (``patcher.tree.linked_copy``) patched by the engine, which writes
-by rename only, so no write goes through a link. A child with the copy first on
-its ``PYTHONPATH`` (``child.run(pythonpath=)``) imports the patched vLLM."""
+"""A hard-linked copy of ``vllm/`` patched by the engine (which writes by rename
+only: no write goes through a link), for a child's ``PYTHONPATH``."""
 
 from __future__ import annotations
 
@@ -59,7 +57,6 @@ def patched_copy(
 
 
 def _hashes(tree: VllmTree, files: list[str]) -> dict[str, str | None]:
-    """Each file's SHA-256, None where it is missing."""
     return {
         rel: hex_digest(tree.path(rel).read_bytes())
         if tree.path(rel).is_file()
