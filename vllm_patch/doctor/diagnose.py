@@ -14,6 +14,7 @@ from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
+from patcher import engine
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
@@ -69,8 +70,9 @@ def diagnose() -> list[Finding]:
     steps = environment.steps_for(providers, list(companions), environment.has_ir(tree))
     results = run_import_checks(steps)
     findings += environment.import_findings(results, dist, companions)
+    plans = {patch.name: engine.plan(tree, patch) for patch in patches}
     for patch in patches:
-        findings += patch_findings(tree, patch, results)
+        findings += patch_findings(tree, patch, plans, results)
     return findings
 
 

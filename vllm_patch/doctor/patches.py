@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from importlib import metadata
 
-from patcher import engine
 from patcher.patchset import Patch, exclusive_with, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree
@@ -30,11 +29,11 @@ def provider_module(patch: Patch) -> str | None:
     return (patch.meta.get("provider") or {}).get("module")
 
 
-def _not_applied(tree: VllmTree, patch: Patch) -> str | None:
+def _not_applied(tree: VllmTree, patch: Patch, plans: dict) -> str | None:
     """Why a plain ``apply`` would not apply an applicable ``patch``: the other
     form is applied, or it is not this vLLM's default."""
     for other in exclusive_with(patch):
-        if engine.plan(tree, other).status is PlanStatus.APPLIED:
+        if plans[other.name].status is PlanStatus.APPLIED:
             return f"not applied: {other.name} is applied here, and excludes it"
     if not is_default(patch, read_version(tree))[0]:
         how = f"`vllm-patch apply --patch {patch.name}`"
@@ -42,12 +41,13 @@ def _not_applied(tree: VllmTree, patch: Patch) -> str | None:
     return None
 
 
-def patch_findings(tree: VllmTree, patch: Patch, results) -> list[Finding]:
-    plan = engine.plan(tree, patch)
+def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[Finding]:
+    """``plans``: every patch's plan on ``tree``, by name."""
+    plan = plans[patch.name]
     why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
     status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
     if plan.status is PlanStatus.APPLICABLE:
-        state = _not_applied(tree, patch) or state
+        state = _not_applied(tree, patch, plans) or state
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
     if not (module := provider_module(patch)):
         return out
