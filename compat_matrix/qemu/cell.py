@@ -14,6 +14,7 @@ import itertools
 import json
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -23,6 +24,8 @@ from xml.etree import ElementTree
 from compat_matrix.checks.calls import BF16_RTOL, NORM_KERNELS
 from compat_matrix.qemu import chroot
 from compat_matrix.report import result_file
+from patcher.errors import PatchError
+from patcher.files import write_output
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
 
 # QEMU_CPU -> whether it has BF16, and what it stands for. The build is
@@ -290,22 +293,27 @@ def main(argv: list[str] | None = None) -> int:
         seconds = max(r["seconds"] for r in runs.values())
         result = result_path(cpu)
         facts = cell_facts(cpu, runs, applied)
-        result.write_text(junit(cell_tests(cpu, runs), facts, seconds))
+        write_output(result, junit(cell_tests(cpu, runs), facts, seconds))
         for side in CELL_SIDES:
             for case, r in runs[side]["cases"].items():
                 print(cpu, side, case, json.dumps(r))
         found = {TABLE_FORMS[side]: tables[cpu, side] for side in CELL_SIDES}
         kept = result_file("conformance", f"-aarch64-{cpu}")
-        kept.write_text(
+        write_output(
+            kept,
             junit(
                 table_tests(found),
                 table_facts(cpu, found, facts["vllm"]),
                 table_seconds,
-            )
+            ),
         )
         print(f"wrote {result} and {kept}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except PatchError as exc:  # a result's name holds a link, FIFO or folder
+        print(f"compat_matrix.qemu.cell: error: {exc}", file=sys.stderr)
+        raise SystemExit(int(exc.exit_code)) from None
