@@ -164,9 +164,9 @@ def death(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def in_cell(root: Path, cpu: str, env: dict, command: tuple, logs: Path):
+def in_cell(root: Path, cpu: str, side: str, env: dict, command: tuple, logs: Path):
     """``command`` in the chroot on ``cpu``, its output appended to
-    ``logs/<cpu>.log``."""
+    ``logs/<cpu>-<side>.log`` (the sides run side by side)."""
     env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **env}
     proc = subprocess.run(
         chroot.in_chroot(root, *command, env=env),
@@ -174,7 +174,7 @@ def in_cell(root: Path, cpu: str, env: dict, command: tuple, logs: Path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    with (logs / f"{cpu}.log").open("a") as out:
+    with (logs / f"{cpu}-{side}.log").open("a") as out:
         out.write(proc.stdout)
     return proc
 
@@ -183,7 +183,7 @@ def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
     """The side's eager conformance table: its summary (``conformance_table``
     prints it as its last line), or how the process died."""
     command = ("python3", "/opt/cell/conformance_table.py", TABLE_FORMS[side])
-    proc = in_cell(root, cpu, TABLE_ENV[side], command, logs)
+    proc = in_cell(root, cpu, side, TABLE_ENV[side], command, logs)
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not last:
         return {"died": death(proc.returncode) if proc.returncode else "no summary"}
@@ -217,13 +217,13 @@ def table_facts(cpu: str, tables: dict, vllm: str | None) -> dict:
 
 def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
     """Every case of one side on one CPU, a process again after each death;
-    their output appended to ``logs/<cpu>.log``."""
+    their output appended to ``logs/<cpu>-<side>.log``."""
     remaining, cases, processes = list(CASES), {}, []
     setup, began = None, time.monotonic()
     command = ("python3", "/opt/cell/cases.py", side)
     while remaining:
         started = time.monotonic()
-        proc = in_cell(root, cpu, SIDE_ENV[side], (*command, *remaining), logs)
+        proc = in_cell(root, cpu, side, SIDE_ENV[side], (*command, *remaining), logs)
         parsed = parse_run(proc.stdout, proc.returncode, remaining)
         setup = setup or parsed["setup"]
         cases.update(parsed["cases"])
