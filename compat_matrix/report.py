@@ -1,6 +1,5 @@
-"""MATRIX.md and matrix.json from the cells' results
-(``compat_matrix/results/*.xml``, pytest's JUnit XML): the facts each cell
-recorded as test-suite properties and each check's outcome."""
+"""MATRIX.md and matrix.json from the cells' JUnit XML (``results/*.xml``):
+the facts each cell recorded as test-suite properties, each check's outcome."""
 
 from __future__ import annotations
 
@@ -21,25 +20,13 @@ COMPAT_DIR = Path(__file__).resolve().parent
 CALL_NAMES = tuple(f"_C::{op}" for op in OPS)
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
-# A check's part in a row: which column it proves. The aarch64 cells
-# (compat_matrix/qemu) have one check per side and dtype, eager only. Results
-# from before the checks took their expectations from the rule carry the
-# earlier names (test_patched_eager_calls_kernels, ...).
-FORM_CHECKS = ("test_form_applies", "test_form_fits_mechanism")
-QEMU_PATCHED_CHECKS = ("test_patched_float32", "test_patched_bfloat16")
-QEMU_PROVIDER_CHECKS = ("test_provider_float32", "test_provider_bfloat16")
-PATCHED_CHECKS = (
-    "test_patched_eager_calls_what_the_rule_says",
-    "test_patched_eager_calls_kernels",
-    "test_patched_compiled_calls_no_kernel",
-)
-ROUTE_CHECKS = (
-    "test_eager_calls_what_the_rule_says",
-    "test_eager_calls_rms_norm_kernel",
-    "test_eager_calls_fused_add_kernel",
-    "test_compiled_calls_no_kernel",
-    "test_route_logged",
-)
+# The checks that prove a row's form and route, by name: the live checks, the
+# aarch64 cells' per side and dtype, and the names kept in results from before
+# the checks read the rule (test_eager_calls_rms_norm_kernel, ...).
+FORM_CHECKS = ("test_form_", "test_patched_eager", "test_patched_compiled")
+FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
+ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
+ROUTE_CHECKS += ("test_provider_float32", "test_provider_bfloat16")
 HEADER = (
     "cell|torch|kernel build, machine|mechanism|form of the change verified|"
     "provider route verified|provider `_C` calls eager / compiled|"
@@ -104,12 +91,11 @@ def read_result(path: Path) -> dict:
     }
     checks = {}
     for case in suite.iterfind("testcase"):
-        outcome, message = "passed", ""
-        for tag, name in OUTCOMES.items():
-            if (found := case.find(tag)) is not None:
-                outcome, message = name, found.get("message") or ""
-                break
-        checks[case.get("name")] = {"outcome": outcome, "message": message}
+        tag = next((t for t in OUTCOMES if case.find(t) is not None), None)
+        found = {"outcome": OUTCOMES.get(tag, "passed"), "message": ""}
+        if tag:
+            found["message"] = case.find(tag).get("message") or ""
+        checks[case.get("name")] = found
     seconds = float(suite.get("time"))
     cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
     return {**cell, **facts, "checks": checks}
@@ -127,10 +113,10 @@ def calls(counts: dict | None) -> str:
 
 
 def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
-    """``value`` marked by the checks ``names`` (those that ran: none failed)."""
+    """``value`` marked by the checks named ``names...`` (some ran, none failed)."""
     if value is None:
         return "❌ none"
-    ran = [cell["checks"][n]["outcome"] for n in names if n in cell["checks"]]
+    ran = [c["outcome"] for n, c in cell["checks"].items() if n.startswith(names)]
     return f"{'✅' if ran and 'failed' not in ran else '❌'} {value}"
 
 
@@ -144,26 +130,22 @@ def title(cell: dict) -> str:
 
 def row(cell: dict) -> list[str]:
     checks = cell["checks"]
-    live = "test_eager_numerics" in checks or QEMU_PROVIDER_CHECKS[0] in checks
-    ran = [n for n, c in checks.items() if c["outcome"] != "skipped"]
-    failed = [n for n in ran if checks[n]["outcome"] == "failed"]
+    live = "test_eager_numerics" in checks or "test_provider_float32" in checks
+    ran = [c["outcome"] for c in checks.values() if c["outcome"] != "skipped"]
     e2e = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
     e2e = "failed" if "failed" in e2e else "passed" if e2e == {"passed"} else "skipped"
-    form_checks = FORM_CHECKS + (PATCHED_CHECKS + QEMU_PATCHED_CHECKS if live else ())
-    route = "static only"
-    if live:
-        route = verified(cell, cell.get("route"), ROUTE_CHECKS + QEMU_PROVIDER_CHECKS)
+    route = verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only"
     return [
         f"`{title(cell)}`",
         cell.get("torch") or "-",
         f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
         cell.get("mechanism") or "-",
-        verified(cell, cell.get("form"), form_checks),
+        verified(cell, cell.get("form"), FORM_CHECKS),
         route,
         calls(cell.get("provider")),
         calls(cell.get("patched")),
         MARK[e2e],
-        f"{len(ran) - len(failed)}/{len(ran)}",
+        f"{ran.count('passed')}/{len(ran)}",
         round(cell["seconds"]),
     ]
 
@@ -196,9 +178,9 @@ def _graph(g: dict) -> list:
     return [g.get("cells", "-"), got, rule, MARK["passed" if fine else "failed"]]
 
 
-def conformance_rows(results: list[dict]) -> tuple[list[list], list[list], list[list]]:
-    """The conformance results' eager, compiled and residual-stream rows, per
-    kernel build each ran on."""
+def conformance_section(results: list[dict]) -> str:
+    """The conformance section: per kernel build each table ran on, its eager,
+    compiled and residual-stream rows (x86 and aarch64)."""
     eager, graphs, drift = [], [], []
     for found in results:
         for built in found["tables"]:
@@ -213,12 +195,6 @@ def conformance_rows(results: list[dict]) -> tuple[list[list], list[list], list[
                     graphs.append([where, name, GRAPH_MODES[mode], *_graph(g)])
                 ratio = f"{d['ratio']:.4f}"
                 drift.append([_builds(d["build"]), name, ratio, d["fused_add_calls"]])
-    return eager, graphs, drift
-
-
-def conformance_section(results: list[dict]) -> str:
-    """The conformance section: the tables kept, x86 and aarch64."""
-    eager, graphs, drift = conformance_rows(results)
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
     # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
