@@ -1,7 +1,6 @@
-"""The Debian arm64 chroot the aarch64 cell runs in, made on this x86-64 host and
-run through qemu-user (docs/compat.md). Each step is skipped when its result is
-there already (the first run takes tens of minutes, later ones seconds), except
-the project, the cases and the patched tree: fresh on every run. Needs root."""
+"""The Debian arm64 chroot the aarch64 cell runs in under qemu-user, made as
+root on this x86-64 host (docs/compat.md). Each step is skipped when its result
+is there already, but for the project, the cases and the patched tree."""
 
 from __future__ import annotations
 
@@ -37,14 +36,14 @@ def run_cmd(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
 
 
-def uv_pip(verb: str, *args: str | Path) -> None:
+def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
     """``uv pip VERB`` for the chroot's platform and Python."""
-    run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args)
+    return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
 
 
-def in_chroot(root: Path, *cmd: str, env: dict[str, str] | None = None) -> list[str]:
+def in_chroot(root: Path, *cmd: str, env: dict[str, str]) -> list[str]:
     """``cmd`` inside the chroot, with only ``env`` in its environment."""
-    pairs = [f"{k}={v}" for k, v in {"PATH": "/usr/bin:/bin", **(env or {})}.items()]
+    pairs = [f"{k}={v}" for k, v in {"PATH": "/usr/bin:/bin", **env}.items()]
     return ["chroot", str(root), "env", "-i", *pairs, *cmd]
 
 
@@ -73,27 +72,19 @@ def system(root: Path) -> None:
     run_cmd("debootstrap", *how, SUITE, root, MIRROR)
 
 
-def wheels(root: Path, work: Path) -> None:
+def wheels(root: Path) -> None:
     """The release's aarch64 wheels in ``root/opt/sp`` (without the packages
     that break beside a +cpu torch), compiled to bytecode; ``.requirements``
     there is what was installed, so an unchanged set is kept."""
-    sp = root / "opt/sp"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "in.txt").write_text(RELEASE + "\n")
-    uv_pip("compile", work / "in.txt", "-o", work / "all.txt")
-    broken = tuple(f"{name}==" for name in BROKEN_BESIDE_CPU_TORCH)
-    pins = [
-        line
-        for line in (work / "all.txt").read_text().splitlines()
-        if line and not line.startswith((" ", "#", *broken))
-    ]
+    sp, stamp = root / "opt/sp", root / "opt/sp/.requirements"
+    found = uv_pip("compile", "-", input=RELEASE, capture_output=True).stdout
+    skip = (" ", "#", *(f"{name}==" for name in BROKEN_BESIDE_CPU_TORCH))
+    pins = [line for line in found.splitlines() if line and not line.startswith(skip)]
     wanted = "\n".join(pins) + "\n"
-    stamp = sp / ".requirements"
     if stamp.exists() and stamp.read_text() == wanted:
         return
     shutil.rmtree(sp, ignore_errors=True)
-    (work / "reqs.txt").write_text(wanted)
-    uv_pip("install", "--target", sp, "--no-deps", "-r", work / "reqs.txt")
+    uv_pip("install", "--target", sp, "--no-deps", *pins)
     # Bytecode is the same on every platform: compiled here by a Python of the
     # chroot's version (uv finds one or fetches it), with the chroot's paths in
     # it; under qemu this takes half an hour. Exit 1 names files Python 3.11
@@ -150,6 +141,6 @@ def prepare(root: Path) -> dict:
     the patched copy and their outcomes."""
     host_tools()
     system(root)
-    wheels(root, root.parent / f"{root.name}-wheels")
+    wheels(root)
     project(root)
     return patched_tree(root)
