@@ -1,8 +1,7 @@
 """Count vLLM's CPU norm kernel calls through vLLM's own dispatch, without an
-engine: a ``VllmConfig`` as ``CpuPlatform`` finalises it (eager, or compiled by
-Inductor), set as the current config with its IR op priority (where the release
-has IR), an ``RMSNorm`` built under it (so an out-of-tree ``RMSNorm`` replaces
-it, as in a model) and called with and without a residual under torch's
+engine: an ``RMSNorm`` built under the config ``CpuPlatform`` finalises (eager,
+or compiled by Inductor; its IR op priority set where the release has IR), so
+an out-of-tree ``RMSNorm`` replaces it as in a model, called under torch's
 profiler, whose ``_C::`` events count the kernels whatever registered them."""
 
 from __future__ import annotations
@@ -42,6 +41,30 @@ def final_config(mode: str):
     return VllmConfig()
 
 
+def new_norm(kind):
+    """vLLM's ``RMSNorm`` as the current config builds it, weights around 1."""
+    import torch
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(NORM_HIDDEN, dtype=kind)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    return norm
+
+
+def profiled(norm, *args) -> tuple[dict[str, int], tuple, tuple]:
+    """``norm(*args)`` under the profiler: kernel calls, outputs, native's."""
+    import torch
+
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu) as prof:
+        got = norm(*(a.clone() for a in args))
+    native = norm.forward_native(*(a.clone() for a in args))
+    if len(args) == 1:
+        got, native = (got,), (native,)
+    return kernel_calls(prof), got, native
+
+
 def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     """Kernel calls of one RMSNorm called plain and with a residual, the route
     vLLM took to reach them, what the rule expects (``rule.py``: eager, for
@@ -60,20 +83,10 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     kind = getattr(torch, dtype)
     x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
     residual = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(set_current_vllm_config(config))
-        if priority is not None:
-            stack.enter_context(priority.set_priority())
-        norm = RMSNorm(NORM_HIDDEN, dtype=kind)
-        with torch.no_grad():
-            norm.weight.normal_(1.0, 0.1)
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]
-        ) as prof:
-            out = norm(x.clone())
-            added = norm(x.clone(), residual.clone())
-        native = norm.forward_native(x.clone())
-        native_added = norm.forward_native(x.clone(), residual.clone())
+    ir = priority.set_priority() if priority is not None else contextlib.nullcontext()
+    with set_current_vllm_config(config), ir:
+        norm = new_norm(kind)
+        runs = [profiled(norm, x), profiled(norm, x, residual)]
     cc = config.compilation_config
     dtypes = installed_dtypes() if mode == "eager" else ((), ())
     return {
@@ -86,11 +99,12 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
         "ir_op_priority": str(priority) if priority is not None else None,
         "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
         "replaced": type(norm) is not RMSNorm,
-        "calls": kernel_calls(prof),
+        "calls": {k: sum(calls[k] for calls, *_ in runs) for k in NORM_KERNELS},
         "expected": {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)},
         "rtol_needed": max(  # how far the outputs are from native
             rtol_needed(a, b)
-            for a, b in zip((out, *added), (native, *native_added), strict=True)
+            for _, got, native in runs
+            for a, b in zip(got, native, strict=True)
         ),
     }
 

@@ -1,9 +1,8 @@
-"""What a cell's checks share: the vLLM tree judged (the installed one, or
+"""What a cell's checks share: the vLLM tree judged (installed, or
 ``--vllm-wheel``'s for a static cell), ``vllm-patch check --json`` on it, its
-mechanism read from its files, and the patched copy's kernel counts (a fresh
-interpreter started before the in-process checks, so it runs beside them).
-Every fact the matrix shows is a test-suite property of pytest's JUnit XML;
-``compat_matrix.report`` reads nothing else."""
+mechanism, and the patched copy's counts (a child started before the other
+checks, so it runs beside them). Every fact the matrix shows is a test-suite
+property (``fact``): ``compat_matrix.report`` reads nothing else."""
 
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ import sys
 import pytest
 from calls import COUNT_MODES
 
-from patcher.patchset import all_patches, select
+from patcher.patchset import select
 from patcher.tree import open_tree
 from patcher.version import read_version
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
@@ -41,8 +40,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.fixture(scope="session")
 def tree(request):
-    """The vLLM tree judged: the wheel asked for (fetched into the user cache)
-    or the installed vLLM."""
+    """The wheel asked for (fetched into the user cache), or the installed vLLM."""
     if not (wanted := request.config.getoption("--vllm-wheel")):
         return open_tree(None)
     from vllm_patch.runtime.cache import fetch_wheel
@@ -58,9 +56,8 @@ def fact(record_testsuite_property):
 
 @pytest.fixture(scope="session")
 def check_report(request, tree, fact) -> list[dict]:
-    """``vllm-patch check --json`` on the tree: the patches a plain check
-    picks, each with its status (the engine's dry run), or the engine's one
-    error as the only entry."""
+    """``vllm-patch check --json`` on the tree: the patches a plain check picks
+    with their status, or the engine's one error as the only entry."""
     command = [sys.executable, "-m", "vllm_patch", "check", "--json"]
     proc = subprocess.run(
         [*command, "--vllm", str(tree.location)], capture_output=True, text=True
@@ -79,8 +76,7 @@ def check_report(request, tree, fact) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def form(check_report, fact) -> str | None:
-    """The form of the change the engine picks for this tree: the patch a plain
-    check judges applicable or applied (None when none does)."""
+    """The patch a plain check judges applicable or applied (or None)."""
     picked = [r for r in check_report if r["status"] in ("applicable", "applied")]
     name = picked[0]["patch"] if picked else None
     fact("form", name)
@@ -90,8 +86,7 @@ def form(check_report, fact) -> str | None:
 
 @pytest.fixture(scope="session")
 def mechanism(tree, fact) -> str:
-    """``IR``, ``IR deprecated`` (quoting the release's own words and naming
-    their file) or ``no IR``, read from the tree's files."""
+    """``IR``, ``IR deprecated`` (its words and their file) or ``no IR``."""
     found, quote = "no IR", None
     if tree.exists("vllm/ir/op.py"):
         found = "IR"
@@ -106,20 +101,11 @@ def mechanism(tree, fact) -> str:
     return found
 
 
-def forms() -> tuple[str, str]:
-    """(IR form, CustomOp form): the patch that ``replaces`` another is the
-    CustomOp form, the one it replaces the IR form (patch.toml's contract)."""
-    return next(
-        (p.meta["replaces"], p.name) for p in all_patches() if "replaces" in p.meta
-    )
-
-
 @pytest.fixture(scope="session", autouse=True)
 def started(request, form, fact):
-    """The chosen form applied to a hard-linked copy of the installed vLLM, and
-    ``calls.count_modes`` run on it (plugins off: the change alone) in a fresh
-    interpreter started now; yields a function that waits for its counts,
-    reverts the copy and returns both (None when there is nothing to apply)."""
+    """``calls.count_modes`` started in a child on a patched copy of the
+    installed vLLM (plugins off: the change alone); yields a function that
+    waits for its counts, reverts the copy and returns both (or None)."""
     if request.config.getoption("--vllm-wheel") or form is None:
         yield None
         return

@@ -2,14 +2,14 @@
 has, which form of the change the engine picks for it, and whether that form
 applies (the engine's dry run)."""
 
-from conftest import forms
+from patcher.patchset import all_patches
 
 
 def test_form_fits_mechanism(mechanism, form):
-    """The IR form where IR is vLLM's current mechanism; the CustomOp form where
-    IR is deprecated or absent."""
-    ir_form, customop_form = forms()
-    want = ir_form if mechanism == "IR" else customop_form
+    """The IR form where IR is vLLM's current mechanism; the CustomOp form (the
+    patch that ``replaces`` it) where IR is deprecated or absent."""
+    customop = next(p for p in all_patches() if "replaces" in p.meta)
+    want = customop.meta["replaces"] if mechanism == "IR" else customop.name
     assert form == want, f"{mechanism}: the engine picks {form}, not {want}"
 
 

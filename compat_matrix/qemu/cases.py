@@ -1,11 +1,8 @@
-"""The aarch64 cell's cases, run in the arm64 chroot beside ``calls.py``.
-
-``python3 cases.py SIDE CASE...`` (``patched``: the patched copy first on
-``PYTHONPATH``; ``provider``: the plugin loaded by vLLM's loader) calls vLLM's
-``RMSNorm``, built under an eager config, once per CASE (``float32/rms_norm``,
-...) under torch's profiler, against ``forward_native`` and float64. A JSON line
-before and after each case, flushed: when a kernel kills the process (SIGILL),
-the last line names the case."""
+"""``python3 cases.py SIDE CASE...`` in the arm64 chroot, beside ``calls.py``:
+vLLM's ``RMSNorm`` under an eager config, called once per CASE
+(``float32/rms_norm``, ...) under torch's profiler, against ``forward_native``
+and float64. A JSON line before and after each case, flushed: when a kernel
+kills the process (SIGILL), the last line names the case."""
 
 from __future__ import annotations
 
@@ -13,7 +10,14 @@ import json
 import sys
 import time
 
-from calls import NORM_HIDDEN, NORM_TOKENS, final_config, kernel_calls, rtol_needed
+from calls import (
+    NORM_HIDDEN,
+    NORM_TOKENS,
+    final_config,
+    new_norm,
+    profiled,
+    rtol_needed,
+)
 
 START = time.monotonic()
 
@@ -27,30 +31,20 @@ def max_rel_error(a, exact) -> float:
     return float(((a.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max())
 
 
-def reference(x, residual, weight, eps):
-    """RMSNorm in float64: (output,) or (output, residual sum)."""
-    summed = x.double() + residual.double() if residual is not None else x.double()
-    scale = summed.pow(2).mean(-1, keepdim=True).add(eps).rsqrt()
-    out = summed * scale * weight.double()
-    return (out,) if residual is None else (out, summed)
-
-
 def run_case(torch, norm, dtype: str, op: str) -> dict:
     """One call of ``norm`` (with a residual for the fused add): the kernel
     calls it made, how far it is from native, and its and native's largest
-    relative error against float64."""
+    relative error against RMSNorm in float64."""
     torch.manual_seed(0)
     x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=getattr(torch, dtype))
-    residual = torch.randn_like(x) if op == "fused_add_rms_norm" else None
-    args = (x,) if residual is None else (x, residual)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-        got = norm(*(a.clone() for a in args))
-    native = norm.forward_native(*(a.clone() for a in args))
-    if residual is None:
-        got, native = (got,), (native,)
-    exact = reference(x, residual, norm.weight.data, norm.variance_epsilon)
+    args = (x, torch.randn_like(x)) if op == "fused_add_rms_norm" else (x,)
+    calls, got, native = profiled(norm, *args)
+    summed = sum(a.double() for a in args)
+    scale = summed.pow(2).mean(-1, keepdim=True).add(norm.variance_epsilon).rsqrt()
+    # (output, residual sum) in float64: map() pairs as many as the norm returns
+    exact = (summed * scale * norm.weight.data.double(), summed)
     return {
-        "calls": kernel_calls(p),
+        "calls": calls,
         "rtol_vs_native": max(map(rtol_needed, got, native)),
         "max_rel_error": max(map(max_rel_error, got, exact)),
         "native_max_rel_error": max(map(max_rel_error, native, exact)),
@@ -62,7 +56,6 @@ def main(side: str, cases: list[str]) -> None:
     import vllm
     import vllm._custom_ops  # noqa: F401  (loads vllm._C as a model's layers do)
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.layernorm import RMSNorm
 
     status = None
     if side == "provider":
@@ -85,9 +78,7 @@ def main(side: str, cases: list[str]) -> None:
         for case in cases:
             dtype, op = case.split("/")
             if dtype not in norms:
-                norms[dtype] = RMSNorm(NORM_HIDDEN, dtype=getattr(torch, dtype))
-                with torch.no_grad():
-                    norms[dtype].weight.normal_(1.0, 0.1)
+                norms[dtype] = new_norm(getattr(torch, dtype))
             say(case=case, started=True)
             began = time.monotonic()
             try:
