@@ -66,15 +66,16 @@ def profiled(norm, *args) -> tuple[dict[str, int], tuple, tuple]:
 
 
 def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
-    """Kernel calls of one RMSNorm called plain and with a residual, the route
-    vLLM took to reach them, what the rule expects (``rule.py``: eager, for
-    ``dtype`` on this machine's build; never compiling) and how far the outputs
-    are from native."""
+    """One RMSNorm called plain and with a residual: its kernel calls, what the
+    rule expects (``rule.py``: eager, for ``dtype`` on this machine's build;
+    never compiling) and the kernels against it, the route vLLM took, how far
+    the outputs are from native, and the config in one line."""
     import torch
     import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
+    from patches.cpu_fused_norms.identity import PROVIDER
     from patches.rms_norm_forward_cpu.rule import installed_dtypes
 
     config = final_config(mode)
@@ -87,57 +88,31 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     with set_current_vllm_config(config), ir:
         norm = new_norm(kind)
         runs = [profiled(norm, x), profiled(norm, x, residual)]
-    cc = config.compilation_config
+    cc, ir_name = config.compilation_config, "" if priority is None else str(priority)
+    replaced = type(norm) is not RMSNorm  # by an out-of-tree RMSNorm: CustomOp
+    route = "CustomOp" if replaced else "IR" if PROVIDER in ir_name else "none"
     dtypes = installed_dtypes() if mode == "eager" else ((), ())
+    calls = {k: sum(found[k] for found, *_ in runs) for k in NORM_KERNELS}
+    want = {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)}
     return {
-        "mode": mode,
-        "compilation": {
-            "mode": int(cc.mode),
-            "backend": cc.backend,
-            "custom_ops": list(cc.custom_ops),
-        },
-        "ir_op_priority": str(priority) if priority is not None else None,
-        "norm_class": f"{type(norm).__module__}.{type(norm).__qualname__}",
-        "replaced": type(norm) is not RMSNorm,
-        "calls": {k: sum(calls[k] for calls, *_ in runs) for k in NORM_KERNELS},
-        "expected": {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)},
+        "calls": calls,
+        "expected": want,
+        "unexpected": [k for k in NORM_KERNELS if (calls[k] > 0) != want[k]],
+        "route": route,
+        "compilation_mode": int(cc.mode),
         "rtol_needed": max(  # how far the outputs are from native
             rtol_needed(a, b)
             for _, got, native in runs
             for a, b in zip(got, native, strict=True)
         ),
+        "described": (
+            f"{mode}: {calls} (the rule: {want}) via {type(norm).__module__}."
+            f"{type(norm).__qualname__}; custom_ops {list(cc.custom_ops)}, "
+            f"compilation mode {int(cc.mode)}, {ir_name or 'no IR'}"
+        ),
     }
 
 
-def unexpected(result: dict[str, Any]) -> list[str]:
-    """The kernels that ran where the rule says native, or did not run where it
-    says kernel."""
-    calls, want = result["calls"], result["expected"]
-    return [k for k in NORM_KERNELS if (calls[k] > 0) != want[k]]
-
-
-def describe(result: dict[str, Any]) -> str:
-    """One line for a failed check: what was called, under which config."""
-    cc = result["compilation"]
-    return (
-        f"{result['mode']}: {result['calls']} (the rule: {result['expected']}) via "
-        f"{result['norm_class']}; "
-        f"custom_ops {cc['custom_ops']}, compilation mode {cc['mode']}, "
-        f"{result['ir_op_priority'] or 'no IR'}"
-    )
-
-
-def route(result: dict[str, Any], provider: str) -> str:
-    """How the kernels were reached: an out-of-tree ``RMSNorm`` (CustomOp), the
-    provider ranked in the IR op priority (IR), or neither."""
-    if result["replaced"]:
-        return "CustomOp"
-    if provider in (result["ir_op_priority"] or ""):
-        return "IR"
-    return "none"
-
-
 def count_modes() -> dict[str, dict[str, Any]]:
-    """:func:`count` in both modes (the checks run it on the patched copy, in a
-    child interpreter)."""
+    """:func:`count` in both modes (run on the patched copy, in a child)."""
     return {m: count(m) for m in COUNT_MODES}

@@ -1,9 +1,45 @@
-"""``--e2e``: real engine starts with the provider (the cell runs opted in),
-eager and compiled, each in a fresh interpreter: the eager engine calls the CPU
-kernels while generating, the compiled one (Inductor) none, and both generate."""
+"""``--e2e``: an engine with the provider (opted in) on a random Llama, eager
+and compiled, each in a child: the eager one calls the CPU kernels while it
+generates, the compiled one (Inductor) none, and both generate."""
+
+import dataclasses
+import os
 
 import pytest
-from engine_start import NEW_TOKENS
+
+NEW_TOKENS = 8
+
+
+def generate(model: str, mode: str) -> dict:
+    """In the child: the kernels an in-process engine calls, and its tokens."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+
+    from compat_matrix.checks.calls import kernel_calls
+
+    # A small KV cache: a share of the machine's memory may not be free.
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    small = {k: v for k, v in {"kv_cache_memory_bytes": 2**28}.items() if k in fields}
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enforce_eager=mode == "eager",
+        max_model_len=64,
+        max_num_seqs=1,
+        seed=0,
+        **small,
+    )
+    prompt = [{"prompt_token_ids": list(range(10, 18))}]
+    params = SamplingParams(
+        temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=NEW_TOKENS
+    )
+    llm.generate(prompt, params, use_tqdm=False)  # warm-up: compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        result = llm.generate(prompt, params, use_tqdm=False)
+    return {"calls": kernel_calls(p), "tokens": list(result[0].outputs[0].token_ids)}
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +55,7 @@ def model(request):
 def run_engine(model, mode, fact) -> dict:
     from vllm_patch.runtime import child
 
-    target = "compat_matrix.checks.engine_start:generate"
+    target = "compat_matrix.checks.test_e2e:generate"
     outcome = child.run(target, {"model": str(model), "mode": mode}, timeout=1800)
     found = outcome.value()  # else its log's tail
     fact(f"e2e_{mode}", found)

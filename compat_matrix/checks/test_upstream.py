@@ -3,19 +3,19 @@ copy of the installed vLLM, imported by a fresh interpreter without plugins:
 the CPU kernels called eager, none compiling; the copy reverted to its bytes
 and the installed vLLM untouched."""
 
-from calls import BF16_RTOL, describe, unexpected
+from calls import BF16_RTOL
 
 
 def test_patched_eager_calls_what_the_rule_says(patched):
     eager = patched()["counts"]["eager"]
-    assert not unexpected(eager), describe(eager)
+    assert not eager["unexpected"], eager["described"]
     rtol = eager["rtol_needed"]
     assert rtol <= BF16_RTOL, f"rtol {rtol:.3g} needed against native"
 
 
 def test_patched_compiled_calls_no_kernel(patched):
     compiled = patched()["counts"]["compiled"]
-    assert not unexpected(compiled), describe(compiled)
+    assert not compiled["unexpected"], compiled["described"]
 
 
 def test_patched_copy_reverts(patched):
