@@ -44,7 +44,6 @@ def test_a_finished_process_gives_every_case_and_its_setup():
     assert got == {
         "setup": {"torch": "2.10.0+cpu"},
         "cases": {"float32/rms_norm": result(KERNEL)},
-        "died": None,
     }
 
 
@@ -59,7 +58,6 @@ def test_a_death_is_the_started_case_s_alone():
         + "qemu: uncaught target signal 4 (Illegal instruction) - core dumped\n"
     )
     got = parse_run(out, -signal.SIGILL, ["float32/rms_norm", "bfloat16/rms_norm"])
-    assert got["died"] == "killed by SIGILL"
     assert got["cases"] == {
         "float32/rms_norm": result(KERNEL),
         "bfloat16/rms_norm": {"died": "killed by SIGILL", "in_setup": False},

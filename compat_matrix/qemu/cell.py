@@ -57,11 +57,10 @@ def result_path(cpu: str) -> Path:
 
 
 def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
-    """One process's JSON lines (other lines are logs): ``setup``, ``cases``
-    (case -> result) and ``died`` (how, or None). A case started but not
-    finished is the one the process died in; a process that died before any
-    case took every asked case with it."""
-    setup, cases, started, died = None, {}, None, None
+    """One process's JSON lines (other lines are logs): ``setup`` and ``cases``
+    (case -> result). A case started but not finished is the one the process
+    died in; a process that died before any case took every asked case."""
+    setup, cases, started = None, {}, None
     for line in output.splitlines():
         doc = json.loads(line) if line.startswith("{") else {}
         if "setup" in doc:
@@ -72,10 +71,9 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
             cases[doc.pop("case")] = doc
             started = None
     if returncode:
-        died = death(returncode)
         for case in [started] if started else asked:
-            cases[case] = {"died": died, "in_setup": started is None}
-    return {"setup": setup, "cases": cases, "died": died}
+            cases[case] = {"died": death(returncode), "in_setup": started is None}
+    return {"setup": setup, "cases": cases}
 
 
 def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
@@ -153,11 +151,9 @@ def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
     """``command`` in the chroot on ``cpu`` in the side's environment, its
     output appended to ``logs/<cpu>-<side>.log`` (the sides run side by side)."""
     env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
+    cmd = chroot.in_chroot(root, *command, env=env)
     proc = subprocess.run(
-        chroot.in_chroot(root, *command, env=env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     with (logs / f"{cpu}-{side}.log").open("a") as out:
         out.write(proc.stdout)
