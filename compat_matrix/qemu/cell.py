@@ -77,9 +77,8 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
 
 
 def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
-    """Why the side fails in ``dtype`` (nothing when it passes): a process that
-    died, an exception, kernel calls the rule does not expect, or outputs
-    farther from native than the tolerance."""
+    """Why the side fails in ``dtype``: a death, an exception, kernel calls
+    the rule does not expect, or outputs beyond the tolerance of native."""
     bf16 = MACHINES[cpu][0]
     failures = []
     for op in CELL_OPS:
@@ -105,8 +104,7 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
 
 
 def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
-    """JUnit XML as pytest writes it: a test case per (name, seconds,
-    failures), the facts as JSON-encoded properties."""
+    """JUnit XML as pytest writes it, the facts as JSON-encoded properties."""
     suites = ElementTree.Element("testsuites", name="pytest tests")
     suite = ElementTree.SubElement(suites, "testsuite", name="pytest", errors="0")
     suite.attrib.update(
@@ -148,8 +146,7 @@ def death(returncode: int) -> str:
 
 
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
-    """``command`` in the chroot on ``cpu`` in the side's environment, its
-    output appended to ``logs/<cpu>-<side>.log`` (the sides run side by side)."""
+    """``command`` in the chroot, its output appended to the side's log."""
     env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
     cmd = chroot.in_chroot(root, *command, env=env)
     proc = subprocess.run(
@@ -161,8 +158,7 @@ def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
 
 
 def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
-    """The side's eager conformance table: its summary (``conformance_table``
-    prints it as its last line), or how the process died."""
+    """The side's eager conformance table's summary, or how it died."""
     command = ("python3", "/opt/cell/conformance_table.py", TABLE_FORMS[side])
     proc = in_cell(root, cpu, side, command, logs)
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -219,15 +215,13 @@ def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
 
 
 def bf16_calls(cases: dict) -> dict:
-    """The bfloat16 cases' kernel calls, as the other cells count them (one norm
-    called plain and with a residual)."""
+    """The bfloat16 cases' kernel calls, summed as the other cells count."""
     found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in CELL_OPS]
     return {"eager": {k: sum(c.get(k, 0) for c in found) for k in NORM_KERNELS}}
 
 
 def cell_facts(cpu: str, runs: dict, applied: dict[str, str]) -> dict:
-    """The properties of one CPU's result: what the report shows, and ``runs``
-    (every case's calls and distances, and each process)."""
+    """The facts the report shows, and every case and process in ``runs``."""
     setup = runs["provider"]["setup"] or runs["patched"]["setup"] or {}
     provider = (runs["provider"]["setup"] or {}).get("provider_status") or {}
     return {

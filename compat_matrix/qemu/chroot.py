@@ -48,8 +48,7 @@ def in_chroot(root: Path, *cmd: str, env: dict[str, str]) -> list[str]:
 
 
 def host_tools() -> None:
-    """qemu-user-static, binfmt-support and debootstrap from apt when missing,
-    binfmt_misc mounted and qemu-aarch64 enabled."""
+    """qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing."""
     if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
         run_cmd("apt-get", "update", "-q")
         apt = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
@@ -73,9 +72,8 @@ def system(root: Path) -> None:
 
 
 def wheels(root: Path) -> None:
-    """The release's aarch64 wheels in ``root/opt/sp`` (without the packages
-    that break beside a +cpu torch), compiled to bytecode; ``.requirements``
-    there is what was installed, so an unchanged set is kept."""
+    """The release's aarch64 wheels but those that break beside a +cpu torch in
+    ``/opt/sp``, compiled; kept while the pins match its ``.requirements``."""
     sp, stamp = root / "opt/sp", root / "opt/sp/.requirements"
     found = uv_pip("compile", "-", input=RELEASE, capture_output=True).stdout
     skip = (" ", "#", *(f"{name}==" for name in BROKEN_BESIDE_CPU_TORCH))
@@ -96,9 +94,8 @@ def wheels(root: Path) -> None:
 
 
 def project(root: Path) -> None:
-    """This project (its plugin's entry point, which vLLM's loader finds) in
-    ``/opt/project``; the cases beside ``calls.py``, and the conformance
-    table, in ``/opt/cell``."""
+    """This project (its plugin's entry point) in ``/opt/project``; the cases,
+    ``calls.py`` and the conformance table in ``/opt/cell``."""
     target, cell = root / "opt/project", root / "opt/cell"
     for folder in (target, cell):
         shutil.rmtree(folder, ignore_errors=True)
@@ -124,9 +121,8 @@ def patched_tree(root: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def proc_mounted(root: Path):
-    """``/proc`` and ``/sys`` mounted in the chroot for the cases, as on any
-    system (torch's cpuinfo reads the CPUs from ``/sys``, and without them
-    finds no BF16), and unmounted after where they were not before."""
+    """``/proc`` and ``/sys`` mounted in the chroot while in the block (torch's
+    cpuinfo reads the CPUs from ``/sys``: without it, no BF16)."""
     with contextlib.ExitStack() as stack:
         for kind in ("proc", "sysfs"):
             point = root / kind.removesuffix("fs")
@@ -137,8 +133,7 @@ def proc_mounted(root: Path):
 
 
 def prepare(root: Path) -> dict:
-    """The chroot made or brought up to date; returns the patches applied to
-    the patched copy and their outcomes."""
+    """The chroot made or updated; the patched copy's patches and outcomes."""
     host_tools()
     system(root)
     wheels(root)
