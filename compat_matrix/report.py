@@ -45,7 +45,6 @@ INTRO = (
     " eager / compiled."
 )
 FORMS = {"custom_op": "CustomOp form", "ir": "IR form", "provider": "provider"}
-FORMS["patched"] = FORMS["custom_op"]
 CONFORMANCE = (
     "## Conformance: the kernel where it matches native, native elsewhere\n\n"
     "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
@@ -67,14 +66,12 @@ GRAPH_MODES = {"compiled": '`["none"]`', "plus_rms_norm": '`["none", "+rms_norm"
 
 
 def result_file(release: str, suffix: str = "") -> Path:
-    """``results/<release><suffix>.xml``, ``package==version`` named
-    ``package-version``."""
+    """``results/<release><suffix>.xml``, ``==`` in a release named ``-``."""
     return COMPAT_DIR / "results" / f"{release.replace('==', '-')}{suffix}.xml"
 
 
 def read_suite(path: Path) -> ElementTree.Element:
-    """A result's ``testsuite``: read as a file in a tree is (a regular file,
-    never through a link, a FIFO or past its size bound)."""
+    """A result's ``testsuite``, from a regular bounded file, never a link."""
     real = Path(os.path.realpath(path.parent)) / path.name
     text = read_text_at(real, "a pytest result (JUnit XML)")
     return ElementTree.fromstring(text).find("testsuite")

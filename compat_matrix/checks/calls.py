@@ -1,8 +1,7 @@
-"""Count vLLM's CPU norm kernel calls through vLLM's own dispatch, without an
-engine: an ``RMSNorm`` built under the config ``CpuPlatform`` finalises (eager,
-or compiled by Inductor; its IR op priority set where the release has IR), so
-an out-of-tree ``RMSNorm`` replaces it as in a model, called under torch's
-profiler, whose ``_C::`` events count the kernels whatever registered them."""
+"""vLLM's CPU norm kernel calls through vLLM's own dispatch, without an engine:
+an ``RMSNorm`` built under the config an engine would run with (so an
+out-of-tree one replaces it), called under torch's profiler, whose ``_C::``
+events count the kernels whatever registered them."""
 
 from __future__ import annotations
 
@@ -66,10 +65,9 @@ def profiled(norm, *args) -> tuple[dict[str, int], tuple, tuple]:
 
 
 def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
-    """One RMSNorm called plain and with a residual: its kernel calls, what the
-    rule expects (``rule.py``: eager, for ``dtype`` on this machine's build;
-    never compiling) and the kernels against it, the route vLLM took, how far
-    the outputs are from native, and the config in one line."""
+    """One RMSNorm called plain and with a residual: its kernel calls against
+    the rule's (``rule.py``: eager, for ``dtype`` on this build; never
+    compiling), the route vLLM took, how far from native, the config."""
     import torch
     import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config

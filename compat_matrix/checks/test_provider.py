@@ -14,8 +14,7 @@ from calls import BF16_RTOL, COUNT_MODES, count
 
 @pytest.fixture(scope="session")
 def plugin_log():
-    """What the plugins logged while vLLM's loader ran them (``vllm.plugins``
-    loggers), as (level, message)."""
+    """(level, message) of each line the plugins logged as vLLM loaded them."""
     import vllm.logger  # noqa: F401  (configures vLLM's loggers, handlers included)
     from vllm.plugins import load_general_plugins
 
@@ -41,13 +40,9 @@ def counted(plugin_log, fact):
 
 
 def test_plugin_loads_quietly(plugin_log):
-    """vLLM's loader found the project's entry point and ran it, which logged
-    no warning or error."""
-    ours = [
-        e
-        for e in entry_points(group="vllm.general_plugins")
-        if e.dist and e.dist.name == "vllm-patch"
-    ]
+    """vLLM's loader ran the project's entry point, which logged no warning."""
+    plugins = entry_points(group="vllm.general_plugins")
+    ours = [e for e in plugins if e.dist and e.dist.name == "vllm-patch"]
     assert ours, "no vllm.general_plugins entry point of vllm-patch"
     assert ours[0].module in sys.modules, f"{ours[0]} was not loaded"
     loud = [m for level, m in plugin_log if level not in ("DEBUG", "INFO")]

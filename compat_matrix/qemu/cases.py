@@ -1,8 +1,7 @@
-"""``python3 cases.py SIDE CASE...`` in the arm64 chroot, beside ``calls.py``:
-vLLM's ``RMSNorm`` under an eager config, called once per CASE
-(``float32/rms_norm``, ...) under torch's profiler, against ``forward_native``
-and float64. A JSON line before and after each case, flushed: when a kernel
-kills the process (SIGILL), the last line names the case."""
+"""``python3 cases.py SIDE CASE...`` in the arm64 chroot: vLLM's ``RMSNorm``,
+eager, called once per CASE (``float32/rms_norm``, ...) under the profiler. A
+JSON line before and after each case, flushed: when a kernel kills the process
+(SIGILL), the last line names the case."""
 
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ def max_rel_error(a, exact) -> float:
 
 
 def run_case(torch, norm, dtype: str, op: str) -> dict:
-    """One call of ``norm`` (with a residual for the fused add): the kernel
-    calls it made, how far it is from native, and its and native's largest
-    relative error against RMSNorm in float64."""
+    """One call of ``norm``: its kernel calls, how far from native, and its and
+    native's largest relative error against RMSNorm in float64."""
     torch.manual_seed(0)
     x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=getattr(torch, dtype))
     args = (x, torch.randn_like(x)) if op == "fused_add_rms_norm" else (x,)
