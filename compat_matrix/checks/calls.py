@@ -33,11 +33,9 @@ def final_config(mode: str):
     from vllm.config import CompilationConfig, VllmConfig
     from vllm.config.compilation import CompilationMode
 
-    if mode == "eager":
-        return VllmConfig(
-            compilation_config=CompilationConfig(mode=CompilationMode.NONE)
-        )
-    return VllmConfig()
+    if mode != "eager":
+        return VllmConfig()
+    return VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
 
 
 def new_norm(kind):
