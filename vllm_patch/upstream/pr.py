@@ -1,7 +1,6 @@
 """``vllm-patch pr``: the form of the change vLLM's main takes, committed with a
-sign-off on a branch of a vLLM git checkout, and the PR description; it never
-pushes. :func:`preflight` writes nothing; :func:`on_branch` puts the checkout
-back on any exit but success (Ctrl-C, SIGTERM, SIGHUP: one line, exit 3)."""
+sign-off on a branch of a vLLM git checkout, and its PR description; it never
+pushes. :func:`preflight` writes nothing; :func:`on_branch` rolls back."""
 
 from __future__ import annotations
 
@@ -75,11 +74,9 @@ class Settings:  # one run's, checked before anything is written
     args: argparse.Namespace
 
 
-class Interrupted(BaseException):
-    """SIGTERM or SIGHUP, raised as Ctrl-C raises KeyboardInterrupt."""
-
-
-def open_checkout(path: Path) -> git.Repo:
+def open_checkout(path: Path) -> tuple[git.Repo, str]:
+    """A clean checkout with commits, and the Signed-off-by line of its
+    explicitly configured committer (never guessed from the host)."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
@@ -100,11 +97,6 @@ def open_checkout(path: Path) -> git.Repo:
             path=repo.working_tree_dir,
             found=", ".join(sorted(changed)[:10]) or "staged changes",
         )
-    return repo
-
-
-def signoff(repo: git.Repo) -> str:
-    """The explicitly configured committer's (never guessed from the host)."""
     try:
         ident = repo.git.execute(
             ["git", "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"]
@@ -117,26 +109,36 @@ def signoff(repo: git.Repo) -> str:
             path=repo.working_tree_dir,
         ) from exc
     name, _, rest = ident.partition(" <")
-    return f"Signed-off-by: {name.strip()} <{rest.partition('>')[0].strip()}>"
+    return repo, f"Signed-off-by: {name.strip()} <{rest.partition('>')[0].strip()}>"
 
 
-def checkout_version(repo: git.Repo, tree: VllmTree) -> Version | None:
-    """vllm/_version.py when the build wrote it, else the nearest v* tag."""
-    if (version := read_version(tree)) is not None:
-        return version
-    try:
-        tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
-        return Version(tag.lstrip("v"))
-    except (git.GitCommandError, InvalidVersion):
-        return None
+def refuse_ir_era(repo: git.Repo, tree: VllmTree, patch: Patch) -> None:
+    """A release whose own form of the change is another is refused; its version
+    from vllm/_version.py when the build wrote it, else the nearest v* tag."""
+    version = read_version(tree)
+    if version is None:
+        with contextlib.suppress(git.GitCommandError, InvalidVersion):
+            tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
+            version = Version(tag.lstrip("v"))
+    if version is None or patch in defaults(version):
+        return
+    theirs = ", ".join(p.name for p in defaults(version)) or "none"
+    raise UsageError(
+        f"this checkout is vLLM {version}, whose form of the change is {theirs}; "
+        f"pr commits only the form vLLM's main takes: pass --patch {patch.name} "
+        f"(it applies to vLLM {patch.versions})",
+        path=repo.working_tree_dir,
+    )
 
 
 def preflight(args: argparse.Namespace) -> Settings:
     """Every check that needs nothing written; the settings they give."""
-    repo = open_checkout(args.vllm)
+    repo, signoff = open_checkout(args.vllm)
     root = Path(repo.working_tree_dir)
     tree = open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise)
     patch = main_form(args.patch)
+    if not args.patch:
+        refuse_ir_era(repo, tree, patch)
     upstream = upstream_of(patch)
     branch = args.branch or upstream.branch
     try:
@@ -145,15 +147,13 @@ def preflight(args: argparse.Namespace) -> Settings:
         named = None
     if named != branch or branch.startswith("-"):  # @{-1} names another branch
         raise UsageError(f"not a valid branch name: {branch!r}")
-    identity = signoff(repo)
     out = _outputs(repo, branch, args)
     tip = repo.heads[branch].commit.hexsha if branch in repo.heads else None
-    base = args.base
-    if base is None and tip is None and repo.head.is_detached:
+    if args.base is None and tip is None and repo.head.is_detached:
         raise UsageError(
             "HEAD is detached; pass --base REF (e.g. upstream/main)", path=str(root)
         )
-    base = base or (None if tip else repo.active_branch.name)
+    base = args.base or (None if tip else repo.active_branch.name)
     try:
         base_commit = base and repo.commit(base).hexsha
     except (git.BadName, ValueError) as exc:
@@ -171,7 +171,7 @@ def preflight(args: argparse.Namespace) -> Settings:
         patch=patch,
         upstream=upstream,
         branch=branch,
-        signoff=identity,
+        signoff=signoff,
         description=out,
         evidence=pr_body.load_evidence(args.evidence, patch),
         start=head.commit.hexsha if head.is_detached else repo.active_branch.name,
@@ -208,8 +208,9 @@ class Work:  # what the steps on the branch found and made
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (new from the base, or existing and containing it); back
-    where the checkout was on any exit without ``keep``."""
+    """On the branch (new from the base, or existing and containing it); on any
+    exit without ``keep``, back where the checkout was: nothing committed, no
+    file left, no hook run, the signals held until then."""
     work = Work()
     try:
         if s.tip is None:
@@ -225,35 +226,26 @@ def on_branch(s: Settings) -> Iterator[Work]:
         yield work
     finally:
         if not work.keep:
-            held = {signal.SIGINT, *SIGNALS}  # delivered after the rollback
+            held = {signal.SIGINT, *SIGNALS}
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
             try:
-                _rollback(s, work)
+                head, nohooks = s.repo.head, ["git", "-c", "core.hooksPath=/dev/null"]
+                if s.tip and not head.is_detached and head.ref.name == s.branch:
+                    s.repo.git.execute([*nohooks, "reset", "-q", "--hard", s.tip])
+                s.repo.git.execute([*nohooks, "checkout", "-q", "-f", s.start])
+                if s.tip is None and s.branch in s.repo.heads:
+                    s.repo.git.execute([*nohooks, "branch", "-D", s.branch])
+                for rel in work.new_files:
+                    Path(s.root, rel).unlink(missing_ok=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-
-
-def _rollback(s: Settings, work: Work) -> None:
-    """Back on the starting branch, nothing committed, no file left (no hooks)."""
-    repo = s.repo
-
-    def git_(*args: str) -> None:
-        repo.git.execute(["git", "-c", "core.hooksPath=/dev/null", *args])
-
-    if s.tip and not repo.head.is_detached and repo.active_branch.name == s.branch:
-        git_("reset", "-q", "--hard", s.tip)
-    git_("checkout", "-q", "-f", s.start)
-    if s.tip is None and s.branch in repo.heads:
-        git_("branch", "-D", s.branch)
-    for rel in work.new_files:
-        Path(s.root, rel).unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """The steps; SIGTERM, SIGHUP and Ctrl-C: one line, exit 3."""
 
     def interrupted(signum, _frame):
-        raise Interrupted(signal.Signals(signum).name)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, interrupted) for sig in SIGNALS}
     try:
@@ -262,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
-    except (KeyboardInterrupt, Interrupted) as exc:
+    except KeyboardInterrupt as exc:
         name = exc.args[0] if exc.args else "Ctrl-C"
         raise PatchError(
             f"interrupted ({name}); the checkout is back where it was, nothing "
@@ -316,23 +308,9 @@ def _steps(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _refuse_ir_era(s: Settings, version: Version | None) -> None:
-    """Without ``--patch``, a release whose own form is another is refused."""
-    if s.args.patch or version is None or s.patch in defaults(version):
-        return
-    theirs = ", ".join(p.name for p in defaults(version)) or "none"
-    raise UsageError(
-        f"this checkout is vLLM {version}, whose form of the change is {theirs}; "
-        f"pr commits only the form vLLM's main takes: pass --patch {s.patch.name} "
-        f"(it applies to vLLM {s.patch.versions})",
-        path=str(s.root),
-    )
-
-
 def _apply(s: Settings, work: Work) -> bool:
     """Apply the patch and CI edits, or find the branch's commit of it; False
     when a new branch would be empty (then it is deleted)."""
-    _refuse_ir_era(s, checkout_version(s.repo, s.tree))
     work.plan = plan = engine.plan(s.tree, s.patch)
     if plan.errors:
         raise plan.errors[0]
@@ -429,11 +407,9 @@ def _description(s: Settings, work: Work) -> str:
 
 def _write_outputs(s: Settings, work: Work, body: str) -> None:
     """The description, and with --format-patch the commit as an mbox."""
-    if s.args.out is None:  # in the resolved git directory: no link on the way
-        replace_at(output_dir(s.description.parent) / s.description.name, body.encode())
-    else:
-        write_output(s.description, body)
-    print(f"PR description: {s.description}")
+    if s.args.out is None:  # .git/vllm-patch made, never through a link
+        output_dir(s.description.parent)
+    print(f"PR description: {write_output(s.description, body)}")
     if s.args.format_patch and work.commit is None:
         warn("no commit titled like the patch on the branch; no mbox written")
     elif s.args.format_patch:
