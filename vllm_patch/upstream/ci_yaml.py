@@ -4,6 +4,7 @@ original plus exactly the added entries. The file is data (docs/safety.md)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,25 +175,21 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
     for at, added in sorted(inserts, reverse=True):  # the later lines first
         lines[at:at] = added
-    new = load_yaml("".join(lines))[1]
-    try:
-        step, was = new["steps"][index], old["steps"][index]
-        fits = step[DEPENDENCIES] == was[DEPENDENCIES] + edit.added_dependencies
-        commands = [str(c) for c in step["commands"]]
-    except (KeyError, IndexError, TypeError):
-        fits = False
-    if not fits:
-        raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
-    if not all(t in " ".join(commands) for t in edit.added_tests):
-        raise CiShapeError("the edited commands do not run the added tests")
+    new, expected = load_yaml("".join(lines))[1], copy.deepcopy(old)
+    expected["steps"][index][DEPENDENCIES] += edit.added_dependencies
     inserted = {line.strip() for line in new_tests}
-    step[DEPENDENCIES] = was[DEPENDENCIES]
-    step["commands"] = [
-        "".join(x for x in c.splitlines(True) if x.strip() not in inserted)
-        for c in commands
-    ]
-    if new != old:
-        raise CiShapeError("the text edit changed more than the step's two lists")
+    try:  # the added test lines taken out again
+        commands = [str(c) for c in new["steps"][index]["commands"]]
+        new["steps"][index]["commands"] = [
+            "".join(x for x in c.splitlines(True) if x.strip() not in inserted)
+            for c in commands
+        ]
+    except (KeyError, IndexError, TypeError):
+        commands = []
+    if new != expected or not all(t in " ".join(commands) for t in edit.added_tests):
+        raise CiShapeError(
+            "the edited file does not parse to the original plus the added entries"
+        )
     return "".join(lines)
 
 

@@ -24,8 +24,8 @@ class Upstream:
 
 def upstream_of(patch: Patch) -> Upstream:
     table = patch.meta.get("upstream", {})
-    purpose_file = patch.folder / table.get("purpose_file", "upstream.md")
     try:
+        purpose_file = patch.folder / table.get("purpose_file", "upstream.md")
         purpose = purpose_file.read_text("utf-8").strip()
     except FileNotFoundError:
         purpose = "\n".join(f"- `{e.file}`: {e.summary}" for e in patch.edits)
@@ -54,11 +54,9 @@ def _wiring(table: object, patch: Patch) -> CiWiring:
             looked_for=", ".join(keys),
             found=", ".join(table) if isinstance(table, dict) else type(table).__name__,
         )
+    step = table["after" if script else "step"]
     return CiWiring(
-        file=table["file"],
-        step=table.get("step", table.get("after", "")),
-        tests=tuple(table["tests"]),
-        dependencies=tuple(table.get(DEPENDENCIES, ())),
+        table["file"], step, tuple(table["tests"]), tuple(table.get(DEPENDENCIES, ()))
     )
 
 

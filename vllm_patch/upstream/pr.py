@@ -91,11 +91,11 @@ def open_checkout(path: Path) -> tuple[git.Repo, str]:
     if not repo.head.is_valid():
         raise UsageError("the checkout has no commits", path=str(path))
     if repo.is_dirty(index=True, working_tree=True, untracked_files=False):
-        changed = {d.a_path for d in [*repo.index.diff(None), *repo.index.diff("HEAD")]}
+        changed = repo.git.diff("HEAD", "--name-only").split("\n")[:10]
         raise UsageError(
             "the work tree has uncommitted changes; commit or stash them first",
             path=repo.working_tree_dir,
-            found=", ".join(sorted(changed)[:10]) or "staged changes",
+            found=", ".join(filter(None, changed)) or "staged changes",
         )
     try:
         ident = repo.git.execute(
@@ -147,7 +147,14 @@ def preflight(args: argparse.Namespace) -> Settings:
         named = None
     if named != branch or branch.startswith("-"):  # @{-1} names another branch
         raise UsageError(f"not a valid branch name: {branch!r}")
-    out = _outputs(repo, branch, args)
+    git_dir = Path(repo.git_dir).resolve()  # outputs: outside the work tree but it
+    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
+    out = Path(os.path.abspath(args.out or own))
+    if args.out is None:
+        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
+    output_path(root, out, "the PR description", but=git_dir)
+    if args.format_patch:
+        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
     tip = repo.heads[branch].commit.hexsha if branch in repo.heads else None
     if args.base is None and tip is None and repo.head.is_detached:
         raise UsageError(
@@ -182,19 +189,6 @@ def preflight(args: argparse.Namespace) -> Settings:
     )
 
 
-def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
-    """The description's path; outputs outside the work tree (but its .git)."""
-    root, git_dir = Path(repo.working_tree_dir), Path(repo.git_dir).resolve()
-    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
-    out = Path(os.path.abspath(args.out or own))
-    if args.out is None:
-        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
-    output_path(root, out, "the PR description", but=git_dir)
-    if args.format_patch:
-        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
-    return out
-
-
 @dataclass
 class Work:  # what the steps on the branch found and made
     new_files: list[str] = field(default_factory=list)  # gone again on rollback
@@ -208,9 +202,8 @@ class Work:  # what the steps on the branch found and made
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (new from the base, or existing and containing it); on any
-    exit without ``keep``, back where the checkout was: nothing committed, no
-    file left, no hook run, the signals held until then."""
+    """On the branch (new from the base, or existing and containing it); on exit
+    without ``keep``, back as it was (no hook run, the signals held until then)."""
     work = Work()
     try:
         if s.tip is None:
@@ -249,11 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
     old = {sig: signal.signal(sig, interrupted) for sig in SIGNALS}
     try:
-        try:
-            return _steps(args)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+        return _steps(args)
     except KeyboardInterrupt as exc:
         name = exc.args[0] if exc.args else "Ctrl-C"
         raise PatchError(
@@ -269,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
             looked_for=f"git {' '.join(map(str, exc.command[1:3]))} to succeed",
             found=said.splitlines()[-1] if said else f"exit status {exc.status}",
         ) from exc
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -289,7 +281,22 @@ def _steps(args: argparse.Namespace) -> int:
                 f"{s.branch} (from {s.base or 'the existing branch'}): "
                 f"{s.upstream.title}"
             )
-        _write_outputs(s, work, body)
+        if args.out is None:  # .git/vllm-patch made, never through a link
+            output_dir(s.description.parent)
+        print(f"PR description: {write_output(s.description, body)}")
+        if args.format_patch and work.commit is None:
+            warn("no commit titled like the patch on the branch; no mbox written")
+        elif args.format_patch:
+            with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
+                made = Path(
+                    s.repo.git.format_patch("-1", work.commit.hexsha, "-o", tmp)
+                )
+                mbox = output_dir(args.format_patch) / made.name
+                write_output(mbox, made.read_bytes())
+            # Plain `git am` strips every leading [...] from the subject, the
+            # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
+            print(f"mbox patch: {mbox}")
+            print(f"  apply with: git am --keep-non-patch {shlex.quote(str(mbox))}")
         work.keep = True
     if args.print:
         print("\n" + body)
@@ -403,21 +410,3 @@ def _description(s: Settings, work: Work) -> str:
         measured=measured,
     )
     return pr_body.render(s.patch, s.upstream, facts, read)
-
-
-def _write_outputs(s: Settings, work: Work, body: str) -> None:
-    """The description, and with --format-patch the commit as an mbox."""
-    if s.args.out is None:  # .git/vllm-patch made, never through a link
-        output_dir(s.description.parent)
-    print(f"PR description: {write_output(s.description, body)}")
-    if s.args.format_patch and work.commit is None:
-        warn("no commit titled like the patch on the branch; no mbox written")
-    elif s.args.format_patch:
-        folder = output_dir(s.args.format_patch)
-        with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
-            made = Path(s.repo.git.format_patch("-1", work.commit.hexsha, "-o", tmp))
-            written = write_output(folder / made.name, made.read_bytes())
-        # Plain `git am` strips every leading [...] from the subject, the
-        # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
-        print(f"mbox patch: {written}")
-        print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")

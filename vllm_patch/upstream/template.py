@@ -117,8 +117,7 @@ def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) 
         )
         if home is None:
             title = piece.prefers[0].capitalize()
-            template.sections.append(Section(f"## {title}", title))
-            home = template.sections[-1]
+            template.sections.append(home := Section(f"## {title}", title))
         home.filled.append(piece.text.strip())
     out = [template.head] if template.head else []
     for section in template.sections:

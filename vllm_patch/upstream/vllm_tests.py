@@ -1,6 +1,6 @@
-"""vLLM's own tests of a checkout, run against the installed vLLM (a checkout
-has no compiled kernels) with the change and without it: pytest in a child on a
-hard-linked copy with the checkout's sides of the edited files put in."""
+"""vLLM's tests of a checkout with the change and without it: pytest in a child on
+copies of the installed vLLM (a checkout has no compiled kernels), the
+checkout's sides of the edited files put in."""
 
 from __future__ import annotations
 
@@ -86,19 +86,18 @@ def run_pytest(
             tail = " / ".join(outcome.log.strip().splitlines()[-5:])
             return TestRun(command, False, f"pytest exited with {exited}: {tail}")
         cases = list(ET.parse(junit).getroot().iter("testcase"))
-    found = [  # each case's outcome, and its element saying so
-        next(((k, e) for k, tag in OUTCOMES if (e := c.find(tag)) is not None), None)
-        for c in cases
-    ]
-    counts = {k: sum((f[0] if f else "passed") == k for f in found) for k in KEYS}
+    counts, failures, why = dict.fromkeys(KEYS, 0), [], ""
+    for case in cases:
+        kind, said = next(
+            ((k, e) for k, tag in OUTCOMES if (e := case.find(tag)) is not None),
+            ("passed", None),
+        )
+        counts[kind] += 1
+        if kind in ("failed", "errors"):
+            failures.append(f"{case.get('classname')}::{case.get('name')}")
+        why = why or (said.get("message", "") if kind == "skipped" else "")
     if not (counts["passed"] or counts["failed"] or counts["errors"]):
-        why = next((f[1].get("message", "") for f in found if f), "")
         return TestRun(command, False, f"every test skipped ({len(cases)}): {why}")
-    failures = [
-        f"{c.get('classname')}::{c.get('name')}"
-        for c, f in zip(cases, found, strict=True)
-        if f and f[0] != "skipped"
-    ]
     return TestRun(
         command,
         ran=True,
@@ -114,8 +113,8 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """The files of ``depends`` (same, differing): the checkout has the
-    installed vLLM's bytes, or the patched ones (absent from both: the same)."""
+    """``depends``' files (same, differing): the checkout has the installed vLLM's
+    bytes, or the patched ones (absent from both: the same)."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -174,9 +173,8 @@ def run_tests(
     keyword: str | None = None,
     skip: bool = False,
 ) -> TestRuns:
-    """The edited tests on a patched and an unpatched copy of the installed
-    vLLM, with the checkout's own sides of the files the change edits put in;
-    else why they cannot run here (``skip``: ``--no-tests``)."""
+    """The edited tests with the change and without it, or why they cannot run
+    here (``skip``: ``--no-tests``)."""
     tested = (checkout, files, patch, depends)
     present = [f for f in files if (checkout / f).is_file()] or files
     command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
