@@ -287,10 +287,9 @@ def _steps(args: argparse.Namespace) -> int:
         if args.format_patch and work.commit is None:
             warn("no commit titled like the patch on the branch; no mbox written")
         elif args.format_patch:
+            sha = work.commit.hexsha
             with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
-                made = Path(
-                    s.repo.git.format_patch("-1", work.commit.hexsha, "-o", tmp)
-                )
+                made = Path(s.repo.git.format_patch("-1", sha, "-o", tmp))
                 mbox = output_dir(args.format_patch) / made.name
                 write_output(mbox, made.read_bytes())
             # Plain `git am` strips every leading [...] from the subject, the
@@ -345,19 +344,18 @@ def _apply(s: Settings, work: Work) -> bool:
     changes = plan.file_changes()
     own_paths(s.root, list(changes))
     work.new_files = [r for r in changes if not os.path.lexists(s.root / r)]
+    engine.apply(plan.tree, plan)
+    ruff, notes = check_changes(s.root, changes)
+    print(f"formatted and checked the changed files with {ruff}")
+    for note in notes:
+        warn(note)
     work.ci = [ci_yaml.wire(s.root, w) for w in s.upstream.ci]
     for edit in work.ci:
         if edit.text is None:
             warn(f"{edit.wiring.file} left as it is: {edit.reason}")
-    engine.apply(plan.tree, plan)
-    ruff, notes = check_changes(s.root, changes)
-    edited = [e for e in work.ci if e.text is not None]
-    for edit in edited:
-        replace_at(s.root.resolve() / edit.wiring.file, edit.text.encode())
-    print(f"formatted and checked the changed files with {ruff}")
-    for note in notes:
-        warn(note)
-    work.files = (*changes, *(e.wiring.file for e in edited))
+        else:
+            replace_at(s.root.resolve() / edit.wiring.file, edit.text.encode())
+    work.files = (*changes, *(e.wiring.file for e in work.ci if e.text))
     work.described = plan.described() | {  # each CI file's change, or why not
         e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
     }
