@@ -42,22 +42,21 @@ def upstream_of(patch: Patch) -> Upstream:
     )
 
 
-def _wiring(table: object, patch: Patch) -> CiWiring:
+def _wiring(table: dict, patch: Patch) -> CiWiring:
     """One ``[[upstream.ci]]``: ``file``, ``tests``, and ``step`` (part of its
     label) and ``source_file_dependencies``, or for a script ``after`` (a test)."""
-    script = isinstance(table, dict) and str(table.get("file", "")).endswith(".sh")
-    keys = ("file", "tests", *(("after",) if script else ("step", DEPENDENCIES)))
-    if not isinstance(table, dict) or any(k not in table for k in keys):
+    try:
+        script = table["file"].endswith(".sh")
+        step = table["after" if script else "step"]
+        deps = table.get(DEPENDENCIES, ()) if script else table[DEPENDENCIES]
+        return CiWiring(table["file"], step, tuple(table["tests"]), tuple(deps))
+    except (KeyError, TypeError, AttributeError) as exc:
         raise PatchError(
             "bad [upstream.ci] table",
             path=str(patch.folder / "patch.toml"),
-            looked_for=", ".join(keys),
-            found=", ".join(table) if isinstance(table, dict) else type(table).__name__,
-        )
-    step = table["after" if script else "step"]
-    return CiWiring(
-        table["file"], step, tuple(table["tests"]), tuple(table.get(DEPENDENCIES, ()))
-    )
+            looked_for="file, tests, and step and source_file_dependencies or after",
+            found=f"{type(exc).__name__}: {exc}",
+        ) from exc
 
 
 def main_form(name: str | None) -> Patch:

@@ -331,9 +331,8 @@ def _apply(s: Settings, work: Work) -> bool:
     if plan.status is PlanStatus.APPLIED:  # the branch's commit, by its title
         commits = s.repo.iter_commits(s.branch, max_count=200)
         work.commit = next((c for c in commits if c.summary == s.upstream.title), None)
-        work.described = (
-            {f: [] for f in sorted(work.commit.stats.files)} if work.commit else {}
-        )
+        files = sorted(work.commit.stats.files) if work.commit else []
+        work.described = {f: [] for f in files}
         where = f"as {work.commit.hexsha[:12]} " if work.commit else ""
         switch = " (switched to it)" if s.start != s.branch else ""
         print(
