@@ -84,8 +84,7 @@ def parse_template(text: str) -> Template:
     """Headings (outside code fences) split ``text``; the first thematic break
     or ``<details>`` after a section starts the tail. Before the first heading,
     only the HTML comments stay: the rest is the template's word to the author."""
-    head: list[str] = []
-    sections: list[tuple[Section, list[str]]] = []
+    head, sections, bodies = [], [], []
     lines = text.splitlines(keepends=True)
     tail, fenced = "", False
     for i, line in enumerate(lines):
@@ -95,16 +94,16 @@ def parse_template(text: str) -> Template:
             title = heading[1].strip()
             bare = title.rstrip("#")
             title = bare.rstrip() if not bare or bare[-1] in " \t" else title
-            sections.append((Section(line.rstrip("\n"), title), []))
+            sections.append(Section(line.rstrip("\n"), title))
+            bodies.append([])
         elif sections and not fenced and TAIL.match(line):
             tail = "".join(lines[i:])
             break
         else:
-            (sections[-1][1] if sections else head).append(line)
-    for section, body in sections:
+            (bodies[-1] if bodies else head).append(line)
+    for section, body in zip(sections, bodies, strict=True):
         section.body = "".join(body)
-    head_comments = "\n".join(_html_comments("".join(head)))
-    return Template(head_comments, [s for s, _ in sections], tail)
+    return Template("\n".join(_html_comments("".join(head))), sections, tail)
 
 
 def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
