@@ -30,6 +30,7 @@ import pytest
 from markdown_it import MarkdownIt
 from test_pr_body import evidence
 
+from patcher import engine
 from patcher.errors import ExitCode
 from patcher.patchset import select
 from vllm_patch import cli
@@ -320,7 +321,7 @@ ATTACKS = {
     ),
     "[ nested 5,000 deep in cpu.yaml": Attack(
         lambda f: f.write(CI, f"x: {NESTED}\n" + (f.root / CI).read_text()),
-        says="left out: not YAML the safe loader reads",
+        says="cpu.yaml: not YAML the safe loader reads",
     ),
     "a failing commit.gpgSign": Attack(
         lambda f: (
@@ -894,7 +895,7 @@ def test_a_model_folder_s_config_is_read_inside_it(tmp_path, make, says):
 # A signal at each step after the branch switch (sent by the step's real
 # function to its own process, as a kill from outside would land there).
 STEPS = {
-    "after the switch": (pr, "checkout_version"),
+    "after the switch": (engine, "plan"),
     "after the write": (pr, "check_changes"),
     "while describing": (pr_body, "render"),
     "before the commit": (pr, "commit_message"),

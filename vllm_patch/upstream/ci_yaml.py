@@ -4,6 +4,7 @@ original plus exactly the added entries. The file is data (docs/safety.md)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,33 +50,26 @@ class CiEdit:
     left_out: bool = False  # refused as data (a link, a bound, not YAML)
     added_tests: list[str] = field(default_factory=list)
     added_dependencies: list[str] = field(default_factory=list)
-    inserted: list[str] = field(default_factory=list)  # command lines, stripped
 
     def described(self) -> list[str]:
         """What changed, or why it is left alone."""
         if self.text is None:
             return [self.reason]
         said, step = [], self.wiring.step
-        if tests := _backticked(self.added_tests):
-            if self.wiring.file.endswith(".sh"):
-                said.append(f"runs {tests} after `{step}`")
-            else:
-                said.append(f'the "{step}" step runs {tests}')
-        if deps := _backticked(self.added_dependencies):
+        if tests := ", ".join(f"`{t}`" for t in self.added_tests):
+            script = self.wiring.file.endswith(".sh")
+            said.append(
+                f"runs {tests} after `{step}`"
+                if script
+                else f'the "{step}" step runs {tests}'
+            )
+        if deps := ", ".join(f"`{d}`" for d in self.added_dependencies):
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
 
 
-def _backticked(items: list[str]) -> str:
-    return ", ".join(f"`{x}`" for x in items)
-
-
 class CiShapeError(ValueError):
     """The file is not laid out the way the text edit understands."""
-
-
-class CiRefused(CiShapeError):
-    """The file is refused as data: past a bound, or not YAML."""
 
 
 def wire(root: Path, wiring: CiWiring) -> CiEdit:
@@ -85,27 +79,23 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
         before = read_text_in(root, wiring.file, "the CI file", limit=CI_BYTES)
         if before is None:
             edit.reason = f"this checkout has no {wiring.file}"
-            return edit
-        if wiring.file.endswith(".sh"):
-            edit.label = wiring.file.rsplit("/", 1)[-1]
-            after = _script_text(before, edit)
+        elif wiring.file.endswith(".sh"):
+            edit.text = _script_text(before, edit)
         else:
-            after = _yaml_text(before, edit)
+            edit.text = _yaml_text(before, edit)
     except PatchError as exc:
         edit.reason, edit.left_out = f"left out: {wiring.file}: {refusal(exc)}", True
-        return edit
     except CiShapeError as exc:
-        edit.reason, edit.left_out = str(exc), isinstance(exc, CiRefused)
-        return edit
-    edit.text = after if after != before else None
-    if edit.text is None:
+        edit.reason = str(exc)
+    if edit.text is not None and edit.text == before:
+        edit.text = None
         edit.reason = f'the "{edit.label}" step runs and lists these already'
     return edit
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
     """The node graph and document in ``text`` within the bounds (the size with
-    aliases expanded counted last); else ``CiRefused``, naming only the line."""
+    aliases expanded counted last); else a refusal naming only the line."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -113,22 +103,19 @@ def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
             depth += isinstance(event, yaml.CollectionStartEvent)
             depth -= isinstance(event, yaml.CollectionEndEvent)
             if depth > MAX_DEPTH or aliases > MAX_ALIASES:
-                raise CiRefused(
-                    f"left out: YAML nested over {MAX_DEPTH} deep or with over "
+                raise PatchError(
+                    f"YAML nested over {MAX_DEPTH} deep or with over "
                     f"{MAX_ALIASES} aliases"
                 )
         loader = LOADER(text)
-        try:
-            node = loader.get_single_node()
-            if node is not None and _expanded(node, {}) > MAX_NODES:
-                raise CiRefused(f"left out: YAML expanding past {MAX_NODES} nodes")
-            return node, loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
+        node = loader.get_single_node()
+        if node is not None and _expanded(node, {}) > MAX_NODES:
+            raise PatchError(f"YAML expanding past {MAX_NODES} nodes")
+        return node, node and loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise CiRefused(f"left out: not YAML the safe loader reads{where}") from exc
+        raise PatchError(f"not YAML the safe loader reads{where}") from exc
 
 
 def _expanded(node: yaml.Node, sizes: dict[int, int]) -> int:
@@ -157,7 +144,8 @@ def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
 
 
 def _yaml_text(text: str, edit: CiEdit) -> str:
-    """The new tests and files each added after the step's last line of its kind."""
+    """The new tests and files each added after the step's last line of its kind;
+    the result must parse to the original plus exactly these entries."""
     node, old = load_yaml(text)
     steps = _value_of(node, "steps")
     found = [
@@ -187,8 +175,21 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
     for at, added in sorted(inserts, reverse=True):  # the later lines first
         lines[at:at] = added
-    edit.inserted = [line.strip() for line in new_tests]
-    _verify(old, "".join(lines), edit, index)
+    new, expected = load_yaml("".join(lines))[1], copy.deepcopy(old)
+    expected["steps"][index][DEPENDENCIES] += edit.added_dependencies
+    inserted = {line.strip() for line in new_tests}
+    try:  # the added test lines taken out again
+        commands = [str(c) for c in new["steps"][index]["commands"]]
+        new["steps"][index]["commands"] = [
+            "".join(x for x in c.splitlines(True) if x.strip() not in inserted)
+            for c in commands
+        ]
+    except (KeyError, IndexError, TypeError):
+        commands = []
+    if new != expected or not all(t in " ".join(commands) for t in edit.added_tests):
+        raise CiShapeError(
+            "the edited file does not parse to the original plus the added entries"
+        )
     return "".join(lines)
 
 
@@ -211,6 +212,7 @@ def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
 
 def _script_text(text: str, edit: CiEdit) -> str:
     """The new tests' ``pytest`` lines after the one running ``wiring.step``."""
+    edit.label = edit.wiring.file.rsplit("/", 1)[-1]
     lines = text.splitlines(keepends=True)
     at = [
         i
@@ -222,28 +224,5 @@ def _script_text(text: str, edit: CiEdit) -> str:
             f"{edit.wiring.file}: looked for one `pytest` line of "
             f"{edit.wiring.step}, found {len(at)}"
         )
-    offset, new = _test_lines([lines[at[0]]], edit)
-    lines[at[0] + offset : at[0] + offset] = new
+    lines[at[0] + 1 : at[0] + 1] = _test_lines([lines[at[0]]], edit)[1]
     return "".join(lines)
-
-
-def _verify(old, after: str, edit: CiEdit, index: int) -> None:
-    """``after`` parses to ``old`` plus exactly the added entries of step ``index``."""
-    new = load_yaml(after)[1]
-    steps = new.get("steps") if isinstance(new, dict) else None
-    step = steps[index] if isinstance(steps, list) and len(steps) > index else {}
-    was = old["steps"][index]
-    if not isinstance(step, dict) or (
-        step.get(DEPENDENCIES) != was[DEPENDENCIES] + edit.added_dependencies
-    ):
-        raise CiShapeError(f"the edited {DEPENDENCIES} did not parse as intended")
-    commands = [str(c) for c in step.get("commands", [])]
-    if not all(t in " ".join(commands) for t in edit.added_tests):
-        raise CiShapeError("the edited commands do not run the added tests")
-    step[DEPENDENCIES] = was[DEPENDENCIES]
-    kept = (c.splitlines(keepends=True) for c in commands)
-    step["commands"] = [
-        "".join(x for x in c if x.strip() not in edit.inserted) for c in kept
-    ]
-    if new != old:
-        raise CiShapeError("the text edit changed more than the step's two lists")

@@ -24,8 +24,8 @@ class Upstream:
 
 def upstream_of(patch: Patch) -> Upstream:
     table = patch.meta.get("upstream", {})
-    purpose_file = patch.folder / table.get("purpose_file", "upstream.md")
     try:
+        purpose_file = patch.folder / table.get("purpose_file", "upstream.md")
         purpose = purpose_file.read_text("utf-8").strip()
     except FileNotFoundError:
         purpose = "\n".join(f"- `{e.file}`: {e.summary}" for e in patch.edits)
@@ -42,24 +42,21 @@ def upstream_of(patch: Patch) -> Upstream:
     )
 
 
-def _wiring(table: object, patch: Patch) -> CiWiring:
+def _wiring(table: dict, patch: Patch) -> CiWiring:
     """One ``[[upstream.ci]]``: ``file``, ``tests``, and ``step`` (part of its
     label) and ``source_file_dependencies``, or for a script ``after`` (a test)."""
-    script = isinstance(table, dict) and str(table.get("file", "")).endswith(".sh")
-    keys = ("file", "tests", *(("after",) if script else ("step", DEPENDENCIES)))
-    if not isinstance(table, dict) or any(k not in table for k in keys):
+    try:
+        script = table["file"].endswith(".sh")
+        step = table["after" if script else "step"]
+        deps = table.get(DEPENDENCIES, ()) if script else table[DEPENDENCIES]
+        return CiWiring(table["file"], step, tuple(table["tests"]), tuple(deps))
+    except (KeyError, TypeError, AttributeError) as exc:
         raise PatchError(
             "bad [upstream.ci] table",
             path=str(patch.folder / "patch.toml"),
-            looked_for=", ".join(keys),
-            found=", ".join(table) if isinstance(table, dict) else type(table).__name__,
-        )
-    return CiWiring(
-        file=table["file"],
-        step=table.get("step", table.get("after", "")),
-        tests=tuple(table["tests"]),
-        dependencies=tuple(table.get(DEPENDENCIES, ())),
-    )
+            looked_for="file, tests, and step and source_file_dependencies or after",
+            found=f"{type(exc).__name__}: {exc}",
+        ) from exc
 
 
 def main_form(name: str | None) -> Patch:

@@ -1,7 +1,6 @@
 """``vllm-patch pr``: the form of the change vLLM's main takes, committed with a
-sign-off on a branch of a vLLM git checkout, and the PR description; it never
-pushes. :func:`preflight` writes nothing; :func:`on_branch` puts the checkout
-back on any exit but success (Ctrl-C, SIGTERM, SIGHUP: one line, exit 3)."""
+sign-off on a branch of a vLLM git checkout, and its PR description; it never
+pushes. :func:`preflight` writes nothing; :func:`on_branch` rolls back."""
 
 from __future__ import annotations
 
@@ -75,11 +74,9 @@ class Settings:  # one run's, checked before anything is written
     args: argparse.Namespace
 
 
-class Interrupted(BaseException):
-    """SIGTERM or SIGHUP, raised as Ctrl-C raises KeyboardInterrupt."""
-
-
-def open_checkout(path: Path) -> git.Repo:
+def open_checkout(path: Path) -> tuple[git.Repo, str]:
+    """A clean checkout with commits, and the Signed-off-by line of its
+    explicitly configured committer (never guessed from the host)."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
@@ -94,17 +91,12 @@ def open_checkout(path: Path) -> git.Repo:
     if not repo.head.is_valid():
         raise UsageError("the checkout has no commits", path=str(path))
     if repo.is_dirty(index=True, working_tree=True, untracked_files=False):
-        changed = {d.a_path for d in [*repo.index.diff(None), *repo.index.diff("HEAD")]}
+        changed = repo.git.diff("HEAD", "--name-only").split("\n")[:10]
         raise UsageError(
             "the work tree has uncommitted changes; commit or stash them first",
             path=repo.working_tree_dir,
-            found=", ".join(sorted(changed)[:10]) or "staged changes",
+            found=", ".join(filter(None, changed)) or "staged changes",
         )
-    return repo
-
-
-def signoff(repo: git.Repo) -> str:
-    """The explicitly configured committer's (never guessed from the host)."""
     try:
         ident = repo.git.execute(
             ["git", "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"]
@@ -117,26 +109,36 @@ def signoff(repo: git.Repo) -> str:
             path=repo.working_tree_dir,
         ) from exc
     name, _, rest = ident.partition(" <")
-    return f"Signed-off-by: {name.strip()} <{rest.partition('>')[0].strip()}>"
+    return repo, f"Signed-off-by: {name.strip()} <{rest.partition('>')[0].strip()}>"
 
 
-def checkout_version(repo: git.Repo, tree: VllmTree) -> Version | None:
-    """vllm/_version.py when the build wrote it, else the nearest v* tag."""
-    if (version := read_version(tree)) is not None:
-        return version
-    try:
-        tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
-        return Version(tag.lstrip("v"))
-    except (git.GitCommandError, InvalidVersion):
-        return None
+def refuse_ir_era(repo: git.Repo, tree: VllmTree, patch: Patch) -> None:
+    """A release whose own form of the change is another is refused; its version
+    from vllm/_version.py when the build wrote it, else the nearest v* tag."""
+    version = read_version(tree)
+    if version is None:
+        with contextlib.suppress(git.GitCommandError, InvalidVersion):
+            tag = repo.git.describe("--tags", "--abbrev=0", "--match", "v[0-9]*")
+            version = Version(tag.lstrip("v"))
+    if version is None or patch in defaults(version):
+        return
+    theirs = ", ".join(p.name for p in defaults(version)) or "none"
+    raise UsageError(
+        f"this checkout is vLLM {version}, whose form of the change is {theirs}; "
+        f"pr commits only the form vLLM's main takes: pass --patch {patch.name} "
+        f"(it applies to vLLM {patch.versions})",
+        path=repo.working_tree_dir,
+    )
 
 
 def preflight(args: argparse.Namespace) -> Settings:
     """Every check that needs nothing written; the settings they give."""
-    repo = open_checkout(args.vllm)
+    repo, signoff = open_checkout(args.vllm)
     root = Path(repo.working_tree_dir)
     tree = open_tree(root)  # a vLLM checkout at all? (exit 3 otherwise)
     patch = main_form(args.patch)
+    if not args.patch:
+        refuse_ir_era(repo, tree, patch)
     upstream = upstream_of(patch)
     branch = args.branch or upstream.branch
     try:
@@ -145,15 +147,20 @@ def preflight(args: argparse.Namespace) -> Settings:
         named = None
     if named != branch or branch.startswith("-"):  # @{-1} names another branch
         raise UsageError(f"not a valid branch name: {branch!r}")
-    identity = signoff(repo)
-    out = _outputs(repo, branch, args)
+    git_dir = Path(repo.git_dir).resolve()  # outputs: outside the work tree but it
+    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
+    out = Path(os.path.abspath(args.out or own))
+    if args.out is None:
+        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
+    output_path(root, out, "the PR description", but=git_dir)
+    if args.format_patch:
+        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
     tip = repo.heads[branch].commit.hexsha if branch in repo.heads else None
-    base = args.base
-    if base is None and tip is None and repo.head.is_detached:
+    if args.base is None and tip is None and repo.head.is_detached:
         raise UsageError(
             "HEAD is detached; pass --base REF (e.g. upstream/main)", path=str(root)
         )
-    base = base or (None if tip else repo.active_branch.name)
+    base = args.base or (None if tip else repo.active_branch.name)
     try:
         base_commit = base and repo.commit(base).hexsha
     except (git.BadName, ValueError) as exc:
@@ -171,7 +178,7 @@ def preflight(args: argparse.Namespace) -> Settings:
         patch=patch,
         upstream=upstream,
         branch=branch,
-        signoff=identity,
+        signoff=signoff,
         description=out,
         evidence=pr_body.load_evidence(args.evidence, patch),
         start=head.commit.hexsha if head.is_detached else repo.active_branch.name,
@@ -180,19 +187,6 @@ def preflight(args: argparse.Namespace) -> Settings:
         base_commit=base_commit,
         args=args,
     )
-
-
-def _outputs(repo: git.Repo, branch: str, args: argparse.Namespace) -> Path:
-    """The description's path; outputs outside the work tree (but its .git)."""
-    root, git_dir = Path(repo.working_tree_dir), Path(repo.git_dir).resolve()
-    own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
-    out = Path(os.path.abspath(args.out or own))
-    if args.out is None:
-        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
-    output_path(root, out, "the PR description", but=git_dir)
-    if args.format_patch:
-        output_path(root, args.format_patch, "--format-patch DIR", folder=True)
-    return out
 
 
 @dataclass
@@ -208,8 +202,8 @@ class Work:  # what the steps on the branch found and made
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (new from the base, or existing and containing it); back
-    where the checkout was on any exit without ``keep``."""
+    """On the branch (new from the base, or existing and containing it); on exit
+    without ``keep``, back as it was (no hook run, the signals held until then)."""
     work = Work()
     try:
         if s.tip is None:
@@ -225,44 +219,31 @@ def on_branch(s: Settings) -> Iterator[Work]:
         yield work
     finally:
         if not work.keep:
-            held = {signal.SIGINT, *SIGNALS}  # delivered after the rollback
+            held = {signal.SIGINT, *SIGNALS}
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
             try:
-                _rollback(s, work)
+                head, nohooks = s.repo.head, ["git", "-c", "core.hooksPath=/dev/null"]
+                if s.tip and not head.is_detached and head.ref.name == s.branch:
+                    s.repo.git.execute([*nohooks, "reset", "-q", "--hard", s.tip])
+                s.repo.git.execute([*nohooks, "checkout", "-q", "-f", s.start])
+                if s.tip is None and s.branch in s.repo.heads:
+                    s.repo.git.execute([*nohooks, "branch", "-D", s.branch])
+                for rel in work.new_files:
+                    Path(s.root, rel).unlink(missing_ok=True)
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
-
-
-def _rollback(s: Settings, work: Work) -> None:
-    """Back on the starting branch, nothing committed, no file left (no hooks)."""
-    repo = s.repo
-
-    def git_(*args: str) -> None:
-        repo.git.execute(["git", "-c", "core.hooksPath=/dev/null", *args])
-
-    if s.tip and not repo.head.is_detached and repo.active_branch.name == s.branch:
-        git_("reset", "-q", "--hard", s.tip)
-    git_("checkout", "-q", "-f", s.start)
-    if s.tip is None and s.branch in repo.heads:
-        git_("branch", "-D", s.branch)
-    for rel in work.new_files:
-        Path(s.root, rel).unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """The steps; SIGTERM, SIGHUP and Ctrl-C: one line, exit 3."""
 
     def interrupted(signum, _frame):
-        raise Interrupted(signal.Signals(signum).name)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, interrupted) for sig in SIGNALS}
     try:
-        try:
-            return _steps(args)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-    except (KeyboardInterrupt, Interrupted) as exc:
+        return _steps(args)
+    except KeyboardInterrupt as exc:
         name = exc.args[0] if exc.args else "Ctrl-C"
         raise PatchError(
             f"interrupted ({name}); the checkout is back where it was, nothing "
@@ -277,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
             looked_for=f"git {' '.join(map(str, exc.command[1:3]))} to succeed",
             found=said.splitlines()[-1] if said else f"exit status {exc.status}",
         ) from exc
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _steps(args: argparse.Namespace) -> int:
@@ -297,7 +281,21 @@ def _steps(args: argparse.Namespace) -> int:
                 f"{s.branch} (from {s.base or 'the existing branch'}): "
                 f"{s.upstream.title}"
             )
-        _write_outputs(s, work, body)
+        if args.out is None:  # .git/vllm-patch made, never through a link
+            output_dir(s.description.parent)
+        print(f"PR description: {write_output(s.description, body)}")
+        if args.format_patch and work.commit is None:
+            warn("no commit titled like the patch on the branch; no mbox written")
+        elif args.format_patch:
+            sha = work.commit.hexsha
+            with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
+                made = Path(s.repo.git.format_patch("-1", sha, "-o", tmp))
+                mbox = output_dir(args.format_patch) / made.name
+                write_output(mbox, made.read_bytes())
+            # Plain `git am` strips every leading [...] from the subject, the
+            # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
+            print(f"mbox patch: {mbox}")
+            print(f"  apply with: git am --keep-non-patch {shlex.quote(str(mbox))}")
         work.keep = True
     if args.print:
         print("\n" + body)
@@ -316,23 +314,9 @@ def _steps(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _refuse_ir_era(s: Settings, version: Version | None) -> None:
-    """Without ``--patch``, a release whose own form is another is refused."""
-    if s.args.patch or version is None or s.patch in defaults(version):
-        return
-    theirs = ", ".join(p.name for p in defaults(version)) or "none"
-    raise UsageError(
-        f"this checkout is vLLM {version}, whose form of the change is {theirs}; "
-        f"pr commits only the form vLLM's main takes: pass --patch {s.patch.name} "
-        f"(it applies to vLLM {s.patch.versions})",
-        path=str(s.root),
-    )
-
-
 def _apply(s: Settings, work: Work) -> bool:
     """Apply the patch and CI edits, or find the branch's commit of it; False
     when a new branch would be empty (then it is deleted)."""
-    _refuse_ir_era(s, checkout_version(s.repo, s.tree))
     work.plan = plan = engine.plan(s.tree, s.patch)
     if plan.errors:
         raise plan.errors[0]
@@ -347,9 +331,8 @@ def _apply(s: Settings, work: Work) -> bool:
     if plan.status is PlanStatus.APPLIED:  # the branch's commit, by its title
         commits = s.repo.iter_commits(s.branch, max_count=200)
         work.commit = next((c for c in commits if c.summary == s.upstream.title), None)
-        work.described = (
-            {f: [] for f in sorted(work.commit.stats.files)} if work.commit else {}
-        )
+        files = sorted(work.commit.stats.files) if work.commit else []
+        work.described = {f: [] for f in files}
         where = f"as {work.commit.hexsha[:12]} " if work.commit else ""
         switch = " (switched to it)" if s.start != s.branch else ""
         print(
@@ -360,19 +343,18 @@ def _apply(s: Settings, work: Work) -> bool:
     changes = plan.file_changes()
     own_paths(s.root, list(changes))
     work.new_files = [r for r in changes if not os.path.lexists(s.root / r)]
+    engine.apply(plan.tree, plan)
+    ruff, notes = check_changes(s.root, changes)
+    print(f"formatted and checked the changed files with {ruff}")
+    for note in notes:
+        warn(note)
     work.ci = [ci_yaml.wire(s.root, w) for w in s.upstream.ci]
     for edit in work.ci:
         if edit.text is None:
             warn(f"{edit.wiring.file} left as it is: {edit.reason}")
-    engine.apply(plan.tree, plan)
-    ruff, notes = check_changes(s.root, changes)
-    edited = [e for e in work.ci if e.text is not None]
-    for edit in edited:
-        replace_at(s.root.resolve() / edit.wiring.file, edit.text.encode())
-    print(f"formatted and checked the changed files with {ruff}")
-    for note in notes:
-        warn(note)
-    work.files = (*changes, *(e.wiring.file for e in edited))
+        else:
+            replace_at(s.root.resolve() / edit.wiring.file, edit.text.encode())
+    work.files = (*changes, *(e.wiring.file for e in work.ci if e.text))
     work.described = plan.described() | {  # each CI file's change, or why not
         e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
     }
@@ -425,23 +407,3 @@ def _description(s: Settings, work: Work) -> str:
         measured=measured,
     )
     return pr_body.render(s.patch, s.upstream, facts, read)
-
-
-def _write_outputs(s: Settings, work: Work, body: str) -> None:
-    """The description, and with --format-patch the commit as an mbox."""
-    if s.args.out is None:  # in the resolved git directory: no link on the way
-        replace_at(output_dir(s.description.parent) / s.description.name, body.encode())
-    else:
-        write_output(s.description, body)
-    print(f"PR description: {s.description}")
-    if s.args.format_patch and work.commit is None:
-        warn("no commit titled like the patch on the branch; no mbox written")
-    elif s.args.format_patch:
-        folder = output_dir(s.args.format_patch)
-        with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
-            made = Path(s.repo.git.format_patch("-1", work.commit.hexsha, "-o", tmp))
-            written = write_output(folder / made.name, made.read_bytes())
-        # Plain `git am` strips every leading [...] from the subject, the
-        # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
-        print(f"mbox patch: {written}")
-        print(f"  apply with: git am --keep-non-patch {shlex.quote(str(written))}")

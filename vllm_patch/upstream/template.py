@@ -1,7 +1,6 @@
-"""The checkout's own PR template, filled. vLLM's changes between releases, so
-each heading (else its HTML comment) says what kinds of text it asks for. The
-tail (the checklist) is the author's, its boxes unticked. The template is data,
-parsed in linear time; a comment it leaves open is closed."""
+"""The checkout's own PR template (vLLM's changes between releases), filled: each
+heading, else its HTML comment, says what kinds of text it asks for; the tail
+(the checklist) stays the author's. Data, parsed in linear time."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class Section:
     @cached_property
     def kinds(self) -> tuple[str, ...]:
         for text in (self.title, " ".join(_html_comments(self.body))):
-            found = tuple(kind for kind, asks in ASKS if asks.search(text.lower()))
-            if found:
+            if found := tuple(k for k, asks in ASKS if asks.search(text.lower())):
                 return found
         return ()
 
@@ -72,14 +70,13 @@ def _html_comments(text: str) -> list[str]:
 
 def read_template(root: Path | None) -> Template:
     """The checkout's template, else the fallback (``left_out`` says why)."""
-    text, why = None, ""
+    why = ""
     try:
         text = read_text_in(root, TEMPLATE, "the PR template", limit=TEMPLATE_BYTES)
+        if (parsed := parse_template(text or "")).sections:
+            return parsed
     except PatchError as exc:
         why = f"left out: {TEMPLATE}: {refusal(exc)}"
-    parsed = parse_template(text) if text else None
-    if parsed and parsed.sections:
-        return parsed
     return replace(parse_template(FALLBACK), left_out=why)
 
 
@@ -87,32 +84,26 @@ def parse_template(text: str) -> Template:
     """Headings (outside code fences) split ``text``; the first thematic break
     or ``<details>`` after a section starts the tail. Before the first heading,
     only the HTML comments stay: the rest is the template's word to the author."""
-    head: list[str] = []
-    sections: list[tuple[Section, list[str]]] = []
+    head, sections, bodies = [], [], []
     lines = text.splitlines(keepends=True)
     tail, fenced = "", False
     for i, line in enumerate(lines):
         fenced ^= line.lstrip().startswith("```")
         heading = None if fenced else HEADING.match(line)
-        if heading:
-            sections.append((Section(line.rstrip("\n"), _title(heading[1])), []))
+        if heading:  # its title without closing #s (a regex backtracks on spaces)
+            title = heading[1].strip()
+            bare = title.rstrip("#")
+            title = bare.rstrip() if not bare or bare[-1] in " \t" else title
+            sections.append(Section(line.rstrip("\n"), title))
+            bodies.append([])
         elif sections and not fenced and TAIL.match(line):
             tail = "".join(lines[i:])
             break
         else:
-            (sections[-1][1] if sections else head).append(line)
-    for section, body in sections:
+            (bodies[-1] if bodies else head).append(line)
+    for section, body in zip(sections, bodies, strict=True):
         section.body = "".join(body)
-    head_comments = "\n".join(_html_comments("".join(head)))
-    return Template(head_comments, [s for s, _ in sections], tail)
-
-
-def _title(text: str) -> str:
-    """A heading's text without its closing ``#``s (string methods: a regular
-    expression for it backtracks for minutes on a line of spaces)."""
-    title = text.strip()
-    bare = title.rstrip("#")
-    return bare.rstrip() if not bare or bare[-1] in " \t" else title
+    return Template("\n".join(_html_comments("".join(head))), sections, tail)
 
 
 def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
@@ -125,8 +116,7 @@ def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) 
         )
         if home is None:
             title = piece.prefers[0].capitalize()
-            template.sections.append(Section(f"## {title}", title))
-            home = template.sections[-1]
+            template.sections.append(home := Section(f"## {title}", title))
         home.filled.append(piece.text.strip())
     out = [template.head] if template.head else []
     for section in template.sections:

@@ -1,6 +1,6 @@
-"""vLLM's own tests of a checkout, run against the installed vLLM (a checkout
-has no compiled kernels) with the change and without it: pytest in a child on a
-hard-linked copy with the checkout's sides of the edited files put in."""
+"""vLLM's tests of a checkout with the change and without it: pytest in a child on
+copies of the installed vLLM (a checkout has no compiled kernels), the
+checkout's sides of the edited files put in."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from patcher import engine
 from patcher.errors import PatchError
 from patcher.files import replace_at
 from patcher.patchset import Patch
@@ -21,12 +22,11 @@ from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
 
 PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
-# vLLM's CPU test jobs name the platform: vLLM otherwise infers it from the
-# version of a distribution called ``vllm``, which a checkout's own build
-# metadata (``vllm.egg-info`` of a build for another platform) may answer.
+# As vLLM's CPU jobs do: else vLLM infers the platform from a distribution named
+# ``vllm``, which a checkout's own build metadata (its egg-info) may answer.
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
 KEYS = ("passed", "failed", "errors", "skipped")
-JUNIT = dict(tests="tests", failed="failures", errors="errors", skipped="skipped")
+OUTCOMES = (("failed", "failure"), ("errors", "error"), ("skipped", "skipped"))
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,6 @@ class TestRuns:  # the edited tests with the change and without it
     copied: tuple[str, ...] = ()  # of those, the checkout's, copied in
 
 
-def reviewer_command(files: list[str], keyword: str | None = None) -> str:
-    return shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
-
-
 def described_machine(m: dict | None = None) -> str:
     """``machine.summary`` and the instruction sets vLLM's CPU kernels use."""
     m = m or machine.facts()
@@ -69,19 +65,18 @@ def described_machine(m: dict | None = None) -> str:
 
 
 def run_pytest(
-    checkout: Path, files: list[str], site: Path, keyword: str | None = None
+    checkout: Path, files: list[str], site: Path, keyword: str | None
 ) -> TestRun:
     """pytest on ``files`` of ``checkout`` with ``site``'s ``vllm/`` imported."""
-    command = reviewer_command(files, keyword)
+    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
         argv = [*PYTEST_OPTIONS, "-q", f"--rootdir={checkout}", f"--junitxml={junit}"]
         argv += ["-k", keyword] if keyword else []
-        argv += [str(checkout / f) for f in files]
         # cwd=site: `python -m` puts the working directory first on sys.path.
         outcome = child.run(
-            "vllm_patch.upstream.vllm_tests:pytest_main",
-            {"argv": argv},
+            "pytest:main",
+            {"args": [*argv, *(str(checkout / f) for f in files)]},
             pythonpath=[site, checkout],
             env=CPU_TARGET,
             cwd=site,
@@ -90,15 +85,24 @@ def run_pytest(
             exited = outcome.result if outcome.ok else outcome.error
             tail = " / ".join(outcome.log.strip().splitlines()[-5:])
             return TestRun(command, False, f"pytest exited with {exited}: {tail}")
-        counts, failures, skipped_why = _junit(junit)
+        cases = list(ET.parse(junit).getroot().iter("testcase"))
+    counts, failures, why = dict.fromkeys(KEYS, 0), [], ""
+    for case in cases:
+        kind, said = next(
+            ((k, e) for k, tag in OUTCOMES if (e := case.find(tag)) is not None),
+            ("passed", None),
+        )
+        counts[kind] += 1
+        if kind in ("failed", "errors"):
+            failures.append(f"{case.get('classname')}::{case.get('name')}")
+        why = why or (said.get("message", "") if kind == "skipped" else "")
     if not (counts["passed"] or counts["failed"] or counts["errors"]):
-        why = f"every test skipped ({counts['skipped']}): {skipped_why}"
-        return TestRun(command, False, why)
+        return TestRun(command, False, f"every test skipped ({len(cases)}): {why}")
     return TestRun(
         command,
         ran=True,
         counts=counts,
-        failures=failures,
+        failures=tuple(failures[:10]),
         seconds=round(outcome.seconds, 1),
         vllm=str(read_version(VllmTree(site)) or "unknown"),
         torch=machine.distribution_version("torch") or "not installed",
@@ -106,36 +110,11 @@ def run_pytest(
     )
 
 
-def pytest_main(argv: list[str]) -> int:  # the child's side of run_pytest
-    import pytest  # a dependency of vllm-patch: the child runs in its environment
-
-    return int(pytest.main(argv))
-
-
-def _junit(path: Path) -> tuple[dict[str, int], tuple[str, ...], str]:
-    """The counts, the first ids that failed and the first reason to skip."""
-    root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    total = {k: sum(int(s.get(j, 0)) for s in suites) for k, j in JUNIT.items()}
-    failures = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in root.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-    counts = {k: n for k, n in total.items() if k != "tests"}
-    counts = {"passed": total["tests"] - sum(counts.values()), **counts}
-    skips = (case.find("skipped") for case in root.iter("testcase"))
-    why = next((s.get("message", "") for s in skips if s is not None), "")
-    return counts, tuple(failures[:10]), why
-
-
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """The files of ``depends`` (same, differing): the checkout has the
-    installed vLLM's bytes, or the patched ones (absent from both: the same)."""
-    from patcher import engine  # libcst: only when a vLLM is here to compare
-
+    """``depends``' files (same, differing): the checkout has the installed vLLM's
+    bytes, or the patched ones (absent from both: the same)."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -155,8 +134,6 @@ def compared(
 def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
     """The checkout's bytes of the files ``names`` (edited by ``patch``)
     without the change and with it, whichever of the two the checkout holds."""
-    from patcher import engine
-
     tree = VllmTree(checkout)
     sides = [engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")]
     return {
@@ -170,33 +147,22 @@ def unavailable(
 ) -> str | None:
     """Why the edited tests cannot run here, or None: the installed vLLM is the
     checkout's code in every file of ``depends`` the change does not edit."""
-    return _checked(checkout, files, patch, depends)[0]
-
-
-def _checked(
-    checkout: Path, files: list[str], patch: Patch, depends: list[str], skip=False
-) -> tuple[str | None, list[str], list[str]]:
-    """``unavailable``'s answer, and ``compared``'s when it came to comparing."""
-    if skip:
-        return "skipped (--no-tests)", [], []
     if not any((checkout / f).is_file() for f in files):
-        return "not in this checkout", [], []
+        return "not in this checkout"
     try:
         installed = open_tree(None)
     except PatchError:
-        return f"no vLLM installed for {sys.executable}", [], []
+        return f"no vLLM installed for {sys.executable}"
     if importlib.util.find_spec("torch") is None:
-        return "no torch in this environment", [], []
-    same, differing = compared(checkout, patch, depends)
+        return "no torch in this environment"
     edited = {e.file for e in patch.edits}
+    differing = compared(checkout, patch, depends)[1]
     if foreign := ", ".join(f for f in differing if f not in edited):
         return (
             f"the checkout and the vLLM {read_version(installed)} installed for "
-            f"{sys.executable} differ in {foreign}",
-            same,
-            differing,
+            f"{sys.executable} differ in {foreign}"
         )
-    return None, same, differing
+    return None
 
 
 def run_tests(
@@ -207,35 +173,35 @@ def run_tests(
     keyword: str | None = None,
     skip: bool = False,
 ) -> TestRuns:
-    """The edited tests on a patched and an unpatched copy of the installed
-    vLLM, with the checkout's own sides of the files the change edits put in;
-    else why they cannot run here (``skip``: ``--no-tests``)."""
+    """The edited tests with the change and without it, or why they cannot run
+    here (``skip``: ``--no-tests``)."""
+    tested = (checkout, files, patch, depends)
     present = [f for f in files if (checkout / f).is_file()] or files
-    command = reviewer_command(present, keyword)
-    why, same, differing = _checked(checkout, files, patch, depends, skip)
-    if why:
+    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
+    if why := "skipped (--no-tests)" if skip else unavailable(*tested):
         said = why if skip else f"cannot run here ({why})"
         print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
-    installed = open_tree(None)
+    installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
     own = own_sides(checkout, patch, differing)
     said = [f"{', '.join(same)} the same in both"] if same else []
     said += [f"the checkout's {', '.join(own)} put in"] if own else []
     print(
-        f"upstream tests: running {command} of the checkout on CPU against vLLM "
-        f"{read_version(installed)}, with and without the change ({'; '.join(said)}). "
-        "This runs the checkout's own code (the test files and what they import); "
-        "--no-tests skips them",
+        f"upstream tests: running {command} of the checkout on "
+        f"CPU against vLLM {read_version(installed)}, with and without the change "
+        f"({'; '.join(said)}). This runs the checkout's own code (the test files "
+        "and what they import); --no-tests skips them",
         flush=True,
     )
-    with patched_copy(installed, patch) as site:
-        for rel, (_, after) in own.items():
-            replace_at(site / rel, after)
-        after = run_pytest(checkout, present, site, keyword)
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp:
+    with (
+        patched_copy(installed, patch) as site,
+        tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
+    ):
         base = linked_copy(installed, Path(tmp)).location
-        for rel, (before, _) in own.items():
+        for rel, (before, after) in own.items():
+            replace_at(site / rel, after)
             replace_at(base / rel, before)
+        after = run_pytest(checkout, present, site, keyword)
         before = run_pytest(checkout, present, base, keyword)
     fails = f"; without the change: {before.summary()}" if before.ran else ""
     print(f"upstream tests: {after.summary() + fails if after.ran else after.reason}")
