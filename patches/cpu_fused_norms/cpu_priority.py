@@ -1,11 +1,7 @@
-"""Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms have.
-
-``["vllm_c", "native"]`` for the norms with a "vllm_c" impl that are fields of
-the tree's ``IrOpPriorityConfig``; ``native`` when Inductor will compile the
-model (it fuses the native norm into the residual add, which an opaque kernel
-call would prevent). vLLM asks before ``check_and_update_config`` rewrites the
-compilation settings, so the method decides on what that rewrite will leave.
-A ``get_default_ir_op_priority`` that is not this one is vLLM's own, left alone.
+"""Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms
+have: ``["vllm_c", "native"]`` for the norms with a "vllm_c" impl that are fields
+of the tree's ``IrOpPriorityConfig``, ``native`` when Inductor will compile the
+model. A ``get_default_ir_op_priority`` that is not this one is vLLM's own.
 """
 
 from __future__ import annotations
@@ -24,19 +20,19 @@ CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
 CONFIG = "IrOpPriorityConfig"
 CONFIG_MODULE = "vllm.config.kernel"
-CONFIG_FILE = "vllm/config/kernel.py"
-VLLM_C_FILE = "vllm/kernels/vllm_c.py"
-COMPILATION_FILE = "vllm/config/compilation.py"
 TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
 CI_ENV = "VLLM_CPU_CI_ENV"
+VLLM_C_FILE = "vllm/kernels/vllm_c.py"
+CONFIG_FILE = "vllm/config/kernel.py"
+COMPILATION_FILE = "vllm/config/compilation.py"
 
 METHOD_TEMPLATE = """\
 @classmethod
-def {method}(
+def get_default_ir_op_priority(
     cls, vllm_config: "VllmConfig"
-) -> "{config}":
+) -> "IrOpPriorityConfig":
     from vllm.config.compilation import CompilationMode
-    from {config_module} import {config}
+    from vllm.config.kernel import IrOpPriorityConfig
 
     # Native used by default when compiling: Inductor fuses the native ops
     # into their neighbours, which an opaque kernel call would prevent.
@@ -52,12 +48,12 @@ def {method}(
     using_inductor = backend == "inductor" and mode != CompilationMode.NONE
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
-    return {config}.with_default(["native"], {per_op})
+    return IrOpPriorityConfig.with_default(["native"], {per_op})
 """
 
 
 def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    found = (s for s in cls.body.body if getattr(s, "name", None))
+    found = (s for s in cls.body.body if isinstance(s, cst.FunctionDef))
     return next((s for s in found if s.name.value == name), None)
 
 
@@ -69,20 +65,6 @@ def _type_checking(tree: cst.Module) -> int | None:
         if isinstance(s, cst.If) and source(s.test) == "TYPE_CHECKING"
     )
     return next(found, None)
-
-
-def _config_fields(module: ast.Module) -> tuple[list[str], bool]:
-    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
-    for cls in module.body:
-        if isinstance(cls, ast.ClassDef) and cls.name == CONFIG:
-            fields = [
-                s.target.id
-                for s in cls.body
-                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-            ]
-            methods = [getattr(s, "name", None) for s in cls.body]
-            return fields, "with_default" in methods
-    return [], False
 
 
 def _meaning(code: str) -> str:
@@ -106,12 +88,10 @@ class _Priority(TreeCodemod):
         (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
         update = _method(cls, "check_and_update_config")
         code = textwrap.dedent(tree.code_for_node(update)) if update else ""
-        lines = code.splitlines()
         for node in ast.walk(ast.parse(code)):
             test = getattr(node, "test", None)
-            if test and CI_ENV in "".join(lines[test.lineno - 1 : test.end_lineno]):
-                if CI_ENV in (found := ast.get_source_segment(code, test)):
-                    return found
+            if test and CI_ENV in (found := ast.get_source_segment(code, test)):
+                return found
         raise self.shape_error(
             f"{CLASS}.check_and_update_config testing {CI_ENV}",
             "no such test" if update else "no check_and_update_config",
@@ -120,11 +100,21 @@ class _Priority(TreeCodemod):
     def method_source(self, tree: cst.Module, cls: cst.ClassDef):
         """The method this tool writes for the tree (at column 0), and its ops."""
         ops_there = list(norm_impls(self.parse_tree_file(VLLM_C_FILE)))
-        fields, with_default = _config_fields(self.read_tree_ast(CONFIG_FILE))
-        if not with_default:
+        config = [
+            c.body
+            for c in self.read_tree_ast(CONFIG_FILE).body
+            if isinstance(c, ast.ClassDef) and c.name == CONFIG
+        ]
+        body = config[0] if config else []
+        fields = [
+            s.target.id
+            for s in body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        ]
+        if not any(getattr(s, "name", None) == "with_default" for s in body):
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
-                f"{CONFIG} fields {fields}" if fields else f"no class {CONFIG}",
+                f"{CONFIG} fields {fields}" if config else f"no class {CONFIG}",
             )
         ops = [op for op in OPS if op in ops_there and op in fields]
         if not ops:
@@ -136,14 +126,8 @@ class _Priority(TreeCodemod):
             raise self.shape_error(
                 f"class CompilationMode in {COMPILATION_FILE}", "no such class"
             )
-        code = METHOD_TEMPLATE.format(
-            method=METHOD,
-            config=CONFIG,
-            config_module=CONFIG_MODULE,
-            ci_env=self.ci_env(tree, cls),
-            per_op=", ".join(f"{op}=default" for op in ops),
-        )
-        return code, ops
+        per_op = ", ".join(f"{op}=default" for op in ops)
+        return METHOD_TEMPLATE.format(ci_env=self.ci_env(tree, cls), per_op=per_op), ops
 
 
 class AddCpuIrOpPriority(_Priority):
@@ -171,10 +155,7 @@ class AddCpuIrOpPriority(_Priority):
         later = (  # the type import goes in sorted place
             i
             for i, s in enumerate(body)
-            if isinstance(s, cst.SimpleStatementLine)
-            and isinstance(s.body[0], cst.ImportFrom)
-            and s.body[0].module is not None
-            and source(s.body[0].module) > CONFIG_MODULE
+            if source(s).startswith("from ") and source(s) > TYPE_IMPORT
         )
         body.insert(next(later, len(body)), cst.parse_statement(TYPE_IMPORT))
         self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
