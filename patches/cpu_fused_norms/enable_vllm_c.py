@@ -17,7 +17,7 @@ import libcst as cst
 from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_statements
 from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
-from patches.rms_norm_forward_cpu.rule import call_checks, dtypes_function
+from patches.rms_norm_forward_cpu.rule import CPU_PY, call_checks, dtypes_function
 
 GATE = "GPGPU_DEVICE"
 NORM_GATE = "RMS_NORM_DEVICE"
@@ -29,7 +29,6 @@ DTYPES_LINES = (
     f"{', '.join(DTYPES.values())} = {FUNCTION}()",
     '"""The dtypes in which the CPU kernels match native here, once per process."""',
 )
-CPU_PY = "vllm/platforms/cpu.py"
 # How many leading parameters of each norm's supports_args are its input tensors.
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 

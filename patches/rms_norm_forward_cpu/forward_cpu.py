@@ -1,10 +1,9 @@
 """Give ``RMSNorm`` a ``forward_cpu`` that calls vLLM's CPU kernels, in
 ``GELU.forward_cpu``'s idiom (``vllm/model_executor/layers/activation.py``):
 the kernel for the inputs it matches native on, ``forward_native`` for the
-rest. ``CustomOp`` decides when it runs (eager: ``custom_ops: ["all"]``; a model
-Inductor compiles stays native). ``layernorm.py`` gains ``rule.py``'s
-``cpu_fused_norm_dtypes()``, a line in ``RMSNorm.__init__`` and the method. A
-``forward_cpu`` that is not this one is vLLM's own (``VllmHasItsOwn``).
+rest. ``layernorm.py`` gains ``rule.py``'s ``cpu_fused_norm_dtypes()``, a line
+in ``RMSNorm.__init__`` and the method. A ``forward_cpu`` that is not this one
+is vLLM's own (``VllmHasItsOwn``).
 """
 
 from __future__ import annotations
@@ -19,31 +18,12 @@ from patches.rms_norm_forward_cpu import rule
 
 CLASS = "RMSNorm"
 METHOD = "forward_cpu"
-AFTER = "forward_native"
 FUNCTION = "cpu_fused_norm_dtypes"
-CPU_PY = "vllm/platforms/cpu.py"
-
-
-def _is_def(stmt: cst.CSTNode, name: str) -> bool:
-    return isinstance(stmt, cst.FunctionDef) and stmt.name.value == name
 
 
 def _def_at(body, name: str) -> int | None:
-    return next((i for i, s in enumerate(body) if _is_def(s, name)), None)
-
-
-def batch_invariant(module: cst.Module) -> str | None:
-    """The release's spelling of "batch invariance is on", by its imports."""
-    imported = {
-        alias.evaluated_alias or alias.evaluated_name
-        for stmt in module.body
-        if isinstance(stmt, cst.SimpleStatementLine)
-        for small in stmt.body
-        if isinstance(small, cst.Import | cst.ImportFrom)
-        and not isinstance(small.names, cst.ImportStar)
-        for alias in small.names
-    }
-    return next((s for n, s in rule.BATCH_INVARIANT.items() if n in imported), None)
+    found = (i for i, s in enumerate(body) if isinstance(s, cst.FunctionDef))
+    return next((i for i in found if body[i].name.value == name), None)
 
 
 def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
@@ -56,18 +36,28 @@ def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
 class _Edit(TreeCodemod):
     def pieces(self, tree: cst.Module) -> tuple:
         """The function, the ``__init__`` lines and the method, laid out for
-        this tree."""
-        spelling = batch_invariant(tree)
-        if spelling is None:
+        this tree, in the release's spelling of batch invariance (by the name
+        ``layernorm.py`` imports)."""
+        imported = {
+            alias.evaluated_alias or alias.evaluated_name
+            for stmt in tree.body
+            if isinstance(stmt, cst.SimpleStatementLine)
+            for small in stmt.body
+            if isinstance(small, cst.Import | cst.ImportFrom)
+            and not isinstance(small.names, cst.ImportStar)
+            for alias in small.names
+        }
+        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if n in imported]
+        if not spelling:
             raise self.shape_error(
                 "an import of vllm_is_batch_invariant or vllm.envs",
                 "neither is imported",
             )
-        code = format_source(rule.dtypes_function(self.read_tree_file(CPU_PY)))
+        code = format_source(rule.dtypes_function(self.read_tree_file(rule.CPU_PY)))
         function = cst.parse_statement(
             code.replace("\n", tree.default_newline), config=tree.config_for_parsing
         )
-        init = rule.INIT_LINES.format(batch_invariant=spelling)
+        init = rule.INIT_LINES.format(batch_invariant=spelling[0])
         init = format_member(f"def _(self):\n{textwrap.indent(init, '    ')}", tree)
         return function, init.body.body, format_member(rule.FORWARD_CPU, tree)
 
@@ -91,22 +81,25 @@ class AddRmsNormForwardCpu(_Edit):
         body = list(cls.body.body)
         if self.ours_at(tree, body) is not None:
             return tree  # applied already
-        anchor, init = _def_at(body, AFTER), _def_at(body, "__init__")
+        anchor, init = _def_at(body, "forward_native"), _def_at(body, "__init__")
         if anchor is None or init is None:
-            raise self.shape_error(f"{CLASS}.__init__ and {CLASS}.{AFTER}", "missing")
+            raise self.shape_error(
+                f"{CLASS}.__init__ and {CLASS}.forward_native", "missing"
+            )
         function, init_lines, method = self.pieces(tree)
-        old = body[init]
-        body[init] = old.with_changes(
-            body=old.body.with_changes(body=[*old.body.body, *init_lines])
+        old = body[init].body
+        body[init] = body[init].with_changes(
+            body=old.with_changes(body=[*old.body, *init_lines])
         )
         blank = cst.EmptyLine(indent=False)
         body.insert(anchor + 1, method.with_changes(leading_lines=[blank]))
         tree = self.with_body(tree, at, cls, body)
         # Above the class and the comments that belong to it.
+        comments = [c for c in tree.body[at].leading_lines if c.comment is not None]
         statements = list(tree.body)
-        comments = [c for c in statements[at].leading_lines if c.comment is not None]
-        lines = [blank, blank, *comments]
-        statements[at] = statements[at].with_changes(leading_lines=lines)
+        statements[at] = statements[at].with_changes(
+            leading_lines=[blank, blank, *comments]
+        )
         statements.insert(at, function.with_changes(leading_lines=[blank, blank]))
         self.record(
             f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU "
@@ -137,16 +130,15 @@ class RemoveRmsNormForwardCpu(_Edit):
         del body[mine]
         init = _def_at(body, "__init__")
         if init is not None:
-            stmts = list(body[init].body.body)
-            n = len(tail)
-            if len(stmts) >= n and all(map(_same, stmts[len(stmts) - n :], tail)):
-                stmts = stmts[: len(stmts) - n]
-            body[init] = body[init].with_changes(
-                body=body[init].body.with_changes(body=stmts)
-            )
+            old = body[init].body
+            n = len(old.body) - len(tail)
+            if n >= 0 and all(map(_same, old.body[n:], tail)):
+                body[init] = body[init].with_changes(
+                    body=old.with_changes(body=old.body[:n])
+                )
         tree = self.with_body(tree, at, cls, body)
-        statements = [
-            s for s in tree.body if not (_is_def(s, FUNCTION) and _same(s, function))
-        ]
+        at = _def_at(tree.body, FUNCTION)
         self.record(f"`{CLASS}.{METHOD}` and `{FUNCTION}` are removed")
-        return tree.with_changes(body=statements)
+        if at is None or not _same(tree.body[at], function):
+            return tree
+        return tree.with_changes(body=[*tree.body[:at], *tree.body[at + 1 :]])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+CPU_PY = "vllm/platforms/cpu.py"  # where the tree says which builds vLLM loads
 HIDDEN_MULTIPLE = 8
 """The kernels vectorise the hidden size in blocks of 8 and raise otherwise."""
 
