@@ -1,12 +1,10 @@
 """vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change.
 
-vLLM calls :func:`register` (``vllm.general_plugins``) in every process it
-starts. Off without ``VLLMPATCH_CPU_FUSED_NORMS=1`` (no torch, no vLLM
-imported); on, one route on every release: ``CustomOp.register_oot`` builds
-``RMSNorm`` as a subclass running the upstream form's ``__init__`` line and
-``forward_cpu`` from ``rule.py``, compiled in the release's ``layernorm``
-namespace. It stands aside off CPU and where ``RMSNorm`` has a ``forward_cpu``;
-one log line says what it did, :func:`status` keeps it; it never breaks start-up.
+vLLM calls :func:`register` (``vllm.general_plugins``) in every process. Off
+without ``VLLMPATCH_CPU_FUSED_NORMS=1`` (no torch, no vLLM imported); on, on
+every release, ``CustomOp.register_oot`` builds ``RMSNorm`` as a subclass
+running the upstream form's ``rule.py`` code, except off CPU or where ``RMSNorm``
+has a ``forward_cpu``. One log line says what it did; it never breaks start-up.
 """
 
 import logging
@@ -28,9 +26,9 @@ from patches.rms_norm_forward_cpu import rule
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
 
 CUSTOM_OP = "CustomOp"
+# register_oot's key: CustomOp.__new__ looks up the class name (name="rms_norm"
+# is accepted and silently never used).
 CUSTOM_OP_KEY = "RMSNorm"
-"""``register_oot``'s key: ``CustomOp.__new__`` looks up the class name
-(``name="rms_norm"`` is accepted and silently never used)."""
 
 CLASS_SOURCE = """\
 class CpuFusedRMSNorm(RMSNorm):
@@ -43,9 +41,8 @@ _status: dict = {"route": None, "stood_aside": None, "error": None}
 
 
 def custom_op_class(layernorm) -> type:
-    """The ``RMSNorm`` subclass: the upstream form's source, compiled in the
-    release's ``layernorm`` namespace (its ``torch``, its batch-invariance
-    spelling) with ``cpu_fused_norm_dtypes`` for its ``platforms/cpu.py``."""
+    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` namespace
+    (its ``torch``, its batch-invariance spelling)."""
     namespace = dict(vars(layernorm))
     spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
     cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
@@ -120,8 +117,7 @@ def opted_in() -> bool:
 
 
 def ignored_opt_in() -> str | None:
-    """Why the opt-in variable's value changes nothing, when it is neither on
-    nor off; None otherwise."""
+    """Why the opt-in's value changes nothing, when it is neither on nor off."""
     if OPT_IN_ENV not in os.environ or _opt_in_value() in OPT_IN_ON + OPT_IN_OFF:
         return None
     return (
@@ -132,9 +128,9 @@ def ignored_opt_in() -> str | None:
 
 
 def _log_once(message: str) -> None:
-    """Through vLLM's own ``info_once``, once per process: from 0.31 on it logs
-    only on the first rank by default (``scope="local"``), which a process
-    outside the workers is not."""
+    """Through vLLM's ``info_once``, once per process (from 0.31 its default
+    scope logs only on the first rank, which a process outside the workers is
+    not)."""
     from vllm.logger import init_logger
 
     once = init_logger(LOGGER_NAME).info_once
@@ -145,6 +141,6 @@ def _log_once(message: str) -> None:
 
 
 def status() -> dict:
-    """What this process's registration did: the opt-in, the route taken, why
-    it stood aside, the error that stopped it."""
+    """What this process's registration did: opt-in, route, why it stood aside,
+    the error that stopped it."""
     return {**_status, "opt_in": opted_in(), "opt_in_ignored": ignored_opt_in()}
