@@ -102,6 +102,23 @@ def _ends_with(expr: cst.BaseExpression, operator: type, code: str) -> bool:
     )
 
 
+def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
+    """``expr`` ending in ``<operator> code`` (``on``) or without it, in
+    ``expr``'s outer parentheses (``(a and b)`` becomes ``(a and b and code)``);
+    None when it is so already."""
+    if _ends_with(expr, operator, code) == on:
+        return None
+    if not on:
+        return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
+    inner = expr.with_changes(lpar=[], rpar=[])
+    if not (
+        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, operator)
+    ):
+        inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    operand = cst.parse_expression(code)
+    return cst.BooleanOperation(inner, operator(), operand, expr.lpar, expr.rpar)
+
+
 def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
     return cst.parse_statement(code + tree.default_newline, tree.config_for_parsing)
 
@@ -120,7 +137,37 @@ def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Modu
     return format_statements(tree, formatted) if layout else tree
 
 
-class _NormCodemod(TreeCodemod):
+class EnableVllmCOnCpu(TreeCodemod):
+    DESCRIPTION = (
+        'Mark the "vllm_c" RMSNorm kernels supported on CPU (the norms\' gate gains '
+        "`or IS_CPU`), where they match native: the eligibility rule's "
+        f"{FUNCTION}() once at import, its per-call checks in supports_args."
+    )
+    ON = True  # the change; DisableVllmCOnCpu's False: its inverse
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        used = names(tree)
+        for name in ("current_platform", "torch") if self.ON else ():
+            if not used[name]:
+                raise self.shape_error(f"{name} imported", "none")
+        norms, new, before = self.norms(tree), {}, {}
+        cpu = _assignments(tree).get(IS_CPU)
+        if self.ON and cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
+            raise self.shape_error(
+                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
+            )
+        for n in norms:
+            body = _suffixed(n.check.body, cst.And, n.guard, self.ON)
+            if body is not None:
+                check = n.check.with_changes(body=body)
+                new[n.check_at] = _assigned(tree, n.check_at, check)
+                said = f"gains `and {n.guard}`" if self.ON else "loses its CPU checks"
+                self.record(f"the {n.op} impl's `supports_args` {said}")
+        self.gate(tree, norms, used, new, before)
+        if not new and not before:
+            return tree
+        return self.added(tree, norms, cpu, used, new, before)
+
     def norms(self, tree: cst.Module) -> list[Norm]:
         found, assigned = [], _assignments(tree)
         for op, (at, call) in norm_impls(tree).items():
@@ -154,59 +201,34 @@ class _NormCodemod(TreeCodemod):
             )
         return found
 
-    def checks(self, tree: cst.Module, norms: list[Norm], on: bool) -> dict:
-        """The statements of the norms' ``supports_args`` that change, with the
-        CPU checks (``on``) or without."""
-        new = {}
+    def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
+        gate = norms[0].gate.value
+        at = _assignments(tree).get(gate)
+        if gate == NORM_GATE or (
+            at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU)
+        ):
+            return
+        if gate == GATE and at is not None:
+            if used[GATE] != 1 + len(norms):
+                raise self.shape_error(
+                    f"{GATE} gating only the norms", f"{used[GATE]} uses"
+                )
+            value = _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
+            new[at] = _assigned(tree, at, value)
+            self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
+            return
+        first = min(n.at for n in norms)
+        own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}", tree)
+        lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
+        before.setdefault(first, []).append(own.with_changes(leading_lines=lines))
         for n in norms:
-            body = n.check.body
-            if _ends_with(body, cst.And, n.guard) == on:
-                continue
-            if on:
-                body = _and(body, cst.parse_expression(n.guard))
-            else:
-                body = body.left.with_changes(lpar=body.lpar, rpar=body.rpar)
-            check = n.check.with_changes(body=body)
-            new[n.check_at] = _assigned(tree, n.check_at, check)
-            said = f"gains `and {n.guard}`" if on else "loses its CPU checks"
-            self.record(f"the {n.op} impl's `supports_args` {said}")
-        return new
+            new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
+        self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
-
-def _and(expr: cst.BaseExpression, operand: cst.BaseExpression):
-    """``expr and operand``, in ``expr``'s outer parentheses: ``(a and b)``
-    becomes ``(a and b and operand)``."""
-    inner = expr.with_changes(lpar=[], rpar=[])
-    if not (
-        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, cst.And)
-    ):
-        inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-    return cst.BooleanOperation(inner, cst.And(), operand, expr.lpar, expr.rpar)
-
-
-class EnableVllmCOnCpu(_NormCodemod):
-    DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU (the norms\' gate gains '
-        "`or IS_CPU`), where they match native: the eligibility rule's "
-        f"{FUNCTION}() once at import, its per-call checks in supports_args."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        used = names(tree)
-        for name in ("current_platform", "torch"):
-            if not used[name]:
-                raise self.shape_error(f"{name} imported", "none")
-        norms = self.norms(tree)
-        cpu = _assignments(tree).get(IS_CPU)
-        if cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
-            raise self.shape_error(
-                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
-            )
-        new, before = self.checks(tree, norms, on=True), {}
-        self._gate(tree, norms, new, before, used[GATE])
-        if not new and not before:
-            return tree
-        if cpu is None:  # before the first statement that uses it
+    def added(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+        """``IS_CPU`` before its first use, the rule's function and its call
+        before the first ``supports_args``."""
+        if cpu is None:
             at = min([*new, *before])
             before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
             self.record(f"`{IS_CPU_LINE}` caches the CPU check")
@@ -219,53 +241,29 @@ class EnableVllmCOnCpu(_NormCodemod):
             self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
         return _rebuild(tree, new, before)
 
-    def _gate(self, tree, norms: list[Norm], new, before, uses: int) -> None:
-        gate = norms[0].gate.value
-        at = _assignments(tree).get(gate)
-        if gate == NORM_GATE or (
-            at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU)
-        ):
-            return
-        if gate == GATE and at is not None:
-            if uses != 1 + len(norms):
-                raise self.shape_error(f"{GATE} gating only the norms", f"{uses} uses")
-            value = cst.parse_expression(f"{source(_value(tree, at))} or {IS_CPU}")
-            new[at] = _assigned(tree, at, value)
-            self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
-            return
-        first = min(n.at for n in norms)
-        own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}", tree)
-        lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
-        before.setdefault(first, []).append(own.with_changes(leading_lines=lines))
-        for n in norms:
-            new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
-        self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
-
-class DisableVllmCOnCpu(_NormCodemod):
+class DisableVllmCOnCpu(EnableVllmCOnCpu):
     DESCRIPTION = (
         f"Undo EnableVllmCOnCpu: the norms' gate without `or {IS_CPU}`, their "
         f"supports_args without the CPU checks, and {FUNCTION}(), its call and "
         f"{IS_CPU} where nothing else uses them."
     )
+    ON = False
 
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        norms, new, assigned = self.norms(tree), {}, _assignments(tree)
-        at = assigned.get(norms[0].gate.value)
-        if at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU):
-            old = _value(tree, at).left
-            if norms[0].gate.value == NORM_GATE:
-                new[at] = None
-                for n in norms:
-                    new[n.at] = tree.body[n.at].deep_replace(n.gate, old)
-            else:
-                new[at] = _assigned(tree, at, old)
-            self.record(f"the norms' gate is `{source(old)}` again")
-        new |= self.checks(tree, norms, on=False)
-        if not new:
-            return tree
-        # What apply added goes where nothing else uses it: the dtypes (and their
-        # docstring), then the function, then IS_CPU.
+    def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
+        at = _assignments(tree).get(norms[0].gate.value)
+        old = None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, False)
+        if old is None:
+            return
+        if norms[0].gate.value == NORM_GATE:
+            new[at] = None
+            new.update((n.at, tree.body[n.at].deep_replace(n.gate, old)) for n in norms)
+        else:
+            new[at] = _assigned(tree, at, old)
+        self.record(f"the norms' gate is `{source(old)}` again")
+
+    def added(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+        """What apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
         call = next(
             (i for i, s in enumerate(tree.body) if source(s) == DTYPES_LINES[0]), None
@@ -278,7 +276,6 @@ class DisableVllmCOnCpu(_NormCodemod):
                 function = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
                 if function and left[FUNCTION] == 2:  # its def and its call
                     new[i] = None
-        cpu = assigned.get(IS_CPU)
         if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
             new[cpu] = None
         return _rebuild(tree, new, {})
