@@ -71,17 +71,50 @@ def _meaning(code: str) -> str:
     return ast.dump(ast.parse(textwrap.dedent(code.lstrip("\r\n"))))
 
 
-class _Priority(TreeCodemod):
-    def existing(self, tree: cst.Module):
-        """(the class's index, the class, this tool's method or None); another
-        method of that name is vLLM's own, and raises ``VllmHasItsOwn``."""
+class AddCpuIrOpPriority(TreeCodemod):
+    DESCRIPTION = (
+        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
+        "native when the model will be compiled with Inductor."
+    )
+    ON = True  # the change; RemoveCpuIrOpPriority's False: its inverse
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         found = _method(cls, METHOD)
         if found is not None and _meaning(tree.code_for_node(found)) != _meaning(
             self.method_source(tree, cls)[0]
         ):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
-        return at, cls, found
+        if (found is not None) == self.ON:
+            return tree
+        if self.ON:
+            method, ops = self.method_source(tree, cls)
+            self.record(
+                f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
+                '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
+            )
+            method = format_member(method, tree)
+            blank = cst.EmptyLine(indent=False)
+            members = [*cls.body.body, method.with_changes(leading_lines=[blank])]
+        else:
+            self.record(f"`{CLASS}.{METHOD}` is removed")
+            members = [s for s in cls.body.body if s is not found]
+        tree = self.with_body(tree, at, cls, members)
+        # The type import: added unless there, removed unless another use needs it.
+        if (at := _type_checking(tree)) is None:
+            return tree
+        if names(tree.body[at])[CONFIG] if self.ON else tree.code.count(CONFIG) > 1:
+            return tree
+        body = [s for s in tree.body[at].body.body if source(s) != TYPE_IMPORT]
+        if self.ON:
+            later = (  # the type import goes in sorted place
+                i
+                for i, s in enumerate(body)
+                if source(s).startswith("from ") and source(s) > TYPE_IMPORT
+            )
+            body.insert(next(later, len(body)), cst.parse_statement(TYPE_IMPORT))
+            self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
+        return self.with_body(tree, at, tree.body[at], body)
 
     def ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
         """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
@@ -130,53 +163,9 @@ class _Priority(TreeCodemod):
         return METHOD_TEMPLATE.format(ci_env=self.ci_env(tree, cls), per_op=per_op), ops
 
 
-class AddCpuIrOpPriority(_Priority):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
-        "native when the model will be compiled with Inductor."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls, found = self.existing(tree)
-        if found is not None:
-            return tree
-        method, ops = self.method_source(tree, cls)
-        self.record(
-            f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
-            '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
-        )
-        method = format_member(method, tree)
-        method = method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        tree = self.with_body(tree, at, cls, [*cls.body.body, method])
-        at = _type_checking(tree)
-        if at is None or names(tree.body[at])[CONFIG]:
-            return tree
-        body = list(tree.body[at].body.body)
-        later = (  # the type import goes in sorted place
-            i
-            for i, s in enumerate(body)
-            if source(s).startswith("from ") and source(s) > TYPE_IMPORT
-        )
-        body.insert(next(later, len(body)), cst.parse_statement(TYPE_IMPORT))
-        self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
-        return self.with_body(tree, at, tree.body[at], body)
-
-
-class RemoveCpuIrOpPriority(_Priority):
+class RemoveCpuIrOpPriority(AddCpuIrOpPriority):
     DESCRIPTION = (
         f"Undo AddCpuIrOpPriority: drop this tool's {CLASS}.{METHOD} (never "
         "vLLM's own) and its type import."
     )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls, found = self.existing(tree)
-        if found is None:
-            return tree
-        self.record(f"`{CLASS}.{METHOD}` is removed")
-        kept = [s for s in cls.body.body if s is not found]
-        tree = self.with_body(tree, at, cls, kept)
-        at = _type_checking(tree)
-        if at is None or tree.code.count(CONFIG) > 1:  # another use of the config
-            return tree
-        kept = [s for s in tree.body[at].body.body if source(s) != TYPE_IMPORT]
-        return self.with_body(tree, at, tree.body[at], kept)
+    ON = False
