@@ -1,16 +1,14 @@
 """Mark the "vllm_c" RMSNorm impls of ``vllm/kernels/vllm_c.py`` (vLLM 0.20 -
-0.32) supported on CPU, where the CPU kernels match native: ``IS_CPU`` joins the
-module's platform facts; the norms' gate gains ``or IS_CPU`` (``GPGPU_DEVICE``,
-0.27 on, which only the norms use, in place; else a new ``RMS_NORM_DEVICE``);
-each ``supports_args`` lambda gains ``rule.py``'s per-call checks on CPU, with
-its ``cpu_fused_norm_dtypes()`` called once at import.
+0.32) supported on CPU, where the CPU kernels match native: the norms' gate
+gains ``or IS_CPU`` (``GPGPU_DEVICE`` in place where only the norms use it, else
+a new ``RMS_NORM_DEVICE``), each ``supports_args`` lambda ``rule.py``'s checks.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import libcst as cst
 
@@ -33,25 +31,17 @@ DTYPES_LINES = (
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
 
-@dataclass(frozen=True)
-class Norm:
-    """One "vllm_c" norm: the function at ``at`` gated by ``gate``, whose
-    ``supports_args`` is the lambda ``check`` assigned at ``check_at``."""
+class Norm(NamedTuple):
+    """One "vllm_c" norm: its function at ``at`` gated by ``gate``, and its
+    ``supports_args``, the lambda ``check`` at ``check_at``, which gains ``guard``
+    on CPU."""
 
     op: str
     at: int
     gate: cst.Name
     check_at: int
     check: cst.Lambda
-
-    @property
-    def guard(self) -> str:
-        """``(not IS_CPU or (<the rule's per-call checks>))`` on the lambda's
-        parameters: the input tensors first, then the weight."""
-        p = [x.name.value for x in self.check.params.params]
-        residual = p[1] if TENSORS[self.op] > 1 else None
-        checks = call_checks(p[0], p[TENSORS[self.op]], DTYPES[self.op], residual, True)
-        return f"(not {IS_CPU} or ({checks}))"
+    guard: str
 
 
 def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
@@ -60,15 +50,11 @@ def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
     for i, stmt in enumerate(tree.body):
         for decorator in getattr(stmt, "decorators", ()):
             call = decorator.decorator
-            func = source(call.func) if isinstance(call, cst.Call) else ""
-            op = re.fullmatch(r"ir\.ops\.(\w+)\.register_impl", func)
-            first = call.args[0].value if op and call.args else None
-            if (
-                op
-                and op[1] in OPS
-                and isinstance(first, cst.SimpleString)
-                and first.evaluated_value == UPSTREAM_PROVIDER
-            ):
+            if not isinstance(call, cst.Call) or not call.args:
+                continue
+            op = re.fullmatch(r"ir\.ops\.(\w+)\.register_impl", source(call.func))
+            provider = getattr(call.args[0].value, "evaluated_value", None)
+            if op and op[1] in OPS and provider == UPSTREAM_PROVIDER:
                 found[op[1]] = (i, call)
     return found
 
@@ -92,28 +78,20 @@ def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
     return tree.body[at].deep_replace(_value(tree, at), value)
 
 
-def _ends_with(expr: cst.BaseExpression, operator: type, code: str) -> bool:
-    """Whether ``expr`` is ``... <operator> code``, however laid out."""
-    meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
-    return (
-        isinstance(expr, cst.BooleanOperation)
-        and isinstance(expr.operator, operator)
-        and meaning(source(expr.right)) == meaning(code)
-    )
-
-
 def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     """``expr`` ending in ``<operator> code`` (``on``) or without it, in
     ``expr``'s outer parentheses (``(a and b)`` becomes ``(a and b and code)``);
-    None when it is so already."""
-    if _ends_with(expr, operator, code) == on:
+    None when it is so already, however laid out."""
+    meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
+    there = isinstance(expr, cst.BooleanOperation) and isinstance(
+        expr.operator, operator
+    )
+    if (there and meaning(source(expr.right)) == meaning(code)) == on:
         return None
     if not on:
         return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
     inner = expr.with_changes(lpar=[], rpar=[])
-    if not (
-        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, operator)
-    ):
+    if not there:
         inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     operand = cst.parse_expression(code)
     return cst.BooleanOperation(inner, operator(), operand, expr.lpar, expr.rpar)
@@ -139,9 +117,8 @@ def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Modu
 
 class EnableVllmCOnCpu(TreeCodemod):
     DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU (the norms\' gate gains '
-        "`or IS_CPU`), where they match native: the eligibility rule's "
-        f"{FUNCTION}() once at import, its per-call checks in supports_args."
+        'Mark the "vllm_c" RMSNorm kernels supported on CPU where they match '
+        f"native: the norms' gate `or {IS_CPU}`, the rule's checks in supports_args."
     )
     ON = True  # the change; DisableVllmCOnCpu's False: its inverse
 
@@ -166,7 +143,7 @@ class EnableVllmCOnCpu(TreeCodemod):
         self.gate(tree, norms, used, new, before)
         if not new and not before:
             return tree
-        return self.added(tree, norms, cpu, used, new, before)
+        return self.finish(tree, norms, cpu, used, new, before)
 
     def norms(self, tree: cst.Module) -> list[Norm]:
         found, assigned = [], _assignments(tree)
@@ -185,12 +162,16 @@ class EnableVllmCOnCpu(TreeCodemod):
                     f"{op}'s supports_args a module-level lambda",
                     source(kw["supports_args"]),
                 )
-            if len(check.params.params) < TENSORS[op] + 1:
+            p = [x.name.value for x in check.params.params]
+            if len(p) < TENSORS[op] + 1:
                 raise self.shape_error(
                     f"{op}'s supports_args taking its input tensors, then the weight",
                     source(check.params),
                 )
-            found.append(Norm(op, at, kw["supported"], check_at, check))
+            residual = p[1] if TENSORS[op] > 1 else None
+            checks = call_checks(p[0], p[TENSORS[op]], DTYPES[op], residual, True)
+            guard = f"(not {IS_CPU} or ({checks}))"
+            found.append(Norm(op, at, kw["supported"], check_at, check, guard))
         if not found:
             raise self.shape_error(
                 '@ir.ops.rms_norm.register_impl("vllm_c", ...)', "no such impl"
@@ -204,16 +185,16 @@ class EnableVllmCOnCpu(TreeCodemod):
     def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
         gate = norms[0].gate.value
         at = _assignments(tree).get(gate)
-        if gate == NORM_GATE or (
-            at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU)
-        ):
+        value = (
+            None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
+        )
+        if gate == NORM_GATE or (at is not None and value is None):
             return
-        if gate == GATE and at is not None:
+        if gate == GATE and at is not None:  # in place, where only the norms use it
             if used[GATE] != 1 + len(norms):
                 raise self.shape_error(
                     f"{GATE} gating only the norms", f"{used[GATE]} uses"
                 )
-            value = _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
             new[at] = _assigned(tree, at, value)
             self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
             return
@@ -225,7 +206,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
         self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
-    def added(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+    def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
         """``IS_CPU`` before its first use, the rule's function and its call
         before the first ``supports_args``."""
         if cpu is None:
@@ -244,9 +225,8 @@ class EnableVllmCOnCpu(TreeCodemod):
 
 class DisableVllmCOnCpu(EnableVllmCOnCpu):
     DESCRIPTION = (
-        f"Undo EnableVllmCOnCpu: the norms' gate without `or {IS_CPU}`, their "
-        f"supports_args without the CPU checks, and {FUNCTION}(), its call and "
-        f"{IS_CPU} where nothing else uses them."
+        f"Undo EnableVllmCOnCpu; {FUNCTION}(), its call and {IS_CPU} go where "
+        "nothing else uses them."
     )
     ON = False
 
@@ -262,8 +242,8 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
             new[at] = _assigned(tree, at, old)
         self.record(f"the norms' gate is `{source(old)}` again")
 
-    def added(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        """What apply added, where nothing else uses it any more."""
+    def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+        """Without what apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
         call = next(
             (i for i, s in enumerate(tree.body) if source(s) == DTYPES_LINES[0]), None
