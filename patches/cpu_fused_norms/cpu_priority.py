@@ -1,7 +1,5 @@
 """Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms
-have: ``["vllm_c", "native"]`` for the norms with a "vllm_c" impl that are fields
-of the tree's ``IrOpPriorityConfig``, ``native`` when Inductor will compile the
-model. A ``get_default_ir_op_priority`` that is not this one is vLLM's own.
+have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles.
 """
 
 from __future__ import annotations
@@ -57,16 +55,6 @@ def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return next((s for s in found if s.name.value == name), None)
 
 
-def _type_checking(tree: cst.Module) -> int | None:
-    """The index of the module's ``if TYPE_CHECKING:``."""
-    found = (
-        i
-        for i, s in enumerate(tree.body)
-        if isinstance(s, cst.If) and source(s.test) == "TYPE_CHECKING"
-    )
-    return next(found, None)
-
-
 def _meaning(code: str) -> str:
     return ast.dump(ast.parse(textwrap.dedent(code.lstrip("\r\n"))))
 
@@ -101,7 +89,11 @@ class AddCpuIrOpPriority(TreeCodemod):
             members = [s for s in cls.body.body if s is not found]
         tree = self.with_body(tree, at, cls, members)
         # The type import: added unless there, removed unless another use needs it.
-        if (at := _type_checking(tree)) is None:
+        ifs = (i for i, s in enumerate(tree.body) if isinstance(s, cst.If))
+        at = next(
+            (i for i in ifs if source(tree.body[i].test) == "TYPE_CHECKING"), None
+        )
+        if at is None:
             return tree
         if names(tree.body[at])[CONFIG] if self.ON else tree.code.count(CONFIG) > 1:
             return tree

@@ -1,10 +1,7 @@
-"""vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change.
-
-vLLM calls :func:`register` (``vllm.general_plugins``) in every process. Off
-without ``VLLMPATCH_CPU_FUSED_NORMS=1`` (no torch, no vLLM imported); on, on
-every release, ``CustomOp.register_oot`` builds ``RMSNorm`` as a subclass
-running the upstream form's ``rule.py`` code, except off CPU or where ``RMSNorm``
-has a ``forward_cpu``. One log line says what it did; it never breaks start-up.
+"""vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change:
+with ``VLLMPATCH_CPU_FUSED_NORMS=1``, ``RMSNorm`` is built as a subclass running
+the upstream form's code, on CPU where ``RMSNorm`` has no ``forward_cpu``.
+Off, it imports neither torch nor vLLM; on, it never breaks vLLM's start-up.
 """
 
 import logging
@@ -128,9 +125,8 @@ def ignored_opt_in() -> str | None:
 
 
 def _log_once(message: str) -> None:
-    """Through vLLM's ``info_once``, once per process (from 0.31 its default
-    scope logs only on the first rank, which a process outside the workers is
-    not)."""
+    """Through vLLM's ``info_once`` in every process (0.31's default scope logs
+    only on the first rank, which a process outside the workers is not)."""
     from vllm.logger import init_logger
 
     once = init_logger(LOGGER_NAME).info_once
@@ -141,6 +137,5 @@ def _log_once(message: str) -> None:
 
 
 def status() -> dict:
-    """What this process's registration did: opt-in, route, why it stood aside,
-    the error that stopped it."""
+    """What this process's registration did, and the opt-in."""
     return {**_status, "opt_in": opted_in(), "opt_in_ignored": ignored_opt_in()}

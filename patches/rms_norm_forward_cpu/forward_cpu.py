@@ -1,9 +1,6 @@
-"""Give ``RMSNorm`` a ``forward_cpu`` that calls vLLM's CPU kernels, in
-``GELU.forward_cpu``'s idiom (``vllm/model_executor/layers/activation.py``):
-the kernel for the inputs it matches native on, ``forward_native`` for the
-rest. ``layernorm.py`` gains ``rule.py``'s ``cpu_fused_norm_dtypes()``, a line
-in ``RMSNorm.__init__`` and the method. A ``forward_cpu`` that is not this one
-is vLLM's own (``VllmHasItsOwn``).
+"""Give ``RMSNorm`` a ``forward_cpu`` in ``GELU.forward_cpu``'s idiom
+(``layers/activation.py``): vLLM's CPU kernels for the inputs they match
+``forward_native`` on (``rule.py``), ``forward_native`` for the rest.
 """
 
 from __future__ import annotations
@@ -91,9 +88,8 @@ class AddRmsNormForwardCpu(TreeCodemod):
         return tree.with_changes(body=statements)
 
     def pieces(self, tree: cst.Module) -> tuple:
-        """The function, the ``__init__`` lines and the method, laid out for
-        this tree, in the release's spelling of batch invariance (by the name
-        ``layernorm.py`` imports)."""
+        """The function, the ``__init__`` lines and the method, laid out for this
+        tree, spelling batch invariance by the name ``layernorm.py`` imports."""
         imported = {
             alias.evaluated_alias or alias.evaluated_name
             for stmt in tree.body
