@@ -60,10 +60,7 @@ def _meaning(code: str) -> str:
 
 
 class AddCpuIrOpPriority(TreeCodemod):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
-        "native when the model will be compiled with Inductor."
-    )
+    DESCRIPTION = f"Add {CLASS}.{METHOD}: vllm_c first, native when Inductor compiles."
     ON = True  # the change; RemoveCpuIrOpPriority's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
@@ -156,8 +153,5 @@ class AddCpuIrOpPriority(TreeCodemod):
 
 
 class RemoveCpuIrOpPriority(AddCpuIrOpPriority):
-    DESCRIPTION = (
-        f"Undo AddCpuIrOpPriority: drop this tool's {CLASS}.{METHOD} (never "
-        "vLLM's own) and its type import."
-    )
+    DESCRIPTION = f"Undo AddCpuIrOpPriority (never vLLM's own {METHOD})."
     ON = False

@@ -27,13 +27,6 @@ CUSTOM_OP = "CustomOp"
 # is accepted and silently never used).
 CUSTOM_OP_KEY = "RMSNorm"
 
-CLASS_SOURCE = """\
-class CpuFusedRMSNorm(RMSNorm):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-{init}
-{forward_cpu}"""
-
 _status: dict = {"route": None, "stood_aside": None, "error": None}
 
 
@@ -45,9 +38,11 @@ def custom_op_class(layernorm) -> type:
     cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
     exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
     init = rule.INIT_LINES.format(batch_invariant=spelling)
-    source = CLASS_SOURCE.format(
-        init=textwrap.indent(init, " " * 8),
-        forward_cpu=textwrap.indent(rule.FORWARD_CPU, " " * 4),
+    source = (
+        "class CpuFusedRMSNorm(RMSNorm):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        super().__init__(*args, **kwargs)\n"
+        f"{textwrap.indent(init, ' ' * 8)}\n{textwrap.indent(rule.FORWARD_CPU, '    ')}"
     )
     exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
     return namespace["CpuFusedRMSNorm"]

@@ -100,10 +100,7 @@ def test_cpu_rms_norm_native_fallback(
 
 
 class AddCpuLayerNormTests(TreeCodemod):
-    DESCRIPTION = (
-        "Add tests/kernels/core/test_cpu_layernorm.py: RMSNorm's CPU kernels "
-        "against forward_native, and the inputs that go native."
-    )
+    DESCRIPTION = "Add vLLM's test of RMSNorm.forward_cpu beside its CPU kernel tests."
     ADD = True
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:

@@ -39,10 +39,7 @@ def _same(a: cst.CSTNode, b: cst.CSTNode) -> bool:
 
 
 class AddRmsNormForwardCpu(TreeCodemod):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vLLM's CPU rms_norm and fused_add_rms_norm "
-        "kernels where they match forward_native, forward_native for the rest."
-    )
+    DESCRIPTION = f"Add {CLASS}.{METHOD}: the CPU kernels where they match native."
     ON = True  # the change; RemoveRmsNormForwardCpu's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
@@ -115,9 +112,5 @@ class AddRmsNormForwardCpu(TreeCodemod):
 
 
 class RemoveRmsNormForwardCpu(AddRmsNormForwardCpu):
-    DESCRIPTION = (
-        f"Undo AddRmsNormForwardCpu: drop {CLASS}.{METHOD}, its line in "
-        f"{CLASS}.__init__ and {FUNCTION}; a {METHOD} that is not this tool's "
-        "is vLLM's own and stays."
-    )
+    DESCRIPTION = f"Undo AddRmsNormForwardCpu (never vLLM's own {METHOD})."
     ON = False
