@@ -1,15 +1,10 @@
 """Where vLLM's CPU ``rms_norm`` and ``fused_add_rms_norm`` kernels run: only
-where they match the native norm. The one home of that rule, as the source
-both forms write into vLLM and the provider runs.
-
-Per process (``cpu_fused_norm_dtypes()``, called once, never in traced code):
-the dtypes the build takes (bfloat16 on aarch64 only with BF16, or SIGILL), and
-the fused add's, which writes the residual back in bfloat16: bfloat16 only
-where the build rounds as torch does (x86's ``_C_AVX512`` and ``_C_AVX2``
-truncate: 64 layers leave the residual's norm at 0.85 of exact). Per call
-(:func:`call_checks`): hidden size a multiple of 8, contiguous inputs of one
-dtype. A weightless norm, a variance size override and batch invariance run
-native.
+where they match the native norm. The one home of that rule, as the source both
+forms write into vLLM and the provider runs: the dtypes per process
+(``cpu_fused_norm_dtypes()``, never in traced code; the fused add's bfloat16 only
+where the build rounds as torch does: with ``_C_AVX512``'s and ``_C_AVX2``'s
+truncation 64 layers leave the residual's norm at 0.85 of exact), the rest per
+call (:func:`call_checks`).
 """
 
 from __future__ import annotations
