@@ -101,19 +101,19 @@ def test_cpu_rms_norm_native_fallback(
 
 class AddCpuLayerNormTests(TreeCodemod):
     DESCRIPTION = "Add vLLM's test of RMSNorm.forward_cpu beside its CPU kernel tests."
-    ADD = True
+    ON = True  # the change; RemoveCpuLayerNormTests's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         if tree.code.strip() and tree.code != SOURCE:
             raise self.shape_error(
                 "no file, or the file this patch writes", "another file"
             )
-        if (tree.code == SOURCE) == self.ADD:  # there already, or gone already
+        if (tree.code == SOURCE) == self.ON:  # there already, or gone already
             return tree
-        self.record(f"`{self.TARGET}` is {'added' if self.ADD else 'removed'}")
-        return cst.parse_module(SOURCE if self.ADD else "")
+        self.record(f"`{self.TARGET}` is {'added' if self.ON else 'removed'}")
+        return cst.parse_module(SOURCE if self.ON else "")
 
 
 class RemoveCpuLayerNormTests(AddCpuLayerNormTests):
     DESCRIPTION = "Undo AddCpuLayerNormTests: the test file goes."
-    ADD = False
+    ON = False
