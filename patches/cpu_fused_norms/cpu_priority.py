@@ -1,11 +1,5 @@
-"""Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms have.
-
-``["vllm_c", "native"]`` for the norms with a "vllm_c" impl that are fields of
-the tree's ``IrOpPriorityConfig``; ``native`` when Inductor will compile the
-model (it fuses the native norm into the residual add, which an opaque kernel
-call would prevent). vLLM asks before ``check_and_update_config`` rewrites the
-compilation settings, so the method decides on what that rewrite will leave.
-A ``get_default_ir_op_priority`` that is not this one is vLLM's own, left alone.
+"""Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms
+have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles.
 """
 
 from __future__ import annotations
@@ -24,19 +18,19 @@ CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
 CONFIG = "IrOpPriorityConfig"
 CONFIG_MODULE = "vllm.config.kernel"
-CONFIG_FILE = "vllm/config/kernel.py"
-VLLM_C_FILE = "vllm/kernels/vllm_c.py"
-COMPILATION_FILE = "vllm/config/compilation.py"
 TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
 CI_ENV = "VLLM_CPU_CI_ENV"
+VLLM_C_FILE = "vllm/kernels/vllm_c.py"
+CONFIG_FILE = "vllm/config/kernel.py"
+COMPILATION_FILE = "vllm/config/compilation.py"
 
 METHOD_TEMPLATE = """\
 @classmethod
-def {method}(
+def get_default_ir_op_priority(
     cls, vllm_config: "VllmConfig"
-) -> "{config}":
+) -> "IrOpPriorityConfig":
     from vllm.config.compilation import CompilationMode
-    from {config_module} import {config}
+    from vllm.config.kernel import IrOpPriorityConfig
 
     # Native used by default when compiling: Inductor fuses the native ops
     # into their neighbours, which an opaque kernel call would prevent.
@@ -52,66 +46,74 @@ def {method}(
     using_inductor = backend == "inductor" and mode != CompilationMode.NONE
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
-    return {config}.with_default(["native"], {per_op})
+    return IrOpPriorityConfig.with_default(["native"], {per_op})
 """
 
 
 def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
-    found = (s for s in cls.body.body if getattr(s, "name", None))
+    found = (s for s in cls.body.body if isinstance(s, cst.FunctionDef))
     return next((s for s in found if s.name.value == name), None)
-
-
-def _type_checking(tree: cst.Module) -> int | None:
-    """The index of the module's ``if TYPE_CHECKING:``."""
-    found = (
-        i
-        for i, s in enumerate(tree.body)
-        if isinstance(s, cst.If) and source(s.test) == "TYPE_CHECKING"
-    )
-    return next(found, None)
-
-
-def _config_fields(module: ast.Module) -> tuple[list[str], bool]:
-    """``IrOpPriorityConfig``'s annotated fields and whether it has ``with_default``."""
-    for cls in module.body:
-        if isinstance(cls, ast.ClassDef) and cls.name == CONFIG:
-            fields = [
-                s.target.id
-                for s in cls.body
-                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-            ]
-            methods = [getattr(s, "name", None) for s in cls.body]
-            return fields, "with_default" in methods
-    return [], False
 
 
 def _meaning(code: str) -> str:
     return ast.dump(ast.parse(textwrap.dedent(code.lstrip("\r\n"))))
 
 
-class _Priority(TreeCodemod):
-    def existing(self, tree: cst.Module):
-        """(the class's index, the class, this tool's method or None); another
-        method of that name is vLLM's own, and raises ``VllmHasItsOwn``."""
+class AddCpuIrOpPriority(TreeCodemod):
+    DESCRIPTION = f"Add {CLASS}.{METHOD}: vllm_c first, native when Inductor compiles."
+    ON = True  # the change; RemoveCpuIrOpPriority's False: its inverse
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         found = _method(cls, METHOD)
         if found is not None and _meaning(tree.code_for_node(found)) != _meaning(
             self.method_source(tree, cls)[0]
         ):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
-        return at, cls, found
+        if (found is not None) == self.ON:
+            return tree
+        if self.ON:
+            method, ops = self.method_source(tree, cls)
+            self.record(
+                f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
+                '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
+            )
+            method = format_member(method, tree)
+            blank = cst.EmptyLine(indent=False)
+            members = [*cls.body.body, method.with_changes(leading_lines=[blank])]
+        else:
+            self.record(f"`{CLASS}.{METHOD}` is removed")
+            members = [s for s in cls.body.body if s is not found]
+        tree = self.with_body(tree, at, cls, members)
+        # The type import: added unless there, removed unless another use needs it.
+        ifs = (i for i, s in enumerate(tree.body) if isinstance(s, cst.If))
+        at = next(
+            (i for i in ifs if source(tree.body[i].test) == "TYPE_CHECKING"), None
+        )
+        if at is None:
+            return tree
+        if names(tree.body[at])[CONFIG] if self.ON else tree.code.count(CONFIG) > 1:
+            return tree
+        body = [s for s in tree.body[at].body.body if source(s) != TYPE_IMPORT]
+        if self.ON:
+            later = (  # the type import goes in sorted place
+                i
+                for i, s in enumerate(body)
+                if source(s).startswith("from ") and source(s) > TYPE_IMPORT
+            )
+            body.insert(next(later, len(body)), cst.parse_statement(TYPE_IMPORT))
+            self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
+        return self.with_body(tree, at, tree.body[at], body)
 
     def ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
         """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
         (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
         update = _method(cls, "check_and_update_config")
         code = textwrap.dedent(tree.code_for_node(update)) if update else ""
-        lines = code.splitlines()
         for node in ast.walk(ast.parse(code)):
             test = getattr(node, "test", None)
-            if test and CI_ENV in "".join(lines[test.lineno - 1 : test.end_lineno]):
-                if CI_ENV in (found := ast.get_source_segment(code, test)):
-                    return found
+            if test and CI_ENV in (found := ast.get_source_segment(code, test)):
+                return found
         raise self.shape_error(
             f"{CLASS}.check_and_update_config testing {CI_ENV}",
             "no such test" if update else "no check_and_update_config",
@@ -120,11 +122,21 @@ class _Priority(TreeCodemod):
     def method_source(self, tree: cst.Module, cls: cst.ClassDef):
         """The method this tool writes for the tree (at column 0), and its ops."""
         ops_there = list(norm_impls(self.parse_tree_file(VLLM_C_FILE)))
-        fields, with_default = _config_fields(self.read_tree_ast(CONFIG_FILE))
-        if not with_default:
+        config = [
+            c.body
+            for c in self.read_tree_ast(CONFIG_FILE).body
+            if isinstance(c, ast.ClassDef) and c.name == CONFIG
+        ]
+        body = config[0] if config else []
+        fields = [
+            s.target.id
+            for s in body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        ]
+        if not any(getattr(s, "name", None) == "with_default" for s in body):
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
-                f"{CONFIG} fields {fields}" if fields else f"no class {CONFIG}",
+                f"{CONFIG} fields {fields}" if config else f"no class {CONFIG}",
             )
         ops = [op for op in OPS if op in ops_there and op in fields]
         if not ops:
@@ -136,66 +148,10 @@ class _Priority(TreeCodemod):
             raise self.shape_error(
                 f"class CompilationMode in {COMPILATION_FILE}", "no such class"
             )
-        code = METHOD_TEMPLATE.format(
-            method=METHOD,
-            config=CONFIG,
-            config_module=CONFIG_MODULE,
-            ci_env=self.ci_env(tree, cls),
-            per_op=", ".join(f"{op}=default" for op in ops),
-        )
-        return code, ops
+        per_op = ", ".join(f"{op}=default" for op in ops)
+        return METHOD_TEMPLATE.format(ci_env=self.ci_env(tree, cls), per_op=per_op), ops
 
 
-class AddCpuIrOpPriority(_Priority):
-    DESCRIPTION = (
-        f"Add {CLASS}.{METHOD}: vllm_c first for the norms enabled on CPU, "
-        "native when the model will be compiled with Inductor."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls, found = self.existing(tree)
-        if found is not None:
-            return tree
-        method, ops = self.method_source(tree, cls)
-        self.record(
-            f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
-            '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
-        )
-        method = format_member(method, tree)
-        method = method.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
-        tree = self.with_body(tree, at, cls, [*cls.body.body, method])
-        at = _type_checking(tree)
-        if at is None or names(tree.body[at])[CONFIG]:
-            return tree
-        body = list(tree.body[at].body.body)
-        later = (  # the type import goes in sorted place
-            i
-            for i, s in enumerate(body)
-            if isinstance(s, cst.SimpleStatementLine)
-            and isinstance(s.body[0], cst.ImportFrom)
-            and s.body[0].module is not None
-            and source(s.body[0].module) > CONFIG_MODULE
-        )
-        body.insert(next(later, len(body)), cst.parse_statement(TYPE_IMPORT))
-        self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
-        return self.with_body(tree, at, tree.body[at], body)
-
-
-class RemoveCpuIrOpPriority(_Priority):
-    DESCRIPTION = (
-        f"Undo AddCpuIrOpPriority: drop this tool's {CLASS}.{METHOD} (never "
-        "vLLM's own) and its type import."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        at, cls, found = self.existing(tree)
-        if found is None:
-            return tree
-        self.record(f"`{CLASS}.{METHOD}` is removed")
-        kept = [s for s in cls.body.body if s is not found]
-        tree = self.with_body(tree, at, cls, kept)
-        at = _type_checking(tree)
-        if at is None or tree.code.count(CONFIG) > 1:  # another use of the config
-            return tree
-        kept = [s for s in tree.body[at].body.body if source(s) != TYPE_IMPORT]
-        return self.with_body(tree, at, tree.body[at], kept)
+class RemoveCpuIrOpPriority(AddCpuIrOpPriority):
+    DESCRIPTION = f"Undo AddCpuIrOpPriority (never vLLM's own {METHOD})."
+    ON = False

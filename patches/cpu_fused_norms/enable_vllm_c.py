@@ -1,25 +1,21 @@
 """Mark the "vllm_c" RMSNorm impls of ``vllm/kernels/vllm_c.py`` (vLLM 0.20 -
-0.32) supported on CPU, where the CPU kernels match native.
-
-``IS_CPU`` joins the module's platform facts; the norms' gate gains ``or
-IS_CPU``: ``GPGPU_DEVICE`` (0.27 on: only the norms use it) in place, else a
-new ``RMS_NORM_DEVICE`` (``CUDA_ALIKE`` keeps its meaning). Each norm's
-``supports_args`` lambda gains the rule's per-call checks on CPU, with
-``rule.py``'s ``cpu_fused_norm_dtypes()`` called once at import.
+0.32) supported on CPU, where the CPU kernels match native: the norms' gate
+gains ``or IS_CPU`` (``GPGPU_DEVICE`` in place where only the norms use it, else
+a new ``RMS_NORM_DEVICE``), each ``supports_args`` lambda ``rule.py``'s checks.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_statements
 from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
-from patches.rms_norm_forward_cpu.rule import call_checks, dtypes_function
+from patches.rms_norm_forward_cpu.rule import CPU_PY, call_checks, dtypes_function
 
 GATE = "GPGPU_DEVICE"
 NORM_GATE = "RMS_NORM_DEVICE"
@@ -31,36 +27,21 @@ DTYPES_LINES = (
     f"{', '.join(DTYPES.values())} = {FUNCTION}()",
     '"""The dtypes in which the CPU kernels match native here, once per process."""',
 )
-CPU_PY = "vllm/platforms/cpu.py"
 # How many leading parameters of each norm's supports_args are its input tensors.
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
-GONE = None  # a statement removed, in the ``new`` map _rebuild takes
 
 
-@dataclass(frozen=True)
-class Norm:
-    """One norm's "vllm_c" impl: ``@ir.ops.<op>.register_impl("vllm_c",
-    supports_args=<check>, supported=<gate>)`` with ``<check> = lambda ...``."""
+class Norm(NamedTuple):
+    """One "vllm_c" norm: its function at ``at`` gated by ``gate``, and its
+    ``supports_args``, the lambda ``check`` at ``check_at``, which gains ``guard``
+    on CPU."""
 
     op: str
-    at: int  # the decorated function's index among the module's statements
+    at: int
     gate: cst.Name
-    check_at: int  # the ``<check> = lambda ...`` statement's
+    check_at: int
     check: cst.Lambda
-
-    def gated(self, tree: cst.Module, gate: cst.BaseExpression):
-        """The decorated function with ``supported=gate``."""
-        return tree.body[self.at].deep_replace(self.gate, gate)
-
-    @property
-    def guard(self) -> str:
-        """``(not IS_CPU or (<the rule's per-call checks>))`` on the lambda's
-        parameters: the input tensors first, then the weight."""
-        p = [x.name.value for x in self.check.params.params]
-        x, residual = p[0], p[1] if TENSORS[self.op] > 1 else None
-        weight = p[TENSORS[self.op]]
-        checks = call_checks(x, weight, DTYPES[self.op], residual, True)
-        return f"(not {IS_CPU} or ({checks}))"
+    guard: str
 
 
 def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
@@ -69,28 +50,23 @@ def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
     for i, stmt in enumerate(tree.body):
         for decorator in getattr(stmt, "decorators", ()):
             call = decorator.decorator
-            func = source(call.func) if isinstance(call, cst.Call) else ""
-            op = re.fullmatch(r"ir\.ops\.(\w+)\.register_impl", func)
-            first = call.args[0].value if op and call.args else None
-            if (
-                op
-                and op[1] in OPS
-                and isinstance(first, cst.SimpleString)
-                and first.evaluated_value == UPSTREAM_PROVIDER
-            ):
+            if not isinstance(call, cst.Call) or not call.args:
+                continue
+            op = re.fullmatch(r"ir\.ops\.(\w+)\.register_impl", source(call.func))
+            provider = getattr(call.args[0].value, "evaluated_value", None)
+            if op and op[1] in OPS and provider == UPSTREAM_PROVIDER:
                 found[op[1]] = (i, call)
     return found
 
 
-def _assignment(tree: cst.Module, name: str) -> int | None:
-    """The index of the module-level ``name = ...`` statement."""
+def _assignments(tree: cst.Module) -> dict[str, int]:
+    """The target's code -> the index of the first module-level ``target = ...``."""
+    found: dict[str, int] = {}
     for i, stmt in enumerate(tree.body):
         small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
         if isinstance(small, cst.Assign) and len(small.targets) == 1:
-            target = small.targets[0].target
-            if isinstance(target, cst.Name) and target.value == name:
-                return i
-    return None
+            found.setdefault(source(small.targets[0].target), i)
+    return found
 
 
 def _value(tree: cst.Module, at: int) -> cst.BaseExpression:
@@ -102,25 +78,23 @@ def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
     return tree.body[at].deep_replace(_value(tree, at), value)
 
 
-def _ends_with(expr: cst.BaseExpression, operator: type, code: str) -> bool:
-    """Whether ``expr`` is ``... <operator> code``, however laid out."""
+def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
+    """``expr`` ending in ``<operator> code`` (``on``) or without it, in
+    ``expr``'s outer parentheses (``(a and b)`` becomes ``(a and b and code)``);
+    None when it is so already, however laid out."""
     meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
-    return (
-        isinstance(expr, cst.BooleanOperation)
-        and isinstance(expr.operator, operator)
-        and meaning(source(expr.right)) == meaning(code)
+    there = isinstance(expr, cst.BooleanOperation) and isinstance(
+        expr.operator, operator
     )
-
-
-def _at(tree: cst.Module, code: str) -> int | None:
-    """The index of the module-level statement whose code is ``code``."""
-    return next((i for i, s in enumerate(tree.body) if source(s) == code), None)
-
-
-def _docstring(stmt: cst.CSTNode) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and isinstance(
-        getattr(stmt.body[0], "value", None), cst.SimpleString
-    )
+    if (there and meaning(source(expr.right)) == meaning(code)) == on:
+        return None
+    if not on:
+        return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
+    inner = expr.with_changes(lpar=[], rpar=[])
+    if not there:
+        inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    operand = cst.parse_expression(code)
+    return cst.BooleanOperation(inner, operator(), operand, expr.lpar, expr.rpar)
 
 
 def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
@@ -128,23 +102,51 @@ def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
 
 
 def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Module:
-    """``tree`` with statement ``i`` replaced by ``new[i]`` (``GONE``: removed)
-    and ``before[i]`` inserted before it; what is new laid out by ruff."""
+    """``tree`` with statement ``i`` replaced by ``new[i]`` (None: removed) and
+    ``before[i]`` inserted before it; what is new laid out by ruff."""
     body, formatted = [], set()
     for i, stmt in enumerate(tree.body):
-        for added in before.get(i, ()):
-            formatted.add(len(body))
-            body.append(added)
-        if new.get(i, stmt) is not GONE:
+        formatted |= set(range(len(body), len(body) + len(before.get(i, ()))))
+        body += before.get(i, ())
+        if new.get(i, stmt) is not None:
             formatted |= {len(body)} if i in new else set()
             body.append(new.get(i, stmt))
     tree = tree.with_changes(body=body)
     return format_statements(tree, formatted) if layout else tree
 
 
-class _NormCodemod(TreeCodemod):
+class EnableVllmCOnCpu(TreeCodemod):
+    DESCRIPTION = (
+        'Mark the "vllm_c" RMSNorm kernels supported on CPU where they match '
+        f"native: the norms' gate `or {IS_CPU}`, the rule's checks in supports_args."
+    )
+    ON = True  # the change; DisableVllmCOnCpu's False: its inverse
+
+    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
+        used = names(tree)
+        for name in ("current_platform", "torch") if self.ON else ():
+            if not used[name]:
+                raise self.shape_error(f"{name} imported", "none")
+        norms, new, before = self.norms(tree), {}, {}
+        cpu = _assignments(tree).get(IS_CPU)
+        if self.ON and cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
+            raise self.shape_error(
+                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
+            )
+        for n in norms:
+            body = _suffixed(n.check.body, cst.And, n.guard, self.ON)
+            if body is not None:
+                check = n.check.with_changes(body=body)
+                new[n.check_at] = _assigned(tree, n.check_at, check)
+                said = f"gains `and {n.guard}`" if self.ON else "loses its CPU checks"
+                self.record(f"the {n.op} impl's `supports_args` {said}")
+        self.gate(tree, norms, used, new, before)
+        if not new and not before:
+            return tree
+        return self.finish(tree, norms, cpu, used, new, before)
+
     def norms(self, tree: cst.Module) -> list[Norm]:
-        found = []
+        found, assigned = [], _assignments(tree)
         for op, (at, call) in norm_impls(tree).items():
             kw = {a.keyword.value: a.value for a in call.args if a.keyword}
             for key in ("supported", "supports_args"):
@@ -153,105 +155,46 @@ class _NormCodemod(TreeCodemod):
                     raise self.shape_error(
                         f'{key}=NAME in the "vllm_c" {op} impl', shown
                     )
-            check_at = _assignment(tree, kw["supports_args"].value)
+            check_at = assigned.get(kw["supports_args"].value)
             check = None if check_at is None else _value(tree, check_at)
             if not isinstance(check, cst.Lambda):
                 raise self.shape_error(
                     f"{op}'s supports_args a module-level lambda",
                     source(kw["supports_args"]),
                 )
-            norm = Norm(op, at, kw["supported"], check_at, check)
-            if len(check.params.params) < TENSORS[op] + 1:
+            p = [x.name.value for x in check.params.params]
+            if len(p) < TENSORS[op] + 1:
                 raise self.shape_error(
                     f"{op}'s supports_args taking its input tensors, then the weight",
                     source(check.params),
                 )
-            found.append(norm)
+            residual = p[1] if TENSORS[op] > 1 else None
+            checks = call_checks(p[0], p[TENSORS[op]], DTYPES[op], residual, True)
+            guard = f"(not {IS_CPU} or ({checks}))"
+            found.append(Norm(op, at, kw["supported"], check_at, check, guard))
         if not found:
             raise self.shape_error(
                 '@ir.ops.rms_norm.register_impl("vllm_c", ...)', "no such impl"
             )
-        if len({n.gate.value for n in found}) != 1:
-            gates = ", ".join(sorted({n.gate.value for n in found}))
-            raise self.shape_error("the norms gated by one name", gates)
+        if len(gates := {n.gate.value for n in found}) != 1:
+            raise self.shape_error(
+                "the norms gated by one name", ", ".join(sorted(gates))
+            )
         return found
 
-
-class EnableVllmCOnCpu(_NormCodemod):
-    DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU (the norms\' gate gains '
-        "`or IS_CPU`), where they match native: the eligibility rule's "
-        f"{FUNCTION}() once at import, its per-call checks in supports_args."
-    )
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        used = names(tree)
-        for name in ("current_platform", "torch"):
-            if not used[name]:
-                raise self.shape_error(f"{name} imported", "none")
-        norms = self.norms(tree)
-        cpu = _assignment(tree, IS_CPU)
-        if cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
-            raise self.shape_error(
-                f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
-            )
-        new, before = {}, {}
-        for n in norms:
-            if not _ends_with(n.check.body, cst.And, n.guard):
-                body = _and(n.check.body, cst.parse_expression(n.guard))
-                new[n.check_at] = _assigned(
-                    tree, n.check_at, n.check.with_changes(body=body)
-                )
-                self.record(f"the {n.op} impl's `supports_args` gains `and {n.guard}`")
-        self._gate(tree, norms, new, before, used[GATE])
-        if not new and not before:
-            return tree
-        if cpu is None:
-            self._is_cpu(tree, before)
-        first = min(n.check_at for n in norms)
-        there = before.setdefault(first, [])
-        added = []
-        if not used[FUNCTION]:
-            code = dtypes_function(self.read_tree_file(CPU_PY))
-            added.append(cst.parse_statement(code, tree.config_for_parsing))
-        if _at(tree, DTYPES_LINES[0]) is None:
-            added += [_statement(line, tree) for line in DTYPES_LINES]
-            self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
-        at = int(bool(there) and source(there[0]) == IS_CPU_LINE)  # after IS_CPU
-        there[at:at] = added
-        return _rebuild(tree, new, before)
-
-    def _is_cpu(self, tree: cst.Module, before: dict) -> None:
-        """``IS_CPU`` after the last platform fact (and its docstring)."""
-        facts = [
-            i
-            for i, s in enumerate(tree.body)
-            if isinstance(s, cst.SimpleStatementLine)
-            and isinstance(s.body[0], cst.Assign)
-            and re.fullmatch(r"current_platform\.is_\w+\(\)", source(s.body[0].value))
-        ]
-        if not facts:
-            raise self.shape_error(
-                "constants such as CUDA_ALIKE = current_platform.is_cuda_alike()",
-                "none",
-            )
-        at = facts[-1] + 1
-        if at < len(tree.body) and _docstring(tree.body[at]):
-            at += 1
-        before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
-        self.record(f"`{IS_CPU_LINE}` caches the CPU check")
-
-    def _gate(self, tree, norms: list[Norm], new, before, uses: int) -> None:
+    def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
         gate = norms[0].gate.value
-        at = _assignment(tree, gate)
-        if gate == NORM_GATE or (
-            at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU)
-        ):
+        at = _assignments(tree).get(gate)
+        value = (
+            None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
+        )
+        if gate == NORM_GATE or (at is not None and value is None):
             return
-        if gate == GATE and at is not None:
-            if uses != 1 + len(norms):
-                raise self.shape_error(f"{GATE} gating only the norms", f"{uses} uses")
-            value = cst.parse_expression(f"{source(_value(tree, at))} or {IS_CPU}")
+        if gate == GATE and at is not None:  # in place, where only the norms use it
+            if used[GATE] != 1 + len(norms):
+                raise self.shape_error(
+                    f"{GATE} gating only the norms", f"{used[GATE]} uses"
+                )
             new[at] = _assigned(tree, at, value)
             self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
             return
@@ -260,61 +203,59 @@ class EnableVllmCOnCpu(_NormCodemod):
         lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
         before.setdefault(first, []).append(own.with_changes(leading_lines=lines))
         for n in norms:
-            new[n.at] = n.gated(tree, cst.Name(NORM_GATE))
+            new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
         self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
+    def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+        """``IS_CPU`` before its first use, the rule's function and its call
+        before the first ``supports_args``."""
+        if cpu is None:
+            at = min([*new, *before])
+            before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
+            self.record(f"`{IS_CPU_LINE}` caches the CPU check")
+        added = before.setdefault(min(n.check_at for n in norms), [])
+        if not used[FUNCTION]:
+            code = dtypes_function(self.read_tree_file(CPU_PY))
+            added.append(cst.parse_statement(code, tree.config_for_parsing))
+        if all(source(s) != DTYPES_LINES[0] for s in tree.body):
+            added += [_statement(line, tree) for line in DTYPES_LINES]
+            self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
+        return _rebuild(tree, new, before)
 
-def _and(expr: cst.BaseExpression, operand: cst.BaseExpression):
-    """``expr and operand``, in ``expr``'s outer parentheses: ``(a and b)``
-    becomes ``(a and b and operand)``."""
-    inner = expr.with_changes(lpar=[], rpar=[])
-    if not (
-        isinstance(inner, cst.BooleanOperation) and isinstance(inner.operator, cst.And)
-    ):
-        inner = inner.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
-    return cst.BooleanOperation(inner, cst.And(), operand, expr.lpar, expr.rpar)
 
-
-class DisableVllmCOnCpu(_NormCodemod):
+class DisableVllmCOnCpu(EnableVllmCOnCpu):
     DESCRIPTION = (
-        f"Undo EnableVllmCOnCpu: the norms' gate without `or {IS_CPU}`, their "
-        f"supports_args without the CPU checks, and {FUNCTION}(), its call and "
-        f"{IS_CPU} where nothing else uses them."
+        f"Undo EnableVllmCOnCpu; {FUNCTION}(), its call and {IS_CPU} go where "
+        "nothing else uses them."
     )
+    ON = False
 
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        norms = self.norms(tree)
-        new = {}
-        at = _assignment(tree, norms[0].gate.value)
-        if at is not None and _ends_with(_value(tree, at), cst.Or, IS_CPU):
-            old = _value(tree, at).left
-            if norms[0].gate.value == NORM_GATE:
-                new[at] = GONE
-                new.update((n.at, n.gated(tree, old)) for n in norms)
-            else:
-                new[at] = _assigned(tree, at, old)
-            self.record(f"the norms' gate is `{source(old)}` again")
-        for n in norms:
-            if _ends_with(n.check.body, cst.And, n.guard):
-                body = n.check.body
-                left = body.left.with_changes(lpar=body.lpar, rpar=body.rpar)
-                new[n.check_at] = _assigned(
-                    tree, n.check_at, n.check.with_changes(body=left)
-                )
-                self.record(f"the {n.op} impl's `supports_args` loses its CPU checks")
-        if not new:
-            return tree
+    def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
+        at = _assignments(tree).get(norms[0].gate.value)
+        old = None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, False)
+        if old is None:
+            return
+        if norms[0].gate.value == NORM_GATE:
+            new[at] = None
+            new.update((n.at, tree.body[n.at].deep_replace(n.gate, old)) for n in norms)
+        else:
+            new[at] = _assigned(tree, at, old)
+        self.record(f"the norms' gate is `{source(old)}` again")
+
+    def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
+        """Without what apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
-        call = _at(tree, DTYPES_LINES[0])
+        call = next(
+            (i for i, s in enumerate(tree.body) if source(s) == DTYPES_LINES[0]), None
+        )
         if call is not None and not any(left[n] > 1 for n in DTYPES.values()):
-            new[call] = GONE
+            new[call] = None
             if source(tree.body[call + 1]) == DTYPES_LINES[1]:
-                new[call + 1] = GONE
+                new[call + 1] = None
             for i, s in enumerate(tree.body):
                 function = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
                 if function and left[FUNCTION] == 2:  # its def and its call
-                    new[i] = GONE
-        cpu = _assignment(tree, IS_CPU)
+                    new[i] = None
         if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
-            new[cpu] = GONE
+            new[cpu] = None
         return _rebuild(tree, new, {})

@@ -1,12 +1,7 @@
-"""vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change.
-
-vLLM calls :func:`register` (``vllm.general_plugins``) in every process it
-starts. Off without ``VLLMPATCH_CPU_FUSED_NORMS=1`` (no torch, no vLLM
-imported); on, one route on every release: ``CustomOp.register_oot`` builds
-``RMSNorm`` as a subclass running the upstream form's ``__init__`` line and
-``forward_cpu`` from ``rule.py``, compiled in the release's ``layernorm``
-namespace. It stands aside off CPU and where ``RMSNorm`` has a ``forward_cpu``;
-one log line says what it did, :func:`status` keeps it; it never breaks start-up.
+"""vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change:
+with ``VLLMPATCH_CPU_FUSED_NORMS=1``, ``RMSNorm`` is built as a subclass running
+the upstream form's code, on CPU where ``RMSNorm`` has no ``forward_cpu``.
+Off, it imports neither torch nor vLLM; on, it never breaks vLLM's start-up.
 """
 
 import logging
@@ -28,32 +23,26 @@ from patches.rms_norm_forward_cpu import rule
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
 
 CUSTOM_OP = "CustomOp"
+# register_oot's key: CustomOp.__new__ looks up the class name (name="rms_norm"
+# is accepted and silently never used).
 CUSTOM_OP_KEY = "RMSNorm"
-"""``register_oot``'s key: ``CustomOp.__new__`` looks up the class name
-(``name="rms_norm"`` is accepted and silently never used)."""
-
-CLASS_SOURCE = """\
-class CpuFusedRMSNorm(RMSNorm):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-{init}
-{forward_cpu}"""
 
 _status: dict = {"route": None, "stood_aside": None, "error": None}
 
 
 def custom_op_class(layernorm) -> type:
-    """The ``RMSNorm`` subclass: the upstream form's source, compiled in the
-    release's ``layernorm`` namespace (its ``torch``, its batch-invariance
-    spelling) with ``cpu_fused_norm_dtypes`` for its ``platforms/cpu.py``."""
+    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` namespace
+    (its ``torch``, its batch-invariance spelling)."""
     namespace = dict(vars(layernorm))
     spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
     cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
     exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
     init = rule.INIT_LINES.format(batch_invariant=spelling)
-    source = CLASS_SOURCE.format(
-        init=textwrap.indent(init, " " * 8),
-        forward_cpu=textwrap.indent(rule.FORWARD_CPU, " " * 4),
+    source = (
+        "class CpuFusedRMSNorm(RMSNorm):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        super().__init__(*args, **kwargs)\n"
+        f"{textwrap.indent(init, ' ' * 8)}\n{textwrap.indent(rule.FORWARD_CPU, '    ')}"
     )
     exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
     return namespace["CpuFusedRMSNorm"]
@@ -120,8 +109,7 @@ def opted_in() -> bool:
 
 
 def ignored_opt_in() -> str | None:
-    """Why the opt-in variable's value changes nothing, when it is neither on
-    nor off; None otherwise."""
+    """Why the opt-in's value changes nothing, when it is neither on nor off."""
     if OPT_IN_ENV not in os.environ or _opt_in_value() in OPT_IN_ON + OPT_IN_OFF:
         return None
     return (
@@ -132,9 +120,8 @@ def ignored_opt_in() -> str | None:
 
 
 def _log_once(message: str) -> None:
-    """Through vLLM's own ``info_once``, once per process: from 0.31 on it logs
-    only on the first rank by default (``scope="local"``), which a process
-    outside the workers is not."""
+    """Through vLLM's ``info_once`` in every process (0.31's default scope logs
+    only on the first rank, which a process outside the workers is not)."""
     from vllm.logger import init_logger
 
     once = init_logger(LOGGER_NAME).info_once
@@ -145,6 +132,5 @@ def _log_once(message: str) -> None:
 
 
 def status() -> dict:
-    """What this process's registration did: the opt-in, the route taken, why
-    it stood aside, the error that stopped it."""
+    """What this process's registration did, and the opt-in."""
     return {**_status, "opt_in": opted_in(), "opt_in_ignored": ignored_opt_in()}

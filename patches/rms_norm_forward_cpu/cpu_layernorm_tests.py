@@ -1,7 +1,5 @@
-"""Create vLLM's test of ``RMSNorm.forward_cpu`` beside ``test_cpu_activation.py``:
-through vLLM's dispatch the kernel matches ``forward_native``, and each input
-the kernels do not handle goes native (kernel calls counted by the profiler).
-"""
+"""vLLM's test of ``RMSNorm.forward_cpu``, beside ``test_cpu_activation.py``:
+the kernel matches ``forward_native``, and the inputs it does not take go native."""
 
 from __future__ import annotations
 
@@ -102,29 +100,20 @@ def test_cpu_rms_norm_native_fallback(
 
 
 class AddCpuLayerNormTests(TreeCodemod):
-    DESCRIPTION = (
-        "Add tests/kernels/core/test_cpu_layernorm.py: RMSNorm's CPU kernels "
-        "against forward_native, and the inputs that go native."
-    )
+    DESCRIPTION = "Add vLLM's test of RMSNorm.forward_cpu beside its CPU kernel tests."
+    ON = True  # the change; RemoveCpuLayerNormTests's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if tree.code == SOURCE:
-            return tree
-        if tree.code.strip():
+        if tree.code.strip() and tree.code != SOURCE:
             raise self.shape_error(
                 "no file, or the file this patch writes", "another file"
             )
-        self.record(f"`{self.TARGET}` is added")
-        return cst.parse_module(SOURCE)
-
-
-class RemoveCpuLayerNormTests(TreeCodemod):
-    DESCRIPTION = "Undo AddCpuLayerNormTests: the test file goes."
-
-    def transform_module_impl(self, tree: cst.Module) -> cst.Module:
-        if not tree.code.strip():
+        if (tree.code == SOURCE) == self.ON:  # there already, or gone already
             return tree
-        if tree.code != SOURCE:
-            raise self.shape_error("the file this patch writes", "another file")
-        self.record(f"`{self.TARGET}` is removed")
-        return cst.Module(body=[])
+        self.record(f"`{self.TARGET}` is {'added' if self.ON else 'removed'}")
+        return cst.parse_module(SOURCE if self.ON else "")
+
+
+class RemoveCpuLayerNormTests(AddCpuLayerNormTests):
+    DESCRIPTION = "Undo AddCpuLayerNormTests: the test file goes."
+    ON = False

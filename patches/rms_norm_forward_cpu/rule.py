@@ -1,28 +1,22 @@
 """Where vLLM's CPU ``rms_norm`` and ``fused_add_rms_norm`` kernels run: only
-where they match the native norm. The one home of that rule, as the source
-both forms write into vLLM and the provider runs.
-
-Per process (``cpu_fused_norm_dtypes()``, :func:`dtypes_function`): the dtypes
-the build takes (float16 not on POWER; bfloat16 on aarch64 only with BF16, or
-the kernel dies of SIGILL), and the fused add's: it writes the residual back
-in bfloat16, so bfloat16 only where the build rounds as torch does (aarch64
-with BF16, POWER, s390x, x86's AVX512-BF16 ``_C``; ``_C_AVX512`` and
-``_C_AVX2`` truncate, and 64 layers leave the residual's norm at 0.85 of
-exact). Call it once, never in traced code. Per call (:func:`call_checks`):
-hidden size a multiple of 8, contiguous inputs of one dtype. A weightless
-norm, a variance size override and batch invariance run native.
+where they match the native norm. The one home of that rule, as the source both
+forms write into vLLM and the provider runs: the dtypes per process
+(``cpu_fused_norm_dtypes()``, never in traced code; the fused add's bfloat16 only
+where the build rounds as torch does: with ``_C_AVX512``'s and ``_C_AVX2``'s
+truncation 64 layers leave the residual's norm at 0.85 of exact), the rest per
+call (:func:`call_checks`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-HIDDEN_MULTIPLE = 8
-"""The kernels vectorise the hidden size in blocks of 8 and raise otherwise."""
+CPU_PY = "vllm/platforms/cpu.py"  # where the tree says which builds vLLM loads
+HIDDEN_MULTIPLE = 8  # the kernels vectorise the hidden size in blocks of 8
 
+# In cpu.py where vLLM loads a build per x86 CPU class, the AVX512-BF16 one
+# (``_C``) iff ``torch.cpu._is_avx512_bf16_supported()``.
 PER_ISA_BUILDS = "_C_AVX512"
-"""In ``vllm/platforms/cpu.py``: vLLM loads a kernel build per x86 CPU class,
-the AVX512-BF16 one (``_C``) iff ``torch.cpu._is_avx512_bf16_supported()``."""
 
 X86_ROUNDS = (
     "\n        or (arch == CpuArchEnum.X86 and torch.cpu._is_avx512_bf16_supported())"
@@ -61,8 +55,7 @@ def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype,
 
 
 def dtypes_function(cpu_py: str) -> str:
-    """``cpu_fused_norm_dtypes``'s source for a tree whose
-    ``vllm/platforms/cpu.py`` reads ``cpu_py``."""
+    """``cpu_fused_norm_dtypes``'s source for a tree whose cpu.py reads ``cpu_py``."""
     x86 = X86_ROUNDS if PER_ISA_BUILDS in cpu_py else ""
     return DTYPES_FUNCTION.format(x86_rounds=x86)
 
@@ -90,8 +83,7 @@ def call_checks(
 
 
 def installed_dtypes() -> tuple[tuple, tuple]:
-    """``cpu_fused_norm_dtypes()`` for the installed vLLM, run here: what the
-    rule decides on this machine (e.g. under qemu-user's ``QEMU_CPU``)."""
+    """``cpu_fused_norm_dtypes()`` for the installed vLLM, run on this machine."""
     from importlib.util import find_spec
 
     import torch
@@ -110,9 +102,8 @@ def call_predicate(residual: bool, weight_may_be_none: bool = False):
     return eval(f"lambda x, weight, dtypes, residual=None: {checks}")
 
 
-# The CustomOp form: what RMSNorm gains (and the provider's subclass runs).
-# The kernels through vllm._custom_ops, imported where used, as layernorm.py's
-# poly_norm does.
+# The CustomOp form: what RMSNorm gains (and the provider's subclass runs), the
+# kernels through vllm._custom_ops imported where used, as poly_norm does.
 INIT_LINES = """\
 # The dtypes in which vLLM's CPU kernels match forward_native for this
 # layer: none without a weight, with a variance size override or with
@@ -150,5 +141,5 @@ BATCH_INVARIANT = {
     "vllm_is_batch_invariant": "vllm_is_batch_invariant()",
     "envs": "envs.VLLM_BATCH_INVARIANT",
 }
-"""The release's spelling of "batch invariance is on", by the name
-``layernorm.py`` imports: a function before 0.19, then the environment flag."""
+"""Batch invariance is on, by the name ``layernorm.py`` imports: a function
+before 0.19, then the environment flag."""
