@@ -2,9 +2,9 @@
 where they match the native norm. The one home of that rule, as the source both
 forms write into vLLM and the provider runs: the dtypes per process
 (``cpu_fused_norm_dtypes()``, never in traced code; the fused add's bfloat16 only
-where the build rounds as torch does: with ``_C_AVX512``'s and ``_C_AVX2``'s
-truncation 64 layers leave the residual's norm at 0.85 of exact), the rest per
-call (:func:`call_checks`).
+where the build rounds as torch does: ``_C_AVX512``'s and ``_C_AVX2``'s
+truncation shrinks the residual stream layer by layer), the rest per call
+(:func:`call_checks`).
 """
 
 from __future__ import annotations
