@@ -1,82 +1,59 @@
 """The one set of section writers of ``evidence_record``'s records, for
-``evidence.md`` and a pull request description alike: every string read is
-rendered as data (``markdown``); ``limit`` cuts tables and lists."""
+``evidence.md`` and a PR description alike: every string read is rendered as
+data (``markdown``); ``limit`` cuts tables and lists."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
 
+from vllm_patch.runtime import evidence_record as er
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import (
-    A_A,
-    METRICS,
-    MODES,
-    NATIVE,
-    SERVED,
-    SIDES,
-    Decode,
-    DecodeBlock,
-    Divergence,
-    Estimate,
-    Evidence,
-    PerOp,
-    PerOpRow,
-    Qwen3Eager,
-    Serving,
-)
+from vllm_patch.runtime.evidence_record import A_A, METRICS, MODES, NATIVE, SIDES
 from vllm_patch.runtime.machine import BUSY_SHARE
 
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
-NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
-ROWS = 500
-"""The most rows of a table in ``evidence.md``."""
+ROWS = 500  # the most rows of a table in evidence.md
 
 
-def ratios(
-    serving: Serving, mode: str, metric: str, over: str = "patched"
-) -> list[float]:
+def ratios(serving: er.Serving, mode: str, metric: str, over="patched") -> list:
     """``over`` / base per repetition (the servers ran one after the other)."""
     sides = serving.configs.get(mode, {})
     base, other = (sides.get(s, {}).get(metric, ()) for s in ("base", over))
     return [p / b for b, p in zip(base, other, strict=False) if b]
 
 
-def ratio_shown(serving: Serving, mode: str, metric: str, over: str = "patched") -> str:
-    """``median [min–max]`` of the repetitions' ratios: what every report shows."""
+def ratio_shown(serving: er.Serving, mode: str, metric: str, over="patched") -> str:
     return spread_shown(ratios(serving, mode, metric, over), ratio=True)
-
-
-def label(metric: str) -> str:
-    """``median_tpot_ms`` as ``TPOT median (ms)``."""
-    if metric in LABELS:
-        return LABELS[metric]
-    stat, name, _ = metric.split("_")
-    return f"{name.upper()} {stat.replace('p99', 'P99')} (ms)"
 
 
 def spread_shown(values: list[float], ratio: bool = False) -> str:
     """``median [min–max]`` of ``values``; ``-`` for none."""
     if not values:
         return "-"
-    fmt = (lambda v: f"{v:.3f}x") if ratio else _fmt
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
+    med, lo, hi = (
+        f"{v:.3f}x" if ratio else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        for v in (statistics.median(values), min(values), max(values))
+    )
+    return med if len(values) == 1 else f"{med} [{lo}–{hi}]"
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+def interval_shown(found: er.Estimate | None, fmt: str = ".3f", unit="") -> str:
+    if found is None:
+        return "-"
+    v, lo, hi = (format(x, fmt) for x in (found.value, *found.ci95))
+    return f"{v}{unit} [{lo}–{hi}]"
 
 
-def serving_table(serving: Serving, mode: str) -> str:
+def serving_table(serving: er.Serving, mode: str) -> str:
     """Per metric each vLLM's figures, patched / base and the A/A control (the
     base served twice, where the run had it): the noise floor."""
     sides = serving.configs[mode]
     over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
         [
-            label(m),
+            LABELS.get(m) or _label(*m.split("_")),
             *(spread_shown(list(sides.get(s, {}).get(m, ()))) for s in SIDES),
             *(ratio_shown(serving, mode, m, o) for o in over),
         ]
@@ -86,19 +63,22 @@ def serving_table(serving: Serving, mode: str) -> str:
     return md.table(heads + [f"{A_A} / base (A/A)"] * (len(over) - 1), rows)
 
 
-def serving_tables(serving: Serving, said: str) -> list[str]:
+def _label(stat: str, name: str, unit: str) -> str:  # median_tpot_ms: TPOT median
+    return f"{name.upper()} {stat.replace('p99', 'P99')} ({unit})"
+
+
+def serving_tables(serving: er.Serving, said: str) -> list[str]:
     """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
     out = []
     for mode in (m for m in MODES if m in serving.configs):
         sides = serving.configs[mode]
         reps = min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
-        out.append(
-            f"{said.format(mode=mode, reps=reps)}\n\n{serving_table(serving, mode)}"
-        )
+        said_here = said.format(mode=mode, reps=reps)
+        out.append(f"{said_here}\n\n{serving_table(serving, mode)}")
     return out
 
 
-def first_difference(first: Divergence | None) -> str:
+def first_difference(first: er.Divergence | None) -> str:
     """Where the greedy tokens first part, counted from 1."""
     if first is None:
         return "the same tokens for every prompt"
@@ -109,7 +89,20 @@ def first_difference(first: Divergence | None) -> str:
     )
 
 
-def throughput_claim(ev: Evidence) -> str | None:
+def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
+    """What the figures say, a line each, the decode step (the headline) first."""
+    found = [
+        ev.decode and decode_claim(ev.decode),
+        throughput_claim(ev),
+        ev.perop and perop_claim(ev.perop, limit),
+        tokens_claim(ev),
+        lm_eval_claim(ev),
+        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
+    ]
+    return [c for c in found if c]
+
+
+def throughput_claim(ev: er.Evidence) -> str | None:
     configs = ev.serving.configs if ev.serving else {}
     said = ", ".join(
         f"{ratio_shown(ev.serving, m, 'output_throughput')} {m}"
@@ -127,11 +120,15 @@ def throughput_claim(ev: Evidence) -> str | None:
     )
 
 
-def tokens_claim(ev: Evidence) -> str | None:
+def tokens_claim(ev: er.Evidence) -> str | None:
     t = ev.accuracy.tokens
     if t is None or t.max_abs_dlogprob is None:
         return None
-    note = NOT_QUALITY if ev.model.random_weights else ""
+    note = (
+        " (random weights: the builds' numerics, not model quality)"
+        if ev.model.random_weights
+        else ""
+    )
     return (
         f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
         f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
@@ -139,7 +136,7 @@ def tokens_claim(ev: Evidence) -> str | None:
     )
 
 
-def lm_eval_claim(ev: Evidence) -> str | None:
+def lm_eval_claim(ev: er.Evidence) -> str | None:
     lm = ev.accuracy.lm_eval
     if lm is None or set(lm.scores) != set(SIDES):
         return None
@@ -150,10 +147,10 @@ def lm_eval_claim(ev: Evidence) -> str | None:
     )
 
 
-def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
+def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
     """The base's time per call of vLLM's norm layer over this change's, where
     this change's ran the kernel (else a ratio of native over native)."""
-    layer: dict[tuple[str, int], dict[str, PerOpRow]] = {}
+    layer: dict[tuple[str, int], dict[str, er.PerOpRow]] = {}
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
             layer.setdefault((r.op, r.tokens), {})[r.env] = r
@@ -181,7 +178,7 @@ def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
     )
 
 
-def decode_claim(d: Decode) -> str | None:
+def decode_claim(d: er.Decode) -> str | None:
     """The headline: a decode step with this change over the base, beside
     the A/A control, and the time saved inside ``RMSNorm``."""
     b = d.headline
@@ -203,20 +200,23 @@ def decode_claim(d: Decode) -> str | None:
     )
 
 
-def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
-    """What the figures say, a line each, the decode step (the headline) first."""
-    found = [
-        ev.decode and decode_claim(ev.decode),
-        throughput_claim(ev),
-        ev.perop and perop_claim(ev.perop, limit),
-        tokens_claim(ev),
-        lm_eval_claim(ev),
-        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
-    ]
-    return [c for c in found if c]
+def qwen3_claim(q: er.Qwen3Eager) -> str:
+    patched, unguarded = q.patched, q.unguarded
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
+        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
+        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
+    )
+    if unguarded.first_divergence is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical_prompts} of {len(q.prompts)}."
+    )
 
 
-def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
+def accuracy_lines(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     out = []
     t = ev.accuracy.tokens
     for mode, found in (t.configs if t else {}).items():
@@ -257,7 +257,7 @@ QWEN3_HEADER = ("RMSNorm on CPU",
     "largest |Δ logprob| before it", "distinct tokens per completion")  # fmt: skip
 
 
-def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
+def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
     rows = []
@@ -298,23 +298,7 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     return out
 
 
-def qwen3_claim(q: Qwen3Eager) -> str:
-    patched, unguarded = q.patched, q.unguarded
-    said = (
-        "- Eager Qwen3-architecture model (#31643's configuration): with this "
-        f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
-        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
-        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
-    )
-    if unguarded.first_divergence is None:
-        return said + "; the kernels unguarded give the same tokens too."
-    return (
-        f"{said}; the kernels unguarded, as before #31643, match in "
-        f"{unguarded.identical_prompts} of {len(q.prompts)}."
-    )
-
-
-def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
+def numerics_table(ev: er.Evidence, limit: int = ROWS) -> str:
     rows = []
     for build, ops in (ev.numerics or {}).items():
         for op, dtypes in ops.items():
@@ -330,7 +314,7 @@ def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
 
 
 def perop_table(
-    perop: PerOp, shown: Callable[[PerOpRow], bool] = bool, limit: int = ROWS
+    perop: er.PerOp, shown: Callable[[er.PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
     and route (of the rows ``shown``: all by default), with native's time over
@@ -356,7 +340,7 @@ def perop_table(
     return md.table(["op", "tokens", *header], rows, limit)
 
 
-def perop_heading(perop: PerOp, escape=md.text) -> str:
+def perop_heading(perop: er.PerOp, escape=md.text) -> str:
     spread = (
         ""
         if perop.clock is None
@@ -372,7 +356,7 @@ SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
          "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
 
 
-def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
     call, CustomOp dispatch (layer call - its forward method), the forward
     method's own work with IR dispatch (forward - what it runs), IR dispatch
@@ -403,7 +387,7 @@ def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
     return out
 
 
-def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
     out = [perop_table(perop, limit=limit)]
     if perop.load:
@@ -427,14 +411,7 @@ def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
     return out
 
 
-def interval_shown(found: Estimate | None, fmt: str = ".3f", unit: str = "") -> str:
-    if found is None:
-        return "-"
-    v, lo, hi = (format(x, fmt) for x in (found.value, *found.ci95))
-    return f"{v}{unit} [{lo}–{hi}]"
-
-
-def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     """A thread count's decode figures: ratios, per engine the step and the
     time inside ``RMSNorm``, the saving and whether the ratio agrees with it."""
     rows = [
@@ -477,7 +454,7 @@ def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
     return out
 
 
-def _consistent(b: DecodeBlock) -> str:
+def _consistent(b: er.DecodeBlock) -> str:
     """Whether the end-to-end ratio agrees with the saving attributed."""
     said, how = ("does not contradict", "meets"), ""
     ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
@@ -496,7 +473,7 @@ def _consistent(b: DecodeBlock) -> str:
     )
 
 
-def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
         f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
@@ -532,7 +509,7 @@ def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
     return out
 
 
-def evidence_markdown(ev: Evidence) -> str:
+def evidence_markdown(ev: er.Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
     out = ["# vllm-patch bench evidence", ""]
     if m := ev.machine:  # and the CPU flags the kernels use
@@ -578,7 +555,7 @@ def evidence_markdown(ev: Evidence) -> str:
     return "\n".join(out) + "\n"
 
 
-def _serving_lines(serving: Serving) -> list[str]:
+def _serving_lines(serving: er.Serving) -> list[str]:
     said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
     out = [line for t in serving_tables(serving, said) for line in ("", t)]
     s = serving.sizes
@@ -594,7 +571,7 @@ def _serving_lines(serving: Serving) -> list[str]:
         out += [
             f"- {mode}, {side}: {md.code(line)}"
             for mode, sides in serving.server_log.items()
-            for side in SERVED
+            for side in er.SERVED
             for line in sides.get(side, ())[:ROWS]
         ]
     return out

@@ -1,7 +1,6 @@
-"""The pull request description: the checkout's template (``template``) filled
-with this run's figures only (``vllm_tests``, ``figures`` or ``--evidence``,
-rendered by ``bench_result``; nothing measured is said so), the patch's
-``upstream.md`` and what the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The pull request description: the checkout's PR template filled with this
+run's figures only (nothing measured is said so), the patch's ``upstream.md``
+and what the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -25,13 +24,10 @@ from vllm_patch.upstream.template import Piece, Template, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
 
 TOOL = "vllm-patch"
-TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
-"""Attribution trailers ``AGENTS.md`` names, the first it names used."""
-AI_BOX = "AI assistance was used"
-"""A checklist box always ticked: the tool was written with AI assistance."""
-TESTED_BOX = "Testing and Validation:"
-"""Ticked when the edited tests ran here, passing with the change and failing
-without it, and vLLM's CPU CI runs them. The other boxes are the author's."""
+TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")  # AGENTS.md's first
+AI_BOX = "AI assistance was used"  # always ticked: the tool was written with it
+TESTED_BOX = "Testing and Validation:"  # see _ticked; the other boxes: the author's
+BODY_LIMIT = 65536  # GitHub's bound on a pull request's body, in characters
 
 SERVE = (
     "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
@@ -50,32 +46,30 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
     if folder is None:
         return None
     ev = evidence_record.read(folder)
-    found = _misfit(ev, patch)
+    configs = ev.serving.configs if ev.serving else {}
+    lm = ev.accuracy.lm_eval
+    found = [
+        f"serving.configs.{mode}.{side}: not measured"
+        for mode, sides in configs.items()
+        for side in SIDES
+        if not sides.get(side)
+    ]
+    if lm and set(lm.scores) != set(SIDES):
+        found.append("accuracy.lm_eval: no exact_match and stderr for base and patched")
+    if ev.vllm is None or ev.vllm.patch != patch.name:
+        said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
+        found[:0] = [
+            f"figures of another change ({said}); measure this one with "
+            f"`vllm-patch bench --serve --patch {patch.name} --out DIR`"
+        ]
     if found:
         raise PatchError(
             "not usable evidence",
             path=str(Path(os.path.realpath(folder)) / evidence_record.EVIDENCE),
             looked_for=f"what `bench --serve` measured for {patch.name}",
-            found=found,
+            found=found[0],
         )
     return ev
-
-
-def _misfit(ev: Evidence, patch: Patch) -> str | None:
-    if ev.vllm is None or ev.vllm.patch != patch.name:
-        said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
-        return (
-            f"figures of another change ({said}); measure this "
-            f"one with `vllm-patch bench --serve --patch {patch.name} --out DIR`"
-        )
-    for mode, sides in (ev.serving.configs if ev.serving else {}).items():
-        for side in SIDES:
-            if not sides.get(side):
-                return f"serving.configs.{mode}.{side}: not measured"
-    lm = ev.accuracy.lm_eval
-    if lm and set(lm.scores) != set(SIDES):
-        return "accuracy.lm_eval: no exact_match and stderr for base and patched"
-    return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +83,6 @@ class Facts:
     ci: list[CiEdit] = field(default_factory=list)
     measured: Measured | None = None
     """None: ``--no-bench`` (or ``--evidence``)."""
-
-
-BODY_LIMIT = 65536
-"""GitHub's bound on a pull request's body, in characters."""
 
 
 def tool_version() -> str:
