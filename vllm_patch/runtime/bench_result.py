@@ -439,12 +439,12 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     calls = f" ({calls:.0f} calls)" if calls is not None else ""
     for side, saved in list(b.savings.items())[:limit]:
         share, (lo, hi) = saved.share, saved.expected_ratio
-        out += [
+        out.append(
             f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms of "
             f"CPU time saved inside RMSNorm per decode step{calls}, "
             f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
-            f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected.",
-        ]
+            f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
+        )
     if b.consistent is not None:
         out.append(_consistent(b))
     out.append(
@@ -456,10 +456,10 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
 
 def _consistent(b: er.DecodeBlock) -> str:
     """Whether the end-to-end ratio agrees with the saving attributed."""
-    said, how = ("does not contradict", "meets"), ""
+    said, how = "does not contradict the attributed saving (its interval meets", ""
     ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
     if b.consistent.contradicts:
-        said = ("**contradicts**", "misses")
+        said = "**contradicts** the attributed saving (its interval misses"
         if ratio and saved:
             more = ratio.ci95.high < saved.expected_ratio.low
             how = ": the step saves " + (
@@ -467,40 +467,33 @@ def _consistent(b: er.DecodeBlock) -> str:
                 if more
                 else "less than the time inside RMSNorm"
             )
-    return (
-        f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
-        f"(its interval {said[1]} the expected one){how}."
-    )
+    return f"- The end-to-end patched/base ratio {said} the expected one){how}."
+
+
+COMPILED = (
+    "\n### Compiled (Inductor), {n} thread(s): custom_ops "
+    '["none", "+rms_norm"] (the kernels) against the default (native)\n'
+)
 
 
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
         f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-        f"build {md.text(d.kernel_build, 20)}",
-        "",
-        f"{md.text(d.model.named())}; batch 1; each round, every engine (each kept "
-        f"alive in its own process) generates {d.tokens} tokens, the engines taking "
-        "turns step by step; a round's figure is the median of its decode steps; "
-        "ratios are trimmed means of per-round ratios with bootstrap 95% "
-        "intervals; the CPU time is the engine process's.",
-        "",
+        f"build {md.text(d.kernel_build, 20)}\n\n{md.text(d.model.named())}; "
+        "batch 1; each round, every engine (each kept alive in its own process) "
+        f"generates {d.tokens} tokens, the engines taking turns step by step; a "
+        "round's figure is the median of its decode steps; ratios are trimmed "
+        "means of per-round ratios with bootstrap 95% intervals; the CPU time is "
+        "the engine process's.\n",
+        *(decode_block(d.headline, limit) if d.headline else ()),
     ]
-    if d.headline:
-        out += decode_block(d.headline, limit)
     for n, b in list(d.by_threads.items())[:limit]:
         if n != str(d.threads):
-            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+            out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
-        out += [
-            "",
-            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
-            '["none", "+rms_norm"] (the kernels) against the default (native)',
-            "",
-            *decode_block(b, limit),
-        ]
-        found = b.comparisons.get("+rms_norm/default")
-        if found:  # what the interval says against 1.0
+        out += [COMPILED.format(n=md.text(n, 10)), *decode_block(b, limit)]
+        if found := b.comparisons.get("+rms_norm/default"):  # against 1.0
             low, high = found.ci95
             said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"
             if low <= 1.0 <= high:
@@ -511,13 +504,12 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
 
 def evidence_markdown(ev: er.Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
-    out = ["# vllm-patch bench evidence", ""]
+    out = ["# vllm-patch bench evidence\n"]
     if m := ev.machine:  # and the CPU flags the kernels use
         flags = ", ".join(m.key_flags[:32]) or "none of the listed"
         said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
         out.append(f"- Machine: {md.text(f'{said}; kernel flags: {flags}', 400)}")
-    if ev.vllm:
-        v = ev.vllm
+    if v := ev.vllm:
         out.append(
             f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
             f"with {md.code(v.patch, 60)}"
@@ -535,29 +527,28 @@ def evidence_markdown(ev: er.Evidence) -> str:
     if ev.interrupted:
         out.append("- **Interrupted**: this is what was measured before that.")
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
-    found = claims(ev)
-    if found:
-        out += ["", "## In short", "", *found]
+    if found := claims(ev):
+        out += ["\n## In short\n", *found]
     if ev.decode:
         out += ["", *decode_markdown(ev.decode)]
     if ev.serving:
         out += _serving_lines(ev.serving)
     acc = accuracy_lines(ev)
     if ev.qwen3_eager:
-        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)\n"]
         acc += qwen3_eager_markdown(ev.qwen3_eager)
     if acc:
-        out += ["", "## Accuracy", "", *acc]
+        out += ["\n## Accuracy\n", *acc]
     if ev.numerics:
-        out += ["", "## Numerics per x86 kernel build", "", numerics_table(ev)]
+        out.append(f"\n## Numerics per x86 kernel build\n\n{numerics_table(ev)}")
     for perop in [ev.perop, *ev.perop_threads] if ev.perop else []:
-        out += ["", f"## {perop_heading(perop)}", "", *perop_lines(perop)]
+        out += [f"\n## {perop_heading(perop)}\n", *perop_lines(perop)]
     return "\n".join(out) + "\n"
 
 
 def _serving_lines(serving: er.Serving) -> list[str]:
-    said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
-    out = [line for t in serving_tables(serving, said) for line in ("", t)]
+    said = "\n## Serving, {mode}: median [min–max] of {reps} repetitions"
+    out = serving_tables(serving, said)
     s = serving.sizes
     summary = s and (
         f" ({s.num_prompts} requests of {s.input_len} tokens in, {s.output_len} "
@@ -567,7 +558,7 @@ def _serving_lines(serving: er.Serving) -> list[str]:
         commands = md.fence(serving.commands, "bash")
         out += ["", md.details(f"Commands{summary or ''}", commands)]
     if serving.server_log:
-        out += ["", "What the servers logged about their kernels:", ""]
+        out.append("\nWhat the servers logged about their kernels:\n")
         out += [
             f"- {mode}, {side}: {md.code(line)}"
             for mode, sides in serving.server_log.items()

@@ -256,8 +256,8 @@ def _results(facts: Facts, rows: int):
     elif tests or bench:
         yield f"Measured on {md.text(tests or bench, 400)}."
     if ev and ev.decode:  # the evidence's headline: time per decode step
-        lines = bench_result.decode_markdown(ev.decode, rows)
-        yield "\n".join(re.sub(r"^#{2,3} (.+)$", r"**\1**", x) for x in lines)
+        lines = "\n".join(bench_result.decode_markdown(ev.decode, rows))
+        yield re.sub(r"^#{2,3} (.+)$", r"**\1**", lines, flags=re.M)
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
