@@ -237,12 +237,8 @@ def accuracy_lines(ev: er.Evidence, limit: int = ROWS) -> list[str]:
         how = ", ".join(md.text(x, 60) for x in (lm.mode, first) if x) + (
             f", --limit {lm.limit}" if lm.limit else ""
         )
-        out += [
-            "",
-            f"`lm_eval` {md.text(lm.task, 60)} ({how}):",
-            "",
-            md.table(["vLLM", "exact_match ± stderr"], rows, limit),
-        ]
+        table = md.table(["vLLM", "exact_match ± stderr"], rows, limit)
+        out.append(f"\n`lm_eval` {md.text(lm.task, 60)} ({how}):\n\n{table}")
     return out
 
 
@@ -283,9 +279,7 @@ def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
         "for one token's row (a one-sequence decode step), which is contiguous. "
         f"Here: {md.text(q.model.named(), 400)}; "
         f"{len(q.prompts)} prompts, {q.max_tokens} greedy tokens each, eager, one "
-        "offline engine per side.",
-        "",
-        md.table(QWEN3_HEADER, rows),
+        f"offline engine per side.\n\n{md.table(QWEN3_HEADER, rows)}"
     ]
     first = q.unguarded.first_divergence
     texts = {s: getattr(q.sides, s).texts for s in ("base", "unguarded")}
@@ -341,13 +335,10 @@ def perop_table(
 
 
 def perop_heading(perop: er.PerOp, escape=md.text) -> str:
-    spread = (
-        ""
-        if perop.clock is None
-        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
-    )
+    clock = perop.clock and f", median [p10–p90] of the {escape(perop.clock, 40)}"
     return (
-        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"Microseconds per call (native / this){clock or ''}, "
+        f"{escape(perop.dtype, 20)}, "
         f"hidden {perop.hidden_size}, {perop.threads} thread(s)"
     )
 
@@ -390,24 +381,20 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
 def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
     out = [perop_table(perop, limit=limit)]
-    if perop.load:
-        loads = ", ".join(
-            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
-            for x in perop.load
+    if loads := ", ".join(
+        f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+        for x in perop.load
+    ):
+        out.append(
+            f"\nLoad average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs."
         )
-        out += [
-            "",
-            f"Load average per child (other processes' share of the CPU): {loads}. "
-            "`native` is one baseline: its samples in both vLLMs.",
-        ]
-    split = perop_split(perop)
-    if split:
-        out += [
-            "",
-            "Where a layer call's time goes (1 token, medians, microseconds):",
-            "",
-            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
-        ]
+    if split := perop_split(perop):
+        table = md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit)
+        out.append(
+            "\nWhere a layer call's time goes (1 token, medians, microseconds):\n\n"
+            + table
+        )
     return out
 
 
