@@ -15,6 +15,7 @@ from vllm_patch.runtime.machine import BUSY_SHARE
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 ROWS = 500  # the most rows of a table in evidence.md
+NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 
 
 def ratios(serving: er.Serving, mode: str, metric: str, over="patched") -> list:
@@ -124,15 +125,11 @@ def tokens_claim(ev: er.Evidence) -> str | None:
     t = ev.accuracy.tokens
     if t is None or t.max_abs_dlogprob is None:
         return None
-    note = (
-        " (random weights: the builds' numerics, not model quality)"
-        if ev.model.random_weights
-        else ""
-    )
+    note = ev.model.random_weights and NOT_QUALITY
     return (
         f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
         f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
-        f"{t.max_abs_dlogprob:.3g}{note}."
+        f"{t.max_abs_dlogprob:.3g}{note or ''}."
     )
 
 
