@@ -88,9 +88,8 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
     except (ValueError, RecursionError) as exc:
         raise PatchError("not JSON", path=str(config), looked_for=what) from exc
     names = found.get("architectures") if isinstance(found, dict) else None
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        names = []
-    arch = ", ".join(names) or "architecture not stated"
+    listed = isinstance(names, list) and all(isinstance(n, str) for n in names)
+    arch = listed and ", ".join(names) or "architecture not stated"
     context = isinstance(found, dict) and found.get("max_position_embeddings")
     name = f"{Path(path).name} ({arch})"
     return str(folder), {

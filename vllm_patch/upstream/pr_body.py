@@ -85,8 +85,7 @@ class Facts:
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
     ci: list[CiEdit] = field(default_factory=list)
-    measured: Measured | None = None
-    """None: ``--no-bench`` (or ``--evidence``)."""
+    measured: Measured | None = None  # None: --no-bench (or --evidence)
 
 
 def tool_version() -> str:
