@@ -153,9 +153,8 @@ def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
         roles[role].append(f"{mark}{rel}{mark}")
     src, tests, ci = map(_and, roles.values())
     tests = f", with vLLM's tests in {tests}" if tests else ""
-    return f"This changes {src}{tests}" + (
-        f" and their CPU CI step in {ci}." if ci else "."
-    )
+    ci = f" and their CPU CI step in {ci}" if ci else ""
+    return f"This changes {src}{tests}{ci}."
 
 
 def _and(items: list[str]) -> str:
