@@ -41,12 +41,7 @@ def choose_patch(tree, name: str | None = None) -> Any:
     )
 
 
-def random_model(
-    progress: Callable[[str], None],
-    c: dict[str, int],
-    tokenizer: bool = True,
-    kind: str = "llama",
-) -> tuple[str, dict[str, Any]]:
+def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> tuple:
     """The random model of sizes ``c`` (``engine_run``), built in a child or
     reused from the cache, and its description."""
     from vllm_patch.runtime import child
@@ -74,9 +69,8 @@ def random_model(
 
 
 def user_model(path: Path) -> tuple[str, dict[str, Any]]:
-    """A local model folder. Its ``config.json`` is read inside it (or, for a
-    Hugging Face cache snapshot, its repository's ``blobs/``): a link leading
-    elsewhere is refused, so no outside file's text reaches the evidence."""
+    """A local model folder; its ``config.json`` read inside it (or a Hugging Face
+    snapshot's ``blobs/``): no outside file's text reaches the evidence."""
     folder = Path(os.path.realpath(path))
     if not os.path.lexists(folder / "config.json"):
         raise UsageError(
@@ -85,19 +79,17 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
             looked_for="a local model folder with config.json",
             found="no config.json",
         )
-    blobs = (
-        [folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else []
-    )
+    blobs = folder.parent.parent / "blobs"
     what = "a model's config.json"
-    config = inside(folder, "config.json", [folder, *blobs], what=what)
+    within = [folder, blobs] if folder.parent.name == "snapshots" else [folder]
+    config = inside(folder, "config.json", within, what=what)
     try:
         found = json.loads(read_text_at(config, what))
     except (ValueError, RecursionError) as exc:
         raise PatchError("not JSON", path=str(config), looked_for=what) from exc
     names = found.get("architectures") if isinstance(found, dict) else None
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        names = []
-    arch = ", ".join(names) or "architecture not stated"
+    listed = isinstance(names, list) and all(isinstance(n, str) for n in names)
+    arch = listed and ", ".join(names) or "architecture not stated"
     context = isinstance(found, dict) and found.get("max_position_embeddings")
     name = f"{Path(path).name} ({arch})"
     return str(folder), {
@@ -111,7 +103,7 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
 
 def provider_opt_ins() -> tuple[str, ...]:
     """The out-of-tree providers' opt-in variables: never set for a measured
-    vLLM here, so that the base vLLM is vLLM as installed."""
+    vLLM (the base is vLLM as installed)."""
     from patcher.patchset import provider_specs
 
     return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))

@@ -1,82 +1,60 @@
 """The one set of section writers of ``evidence_record``'s records, for
-``evidence.md`` and a pull request description alike: every string read is
-rendered as data (``markdown``); ``limit`` cuts tables and lists."""
+``evidence.md`` and a PR description alike: every string read is rendered as
+data (``markdown``); ``limit`` cuts tables and lists."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
 
+from vllm_patch.runtime import evidence_record as er
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import (
-    A_A,
-    METRICS,
-    MODES,
-    NATIVE,
-    SERVED,
-    SIDES,
-    Decode,
-    DecodeBlock,
-    Divergence,
-    Estimate,
-    Evidence,
-    PerOp,
-    PerOpRow,
-    Qwen3Eager,
-    Serving,
-)
+from vllm_patch.runtime.evidence_record import A_A, METRICS, MODES, NATIVE, SIDES
 from vllm_patch.runtime.machine import BUSY_SHARE
 
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
+ROWS = 500  # the most rows of a table in evidence.md
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
-ROWS = 500
-"""The most rows of a table in ``evidence.md``."""
 
 
-def ratios(
-    serving: Serving, mode: str, metric: str, over: str = "patched"
-) -> list[float]:
+def ratios(serving: er.Serving, mode: str, metric: str, over="patched") -> list:
     """``over`` / base per repetition (the servers ran one after the other)."""
     sides = serving.configs.get(mode, {})
     base, other = (sides.get(s, {}).get(metric, ()) for s in ("base", over))
     return [p / b for b, p in zip(base, other, strict=False) if b]
 
 
-def ratio_shown(serving: Serving, mode: str, metric: str, over: str = "patched") -> str:
-    """``median [min–max]`` of the repetitions' ratios: what every report shows."""
+def ratio_shown(serving: er.Serving, mode: str, metric: str, over="patched") -> str:
     return spread_shown(ratios(serving, mode, metric, over), ratio=True)
-
-
-def label(metric: str) -> str:
-    """``median_tpot_ms`` as ``TPOT median (ms)``."""
-    if metric in LABELS:
-        return LABELS[metric]
-    stat, name, _ = metric.split("_")
-    return f"{name.upper()} {stat.replace('p99', 'P99')} (ms)"
 
 
 def spread_shown(values: list[float], ratio: bool = False) -> str:
     """``median [min–max]`` of ``values``; ``-`` for none."""
     if not values:
         return "-"
-    fmt = (lambda v: f"{v:.3f}x") if ratio else _fmt
-    med, lo, hi = statistics.median(values), min(values), max(values)
-    return fmt(med) if len(values) == 1 else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
+    med, lo, hi = (
+        f"{v:.3f}x" if ratio else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        for v in (statistics.median(values), min(values), max(values))
+    )
+    return med if len(values) == 1 else f"{med} [{lo}–{hi}]"
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+def interval_shown(found: er.Estimate | None, fmt: str = ".3f", unit="") -> str:
+    if found is None:
+        return "-"
+    v, lo, hi = (format(x, fmt) for x in (found.value, *found.ci95))
+    return f"{v}{unit} [{lo}–{hi}]"
 
 
-def serving_table(serving: Serving, mode: str) -> str:
+def serving_table(serving: er.Serving, mode: str) -> str:
     """Per metric each vLLM's figures, patched / base and the A/A control (the
     base served twice, where the run had it): the noise floor."""
     sides = serving.configs[mode]
     over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
         [
-            label(m),
+            LABELS.get(m) or _label(*m.split("_")),
             *(spread_shown(list(sides.get(s, {}).get(m, ()))) for s in SIDES),
             *(ratio_shown(serving, mode, m, o) for o in over),
         ]
@@ -86,19 +64,22 @@ def serving_table(serving: Serving, mode: str) -> str:
     return md.table(heads + [f"{A_A} / base (A/A)"] * (len(over) - 1), rows)
 
 
-def serving_tables(serving: Serving, said: str) -> list[str]:
+def _label(stat: str, name: str, unit: str) -> str:  # median_tpot_ms: TPOT median
+    return f"{name.upper()} {stat.replace('p99', 'P99')} ({unit})"
+
+
+def serving_tables(serving: er.Serving, said: str) -> list[str]:
     """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
     out = []
     for mode in (m for m in MODES if m in serving.configs):
         sides = serving.configs[mode]
         reps = min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
-        out.append(
-            f"{said.format(mode=mode, reps=reps)}\n\n{serving_table(serving, mode)}"
-        )
+        said_here = said.format(mode=mode, reps=reps)
+        out.append(f"{said_here}\n\n{serving_table(serving, mode)}")
     return out
 
 
-def first_difference(first: Divergence | None) -> str:
+def first_difference(first: er.Divergence | None) -> str:
     """Where the greedy tokens first part, counted from 1."""
     if first is None:
         return "the same tokens for every prompt"
@@ -109,7 +90,20 @@ def first_difference(first: Divergence | None) -> str:
     )
 
 
-def throughput_claim(ev: Evidence) -> str | None:
+def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
+    """What the figures say, a line each, the decode step (the headline) first."""
+    found = [
+        ev.decode and decode_claim(ev.decode),
+        throughput_claim(ev),
+        ev.perop and perop_claim(ev.perop, limit),
+        tokens_claim(ev),
+        lm_eval_claim(ev),
+        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
+    ]
+    return [c for c in found if c]
+
+
+def throughput_claim(ev: er.Evidence) -> str | None:
     configs = ev.serving.configs if ev.serving else {}
     said = ", ".join(
         f"{ratio_shown(ev.serving, m, 'output_throughput')} {m}"
@@ -127,19 +121,19 @@ def throughput_claim(ev: Evidence) -> str | None:
     )
 
 
-def tokens_claim(ev: Evidence) -> str | None:
+def tokens_claim(ev: er.Evidence) -> str | None:
     t = ev.accuracy.tokens
     if t is None or t.max_abs_dlogprob is None:
         return None
-    note = NOT_QUALITY if ev.model.random_weights else ""
+    note = ev.model.random_weights and NOT_QUALITY
     return (
         f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
         f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
-        f"{t.max_abs_dlogprob:.3g}{note}."
+        f"{t.max_abs_dlogprob:.3g}{note or ''}."
     )
 
 
-def lm_eval_claim(ev: Evidence) -> str | None:
+def lm_eval_claim(ev: er.Evidence) -> str | None:
     lm = ev.accuracy.lm_eval
     if lm is None or set(lm.scores) != set(SIDES):
         return None
@@ -150,23 +144,21 @@ def lm_eval_claim(ev: Evidence) -> str | None:
     )
 
 
-def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
+def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
     """The base's time per call of vLLM's norm layer over this change's, where
     this change's ran the kernel (else a ratio of native over native)."""
-    layer: dict[tuple[str, int], dict[str, PerOpRow]] = {}
+    layer: dict[tuple[str, int], dict[str, er.PerOpRow]] = {}
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
             layer.setdefault((r.op, r.tokens), {})[r.env] = r
     said, native = [], {}
     for (op, tokens), by in layer.items():
-        if not set(SIDES) <= set(by):
-            continue
-        if by["patched"].impl == "native":
+        if set(SIDES) <= set(by) and by["patched"].impl == "native":
             native[md.code(op, 60)] = None
-            continue
-        ratio = by["base"].median_us / by["patched"].median_us
-        noun = "token" if tokens == 1 else "tokens"
-        said.append(f"{md.code(op, 60)} at {tokens} {noun} {ratio:.1f}x")
+        elif set(SIDES) <= set(by):
+            ratio = by["base"].median_us / by["patched"].median_us
+            noun = "token" if tokens == 1 else "tokens"
+            said.append(f"{md.code(op, 60)} at {tokens} {noun} {ratio:.1f}x")
     if not (said or native):
         return None
     kept = native and (
@@ -181,7 +173,7 @@ def perop_claim(perop: PerOp, limit: int = ROWS) -> str | None:
     )
 
 
-def decode_claim(d: Decode) -> str | None:
+def decode_claim(d: er.Decode) -> str | None:
     """The headline: a decode step with this change over the base, beside
     the A/A control, and the time saved inside ``RMSNorm``."""
     b = d.headline
@@ -203,20 +195,23 @@ def decode_claim(d: Decode) -> str | None:
     )
 
 
-def claims(ev: Evidence, limit: int = ROWS) -> list[str]:
-    """What the figures say, a line each, the decode step (the headline) first."""
-    found = [
-        ev.decode and decode_claim(ev.decode),
-        throughput_claim(ev),
-        ev.perop and perop_claim(ev.perop, limit),
-        tokens_claim(ev),
-        lm_eval_claim(ev),
-        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
-    ]
-    return [c for c in found if c]
+def qwen3_claim(q: er.Qwen3Eager) -> str:
+    patched, unguarded = q.patched, q.unguarded
+    said = (
+        "- Eager Qwen3-architecture model (#31643's configuration): with this "
+        f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
+        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
+        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
+    )
+    if unguarded.first_divergence is None:
+        return said + "; the kernels unguarded give the same tokens too."
+    return (
+        f"{said}; the kernels unguarded, as before #31643, match in "
+        f"{unguarded.identical_prompts} of {len(q.prompts)}."
+    )
 
 
-def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
+def accuracy_lines(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     out = []
     t = ev.accuracy.tokens
     for mode, found in (t.configs if t else {}).items():
@@ -237,12 +232,8 @@ def accuracy_lines(ev: Evidence, limit: int = ROWS) -> list[str]:
         how = ", ".join(md.text(x, 60) for x in (lm.mode, first) if x) + (
             f", --limit {lm.limit}" if lm.limit else ""
         )
-        out += [
-            "",
-            f"`lm_eval` {md.text(lm.task, 60)} ({how}):",
-            "",
-            md.table(["vLLM", "exact_match ± stderr"], rows, limit),
-        ]
+        table = md.table(["vLLM", "exact_match ± stderr"], rows, limit)
+        out.append(f"\n`lm_eval` {md.text(lm.task, 60)} ({how}):\n\n{table}")
     return out
 
 
@@ -257,7 +248,7 @@ QWEN3_HEADER = ("RMSNorm on CPU",
     "largest |Δ logprob| before it", "distinct tokens per completion")  # fmt: skip
 
 
-def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
+def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
     """The eager Qwen3 comparison: per side its kernel calls, its tokens
     against base's and how varied its text is; the first differing text."""
     rows = []
@@ -283,9 +274,7 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
         "for one token's row (a one-sequence decode step), which is contiguous. "
         f"Here: {md.text(q.model.named(), 400)}; "
         f"{len(q.prompts)} prompts, {q.max_tokens} greedy tokens each, eager, one "
-        "offline engine per side.",
-        "",
-        md.table(QWEN3_HEADER, rows),
+        f"offline engine per side.\n\n{md.table(QWEN3_HEADER, rows)}"
     ]
     first = q.unguarded.first_divergence
     texts = {s: getattr(q.sides, s).texts for s in ("base", "unguarded")}
@@ -298,23 +287,7 @@ def qwen3_eager_markdown(q: Qwen3Eager) -> list[str]:
     return out
 
 
-def qwen3_claim(q: Qwen3Eager) -> str:
-    patched, unguarded = q.patched, q.unguarded
-    said = (
-        "- Eager Qwen3-architecture model (#31643's configuration): with this "
-        f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
-        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
-        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
-    )
-    if unguarded.first_divergence is None:
-        return said + "; the kernels unguarded give the same tokens too."
-    return (
-        f"{said}; the kernels unguarded, as before #31643, match in "
-        f"{unguarded.identical_prompts} of {len(q.prompts)}."
-    )
-
-
-def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
+def numerics_table(ev: er.Evidence, limit: int = ROWS) -> str:
     rows = []
     for build, ops in (ev.numerics or {}).items():
         for op, dtypes in ops.items():
@@ -330,7 +303,7 @@ def numerics_table(ev: Evidence, limit: int = ROWS) -> str:
 
 
 def perop_table(
-    perop: PerOp, shown: Callable[[PerOpRow], bool] = bool, limit: int = ROWS
+    perop: er.PerOp, shown: Callable[[er.PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
     """Microseconds per call: a row per op and token count, a column per vLLM
     and route (of the rows ``shown``: all by default), with native's time over
@@ -356,14 +329,11 @@ def perop_table(
     return md.table(["op", "tokens", *header], rows, limit)
 
 
-def perop_heading(perop: PerOp, escape=md.text) -> str:
-    spread = (
-        ""
-        if perop.clock is None
-        else f", median [p10–p90] of the {escape(perop.clock, 40)}"
-    )
+def perop_heading(perop: er.PerOp, escape=md.text) -> str:
+    clock = perop.clock and f", median [p10–p90] of the {escape(perop.clock, 40)}"
     return (
-        f"Microseconds per call (native / this){spread}, {escape(perop.dtype, 20)}, "
+        f"Microseconds per call (native / this){clock or ''}, "
+        f"{escape(perop.dtype, 20)}, "
         f"hidden {perop.hidden_size}, {perop.threads} thread(s)"
     )
 
@@ -372,7 +342,7 @@ SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
          "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
 
 
-def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
+def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
     call, CustomOp dispatch (layer call - its forward method), the forward
     method's own work with IR dispatch (forward - what it runs), IR dispatch
@@ -403,38 +373,27 @@ def perop_split(perop: PerOp, tokens: int = 1) -> list[list]:
     return out
 
 
-def perop_lines(perop: PerOp, limit: int = ROWS) -> list[str]:
+def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
     out = [perop_table(perop, limit=limit)]
-    if perop.load:
-        loads = ", ".join(
-            f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
-            for x in perop.load
+    if loads := ", ".join(
+        f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
+        for x in perop.load
+    ):
+        out.append(
+            f"\nLoad average per child (other processes' share of the CPU): {loads}. "
+            "`native` is one baseline: its samples in both vLLMs."
         )
-        out += [
-            "",
-            f"Load average per child (other processes' share of the CPU): {loads}. "
-            "`native` is one baseline: its samples in both vLLMs.",
-        ]
-    split = perop_split(perop)
-    if split:
-        out += [
-            "",
-            "Where a layer call's time goes (1 token, medians, microseconds):",
-            "",
-            md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit),
-        ]
+    if split := perop_split(perop):
+        table = md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit)
+        out.append(
+            "\nWhere a layer call's time goes (1 token, medians, microseconds):\n\n"
+            + table
+        )
     return out
 
 
-def interval_shown(found: Estimate | None, fmt: str = ".3f", unit: str = "") -> str:
-    if found is None:
-        return "-"
-    v, lo, hi = (format(x, fmt) for x in (found.value, *found.ci95))
-    return f"{v}{unit} [{lo}–{hi}]"
-
-
-def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
+def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     """A thread count's decode figures: ratios, per engine the step and the
     time inside ``RMSNorm``, the saving and whether the ratio agrees with it."""
     rows = [
@@ -462,12 +421,12 @@ def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
     calls = f" ({calls:.0f} calls)" if calls is not None else ""
     for side, saved in list(b.savings.items())[:limit]:
         share, (lo, hi) = saved.share, saved.expected_ratio
-        out += [
+        out.append(
             f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms of "
             f"CPU time saved inside RMSNorm per decode step{calls}, "
             f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
-            f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected.",
-        ]
+            f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
+        )
     if b.consistent is not None:
         out.append(_consistent(b))
     out.append(
@@ -477,12 +436,12 @@ def decode_block(b: DecodeBlock, limit: int = ROWS) -> list[str]:
     return out
 
 
-def _consistent(b: DecodeBlock) -> str:
+def _consistent(b: er.DecodeBlock) -> str:
     """Whether the end-to-end ratio agrees with the saving attributed."""
-    said, how = ("does not contradict", "meets"), ""
+    said, how = "does not contradict the attributed saving (its interval meets", ""
     ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
     if b.consistent.contradicts:
-        said = ("**contradicts**", "misses")
+        said = "**contradicts** the attributed saving (its interval misses"
         if ratio and saved:
             more = ratio.ci95.high < saved.expected_ratio.low
             how = ": the step saves " + (
@@ -490,40 +449,33 @@ def _consistent(b: DecodeBlock) -> str:
                 if more
                 else "less than the time inside RMSNorm"
             )
-    return (
-        f"- The end-to-end patched/base ratio {said[0]} the attributed saving "
-        f"(its interval {said[1]} the expected one){how}."
-    )
+    return f"- The end-to-end patched/base ratio {said} the expected one){how}."
 
 
-def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
+COMPILED = (
+    "\n### Compiled (Inductor), {n} thread(s): custom_ops "
+    '["none", "+rms_norm"] (the kernels) against the default (native)\n'
+)
+
+
+def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
         f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-        f"build {md.text(d.kernel_build, 20)}",
-        "",
-        f"{md.text(d.model.named())}; batch 1; each round, every engine (each kept "
-        f"alive in its own process) generates {d.tokens} tokens, the engines taking "
-        "turns step by step; a round's figure is the median of its decode steps; "
-        "ratios are trimmed means of per-round ratios with bootstrap 95% "
-        "intervals; the CPU time is the engine process's.",
-        "",
+        f"build {md.text(d.kernel_build, 20)}\n\n{md.text(d.model.named())}; "
+        "batch 1; each round, every engine (each kept alive in its own process) "
+        f"generates {d.tokens} tokens, the engines taking turns step by step; a "
+        "round's figure is the median of its decode steps; ratios are trimmed "
+        "means of per-round ratios with bootstrap 95% intervals; the CPU time is "
+        "the engine process's.\n",
+        *(decode_block(d.headline, limit) if d.headline else ()),
     ]
-    if d.headline:
-        out += decode_block(d.headline, limit)
     for n, b in list(d.by_threads.items())[:limit]:
         if n != str(d.threads):
-            out += ["", f"### {md.text(n, 10)} threads", "", *decode_block(b, limit)]
+            out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
-        out += [
-            "",
-            f"### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
-            '["none", "+rms_norm"] (the kernels) against the default (native)',
-            "",
-            *decode_block(b, limit),
-        ]
-        found = b.comparisons.get("+rms_norm/default")
-        if found:  # what the interval says against 1.0
+        out += [COMPILED.format(n=md.text(n, 10)), *decode_block(b, limit)]
+        if found := b.comparisons.get("+rms_norm/default"):  # against 1.0
             low, high = found.ci95
             said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"
             if low <= 1.0 <= high:
@@ -532,15 +484,14 @@ def decode_markdown(d: Decode, limit: int = ROWS) -> list[str]:
     return out
 
 
-def evidence_markdown(ev: Evidence) -> str:
+def evidence_markdown(ev: er.Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
-    out = ["# vllm-patch bench evidence", ""]
+    out = ["# vllm-patch bench evidence\n"]
     if m := ev.machine:  # and the CPU flags the kernels use
         flags = ", ".join(m.key_flags[:32]) or "none of the listed"
         said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
         out.append(f"- Machine: {md.text(f'{said}; kernel flags: {flags}', 400)}")
-    if ev.vllm:
-        v = ev.vllm
+    if v := ev.vllm:
         out.append(
             f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
             f"with {md.code(v.patch, 60)}"
@@ -558,29 +509,28 @@ def evidence_markdown(ev: Evidence) -> str:
     if ev.interrupted:
         out.append("- **Interrupted**: this is what was measured before that.")
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
-    found = claims(ev)
-    if found:
-        out += ["", "## In short", "", *found]
+    if found := claims(ev):
+        out += ["\n## In short\n", *found]
     if ev.decode:
         out += ["", *decode_markdown(ev.decode)]
     if ev.serving:
         out += _serving_lines(ev.serving)
     acc = accuracy_lines(ev)
     if ev.qwen3_eager:
-        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)", ""]
+        acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)\n"]
         acc += qwen3_eager_markdown(ev.qwen3_eager)
     if acc:
-        out += ["", "## Accuracy", "", *acc]
+        out += ["\n## Accuracy\n", *acc]
     if ev.numerics:
-        out += ["", "## Numerics per x86 kernel build", "", numerics_table(ev)]
+        out.append(f"\n## Numerics per x86 kernel build\n\n{numerics_table(ev)}")
     for perop in [ev.perop, *ev.perop_threads] if ev.perop else []:
-        out += ["", f"## {perop_heading(perop)}", "", *perop_lines(perop)]
+        out += [f"\n## {perop_heading(perop)}\n", *perop_lines(perop)]
     return "\n".join(out) + "\n"
 
 
-def _serving_lines(serving: Serving) -> list[str]:
-    said = "## Serving, {mode}: median [min–max] of {reps} repetitions"
-    out = [line for t in serving_tables(serving, said) for line in ("", t)]
+def _serving_lines(serving: er.Serving) -> list[str]:
+    said = "\n## Serving, {mode}: median [min–max] of {reps} repetitions"
+    out = serving_tables(serving, said)
     s = serving.sizes
     summary = s and (
         f" ({s.num_prompts} requests of {s.input_len} tokens in, {s.output_len} "
@@ -590,11 +540,11 @@ def _serving_lines(serving: Serving) -> list[str]:
         commands = md.fence(serving.commands, "bash")
         out += ["", md.details(f"Commands{summary or ''}", commands)]
     if serving.server_log:
-        out += ["", "What the servers logged about their kernels:", ""]
+        out.append("\nWhat the servers logged about their kernels:\n")
         out += [
             f"- {mode}, {side}: {md.code(line)}"
             for mode, sides in serving.server_log.items()
-            for side in SERVED
+            for side in er.SERVED
             for line in sides.get(side, ())[:ROWS]
         ]
     return out

@@ -1,6 +1,5 @@
-"""``DIR/evidence.json`` (``vllm-patch bench --out DIR``, ``docs/bench.md``) read
-once into frozen records shaped as the file is, for ``evidence.md`` and a PR
-description alike. The file is data: one reader, driven by the records' type
+"""``DIR/evidence.json`` (``bench --out DIR``, ``docs/bench.md``) read once into
+frozen records shaped as the file is: one reader, driven by the records' type
 hints, checks every value's type and bounds (``Meta``); anything else is one
 ``PatchError`` (exit 3) naming the field. A part not measured is None."""
 
@@ -40,6 +39,7 @@ MOST_THREADS = 8  # other thread counts of perop (perop_threads)
 MOST_COLUMNS = 24  # (vLLM, route) pairs in the per-op table
 LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
 MOST_COUNT = 10**7
+_NAMES = {str: "a string", int: "a whole number", float: "a number"}
 
 
 class Bad(Exception):
@@ -56,26 +56,32 @@ class Meta(NamedTuple):
 
 Time = Annotated[float, Meta(time=True)]
 Numbers = Annotated[tuple[float, ...], Meta(empty=False)]
+Rows = Meta(most=MOST_ROWS)
 record = dataclass(frozen=True, kw_only=True)
 """A table of the file, its fields its keys; one without a default is required."""
-
-
-def empty():
-    return field(default_factory=dict)
+empty = functools.partial(field, default_factory=dict)
 
 
 def typed(kind, value: object, at: str):
-    """``value`` as ``kind``: a record, a ``NamedTuple`` (a list of that many),
-    ``tuple[X, ...]``, ``dict[K, X]`` (``K`` a ``Literal``: only those keys),
-    ``str``, ``int`` (a count), ``float``, ``bool`` or a union, optionally
-    ``Annotated`` with ``Meta``. Else ``Bad`` naming the first field that is not."""
+    """``value`` as ``kind`` (a record, ``NamedTuple``, ``tuple[X, ...]``,
+    ``dict[K, X]``, scalar or union), else ``Bad`` naming the first bad field."""
     meta = Meta()
     if get_origin(kind) is Annotated:
         kind, meta = get_args(kind)
     if dataclasses.is_dataclass(kind):
-        return _record(kind, value, at)
+        if not isinstance(value, dict):
+            raise Bad(f"{at or 'the document'}: not a table")
+        made = kind(**_fields(kind, value, at))
+        return made.checked(value, at) if hasattr(made, "checked") else made
     if get_origin(kind) in (typing.Union, types.UnionType):
-        return _union(get_args(kind), value, at)
+        if value is None and type(None) in get_args(kind):
+            return None
+        for each in (k for k in get_args(kind) if k is not type(None)):
+            try:
+                return typed(each, value, at)
+            except Bad as exc:
+                last = exc
+        raise last
     if get_origin(kind) is tuple or hasattr(kind, "_fields"):
         return _list(kind, meta, value, at)
     if get_origin(kind) is dict:
@@ -88,9 +94,7 @@ def _hints(kind) -> dict[str, object]:
     return typing.get_type_hints(kind, include_extras=True)
 
 
-def _record(kind, value: object, at: str):
-    if not isinstance(value, dict):
-        raise Bad(f"{at or 'the document'}: not a table")
+def _fields(kind, value: dict, at: str) -> dict:
     found = {}
     for f in dataclasses.fields(kind):
         where = f"{at}.{f.name}" if at else f.name
@@ -98,19 +102,7 @@ def _record(kind, value: object, at: str):
             found[f.name] = typed(_hints(kind)[f.name], value[f.name], where)
         elif f.default is f.default_factory is dataclasses.MISSING:
             raise Bad(f"{where}: missing")
-    made = kind(**found)
-    return made.checked(value, at) if hasattr(made, "checked") else made
-
-
-def _union(kinds: tuple, value: object, at: str):
-    if value is None and type(None) in kinds:
-        return None
-    for kind in (k for k in kinds if k is not type(None)):
-        try:
-            return typed(kind, value, at)
-        except Bad as exc:
-            last = exc
-    raise last
+    return found
 
 
 def _list(kind, meta: Meta, value: object, at: str) -> tuple:
@@ -125,8 +117,7 @@ def _list(kind, meta: Meta, value: object, at: str) -> tuple:
         raise Bad(f"{at}: more than {meta.most} entries")
     if not (value or meta.empty):
         raise Bad(f"{at}: empty")
-    item = get_args(kind)[0]
-    return tuple(typed(item, v, f"{at}[{i}]") for i, v in enumerate(value))
+    return tuple(typed(get_args(kind)[0], v, f"{at}[{i}]") for i, v in enumerate(value))
 
 
 def _table(key, kind, value: object, at: str) -> dict:
@@ -145,7 +136,7 @@ def _table(key, kind, value: object, at: str) -> dict:
 def _scalar(kind: type, meta: Meta, value: object, at: str):
     accepted = (int, float) if kind is float else kind
     if not isinstance(value, accepted) or isinstance(value, bool) != (kind is bool):
-        raise Bad(f"{at}: not {_NAMES[kind]}")
+        raise Bad(f"{at}: not {_NAMES.get(kind, 'true or false')}")
     if kind is str and len(value) > LONGEST:
         raise Bad(f"{at}: longer than {LONGEST} characters")
     if kind is int and not 0 <= value <= MOST_COUNT:
@@ -155,14 +146,6 @@ def _scalar(kind: type, meta: Meta, value: object, at: str):
     if meta.time and not value > 0:
         raise Bad(f"{at}: not a time above 0")
     return value
-
-
-_NAMES = {
-    str: "a string",
-    int: "a whole number",
-    float: "a number",
-    bool: "true or false",
-}
 
 
 @record
@@ -235,7 +218,7 @@ class TokenMode:
     """``accuracy.compare``'s verdict on one pair of sides."""
 
     identical_prompts: int
-    per_prompt: Annotated[tuple[PerPrompt, ...], Meta(most=MOST_ROWS)]
+    per_prompt: Annotated[tuple[PerPrompt, ...], Rows]
     max_abs_dlogprob: float
     first_divergence: Divergence | None = None
 
@@ -282,14 +265,12 @@ class PerOpRow:
     op: str
     tokens: int
     route: str
-    wrong: str | None = None
-    """Why this route was not timed (outside the op's tolerance)."""
+    wrong: str | None = None  # why the route was not timed (outside tolerance)
     median_us: Time | None = None
     native_us: Time | None = None
     p10_us: Time | None = None
     p90_us: Time | None = None
-    impl: str | None = None
-    """What a layer route ran, ``kernel`` or ``native``."""
+    impl: str | None = None  # what a layer route ran: kernel or native
 
     def checked(self, value: dict, at: str) -> PerOpRow:
         for key in [] if self.wrong else ["median_us", "native_us"]:
@@ -310,7 +291,7 @@ class PerOp:
     hidden_size: int
     dtype: str
     threads: int
-    rows: Annotated[tuple[PerOpRow, ...], Meta(most=MOST_ROWS)]
+    rows: Annotated[tuple[PerOpRow, ...], Rows]
     clock: str | None = None
     load: tuple[ChildLoad, ...] = ()
 
@@ -327,19 +308,16 @@ class Tolerance(NamedTuple):
 
 @record
 class Qwen3Side:
-    kernel_calls: dict[str, int]
-    """Per kernel, in one prefill and one decode step."""
+    kernel_calls: dict[str, int]  # per kernel, in one prefill and one decode step
     distinct_share: Numbers
     texts: tuple[str, ...]
 
 
 @record
 class Qwen3Sides:
-    """vLLM as installed, with the change, and the kernels for every input."""
-
     base: Qwen3Side
     patched: Qwen3Side
-    unguarded: Qwen3Side
+    unguarded: Qwen3Side  # the kernels for every input
 
 
 @record
@@ -361,29 +339,23 @@ class Span(NamedTuple):
 
 
 class Estimate:
-    """A figure (a ratio, milliseconds or a share) and its 95% interval."""
+    """A figure (its key ``ratio``, ``ms`` or ``share``) and its 95% interval."""
 
     @property
     def value(self) -> float:
         return getattr(self, dataclasses.fields(self)[0].name)
 
 
-@record
-class Ratio(Estimate):
-    ratio: float
-    ci95: Span
-
-
-@record
-class Ms(Estimate):
-    ms: float
-    ci95: Span
-
-
-@record
-class Share(Estimate):
-    share: float
-    ci95: Span
+Ratio, Ms, Share = (
+    dataclasses.make_dataclass(
+        name,
+        [(name.lower(), float), ("ci95", Span)],
+        bases=(Estimate,),
+        frozen=True,
+        kw_only=True,
+    )
+    for name in ("Ratio", "Ms", "Share")
+)
 
 
 @record
@@ -408,13 +380,13 @@ class Consistent:
 
 @record
 class DecodeBlock:
-    """One thread count's (or the compiled pair's) decode figures."""
+    """One thread count's (or the compiled pair's) decode figures; per engine
+    CPU (and wall) ms per step, and inside ``RMSNorm``."""
 
     rounds: int
     busy_rounds: int
     comparisons: dict[str, Comparison] = empty()
     step_ms: dict[str, Ms] = empty()
-    """Per engine, CPU milliseconds per step (and inside ``RMSNorm``, wall)."""
     step_wall_ms: dict[str, Ms] = empty()
     norm_ms: dict[str, Ms] = empty()
     norm_wall_ms: dict[str, Ms] = empty()
@@ -425,8 +397,8 @@ class DecodeBlock:
 
 @record
 class Decode:
-    """``bench --decode``: one decode step, base against patched; ``headline``
-    the block at the top level, at ``threads``."""
+    """``bench --decode``: base against patched; ``headline`` the block at the
+    top level, at ``threads``."""
 
     model: Model
     dtype: str
@@ -453,8 +425,7 @@ class Evidence:
     accuracy: Accuracy = Accuracy()
     numerics: dict[str, dict[str, dict[str, float | str]]] | None = None
     """Per kernel build, op and dtype: the rtol needed, or why none."""
-    tolerance: dict[str, dict[str, Tolerance]] = empty()
-    """Per op and dtype: vLLM's own rtol and atol."""
+    tolerance: dict[str, dict[str, Tolerance]] = empty()  # vLLM's, per op and dtype
     perop: PerOp | None = None
     qwen3_eager: Qwen3Eager | None = None
     decode: Decode | None = None
@@ -471,16 +442,14 @@ class Evidence:
 
 
 def parse(doc: object) -> Evidence:
-    """``doc`` (``evidence.json`` loaded) as records, or ``Bad`` naming the
-    first field that is not what ``bench`` writes."""
+    """``doc`` (``evidence.json`` loaded) as records, or ``Bad``."""
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise Bad(f"no `schema: {SCHEMA}`")
     return typed(Evidence, doc, "")
 
 
 def read(folder: Path) -> Evidence:
-    """``folder``'s evidence (the folder is the user's choice; the file in it a
-    regular file, never a link, read by ``patcher.files``), or one ``PatchError``."""
+    """``folder``'s evidence (a regular file, never a link), or one ``PatchError``."""
     from patcher.files import read_text_at
 
     path = Path(os.path.realpath(folder)) / EVIDENCE

@@ -1,7 +1,6 @@
-"""The one way vllm-patch writes Markdown (tables, collapsed sections) and
-renders a string it did not write as data (:func:`text`, :func:`code`,
-:func:`fence`, :func:`html`): none lets a string open HTML (``<!--``), a link
-or an image, break out of a code span or fence, or mention a GitHub user."""
+"""The one way vllm-patch writes Markdown and renders a string it did not write
+as data: none lets a string open HTML (``<!--``), a link or an image, break out
+of a code span or fence, or mention a GitHub user."""
 
 from __future__ import annotations
 
@@ -9,23 +8,21 @@ import html as _html
 import re
 from collections.abc import Iterable, Sequence
 
-SHORT = 120
-"""Free text (a model's or a machine's name) is cut to this many characters."""
+SHORT = 120  # characters of free text (a model's or a machine's name)
 _PUNCT = re.compile(r"([\\`*\[\]<>&!~#])|(?<!\w)_|_(?!\w)")
 _MENTION = "@\u200b"  # a zero-width space after @: GitHub mentions no one
 
 
 def printable(value: object, limit: int = SHORT) -> str:
-    """``value`` on one line of printable characters (control, format and
-    bidi characters as spaces, runs of spaces as one), cut to ``limit``."""
+    """``value`` on one line, control, format and bidi characters (and runs of
+    spaces) as one space, cut to ``limit``."""
     text = "".join(c if c.isprintable() else " " for c in str(value))
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def text(value: object, limit: int = SHORT) -> str:
-    """``value`` as literal Markdown text: :func:`printable`, every character
-    Markdown or HTML would read as syntax backslash-escaped, ``@`` inert."""
+    """``value`` as literal Markdown text: syntax escaped, ``@`` inert."""
     found = printable(value, limit)
     found = _PUNCT.sub(lambda m: "\\" + m[0], found)
     return found.replace("@", _MENTION)
@@ -37,8 +34,7 @@ def html(value: object, limit: int = SHORT) -> str:
 
 
 def code(value: object, limit: int = 1000) -> str:
-    """``value`` as an inline code span whose fence no backtick run in it
-    closes (nothing inside a code span is Markdown, HTML or a mention)."""
+    """``value`` as an inline code span no backtick run in it closes."""
     found = printable(value, limit)
     fence = "`" * (max(map(len, re.findall("`+", found)), default=0) + 1)
     pad = " " if found[:1] == "`" or found[-1:] == "`" else ""
@@ -46,8 +42,7 @@ def code(value: object, limit: int = 1000) -> str:
 
 
 def fence(lines: Iterable[object], info: str = "", limit: int = 2000) -> str:
-    """``lines`` as a fenced code block no line in it can close: a fence longer
-    than any backtick run (each line printable, cut to ``limit``)."""
+    """``lines`` as a fenced code block no backtick run in it can close."""
     body = [printable(line, limit) for line in lines]
     run = max((len(r) for b in body for r in re.findall("`+", b)), default=0)
     mark = "`" * max(3, run + 1)
@@ -55,9 +50,8 @@ def fence(lines: Iterable[object], info: str = "", limit: int = 2000) -> str:
 
 
 def cell(value: object) -> str:
-    """A value as a table cell: newlines as spaces, None as ``-``, every ``|``
-    escaped so that it splits no cell (in code spans too: an odd number of
-    backslashes before it, as GitHub's table parser counts them)."""
+    """A table cell: None as ``-``, every ``|`` escaped (an odd number of
+    backslashes before it, as GitHub counts them, in code spans too)."""
     found = "-" if value is None else str(value).replace("\n", " ")
     return re.sub(r"(\\*)\|", lambda m: m[1] + "\\" * (1 + len(m[1]) % 2) + "|", found)
 
@@ -65,9 +59,8 @@ def cell(value: object) -> str:
 def table(
     header: Sequence[str], rows: Iterable[Sequence[object]], limit: int | None = None
 ) -> str:
-    """A GitHub-flavoured Markdown table; numbers right-aligned by column
-    when every value in it is a number. Past ``limit`` rows, a note says how
-    many were left out."""
+    """A GitHub table, a column of numbers right-aligned; past ``limit`` rows,
+    a note says how many were left out."""
     rows = [list(r) for r in rows]
     left = len(rows) - limit if limit is not None and len(rows) > limit else 0
     rows = rows[: len(rows) - left]
@@ -86,6 +79,5 @@ def table(
 
 
 def details(summary: str, body: str) -> str:
-    """``body`` collapsed under ``summary`` (GitHub's ``<details>``; the
-    summary is HTML: :func:`html` any data in it)."""
+    """``body`` collapsed under ``summary`` (HTML: :func:`html` data in it)."""
     return f"<details>\n<summary>{summary}</summary>\n\n{body.strip()}\n\n</details>"

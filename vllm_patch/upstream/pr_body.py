@@ -1,7 +1,6 @@
-"""The pull request description: the checkout's template (``template``) filled
-with this run's figures only (``vllm_tests``, ``figures`` or ``--evidence``,
-rendered by ``bench_result``; nothing measured is said so), the patch's
-``upstream.md`` and what the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The pull request description: the checkout's PR template filled with this
+run's figures only (nothing measured is said so), the patch's ``upstream.md``
+and what the checkout's ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -25,23 +24,24 @@ from vllm_patch.upstream.template import Piece, Template, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
 
 TOOL = "vllm-patch"
-TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")
-"""Attribution trailers ``AGENTS.md`` names, the first it names used."""
-AI_BOX = "AI assistance was used"
-"""A checklist box always ticked: the tool was written with AI assistance."""
-TESTED_BOX = "Testing and Validation:"
-"""Ticked when the edited tests ran here, passing with the change and failing
-without it, and vLLM's CPU CI runs them. The other boxes are the author's."""
+TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")  # AGENTS.md's first
+AI_BOX = "AI assistance was used"  # always ticked: the tool was written with it
+TESTED_BOX = "Testing and Validation:"  # see _ticked; the other boxes: the author's
+BODY_LIMIT = 65536  # GitHub's bound on a pull request's body, in characters
 
-SERVE = (
-    "vllm serve {model} [--enforce-eager]\nvllm bench serve --model {model} "
-    "--dataset-name random --random-input-len 128 --random-output-len 128 "
-    "--num-prompts 64 --ignore-eos --seed 0"
-)
-LM_EVAL = (
-    "lm_eval --model local-completions --tasks gsm8k --model_args "
-    "model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4"
-)
+SERVE = """Serving, on each build, eager and compiled:
+
+```bash
+vllm serve {model} [--enforce-eager]
+vllm bench serve --model {model} --dataset-name random --random-input-len 128 \
+--random-output-len 128 --num-prompts 64 --ignore-eos --seed 0
+```"""
+LM_EVAL = """Accuracy, against `vllm serve {model}` on each build:
+
+```bash
+lm_eval --model local-completions --tasks gsm8k --model_args \
+model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4
+```"""
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
@@ -50,32 +50,30 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
     if folder is None:
         return None
     ev = evidence_record.read(folder)
-    found = _misfit(ev, patch)
+    configs = ev.serving.configs if ev.serving else {}
+    lm = ev.accuracy.lm_eval
+    found = [
+        f"serving.configs.{mode}.{side}: not measured"
+        for mode, sides in configs.items()
+        for side in SIDES
+        if not sides.get(side)
+    ]
+    if lm and set(lm.scores) != set(SIDES):
+        found.append("accuracy.lm_eval: no exact_match and stderr for base and patched")
+    if ev.vllm is None or ev.vllm.patch != patch.name:
+        said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
+        found[:0] = [
+            f"figures of another change ({said}); measure this one with "
+            f"`vllm-patch bench --serve --patch {patch.name} --out DIR`"
+        ]
     if found:
         raise PatchError(
             "not usable evidence",
             path=str(Path(os.path.realpath(folder)) / evidence_record.EVIDENCE),
             looked_for=f"what `bench --serve` measured for {patch.name}",
-            found=found,
+            found=found[0],
         )
     return ev
-
-
-def _misfit(ev: Evidence, patch: Patch) -> str | None:
-    if ev.vllm is None or ev.vllm.patch != patch.name:
-        said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
-        return (
-            f"figures of another change ({said}); measure this "
-            f"one with `vllm-patch bench --serve --patch {patch.name} --out DIR`"
-        )
-    for mode, sides in (ev.serving.configs if ev.serving else {}).items():
-        for side in SIDES:
-            if not sides.get(side):
-                return f"serving.configs.{mode}.{side}: not measured"
-    lm = ev.accuracy.lm_eval
-    if lm and set(lm.scores) != set(SIDES):
-        return "accuracy.lm_eval: no exact_match and stderr for base and patched"
-    return None
 
 
 @dataclass(frozen=True)
@@ -87,12 +85,7 @@ class Facts:
     tests: TestRuns | None = None
     left_out: dict[str, str] = field(default_factory=dict)
     ci: list[CiEdit] = field(default_factory=list)
-    measured: Measured | None = None
-    """None: ``--no-bench`` (or ``--evidence``)."""
-
-
-BODY_LIMIT = 65536
-"""GitHub's bound on a pull request's body, in characters."""
+    measured: Measured | None = None  # None: --no-bench (or --evidence)
 
 
 def tool_version() -> str:
@@ -160,9 +153,8 @@ def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
         roles[role].append(f"{mark}{rel}{mark}")
     src, tests, ci = map(_and, roles.values())
     tests = f", with vLLM's tests in {tests}" if tests else ""
-    return f"This changes {src}{tests}" + (
-        f" and their CPU CI step in {ci}." if ci else "."
-    )
+    ci = f" and their CPU CI step in {ci}" if ci else ""
+    return f"This changes {src}{tests}{ci}."
 
 
 def _and(items: list[str]) -> str:
@@ -228,11 +220,9 @@ def _plan(upstream: Upstream, facts: Facts):
         )
     yield f"The tests, with and without this change:\n\n```bash\n{command}\n```"
     if not (ev and ev.serving):
-        yield "Serving, on each build, eager and compiled:"
-        yield f"```bash\n{SERVE.format(model=model)}\n```"
+        yield SERVE.format(model=model)
     if not (ev and ev.accuracy.lm_eval):
-        yield f"Accuracy, against `vllm serve {model}` on each build:"
-        yield f"```bash\n{LM_EVAL.format(model=model)}\n```"
+        yield LM_EVAL.format(model=model)
 
 
 TRUNCATES = (
@@ -266,8 +256,8 @@ def _results(facts: Facts, rows: int):
     elif tests or bench:
         yield f"Measured on {md.text(tests or bench, 400)}."
     if ev and ev.decode:  # the evidence's headline: time per decode step
-        lines = bench_result.decode_markdown(ev.decode, rows)
-        yield "\n".join(re.sub(r"^#{2,3} (.+)$", r"**\1**", x) for x in lines)
+        lines = "\n".join(bench_result.decode_markdown(ev.decode, rows))
+        yield re.sub(r"^#{2,3} (.+)$", r"**\1**", lines, flags=re.M)
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
@@ -333,20 +323,6 @@ def _serving(ev: Evidence, rows: int) -> str:
     return md.details(summary, "\n\n".join([*tables, commands]))
 
 
-def _details(upstream: Upstream, facts: Facts):
-    yield upstream.purpose
-    for edit in facts.ci:
-        if edit.text is None and edit.wiring.tests:
-            tests = ", ".join(f"`{t}`" for t in edit.wiring.tests)
-            yield f"CI: {tests} not added to `{edit.wiring.file}`: {edit.reason}."
-    for file, reason in facts.left_out.items():
-        yield f"Left out of this commit: `{file}` ({reason})."
-    yield _provenance(facts)
-    changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
-    if changes:
-        yield md.details("What the diff does, file by file", "\n".join(changes))
-
-
 PROVENANCE = """\
 - How this was made: the diff is generated by {tool} (LibCST codemods; a tool \
 written with AI assistance), which also ran the tests and measurements quoted \
@@ -356,17 +332,27 @@ the kernels off on purpose, and this PR answers it above. Open PRs were not \
 searched by the tool: `gh pr list --repo vllm-project/vllm --state open --search \
 "RMSNorm forward_cpu"`.
 - Tests run: {tests} Model evaluation: {evaluation}"""
-"""What vLLM's ``AGENTS.md`` asks an AI-assisted PR to state."""
 
 
-def _provenance(facts: Facts) -> str:
+def _details(upstream: Upstream, facts: Facts):
+    yield upstream.purpose
+    for edit in facts.ci:
+        if edit.text is None and edit.wiring.tests:
+            tests = ", ".join(f"`{t}`" for t in edit.wiring.tests)
+            yield f"CI: {tests} not added to `{edit.wiring.file}`: {edit.reason}."
+    for file, reason in facts.left_out.items():
+        yield f"Left out of this commit: `{file}` ({reason})."
     ran = facts.tests and facts.tests.after.ran
-    return PROVENANCE.format(
+    qwen3 = facts.measured and facts.measured.qwen3
+    yield PROVENANCE.format(
         tool=tool_version(),
         tests="the table above." if ran else "none here; the command above.",
         evaluation=(
             "the eager Qwen3 comparison above; gsm8k needs the commands above."
-            if facts.measured and facts.measured.qwen3
+            if qwen3
             else "not run here; the commands above."
         ),
     )
+    changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
+    if changes:
+        yield md.details("What the diff does, file by file", "\n".join(changes))

@@ -22,12 +22,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 PRE_COMMIT = ".pre-commit-config.yaml"
+# A hook's rev: a tag (v0.14.0) or, as `pre-commit autoupdate --freeze` writes it
+# (vLLM 0.34 on), a commit and `# frozen: v0.17.2`.
 REV = (
     r"{repo}[ \t]*\r?\n[ \t]*rev:[ \t]*v?([\w.]+)"
     r"(?:[ \t]*#[ \t]*frozen:[ \t]*v?([\w.]+))?"
 )
-"""A hook's ``rev``: a tag (``v0.14.0``) or, as ``pre-commit autoupdate
---freeze`` writes it (vLLM 0.34 on), a commit and ``# frozen: v0.17.2``."""
 TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
 CONFIG_FILES = {"ruff.toml": (), ".ruff.toml": (), "pyproject.toml": ("tool", "ruff")}
 # Passed on to ruff; the rest (cache-dir, extend, output-file ...) could make it
@@ -41,20 +41,21 @@ def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
     from vllm_patch.runtime.cache import cache_dir, fetch_wheel
 
     binary = cache_dir() / "tools" / f"{name}-{version}" / name
+    if version is None or binary.is_file():
+        return version and str(binary)
+    part = binary.with_suffix(".part")
     try:
-        if version and not binary.is_file():
-            with zipfile.ZipFile(fetch_wheel(name, version)) as zf:
-                script = f".data/scripts/{name}"
-                member = next(n for n in zf.namelist() if n.endswith(script))
-                binary.parent.mkdir(parents=True, exist_ok=True)
-                part = binary.with_suffix(".part")
-                part.write_bytes(zf.read(member))
-                part.chmod(0o755)
-                os.replace(part, binary)
+        with zipfile.ZipFile(fetch_wheel(name, version)) as zf:
+            script = f".data/scripts/{name}"
+            member = next(n for n in zf.namelist() if n.endswith(script))
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            part.write_bytes(zf.read(member))
+        part.chmod(0o755)
+        os.replace(part, binary)
     except (OSError, StopIteration, subprocess.CalledProcessError) as exc:
         notes.append(f"{name} {version} (pinned) could not be had: {exc}")
         return None
-    return str(binary) if version else None
+    return str(binary)
 
 
 def ruff_settings(root: Path, notes: list[str]) -> list[str]:
@@ -114,10 +115,6 @@ def changed_ranges(before: str, after: str) -> list[tuple[int, int]]:
     return [(j1, j2) for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal"]
 
 
-def _overlaps(start: int, end: int, ranges: list[tuple[int, int]]) -> bool:
-    return any(start < b and a < max(end, start + 1) for a, b in ranges)
-
-
 def check_changes(
     root: Path, changes: dict[str, tuple[str, str]]
 ) -> tuple[str, list[str]]:
@@ -147,11 +144,15 @@ def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
     """What ``ruff format`` and ``ruff check`` say of the changed lines."""
     before, after = sides
     touched = changed_ranges(before, after)
+
+    def near(start: int, end: int) -> bool:  # overlaps a changed range
+        return any(start < b and a < max(end, start + 1) for a, b in touched)
+
     formatted = _capture([ruff, "format", *settings], cwd, after)
     moved = [
         start + 1
         for start, end in changed_ranges(formatted.stdout, after)
-        if formatted.returncode == 0 and _overlaps(start, end, touched)
+        if formatted.returncode == 0 and near(start, end)
     ]
     if moved:
         yield (
@@ -166,7 +167,7 @@ def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
         return
     for f in findings:
         row = f.get("location", {}).get("row", 0)
-        if _overlaps(row - 1, row, touched):
+        if near(row - 1, row):
             yield f"{rel}:{row}: ruff {f.get('code')} {f.get('message')} (left as is)"
 
 
