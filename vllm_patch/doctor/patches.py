@@ -10,10 +10,9 @@ from patcher.patchset import Patch, exclusive_with, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree
 from patcher.version import read_version
-from vllm_patch.doctor.finding import Finding, pip, traceback_hint
+from vllm_patch.doctor.environment import Finding, pip, traceback_hint
 from vllm_patch.runtime import plugins
 from vllm_patch.runtime.child import PROJECT_ROOT
-from vllm_patch.runtime.plugins import FILTER_ENV
 
 STATES = {
     PlanStatus.APPLIED: ("ok", "applied to this vLLM"),
@@ -23,31 +22,38 @@ STATES = {
         "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
     ),
 }
+# What the provider did in the child, by the first of these its status holds.
+ROUTES = (
+    ("error", "fix", "provider {name}: {}"),
+    ("stood_aside", "info", "provider {name!r} stands aside: {}"),
+    ("route", "ok", "provider {name!r}: route {}"),
+)
 
 
 def provider_module(patch: Patch) -> str | None:
     return (patch.meta.get("provider") or {}).get("module")
 
 
-def _not_applied(tree: VllmTree, patch: Patch, plans: dict) -> str | None:
-    """Why a plain ``apply`` would not apply an applicable ``patch``: the other
-    form is applied, or it is not this vLLM's default."""
+def _state(tree: VllmTree, patch: Patch, plans: dict) -> tuple[str, str]:
+    """An applicable ``patch`` a plain ``apply`` would not apply says why: the
+    other form is applied, or it is not this vLLM's default."""
+    plan = plans[patch.name]
+    why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
+    status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
+    if plan.status is not PlanStatus.APPLICABLE:
+        return status, state
     for other in exclusive_with(patch):
         if plans[other.name].status is PlanStatus.APPLIED:
-            return f"not applied: {other.name} is applied here, and excludes it"
+            return status, f"not applied: {other.name} is applied here, and excludes it"
     if not is_default(patch, read_version(tree))[0]:
         how = f"`vllm-patch apply --patch {patch.name}`"
-        return f"not applied; not this vLLM's default ({how} applies it)"
-    return None
+        return status, f"not applied; not this vLLM's default ({how} applies it)"
+    return status, state
 
 
 def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[Finding]:
     """``plans``: every patch's plan on ``tree``, by name."""
-    plan = plans[patch.name]
-    why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
-    status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
-    if plan.status is PlanStatus.APPLICABLE:
-        state = _not_applied(tree, patch, plans) or state
+    status, state = _state(tree, patch, plans)
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
     if not (module := provider_module(patch)):
         return out
@@ -75,8 +81,7 @@ def _entry_point_finding(patch: str, module: str, entry) -> Finding:
         from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
         what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
         said = f"no entry point names {module}: vLLM will not load the provider"
-        fix = pip("install", *what)
-        return Finding(f"{patch}:entry_point", "fix", said, fix)
+        return Finding(f"{patch}:entry_point", "fix", said, pip("install", *what))
     ep = entry[0]
     owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
     said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
@@ -84,18 +89,13 @@ def _entry_point_finding(patch: str, module: str, entry) -> Finding:
 
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
-    """What the provider did in the child: its route, why it stood aside, or
-    the error that stopped it."""
-    check = f"{patch}:provider"
-    if status.get("error"):
-        said = f"provider {name}: {status['error']}"
-        return Finding(check, "fix", said, traceback_hint(module))
-    if status.get("stood_aside"):
-        said = f"provider {name!r} stands aside: {status['stood_aside']}"
-        return Finding(check, "info", said)
-    if status.get("route"):
-        return Finding(check, "ok", f"provider {name!r}: route {status['route']}")
-    return Finding(check, "info", f"provider {name!r} loads and is off")
+    """What the provider did in the child (``ROUTES``), else it is off."""
+    for key, word, said in ROUTES:
+        if status.get(key):
+            said = said.format(status[key], name=name)
+            hint = traceback_hint(module) if word == "fix" else None
+            return Finding(f"{patch}:provider", word, said, hint)
+    return Finding(f"{patch}:provider", "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
@@ -116,12 +116,12 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
 
 def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[Finding]:
     """Whether ``VLLM_PLUGINS`` lets the provider's plugin load."""
-    if FILTER_ENV not in os.environ or not entry:
+    env = plugins.FILTER_ENV
+    if env not in os.environ or not entry:
         return []
     plugin, check = entry[0].name, f"{patch}:vllm_plugins"
     if not plugins.left_out(plugin):
-        said = f"{FILTER_ENV}={os.environ[FILTER_ENV]!r} names {plugin!r}"
-        return [Finding(check, "ok", said)]
+        return [Finding(check, "ok", f"{env}={os.environ[env]!r} names {plugin!r}")]
     fix = plugins.left_out_fix(plugin)
     word = "fix" if status.get("opt_in") else "info"
     return [Finding(check, word, plugins.left_out_message(plugin, name), fix)]
