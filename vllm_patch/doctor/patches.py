@@ -57,13 +57,19 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
     if not (module := provider_module(patch)):
         return out
-    entry = [  # in any group of any installed distribution
-        ep
-        for dist in metadata.distributions()
-        for ep in dist.entry_points
-        if ep.value.split(":")[0].strip() == module
-    ]
-    out.append(_entry_point_finding(patch.name, module, entry))
+    eps = (ep for dist in metadata.distributions() for ep in dist.entry_points)
+    entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
+    check = f"{patch.name}:entry_point"  # in any group of any distribution
+    if not entry:
+        from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        said = f"no entry point names {module}: vLLM will not load the provider"
+        out.append(Finding(check, "fix", said, pip("install", *what)))
+    else:
+        ep = entry[0]
+        owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
+        said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
+        out.append(Finding(check, "ok", said))
     result = results[("provider", module)]
     if not result["ok"]:
         error = f"provider {module} does not register: {result['error']}"
@@ -74,18 +80,6 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     out.append(_registered_finding(patch.name, name, status, module))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
     return out + plugin_filter_findings(patch.name, entry, name, status)
-
-
-def _entry_point_finding(patch: str, module: str, entry) -> Finding:
-    if not entry:
-        from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
-        what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
-        said = f"no entry point names {module}: vLLM will not load the provider"
-        return Finding(f"{patch}:entry_point", "fix", said, pip("install", *what))
-    ep = entry[0]
-    owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
-    said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
-    return Finding(f"{patch}:entry_point", "ok", said)
 
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
