@@ -18,8 +18,7 @@ from packaging.requirements import Requirement
 
 # The project's own modules (standard library only, like vllm_patch.runtime.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compat_matrix.qemu.cell import MACHINES as QEMU_CPUS  # noqa: E402
-from compat_matrix.qemu.cell import result_path as qemu_result  # noqa: E402
+from compat_matrix.qemu import cell as qemu  # noqa: E402
 from compat_matrix.report import read_suite, result_file  # noqa: E402
 from patcher.files import write_output  # noqa: E402
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
@@ -145,16 +144,15 @@ def compat(session: nox.Session, vllm: str) -> None:
     wheel; an unchanged cell (environment, code, arguments) keeps its result."""
     cell, sources = CELLS[vllm], pip_sources()
     release = f"{cell['package']}=={cell['version']}"
-    result = result_file(release)
+    result, e2e = result_file(release), "--e2e" in session.posargs
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     env_key = digest(cell, sources, files=("pyproject.toml", "noxfile.py"))
-    e2e = "--e2e" in session.posargs  # a result with engine starts serves without
+    # A result with engine starts (--e2e) serves a run without them.
     code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
     if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
         session.log(f"unchanged since its last run: {result}")
-        judge_result(session, result)
-        return
+        return judge_result(session, result)
     if stamp.get("env") != env_key:
         stamp = {"env": env_key, "torch": install_cell(session, cell, sources)}
         # Bytecode, as pip compiles at install (under PYTHONDONTWRITEBYTECODE
@@ -174,7 +172,7 @@ def compat(session: nox.Session, vllm: str) -> None:
 
 
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
-@nox.parametrize("cpu", list(QEMU_CPUS))
+@nox.parametrize("cpu", list(qemu.MACHINES))
 def compat_arm(session: nox.Session, cpu: str) -> None:
     """The aarch64 cell and conformance table under qemu-user, as root.
 
@@ -182,7 +180,7 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     the user cache); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
-    judge_result(session, qemu_result(cpu))
+    judge_result(session, qemu.result_path(cpu))
     judge_result(session, result_file("conformance", f"-aarch64-{cpu}"))
 
 
