@@ -196,9 +196,9 @@ def conformance(session: nox.Session) -> None:
     found = read_suite(xml).find("properties/property[@name='conformance']")
     if found is None:
         session.error(f"conformance: no table recorded (see {xml})")
+    # The build vLLM itself picks on this machine.
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
-    where = f"-{platform.machine()}-{build}"  # vLLM's own pick on this machine
-    result = result_file("conformance", where)
+    result = result_file("conformance", f"-{platform.machine()}-{build}")
     keep_result(session, xml, result)
     judge_result(session, result)
 

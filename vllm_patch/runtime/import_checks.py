@@ -1,7 +1,5 @@
-"""The doctor's import checks in a child (``run_steps``), each step reported once
-done, so that the parent knows which one took a crashed child down: ``["import",
-MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider", MODULE]``, ``["kernels",
-"vllm"]``."""
+"""The doctor's import checks in a child (``run_steps``, the kinds ``STEPS``),
+each reported once done: the parent knows which one took a crashed child down."""
 
 from __future__ import annotations
 
