@@ -173,15 +173,13 @@ def companion_findings(results, broken: list[str]) -> list[Finding]:
     """Each installed companion imports, else its removal (once, the +cpu builds
     as the other way out)."""
     out, torch = [], installed("torch")
-    for name in BROKEN_BESIDE_CPU_TORCH:
-        if ("import", name) not in results:
-            continue
-        if name not in broken:
+    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
+        if (result := results[("import", name)])["ok"]:
             out.append(Finding(name, "ok", f"{name} imports beside torch"))
             continue
         said = (
             f"{name} {installed(name)} does not import beside torch {torch} "
-            f"(built for another torch build): {_root(results[('import', name)])}"
+            f"(built for another torch build): {_root(result)}"
         )
         out.append(Finding(name, "fix", said, *removal([name])))
     if broken:  # each +cpu build pins its torch: torch kept picks the matching one
