@@ -50,14 +50,12 @@ def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
     return xml
 
 
-def keep_result(session: nox.Session, xml: Path, result: Path) -> None:
-    """``xml`` written fresh at ``result`` (never through a link or FIFO)."""
-    write_output(result, xml.read_bytes())
-    session.log(f"wrote {result}")
-
-
-def judge_result(session: nox.Session, result: Path) -> None:
-    """The session fails when a check in the result failed."""
+def judge_result(session: nox.Session, result: Path, xml: Path | None = None) -> None:
+    """The session fails when a check in ``result`` failed; ``xml`` is first
+    written fresh there (never through a link or FIFO)."""
+    if xml is not None:
+        write_output(result, xml.read_bytes())
+        session.log(f"wrote {result}")
     suite = read_suite(result)
     if int(suite.get("failures")) + int(suite.get("errors")):
         session.error(f"checks failed (see {result})")
@@ -166,7 +164,8 @@ def compat(session: nox.Session, vllm: str) -> None:
     if cell["mode"] != "full":  # the wheel's static checks
         checks = [f"{checks[0]}/test_wheel.py", f"--vllm-wheel={release}"]
     xml = pytest_junit(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
-    keep_result(session, xml, result)
+    write_output(result, xml.read_bytes())
+    session.log(f"wrote {result}")
     stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
     judge_result(session, result)
 
@@ -199,8 +198,7 @@ def conformance(session: nox.Session) -> None:
     # The build vLLM itself picks on this machine.
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
     result = result_file("conformance", f"-{platform.machine()}-{build}")
-    keep_result(session, xml, result)
-    judge_result(session, result)
+    judge_result(session, result, xml)
 
 
 @nox.session(venv_backend="none", default=False)
