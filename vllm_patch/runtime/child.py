@@ -91,9 +91,8 @@ def start(
     **environ: Any,
 ) -> Child:
     """Start ``target(**kwargs)`` (``"module:function"``) in ``python`` with
-    :func:`child_env` (``environ``: its arguments), in ``cwd`` (default: an empty
-    folder, so nothing lands first on its ``sys.path``), killed ``timeout`` s
-    from now."""
+    ``child_env(**environ)``, in ``cwd`` (default: an empty folder, so nothing
+    lands first on its ``sys.path``), killed ``timeout`` s from now."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
     args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
@@ -158,11 +157,10 @@ def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
     """End the process group ``proc`` leads: SIGTERM and ``grace`` seconds
     first if given, then SIGKILL to what is left (an engine left behind)."""
     try:
-        if grace:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            if grace:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -33,9 +33,7 @@ def force(library: str) -> None:
 def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
     """The vLLM kernel libraries this process has mapped (``_C_AVX2``, ...)."""
     paths = {line.split(" ")[-1] for line in maps.read_text().splitlines()}
-    return sorted(
-        p.rsplit("/", 1)[1].split(".", 1)[0] for p in paths if "/vllm/_C" in p
-    )
+    return sorted(Path(p).name.split(".", 1)[0] for p in paths if "/vllm/_C" in p)
 
 
 def pytest_addoption(parser) -> None:
