@@ -1,8 +1,6 @@
 """The doctor's :class:`Finding`, the import steps a child runs, and the
-findings: on the environment (vLLM, its command, torch, the C kernels, the
-packages that break beside a ``+cpu`` torch, config, transformers, vLLM IR), and
-on each carried patch (its state here, and for an out-of-tree provider its entry
-point, registration, opt-in and plugin filter)."""
+findings on the environment (vLLM, torch, the imports) and on each patch (its
+state here; its provider's entry point, registration, opt-in, plugin filter)."""
 
 from __future__ import annotations
 

@@ -28,14 +28,13 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     return found | {"packages": [*filter(None, packages)]}
 
 
-def _import(module: str) -> dict[str, Any]:
-    return {"version": getattr(importlib.import_module(module), "__version__", None)}
-
-
-def _from(arg: str) -> dict[str, Any]:
+def _import(arg: str) -> dict[str, Any]:
+    """``MODULE`` (its version) or ``MODULE:NAME`` (the name must exist)."""
     module, _, name = arg.partition(":")
-    getattr(importlib.import_module(module), name)
-    return {}
+    found = importlib.import_module(module)
+    if name:
+        getattr(found, name)
+    return {"version": getattr(found, "__version__", None)}
 
 
 def _provider(module_name: str) -> dict[str, Any]:
@@ -74,7 +73,7 @@ def _kernels(_: str) -> dict[str, Any]:
     return {"operators": len(ops)}
 
 
-STEPS = {"import": _import, "from": _from, "provider": _provider, "kernels": _kernels}
+STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _kernels}
 
 
 def run_steps(steps: list[list[str]]) -> int:
