@@ -133,7 +133,7 @@ def software() -> dict[str, Any]:
     name = version = None
     for info in sorted(package.parent.glob("vllm*.dist-info")) if package else []:
         dist = metadata.PathDistribution(info)
-        record = dist.read_text("RECORD") or "vllm/__init__.py"  # none: not refused
+        record = dist.read_text("RECORD") or "vllm/__init__.py"  # no RECORD: taken
         if "vllm/__init__.py" in record and (info / "METADATA").is_file():
             name, version = dist.metadata["Name"], dist.version
             break

@@ -31,8 +31,8 @@ def patched_copy(
 
     files = sorted({e.file for e in patch.edits})
 
-    def hashes(tree: VllmTree) -> dict[str, str | None]:
-        paths = {rel: tree.path(rel) for rel in files}
+    def hashes(where: VllmTree) -> dict[str, str | None]:
+        paths = {rel: where.path(rel) for rel in files}
         return {
             r: hex_digest(p.read_bytes()) if p.is_file() else None
             for r, p in paths.items()
