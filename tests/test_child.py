@@ -59,7 +59,7 @@ def test_an_exception_in_the_child_is_its_error_with_the_traceback(targets):
     assert not outcome.ok and outcome.result is None
     assert outcome.error == "ValueError: no good"
     assert outcome.returncode == 1
-    assert "Traceback" in outcome.log and "no good" in outcome.log_tail(200)
+    assert "Traceback" in outcome.log and "no good" in outcome.log[-200:]
     with pytest.raises(child.ChildFailed, match="ValueError: no good"):
         outcome.value()
 

@@ -20,8 +20,8 @@ from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import diagnose, environment
-from vllm_patch.doctor.patches import (
+from vllm_patch.doctor import diagnose, findings
+from vllm_patch.doctor.findings import (
     _registered_finding,
     opt_in_finding,
     plugin_filter_findings,
@@ -288,22 +288,19 @@ def step_results(tmp_path_factory):
         return diagnose.run_import_checks(steps)
 
 
-def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path):
+def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path, monkeypatch):
     """vLLM 0.13 - 0.19 have no vLLM IR (no ``vllm/ir/``): no IR step runs and
     no IR finding is made; from 0.20 on, both."""
+    monkeypatch.setattr(findings, "BROKEN_BESIDE_CPU_TORCH", ())
     tree = open_tree(make_tree(tmp_path / "tree"))
-    assert not environment.has_ir(tree)
-    steps = environment.steps_for(["a.provider"], [], environment.has_ir(tree))
-    assert ["from", environment.IR] not in steps and ["provider", "a.provider"] in steps
+    steps = findings.steps_for(tree, ["a.provider"])
+    assert ["from", findings.IR] not in steps and ["provider", "a.provider"] in steps
     results = {tuple(s): {"ok": True} for s in steps}
-    findings = environment.import_findings(results, None, {})
-    assert {f.check for f in findings} == {"torch", "vllm_c", "config", "transformers"}
+    found = findings.import_findings(results, None)
+    assert {f.check for f in found} == {"torch", "vllm_c", "config", "transformers"}
     (tree.location / "vllm/ir").mkdir()
     (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
-    assert environment.has_ir(tree)
-    assert ["from", environment.IR] in environment.steps_for(
-        [], [], environment.has_ir(tree)
-    )
+    assert ["from", findings.IR] in findings.steps_for(tree, [])
 
 
 @pytest.mark.parametrize(

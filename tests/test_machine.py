@@ -31,9 +31,9 @@ def test_other_processes_share_is_a_fraction_of_the_machine():
     end = time.perf_counter() + 0.3
     while time.perf_counter() < end:  # this process's own work does not count
         pass
-    share = machine.other_load(before, machine.cpu_snapshot(), machine.usable_cpus())
+    share = machine.other_share(before)
     assert 0.0 <= share <= 1.0
-    assert machine.other_load(None, before, 1) is None
+    assert machine.other_share(None) is None
 
 
 @requires_vllm

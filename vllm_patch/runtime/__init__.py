@@ -1,2 +1,1 @@
-"""What the jobs share to run code inside a vLLM environment, and to write
-their reports (``markdown``): see each module."""
+"""What the jobs share to run code inside a vLLM environment, and to report."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import email
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
@@ -35,20 +35,17 @@ def _pip_download(folder: Path, spec: str, *options: str, **run):
 def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
     """The wheel of ``package==version``, from the cache or via ``pip download``."""
     folder, spec = cache_dir() / "wheels", f"{package}=={version}"
-    if not (found := _cached(folder, package, version)):
-        folder.mkdir(parents=True, exist_ok=True)
-        _pip_download(folder, spec, "--only-binary=:all:", *extra_pip_args, check=True)
-        if not (found := _cached(folder, package, version)):
-            raise FileNotFoundError(f"pip download left no wheel for {spec}")
-    return found
-
-
-def _cached(folder: Path, package: str, version: str) -> Path | None:
-    for wheel in sorted(folder.glob("*.whl")) if folder.is_dir() else []:
-        name, ver, _, _ = parse_wheel_filename(wheel.name)
-        if name == canonicalize_name(package) and str(ver) == version:
-            return wheel
-    return None
+    for download in (False, True):
+        if download:
+            folder.mkdir(parents=True, exist_ok=True)
+            _pip_download(
+                folder, spec, "--only-binary=:all:", *extra_pip_args, check=True
+            )
+        for wheel in sorted(folder.glob("*.whl")):
+            name, ver, _, _ = parse_wheel_filename(wheel.name)
+            if name == canonicalize_name(package) and str(ver) == version:
+                return wheel
+    raise FileNotFoundError(f"pip download left no wheel for {spec}")
 
 
 def fetch_sdist(package: str, version: str) -> Path:
@@ -60,32 +57,23 @@ def fetch_sdist(package: str, version: str) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".download-") as tmp:
-        work = Path(tmp)
+        work, spec = Path(tmp), f"{package}=={version}"
         options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
-        env = {**os.environ, "TMPDIR": str(work)}
-        spec = f"{package}=={version}"  # its metadata build fails: output not shown
+        env = {**os.environ, "TMPDIR": str(work)}  # the failing build's output kept
         done = _pip_download(
             work / "saved", spec, *options, env=env, capture_output=True, text=True
         )
-        tree = _unpacked(work, package, version)
-        if tree is None:
-            tail = " / ".join(done.stderr.strip().splitlines()[-3:])
-            raise FileNotFoundError(f"pip left no source tree of {spec}: {tail}")
-        shutil.rmtree(dest, ignore_errors=True)  # a partial tree of an earlier run
-        tree.rename(dest)
-    return dest
-
-
-def _unpacked(work: Path, package: str, version: str) -> Path | None:
-    """The tree pip left: its saved archive unpacked, else its own (it failed)."""
-    for archive in sorted((work / "saved").glob("*.tar.gz")):
-        with tarfile.open(archive) as tar:
-            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(work / "archive", **safe)
-    # archive/<name>-<version>/ or pip-download-*/<name>_<hash>/
-    for info in sorted(work.glob("*/*/PKG-INFO")):
-        meta = email.message_from_string(info.read_text("utf-8", "replace"))
-        name, found = canonicalize_name(meta["Name"] or ""), meta["Version"]
-        if name == canonicalize_name(package) and found == version:
-            return info.parent
-    return None
+        for archive in sorted((work / "saved").glob("*.tar.gz")):
+            with tarfile.open(archive) as tar:
+                safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+                tar.extractall(work / "archive", **safe)
+        # archive/<name>-<version>/, or pip-download-*/<name>_<hash>/ (it failed)
+        for info in sorted(work.glob("*/*/PKG-INFO")):
+            found = metadata.PathDistribution(info.parent)
+            name = canonicalize_name(found.metadata["Name"] or "")
+            if name == canonicalize_name(package) and found.version == version:
+                shutil.rmtree(dest, ignore_errors=True)  # a partial earlier tree
+                info.parent.rename(dest)
+                return dest
+        tail = " / ".join(done.stderr.strip().splitlines()[-3:])
+        raise FileNotFoundError(f"pip left no source tree of {spec}: {tail}")

@@ -26,12 +26,7 @@ REPORT_ENV = "VLLMPATCH_CHILD_REPORT"
 
 
 class ChildFailed(RuntimeError):
-    """A child that returned no result: ``outcome`` says why and holds its log."""
-
-    def __init__(self, outcome: ChildOutcome) -> None:
-        self.outcome = outcome
-        tail = outcome.log_tail(1500).strip()
-        super().__init__(f"{outcome.target}: {outcome.error}\n{tail}".strip())
+    """A child that returned no result: why, and the tail of its log."""
 
 
 @dataclass
@@ -49,12 +44,10 @@ class ChildOutcome:
     timed_out: bool = False
     reported: list[Any] = field(default_factory=list)
 
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log[-chars:]
-
     def value(self) -> Any:
         if not self.ok:
-            raise ChildFailed(self)
+            tail = self.log[-1500:].strip()
+            raise ChildFailed(f"{self.target}: {self.error}\n{tail}".strip())
         return self.result
 
 
@@ -66,7 +59,6 @@ class Child:
     proc: subprocess.Popen | None = None
     started: float = field(default_factory=time.perf_counter)
     seen: int = 0  # bytes of the log passed to ``progress``
-    partial: str = ""  # and the line it has not finished yet
 
     def file(self, name: str) -> Path:  # args, result, log, reported
         return Path(self.folder.name) / name
@@ -81,17 +73,12 @@ def child_env(
     """This environment, ``env`` on top, ``drop_env`` removed; ``PYTHONPATH``:
     ``pythonpath`` first (a patched copy, kept free of bytecode), ``env``'s, the
     inherited one, the project root last (where it is not installed)."""
-    dropped = set(drop_env)
-    base = {k: v for k, v in os.environ.items() if k not in dropped}
-    env = dict(env or {})
-    first = [str(p) for p in pythonpath]
-    paths = [*first, *env.pop("PYTHONPATH", "").split(os.pathsep)]
-    paths += [*base.get("PYTHONPATH", "").split(os.pathsep), str(PROJECT_ROOT)]
-    out = {**base, **env}
-    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
-    if first:
-        out["PYTHONDONTWRITEBYTECODE"] = "1"
-    return out
+    dropped, env, first = set(drop_env), dict(env or {}), [*map(str, pythonpath)]
+    out = {k: v for k, v in os.environ.items() if k not in dropped}
+    paths = [*first, env.pop("PYTHONPATH", ""), out.get("PYTHONPATH", "")]
+    paths = os.pathsep.join([*paths, str(PROJECT_ROOT)]).split(os.pathsep)
+    out |= env | {"PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, paths)))}
+    return out | ({"PYTHONDONTWRITEBYTECODE": "1"} if first else {})
 
 
 def start(
@@ -99,14 +86,12 @@ def start(
     kwargs: Mapping[str, Any] | None = None,
     *,
     python: str | Path = sys.executable,
-    env: Mapping[str, str] | None = None,
-    pythonpath: Iterable[str | Path] = (),
-    drop_env: Iterable[str] = (),
     cwd: str | Path | None = None,
     timeout: float | None = None,
+    **environ: Any,
 ) -> Child:
     """Start ``target(**kwargs)`` (``"module:function"``) in ``python`` with
-    :func:`child_env`, in ``cwd`` (default: an empty folder, so that nothing
+    ``child_env(**environ)``, in ``cwd`` (default: an empty folder, so nothing
     lands first on its ``sys.path``), killed ``timeout`` s from now."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
     args, result = child.file("args.json"), child.file("result.json")
@@ -117,7 +102,7 @@ def start(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=child_env(env, pythonpath=pythonpath, drop_env=drop_env),
+            env=child_env(**environ),
             cwd=str(cwd or child.folder.name),
             start_new_session=True,  # its own process group: a timeout ends it all
         )
@@ -126,14 +111,12 @@ def start(
 
 def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
     """Wait for ``child``, each line of its output to ``progress`` as it comes."""
-    deadline = None if child.timeout is None else child.started + child.timeout
-    timed_out = False
-    while (rc := child.proc.poll()) is None:
+    end = child.started + (child.timeout if child.timeout is not None else float("inf"))
+    while (rc := child.proc.poll()) is None and time.perf_counter() < end:
         _pass_lines(child, progress)
-        if timed_out := deadline is not None and time.perf_counter() > deadline:
-            kill_group(child.proc)
-            break
         time.sleep(0.05)
+    if timed_out := rc is None:
+        kill_group(child.proc)
     _pass_lines(child, progress, final=True)
     with child.folder:
         log = child.file("log.txt").read_text("utf-8", errors="replace")
@@ -174,11 +157,10 @@ def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
     """End the process group ``proc`` leads: SIGTERM and ``grace`` seconds
     first if given, then SIGKILL to what is left (an engine left behind)."""
     try:
-        if grace:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            if grace:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace)
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -186,17 +168,16 @@ def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
 
 
 def _pass_lines(child: Child, progress, final: bool = False) -> None:
-    if progress is None or not child.file("log.txt").is_file():
+    """The log's lines not passed yet; the last one only when ``final``."""
+    if progress is None:
         return
     with child.file("log.txt").open("rb") as log:
         log.seek(child.seen)
         chunk = log.read()
-    child.seen += len(chunk)
-    *lines, child.partial = (child.partial + chunk.decode(errors="replace")).split("\n")
-    if final and child.partial:
-        lines, child.partial = [*lines, child.partial], ""
-    for line in lines:
-        progress(line.rstrip("\r"))
+    done = len(chunk) if final else chunk.rfind(b"\n") + 1
+    child.seen += done
+    for line in chunk[:done].decode(errors="replace").splitlines():
+        progress(line)
 
 
 def last_error_line(log: str) -> str:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 # Each CPU class, newest first: the library vLLM loads for it, the CPU flag
-# (``/proc/cpuinfo``) that library needs.
+# (``/proc/cpuinfo``) that library needs, the torch check that says it runs.
 LIBRARIES = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}
 NEEDS = {"avx512_bf16": "avx512_bf16", "avx512": "avx512f", "avx2": "avx2"}
+CHECKS = {"avx512_bf16": "_is_avx512_bf16_supported", "avx512": "_is_avx512_supported"}
 OPTION = "--vllm-cpu-library"
 
 
@@ -19,29 +20,20 @@ def runnable(flags: list[str]) -> list[str]:
 
 
 def force(library: str) -> None:
-    """Have vLLM load ``library``'s build; a class newer than the CPU raises
-    (its instructions would kill the process)."""
+    """Have vLLM load ``library``'s build: each newer class's check says no. A
+    class newer than the CPU raises (its instructions would kill the process)."""
     import torch
 
-    runs = {
-        "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
-        "avx512": torch.cpu._is_avx512_supported(),
-        "avx2": True,
-    }
-    if not runs[library]:
+    if library in CHECKS and not getattr(torch.cpu, CHECKS[library])():
         raise RuntimeError(f"this CPU cannot run vLLM's {LIBRARIES[library]} build")
-    if library != "avx512_bf16":
-        torch.cpu._is_avx512_bf16_supported = lambda: False
-    if library == "avx2":
-        torch.cpu._is_avx512_supported = lambda: False
+    for newer in list(LIBRARIES)[: list(LIBRARIES).index(library)]:
+        setattr(torch.cpu, CHECKS[newer], lambda: False)
 
 
 def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
     """The vLLM kernel libraries this process has mapped (``_C_AVX2``, ...)."""
     paths = {line.split(" ")[-1] for line in maps.read_text().splitlines()}
-    return sorted(
-        p.rsplit("/", 1)[1].split(".", 1)[0] for p in paths if "/vllm/_C" in p
-    )
+    return sorted(Path(p).name.split(".", 1)[0] for p in paths if "/vllm/_C" in p)
 
 
 def pytest_addoption(parser) -> None:

