@@ -23,6 +23,7 @@ from patcher.errors import PatchError
 from patcher.files import MAX_FILE_BYTES, open_dir, read_at, remove_at, replace_at
 
 BACKUP_DIR = ".vllm-patch-backup"
+MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 HASHES = ("original_sha256", "patched_sha256")
@@ -31,6 +32,10 @@ HASHES = ("original_sha256", "patched_sha256")
 def hex_digest(data: bytes) -> str:
     """The SHA-256 of ``data`` in hex, as the manifest keeps it."""
     return hashlib.sha256(data).hexdigest()
+
+
+class _Damage(PatchError):
+    """A part of the store that does not hold up: reported, and left out."""
 
 
 @dataclass(frozen=True)
@@ -45,23 +50,25 @@ class Backup:
 
     @property
     def manifest_path(self) -> Path:
-        return self.folder / "manifest.json"
+        return self.folder / MANIFEST
 
-    def _read(self, path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """A file of the store; a link in it is refused, anything else wrong is
-        a ``PatchError`` the caller takes for damage."""
+    def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
+        """A file of the store (``rel``'s copy, or the manifest): a link there is
+        refused; anything else wrong is damage."""
+        path = self.folder / rel
+        what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
             return read_at(path, what, limit=limit)
         except PatchError as exc:
-            if str(exc.found).startswith(("a symbolic link", "a link or")):
-                raise PatchError(
-                    "part of the backup store is a symbolic link (vllm-patch never "
-                    "follows one there)",
-                    path=str(path),
-                    looked_for="a real folder or file",
-                    found=f"{exc.found}; nothing was changed",
-                ) from exc
-            raise
+            if not str(exc.found).startswith("a symbolic link"):
+                raise _Damage(f"{exc.path}: {exc.message} ({exc.found})") from exc
+            raise PatchError(
+                "part of the backup store is a symbolic link (vllm-patch never "
+                "follows one there)",
+                path=str(path),
+                looked_for="a real folder or file",
+                found=f"{exc.found}; nothing was changed",
+            ) from exc
 
     def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
         """The entries whose copy is present and intact, and what is wrong with
@@ -70,14 +77,11 @@ class Backup:
             return {}, []
         where = self.manifest_path
         try:
-            data = self._read(where, "the backup's manifest", MAX_MANIFEST_BYTES)
-            files = json.loads(data)["files"]
+            files = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))["files"]
             if not isinstance(files, dict):
                 raise TypeError(files)
-        except PatchError as exc:
-            if "symbolic link" in exc.message:
-                raise
-            return {}, [f"{where}: {exc.message} ({exc.found})"]
+        except _Damage as exc:
+            return {}, [str(exc)]
         except RecursionError:
             return {}, [f"{where}: JSON nested too deep"]
         except ValueError as exc:
@@ -88,39 +92,29 @@ class Backup:
             if rel not in self.files:
                 raise PatchError(
                     "a backup manifest names a file the patch does not touch",
-                    path=str(self.manifest_path),
+                    path=str(where),
                     looked_for=f"entries for {', '.join(sorted(self.files))} only",
                     found=f"entry {rel[:300]!r}; nothing was changed: delete "
                     f"{self.folder} if you did not make it",
                 )
         entries, problems = {}, []
         for rel, entry in files.items():
-            problem = self._check(rel, entry)
-            if problem:
-                problems.append(problem)
-            else:
-                entries[rel] = {k: entry[k] for k in HASHES}
+            try:
+                entries[rel] = self._entry(rel, entry)
+            except _Damage as exc:
+                problems.append(str(exc))
         return entries, problems
 
-    def _check(self, rel: str, entry: object) -> str | None:
+    def _entry(self, rel: str, entry: object) -> dict[str, str]:
         where = f"{self.manifest_path}: entry {rel!r}"
         if not isinstance(entry, dict):
-            return f"{where} is not a table"
+            raise _Damage(f"{where} is not a table")
         for key in HASHES:
             if not _SHA256.match(str(entry.get(key, ""))):
-                return f"{where} has no valid {key}"
-        try:
-            data = self.original(rel)
-        except PatchError as exc:
-            if "symbolic link" in exc.message:
-                raise
-            return f"{exc.path}: {exc.message} ({exc.found})"
-        if hex_digest(data) != entry["original_sha256"]:
-            return f"{self.folder / rel}: changed since it was backed up (hash differs)"
-        return None
-
-    def original(self, rel: str) -> bytes:
-        return self._read(self.folder / rel, f"the backup copy of {rel}")
+                raise _Damage(f"{where} has no valid {key}")
+        if hex_digest(self.original(rel)) != entry["original_sha256"]:
+            raise _Damage(f"{self.folder / rel}: changed since it was backed up")
+        return {k: entry[k] for k in HASHES}
 
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the
@@ -128,7 +122,7 @@ class Backup:
         completed later reverts to what it was before), unless it now is
         something else (vLLM reinstalled)."""
         manifest = dict(entries)
-        for rel in [*changes, "manifest.json"]:  # what a killed save left
+        for rel in [*changes, MANIFEST]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
         for rel, texts in changes.items():
             before, after = (t.encode() for t in texts)

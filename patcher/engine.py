@@ -32,6 +32,7 @@ Direction = Literal["apply", "revert"]
 Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
 TESTS_FOLDER = "tests"  # beside ``vllm/`` (a checkout): the test edits too
 RESTORED = "Restored from the backup."
+DAMAGED = "damaged backup"
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,11 @@ class PatchPlan:
 
     def file_changes(self) -> dict[str, tuple[Text, Text]]:
         """relpath -> (text before the patch, text after all its edits)."""
-        out: dict[str, tuple[Text, Text]] = {}
-        for e in self.edits if not self.in_vllm else ():
-            if e.error is None and e.skipped is None:
-                out[e.file] = (out[e.file][0] if e.file in out else e.before, e.after)
-        return {k: v for k, v in out.items() if v[0] != v[1]}
+        made = [e for e in self.edits if not (e.error or e.skipped or self.in_vllm)]
+        after = {e.file: e.after for e in made}  # edits to one file chain
+        return {
+            f: (self.sources[f], a) for f, a in after.items() if a != self.sources[f]
+        }
 
     def described(self) -> dict[str, list[str]]:
         """relpath -> what the edits changed in it, one sentence each (Markdown)."""
@@ -151,12 +152,11 @@ def _diff(rel: str, before: Text, after: Text) -> str:
     head = [f"diff --git a/{rel} b/{rel}\n"]
     head += ["new file mode 100644\n"] if before is None else []
     head += ["deleted file mode 100644\n"] if after is None else []
-    a, b = (f"a/{rel}", f"b/{rel}")
     for line in difflib.unified_diff(
         (before or "").splitlines(keepends=True),
         (after or "").splitlines(keepends=True),
-        "/dev/null" if before is None else a,
-        "/dev/null" if after is None else b,
+        "/dev/null" if before is None else f"a/{rel}",
+        "/dev/null" if after is None else f"b/{rel}",
     ):
         head.append(
             line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
@@ -171,9 +171,9 @@ def choose(
     its backups show applied). A patch is refused while one it excludes is
     applied (its backup holds a file the tree still has as patched)."""
     version = read_version(tree)
+    if direction == "revert" and names:
+        return select(names)
     if direction == "revert":
-        if names:
-            return select(names)
         return [
             p
             for p in select(None)
@@ -189,16 +189,15 @@ def choose(
                 f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
             ),
         )
-    for patch in chosen:
-        for other in exclusive_with(patch):
-            if _restorable(tree, other):
-                raise PatchError(
-                    f"{other.name} is applied here (fully or in part), and "
-                    f"{patch.name} excludes it",
-                    path=str(tree.location),
-                    looked_for=f"a tree without {other.name}",
-                    found=f"its edits (`vllm-patch revert --patch {other.name}`)",
-                )
+    for patch, other in ((p, o) for p in chosen for o in exclusive_with(p)):
+        if _restorable(tree, other):
+            raise PatchError(
+                f"{other.name} is applied here (fully or in part), and "
+                f"{patch.name} excludes it",
+                path=str(tree.location),
+                looked_for=f"a tree without {other.name}",
+                found=f"its edits (`vllm-patch revert --patch {other.name}`)",
+            )
     return chosen
 
 
@@ -219,12 +218,12 @@ def plan(
     """What ``direction`` would do to ``tree``, written nowhere. A revert takes
     each file still as apply left it from the backup."""
     version = read_version(tree)
-    warnings: list[str] = []
-    if version is None:
-        warnings.append(
-            f"{tree.location}: no readable vLLM version ({VERSION_FILE}, dist-info or "
-            "wheel name); judging by the source's shape alone"
-        )
+    unknown = f"{tree.location}: no readable vLLM version ({VERSION_FILE}, "
+    warnings = (
+        []
+        if version
+        else [f"{unknown}dist-info or wheel name); judging by the source's shape alone"]
+    )
     if direction == "apply" and not patch.covers(version):
         refusal = PatchError(
             "vLLM version outside the patch's range (--force overrides)",
@@ -235,13 +234,10 @@ def plan(
         if not force:
             return PatchPlan(patch, tree, direction, version, (), refusal, (*warnings,))
         warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
-    restore: dict[str, str] = {}
-    if direction == "revert":
-        restore, problems = _originals(tree, patch)
-        warnings += [
-            f"damaged backup, reverting by the inverse edit instead: {x}"
-            for x in problems
-        ]
+    restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
+    warnings += [
+        f"{DAMAGED}, reverting by the inverse edit instead: {x}" for x in problems
+    ]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
@@ -256,18 +252,16 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
 
     def read(rel: str) -> Text:
         if rel not in sources:
-            sources[rel] = tree.read_text(rel) if tree.exists(rel) else None
+            sources[rel] = _current(tree, rel)
         return sources[rel]
 
     texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
-        if edit.optional and not (edit.create or tree.exists(edit.file)):
-            yield EditPlan(
-                edit,
-                skipped=PatchError("not in this tree", path=tree.display(edit.file)),
-            )
-            continue
         path = edit.file
+        if edit.optional and not (edit.create or tree.exists(path)):
+            missing = PatchError("not in this tree", path=tree.display(path))
+            yield EditPlan(edit, skipped=missing)
+            continue
         try:
             before = texts[path] if path in texts else read(path)
             if before is None and not edit.create:
@@ -302,16 +296,17 @@ def _edit(edit: Edit, direction, before: Text, read):
     return run_codemod(edit.revert, before, read, said), tuple(said)
 
 
+def _current(tree: VllmTree, rel: str) -> Text:
+    return tree.read_text(rel) if tree.exists(rel) else None
+
+
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
     whose ``.git`` is a file, has none), else in the tree."""
-    if tree.is_wheel:
-        return None
     git = ".git" if tree.is_checkout else "."
-    if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
+    if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
-    files = frozenset(e.file for e in patch.edits + patch.test_edits)
-    return Backup(tree.real(git), patch.name, files)
+    return Backup(tree.real(git), patch.name, patch.files)
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
@@ -364,29 +359,39 @@ def writing(tree: VllmTree):
 
 
 def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
-    """Write ``planned`` as it is: the originals to the backup first, then each
-    changed file; refused when the tree no longer holds what the plan read."""
-    refuse_wheel(tree.location, "apply to")
+    """Write ``planned`` as it is, or refuse when the tree no longer holds what
+    it read. Applying, the originals go to the backup first; once reverted,
+    the backup is deleted."""
+    reverting = planned.direction == "revert"
+    refuse_wheel(tree.location, "revert" if reverting else "apply to")
     if planned.errors:
         raise planned.errors[0]
-    patch, notes, changes = planned.patch, [], planned.file_changes()
+    patch, changes = planned.patch, planned.file_changes()
+    notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
     with locked(tree.location):
         with nothing_changed_on_error():
             _clean(tree, patch)
             _still_current(tree, planned)
             _refuse_read_only(tree, changes)
-            backup = _backup(tree, patch) if changes else None
-            if backup is not None:
+            backup = _backup(tree, patch) if changes or reverting else None
+            if backup is not None and not reverting:
                 entries, problems = backup.read()
-                notes += [f"damaged backup, entry left out: {p}" for p in problems]
+                notes += [f"{DAMAGED}, entry left out: {p}" for p in problems]
                 made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
                 backup.save(entries, made)
         _write(tree, changes)
-    if not changes:
-        done = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
-        return Outcome(patch.name, done, (), tuple(notes))
-    partly = any(not e.changes for e in planned.edits if e.skipped is None)
-    action = "completed" if partly else "applied"
+        try:
+            if backup is not None and reverting:
+                backup.discard()
+        except OSError as exc:  # the sources are back: a stale store is harmless
+            notes.append(f"{backup.folder}: not deleted ({exc.strerror})")
+    if reverting:
+        action = "reverted" if changes else "nothing to revert"
+    elif not changes:
+        action = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
+    else:
+        partly = any(not e.changes for e in planned.edits if e.skipped is None)
+        action = "completed" if partly else "applied"
     return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
 
@@ -396,11 +401,10 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
         with nothing_changed_on_error():
-            _clean(tree, patch)
-            p = plan(tree, patch, "revert")
-        damaged = [w for w in p.warnings if w.startswith("damaged backup")]
-        if p.errors and damaged:
-            error, backup = p.errors[0], _backup(tree, patch)
+            planned = plan(tree, patch, "revert")
+        damaged = [w for w in planned.warnings if w.startswith(DAMAGED)]
+        if planned.errors and damaged:
+            error, backup = planned.errors[0], _backup(tree, patch)
             raise PatchError(
                 "cannot revert: the backup is damaged and the inverse edit does not "
                 f"recognise the file ({error.message})",
@@ -409,24 +413,12 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
                 found=f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get "
                 f"the original file back, then delete {backup.folder}",
             )
-        if p.errors:
-            raise p.errors[0]
-        changes = p.file_changes()
-        _refuse_read_only(tree, changes)
-        _write(tree, changes)
-        backup = _backup(tree, patch)
-        try:
-            if backup is not None:
-                backup.discard()
-        except OSError as exc:  # the sources are back: a stale store is harmless
-            damaged.append(f"{backup.folder}: not deleted ({exc.strerror})")
-    action = "reverted" if changes else "nothing to revert"
-    return Outcome(patch.name, action, tuple(changes), tuple(damaged))
+        return apply(tree, planned)
 
 
 def _clean(tree: VllmTree, patch: Patch) -> None:
     """Delete what an interrupted write of the patch's files left beside them."""
-    for rel in {e.file for e in patch.edits + patch.test_edits}:
+    for rel in patch.files:
         remove_at(tree.real(rel), leftovers=True)
 
 
@@ -434,8 +426,7 @@ def _still_current(tree: VllmTree, p: PatchPlan) -> None:
     """Refused unless ``tree`` still holds ``p``'s version and every file it read."""
     try:
         same = read_version(tree) == p.version and all(
-            (tree.read_text(rel) if tree.exists(rel) else None) == text
-            for rel, text in p.sources.items()
+            _current(tree, rel) == text for rel, text in p.sources.items()
         )
     except PatchError:  # a file gone or unreadable
         same = False

@@ -3,9 +3,8 @@
 A path is resolved and checked to lie inside its bases (:func:`inside`); then
 each folder on it is opened with O_NOFOLLOW from ``/`` (:func:`open_dir`), so a
 link swapped in after the check fails the open. Reads take regular files only,
-bounded, never blocking; a write creates a new file beside the target, fsyncs
-it and renames it over the target (:func:`replace_at`): a hard-linked copy of
-the file is never written through.
+bounded, never blocking; a write renames a new, fsynced file over the target
+(:func:`replace_at`), so a hard-linked copy of it is never written through.
 """
 
 from __future__ import annotations
@@ -26,15 +25,18 @@ from patcher.errors import PatchError, UsageError, printable
 # 0.3 MB, and LibCST takes about 265 times a file's size to parse it.
 MAX_FILE_BYTES = 2 << 20
 NEW = ".vllm-patch.new"  # the suffix of the file replace_at renames
-_KINDS = {"DIR": "a directory", "FIFO": "a FIFO (named pipe)", "SOCK": "a socket",
-          "CHR": "a character device", "BLK": "a block device",
-          "LNK": "a symbolic link", "REG": "a regular file"}  # fmt: skip
+_KINDS = {"d": "a directory", "p": "a FIFO (named pipe)", "s": "a socket",
+          "c": "a character device", "b": "a block device", "l": "a symbolic link",
+          "-": "a regular file"}  # fmt: skip
+# What is there when an open fails with an errno (0: nothing; ENXIO: a socket).
+_FOUND = {errno.ENOENT: 0, errno.ELOOP: stat.S_IFLNK, errno.EISDIR: stat.S_IFDIR,
+          errno.ENXIO: stat.S_IFSOCK}  # fmt: skip
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 def kind(mode: int) -> str:
     """What a file is, in words, from its ``st_mode``."""
-    found = (v for k, v in _KINDS.items() if getattr(stat, f"S_IS{k}")(mode))
-    return next(found, "not a regular file")
+    return _KINDS.get(stat.filemode(mode)[0], "not a regular file")
 
 
 def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
@@ -55,30 +57,27 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
 @contextlib.contextmanager
 def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
     """A descriptor of the resolved ``folder``, each component opened with
-    O_NOFOLLOW (a link: ``PatchError``); missing folders below ``make_below``
-    are made. Closed on leaving."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    fd = os.open("/", flags)
-    here = Path("/")
+    O_NOFOLLOW (a link, or a file: ``PatchError``); missing folders below
+    ``make_below`` are made. Closed on leaving."""
+    fd = os.open("/", _DIR)
     try:
-        for name in folder.relative_to("/").parts:
-            here = here / name
+        for i, name in enumerate(folder.parts[1:], 2):
+            here = Path(*folder.parts[:i])
+            if make_below and here.is_relative_to(make_below):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
             try:
-                if make_below and here.is_relative_to(make_below):
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o755, dir_fd=fd)
-                nxt = os.open(name, flags, dir_fd=fd)
+                fd, above = os.open(name, _DIR, dir_fd=fd), fd
             except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
                 raise PatchError(
-                    f"cannot open a folder on the way ({exc.strerror})",
-                    path=str(folder),
-                    looked_for=f"a real folder named {name!r}",
-                    found="a link or something else (changed while read?)"
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else exc.strerror,
+                    "not a folder (vllm-patch never follows a link there)",
+                    path=str(here),
+                    looked_for="a real folder",
+                    found="a symbolic link or a file (changed while read?)",
                 ) from exc
-            os.close(fd)
-            fd = nxt
+            os.close(above)
         yield fd
     finally:
         os.close(fd)
@@ -87,33 +86,42 @@ def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
 def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
     """The bytes of the regular file at the resolved ``path`` (no link, FIFO or
     device; at most ``limit`` bytes)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+
+    def opener(name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+
     try:
         with open_dir(path.parent) as dfd:
-            fd = os.open(path.name, flags, dir_fd=dfd)
-    except FileNotFoundError as exc:
-        raise PatchError(
-            "file not found", path=str(path), looked_for=what, found="no such file"
-        ) from exc
+            file = open(path.name, "rb", opener=opener)
+        with file:
+            mode = os.fstat(file.fileno()).st_mode
+            data = file.read(limit + 1) if stat.S_ISREG(mode) else None
     except OSError as exc:
-        found = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
-        if exc.errno not in found:
-            msg = f"cannot read (open: {exc.strerror})"
-            raise PatchError(msg, path=str(path)) from exc
-        raise _not_regular(path, what, found[exc.errno]) from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, what, kind(mode))
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(limit + 1)  # a file growing while read is caught too
-    except OSError as exc:
-        raise PatchError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise too_big(str(path), what, limit)
-    return data
+        mode = _FOUND.get(exc.errno, -1)
+        if mode < 0:
+            raise PatchError(f"cannot read ({exc.strerror})", path=str(path)) from exc
+        data = None
+    if data is None:
+        raise _not_regular(path, what, mode)
+    return bounded(data, str(path), what, limit)
+
+
+def _not_regular(path: Path, what: str, mode: int) -> PatchError:
+    """What is at ``path`` is not a regular file (``mode`` 0: there is nothing)."""
+    message, found = (
+        ("not a regular file", kind(mode))
+        if mode
+        else ("file not found", "no such file")
+    )
+    return PatchError(message, path=str(path), looked_for=what, found=found)
+
+
+def bounded(data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """``data``, unless it is more than ``limit`` bytes: then ``PatchError``."""
+    if len(data) <= limit:
+        return data
+    looked_for = f"{what}, at most {limit} bytes"
+    raise PatchError("file too large", path=shown, looked_for=looked_for, found="more")
 
 
 def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
@@ -134,41 +142,25 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
     return text
 
 
-def _not_regular(path: Path, what: str, found: str) -> PatchError:
-    return PatchError(
-        "not a regular file", path=str(path), looked_for=what, found=found
-    )
-
-
-def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
-    return PatchError(
-        "file too large",
-        path=shown,
-        looked_for=f"{looked_for}, at most {limit} bytes",
-        found="more",
-    )
-
-
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
     """Give the resolved ``path`` the content ``data`` by rename (see above); an
     existing target must be a regular file, whose mode is kept."""
     with open_dir(path.parent, make_below) as dfd:
         try:
-            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            mode = os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode
         except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, "a regular file to replace", kind(st.st_mode))
-        mode = stat.S_IMODE(st.st_mode) if st else 0o644
+            mode = stat.S_IFREG | 0o644
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, "a regular file to replace", mode)
         tmp = f".{path.name}.{secrets.token_hex(6)}{NEW}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(tmp, flags, mode, dir_fd=dfd)
+        fd = os.open(tmp, flags, stat.S_IMODE(mode), dir_fd=dfd)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
-                os.fchmod(fh.fileno(), mode)  # umask would narrow it
-                os.fsync(fh.fileno())
+                os.fchmod(fd, stat.S_IMODE(mode))  # umask would narrow it
+                os.fsync(fd)
             os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -185,24 +177,26 @@ def remove_at(path: Path, *, leftovers: bool = False) -> None:
         contextlib.suppress(FileNotFoundError, PatchError),
         open_dir(path.parent) as dfd,
     ):
-        if not leftovers:
-            _remove(path.name, dfd)
-        for name in os.listdir(dfd) if leftovers else ():
-            if name.startswith(f".{path.name}.") and name.endswith(NEW):
+        for name in os.listdir(dfd) if leftovers else [path.name]:
+            if (
+                not leftovers
+                or name.startswith(f".{path.name}.")
+                and name.endswith(NEW)
+            ):
                 _remove(name, dfd)
 
 
 def _remove(name: str, dfd: int) -> None:
-    if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except IsADirectoryError:
+        sub = os.open(name, _DIR, dir_fd=dfd)
         try:
             for child in os.listdir(sub):
                 _remove(child, sub)
         finally:
             os.close(sub)
         os.rmdir(name, dir_fd=dfd)
-    else:
-        os.unlink(name, dir_fd=dfd)
 
 
 _waited: set[Path] = set()
@@ -231,8 +225,7 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
                     flush=True,
                 )
             fcntl.flock(fd, how)
-        if not shared:
-            _writing.add(real)
+        _writing.update([] if shared else [real])
         try:
             yield
         finally:
@@ -242,18 +235,18 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
 def write_output(path: Path, data: bytes | str) -> Path:
     """Write a file the user named (``--out``): the folder is the user's choice;
     anything but a regular file at the name is refused, never written through."""
-    path = Path(path)
-    parent = Path(os.path.realpath(path.parent))
-    replace_at(parent / path.name, data.encode() if isinstance(data, str) else data)
-    return path
+    parent = Path(os.path.realpath(Path(path).parent))
+    replace_at(
+        parent / Path(path).name, data.encode() if isinstance(data, str) else data
+    )
+    return Path(path)
 
 
 def output_dir(path: Path) -> Path:
     """A folder the user named for outputs, made if missing; a link or non-folder
     there is refused (whoever planted it chooses where it leads)."""
-    path = Path(path)
     with contextlib.suppress(FileExistsError, NotADirectoryError):
-        path.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
     if not stat.S_ISDIR(mode):
         raise PatchError(
@@ -262,7 +255,7 @@ def output_dir(path: Path) -> Path:
             looked_for="a folder for outputs",
             found=kind(mode),
         )
-    return path
+    return Path(path)
 
 
 def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) -> Path:

@@ -91,6 +91,11 @@ class Patch:
             "upstream": getattr(module, "UPSTREAM_PROVIDER", None),
         }
 
+    @property
+    def files(self) -> frozenset[str]:
+        """Every file the patch edits (its test edits too)."""
+        return frozenset(e.file for e in self.edits + self.test_edits)
+
     def covers(self, version: Version | None) -> bool:
         return version is None or self.versions.contains(version, prereleases=True)
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from patcher.errors import PatchError, UsageError
-from patcher.files import MAX_FILE_BYTES, decode, inside, kind, read_at, too_big
+from patcher.files import MAX_FILE_BYTES, bounded, decode, inside, kind, read_at
 
 MARKER = "vllm/__init__.py"
 
@@ -49,17 +49,15 @@ class VllmTree:
         return f"{self.location}{'!/' if self.is_wheel else '/'}{relpath}"
 
     def _wheel(self) -> zipfile.ZipFile:
+        """The wheel, opened: a regular zip archive (a FIFO would block)."""
         try:
             mode = os.stat(self.location).st_mode
-        except OSError as exc:
-            msg = f"cannot read: {exc.strerror}"
-            raise PatchError(msg, path=str(self.location)) from exc
-        if not stat.S_ISREG(mode):  # checked before opening: a FIFO would block
-            raise self._bad_wheel(kind(mode))
-        try:
-            return zipfile.ZipFile(self.location)
+            if stat.S_ISREG(mode):
+                return zipfile.ZipFile(self.location)
+            found = kind(mode)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-            raise self._bad_wheel(f"not a zip archive ({exc})") from exc
+            found = f"not a zip archive ({exc})"
+        raise self._bad_wheel(found)
 
     def _bad_wheel(self, found: str) -> PatchError:
         return PatchError(
@@ -101,32 +99,27 @@ class VllmTree:
                 found="no such member in the wheel",
             )
         with self._wheel() as zf:
-            info = zf.getinfo(relpath)
-            if info.flag_bits & 0x1:
-                raise self._bad_wheel(f"member {relpath} is encrypted")
             try:  # read only up to the bound: the declared size may lie
-                with zf.open(info) as member:
+                with zf.open(relpath) as member:
                     data = member.read(MAX_FILE_BYTES + 1)
-            except NotImplementedError as exc:  # a compression zipfile cannot read
+            except (RuntimeError, NotImplementedError) as exc:  # encrypted, compression
                 raise self._bad_wheel(f"member {relpath}: {exc}") from exc
             except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
                 raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
-        if len(data) > MAX_FILE_BYTES:
-            raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
-        return data
+        return bounded(data, self.display(relpath), looked_for)
 
     def read_text(self, relpath: str) -> str:
         where = self.display(relpath)
         return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
 
     def metadata(self) -> str | None:
+        """The text of the dist-info's METADATA, if there is one."""
         if self.is_wheel:
             found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
-        elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
-            found = [f"{self.dist_info.name}/METADATA"]
         else:
-            return None
-        return found and self.read_bytes(found[0]).decode("utf-8", "replace") or None
+            found = [f"{self.dist_info.name}/METADATA"] if self.dist_info else []
+        found = [n for n in found if self.exists(n)]
+        return self.read_bytes(found[0]).decode("utf-8", "replace") if found else None
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
