@@ -46,12 +46,9 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
     bases = [Path(os.path.realpath(b)) for b in (bases or (root,))]
     if any(path.is_relative_to(b) for b in bases):
         return path
-    raise PatchError(
-        f"{what} leads outside the tree (vllm-patch never follows a link out)",
-        path=str(Path(root) / rel),
-        looked_for=f"a path inside {' or '.join(map(str, bases))}",
-        found=f"a link to {path}",
-    )
+    message = f"{what} leads outside the tree (vllm-patch never follows a link out)"
+    within = f"a path inside {' or '.join(map(str, bases))}"
+    raise PatchError(message, str(Path(root) / rel), within, f"a link to {path}")
 
 
 @contextlib.contextmanager
@@ -71,12 +68,8 @@ def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
-                raise PatchError(
-                    "not a folder (vllm-patch never follows a link there)",
-                    path=str(here),
-                    looked_for="a real folder",
-                    found="a symbolic link or a file (changed while read?)",
-                ) from exc
+                found = "a symbolic link or a file (changed while read?)"
+                raise PatchError("not a folder", str(here), "a folder", found) from exc
             os.close(above)
         yield fd
     finally:
@@ -97,10 +90,9 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
             mode = os.fstat(file.fileno()).st_mode
             data = file.read(limit + 1) if stat.S_ISREG(mode) else None
     except OSError as exc:
-        mode = _FOUND.get(exc.errno, -1)
-        if mode < 0:
-            raise PatchError(f"cannot read ({exc.strerror})", path=str(path)) from exc
-        data = None
+        if exc.errno not in _FOUND:
+            raise PatchError(f"cannot read ({exc.strerror})", str(path)) from exc
+        mode, data = _FOUND[exc.errno], None
     if data is None:
         raise _not_regular(path, what, mode)
     return bounded(data, str(path), what, limit)
@@ -108,20 +100,18 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
 
 def _not_regular(path: Path, what: str, mode: int) -> PatchError:
     """What is at ``path`` is not a regular file (``mode`` 0: there is nothing)."""
-    message, found = (
-        ("not a regular file", kind(mode))
-        if mode
-        else ("file not found", "no such file")
-    )
-    return PatchError(message, path=str(path), looked_for=what, found=found)
+    if not mode:
+        return PatchError("file not found", str(path), what, "no such file")
+    return PatchError("not a regular file", str(path), what, kind(mode))
 
 
 def bounded(data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
     """``data``, unless it is more than ``limit`` bytes: then ``PatchError``."""
-    if len(data) <= limit:
-        return data
-    looked_for = f"{what}, at most {limit} bytes"
-    raise PatchError("file too large", path=shown, looked_for=looked_for, found="more")
+    if len(data) > limit:
+        raise PatchError(
+            "file too large", shown, f"{what}, at most {limit} bytes", "more"
+        )
+    return data
 
 
 def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
@@ -136,9 +126,9 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         found = f"byte {data[exc.start]:#04x} at offset {exc.start}"
-        raise PatchError("not UTF-8", path=where, looked_for=what, found=found) from exc
+        raise PatchError("not UTF-8", where, what, found) from exc
     if "\0" in text and not nul:
-        raise PatchError("not text", path=where, looked_for=what, found="a NUL byte")
+        raise PatchError("not text", where, what, "a NUL byte")
     return text
 
 
@@ -219,11 +209,8 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
         except BlockingIOError:
             if root not in _waited:
                 _waited.add(root)
-                print(
-                    f"vllm-patch: waiting for another vllm-patch on {printable(root)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                waiting = f"waiting for another vllm-patch on {printable(root)}"
+                print(f"vllm-patch: {waiting}", file=sys.stderr, flush=True)
             fcntl.flock(fd, how)
         _writing.update([] if shared else [real])
         try:
@@ -235,10 +222,8 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
 def write_output(path: Path, data: bytes | str) -> Path:
     """Write a file the user named (``--out``): the folder is the user's choice;
     anything but a regular file at the name is refused, never written through."""
-    parent = Path(os.path.realpath(Path(path).parent))
-    replace_at(
-        parent / Path(path).name, data.encode() if isinstance(data, str) else data
-    )
+    real = Path(os.path.realpath(Path(path).parent)) / Path(path).name
+    replace_at(real, data.encode() if isinstance(data, str) else data)
     return Path(path)
 
 
@@ -249,12 +234,8 @@ def output_dir(path: Path) -> Path:
         Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
     if not stat.S_ISDIR(mode):
-        raise PatchError(
-            "not a folder (vllm-patch never writes through a link it finds)",
-            path=str(path),
-            looked_for="a folder for outputs",
-            found=kind(mode),
-        )
+        message = "not a folder (vllm-patch never writes through a link it finds)"
+        raise PatchError(message, str(path), "a folder for outputs", kind(mode))
     return Path(path)
 
 
@@ -263,15 +244,12 @@ def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) ->
     (``but`` excepted), no link or special file planted at the name."""
     real = path.parent.resolve() / path.name
     if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
-        raise UsageError(f"{what} must be outside the work tree", path=str(path))
+        raise UsageError(f"{what} must be outside the work tree", str(path))
     mode = os.lstat(path).st_mode if os.path.lexists(path) else None
     if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):
-        raise UsageError(
-            "vllm-patch never writes through a link or special file it finds",
-            path=str(path),
-            looked_for="a folder" if folder else "a regular file or no file",
-            found=kind(mode),
-        )
+        message = "vllm-patch never writes through a link or special file it finds"
+        wanted = "a folder" if folder else "a regular file or no file"
+        raise UsageError(message, str(path), wanted, kind(mode))
     return path
 
 
@@ -282,14 +260,13 @@ def own_paths(root: Path, files: list[str]) -> None:
     for rel in files:
         found = Path(os.path.realpath(root / rel))
         if found != real / rel:
-            raise UsageError(
-                "a file the change edits is reached through a link in the checkout",
-                path=str(root / rel),
-                looked_for="a regular file (or none) at that path, no link on the way",
-                found=f"a link to {found.relative_to(real)}"
-                if found.is_relative_to(real)
-                else "a link out of the checkout",
+            message = (
+                "a file the change edits is reached through a link in the checkout"
             )
+            wanted = "a regular file (or none) at that path, no link on the way"
+            to = found.relative_to(real) if found.is_relative_to(real) else None
+            link = f"a link to {to}" if to else "a link out of the checkout"
+            raise UsageError(message, str(root / rel), wanted, link)
 
 
 def read_text_in(
@@ -297,11 +274,9 @@ def read_text_in(
 ) -> str | None:
     """Data read from a checkout (CI YAML, PR template): ``rel`` below ``root``
     as :func:`read_text_at` reads it; None without such a file (or ``root``)."""
-    if root is None:
-        return None
-    path = Path(os.path.realpath(root)) / rel
+    path = Path(os.path.realpath(root or ".")) / rel
     try:
-        return read_text_at(path, what, limit=limit)
+        return read_text_at(path, what, limit=limit) if root else None
     except PatchError:
         if os.path.lexists(path):
             raise

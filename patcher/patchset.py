@@ -27,11 +27,6 @@ from patcher.errors import PatchError, UsageError
 PATCHES_PACKAGE = "patches"
 
 
-def _load_object(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 @dataclass(frozen=True)
 class Edit:
     """One file's change: its codemod and the inverse, as ``module:Class``,
@@ -49,11 +44,13 @@ class Edit:
 
     @property
     def apply(self) -> type:
-        return _load_object(self.apply_ref)
+        module, _, name = self.apply_ref.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def revert(self) -> type:
-        return _load_object(self.revert_ref)
+        module, _, name = self.revert_ref.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def summary(self) -> str:
@@ -111,14 +108,7 @@ class Patch:
         }
 
 
-def _spec(meta: dict, key: str, meta_file: Path) -> SpecifierSet | None:
-    try:
-        return SpecifierSet(meta[key]) if key in meta or key == "vllm" else None
-    except (KeyError, InvalidSpecifier, TypeError) as exc:
-        msg = f"bad or missing {key!r} specifier: {exc}"
-        raise PatchError(msg, path=str(meta_file)) from exc
-
-
+@cache
 def load_patch(folder: Path) -> Patch:
     meta_file = folder / "patch.toml"
     meta = tomllib.loads(meta_file.read_text("utf-8"))
@@ -132,37 +122,33 @@ def load_patch(folder: Path) -> Patch:
             )
             for table, optional in (("edits", False), ("test_edits", True))
         )
-    except KeyError as exc:
-        msg = f"an edit without {exc.args[0]!r}"
+        default = SpecifierSet(meta["default"]) if "default" in meta else None
+        return Patch(
+            name=folder.name,
+            title=meta["title"],
+            versions=SpecifierSet(meta["vllm"]),
+            edits=edits,
+            folder=folder,
+            meta=meta,
+            test_edits=test_edits,
+            default=default,
+            replaces=meta.get("replaces"),
+        )
+    except (KeyError, InvalidSpecifier, TypeError) as exc:
+        msg = f"a bad or missing entry: {type(exc).__name__}: {exc}"
         raise PatchError(msg, path=str(meta_file)) from exc
-    return Patch(
-        name=folder.name,
-        title=meta["title"],
-        versions=_spec(meta, "vllm", meta_file),
-        edits=edits,
-        folder=folder,
-        meta=meta,
-        test_edits=test_edits,
-        default=_spec(meta, "default", meta_file),
-        replaces=meta.get("replaces"),
-    )
 
 
 def declared_file(codemod: type) -> str | None:
     """The file ``codemod`` edits, from the ``patch.toml`` beside its module
     (None for a class no patch lists)."""
-    module = sys.modules[codemod.__module__]
+    folder = Path(sys.modules[codemod.__module__].__file__ or "").parent
+    if not (folder / "patch.toml").is_file():
+        return None
     ref = f"{codemod.__module__}:{codemod.__qualname__}"
-    meta_file = Path(module.__file__ or "").with_name("patch.toml")
-    return _edit_files(meta_file).get(ref) if meta_file.is_file() else None
-
-
-@cache
-def _edit_files(meta_file: Path) -> dict[str, str]:
-    """``module:Class`` -> file, for every codemod a ``patch.toml`` lists."""
-    meta = tomllib.loads(meta_file.read_text("utf-8"))
-    edits = [*meta.get("edits", ()), *meta.get("test_edits", ())]
-    return {e[key]: e["file"] for e in edits for key in ("apply", "revert")}
+    patch = load_patch(folder)
+    edits = patch.edits + patch.test_edits
+    return next((e.file for e in edits if ref in (e.apply_ref, e.revert_ref)), None)
 
 
 def all_patches() -> list[Patch]:
