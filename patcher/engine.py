@@ -180,23 +180,18 @@ def choose(
             if p.covers(version) and (is_default(p, version)[0] or _restorable(tree, p))
         ]
     chosen = select(names) if names else defaults(version)
+    where = str(tree.location)
     if not chosen:
-        raise PatchError(
-            "no patch is this tree's default (pass --patch NAME)",
-            path=str(tree.location),
-            looked_for="a patch whose default range holds",
-            found="; ".join(
-                f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
-            ),
-        )
+        why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
+        message = "no patch is this tree's default (pass --patch NAME)"
+        raise PatchError(message, where, "a patch whose default range holds", why)
     for patch, other in ((p, o) for p in chosen for o in exclusive_with(p)):
         if _restorable(tree, other):
+            message = f"{other.name} is applied here (fully or in part), and "
+            edits = f"its edits (`vllm-patch revert --patch {other.name}`)"
+            without = f"a tree without {other.name}"
             raise PatchError(
-                f"{other.name} is applied here (fully or in part), and "
-                f"{patch.name} excludes it",
-                path=str(tree.location),
-                looked_for=f"a tree without {other.name}",
-                found=f"its edits (`vllm-patch revert --patch {other.name}`)",
+                f"{message}{patch.name} excludes it", where, without, edits
             )
     return chosen
 
@@ -217,23 +212,19 @@ def plan(
 ) -> PatchPlan:
     """What ``direction`` would do to ``tree``, written nowhere. A revert takes
     each file still as apply left it from the backup."""
-    version = read_version(tree)
-    unknown = f"{tree.location}: no readable vLLM version ({VERSION_FILE}, "
-    warnings = (
-        []
-        if version
-        else [f"{unknown}dist-info or wheel name); judging by the source's shape alone"]
-    )
-    if direction == "apply" and not patch.covers(version):
-        refusal = PatchError(
-            "vLLM version outside the patch's range (--force overrides)",
-            path=str(tree.location),
-            looked_for=f"vllm{patch.versions}",
-            found=str(version),
+    version, warnings, where = read_version(tree), [], str(tree.location)
+    if version is None:
+        warnings.append(
+            f"{where}: no readable vLLM version ({VERSION_FILE}, dist-info or wheel "
+            "name); judging by the source's shape alone"
         )
+    if direction == "apply" and not patch.covers(version):
+        message = "vLLM version outside the patch's range"
+        wanted, found = f"vllm{patch.versions}", str(version)
+        refusal = PatchError(f"{message} (--force overrides)", where, wanted, found)
         if not force:
             return PatchPlan(patch, tree, direction, version, (), refusal, (*warnings,))
-        warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
+        warnings.append(f"{message}: {version} not in {patch.versions}; forced")
     restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
     warnings += [
         f"{DAMAGED}, reverting by the inverse edit instead: {x}" for x in problems
@@ -243,7 +234,7 @@ def plan(
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
     return PatchPlan(
-        patch, tree, direction, version, edits, None, tuple(warnings), sources
+        patch, tree, direction, version, edits, None, (*warnings,), sources
     )
 
 
@@ -334,11 +325,9 @@ def nothing_changed_on_error() -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        raise PatchError(
-            f"cannot proceed ({exc.strerror or exc})",
-            path=printable(exc.filename) if exc.filename else None,
-            found="nothing was changed",
-        ) from exc
+        where = printable(exc.filename) if exc.filename else None
+        message = f"cannot proceed ({exc.strerror or exc})"
+        raise PatchError(message, where, found="nothing was changed") from exc
 
 
 @dataclass(frozen=True)
@@ -370,7 +359,8 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
     with locked(tree.location):
         with nothing_changed_on_error():
-            _clean(tree, patch)
+            for rel in patch.files:  # what an interrupted write left beside them
+                remove_at(tree.real(rel), leftovers=True)
             _still_current(tree, planned)
             _refuse_read_only(tree, changes)
             backup = _backup(tree, patch) if changes or reverting else None
@@ -408,51 +398,37 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
             raise PatchError(
                 "cannot revert: the backup is damaged and the inverse edit does not "
                 f"recognise the file ({error.message})",
-                path=error.path,
-                looked_for=error.looked_for,
-                found=f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get "
-                f"the original file back, then delete {backup.folder}",
+                error.path,
+                error.looked_for,
+                f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get the "
+                f"original file back, then delete {backup.folder}",
             )
         return apply(tree, planned)
 
 
-def _clean(tree: VllmTree, patch: Patch) -> None:
-    """Delete what an interrupted write of the patch's files left beside them."""
-    for rel in patch.files:
-        remove_at(tree.real(rel), leftovers=True)
-
-
 def _still_current(tree: VllmTree, p: PatchPlan) -> None:
     """Refused unless ``tree`` still holds ``p``'s version and every file it read."""
-    try:
-        same = read_version(tree) == p.version and all(
-            _current(tree, rel) == text for rel, text in p.sources.items()
-        )
-    except PatchError:  # a file gone or unreadable
-        same = False
-    if not same:
-        raise PatchError(
-            "the tree changed since it was planned; run again",
-            path=str(tree.location),
-            looked_for=f"the files {p.patch.name} was planned on",
-            found="other contents; nothing was changed",
-        )
+    with contextlib.suppress(PatchError):  # a file gone or unreadable: changed
+        same = all(_current(tree, rel) == text for rel, text in p.sources.items())
+        if same and read_version(tree) == p.version:
+            return
+    message = "the tree changed since it was planned; run again"
+    planned = f"the files {p.patch.name} was planned on"
+    found = "other contents; nothing was changed"
+    raise PatchError(message, str(tree.location), planned, found)
 
 
 def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
     """Files and folders marked read-only are left alone, even by root."""
     paths = [tree.real(rel) for rel in changes]
     for target in {tree.real("."), *paths, *(p.parent for p in paths)} if paths else ():
-        if os.path.lexists(target):
-            mode = os.stat(target).st_mode
-            if not os.access(target, os.W_OK) or not mode & 0o222:
-                what = "folder" if stat.S_ISDIR(mode) else "file"
-                raise PatchError(
-                    f"{what} is read-only",
-                    path=str(target),
-                    looked_for=f"a writable {what}",
-                    found=f"mode {stat.filemode(mode)}",
-                )
+        mode = os.stat(target).st_mode if os.path.lexists(target) else None
+        if mode is not None and not (mode & 0o222 and os.access(target, os.W_OK)):
+            what = "folder" if stat.S_ISDIR(mode) else "file"
+            found = f"mode {stat.filemode(mode)}"
+            raise PatchError(
+                f"{what} is read-only", str(target), f"a writable {what}", found
+            )
 
 
 def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
@@ -464,15 +440,9 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
             else:
                 replace_at(tree.real(rel), after.encode())
         except OSError as exc:
-            how_far = (
-                "nothing was changed"
-                if done == 0
-                else f"{done} of {len(changes)} files written; the tree is partly "
-                "patched: run apply again to finish, or revert to undo"
-            )
-            raise PatchError(
-                f"cannot write ({exc.strerror})",
-                path=tree.display(rel),
-                looked_for="a file vllm-patch may replace",
-                found=how_far,
-            ) from exc
+            how_far = f"{done} of {len(changes)} files written; the tree is partly "
+            how_far += "patched: run apply again to finish, or revert to undo"
+            message = f"cannot write ({exc.strerror})"
+            wanted = "a file vllm-patch may replace"
+            found = how_far if done else "nothing was changed"
+            raise PatchError(message, tree.display(rel), wanted, found) from exc
