@@ -62,13 +62,9 @@ class Backup:
         except PatchError as exc:
             if not str(exc.found).startswith("a symbolic link"):
                 raise _Damage(f"{exc.path}: {exc.message} ({exc.found})") from exc
-            raise PatchError(
-                "part of the backup store is a symbolic link (vllm-patch never "
-                "follows one there)",
-                path=str(path),
-                looked_for="a real folder or file",
-                found=f"{exc.found}; nothing was changed",
-            ) from exc
+            message = "part of the backup store is a symbolic link (never followed)"
+            found, wanted = f"{exc.found}; nothing was changed", "a real folder or file"
+            raise PatchError(message, str(path), wanted, found) from exc
 
     def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
         """The entries whose copy is present and intact, and what is wrong with
@@ -88,15 +84,12 @@ class Backup:
             return {}, [f"{where}: {exc}"]
         except (LookupError, TypeError):
             return {}, [f'{where}: no "files" table']
-        for rel in files:
-            if rel not in self.files:
-                raise PatchError(
-                    "a backup manifest names a file the patch does not touch",
-                    path=str(where),
-                    looked_for=f"entries for {', '.join(sorted(self.files))} only",
-                    found=f"entry {rel[:300]!r}; nothing was changed: delete "
-                    f"{self.folder} if you did not make it",
-                )
+        if foreign := [rel for rel in files if rel not in self.files]:
+            message = "a backup manifest names a file the patch does not touch"
+            wanted = f"entries for {', '.join(sorted(self.files))} only"
+            found = f"entry {foreign[0][:300]!r}; nothing was changed: delete "
+            found += f"{self.folder} if you did not make it"
+            raise PatchError(message, str(where), wanted, found)
         entries, problems = {}, []
         for rel, entry in files.items():
             try:
@@ -131,12 +124,11 @@ class Backup:
                 try:
                     replace_at(self.folder / rel, before, make_below=self.home)
                 except PatchError as exc:
-                    raise PatchError(
-                        "damaged backup: the place of a backup copy is taken",
-                        path=str(self.folder / rel),
-                        looked_for=f"nothing, or the backup copy of {rel}",
-                        found=f"{exc.found}; delete it and run again",
-                    ) from exc
+                    message = "damaged backup: the place of a backup copy is taken"
+                    wanted = f"nothing, or the backup copy of {rel}"
+                    found = f"{exc.found}; delete it and run again"
+                    where = str(self.folder / rel)
+                    raise PatchError(message, where, wanted, found) from exc
                 entry = {"original_sha256": hex_digest(before)}
             manifest[rel] = {**entry, "patched_sha256": hex_digest(after)}
         text = json.dumps({"files": manifest}, indent=2) + "\n"

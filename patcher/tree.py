@@ -60,12 +60,8 @@ class VllmTree:
         raise self._bad_wheel(found)
 
     def _bad_wheel(self, found: str) -> PatchError:
-        return PatchError(
-            "not a readable wheel",
-            path=str(self.location),
-            looked_for="a .whl file: a zip archive whose members read back intact",
-            found=found,
-        )
+        wanted = "a .whl file: a zip archive whose members read back intact"
+        return PatchError("not a readable wheel", str(self.location), wanted, found)
 
     @cached_property
     def _zip_names(self) -> frozenset[str]:
@@ -92,12 +88,8 @@ class VllmTree:
         if not self.is_wheel:
             return read_at(self.real(relpath), looked_for)
         if relpath not in self._zip_names:
-            raise PatchError(
-                "file not found",
-                path=self.display(relpath),
-                looked_for=looked_for,
-                found="no such member in the wheel",
-            )
+            found = "no such member in the wheel"
+            raise PatchError("file not found", self.display(relpath), looked_for, found)
         with self._wheel() as zf:
             try:  # read only up to the bound: the declared size may lie
                 with zf.open(relpath) as member:
@@ -147,11 +139,8 @@ def refuse_wheel(location: Path, verb: str) -> None:
     """A ``.whl`` path given to ``apply``/``revert`` is a usage error (the file
     is never opened)."""
     if location.suffix == ".whl":
-        raise UsageError(
-            f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
-            "directory",
-            path=str(location),
-        )
+        what = "a .whl (read-only); unpack or install it and pass that directory"
+        raise UsageError(f"cannot {verb} {what}", str(location))
 
 
 def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTree:
@@ -161,12 +150,8 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
         # find_spec on a top-level name locates the package without running it.
         found = importlib.util.find_spec("vllm")
         if found is None or not found.submodule_search_locations:
-            raise PatchError(
-                "no vLLM installed for this interpreter; pass --vllm PATH",
-                path=sys.executable,
-                looked_for="an importable 'vllm' package",
-                found="none",
-            )
+            message = "no vLLM installed for this interpreter; pass --vllm PATH"
+            raise PatchError(message, sys.executable, "an importable 'vllm' package")
         spec = Path(next(iter(found.submodule_search_locations))).parent
     location = Path(spec).expanduser().resolve()
     if writing:
@@ -174,20 +159,13 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
     if not os.path.lexists(location):
         raise PatchError("no such file or directory", path=str(location))
     if not location.is_dir() and location.suffix != ".whl":
-        raise PatchError(
-            "not a vLLM tree",
-            path=str(location),
-            looked_for="a directory containing vllm/, or a .whl file",
-            found=f"{kind(location.stat().st_mode)} that is not a wheel",
-        )
+        found = f"{kind(location.stat().st_mode)} that is not a wheel"
+        wanted = "a directory containing vllm/, or a .whl file"
+        raise PatchError("not a vLLM tree", str(location), wanted, found)
     if location.name == "vllm" and (location / "__init__.py").exists():
         location = location.parent  # forgive pointing at the package itself
     tree = VllmTree(location)
     if not tree.exists(MARKER):
-        raise PatchError(
-            "not a vLLM tree",
-            path=str(location),
-            looked_for=MARKER,
-            found="a wheel without it" if tree.is_wheel else "no such file",
-        )
+        found = "a wheel without it" if tree.is_wheel else "no such file"
+        raise PatchError("not a vLLM tree", str(location), MARKER, found)
     return tree
