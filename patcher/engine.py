@@ -13,7 +13,7 @@ import contextlib
 import difflib
 import os
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
@@ -59,11 +59,9 @@ class EditPlan:
         return not (self.error or self.skipped) and self.before != self.after
 
     def status(self, direction: Direction = "apply") -> PlanStatus:
-        if self.skipped is not None:
-            return PlanStatus.SKIPPED
-        if self.error is not None:
-            return PlanStatus.NOT_APPLICABLE
-        if self.own is not None:
+        if self.skipped or self.error:
+            return PlanStatus.SKIPPED if self.skipped else PlanStatus.NOT_APPLICABLE
+        if self.own:
             return PlanStatus.IN_VLLM
         return PlanStatus.pending(direction, self.changes)
 
@@ -76,14 +74,13 @@ class PatchPlan:
     version: Version | None
     edits: tuple[EditPlan, ...]
     error: PatchError | None = None  # a whole-patch refusal (version out of range)
-    warnings: tuple[str, ...] = ()
+    warnings: Sequence[str] = ()
     sources: Mapping[str, Text] = field(default_factory=dict, repr=False)
     """Every file the plan read: it is written only while the tree holds these."""
 
     @property
     def errors(self) -> list[PatchError]:
-        found = [self.error] if self.error else []
-        return found + [e.error for e in self.edits if e.error is not None]
+        return [x for x in (self.error, *(e.error for e in self.edits)) if x]
 
     @property
     def status(self) -> PlanStatus:
@@ -108,10 +105,8 @@ class PatchPlan:
     def file_changes(self) -> dict[str, tuple[Text, Text]]:
         """relpath -> (text before the patch, text after all its edits)."""
         made = [e for e in self.edits if not (e.error or e.skipped or self.in_vllm)]
-        after = {e.file: e.after for e in made}  # edits to one file chain
-        return {
-            f: (self.sources[f], a) for f, a in after.items() if a != self.sources[f]
-        }
+        after, old = {e.file: e.after for e in made}, self.sources  # edits chain
+        return {f: (old[f], a) for f, a in after.items() if a != old[f]}
 
     def described(self) -> dict[str, list[str]]:
         """relpath -> what the edits changed in it, one sentence each (Markdown)."""
@@ -123,7 +118,20 @@ class PatchPlan:
 
     def diff(self) -> str:
         """A unified diff ``git apply`` accepts (line endings kept)."""
-        return "".join(_diff(rel, a, b) for rel, (a, b) in self.file_changes().items())
+        out = []
+        for rel, (before, after) in self.file_changes().items():
+            out += [f"diff --git a/{rel} b/{rel}\n"]
+            out += ["new file mode 100644\n"] if before is None else []
+            out += ["deleted file mode 100644\n"] if after is None else []
+            for line in difflib.unified_diff(
+                (before or "").splitlines(keepends=True),
+                (after or "").splitlines(keepends=True),
+                "/dev/null" if before is None else f"a/{rel}",
+                "/dev/null" if after is None else f"b/{rel}",
+            ):
+                end = "" if line.endswith("\n") else "\n\\ No newline at end of file\n"
+                out.append(line + end)
+        return "".join(out)
 
     def to_json(self) -> dict:
         edits = [
@@ -148,22 +156,6 @@ class PatchPlan:
         }
 
 
-def _diff(rel: str, before: Text, after: Text) -> str:
-    head = [f"diff --git a/{rel} b/{rel}\n"]
-    head += ["new file mode 100644\n"] if before is None else []
-    head += ["deleted file mode 100644\n"] if after is None else []
-    for line in difflib.unified_diff(
-        (before or "").splitlines(keepends=True),
-        (after or "").splitlines(keepends=True),
-        "/dev/null" if before is None else f"a/{rel}",
-        "/dev/null" if after is None else f"b/{rel}",
-    ):
-        head.append(
-            line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
-        )
-    return "".join(head)
-
-
 def choose(
     tree: VllmTree, names: list[str] | None, direction: Direction = "apply"
 ) -> list[Patch]:
@@ -177,7 +169,8 @@ def choose(
         return [
             p
             for p in select(None)
-            if p.covers(version) and (is_default(p, version)[0] or _restorable(tree, p))
+            if p.covers(version)
+            and (is_default(p, version)[0] or _originals(tree, p)[0])
         ]
     chosen = select(names) if names else defaults(version)
     where = str(tree.location)
@@ -186,20 +179,17 @@ def choose(
         message = "no patch is this tree's default (pass --patch NAME)"
         raise PatchError(message, where, "a patch whose default range holds", why)
     for patch, other in ((p, o) for p in chosen for o in exclusive_with(p)):
-        if _restorable(tree, other):
-            message = f"{other.name} is applied here (fully or in part), and "
+        if _originals(tree, other)[0]:
+            applied = f"{other.name} is applied here (fully or in part)"
+            message = f"{applied}, and {patch.name} excludes it"
             edits = f"its edits (`vllm-patch revert --patch {other.name}`)"
-            without = f"a tree without {other.name}"
-            raise PatchError(
-                f"{message}{patch.name} excludes it", where, without, edits
-            )
+            raise PatchError(message, where, f"a tree without {other.name}", edits)
     return chosen
 
 
 def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
     """Each patch planned under a shared lock: never on a write half done."""
-    lock = nullcontext() if tree.is_wheel else locked(tree.location, shared=True)
-    with lock:
+    with nullcontext() if tree.is_wheel else locked(tree.location, shared=True):
         return [plan(tree, p, **kw) for p in patches]
 
 
@@ -223,19 +213,15 @@ def plan(
         wanted, found = f"vllm{patch.versions}", str(version)
         refusal = PatchError(f"{message} (--force overrides)", where, wanted, found)
         if not force:
-            return PatchPlan(patch, tree, direction, version, (), refusal, (*warnings,))
+            return PatchPlan(patch, tree, direction, version, (), refusal, warnings)
         warnings.append(f"{message}: {version} not in {patch.versions}; forced")
     restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
-    warnings += [
-        f"{DAMAGED}, reverting by the inverse edit instead: {x}" for x in problems
-    ]
+    warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
-    return PatchPlan(
-        patch, tree, direction, version, edits, None, (*warnings,), sources
-    )
+    return PatchPlan(patch, tree, direction, version, edits, None, warnings, sources)
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
@@ -311,11 +297,6 @@ def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]
         if tree.exists(rel)
         and hex_digest(tree.read_bytes(rel)) == entry["patched_sha256"]
     }, problems
-
-
-def _restorable(tree: VllmTree, patch: Patch) -> bool:
-    """Whether ``patch`` is applied here (fully or in part), by its backup."""
-    return bool(_originals(tree, patch)[0])
 
 
 @contextlib.contextmanager
