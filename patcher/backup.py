@@ -67,8 +67,7 @@ class Backup:
             raise PatchError(message, str(path), wanted, found) from exc
 
     def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
-        """The entries whose copy is present and intact, and what is wrong with
-        the rest (one line each)."""
+        """The intact entries, and what is wrong with the rest (one line each)."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.manifest_path
@@ -135,8 +134,7 @@ class Backup:
         replace_at(self.manifest_path, text.encode(), make_below=self.home)
 
     def discard(self) -> None:
-        """The manifest first (a kill then leaves only copies no one reads), then
-        the patch's store, and the store's folder if left empty."""
+        """The manifest first (a kill then leaves copies no one reads), then all."""
         remove_at(self.manifest_path)
         remove_at(self.folder)
         with contextlib.suppress(OSError), open_dir(self.home) as fd:

@@ -70,8 +70,7 @@ class TreeCodemod:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
 
     def vllm_has_its_own(self, what: str) -> VllmHasItsOwn:
-        """To raise when the file has vLLM's own form of the change, not this
-        tool's: the engine leaves it, ``check`` reports it (exit 0)."""
+        """For a file with vLLM's own form of the change: ``check`` exits 0."""
         return VllmHasItsOwn(f"{self.TARGET} has {what}")
 
     def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:

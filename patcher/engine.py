@@ -200,8 +200,7 @@ def plan(
     *,
     force: bool = False,
 ) -> PatchPlan:
-    """What ``direction`` would do to ``tree``, written nowhere. A revert takes
-    each file still as apply left it from the backup."""
+    """What ``direction`` would do to ``tree``, written nowhere."""
     version, warnings, where = read_version(tree), [], str(tree.location)
     if version is None:
         warnings.append(
@@ -287,8 +286,7 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
-    """relpath -> original text of each file still as apply left it with an
-    intact backup copy; and what is wrong with the backup."""
+    """rel -> original text of each file still as apply left it; the damage found."""
     backup = _backup(tree, patch)
     entries, problems = backup.read() if backup else ({}, [])
     return {
@@ -301,8 +299,7 @@ def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]
 
 @contextlib.contextmanager
 def nothing_changed_on_error() -> Iterator[None]:
-    """A system error (full disk, I/O) before any source is written: one
-    message that says the tree is as it was."""
+    """An ``OSError`` before any source is written: one message, nothing changed."""
     try:
         yield
     except OSError as exc:
@@ -367,8 +364,7 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
 
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
-    """Undo ``patch`` (from the backup, else by the inverse edits); then the
-    backup is deleted."""
+    """Undo ``patch``: from the backup, else by the inverse edits."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
         with nothing_changed_on_error():

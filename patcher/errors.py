@@ -53,8 +53,7 @@ class ExitCode(enum.IntEnum):
 
 
 def printable(text: str | os.PathLike) -> str:
-    """A path (or a message holding one) printable anywhere: non-UTF-8 bytes of
-    a file name become ``\\xNN``."""
+    """``text`` printable anywhere: a file name's non-UTF-8 bytes become ``\\xNN``."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 

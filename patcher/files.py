@@ -77,8 +77,7 @@ def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
 
 
 def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file at the resolved ``path`` (no link, FIFO or
-    device; at most ``limit`` bytes)."""
+    """The bytes of the regular file at the resolved ``path``, at most ``limit``."""
 
     def opener(name: str, flags: int) -> int:
         return os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
@@ -120,8 +119,7 @@ def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
 
 
 def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
-    """``data`` as UTF-8, with no NUL byte unless ``nul`` (the parser then says
-    where it is)."""
+    """``data`` as UTF-8; a NUL byte refused unless ``nul`` (the parser says where)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -133,8 +131,7 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
 
 
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
-    """Give the resolved ``path`` the content ``data`` by rename (see above); an
-    existing target must be a regular file, whose mode is kept."""
+    """Give the resolved ``path`` ``data`` by rename; a regular file's mode is kept."""
     with open_dir(path.parent, make_below) as dfd:
         try:
             mode = os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode
@@ -220,16 +217,14 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
 
 
 def write_output(path: Path, data: bytes | str) -> Path:
-    """Write a file the user named (``--out``): the folder is the user's choice;
-    anything but a regular file at the name is refused, never written through."""
+    """Write a file the user named (``--out``), never through what is at the name."""
     real = Path(os.path.realpath(Path(path).parent)) / Path(path).name
     replace_at(real, data.encode() if isinstance(data, str) else data)
     return Path(path)
 
 
 def output_dir(path: Path) -> Path:
-    """A folder the user named for outputs, made if missing; a link or non-folder
-    there is refused (whoever planted it chooses where it leads)."""
+    """A folder the user named for outputs, made if missing; a link there refused."""
     with contextlib.suppress(FileExistsError, NotADirectoryError):
         Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
@@ -254,8 +249,7 @@ def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) ->
 
 
 def own_paths(root: Path, files: list[str]) -> None:
-    """Each of ``files`` at its own path below ``root``, no link on the way (git
-    would commit the link, not the edit)."""
+    """Each of ``files`` at its own path below ``root`` (git would commit a link)."""
     real = Path(os.path.realpath(root))
     for rel in files:
         found = Path(os.path.realpath(root / rel))
@@ -272,8 +266,7 @@ def own_paths(root: Path, files: list[str]) -> None:
 def read_text_in(
     root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
 ) -> str | None:
-    """Data read from a checkout (CI YAML, PR template): ``rel`` below ``root``
-    as :func:`read_text_at` reads it; None without such a file (or ``root``)."""
+    """``rel`` in a checkout as :func:`read_text_at` reads it; None if it is absent."""
     path = Path(os.path.realpath(root or ".")) / rel
     try:
         return read_text_at(path, what, limit=limit) if root else None

@@ -27,10 +27,14 @@ from patcher.errors import PatchError, UsageError
 PATCHES_PACKAGE = "patches"
 
 
+def _load(ref: str) -> type:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 @dataclass(frozen=True)
 class Edit:
-    """One file's change: its codemod and the inverse, as ``module:Class``,
-    imported (with LibCST) only when a plan runs."""
+    """One file's change: its codemod and the inverse, as ``module:Class``."""
 
     file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
@@ -44,13 +48,11 @@ class Edit:
 
     @property
     def apply(self) -> type:
-        module, _, name = self.apply_ref.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.apply_ref)
 
     @property
     def revert(self) -> type:
-        module, _, name = self.revert_ref.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _load(self.revert_ref)
 
     @property
     def summary(self) -> str:
@@ -110,17 +112,14 @@ class Patch:
 
 @cache
 def load_patch(folder: Path) -> Patch:
-    meta_file = folder / "patch.toml"
-    meta = tomllib.loads(meta_file.read_text("utf-8"))
+    meta = tomllib.loads((folder / "patch.toml").read_text("utf-8"))
     try:
         edits, test_edits = (
             tuple(
-                Edit(
-                    e["file"], e["apply"], e["revert"], optional, e.get("create", False)
-                )
-                for e in meta.get(table, ())
+                Edit(e["file"], e["apply"], e["revert"], tests, e.get("create", False))
+                for e in meta.get("test_edits" if tests else "edits", ())
             )
-            for table, optional in (("edits", False), ("test_edits", True))
+            for tests in (False, True)
         )
         default = SpecifierSet(meta["default"]) if "default" in meta else None
         return Patch(
@@ -135,13 +134,12 @@ def load_patch(folder: Path) -> Patch:
             replaces=meta.get("replaces"),
         )
     except (KeyError, InvalidSpecifier, TypeError) as exc:
-        msg = f"a bad or missing entry: {type(exc).__name__}: {exc}"
-        raise PatchError(msg, path=str(meta_file)) from exc
+        message = f"a bad or missing entry: {type(exc).__name__}: {exc}"
+        raise PatchError(message, str(folder / "patch.toml")) from exc
 
 
 def declared_file(codemod: type) -> str | None:
-    """The file ``codemod`` edits, from the ``patch.toml`` beside its module
-    (None for a class no patch lists)."""
+    """The file ``codemod`` edits, from the ``patch.toml`` beside its module."""
     folder = Path(sys.modules[codemod.__module__].__file__ or "").parent
     if not (folder / "patch.toml").is_file():
         return None
@@ -182,13 +180,11 @@ def is_default(
         return False, f"{shown} is outside its range {patch.versions}"
     if patch.default is not None:
         yes = version is None or patch.default.contains(version, prereleases=True)
-        return (
-            yes,
-            f"{shown} is {'in' if yes else 'outside'} its default {patch.default}",
-        )
+        where = "in" if yes else "outside"
+        return yes, f"{shown} is {where} its default {patch.default}"
     if patch.replaces:
-        other = {p.name: p for p in all_patches()}.get(patch.replaces)
-        taken = other is not None and is_default(other, version)[0]
+        other = [p for p in all_patches() if p.name == patch.replaces]
+        taken = any(is_default(p, version)[0] for p in other)
         why = "is" if taken else "is not"
         return not taken, f"{patch.replaces}, which it replaces, {why} the default"
     return True, f"{shown} is in its range {patch.versions}"

@@ -29,8 +29,7 @@ def ruff_binary() -> str:
 
 @lru_cache(maxsize=1024)
 def format_source(source: str, indent: str = "    ") -> str:
-    """``source`` (a whole module or snippet) as ``ruff format`` lays it out with
-    vLLM's settings, indenting blocks with ``indent``."""
+    """``source`` as ``ruff format`` lays it out with vLLM's settings and ``indent``."""
     tabs = indent == "\t"
     style = 'format.indent-style="tab"' if tabs else f"indent-width={len(indent)}"
     cmd = [ruff_binary(), "format", "--isolated", "--no-cache", *VLLM_SETTINGS]

@@ -136,8 +136,7 @@ def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
 
 
 def refuse_wheel(location: Path, verb: str) -> None:
-    """A ``.whl`` path given to ``apply``/``revert`` is a usage error (the file
-    is never opened)."""
+    """A ``.whl`` given to ``apply``/``revert``: a usage error, never opened."""
     if location.suffix == ".whl":
         what = "a .whl (read-only); unpack or install it and pass that directory"
         raise UsageError(f"cannot {verb} {what}", str(location))
