@@ -48,10 +48,6 @@ class Backup:
     def folder(self) -> Path:
         return self.home / BACKUP_DIR / self.patch
 
-    @property
-    def manifest_path(self) -> Path:
-        return self.folder / MANIFEST
-
     def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
         """A file of the store (``rel``'s copy, or the manifest): a link there is
         refused; anything else wrong is damage."""
@@ -70,7 +66,7 @@ class Backup:
         """The intact entries, and what is wrong with the rest (one line each)."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
-        where = self.manifest_path
+        where = self.folder / MANIFEST
         try:
             files = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))["files"]
             if not isinstance(files, dict):
@@ -98,7 +94,7 @@ class Backup:
         return entries, problems
 
     def _entry(self, rel: str, entry: object) -> dict[str, str]:
-        where = f"{self.manifest_path}: entry {rel!r}"
+        where = f"{self.folder / MANIFEST}: entry {rel!r}"
         if not isinstance(entry, dict):
             raise _Damage(f"{where} is not a table")
         for key in HASHES:
@@ -131,11 +127,11 @@ class Backup:
                 entry = {"original_sha256": hex_digest(before)}
             manifest[rel] = {**entry, "patched_sha256": hex_digest(after)}
         text = json.dumps({"files": manifest}, indent=2) + "\n"
-        replace_at(self.manifest_path, text.encode(), make_below=self.home)
+        replace_at(self.folder / MANIFEST, text.encode(), make_below=self.home)
 
     def discard(self) -> None:
         """The manifest first (a kill then leaves copies no one reads), then all."""
-        remove_at(self.manifest_path)
+        remove_at(self.folder / MANIFEST)
         remove_at(self.folder)
         with contextlib.suppress(OSError), open_dir(self.home) as fd:
             os.rmdir(BACKUP_DIR, dir_fd=fd)  # the store, once empty

@@ -226,10 +226,10 @@ def plan(
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
     """Each edit planned (edits to one file chain); ``sources`` gets every file read."""
 
-    def read(rel: str) -> Text:
+    def read(rel: str) -> str:  # a file of the tree ("": absent), noted in sources
         if rel not in sources:
             sources[rel] = _current(tree, rel)
-        return sources[rel]
+        return sources[rel] or ""
 
     texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
@@ -239,29 +239,28 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             yield EditPlan(edit, skipped=missing)
             continue
         try:
-            before = texts[path] if path in texts else read(path)
+            read(path)
+            before = texts.get(path, sources[path])
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
-            if path in restore:
-                after, said = restore[path], (RESTORED,)
-            else:
-                after, said = _edit(edit, direction, before, lambda r: read(r) or "")
+            after, said = _edit(edit, direction, before, restore.get(path), read)
         except VllmHasItsOwn as exc:
             yield EditPlan(edit, before, before, own=str(exc))
-            continue
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = printable(tree.display(path))
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
-            continue
-        texts[path] = after
-        yield EditPlan(edit, before, after, said=said if after != before else ())
+        else:
+            texts[path] = after
+            yield EditPlan(edit, before, after, said=said if after != before else ())
 
 
-def _edit(edit: Edit, direction, before: Text, read):
+def _edit(edit: Edit, direction, before: Text, restored: Text, read):
     """(the text after ``edit``, what it changed), from its codemod: run once."""
     from patcher.codemod import run_codemod  # LibCST: only here
 
+    if restored is not None:
+        return restored, (RESTORED,)
     said: list[str] = []
     if direction == "apply":
         return run_codemod(edit.apply, before or "", read, said), tuple(said)
