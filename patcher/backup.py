@@ -1,13 +1,7 @@
-"""Plain copies of the original files, so ``revert`` gives every tree its exact
-bytes back, and so a tree says which patch it holds.
-
-``<home>/.vllm-patch-backup/<patch>/manifest.json`` (``home``: the tree's root,
-or a checkout's ``.git``) maps each copied file to its ``original_sha256`` and
-``patched_sha256``; the copies sit beside it, written before the sources. What
-is read back is data: an entry that does not hold up is damage, reported and
-left out (its file is reverted by the inverse edit); a link in the store, or an
-entry for a file the patch does not touch, is a plant, refused (exit 3).
-"""
+"""Plain copies of the originals, so ``revert`` gives a tree its exact bytes back
+and a tree says which patch it holds: ``<home>/.vllm-patch-backup/<patch>/``
+holds them and ``manifest.json`` (their hashes), read back as data: an entry
+that does not hold up is damage, left out; a link or a foreign entry, refused."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The contract between the engine and a patch's codemods: LibCST's codemod
-interface (``DESCRIPTION``, ``transform_module_impl``, a ``context``), the file
-each edits (``TARGET``, from its ``patch.toml``) and reads of the tree's other
-files; each also runs under ``python -m libcst.tool codemod`` and
-``CodemodTest``. Not a subclass of LibCST's ``Codemod``: importing
-``libcst.codemod`` imports ``libcst.matchers``, half a second of every ``check``.
-"""
+"""The contract between the engine and a patch's codemods: LibCST's interface
+(``DESCRIPTION``, ``transform_module_impl``, a ``context``), ``TARGET`` from the
+``patch.toml``, reads of the tree's other files. Not a LibCST ``Codemod``:
+importing ``libcst.codemod`` costs half a second of every ``check``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
-
-``choose`` settles which patches (exclusivity from the trees' backups);
-``plan`` runs each edit's codemod once, in memory; ``apply(tree, plan)``
-writes exactly that plan, or refuses when the tree changed since. The
-originals go to a backup first, so ``revert`` gives the bytes back and the
-inverse codemods, used where there is no copy, need only be right in meaning.
-"""
+``plan`` runs each codemod once, in memory; ``apply(tree, plan)`` writes exactly
+that plan or refuses; the originals go to a backup first, so the inverse
+codemods, used where there is no copy, need only be right in meaning."""
 
 from __future__ import annotations
 
@@ -194,11 +190,7 @@ def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
 
 
 def plan(
-    tree: VllmTree,
-    patch: Patch,
-    direction: Direction = "apply",
-    *,
-    force: bool = False,
+    tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
 ) -> PatchPlan:
     """What ``direction`` would do to ``tree``, written nowhere."""
     version, warnings, where = read_version(tree), [], str(tree.location)
@@ -278,7 +270,7 @@ def _current(tree: VllmTree, rel: str) -> Text:
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
     whose ``.git`` is a file, has none), else in the tree."""
-    git = ".git" if tree.is_checkout else "."
+    git = ".git" if os.path.lexists(tree.location / ".git") else "."
     if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
     return Backup(tree.real(git), patch.name, patch.files)

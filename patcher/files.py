@@ -1,11 +1,7 @@
-"""Every file vllm-patch reads or writes in a tree, or that the user names.
-
-A path is resolved and checked to lie inside its bases (:func:`inside`); then
-each folder on it is opened with O_NOFOLLOW from ``/`` (:func:`open_dir`), so a
-link swapped in after the check fails the open. Reads take regular files only,
-bounded, never blocking; a write renames a new, fsynced file over the target
-(:func:`replace_at`), so a hard-linked copy of it is never written through.
-"""
+"""Every file vllm-patch reads or writes in a tree, or that the user names: the
+path resolved and checked inside its bases, then each folder opened O_NOFOLLOW
+from ``/`` (a link swapped in after the check fails the open); reads bounded,
+regular files only; writes by renaming a new fsynced file over the target."""
 
 from __future__ import annotations
 
@@ -107,9 +103,8 @@ def _not_regular(path: Path, what: str, mode: int) -> PatchError:
 def bounded(data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
     """``data``, unless it is more than ``limit`` bytes: then ``PatchError``."""
     if len(data) > limit:
-        raise PatchError(
-            "file too large", shown, f"{what}, at most {limit} bytes", "more"
-        )
+        wanted = f"{what}, at most {limit} bytes"
+        raise PatchError("file too large", shown, wanted, "more")
     return data
 
 
@@ -165,11 +160,8 @@ def remove_at(path: Path, *, leftovers: bool = False) -> None:
         open_dir(path.parent) as dfd,
     ):
         for name in os.listdir(dfd) if leftovers else [path.name]:
-            if (
-                not leftovers
-                or name.startswith(f".{path.name}.")
-                and name.endswith(NEW)
-            ):
+            left = name.startswith(f".{path.name}.") and name.endswith(NEW)
+            if left or not leftovers:
                 _remove(name, dfd)
 
 

@@ -1,9 +1,6 @@
-"""The carried patches (``patches/<name>/patch.toml``) and which a tree gets.
-
-``vllm`` is where a patch can apply; ``default`` (optional), where a plain
-``apply``/``check``/``list`` picks it; ``replaces = "OTHER"`` makes it the
-default wherever OTHER is not, and the two exclusive.
-"""
+"""The carried patches (``patches/<name>/patch.toml``) and which a tree gets:
+``vllm`` is where a patch can apply, ``default`` where a plain ``apply`` picks it,
+``replaces = "OTHER"`` makes it the default where OTHER is not (and exclusive)."""
 
 from __future__ import annotations
 

