@@ -159,17 +159,14 @@ def choose(
     its backups show applied). A patch is refused while one it excludes is
     applied (its backup holds a file the tree still has as patched)."""
     version = read_version(tree)
-    if direction == "revert" and names:
-        return select(names)
-    if direction == "revert":
+    if direction == "revert" and not names:
+        covered = [p for p in select(None) if p.covers(version)]
         return [
-            p
-            for p in select(None)
-            if p.covers(version)
-            and (is_default(p, version)[0] or _originals(tree, p)[0])
+            p for p in covered if is_default(p, version)[0] or _originals(tree, p)[0]
         ]
-    chosen = select(names) if names else defaults(version)
-    where = str(tree.location)
+    chosen, where = select(names) if names else defaults(version), str(tree.location)
+    if direction == "revert":
+        return chosen
     if not chosen:
         why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
         message = "no patch is this tree's default (pass --patch NAME)"

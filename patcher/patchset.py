@@ -141,8 +141,7 @@ def declared_file(codemod: type) -> str | None:
     if not (folder / "patch.toml").is_file():
         return None
     ref = f"{codemod.__module__}:{codemod.__qualname__}"
-    patch = load_patch(folder)
-    edits = patch.edits + patch.test_edits
+    edits = load_patch(folder).edits + load_patch(folder).test_edits
     return next((e.file for e in edits if ref in (e.apply_ref, e.revert_ref)), None)
 
 
