@@ -143,8 +143,6 @@ def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
             before = source[: source.index("\0")]
             line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
             said = f"line {line}, column {column}: a NUL byte (not Python source)"
-        elif isinstance(err, ValueError):
-            said = str(err)
         else:
             said = f"line {err.lineno}, column {err.offset}: {err.msg}"
     return PatchError("syntax error", path=relpath, looked_for=looked_for, found=said)

@@ -197,12 +197,8 @@ def defaults(version: Version | None) -> list[Patch]:
 
 def exclusive_with(patch: Patch) -> list[Patch]:
     """The patches that exclude ``patch``: the one it replaces, those replacing it."""
-    return [
-        p
-        for p in all_patches()
-        if p.name != patch.name
-        and (p.replaces == patch.name or p.name == patch.replaces)
-    ]
+    name, replaces = patch.name, patch.replaces
+    return [p for p in all_patches() if p.replaces == name or p.name == replaces]
 
 
 def provider_specs() -> list[dict[str, Any]]:
