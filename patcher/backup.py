@@ -100,9 +100,7 @@ class Backup:
 
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the
-        manifest. A file backed up already keeps its first original (so a tree
-        completed later reverts to what it was before), unless it now is
-        something else (vLLM reinstalled)."""
+        manifest; ``entries`` stay, so a tree completed later reverts in full."""
         manifest = dict(entries)
         for rel in [*changes, MANIFEST]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)

@@ -154,9 +154,8 @@ def run_codemod(
     read_tree_file: Callable[[str], str],
     said: list[str] | None = None,
 ) -> str:
-    """``codemod`` run on ``source`` (its target's text); what it recorded is
-    added to ``said``. LibCST keeps every byte outside the edited nodes; a
-    byte-order mark, which LibCST drops, is put back."""
+    """``codemod`` run on ``source`` (its target's text), what it recorded added to
+    ``said``; a byte-order mark, which LibCST drops, is put back."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
     context = SimpleNamespace(

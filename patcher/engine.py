@@ -155,9 +155,8 @@ class PatchPlan:
 def choose(
     tree: VllmTree, names: list[str] | None, direction: Direction = "apply"
 ) -> list[Patch]:
-    """The named patches, else the tree's defaults (a plain revert: also those
-    its backups show applied). A patch is refused while one it excludes is
-    applied (its backup holds a file the tree still has as patched)."""
+    """The named patches, else the tree's defaults (a plain revert: also those its
+    backups show applied); refused while a patch it excludes is applied."""
     version = read_version(tree)
     if direction == "revert" and not names:
         covered = [p for p in select(None) if p.covers(version)]
@@ -314,9 +313,8 @@ def writing(tree: VllmTree):
 
 
 def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
-    """Write ``planned`` as it is, or refuse when the tree no longer holds what
-    it read. Applying, the originals go to the backup first; once reverted,
-    the backup is deleted."""
+    """Write ``planned`` as it is, or refuse when the tree no longer holds what it
+    read; applying, the originals go to the backup first; reverted, it goes."""
     reverting = planned.direction == "revert"
     refuse_wheel(tree.location, "revert" if reverting else "apply to")
     if planned.errors:

@@ -49,9 +49,8 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
 
 @contextlib.contextmanager
 def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
-    """A descriptor of the resolved ``folder``, each component opened with
-    O_NOFOLLOW (a link, or a file: ``PatchError``); missing folders below
-    ``make_below`` are made. Closed on leaving."""
+    """A descriptor of the resolved ``folder``, each component opened O_NOFOLLOW
+    (a link: ``PatchError``); missing folders below ``make_below`` are made."""
     fd = os.open("/", _DIR)
     try:
         for i, name in enumerate(folder.parts[1:], 2):
@@ -152,9 +151,8 @@ def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> No
 
 
 def remove_at(path: Path, *, leftovers: bool = False) -> None:
-    """Delete what is at the resolved ``path`` (a folder with its contents; a
-    link, not its target), or with ``leftovers`` what an interrupted
-    :func:`replace_at` of it left beside it."""
+    """Delete what is at the resolved ``path`` (a folder with its contents, a
+    link not its target), or with ``leftovers`` what a killed replace_at left."""
     with (
         contextlib.suppress(FileNotFoundError, PatchError),
         open_dir(path.parent) as dfd,
@@ -185,8 +183,7 @@ _writing: set[str] = set()  # the trees this process holds the writer's lock on
 @contextlib.contextmanager
 def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
     """One writer at a time on a tree, or readers beside each other: a ``flock``
-    on its root folder (no file made; dropped when its holder dies). Inside
-    the writer's lock the process takes it again at no cost."""
+    on its root folder; inside the writer's lock the process takes it again."""
     real = os.path.realpath(root)
     if real in _writing:
         yield

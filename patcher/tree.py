@@ -108,8 +108,7 @@ class VllmTree:
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
     """An installed tree's ``vllm/``, dist-info and bundled libraries under
-    ``dest`` as hard links where the file system allows: instant, and safe to
-    patch (the engine replaces files by rename)."""
+    ``dest`` as hard links where allowed: safe, as the engine writes by rename."""
 
     def link(src: str, dst: str) -> None:
         try:

@@ -13,7 +13,6 @@ from packaging.version import InvalidVersion, Version
 from patcher.tree import VllmTree
 
 VERSION_FILE = "vllm/_version.py"
-VERSION_NAMES = {"__version__", "version"}
 
 
 def read_version(tree: VllmTree) -> Version | None:
@@ -33,7 +32,7 @@ def _from_version_file(tree: VllmTree) -> str | None:
             targets = getattr(node, "targets", [getattr(node, "target", None)])
             value = getattr(node, "value", None)
             names = {t.id for t in targets if isinstance(t, ast.Name)}
-            if names & VERSION_NAMES and isinstance(value, ast.Constant):
+            if names & {"__version__", "version"} and isinstance(value, ast.Constant):
                 return str(value.value)
     return None
 
