@@ -1,13 +1,7 @@
-"""Plain copies of the original files, so ``revert`` gives every tree its exact
-bytes back, and so a tree says which patch it holds.
-
-``<home>/.vllm-patch-backup/<patch>/manifest.json`` (``home``: the tree's root,
-or a checkout's ``.git``) maps each copied file to its ``original_sha256`` and
-``patched_sha256``; the copies sit beside it, written before the sources. What
-is read back is data: an entry that does not hold up is damage, reported and
-left out (its file is reverted by the inverse edit); a link in the store, or an
-entry for a file the patch does not touch, is a plant, refused (exit 3).
-"""
+"""Plain copies of the originals, so ``revert`` gives a tree its exact bytes back
+and a tree says which patch it holds: ``<home>/.vllm-patch-backup/<patch>/``
+holds them and ``manifest.json`` (their hashes), read back as data: an entry
+that does not hold up is damage, left out; a link or a foreign entry, refused."""
 
 from __future__ import annotations
 
@@ -23,6 +17,7 @@ from patcher.errors import PatchError
 from patcher.files import MAX_FILE_BYTES, open_dir, read_at, remove_at, replace_at
 
 BACKUP_DIR = ".vllm-patch-backup"
+MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 HASHES = ("original_sha256", "patched_sha256")
@@ -31,6 +26,10 @@ HASHES = ("original_sha256", "patched_sha256")
 def hex_digest(data: bytes) -> str:
     """The SHA-256 of ``data`` in hex, as the manifest keeps it."""
     return hashlib.sha256(data).hexdigest()
+
+
+class _Damage(PatchError):
+    """A part of the store that does not hold up: reported, and left out."""
 
 
 @dataclass(frozen=True)
@@ -43,92 +42,67 @@ class Backup:
     def folder(self) -> Path:
         return self.home / BACKUP_DIR / self.patch
 
-    @property
-    def manifest_path(self) -> Path:
-        return self.folder / "manifest.json"
-
-    def _read(self, path: Path, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """A file of the store; a link in it is refused, anything else wrong is
-        a ``PatchError`` the caller takes for damage."""
+    def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
+        """A file of the store (``rel``'s copy, or the manifest): a link there is
+        refused; anything else wrong is damage."""
+        path = self.folder / rel
+        what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
             return read_at(path, what, limit=limit)
         except PatchError as exc:
-            if str(exc.found).startswith(("a symbolic link", "a link or")):
-                raise PatchError(
-                    "part of the backup store is a symbolic link (vllm-patch never "
-                    "follows one there)",
-                    path=str(path),
-                    looked_for="a real folder or file",
-                    found=f"{exc.found}; nothing was changed",
-                ) from exc
-            raise
+            if not str(exc.found).startswith("a symbolic link"):
+                raise _Damage(f"{exc.path}: {exc.message} ({exc.found})") from exc
+            message = "part of the backup store is a symbolic link (never followed)"
+            found, wanted = f"{exc.found}; nothing was changed", "a real folder or file"
+            raise PatchError(message, str(path), wanted, found) from exc
 
     def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
-        """The entries whose copy is present and intact, and what is wrong with
-        the rest (one line each)."""
+        """The intact entries, and what is wrong with the rest (one line each)."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
-        where = self.manifest_path
+        where = self.folder / MANIFEST
         try:
-            data = self._read(where, "the backup's manifest", MAX_MANIFEST_BYTES)
-            files = json.loads(data)["files"]
+            files = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))["files"]
             if not isinstance(files, dict):
                 raise TypeError(files)
-        except PatchError as exc:
-            if "symbolic link" in exc.message:
-                raise
-            return {}, [f"{where}: {exc.message} ({exc.found})"]
+        except _Damage as exc:
+            return {}, [str(exc)]
         except RecursionError:
             return {}, [f"{where}: JSON nested too deep"]
         except ValueError as exc:
             return {}, [f"{where}: {exc}"]
         except (LookupError, TypeError):
             return {}, [f'{where}: no "files" table']
-        for rel in files:
-            if rel not in self.files:
-                raise PatchError(
-                    "a backup manifest names a file the patch does not touch",
-                    path=str(self.manifest_path),
-                    looked_for=f"entries for {', '.join(sorted(self.files))} only",
-                    found=f"entry {rel[:300]!r}; nothing was changed: delete "
-                    f"{self.folder} if you did not make it",
-                )
+        if foreign := [rel for rel in files if rel not in self.files]:
+            message = "a backup manifest names a file the patch does not touch"
+            wanted = f"entries for {', '.join(sorted(self.files))} only"
+            found = f"entry {foreign[0][:300]!r}; nothing was changed: delete "
+            found += f"{self.folder} if you did not make it"
+            raise PatchError(message, str(where), wanted, found)
         entries, problems = {}, []
         for rel, entry in files.items():
-            problem = self._check(rel, entry)
-            if problem:
-                problems.append(problem)
-            else:
-                entries[rel] = {k: entry[k] for k in HASHES}
+            try:
+                entries[rel] = self._entry(rel, entry)
+            except _Damage as exc:
+                problems.append(str(exc))
         return entries, problems
 
-    def _check(self, rel: str, entry: object) -> str | None:
-        where = f"{self.manifest_path}: entry {rel!r}"
+    def _entry(self, rel: str, entry: object) -> dict[str, str]:
+        where = f"{self.folder / MANIFEST}: entry {rel!r}"
         if not isinstance(entry, dict):
-            return f"{where} is not a table"
+            raise _Damage(f"{where} is not a table")
         for key in HASHES:
             if not _SHA256.match(str(entry.get(key, ""))):
-                return f"{where} has no valid {key}"
-        try:
-            data = self.original(rel)
-        except PatchError as exc:
-            if "symbolic link" in exc.message:
-                raise
-            return f"{exc.path}: {exc.message} ({exc.found})"
-        if hex_digest(data) != entry["original_sha256"]:
-            return f"{self.folder / rel}: changed since it was backed up (hash differs)"
-        return None
-
-    def original(self, rel: str) -> bytes:
-        return self._read(self.folder / rel, f"the backup copy of {rel}")
+                raise _Damage(f"{where} has no valid {key}")
+        if hex_digest(self.original(rel)) != entry["original_sha256"]:
+            raise _Damage(f"{self.folder / rel}: changed since it was backed up")
+        return {k: entry[k] for k in HASHES}
 
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the
-        manifest. A file backed up already keeps its first original (so a tree
-        completed later reverts to what it was before), unless it now is
-        something else (vLLM reinstalled)."""
+        manifest; ``entries`` stay, so a tree completed later reverts in full."""
         manifest = dict(entries)
-        for rel in [*changes, "manifest.json"]:  # what a killed save left
+        for rel in [*changes, MANIFEST]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
         for rel, texts in changes.items():
             before, after = (t.encode() for t in texts)
@@ -137,21 +111,19 @@ class Backup:
                 try:
                     replace_at(self.folder / rel, before, make_below=self.home)
                 except PatchError as exc:
-                    raise PatchError(
-                        "damaged backup: the place of a backup copy is taken",
-                        path=str(self.folder / rel),
-                        looked_for=f"nothing, or the backup copy of {rel}",
-                        found=f"{exc.found}; delete it and run again",
-                    ) from exc
+                    message = "damaged backup: the place of a backup copy is taken"
+                    wanted = f"nothing, or the backup copy of {rel}"
+                    found = f"{exc.found}; delete it and run again"
+                    where = str(self.folder / rel)
+                    raise PatchError(message, where, wanted, found) from exc
                 entry = {"original_sha256": hex_digest(before)}
             manifest[rel] = {**entry, "patched_sha256": hex_digest(after)}
         text = json.dumps({"files": manifest}, indent=2) + "\n"
-        replace_at(self.manifest_path, text.encode(), make_below=self.home)
+        replace_at(self.folder / MANIFEST, text.encode(), make_below=self.home)
 
     def discard(self) -> None:
-        """The manifest first (a kill then leaves only copies no one reads), then
-        the patch's store, and the store's folder if left empty."""
-        remove_at(self.manifest_path)
+        """The manifest first (a kill then leaves copies no one reads), then all."""
+        remove_at(self.folder / MANIFEST)
         remove_at(self.folder)
         with contextlib.suppress(OSError), open_dir(self.home) as fd:
             os.rmdir(BACKUP_DIR, dir_fd=fd)  # the store, once empty

@@ -1,24 +1,22 @@
-"""The contract between the engine and a patch's codemods: LibCST's codemod
-interface (``DESCRIPTION``, ``transform_module_impl``, a ``context``), the file
-of the tree each edits (``TARGET``, from its ``patch.toml``) and reads of the
-tree's other files. Each also runs alone through ``python -m libcst.tool
-codemod`` (skipping every file but its target) and under ``CodemodTest``. It
-does not subclass LibCST's ``Codemod``: importing ``libcst.codemod`` imports
-``libcst.matchers``, half a second of every ``check``.
-"""
+"""The contract between the engine and a patch's codemods: LibCST's interface
+(``DESCRIPTION``, ``transform_module_impl``, a ``context``), ``TARGET`` from the
+``patch.toml``, reads of the tree's other files. Not a LibCST ``Codemod``:
+importing ``libcst.codemod`` costs half a second of every ``check``."""
 
 from __future__ import annotations
 
 import ast
+import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import libcst as cst
 
 from patcher.errors import PatchError, ShapeNotRecognised, VllmHasItsOwn
+from patcher.files import read_text_at
 from patcher.patchset import declared_file
 
 # Keys in ``CodemodContext.scratch``: the engine's ``relpath -> str`` reader of
@@ -26,15 +24,6 @@ from patcher.patchset import declared_file
 TREE_READER = "vllm_patch.read_tree_file"
 CHANGES = "vllm_patch.changes"
 BOM = "\ufeff"
-
-
-@dataclass
-class Context:
-    """What a codemod reads of LibCST's ``CodemodContext``."""
-
-    filename: str | None = None
-    scratch: dict = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
 
 
 class TreeCodemod:
@@ -78,8 +67,7 @@ class TreeCodemod:
         return ShapeNotRecognised(looked_for, found, path=self.TARGET)
 
     def vllm_has_its_own(self, what: str) -> VllmHasItsOwn:
-        """To raise when the file has vLLM's own form of the change, not this
-        tool's: the engine leaves it, ``check`` reports it (exit 0)."""
+        """For a file with vLLM's own form of the change: ``check`` exits 0."""
         return VllmHasItsOwn(f"{self.TARGET} has {what}")
 
     def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:
@@ -111,33 +99,23 @@ class TreeCodemod:
         reader: Callable[[str], str] | None = self.context.scratch.get(TREE_READER)
         if reader is not None:
             return reader(relpath)
-        # Run by libcst.tool: find the tree root from our own file's path.
-        filename = self.context.filename
-        if not filename:
+        if not self.context.filename:  # run by libcst.tool: the root from our file
             raise PatchError(f"needs {relpath} from the same tree, but has no filename")
-        root = (
-            Path(filename).resolve().parents[len(PurePosixPath(self.TARGET).parts) - 1]
-        )
-        path = root / relpath
-        try:
-            return path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise PatchError(f"cannot read: {exc.strerror}", path=str(path)) from exc
-
-
-class _Names(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.counts[node.value] += 1
+        depth = len(PurePosixPath(self.TARGET).parts)
+        root = Path(self.context.filename).resolve().parents[depth - 1]
+        return read_text_at(Path(os.path.realpath(root / relpath)), relpath)
 
 
 def names(node: cst.CSTNode) -> Counter[str]:
     """How often each name occurs in ``node``."""
-    visitor = _Names()
-    node.visit(visitor)
-    return visitor.counts
+    counts: Counter[str] = Counter()
+
+    class Names(cst.CSTVisitor):
+        def visit_Name(self, name: cst.Name) -> None:
+            counts[name.value] += 1
+
+    node.visit(Names())
+    return counts
 
 
 def source(node: cst.CSTNode) -> str:
@@ -165,8 +143,6 @@ def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
             before = source[: source.index("\0")]
             line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
             said = f"line {line}, column {column}: a NUL byte (not Python source)"
-        elif isinstance(err, ValueError):
-            said = str(err)
         else:
             said = f"line {err.lineno}, column {err.offset}: {err.msg}"
     return PatchError("syntax error", path=relpath, looked_for=looked_for, found=said)
@@ -178,12 +154,13 @@ def run_codemod(
     read_tree_file: Callable[[str], str],
     said: list[str] | None = None,
 ) -> str:
-    """``codemod`` run on ``source`` (its target's text); what it recorded is
-    added to ``said``. LibCST keeps every byte outside the edited nodes; a
-    byte-order mark, which LibCST drops, is put back."""
+    """``codemod`` run on ``source`` (its target's text), what it recorded added to
+    ``said``; a byte-order mark, which LibCST drops, is put back."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
-    context = Context(codemod.TARGET, {TREE_READER: read_tree_file})
+    context = SimpleNamespace(
+        filename=codemod.TARGET, scratch={TREE_READER: read_tree_file}
+    )
     code = codemod(context).transform_module(module).code
     if said is not None:
         said += context.scratch.get(CHANGES, ())

@@ -1,11 +1,7 @@
 """Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
-
-``choose`` settles which patches (exclusivity from the trees' backups);
-``plan`` runs each edit's codemod once, in memory; ``apply(tree, plan)``
-writes exactly that plan, or refuses when the tree changed since. The
-originals go to a backup first, so ``revert`` gives the bytes back and the
-inverse codemods, used where there is no copy, need only be right in meaning.
-"""
+``plan`` runs each codemod once, in memory; ``apply(tree, plan)`` writes exactly
+that plan or refuses; the originals go to a backup first, so the inverse
+codemods, used where there is no copy, need only be right in meaning."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ import contextlib
 import difflib
 import os
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,6 +28,7 @@ Direction = Literal["apply", "revert"]
 Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
 TESTS_FOLDER = "tests"  # beside ``vllm/`` (a checkout): the test edits too
 RESTORED = "Restored from the backup."
+DAMAGED = "damaged backup"
 
 
 @dataclass(frozen=True)
@@ -58,11 +55,9 @@ class EditPlan:
         return not (self.error or self.skipped) and self.before != self.after
 
     def status(self, direction: Direction = "apply") -> PlanStatus:
-        if self.skipped is not None:
-            return PlanStatus.SKIPPED
-        if self.error is not None:
-            return PlanStatus.NOT_APPLICABLE
-        if self.own is not None:
+        if self.skipped or self.error:
+            return PlanStatus.SKIPPED if self.skipped else PlanStatus.NOT_APPLICABLE
+        if self.own:
             return PlanStatus.IN_VLLM
         return PlanStatus.pending(direction, self.changes)
 
@@ -75,14 +70,13 @@ class PatchPlan:
     version: Version | None
     edits: tuple[EditPlan, ...]
     error: PatchError | None = None  # a whole-patch refusal (version out of range)
-    warnings: tuple[str, ...] = ()
+    warnings: Sequence[str] = ()
     sources: Mapping[str, Text] = field(default_factory=dict, repr=False)
     """Every file the plan read: it is written only while the tree holds these."""
 
     @property
     def errors(self) -> list[PatchError]:
-        found = [self.error] if self.error else []
-        return found + [e.error for e in self.edits if e.error is not None]
+        return [x for x in (self.error, *(e.error for e in self.edits)) if x]
 
     @property
     def status(self) -> PlanStatus:
@@ -106,11 +100,9 @@ class PatchPlan:
 
     def file_changes(self) -> dict[str, tuple[Text, Text]]:
         """relpath -> (text before the patch, text after all its edits)."""
-        out: dict[str, tuple[Text, Text]] = {}
-        for e in self.edits if not self.in_vllm else ():
-            if e.error is None and e.skipped is None:
-                out[e.file] = (out[e.file][0] if e.file in out else e.before, e.after)
-        return {k: v for k, v in out.items() if v[0] != v[1]}
+        made = [e for e in self.edits if not (e.error or e.skipped or self.in_vllm)]
+        after, old = {e.file: e.after for e in made}, self.sources  # edits chain
+        return {f: (old[f], a) for f, a in after.items() if a != old[f]}
 
     def described(self) -> dict[str, list[str]]:
         """relpath -> what the edits changed in it, one sentence each (Markdown)."""
@@ -122,7 +114,20 @@ class PatchPlan:
 
     def diff(self) -> str:
         """A unified diff ``git apply`` accepts (line endings kept)."""
-        return "".join(_diff(rel, a, b) for rel, (a, b) in self.file_changes().items())
+        out = []
+        for rel, (before, after) in self.file_changes().items():
+            out += [f"diff --git a/{rel} b/{rel}\n"]
+            out += ["new file mode 100644\n"] if before is None else []
+            out += ["deleted file mode 100644\n"] if after is None else []
+            for line in difflib.unified_diff(
+                (before or "").splitlines(keepends=True),
+                (after or "").splitlines(keepends=True),
+                "/dev/null" if before is None else f"a/{rel}",
+                "/dev/null" if after is None else f"b/{rel}",
+            ):
+                end = "" if line.endswith("\n") else "\n\\ No newline at end of file\n"
+                out.append(line + end)
+        return "".join(out)
 
     def to_json(self) -> dict:
         edits = [
@@ -147,151 +152,103 @@ class PatchPlan:
         }
 
 
-def _diff(rel: str, before: Text, after: Text) -> str:
-    head = [f"diff --git a/{rel} b/{rel}\n"]
-    head += ["new file mode 100644\n"] if before is None else []
-    head += ["deleted file mode 100644\n"] if after is None else []
-    a, b = (f"a/{rel}", f"b/{rel}")
-    for line in difflib.unified_diff(
-        (before or "").splitlines(keepends=True),
-        (after or "").splitlines(keepends=True),
-        "/dev/null" if before is None else a,
-        "/dev/null" if after is None else b,
-    ):
-        head.append(
-            line if line.endswith("\n") else f"{line}\n\\ No newline at end of file\n"
-        )
-    return "".join(head)
-
-
 def choose(
     tree: VllmTree, names: list[str] | None, direction: Direction = "apply"
 ) -> list[Patch]:
-    """The named patches, else the tree's defaults (a plain revert: also those
-    its backups show applied). A patch is refused while one it excludes is
-    applied (its backup holds a file the tree still has as patched)."""
+    """The named patches, else the tree's defaults (a plain revert: also those its
+    backups show applied); refused while a patch it excludes is applied."""
     version = read_version(tree)
-    if direction == "revert":
-        if names:
-            return select(names)
+    if direction == "revert" and not names:
+        covered = [p for p in select(None) if p.covers(version)]
         return [
-            p
-            for p in select(None)
-            if p.covers(version) and (is_default(p, version)[0] or _restorable(tree, p))
+            p for p in covered if is_default(p, version)[0] or _originals(tree, p)[0]
         ]
-    chosen = select(names) if names else defaults(version)
+    chosen, where = select(names) if names else defaults(version), str(tree.location)
+    if direction == "revert":
+        return chosen
     if not chosen:
-        raise PatchError(
-            "no patch is this tree's default (pass --patch NAME)",
-            path=str(tree.location),
-            looked_for="a patch whose default range holds",
-            found="; ".join(
-                f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
-            ),
-        )
-    for patch in chosen:
-        for other in exclusive_with(patch):
-            if _restorable(tree, other):
-                raise PatchError(
-                    f"{other.name} is applied here (fully or in part), and "
-                    f"{patch.name} excludes it",
-                    path=str(tree.location),
-                    looked_for=f"a tree without {other.name}",
-                    found=f"its edits (`vllm-patch revert --patch {other.name}`)",
-                )
+        why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
+        message = "no patch is this tree's default (pass --patch NAME)"
+        raise PatchError(message, where, "a patch whose default range holds", why)
+    for patch, other in ((p, o) for p in chosen for o in exclusive_with(p)):
+        if _originals(tree, other)[0]:
+            applied = f"{other.name} is applied here (fully or in part)"
+            message = f"{applied}, and {patch.name} excludes it"
+            edits = f"its edits (`vllm-patch revert --patch {other.name}`)"
+            raise PatchError(message, where, f"a tree without {other.name}", edits)
     return chosen
 
 
 def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
     """Each patch planned under a shared lock: never on a write half done."""
-    lock = nullcontext() if tree.is_wheel else locked(tree.location, shared=True)
-    with lock:
+    with nullcontext() if tree.is_wheel else locked(tree.location, shared=True):
         return [plan(tree, p, **kw) for p in patches]
 
 
 def plan(
-    tree: VllmTree,
-    patch: Patch,
-    direction: Direction = "apply",
-    *,
-    force: bool = False,
+    tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
 ) -> PatchPlan:
-    """What ``direction`` would do to ``tree``, written nowhere. A revert takes
-    each file still as apply left it from the backup."""
-    version = read_version(tree)
-    warnings: list[str] = []
+    """What ``direction`` would do to ``tree``, written nowhere."""
+    version, warnings, where = read_version(tree), [], str(tree.location)
     if version is None:
         warnings.append(
-            f"{tree.location}: no readable vLLM version ({VERSION_FILE}, dist-info or "
-            "wheel name); judging by the source's shape alone"
+            f"{where}: no readable vLLM version ({VERSION_FILE}, dist-info or wheel "
+            "name); judging by the source's shape alone"
         )
     if direction == "apply" and not patch.covers(version):
-        refusal = PatchError(
-            "vLLM version outside the patch's range (--force overrides)",
-            path=str(tree.location),
-            looked_for=f"vllm{patch.versions}",
-            found=str(version),
-        )
+        message = "vLLM version outside the patch's range"
+        wanted, found = f"vllm{patch.versions}", str(version)
+        refusal = PatchError(f"{message} (--force overrides)", where, wanted, found)
         if not force:
-            return PatchPlan(patch, tree, direction, version, (), refusal, (*warnings,))
-        warnings.append(f"{refusal.message}: {version} not in {patch.versions}; forced")
-    restore: dict[str, str] = {}
-    if direction == "revert":
-        restore, problems = _originals(tree, patch)
-        warnings += [
-            f"damaged backup, reverting by the inverse edit instead: {x}"
-            for x in problems
-        ]
+            return PatchPlan(patch, tree, direction, version, (), refusal, warnings)
+        warnings.append(f"{message}: {version} not in {patch.versions}; forced")
+    restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
+    warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
-    return PatchPlan(
-        patch, tree, direction, version, edits, None, tuple(warnings), sources
-    )
+    return PatchPlan(patch, tree, direction, version, edits, None, warnings, sources)
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
     """Each edit planned (edits to one file chain); ``sources`` gets every file read."""
 
-    def read(rel: str) -> Text:
+    def read(rel: str) -> str:  # a file of the tree ("": absent), noted in sources
         if rel not in sources:
-            sources[rel] = tree.read_text(rel) if tree.exists(rel) else None
-        return sources[rel]
+            sources[rel] = _current(tree, rel)
+        return sources[rel] or ""
 
     texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
-        if edit.optional and not (edit.create or tree.exists(edit.file)):
-            yield EditPlan(
-                edit,
-                skipped=PatchError("not in this tree", path=tree.display(edit.file)),
-            )
-            continue
         path = edit.file
+        if edit.optional and not (edit.create or tree.exists(path)):
+            missing = PatchError("not in this tree", path=tree.display(path))
+            yield EditPlan(edit, skipped=missing)
+            continue
         try:
-            before = texts[path] if path in texts else read(path)
+            read(path)
+            before = texts.get(path, sources[path])
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
-            if path in restore:
-                after, said = restore[path], (RESTORED,)
-            else:
-                after, said = _edit(edit, direction, before, lambda r: read(r) or "")
+            after, said = _edit(edit, direction, before, restore.get(path), read)
         except VllmHasItsOwn as exc:
             yield EditPlan(edit, before, before, own=str(exc))
-            continue
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = printable(tree.display(path))
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
-            continue
-        texts[path] = after
-        yield EditPlan(edit, before, after, said=said if after != before else ())
+        else:
+            texts[path] = after
+            yield EditPlan(edit, before, after, said=said if after != before else ())
 
 
-def _edit(edit: Edit, direction, before: Text, read):
+def _edit(edit: Edit, direction, before: Text, restored: Text, read):
     """(the text after ``edit``, what it changed), from its codemod: run once."""
     from patcher.codemod import run_codemod  # LibCST: only here
 
+    if restored is not None:
+        return restored, (RESTORED,)
     said: list[str] = []
     if direction == "apply":
         return run_codemod(edit.apply, before or "", read, said), tuple(said)
@@ -302,21 +259,21 @@ def _edit(edit: Edit, direction, before: Text, read):
     return run_codemod(edit.revert, before, read, said), tuple(said)
 
 
+def _current(tree: VllmTree, rel: str) -> Text:
+    return tree.read_text(rel) if tree.exists(rel) else None
+
+
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
     """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
     whose ``.git`` is a file, has none), else in the tree."""
-    if tree.is_wheel:
+    git = ".git" if os.path.lexists(tree.location / ".git") else "."
+    if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
-    git = ".git" if tree.is_checkout else "."
-    if not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
-        return None
-    files = frozenset(e.file for e in patch.edits + patch.test_edits)
-    return Backup(tree.real(git), patch.name, files)
+    return Backup(tree.real(git), patch.name, patch.files)
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
-    """relpath -> original text of each file still as apply left it with an
-    intact backup copy; and what is wrong with the backup."""
+    """rel -> original text of each file still as apply left it; the damage found."""
     backup = _backup(tree, patch)
     entries, problems = backup.read() if backup else ({}, [])
     return {
@@ -327,23 +284,15 @@ def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]
     }, problems
 
 
-def _restorable(tree: VllmTree, patch: Patch) -> bool:
-    """Whether ``patch`` is applied here (fully or in part), by its backup."""
-    return bool(_originals(tree, patch)[0])
-
-
 @contextlib.contextmanager
 def nothing_changed_on_error() -> Iterator[None]:
-    """A system error (full disk, I/O) before any source is written: one
-    message that says the tree is as it was."""
+    """An ``OSError`` before any source is written: one message, nothing changed."""
     try:
         yield
     except OSError as exc:
-        raise PatchError(
-            f"cannot proceed ({exc.strerror or exc})",
-            path=printable(exc.filename) if exc.filename else None,
-            found="nothing was changed",
-        ) from exc
+        where = printable(exc.filename) if exc.filename else None
+        message = f"cannot proceed ({exc.strerror or exc})"
+        raise PatchError(message, where, found="nothing was changed") from exc
 
 
 @dataclass(frozen=True)
@@ -364,104 +313,85 @@ def writing(tree: VllmTree):
 
 
 def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
-    """Write ``planned`` as it is: the originals to the backup first, then each
-    changed file; refused when the tree no longer holds what the plan read."""
-    refuse_wheel(tree.location, "apply to")
+    """Write ``planned`` as it is, or refuse when the tree no longer holds what it
+    read; applying, the originals go to the backup first; reverted, it goes."""
+    reverting = planned.direction == "revert"
+    refuse_wheel(tree.location, "revert" if reverting else "apply to")
     if planned.errors:
         raise planned.errors[0]
-    patch, notes, changes = planned.patch, [], planned.file_changes()
+    patch, changes = planned.patch, planned.file_changes()
+    notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
     with locked(tree.location):
         with nothing_changed_on_error():
-            _clean(tree, patch)
+            for rel in patch.files:  # what an interrupted write left beside them
+                remove_at(tree.real(rel), leftovers=True)
             _still_current(tree, planned)
             _refuse_read_only(tree, changes)
-            backup = _backup(tree, patch) if changes else None
-            if backup is not None:
+            backup = _backup(tree, patch) if changes or reverting else None
+            if backup is not None and not reverting:
                 entries, problems = backup.read()
-                notes += [f"damaged backup, entry left out: {p}" for p in problems]
+                notes += [f"{DAMAGED}, entry left out: {p}" for p in problems]
                 made = {r: (a, b) for r, (a, b) in changes.items() if a is not None}
                 backup.save(entries, made)
         _write(tree, changes)
-    if not changes:
-        done = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
-        return Outcome(patch.name, done, (), tuple(notes))
-    partly = any(not e.changes for e in planned.edits if e.skipped is None)
-    action = "completed" if partly else "applied"
+        try:
+            if backup is not None and reverting:
+                backup.discard()
+        except OSError as exc:  # the sources are back: a stale store is harmless
+            notes.append(f"{backup.folder}: not deleted ({exc.strerror})")
+    if reverting:
+        action = "reverted" if changes else "nothing to revert"
+    elif not changes:
+        action = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
+    else:
+        partly = any(not e.changes for e in planned.edits if e.skipped is None)
+        action = "completed" if partly else "applied"
     return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
 
 def revert(tree: VllmTree, patch: Patch) -> Outcome:
-    """Undo ``patch`` (from the backup, else by the inverse edits); then the
-    backup is deleted."""
+    """Undo ``patch``: from the backup, else by the inverse edits."""
     refuse_wheel(tree.location, "revert")
     with locked(tree.location):
         with nothing_changed_on_error():
-            _clean(tree, patch)
-            p = plan(tree, patch, "revert")
-        damaged = [w for w in p.warnings if w.startswith("damaged backup")]
-        if p.errors and damaged:
-            error, backup = p.errors[0], _backup(tree, patch)
+            planned = plan(tree, patch, "revert")
+        damaged = [w for w in planned.warnings if w.startswith(DAMAGED)]
+        if planned.errors and damaged:
+            error, backup = planned.errors[0], _backup(tree, patch)
             raise PatchError(
                 "cannot revert: the backup is damaged and the inverse edit does not "
                 f"recognise the file ({error.message})",
-                path=error.path,
-                looked_for=error.looked_for,
-                found=f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get "
-                f"the original file back, then delete {backup.folder}",
+                error.path,
+                error.looked_for,
+                f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get the "
+                f"original file back, then delete {backup.folder}",
             )
-        if p.errors:
-            raise p.errors[0]
-        changes = p.file_changes()
-        _refuse_read_only(tree, changes)
-        _write(tree, changes)
-        backup = _backup(tree, patch)
-        try:
-            if backup is not None:
-                backup.discard()
-        except OSError as exc:  # the sources are back: a stale store is harmless
-            damaged.append(f"{backup.folder}: not deleted ({exc.strerror})")
-    action = "reverted" if changes else "nothing to revert"
-    return Outcome(patch.name, action, tuple(changes), tuple(damaged))
-
-
-def _clean(tree: VllmTree, patch: Patch) -> None:
-    """Delete what an interrupted write of the patch's files left beside them."""
-    for rel in {e.file for e in patch.edits + patch.test_edits}:
-        remove_at(tree.real(rel), leftovers=True)
+        return apply(tree, planned)
 
 
 def _still_current(tree: VllmTree, p: PatchPlan) -> None:
     """Refused unless ``tree`` still holds ``p``'s version and every file it read."""
-    try:
-        same = read_version(tree) == p.version and all(
-            (tree.read_text(rel) if tree.exists(rel) else None) == text
-            for rel, text in p.sources.items()
-        )
-    except PatchError:  # a file gone or unreadable
-        same = False
-    if not same:
-        raise PatchError(
-            "the tree changed since it was planned; run again",
-            path=str(tree.location),
-            looked_for=f"the files {p.patch.name} was planned on",
-            found="other contents; nothing was changed",
-        )
+    with contextlib.suppress(PatchError):  # a file gone or unreadable: changed
+        same = all(_current(tree, rel) == text for rel, text in p.sources.items())
+        if same and read_version(tree) == p.version:
+            return
+    message = "the tree changed since it was planned; run again"
+    planned = f"the files {p.patch.name} was planned on"
+    found = "other contents; nothing was changed"
+    raise PatchError(message, str(tree.location), planned, found)
 
 
 def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
     """Files and folders marked read-only are left alone, even by root."""
     paths = [tree.real(rel) for rel in changes]
     for target in {tree.real("."), *paths, *(p.parent for p in paths)} if paths else ():
-        if os.path.lexists(target):
-            mode = os.stat(target).st_mode
-            if not os.access(target, os.W_OK) or not mode & 0o222:
-                what = "folder" if stat.S_ISDIR(mode) else "file"
-                raise PatchError(
-                    f"{what} is read-only",
-                    path=str(target),
-                    looked_for=f"a writable {what}",
-                    found=f"mode {stat.filemode(mode)}",
-                )
+        mode = os.stat(target).st_mode if os.path.lexists(target) else None
+        if mode is not None and not (mode & 0o222 and os.access(target, os.W_OK)):
+            what = "folder" if stat.S_ISDIR(mode) else "file"
+            found = f"mode {stat.filemode(mode)}"
+            raise PatchError(
+                f"{what} is read-only", str(target), f"a writable {what}", found
+            )
 
 
 def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
@@ -473,15 +403,9 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
             else:
                 replace_at(tree.real(rel), after.encode())
         except OSError as exc:
-            how_far = (
-                "nothing was changed"
-                if done == 0
-                else f"{done} of {len(changes)} files written; the tree is partly "
-                "patched: run apply again to finish, or revert to undo"
-            )
-            raise PatchError(
-                f"cannot write ({exc.strerror})",
-                path=tree.display(rel),
-                looked_for="a file vllm-patch may replace",
-                found=how_far,
-            ) from exc
+            how_far = f"{done} of {len(changes)} files written; the tree is partly "
+            how_far += "patched: run apply again to finish, or revert to undo"
+            message = f"cannot write ({exc.strerror})"
+            wanted = "a file vllm-patch may replace"
+            found = how_far if done else "nothing was changed"
+            raise PatchError(message, tree.display(rel), wanted, found) from exc

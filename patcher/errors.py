@@ -53,8 +53,7 @@ class ExitCode(enum.IntEnum):
 
 
 def printable(text: str | os.PathLike) -> str:
-    """A path (or a message holding one) printable anywhere: non-UTF-8 bytes of
-    a file name become ``\\xNN``."""
+    """``text`` printable anywhere: a file name's non-UTF-8 bytes become ``\\xNN``."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 
@@ -67,11 +66,12 @@ class PatchError(Exception):
     """A failure that names the file, what was looked for and what was found."""
 
     exit_code = ExitCode.CANNOT_APPLY
+    FIELDS = ("message", "path", "looked_for", "found")
 
-    def __init__(self, message: str, *, path=None, looked_for=None, found=None):
-        self.message = printable(message)
-        self.path, self.looked_for, self.found = (
-            None if x is None else printable(x) for x in (path, looked_for, found)
+    def __init__(self, message: str, path=None, looked_for=None, found=None):
+        texts = (message, path, looked_for, found)
+        self.message, self.path, self.looked_for, self.found = (
+            None if x is None else printable(x) for x in texts
         )
         super().__init__(str(self))
 
@@ -82,9 +82,8 @@ class PatchError(Exception):
 
     def to_json(self) -> dict:
         """``{"error": {...}}``, what ``--json`` prints instead of a report."""
-        keys = ("message", "path", "looked_for", "found")
-        doc = {"code": int(self.exit_code)} | {k: getattr(self, k) for k in keys}
-        return {"error": doc}
+        fields = {k: getattr(self, k) for k in self.FIELDS}
+        return {"error": {"code": int(self.exit_code)} | fields}
 
 
 class UsageError(PatchError):
@@ -100,6 +99,4 @@ class ShapeNotRecognised(PatchError):
     """Raised by a codemod when the source does not have the shape it edits."""
 
     def __init__(self, looked_for: str, found: str, *, path: str | None = None):
-        super().__init__(
-            "source shape not recognised", path=path, looked_for=looked_for, found=found
-        )
+        super().__init__("source shape not recognised", path, looked_for, found)

@@ -1,12 +1,7 @@
-"""Every file vllm-patch reads or writes in a tree, or that the user names.
-
-A path is resolved and checked to lie inside its bases (:func:`inside`); then
-each folder on it is opened with O_NOFOLLOW from ``/`` (:func:`open_dir`), so a
-link swapped in after the check fails the open. Reads take regular files only,
-bounded, never blocking; a write creates a new file beside the target, fsyncs
-it and renames it over the target (:func:`replace_at`): a hard-linked copy of
-the file is never written through.
-"""
+"""Every file vllm-patch reads or writes in a tree, or that the user names: the
+path resolved and checked inside its bases, then each folder opened O_NOFOLLOW
+from ``/`` (a link swapped in after the check fails the open); reads bounded,
+regular files only; writes by renaming a new fsynced file over the target."""
 
 from __future__ import annotations
 
@@ -26,15 +21,18 @@ from patcher.errors import PatchError, UsageError, printable
 # 0.3 MB, and LibCST takes about 265 times a file's size to parse it.
 MAX_FILE_BYTES = 2 << 20
 NEW = ".vllm-patch.new"  # the suffix of the file replace_at renames
-_KINDS = {"DIR": "a directory", "FIFO": "a FIFO (named pipe)", "SOCK": "a socket",
-          "CHR": "a character device", "BLK": "a block device",
-          "LNK": "a symbolic link", "REG": "a regular file"}  # fmt: skip
+_KINDS = {"d": "a directory", "p": "a FIFO (named pipe)", "s": "a socket",
+          "c": "a character device", "b": "a block device", "l": "a symbolic link",
+          "-": "a regular file"}  # fmt: skip
+# What is there when an open fails with an errno (0: nothing; ENXIO: a socket).
+_FOUND = {errno.ENOENT: 0, errno.ELOOP: stat.S_IFLNK, errno.EISDIR: stat.S_IFDIR,
+          errno.ENXIO: stat.S_IFSOCK}  # fmt: skip
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
 def kind(mode: int) -> str:
     """What a file is, in words, from its ``st_mode``."""
-    found = (v for k, v in _KINDS.items() if getattr(stat, f"S_IS{k}")(mode))
-    return next(found, "not a regular file")
+    return _KINDS.get(stat.filemode(mode)[0], "not a regular file")
 
 
 def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
@@ -44,75 +42,68 @@ def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
     bases = [Path(os.path.realpath(b)) for b in (bases or (root,))]
     if any(path.is_relative_to(b) for b in bases):
         return path
-    raise PatchError(
-        f"{what} leads outside the tree (vllm-patch never follows a link out)",
-        path=str(Path(root) / rel),
-        looked_for=f"a path inside {' or '.join(map(str, bases))}",
-        found=f"a link to {path}",
-    )
+    message = f"{what} leads outside the tree (vllm-patch never follows a link out)"
+    within = f"a path inside {' or '.join(map(str, bases))}"
+    raise PatchError(message, str(Path(root) / rel), within, f"a link to {path}")
 
 
 @contextlib.contextmanager
 def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
-    """A descriptor of the resolved ``folder``, each component opened with
-    O_NOFOLLOW (a link: ``PatchError``); missing folders below ``make_below``
-    are made. Closed on leaving."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    fd = os.open("/", flags)
-    here = Path("/")
+    """A descriptor of the resolved ``folder``, each component opened O_NOFOLLOW
+    (a link: ``PatchError``); missing folders below ``make_below`` are made."""
+    fd = os.open("/", _DIR)
     try:
-        for name in folder.relative_to("/").parts:
-            here = here / name
+        for i, name in enumerate(folder.parts[1:], 2):
+            here = Path(*folder.parts[:i])
+            if make_below and here.is_relative_to(make_below):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=fd)
             try:
-                if make_below and here.is_relative_to(make_below):
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o755, dir_fd=fd)
-                nxt = os.open(name, flags, dir_fd=fd)
+                fd, above = os.open(name, _DIR, dir_fd=fd), fd
             except OSError as exc:
-                raise PatchError(
-                    f"cannot open a folder on the way ({exc.strerror})",
-                    path=str(folder),
-                    looked_for=f"a real folder named {name!r}",
-                    found="a link or something else (changed while read?)"
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR)
-                    else exc.strerror,
-                ) from exc
-            os.close(fd)
-            fd = nxt
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                found = "a symbolic link or a file (changed while read?)"
+                raise PatchError("not a folder", str(here), "a folder", found) from exc
+            os.close(above)
         yield fd
     finally:
         os.close(fd)
 
 
 def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file at the resolved ``path`` (no link, FIFO or
-    device; at most ``limit`` bytes)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW
+    """The bytes of the regular file at the resolved ``path``, at most ``limit``."""
+
+    def opener(name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW, dir_fd=dfd)
+
     try:
         with open_dir(path.parent) as dfd:
-            fd = os.open(path.name, flags, dir_fd=dfd)
-    except FileNotFoundError as exc:
-        raise PatchError(
-            "file not found", path=str(path), looked_for=what, found="no such file"
-        ) from exc
+            file = open(path.name, "rb", opener=opener)
+        with file:
+            mode = os.fstat(file.fileno()).st_mode
+            data = file.read(limit + 1) if stat.S_ISREG(mode) else None
     except OSError as exc:
-        found = {errno.ELOOP: "a symbolic link", errno.ENXIO: "a socket"}
-        if exc.errno not in found:
-            msg = f"cannot read (open: {exc.strerror})"
-            raise PatchError(msg, path=str(path)) from exc
-        raise _not_regular(path, what, found[exc.errno]) from exc
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, what, kind(mode))
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            data = fh.read(limit + 1)  # a file growing while read is caught too
-    except OSError as exc:
-        raise PatchError(f"cannot read (read: {exc.strerror})", path=str(path)) from exc
-    finally:
-        os.close(fd)
+        if exc.errno not in _FOUND:
+            raise PatchError(f"cannot read ({exc.strerror})", str(path)) from exc
+        mode, data = _FOUND[exc.errno], None
+    if data is None:
+        raise _not_regular(path, what, mode)
+    return bounded(data, str(path), what, limit)
+
+
+def _not_regular(path: Path, what: str, mode: int) -> PatchError:
+    """What is at ``path`` is not a regular file (``mode`` 0: there is nothing)."""
+    if not mode:
+        return PatchError("file not found", str(path), what, "no such file")
+    return PatchError("not a regular file", str(path), what, kind(mode))
+
+
+def bounded(data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """``data``, unless it is more than ``limit`` bytes: then ``PatchError``."""
     if len(data) > limit:
-        raise too_big(str(path), what, limit)
+        wanted = f"{what}, at most {limit} bytes"
+        raise PatchError("file too large", shown, wanted, "more")
     return data
 
 
@@ -122,53 +113,35 @@ def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
 
 
 def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
-    """``data`` as UTF-8, with no NUL byte unless ``nul`` (the parser then says
-    where it is)."""
+    """``data`` as UTF-8; a NUL byte refused unless ``nul`` (the parser says where)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         found = f"byte {data[exc.start]:#04x} at offset {exc.start}"
-        raise PatchError("not UTF-8", path=where, looked_for=what, found=found) from exc
+        raise PatchError("not UTF-8", where, what, found) from exc
     if "\0" in text and not nul:
-        raise PatchError("not text", path=where, looked_for=what, found="a NUL byte")
+        raise PatchError("not text", where, what, "a NUL byte")
     return text
 
 
-def _not_regular(path: Path, what: str, found: str) -> PatchError:
-    return PatchError(
-        "not a regular file", path=str(path), looked_for=what, found=found
-    )
-
-
-def too_big(shown: str, looked_for: str, limit: int) -> PatchError:
-    return PatchError(
-        "file too large",
-        path=shown,
-        looked_for=f"{looked_for}, at most {limit} bytes",
-        found="more",
-    )
-
-
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
-    """Give the resolved ``path`` the content ``data`` by rename (see above); an
-    existing target must be a regular file, whose mode is kept."""
+    """Give the resolved ``path`` ``data`` by rename; a regular file's mode is kept."""
     with open_dir(path.parent, make_below) as dfd:
         try:
-            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            mode = os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode
         except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            raise _not_regular(path, "a regular file to replace", kind(st.st_mode))
-        mode = stat.S_IMODE(st.st_mode) if st else 0o644
+            mode = stat.S_IFREG | 0o644
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, "a regular file to replace", mode)
         tmp = f".{path.name}.{secrets.token_hex(6)}{NEW}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        fd = os.open(tmp, flags, mode, dir_fd=dfd)
+        fd = os.open(tmp, flags, stat.S_IMODE(mode), dir_fd=dfd)
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
-                os.fchmod(fh.fileno(), mode)  # umask would narrow it
-                os.fsync(fh.fileno())
+                os.fchmod(fd, stat.S_IMODE(mode))  # umask would narrow it
+                os.fsync(fd)
             os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -178,31 +151,29 @@ def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> No
 
 
 def remove_at(path: Path, *, leftovers: bool = False) -> None:
-    """Delete what is at the resolved ``path`` (a folder with its contents; a
-    link, not its target), or with ``leftovers`` what an interrupted
-    :func:`replace_at` of it left beside it."""
+    """Delete what is at the resolved ``path`` (a folder with its contents, a
+    link not its target), or with ``leftovers`` what a killed replace_at left."""
     with (
         contextlib.suppress(FileNotFoundError, PatchError),
         open_dir(path.parent) as dfd,
     ):
-        if not leftovers:
-            _remove(path.name, dfd)
-        for name in os.listdir(dfd) if leftovers else ():
-            if name.startswith(f".{path.name}.") and name.endswith(NEW):
+        for name in os.listdir(dfd) if leftovers else [path.name]:
+            left = name.startswith(f".{path.name}.") and name.endswith(NEW)
+            if left or not leftovers:
                 _remove(name, dfd)
 
 
 def _remove(name: str, dfd: int) -> None:
-    if stat.S_ISDIR(os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except IsADirectoryError:
+        sub = os.open(name, _DIR, dir_fd=dfd)
         try:
             for child in os.listdir(sub):
                 _remove(child, sub)
         finally:
             os.close(sub)
         os.rmdir(name, dir_fd=dfd)
-    else:
-        os.unlink(name, dir_fd=dfd)
 
 
 _waited: set[Path] = set()
@@ -212,8 +183,7 @@ _writing: set[str] = set()  # the trees this process holds the writer's lock on
 @contextlib.contextmanager
 def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
     """One writer at a time on a tree, or readers beside each other: a ``flock``
-    on its root folder (no file made; dropped when its holder dies). Inside
-    the writer's lock the process takes it again at no cost."""
+    on its root folder; inside the writer's lock the process takes it again."""
     real = os.path.realpath(root)
     if real in _writing:
         yield
@@ -225,14 +195,10 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
         except BlockingIOError:
             if root not in _waited:
                 _waited.add(root)
-                print(
-                    f"vllm-patch: waiting for another vllm-patch on {printable(root)}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                waiting = f"waiting for another vllm-patch on {printable(root)}"
+                print(f"vllm-patch: {waiting}", file=sys.stderr, flush=True)
             fcntl.flock(fd, how)
-        if not shared:
-            _writing.add(real)
+        _writing.update([] if shared else [real])
         try:
             yield
         finally:
@@ -240,29 +206,21 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
 
 
 def write_output(path: Path, data: bytes | str) -> Path:
-    """Write a file the user named (``--out``): the folder is the user's choice;
-    anything but a regular file at the name is refused, never written through."""
-    path = Path(path)
-    parent = Path(os.path.realpath(path.parent))
-    replace_at(parent / path.name, data.encode() if isinstance(data, str) else data)
-    return path
+    """Write a file the user named (``--out``), never through what is at the name."""
+    real = Path(os.path.realpath(Path(path).parent)) / Path(path).name
+    replace_at(real, data.encode() if isinstance(data, str) else data)
+    return Path(path)
 
 
 def output_dir(path: Path) -> Path:
-    """A folder the user named for outputs, made if missing; a link or non-folder
-    there is refused (whoever planted it chooses where it leads)."""
-    path = Path(path)
+    """A folder the user named for outputs, made if missing; a link there refused."""
     with contextlib.suppress(FileExistsError, NotADirectoryError):
-        path.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
     if not stat.S_ISDIR(mode):
-        raise PatchError(
-            "not a folder (vllm-patch never writes through a link it finds)",
-            path=str(path),
-            looked_for="a folder for outputs",
-            found=kind(mode),
-        )
-    return path
+        message = "not a folder (vllm-patch never writes through a link it finds)"
+        raise PatchError(message, str(path), "a folder for outputs", kind(mode))
+    return Path(path)
 
 
 def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) -> Path:
@@ -270,45 +228,37 @@ def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) ->
     (``but`` excepted), no link or special file planted at the name."""
     real = path.parent.resolve() / path.name
     if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
-        raise UsageError(f"{what} must be outside the work tree", path=str(path))
+        raise UsageError(f"{what} must be outside the work tree", str(path))
     mode = os.lstat(path).st_mode if os.path.lexists(path) else None
     if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):
-        raise UsageError(
-            "vllm-patch never writes through a link or special file it finds",
-            path=str(path),
-            looked_for="a folder" if folder else "a regular file or no file",
-            found=kind(mode),
-        )
+        message = "vllm-patch never writes through a link or special file it finds"
+        wanted = "a folder" if folder else "a regular file or no file"
+        raise UsageError(message, str(path), wanted, kind(mode))
     return path
 
 
 def own_paths(root: Path, files: list[str]) -> None:
-    """Each of ``files`` at its own path below ``root``, no link on the way (git
-    would commit the link, not the edit)."""
+    """Each of ``files`` at its own path below ``root`` (git would commit a link)."""
     real = Path(os.path.realpath(root))
     for rel in files:
         found = Path(os.path.realpath(root / rel))
         if found != real / rel:
-            raise UsageError(
-                "a file the change edits is reached through a link in the checkout",
-                path=str(root / rel),
-                looked_for="a regular file (or none) at that path, no link on the way",
-                found=f"a link to {found.relative_to(real)}"
-                if found.is_relative_to(real)
-                else "a link out of the checkout",
+            message = (
+                "a file the change edits is reached through a link in the checkout"
             )
+            wanted = "a regular file (or none) at that path, no link on the way"
+            to = found.relative_to(real) if found.is_relative_to(real) else None
+            link = f"a link to {to}" if to else "a link out of the checkout"
+            raise UsageError(message, str(root / rel), wanted, link)
 
 
 def read_text_in(
     root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
 ) -> str | None:
-    """Data read from a checkout (CI YAML, PR template): ``rel`` below ``root``
-    as :func:`read_text_at` reads it; None without such a file (or ``root``)."""
-    if root is None:
-        return None
-    path = Path(os.path.realpath(root)) / rel
+    """``rel`` in a checkout as :func:`read_text_at` reads it; None if it is absent."""
+    path = Path(os.path.realpath(root or ".")) / rel
     try:
-        return read_text_at(path, what, limit=limit)
+        return read_text_at(path, what, limit=limit) if root else None
     except PatchError:
         if os.path.lexists(path):
             raise

