@@ -30,6 +30,7 @@ COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
 SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
+ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,7 @@ PHASES = {
     ),
     "compiled": (
         Variant("compiled", "compiled"),  # native norms under Inductor
-        Variant(
-            "compiled+rms_norm",
-            "compiled",
-            provider=True,
-            custom_ops=("none", "+rms_norm"),  # the kernels under Inductor
-        ),
+        Variant("compiled+rms_norm", "compiled", provider=True, custom_ops=ONLY_NORMS),
     ),
 }
 NAMES = [v.name for phase in PHASES.values() for v in phase]
@@ -117,12 +113,6 @@ def engines(phase, config: dict, paths: dict, progress) -> Iterator[list[Engine]
             e.stop()
 
 
-def per_step(found: dict[str, list[int]], key: str) -> float:
-    """The median of ``key`` over the decode steps, nanoseconds in ms."""
-    mid = float(statistics.median(found[key][1:]))  # the first is the prefill
-    return mid if key == "norm_calls" else mid / 1e6
-
-
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
     """Each engine's generation, one step of each in turn (the order rotating
     every step): per engine, each figure's list over the steps."""
@@ -142,12 +132,14 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 
 def figures(found: dict[str, list[int]]) -> dict[str, Any]:
-    """One engine's round: per decode step, each clock's median for the step
-    and inside the norms, the norm calls; every step's CPU milliseconds."""
+    """One engine's round: each clock's median over the decode steps (the first
+    step is the prefill) for the step and inside the norms, in ms; the norm
+    calls; every step's CPU ms."""
     assert len(found["cpu"]) > 2, "no decode steps"
-    out = {f"step_{c}": round(per_step(found, c), 4) for c in CLOCKS}
-    out |= {f"norm_{c}": round(per_step(found, f"norm_{c}"), 4) for c in CLOCKS}
-    out["norm_calls"] = per_step(found, "norm_calls")
+    mid = {k: float(statistics.median(v[1:])) for k, v in found.items()}
+    out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
+    out |= {f"norm_{c}": round(mid[f"norm_{c}"] / 1e6, 4) for c in CLOCKS}
+    out["norm_calls"] = mid["norm_calls"]
     return out | {"cpu_ms": [round(t / 1e6, 2) for t in found["cpu"]]}
 
 

