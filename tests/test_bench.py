@@ -140,10 +140,11 @@ def test_the_benchmark_runs_as_vllm_reviewers_run_it():
                  ("--num-prompts", "7"), ("--seed", "0"), ("--tokenizer", "/m")]:  # fmt: skip
         assert args[args.index(pair[0]) + 1] == pair[1]
     assert "--ignore-eos" in args and args[:2] == ["bench", "serve"]
-    served = serving.serve_args("/m", 1234, True, [])
+    served = serving.serve_args("/m", 1234, True, sizes)
     assert served[served.index("--host") + 1] == "127.0.0.1"
     assert "--enforce-eager" in served
-    assert "--enforce-eager" not in serving.serve_args("/m", 1234, False, [])
+    assert "--enforce-eager" not in serving.serve_args("/m", 1234, False, sizes)
+    assert served[served.index("--max-model-len") + 1] == str(100 + 50 + 64)
     commands = serving.commands("MODEL", sizes)
     assert commands[0].startswith("vllm serve MODEL ") and "--port PORT" in commands[0]
     assert commands[1].startswith("vllm bench serve ") and "--ignore-eos" in commands[1]

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
@@ -33,41 +32,33 @@ SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
 ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    mode: str = "eager"
-    vllm: str = "base"  # "patched": the patched copy first on its path
-    provider: bool = False  # the out-of-tree provider's opt-in set
-    custom_ops: tuple[str, ...] | None = None
-
-
+# Per mode its engines: their vLLM ("patched": the patched copy first on its
+# path), the out-of-tree provider's opt-in, the custom ops.
 PHASES = {
-    "eager": (
-        Variant("base"),
-        Variant("base2"),  # the installed vLLM again: the A/A control
-        Variant("patched", vllm="patched"),
-        Variant("provider", provider=True),
-    ),
-    "compiled": (
-        Variant("compiled", "compiled"),  # native norms under Inductor
-        Variant("compiled+rms_norm", "compiled", provider=True, custom_ops=ONLY_NORMS),
-    ),
+    "eager": {
+        "base": {},
+        "base2": {},  # the installed vLLM again: the A/A control
+        "patched": {"vllm": "patched"},
+        "provider": {"provider": True},
+    },
+    "compiled": {
+        "compiled": {},  # native norms under Inductor
+        "compiled+rms_norm": {"provider": True, "custom_ops": ONLY_NORMS},
+    },
 }
-NAMES = [v.name for phase in PHASES.values() for v in phase]
+NAMES = [name for phase in PHASES.values() for name in phase]
 
 
 class Engine:
     """A ``decode_engine`` process: started, asked, stopped."""
 
-    def __init__(self, variant: Variant, config: dict, paths: dict) -> None:
-        self.variant, self.about = variant, {}
+    def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
+        spec, self.name, self.about = PHASES[mode][name], name, {}
         self.log = tempfile.TemporaryFile("w+")
-        opt_in = {OPT_IN_ENV: "1"} if variant.provider else {}
-        env = child.child_env(
-            opt_in, pythonpath=paths[variant.vllm], drop_env=[OPT_IN_ENV]
-        )
-        config = {**config, "mode": variant.mode, "custom_ops": variant.custom_ops}
+        opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
+        path = paths[spec.get("vllm", "base")]
+        env = child.child_env(opt_in, pythonpath=path, drop_env=[OPT_IN_ENV])
+        config = {**config, "mode": mode, "custom_ops": spec.get("custom_ops")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_patch.bench.decode_engine",
              json.dumps(config)],
@@ -83,7 +74,7 @@ class Engine:
         if not line:
             self.log.seek(0)
             tail = self.log.read()[-2000:]
-            raise RuntimeError(f"engine {self.variant.name} ended:\n{tail}")
+            raise RuntimeError(f"engine {self.name} ended:\n{tail}")
         return json.loads(line)
 
     def stop(self) -> None:
@@ -97,16 +88,16 @@ class Engine:
 
 
 @contextlib.contextmanager
-def engines(phase, config: dict, paths: dict, progress) -> Iterator[list[Engine]]:
-    """The phase's engines, started together and ready; stopped on exit."""
+def engines(mode: str, config: dict, paths: dict, progress) -> Iterator[list[Engine]]:
+    """The mode's engines, started together and ready; stopped on exit."""
     started: list[Engine] = []
     try:
-        for v in phase:
-            started.append(Engine(v, config, paths))
-            progress(f"decode: starting engine {v.name} ({v.mode})")
+        for name in PHASES[mode]:
+            started.append(Engine(name, mode, config, paths))
+            progress(f"decode: starting engine {name} ({mode})")
         for e in started:
             e.about = e.ask()["ready"]
-            progress(f"decode: engine {e.variant.name} ready: {e.about}")
+            progress(f"decode: engine {e.name} ready: {e.about}")
         yield started
     finally:
         for e in started:
@@ -158,7 +149,7 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
             k = r % len(started)
             before = machine.cpu_snapshot(pids)
             found = interleaved(started[k:] + started[:k], n, args.tokens)
-            steps = {e.variant.name: figures(f) for e, f in found.items()}
+            steps = {e.name: figures(f) for e, f in found.items()}
             share = machine.other_share(before, pids)
             row = {"round": r, "threads": n, "order": list(steps), "steps": steps}
             row |= {"other_share": share, "busy": (share or 0) > machine.BUSY_SHARE}
@@ -191,19 +182,13 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
             by = {c: [column(rows, v, f"step_{c}") for v in (a, b)] for c in CLOCKS}
             comps[label] = {c: stats.ratio(*by[c]) for c in CLOCKS}
             comps[label].update(comps[label][CLOCKS[0]])
-    out: dict[str, Any] = {
-        "comparisons": comps,
-        "step_ms": levels("step_cpu"),
-        "step_wall_ms": levels("step_wall"),
-        "busy_rounds": sum(r["busy"] for r in rows),
-        "rounds": len(rows),
-    }
+    out = {"comparisons": comps, "step_ms": levels("step_cpu")}
+    out |= {"step_wall_ms": levels("step_wall"), "rounds": len(rows)}
+    out["busy_rounds"] = sum(r["busy"] for r in rows)
     if any(r["steps"][names[0]]["norm_calls"] for r in rows):  # eager: attributed
         out |= {"norm_ms": levels("norm_cpu"), "norm_wall_ms": levels("norm_wall")}
         out["norm_calls_per_step"] = rows[0]["steps"][names[0]]["norm_calls"]
-        out["savings"] = {
-            v: saving(rows, v) for v in SAVINGS if v in names and "base" in names
-        }
+        out["savings"] = {v: saving(rows, v) for v in SAVINGS if v in names}
         if saved := out["savings"].get("patched"):
             out["saving_ms"], out["saving_share"] = saved["saving_ms"], saved["share"]
             ci, (lo, hi) = comps["patched/base"]["ci95"], saved["expected_ratio"]
@@ -272,8 +257,8 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
     for mode in args.modes:
         deadline = time.monotonic() + SHARE[mode] / left * (end - time.monotonic())
         left -= SHARE[mode]
-        with engines(PHASES[mode], config, paths, progress) as started:
-            about.update({e.variant.name: e.about for e in started})
+        with engines(mode, config, paths, progress) as started:
+            about.update({e.name: e.about for e in started})
             found[mode] = measure_phase(started, args, deadline, progress)
     meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
     return summary(found["eager"], args.threads, found["compiled"], about, meta)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,10 +47,6 @@ class Sizes:
     max_concurrency: int = 4
     model_len: int = 0  # --max-model-len; 0: what the benchmark needs
 
-    def serve_extra(self) -> list[str]:
-        length = self.model_len or self.input_len + self.output_len + 64
-        return f"--max-model-len {length} --max-num-seqs {self.max_concurrency}".split()
-
 
 def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
     """``vllm bench serve``'s arguments, but where it saves its result."""
@@ -67,19 +63,20 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
     ]  # fmt: skip
 
 
-def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
+def serve_args(model: str, port: int, eager: bool, sizes: Sizes) -> list[str]:
+    length = sizes.model_len or sizes.input_len + sizes.output_len + 64
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
-    args += ["--port", str(port), "--seed", "0", *extra]
+    args += ["--port", str(port), "--seed", "0", "--max-model-len", str(length)]
+    args += ["--max-num-seqs", str(sizes.max_concurrency)]
     return args + (["--enforce-eager"] if eager else [])
 
 
 def commands(model: str, sizes: Sizes) -> list[str]:
     """The commands as a reviewer runs them; the server's port is PORT."""
-    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
-    serve = serve.replace("--port 0", "--port PORT")
+    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
     client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
-        f"{serve} {shlex.join(sizes.serve_extra())}  # eager: also --enforce-eager",
+        serve.replace("--port 0", "--port PORT") + "  # eager: also --enforce-eager",
         shlex.join(["vllm", *client, "--save-result"]),
     ]
 
@@ -93,15 +90,13 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running(model: str, eager: bool, say, **how: Any) -> Iterator[dict[str, str]]:
-    """A healthy server of ``model`` (``how``: ``child.start``'s and ``extra``
-    arguments) as ``{"url"}``; on exit stopped (SIGKILL after ``STOP_GRACE`` or a
-    second Ctrl-C), its ``log`` added; ``RuntimeError`` if it ends or times out
-    before it is healthy."""
+def running(model, eager: bool, sizes: Sizes, say, **how) -> Iterator[dict[str, str]]:
+    """A healthy server (``how``: ``child.start``'s) as ``{"url"}``, stopped on
+    exit (SIGKILL after ``STOP_GRACE`` or a second Ctrl-C), then with its log."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
-    args = {"args": serve_args(model, port, eager, how.pop("extra"))}
+    args = {"args": serve_args(model, port, eager, sizes)}
     handle = child.start("vllm_patch.serve:serve", args, **how)
     server, why, started = {"url": f"http://{HOST}:{port}"}, None, time.monotonic()
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
@@ -124,8 +119,7 @@ def running(model: str, eager: bool, say, **how: Any) -> Iterator[dict[str, str]
 
 
 def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
-    """``python -m ARGV FOLDER`` in a new FOLDER for what it saves: the last
-    file matching ``pattern`` there, read; ``RuntimeError`` if it fails."""
+    """``python -m ARGV FOLDER`` run to save into FOLDER: its last ``pattern``."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-bench-") as folder:
         proc = subprocess.run(
             [sys.executable, "-m", *argv, folder], cwd=folder, text=True,
@@ -239,20 +233,20 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
     first repetition's base and patched servers answer the accuracy prompts."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
-    how = {"env": env, "drop_env": provider_opt_ins(), "extra": sizes.serve_extra()}
+    how = {"env": env, "drop_env": provider_opt_ins()}
     serving, tokens = bench.doc["serving"], bench.doc["accuracy"]["tokens"]
     lm_eval = bench.doc["accuracy"]["lm_eval"]
     served = [("base", ()), ("patched", (copy,)), (A_A, ())]
     for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
         answers: dict[str, list] = {}
         # Each side first in turn: what one start leaves the next falls on both.
-        for side, pythonpath in served if rep % 2 else served[::-1]:
+        for side, path in served if rep % 2 else served[::-1]:
 
             def say(msg: str, at: str = f"[{mode} {rep}/{args.repeats}] {side}"):
                 bench.progress(f"{at}: {msg}")
 
             eager = mode == "eager"
-            with running(model, eager, say, pythonpath=pythonpath, **how) as server:
+            with running(model, eager, sizes, say, pythonpath=path, **how) as server:
                 url = server["url"]
                 metrics = run_client(url, model, sizes, env)
                 say(
