@@ -1,12 +1,14 @@
 """``bench --decode``: one decode step, base vs patched, on a noisy machine
-(docs/bench.md). One live engine per variant (``decode_engine``); in a round
-they take turns step by step, so their k-th steps share the load, and ratios
-are paired per round (``stats``). Round 0 warms up."""
+(docs/bench.md). One live engine per variant, each a child running this module
+(vLLM's ``LLM`` in it, asked by a JSON line on stdin per step); in a round they
+take turns step by step, so their k-th steps share the load, and ratios are
+paired per round (``stats``). Round 0 warms up."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,8 +32,9 @@ SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
 SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
 ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
-
-
+PROMPT = list(range(10, 18))
+NORM_KEYS = ("norm_wall", "norm_cpu", "norm_calls")
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
 # Per mode its engines: their vLLM ("patched": the patched copy first on its
 # path), the out-of-tree provider's opt-in, the custom ops.
 PHASES = {
@@ -50,7 +53,7 @@ NAMES = [name for phase in PHASES.values() for name in phase]
 
 
 class Engine:
-    """A ``decode_engine`` process: started, asked, stopped."""
+    """An engine's process (:func:`main`): started, asked, stopped."""
 
     def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
         spec, self.name, self.about = PHASES[mode][name], name, {}
@@ -60,8 +63,7 @@ class Engine:
         env = child.child_env(opt_in, pythonpath=path, drop_env=[OPT_IN_ENV])
         config = {**config, "mode": mode, "custom_ops": spec.get("custom_ops")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_patch.bench.decode_engine",
-             json.dumps(config)],
+            [sys.executable, "-m", __name__, json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             env=env, text=True, start_new_session=True,
         )  # fmt: skip
@@ -262,3 +264,102 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
             found[mode] = measure_phase(started, args, deadline, progress)
     meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
     return summary(found["eager"], args.threads, found["compiled"], about, meta)
+
+
+# --- the engine's side: ``python -m vllm_patch.bench.decode CONFIG_JSON`` ------
+
+
+def hook_norms(model, totals: list[int]) -> list[str]:
+    """Time every ``RMSNorm`` (or subclass) into ``totals``: the classes hooked."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    started = [0, 0]
+
+    def before(module, args) -> None:
+        started[:] = time.perf_counter_ns(), time.process_time_ns()
+
+    def after(module, args, output) -> None:
+        totals[0] += time.perf_counter_ns() - started[0]
+        totals[1] += time.process_time_ns() - started[1]
+        totals[2] += 1
+
+    names = set()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.register_forward_pre_hook(before)
+            module.register_forward_hook(after)
+            names.add(type(module).__name__)
+    return sorted(names)
+
+
+def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
+    """The engine (eager: its norms timed into ``totals``) and its own word."""
+    import dataclasses
+
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_patch.runtime import cpu_library
+
+    eager = config["mode"] != "compiled"
+    length = len(PROMPT) + config["max_tokens"] + 8
+    extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
+    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
+    extra |= {"enforce_eager": eager, "skip_tokenizer_init": True}
+    if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
+    if config.get("custom_ops"):
+        extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
+    llm = LLM(model=config["model"], **extra)
+    hooked = llm.apply_model(lambda m: hook_norms(m, totals))[0] if eager else []
+    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
+    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
+    return llm, about | {"norm_classes": hooked}
+
+
+def step(llm, totals: list[int]) -> dict[str, Any]:
+    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
+    norms = list(totals)
+    wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+    outputs = llm.llm_engine.step()
+    out = {"wall": time.perf_counter_ns() - wall, "cpu": time.process_time_ns() - cpu}
+    out.update((k, a - b) for k, a, b in zip(NORM_KEYS, totals, norms, strict=True))
+    out["finished"] = not llm.llm_engine.has_unfinished_requests()
+    assert not out["finished"] or any(o.finished for o in outputs)
+    return out
+
+
+def main(config_text: str) -> int:
+    """Answer {"ready": ...}, then a JSON line on stdout per command on stdin:
+    {"threads": N, "tokens": L} adds a request, {"step": true} times one engine
+    step, {"stop": true} ends. vLLM logs to stderr."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
+    os.dup2(2, 1)  # vLLM and everything else print to stderr
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    import torch
+
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it
+    # starts (it binds threads itself in its own processes, not in this one).
+    set_threads = torch.set_num_threads
+    from vllm import SamplingParams
+
+    totals = [0, 0, 0]
+    llm, about = start(json.loads(config_text), totals)
+    print(json.dumps({"ready": about}), file=answers)
+    for n, line in enumerate(sys.stdin):
+        command = json.loads(line)
+        if command.get("stop"):
+            break
+        if command.get("step"):
+            print(json.dumps(step(llm, totals)), file=answers)
+            continue
+        set_threads(command["threads"])
+        params = SamplingParams(max_tokens=command["tokens"], **GREEDY)
+        llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
+        print(json.dumps({"added": str(n)}), file=answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
