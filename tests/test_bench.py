@@ -502,7 +502,6 @@ def test_bootstrap_brackets_the_estimate_and_repeats_itself():
     assert lo < mid < hi and (mid, lo, hi) == stats.bootstrap(values)
     assert stats.bootstrap(values * 4)[2] - stats.bootstrap(values * 4)[1] < hi - lo
     assert stats.trimmed_mean([1, 2, 3, 4, 5, 6, 7, 8, 9, 1000]) == 5.5
-    assert stats.quantiles(list(range(1, 11))) == {"median": 5, "p10": 1, "p90": 9}
 
 
 def test_ratios_are_paired_per_repetition_and_skip_missing_ones():

@@ -61,8 +61,8 @@ def serve(args: Sequence[str]) -> int:
 
 
 def filtered_out_plugins() -> list[str]:
-    """The providers ``VLLM_PLUGINS`` keeps out, and the fix: said before vLLM
-    starts, since a provider that never loaded cannot say it."""
+    """The providers ``VLLM_PLUGINS`` keeps out, and the fix (one never loaded
+    cannot say it)."""
     from patcher.patchset import provider_specs
     from vllm_patch.runtime.plugins import left_out, left_out_fix, left_out_message
 
@@ -75,12 +75,8 @@ def filtered_out_plugins() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "vllm_args",
-        nargs=argparse.REMAINDER,
-        metavar="MODEL [options of vllm serve]",
-        help="passed to vLLM's own `vllm serve`",
-    )
+    what, help = "MODEL [options of vllm serve]", "passed to vLLM's own `vllm serve`"
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar=what, help=help)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,14 +29,11 @@ RANDOM_NOTE = (
 )
 
 
-def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
-    """For a random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
-    fixed prompts of ``words`` words each."""
+def word_prompts(vocab_size: int) -> list[str]:
+    """For a random-weight model (its words are ``w3`` ..): 8 fixed prompts."""
     rng = random.Random(0)
-    return [
-        " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(words))
-        for _ in range(count)
-    ]
+    words = [f"w{rng.randrange(3, vocab_size)}" for _ in range(8 * 16)]
+    return [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
 
 
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:

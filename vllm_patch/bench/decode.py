@@ -80,8 +80,7 @@ class Engine:
         return json.loads(line)
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):  # a broken pipe
-            self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
+        with contextlib.suppress(OSError):  # its end of input; or a broken pipe
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
@@ -332,7 +331,7 @@ def step(llm, totals: list[int]) -> dict[str, Any]:
 def main(config_text: str) -> int:
     """Answer {"ready": ...}, then a JSON line on stdout per command on stdin:
     {"threads": N, "tokens": L} adds a request, {"step": true} times one engine
-    step, {"stop": true} ends. vLLM logs to stderr."""
+    step, until stdin ends. vLLM logs to stderr."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -349,8 +348,6 @@ def main(config_text: str) -> int:
     print(json.dumps({"ready": about}), file=answers)
     for n, line in enumerate(sys.stdin):
         command = json.loads(line)
-        if command.get("stop"):
-            break
         if command.get("step"):
             print(json.dumps(step(llm, totals)), file=answers)
             continue

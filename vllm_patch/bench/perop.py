@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import numerics
-from vllm_patch.bench.stats import quantiles
 from vllm_patch.runtime.bench_result import NATIVE
 
 TOKENS = (1, 16, 512)
@@ -183,15 +183,16 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for clock in ("cpu", "wall"):
             row[clock] += s.get(clock, [])
     native = {
-        (row["op"], row["tokens"]): quantiles(row["cpu"])["median"]
+        (row["op"], row["tokens"]): statistics.median(row["cpu"])
         for row in keyed.values()
         if row["route"] == NATIVE
     }
     for row in keyed.values():
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
-            q = quantiles(cpu)
-            row |= {f"{k}_us": round(q[k], 3) for k in ("median", "p10", "p90")}
-            row["wall_median_us"] = round(quantiles(wall)["median"], 3)
-            row["native_us"] = round(native[row["op"], row["tokens"]], 3)
+            p10, *_, p90 = statistics.quantiles(cpu, n=10, method="inclusive")
+            figures = (statistics.median(cpu), p10, p90, statistics.median(wall))
+            figures += (native[row["op"], row["tokens"]],)
+            keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
+            row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
     return list(keyed.values())

@@ -16,7 +16,6 @@ from vllm_patch.bench.numerics import kernel_call
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
-PROMPTS = 8
 MAX_TOKENS = 32
 KERNELS = tuple(f"_C::{op}" for op in OPS)  # the profiler's names of the kernels
 TIMEOUT = 600.0  # seconds for one side's engine start and run
@@ -74,19 +73,16 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict
 
     started = time.monotonic()
     folder, _ = random_model(progress, TINY_QWEN3, kind="qwen3")
-    prompts = accuracy.word_prompts(TINY_QWEN3["vocab_size"], PROMPTS)
+    prompts = accuracy.word_prompts(TINY_QWEN3["vocab_size"])
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": "1"}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     how = {"env": env, "drop_env": provider_opt_ins(), "timeout": TIMEOUT}
     before = (base,) if base else ()
-    paths = {"base": before, "patched": (copy,), "unguarded": before}
     found: dict[str, Any] = {}
-    for side in SIDES:
-        progress(f"Qwen3 eager, {side}: engine start and {PROMPTS} completions")
+    for side, path in zip(SIDES, (before, (copy,), before), strict=True):
+        progress(f"Qwen3 eager, {side}: engine start and {len(prompts)} completions")
         asked = {"model": folder, "prompts": prompts, "unguarded": side == "unguarded"}
-        outcome = child.run(
-            f"{__name__}:generate", asked, pythonpath=paths[side], **how
-        )
+        outcome = child.run(f"{__name__}:generate", asked, pythonpath=path, **how)
         found[side] = {**outcome.value(), "seconds": outcome.seconds}
     result = summarize(found, prompts, patch)
     result["seconds"] = round(time.monotonic() - started, 1)
@@ -95,15 +91,13 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict
 
 def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
     """The result from each side's :func:`generate`, each compared to base."""
-    c = TINY_QWEN3
     description = (
-        f"a random-weight Qwen3 made locally ({c['num_layers']} layers, "
-        f"hidden {c['hidden_size']}, {c['num_heads']} heads of "
-        f"{c['head_dim']}, q_norm and k_norm on per-head views, vocabulary "
-        f"{c['vocab_size']}), run in {DTYPE}, with a word-level tokenizer "
-        "made locally; nothing downloaded"
-    )
-    model = {"description": description, "config": c, "dtype": DTYPE}
+        "a random-weight Qwen3 made locally ({num_layers} layers, hidden "
+        "{hidden_size}, {num_heads} heads of {head_dim}, q_norm and k_norm on "
+        "per-head views, vocabulary {vocab_size}), run in {dtype}, with a "
+        "word-level tokenizer made locally; nothing downloaded"
+    ).format(**TINY_QWEN3, dtype=DTYPE)
+    model = {"description": description, "config": TINY_QWEN3, "dtype": DTYPE}
     result = {"model": model, "patch": patch, "prompts": prompts}
     result |= {"max_tokens": MAX_TOKENS, "sides": {}}
     for side in SIDES:

@@ -36,6 +36,7 @@ STOP_GRACE = 60.0
 # (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
+JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
@@ -152,17 +153,14 @@ def kernel_lines(log: str) -> list[str]:
 
 def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    out = []
+    out, endpoint = [], f"{url}/v1/completions"
     for prompt in prompts:
         body = {
             "model": SERVED_NAME, "prompt": prompt, "max_tokens": accuracy.MAX_TOKENS,
             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
-        headers = {"Content-Type": "application/json"}
-        request = urllib.request.Request(
-            f"{url}/v1/completions", json.dumps(body).encode(), headers
-        )
+        request = urllib.request.Request(endpoint, json.dumps(body).encode(), JSON)
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
         tokens = [int(t.removeprefix("token_id:")) for t in answer["tokens"]]
@@ -196,8 +194,7 @@ def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``model``, ``serving`` and ``accuracy``: planned (the
-    prompts; lm_eval's task with ``--model``, if installed), then measured."""
+    """``bench.doc``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
     doc = bench.doc
     model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
     lm_eval = args.model and args.lm_eval_task

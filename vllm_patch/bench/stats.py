@@ -56,14 +56,3 @@ def difference(first: Figures, second: Figures) -> dict[str, object]:
     """The :func:`level` of first - second per repetition (both present)."""
     pairs = zip(first, second, strict=True)
     return level([a - b for a, b in pairs if None not in (a, b)])
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float]:
-    """``median``, ``p10`` and ``p90`` (nearest rank)."""
-    ordered = sorted(values)
-    n = len(ordered)
-
-    def at(q: float) -> float:
-        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
-
-    return {"median": at(0.5), "p10": at(0.1), "p90": at(0.9)}
