@@ -36,6 +36,7 @@ STOP_GRACE = 60.0
 # (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
+RESULT = "result.json"  # vllm bench serve's
 JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
@@ -50,7 +51,7 @@ class Sizes:
 
 
 def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
-    """``vllm bench serve``'s arguments, but where it saves its result."""
+    """``vllm bench serve``'s arguments, but the folder of its result."""
     return [
         "bench", "serve", "--backend", "vllm", "--base-url", url,
         "--model", SERVED_NAME, "--tokenizer", tokenizer,
@@ -60,7 +61,7 @@ def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
         "--max-concurrency", str(sizes.max_concurrency),
         "--num-warmups", str(sizes.max_concurrency), "--ignore-eos", "--seed", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--disable-tqdm",
+        "--disable-tqdm", "--save-result", "--result-filename", RESULT,
     ]  # fmt: skip
 
 
@@ -78,7 +79,7 @@ def commands(model: str, sizes: Sizes) -> list[str]:
     client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
         serve.replace("--port 0", "--port PORT") + "  # eager: also --enforce-eager",
-        shlex.join(["vllm", *client, "--save-result"]),
+        shlex.join(["vllm", *client]),
     ]
 
 
@@ -131,16 +132,6 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
             error = child.last_error_line(proc.stdout)
             raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {error}")
         return json.loads(found[-1].read_text("utf-8"))
-
-
-def run_client(url: str, tokenizer: str, sizes: Sizes, env: dict) -> dict[str, float]:
-    """One ``vllm bench serve`` run: its metrics, as it saved them."""
-    argv = ["vllm_patch.serve", *client_args(url, tokenizer, sizes), "--save-result"]
-    argv += ["--result-filename", "result.json", "--result-dir"]
-    result = saved_json(argv, "result.json", env)
-    if result.get("failed"):
-        raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
-    return {m: result[m] for m in METRICS}
 
 
 def kernel_lines(log: str) -> list[str]:
@@ -245,7 +236,10 @@ def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
             eager = mode == "eager"
             with running(model, eager, sizes, say, pythonpath=path, **how) as server:
                 url = server["url"]
-                metrics = run_client(url, model, sizes, env)
+                client = ["vllm_patch.serve", *client_args(url, model, sizes)]
+                metrics = saved_json([*client, "--result-dir"], RESULT, env)
+                if metrics.get("failed"):
+                    raise RuntimeError(f"{metrics['failed']} requests failed")
                 say(
                     f"{metrics['request_throughput']:.2f} req/s, "
                     f"{metrics['output_throughput']:.1f} output tok/s, "

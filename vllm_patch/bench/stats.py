@@ -32,24 +32,20 @@ def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
     return trimmed_mean(values), low, high
 
 
+def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
+    """A level (milliseconds, say): ``key`` (trimmed mean), ``ci95``, ``n``;
+    ``back`` maps each figure back (from a log, say) before it is rounded."""
+    kept = [v for v in values if v is not None]
+    mid, lo, hi = (round(back(v), 4) for v in bootstrap(kept))
+    return {key: mid, "ci95": [lo, hi], "n": len(kept)}
+
+
 def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
     """numerator / denominator over the repetitions where both sides have a
     positive figure: ``ratio``, ``ci95``, ``n``."""
     pairs = zip(numerator, denominator, strict=True)
     logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
-    mid, lo, hi = bootstrap(logs)
-    return {
-        "ratio": round(math.exp(mid), 4),
-        "ci95": [round(math.exp(lo), 4), round(math.exp(hi), 4)],
-        "n": len(logs),
-    }
-
-
-def level(values: Figures) -> dict[str, object]:
-    """A level (milliseconds, say): ``ms`` (trimmed mean), ``ci95``, ``n``."""
-    kept = [v for v in values if v is not None]
-    mid, lo, hi = bootstrap(kept)
-    return {"ms": round(mid, 4), "ci95": [round(lo, 4), round(hi, 4)], "n": len(kept)}
+    return level(logs, "ratio", math.exp)
 
 
 def difference(first: Figures, second: Figures) -> dict[str, object]:
