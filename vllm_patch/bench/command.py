@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -70,8 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)")
 
 
-def progress(msg: str) -> None:
-    print(f"vllm-patch bench: {msg}", file=sys.stderr, flush=True)
+progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
@@ -52,11 +51,11 @@ PHASES = {
 NAMES = [name for phase in PHASES.values() for name in phase]
 
 
-class Engine:
-    """An engine's process (:func:`main`): started, asked, stopped."""
+class Engine(contextlib.AbstractContextManager):
+    """An engine's process (:func:`main`): started, asked, stopped on exit."""
 
     def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
-        spec, self.name, self.about = PHASES[mode][name], name, {}
+        spec, self.name = PHASES[mode][name], name
         self.log = tempfile.TemporaryFile("w+")
         opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
         path = paths[spec.get("vllm", "base")]
@@ -79,30 +78,13 @@ class Engine:
             raise RuntimeError(f"engine {self.name} ended:\n{tail}")
         return json.loads(line)
 
-    def stop(self) -> None:
+    def __exit__(self, *exc) -> None:
         with contextlib.suppress(OSError):  # its end of input; or a broken pipe
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
         child.kill_group(self.proc)
         self.log.close()
-
-
-@contextlib.contextmanager
-def engines(mode: str, config: dict, paths: dict, progress) -> Iterator[list[Engine]]:
-    """The mode's engines, started together and ready; stopped on exit."""
-    started: list[Engine] = []
-    try:
-        for name in PHASES[mode]:
-            started.append(Engine(name, mode, config, paths))
-            progress(f"decode: starting engine {name} ({mode})")
-        for e in started:
-            e.about = e.ask()["ready"]
-            progress(f"decode: engine {e.name} ready: {e.about}")
-        yield started
-    finally:
-        for e in started:
-            e.stop()
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
@@ -258,8 +240,14 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
     for mode in args.modes:
         deadline = time.monotonic() + SHARE[mode] / left * (end - time.monotonic())
         left -= SHARE[mode]
-        with engines(mode, config, paths, progress) as started:
-            about.update({e.name: e.about for e in started})
+        with contextlib.ExitStack() as stack:
+            started = []
+            for name in PHASES[mode]:
+                progress(f"decode: starting engine {name} ({mode})")
+                started.append(stack.enter_context(Engine(name, mode, config, paths)))
+            for e in started:
+                about[e.name] = e.ask()["ready"]
+                progress(f"decode: engine {e.name} ready: {about[e.name]}")
             found[mode] = measure_phase(started, args, deadline, progress)
     meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
     return summary(found["eager"], args.threads, found["compiled"], about, meta)

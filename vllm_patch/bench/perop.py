@@ -29,9 +29,7 @@ SAMPLE_S = 0.001
 WARMUP_S = 0.05
 
 
-def _sample_us(
-    fns: dict[str, Callable], args: tuple, scopes: dict[str, Callable]
-) -> dict[str, dict[str, list[float]]]:
+def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str, dict]:
     """Microseconds per call of each function per sample (``cpu``, ``wall``),
     in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
     import torch
@@ -148,9 +146,7 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     ]
 
 
-def per_op(
-    envs: dict[str, tuple[str, ...]], progress, threads: int = THREADS
-) -> dict[str, Any]:
+def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
     """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
     ``PYTHONPATH``), alternating, with the load; the :func:`pooled` rows."""
     from vllm_patch.runtime import child, machine
