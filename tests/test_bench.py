@@ -42,7 +42,7 @@ def doc_with(configs: dict, **extra) -> dict:
         "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"},
         "model": {"path": None, "random_weights": True, "description": "tiny"},
         "serving": {"commands": ["vllm serve MODEL"], "configs": configs,
-                    "sizes": vars(serving.Sizes())},
+                    "sizes": serving.SIZES},
         "accuracy": None, "numerics": None, "perop": None, "failed": [],
         **extra,
     }  # fmt: skip
@@ -133,7 +133,7 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
 
 
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():
-    sizes = serving.Sizes(input_len=100, output_len=50, num_prompts=7)
+    sizes = {**serving.SIZES, "input_len": 100, "output_len": 50, "num_prompts": 7}
     args = serving.client_args("http://127.0.0.1:9", "/m", sizes)
     for pair in [("--dataset-name", "random"), ("--random-input-len", "100"),
                  ("--random-output-len", "50"), ("--random-range-ratio", "0"),

@@ -61,8 +61,7 @@ def serve(args: Sequence[str]) -> int:
 
 
 def filtered_out_plugins() -> list[str]:
-    """The providers ``VLLM_PLUGINS`` keeps out, and the fix (one never loaded
-    cannot say it)."""
+    """The providers ``VLLM_PLUGINS`` keeps out (none can say it), and the fix."""
     from patcher.patchset import provider_specs
     from vllm_patch.runtime.plugins import left_out, left_out_fix, left_out_message
 

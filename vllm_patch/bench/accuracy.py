@@ -1,7 +1,5 @@
-"""Accuracy of the patched vLLM against the base one: where two servers'
-greedy tokens first part, and the largest |delta logprob| up to there (after
-it they continue different texts). ``serving`` asks the servers.
-"""
+"""Accuracy of the patched vLLM against the base one: where two servers' greedy
+tokens first part, and the largest |delta logprob| up to there."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import functools
 import sys
 from pathlib import Path
 
-from vllm_patch.bench.serving import Sizes
+from vllm_patch.bench.serving import SIZES
 from vllm_patch.runtime.bench_result import MODES
 
 
@@ -63,9 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "output_len": "tokens per answer",
              "max_concurrency": "requests in flight"}  # fmt: skip
     for name, help in sizes.items():
-        help = f"{help} ({getattr(Sizes, name)})"
-        flag = "--" + name.replace("_", "-")
-        add(flag, type=int, default=getattr(Sizes, name), metavar="N", help=help)
+        flag, help = "--" + name.replace("_", "-"), f"{help} ({SIZES[name]})"
+        add(flag, type=int, default=SIZES[name], metavar="N", help=help)
     add("--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)")
     add("--lm-eval-limit", type=int, metavar="N", help="examples of the task")
     add("--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)")

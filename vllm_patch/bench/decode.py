@@ -88,8 +88,7 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, one step of each in turn (the order rotating
-    every step): per engine, each figure's list over the steps."""
+    """Each engine's generation, a step of each in turn: its figures' lists."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
     found: dict[Engine, dict[str, list[int]]] = {e: {} for e in order}
@@ -106,9 +105,8 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 
 def figures(found: dict[str, list[int]]) -> dict[str, Any]:
-    """One engine's round: each clock's median over the decode steps (the first
-    step is the prefill) for the step and inside the norms, in ms; the norm
-    calls; every step's CPU ms."""
+    """One engine's round: each figure's median over the decode steps (the first
+    step is the prefill), times in ms; every step's CPU ms."""
     assert len(found["cpu"]) > 2, "no decode steps"
     mid = {k: float(statistics.median(v[1:])) for k, v in found.items()}
     out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
@@ -229,8 +227,7 @@ def default_dtype(flags: list[str]) -> str:
 
 
 def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
-    """Each of ``args.modes``' engines in turn within ``args.budget`` minutes,
-    each phase its ``SHARE`` of what is left; the ``decode`` section."""
+    """Each mode's engines in its ``SHARE`` of ``args.budget``: the section."""
     dtype = args.dtype or default_dtype(machine.cpu()["flags"])
     config = {"model": model, "dtype": dtype, "max_tokens": args.tokens}
     found: dict[str, list[dict]] = {"eager": [], "compiled": []}

@@ -30,8 +30,7 @@ KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_e
 
 
 def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
-    once into ``path``/its configuration's hash; ``tokenizer``: with one."""
+    """A random bf16 Llama of ``sizes``, built once per configuration in ``path``."""
     return _cached(Path(path), "llama", seed, tokenizer, sizes)
 
 

@@ -70,8 +70,7 @@ def mismatch(fn: Callable, args: tuple, expected: list, tolerance: dict) -> str 
 
 
 def needed_rtol(actual, expected, atol: float) -> float:
-    """The smallest ``rtol`` with which ``torch.testing.assert_close(actual,
-    expected, atol=atol, rtol=...)`` passes (``inf``: none does)."""
+    """The smallest ``rtol`` ``assert_close`` with ``atol`` passes (``inf``: none)."""
     import torch
 
     a, e = actual.double(), expected.double()
@@ -97,8 +96,7 @@ def kernel_call(name: str):
 
 
 def build_numerics(library: str) -> dict:
-    """In a child: load ``library``'s kernel build (``runtime.cpu_library``);
-    per op and dtype, the largest rtol its kernel needs against native."""
+    """In a child, ``library``'s kernel build loaded: each op and dtype's rtol."""
     import torch
 
     from vllm_patch.runtime import cpu_library
@@ -130,8 +128,7 @@ def build_numerics(library: str) -> dict:
 
 
 def per_build(progress) -> tuple[dict, dict]:
-    """:func:`build_numerics` per build this CPU runs, a child each: per build,
-    op and dtype the rtol needed; per op and dtype vLLM's [rtol, atol]."""
+    """:func:`build_numerics` per build here; vLLM's [rtol, atol] per op, dtype."""
     from vllm_patch.runtime import child, cpu_library, machine
 
     builds, tolerance = {}, {}

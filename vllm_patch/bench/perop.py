@@ -61,9 +61,8 @@ def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str,
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here, and the priority each route needs: the IR
-    providers, and vLLM's ``RMSNorm`` as an eager CPU engine builds it, called
-    and through its forward method."""
+    """Every way to run the op here and the priority each needs: the IR providers,
+    vLLM's ``RMSNorm`` as an eager CPU engine builds it and its forward method."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
@@ -167,10 +166,8 @@ def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str
 
 
 def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per env, op, tokens and route: ``median_us``, ``p10_us``,
-    ``p90_us`` (CPU time), ``wall_median_us`` over every round's samples;
-    ``native`` pooled over both envs (``env`` "both"), its median as
-    ``native_us`` on every row of the op and tokens."""
+    """One row per env, op, tokens and route over every round's samples; native's
+    of both envs pooled (``env`` "both"), its median every row's ``native_us``."""
     keyed: dict[tuple, dict[str, Any]] = {}
     for s in samples:
         env = "both" if s["route"] == NATIVE else s["env"]

@@ -31,8 +31,7 @@ def unguarded_forward_cpu(self, x, residual=None):
 
 
 def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
-    """In a child: one eager engine's greedy completions, its kernel calls in
-    one prompt's first two steps, its ``RMSNorm.forward_cpu`` and file."""
+    """In a child: an eager engine's completions, kernel calls and ``forward_cpu``."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import layernorm

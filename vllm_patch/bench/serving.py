@@ -18,7 +18,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,39 +40,34 @@ JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
-@dataclass(frozen=True)
-class Sizes:
-    input_len: int = 128
-    output_len: int = 128
-    num_prompts: int = 32
-    max_concurrency: int = 4
-    model_len: int = 0  # --max-model-len; 0: what the benchmark needs
+# The defaults; a run's ``sizes`` add ``model_len`` (0: what the benchmark needs).
+SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrency": 4}
 
 
-def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
+def client_args(url: str, tokenizer: str, sizes: dict[str, int]) -> list[str]:
     """``vllm bench serve``'s arguments, but the folder of its result."""
+    n = {k: str(v) for k, v in sizes.items()}
     return [
         "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", SERVED_NAME, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(sizes.input_len),
-        "--random-output-len", str(sizes.output_len), "--random-range-ratio", "0",
-        "--num-prompts", str(sizes.num_prompts),
-        "--max-concurrency", str(sizes.max_concurrency),
-        "--num-warmups", str(sizes.max_concurrency), "--ignore-eos", "--seed", "0",
+        "--model", SERVED_NAME, "--tokenizer", tokenizer, "--dataset-name", "random",
+        "--random-input-len", n["input_len"], "--random-output-len", n["output_len"],
+        "--random-range-ratio", "0", "--num-prompts", n["num_prompts"],
+        "--max-concurrency", n["max_concurrency"],
+        "--num-warmups", n["max_concurrency"], "--ignore-eos", "--seed", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         "--disable-tqdm", "--save-result", "--result-filename", RESULT,
     ]  # fmt: skip
 
 
-def serve_args(model: str, port: int, eager: bool, sizes: Sizes) -> list[str]:
-    length = sizes.model_len or sizes.input_len + sizes.output_len + 64
+def serve_args(model: str, port: int, eager: bool, sizes: dict[str, int]) -> list[str]:
+    length = sizes.get("model_len") or sizes["input_len"] + sizes["output_len"] + 64
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
     args += ["--port", str(port), "--seed", "0", "--max-model-len", str(length)]
-    args += ["--max-num-seqs", str(sizes.max_concurrency)]
+    args += ["--max-num-seqs", str(sizes["max_concurrency"])]
     return args + (["--enforce-eager"] if eager else [])
 
 
-def commands(model: str, sizes: Sizes) -> list[str]:
+def commands(model: str, sizes: dict[str, int]) -> list[str]:
     """The commands as a reviewer runs them; the server's port is PORT."""
     serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
     client = client_args(f"http://{HOST}:PORT", model, sizes)
@@ -92,7 +86,7 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def running(model, eager: bool, sizes: Sizes, say, **how) -> Iterator[dict[str, str]]:
+def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, str]]:
     """A healthy server (``how``: ``child.start``'s) as ``{"url"}``, stopped on
     exit (SIGKILL after ``STOP_GRACE`` or a second Ctrl-C), then with its log."""
     with socket.socket() as s:  # a free port
@@ -190,11 +184,9 @@ def run(bench, args, copy: str) -> None:
     model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
     lm_eval = args.model and args.lm_eval_task
     context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
-    sizes = Sizes(
-        args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
-    )
+    sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}
     shown = Path(args.model).name if args.model else "MODEL"
-    serving = {"commands": commands(shown, sizes), "sizes": vars(sizes)}
+    serving = {"commands": commands(shown, sizes), "sizes": sizes}
     doc["serving"] = serving | {"configs": {}, "server_log": {}}
     if args.model:
         prompts, note = accuracy.PROMPTS, None
@@ -216,9 +208,8 @@ def run(bench, args, copy: str) -> None:
     measure(bench, args, model, sizes, copy)
 
 
-def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
-    """Every mode's repetitions, a server per side each; saved after each. The
-    first repetition's base and patched servers answer the accuracy prompts."""
+def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
+    """Every mode's repetitions, a server per side each, saved after each."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
     how = {"env": env, "drop_env": provider_opt_ins()}

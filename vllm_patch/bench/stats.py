@@ -33,16 +33,14 @@ def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
-    """A level (milliseconds, say): ``key`` (trimmed mean), ``ci95``, ``n``;
-    ``back`` maps each figure back (from a log, say) before it is rounded."""
+    """A level: ``key`` (the trimmed mean), ``ci95``, ``n``, mapped by ``back``."""
     kept = [v for v in values if v is not None]
     mid, lo, hi = (round(back(v), 4) for v in bootstrap(kept))
     return {key: mid, "ci95": [lo, hi], "n": len(kept)}
 
 
 def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
-    """numerator / denominator over the repetitions where both sides have a
-    positive figure: ``ratio``, ``ci95``, ``n``."""
+    """numerator / denominator where both are positive: ``ratio``, ``ci95``, ``n``."""
     pairs = zip(numerator, denominator, strict=True)
     logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
     return level(logs, "ratio", math.exp)
