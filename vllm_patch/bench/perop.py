@@ -147,34 +147,27 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
 
 def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
     """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
-    ``PYTHONPATH``), alternating, with the load; the :func:`pooled` rows."""
+    ``PYTHONPATH``), alternating, with the load; a row per env, op, tokens and
+    route over every round's samples, native's of both envs pooled (``env``
+    "both"), its median every row's ``native_us``."""
     from vllm_patch.runtime import child, machine
 
-    samples, load = [], []
+    keyed: dict[tuple, dict[str, Any]] = {}
+    load = []
     for r in range(ROUNDS):
         for env, pythonpath in envs.items():
             progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
             before = machine.cpu_snapshot()
             asked = {"env": env, "threads": threads}
             how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
-            samples += child.run(f"{__name__}:measure", asked, **how).value()
+            for s in child.run(f"{__name__}:measure", asked, **how).value():
+                s["env"] = "both" if s["route"] == NATIVE else env
+                key = (s["env"], s["op"], s["tokens"], s["route"])
+                row = keyed.setdefault(key, {**s, "cpu": [], "wall": []})
+                for clock in ("cpu", "wall"):
+                    row[clock] += s.get(clock, [])
             average, share = machine.load_average()[0], machine.other_share(before)
             load.append({"env": env, "load_average": average, "other_share": share})
-    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
-    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
-    return found | {"rows": pooled(samples)}
-
-
-def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per env, op, tokens and route over every round's samples; native's
-    of both envs pooled (``env`` "both"), its median every row's ``native_us``."""
-    keyed: dict[tuple, dict[str, Any]] = {}
-    for s in samples:
-        env = "both" if s["route"] == NATIVE else s["env"]
-        key = (env, s["op"], s["tokens"], s["route"])
-        row = keyed.setdefault(key, {**s, "env": env, "cpu": [], "wall": []})
-        for clock in ("cpu", "wall"):
-            row[clock] += s.get(clock, [])
     native = {
         (row["op"], row["tokens"]): statistics.median(row["cpu"])
         for row in keyed.values()
@@ -188,4 +181,6 @@ def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
             figures += (native[row["op"], row["tokens"]],)
             keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
             row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
-    return list(keyed.values())
+    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
+    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
+    return found | {"rows": list(keyed.values())}

@@ -16,10 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.request import Request, urlopen
 
 from vllm_patch.bench import accuracy
 from vllm_patch.bench.engine_run import SERVED_LLAMA
@@ -77,14 +77,6 @@ def commands(model: str, sizes: dict[str, int]) -> list[str]:
     ]
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:  # not listening yet (URLError is one)
-        return False
-
-
 @contextlib.contextmanager
 def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, str]]:
     """A healthy server (``how``: ``child.start``'s) as ``{"url"}``, stopped on
@@ -94,10 +86,13 @@ def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, s
         port = s.getsockname()[1]
     args = {"args": serve_args(model, port, eager, sizes)}
     handle = child.start("vllm_patch.serve:serve", args, **how)
-    server, why, started = {"url": f"http://{HOST}:{port}"}, None, time.monotonic()
+    url, why, started = f"http://{HOST}:{port}", None, time.monotonic()
+    server = {"url": url}
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
     try:
-        while why is None and not _healthy(server["url"]):
+        while why is None:  # urlopen raises an OSError until it is healthy
+            with contextlib.suppress(OSError), urlopen(f"{url}/health", timeout=5):
+                break
             if handle.proc.poll() is not None:
                 why = "ended"
             elif time.monotonic() > started + START_TIMEOUT:
@@ -145,8 +140,8 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
-        request = urllib.request.Request(endpoint, json.dumps(body).encode(), JSON)
-        with urllib.request.urlopen(request, timeout=600) as response:
+        request = Request(endpoint, json.dumps(body).encode(), JSON)
+        with urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
         tokens = [int(t.removeprefix("token_id:")) for t in answer["tokens"]]
         out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
