@@ -21,11 +21,8 @@ from vllm_patch.bench import stats
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
-COMPARISONS = {
-    "patched/base": ("patched", "base"),
-    "base/base": ("base2", "base"),
-    "provider/base": ("provider", "base"),
-}
+COMPARISONS = {"patched/base": ("patched", "base"), "base/base": ("base2", "base")}
+COMPARISONS["provider/base"] = ("provider", "base")
 COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
@@ -74,8 +71,7 @@ class Engine(contextlib.AbstractContextManager):
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            tail = self.log.read()[-2000:]
-            raise RuntimeError(f"engine {self.name} ended:\n{tail}")
+            raise RuntimeError(f"engine {self.name} ended:\n{self.log.read()[-2000:]}")
         return json.loads(line)
 
     def __exit__(self, *exc) -> None:
@@ -88,31 +84,29 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, a step of each in turn: its figures' lists."""
+    """Each engine's generation, a step of each in turn (the order rotating every
+    step); per engine, each figure's median over the decode steps (the first
+    step is the prefill), times in ms, and every step's CPU ms."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
-    found: dict[Engine, dict[str, list[int]]] = {e: {} for e in order}
+    found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
     running = list(order)
     while running:
         for e in list(running):
             answer = e.ask({"step": True})
             for key, value in answer.items():
-                found[e].setdefault(key, []).append(value)
+                found[e.name].setdefault(key, []).append(value)
             if answer["finished"]:
                 running.remove(e)
         running = running[1:] + running[:1]
+    for name, steps in found.items():
+        assert len(steps["cpu"]) > 2, "no decode steps"
+        mid = {k: float(statistics.median(v[1:])) for k, v in steps.items()}
+        out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
+        out |= {f"norm_{c}": round(mid[f"norm_{c}"] / 1e6, 4) for c in CLOCKS}
+        out["norm_calls"] = mid["norm_calls"]
+        found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in steps["cpu"]]}
     return found
-
-
-def figures(found: dict[str, list[int]]) -> dict[str, Any]:
-    """One engine's round: each figure's median over the decode steps (the first
-    step is the prefill), times in ms; every step's CPU ms."""
-    assert len(found["cpu"]) > 2, "no decode steps"
-    mid = {k: float(statistics.median(v[1:])) for k, v in found.items()}
-    out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
-    out |= {f"norm_{c}": round(mid[f"norm_{c}"] / 1e6, 4) for c in CLOCKS}
-    out["norm_calls"] = mid["norm_calls"]
-    return out | {"cpu_ms": [round(t / 1e6, 2) for t in found["cpu"]]}
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
@@ -129,8 +123,7 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
         for n in args.threads:
             k = r % len(started)
             before = machine.cpu_snapshot(pids)
-            found = interleaved(started[k:] + started[:k], n, args.tokens)
-            steps = {e.name: figures(f) for e, f in found.items()}
+            steps = interleaved(started[k:] + started[:k], n, args.tokens)
             share = machine.other_share(before, pids)
             row = {"round": r, "threads": n, "order": list(steps), "steps": steps}
             row |= {"other_share": share, "busy": (share or 0) > machine.BUSY_SHARE}
@@ -278,10 +271,7 @@ def hook_norms(model, totals: list[int]) -> list[str]:
 
 def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
     """The engine (eager: its norms timed into ``totals``) and its own word."""
-    import dataclasses
-
     from vllm import LLM
-    from vllm.engine.arg_utils import EngineArgs
 
     from vllm_patch.runtime import cpu_library
 
@@ -290,8 +280,7 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
     extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
     extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
     extra |= {"enforce_eager": eager, "skip_tokenizer_init": True}
-    if "kv_cache_memory_bytes" in {f.name for f in dataclasses.fields(EngineArgs)}:
-        extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
+    extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
     llm = LLM(model=config["model"], **extra)
