@@ -19,11 +19,10 @@ PROMPTS = [
 ]
 """For a real model: short prompts with a clear greedy continuation."""
 RANDOM_NOTE = (
-    "The model has random weights: the comparison shows whether the two vLLMs "
-    "compute the same tokens and logprobs, up to where rounding parts them (random "
-    "weights give near-flat distributions, so small rounding differences flip the "
-    "greedy token early). It says nothing about the quality of a trained model's "
-    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
+    "The model has random weights: this shows whether the two vLLMs compute the same "
+    "tokens and logprobs up to where rounding parts them (near-flat distributions "
+    "flip the greedy token early), not the quality of a trained model's answers: "
+    "run with `--model PATH` (and `lm_eval` installed) for that."
 )
 
 

@@ -96,7 +96,8 @@ def kernel_call(name: str):
 
 
 def build_numerics(library: str) -> dict:
-    """In a child, ``library``'s kernel build loaded: each op and dtype's rtol."""
+    """In a child, ``library``'s kernel build loaded: each op and dtype's rtol
+    (or why the build has none) and vLLM's [rtol, atol]."""
     import torch
 
     from vllm_patch.runtime import cpu_library
@@ -106,25 +107,24 @@ def build_numerics(library: str) -> dict:
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    cases = []
+    needed, tolerance = {}, {}
     for name in OPS:
         op = getattr(ir.ops, name)
         for dtype_name in BUILD_DTYPES:
             dtype = getattr(torch, dtype_name)
-            tol = op.get_tolerance(dtype)
-            case = {"op": name, "dtype": dtype_name, "needed_rtol": 0.0, **tol}
-            cases.append(case)
+            tol, need = op.get_tolerance(dtype), 0.0
+            tolerance.setdefault(name, {})[dtype_name] = [tol["rtol"], tol["atol"]]
             for shape in BUILD_SHAPES:
                 args = op_inputs(op, *shape, dtype)
                 try:
                     got = tensors(kernel_call(name)(*copy_args(args)))
                 except RuntimeError as exc:  # a dtype the build lacks
-                    case["error"] = str(exc).splitlines()[0]
+                    need = str(exc).splitlines()[0]
                     break
                 for a, e in zip(got, expected_of(op, args), strict=True):
-                    need = needed_rtol(a, e, tol["atol"])
-                    case["needed_rtol"] = max(case["needed_rtol"], need)
-    return {"loaded": cpu_library.loaded(), "cases": cases}
+                    need = max(need, needed_rtol(a, e, tol["atol"]))
+            needed.setdefault(name, {})[dtype_name] = need
+    return {"loaded": cpu_library.loaded(), "needed": needed, "tolerance": tolerance}
 
 
 def per_build(progress) -> tuple[dict, dict]:
@@ -139,8 +139,5 @@ def per_build(progress) -> tuple[dict, dict]:
         result = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
         if name not in result["loaded"]:
             raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
-        for c in result["cases"]:
-            need = c.get("error") or c["needed_rtol"]
-            builds.setdefault(name, {}).setdefault(c["op"], {})[c["dtype"]] = need
-            tolerance.setdefault(c["op"], {})[c["dtype"]] = [c["rtol"], c["atol"]]
+        builds[name], tolerance = result["needed"], result["tolerance"]
     return builds, tolerance
