@@ -1,5 +1,4 @@
-"""``vllm-patch bench``: the parts asked for (``PARTS``, each a method of
-``evidence.BenchRun``), measured into ``--out DIR``."""
+"""``vllm-patch bench``: the ``PARTS`` asked for, measured into ``--out DIR``."""
 
 from __future__ import annotations
 

@@ -84,9 +84,8 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, a step of each in turn (the order rotating every
-    step); per engine, each figure's median over the decode steps (the first
-    step is the prefill), times in ms, and every step's CPU ms."""
+    """Each engine's generation, a step of each in turn: per engine, each figure's
+    median over the decode steps (the first is the prefill), every step's CPU."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
     found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
@@ -142,8 +141,7 @@ def column(rows: list[dict], variant: str, key: str) -> list:
 
 
 def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """One thread count's figures: ``comparisons`` (per clock), ``step_ms`` and
-    ``norm_ms`` per engine, the ``savings`` in the norms against base."""
+    """One thread count's comparisons, levels per engine and savings in the norms."""
     seen = {v for r in rows for v in r["steps"]}
     names = [v for v in NAMES if v in seen]
 

@@ -1,6 +1,5 @@
 """Random-weight models made locally with ``transformers`` (no hub), cached by
-configuration: a Llama (with a word-level tokenizer when it is served) and a
-Qwen3, whose q/k norms run per head on views of the qkv projection's output."""
+configuration: a Llama and a Qwen3 (q/k norms on per-head views)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""An implementation against the op's ``native`` one on the op's own inputs
-(:func:`mismatch`, the one comparison), and each x86 build's kernels against
-native (:func:`per_build`)."""
+"""The one comparison against ``native`` (:func:`mismatch`); each x86 build's
+kernels against native (:func:`per_build`)."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def kernel_call(name: str):
 
 
 def build_numerics(library: str) -> dict:
-    """In a child, ``library``'s kernel build loaded: each op and dtype's rtol
-    (or why the build has none) and vLLM's [rtol, atol]."""
+    """In a child with ``library``'s kernels: the rtol each op and dtype needs."""
     import torch
 
     from vllm_patch.runtime import cpu_library

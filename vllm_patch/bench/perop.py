@@ -61,8 +61,8 @@ def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str,
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here and the priority each needs: the IR providers,
-    vLLM's ``RMSNorm`` as an eager CPU engine builds it and its forward method."""
+    """Every way to run the op here (the IR providers, vLLM's ``RMSNorm`` layer as
+    an eager CPU engine builds it and its forward method), and its priority."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
@@ -146,10 +146,8 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
 
 
 def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
-    ``PYTHONPATH``), alternating, with the load; a row per env, op, tokens and
-    route over every round's samples, native's of both envs pooled (``env``
-    "both"), its median every row's ``native_us``."""
+    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs``, alternating: a
+    row per env, op, tokens and route; native's of both envs pooled ("both")."""
     from vllm_patch.runtime import child, machine
 
     keyed: dict[tuple, dict[str, Any]] = {}

@@ -1,8 +1,6 @@
 """vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
 unguarded (which read ``q_norm``/``k_norm``'s strided per-head views as
-contiguous). A random Qwen3 in float32, where kernels and native agree to
-rounding, so a changed token is a changed computation; the profiler counts each
-side's kernel calls."""
+contiguous), in float32, where a changed token is a changed computation."""
 
 from __future__ import annotations
 
