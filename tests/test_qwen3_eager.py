@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import requires_vllm
@@ -17,6 +21,7 @@ from conftest import requires_vllm
 from vllm_patch.bench import qwen3_eager
 from vllm_patch.runtime import bench_result, evidence_record, machine
 
+ROOT = Path(__file__).resolve().parent.parent
 CALLS = dict.fromkeys(qwen3_eager.KERNELS, 0)
 PROMPTS = ["w3 w4", "w5 w6"]
 
@@ -93,8 +98,16 @@ def test_the_random_qwen3_has_per_head_norms_of_a_kernel_size(tmp_path):
 @pytest.mark.integration
 @pytest.mark.e2e
 @requires_vllm
-def test_patched_keeps_bases_tokens_and_unguarded_kernels_do_not():
-    found = qwen3_eager.measure(progress=lambda msg: None)
+def test_patched_keeps_bases_tokens_and_unguarded_kernels_do_not(tmp_path):
+    """``bench --qwen3`` with the CustomOp form, the change a PR to vLLM 0.33
+    or later carries."""
+    out = tmp_path / "out"
+    argv = ["--qwen3", "--patch", "rms_norm_forward_cpu", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "vllm_patch", "bench", *argv]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads((out / "evidence.json").read_text())["qwen3_eager"]
     sides = found["sides"]
     assert sum(sides["base"]["kernel_calls"].values()) == 0
     assert all(sides["patched"]["kernel_calls"].values()), sides["patched"]

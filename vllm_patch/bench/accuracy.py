@@ -1,7 +1,5 @@
-"""Accuracy of the patched vLLM against the base one: where two servers'
-greedy tokens first part, and the largest |delta logprob| up to there (after
-it they continue different texts). ``serving`` asks the servers.
-"""
+"""Accuracy of the patched vLLM against the base one: where two servers' greedy
+tokens first part, and the largest |delta logprob| up to there."""
 
 from __future__ import annotations
 
@@ -21,22 +19,18 @@ PROMPTS = [
 ]
 """For a real model: short prompts with a clear greedy continuation."""
 RANDOM_NOTE = (
-    "The model has random weights: the comparison shows whether the two vLLMs "
-    "compute the same tokens and logprobs, up to where rounding parts them (random "
-    "weights give near-flat distributions, so small rounding differences flip the "
-    "greedy token early). It says nothing about the quality of a trained model's "
-    "answers: run with `--model PATH` (and `lm_eval` installed) for that."
+    "The model has random weights: this shows whether the two vLLMs compute the same "
+    "tokens and logprobs up to where rounding parts them (near-flat distributions "
+    "flip the greedy token early), not the quality of a trained model's answers: "
+    "run with `--model PATH` (and `lm_eval` installed) for that."
 )
 
 
-def word_prompts(vocab_size: int, count: int = 8, words: int = 16) -> list[str]:
-    """For a random-weight model (its tokenizer's words are ``w3`` .. ``wN``):
-    fixed prompts of ``words`` words each."""
+def word_prompts(vocab_size: int) -> list[str]:
+    """For a random-weight model (its words are ``w3`` ..): 8 fixed prompts."""
     rng = random.Random(0)
-    return [
-        " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(words))
-        for _ in range(count)
-    ]
+    words = [f"w{rng.randrange(3, vocab_size)}" for _ in range(8 * 16)]
+    return [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
 
 
 def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:

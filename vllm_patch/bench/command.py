@@ -1,33 +1,28 @@
-"""``vllm-patch bench``: the parts asked for (``PARTS``, each a method of
-``evidence.BenchRun``), measured into ``--out DIR``."""
+"""``vllm-patch bench``: the ``PARTS`` asked for, measured into ``--out DIR``."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
-from vllm_patch.bench.serving import Sizes
+from vllm_patch.bench.serving import SIZES
 from vllm_patch.runtime.bench_result import MODES
 
 
 def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    if not modes or set(modes) - set(MODES):
-        raise argparse.ArgumentTypeError(
-            f"expected eager and/or compiled; got {text!r}"
-        )
-    return modes
+    if modes and not set(modes) - set(MODES):
+        return modes
+    raise argparse.ArgumentTypeError(f"expected eager and/or compiled; got {text!r}")
 
 
 def _threads(text: str) -> list[int]:
-    try:
-        found = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        found = []
-    if not found or min(found) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
-    return found
+    counts = [t.strip() for t in text.split(",")]
+    if all(t.isdigit() and int(t) > 0 for t in counts):
+        return [int(t) for t in counts]
+    raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
 
 
 PARTS = {
@@ -63,22 +58,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="minutes for engine starts and rounds (25)")  # fmt: skip
     add = parser.add_argument_group("--serve").add_argument
     add("--repeats", type=int, default=3, metavar="N", help="server starts (3)")
-    for name, help in (
-        ("num_prompts", "requests per run"),
-        ("input_len", "tokens per prompt"),
-        ("output_len", "tokens per answer"),
-        ("max_concurrency", "requests in flight"),
-    ):
-        flag = "--" + name.replace("_", "-")
-        default = getattr(Sizes, name)
-        add(flag, type=int, default=default, metavar="N", help=f"{help} ({default})")
+    sizes = {"num_prompts": "requests per run", "input_len": "tokens per prompt",
+             "output_len": "tokens per answer",
+             "max_concurrency": "requests in flight"}  # fmt: skip
+    for name, help in sizes.items():
+        flag, help = "--" + name.replace("_", "-"), f"{help} ({SIZES[name]})"
+        add(flag, type=int, default=SIZES[name], metavar="N", help=help)
     add("--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)")
     add("--lm-eval-limit", type=int, metavar="N", help="examples of the task")
     add("--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)")
 
 
-def progress(msg: str) -> None:
-    print(f"vllm-patch bench: {msg}", file=sys.stderr, flush=True)
+progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,19 +1,19 @@
 """``bench --decode``: one decode step, base vs patched, on a noisy machine
-(docs/bench.md). One live engine per variant (``decode_engine``); in a round
-they take turns step by step, so their k-th steps share the load, and ratios
-are paired per round (``stats``). Round 0 warms up."""
+(docs/bench.md). One live engine per variant, each a child running this module
+(vLLM's ``LLM`` in it, asked by a JSON line on stdin per step); in a round they
+take turns step by step, so their k-th steps share the load, and ratios are
+paired per round (``stats``). Round 0 warms up."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
@@ -21,60 +21,45 @@ from vllm_patch.bench import stats
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
-COMPARISONS = {
-    "patched/base": ("patched", "base"),
-    "base/base": ("base2", "base"),
-    "provider/base": ("provider", "base"),
-}
+COMPARISONS = {"patched/base": ("patched", "base"), "base/base": ("base2", "base")}
+COMPARISONS["provider/base"] = ("provider", "base")
 COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
 SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    mode: str = "eager"
-    vllm: str = "base"  # "patched": the patched copy first on its path
-    provider: bool = False  # the out-of-tree provider's opt-in set
-    custom_ops: tuple[str, ...] | None = None
-
-
+ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
+PROMPT = list(range(10, 18))
+NORM_KEYS = ("norm_wall", "norm_cpu", "norm_calls")
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
+# Per mode its engines: their vLLM ("patched": the patched copy first on its
+# path), the out-of-tree provider's opt-in, the custom ops.
 PHASES = {
-    "eager": (
-        Variant("base"),
-        Variant("base2"),  # the installed vLLM again: the A/A control
-        Variant("patched", vllm="patched"),
-        Variant("provider", provider=True),
-    ),
-    "compiled": (
-        Variant("compiled", "compiled"),  # native norms under Inductor
-        Variant(
-            "compiled+rms_norm",
-            "compiled",
-            provider=True,
-            custom_ops=("none", "+rms_norm"),  # the kernels under Inductor
-        ),
-    ),
+    "eager": {
+        "base": {},
+        "base2": {},  # the installed vLLM again: the A/A control
+        "patched": {"vllm": "patched"},
+        "provider": {"provider": True},
+    },
+    "compiled": {
+        "compiled": {},  # native norms under Inductor
+        "compiled+rms_norm": {"provider": True, "custom_ops": ONLY_NORMS},
+    },
 }
-NAMES = [v.name for phase in PHASES.values() for v in phase]
+NAMES = [name for phase in PHASES.values() for name in phase]
 
 
-class Engine:
-    """A ``decode_engine`` process: started, asked, stopped."""
+class Engine(contextlib.AbstractContextManager):
+    """An engine's process (:func:`main`): started, asked, stopped on exit."""
 
-    def __init__(self, variant: Variant, config: dict, paths: dict) -> None:
-        self.variant, self.about = variant, {}
+    def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
+        spec, self.name = PHASES[mode][name], name
         self.log = tempfile.TemporaryFile("w+")
-        opt_in = {OPT_IN_ENV: "1"} if variant.provider else {}
-        env = child.child_env(
-            opt_in, pythonpath=paths[variant.vllm], drop_env=[OPT_IN_ENV]
-        )
-        config = {**config, "mode": variant.mode, "custom_ops": variant.custom_ops}
+        opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
+        path = paths[spec.get("vllm", "base")]
+        env = child.child_env(opt_in, pythonpath=path, drop_env=[OPT_IN_ENV])
+        config = {**config, "mode": mode, "custom_ops": spec.get("custom_ops")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_patch.bench.decode_engine",
-             json.dumps(config)],
+            [sys.executable, "-m", __name__, json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             env=env, text=True, start_new_session=True,
         )  # fmt: skip
@@ -86,13 +71,11 @@ class Engine:
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            tail = self.log.read()[-2000:]
-            raise RuntimeError(f"engine {self.variant.name} ended:\n{tail}")
+            raise RuntimeError(f"engine {self.name} ended:\n{self.log.read()[-2000:]}")
         return json.loads(line)
 
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):  # a broken pipe
-            self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(OSError):  # its end of input; or a broken pipe
             self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(60)
@@ -100,55 +83,29 @@ class Engine:
         self.log.close()
 
 
-@contextlib.contextmanager
-def engines(phase, config: dict, paths: dict, progress) -> Iterator[list[Engine]]:
-    """The phase's engines, started together and ready; stopped on exit."""
-    started: list[Engine] = []
-    try:
-        for v in phase:
-            started.append(Engine(v, config, paths))
-            progress(f"decode: starting engine {v.name} ({v.mode})")
-        for e in started:
-            e.about = e.ask()["ready"]
-            progress(f"decode: engine {e.variant.name} ready: {e.about}")
-        yield started
-    finally:
-        for e in started:
-            e.stop()
-
-
-def per_step(found: dict[str, list[int]], key: str) -> float:
-    """The median of ``key`` over the decode steps, nanoseconds in ms."""
-    mid = float(statistics.median(found[key][1:]))  # the first is the prefill
-    return mid if key == "norm_calls" else mid / 1e6
-
-
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, one step of each in turn (the order rotating
-    every step): per engine, each figure's list over the steps."""
+    """Each engine's generation, a step of each in turn: per engine, each figure's
+    median over the decode steps (the first is the prefill), every step's CPU."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
-    found: dict[Engine, dict[str, list[int]]] = {e: {} for e in order}
+    found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
     running = list(order)
     while running:
         for e in list(running):
             answer = e.ask({"step": True})
             for key, value in answer.items():
-                found[e].setdefault(key, []).append(value)
+                found[e.name].setdefault(key, []).append(value)
             if answer["finished"]:
                 running.remove(e)
         running = running[1:] + running[:1]
+    for name, steps in found.items():
+        assert len(steps["cpu"]) > 2, "no decode steps"
+        mid = {k: float(statistics.median(v[1:])) for k, v in steps.items()}
+        out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
+        out |= {f"norm_{c}": round(mid[f"norm_{c}"] / 1e6, 4) for c in CLOCKS}
+        out["norm_calls"] = mid["norm_calls"]
+        found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in steps["cpu"]]}
     return found
-
-
-def figures(found: dict[str, list[int]]) -> dict[str, Any]:
-    """One engine's round: per decode step, each clock's median for the step
-    and inside the norms, the norm calls; every step's CPU milliseconds."""
-    assert len(found["cpu"]) > 2, "no decode steps"
-    out = {f"step_{c}": round(per_step(found, c), 4) for c in CLOCKS}
-    out |= {f"norm_{c}": round(per_step(found, f"norm_{c}"), 4) for c in CLOCKS}
-    out["norm_calls"] = per_step(found, "norm_calls")
-    return out | {"cpu_ms": [round(t / 1e6, 2) for t in found["cpu"]]}
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
@@ -165,8 +122,7 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
         for n in args.threads:
             k = r % len(started)
             before = machine.cpu_snapshot(pids)
-            found = interleaved(started[k:] + started[:k], n, args.tokens)
-            steps = {e.variant.name: figures(f) for e, f in found.items()}
+            steps = interleaved(started[k:] + started[:k], n, args.tokens)
             share = machine.other_share(before, pids)
             row = {"round": r, "threads": n, "order": list(steps), "steps": steps}
             row |= {"other_share": share, "busy": (share or 0) > machine.BUSY_SHARE}
@@ -185,8 +141,7 @@ def column(rows: list[dict], variant: str, key: str) -> list:
 
 
 def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """One thread count's figures: ``comparisons`` (per clock), ``step_ms`` and
-    ``norm_ms`` per engine, the ``savings`` in the norms against base."""
+    """One thread count's comparisons, levels per engine and savings in the norms."""
     seen = {v for r in rows for v in r["steps"]}
     names = [v for v in NAMES if v in seen]
 
@@ -199,19 +154,13 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
             by = {c: [column(rows, v, f"step_{c}") for v in (a, b)] for c in CLOCKS}
             comps[label] = {c: stats.ratio(*by[c]) for c in CLOCKS}
             comps[label].update(comps[label][CLOCKS[0]])
-    out: dict[str, Any] = {
-        "comparisons": comps,
-        "step_ms": levels("step_cpu"),
-        "step_wall_ms": levels("step_wall"),
-        "busy_rounds": sum(r["busy"] for r in rows),
-        "rounds": len(rows),
-    }
+    out = {"comparisons": comps, "step_ms": levels("step_cpu")}
+    out |= {"step_wall_ms": levels("step_wall"), "rounds": len(rows)}
+    out["busy_rounds"] = sum(r["busy"] for r in rows)
     if any(r["steps"][names[0]]["norm_calls"] for r in rows):  # eager: attributed
         out |= {"norm_ms": levels("norm_cpu"), "norm_wall_ms": levels("norm_wall")}
         out["norm_calls_per_step"] = rows[0]["steps"][names[0]]["norm_calls"]
-        out["savings"] = {
-            v: saving(rows, v) for v in SAVINGS if v in names and "base" in names
-        }
+        out["savings"] = {v: saving(rows, v) for v in SAVINGS if v in names}
         if saved := out["savings"].get("patched"):
             out["saving_ms"], out["saving_share"] = saved["saving_ms"], saved["share"]
             ci, (lo, hi) = comps["patched/base"]["ci95"], saved["expected_ratio"]
@@ -269,8 +218,7 @@ def default_dtype(flags: list[str]) -> str:
 
 
 def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
-    """Each of ``args.modes``' engines in turn within ``args.budget`` minutes,
-    each phase its ``SHARE`` of what is left; the ``decode`` section."""
+    """Each mode's engines in its ``SHARE`` of ``args.budget``: the section."""
     dtype = args.dtype or default_dtype(machine.cpu()["flags"])
     config = {"model": model, "dtype": dtype, "max_tokens": args.tokens}
     found: dict[str, list[dict]] = {"eager": [], "compiled": []}
@@ -280,8 +228,107 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
     for mode in args.modes:
         deadline = time.monotonic() + SHARE[mode] / left * (end - time.monotonic())
         left -= SHARE[mode]
-        with engines(PHASES[mode], config, paths, progress) as started:
-            about.update({e.variant.name: e.about for e in started})
+        with contextlib.ExitStack() as stack:
+            started = []
+            for name in PHASES[mode]:
+                progress(f"decode: starting engine {name} ({mode})")
+                started.append(stack.enter_context(Engine(name, mode, config, paths)))
+            for e in started:
+                about[e.name] = e.ask()["ready"]
+                progress(f"decode: engine {e.name} ready: {about[e.name]}")
             found[mode] = measure_phase(started, args, deadline, progress)
     meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
     return summary(found["eager"], args.threads, found["compiled"], about, meta)
+
+
+# --- the engine's side: ``python -m vllm_patch.bench.decode CONFIG_JSON`` ------
+
+
+def hook_norms(model, totals: list[int]) -> list[str]:
+    """Time every ``RMSNorm`` (or subclass) into ``totals``: the classes hooked."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    started = [0, 0]
+
+    def before(module, args) -> None:
+        started[:] = time.perf_counter_ns(), time.process_time_ns()
+
+    def after(module, args, output) -> None:
+        totals[0] += time.perf_counter_ns() - started[0]
+        totals[1] += time.process_time_ns() - started[1]
+        totals[2] += 1
+
+    names = set()
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.register_forward_pre_hook(before)
+            module.register_forward_hook(after)
+            names.add(type(module).__name__)
+    return sorted(names)
+
+
+def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
+    """The engine (eager: its norms timed into ``totals``) and its own word."""
+    from vllm import LLM
+
+    from vllm_patch.runtime import cpu_library
+
+    eager = config["mode"] != "compiled"
+    length = len(PROMPT) + config["max_tokens"] + 8
+    extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
+    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
+    extra |= {"enforce_eager": eager, "skip_tokenizer_init": True}
+    extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
+    if config.get("custom_ops"):
+        extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
+    llm = LLM(model=config["model"], **extra)
+    hooked = llm.apply_model(lambda m: hook_norms(m, totals))[0] if eager else []
+    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
+    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
+    return llm, about | {"norm_classes": hooked}
+
+
+def step(llm, totals: list[int]) -> dict[str, Any]:
+    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
+    norms = list(totals)
+    wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+    outputs = llm.llm_engine.step()
+    out = {"wall": time.perf_counter_ns() - wall, "cpu": time.process_time_ns() - cpu}
+    out.update((k, a - b) for k, a, b in zip(NORM_KEYS, totals, norms, strict=True))
+    out["finished"] = not llm.llm_engine.has_unfinished_requests()
+    assert not out["finished"] or any(o.finished for o in outputs)
+    return out
+
+
+def main(config_text: str) -> int:
+    """Answer {"ready": ...}, then a JSON line on stdout per command on stdin:
+    {"threads": N, "tokens": L} adds a request, {"step": true} times one engine
+    step, until stdin ends. vLLM logs to stderr."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
+    os.dup2(2, 1)  # vLLM and everything else print to stderr
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+    import torch
+
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op once it
+    # starts (it binds threads itself in its own processes, not in this one).
+    set_threads = torch.set_num_threads
+    from vllm import SamplingParams
+
+    totals = [0, 0, 0]
+    llm, about = start(json.loads(config_text), totals)
+    print(json.dumps({"ready": about}), file=answers)
+    for n, line in enumerate(sys.stdin):
+        command = json.loads(line)
+        if command.get("step"):
+            print(json.dumps(step(llm, totals)), file=answers)
+            continue
+        set_threads(command["threads"])
+        params = SamplingParams(max_tokens=command["tokens"], **GREEDY)
+        llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
+        print(json.dumps({"added": str(n)}), file=answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,6 +1,5 @@
 """Random-weight models made locally with ``transformers`` (no hub), cached by
-configuration: a Llama (with a word-level tokenizer when it is served) and a
-Qwen3, whose q/k norms run per head on views of the qkv projection's output."""
+configuration: a Llama and a Qwen3 (q/k norms on per-head views)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 # A model's sizes, in the order the tables below give them.
 SIZES = ("hidden_size", "num_layers", "intermediate_size", "num_heads")
@@ -27,42 +25,35 @@ TINY_QWEN3 = dict(zip(SIZES, (256, 4, 768, 4, 2, 2048), strict=True), head_dim=6
 DECODE_LLAMA = dict(zip(SIZES, (2048, 16, 5632, 16, 4, 8192), strict=True))
 HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}
 HF_NAMES["num_kv_heads"] = "num_key_value_heads"
+KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_eps
 
 
 def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random-weight bf16 Llama of ``sizes`` (``TINY_LLAMA``'s keys), built
-    once into ``path``/its configuration's hash; ``tokenizer``: with one."""
-    return _cached(Path(path), "random-llama", _config(sizes, seed, tokenizer, 1e-5))
+    """A random bf16 Llama of ``sizes``, built once per configuration in ``path``."""
+    return _cached(Path(path), "llama", seed, tokenizer, sizes)
 
 
 def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
-    config = {"architecture": "qwen3", **_config(sizes, seed, tokenizer, 1e-6)}
-    return _cached(Path(path), "random-qwen3", config)
+    return _cached(Path(path), "qwen3", seed, tokenizer, sizes)
 
 
-def _config(sizes: dict, seed: int, tokenizer: bool, rms_norm_eps: float) -> dict:
-    return {
-        **{HF_NAMES.get(k, k): v for k, v in sizes.items()},
-        "max_position_embeddings": 2048,
-        # Random tied embeddings make every greedy completion one token repeated.
-        "tie_word_embeddings": False,
-        "seed": seed,
-        "rms_norm_eps": rms_norm_eps,
-        **({"tokenizer": "words"} if tokenizer else {}),
-    }
-
-
-def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
+def _cached(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> Path:
+    config = {"architecture": kind} if kind != "llama" else {}
+    config |= {HF_NAMES.get(k, k): v for k, v in sizes.items()}
+    # Random tied embeddings make every greedy completion one token repeated.
+    config |= {"max_position_embeddings": 2048, "tie_word_embeddings": False}
+    config |= {"seed": seed, "rms_norm_eps": KINDS[kind][1]}
+    config |= {"tokenizer": "words"} if tokenizer else {}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    target = path / f"{name}-{digest[:12]}"
+    target = path / f"random-{kind}-{digest[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so an interrupted build is never reused.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _save_model(staging, config)
+        _save_model(staging, kind, config)
         try:
             staging.rename(target)
         except OSError:
@@ -73,34 +64,25 @@ def _cached(path: Path, name: str, config: dict[str, Any]) -> Path:
     return target
 
 
-def _save_model(folder: Path, config: dict[str, Any]) -> None:
+def _save_model(folder: Path, kind: str, config: dict) -> None:
     import torch
     import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    kind = {"llama": "Llama", "qwen3": "Qwen3"}[config.get("architecture", "llama")]
-    config_class = getattr(transformers, f"{kind}Config")
-    model_class = getattr(transformers, f"{kind}ForCausalLM")
+    name = KINDS[kind][0]
     own = ("seed", "tokenizer", "architecture")
-    hf_config = config_class(
+    hf_config = getattr(transformers, f"{name}Config")(
         **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
     )
     torch.manual_seed(config["seed"])
-    model = model_class(hf_config).to(torch.bfloat16)
+    model = getattr(transformers, f"{name}ForCausalLM")(hf_config).to(torch.bfloat16)
     model.save_pretrained(folder, safe_serialization=True)
-    if config.get("tokenizer"):
-        save_word_tokenizer(folder, config["vocab_size"])
+    if config.get("tokenizer"):  # words w3 .. w(vocab - 1): a served model needs one
+        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+        vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
+        words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        ).save_pretrained(folder)
     (folder / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
-
-
-def save_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer (words ``w3`` ..): a served model needs one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(model_dir)

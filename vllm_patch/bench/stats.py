@@ -32,45 +32,21 @@ def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
     return trimmed_mean(values), low, high
 
 
-def paired(numerator: Figures, denominator: Figures) -> list[tuple[float, float]]:
-    """The repetitions where both sides have a positive figure, as pairs."""
-    return [
-        (a, b)
-        for a, b in zip(numerator, denominator, strict=True)
-        if a is not None and b is not None and a > 0 and b > 0
-    ]
+def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
+    """A level: ``key`` (the trimmed mean), ``ci95``, ``n``, mapped by ``back``."""
+    kept = [v for v in values if v is not None]
+    mid, lo, hi = (round(back(v), 4) for v in bootstrap(kept))
+    return {key: mid, "ci95": [lo, hi], "n": len(kept)}
 
 
 def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
-    """numerator / denominator over the pairs: ``ratio``, ``ci95``, ``n``."""
-    pairs = paired(numerator, denominator)
-    mid, lo, hi = bootstrap([math.log(a / b) for a, b in pairs])
-    return {
-        "ratio": round(math.exp(mid), 4),
-        "ci95": [round(math.exp(lo), 4), round(math.exp(hi), 4)],
-        "n": len(pairs),
-    }
-
-
-def level(values: Figures) -> dict[str, object]:
-    """A level (milliseconds, say): ``ms`` (trimmed mean), ``ci95``, ``n``."""
-    kept = [v for v in values if v is not None]
-    mid, lo, hi = bootstrap(kept)
-    return {"ms": round(mid, 4), "ci95": [round(lo, 4), round(hi, 4)], "n": len(kept)}
+    """numerator / denominator where both are positive: ``ratio``, ``ci95``, ``n``."""
+    pairs = zip(numerator, denominator, strict=True)
+    logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
+    return level(logs, "ratio", math.exp)
 
 
 def difference(first: Figures, second: Figures) -> dict[str, object]:
     """The :func:`level` of first - second per repetition (both present)."""
     pairs = zip(first, second, strict=True)
     return level([a - b for a, b in pairs if None not in (a, b)])
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float]:
-    """``median``, ``p10`` and ``p90`` (nearest rank)."""
-    ordered = sorted(values)
-    n = len(ordered)
-
-    def at(q: float) -> float:
-        return ordered[min(n - 1, max(0, math.ceil(q * n) - 1))]
-
-    return {"median": at(0.5), "p10": at(0.1), "p90": at(0.9)}
