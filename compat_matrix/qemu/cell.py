@@ -1,7 +1,6 @@
-"""The aarch64 cell under qemu-user, as root (docs/compat.md): per side, a
-process in the chroot runs every case (``cases.py``), a new one those after a
-case that killed it; then the side's eager conformance table. Both results are
-JUnit XML as the other cells have them."""
+"""The aarch64 cell under qemu-user, as root (docs/compat.md): per side, the
+cases (a new process after one that killed it), then its eager conformance
+table, written as JUnit XML like the other cells'."""
 
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ MACHINES = {
     "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
-CELL_SIDES = ("patched", "provider")
 CELL_DTYPES = ("float32", "bfloat16")
 CELL_OPS = ("rms_norm", "fused_add_rms_norm")
 CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in CELL_OPS]
@@ -43,6 +41,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
 # project last, for the table's rule; its plugin not loaded), or vLLM with the
 # plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
+CELL_SIDES = tuple(TABLE_FORMS)
 SIDE_ENV = {
     "patched": {
         "PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp:/opt/project",
@@ -79,15 +78,12 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
 def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
     """Why the side fails in ``dtype``: a death, an exception, kernel calls
     the rule does not expect, or outputs beyond the tolerance of native."""
-    bf16 = MACHINES[cpu][0]
-    failures = []
+    bf16, failures = MACHINES[cpu][0], []
     for op in CELL_OPS:
         case = cases[f"{dtype}/{op}"]
-        if "died" in case:
-            failures.append(f"{op}: the process died ({case['died']})")
-            continue
-        if "error" in case:
-            failures.append(f"{op}: raised {case['error']}")
+        if "died" in case or "error" in case:
+            why = f"the process died ({case['died']})" if "died" in case else None
+            failures.append(f"{op}: {why or 'raised ' + case['error']}")
             continue
         wanted = dtype != "bfloat16" or bf16
         expected = {k: int(wanted and k == f"_C::{op}") for k in NORM_KERNELS}
@@ -105,26 +101,20 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
 
 def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
     """JUnit XML as pytest writes it, the facts as JSON-encoded properties."""
+    add, failed = ElementTree.SubElement, sum(bool(f) for *_, f in tests)
     suites = ElementTree.Element("testsuites", name="pytest tests")
-    suite = ElementTree.SubElement(suites, "testsuite", name="pytest", errors="0")
-    suite.attrib.update(
-        failures=str(sum(bool(failures) for *_, failures in tests)),
-        skipped="0",
-        tests=str(len(tests)),
-        time=f"{seconds:.3f}",
-        timestamp=datetime.now(timezone.utc).isoformat(),
-        hostname="qemu-aarch64",
-    )
-    props = ElementTree.SubElement(suite, "properties")
+    suite = add(suites, "testsuite", name="pytest", errors="0", skipped="0")
+    suite.attrib |= {"failures": str(failed), "tests": str(len(tests))}
+    suite.attrib |= {"time": f"{seconds:.3f}", "hostname": "qemu-aarch64"}
+    suite.set("timestamp", datetime.now(timezone.utc).isoformat())
+    props = add(suite, "properties")
     for name, value in facts.items():
-        ElementTree.SubElement(props, "property", name=name, value=json.dumps(value))
+        add(props, "property", name=name, value=json.dumps(value))
     for name, spent, failures in tests:
-        case = ElementTree.SubElement(suite, "testcase", classname="qemu_aarch64")
-        case.attrib.update(name=name, time=f"{spent:.3f}")
+        case = add(suite, "testcase", classname="qemu_aarch64", name=name)
+        case.set("time", f"{spent:.3f}")
         if failures:
-            failure = ElementTree.SubElement(case, "failure")
-            failure.attrib["message"] = "; ".join(failures)
-            failure.text = "\n".join(failures)
+            add(case, "failure", message="; ".join(failures)).text = "\n".join(failures)
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
@@ -139,7 +129,6 @@ def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
 
 
 def death(returncode: int) -> str:
-    """How a process ended that did not exit 0."""
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit status {returncode}"
