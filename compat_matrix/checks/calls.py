@@ -1,7 +1,6 @@
-"""vLLM's CPU norm kernel calls through vLLM's own dispatch, without an engine:
-an ``RMSNorm`` built under the config an engine would run with (so an
-out-of-tree one replaces it), called under torch's profiler, whose ``_C::``
-events count the kernels whatever registered them."""
+"""vLLM's CPU norm kernel calls through its own dispatch, without an engine: an
+``RMSNorm`` built under an engine's config (so an out-of-tree one replaces it),
+called under torch's profiler, whose ``_C::`` events count the kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ BF16_RTOL = 1.6e-2
 
 
 def kernel_calls(prof) -> dict[str, int]:
-    """How often a torch profiler saw each kernel."""
     names = [e.name for e in prof.events()]
     return {k: names.count(k) for k in NORM_KERNELS}
 
@@ -39,8 +37,7 @@ def final_config(mode: str):
 
 
 def new_norm(kind):
-    """vLLM's ``RMSNorm`` as the current config builds it, weights around 1 (the
-    same on every run)."""
+    """vLLM's ``RMSNorm`` as the current config builds it, seeded weights near 1."""
     import torch
     from vllm.model_executor.layers.layernorm import RMSNorm
 

@@ -56,9 +56,8 @@ def result_path(cpu: str) -> Path:
 
 
 def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
-    """One process's JSON lines (other lines are logs): ``setup`` and ``cases``
-    (case -> result). A case started but not finished is the one the process
-    died in; a process that died before any case took every asked case."""
+    """A process's JSON lines: ``setup``, and ``cases`` (case -> result). It died
+    in the case started but not finished, else (in setup) in every case asked."""
     setup, cases, started = None, {}, None
     for line in output.splitlines():
         doc = json.loads(line) if line.startswith("{") else {}
