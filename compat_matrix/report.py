@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
+from compat_matrix.checks.calls import NORM_KERNELS
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
-from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.markdown import table
 
 COMPAT_DIR = Path(__file__).resolve().parent
-# The profiler's names of the provider's ops (rms_norm + fused add), as counted.
-CALL_NAMES = tuple(f"_C::{op}" for op in OPS)
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
 # The checks that prove a row's form and route, by name: the live checks, the
@@ -97,7 +95,7 @@ def read_result(path: Path) -> dict:
 
 def plus(counts: dict) -> str:
     """``{"_C::rms_norm": 2, "_C::fused_add_rms_norm": 1}`` -> ``2+1``."""
-    return "+".join(str(counts.get(k, "-")) for k in CALL_NAMES)
+    return "+".join(str(counts.get(k, "-")) for k in NORM_KERNELS)
 
 
 def calls(counts: dict | None) -> str:

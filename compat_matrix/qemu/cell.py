@@ -21,7 +21,7 @@ from compat_matrix.qemu import chroot
 from compat_matrix.report import result_file
 from patcher.errors import PatchError
 from patcher.files import write_output
-from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 
 # QEMU_CPU -> whether it has BF16, and what it stands for. The build is
 # compiled -march=armv8.2-a+bf16+dotprod+fp16: its bfloat16 kernels need BF16
@@ -31,8 +31,7 @@ MACHINES = {
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
 CELL_DTYPES = ("float32", "bfloat16")
-CELL_OPS = ("rms_norm", "fused_add_rms_norm")
-CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in CELL_OPS]
+CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in OPS]
 # How far from native a kernel may be: float32 measured 3e-7 here; bfloat16
 # rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
@@ -78,7 +77,7 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
     """Why the side fails in ``dtype``: a death, an exception, kernel calls
     the rule does not expect, or outputs beyond the tolerance of native."""
     bf16, failures = MACHINES[cpu][0], []
-    for op in CELL_OPS:
+    for op in OPS:
         case = cases[f"{dtype}/{op}"]
         if "died" in case or "error" in case:
             why = f"the process died ({case['died']})" if "died" in case else None
@@ -204,7 +203,7 @@ def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
 
 def bf16_calls(cases: dict) -> dict:
     """The bfloat16 cases' kernel calls, summed as the other cells count."""
-    found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in CELL_OPS]
+    found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in OPS]
     return {"eager": {k: sum(c.get(k, 0) for c in found) for k in NORM_KERNELS}}
 
 
