@@ -30,11 +30,10 @@ MACHINES = {
     "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
-CELL_DTYPES = ("float32", "bfloat16")
-CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in OPS]
-# How far from native a kernel may be: float32 measured 3e-7 here; bfloat16
-# rounds once (rms_norm) or twice (the fused add).
+# Per dtype, how far from native a kernel may be: float32 measured 3e-7 here;
+# bfloat16 rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
+CASES = [f"{dtype}/{op}" for dtype in TOLERANCE for op in OPS]
 # Per side: its conformance table's form and its environment in the chroot
 # (cases.py, calls.py and the table are in /opt/cell): the patched tree (the
 # project last, for the table's rule; its plugin not loaded), or vLLM with the
@@ -119,7 +118,7 @@ def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float
 def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
     """A test per side and dtype (``test_<side>_<dtype>``)."""
     tests = []
-    for side, dtype in itertools.product(CELL_SIDES, CELL_DTYPES):
+    for side, dtype in itertools.product(CELL_SIDES, TOLERANCE):
         ran = runs[side]["cases"]
         spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
         tests.append((f"test_{side}_{dtype}", spent, judge(cpu, dtype, ran)))
@@ -133,11 +132,13 @@ def death(returncode: int) -> str:
 
 
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
-    """``command`` in the chroot, its output appended to the side's log."""
-    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
-    cmd = chroot.in_chroot(root, *command, env=env)
+    """``command`` in the chroot with only the side's environment, its output
+    appended to the side's log."""
+    env = {"PATH": "/usr/bin:/bin", "QEMU_CPU": cpu, "OMP_NUM_THREADS": "1"}
+    env |= {"HOME": "/root", **SIDE_ENV[side]}
+    cmd = ["chroot", str(root), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
     proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cmd, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     with (logs / f"{cpu}-{side}.log").open("a") as out:
         out.write(proc.stdout)

@@ -40,12 +40,6 @@ def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
     return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
 
 
-def in_chroot(root: Path, *cmd: str, env: dict[str, str]) -> list[str]:
-    """``cmd`` inside the chroot, with only ``env`` in its environment."""
-    pairs = [f"{k}={v}" for k, v in {"PATH": "/usr/bin:/bin", **env}.items()]
-    return ["chroot", str(root), "env", "-i", *pairs, *cmd]
-
-
 def host_tools() -> None:
     """qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing."""
     if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
