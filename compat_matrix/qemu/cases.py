@@ -62,19 +62,17 @@ def main(side: str, cases: list[str]) -> None:
     setup["provider_status"] = status
     setup["seconds"] = round(time.monotonic() - START, 1)
     say(setup=setup)
-    norms = {}
     with set_current_vllm_config(config):
         for case in cases:
             dtype, op = case.split("/")
-            if dtype not in norms:
-                norms[dtype] = calls.new_norm(getattr(torch, dtype))
+            norm = calls.new_norm(getattr(torch, dtype))  # seeded: the same each time
             say(case=case, started=True)
             began = time.monotonic()
             try:
-                result = run_case(torch, norms[dtype], dtype, op)
+                result = run_case(torch, norm, dtype, op)
             except Exception as exc:  # an exception native does not raise: a failure
                 result = {"error": f"{type(exc).__name__}: {exc}"}
-            result["norm_class"] = type(norms[dtype]).__qualname__
+            result["norm_class"] = type(norm).__qualname__
             result["seconds"] = round(time.monotonic() - began, 2)
             say(case=case, **result)
 
