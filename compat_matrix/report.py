@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-from compat_matrix.checks.calls import NORM_KERNELS
+from compat_matrix.checks.calls import COUNT_MODES, NORM_KERNELS
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
 from vllm_patch.runtime.markdown import table
@@ -102,8 +102,7 @@ def calls(counts: dict | None) -> str:
     """``{"eager": {...}, "compiled": {...}}`` -> ``2+2 / 0+0``."""
     if not counts:
         return "-"
-    modes = ("eager", "compiled")
-    return " / ".join(plus(counts[m]) if m in counts else "-" for m in modes)
+    return " / ".join(plus(counts[m]) if m in counts else "-" for m in COUNT_MODES)
 
 
 def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
@@ -127,14 +126,13 @@ def row(cell: dict) -> list[str]:
     ran = [c["outcome"] for c in checks.values() if c["outcome"] != "skipped"]
     e2e = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
     e2e = "failed" if "failed" in e2e else "passed" if e2e == {"passed"} else "skipped"
-    route = verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only"
     return [
         f"`{title(cell)}`",
         cell.get("torch") or "-",
         f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
         cell.get("mechanism") or "-",
         verified(cell, cell.get("form"), FORM_CHECKS),
-        route,
+        verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
         calls(cell.get("provider")),
         calls(cell.get("patched")),
         MARK[e2e],
