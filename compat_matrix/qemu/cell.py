@@ -89,10 +89,9 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
                 f"{op}: kernel calls {case['calls']}, the rule expects {expected} "
                 f"({'a' if bf16 else 'no'} BF16 on QEMU_CPU={cpu})"
             )
-        if (far := case["rtol_vs_native"]) > TOLERANCE[dtype]:
-            failures.append(
-                f"{op}: {far:.3g} from native (tolerance {TOLERANCE[dtype]})"
-            )
+        far, bound = case["rtol_vs_native"], TOLERANCE[dtype]
+        if far > bound:
+            failures.append(f"{op}: {far:.3g} from native (tolerance {bound})")
     return failures
 
 
