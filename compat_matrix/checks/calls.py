@@ -1,7 +1,6 @@
-"""vLLM's CPU norm kernel calls through vLLM's own dispatch, without an engine:
-an ``RMSNorm`` built under the config an engine would run with (so an
-out-of-tree one replaces it), called under torch's profiler, whose ``_C::``
-events count the kernels whatever registered them."""
+"""vLLM's CPU norm kernel calls through its own dispatch, without an engine: an
+``RMSNorm`` built under an engine's config (so an out-of-tree one replaces it),
+called under torch's profiler, whose ``_C::`` events count the kernels."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ BF16_RTOL = 1.6e-2
 
 
 def kernel_calls(prof) -> dict[str, int]:
-    """How often a torch profiler saw each kernel."""
     names = [e.name for e in prof.events()]
     return {k: names.count(k) for k in NORM_KERNELS}
 
@@ -39,8 +37,7 @@ def final_config(mode: str):
 
 
 def new_norm(kind):
-    """vLLM's ``RMSNorm`` as the current config builds it, weights around 1 (the
-    same on every run)."""
+    """vLLM's ``RMSNorm`` as the current config builds it, seeded weights near 1."""
     import torch
     from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -64,10 +61,10 @@ def profiled(norm, *args) -> tuple[dict[str, int], tuple, tuple]:
     return kernel_calls(prof), got, native
 
 
-def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
-    """One RMSNorm called plain and with a residual: its kernel calls against
-    the rule's (``rule.py``: eager, for ``dtype`` on this build; never
-    compiling), the route vLLM took, how far from native, the config."""
+def count(mode: str) -> dict[str, Any]:
+    """One bfloat16 RMSNorm called plain and with a residual: its kernel calls
+    against the rule's (``rule.py``: eager, on this build; never compiling), the
+    route vLLM took, how far from native, the config."""
     import torch
     import vllm._custom_ops  # noqa: F401  (a model's layers load vllm._C this way)
     from vllm.config import set_current_vllm_config
@@ -79,7 +76,7 @@ def count(mode: str, dtype: str = "bfloat16") -> dict[str, Any]:
     config = final_config(mode)
     priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
     torch.manual_seed(0)
-    kind = getattr(torch, dtype)
+    kind = torch.bfloat16
     x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
     residual = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=kind)
     ir = priority.set_priority() if priority is not None else contextlib.nullcontext()

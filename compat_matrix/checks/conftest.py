@@ -1,8 +1,7 @@
-"""What a cell's checks share: the vLLM tree judged (installed, or
-``--vllm-wheel``'s for a static cell), ``vllm-patch check --json`` on it, its
-mechanism, and the patched copy's counts (a child started before the other
-checks, so it runs beside them). Every fact the matrix shows is a test-suite
-property (``fact``): ``compat_matrix.report`` reads nothing else."""
+"""A cell's shared fixtures: the vLLM tree (installed, or ``--vllm-wheel``'s),
+``vllm-patch check --json`` on it, its mechanism, and the patched copy's counts
+(a child running beside the other checks). Every fact the matrix shows is a
+test-suite property (``fact``): ``compat_matrix.report`` reads nothing else."""
 
 from __future__ import annotations
 
@@ -102,12 +101,11 @@ def mechanism(tree, fact) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def started(request, form, fact):
-    """``calls.count_modes`` started in a child on a patched copy of the
-    installed vLLM (plugins off: the change alone); yields a function that
-    waits for its counts, reverts the copy and returns both (or None)."""
+def patched(request, form, fact):
+    """``calls.count_modes`` started in a child on a patched copy (plugins off);
+    yields a function that waits for it, reverts the copy and returns both."""
     if request.config.getoption("--vllm-wheel") or form is None:
-        yield None
+        yield lambda: pytest.skip("no form of the change applies (test_form_applies)")
         return
     from vllm_patch.runtime import child
     from vllm_patch.runtime.patched_copy import patched_copy
@@ -134,10 +132,3 @@ def started(request, form, fact):
             return record
 
         yield finish
-
-
-@pytest.fixture
-def patched(started):
-    if started is None:
-        pytest.skip("no form of the change applies here (see test_form_applies)")
-    return started

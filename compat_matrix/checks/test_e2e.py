@@ -1,6 +1,5 @@
-"""``--e2e``: an engine with the provider (opted in) on a random Llama, eager
-and compiled, each in a child: the eager one calls the CPU kernels while it
-generates, the compiled one (Inductor) none, and both generate."""
+"""``--e2e``: an engine with the provider on a random Llama, in a child: eager it
+calls the CPU kernels as it generates, compiled (Inductor) none."""
 
 import dataclasses
 import os

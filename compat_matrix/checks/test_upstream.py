@@ -1,7 +1,6 @@
-"""The upstream change itself, live: the chosen form applied to a hard-linked
-copy of the installed vLLM, imported by a fresh interpreter without plugins:
-the CPU kernels called eager, none compiling; the copy reverted to its bytes
-and the installed vLLM untouched."""
+"""The upstream change, live, on a patched copy of the installed vLLM imported
+without plugins: the CPU kernels called eager, none compiling; the copy
+reverted to its bytes and the installed vLLM untouched."""
 
 from calls import BF16_RTOL
 

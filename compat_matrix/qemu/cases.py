@@ -1,7 +1,7 @@
-"""``python3 cases.py SIDE CASE...`` in the arm64 chroot: vLLM's ``RMSNorm``,
-eager, called once per CASE (``float32/rms_norm``, ...) under the profiler. A
-JSON line before and after each case, flushed: when a kernel kills the process
-(SIGILL), the last line names the case."""
+"""``python3 cases.py SIDE CASE...`` in the arm64 chroot: vLLM's eager ``RMSNorm``
+called per CASE (``float32/rms_norm``, ...) under the profiler, a JSON line flushed
+before and after each: when a kernel kills the process (SIGILL), the last one
+names the case."""
 
 from __future__ import annotations
 
@@ -9,14 +9,7 @@ import json
 import sys
 import time
 
-from calls import (
-    NORM_HIDDEN,
-    NORM_TOKENS,
-    final_config,
-    new_norm,
-    profiled,
-    rtol_needed,
-)
+import calls
 
 START = time.monotonic()
 
@@ -26,7 +19,6 @@ def say(**line) -> None:
 
 
 def max_rel_error(a, exact) -> float:
-    """The largest elementwise relative error of ``a`` against ``exact``."""
     return float(((a.double() - exact).abs() / exact.abs().clamp(min=1e-30)).max())
 
 
@@ -34,16 +26,16 @@ def run_case(torch, norm, dtype: str, op: str) -> dict:
     """One call of ``norm``: its kernel calls, how far from native, and its and
     native's largest relative error against RMSNorm in float64."""
     torch.manual_seed(0)
-    x = torch.randn(NORM_TOKENS, NORM_HIDDEN, dtype=getattr(torch, dtype))
+    x = torch.randn(calls.NORM_TOKENS, calls.NORM_HIDDEN, dtype=getattr(torch, dtype))
     args = (x, torch.randn_like(x)) if op == "fused_add_rms_norm" else (x,)
-    calls, got, native = profiled(norm, *args)
+    counted, got, native = calls.profiled(norm, *args)
     summed = sum(a.double() for a in args)
     scale = summed.pow(2).mean(-1, keepdim=True).add(norm.variance_epsilon).rsqrt()
     # (output, residual sum) in float64: map() pairs as many as the norm returns
     exact = (summed * scale * norm.weight.data.double(), summed)
     return {
-        "calls": calls,
-        "rtol_vs_native": max(map(rtol_needed, got, native)),
+        "calls": counted,
+        "rtol_vs_native": max(map(calls.rtol_needed, got, native)),
         "max_rel_error": max(map(max_rel_error, got, exact)),
         "native_max_rel_error": max(map(max_rel_error, native, exact)),
     }
@@ -63,27 +55,24 @@ def main(side: str, cases: list[str]) -> None:
         from patches.cpu_fused_norms.provider import status as provider_status
 
         status = provider_status()
-    config = final_config("eager")
-    setup = dict(
-        torch=torch.__version__, vllm=vllm.__version__, vllm_file=vllm.__file__
-    )
+    config = calls.final_config("eager")
+    setup = {"torch": torch.__version__, "vllm": vllm.__version__}
+    setup["vllm_file"] = vllm.__file__
     setup["custom_ops"] = list(config.compilation_config.custom_ops)
     setup["provider_status"] = status
     setup["seconds"] = round(time.monotonic() - START, 1)
     say(setup=setup)
-    norms = {}
     with set_current_vllm_config(config):
         for case in cases:
             dtype, op = case.split("/")
-            if dtype not in norms:
-                norms[dtype] = new_norm(getattr(torch, dtype))
+            norm = calls.new_norm(getattr(torch, dtype))  # seeded: the same each time
             say(case=case, started=True)
             began = time.monotonic()
             try:
-                result = run_case(torch, norms[dtype], dtype, op)
+                result = run_case(torch, norm, dtype, op)
             except Exception as exc:  # an exception native does not raise: a failure
                 result = {"error": f"{type(exc).__name__}: {exc}"}
-            result["norm_class"] = type(norms[dtype]).__qualname__
+            result["norm_class"] = type(norm).__qualname__
             result["seconds"] = round(time.monotonic() - began, 2)
             say(case=case, **result)
 

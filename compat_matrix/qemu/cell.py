@@ -1,7 +1,6 @@
-"""The aarch64 cell under qemu-user, as root (docs/compat.md): per side, a
-process in the chroot runs every case (``cases.py``), a new one those after a
-case that killed it; then the side's eager conformance table. Both results are
-JUnit XML as the other cells have them."""
+"""The aarch64 cell under qemu-user, as root (docs/compat.md): per side, the
+cases (a new process after one that killed it), then its eager conformance
+table, written as JUnit XML like the other cells'."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from compat_matrix.qemu import chroot
 from compat_matrix.report import result_file
 from patcher.errors import PatchError
 from patcher.files import write_output
-from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 
 # QEMU_CPU -> whether it has BF16, and what it stands for. The build is
 # compiled -march=armv8.2-a+bf16+dotprod+fp16: its bfloat16 kernels need BF16
@@ -31,18 +30,16 @@ MACHINES = {
     "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
-CELL_SIDES = ("patched", "provider")
-CELL_DTYPES = ("float32", "bfloat16")
-CELL_OPS = ("rms_norm", "fused_add_rms_norm")
-CASES = [f"{dtype}/{op}" for dtype in CELL_DTYPES for op in CELL_OPS]
-# How far from native a kernel may be: float32 measured 3e-7 here; bfloat16
-# rounds once (rms_norm) or twice (the fused add).
+# Per dtype, how far from native a kernel may be: float32 measured 3e-7 here;
+# bfloat16 rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
+CASES = [f"{dtype}/{op}" for dtype in TOLERANCE for op in OPS]
 # Per side: its conformance table's form and its environment in the chroot
 # (cases.py, calls.py and the table are in /opt/cell): the patched tree (the
 # project last, for the table's rule; its plugin not loaded), or vLLM with the
 # plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
+CELL_SIDES = tuple(TABLE_FORMS)
 SIDE_ENV = {
     "patched": {
         "PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp:/opt/project",
@@ -57,9 +54,8 @@ def result_path(cpu: str) -> Path:
 
 
 def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
-    """One process's JSON lines (other lines are logs): ``setup`` and ``cases``
-    (case -> result). A case started but not finished is the one the process
-    died in; a process that died before any case took every asked case."""
+    """A process's JSON lines: ``setup``, and ``cases`` (case -> result). It died
+    in the case started but not finished, else (in setup) in every case asked."""
     setup, cases, started = None, {}, None
     for line in output.splitlines():
         doc = json.loads(line) if line.startswith("{") else {}
@@ -79,15 +75,12 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
 def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
     """Why the side fails in ``dtype``: a death, an exception, kernel calls
     the rule does not expect, or outputs beyond the tolerance of native."""
-    bf16 = MACHINES[cpu][0]
-    failures = []
-    for op in CELL_OPS:
+    bf16, failures = MACHINES[cpu][0], []
+    for op in OPS:
         case = cases[f"{dtype}/{op}"]
-        if "died" in case:
-            failures.append(f"{op}: the process died ({case['died']})")
-            continue
-        if "error" in case:
-            failures.append(f"{op}: raised {case['error']}")
+        if "died" in case or "error" in case:
+            why = f"the process died ({case['died']})" if "died" in case else None
+            failures.append(f"{op}: {why or 'raised ' + case['error']}")
             continue
         wanted = dtype != "bfloat16" or bf16
         expected = {k: int(wanted and k == f"_C::{op}") for k in NORM_KERNELS}
@@ -96,42 +89,35 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
                 f"{op}: kernel calls {case['calls']}, the rule expects {expected} "
                 f"({'a' if bf16 else 'no'} BF16 on QEMU_CPU={cpu})"
             )
-        if (far := case["rtol_vs_native"]) > TOLERANCE[dtype]:
-            failures.append(
-                f"{op}: {far:.3g} from native (tolerance {TOLERANCE[dtype]})"
-            )
+        far, bound = case["rtol_vs_native"], TOLERANCE[dtype]
+        if far > bound:
+            failures.append(f"{op}: {far:.3g} from native (tolerance {bound})")
     return failures
 
 
 def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
     """JUnit XML as pytest writes it, the facts as JSON-encoded properties."""
+    add, failed = ElementTree.SubElement, sum(bool(f) for *_, f in tests)
     suites = ElementTree.Element("testsuites", name="pytest tests")
-    suite = ElementTree.SubElement(suites, "testsuite", name="pytest", errors="0")
-    suite.attrib.update(
-        failures=str(sum(bool(failures) for *_, failures in tests)),
-        skipped="0",
-        tests=str(len(tests)),
-        time=f"{seconds:.3f}",
-        timestamp=datetime.now(timezone.utc).isoformat(),
-        hostname="qemu-aarch64",
-    )
-    props = ElementTree.SubElement(suite, "properties")
+    suite = add(suites, "testsuite", name="pytest", errors="0", skipped="0")
+    suite.attrib |= {"failures": str(failed), "tests": str(len(tests))}
+    suite.attrib |= {"time": f"{seconds:.3f}", "hostname": "qemu-aarch64"}
+    suite.set("timestamp", datetime.now(timezone.utc).isoformat())
+    props = add(suite, "properties")
     for name, value in facts.items():
-        ElementTree.SubElement(props, "property", name=name, value=json.dumps(value))
+        add(props, "property", name=name, value=json.dumps(value))
     for name, spent, failures in tests:
-        case = ElementTree.SubElement(suite, "testcase", classname="qemu_aarch64")
-        case.attrib.update(name=name, time=f"{spent:.3f}")
+        case = add(suite, "testcase", classname="qemu_aarch64", name=name)
+        case.set("time", f"{spent:.3f}")
         if failures:
-            failure = ElementTree.SubElement(case, "failure")
-            failure.attrib["message"] = "; ".join(failures)
-            failure.text = "\n".join(failures)
+            add(case, "failure", message="; ".join(failures)).text = "\n".join(failures)
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
 def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
     """A test per side and dtype (``test_<side>_<dtype>``)."""
     tests = []
-    for side, dtype in itertools.product(CELL_SIDES, CELL_DTYPES):
+    for side, dtype in itertools.product(CELL_SIDES, TOLERANCE):
         ran = runs[side]["cases"]
         spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
         tests.append((f"test_{side}_{dtype}", spent, judge(cpu, dtype, ran)))
@@ -139,18 +125,19 @@ def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
 
 
 def death(returncode: int) -> str:
-    """How a process ended that did not exit 0."""
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit status {returncode}"
 
 
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
-    """``command`` in the chroot, its output appended to the side's log."""
-    env = {"QEMU_CPU": cpu, "OMP_NUM_THREADS": "1", "HOME": "/root", **SIDE_ENV[side]}
-    cmd = chroot.in_chroot(root, *command, env=env)
+    """``command`` in the chroot with only the side's environment, its output
+    appended to the side's log."""
+    env = {"PATH": "/usr/bin:/bin", "QEMU_CPU": cpu, "OMP_NUM_THREADS": "1"}
+    env |= {"HOME": "/root", **SIDE_ENV[side]}
+    cmd = ["chroot", str(root), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
     proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cmd, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     with (logs / f"{cpu}-{side}.log").open("a") as out:
         out.write(proc.stdout)
@@ -216,7 +203,7 @@ def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
 
 def bf16_calls(cases: dict) -> dict:
     """The bfloat16 cases' kernel calls, summed as the other cells count."""
-    found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in CELL_OPS]
+    found = [cases[f"bfloat16/{op}"].get("calls", {}) for op in OPS]
     return {"eager": {k: sum(c.get(k, 0) for c in found) for k in NORM_KERNELS}}
 
 

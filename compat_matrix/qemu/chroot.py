@@ -1,6 +1,6 @@
-"""The Debian arm64 chroot the aarch64 cell runs in under qemu-user, made as
-root on this x86-64 host (docs/compat.md). Each step is skipped when its result
-is there already, but for the project, the cases and the patched tree."""
+"""The Debian arm64 chroot of the aarch64 cell, made as root on this x86-64 host
+(docs/compat.md); a step whose result is there is skipped, but for the project's
+ones (the project, the cases, the patched tree)."""
 
 from __future__ import annotations
 
@@ -37,14 +37,7 @@ def run_cmd(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
 
 
 def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
-    """``uv pip VERB`` for the chroot's platform and Python."""
     return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
-
-
-def in_chroot(root: Path, *cmd: str, env: dict[str, str]) -> list[str]:
-    """``cmd`` inside the chroot, with only ``env`` in its environment."""
-    pairs = [f"{k}={v}" for k, v in {"PATH": "/usr/bin:/bin", **env}.items()]
-    return ["chroot", str(root), "env", "-i", *pairs, *cmd]
 
 
 def host_tools() -> None:
@@ -83,10 +76,9 @@ def wheels(root: Path) -> None:
         return
     shutil.rmtree(sp, ignore_errors=True)
     uv_pip("install", "--target", sp, "--no-deps", *pins)
-    # Bytecode is the same on every platform: compiled here by a Python of the
-    # chroot's version (uv finds one or fetches it), with the chroot's paths in
-    # it; under qemu this takes half an hour. Exit 1 names files Python 3.11
-    # cannot compile; every other one is compiled.
+    # Bytecode is the same on every platform: compiled here (under qemu: half an
+    # hour) by a Python of the chroot's version, with the chroot's paths. Exit 1
+    # names files Python 3.11 cannot compile; every other one is compiled.
     compileall = ("python", "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", sp)
     uv_run = ("uv", "run", "--no-project", "--python", CHROOT_PYTHON)
     subprocess.run([*uv_run, *map(str, compileall)])
@@ -135,7 +127,6 @@ def proc_mounted(root: Path):
 def prepare(root: Path) -> dict:
     """The chroot made or updated; the patched copy's patches and outcomes."""
     host_tools()
-    system(root)
-    wheels(root)
-    project(root)
+    for step in (system, wheels, project):
+        step(root)
     return patched_tree(root)
