@@ -111,9 +111,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """print the unified diff (git apply format); write nothing"""
     _, plans = _plans(args, refuse=True)
     if args.json:
-        doc = [
-            {"patch": p.patch.name, "status": p.status, "diff": p.diff()} for p in plans
-        ]
+        doc = [dict(patch=p.patch.name, status=p.status, diff=p.diff()) for p in plans]
         print(json.dumps(doc, indent=2))
         return ExitCode.OK
     for p in plans:
@@ -123,32 +121,26 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _report(outcome: engine.Outcome) -> None:
-    for note in outcome.notes:
-        warn(note)
-    print(outcome)
-
-
-def cmd_apply(args: argparse.Namespace) -> int:
+def cmd_apply(args: argparse.Namespace, revert: bool = False) -> int:
     """apply the patches (each file atomic; idempotent)"""
-    tree = open_tree(args.vllm, writing="apply to")
+    tree = open_tree(args.vllm, writing="revert" if revert else "apply to")
     with engine.writing(tree):  # planned and written with no writer between
         with engine.nothing_changed_on_error():  # refused before the first write
-            _, plans = _plans(args, tree, refuse=True)
-        for p in plans:
-            _report(engine.apply(tree, p))
+            if revert:
+                todo = engine.choose(tree, args.patch, "revert")
+            else:
+                todo = _plans(args, tree, refuse=True)[1]
+        for job in todo:
+            outcome = engine.revert(tree, job) if revert else engine.apply(tree, job)
+            for note in outcome.notes:
+                warn(note)
+            print(outcome)
     return ExitCode.OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     """undo the patches (byte-identical)"""
-    tree = open_tree(args.vllm, writing="revert")
-    with engine.writing(tree):
-        with engine.nothing_changed_on_error():
-            chosen = engine.choose(tree, args.patch, "revert")
-        for patch in chosen:
-            _report(engine.revert(tree, patch))
-    return ExitCode.OK
+    return cmd_apply(args, revert=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,9 +159,8 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     if name != "list":
         p.add_argument("--patch", metavar="NAME", action="append", help=HELP["patch"])
     if name in FORCE:
-        p.add_argument(
-            "--force", action="store_true", help=HELP["force"].format(FORCE[name])
-        )
+        force = HELP["force"].format(FORCE[name])
+        p.add_argument("--force", action="store_true", help=force)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

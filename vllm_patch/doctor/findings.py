@@ -1,9 +1,9 @@
-"""The doctor's :class:`Finding`, the import steps a child runs, and the
-findings on the environment (vLLM, torch, the imports) and on each patch (its
-state here; its provider's entry point, registration, opt-in, plugin filter)."""
+"""The doctor's findings: on vLLM, torch and the imports a child ran, and on
+each patch (its state; its provider's entry point, route, opt-in, filter)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -69,9 +69,8 @@ def pip(*args: str) -> str:
 
 
 def removal(names: list[str]) -> tuple[str, list[str]]:
-    """Removing packages that break beside this torch, as text and as ``--fix``'s
-    command: pip under ``-I`` (no ``pip/`` of the working folder, no ``PYTHON*``
-    variable, no user site)."""
+    """``--fix``'s command, as text and argv: pip under ``-I`` (no ``pip/`` of
+    the working folder, no ``PYTHON*`` variable, no user site)."""
     argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
     return shlex.join(argv), argv
 
@@ -80,13 +79,8 @@ def traceback_hint(module: str) -> str:
     return f"{PYTHON} -c 'import {module}' shows the traceback"
 
 
-def _root(result: dict) -> str:  # what actually broke: the innermost error
-    return result.get("root_error", result["error"])
-
-
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
-    """Every step, in the order the child runs them: vLLM IR's where this vLLM
-    has it (``vllm/ir/op.py``), the companions' where installed."""
+    """The child's steps in order: vLLM IR's where it exists, installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
     imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
     return [
@@ -99,9 +93,8 @@ def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
 
 
 def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Finding]:
-    """Which vLLM this is (the CPU build, the official one, a source tree), and
-    whether the ``vllm`` command finds it: it reads the version of a
-    distribution named ``vllm``, so under another name every subcommand fails."""
+    """Which vLLM this is, and whether the ``vllm`` command finds it: it reads
+    the version of a distribution named ``vllm`` (under another name it fails)."""
     name = dist.metadata["Name"] if dist else None
     build = {
         CPU_DISTRIBUTION: "the CPU build",
@@ -127,8 +120,19 @@ def import_findings(results, dist: metadata.Distribution | None) -> list[Finding
     broken = [c for c in companions if not results[("import", c)]["ok"]]
     out = torch_findings(results, dist) + companion_findings(results, broken)
     for check, step, label in IMPORTS:
-        if step in results:  # none for vLLM IR before it: nothing to judge
-            out.append(import_finding(check, label, step, results, broken))
+        if step not in results:  # none for vLLM IR before it: nothing to judge
+            continue
+        result, module = results[step], step[1].partition(":")[0]
+        culprits = [c for c in broken if c in result.get("packages", [])]
+        root = result.get("root_error", result["error"]) if culprits else None
+        if result["ok"]:
+            out.append(Finding(check, "ok", f"{label} imports"))
+        elif culprits:  # the broken companions in its traceback: their removal
+            said = f"{label} does not import: {', '.join(culprits)} breaks it ({root})"
+            out.append(Finding(check, "fix", said, *removal(culprits)))
+        else:
+            error = f"{label} does not import: {result['error']}"
+            out.append(Finding(check, "fix", error, traceback_hint(module)))
     return out
 
 
@@ -137,13 +141,11 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     is the one this vLLM pins (its requirement whose marker holds here)."""
     pin, version = None, installed("torch")
     for text in (dist.requires or []) if dist else []:
-        try:
+        with contextlib.suppress(InvalidRequirement):
             req = Requirement(text)
-        except InvalidRequirement:
-            continue
-        if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
-            pin = req
-            break
+            if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+                pin = req
+                break
     fix = pip("install", f"torch{pin.specifier}" if pin else "torch")
     if "+cpu" in str(pin):
         fix += f" --extra-index-url {CPU_INDEX} (PyPI has no +cpu torch)"
@@ -154,7 +156,7 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if (c := results[VLLM_KERNELS])["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
-    error = f"vLLM's C kernels do not load: {_root(c)}"
+    error = f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}"
     try:
         pinned = not pin or pin.specifier.contains(Version(version), True)
     except (InvalidVersion, TypeError):  # no torch, or not a version
@@ -175,9 +177,10 @@ def companion_findings(results, broken: list[str]) -> list[Finding]:
         if (result := results[("import", name)])["ok"]:
             out.append(Finding(name, "ok", f"{name} imports beside torch"))
             continue
+        root = result.get("root_error", result["error"])
         said = (
             f"{name} {installed(name)} does not import beside torch {torch} "
-            f"(built for another torch build): {_root(result)}"
+            f"(built for another torch build): {root}"
         )
         out.append(Finding(name, "fix", said, *removal([name])))
     if broken:  # each +cpu build pins its torch: torch kept picks the matching one
@@ -189,20 +192,6 @@ def companion_findings(results, broken: list[str]) -> list[Finding]:
         )
         out.append(Finding("cpu_index", "info", said))
     return out
-
-
-def import_finding(check, label, step, results, broken) -> Finding:
-    """A failed import: the broken companions in its traceback and their
-    removal, else the command that shows the traceback."""
-    result, module = results[step], step[1].partition(":")[0]
-    if result["ok"]:
-        return Finding(check, "ok", f"{label} imports")
-    culprits = [c for c in broken if c in result.get("packages", [])]
-    if not culprits:
-        error = f"{label} does not import: {result['error']}"
-        return Finding(check, "fix", error, traceback_hint(module))
-    said = f"{label} does not import: {', '.join(culprits)} breaks it ({_root(result)})"
-    return Finding(check, "fix", said, *removal(culprits))
 
 
 def provider_module(patch: Patch) -> str | None:
