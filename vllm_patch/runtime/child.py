@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,6 @@ class Child:
     folder: tempfile.TemporaryDirectory
     proc: subprocess.Popen | None = None
     started: float = field(default_factory=time.perf_counter)
-    seen: int = 0  # bytes of the log passed to ``progress``
 
     def file(self, name: str) -> Path:  # args.json, result.json, log.txt, ...
         return Path(self.folder.name) / name
@@ -106,15 +105,14 @@ def start(
     return child
 
 
-def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
-    """Wait for ``child``, each line of its output to ``progress`` as it comes."""
-    end = child.started + (child.timeout if child.timeout is not None else float("inf"))
-    while (rc := child.proc.poll()) is None and time.perf_counter() < end:
-        _pass_lines(child, progress)
-        time.sleep(0.05)
-    if timed_out := rc is None:
+def finish(child: Child) -> ChildOutcome:
+    """Wait for ``child`` (ended at its timeout) and read what it left."""
+    left = child.timeout and child.started + child.timeout - time.perf_counter()
+    try:
+        rc, timed_out = child.proc.wait(None if left is None else max(left, 0)), False
+    except subprocess.TimeoutExpired:
         kill_group(child.proc)
-    _pass_lines(child, progress, final=True)
+        rc, timed_out = None, True
     with child.folder:
         log = child.file("log.txt").read_text("utf-8", errors="replace")
         payload, said = {}, []  # said: what report() wrote, to a line cut short
@@ -140,8 +138,8 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     )
 
 
-def run(target: str, kwargs=None, *, progress=None, **how: Any) -> ChildOutcome:
-    return finish(start(target, kwargs, **how), progress)
+def run(target: str, kwargs=None, **how: Any) -> ChildOutcome:
+    return finish(start(target, kwargs, **how))
 
 
 def stop(child: Child) -> None:
@@ -162,19 +160,6 @@ def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def _pass_lines(child: Child, progress, final: bool = False) -> None:
-    """The log's lines not passed yet; the last one only when ``final``."""
-    if progress is None:
-        return
-    with child.file("log.txt").open("rb") as log:
-        log.seek(child.seen)
-        chunk = log.read()
-    done = len(chunk) if final else chunk.rfind(b"\n") + 1
-    child.seen += done
-    for line in chunk[:done].decode(errors="replace").splitlines():
-        progress(line)
 
 
 def last_error_line(log: str) -> str:

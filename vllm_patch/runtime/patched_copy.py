@@ -31,12 +31,9 @@ def patched_copy(
 
     files = sorted({e.file for e in patch.edits})
 
-    def hashes(where: VllmTree) -> dict[str, str | None]:
-        paths = {rel: where.path(rel) for rel in files}
-        return {
-            r: hex_digest(p.read_bytes()) if p.is_file() else None
-            for r, p in paths.items()
-        }
+    def hashes(where: VllmTree) -> dict[str, str]:  # a file not there: no key
+        found = {rel: where.path(rel) for rel in files}
+        return {r: hex_digest(p.read_bytes()) for r, p in found.items() if p.is_file()}
 
     checked, record = record is not None, {} if record is None else record
     with tempfile.TemporaryDirectory(
@@ -53,9 +50,7 @@ def patched_copy(
             if checked:  # revert the copy only to see that revert works
                 if applied != before:
                     record["revert"] = str(engine.revert(copy, patch))
-                reverted = hashes(copy)
-                record["hashes"] = dict(
-                    before=before, applied=applied, reverted=reverted
-                )
+                record["hashes"] = dict(before=before, applied=applied)
+                record["hashes"]["reverted"] = reverted = hashes(copy)
                 record["restored"] = reverted == before
                 record["original_unchanged"] = hashes(tree) == before
