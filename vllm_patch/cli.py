@@ -70,24 +70,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _plans(
-    args: argparse.Namespace, tree: VllmTree | None = None, refuse: bool = False
-) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    """The tree and each chosen patch's plan, under a shared lock (or the held
-    writer's); ``refuse``: a plan's first error raised."""
-    tree = tree or open_tree(args.vllm)
+def _plans(args, tree: VllmTree, refuse: bool = False) -> list[engine.PatchPlan]:
+    """Each chosen patch's plan, under a shared lock (or the held writer's);
+    ``refuse``: a plan's first error raised."""
     plans = engine.plan_all(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:
         for w in p.warnings:
             warn(w)
         if refuse and p.errors:
             raise p.errors[0]
-    return tree, plans
+    return plans
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """show, per patch and edit, applied/applicable/not applicable"""
-    tree, plans = _plans(args)
+    plans = _plans(args, tree := open_tree(args.vllm))
     if args.json:  # the full plans: JSON also gives each edit's changes
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
@@ -109,7 +106,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """print the unified diff (git apply format); write nothing"""
-    _, plans = _plans(args, refuse=True)
+    plans = _plans(args, open_tree(args.vllm), refuse=True)
     if args.json:
         doc = [dict(patch=p.patch.name, status=p.status, diff=p.diff()) for p in plans]
         print(json.dumps(doc, indent=2))
@@ -129,7 +126,7 @@ def cmd_apply(args: argparse.Namespace, revert: bool = False) -> int:
             if revert:
                 todo = engine.choose(tree, args.patch, "revert")
             else:
-                todo = _plans(args, tree, refuse=True)[1]
+                todo = _plans(args, tree, refuse=True)
         for job in todo:
             outcome = engine.revert(tree, job) if revert else engine.apply(tree, job)
             for note in outcome.notes:

@@ -380,20 +380,13 @@ def run_steps(steps: list[list[str]]) -> int:
     return len(steps)
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Each step's result by ``(kind, argument)``; one that killed its child (or
     hung) fails, and a new child runs the rest."""
     results: dict[tuple[str, str], dict[str, Any]] = {}
     while steps:
-        outcome = child.run(
-            "vllm_patch.doctor:run_steps",
-            {"steps": steps},
-            timeout=CHILD_TIMEOUT,
-        )
+        args = {"steps": steps}
+        outcome = child.run(f"{__name__}:run_steps", args, timeout=CHILD_TIMEOUT)
         results |= {tuple(r.pop("step")): r for r in outcome.reported}
         if (done := len(outcome.reported)) < len(steps):
             hung = f"no answer within {CHILD_TIMEOUT} s"
@@ -413,10 +406,8 @@ def diagnose() -> list[Finding]:
     dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
-    progress(
-        "vllm-patch doctor: importing torch, vLLM, transformers and the "
-        "providers in a child interpreter (some seconds) ..."
-    )
+    said = "importing torch, vLLM, transformers and the providers in a child"
+    print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
     results = run_import_checks(steps_for(tree, providers))
     out = vllm_findings(tree, dist) + import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
@@ -440,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in found if f.fix_argv))
     if args.fix and commands:
         said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
-        progress(f"vllm-patch doctor --fix runs, in this order:{said}")
+        print(f"vllm-patch doctor --fix runs, in this order:{said}", file=sys.stderr)
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
