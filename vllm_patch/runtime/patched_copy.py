@@ -22,11 +22,10 @@ def patched_copy(
     parent: Path | None = None,
     record: dict[str, Any] | None = None,
 ) -> Iterator[Path]:
-    """The folder of a temporary copy of ``tree`` with ``patch`` applied,
-    removed on exit. ``record`` gets ``copy``, ``apply`` (the engine's outcome)
-    and ``changed``; on exit, the copy reverted: ``revert``, ``hashes`` of the
-    patch's files (before, applied, reverted), ``restored`` and
-    ``original_unchanged`` (no write went through a link)."""
+    """A temporary copy of ``tree`` with ``patch`` applied. ``record`` gets
+    ``copy``, ``apply`` and ``changed``; on exit, the copy reverted: ``revert``,
+    ``hashes`` of the patch's files (before, applied, reverted), ``restored``
+    and ``original_unchanged`` (no write went through a link)."""
     from patcher import engine  # libcst: only when a copy is made
 
     files = sorted({e.file for e in patch.edits})
