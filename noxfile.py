@@ -50,12 +50,8 @@ def pytest_junit(session: nox.Session, *args: str, **kw) -> Path:
     return xml
 
 
-def judge_result(session: nox.Session, result: Path, xml: Path | None = None) -> None:
-    """The session fails when a check in ``result`` failed; ``xml`` is first
-    written fresh there (never through a link or FIFO)."""
-    if xml is not None:
-        write_output(result, xml.read_bytes())
-        session.log(f"wrote {result}")
+def judge_result(session: nox.Session, result: Path) -> None:
+    """The session fails when a check in ``result`` failed."""
     suite = read_suite(result)
     if int(suite.get("failures")) + int(suite.get("errors")):
         session.error(f"checks failed (see {result})")
@@ -113,10 +109,9 @@ def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
     return h.hexdigest()
 
 
-def install_cell(session: nox.Session, cell: dict, sources: list[str]) -> str:
+def install_cell(session: nox.Session, cell: dict, req: str, sources: list) -> str:
     """A live cell's release with its torch pin, else PyPI's plain build of that
     torch (uv --override); a static cell's tools alone. What torch it runs on."""
-    req = f"{cell['package']}=={cell['version']}"
     if cell["mode"] != "full":  # its checks download the wheel
         session.install(*sources, "-e", ".", "pip")
         return f"{cell['torch']} (the wheel's pin, not installed)"
@@ -152,7 +147,7 @@ def compat(session: nox.Session, vllm: str) -> None:
         session.log(f"unchanged since its last run: {result}")
         return judge_result(session, result)
     if stamp.get("env") != env_key:
-        stamp = {"env": env_key, "torch": install_cell(session, cell, sources)}
+        stamp = {"env": env_key, "torch": install_cell(session, cell, release, sources)}
         # Bytecode, as pip compiles at install (under PYTHONDONTWRITEBYTECODE
         # every import would compile torch and vLLM again); exit 1 names files
         # this Python cannot compile (torch ships one for Python 3.12 only).
@@ -197,7 +192,9 @@ def conformance(session: nox.Session) -> None:
     # The build vLLM itself picks on this machine.
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
     result = result_file("conformance", f"-{platform.machine()}-{build}")
-    judge_result(session, result, xml)
+    write_output(result, xml.read_bytes())  # never through a link or FIFO
+    session.log(f"wrote {result}")
+    judge_result(session, result)
 
 
 @nox.session(venv_backend="none", default=False)

@@ -262,15 +262,6 @@ def sleep_with_a_grandchild(pid_file):
     Path(pid_file).write_text(str(sub.pid))
     time.sleep(600)
 
-def talk_then_wait(go_file):
-    print("step 1", flush=True)
-    print("step 2", file=sys.stderr, flush=True)
-    for _ in range(600):  # until the parent answers the first line
-        if Path(go_file).exists():
-            return "answered"
-        time.sleep(0.05)
-    return "never answered"
-
 def imports_torch_and_vllm():
     import torch, vllm
     from vllm_patch.runtime import machine

@@ -112,28 +112,6 @@ def test_a_timeout_kills_the_whole_process_group(targets, tmp_path):
         pytest.fail(f"the grandchild {grandchild} outlived the timeout")
 
 
-def test_progress_lines_arrive_while_the_child_runs(targets, tmp_path):
-    """The child waits for an answer to its first line: it only returns
-    "answered" if that line reached the parent while it ran."""
-    go = tmp_path / "go"
-    seen = []
-
-    def progress(line: str) -> None:
-        seen.append(line)
-        if line == "step 1":
-            go.touch()
-
-    outcome = child.run(
-        "toolkit_targets:talk_then_wait",
-        {"go_file": str(go)},
-        pythonpath=[targets],
-        progress=progress,
-        timeout=120,
-    )
-    assert outcome.value() == "answered"
-    assert seen[:2] == ["step 1", "step 2"]
-
-
 def test_stop_ends_a_child_that_was_never_collected(targets, tmp_path):
     started = child.start(
         "toolkit_targets:sleep_with_a_grandchild",

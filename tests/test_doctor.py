@@ -20,8 +20,8 @@ from patcher import engine
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.doctor import diagnose, findings
-from vllm_patch.doctor.findings import (
+from vllm_patch import doctor as diagnose
+from vllm_patch.doctor import (
     _registered_finding,
     opt_in_finding,
     plugin_filter_findings,
@@ -291,16 +291,16 @@ def step_results(tmp_path_factory):
 def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path, monkeypatch):
     """vLLM 0.13 - 0.19 have no vLLM IR (no ``vllm/ir/``): no IR step runs and
     no IR finding is made; from 0.20 on, both."""
-    monkeypatch.setattr(findings, "BROKEN_BESIDE_CPU_TORCH", ())
+    monkeypatch.setattr(diagnose, "BROKEN_BESIDE_CPU_TORCH", ())
     tree = open_tree(make_tree(tmp_path / "tree"))
-    steps = findings.steps_for(tree, ["a.provider"])
-    assert ["from", findings.IR] not in steps and ["provider", "a.provider"] in steps
+    steps = diagnose.steps_for(tree, ["a.provider"])
+    assert ["from", diagnose.IR] not in steps and ["provider", "a.provider"] in steps
     results = {tuple(s): {"ok": True} for s in steps}
-    found = findings.import_findings(results, None)
+    found = diagnose.import_findings(results, None)
     assert {f.check for f in found} == {"torch", "vllm_c", "config", "transformers"}
     (tree.location / "vllm/ir").mkdir()
     (tree.location / "vllm/ir/op.py").write_text("class IrOp: ...\n")
-    assert ["from", findings.IR] in findings.steps_for(tree, [])
+    assert ["from", diagnose.IR] in diagnose.steps_for(tree, [])
 
 
 @pytest.mark.parametrize(

