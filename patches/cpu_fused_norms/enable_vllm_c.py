@@ -32,9 +32,7 @@ TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
 
 class Norm(NamedTuple):
-    """One "vllm_c" norm: its function at ``at`` gated by ``gate``, and its
-    ``supports_args``, the lambda ``check`` at ``check_at``, which gains ``guard``
-    on CPU."""
+    """A "vllm_c" norm at ``at``; its supports_args lambda ``check`` at ``check_at``."""
 
     op: str
     at: int
@@ -74,7 +72,6 @@ def _value(tree: cst.Module, at: int) -> cst.BaseExpression:
 
 
 def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
-    """Statement ``at`` (``NAME = ...``) assigning ``value`` instead."""
     return tree.body[at].deep_replace(_value(tree, at), value)
 
 
@@ -245,17 +242,12 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
         """Without what apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
-        call = next(
-            (i for i, s in enumerate(tree.body) if source(s) == DTYPES_LINES[0]), None
-        )
-        if call is not None and not any(left[n] > 1 for n in DTYPES.values()):
-            new[call] = None
-            if source(tree.body[call + 1]) == DTYPES_LINES[1]:
-                new[call + 1] = None
+        called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
+        if called and not any(left[n] > 1 for n in DTYPES.values()):
             for i, s in enumerate(tree.body):
-                function = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
-                if function and left[FUNCTION] == 2:  # its def and its call
-                    new[i] = None
+                mine = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
+                if source(s) in DTYPES_LINES or (mine and left[FUNCTION] == 2):
+                    new[i] = None  # the call, its docstring, the def it alone uses
         if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
             new[cpu] = None
         return _rebuild(tree, new, {})
