@@ -9,7 +9,7 @@ import textwrap
 
 import libcst as cst
 
-from patcher.codemod import TreeCodemod
+from patcher.codemod import TreeCodemod, names
 from patcher.ruff_format import format_member, format_source
 from patches.rms_norm_forward_cpu import rule
 
@@ -87,16 +87,8 @@ class AddRmsNormForwardCpu(TreeCodemod):
     def pieces(self, tree: cst.Module) -> tuple:
         """The function, the ``__init__`` lines and the method, laid out for this
         tree, spelling batch invariance by the name ``layernorm.py`` imports."""
-        imported = {
-            alias.evaluated_alias or alias.evaluated_name
-            for stmt in tree.body
-            if isinstance(stmt, cst.SimpleStatementLine)
-            for small in stmt.body
-            if isinstance(small, cst.Import | cst.ImportFrom)
-            and not isinstance(small.names, cst.ImportStar)
-            for alias in small.names
-        }
-        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if n in imported]
+        used = names(tree)
+        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if used[n]]
         if not spelling:
             raise self.shape_error(
                 "an import of vllm_is_batch_invariant or vllm.envs",
