@@ -57,22 +57,18 @@ def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
     return found
 
 
-def _assignments(tree: cst.Module) -> dict[str, int]:
-    """The target's code -> the index of the first module-level ``target = ...``."""
-    found: dict[str, int] = {}
+def _assignments(tree: cst.Module) -> dict:
+    """Target code -> (index, value) of the first module-level ``target = ...``."""
+    found: dict = {}
     for i, stmt in enumerate(tree.body):
         small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
         if isinstance(small, cst.Assign) and len(small.targets) == 1:
-            found.setdefault(source(small.targets[0].target), i)
+            found.setdefault(source(small.targets[0].target), (i, small.value))
     return found
 
 
-def _value(tree: cst.Module, at: int) -> cst.BaseExpression:
-    return tree.body[at].body[0].value
-
-
 def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
-    return tree.body[at].deep_replace(_value(tree, at), value)
+    return tree.body[at].deep_replace(tree.body[at].body[0].value, value)
 
 
 def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
@@ -83,7 +79,7 @@ def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
     )
-    if (there and meaning(source(expr.right)) == meaning(code)) == on:
+    if expr is None or (there and meaning(source(expr.right)) == meaning(code)) == on:
         return None
     if not on:
         return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
@@ -125,7 +121,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             if not used[name]:
                 raise self.shape_error(f"{name} imported", "none")
         norms, new, before = self.norms(tree), {}, {}
-        cpu = _assignments(tree).get(IS_CPU)
+        cpu = _assignments(tree).get(IS_CPU, (None,))[0]
         if self.ON and cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
             raise self.shape_error(
                 f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
@@ -152,8 +148,7 @@ class EnableVllmCOnCpu(TreeCodemod):
                     raise self.shape_error(
                         f'{key}=NAME in the "vllm_c" {op} impl', shown
                     )
-            check_at = assigned.get(kw["supports_args"].value)
-            check = None if check_at is None else _value(tree, check_at)
+            check_at, check = assigned.get(kw["supports_args"].value, (None, None))
             if not isinstance(check, cst.Lambda):
                 raise self.shape_error(
                     f"{op}'s supports_args a module-level lambda",
@@ -181,10 +176,8 @@ class EnableVllmCOnCpu(TreeCodemod):
 
     def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
         gate = norms[0].gate.value
-        at = _assignments(tree).get(gate)
-        value = (
-            None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
-        )
+        at, value = _assignments(tree).get(gate, (None, None))
+        value = _suffixed(value, cst.Or, IS_CPU, True)
         if gate == NORM_GATE or (at is not None and value is None):
             return
         if gate == GATE and at is not None:  # in place, where only the norms use it
@@ -221,15 +214,12 @@ class EnableVllmCOnCpu(TreeCodemod):
 
 
 class DisableVllmCOnCpu(EnableVllmCOnCpu):
-    DESCRIPTION = (
-        f"Undo EnableVllmCOnCpu; {FUNCTION}(), its call and {IS_CPU} go where "
-        "nothing else uses them."
-    )
+    DESCRIPTION = "Undo EnableVllmCOnCpu, and what it added that nothing else uses."
     ON = False
 
     def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
-        at = _assignments(tree).get(norms[0].gate.value)
-        old = None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, False)
+        at, old = _assignments(tree).get(norms[0].gate.value, (None, None))
+        old = _suffixed(old, cst.Or, IS_CPU, False)
         if old is None:
             return
         if norms[0].gate.value == NORM_GATE:

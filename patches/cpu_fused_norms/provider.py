@@ -31,8 +31,7 @@ _status: dict = {"route": None, "stood_aside": None, "error": None}
 
 
 def custom_op_class(layernorm) -> type:
-    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` namespace
-    (its ``torch``, its batch-invariance spelling)."""
+    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` module."""
     namespace = dict(vars(layernorm))
     spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
     cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
