@@ -17,8 +17,7 @@ from patches.cpu_fused_norms.identity import OPS
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
 CONFIG = "IrOpPriorityConfig"
-CONFIG_MODULE = "vllm.config.kernel"
-TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
+TYPE_IMPORT = f"from vllm.config.kernel import {CONFIG}"
 CI_ENV = "VLLM_CPU_CI_ENV"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"
 CONFIG_FILE = "vllm/config/kernel.py"
@@ -65,14 +64,13 @@ class AddCpuIrOpPriority(TreeCodemod):
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         found = _method(cls, METHOD)
-        if found is not None and _meaning(tree.code_for_node(found)) != _meaning(
-            self.method_source(tree, cls)[0]
-        ):
+        if found is not None or self.ON:
+            method, ops = self.method_source(tree, cls)
+        if found and _meaning(tree.code_for_node(found)) != _meaning(method):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
         if (found is not None) == self.ON:
             return tree
         if self.ON:
-            method, ops = self.method_source(tree, cls)
             self.record(
                 f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
                 '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'

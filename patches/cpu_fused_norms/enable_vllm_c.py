@@ -1,8 +1,6 @@
-"""Mark the "vllm_c" RMSNorm impls of ``vllm/kernels/vllm_c.py`` (vLLM 0.20 -
-0.32) supported on CPU, where the CPU kernels match native: the norms' gate
-gains ``or IS_CPU`` (``GPGPU_DEVICE`` in place where only the norms use it, else
-a new ``RMS_NORM_DEVICE``), each ``supports_args`` lambda ``rule.py``'s checks.
-"""
+"""Mark the "vllm_c" RMSNorm impls (vLLM 0.20-0.32) supported on CPU where they
+match native: the norms' gate gains ``or IS_CPU`` (in place where only the norms
+use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` rule.py's checks."""
 
 from __future__ import annotations
 
@@ -109,10 +107,8 @@ def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Modu
 
 
 class EnableVllmCOnCpu(TreeCodemod):
-    DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU where they match '
-        f"native: the norms' gate `or {IS_CPU}`, the rule's checks in supports_args."
-    )
+    DESCRIPTION = 'Run the "vllm_c" RMSNorm kernels on CPU where they match native.'
+
     ON = True  # the change; DisableVllmCOnCpu's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
