@@ -93,8 +93,7 @@ def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
 
 
 def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Module:
-    """``tree`` with statement ``i`` replaced by ``new[i]`` (None: removed) and
-    ``before[i]`` inserted before it; what is new laid out by ruff."""
+    """``tree`` with ``new[i]`` for statement i (None: out), ``before[i]`` before it."""
     body, formatted = [], set()
     for i, stmt in enumerate(tree.body):
         formatted |= set(range(len(body), len(body) + len(before.get(i, ()))))
@@ -141,9 +140,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             for key in ("supported", "supports_args"):
                 if not isinstance(kw.get(key), cst.Name):
                     shown = source(kw[key]) if key in kw else "none"
-                    raise self.shape_error(
-                        f'{key}=NAME in the "vllm_c" {op} impl', shown
-                    )
+                    raise self.shape_error(f"{key}=NAME in the vllm_c {op} impl", shown)
             check_at, check = assigned.get(kw["supports_args"].value, (None, None))
             if not isinstance(check, cst.Lambda):
                 raise self.shape_error(

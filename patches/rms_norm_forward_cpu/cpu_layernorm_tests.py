@@ -1,5 +1,4 @@
-"""vLLM's test of ``RMSNorm.forward_cpu``, beside ``test_cpu_activation.py``:
-the kernel matches ``forward_native``, and the inputs it does not take go native."""
+"""vLLM's test that ``RMSNorm.forward_cpu`` matches native, beside its CPU tests."""
 
 from __future__ import annotations
 

@@ -17,12 +17,9 @@ CLASS = "RMSNorm"
 METHOD = "forward_cpu"
 FUNCTION = "cpu_fused_norm_dtypes"
 ADDED = (
-    f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU kernels "
-    "match `forward_native` in on this machine, decided once per layer in "
-    f"`{CLASS}.__init__`): `ops.rms_norm` and `ops.fused_add_rms_norm` for "
-    "contiguous inputs of one such dtype with a hidden size that is a multiple of "
-    "8; `forward_native` for the rest, a weightless norm, a variance size "
-    "override and batch invariance"
+    f"`{CLASS}.{METHOD}` is added: `ops.rms_norm` and `ops.fused_add_rms_norm` "
+    "where they match `forward_native` (contiguous, a hidden size a multiple of 8, "
+    f"one of the dtypes `{FUNCTION}()` finds here), `forward_native` elsewhere"
 )
 
 
@@ -57,13 +54,11 @@ class AddRmsNormForwardCpu(TreeCodemod):
                 f"{CLASS}.__init__ and {CLASS}.forward_native", "missing"
             )
         if init is not None:  # its last lines: the rule's dtypes for the layer
-            old = body[init].body.body
+            fn, old = body[init], body[init].body.body
             n = len(old) - len(lines)
             if self.ON or (n >= 0 and all(map(_same, old[n:], lines))):
                 new = [*old, *lines] if self.ON else old[:n]
-                body[init] = body[init].with_changes(
-                    body=body[init].body.with_changes(body=new)
-                )
+                body[init] = fn.with_changes(body=fn.body.with_changes(body=new))
         blank = cst.EmptyLine(indent=False)
         if self.ON:
             body.insert(anchor + 1, method.with_changes(leading_lines=[blank]))
