@@ -2,8 +2,6 @@
 have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles.
 """
 
-from __future__ import annotations
-
 import ast
 import textwrap
 

@@ -2,8 +2,6 @@
 match native: the norms' gate gains ``or IS_CPU`` (in place where only the norms
 use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` rule.py's checks."""
 
-from __future__ import annotations
-
 import ast
 import re
 from typing import NamedTuple

@@ -1,7 +1,5 @@
 """vLLM's test that ``RMSNorm.forward_cpu`` matches native, beside its CPU tests."""
 
-from __future__ import annotations
-
 import libcst as cst
 
 from patcher.codemod import TreeCodemod

@@ -3,8 +3,6 @@
 ``forward_native`` on (``rule.py``), ``forward_native`` for the rest.
 """
 
-from __future__ import annotations
-
 import textwrap
 
 import libcst as cst

@@ -3,8 +3,6 @@ match native), as the source both forms write and the provider runs: dtypes
 once per process, never in traced code (the fused add's bfloat16 only where the
 build rounds as torch does), the rest per call (:func:`call_checks`)."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 CPU_PY = "vllm/platforms/cpu.py"  # where the tree says which builds vLLM loads
