@@ -188,8 +188,7 @@ class EnableVllmCOnCpu(TreeCodemod):
         self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        """``IS_CPU`` before its first use, the rule's function and its call
-        before the first ``supports_args``."""
+        """``IS_CPU`` before its first use; the function, its call before the checks."""
         if cpu is None:
             at = min([*new, *before])
             before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]

@@ -10,14 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
-    OPS,
-    OPT_IN_ENV,
-    OPT_IN_OFF,
-    OPT_IN_ON,
-    PROVIDER,
-    UPSTREAM_PROVIDER,
-)
+from patches.cpu_fused_norms.identity import OPT_IN_ENV, OPT_IN_OFF, OPT_IN_ON, PROVIDER
 from patches.rms_norm_forward_cpu import rule
 
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree

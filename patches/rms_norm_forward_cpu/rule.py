@@ -3,6 +3,7 @@ match native), as the source both forms write and the provider runs: dtypes
 once per process, never in traced code (the fused add's bfloat16 only where the
 build rounds as torch does), the rest per call (:func:`call_checks`)."""
 
+from importlib.util import find_spec
 from pathlib import Path
 
 CPU_PY = "vllm/platforms/cpu.py"  # where the tree says which builds vLLM loads
@@ -76,8 +77,6 @@ def call_checks(
 
 def installed_dtypes() -> tuple[tuple, tuple]:
     """``cpu_fused_norm_dtypes()`` for the installed vLLM, run on this machine."""
-    from importlib.util import find_spec
-
     import torch
 
     cpu_py = Path(find_spec("vllm.platforms.cpu").origin).read_text("utf-8")
