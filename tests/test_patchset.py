@@ -22,15 +22,15 @@ PATCH = select(["cpu_fused_norms"])[0]
 
 @requires_vllm
 def test_the_provider_is_what_its_module_declares():
-    from patches.cpu_fused_norms import provider
+    from patches.cpu_fused_norms import identity, provider
 
     spec = PATCH.provider()
     assert spec["module"] == "patches.cpu_fused_norms.provider"
     assert spec["patch"] == PATCH.name
     assert spec["name"] == provider.PROVIDER
-    assert spec["ops"] == list(provider.OPS)
+    assert spec["ops"] == list(identity.OPS)
     assert spec["opt_in_env"] == provider.OPT_IN_ENV
-    assert spec["upstream"] == provider.UPSTREAM_PROVIDER
+    assert spec["upstream"] == identity.UPSTREAM_PROVIDER
     assert spec in provider_specs()
 
 

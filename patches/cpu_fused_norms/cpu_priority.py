@@ -2,8 +2,6 @@
 have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles.
 """
 
-from __future__ import annotations
-
 import ast
 import textwrap
 
@@ -17,12 +15,10 @@ from patches.cpu_fused_norms.identity import OPS
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
 CONFIG = "IrOpPriorityConfig"
-CONFIG_MODULE = "vllm.config.kernel"
-TYPE_IMPORT = f"from {CONFIG_MODULE} import {CONFIG}"
+TYPE_IMPORT = f"from vllm.config.kernel import {CONFIG}"
 CI_ENV = "VLLM_CPU_CI_ENV"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"
 CONFIG_FILE = "vllm/config/kernel.py"
-COMPILATION_FILE = "vllm/config/compilation.py"
 
 METHOD_TEMPLATE = """\
 @classmethod
@@ -66,14 +62,13 @@ class AddCpuIrOpPriority(TreeCodemod):
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         found = _method(cls, METHOD)
-        if found is not None and _meaning(tree.code_for_node(found)) != _meaning(
-            self.method_source(tree, cls)[0]
-        ):
+        if found is not None or self.ON:
+            method, ops = self.method_source(tree, cls)
+        if found and _meaning(tree.code_for_node(found)) != _meaning(method):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
         if (found is not None) == self.ON:
             return tree
         if self.ON:
-            method, ops = self.method_source(tree, cls)
             self.record(
                 f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
                 '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
@@ -122,31 +117,21 @@ class AddCpuIrOpPriority(TreeCodemod):
     def method_source(self, tree: cst.Module, cls: cst.ClassDef):
         """The method this tool writes for the tree (at column 0), and its ops."""
         ops_there = list(norm_impls(self.parse_tree_file(VLLM_C_FILE)))
-        config = [
-            c.body
-            for c in self.read_tree_ast(CONFIG_FILE).body
-            if isinstance(c, ast.ClassDef) and c.name == CONFIG
-        ]
-        body = config[0] if config else []
+        classes = self.read_tree_ast(CONFIG_FILE).body
+        body = next((c.body for c in classes if getattr(c, "name", "") == CONFIG), None)
         fields = [
-            s.target.id
-            for s in body
-            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            getattr(s.target, "id", "") for s in body or () if "annotation" in s._fields
         ]
-        if not any(getattr(s, "name", None) == "with_default" for s in body):
+        if not any(getattr(s, "name", None) == "with_default" for s in body or ()):
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
-                f"{CONFIG} fields {fields}" if config else f"no class {CONFIG}",
+                f"no class {CONFIG}" if body is None else f"{CONFIG} fields {fields}",
             )
         ops = [op for op in OPS if op in ops_there and op in fields]
         if not ops:
             raise self.shape_error(
                 f"norms with a vllm_c impl in {VLLM_C_FILE}, fields of {CONFIG}",
                 f"impls: {ops_there}; fields: {fields}",
-            )
-        if "class CompilationMode" not in self.read_tree_file(COMPILATION_FILE):
-            raise self.shape_error(
-                f"class CompilationMode in {COMPILATION_FILE}", "no such class"
             )
         per_op = ", ".join(f"{op}=default" for op in ops)
         return METHOD_TEMPLATE.format(ci_env=self.ci_env(tree, cls), per_op=per_op), ops

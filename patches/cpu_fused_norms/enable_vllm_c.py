@@ -1,10 +1,6 @@
-"""Mark the "vllm_c" RMSNorm impls of ``vllm/kernels/vllm_c.py`` (vLLM 0.20 -
-0.32) supported on CPU, where the CPU kernels match native: the norms' gate
-gains ``or IS_CPU`` (``GPGPU_DEVICE`` in place where only the norms use it, else
-a new ``RMS_NORM_DEVICE``), each ``supports_args`` lambda ``rule.py``'s checks.
-"""
-
-from __future__ import annotations
+"""Mark the "vllm_c" RMSNorm impls (vLLM 0.20-0.32) supported on CPU where they
+match native: the norms' gate gains ``or IS_CPU`` (in place where only the norms
+use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` rule.py's checks."""
 
 import ast
 import re
@@ -32,9 +28,7 @@ TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
 
 class Norm(NamedTuple):
-    """One "vllm_c" norm: its function at ``at`` gated by ``gate``, and its
-    ``supports_args``, the lambda ``check`` at ``check_at``, which gains ``guard``
-    on CPU."""
+    """A "vllm_c" norm at ``at``; its supports_args lambda ``check`` at ``check_at``."""
 
     op: str
     at: int
@@ -59,23 +53,18 @@ def norm_impls(tree: cst.Module) -> dict[str, tuple[int, cst.Call]]:
     return found
 
 
-def _assignments(tree: cst.Module) -> dict[str, int]:
-    """The target's code -> the index of the first module-level ``target = ...``."""
-    found: dict[str, int] = {}
+def _assignments(tree: cst.Module) -> dict:
+    """Target code -> (index, value) of the first module-level ``target = ...``."""
+    found: dict = {}
     for i, stmt in enumerate(tree.body):
         small = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
         if isinstance(small, cst.Assign) and len(small.targets) == 1:
-            found.setdefault(source(small.targets[0].target), i)
+            found.setdefault(source(small.targets[0].target), (i, small.value))
     return found
 
 
-def _value(tree: cst.Module, at: int) -> cst.BaseExpression:
-    return tree.body[at].body[0].value
-
-
 def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
-    """Statement ``at`` (``NAME = ...``) assigning ``value`` instead."""
-    return tree.body[at].deep_replace(_value(tree, at), value)
+    return tree.body[at].deep_replace(tree.body[at].body[0].value, value)
 
 
 def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
@@ -86,7 +75,7 @@ def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
     )
-    if (there and meaning(source(expr.right)) == meaning(code)) == on:
+    if expr is None or (there and meaning(source(expr.right)) == meaning(code)) == on:
         return None
     if not on:
         return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
@@ -102,8 +91,7 @@ def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
 
 
 def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Module:
-    """``tree`` with statement ``i`` replaced by ``new[i]`` (None: removed) and
-    ``before[i]`` inserted before it; what is new laid out by ruff."""
+    """``tree`` with ``new[i]`` for statement i (None: out), ``before[i]`` before it."""
     body, formatted = [], set()
     for i, stmt in enumerate(tree.body):
         formatted |= set(range(len(body), len(body) + len(before.get(i, ()))))
@@ -116,10 +104,8 @@ def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Modu
 
 
 class EnableVllmCOnCpu(TreeCodemod):
-    DESCRIPTION = (
-        'Mark the "vllm_c" RMSNorm kernels supported on CPU where they match '
-        f"native: the norms' gate `or {IS_CPU}`, the rule's checks in supports_args."
-    )
+    DESCRIPTION = 'Run the "vllm_c" RMSNorm kernels on CPU where they match native.'
+
     ON = True  # the change; DisableVllmCOnCpu's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
@@ -128,7 +114,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             if not used[name]:
                 raise self.shape_error(f"{name} imported", "none")
         norms, new, before = self.norms(tree), {}, {}
-        cpu = _assignments(tree).get(IS_CPU)
+        cpu = _assignments(tree).get(IS_CPU, (None,))[0]
         if self.ON and cpu is not None and source(tree.body[cpu]) != IS_CPU_LINE:
             raise self.shape_error(
                 f"{IS_CPU} unassigned, or `{IS_CPU_LINE}`", source(tree.body[cpu])
@@ -152,11 +138,8 @@ class EnableVllmCOnCpu(TreeCodemod):
             for key in ("supported", "supports_args"):
                 if not isinstance(kw.get(key), cst.Name):
                     shown = source(kw[key]) if key in kw else "none"
-                    raise self.shape_error(
-                        f'{key}=NAME in the "vllm_c" {op} impl', shown
-                    )
-            check_at = assigned.get(kw["supports_args"].value)
-            check = None if check_at is None else _value(tree, check_at)
+                    raise self.shape_error(f"{key}=NAME in the vllm_c {op} impl", shown)
+            check_at, check = assigned.get(kw["supports_args"].value, (None, None))
             if not isinstance(check, cst.Lambda):
                 raise self.shape_error(
                     f"{op}'s supports_args a module-level lambda",
@@ -184,10 +167,8 @@ class EnableVllmCOnCpu(TreeCodemod):
 
     def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
         gate = norms[0].gate.value
-        at = _assignments(tree).get(gate)
-        value = (
-            None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, True)
-        )
+        at, value = _assignments(tree).get(gate, (None, None))
+        value = _suffixed(value, cst.Or, IS_CPU, True)
         if gate == NORM_GATE or (at is not None and value is None):
             return
         if gate == GATE and at is not None:  # in place, where only the norms use it
@@ -207,8 +188,7 @@ class EnableVllmCOnCpu(TreeCodemod):
         self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        """``IS_CPU`` before its first use, the rule's function and its call
-        before the first ``supports_args``."""
+        """``IS_CPU`` before its first use; the function, its call before the checks."""
         if cpu is None:
             at = min([*new, *before])
             before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
@@ -224,15 +204,12 @@ class EnableVllmCOnCpu(TreeCodemod):
 
 
 class DisableVllmCOnCpu(EnableVllmCOnCpu):
-    DESCRIPTION = (
-        f"Undo EnableVllmCOnCpu; {FUNCTION}(), its call and {IS_CPU} go where "
-        "nothing else uses them."
-    )
+    DESCRIPTION = "Undo EnableVllmCOnCpu, and what it added that nothing else uses."
     ON = False
 
     def gate(self, tree, norms: list[Norm], used, new: dict, before: dict) -> None:
-        at = _assignments(tree).get(norms[0].gate.value)
-        old = None if at is None else _suffixed(_value(tree, at), cst.Or, IS_CPU, False)
+        at, old = _assignments(tree).get(norms[0].gate.value, (None, None))
+        old = _suffixed(old, cst.Or, IS_CPU, False)
         if old is None:
             return
         if norms[0].gate.value == NORM_GATE:
@@ -245,17 +222,12 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
         """Without what apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
-        call = next(
-            (i for i, s in enumerate(tree.body) if source(s) == DTYPES_LINES[0]), None
-        )
-        if call is not None and not any(left[n] > 1 for n in DTYPES.values()):
-            new[call] = None
-            if source(tree.body[call + 1]) == DTYPES_LINES[1]:
-                new[call + 1] = None
+        called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
+        if called and not any(left[n] > 1 for n in DTYPES.values()):
             for i, s in enumerate(tree.body):
-                function = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
-                if function and left[FUNCTION] == 2:  # its def and its call
-                    new[i] = None
+                mine = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
+                if source(s) in DTYPES_LINES or (mine and left[FUNCTION] == 2):
+                    new[i] = None  # the call, its docstring, the def it alone uses
         if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
             new[cpu] = None
         return _rebuild(tree, new, {})

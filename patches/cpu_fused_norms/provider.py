@@ -10,14 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from patches.cpu_fused_norms.identity import (  # noqa: F401 (re-exported)
-    OPS,
-    OPT_IN_ENV,
-    OPT_IN_OFF,
-    OPT_IN_ON,
-    PROVIDER,
-    UPSTREAM_PROVIDER,
-)
+from patches.cpu_fused_norms.identity import OPT_IN_ENV, OPT_IN_OFF, OPT_IN_ON, PROVIDER
 from patches.rms_norm_forward_cpu import rule
 
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
@@ -31,8 +24,7 @@ _status: dict = {"route": None, "stood_aside": None, "error": None}
 
 
 def custom_op_class(layernorm) -> type:
-    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` namespace
-    (its ``torch``, its batch-invariance spelling)."""
+    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` module."""
     namespace = dict(vars(layernorm))
     spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
     cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
@@ -68,8 +60,10 @@ def _register() -> None:
     from vllm.model_executor.layers import layernorm
     from vllm.platforms import current_platform
 
-    if CUSTOM_OP_KEY in _oot_registry(CustomOp):  # a second call, or another's
-        return
+    # op_registry_oot: module level from 0.15 on, a class attribute before.
+    oot = getattr(sys.modules[CustomOp.__module__], "op_registry_oot", None)
+    if CUSTOM_OP_KEY in (oot or getattr(CustomOp, "op_registry_oot", {})):
+        return  # a second call, or another's
     if not current_platform.is_cpu():
         why = f"the platform is {type(current_platform).__name__}, not CPU"
     elif "forward_cpu" in vars(layernorm.RMSNorm):
@@ -94,23 +88,13 @@ def _register() -> None:
     )
 
 
-def _oot_registry(custom_op: type) -> dict:
-    """``op_registry_oot``: module level from 0.15 on, a class attribute before."""
-    registry = getattr(sys.modules[custom_op.__module__], "op_registry_oot", None)
-    return custom_op.op_registry_oot if registry is None else registry
-
-
-def _opt_in_value() -> str:
-    return os.environ.get(OPT_IN_ENV, "").strip().lower()
-
-
 def opted_in() -> bool:
-    return _opt_in_value() in OPT_IN_ON
+    return os.environ.get(OPT_IN_ENV, "").strip().lower() in OPT_IN_ON
 
 
 def ignored_opt_in() -> str | None:
     """Why the opt-in's value changes nothing, when it is neither on nor off."""
-    if OPT_IN_ENV not in os.environ or _opt_in_value() in OPT_IN_ON + OPT_IN_OFF:
+    if os.environ.get(OPT_IN_ENV, "").strip().lower() in OPT_IN_ON + OPT_IN_OFF:
         return None
     return (
         f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]!r} is ignored: "

@@ -1,7 +1,4 @@
-"""vLLM's test of ``RMSNorm.forward_cpu``, beside ``test_cpu_activation.py``:
-the kernel matches ``forward_native``, and the inputs it does not take go native."""
-
-from __future__ import annotations
+"""vLLM's test that ``RMSNorm.forward_cpu`` matches native, beside its CPU tests."""
 
 import libcst as cst
 

@@ -3,13 +3,11 @@
 ``forward_native`` on (``rule.py``), ``forward_native`` for the rest.
 """
 
-from __future__ import annotations
-
 import textwrap
 
 import libcst as cst
 
-from patcher.codemod import TreeCodemod
+from patcher.codemod import TreeCodemod, names
 from patcher.ruff_format import format_member, format_source
 from patches.rms_norm_forward_cpu import rule
 
@@ -17,12 +15,9 @@ CLASS = "RMSNorm"
 METHOD = "forward_cpu"
 FUNCTION = "cpu_fused_norm_dtypes"
 ADDED = (
-    f"`{CLASS}.{METHOD}` is added, with `{FUNCTION}()` (the dtypes the CPU kernels "
-    "match `forward_native` in on this machine, decided once per layer in "
-    f"`{CLASS}.__init__`): `ops.rms_norm` and `ops.fused_add_rms_norm` for "
-    "contiguous inputs of one such dtype with a hidden size that is a multiple of "
-    "8; `forward_native` for the rest, a weightless norm, a variance size "
-    "override and batch invariance"
+    f"`{CLASS}.{METHOD}` is added: `ops.rms_norm` and `ops.fused_add_rms_norm` "
+    "where they match `forward_native` (contiguous, a hidden size a multiple of 8, "
+    f"one of the dtypes `{FUNCTION}()` finds here), `forward_native` elsewhere"
 )
 
 
@@ -57,13 +52,11 @@ class AddRmsNormForwardCpu(TreeCodemod):
                 f"{CLASS}.__init__ and {CLASS}.forward_native", "missing"
             )
         if init is not None:  # its last lines: the rule's dtypes for the layer
-            old = body[init].body.body
+            fn, old = body[init], body[init].body.body
             n = len(old) - len(lines)
             if self.ON or (n >= 0 and all(map(_same, old[n:], lines))):
                 new = [*old, *lines] if self.ON else old[:n]
-                body[init] = body[init].with_changes(
-                    body=body[init].body.with_changes(body=new)
-                )
+                body[init] = fn.with_changes(body=fn.body.with_changes(body=new))
         blank = cst.EmptyLine(indent=False)
         if self.ON:
             body.insert(anchor + 1, method.with_changes(leading_lines=[blank]))
@@ -87,16 +80,8 @@ class AddRmsNormForwardCpu(TreeCodemod):
     def pieces(self, tree: cst.Module) -> tuple:
         """The function, the ``__init__`` lines and the method, laid out for this
         tree, spelling batch invariance by the name ``layernorm.py`` imports."""
-        imported = {
-            alias.evaluated_alias or alias.evaluated_name
-            for stmt in tree.body
-            if isinstance(stmt, cst.SimpleStatementLine)
-            for small in stmt.body
-            if isinstance(small, cst.Import | cst.ImportFrom)
-            and not isinstance(small.names, cst.ImportStar)
-            for alias in small.names
-        }
-        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if n in imported]
+        used = names(tree)
+        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if used[n]]
         if not spelling:
             raise self.shape_error(
                 "an import of vllm_is_batch_invariant or vllm.envs",

@@ -1,21 +1,15 @@
-"""Where vLLM's CPU ``rms_norm`` and ``fused_add_rms_norm`` kernels run: only
-where they match the native norm. The one home of that rule, as the source both
-forms write into vLLM and the provider runs: the dtypes per process
-(``cpu_fused_norm_dtypes()``, never in traced code; the fused add's bfloat16 only
-where the build rounds as torch does: ``_C_AVX512``'s and ``_C_AVX2``'s
-truncation shrinks the residual stream layer by layer), the rest per call
-(:func:`call_checks`).
-"""
+"""The one home of the rule for where vLLM's CPU norm kernels run (where they
+match native), as the source both forms write and the provider runs: dtypes
+once per process, never in traced code (the fused add's bfloat16 only where the
+build rounds as torch does), the rest per call (:func:`call_checks`)."""
 
-from __future__ import annotations
-
+from importlib.util import find_spec
 from pathlib import Path
 
 CPU_PY = "vllm/platforms/cpu.py"  # where the tree says which builds vLLM loads
 HIDDEN_MULTIPLE = 8  # the kernels vectorise the hidden size in blocks of 8
 
-# In cpu.py where vLLM loads a build per x86 CPU class, the AVX512-BF16 one
-# (``_C``) iff ``torch.cpu._is_avx512_bf16_supported()``.
+# In cpu.py where vLLM loads a build per x86 CPU class; ``_C`` has AVX512-BF16.
 PER_ISA_BUILDS = "_C_AVX512"
 
 X86_ROUNDS = (
@@ -67,9 +61,8 @@ def call_checks(
     residual: str | None = None,
     weight_may_be_none: bool = False,
 ) -> str:
-    """The per-call condition (a Python expression) under which the kernel
-    matches native: ``dtypes`` names the tuple ``cpu_fused_norm_dtypes()``
-    gave for this op, ``weight`` the weight tensor."""
+    """The per-call condition (Python source) for the kernel to match native;
+    ``dtypes`` names the op's tuple from ``cpu_fused_norm_dtypes()``."""
     checks = [f"{weight} is not None"] if weight_may_be_none else []
     checks += [
         f"{x}.dtype in {dtypes}",
@@ -84,8 +77,6 @@ def call_checks(
 
 def installed_dtypes() -> tuple[tuple, tuple]:
     """``cpu_fused_norm_dtypes()`` for the installed vLLM, run on this machine."""
-    from importlib.util import find_spec
-
     import torch
 
     cpu_py = Path(find_spec("vllm.platforms.cpu").origin).read_text("utf-8")
@@ -137,9 +128,8 @@ def forward_cpu(
     return self.forward_native(x, residual)
 """
 
+# Batch invariance, by the name layernorm.py imports (a function before 0.19).
 BATCH_INVARIANT = {
     "vllm_is_batch_invariant": "vllm_is_batch_invariant()",
     "envs": "envs.VLLM_BATCH_INVARIANT",
 }
-"""Batch invariance is on, by the name ``layernorm.py`` imports: a function
-before 0.19, then the environment flag."""
