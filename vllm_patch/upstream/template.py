@@ -59,13 +59,8 @@ class Piece:  # a block of the description, and the kinds it prefers, in order
 
 def _html_comments(text: str) -> list[str]:
     """The closed ``<!-- ... -->`` comments of ``text``, found in linear time."""
-    found, at = [], 0
-    while (start := text.find("<!--", at)) >= 0 and (
-        end := text.find("-->", start)
-    ) >= 0:
-        found.append(text[start : end + 3])
-        at = end + 3
-    return found
+    parts = text.split("-->")[:-1]  # each closed by the next "-->"
+    return [p[p.index("<!--") :] + "-->" for p in parts if "<!--" in p]
 
 
 def read_template(root: Path | None) -> Template:

@@ -113,8 +113,8 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """``depends``' files (same, differing): the checkout has the installed vLLM's
-    bytes, or the patched ones (absent from both: the same)."""
+    """``depends``' files, (same, differing): the installed vLLM's bytes, patched or
+    not, in the checkout (absent from both: the same)."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -132,8 +132,7 @@ def compared(
 
 
 def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
-    """The checkout's bytes of the files ``names`` (edited by ``patch``)
-    without the change and with it, whichever of the two the checkout holds."""
+    """The checkout's ``names`` (edited by ``patch``) without and with the change."""
     tree = VllmTree(checkout)
     sides = [engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")]
     return {
@@ -175,11 +174,10 @@ def run_tests(
 ) -> TestRuns:
     """The edited tests with the change and without it, or why they cannot run
     here (``skip``: ``--no-tests``)."""
-    tested = (checkout, files, patch, depends)
     present = [f for f in files if (checkout / f).is_file()] or files
     command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
-    if why := "skipped (--no-tests)" if skip else unavailable(*tested):
-        said = why if skip else f"cannot run here ({why})"
+    if why := skip or unavailable(checkout, files, patch, depends):
+        said = "skipped (--no-tests)" if skip else f"cannot run here ({why})"
         print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
     installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
