@@ -89,8 +89,8 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """The node graph and document in ``text`` within the bounds (the size with
-    aliases expanded counted last); else a refusal naming only the line."""
+    """``text``'s node graph and document within the bounds, or a refusal naming
+    only the line (the bounds on the events first, then the expanded size)."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -145,9 +145,7 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     steps = _value_of(node, "steps")
     found = [
         (label.value, step, i)
-        for i, step in enumerate(
-            steps.value if isinstance(steps, yaml.SequenceNode) else []
-        )
+        for i, step in enumerate(steps.value if steps else ())  # a list's: mappings
         if isinstance(label := _value_of(step, "label"), yaml.ScalarNode)
         and edit.wiring.step in label.value
     ]
@@ -164,8 +162,7 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     offset, new_tests = _test_lines(lines[start:end], edit)
     listed = {d.value for d in deps}
     edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
-    item = lines[deps[-1].start_mark.line]  # its indentation and "- ", no more
-    dash = item[: len(item) - len(item.lstrip(" "))] + "- "
+    dash = lines[deps[-1].start_mark.line][: deps[-1].start_mark.column]  # "  - "
     new_deps = [f"{dash}{d}\n" for d in edit.added_dependencies]
     inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
     for at, added in sorted(inserts, reverse=True):  # the later lines first

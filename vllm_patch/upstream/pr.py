@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import git
@@ -59,9 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Settings:  # one run's, checked before anything is written
     repo: git.Repo
-    root: Path
     patch: Patch
-    upstream: Upstream
     branch: str
     signoff: str
     description: Path
@@ -71,6 +70,14 @@ class Settings:  # one run's, checked before anything is written
     base: str | None  # where the branch starts, or which it must contain
     base_commit: str | None
     args: argparse.Namespace
+
+    @property
+    def root(self) -> Path:
+        return Path(self.repo.working_tree_dir)
+
+    @cached_property
+    def upstream(self) -> Upstream:
+        return upstream_of(self.patch)
 
 
 def open_checkout(path: Path) -> tuple[git.Repo, str]:
@@ -165,21 +172,11 @@ def preflight(args: argparse.Namespace) -> Settings:
             looked_for="a branch, tag or commit (git rev-parse)",
             found="nothing",
         ) from exc
+    evidence = pr_body.load_evidence(args.evidence, patch)
     head = repo.head
+    start = head.commit.hexsha if head.is_detached else repo.active_branch.name
     return Settings(
-        repo=repo,
-        root=root,
-        patch=patch,
-        upstream=upstream,
-        branch=branch,
-        signoff=signoff,
-        description=out,
-        evidence=pr_body.load_evidence(args.evidence, patch),
-        start=head.commit.hexsha if head.is_detached else repo.active_branch.name,
-        tip=tip,
-        base=base,
-        base_commit=base_commit,
-        args=args,
+        repo, patch, branch, signoff, out, evidence, start, tip, base, base_commit, args
     )
 
 
@@ -305,8 +302,7 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _apply(s: Settings, work: Work) -> bool:
-    """Apply the patch and CI edits, or find the branch's commit of it; False
-    when a new branch would be empty (then it is deleted)."""
+    """The patch and CI edits applied, or the branch's commit found; False: none."""
     work.plan = plan = engine.plan(open_tree(s.root), s.patch)
     if plan.errors:
         raise plan.errors[0]
@@ -381,9 +377,7 @@ def _description(s: Settings, work: Work) -> str:
         runs = vllm_tests.run_tests(s.root, edited, s.patch, depends, keyword, skip)
     measured = None
     if not (s.evidence or s.args.no_bench):
-        print(
-            "figures: per call and eager Qwen3, base vs this change (--no-bench skips)"
-        )
+        print("figures: per call and eager Qwen3, base and patched (--no-bench skips)")
         tests = [e.edit.file for e in optional]
         measured = figures.measure(s.root, s.patch, tests, depends, print)
         if measured.why_not:

@@ -172,8 +172,7 @@ def run_tests(
     keyword: str | None = None,
     skip: bool = False,
 ) -> TestRuns:
-    """The edited tests with the change and without it, or why they cannot run
-    here (``skip``: ``--no-tests``)."""
+    """The edited tests with and without the change, or why they do not run."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
     if why := skip or unavailable(checkout, files, patch, depends):
