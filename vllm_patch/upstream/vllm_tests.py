@@ -21,7 +21,7 @@ from patcher.version import read_version
 from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
 
-PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
+PYTEST_OPTIONS = ("-q", "-p", "no:cacheprovider", "--import-mode=append")
 # As vLLM's CPU jobs do: else vLLM infers the platform from a distribution named
 # ``vllm``, which a checkout's own build metadata (its egg-info) may answer.
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
@@ -68,11 +68,11 @@ def run_pytest(
     checkout: Path, files: list[str], site: Path, keyword: str | None
 ) -> TestRun:
     """pytest on ``files`` of ``checkout`` with ``site``'s ``vllm/`` imported."""
-    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
+    k = ["-k", keyword] if keyword else []
+    command = shlex.join(["pytest", *k, *files])
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        argv = [*PYTEST_OPTIONS, "-q", f"--rootdir={checkout}", f"--junitxml={junit}"]
-        argv += ["-k", keyword] if keyword else []
+        argv = [*PYTEST_OPTIONS, f"--rootdir={checkout}", f"--junitxml={junit}", *k]
         # cwd=site: `python -m` puts the working directory first on sys.path.
         outcome = child.run(
             "pytest:main",
