@@ -81,7 +81,7 @@ class Settings:  # one run's, checked before anything is written
 
 
 def open_checkout(path: Path) -> tuple[git.Repo, str]:
-    """A clean checkout with commits; its configured committer's Signed-off-by."""
+    """A clean checkout with commits; its committer's Signed-off-by, never guessed."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
@@ -213,7 +213,7 @@ def on_branch(s: Settings) -> Iterator[Work]:
             held = {signal.SIGINT, *SIGNALS}
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
             try:
-                head, hooks = s.repo.head, {"c": "core.hooksPath=/dev/null"}  # none
+                head, hooks = s.repo.head, {"c": "core.hooksPath=/dev/null"}  # no hook
                 if s.tip and not head.is_detached and head.ref.name == s.branch:
                     s.repo.git(**hooks).reset("-q", "--hard", s.tip)
                 s.repo.git(**hooks).checkout("-q", "-f", s.start)
