@@ -4,7 +4,6 @@ original plus exactly the added entries. The file is data (docs/safety.md)."""
 
 from __future__ import annotations
 
-import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,14 +54,10 @@ class CiEdit:
         """What changed, or why it is left alone."""
         if self.text is None:
             return [self.reason]
-        said, step = [], self.wiring.step
-        if tests := ", ".join(f"`{t}`" for t in self.added_tests):
-            script = self.wiring.file.endswith(".sh")
-            said.append(
-                f"runs {tests} after `{step}`"
-                if script
-                else f'the "{step}" step runs {tests}'
-            )
+        tests, step = ", ".join(f"`{t}`" for t in self.added_tests), self.wiring.step
+        said = [f"runs {tests} after `{step}`"] if tests else []
+        if tests and not self.wiring.file.endswith(".sh"):
+            said = [f'the "{step}" step runs {tests}']
         if deps := ", ".join(f"`{d}`" for d in self.added_dependencies):
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
@@ -94,8 +89,8 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """The node graph and document in ``text`` within the bounds (the size with
-    aliases expanded counted last); else a refusal naming only the line."""
+    """``text``'s node graph and document within the bounds, or a refusal naming
+    only the line (the bounds on the events first, then the expanded size)."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -150,9 +145,7 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     steps = _value_of(node, "steps")
     found = [
         (label.value, step, i)
-        for i, step in enumerate(
-            steps.value if isinstance(steps, yaml.SequenceNode) else []
-        )
+        for i, step in enumerate(steps.value if steps else ())  # a list's: mappings
         if isinstance(label := _value_of(step, "label"), yaml.ScalarNode)
         and edit.wiring.step in label.value
     ]
@@ -169,14 +162,13 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     offset, new_tests = _test_lines(lines[start:end], edit)
     listed = {d.value for d in deps}
     edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
-    item = lines[deps[-1].start_mark.line]  # its indentation and "- ", no more
-    dash = item[: len(item) - len(item.lstrip(" "))] + "- "
+    dash = lines[deps[-1].start_mark.line][: deps[-1].start_mark.column]  # "  - "
     new_deps = [f"{dash}{d}\n" for d in edit.added_dependencies]
     inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
     for at, added in sorted(inserts, reverse=True):  # the later lines first
         lines[at:at] = added
-    new, expected = load_yaml("".join(lines))[1], copy.deepcopy(old)
-    expected["steps"][index][DEPENDENCIES] += edit.added_dependencies
+    new = load_yaml("".join(lines))[1]
+    old["steps"][index][DEPENDENCIES] += edit.added_dependencies
     inserted = {line.strip() for line in new_tests}
     try:  # the added test lines taken out again
         commands = [str(c) for c in new["steps"][index]["commands"]]
@@ -186,7 +178,7 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
         ]
     except (KeyError, IndexError, TypeError):
         commands = []
-    if new != expected or not all(t in " ".join(commands) for t in edit.added_tests):
+    if new != old or not all(t in " ".join(commands) for t in edit.added_tests):
         raise CiShapeError(
             "the edited file does not parse to the original plus the added entries"
         )

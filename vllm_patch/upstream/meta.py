@@ -43,8 +43,7 @@ def upstream_of(patch: Patch) -> Upstream:
 
 
 def _wiring(table: dict, patch: Patch) -> CiWiring:
-    """One ``[[upstream.ci]]``: ``file``, ``tests``, and ``step`` (part of its
-    label) and ``source_file_dependencies``, or for a script ``after`` (a test)."""
+    """One ``[[upstream.ci]]`` table (a script's names the test to follow ``after``)."""
     try:
         script = table["file"].endswith(".sh")
         step = table["after" if script else "step"]

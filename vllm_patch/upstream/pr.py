@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import git
@@ -59,10 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Settings:  # one run's, checked before anything is written
     repo: git.Repo
-    root: Path
-    tree: VllmTree
     patch: Patch
-    upstream: Upstream
     branch: str
     signoff: str
     description: Path
@@ -73,10 +71,17 @@ class Settings:  # one run's, checked before anything is written
     base_commit: str | None
     args: argparse.Namespace
 
+    @property
+    def root(self) -> Path:
+        return Path(self.repo.working_tree_dir)
+
+    @cached_property
+    def upstream(self) -> Upstream:
+        return upstream_of(self.patch)
+
 
 def open_checkout(path: Path) -> tuple[git.Repo, str]:
-    """A clean checkout with commits, and the Signed-off-by line of its
-    explicitly configured committer (never guessed from the host)."""
+    """A clean checkout with commits; its committer's Signed-off-by, never guessed."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
@@ -90,7 +95,7 @@ def open_checkout(path: Path) -> tuple[git.Repo, str]:
         raise UsageError("a bare repository has no work tree", path=str(path))
     if not repo.head.is_valid():
         raise UsageError("the checkout has no commits", path=str(path))
-    if repo.is_dirty(index=True, working_tree=True, untracked_files=False):
+    if repo.is_dirty():  # the index and tracked files
         changed = repo.git.diff("HEAD", "--name-only").split("\n")[:10]
         raise UsageError(
             "the work tree has uncommitted changes; commit or stash them first",
@@ -98,9 +103,7 @@ def open_checkout(path: Path) -> tuple[git.Repo, str]:
             found=", ".join(filter(None, changed)) or "staged changes",
         )
     try:
-        ident = repo.git.execute(
-            ["git", "-c", "user.useConfigOnly=true", "var", "GIT_COMMITTER_IDENT"]
-        )
+        ident = repo.git(c="user.useConfigOnly=true").var("GIT_COMMITTER_IDENT")
     except git.GitCommandError as exc:
         raise UsageError(
             "no git identity for the commit and its Signed-off-by line; run\n"
@@ -113,8 +116,7 @@ def open_checkout(path: Path) -> tuple[git.Repo, str]:
 
 
 def refuse_ir_era(repo: git.Repo, tree: VllmTree, patch: Patch) -> None:
-    """A release whose own form of the change is another is refused; its version
-    from vllm/_version.py when the build wrote it, else the nearest v* tag."""
+    """Refuse a release whose form is another (its version: the build's, or v* tag)."""
     version = read_version(tree)
     if version is None:
         with contextlib.suppress(git.GitCommandError, InvalidVersion):
@@ -170,22 +172,11 @@ def preflight(args: argparse.Namespace) -> Settings:
             looked_for="a branch, tag or commit (git rev-parse)",
             found="nothing",
         ) from exc
+    evidence = pr_body.load_evidence(args.evidence, patch)
     head = repo.head
+    start = head.commit.hexsha if head.is_detached else repo.active_branch.name
     return Settings(
-        repo=repo,
-        root=root,
-        tree=tree,
-        patch=patch,
-        upstream=upstream,
-        branch=branch,
-        signoff=signoff,
-        description=out,
-        evidence=pr_body.load_evidence(args.evidence, patch),
-        start=head.commit.hexsha if head.is_detached else repo.active_branch.name,
-        tip=tip,
-        base=base,
-        base_commit=base_commit,
-        args=args,
+        repo, patch, branch, signoff, out, evidence, start, tip, base, base_commit, args
     )
 
 
@@ -222,12 +213,12 @@ def on_branch(s: Settings) -> Iterator[Work]:
             held = {signal.SIGINT, *SIGNALS}
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
             try:
-                head, nohooks = s.repo.head, ["git", "-c", "core.hooksPath=/dev/null"]
+                head, hooks = s.repo.head, {"c": "core.hooksPath=/dev/null"}  # no hook
                 if s.tip and not head.is_detached and head.ref.name == s.branch:
-                    s.repo.git.execute([*nohooks, "reset", "-q", "--hard", s.tip])
-                s.repo.git.execute([*nohooks, "checkout", "-q", "-f", s.start])
+                    s.repo.git(**hooks).reset("-q", "--hard", s.tip)
+                s.repo.git(**hooks).checkout("-q", "-f", s.start)
                 if s.tip is None and s.branch in s.repo.heads:
-                    s.repo.git.execute([*nohooks, "branch", "-D", s.branch])
+                    s.repo.git(**hooks).branch("-D", s.branch)
                 for rel in work.new_files:
                     Path(s.root, rel).unlink(missing_ok=True)
             finally:
@@ -272,9 +263,7 @@ def _steps(args: argparse.Namespace) -> int:
         if work.commit is None and work.files:
             s.repo.git.add("--", *work.files)
             message = commit_message(s.upstream, s.signoff, pr_body.attribution(s.root))
-            s.repo.git.commit(
-                "--no-verify", "-q", "--cleanup=whitespace", "-m", message
-            )
+            s.repo.git.commit("--no-verify", "--cleanup=whitespace", "-qm", message)
             work.commit = s.repo.head.commit
             print(
                 f"{s.patch.name}: committed {work.commit.hexsha[:12]} on branch "
@@ -287,13 +276,11 @@ def _steps(args: argparse.Namespace) -> int:
         if args.format_patch and work.commit is None:
             warn("no commit titled like the patch on the branch; no mbox written")
         elif args.format_patch:
-            sha = work.commit.hexsha
             with tempfile.TemporaryDirectory(prefix="vllm-patch-mbox-") as tmp:
-                made = Path(s.repo.git.format_patch("-1", sha, "-o", tmp))
+                made = Path(s.repo.git.format_patch("-1", work.commit, "-o", tmp))
                 mbox = output_dir(args.format_patch) / made.name
                 write_output(mbox, made.read_bytes())
-            # Plain `git am` strips every leading [...] from the subject, the
-            # [CPU][Kernel] tags included; -b (--keep-non-patch) keeps them.
+            # plain `git am` strips the subject's [CPU][Kernel] tags; -b keeps them
             print(f"mbox patch: {mbox}")
             print(f"  apply with: git am --keep-non-patch {shlex.quote(str(mbox))}")
         work.keep = True
@@ -315,9 +302,8 @@ def _steps(args: argparse.Namespace) -> int:
 
 
 def _apply(s: Settings, work: Work) -> bool:
-    """Apply the patch and CI edits, or find the branch's commit of it; False
-    when a new branch would be empty (then it is deleted)."""
-    work.plan = plan = engine.plan(s.tree, s.patch)
+    """The patch and CI edits applied, or the branch's commit found; False: none."""
+    work.plan = plan = engine.plan(open_tree(s.root), s.patch)
     if plan.errors:
         raise plan.errors[0]
     for w in plan.warnings:
@@ -391,9 +377,7 @@ def _description(s: Settings, work: Work) -> str:
         runs = vllm_tests.run_tests(s.root, edited, s.patch, depends, keyword, skip)
     measured = None
     if not (s.evidence or s.args.no_bench):
-        print(
-            "figures: per call and eager Qwen3, base vs this change (--no-bench skips)"
-        )
+        print("figures: per call and eager Qwen3, base and patched (--no-bench skips)")
         tests = [e.edit.file for e in optional]
         measured = figures.measure(s.root, s.patch, tests, depends, print)
         if measured.why_not:

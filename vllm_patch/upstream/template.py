@@ -59,13 +59,8 @@ class Piece:  # a block of the description, and the kinds it prefers, in order
 
 def _html_comments(text: str) -> list[str]:
     """The closed ``<!-- ... -->`` comments of ``text``, found in linear time."""
-    found, at = [], 0
-    while (start := text.find("<!--", at)) >= 0 and (
-        end := text.find("-->", start)
-    ) >= 0:
-        found.append(text[start : end + 3])
-        at = end + 3
-    return found
+    parts = text.split("-->")[:-1]  # each closed by the next "-->"
+    return [p[p.index("<!--") :] + "-->" for p in parts if "<!--" in p]
 
 
 def read_template(root: Path | None) -> Template:
@@ -84,8 +79,7 @@ def parse_template(text: str) -> Template:
     """Headings (outside code fences) split ``text``; the first thematic break
     or ``<details>`` after a section starts the tail. Before the first heading,
     only the HTML comments stay: the rest is the template's word to the author."""
-    head, sections, bodies = [], [], []
-    lines = text.splitlines(keepends=True)
+    lines, parts, sections = text.splitlines(keepends=True), [[]], []
     tail, fenced = "", False
     for i, line in enumerate(lines):
         fenced ^= line.lstrip().startswith("```")
@@ -95,15 +89,15 @@ def parse_template(text: str) -> Template:
             bare = title.rstrip("#")
             title = bare.rstrip() if not bare or bare[-1] in " \t" else title
             sections.append(Section(line.rstrip("\n"), title))
-            bodies.append([])
+            parts.append([])
         elif sections and not fenced and TAIL.match(line):
             tail = "".join(lines[i:])
             break
         else:
-            (bodies[-1] if bodies else head).append(line)
-    for section, body in zip(sections, bodies, strict=True):
+            parts[-1].append(line)  # the head's, then each section's body
+    for section, body in zip(sections, parts[1:], strict=True):
         section.body = "".join(body)
-    return Template("\n".join(_html_comments("".join(head))), sections, tail)
+    return Template("\n".join(_html_comments("".join(parts[0]))), sections, tail)
 
 
 def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:

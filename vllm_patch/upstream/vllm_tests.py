@@ -21,7 +21,7 @@ from patcher.version import read_version
 from vllm_patch.runtime import child, machine
 from vllm_patch.runtime.patched_copy import patched_copy
 
-PYTEST_OPTIONS = ("-p", "no:cacheprovider", "--import-mode=append")
+PYTEST_OPTIONS = ("-q", "-p", "no:cacheprovider", "--import-mode=append")
 # As vLLM's CPU jobs do: else vLLM infers the platform from a distribution named
 # ``vllm``, which a checkout's own build metadata (its egg-info) may answer.
 CPU_TARGET = {"VLLM_TARGET_DEVICE": "cpu"}
@@ -68,11 +68,11 @@ def run_pytest(
     checkout: Path, files: list[str], site: Path, keyword: str | None
 ) -> TestRun:
     """pytest on ``files`` of ``checkout`` with ``site``'s ``vllm/`` imported."""
-    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
+    k = ["-k", keyword] if keyword else []
+    command = shlex.join(["pytest", *k, *files])
     with tempfile.TemporaryDirectory(prefix="vllm-patch-pytest-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        argv = [*PYTEST_OPTIONS, "-q", f"--rootdir={checkout}", f"--junitxml={junit}"]
-        argv += ["-k", keyword] if keyword else []
+        argv = [*PYTEST_OPTIONS, f"--rootdir={checkout}", f"--junitxml={junit}", *k]
         # cwd=site: `python -m` puts the working directory first on sys.path.
         outcome = child.run(
             "pytest:main",
@@ -113,8 +113,8 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """``depends``' files (same, differing): the checkout has the installed vLLM's
-    bytes, or the patched ones (absent from both: the same)."""
+    """``depends``' files, (same, differing): the installed vLLM's bytes, patched or
+    not, in the checkout (absent from both: the same)."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -132,8 +132,7 @@ def compared(
 
 
 def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
-    """The checkout's bytes of the files ``names`` (edited by ``patch``)
-    without the change and with it, whichever of the two the checkout holds."""
+    """The checkout's ``names`` (edited by ``patch``) without and with the change."""
     tree = VllmTree(checkout)
     sides = [engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")]
     return {
@@ -173,13 +172,11 @@ def run_tests(
     keyword: str | None = None,
     skip: bool = False,
 ) -> TestRuns:
-    """The edited tests with the change and without it, or why they cannot run
-    here (``skip``: ``--no-tests``)."""
-    tested = (checkout, files, patch, depends)
+    """The edited tests with and without the change, or why they do not run."""
     present = [f for f in files if (checkout / f).is_file()] or files
     command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
-    if why := "skipped (--no-tests)" if skip else unavailable(*tested):
-        said = why if skip else f"cannot run here ({why})"
+    if why := skip or unavailable(checkout, files, patch, depends):
+        said = "skipped (--no-tests)" if skip else f"cannot run here ({why})"
         print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
     installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
