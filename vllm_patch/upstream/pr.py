@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True)
 class Settings:  # one run's, checked before anything is written
     repo: git.Repo
+    tree: VllmTree
     patch: Patch
     branch: str
     signoff: str
@@ -176,7 +177,18 @@ def preflight(args: argparse.Namespace) -> Settings:
     head = repo.head
     start = head.commit.hexsha if head.is_detached else repo.active_branch.name
     return Settings(
-        repo, patch, branch, signoff, out, evidence, start, tip, base, base_commit, args
+        repo,
+        tree,
+        patch,
+        branch,
+        signoff,
+        out,
+        evidence,
+        start,
+        tip,
+        base,
+        base_commit,
+        args,
     )
 
 
@@ -303,7 +315,7 @@ def _steps(args: argparse.Namespace) -> int:
 
 def _apply(s: Settings, work: Work) -> bool:
     """The patch and CI edits applied, or the branch's commit found; False: none."""
-    work.plan = plan = engine.plan(open_tree(s.root), s.patch)
+    work.plan = plan = engine.plan(s.tree, s.patch)
     if plan.errors:
         raise plan.errors[0]
     for w in plan.warnings:
