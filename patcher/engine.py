@@ -1,7 +1,6 @@
-"""Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
-``plan`` runs each codemod once, in memory; ``apply(tree, plan)`` writes exactly
-that plan or refuses; the originals go to a backup first, so the inverse
-codemods, used where there is no copy, need only be right in meaning."""
+"""A one-way codemod runner: ``plan`` runs each codemod once, in memory;
+``apply(tree, plan)`` writes exactly that plan or refuses. The originals go to a
+backup first, so the inverse codemods need only be right in meaning."""
 
 from __future__ import annotations
 
