@@ -1,7 +1,6 @@
-"""Plan, apply and revert patches on a vLLM tree: a one-way codemod runner.
-``plan`` runs each codemod once, in memory; ``apply(tree, plan)`` writes exactly
-that plan or refuses; the originals go to a backup first, so the inverse
-codemods, used where there is no copy, need only be right in meaning."""
+"""A one-way codemod runner: ``plan`` runs each codemod once, in memory;
+``apply(tree, plan)`` writes exactly that plan or refuses. The originals go to a
+backup first, so the inverse codemods need only be right in meaning."""
 
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from patcher.version import VERSION_FILE, read_version
 
 Direction = Literal["apply", "revert"]
 Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
-TESTS_FOLDER = "tests"  # beside ``vllm/`` (a checkout): the test edits too
-RESTORED = "Restored from the backup."
 DAMAGED = "damaged backup"
 
 
@@ -205,7 +202,7 @@ def plan(
     restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
     warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
     sources: dict[str, Text] = {}
-    tests = patch.test_edits if tree.has_folder(TESTS_FOLDER) else ()
+    tests = patch.test_edits if tree.has_folder("tests") else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
     return PatchPlan(patch, tree, direction, version, edits, None, warnings, sources)
@@ -248,7 +245,7 @@ def _edit(edit: Edit, direction, before: Text, restored: Text, read):
     from patcher.codemod import run_codemod  # LibCST: only here
 
     if restored is not None:
-        return restored, (RESTORED,)
+        return restored, ("Restored from the backup.",)
     said: list[str] = []
     if direction == "apply":
         return run_codemod(edit.apply, before or "", read, said), tuple(said)

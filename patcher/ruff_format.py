@@ -1,6 +1,5 @@
-"""Lay out Python source as vLLM's ``ruff format`` does, with the ruff this
-project pins, so ``apply``, ``diff`` and ``pr`` show the same lines (source on
-stdin, ``--isolated --no-cache``: no file is read or written)."""
+"""Lay out Python source as vLLM's ``ruff format`` does, with the pinned ruff,
+so ``apply``, ``diff`` and ``pr`` show the same lines."""
 
 from __future__ import annotations
 
@@ -13,17 +12,13 @@ import libcst as cst
 from patcher.errors import PatchError
 
 LINE_LENGTH = 88  # vLLM's pyproject.toml [tool.ruff]
-VLLM_SETTINGS = ("--line-length", str(LINE_LENGTH), "--target-version", "py310")
 
 
 @cache
 def ruff_binary() -> str:
     """The pinned ruff's executable (the ``ruff`` package's own binary)."""
-    try:
-        from ruff.__main__ import find_ruff_bin
-    except ImportError as exc:  # a dependency of vllm-patch
-        message = "the pinned ruff is not installed (reinstall vllm-patch)"
-        raise PatchError(message, None, "the ruff Python package", str(exc)) from exc
+    from ruff.__main__ import find_ruff_bin  # a dependency of vllm-patch
+
     return str(find_ruff_bin())
 
 
@@ -32,8 +27,8 @@ def format_source(source: str, indent: str = "    ") -> str:
     """``source`` as ``ruff format`` lays it out with vLLM's settings and ``indent``."""
     tabs = indent == "\t"
     style = 'format.indent-style="tab"' if tabs else f"indent-width={len(indent)}"
-    cmd = [ruff_binary(), "format", "--isolated", "--no-cache", *VLLM_SETTINGS]
-    cmd += ["--config", style, "-"]
+    cmd = [ruff_binary(), "format", "--isolated", "--no-cache", "--config", style]
+    cmd += ["--line-length", str(LINE_LENGTH), "--target-version", "py310", "-"]
     # Bytes in and out: text mode would translate the file's line endings.
     done = subprocess.run(cmd, input=source.encode(), capture_output=True)
     if done.returncode != 0:

@@ -1,5 +1,5 @@
-"""What a plan says about a patch, or one of its edits, on a tree. Standard
-library only: the compatibility report reads these words from result files."""
+"""What a plan says about a patch or an edit; standard library only: the
+compatibility report reads these words from result files."""
 
 from __future__ import annotations
 
