@@ -422,12 +422,10 @@ def _consistent(b: er.DecodeBlock) -> str:
     if b.consistent.contradicts:
         said = "**contradicts** the attributed saving (its interval misses"
         if ratio and saved:
-            more = ratio.ci95.high < saved.expected_ratio.low
-            how = ": the step saves " + (
-                "more than the time inside RMSNorm accounts for"
-                if more
-                else "less than the time inside RMSNorm"
-            )
+            how = (
+                ": the step saves less than the time inside RMSNorm",
+                ": the step saves more than the time inside RMSNorm accounts for",
+            )[ratio.ci95.high < saved.expected_ratio.low]
     return f"- The end-to-end patched/base ratio {said} the expected one){how}."
 
 
