@@ -91,11 +91,22 @@ def first_difference(first: er.Divergence | None) -> str:
 
 def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     """What the figures say, a line each, the decode step (the headline) first."""
-    found = [
-        ev.decode and decode_claim(ev.decode),
-        throughput_claim(ev),
-        ev.perop and perop_claim(ev.perop, limit),
-    ]
+    d, found = ev.decode, []
+    b = d and d.headline
+    if ratio := b and b.comparisons.get("patched/base"):
+        control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
+        aa = control and f" (A/A control {interval_shown(control, unit='x')})"
+        inside = saved and (
+            f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
+            f"step, {saved.share.value:.1%} of it"
+        )
+        found.append(
+            f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+            f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
+            f"this change's CPU time over the base's, 95% interval: "
+            f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
+        )
+    found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
     t, lm = ev.accuracy.tokens, ev.accuracy.lm_eval
     if t and t.max_abs_dlogprob is not None:
         note = ev.model.random_weights and NOT_QUALITY
@@ -158,26 +169,6 @@ def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
         f"{perop.hidden_size}, {perop.threads} thread(s)), the base's time over "
         f"this change's: {'; '.join(said[:limit]) or 'no call reached the kernel'}."
         f"{kept or ''}"
-    )
-
-
-def decode_claim(d: er.Decode) -> str | None:
-    b = d.headline
-    ratio = b and b.comparisons.get("patched/base")
-    if ratio is None:
-        return None
-    control = b.comparisons.get("base/base")
-    aa = f" (A/A control {interval_shown(control, unit='x')})" if control else ""
-    saved = b.savings.get("patched")
-    inside = saved and (
-        f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
-        f"step, {saved.share.value:.1%} of it"
-    )
-    return (
-        f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-        f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
-        f"this change's CPU time over the base's, 95% interval: "
-        f"{interval_shown(ratio, unit='x')}{aa}{inside or ''}."
     )
 
 
@@ -406,27 +397,24 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
             f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
         )
-    if b.consistent is not None:
-        out.append(_consistent(b))
+    if b.consistent is not None:  # does the end-to-end ratio agree with the saving?
+        said, how = "does not contradict the attributed saving (its interval meets", ""
+        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+        if b.consistent.contradicts:
+            said = "**contradicts** the attributed saving (its interval misses"
+            if ratio and saved:
+                how = (
+                    ": the step saves less than the time inside RMSNorm",
+                    ": the step saves more than the time inside RMSNorm accounts for",
+                )[ratio.ci95.high < saved.expected_ratio.low]
+        out.append(
+            f"- The end-to-end patched/base ratio {said} the expected one){how}."
+        )
     out.append(
         f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
         f"{BUSY_SHARE:.0%} of the CPU time)."
     )
     return out
-
-
-def _consistent(b: er.DecodeBlock) -> str:
-    """Whether the end-to-end ratio agrees with the saving attributed."""
-    said, how = "does not contradict the attributed saving (its interval meets", ""
-    ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
-    if b.consistent.contradicts:
-        said = "**contradicts** the attributed saving (its interval misses"
-        if ratio and saved:
-            how = (
-                ": the step saves less than the time inside RMSNorm",
-                ": the step saves more than the time inside RMSNorm accounts for",
-            )[ratio.ci95.high < saved.expected_ratio.low]
-    return f"- The end-to-end patched/base ratio {said} the expected one){how}."
 
 
 COMPILED = (
