@@ -1,6 +1,5 @@
-"""One bench run's evidence folder, part by part: base is the installed vLLM,
-patched a patched copy of it. ``evidence.json`` and ``evidence.md`` are
-rewritten after every measurement: an interrupted run keeps what it measured."""
+"""One bench run's evidence folder (base: the installed vLLM, patched: a patched
+copy), rewritten after every part: an interrupted run keeps what it measured."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def choose_patch(tree, name: str | None = None) -> Any:
 
 
 def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> tuple:
-    """The random model of sizes ``c`` (``engine_run``), built in a child or
-    reused from the cache, and its description."""
+    """The cached random model of sizes ``c`` (built in a child), and its meta."""
     from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 
@@ -102,16 +100,14 @@ def user_model(path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def provider_opt_ins() -> tuple[str, ...]:
-    """The out-of-tree providers' opt-in variables: never set for a measured
-    vLLM (the base is vLLM as installed)."""
+    """The out-of-tree providers' opt-ins: never set for a measured vLLM."""
     from patcher.patchset import provider_specs
 
     return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))
 
 
 class BenchRun:
-    """The evidence document of this run, how it is written, and its parts
-    (``command.PARTS``), each ``part(args, copy)`` with the patched copy."""
+    """This run's evidence document, and its parts (``command.PARTS``)."""
 
     def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
         self.out = output_dir(out)
@@ -152,8 +148,8 @@ class BenchRun:
 
         model, meta = self.model(args, DECODE_LLAMA, tokenizer=False)
         self.doc["model"] = self.doc["model"] or meta
-        paths = {"base": (), "patched": (copy,)}
-        self.doc["decode"] = decode.run(args, model, meta, paths, self.progress)
+        envs = {"base": (), "patched": (copy,)}
+        self.doc["decode"] = decode.run(args, model, meta, envs, self.progress)
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving

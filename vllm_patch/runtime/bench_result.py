@@ -48,8 +48,7 @@ def interval_shown(found: er.Estimate | None, fmt: str = ".3f", unit="") -> str:
 
 
 def serving_table(serving: er.Serving, mode: str) -> str:
-    """Per metric each vLLM's figures, patched / base and the A/A control (the
-    base served twice, where the run had it): the noise floor."""
+    """Per metric each vLLM's figures, patched / base and base2 / base (A/A)."""
     sides = serving.configs[mode]
     over = ["patched", A_A] if A_A in sides else ["patched"]
     rows = [
@@ -92,14 +91,38 @@ def first_difference(first: er.Divergence | None) -> str:
 
 def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     """What the figures say, a line each, the decode step (the headline) first."""
-    found = [
-        ev.decode and decode_claim(ev.decode),
-        throughput_claim(ev),
-        ev.perop and perop_claim(ev.perop, limit),
-        tokens_claim(ev),
-        lm_eval_claim(ev),
-        ev.qwen3_eager and qwen3_claim(ev.qwen3_eager),
-    ]
+    d, found = ev.decode, []
+    b = d and d.headline
+    if ratio := b and b.comparisons.get("patched/base"):
+        control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
+        aa = control and f" (A/A control {interval_shown(control, unit='x')})"
+        inside = saved and (
+            f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
+            f"step, {saved.share.value:.1%} of it"
+        )
+        found.append(
+            f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+            f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
+            f"this change's CPU time over the base's, 95% interval: "
+            f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
+        )
+    found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
+    t, lm = ev.accuracy.tokens, ev.accuracy.lm_eval
+    if t and t.max_abs_dlogprob is not None:
+        note = ev.model.random_weights and NOT_QUALITY
+        found.append(
+            f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
+            f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
+            f"{t.max_abs_dlogprob:.3g}{note or ''}."
+        )
+    if lm and set(lm.scores) == set(SIDES):
+        b, p = lm.base, lm.patched
+        found.append(
+            f"- {md.text(lm.task, 60)} exact_match: {b.exact_match:.3g} ± "
+            f"{b.stderr:.3g} base, {p.exact_match:.3g} ± {p.stderr:.3g} with this "
+            "change."
+        )
+    found.append(ev.qwen3_eager and qwen3_claim(ev.qwen3_eager))
     return [c for c in found if c]
 
 
@@ -121,32 +144,8 @@ def throughput_claim(ev: er.Evidence) -> str | None:
     )
 
 
-def tokens_claim(ev: er.Evidence) -> str | None:
-    t = ev.accuracy.tokens
-    if t is None or t.max_abs_dlogprob is None:
-        return None
-    note = ev.model.random_weights and NOT_QUALITY
-    return (
-        f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
-        f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
-        f"{t.max_abs_dlogprob:.3g}{note or ''}."
-    )
-
-
-def lm_eval_claim(ev: er.Evidence) -> str | None:
-    lm = ev.accuracy.lm_eval
-    if lm is None or set(lm.scores) != set(SIDES):
-        return None
-    b, p = lm.base, lm.patched
-    return (
-        f"- {md.text(lm.task, 60)} exact_match: {b.exact_match:.3g} ± {b.stderr:.3g} "
-        f"base, {p.exact_match:.3g} ± {p.stderr:.3g} with this change."
-    )
-
-
 def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
-    """The base's time per call of vLLM's norm layer over this change's, where
-    this change's ran the kernel (else a ratio of native over native)."""
+    """Per op and token count, the base's time per layer call over this change's."""
     layer: dict[tuple[str, int], dict[str, er.PerOpRow]] = {}
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
@@ -170,28 +169,6 @@ def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
         f"{perop.hidden_size}, {perop.threads} thread(s)), the base's time over "
         f"this change's: {'; '.join(said[:limit]) or 'no call reached the kernel'}."
         f"{kept or ''}"
-    )
-
-
-def decode_claim(d: er.Decode) -> str | None:
-    """The headline: a decode step with this change over the base, beside
-    the A/A control, and the time saved inside ``RMSNorm``."""
-    b = d.headline
-    ratio = b and b.comparisons.get("patched/base")
-    if ratio is None:
-        return None
-    control = b.comparisons.get("base/base")
-    aa = f" (A/A control {interval_shown(control, unit='x')})" if control else ""
-    saved = b.savings.get("patched")
-    inside = saved and (
-        f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
-        f"step, {saved.share.value:.1%} of it"
-    )
-    return (
-        f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-        f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
-        f"this change's CPU time over the base's, 95% interval: "
-        f"{interval_shown(ratio, unit='x')}{aa}{inside or ''}."
     )
 
 
@@ -249,8 +226,7 @@ QWEN3_HEADER = ("RMSNorm on CPU",
 
 
 def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
-    """The eager Qwen3 comparison: per side its kernel calls, its tokens
-    against base's and how varied its text is; the first differing text."""
+    """Per side its kernel calls, tokens against base's and text's variety."""
     rows = []
     for side, name in QWEN3_LABELS.items():
         found = getattr(q.sides, side)
@@ -305,9 +281,7 @@ def numerics_table(ev: er.Evidence, limit: int = ROWS) -> str:
 def perop_table(
     perop: er.PerOp, shown: Callable[[er.PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
-    """Microseconds per call: a row per op and token count, a column per vLLM
-    and route (of the rows ``shown``: all by default), with native's time over
-    it and what a layer ran."""
+    """Microseconds per call, a row per (op, tokens), a column per (vLLM, route)."""
     kept = [r for r in perop.rows if shown(r)]
     columns = list(dict.fromkeys((r.env, r.route) for r in kept))
     cells: dict[tuple, dict] = {}
@@ -332,9 +306,8 @@ def perop_table(
 def perop_heading(perop: er.PerOp, escape=md.text) -> str:
     clock = perop.clock and f", median [p10–p90] of the {escape(perop.clock, 40)}"
     return (
-        f"Microseconds per call (native / this){clock or ''}, "
-        f"{escape(perop.dtype, 20)}, "
-        f"hidden {perop.hidden_size}, {perop.threads} thread(s)"
+        f"Microseconds per call (native / this){clock or ''}, {escape(perop.dtype, 20)}"
+        f", hidden {perop.hidden_size}, {perop.threads} thread(s)"
     )
 
 
@@ -343,11 +316,9 @@ SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
 
 
 def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
-    """Where a layer call's time goes, per vLLM and op at ``tokens``: the layer
-    call, CustomOp dispatch (layer call - its forward method), the forward
-    method's own work with IR dispatch (forward - what it runs), IR dispatch
-    alone (an ``ir:`` route - the kernel with its allocation), the allocation
-    and the bare kernel (or native's ops). Medians, microseconds."""
+    """Per vLLM and op at ``tokens``, ``SPLIT``'s medians: CustomOp dispatch is the
+    layer call - forward, forward's own work forward - what it runs, IR dispatch an
+    ``ir:`` route - the kernel with its allocation."""
     rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
     us = {(r.env, r.op, r.route): r.median_us for r in rows}
     out = []
@@ -394,8 +365,7 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
 
 
 def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
-    """A thread count's decode figures: ratios, per engine the step and the
-    time inside ``RMSNorm``, the saving and whether the ratio agrees with it."""
+    """Ratios, per engine the step and inside ``RMSNorm``, the saving, its check."""
     rows = [
         [
             md.code(label, 60) + (" (A/A control)" if label == "base/base" else ""),
@@ -427,29 +397,24 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
             f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
         )
-    if b.consistent is not None:
-        out.append(_consistent(b))
+    if b.consistent is not None:  # does the end-to-end ratio agree with the saving?
+        said, how = "does not contradict the attributed saving (its interval meets", ""
+        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+        if b.consistent.contradicts:
+            said = "**contradicts** the attributed saving (its interval misses"
+            if ratio and saved:
+                how = (
+                    ": the step saves less than the time inside RMSNorm",
+                    ": the step saves more than the time inside RMSNorm accounts for",
+                )[ratio.ci95.high < saved.expected_ratio.low]
+        out.append(
+            f"- The end-to-end patched/base ratio {said} the expected one){how}."
+        )
     out.append(
         f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
         f"{BUSY_SHARE:.0%} of the CPU time)."
     )
     return out
-
-
-def _consistent(b: er.DecodeBlock) -> str:
-    """Whether the end-to-end ratio agrees with the saving attributed."""
-    said, how = "does not contradict the attributed saving (its interval meets", ""
-    ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
-    if b.consistent.contradicts:
-        said = "**contradicts** the attributed saving (its interval misses"
-        if ratio and saved:
-            more = ratio.ci95.high < saved.expected_ratio.low
-            how = ": the step saves " + (
-                "more than the time inside RMSNorm accounts for"
-                if more
-                else "less than the time inside RMSNorm"
-            )
-    return f"- The end-to-end patched/base ratio {said} the expected one){how}."
 
 
 COMPILED = (

@@ -1,7 +1,6 @@
-"""``DIR/evidence.json`` (``bench --out DIR``, ``docs/bench.md``) read once into
-frozen records shaped as the file is: one reader, driven by the records' type
-hints, checks every value's type and bounds (``Meta``); anything else is one
-``PatchError`` (exit 3) naming the field. A part not measured is None."""
+"""``evidence.json`` (``docs/bench.md``) read into frozen records shaped as the file:
+one reader, driven by their type hints, checks every value's type and bounds
+(``Meta``), else one ``PatchError`` (exit 3) names the field."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ empty = functools.partial(field, default_factory=dict)
 
 
 def typed(kind, value: object, at: str):
-    """``value`` as ``kind`` (a record, ``NamedTuple``, ``tuple[X, ...]``,
-    ``dict[K, X]``, scalar or union), else ``Bad`` naming the first bad field."""
+    """``value`` as ``kind`` (a record, tuple, dict, scalar or union), else ``Bad``."""
     meta = Meta()
     if get_origin(kind) is Annotated:
         kind, meta = get_args(kind)
@@ -191,8 +189,7 @@ class Sizes:
 
 @record
 class Serving:
-    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()
-    """Per mode, side and metric the value of each repetition."""
+    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()  # per repetition
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
     server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
@@ -380,8 +377,7 @@ class Consistent:
 
 @record
 class DecodeBlock:
-    """One thread count's (or the compiled pair's) decode figures; per engine
-    CPU (and wall) ms per step, and inside ``RMSNorm``."""
+    """One thread count's (or the compiled pair's) decode figures."""
 
     rounds: int
     busy_rounds: int
@@ -397,8 +393,7 @@ class DecodeBlock:
 
 @record
 class Decode:
-    """``bench --decode``: base against patched; ``headline`` the block at the
-    top level, at ``threads``."""
+    """``bench --decode``; ``headline``: the block at the top level, at ``threads``."""
 
     model: Model
     dtype: str
@@ -431,8 +426,7 @@ class Evidence:
     decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
-    perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()
-    """``perop`` at the other thread counts of the run."""
+    perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
 
     def checked(self, value: dict, at: str) -> Evidence:
         needed = self.numerics or {}

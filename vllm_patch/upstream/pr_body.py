@@ -45,8 +45,7 @@ model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
-    """``folder/evidence.json`` as ``bench --serve`` writes it for ``patch``,
-    both vLLMs measured, or None."""
+    """``folder``'s ``bench --serve`` evidence for ``patch``, both vLLMs measured."""
     if folder is None:
         return None
     ev = evidence_record.read(folder)
@@ -108,8 +107,7 @@ def attribution(checkout: Path | None) -> str:
 
 
 def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -> str:
-    """The checkout's PR template (or the fallback layout) filled, within
-    ``BODY_LIMIT``: the evidence's tables cut shorter until it fits."""
+    """The checkout's PR template filled, its tables cut until within ``BODY_LIMIT``."""
     for rows in (100, 20, 3, 0):
         pieces = _pieces(upstream, facts, rows)
         text = fill(copy.deepcopy(template), pieces, ticked=_ticked(facts))
@@ -127,7 +125,6 @@ def _ticked(facts: Facts) -> tuple[str, ...]:
 
 
 def _failed(run: TestRun) -> int:
-    """The tests of a run that failed or errored."""
     return run.counts["failed"] + run.counts["errors"]
 
 
@@ -145,8 +142,7 @@ def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
 
 
 def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
-    """One sentence naming the files the diff changes: sources, vLLM's tests
-    (under ``tests/``) and CI (under ``.buildkite/``)."""
+    """One sentence naming the diff's sources, vLLM's tests and CI files."""
     roles: dict[str, list[str]] = {"": [], "tests/": [], ".buildkite/": []}
     for rel in described:
         role = next((r for r in roles if r and rel.startswith(r)), "")
@@ -172,15 +168,11 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
         yield bench_result.qwen3_claim(m.qwen3)
     if not (ev or (m and m.per_call)):
         yield "- Speed and accuracy: nothing was measured."
-    for edit in facts.ci:
-        if edit.added_tests:
-            tests = ", ".join(f"`{t}`" for t in edit.added_tests)
-            where = (
-                f"`{edit.wiring.file}`"
-                if edit.wiring.file.endswith(".sh")
-                else f'its "{edit.wiring.step}" step'
-            )
-            yield f"- vLLM's CPU CI runs {tests} in {where}."
+    for edit in (e for e in facts.ci if e.added_tests):
+        tests = ", ".join(f"`{t}`" for t in edit.added_tests)
+        sh = edit.wiring.file.endswith(".sh")
+        where = f"`{edit.wiring.file}`" if sh else f'its "{edit.wiring.step}" step'
+        yield f"- vLLM's CPU CI runs {tests} in {where}."
 
 
 def _command(upstream: Upstream, facts: Facts) -> str:
