@@ -1,8 +1,6 @@
 """``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
-its command); exit 0 without a ``fix``, else 1. Every import of torch, vLLM or
-transformers runs in a child (``run_steps``): a step that crashes it fails
-alone. Findings on vLLM, torch and the imports, and on each patch: its state,
-its provider's entry point, registration, opt-in and plugin filter."""
+its command); exit 0 without a ``fix``, else 1. torch, vLLM and transformers are
+imported in a child (``run_steps``): a step that crashes it fails alone."""
 
 from __future__ import annotations
 
@@ -81,8 +79,7 @@ def pip(*args: str) -> str:
 
 
 def removal(names: list[str]) -> tuple[str, list[str]]:
-    """``--fix``'s command, as text and argv: pip under ``-I`` (no ``pip/`` of
-    the working folder, no ``PYTHON*`` variable, no user site)."""
+    """``--fix``'s command as text and argv: pip under ``-I`` (no planted pip)."""
     argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
     return shlex.join(argv), argv
 
@@ -114,38 +111,59 @@ def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Fi
     }.get((name or "").lower(), "a source tree" if dist is None else "a build")
     version = dist.version if dist else "version unknown"
     said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
+    out = [Finding("vllm", "ok", said)]
     if installed("vllm") is not None:
-        cli = Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
-        return [Finding("vllm", "ok", said), cli]
+        cli = "the `vllm` command finds its distribution"
+        return [*out, Finding("vllm_cli", "ok", cli)]
     cli = (
         "the `vllm` command fails here (PackageNotFoundError: vllm: "
         f"{name or 'this tree'} is installed under another name); serve with "
         "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command line "
         "with that lookup answered"
     )
-    return [Finding("vllm", "ok", said), Finding("vllm_cli", "info", cli)]
+    return [*out, Finding("vllm_cli", "info", cli)]
 
 
 def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
-    """The findings on the child's import steps."""
-    companions = [n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results]
-    broken = [c for c in companions if not results[("import", c)]["ok"]]
-    out = torch_findings(results, dist) + companion_findings(results, broken)
+    """torch and vLLM's kernels; each installed companion, else its removal (once,
+    the +cpu builds as the other way out); the imports, and who breaks them."""
+    out, torch, broken = torch_findings(results, dist), installed("torch"), []
+    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
+        if (result := results[("import", name)])["ok"]:
+            out.append(Finding(name, "ok", f"{name} imports beside torch"))
+            continue
+        broken.append(name)
+        said = (
+            f"{name} {installed(name)} does not import beside torch {torch} "
+            f"(built for another torch build): {root_error(result)}"
+        )
+        out.append(Finding(name, "fix", said, *removal([name])))
+    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
+        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
+        cmd = pip(*upgrade, f"torch=={torch}", *broken)
+        said = (
+            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
+            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
+        )
+        out.append(Finding("cpu_index", "info", said))
     for check, step, label in IMPORTS:
         if step not in results:  # none for vLLM IR before it: nothing to judge
             continue
         result, module = results[step], step[1].partition(":")[0]
-        culprits = [c for c in broken if c in result.get("packages", [])]
-        root = result.get("root_error", result["error"]) if culprits else None
         if result["ok"]:
             out.append(Finding(check, "ok", f"{label} imports"))
-        elif culprits:  # the broken companions in its traceback: their removal
-            said = f"{label} does not import: {', '.join(culprits)} breaks it ({root})"
+        elif culprits := [c for c in broken if c in result.get("packages", [])]:
+            said = f"{', '.join(culprits)} breaks it ({root_error(result)})"
+            said = f"{label} does not import: {said}"
             out.append(Finding(check, "fix", said, *removal(culprits)))
         else:
             error = f"{label} does not import: {result['error']}"
             out.append(Finding(check, "fix", error, traceback_hint(module)))
     return out
+
+
+def root_error(result: dict) -> str:
+    return result.get("root_error", result["error"])
 
 
 def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
@@ -168,7 +186,7 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if (c := results[VLLM_KERNELS])["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
-    error = f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}"
+    error = f"vLLM's C kernels do not load: {root_error(c)}"
     try:
         pinned = not pin or pin.specifier.contains(Version(version), True)
     except (InvalidVersion, TypeError):  # no torch, or not a version
@@ -179,31 +197,6 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     fix = "reinstall vLLM with the torch it pins: "
     fix += pip("install", "--force-reinstall", CPU_DISTRIBUTION)
     return [*out, Finding("vllm_c", "fix", error, fix)]
-
-
-def companion_findings(results, broken: list[str]) -> list[Finding]:
-    """Each installed companion imports, else its removal (once, the +cpu builds
-    as the other way out)."""
-    out, torch = [], installed("torch")
-    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
-        if (result := results[("import", name)])["ok"]:
-            out.append(Finding(name, "ok", f"{name} imports beside torch"))
-            continue
-        root = result.get("root_error", result["error"])
-        said = (
-            f"{name} {installed(name)} does not import beside torch {torch} "
-            f"(built for another torch build): {root}"
-        )
-        out.append(Finding(name, "fix", said, *removal([name])))
-    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
-        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
-        cmd = pip(*upgrade, f"torch=={torch}", *broken)
-        said = (
-            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
-            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
-        )
-        out.append(Finding("cpu_index", "info", said))
-    return out
 
 
 def provider_module(patch: Patch) -> str | None:
@@ -300,8 +293,6 @@ def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[F
 # --- the child's side: each step reported once done, so the parent knows which
 # one took a crashed child down.
 
-PROVIDER_ATTRIBUTES = ("PROVIDER", "OPT_IN_ENV")  # what the findings read
-
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """``error``, ``root_error`` (the innermost cause: what actually broke) and
@@ -331,7 +322,7 @@ def _import(arg: str) -> dict[str, Any]:
 
 def _provider(module_name: str) -> dict[str, Any]:
     module = importlib.import_module(module_name)
-    attributes = {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    attributes = {a: getattr(module, a, None) for a in ("PROVIDER", "OPT_IN_ENV")}
     out: dict[str, Any] = {"attributes": attributes}
     register = getattr(module, "register", None)
     if not callable(register):
@@ -342,9 +333,8 @@ def _provider(module_name: str) -> dict[str, Any]:
 
 
 def _kernels(_: str) -> dict[str, Any]:
-    """vLLM's C kernels loaded through the platform (which picks the x86 build
-    the CPU runs): some ``_C::`` operator exists, else what vLLM logged (it
-    swallows a failed load)."""
+    """vLLM's C kernels loaded by the platform (it picks the x86 build): some
+    ``_C::`` operator, else what vLLM logged (it swallows a failed load)."""
     import logging.handlers
 
     import torch
