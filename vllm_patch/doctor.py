@@ -101,29 +101,6 @@ def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
     ]
 
 
-def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Finding]:
-    """Which vLLM this is, and whether the ``vllm`` command finds it: it reads
-    the version of a distribution named ``vllm`` (under another name it fails)."""
-    name = dist.metadata["Name"] if dist else None
-    build = {
-        CPU_DISTRIBUTION: "the CPU build",
-        "vllm": "the official build (made for CUDA unless you built it for CPU)",
-    }.get((name or "").lower(), "a source tree" if dist is None else "a build")
-    version = dist.version if dist else "version unknown"
-    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
-    out = [Finding("vllm", "ok", said)]
-    if installed("vllm") is not None:
-        cli = "the `vllm` command finds its distribution"
-        return [*out, Finding("vllm_cli", "ok", cli)]
-    cli = (
-        "the `vllm` command fails here (PackageNotFoundError: vllm: "
-        f"{name or 'this tree'} is installed under another name); serve with "
-        "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command line "
-        "with that lookup answered"
-    )
-    return [*out, Finding("vllm_cli", "info", cli)]
-
-
 def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
     """torch and vLLM's kernels; each installed companion, else its removal (once,
     the +cpu builds as the other way out); the imports, and who breaks them."""
@@ -388,18 +365,37 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
 
 
 def diagnose() -> list[Finding]:
+    """Which vLLM this is, whether the ``vllm`` command finds it (it reads the
+    version of a distribution named ``vllm``), its imports and the patches."""
     try:
         tree = open_tree(None)
     except PatchError as exc:
         fix = pip("install", CPU_DISTRIBUTION)
         return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
     dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
+    name = dist.metadata["Name"] if dist else None
+    build = {
+        CPU_DISTRIBUTION: "the CPU build",
+        "vllm": "the official build (made for CUDA unless you built it for CPU)",
+    }.get((name or "").lower(), "a source tree" if dist is None else "a build")
+    version = dist.version if dist else "version unknown"
+    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
+    cli = "the `vllm` command finds its distribution"
+    if not (found := installed("vllm") is not None):
+        cli = (
+            "the `vllm` command fails here (PackageNotFoundError: vllm: "
+            f"{name or 'this tree'} is installed under another name); serve with "
+            "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command "
+            "line with that lookup answered"
+        )
+    cli_finding = Finding("vllm_cli", "ok" if found else "info", cli)
+    out = [Finding("vllm", "ok", said), cli_finding]
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
     said = "importing torch, vLLM, transformers and the providers in a child"
     print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
     results = run_import_checks(steps_for(tree, providers))
-    out = vllm_findings(tree, dist) + import_findings(results, dist)
+    out += import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
     for patch in patches:
         out += patch_findings(tree, patch, plans, results)
