@@ -204,23 +204,23 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     if not (module := provider_module(patch)):
         return out
     eps = (ep for dist in metadata.distributions() for ep in dist.entry_points)
-    entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
     check = f"{patch.name}:entry_point"  # in any group of any distribution
-    if not entry:
-        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
-        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
-        said = f"no entry point names {module}: vLLM will not load the provider"
-        out.append(Finding(check, "fix", said, pip("install", *what)))
-    else:
+    if entry := [ep for ep in eps if ep.module == module]:
         ep = entry[0]
         owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
         said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
         out.append(Finding(check, "ok", said))
-    result = results[("provider", module)]
-    if not result["ok"]:
+    else:
+        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        said = f"no entry point names {module}: vLLM will not load the provider"
+        out.append(Finding(check, "fix", said, pip("install", *what)))
+    if not (result := results[("provider", module)])["ok"]:
         error = f"provider {module} does not register: {result['error']}"
-        hint = traceback_hint(module)
-        return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
+        return [
+            *out,
+            Finding(f"{patch.name}:provider", "fix", error, traceback_hint(module)),
+        ]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
     out.append(_registered_finding(patch.name, name, status, module))
@@ -246,9 +246,8 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
     if value is None:
         said = f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)"
         return Finding(check, "info", said)
-    if status.get("opt_in_ignored"):
-        fix = f"export {var}=1 (or unset it)"
-        return Finding(check, "fix", status["opt_in_ignored"], fix)
+    if ignored := status.get("opt_in_ignored"):
+        return Finding(check, "fix", ignored, f"export {var}=1 (or unset it)")
     if status.get("opt_in"):
         return Finding(check, "ok", f"{var}={value}: {name!r} is on")
     return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
@@ -336,8 +335,7 @@ STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _
 
 
 def run_steps(steps: list[list[str]]) -> int:
-    """In the child: each step's result reported when known
-    (``{"step": [kind, arg], "ok": ..., ...}``); how many steps ran."""
+    """In the child: each step's ``{"step": [kind, arg], "ok": ...}`` reported."""
     for kind, arg in steps:
         try:
             found = STEPS[kind](arg)
