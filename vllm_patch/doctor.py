@@ -51,12 +51,6 @@ STATES = {
         "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
     ),
 }
-# What the provider did in the child, by the first of these its status holds.
-ROUTES = (
-    ("error", "fix", "provider {name}: {}"),
-    ("stood_aside", "info", "provider {name!r} stands aside: {}"),
-    ("route", "ok", "provider {name!r}: route {}"),
-)
 
 
 @dataclass
@@ -229,13 +223,15 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
 
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
-    """What the provider did in the child (``ROUTES``), else it is off."""
-    for key, word, said in ROUTES:
-        if status.get(key):
-            said = said.format(status[key], name=name)
-            hint = traceback_hint(module) if word == "fix" else None
-            return Finding(f"{patch}:provider", word, said, hint)
-    return Finding(f"{patch}:provider", "info", f"provider {name!r} loads and is off")
+    """What the provider did in the child, by the first key its status holds."""
+    check, hint = f"{patch}:provider", traceback_hint(module)
+    if error := status.get("error"):
+        return Finding(check, "fix", f"provider {name}: {error}", hint)
+    if aside := status.get("stood_aside"):
+        return Finding(check, "info", f"provider {name!r} stands aside: {aside}")
+    if route := status.get("route"):
+        return Finding(check, "ok", f"provider {name!r}: route {route}")
+    return Finding(check, "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
