@@ -85,14 +85,10 @@ def traceback_hint(module: str) -> str:
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
     """The child's steps in order: vLLM IR's where it exists, installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
-    imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
-    return [
-        list(TORCH),
-        list(VLLM_KERNELS),
-        *imports,
-        *(["provider", m] for m in providers),
-        *(["import", c] for c in BROKEN_BESIDE_CPU_TORCH if installed(c)),
-    ]
+    steps = [TORCH, VLLM_KERNELS, *(s for c, s, _ in IMPORTS if ir or c != "ir")]
+    steps += [("provider", m) for m in providers]
+    steps += [("import", c) for c in BROKEN_BESIDE_CPU_TORCH if installed(c)]
+    return [list(step) for step in steps]
 
 
 def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
@@ -419,8 +415,7 @@ def run(args: argparse.Namespace) -> int:
     ok = not any(f.status == "fix" for f in found)
     if args.json:
         said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
-        doc = {"python": sys.executable, "ok": ok, "findings": said}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps({"python": PYTHON, "ok": ok, "findings": said}, indent=2))
     else:
         for f in found:
             print(f.line())
