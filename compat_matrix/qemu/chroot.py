@@ -86,15 +86,13 @@ def wheels(root: Path) -> None:
 
 
 def project(root: Path) -> None:
-    """This project (its plugin's entry point) in ``/opt/project``; the cases,
-    ``calls.py`` and the conformance table in ``/opt/cell``."""
+    """This project (its plugin) in ``/opt/project``; the cases in ``/opt/cell``."""
     target, cell = root / "opt/project", root / "opt/cell"
     for folder in (target, cell):
         shutil.rmtree(folder, ignore_errors=True)
     uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    cases = ("compat_matrix/qemu/cases.py", "compat_matrix/checks/calls.py")
-    for path in (*cases, "tests/conformance_table.py"):
+    for path in ("compat_matrix/checks/calls.py", "tests/conformance_table.py"):
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 
