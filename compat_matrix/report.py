@@ -76,19 +76,16 @@ def read_suite(path: Path) -> ElementTree.Element:
 def read_result(path: Path) -> dict:
     """One cell: its facts and ``checks`` (test name -> outcome, message)."""
     suite = read_suite(path)
-    facts = {
-        p.get("name"): json.loads(p.get("value"))
-        for p in suite.iterfind("properties/property")
-    }
+    props = suite.iterfind("properties/property")
+    facts = {p.get("name"): json.loads(p.get("value")) for p in props}
     checks = {}
     for case in suite.iterfind("testcase"):
         tag = next((t for t in OUTCOMES if case.find(t) is not None), None)
         message = (case.find(tag).get("message") or "") if tag else ""
         outcome = OUTCOMES.get(tag, "passed")
         checks[case.get("name")] = {"outcome": outcome, "message": message}
-    seconds = float(suite.get("time"))
-    cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
-    return {**cell, **facts, "checks": checks}
+    cell = {"cell": path.stem, "date": suite.get("timestamp")}
+    return {**cell, "seconds": float(suite.get("time")), **facts, "checks": checks}
 
 
 def plus(counts: dict) -> str:

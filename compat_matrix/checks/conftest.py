@@ -1,7 +1,5 @@
-"""A cell's shared fixtures: the vLLM tree (installed, or ``--vllm-wheel``'s),
-``vllm-patch check --json`` on it, its mechanism, and the patched copy's counts
-(a child running beside the other checks). Every fact the matrix shows is a
-test-suite property (``fact``): ``compat_matrix.report`` reads nothing else."""
+"""A cell's shared fixtures. Every fact the matrix shows is a test-suite property
+(``fact``): ``compat_matrix.report`` reads nothing else."""
 
 from __future__ import annotations
 

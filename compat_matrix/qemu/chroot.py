@@ -1,6 +1,5 @@
-"""The Debian arm64 chroot of the aarch64 cell, made as root on this x86-64 host
-(docs/compat.md); a step whose result is there is skipped, but for the project's
-ones (the project, the cases, the patched tree)."""
+"""The aarch64 cell's Debian arm64 chroot, made as root on this x86-64 host
+(docs/compat.md); a step already done is skipped, but for the project's two."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def project(root: Path) -> None:
 
 
 def patched_tree(root: Path) -> dict[str, str]:
-    """``/opt/patched``: a hard-linked copy of ``/opt/sp``'s vLLM with the
-    patches a plain ``vllm-patch apply`` picks; each one's outcome by name."""
+    """``/opt/patched``: ``/opt/sp`` hard-linked, patched as ``apply`` picks."""
     from patcher import engine
     from patcher.tree import linked_copy, open_tree
 
