@@ -53,7 +53,12 @@ CONFORMANCE = (
     "residual `other`: another dtype; weight `variance`: a variance size override). "
     "*Wrong*: a kernel where the rule says native or the reverse, an exception native "
     "does not raise, or an output beyond vLLM IR's tolerance of native (its values as "
-    "vLLM 0.20 states them, for releases before IR)."
+    "vLLM 0.20 states them, for releases before IR).\n\n{eager}\n\n"
+    "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` graph of the "
+    "cells (every cell native does not refuse), its `_C` calls (rms_norm + fused add) "
+    "against the rule's, outputs within tolerance.\n\n{graphs}\n\n"
+    "The residual stream after 64 bfloat16 fused adds of small updates (its norm over "
+    "the exact sum's; 1.0 is exact), per kernel build:\n\n{drift}"
 )
 EAGER_HEADER = "build, machine|vLLM|form|dtype|eager cells: kernel / native / wrong"
 GRAPH_HEADER = "build, machine|form|custom_ops|cells|kernel calls|the rule's|verified"
@@ -181,19 +186,11 @@ def conformance_section(results: list[dict]) -> str:
     # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
     found = next((r["dimensions"] for r in results if "dimensions" in r), {})
     dims = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
-    return "\n\n".join(
-        [
-            CONFORMANCE.format(dimensions=" x ".join(dims) or "(not recorded)"),
-            table(EAGER_HEADER.split("|"), eager),
-            "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` "
-            "graph of the cells (every cell native does not refuse), its `_C` "
-            "calls (rms_norm + fused add) against the rule's, outputs within "
-            "tolerance.",
-            table(GRAPH_HEADER.split("|"), graphs),
-            "The residual stream after 64 bfloat16 fused adds of small updates "
-            "(its norm over the exact sum's; 1.0 is exact), per kernel build:",
-            table(DRIFT_HEADER.split("|"), drift),
-        ]
+    return CONFORMANCE.format(
+        dimensions=" x ".join(dims) or "(not recorded)",
+        eager=table(EAGER_HEADER.split("|"), eager),
+        graphs=table(GRAPH_HEADER.split("|"), graphs),
+        drift=table(DRIFT_HEADER.split("|"), drift),
     )
 
 
