@@ -26,10 +26,9 @@ FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
 ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
 ROUTE_CHECKS += ("test_provider_float32", "test_provider_bfloat16")
 HEADER = (
-    "cell|torch|kernel build, machine|mechanism|form of the change verified|"
-    "provider route verified|provider `_C` calls eager / compiled|"
-    "patched copy `_C` calls eager / compiled|e2e|checks passed / run|"
-    "checks' time (s)"
+    "cell|torch|kernel build, machine|mechanism|form of the change verified|provider "
+    "route verified|provider `_C` calls eager / compiled|patched copy `_C` calls eager "
+    "/ compiled|e2e|checks passed / run|checks' time (s)"
 ).split("|")
 INTRO = (
     "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/` "
