@@ -26,10 +26,9 @@ FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
 ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
 ROUTE_CHECKS += ("test_provider_float32", "test_provider_bfloat16")
 HEADER = (
-    "cell|torch|kernel build, machine|mechanism|form of the change verified|"
-    "provider route verified|provider `_C` calls eager / compiled|"
-    "patched copy `_C` calls eager / compiled|e2e|checks passed / run|"
-    "checks' time (s)"
+    "cell|torch|kernel build, machine|mechanism|form of the change verified|provider "
+    "route verified|provider `_C` calls eager / compiled|patched copy `_C` calls eager "
+    "/ compiled|e2e|checks passed / run|checks' time (s)"
 ).split("|")
 INTRO = (
     "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/` "
@@ -53,7 +52,12 @@ CONFORMANCE = (
     "residual `other`: another dtype; weight `variance`: a variance size override). "
     "*Wrong*: a kernel where the rule says native or the reverse, an exception native "
     "does not raise, or an output beyond vLLM IR's tolerance of native (its values as "
-    "vLLM 0.20 states them, for releases before IR)."
+    "vLLM 0.20 states them, for releases before IR).\n\n{eager}\n\n"
+    "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` graph of the "
+    "cells (every cell native does not refuse), its `_C` calls (rms_norm + fused add) "
+    "against the rule's, outputs within tolerance.\n\n{graphs}\n\n"
+    "The residual stream after 64 bfloat16 fused adds of small updates (its norm over "
+    "the exact sum's; 1.0 is exact), per kernel build:\n\n{drift}"
 )
 EAGER_HEADER = "build, machine|vLLM|form|dtype|eager cells: kernel / native / wrong"
 GRAPH_HEADER = "build, machine|form|custom_ops|cells|kernel calls|the rule's|verified"
@@ -76,19 +80,16 @@ def read_suite(path: Path) -> ElementTree.Element:
 def read_result(path: Path) -> dict:
     """One cell: its facts and ``checks`` (test name -> outcome, message)."""
     suite = read_suite(path)
-    facts = {
-        p.get("name"): json.loads(p.get("value"))
-        for p in suite.iterfind("properties/property")
-    }
+    props = suite.iterfind("properties/property")
+    facts = {p.get("name"): json.loads(p.get("value")) for p in props}
     checks = {}
     for case in suite.iterfind("testcase"):
         tag = next((t for t in OUTCOMES if case.find(t) is not None), None)
         message = (case.find(tag).get("message") or "") if tag else ""
         outcome = OUTCOMES.get(tag, "passed")
         checks[case.get("name")] = {"outcome": outcome, "message": message}
-    seconds = float(suite.get("time"))
-    cell = {"cell": path.stem, "date": suite.get("timestamp"), "seconds": seconds}
-    return {**cell, **facts, "checks": checks}
+    cell = {"cell": path.stem, "date": suite.get("timestamp")}
+    return {**cell, "seconds": float(suite.get("time")), **facts, "checks": checks}
 
 
 def plus(counts: dict) -> str:
@@ -184,19 +185,11 @@ def conformance_section(results: list[dict]) -> str:
     # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
     found = next((r["dimensions"] for r in results if "dimensions" in r), {})
     dims = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
-    return "\n\n".join(
-        [
-            CONFORMANCE.format(dimensions=" x ".join(dims) or "(not recorded)"),
-            table(EAGER_HEADER.split("|"), eager),
-            "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` "
-            "graph of the cells (every cell native does not refuse), its `_C` "
-            "calls (rms_norm + fused add) against the rule's, outputs within "
-            "tolerance.",
-            table(GRAPH_HEADER.split("|"), graphs),
-            "The residual stream after 64 bfloat16 fused adds of small updates "
-            "(its norm over the exact sum's; 1.0 is exact), per kernel build:",
-            table(DRIFT_HEADER.split("|"), drift),
-        ]
+    return CONFORMANCE.format(
+        dimensions=" x ".join(dims) or "(not recorded)",
+        eager=table(EAGER_HEADER.split("|"), eager),
+        graphs=table(GRAPH_HEADER.split("|"), graphs),
+        drift=table(DRIFT_HEADER.split("|"), drift),
     )
 
 

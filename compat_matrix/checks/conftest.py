@@ -1,7 +1,5 @@
-"""A cell's shared fixtures: the vLLM tree (installed, or ``--vllm-wheel``'s),
-``vllm-patch check --json`` on it, its mechanism, and the patched copy's counts
-(a child running beside the other checks). Every fact the matrix shows is a
-test-suite property (``fact``): ``compat_matrix.report`` reads nothing else."""
+"""A cell's shared fixtures. Every fact the matrix shows is a test-suite property
+(``fact``): ``compat_matrix.report`` reads nothing else."""
 
 from __future__ import annotations
 
@@ -27,14 +25,8 @@ DEPRECATION = re.compile(r"Deprecated: vLLM IR .*?(?=\n\s*\n|\"\"\")", re.DOTALL
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--vllm-wheel",
-        help="PACKAGE==VERSION: judge this wheel statically (default: the vLLM "
-        "installed here, live)",
-    )
-    parser.addoption(
-        "--e2e", action="store_true", help="also start vLLM's engine (slow)"
-    )
+    parser.addoption("--vllm-wheel", help="PACKAGE==VERSION: this wheel, not vLLM here")
+    parser.addoption("--e2e", action="store_true", help="start vLLM's engine too")
 
 
 @pytest.fixture(scope="session")
@@ -55,11 +47,10 @@ def fact(record_testsuite_property):
 
 @pytest.fixture(scope="session")
 def check_report(request, tree, fact) -> list[dict]:
-    """``vllm-patch check --json`` on the tree: the patches a plain check picks
-    with their status, or the engine's one error as the only entry."""
-    command = [sys.executable, "-m", "vllm_patch", "check", "--json"]
+    """``vllm-patch check --json`` on the tree (an error: the only entry)."""
+    command = [sys.executable, "-m", "vllm_patch", "check", "--json", "--vllm"]
     proc = subprocess.run(
-        [*command, "--vllm", str(tree.location)], capture_output=True, text=True
+        [*command, str(tree.location)], capture_output=True, text=True
     )
     report = json.loads(proc.stdout)
     fact("torch", os.environ.get("VLLMPATCH_COMPAT_TORCH"))

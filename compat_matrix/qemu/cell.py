@@ -35,11 +35,9 @@ MACHINES = {
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
 CASES = [f"{dtype}/{op}" for dtype in TOLERANCE for op in OPS]
 # Per side: its conformance table's form and its environment in the chroot
-# (cases.py, calls.py and the table are in /opt/cell): the patched tree (the
-# project last, for the table's rule; its plugin not loaded), or vLLM with the
-# plugin opted in.
+# (calls.py and the table are in /opt/cell): the patched tree (the project last,
+# for the table's rule; its plugin not loaded), or vLLM with the plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
-CELL_SIDES = tuple(TABLE_FORMS)
 SIDE_ENV = {
     "patched": {
         "PYTHONPATH": "/opt/cell:/opt/patched:/opt/sp:/opt/project",
@@ -73,8 +71,7 @@ def parse_run(output: str, returncode: int, asked: list[str]) -> dict:
 
 
 def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
-    """Why the side fails in ``dtype``: a death, an exception, kernel calls
-    the rule does not expect, or outputs beyond the tolerance of native."""
+    """Why the side fails in ``dtype`` (a death, an exception, calls, numerics)."""
     bf16, failures = MACHINES[cpu][0], []
     for op in OPS:
         case = cases[f"{dtype}/{op}"]
@@ -117,7 +114,7 @@ def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float
 def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
     """A test per side and dtype (``test_<side>_<dtype>``)."""
     tests = []
-    for side, dtype in itertools.product(CELL_SIDES, TOLERANCE):
+    for side, dtype in itertools.product(TABLE_FORMS, TOLERANCE):
         ran = runs[side]["cases"]
         spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
         tests.append((f"test_{side}_{dtype}", spent, judge(cpu, dtype, ran)))
@@ -131,8 +128,7 @@ def death(returncode: int) -> str:
 
 
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
-    """``command`` in the chroot with only the side's environment, its output
-    appended to the side's log."""
+    """``command`` in the chroot, only the side's environment; output to its log."""
     env = {"PATH": "/usr/bin:/bin", "QEMU_CPU": cpu, "OMP_NUM_THREADS": "1"}
     env |= {"HOME": "/root", **SIDE_ENV[side]}
     cmd = ["chroot", str(root), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
@@ -155,8 +151,7 @@ def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
 
 
 def table_tests(tables: dict) -> list[tuple[str, float, list[str]]]:
-    """A test per form: the process lived, no cell went wrong, and the residual
-    stream kept its norm within 1% (``tests/test_conformance.py``'s bars)."""
+    """A test per form: it lived, no cell wrong, the stream's norm within 1%."""
     tests = []
     for form, found in tables.items():
         if "died" in found:
@@ -183,7 +178,7 @@ def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
     """Every case of one side on one CPU, a process again after each death."""
     remaining, cases, processes = list(CASES), {}, []
     setup, began = None, time.monotonic()
-    command = ("python3", "/opt/cell/cases.py", side)
+    command = ("python3", "/opt/cell/calls.py", side)
     while remaining:
         started = time.monotonic()
         proc = in_cell(root, cpu, side, (*command, *remaining), logs)
@@ -241,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     applied = chroot.prepare(root)
     logs = root.parent / f"{root.name}-logs"
     logs.mkdir(exist_ok=True)
-    jobs = list(itertools.product(cpus, CELL_SIDES))
+    jobs = list(itertools.product(cpus, TABLE_FORMS))
     with chroot.proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
         futures = {job: pool.submit(run_side, root, *job, logs) for job in jobs}
         done = {job: f.result() for job, f in futures.items()}
@@ -250,14 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         tables = {job: f.result() for job, f in futures.items()}
         table_seconds = time.monotonic() - began
     for cpu in cpus:
-        runs = {side: done[cpu, side] for side in CELL_SIDES}
-        for side in CELL_SIDES:
-            for case, r in runs[side]["cases"].items():
-                print(cpu, side, case, json.dumps(r))
+        runs = {side: done[cpu, side] for side in TABLE_FORMS}
         facts = cell_facts(cpu, runs, applied)
         seconds = max(r["seconds"] for r in runs.values())
         write_output(result_path(cpu), junit(cell_tests(cpu, runs), facts, seconds))
-        found = {TABLE_FORMS[side]: tables[cpu, side] for side in CELL_SIDES}
+        found = {form: tables[cpu, side] for side, form in TABLE_FORMS.items()}
         table = table_facts(cpu, found, facts["vllm"])
         kept = result_file("conformance", f"-aarch64-{cpu}")
         write_output(kept, junit(table_tests(found), table, table_seconds))

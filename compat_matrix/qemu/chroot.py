@@ -1,6 +1,5 @@
-"""The Debian arm64 chroot of the aarch64 cell, made as root on this x86-64 host
-(docs/compat.md); a step whose result is there is skipped, but for the project's
-ones (the project, the cases, the patched tree)."""
+"""The aarch64 cell's Debian arm64 chroot, made as root on this x86-64 host
+(docs/compat.md); a step already done is skipped, but for the project's two."""
 
 from __future__ import annotations
 
@@ -86,21 +85,18 @@ def wheels(root: Path) -> None:
 
 
 def project(root: Path) -> None:
-    """This project (its plugin's entry point) in ``/opt/project``; the cases,
-    ``calls.py`` and the conformance table in ``/opt/cell``."""
+    """This project (its plugin) in ``/opt/project``; the cases in ``/opt/cell``."""
     target, cell = root / "opt/project", root / "opt/cell"
     for folder in (target, cell):
         shutil.rmtree(folder, ignore_errors=True)
     uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    cases = ("compat_matrix/qemu/cases.py", "compat_matrix/checks/calls.py")
-    for path in (*cases, "tests/conformance_table.py"):
+    for path in ("compat_matrix/checks/calls.py", "tests/conformance_table.py"):
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 
 def patched_tree(root: Path) -> dict[str, str]:
-    """``/opt/patched``: a hard-linked copy of ``/opt/sp``'s vLLM with the
-    patches a plain ``vllm-patch apply`` picks; each one's outcome by name."""
+    """``/opt/patched``: ``/opt/sp`` hard-linked, patched as ``apply`` picks."""
     from patcher import engine
     from patcher.tree import linked_copy, open_tree
 
