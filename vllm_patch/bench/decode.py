@@ -129,8 +129,7 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, a step of each in turn: per engine, each figure's
-    median over the decode steps (the first is the prefill), every step's CPU."""
+    """Per engine, a step of each in turn: each figure's median over decode steps."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
     found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
@@ -154,8 +153,7 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
-    """Round 0 (warm-up, dropped), then rounds until ``args.rounds`` or (past
-    ``MIN_ROUNDS``) ``deadline``: per thread count, every engine and the load."""
+    """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
     out = []
     pids = [e.proc.pid for e in started]
     began = time.monotonic()
@@ -230,8 +228,7 @@ def saving(rows: list[dict], variant: str) -> dict[str, Any]:
 
 
 def summary(rows: list, threads: list, compiled_rows: list, about: dict, meta: dict):
-    """The ``decode`` section: ``meta``, the first thread count's block at the
-    top level, every count's under ``by_threads``, compiled under ``compiled``."""
+    """The ``decode`` section, the first thread count's block at its top level."""
 
     def per_count(found: list[dict], pairs: dict) -> dict[str, Any]:
         return {
