@@ -286,32 +286,10 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
 # --- the engine's side: ``python -m vllm_patch.bench.decode CONFIG_JSON`` ------
 
 
-def hook_norms(model, totals: list[int]) -> list[str]:
-    """Time every ``RMSNorm`` (or subclass) into ``totals``: the classes hooked."""
-    from vllm.model_executor.layers.layernorm import RMSNorm
-
-    started = [0, 0]
-
-    def before(module, args) -> None:
-        started[:] = time.perf_counter_ns(), time.process_time_ns()
-
-    def after(module, args, output) -> None:
-        totals[0] += time.perf_counter_ns() - started[0]
-        totals[1] += time.process_time_ns() - started[1]
-        totals[2] += 1
-
-    names = set()
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.register_forward_pre_hook(before)
-            module.register_forward_hook(after)
-            names.add(type(module).__name__)
-    return sorted(names)
-
-
 def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
-    """The engine (eager: its norms timed into ``totals``) and its own word."""
+    """The engine (eager: every ``RMSNorm`` timed into ``totals``), its own word."""
     from vllm import LLM
+    from vllm.model_executor.layers.layernorm import RMSNorm
 
     from vllm_patch.runtime import cpu_library
 
@@ -324,7 +302,24 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
     llm = LLM(model=config["model"], **extra)
-    hooked = llm.apply_model(lambda m: hook_norms(m, totals))[0] if eager else []
+    started = [0, 0]
+
+    def before(module, args) -> None:
+        started[:] = time.perf_counter_ns(), time.process_time_ns()
+
+    def after(module, args, output) -> None:
+        totals[0] += time.perf_counter_ns() - started[0]
+        totals[1] += time.process_time_ns() - started[1]
+        totals[2] += 1
+
+    def hook(model) -> list[str]:
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        for m in norms:
+            m.register_forward_pre_hook(before)
+            m.register_forward_hook(after)
+        return sorted({type(m).__name__ for m in norms})
+
+    hooked = llm.apply_model(hook)[0] if eager else []
     about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
     about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
     return llm, about | {"norm_classes": hooked}
