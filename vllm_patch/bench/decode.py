@@ -1,23 +1,26 @@
 """``bench --decode``: one decode step, base vs patched, on a noisy machine
 (docs/bench.md). One live engine per variant, each a child running this module
 (vLLM's ``LLM`` in it, asked by a JSON line on stdin per step); in a round they
-take turns step by step, so their k-th steps share the load, and ratios are
-paired per round (``stats``). Round 0 warms up."""
+take turns step by step, so their k-th steps share the load. A ratio is the
+trimmed mean of per-round log ratios (one busy round moves it little), its
+interval a seeded percentile bootstrap of the same estimator. Round 0 warms up."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
-from vllm_patch.bench import stats
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
@@ -46,6 +49,48 @@ PHASES = {
     },
 }
 NAMES = [name for phase in PHASES.values() for name in phase]
+TRIM = 0.1  # the share of the rounds left out at each end
+RESAMPLES = 2000
+Figures = Sequence[float | None]
+
+
+def trimmed_mean(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    cut = int(len(ordered) * TRIM)
+    kept = ordered[cut : len(ordered) - cut] or ordered
+    return sum(kept) / len(kept)
+
+
+def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
+    """(trimmed mean, low, high): a seeded 95 % percentile bootstrap."""
+    if not values:
+        raise ValueError("no values to estimate from")
+    rng = random.Random(0)
+    found = sorted(
+        trimmed_mean(rng.choices(values, k=len(values))) for _ in range(RESAMPLES)
+    )
+    low, high = (found[int(q * (RESAMPLES - 1))] for q in (0.025, 0.975))
+    return trimmed_mean(values), low, high
+
+
+def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
+    """A level: ``key`` (the trimmed mean), ``ci95``, ``n``, mapped by ``back``."""
+    kept = [v for v in values if v is not None]
+    mid, lo, hi = (round(back(v), 4) for v in bootstrap(kept))
+    return {key: mid, "ci95": [lo, hi], "n": len(kept)}
+
+
+def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
+    """numerator / denominator per round where both are positive."""
+    pairs = zip(numerator, denominator, strict=True)
+    logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
+    return level(logs, "ratio", math.exp)
+
+
+def difference(first: Figures, second: Figures) -> dict[str, object]:
+    """The :func:`level` of first - second per round (both present)."""
+    pairs = zip(first, second, strict=True)
+    return level([a - b for a, b in pairs if None not in (a, b)])
 
 
 class Engine(contextlib.AbstractContextManager):
@@ -84,8 +129,7 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Each engine's generation, a step of each in turn: per engine, each figure's
-    median over the decode steps (the first is the prefill), every step's CPU."""
+    """Per engine, a step of each in turn: each figure's median over decode steps."""
     for e in order:
         e.ask({"threads": threads, "tokens": tokens})
     found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
@@ -109,8 +153,7 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
-    """Round 0 (warm-up, dropped), then rounds until ``args.rounds`` or (past
-    ``MIN_ROUNDS``) ``deadline``: per thread count, every engine and the load."""
+    """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
     out = []
     pids = [e.proc.pid for e in started]
     began = time.monotonic()
@@ -146,13 +189,13 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
     names = [v for v in NAMES if v in seen]
 
     def levels(key: str) -> dict[str, Any]:
-        return {v: stats.level(column(rows, v, key)) for v in names}
+        return {v: level(column(rows, v, key)) for v in names}
 
     comps = {}
     for label, (a, b) in pairs.items():
         if a in names and b in names:
             by = {c: [column(rows, v, f"step_{c}") for v in (a, b)] for c in CLOCKS}
-            comps[label] = {c: stats.ratio(*by[c]) for c in CLOCKS}
+            comps[label] = {c: ratio(*by[c]) for c in CLOCKS}
             comps[label].update(comps[label][CLOCKS[0]])
     out = {"comparisons": comps, "step_ms": levels("step_cpu")}
     out |= {"step_wall_ms": levels("step_wall"), "rounds": len(rows)}
@@ -175,18 +218,17 @@ def saving(rows: list[dict], variant: str) -> dict[str, Any]:
     of base's step too; ``expected_ratio``: the step ratio that implies."""
     base, mine = column(rows, "base", "norm_cpu"), column(rows, variant, "norm_cpu")
     steps = zip(base, mine, column(rows, "base", "step_cpu"), strict=True)
-    share = stats.level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])
+    share = level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])
     lo, hi = share["ci95"]
     return {
-        "saving_ms": stats.difference(base, mine),
+        "saving_ms": difference(base, mine),
         "share": {"share": share["ms"], "ci95": share["ci95"]},
         "expected_ratio": [round(1 - hi, 4), round(1 - lo, 4)],
     }
 
 
 def summary(rows: list, threads: list, compiled_rows: list, about: dict, meta: dict):
-    """The ``decode`` section: ``meta``, the first thread count's block at the
-    top level, every count's under ``by_threads``, compiled under ``compiled``."""
+    """The ``decode`` section, the first thread count's block at its top level."""
 
     def per_count(found: list[dict], pairs: dict) -> dict[str, Any]:
         return {
@@ -244,32 +286,10 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
 # --- the engine's side: ``python -m vllm_patch.bench.decode CONFIG_JSON`` ------
 
 
-def hook_norms(model, totals: list[int]) -> list[str]:
-    """Time every ``RMSNorm`` (or subclass) into ``totals``: the classes hooked."""
-    from vllm.model_executor.layers.layernorm import RMSNorm
-
-    started = [0, 0]
-
-    def before(module, args) -> None:
-        started[:] = time.perf_counter_ns(), time.process_time_ns()
-
-    def after(module, args, output) -> None:
-        totals[0] += time.perf_counter_ns() - started[0]
-        totals[1] += time.process_time_ns() - started[1]
-        totals[2] += 1
-
-    names = set()
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.register_forward_pre_hook(before)
-            module.register_forward_hook(after)
-            names.add(type(module).__name__)
-    return sorted(names)
-
-
 def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
-    """The engine (eager: its norms timed into ``totals``) and its own word."""
+    """The engine (eager: every ``RMSNorm`` timed into ``totals``), its own word."""
     from vllm import LLM
+    from vllm.model_executor.layers.layernorm import RMSNorm
 
     from vllm_patch.runtime import cpu_library
 
@@ -282,7 +302,24 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
     if config.get("custom_ops"):
         extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
     llm = LLM(model=config["model"], **extra)
-    hooked = llm.apply_model(lambda m: hook_norms(m, totals))[0] if eager else []
+    started = [0, 0]
+
+    def before(module, args) -> None:
+        started[:] = time.perf_counter_ns(), time.process_time_ns()
+
+    def after(module, args, output) -> None:
+        totals[0] += time.perf_counter_ns() - started[0]
+        totals[1] += time.process_time_ns() - started[1]
+        totals[2] += 1
+
+    def hook(model) -> list[str]:
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        for m in norms:
+            m.register_forward_pre_hook(before)
+            m.register_forward_hook(after)
+        return sorted({type(m).__name__ for m in norms})
+
+    hooked = llm.apply_model(hook)[0] if eager else []
     about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
     about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
     return llm, about | {"norm_classes": hooked}

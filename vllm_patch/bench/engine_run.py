@@ -30,15 +30,15 @@ KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_e
 
 def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random bf16 Llama of ``sizes``, built once per configuration in ``path``."""
-    return _cached(Path(path), "llama", seed, tokenizer, sizes)
+    return make_random(Path(path), "llama", seed, tokenizer, sizes)
 
 
 def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
-    return _cached(Path(path), "qwen3", seed, tokenizer, sizes)
+    return make_random(Path(path), "qwen3", seed, tokenizer, sizes)
 
 
-def _cached(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> Path:
+def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> Path:
     config = {"architecture": kind} if kind != "llama" else {}
     config |= {HF_NAMES.get(k, k): v for k, v in sizes.items()}
     # Random tied embeddings make every greedy completion one token repeated.
@@ -49,11 +49,33 @@ def _cached(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> P
     target = path / f"random-{kind}-{digest[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so an interrupted build is never reused.
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        _save_model(staging, kind, config)
+        own = ("seed", "tokenizer", "architecture")
+        hf_config = getattr(transformers, f"{KINDS[kind][0]}Config")(
+            **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
+        )
+        torch.manual_seed(seed)
+        model = getattr(transformers, f"{KINDS[kind][0]}ForCausalLM")(hf_config)
+        model.to(torch.bfloat16).save_pretrained(staging, safe_serialization=True)
+        if tokenizer:  # words w3 .. w(vocab - 1): a served model needs one
+            vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+            vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
+            words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+            words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+            transformers.PreTrainedTokenizerFast(
+                tokenizer_object=words,
+                unk_token="<unk>",
+                bos_token="<s>",
+                eos_token="</s>",
+            ).save_pretrained(staging)
+        (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
         try:
             staging.rename(target)
         except OSError:
@@ -62,27 +84,3 @@ def _cached(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> P
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _save_model(folder: Path, kind: str, config: dict) -> None:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    name = KINDS[kind][0]
-    own = ("seed", "tokenizer", "architecture")
-    hf_config = getattr(transformers, f"{name}Config")(
-        **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
-    )
-    torch.manual_seed(config["seed"])
-    model = getattr(transformers, f"{name}ForCausalLM")(hf_config).to(torch.bfloat16)
-    model.save_pretrained(folder, safe_serialization=True)
-    if config.get("tokenizer"):  # words w3 .. w(vocab - 1): a served model needs one
-        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-        vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
-        words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        transformers.PreTrainedTokenizerFast(
-            tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-        ).save_pretrained(folder)
-    (folder / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))

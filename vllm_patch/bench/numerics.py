@@ -68,15 +68,6 @@ def mismatch(fn: Callable, args: tuple, expected: list, tolerance: dict) -> str 
     return None
 
 
-def needed_rtol(actual, expected, atol: float) -> float:
-    """The smallest ``rtol`` ``assert_close`` with ``atol`` passes (``inf``: none)."""
-    import torch
-
-    a, e = actual.double(), expected.double()
-    excess = ((a - e).abs() - atol).clamp(min=0)
-    return float(torch.where(excess > 0, excess / e.abs(), 0.0).max())
-
-
 def kernel_call(name: str):
     """The CPU kernel as a function of the op's inputs, returning its outputs."""
     import torch
@@ -120,7 +111,10 @@ def build_numerics(library: str) -> dict:
                     need = str(exc).splitlines()[0]
                     break
                 for a, e in zip(got, expected_of(op, args), strict=True):
-                    need = max(need, needed_rtol(a, e, tol["atol"]))
+                    # the smallest rtol assert_close with atol passes (inf: none)
+                    excess = ((a.double() - e).abs() - tol["atol"]).clamp(min=0)
+                    rtol = torch.where(excess > 0, excess / e.double().abs(), 0.0)
+                    need = max(need, float(rtol.max()))
             needed.setdefault(name, {})[dtype_name] = need
     return {"loaded": cpu_library.loaded(), "needed": needed, "tolerance": tolerance}
 

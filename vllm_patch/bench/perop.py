@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -30,8 +31,7 @@ WARMUP_S = 0.05
 
 
 def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str, dict]:
-    """Microseconds per call of each function per sample (``cpu``, ``wall``),
-    in turn after a warm-up, inputs restored before each, in ``scopes[name]()``."""
+    """Per function, µs per call per sample (``cpu``, ``wall``), in its scope."""
     import torch
 
     works = {name: numerics.copy_args(args) for name in fns}
@@ -61,8 +61,7 @@ def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str,
 
 
 def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
-    """Every way to run the op here (the IR providers, vLLM's ``RMSNorm`` layer as
-    an eager CPU engine builds it and its forward method), and its priority."""
+    """Every route to the op here (as an eager CPU engine builds it), its scope."""
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
@@ -110,8 +109,7 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
 
 
 def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]:
-    """Each route held to native, the right ones timed with the kernel's parts:
-    the bound kernel into a ready output and (``rms_norm``) the allocation."""
+    """Each route held to native, the right ones timed with the kernel's parts."""
     import torch
 
     dtype = getattr(torch, DTYPE)
@@ -146,37 +144,32 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
 
 
 def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times in each vLLM of ``envs``, alternating: a
-    row per env, op, tokens and route; native's of both envs pooled ("both")."""
+    """:func:`measure` ``ROUNDS`` times per vLLM of ``envs``; native's pooled."""
     from vllm_patch.runtime import child, machine
 
     keyed: dict[tuple, dict[str, Any]] = {}
-    load = []
-    for r in range(ROUNDS):
-        for env, pythonpath in envs.items():
-            progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
-            before = machine.cpu_snapshot()
-            asked = {"env": env, "threads": threads}
-            how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
-            for s in child.run(f"{__name__}:measure", asked, **how).value():
-                s["env"] = "both" if s["route"] == NATIVE else env
-                key = (s["env"], s["op"], s["tokens"], s["route"])
-                row = keyed.setdefault(key, {**s, "cpu": [], "wall": []})
-                for clock in ("cpu", "wall"):
-                    row[clock] += s.get(clock, [])
-            average, share = machine.load_average()[0], machine.other_share(before)
-            load.append({"env": env, "load_average": average, "other_share": share})
-    native = {
-        (row["op"], row["tokens"]): statistics.median(row["cpu"])
-        for row in keyed.values()
-        if row["route"] == NATIVE
-    }
+    load, native = [], {}
+    for r, (env, pythonpath) in itertools.product(range(ROUNDS), envs.items()):
+        progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
+        before = machine.cpu_snapshot()
+        asked = {"env": env, "threads": threads}
+        how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
+        for s in child.run(f"{__name__}:measure", asked, **how).value():
+            s["env"] = "both" if s["route"] == NATIVE else env
+            key = (s["env"], s["op"], s["tokens"], s["route"])
+            row = keyed.setdefault(key, {**s, "cpu": [], "wall": []})
+            for clock in ("cpu", "wall"):
+                row[clock] += s.get(clock, [])
+            if s["route"] == NATIVE:
+                native[s["op"], s["tokens"]] = row["cpu"]
+        average, share = machine.load_average()[0], machine.other_share(before)
+        load.append({"env": env, "load_average": average, "other_share": share})
     for row in keyed.values():
         cpu, wall = row.pop("cpu"), row.pop("wall")
         if cpu:
             p10, *_, p90 = statistics.quantiles(cpu, n=10, method="inclusive")
             figures = (statistics.median(cpu), p10, p90, statistics.median(wall))
-            figures += (native[row["op"], row["tokens"]],)
+            figures += (statistics.median(native[row["op"], row["tokens"]]),)
             keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
             row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
     found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}

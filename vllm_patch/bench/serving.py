@@ -38,8 +38,6 @@ CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
 RESULT = "result.json"  # vllm bench serve's
 JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
-
-
 # The defaults; a run's ``sizes`` add ``model_len`` (0: what the benchmark needs).
 SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrency": 4}
 
@@ -181,13 +179,11 @@ def run(bench, args, copy: str) -> None:
     context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
     sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}
     shown = Path(args.model).name if args.model else "MODEL"
-    serving = {"commands": commands(shown, sizes), "sizes": sizes}
-    doc["serving"] = serving | {"configs": {}, "server_log": {}}
-    if args.model:
-        prompts, note = accuracy.PROMPTS, None
-    else:
-        vocab = doc["model"]["config"]["vocab_size"]
-        prompts, note = accuracy.word_prompts(vocab), accuracy.RANDOM_NOTE
+    doc["serving"] = {"commands": commands(shown, sizes), "sizes": sizes}
+    doc["serving"] |= {"configs": {}, "server_log": {}}
+    vocab = None if args.model else doc["model"]["config"]["vocab_size"]
+    prompts = accuracy.word_prompts(vocab) if vocab else accuracy.PROMPTS
+    note = accuracy.RANDOM_NOTE if vocab else None
     tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
     spec = None
     if lm_eval and importlib.util.find_spec("lm_eval") is None:
@@ -237,10 +233,9 @@ def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
                     if lm_eval is not None and eager:
                         say(f"lm_eval {lm_eval['task']}")
                         lm_eval[side] = run_lm_eval(url, model, lm_eval)
-            runs = serving["configs"].setdefault(mode, {})
-            runs = runs.setdefault(side, {m: [] for m in METRICS})
+            runs = serving["configs"].setdefault(mode, {}).setdefault(side, {})
             for m in METRICS:
-                runs[m].append(metrics[m])
+                runs.setdefault(m, []).append(metrics[m])
             logs = serving["server_log"].setdefault(mode, {})
             logs[side] = kernel_lines(server["log"])
             if side in answers and len(answers) == len(SIDES):
