@@ -350,7 +350,7 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     elif not changes:
         action = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
     else:
-        partly = any(not e.changes for e in planned.edits if e.skipped is None)
+        partly = planned.status is PlanStatus.PARTLY_APPLIED
         action = "completed" if partly else "applied"
     return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
