@@ -81,22 +81,20 @@ class Backup:
             raise PatchError(message, str(where), wanted, found)
         entries, problems = {}, []
         for rel, entry in files.items():
+            said = f"{where}: entry {rel!r}"
             try:
-                entries[rel] = self._entry(rel, entry)
+                if not isinstance(entry, dict):
+                    raise _Damage(f"{said} is not a table")
+                if bad := [k for k in HASHES if not _SHA256.match(str(entry.get(k)))]:
+                    raise _Damage(f"{said} has no valid {bad[0]}")
+                if hex_digest(self.original(rel)) != entry["original_sha256"]:
+                    raise _Damage(
+                        f"{self.folder / rel}: changed since it was backed up"
+                    )
+                entries[rel] = {k: entry[k] for k in HASHES}
             except _Damage as exc:
                 problems.append(str(exc))
         return entries, problems
-
-    def _entry(self, rel: str, entry: object) -> dict[str, str]:
-        where = f"{self.folder / MANIFEST}: entry {rel!r}"
-        if not isinstance(entry, dict):
-            raise _Damage(f"{where} is not a table")
-        for key in HASHES:
-            if not _SHA256.match(str(entry.get(key, ""))):
-                raise _Damage(f"{where} has no valid {key}")
-        if hex_digest(self.original(rel)) != entry["original_sha256"]:
-            raise _Damage(f"{self.folder / rel}: changed since it was backed up")
-        return {k: entry[k] for k in HASHES}
 
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the

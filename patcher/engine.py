@@ -314,16 +314,25 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     read; applying, the originals go to the backup first; reverted, it goes."""
     reverting = planned.direction == "revert"
     refuse_wheel(tree.location, "revert" if reverting else "apply to")
-    if planned.errors:
-        raise planned.errors[0]
     patch, changes = planned.patch, planned.file_changes()
     notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
+    if planned.errors and notes:  # a revert neither the backup nor the codemod can do
+        error = planned.errors[0]
+        raise PatchError(
+            "cannot revert: the backup is damaged and the inverse edit does not "
+            f"recognise the file ({error.message})",
+            error.path,
+            error.looked_for,
+            f"{error.found}; {'; '.join(notes)}. Reinstall vLLM to get the original "
+            f"file back, then delete {_backup(tree, patch).folder}",
+        )
+    if planned.errors:
+        raise planned.errors[0]
     with locked(tree.location):
         with nothing_changed_on_error():
             for rel in patch.files:  # what an interrupted write left beside them
                 remove_at(tree.real(rel), leftovers=True)
-            _still_current(tree, planned)
-            _refuse_read_only(tree, changes)
+            _refuse_stale_or_read_only(tree, planned, changes)
             backup = _backup(tree, patch) if changes or reverting else None
             if backup is not None and not reverting:
                 entries, problems = backup.read()
@@ -341,7 +350,7 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     elif not changes:
         action = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
     else:
-        partly = any(not e.changes for e in planned.edits if e.skipped is None)
+        partly = planned.status is PlanStatus.PARTLY_APPLIED
         action = "completed" if partly else "applied"
     return Outcome(patch.name, action, tuple(changes), tuple(notes))
 
@@ -352,36 +361,24 @@ def revert(tree: VllmTree, patch: Patch) -> Outcome:
     with locked(tree.location):
         with nothing_changed_on_error():
             planned = plan(tree, patch, "revert")
-        damaged = [w for w in planned.warnings if w.startswith(DAMAGED)]
-        if planned.errors and damaged:
-            error, backup = planned.errors[0], _backup(tree, patch)
-            raise PatchError(
-                "cannot revert: the backup is damaged and the inverse edit does not "
-                f"recognise the file ({error.message})",
-                error.path,
-                error.looked_for,
-                f"{error.found}; {'; '.join(damaged)}. Reinstall vLLM to get the "
-                f"original file back, then delete {backup.folder}",
-            )
         return apply(tree, planned)
 
 
-def _still_current(tree: VllmTree, p: PatchPlan) -> None:
-    """Refused unless ``tree`` still holds ``p``'s version and every file it read."""
+def _refuse_stale_or_read_only(tree: VllmTree, planned: PatchPlan, changes) -> None:
+    """Refused unless ``tree`` still holds every file ``planned`` read, and its
+    version; and where a file or folder to write is read-only (even for root)."""
+    same = False
     with contextlib.suppress(PatchError):  # a file gone or unreadable: changed
-        same = all(_current(tree, rel) == text for rel, text in p.sources.items())
-        if same and read_version(tree) == p.version:
-            return
-    message = "the tree changed since it was planned; run again"
-    planned = f"the files {p.patch.name} was planned on"
-    found = "other contents; nothing was changed"
-    raise PatchError(message, str(tree.location), planned, found)
-
-
-def _refuse_read_only(tree: VllmTree, changes: Iterable[str]) -> None:
-    """Files and folders marked read-only are left alone, even by root."""
+        same = read_version(tree) == planned.version and all(
+            _current(tree, rel) == text for rel, text in planned.sources.items()
+        )
+    if not same:
+        message = "the tree changed since it was planned; run again"
+        wanted = f"the files {planned.patch.name} was planned on"
+        found = "other contents; nothing was changed"
+        raise PatchError(message, str(tree.location), wanted, found)
     paths = [tree.real(rel) for rel in changes]
-    for target in {tree.real("."), *paths, *(p.parent for p in paths)} if paths else ():
+    for target in {tree.real("."), *paths, *(x.parent for x in paths)} if paths else ():
         mode = os.stat(target).st_mode if os.path.lexists(target) else None
         if mode is not None and not (mode & 0o222 and os.access(target, os.W_OK)):
             what = "folder" if stat.S_ISDIR(mode) else "file"
