@@ -1,6 +1,5 @@
-"""The pull request description: the checkout's PR template filled with this
-run's figures only (nothing measured is said so), the patch's ``upstream.md``
-and what the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The PR description: the checkout's template filled with this run's figures,
+the patch's ``upstream.md`` and what ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
