@@ -1,5 +1,4 @@
-"""One bench run's evidence folder (base: the installed vLLM, patched: a patched
-copy), rewritten after every part: an interrupted run keeps what it measured."""
+"""A bench run's evidence folder, rewritten after every part (interruptions keep it)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ SECTIONS = ("decode", "serving", "accuracy", "numerics", "perop", "qwen3_eager")
 
 
 def choose_patch(tree, name: str | None = None) -> Any:
-    """The patch ``name``, else the one a plain ``vllm-patch apply`` picks for
-    the installed vLLM; it must apply to it: the installed vLLM is the base."""
+    """The patch ``name`` (else ``apply``'s pick); it must apply: vLLM is the base."""
     from patcher import engine
     from patcher.status import PlanStatus
 
@@ -67,8 +65,7 @@ def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> t
 
 
 def user_model(path: Path) -> tuple[str, dict[str, Any]]:
-    """A local model folder; its ``config.json`` read inside it (or a Hugging Face
-    snapshot's ``blobs/``): no outside file's text reaches the evidence."""
+    """A local model folder; its ``config.json`` read inside it (or HF's ``blobs/``)."""
     folder = Path(os.path.realpath(path))
     if not os.path.lexists(folder / "config.json"):
         raise UsageError(

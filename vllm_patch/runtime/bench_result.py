@@ -1,6 +1,4 @@
-"""The one set of section writers of ``evidence_record``'s records, for
-``evidence.md`` and a PR description alike: every string read is rendered as
-data (``markdown``); ``limit`` cuts tables and lists."""
+"""The section writers for ``evidence.md`` and the PR body: strings as data."""
 
 from __future__ import annotations
 

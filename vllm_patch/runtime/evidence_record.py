@@ -1,6 +1,5 @@
-"""``evidence.json`` (``docs/bench.md``) read into frozen records shaped as the file:
-one reader, driven by their type hints, checks every value's type and bounds
-(``Meta``), else one ``PatchError`` (exit 3) names the field."""
+"""``evidence.json`` read into frozen records, one type-hint-driven reader checking
+every value's type and bounds (``Meta``), else a ``PatchError`` naming the field."""
 
 from __future__ import annotations
 

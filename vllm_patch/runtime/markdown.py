@@ -1,6 +1,5 @@
-"""The one way vllm-patch writes Markdown and renders a string it did not write
-as data: none lets a string open HTML (``<!--``), a link or an image, break out
-of a code span or fence, or mention a GitHub user."""
+"""Markdown, every string rendered as data: no HTML, link, image, fence break or
+mention can come of one."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ _MENTION = "@\u200b"  # a zero-width space after @: GitHub mentions no one
 
 
 def printable(value: object, limit: int = SHORT) -> str:
-    """``value`` on one line, control, format and bidi characters (and runs of
-    spaces) as one space, cut to ``limit``."""
+    """``value`` on one line, unprintables and runs of spaces as one space, cut."""
     text = "".join(c if c.isprintable() else " " for c in str(value))
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -50,8 +48,7 @@ def fence(lines: Iterable[object], info: str = "", limit: int = 2000) -> str:
 
 
 def cell(value: object) -> str:
-    """A table cell: None as ``-``, every ``|`` escaped (an odd number of
-    backslashes before it, as GitHub counts them, in code spans too)."""
+    """None as ``-``; each ``|`` escaped (GitHub counts the backslashes before it)."""
     found = "-" if value is None else str(value).replace("\n", " ")
     return re.sub(r"(\\*)\|", lambda m: m[1] + "\\" * (1 + len(m[1]) % 2) + "|", found)
 
@@ -59,8 +56,7 @@ def cell(value: object) -> str:
 def table(
     header: Sequence[str], rows: Iterable[Sequence[object]], limit: int | None = None
 ) -> str:
-    """A GitHub table, a column of numbers right-aligned; past ``limit`` rows,
-    a note says how many were left out."""
+    """A GitHub table, numbers right-aligned, a note for rows past ``limit``."""
     rows = [list(r) for r in rows]
     left = len(rows) - limit if limit is not None and len(rows) > limit else 0
     rows = rows[: len(rows) - left]

@@ -1,6 +1,5 @@
-"""What ``pr`` measures without ``--evidence`` (minutes on 2 cores): the time
-per call by route and the eager Qwen3 comparison that answers vLLM #31643, on
-the installed vLLM with the checkout's edited files, before and after."""
+"""``pr``'s own figures without ``--evidence``: per-call time and the eager Qwen3
+comparison (vLLM #31643), on the installed vLLM with the checkout's files."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The pull request description: the checkout's PR template filled with this
-run's figures only (nothing measured is said so), the patch's ``upstream.md``
-and what the checkout's ``AGENTS.md`` asks a PR to state."""
+"""The PR description: the checkout's template filled with this run's figures,
+the patch's ``upstream.md`` and what ``AGENTS.md`` asks a PR to state."""
 
 from __future__ import annotations
 
@@ -50,14 +49,13 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
         return None
     ev = evidence_record.read(folder)
     configs = ev.serving.configs if ev.serving else {}
-    lm = ev.accuracy.lm_eval
     found = [
         f"serving.configs.{mode}.{side}: not measured"
         for mode, sides in configs.items()
         for side in SIDES
         if not sides.get(side)
     ]
-    if lm and set(lm.scores) != set(SIDES):
+    if (lm := ev.accuracy.lm_eval) and set(lm.scores) != set(SIDES):
         found.append("accuracy.lm_eval: no exact_match and stderr for base and patched")
     if ev.vllm is None or ev.vllm.patch != patch.name:
         said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)

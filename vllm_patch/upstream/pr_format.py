@@ -1,5 +1,4 @@
-"""The changed lines checked with the ruff and typos the checkout's pre-commit
-pins (else the project's ruff): findings are reported, never rewritten."""
+"""The changed lines checked with the checkout's pinned ruff and typos; reported."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ SETTINGS = "line-length indent-width target-version preview lint format".split()
 
 
 def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
-    """The binary of the ``name==version`` wheel from PyPI, unpacked once into
-    the user cache; None (with a note when it is pinned) when it cannot be had."""
+    """The ``name==version`` wheel's binary, cached; else None (and a note)."""
     from vllm_patch.runtime.cache import cache_dir, fetch_wheel
 
     binary = cache_dir() / "tools" / f"{name}-{version}" / name
@@ -118,8 +116,7 @@ def changed_ranges(before: str, after: str) -> list[tuple[int, int]]:
 def check_changes(
     root: Path, changes: dict[str, tuple[str, str]]
 ) -> tuple[str, list[str]]:
-    """The ruff that ran, and the pinned ruff's and typos' notes on the changed
-    lines (ruff reads stdin in an empty folder)."""
+    """The ruff that ran, and ruff's and typos' notes on the changed lines."""
     notes: list[str] = []
     pins = {name: pinned_version(root, hook) for name, hook in TOOLS.items()}
     ruff = pinned_tool("ruff", pins["ruff"], notes) or ruff_binary()
