@@ -1,6 +1,5 @@
 """Give ``CpuPlatform`` a default IR op priority, as the CUDA and XPU platforms
-have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles.
-"""
+have: "vllm_c" first for the norms enabled on CPU, native when Inductor compiles."""
 
 import ast
 import textwrap
@@ -100,20 +99,6 @@ class AddCpuIrOpPriority(TreeCodemod):
             self.record(f"`{CONFIG}` is imported under `if TYPE_CHECKING:`")
         return self.with_body(tree, at, tree.body[at], body)
 
-    def ci_env(self, tree: cst.Module, cls: cst.ClassDef) -> str:
-        """How ``check_and_update_config`` asks for CPU CI: ``envs.VLLM_CPU_CI_ENV``
-        (0.28 on) or ``os.environ.get("VLLM_CPU_CI_ENV", "0") != "0"``."""
-        update = _method(cls, "check_and_update_config")
-        code = textwrap.dedent(tree.code_for_node(update)) if update else ""
-        for node in ast.walk(ast.parse(code)):
-            test = getattr(node, "test", None)
-            if test and CI_ENV in (found := ast.get_source_segment(code, test)):
-                return found
-        raise self.shape_error(
-            f"{CLASS}.check_and_update_config testing {CI_ENV}",
-            "no such test" if update else "no check_and_update_config",
-        )
-
     def method_source(self, tree: cst.Module, cls: cst.ClassDef):
         """The method this tool writes for the tree (at column 0), and its ops."""
         ops_there = list(norm_impls(self.parse_tree_file(VLLM_C_FILE)))
@@ -133,8 +118,19 @@ class AddCpuIrOpPriority(TreeCodemod):
                 f"norms with a vllm_c impl in {VLLM_C_FILE}, fields of {CONFIG}",
                 f"impls: {ops_there}; fields: {fields}",
             )
-        per_op = ", ".join(f"{op}=default" for op in ops)
-        return METHOD_TEMPLATE.format(ci_env=self.ci_env(tree, cls), per_op=per_op), ops
+        # How check_and_update_config asks for CPU CI: envs.VLLM_CPU_CI_ENV (0.28
+        # on) or os.environ.get("VLLM_CPU_CI_ENV", "0") != "0".
+        update = _method(cls, "check_and_update_config")
+        code = textwrap.dedent(tree.code_for_node(update)) if update else ""
+        for node in ast.walk(ast.parse(code)):
+            test = getattr(node, "test", None)
+            if test and CI_ENV in (ci_env := ast.get_source_segment(code, test)):
+                per_op = ", ".join(f"{op}=default" for op in ops)
+                return METHOD_TEMPLATE.format(ci_env=ci_env, per_op=per_op), ops
+        raise self.shape_error(
+            f"{CLASS}.check_and_update_config testing {CI_ENV}",
+            "no such test" if update else "no check_and_update_config",
+        )
 
 
 class RemoveCpuIrOpPriority(AddCpuIrOpPriority):

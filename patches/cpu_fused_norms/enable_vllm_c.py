@@ -68,9 +68,8 @@ def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
 
 
 def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
-    """``expr`` ending in ``<operator> code`` (``on``) or without it, in
-    ``expr``'s outer parentheses (``(a and b)`` becomes ``(a and b and code)``);
-    None when it is so already, however laid out."""
+    """``expr`` ending in ``<operator> code`` (``on``) or not, in its outer
+    parentheses; None when it is so already, however laid out."""
     meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
@@ -220,7 +219,6 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
         self.record(f"the norms' gate is `{source(old)}` again")
 
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        """Without what apply added, where nothing else uses it any more."""
         left = names(_rebuild(tree, new, {}, False))
         called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
         if called and not any(left[n] > 1 for n in DTYPES.values()):

@@ -1,8 +1,7 @@
 """vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change:
 with ``VLLMPATCH_CPU_FUSED_NORMS=1``, ``RMSNorm`` is built as a subclass running
 the upstream form's code, on CPU where ``RMSNorm`` has no ``forward_cpu``.
-Off, it imports neither torch nor vLLM; on, it never breaks vLLM's start-up.
-"""
+Off, it imports neither torch nor vLLM; on, it never breaks vLLM's start-up."""
 
 import logging
 import os
@@ -21,23 +20,6 @@ CUSTOM_OP = "CustomOp"
 CUSTOM_OP_KEY = "RMSNorm"
 
 _status: dict = {"route": None, "stood_aside": None, "error": None}
-
-
-def custom_op_class(layernorm) -> type:
-    """The ``RMSNorm`` subclass, compiled in the release's ``layernorm`` module."""
-    namespace = dict(vars(layernorm))
-    spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
-    cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
-    exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
-    init = rule.INIT_LINES.format(batch_invariant=spelling)
-    source = (
-        "class CpuFusedRMSNorm(RMSNorm):\n"
-        "    def __init__(self, *args, **kwargs):\n"
-        "        super().__init__(*args, **kwargs)\n"
-        f"{textwrap.indent(init, ' ' * 8)}\n{textwrap.indent(rule.FORWARD_CPU, '    ')}"
-    )
-    exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
-    return namespace["CpuFusedRMSNorm"]
 
 
 def register() -> None:
@@ -64,17 +46,29 @@ def _register() -> None:
     oot = getattr(sys.modules[CustomOp.__module__], "op_registry_oot", None)
     if CUSTOM_OP_KEY in (oot or getattr(CustomOp, "op_registry_oot", {})):
         return  # a second call, or another's
+    why = None
     if not current_platform.is_cpu():
         why = f"the platform is {type(current_platform).__name__}, not CPU"
     elif "forward_cpu" in vars(layernorm.RMSNorm):
         why = "this vLLM's RMSNorm has its own forward_cpu (upstream or patched)"
-    else:
-        why = None
     if why:
         _status["stood_aside"] = why
         _log_once(f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]} changes nothing: {why}")
         return
-    cls = CustomOp.register_oot(name=CUSTOM_OP_KEY)(custom_op_class(layernorm))
+    # The RMSNorm subclass, compiled in the release's layernorm module.
+    namespace = dict(vars(layernorm))
+    spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
+    cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
+    exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
+    init = rule.INIT_LINES.format(batch_invariant=spelling)
+    source = (
+        "class CpuFusedRMSNorm(RMSNorm):\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        super().__init__(*args, **kwargs)\n"
+        f"{textwrap.indent(init, ' ' * 8)}\n{textwrap.indent(rule.FORWARD_CPU, '    ')}"
+    )
+    exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
+    cls = CustomOp.register_oot(name=CUSTOM_OP_KEY)(namespace["CpuFusedRMSNorm"])
     # register_oot names the class by its key; vLLM reads the name for
     # custom_ops' +/- entries, which must stay "+rms_norm" / "-rms_norm".
     cls.name = layernorm.RMSNorm.name
@@ -116,5 +110,4 @@ def _log_once(message: str) -> None:
 
 
 def status() -> dict:
-    """What this process's registration did, and the opt-in."""
     return {**_status, "opt_in": opted_in(), "opt_in_ignored": ignored_opt_in()}

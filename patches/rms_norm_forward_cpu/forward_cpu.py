@@ -1,7 +1,5 @@
 """Give ``RMSNorm`` a ``forward_cpu`` in ``GELU.forward_cpu``'s idiom
-(``layers/activation.py``): vLLM's CPU kernels for the inputs they match
-``forward_native`` on (``rule.py``), ``forward_native`` for the rest.
-"""
+(``layers/activation.py``): vLLM's CPU kernels where they match native (``rule.py``)."""
 
 import textwrap
 

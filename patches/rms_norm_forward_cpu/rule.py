@@ -1,7 +1,6 @@
-"""The one home of the rule for where vLLM's CPU norm kernels run (where they
-match native), as the source both forms write and the provider runs: dtypes
-once per process, never in traced code (the fused add's bfloat16 only where the
-build rounds as torch does), the rest per call (:func:`call_checks`)."""
+"""Where vLLM's CPU norm kernels match native, as the source both forms write and
+the provider runs: dtypes once per process, never in traced code (the fused add's
+bfloat16 only where the build rounds as torch does), the rest per call."""
 
 from importlib.util import find_spec
 from pathlib import Path
