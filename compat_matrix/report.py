@@ -1,8 +1,6 @@
 """MATRIX.md and matrix.json from the cells' JUnit XML (``results/*.xml``):
 the facts each cell recorded as test-suite properties, each check's outcome."""
 
-from __future__ import annotations
-
 import json
 import os
 import re

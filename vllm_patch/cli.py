@@ -3,8 +3,6 @@ their help) and the jobs (``JOBS``: modules with ``add_arguments`` and ``run``,
 imported only when named). Every error is one message on stderr (under
 ``--json`` also on stdout); exit codes are ``ExitCode``."""
 
-from __future__ import annotations
-
 import argparse
 import importlib
 import json

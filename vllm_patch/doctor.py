@@ -2,8 +2,6 @@
 its command); exit 0 without a ``fix``, else 1. torch, vLLM and transformers are
 imported in a child (``run_steps``): a step that crashes it fails alone."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import importlib

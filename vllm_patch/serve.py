@@ -2,8 +2,6 @@
 its ``importlib.metadata.version("vllm")`` (``+cpu``: vLLM's platform detection
 looks for "cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
 
-from __future__ import annotations
-
 import argparse
 import importlib.metadata as metadata
 import sys

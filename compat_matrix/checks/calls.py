@@ -6,8 +6,6 @@ called under torch's profiler, whose ``_C::`` events count the kernels.
 CASE (``float32/rms_norm``, ...), a JSON line flushed before and after each: when a
 kernel kills the process (SIGILL), the last one names the case."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import sys

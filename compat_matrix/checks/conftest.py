@@ -1,8 +1,6 @@
 """A cell's shared fixtures. Every fact the matrix shows is a test-suite property
 (``fact``): ``compat_matrix.report`` reads nothing else."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -2,8 +2,6 @@
 cases (a new process after one that killed it), then its eager conformance
 table, written as JUnit XML like the other cells'."""
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import json

@@ -1,8 +1,6 @@
 """The aarch64 cell's Debian arm64 chroot, made as root on this x86-64 host
 (docs/compat.md); a step already done is skipped, but for the project's two."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import shutil

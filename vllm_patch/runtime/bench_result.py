@@ -1,7 +1,5 @@
 """The section writers for ``evidence.md`` and the PR body: strings as data."""
 
-from __future__ import annotations
-
 import statistics
 from collections.abc import Callable
 

@@ -1,7 +1,5 @@
 """The user cache: real vLLM wheels and source trees, downloaded once."""
 
-from __future__ import annotations
-
 import os
 import shutil
 import subprocess

@@ -1,8 +1,6 @@
 """Run one function in a child interpreter (a patched copy first on its path; a
 crash or hang stays there) and get its JSON result; that side: stdlib only."""
 
-from __future__ import annotations
-
 import contextlib
 import importlib
 import json

@@ -2,8 +2,6 @@
 by having ``torch.cpu._is_avx512*_supported()`` say no. Also a pytest plugin:
 ``pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2``."""
 
-from __future__ import annotations
-
 from pathlib import Path
 
 # Each CPU class, newest first: the library vLLM loads for it, the CPU flag

@@ -1,8 +1,6 @@
 """The machine and the software a measurement ran on, from ``/proc``, ``os``
 and package metadata (nothing here imports torch or vLLM)."""
 
-from __future__ import annotations
-
 import os
 import platform
 import time

@@ -1,8 +1,6 @@
 """Markdown, every string rendered as data: no HTML, link, image, fence break or
 mention can come of one."""
 
-from __future__ import annotations
-
 import html as _html
 import re
 from collections.abc import Iterable, Sequence

@@ -1,8 +1,6 @@
 """A hard-linked copy of ``vllm/`` patched by the engine (which writes by rename
 only: no write goes through a link), for a child's ``PYTHONPATH``."""
 
-from __future__ import annotations
-
 import contextlib
 import tempfile
 from collections.abc import Iterator

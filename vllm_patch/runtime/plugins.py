@@ -1,8 +1,6 @@
 """vLLM's plugin filter: with ``VLLM_PLUGINS`` set, vLLM silently loads only the
 plugins it names (comma-separated); the doctor and ``serve`` say so first."""
 
-from __future__ import annotations
-
 import os
 
 FILTER_ENV = "VLLM_PLUGINS"
