@@ -63,8 +63,7 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
 
 
 def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
-    """The three sides, ``copy`` the patched one's folder, ``base`` one first on
-    the others' path (default: the installed vLLM); :func:`summarize`'s."""
+    """:func:`summarize` of the sides; ``base``: first on the others' path."""
     from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
 
