@@ -29,7 +29,7 @@ MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
 SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
 ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
 PROMPT = list(range(10, 18))
-NORM_KEYS = ("norm_wall", "norm_cpu", "norm_calls")  # ns, ns, count
+STEP_KEYS = ("norm_wall", "norm_cpu", "norm_calls", "step_wall", "step_cpu")
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
 # Per mode its engines: their vLLM ("patched": the patched copy first on its
 # path), the out-of-tree provider's opt-in, the custom ops.
@@ -316,13 +316,11 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
 
 
 def step(llm, totals: list[int]) -> dict[str, Any]:
-    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
-    norms = list(totals)
-    wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+    """One engine step's ``STEP_KEYS`` (ns; the norms' calls), ``finished``."""
+    before = [*totals, time.perf_counter_ns(), time.process_time_ns()]
     outputs = llm.llm_engine.step()
-    out = {"step_wall": time.perf_counter_ns() - wall}
-    out["step_cpu"] = time.process_time_ns() - cpu
-    out.update((k, a - b) for k, a, b in zip(NORM_KEYS, totals, norms, strict=True))
+    after = [*totals, time.perf_counter_ns(), time.process_time_ns()]
+    out = {k: a - b for k, a, b in zip(STEP_KEYS, after, before, strict=True)}
     out["finished"] = not llm.llm_engine.has_unfinished_requests()
     assert not out["finished"] or any(o.finished for o in outputs)
     return out

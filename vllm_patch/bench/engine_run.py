@@ -65,16 +65,15 @@ def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) 
         model = getattr(transformers, f"{KINDS[kind][0]}ForCausalLM")(hf_config)
         model.to(torch.bfloat16).save_pretrained(staging, safe_serialization=True)
         if tokenizer:  # words w3 .. w(vocab - 1): a served model needs one
-            vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+            special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+            vocab = {token: i for i, token in enumerate(special.values())}
             vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
             words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
             words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-            transformers.PreTrainedTokenizerFast(
-                tokenizer_object=words,
-                unk_token="<unk>",
-                bos_token="<s>",
-                eos_token="</s>",
-            ).save_pretrained(staging)
+            made = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=words, **special
+            )
+            made.save_pretrained(staging)
         (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
         try:
             staging.rename(target)
