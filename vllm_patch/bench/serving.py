@@ -1,6 +1,5 @@
-"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, a
-fresh ``vllm serve`` (through ``vllm_patch.serve``) per run: base, patched and
-base again (A/A), the order reversed every repetition (docs/bench.md)."""
+"""``bench --serve`` (docs/bench.md): vLLM's serving benchmark and the accuracy
+comparison, a fresh server per run: base, patched, A/A, order reversed each time."""
 
 from __future__ import annotations
 
