@@ -3,6 +3,7 @@ configuration: a Llama and a Qwen3 (q/k norms on per-head views)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -28,17 +29,9 @@ HF_NAMES["num_kv_heads"] = "num_key_value_heads"
 KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_eps
 
 
-def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random bf16 Llama of ``sizes``, built once per configuration in ``path``."""
-    return make_random(Path(path), "llama", seed, tokenizer, sizes)
-
-
-def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
-    return make_random(Path(path), "qwen3", seed, tokenizer, sizes)
-
-
-def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> Path:
+def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) -> Path:
+    """A random bf16 model of ``sizes``, built once per configuration in ``path``."""
+    path = Path(path)
     config = {"architecture": kind} if kind != "llama" else {}
     config |= {HF_NAMES.get(k, k): v for k, v in sizes.items()}
     # Random tied embeddings make every greedy completion one token repeated.
@@ -83,3 +76,7 @@ def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+make_random_llama = functools.partial(make_random, kind="llama")
+make_random_qwen3 = functools.partial(make_random, kind="qwen3")
