@@ -22,10 +22,9 @@ KEPT = ("kernel_calls", "forward_cpu", "layernorm", "seconds")  # per side, as f
 
 def unguarded_forward_cpu(self, x, residual=None):
     """``RMSNorm`` on CPU before #31643: the kernels for every input."""
-    rest = (self.weight.data, self.variance_epsilon)
-    if residual is None:
-        return kernel_call("rms_norm")(x, *rest)
-    return kernel_call("fused_add_rms_norm")(x, residual, *rest)
+    name = "rms_norm" if residual is None else "fused_add_rms_norm"
+    given = (x,) if residual is None else (x, residual)
+    return kernel_call(name)(*given, self.weight.data, self.variance_epsilon)
 
 
 def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
