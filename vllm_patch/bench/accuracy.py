@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 MAX_TOKENS = 32
-PROMPTS = [
+PROMPTS = [  # for a real model: short prompts with a clear greedy continuation
     "The capital of France is",
     "Question: What is 12 times 7? Answer:",
     "def fibonacci(n):",
@@ -17,7 +17,6 @@ PROMPTS = [
     "The largest planet in the solar system is",
     "Once upon a time, in a small village,",
 ]
-"""For a real model: short prompts with a clear greedy continuation."""
 RANDOM_NOTE = (
     "The model has random weights: this shows whether the two vLLMs compute the same "
     "tokens and logprobs up to where rounding parts them (near-flat distributions "

@@ -1,9 +1,6 @@
-"""``bench --decode``: one decode step, base vs patched, on a noisy machine
-(docs/bench.md). One live engine per variant, each a child running this module
-(vLLM's ``LLM`` in it, asked by a JSON line on stdin per step); in a round they
-take turns step by step, so their k-th steps share the load. A ratio is the
-trimmed mean of per-round log ratios (one busy round moves it little), its
-interval a seeded percentile bootstrap of the same estimator. Round 0 warms up."""
+"""``bench --decode`` (docs/bench.md): a live engine per variant, a child running
+this module; in a round they take turns step by step, so their k-th steps share
+the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped."""
 
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
 SHARE = {"eager": 0.7, "compiled": 0.3}  # of the budget: eager has four engines
 ONLY_NORMS = ("none", "+rms_norm")  # custom ops: the kernels under Inductor
 PROMPT = list(range(10, 18))
-NORM_KEYS = ("norm_wall", "norm_cpu", "norm_calls")
+STEP_KEYS = ("norm_wall", "norm_cpu", "norm_calls", "step_wall", "step_cpu")
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "detokenize": False}
 # Per mode its engines: their vLLM ("patched": the patched copy first on its
 # path), the out-of-tree provider's opt-in, the custom ops.
@@ -87,12 +84,6 @@ def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
     return level(logs, "ratio", math.exp)
 
 
-def difference(first: Figures, second: Figures) -> dict[str, object]:
-    """The :func:`level` of first - second per round (both present)."""
-    pairs = zip(first, second, strict=True)
-    return level([a - b for a, b in pairs if None not in (a, b)])
-
-
 class Engine(contextlib.AbstractContextManager):
     """An engine's process (:func:`main`): started, asked, stopped on exit."""
 
@@ -143,12 +134,12 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
                 running.remove(e)
         running = running[1:] + running[:1]
     for name, steps in found.items():
-        assert len(steps["cpu"]) > 2, "no decode steps"
-        mid = {k: float(statistics.median(v[1:])) for k, v in steps.items()}
-        out = {f"step_{c}": round(mid[c] / 1e6, 4) for c in CLOCKS}
-        out |= {f"norm_{c}": round(mid[f"norm_{c}"] / 1e6, 4) for c in CLOCKS}
-        out["norm_calls"] = mid["norm_calls"]
-        found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in steps["cpu"]]}
+        cpu = steps["step_cpu"]
+        assert len(cpu) > 2, "no decode steps"
+        mid = {k: statistics.median(v[1:]) for k, v in steps.items() if k != "finished"}
+        out = {k: round(v / 1e6, 4) for k, v in mid.items() if k != "norm_calls"}
+        out["norm_calls"] = float(mid["norm_calls"])
+        found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in cpu]}
     return found
 
 
@@ -214,14 +205,14 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
 
 
 def saving(rows: list[dict], variant: str) -> dict[str, Any]:
-    """base's minus ``variant``'s CPU time inside the norms per step, as a share
-    of base's step too; ``expected_ratio``: the step ratio that implies."""
+    """base's minus ``variant``'s norm CPU time per step, and the ratio it implies."""
     base, mine = column(rows, "base", "norm_cpu"), column(rows, variant, "norm_cpu")
+    pairs = zip(base, mine, strict=True)
     steps = zip(base, mine, column(rows, "base", "step_cpu"), strict=True)
     share = level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])
     lo, hi = share["ci95"]
     return {
-        "saving_ms": difference(base, mine),
+        "saving_ms": level([a - b for a, b in pairs if None not in (a, b)]),
         "share": {"share": share["ms"], "ci95": share["ci95"]},
         "expected_ratio": [round(1 - hi, 4), round(1 - lo, 4)],
     }
@@ -254,8 +245,7 @@ def summary(rows: list, threads: list, compiled_rows: list, about: dict, meta: d
 
 
 def default_dtype(flags: list[str]) -> str:
-    """float32 where the carried form keeps the bfloat16 fused add native (no
-    AVX512-BF16: the kernels would truncate), else bfloat16."""
+    """bfloat16 with AVX512-BF16; else float32 (bfloat16 kernels would truncate)."""
     return "bfloat16" if "avx512_bf16" in flags else "float32"
 
 
@@ -326,21 +316,19 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
 
 
 def step(llm, totals: list[int]) -> dict[str, Any]:
-    """One engine step's nanoseconds (and the norms' ``NORM_KEYS``), ``finished``."""
-    norms = list(totals)
-    wall, cpu = time.perf_counter_ns(), time.process_time_ns()
+    """One engine step's ``STEP_KEYS`` (ns; the norms' calls), ``finished``."""
+    before = [*totals, time.perf_counter_ns(), time.process_time_ns()]
     outputs = llm.llm_engine.step()
-    out = {"wall": time.perf_counter_ns() - wall, "cpu": time.process_time_ns() - cpu}
-    out.update((k, a - b) for k, a, b in zip(NORM_KEYS, totals, norms, strict=True))
+    after = [*totals, time.perf_counter_ns(), time.process_time_ns()]
+    out = {k: a - b for k, a, b in zip(STEP_KEYS, after, before, strict=True)}
     out["finished"] = not llm.llm_engine.has_unfinished_requests()
     assert not out["finished"] or any(o.finished for o in outputs)
     return out
 
 
 def main(config_text: str) -> int:
-    """Answer {"ready": ...}, then a JSON line on stdout per command on stdin:
-    {"threads": N, "tokens": L} adds a request, {"step": true} times one engine
-    step, until stdin ends. vLLM logs to stderr."""
+    """{"ready": ...}, then per stdin line an answer: {"threads": N, "tokens": L}
+    adds a request, {"step": true} times one engine step."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -3,6 +3,7 @@ configuration: a Llama and a Qwen3 (q/k norms on per-head views)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -28,17 +29,9 @@ HF_NAMES["num_kv_heads"] = "num_key_value_heads"
 KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_eps
 
 
-def make_random_llama(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random bf16 Llama of ``sizes``, built once per configuration in ``path``."""
-    return make_random(Path(path), "llama", seed, tokenizer, sizes)
-
-
-def make_random_qwen3(path: Path, *, seed=0, tokenizer=False, **sizes: int) -> Path:
-    """A random-weight Qwen3ForCausalLM, as :func:`make_random_llama`."""
-    return make_random(Path(path), "qwen3", seed, tokenizer, sizes)
-
-
-def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) -> Path:
+def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) -> Path:
+    """A random bf16 model of ``sizes``, built once per configuration in ``path``."""
+    path = Path(path)
     config = {"architecture": kind} if kind != "llama" else {}
     config |= {HF_NAMES.get(k, k): v for k, v in sizes.items()}
     # Random tied embeddings make every greedy completion one token repeated.
@@ -65,16 +58,15 @@ def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) 
         model = getattr(transformers, f"{KINDS[kind][0]}ForCausalLM")(hf_config)
         model.to(torch.bfloat16).save_pretrained(staging, safe_serialization=True)
         if tokenizer:  # words w3 .. w(vocab - 1): a served model needs one
-            vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+            special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+            vocab = {token: i for i, token in enumerate(special.values())}
             vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
             words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
             words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-            transformers.PreTrainedTokenizerFast(
-                tokenizer_object=words,
-                unk_token="<unk>",
-                bos_token="<s>",
-                eos_token="</s>",
-            ).save_pretrained(staging)
+            made = transformers.PreTrainedTokenizerFast(
+                tokenizer_object=words, **special
+            )
+            made.save_pretrained(staging)
         (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
         try:
             staging.rename(target)
@@ -84,3 +76,7 @@ def make_random(path: Path, kind: str, seed: int, tokenizer: bool, sizes: dict) 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+make_random_llama = functools.partial(make_random, kind="llama")
+make_random_qwen3 = functools.partial(make_random, kind="qwen3")

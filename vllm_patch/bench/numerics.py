@@ -14,8 +14,7 @@ BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes
 
 
 def copy_args(args: Sequence[Any]) -> tuple:
-    """Each tensor copied with its strides (a strided view stays one), the rest
-    as is: an implementation may write into its inputs."""
+    """Each tensor copied with its strides (an implementation may write into it)."""
     import torch
 
     return tuple(

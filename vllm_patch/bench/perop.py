@@ -1,7 +1,6 @@
-"""Microseconds per call of the two norms by route, a child per vLLM: ``native``,
-``kernel``, ``ir:<provider>``, ``layer:<class>`` (the CustomOp route),
-``forward:<class>``, each timed only if it matches native; a call's parts
-(``kernel:bare``, ``alloc``). Thread CPU time: waiting for others is left out."""
+"""Thread CPU µs per call of the two norms, a child per vLLM, by route: ``native``,
+``kernel``, ``ir:<provider>``, ``layer:<class>``, ``forward:<class>`` (each timed
+only if it matches native), and a call's parts (``kernel:bare``, ``alloc``)."""
 
 from __future__ import annotations
 

@@ -22,10 +22,9 @@ KEPT = ("kernel_calls", "forward_cpu", "layernorm", "seconds")  # per side, as f
 
 def unguarded_forward_cpu(self, x, residual=None):
     """``RMSNorm`` on CPU before #31643: the kernels for every input."""
-    rest = (self.weight.data, self.variance_epsilon)
-    if residual is None:
-        return kernel_call("rms_norm")(x, *rest)
-    return kernel_call("fused_add_rms_norm")(x, residual, *rest)
+    name = "rms_norm" if residual is None else "fused_add_rms_norm"
+    given = (x,) if residual is None else (x, residual)
+    return kernel_call(name)(*given, self.weight.data, self.variance_epsilon)
 
 
 def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
@@ -63,8 +62,7 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
 
 
 def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
-    """The three sides, ``copy`` the patched one's folder, ``base`` one first on
-    the others' path (default: the installed vLLM); :func:`summarize`'s."""
+    """:func:`summarize` of the sides; ``base``: first on the others' path."""
     from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
 

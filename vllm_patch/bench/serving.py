@@ -1,6 +1,5 @@
-"""``bench --serve``: vLLM's serving benchmark and the accuracy comparison, a
-fresh ``vllm serve`` (through ``vllm_patch.serve``) per run: base, patched and
-base again (A/A), the order reversed every repetition (docs/bench.md)."""
+"""``bench --serve`` (docs/bench.md): vLLM's serving benchmark and the accuracy
+comparison, a fresh server per run: base, patched, A/A, order reversed each time."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
 STOP_GRACE = 60.0
-# The server log's lines kept: the kernels it chose, the custom ops it enables
-# (``['all']``: each CustomOp's ``forward_cpu``; ``['none']``: ``forward_native``).
+# The server log's lines kept: the kernels it chose, the custom ops it enables.
 LOG_MARKER = "Final IR op priority after setting platform defaults"
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
 RESULT = "result.json"  # vllm bench serve's
@@ -77,8 +75,7 @@ def commands(model: str, sizes: dict[str, int]) -> list[str]:
 
 @contextlib.contextmanager
 def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, str]]:
-    """A healthy server (``how``: ``child.start``'s) as ``{"url"}``, stopped on
-    exit (SIGKILL after ``STOP_GRACE`` or a second Ctrl-C), then with its log."""
+    """A healthy server as ``{"url"}``; on exit stopped, and ``"log"`` added."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
