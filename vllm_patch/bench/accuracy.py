@@ -1,8 +1,6 @@
 """Accuracy of the patched vLLM against the base one: where two servers' greedy
 tokens first part, and the largest |delta logprob| up to there."""
 
-from __future__ import annotations
-
 import random
 from typing import Any
 

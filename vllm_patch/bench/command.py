@@ -1,7 +1,5 @@
 """``vllm-patch bench``: the ``PARTS`` asked for, measured into ``--out DIR``."""
 
-from __future__ import annotations
-
 import argparse
 import functools
 import sys

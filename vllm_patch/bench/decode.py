@@ -2,8 +2,6 @@
 this module; in a round they take turns step by step, so their k-th steps share
 the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import math

@@ -1,8 +1,6 @@
 """Random-weight models made locally with ``transformers`` (no hub), cached by
 configuration: a Llama and a Qwen3 (q/k norms on per-head views)."""
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import json

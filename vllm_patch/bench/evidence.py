@@ -1,7 +1,5 @@
 """A bench run's evidence folder, rewritten after every part (interruptions keep it)."""
 
-from __future__ import annotations
-
 import json
 import os
 import time

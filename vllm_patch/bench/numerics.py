@@ -1,8 +1,6 @@
 """The one comparison against ``native`` (:func:`mismatch`); each x86 build's
 kernels against native (:func:`per_build`)."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from typing import Any
 

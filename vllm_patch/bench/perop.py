@@ -2,8 +2,6 @@
 ``kernel``, ``ir:<provider>``, ``layer:<class>``, ``forward:<class>`` (each timed
 only if it matches native), and a call's parts (``kernel:bare``, ``alloc``)."""
 
-from __future__ import annotations
-
 import contextlib
 import itertools
 import statistics

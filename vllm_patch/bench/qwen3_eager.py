@@ -2,8 +2,6 @@
 unguarded (which read ``q_norm``/``k_norm``'s strided per-head views as
 contiguous), in float32, where a changed token is a changed computation."""
 
-from __future__ import annotations
-
 import time
 from typing import Any
 

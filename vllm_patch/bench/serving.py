@@ -1,8 +1,6 @@
 """``bench --serve`` (docs/bench.md): vLLM's serving benchmark and the accuracy
 comparison, a fresh server per run: base, patched, A/A, order reversed each time."""
 
-from __future__ import annotations
-
 import contextlib
 import importlib.util
 import itertools
