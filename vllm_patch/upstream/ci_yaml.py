@@ -89,8 +89,7 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """``text``'s node graph and document within the bounds, or a refusal naming
-    only the line (the bounds on the events first, then the expanded size)."""
+    """``text``'s node graph and document within the bounds, or a refusal."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -139,8 +138,7 @@ def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
 
 
 def _yaml_text(text: str, edit: CiEdit) -> str:
-    """The new tests and files each added after the step's last line of its kind;
-    the result must parse to the original plus exactly these entries."""
+    """The step's new tests and files; it must parse to the old plus exactly them."""
     node, old = load_yaml(text)
     steps = _value_of(node, "steps")
     found = [

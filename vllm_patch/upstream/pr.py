@@ -205,8 +205,7 @@ class Work:  # what the steps on the branch found and made
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (new from the base, or existing and containing it); on exit
-    without ``keep``, back as it was (no hook run, the signals held until then)."""
+    """On the branch; back as it was unless ``keep`` (hooks off, signals held)."""
     work = Work()
     try:
         if s.tip is None:
