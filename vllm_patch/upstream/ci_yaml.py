@@ -1,6 +1,5 @@
-"""A patch's tests wired into a CI entry point of the checkout (a Buildkite YAML
-step, a shell script), edited as text in its layout; YAML must parse to the
-original plus exactly the added entries. The file is data (docs/safety.md)."""
+"""A patch's tests wired into the checkout's CI (a Buildkite step, a script) as a
+text edit; YAML must parse to the old plus the added entries (data: docs/safety.md)."""
 
 from __future__ import annotations
 

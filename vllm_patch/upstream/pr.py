@@ -1,6 +1,5 @@
-"""``vllm-patch pr``: the form of the change vLLM's main takes, committed with a
-sign-off on a branch of a vLLM git checkout, and its PR description; it never
-pushes. :func:`preflight` writes nothing; :func:`on_branch` rolls back."""
+"""``vllm-patch pr``: the change committed, signed off, on a branch of a vLLM
+checkout, with its PR description; never pushed. :func:`on_branch` rolls back."""
 
 from __future__ import annotations
 
