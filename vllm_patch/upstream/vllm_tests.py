@@ -116,7 +116,7 @@ def compared(
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
-        found = tree.path(entry).rglob("*.py") if entry.endswith("/") else ()
+        found = (tree.location / entry).rglob("*.py") if entry.endswith("/") else ()
         return {p.relative_to(tree.location).as_posix() for p in found} or {entry}
 
     names = sorted(set().union(*(files(t, d) for t in trees for d in depends)))
