@@ -1,6 +1,5 @@
-"""A patch's tests wired into a CI entry point of the checkout (a Buildkite YAML
-step, a shell script), edited as text in its layout; YAML must parse to the
-original plus exactly the added entries. The file is data (docs/safety.md)."""
+"""A patch's tests wired into the checkout's CI (a Buildkite step, a script) as a
+text edit; YAML must parse to the old plus the added entries (data: docs/safety.md)."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
 
 
 def load_yaml(text: str) -> tuple[yaml.Node | None, object]:
-    """``text``'s node graph and document within the bounds, or a refusal naming
-    only the line (the bounds on the events first, then the expanded size)."""
+    """``text``'s node graph and document within the bounds, or a refusal."""
     try:
         depth = aliases = 0
         for event in yaml.parse(text, Loader=LOADER):
@@ -139,8 +137,7 @@ def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
 
 
 def _yaml_text(text: str, edit: CiEdit) -> str:
-    """The new tests and files each added after the step's last line of its kind;
-    the result must parse to the original plus exactly these entries."""
+    """The step's new tests and files; it must parse to the old plus exactly them."""
     node, old = load_yaml(text)
     steps = _value_of(node, "steps")
     found = [

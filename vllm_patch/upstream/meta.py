@@ -1,5 +1,4 @@
-"""A patch's ``[upstream]`` table (``patch.toml``): what its pull request says,
-and ``[[upstream.ci]]``, the CI entry points its tests join."""
+"""A patch's ``[upstream]`` table: its pull request and its CI wiring."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _wiring(table: dict, patch: Patch) -> CiWiring:
 
 
 def main_form(name: str | None) -> Patch:
-    """The patch ``pr`` sends (an ``[upstream]`` table, replaced by no other):
-    the form of the change vLLM's main takes; a named patch must be it."""
+    """The patch ``pr`` sends: with ``[upstream]``, replaced by no other."""
     patches = [p for p in select(None) if "upstream" in p.meta]
     replaced = {p.replaces for p in patches}
     (form,) = [p for p in patches if p.name not in replaced]

@@ -1,6 +1,5 @@
-"""``vllm-patch pr``: the form of the change vLLM's main takes, committed with a
-sign-off on a branch of a vLLM git checkout, and its PR description; it never
-pushes. :func:`preflight` writes nothing; :func:`on_branch` rolls back."""
+"""``vllm-patch pr``: the change committed, signed off, on a branch of a vLLM
+checkout, with its PR description; never pushed. :func:`on_branch` rolls back."""
 
 from __future__ import annotations
 
@@ -205,8 +204,7 @@ class Work:  # what the steps on the branch found and made
 
 @contextlib.contextmanager
 def on_branch(s: Settings) -> Iterator[Work]:
-    """On the branch (new from the base, or existing and containing it); on exit
-    without ``keep``, back as it was (no hook run, the signals held until then)."""
+    """On the branch; back as it was unless ``keep`` (hooks off, signals held)."""
     work = Work()
     try:
         if s.tip is None:

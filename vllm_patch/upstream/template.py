@@ -1,6 +1,5 @@
-"""The checkout's own PR template (vLLM's changes between releases), filled: each
-heading, else its HTML comment, says what kinds of text it asks for; the tail
-(the checklist) stays the author's. Data, parsed in linear time."""
+"""The checkout's PR template, filled: a heading (else its comment) names the kinds
+of text it asks for; the tail (the checklist) stays. Data, parsed in linear time."""
 
 from __future__ import annotations
 
@@ -76,9 +75,8 @@ def read_template(root: Path | None) -> Template:
 
 
 def parse_template(text: str) -> Template:
-    """Headings (outside code fences) split ``text``; the first thematic break
-    or ``<details>`` after a section starts the tail. Before the first heading,
-    only the HTML comments stay: the rest is the template's word to the author."""
+    """Headings outside fences split ``text``; a thematic break or ``<details>``
+    starts the tail. Before the first heading, only the HTML comments stay."""
     lines, parts, sections = text.splitlines(keepends=True), [[]], []
     tail, fenced = "", False
     for i, line in enumerate(lines):

@@ -1,6 +1,5 @@
-"""vLLM's tests of a checkout with the change and without it: pytest in a child on
-copies of the installed vLLM (a checkout has no compiled kernels), the
-checkout's sides of the edited files put in."""
+"""vLLM's tests of a checkout with and without the change, on copies of the
+installed vLLM (a checkout has no compiled kernels) with the checkout's files in."""
 
 from __future__ import annotations
 
@@ -113,12 +112,11 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """``depends``' files, (same, differing): the installed vLLM's bytes, patched or
-    not, in the checkout (absent from both: the same)."""
+    """``depends``' files (same, differing) as the installed vLLM, patched or not."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
-        found = tree.path(entry).rglob("*.py") if entry.endswith("/") else ()
+        found = (tree.location / entry).rglob("*.py") if entry.endswith("/") else ()
         return {p.relative_to(tree.location).as_posix() for p in found} or {entry}
 
     names = sorted(set().union(*(files(t, d) for t in trees for d in depends)))
@@ -144,8 +142,7 @@ def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
 def unavailable(
     checkout: Path, files: list[str], patch: Patch, depends: list[str]
 ) -> str | None:
-    """Why the edited tests cannot run here, or None: the installed vLLM is the
-    checkout's code in every file of ``depends`` the change does not edit."""
+    """Why the edited tests cannot run here (the installed vLLM differs), or None."""
     if not any((checkout / f).is_file() for f in files):
         return "not in this checkout"
     try:
