@@ -1,8 +1,6 @@
 """A patch's tests wired into the checkout's CI (a Buildkite step, a script) as a
 text edit; YAML must parse to the old plus the added entries (data: docs/safety.md)."""
 
-from __future__ import annotations
-
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -1,8 +1,6 @@
 """``pr``'s own figures without ``--evidence``: per-call time and the eager Qwen3
 comparison (vLLM #31643), on the installed vLLM with the checkout's files."""
 
-from __future__ import annotations
-
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path

@@ -1,7 +1,5 @@
 """A patch's ``[upstream]`` table: its pull request and its CI wiring."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from patcher.errors import PatchError, UsageError

@@ -1,8 +1,6 @@
 """``vllm-patch pr``: the change committed, signed off, on a branch of a vLLM
 checkout, with its PR description; never pushed. :func:`on_branch` rolls back."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import os

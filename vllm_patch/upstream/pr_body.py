@@ -1,8 +1,6 @@
 """The PR description: the checkout's template filled with this run's figures,
 the patch's ``upstream.md`` and what ``AGENTS.md`` asks a PR to state."""
 
-from __future__ import annotations
-
 import copy
 import os
 import re

@@ -1,7 +1,5 @@
 """The changed lines checked with the checkout's pinned ruff and typos; reported."""
 
-from __future__ import annotations
-
 import difflib
 import json
 import os

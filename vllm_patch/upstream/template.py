@@ -1,8 +1,6 @@
 """The checkout's PR template, filled: a heading (else its comment) names the kinds
 of text it asks for; the tail (the checklist) stays. Data, parsed in linear time."""
 
-from __future__ import annotations
-
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property

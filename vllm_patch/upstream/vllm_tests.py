@@ -1,8 +1,6 @@
 """vLLM's tests of a checkout with and without the change, on copies of the
 installed vLLM (a checkout has no compiled kernels) with the checkout's files in."""
 
-from __future__ import annotations
-
 import importlib.util
 import shlex
 import sys
