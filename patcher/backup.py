@@ -56,22 +56,22 @@ class Backup:
             found, wanted = f"{exc.found}; nothing was changed", "a real folder or file"
             raise PatchError(message, str(path), wanted, found) from exc
 
-    def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
-        """The intact entries, and what is wrong with the rest (one line each)."""
+    def read(self) -> tuple[dict[str, dict], list[str]]:
+        """The intact entries (their hashes, and the copy's bytes as "original"),
+        and what is wrong with the rest (one line each)."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.folder / MANIFEST
         try:
-            files = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))["files"]
-            if not isinstance(files, dict):
-                raise TypeError(files)
+            data = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))
         except _Damage as exc:
             return {}, [str(exc)]
         except RecursionError:
             return {}, [f"{where}: JSON nested too deep"]
         except ValueError as exc:
             return {}, [f"{where}: {exc}"]
-        except (LookupError, TypeError):
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict):
             return {}, [f'{where}: no "files" table']
         if foreign := [rel for rel in files if rel not in self.files]:
             message = "a backup manifest names a file the patch does not touch"
@@ -87,11 +87,12 @@ class Backup:
                     raise _Damage(f"{said} is not a table")
                 if bad := [k for k in HASHES if not _SHA256.match(str(entry.get(k)))]:
                     raise _Damage(f"{said} has no valid {bad[0]}")
-                if hex_digest(self.original(rel)) != entry["original_sha256"]:
+                original = self.original(rel)  # read once: checked, then restored
+                if hex_digest(original) != entry["original_sha256"]:
                     raise _Damage(
                         f"{self.folder / rel}: changed since it was backed up"
                     )
-                entries[rel] = {k: entry[k] for k in HASHES}
+                entries[rel] = {**{k: entry[k] for k in HASHES}, "original": original}
             except _Damage as exc:
                 problems.append(str(exc))
         return entries, problems
@@ -99,7 +100,7 @@ class Backup:
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the
         manifest; ``entries`` stay, so a tree completed later reverts in full."""
-        manifest = dict(entries)
+        manifest = {rel: {k: e[k] for k in HASHES} for rel, e in entries.items()}
         for rel in [*changes, MANIFEST]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
         for rel, texts in changes.items():
