@@ -1,7 +1,6 @@
-"""Plain copies of the originals, so ``revert`` gives a tree its exact bytes back
-and a tree says which patch it holds: ``<home>/.vllm-patch-backup/<patch>/``
-holds them and ``manifest.json`` (their hashes), read back as data: an entry
-that does not hold up is damage, left out; a link or a foreign entry, refused."""
+"""The originals in ``<home>/.vllm-patch-backup/<patch>/``, hashed in ``manifest.json``:
+``revert`` gives their exact bytes back, and a tree shows which patch it holds. Read
+as data: a bad entry is damage, left out; a link or a foreign entry, refused."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Backup:
         return self.home / BACKUP_DIR / self.patch
 
     def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """A file of the store (``rel``'s copy, or the manifest): a link there is
-        refused; anything else wrong is damage."""
+        """``rel``'s copy, or the manifest: a link refused; anything else is damage."""
         path = self.folder / rel
         what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
@@ -57,8 +55,7 @@ class Backup:
             raise PatchError(message, str(path), wanted, found) from exc
 
     def read(self) -> tuple[dict[str, dict], list[str]]:
-        """The intact entries (their hashes, and the copy's bytes as "original"),
-        and what is wrong with the rest (one line each)."""
+        """The intact entries (hashes; the copy's bytes as "original"), the damage."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.folder / MANIFEST

@@ -134,8 +134,7 @@ def parse(source: str, relpath: str) -> cst.Module:
 
 
 def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
-    """A syntax error where CPython puts it (LibCST's parser may point a line
-    later), else where the parser that failed said (``said``)."""
+    """A syntax error where CPython puts it (LibCST's parser may be a line off)."""
     try:
         compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as err:
@@ -154,8 +153,7 @@ def run_codemod(
     read_tree_file: Callable[[str], str],
     said: list[str] | None = None,
 ) -> str:
-    """``codemod`` run on ``source`` (its target's text), what it recorded added to
-    ``said``; a byte-order mark, which LibCST drops, is put back."""
+    """``codemod`` run on ``source``; a BOM, which LibCST drops, is put back."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
     context = SimpleNamespace(

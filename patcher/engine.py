@@ -256,8 +256,7 @@ def _current(tree: VllmTree, rel: str) -> Text:
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
-    whose ``.git`` is a file, has none), else in the tree."""
+    """In a checkout's ``.git`` folder (none in a linked work tree), else the tree."""
     git = ".git" if os.path.lexists(tree.location / ".git") else "."
     if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None

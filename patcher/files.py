@@ -36,8 +36,7 @@ def kind(mode: int) -> str:
 
 
 def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
-    """``root / rel`` with every link resolved, or ``PatchError`` (exit 3) when
-    that leads out of ``bases`` (default: ``root``)."""
+    """``root / rel``, links resolved; ``PatchError`` if that leaves ``bases``."""
     path = Path(os.path.realpath(Path(root) / rel))
     bases = [Path(os.path.realpath(b)) for b in (bases or (root,))]
     if any(path.is_relative_to(b) for b in bases):

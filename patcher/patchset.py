@@ -158,8 +158,7 @@ def select(names: list[str] | None) -> list[Patch]:
     if not names:
         return patches
     by_name = {p.name: p for p in patches}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
+    if unknown := [n for n in names if n not in by_name]:
         raise UsageError(
             f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
         )

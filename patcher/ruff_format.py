@@ -38,8 +38,7 @@ def format_source(source: str, indent: str = "    ") -> str:
 
 
 def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
-    """``module`` with its top-level statements at the indices ``at`` as ruff
-    lays out the whole module (one run of ruff); the others keep their bytes."""
+    """The statements at indices ``at`` as ruff lays out the module; the rest as is."""
     if not at:
         return module
     ruffs = cst.parse_module(format_source(module.code, module.default_indent))
