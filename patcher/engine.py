@@ -127,16 +127,6 @@ class PatchPlan:
         return "".join(out)
 
     def to_json(self) -> dict:
-        edits = [
-            {
-                "file": e.file,
-                "summary": e.edit.summary,
-                "status": e.status(self.direction),
-                "reason": e.reason,
-                "changes": list(e.said),
-            }
-            for e in self.edits
-        ]
         return {
             "patch": self.patch.name,
             "title": self.patch.title,
@@ -145,7 +135,16 @@ class PatchPlan:
             "status": self.status,
             "error": str(self.error) if self.error else None,
             "warnings": list(self.warnings),
-            "edits": edits,
+            "edits": [
+                {
+                    "file": e.file,
+                    "summary": e.edit.summary,
+                    "status": e.status(self.direction),
+                    "reason": e.reason,
+                    "changes": list(e.said),
+                }
+                for e in self.edits
+            ],
         }
 
 
