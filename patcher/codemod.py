@@ -1,6 +1,5 @@
-"""The contract between the engine and a patch's codemods: LibCST's interface
-(``DESCRIPTION``, ``transform_module_impl``, a ``context``), ``TARGET`` from the
-``patch.toml``, reads of the tree's other files. Not a LibCST ``Codemod``:
+"""What a patch's codemod gets: LibCST's interface (``DESCRIPTION``, a ``context``),
+``TARGET`` from its ``patch.toml``, the tree's other files. Not a LibCST ``Codemod``:
 importing ``libcst.codemod`` costs half a second of every ``check``."""
 
 from __future__ import annotations

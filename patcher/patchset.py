@@ -36,11 +36,9 @@ class Edit:
     file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
     revert_ref: str
-    # An edit to vLLM's tests: made only where the tree has them, left out
-    # (with the reason) where its file is missing or has another shape.
-    optional: bool = False
-    # The file may be absent: the codemod gets an empty module, and revert
-    # deletes the file when it holds exactly what apply wrote.
+    optional: bool = False  # a test edit: left out (with why) where it cannot be made
+    # The file may be absent: apply starts from an empty module; revert deletes
+    # the file when it holds exactly what apply wrote.
     create: bool = False
 
     @property
