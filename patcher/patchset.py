@@ -70,8 +70,7 @@ class Patch:
     replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """The ``[provider]`` table, or None, with ``patch`` and what its
-        ``identity`` module (default: ``module``, imported) declares."""
+        """``[provider]`` with what its ``identity`` module declares; None if absent."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None

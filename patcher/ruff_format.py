@@ -51,8 +51,7 @@ def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
 
 
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
-    """A class member written at column 0 (``source``), laid out as ruff lays it
-    out inside a class of ``module`` (its indentation and line endings)."""
+    """``source`` (a class member at column 0) as ruff lays it out in ``module``."""
     out = format_source(
         f"class _:\n{textwrap.indent(source, '    ')}", module.default_indent
     )
