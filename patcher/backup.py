@@ -1,7 +1,6 @@
-"""Plain copies of the originals, so ``revert`` gives a tree its exact bytes back
-and a tree says which patch it holds: ``<home>/.vllm-patch-backup/<patch>/``
-holds them and ``manifest.json`` (their hashes), read back as data: an entry
-that does not hold up is damage, left out; a link or a foreign entry, refused."""
+"""The originals in ``<home>/.vllm-patch-backup/<patch>/``, hashed in ``manifest.json``:
+``revert`` gives their exact bytes back, and a tree shows which patch it holds. Read
+as data: a bad entry is damage, left out; a link or a foreign entry, refused."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ class Backup:
         return self.home / BACKUP_DIR / self.patch
 
     def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """A file of the store (``rel``'s copy, or the manifest): a link there is
-        refused; anything else wrong is damage."""
+        """``rel``'s copy, or the manifest: a link refused; anything else is damage."""
         path = self.folder / rel
         what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
@@ -56,22 +54,21 @@ class Backup:
             found, wanted = f"{exc.found}; nothing was changed", "a real folder or file"
             raise PatchError(message, str(path), wanted, found) from exc
 
-    def read(self) -> tuple[dict[str, dict[str, str]], list[str]]:
-        """The intact entries, and what is wrong with the rest (one line each)."""
+    def read(self) -> tuple[dict[str, dict], list[str]]:
+        """The intact entries (hashes; the copy's bytes as "original"), the damage."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.folder / MANIFEST
         try:
-            files = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))["files"]
-            if not isinstance(files, dict):
-                raise TypeError(files)
+            data = json.loads(self.original(MANIFEST, MAX_MANIFEST_BYTES))
         except _Damage as exc:
             return {}, [str(exc)]
         except RecursionError:
             return {}, [f"{where}: JSON nested too deep"]
         except ValueError as exc:
             return {}, [f"{where}: {exc}"]
-        except (LookupError, TypeError):
+        files = data.get("files") if isinstance(data, dict) else None
+        if not isinstance(files, dict):
             return {}, [f'{where}: no "files" table']
         if foreign := [rel for rel in files if rel not in self.files]:
             message = "a backup manifest names a file the patch does not touch"
@@ -87,11 +84,12 @@ class Backup:
                     raise _Damage(f"{said} is not a table")
                 if bad := [k for k in HASHES if not _SHA256.match(str(entry.get(k)))]:
                     raise _Damage(f"{said} has no valid {bad[0]}")
-                if hex_digest(self.original(rel)) != entry["original_sha256"]:
+                original = self.original(rel)  # read once: checked, then restored
+                if hex_digest(original) != entry["original_sha256"]:
                     raise _Damage(
                         f"{self.folder / rel}: changed since it was backed up"
                     )
-                entries[rel] = {k: entry[k] for k in HASHES}
+                entries[rel] = {**{k: entry[k] for k in HASHES}, "original": original}
             except _Damage as exc:
                 problems.append(str(exc))
         return entries, problems
@@ -99,7 +97,7 @@ class Backup:
     def save(self, entries: dict, changes: dict[str, tuple[str, str]]) -> None:
         """Copy the originals of ``changes`` (rel -> (before, after)), then the
         manifest; ``entries`` stay, so a tree completed later reverts in full."""
-        manifest = dict(entries)
+        manifest = {rel: {k: e[k] for k in HASHES} for rel, e in entries.items()}
         for rel in [*changes, MANIFEST]:  # what a killed save left
             remove_at(self.folder / rel, leftovers=True)
         for rel, texts in changes.items():

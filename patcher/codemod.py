@@ -1,6 +1,5 @@
-"""The contract between the engine and a patch's codemods: LibCST's interface
-(``DESCRIPTION``, ``transform_module_impl``, a ``context``), ``TARGET`` from the
-``patch.toml``, reads of the tree's other files. Not a LibCST ``Codemod``:
+"""What a patch's codemod gets: LibCST's interface (``DESCRIPTION``, a ``context``),
+``TARGET`` from its ``patch.toml``, the tree's other files. Not a LibCST ``Codemod``:
 importing ``libcst.codemod`` costs half a second of every ``check``."""
 
 from __future__ import annotations
@@ -134,8 +133,7 @@ def parse(source: str, relpath: str) -> cst.Module:
 
 
 def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
-    """A syntax error where CPython puts it (LibCST's parser may point a line
-    later), else where the parser that failed said (``said``)."""
+    """A syntax error where CPython puts it (LibCST's parser may be a line off)."""
     try:
         compile(source.removeprefix(BOM), relpath, "exec", dont_inherit=True)
     except (SyntaxError, ValueError) as err:
@@ -154,8 +152,7 @@ def run_codemod(
     read_tree_file: Callable[[str], str],
     said: list[str] | None = None,
 ) -> str:
-    """``codemod`` run on ``source`` (its target's text), what it recorded added to
-    ``said``; a byte-order mark, which LibCST drops, is put back."""
+    """``codemod`` run on ``source``; a BOM, which LibCST drops, is put back."""
     bom = BOM if source.startswith(BOM) else ""
     module = parse(source.removeprefix(bom), codemod.TARGET)
     context = SimpleNamespace(

@@ -127,16 +127,6 @@ class PatchPlan:
         return "".join(out)
 
     def to_json(self) -> dict:
-        edits = [
-            {
-                "file": e.file,
-                "summary": e.edit.summary,
-                "status": e.status(self.direction),
-                "reason": e.reason,
-                "changes": list(e.said),
-            }
-            for e in self.edits
-        ]
         return {
             "patch": self.patch.name,
             "title": self.patch.title,
@@ -145,7 +135,16 @@ class PatchPlan:
             "status": self.status,
             "error": str(self.error) if self.error else None,
             "warnings": list(self.warnings),
-            "edits": edits,
+            "edits": [
+                {
+                    "file": e.file,
+                    "summary": e.edit.summary,
+                    "status": e.status(self.direction),
+                    "reason": e.reason,
+                    "changes": list(e.said),
+                }
+                for e in self.edits
+            ],
         }
 
 
@@ -209,7 +208,8 @@ def plan(
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
-    """Each edit planned (edits to one file chain); ``sources`` gets every file read."""
+    """Each edit planned, its codemod run once; ``sources`` gets every file read."""
+    from patcher.codemod import run_codemod  # LibCST: only here
 
     def read(rel: str) -> str:  # a file of the tree ("": absent), noted in sources
         if rel not in sources:
@@ -218,7 +218,7 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
 
     texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
-        path = edit.file
+        path, said = edit.file, []
         if edit.optional and not (edit.create or tree.exists(path)):
             missing = PatchError("not in this tree", path=tree.display(path))
             yield EditPlan(edit, skipped=missing)
@@ -228,7 +228,16 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             before = texts.get(path, sources[path])
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
-            after, said = _edit(edit, direction, before, restore.get(path), read)
+            if path in restore:
+                after, said = restore[path], ["Restored from the backup."]
+            elif direction == "apply":
+                after = run_codemod(edit.apply, before or "", read, said)
+            elif before is None:
+                after = None
+            elif edit.create and before == run_codemod(edit.apply, "", read):
+                after, said = None, ["Deleted the file apply created."]
+            else:
+                after = run_codemod(edit.revert, before, read, said)
         except VllmHasItsOwn as exc:
             yield EditPlan(edit, before, before, own=str(exc))
         except PatchError as exc:
@@ -237,23 +246,8 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
         else:
             texts[path] = after
-            yield EditPlan(edit, before, after, said=said if after != before else ())
-
-
-def _edit(edit: Edit, direction, before: Text, restored: Text, read):
-    """(the text after ``edit``, what it changed), from its codemod: run once."""
-    from patcher.codemod import run_codemod  # LibCST: only here
-
-    if restored is not None:
-        return restored, ("Restored from the backup.",)
-    said: list[str] = []
-    if direction == "apply":
-        return run_codemod(edit.apply, before or "", read, said), tuple(said)
-    if before is None:
-        return None, ()
-    if edit.create and before == run_codemod(edit.apply, "", read):
-        return None, ("Deleted the file apply created.",)
-    return run_codemod(edit.revert, before, read, said), tuple(said)
+            said = tuple(said) if after != before else ()
+            yield EditPlan(edit, before, after, said=said)
 
 
 def _current(tree: VllmTree, rel: str) -> Text:
@@ -261,8 +255,7 @@ def _current(tree: VllmTree, rel: str) -> Text:
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """The tree's backup: in a checkout's ``.git`` folder (a linked work tree,
-    whose ``.git`` is a file, has none), else in the tree."""
+    """In a checkout's ``.git`` folder (none in a linked work tree), else the tree."""
     git = ".git" if os.path.lexists(tree.location / ".git") else "."
     if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
@@ -274,7 +267,7 @@ def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]
     backup = _backup(tree, patch)
     entries, problems = backup.read() if backup else ({}, [])
     return {
-        rel: backup.original(rel).decode("utf-8")
+        rel: entry["original"].decode("utf-8")
         for rel, entry in entries.items()
         if tree.exists(rel)
         and hex_digest(tree.read_bytes(rel)) == entry["patched_sha256"]

@@ -91,8 +91,7 @@ class UsageError(PatchError):
 
 
 class VllmHasItsOwn(Exception):
-    """A codemod's file has vLLM's own form of the change, not this tool's: apply
-    and revert leave it, ``check`` says so and exits 0."""
+    """vLLM has its own form of the change: left as it is; ``check`` exits 0."""
 
 
 class ShapeNotRecognised(PatchError):

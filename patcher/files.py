@@ -36,8 +36,7 @@ def kind(mode: int) -> str:
 
 
 def inside(root: Path, rel: str | Path, bases=None, *, what: str) -> Path:
-    """``root / rel`` with every link resolved, or ``PatchError`` (exit 3) when
-    that leads out of ``bases`` (default: ``root``)."""
+    """``root / rel``, links resolved; ``PatchError`` if that leaves ``bases``."""
     path = Path(os.path.realpath(Path(root) / rel))
     bases = [Path(os.path.realpath(b)) for b in (bases or (root,))]
     if any(path.is_relative_to(b) for b in bases):
@@ -243,13 +242,11 @@ def own_paths(root: Path, files: list[str]) -> None:
     for rel in files:
         found = Path(os.path.realpath(root / rel))
         if found != real / rel:
-            message = (
-                "a file the change edits is reached through a link in the checkout"
-            )
+            why = "a file the change edits is reached through a link in the checkout"
             wanted = "a regular file (or none) at that path, no link on the way"
             to = found.relative_to(real) if found.is_relative_to(real) else None
             link = f"a link to {to}" if to else "a link out of the checkout"
-            raise UsageError(message, str(root / rel), wanted, link)
+            raise UsageError(why, str(root / rel), wanted, link)
 
 
 def read_text_in(

@@ -36,11 +36,9 @@ class Edit:
     file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
     revert_ref: str
-    # An edit to vLLM's tests: made only where the tree has them, left out
-    # (with the reason) where its file is missing or has another shape.
-    optional: bool = False
-    # The file may be absent: the codemod gets an empty module, and revert
-    # deletes the file when it holds exactly what apply wrote.
+    optional: bool = False  # a test edit: left out (with why) where it cannot be made
+    # The file may be absent: apply starts from an empty module; revert deletes
+    # the file when it holds exactly what apply wrote.
     create: bool = False
 
     @property
@@ -72,8 +70,7 @@ class Patch:
     replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """The ``[provider]`` table, or None, with ``patch`` and what its
-        ``identity`` module (default: ``module``, imported) declares."""
+        """``[provider]`` with what its ``identity`` module declares; None if absent."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
@@ -158,8 +155,7 @@ def select(names: list[str] | None) -> list[Patch]:
     if not names:
         return patches
     by_name = {p.name: p for p in patches}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
+    if unknown := [n for n in names if n not in by_name]:
         raise UsageError(
             f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
         )

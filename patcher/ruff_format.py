@@ -38,8 +38,7 @@ def format_source(source: str, indent: str = "    ") -> str:
 
 
 def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
-    """``module`` with its top-level statements at the indices ``at`` as ruff
-    lays out the whole module (one run of ruff); the others keep their bytes."""
+    """The statements at indices ``at`` as ruff lays out the module; the rest as is."""
     if not at:
         return module
     ruffs = cst.parse_module(format_source(module.code, module.default_indent))
@@ -52,8 +51,7 @@ def format_statements(module: cst.Module, at: set[int]) -> cst.Module:
 
 
 def format_member(source: str, module: cst.Module) -> cst.BaseStatement:
-    """A class member written at column 0 (``source``), laid out as ruff lays it
-    out inside a class of ``module`` (its indentation and line endings)."""
+    """``source`` (a class member at column 0) as ruff lays it out in ``module``."""
     out = format_source(
         f"class _:\n{textwrap.indent(source, '    ')}", module.default_indent
     )

@@ -10,9 +10,7 @@ class PlanStatus(str, enum.Enum):
     """A ``str``: JSON output and result files hold the plain word."""
 
     APPLICABLE = "applicable"  # apply would change the tree
-    # Some edits made, others not (a kill between two files, or a hand edit):
-    # apply completes it, revert undoes it.
-    PARTLY_APPLIED = "partly applied"
+    PARTLY_APPLIED = "partly applied"  # some edits made (a kill, a hand edit)
     APPLIED = "applied"  # apply would change nothing
     REVERTIBLE = "revertible"  # revert would change the tree
     NOT_APPLIED = "not applied"  # revert would change nothing

@@ -23,8 +23,7 @@ def read_version(tree: VllmTree) -> Version | None:
 
 
 def _from_version_file(tree: VllmTree) -> str | None:
-    """Every form vLLM's ``_version.py`` has had: ``__version__ = version = "x"``,
-    ``version = "x"``, and annotated (``__version__: str = "x"``)."""
+    """Each form ``_version.py`` has had: plain, chained or annotated assignment."""
     if not tree.exists(VERSION_FILE):
         return None
     with contextlib.suppress(SyntaxError, ValueError):
