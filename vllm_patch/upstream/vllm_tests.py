@@ -1,6 +1,7 @@
 """vLLM's tests of a checkout with and without the change, on copies of the
 installed vLLM (a checkout has no compiled kernels) with the checkout's files in."""
 
+import contextlib
 import importlib.util
 import shlex
 import sys
@@ -137,6 +138,23 @@ def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
     }
 
 
+@contextlib.contextmanager
+def sides(checkout: Path, patch: Patch, depends: list[str]):
+    """Two copies of the installed vLLM, with and without ``patch``, the checkout's
+    files that differ put in: (with, without, the files the same, those put in)."""
+    installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
+    own = own_sides(checkout, patch, differing)
+    with (
+        patched_copy(installed, patch) as site,
+        tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
+    ):
+        base = linked_copy(installed, Path(tmp)).location
+        for rel, (before, after) in own.items():
+            replace_at(site / rel, after)
+            replace_at(base / rel, before)
+        yield site, base, same, own
+
+
 def unavailable(
     checkout: Path, files: list[str], patch: Patch, depends: list[str]
 ) -> str | None:
@@ -174,25 +192,16 @@ def run_tests(
         said = "skipped (--no-tests)" if skip else f"cannot run here ({why})"
         print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
-    installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
-    own = own_sides(checkout, patch, differing)
-    said = [f"{', '.join(same)} the same in both"] if same else []
-    said += [f"the checkout's {', '.join(own)} put in"] if own else []
-    print(
-        f"upstream tests: running {command} of the checkout on "
-        f"CPU against vLLM {read_version(installed)}, with and without the change "
-        f"({'; '.join(said)}). This runs the checkout's own code (the test files "
-        "and what they import); --no-tests skips them",
-        flush=True,
-    )
-    with (
-        patched_copy(installed, patch) as site,
-        tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
-    ):
-        base = linked_copy(installed, Path(tmp)).location
-        for rel, (before, after) in own.items():
-            replace_at(site / rel, after)
-            replace_at(base / rel, before)
+    with sides(checkout, patch, depends) as (site, base, same, own):
+        said = [f"{', '.join(same)} the same in both"] if same else []
+        said += [f"the checkout's {', '.join(own)} put in"] if own else []
+        print(
+            f"upstream tests: running {command} of the checkout on CPU against "
+            f"vLLM {read_version(VllmTree(site))}, with and without the change "
+            f"({'; '.join(said)}). This runs the checkout's own code (the test "
+            "files and what they import); --no-tests skips them",
+            flush=True,
+        )
         after = run_pytest(checkout, present, site, keyword)
         before = run_pytest(checkout, present, base, keyword)
     fails = f"; without the change: {before.summary()}" if before.ran else ""
