@@ -2,8 +2,6 @@
 ``revert`` gives their exact bytes back, and a tree shows which patch it holds. Read
 as data: a bad entry is damage, left out; a link or a foreign entry, refused."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import json

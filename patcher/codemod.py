@@ -2,8 +2,6 @@
 ``TARGET`` from its ``patch.toml``, the tree's other files. Not a LibCST ``Codemod``:
 importing ``libcst.codemod`` costs half a second of every ``check``."""
 
-from __future__ import annotations
-
 import ast
 import os
 from collections import Counter

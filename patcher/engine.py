@@ -2,8 +2,6 @@
 ``apply(tree, plan)`` writes exactly that plan or refuses. The originals go to a
 backup first, so the inverse codemods need only be right in meaning."""
 
-from __future__ import annotations
-
 import contextlib
 import difflib
 import os

@@ -3,8 +3,6 @@ path resolved and checked inside its bases, then each folder opened O_NOFOLLOW
 from ``/`` (a link swapped in after the check fails the open); reads bounded,
 regular files only; writes by renaming a new fsynced file over the target."""
 
-from __future__ import annotations
-
 import contextlib
 import errno
 import fcntl

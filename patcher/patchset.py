@@ -2,8 +2,6 @@
 ``vllm`` is where a patch can apply, ``default`` where a plain ``apply`` picks it,
 ``replaces = "OTHER"`` makes it the default where OTHER is not (and exclusive)."""
 
-from __future__ import annotations
-
 import importlib
 import sys
 from dataclasses import dataclass, field

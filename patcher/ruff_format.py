@@ -1,8 +1,6 @@
 """Lay out Python source as vLLM's ``ruff format`` does, with the pinned ruff,
 so ``apply``, ``diff`` and ``pr`` show the same lines."""
 
-from __future__ import annotations
-
 import subprocess
 import textwrap
 from functools import cache, lru_cache

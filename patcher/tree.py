@@ -1,8 +1,6 @@
 """A vLLM tree: a directory holding ``vllm/`` (a git checkout, site-packages,
 an unpacked wheel) or a ``.whl`` file, read-only."""
 
-from __future__ import annotations
-
 import importlib.util
 import os
 import shutil

@@ -1,8 +1,6 @@
 """A vLLM tree's version, without importing it: ``vllm/_version.py``, else the
 dist-info, else the wheel's name."""
 
-from __future__ import annotations
-
 import ast
 import contextlib
 import email.parser
