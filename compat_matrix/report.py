@@ -16,9 +16,7 @@ from vllm_patch.runtime.markdown import table
 COMPAT_DIR = Path(__file__).resolve().parent
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
-# The checks that prove a row's form and route, by name: the live checks, the
-# aarch64 cells' per side and dtype, and the names kept in results from before
-# the checks read the rule (test_eager_calls_rms_norm_kernel, ...).
+# The checks proving a row's form and route: live, aarch64, and older results' names.
 FORM_CHECKS = ("test_form_", "test_patched_eager", "test_patched_compiled")
 FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
 ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
@@ -180,7 +178,6 @@ def conformance_section(results: list[dict]) -> str:
                 drift.append([_builds(d["build"]), name, ratio, d["fused_add_calls"]])
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
-    # The dimensions as the tables recorded them: ``hidden size {8, 12} x ...``.
     found = next((r["dimensions"] for r in results if "dimensions" in r), {})
     dims = [f"{name} {{{', '.join(map(str, v))}}}" for name, v in found.items()]
     return CONFORMANCE.format(

@@ -5,6 +5,7 @@ table, written as JUnit XML like the other cells'."""
 import argparse
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -20,10 +21,10 @@ from compat_matrix.report import result_file
 from patcher.errors import PatchError
 from patcher.files import write_output
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
+from vllm_patch.runtime.cache import cache_dir
 
-# QEMU_CPU -> whether it has BF16, and what it stands for. The build is
-# compiled -march=armv8.2-a+bf16+dotprod+fp16: its bfloat16 kernels need BF16
-# (and round with it); float32 runs the kernels everywhere.
+# QEMU_CPU -> has BF16, what it stands for. The build is -march=armv8.2-a+bf16+...:
+# its bfloat16 kernels need BF16 (and round with it); float32 runs them everywhere.
 MACHINES = {
     "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
     "max": (True, "every extension qemu emulates, BF16 included"),
@@ -32,9 +33,8 @@ MACHINES = {
 # bfloat16 rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
 CASES = [f"{dtype}/{op}" for dtype in TOLERANCE for op in OPS]
-# Per side: its conformance table's form and its environment in the chroot
-# (calls.py and the table are in /opt/cell): the patched tree (the project last,
-# for the table's rule; its plugin not loaded), or vLLM with the plugin opted in.
+# Per side: its table's form and chroot environment (/opt/cell: calls.py, the table):
+# the patched tree (the project last, for the rule; no plugin), or the plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
 SIDE_ENV = {
     "patched": {
@@ -110,7 +110,6 @@ def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float
 
 
 def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
-    """A test per side and dtype (``test_<side>_<dtype>``)."""
     tests = []
     for side, dtype in itertools.product(TABLE_FORMS, TOLERANCE):
         ran = runs[side]["cases"]
@@ -230,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         help="QEMU_CPU (repeat it to run several CPUs side by side)",
     )
     cpus = parser.parse_args(argv).cpu
-    root = chroot.default_root()  # $VLLMPATCH_ARM_ROOT, else the user cache
+    root = Path(os.environ.get("VLLMPATCH_ARM_ROOT") or cache_dir() / "arm64-root")
     applied = chroot.prepare(root)
     logs = root.parent / f"{root.name}-logs"
     logs.mkdir(exist_ok=True)

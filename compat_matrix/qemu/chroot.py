@@ -22,12 +22,6 @@ BINFMT = Path("/proc/sys/fs/binfmt_misc")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def default_root() -> Path:
-    from vllm_patch.runtime.cache import cache_dir
-
-    return Path(os.environ.get("VLLMPATCH_ARM_ROOT") or cache_dir() / "arm64-root")
-
-
 def run_cmd(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
     print("+", " ".join(map(str, cmd)), flush=True)
     return subprocess.run([str(c) for c in cmd], check=True, text=True, **kw)
@@ -37,8 +31,9 @@ def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
     return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
 
 
-def host_tools() -> None:
-    """qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing."""
+def prepare(root: Path) -> dict:
+    """The chroot made or updated; the patched copy's patches and outcomes."""
+    # qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing.
     if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
         run_cmd("apt-get", "update", "-q")
         apt = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
@@ -48,6 +43,9 @@ def host_tools() -> None:
         run_cmd("mount", "-t", "binfmt_misc", "binfmt_misc", BINFMT)
     if not (BINFMT / "qemu-aarch64").exists():
         run_cmd("update-binfmts", "--enable", "qemu-aarch64")
+    for step in (system, wheels, project):
+        step(root)
+    return patched_tree(root)
 
 
 def system(root: Path) -> None:
@@ -116,11 +114,3 @@ def proc_mounted(root: Path):
                 run_cmd("mount", "-t", kind, kind, point)
                 stack.callback(run_cmd, "umount", point)
         yield
-
-
-def prepare(root: Path) -> dict:
-    """The chroot made or updated; the patched copy's patches and outcomes."""
-    host_tools()
-    for step in (system, wheels, project):
-        step(root)
-    return patched_tree(root)
