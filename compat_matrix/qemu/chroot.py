@@ -31,23 +31,6 @@ def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
     return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
 
 
-def prepare(root: Path) -> dict:
-    """The chroot made or updated; the patched copy's patches and outcomes."""
-    # qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing.
-    if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
-        run_cmd("apt-get", "update", "-q")
-        apt = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
-        tools = ("qemu-user-static", "binfmt-support", "debootstrap")
-        run_cmd("apt-get", "install", "-y", "-q", *tools, env=apt)
-    if not (BINFMT / "status").exists():
-        run_cmd("mount", "-t", "binfmt_misc", "binfmt_misc", BINFMT)
-    if not (BINFMT / "qemu-aarch64").exists():
-        run_cmd("update-binfmts", "--enable", "qemu-aarch64")
-    for step in (system, wheels, project):
-        step(root)
-    return patched_tree(root)
-
-
 def system(root: Path) -> None:
     """Debian arm64 in ``root`` with ``libnuma1`` (vLLM's ``_C.abi3.so`` links
     it); debootstrap leaves ``root/debootstrap`` behind until it has finished."""
@@ -91,11 +74,24 @@ def project(root: Path) -> None:
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 
-def patched_tree(root: Path) -> dict[str, str]:
-    """``/opt/patched``: ``/opt/sp`` hard-linked, patched as ``apply`` picks."""
+def prepare(root: Path) -> dict:
+    """The chroot made or updated; the patched copy's patches and outcomes."""
     from patcher import engine
     from patcher.tree import linked_copy, open_tree
 
+    # qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing.
+    if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
+        run_cmd("apt-get", "update", "-q")
+        apt = os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+        tools = ("qemu-user-static", "binfmt-support", "debootstrap")
+        run_cmd("apt-get", "install", "-y", "-q", *tools, env=apt)
+    if not (BINFMT / "status").exists():
+        run_cmd("mount", "-t", "binfmt_misc", "binfmt_misc", BINFMT)
+    if not (BINFMT / "qemu-aarch64").exists():
+        run_cmd("update-binfmts", "--enable", "qemu-aarch64")
+    for step in (system, wheels, project):
+        step(root)
+    # /opt/patched: /opt/sp hard-linked, patched as ``apply`` picks.
     dest = root / "opt/patched"
     shutil.rmtree(dest, ignore_errors=True)
     tree = linked_copy(open_tree(root / "opt/sp"), dest)
