@@ -79,9 +79,8 @@ def lint(session: nox.Session) -> None:
 @functools.cache  # once for all the cells of a nox run
 def pip_sources() -> list[str]:
     """pip's configured indexes and find-links as uv's options (uv reads none)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True
-    ).stdout
+    pip = [sys.executable, "-m", "pip", "config", "list"]
+    out = subprocess.run(pip, capture_output=True, text=True).stdout
     found = re.findall(r"^([^.]+)\.([\w-]+)='(.*)'$", out, re.MULTILINE)
     rank = {"global": 0, "install": 1, ":env:": 2}  # as pip ranks them
     config = {k: v for _, k, v in sorted(found, key=lambda f: rank.get(f[0], 0))}

@@ -205,10 +205,8 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
         out.append(Finding(check, "fix", said, pip("install", *what)))
     if not (result := results[("provider", module)])["ok"]:
         error = f"provider {module} does not register: {result['error']}"
-        return [
-            *out,
-            Finding(f"{patch.name}:provider", "fix", error, traceback_hint(module)),
-        ]
+        hint = traceback_hint(module)
+        return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
     attrs, status = result.get("attributes") or {}, result.get("status") or {}
     name = attrs.get("PROVIDER") or module
     out.append(_registered_finding(patch.name, name, status, module))
@@ -392,12 +390,9 @@ def diagnose() -> list[Finding]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument(
-        "--fix",
-        action="store_true",
-        help="remove the packages that do not import beside this torch "
-        "(`python -I -m pip uninstall`, said first), then check again",
-    )
+    fix = "remove the packages that do not import beside this torch "
+    fix += "(`python -I -m pip uninstall`, said first), then check again"
+    parser.add_argument("--fix", action="store_true", help=fix)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,9 +56,8 @@ def fetch_sdist(package: str, version: str) -> Path:
         work, spec = Path(tmp), f"{package}=={version}"
         options = ("--no-binary=:all:", "--no-build-isolation", "--no-clean")
         env = {**os.environ, "TMPDIR": str(work)}  # the failing build's output kept
-        done = _pip_download(
-            work / "saved", spec, *options, env=env, capture_output=True, text=True
-        )
+        run = dict(env=env, capture_output=True, text=True)
+        done = _pip_download(work / "saved", spec, *options, **run)
         for archive in sorted((work / "saved").glob("*.tar.gz")):
             with tarfile.open(archive) as tar:
                 safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}

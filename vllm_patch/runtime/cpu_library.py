@@ -50,9 +50,8 @@ def pytest_collection_finish(session) -> None:
 
     library = session.config.getoption(OPTION)
     if library and LIBRARIES[library] not in loaded():
-        raise pytest.UsageError(
-            f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
-        )
+        said = f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
+        raise pytest.UsageError(said)
 
 
 def pytest_report_header(config) -> str | None:
