@@ -1,8 +1,6 @@
 """Errors the engine reports, and ``ExitCode``: the one home of ``vllm-patch``'s
 exit codes, for ``--help`` and ``docs/cli.md``."""
 
-from __future__ import annotations
-
 import enum
 import os
 import sys
@@ -12,7 +10,7 @@ class ExitCode(enum.IntEnum):
     short: str  # for ``--help``
     meaning: str  # for the table in ``docs/cli.md``
 
-    def __new__(cls, value: int, short: str, meaning: str) -> ExitCode:
+    def __new__(cls, value: int, short: str, meaning: str) -> "ExitCode":
         member = int.__new__(cls, value)
         member._value_, member.short, member.meaning = value, short, meaning
         return member

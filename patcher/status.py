@@ -1,8 +1,6 @@
 """What a plan says about a patch or an edit; standard library only: the
 compatibility report reads these words from result files."""
 
-from __future__ import annotations
-
 import enum
 
 
@@ -22,7 +20,7 @@ class PlanStatus(str, enum.Enum):
         return self.value
 
     @classmethod
-    def pending(cls, direction: str, changes: bool) -> PlanStatus:
+    def pending(cls, direction: str, changes: bool) -> "PlanStatus":
         """Whether ``direction`` ("apply" or "revert") would change anything."""
         if direction == "apply":
             return cls.APPLICABLE if changes else cls.APPLIED
