@@ -8,7 +8,7 @@ import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_member
-from patches.cpu_fused_norms.enable_vllm_c import norm_impls
+from patches.cpu_fused_norms.enable_vllm_c import meaning, norm_impls
 from patches.cpu_fused_norms.identity import OPS
 
 CLASS = "CpuPlatform"
@@ -50,10 +50,6 @@ def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
     return next((s for s in found if s.name.value == name), None)
 
 
-def _meaning(code: str) -> str:
-    return ast.dump(ast.parse(textwrap.dedent(code.lstrip("\r\n"))))
-
-
 class AddCpuIrOpPriority(TreeCodemod):
     DESCRIPTION = f"Add {CLASS}.{METHOD}: vllm_c first, native when Inductor compiles."
     ON = True  # the change; RemoveCpuIrOpPriority's False: its inverse
@@ -63,7 +59,7 @@ class AddCpuIrOpPriority(TreeCodemod):
         found = _method(cls, METHOD)
         if found is not None or self.ON:
             method, ops = self.method_source(tree, cls)
-        if found and _meaning(tree.code_for_node(found)) != _meaning(method):
+        if found and meaning(tree.code_for_node(found)) != meaning(method):
             raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
         if (found is not None) == self.ON:
             return tree

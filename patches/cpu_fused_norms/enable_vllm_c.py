@@ -4,6 +4,7 @@ use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` rule.py's checks
 
 import ast
 import re
+import textwrap
 from typing import NamedTuple
 
 import libcst as cst
@@ -28,8 +29,6 @@ TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
 
 
 class Norm(NamedTuple):
-    """A "vllm_c" norm at ``at``; its supports_args lambda ``check`` at ``check_at``."""
-
     op: str
     at: int
     gate: cst.Name
@@ -67,10 +66,13 @@ def _assigned(tree: cst.Module, at: int, value: cst.BaseExpression):
     return tree.body[at].deep_replace(tree.body[at].body[0].value, value)
 
 
+def meaning(code: str) -> str:
+    return ast.dump(ast.parse(textwrap.dedent(code.lstrip("\r\n"))))
+
+
 def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     """``expr`` ending in ``<operator> code`` (``on``) or not, in its outer
     parentheses; None when it is so already, however laid out."""
-    meaning = lambda c: ast.dump(ast.parse(c.strip(), mode="eval"))  # noqa: E731
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
     )
@@ -187,7 +189,6 @@ class EnableVllmCOnCpu(TreeCodemod):
         self.record(f"the norms' gate is `{NORM_GATE} = {gate} or {IS_CPU}`")
 
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        """``IS_CPU`` before its first use; the function, its call before the checks."""
         if cpu is None:
             at = min([*new, *before])
             before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
