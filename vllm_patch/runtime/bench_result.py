@@ -410,12 +410,6 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     return out
 
 
-COMPILED = (
-    "\n### Compiled (Inductor), {n} thread(s): custom_ops "
-    '["none", "+rms_norm"] (the kernels) against the default (native)\n'
-)
-
-
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
@@ -432,7 +426,11 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
         if n != str(d.threads):
             out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
-        out += [COMPILED.format(n=md.text(n, 10)), *decode_block(b, limit)]
+        out += [
+            f"\n### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)\n',
+            *decode_block(b, limit),
+        ]
         if found := b.comparisons.get("+rms_norm/default"):  # against 1.0
             low, high = found.ci95
             said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"
