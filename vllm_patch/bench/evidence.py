@@ -133,7 +133,6 @@ class BenchRun:
             write_output(self.out / "evidence.md", markdown)
 
     def model(self, args, sizes: dict[str, int], tokenizer: bool) -> tuple:
-        """``--model``'s folder, else the random Llama of ``sizes``; its meta."""
         if args.model:
             return user_model(args.model)
         return random_model(self.progress, sizes, tokenizer)

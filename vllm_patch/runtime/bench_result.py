@@ -21,10 +21,6 @@ def ratios(serving: er.Serving, mode: str, metric: str, over="patched") -> list:
     return [p / b for b, p in zip(base, other, strict=False) if b]
 
 
-def ratio_shown(serving: er.Serving, mode: str, metric: str, over="patched") -> str:
-    return spread_shown(ratios(serving, mode, metric, over), ratio=True)
-
-
 def spread_shown(values: list[float], ratio: bool = False) -> str:
     """``median [min–max]`` of ``values``; ``-`` for none."""
     if not values:
@@ -51,7 +47,7 @@ def serving_table(serving: er.Serving, mode: str) -> str:
         [
             LABELS.get(m) or _label(*m.split("_")),
             *(spread_shown(list(sides.get(s, {}).get(m, ()))) for s in SIDES),
-            *(ratio_shown(serving, mode, m, o) for o in over),
+            *(spread_shown(ratios(serving, mode, m, o), ratio=True) for o in over),
         ]
         for m in METRICS
     ]
@@ -124,13 +120,14 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
 
 def throughput_claim(ev: er.Evidence) -> str | None:
     configs = ev.serving.configs if ev.serving else {}
+    shown = {
+        (m, o): spread_shown(ratios(ev.serving, m, "output_throughput", o), True)
+        for m in configs
+        for o in ("patched", A_A)
+    }
     said = ", ".join(
-        f"{ratio_shown(ev.serving, m, 'output_throughput')} {m}"
-        + (
-            f" (A/A: {ratio_shown(ev.serving, m, 'output_throughput', A_A)})"
-            if A_A in configs[m]
-            else ""
-        )
+        f"{shown[m, 'patched']} {m}"
+        + (f" (A/A: {shown[m, A_A]})" if A_A in configs[m] else "")
         for m in MODES
         if m in configs
     )
@@ -413,12 +410,6 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     return out
 
 
-COMPILED = (
-    "\n### Compiled (Inductor), {n} thread(s): custom_ops "
-    '["none", "+rms_norm"] (the kernels) against the default (native)\n'
-)
-
-
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
@@ -435,7 +426,11 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
         if n != str(d.threads):
             out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
-        out += [COMPILED.format(n=md.text(n, 10)), *decode_block(b, limit)]
+        out += [
+            f"\n### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
+            '["none", "+rms_norm"] (the kernels) against the default (native)\n',
+            *decode_block(b, limit),
+        ]
         if found := b.comparisons.get("+rms_norm/default"):  # against 1.0
             low, high = found.ci95
             said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"

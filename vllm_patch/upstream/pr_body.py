@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from patcher.errors import PatchError
@@ -84,8 +85,6 @@ class Facts:
 
 
 def tool_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return f"{TOOL} {version(TOOL)}"
     except PackageNotFoundError:
