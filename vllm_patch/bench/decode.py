@@ -145,9 +145,7 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
     """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
-    out = []
-    pids = [e.proc.pid for e in started]
-    began = time.monotonic()
+    out, pids, began = [], [e.proc.pid for e in started], time.monotonic()
     for r in range(args.rounds + 1):
         late = time.monotonic() + (time.monotonic() - began) / max(r, 1) > deadline
         if r > MIN_ROUNDS and late:
