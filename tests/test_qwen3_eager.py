@@ -86,9 +86,9 @@ def test_sides_are_compared_with_base_and_shown():
     reason="transformers or torch is absent",
 )
 def test_the_random_qwen3_has_per_head_norms_of_a_kernel_size(tmp_path):
-    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random_qwen3
+    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random
 
-    folder = make_random_qwen3(tmp_path, **TINY_QWEN3, tokenizer=True)
+    folder = make_random(tmp_path, kind="qwen3", **TINY_QWEN3, tokenizer=True)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["head_dim"] % 8 == 0  # q_norm and k_norm's size

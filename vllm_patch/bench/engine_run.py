@@ -8,7 +8,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-# A model's sizes, in the order the tables below give them.
 SIZES = ("hidden_size", "num_layers", "intermediate_size", "num_heads")
 SIZES += ("num_kv_heads", "vocab_size")
 # The smallest Llama that still runs every layer type: for checks that the
@@ -77,4 +76,3 @@ def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) ->
 
 
 make_random_llama = functools.partial(make_random, kind="llama")
-make_random_qwen3 = functools.partial(make_random, kind="qwen3")

@@ -1,5 +1,4 @@
-"""The one comparison against ``native`` (:func:`mismatch`); each x86 build's
-kernels against native (:func:`per_build`)."""
+"""The kernels against ``native``: one comparison, and each x86 build's."""
 
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -116,14 +116,6 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
         return json.loads(found[-1].read_text("utf-8"))
 
 
-def kernel_lines(log: str) -> list[str]:
-    """The server log's lines on its kernel choice, without their prefixes."""
-    lines = log.splitlines()
-    found = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
-    found |= {f"compilation_config {m[0]}" for m in map(CUSTOM_OPS.search, lines) if m}
-    return sorted(found)
-
-
 def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
     out, endpoint = [], f"{url}/v1/completions"
@@ -231,8 +223,12 @@ def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
             runs = serving["configs"].setdefault(mode, {}).setdefault(side, {})
             for m in METRICS:
                 runs.setdefault(m, []).append(metrics[m])
-            logs = serving["server_log"].setdefault(mode, {})
-            logs[side] = kernel_lines(server["log"])
+            lines = server["log"].splitlines()  # kernel choices, without prefixes
+            kept = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
+            kept |= {
+                f"compilation_config {m[0]}" for m in map(CUSTOM_OPS.search, lines) if m
+            }
+            serving["server_log"].setdefault(mode, {})[side] = sorted(kept)
             if side in answers and len(answers) == len(SIDES):
                 tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
                 tokens.update(accuracy.summary(tokens["configs"]))
