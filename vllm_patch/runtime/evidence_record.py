@@ -1,8 +1,6 @@
 """``evidence.json`` read into frozen records, one type-hint-driven reader checking
 every value's type and bounds (``Meta``), else a ``PatchError`` naming the field."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import json
@@ -268,7 +266,7 @@ class PerOpRow:
     p90_us: Time | None = None
     impl: str | None = None  # what a layer route ran: kernel or native
 
-    def checked(self, value: dict, at: str) -> PerOpRow:
+    def checked(self, value: dict, at: str) -> "PerOpRow":
         for key in [] if self.wrong else ["median_us", "native_us"]:
             if getattr(self, key) is None:
                 raise Bad(f"{at}.{key}: missing")
@@ -291,7 +289,7 @@ class PerOp:
     clock: str | None = None
     load: tuple[ChildLoad, ...] = ()
 
-    def checked(self, value: dict, at: str) -> PerOp:
+    def checked(self, value: dict, at: str) -> "PerOp":
         if len({(r.env, r.route) for r in self.rows}) > MOST_COLUMNS:
             raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
         return self
@@ -403,7 +401,7 @@ class Decode:
     compiled: dict[str, DecodeBlock] = empty()
     headline: DecodeBlock | None = None
 
-    def checked(self, value: dict, at: str) -> Decode:
+    def checked(self, value: dict, at: str) -> "Decode":
         if value.get("comparisons") is None:
             return self
         return dataclasses.replace(self, headline=typed(DecodeBlock, value, at))
@@ -427,7 +425,7 @@ class Evidence:
     failed: tuple[str, ...] = ()
     perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
 
-    def checked(self, value: dict, at: str) -> Evidence:
+    def checked(self, value: dict, at: str) -> "Evidence":
         needed = self.numerics or {}
         if sum(len(d) for ops in needed.values() for d in ops.values()) > MOST_ROWS:
             raise Bad(f"numerics: more than {MOST_ROWS} figures")
