@@ -35,8 +35,7 @@ def _from_version_file(tree: VllmTree) -> str | None:
 
 
 def _from_dist_info(tree: VllmTree) -> str | None:
-    text = tree.metadata()
-    return text and email.parser.HeaderParser().parsestr(text).get("Version")
+    return email.parser.HeaderParser().parsestr(tree.metadata() or "").get("Version")
 
 
 def _from_wheel_name(tree: VllmTree) -> Version | None:

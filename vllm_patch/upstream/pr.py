@@ -141,10 +141,9 @@ def preflight(args: argparse.Namespace) -> Settings:
         refuse_ir_era(repo, tree, patch)
     upstream = upstream_of(patch)
     branch = args.branch or upstream.branch
-    try:
+    named = None
+    with contextlib.suppress(git.GitCommandError):
         named = repo.git.check_ref_format("--branch", branch)
-    except git.GitCommandError:
-        named = None
     if named != branch or branch.startswith("-"):  # @{-1} names another branch
         raise UsageError(f"not a valid branch name: {branch!r}")
     git_dir = Path(repo.git_dir).resolve()  # outputs: outside the work tree but it
