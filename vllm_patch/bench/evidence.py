@@ -44,8 +44,8 @@ def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> t
     name = {"llama": "Llama", "qwen3": "Qwen3"}[kind]
     progress(f"building (or reusing) the random-weight {name}")
     folder = child.run(
-        f"vllm_patch.bench.engine_run:make_random_{kind}",
-        {"path": str(cache_dir() / "bench-models"), **c, "tokenizer": tokenizer},
+        "vllm_patch.bench.engine_run:make_random",
+        dict(c, path=str(cache_dir() / "bench-models"), kind=kind, tokenizer=tokenizer),
     ).value()
     sizes = f"{c['num_layers']} layers, hidden {c['hidden_size']}"
     return str(folder), {
