@@ -9,7 +9,7 @@ from typing import Any
 
 from patcher.errors import PatchError, UsageError
 from patcher.files import inside, output_dir, read_text_at, write_output
-from vllm_patch.bench.engine_run import DECODE_LLAMA
+from vllm_patch.bench.engine_run import DECODE_LLAMA, KINDS
 from vllm_patch.runtime import bench_result, evidence_record, machine
 
 # The servers', clients' and engines' environment: nothing is downloaded
@@ -41,7 +41,7 @@ def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> t
     from vllm_patch.runtime import child
     from vllm_patch.runtime.cache import cache_dir
 
-    name = {"llama": "Llama", "qwen3": "Qwen3"}[kind]
+    name = KINDS[kind][0]
     progress(f"building (or reusing) the random-weight {name}")
     folder = child.run(
         "vllm_patch.bench.engine_run:make_random",
