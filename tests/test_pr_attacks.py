@@ -421,23 +421,6 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
 
 
-def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
-    """`python -m vllm_patch` (its own package found) leaves the working folder
-    off sys.path, as the console script does: a `vllm/` planted there is
-    neither imported nor taken for the installed vLLM (`list` looks it up)."""
-    (tmp_path / "vllm").mkdir()
-    marker = tmp_path / "imported"
-    (tmp_path / "vllm" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.32.0'\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "list"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert str(tmp_path) not in proc.stdout + proc.stderr
-    assert not marker.exists()
-
-
 def plant_package(folder: Path) -> Path:
     """A ``vllm_patch/`` in ``folder`` that leaves a mark when imported."""
     marker = folder / "imported"
@@ -456,44 +439,6 @@ def test_python_safe_path_m_never_imports_a_planted_vllm_patch(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0 and "vllm-patch " in proc.stdout
     assert not marker.exists()
-
-
-def test_python_m_never_imports_a_planted_vllm_patch(tmp_path):
-    """Plain `python -m vllm_patch` there: the install's start-up hook
-    (`vllm_patch.pth`) imported the real package before Python put the
-    working folder on sys.path, so the planted one never runs."""
-    marker = plant_package(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "--version"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0 and "vllm-patch " in proc.stdout, proc.stderr
-    assert not marker.exists()
-
-
-def test_python_m_refuses_to_run_on_a_planted_vllm_patch(tmp_path):
-    """Without the start-up hook (`python -S`, or the planted package put
-    first by hand as here), Python imports the planted package first, then
-    finds this `__main__` through the installed package; it refuses to run on
-    top of it."""
-    import vllm_patch
-
-    marker = plant_package(tmp_path)
-    main = Path(vllm_patch.__file__).with_name("__main__.py")
-    code = (
-        "import runpy, sys; sys.modules.pop('vllm_patch', None); "
-        "sys.path.insert(0, ''); import vllm_patch; "
-        f"sys.argv = ['vllm-patch', '--version']; runpy.run_path({str(main)!r}, "
-        "run_name='__main__')"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert marker.exists()  # what -m did before this module ran
-    assert proc.returncode == ExitCode.USAGE and not proc.stdout
-    assert "another vllm_patch package" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("planted", ["evidence.json", "evidence.md", "."])
