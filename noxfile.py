@@ -77,19 +77,34 @@ def lint(session: nox.Session) -> None:
 
 
 @functools.cache  # once for all the cells of a nox run
-def pip_sources() -> list[str]:
-    """pip's configured indexes and find-links as uv's options (uv reads none)."""
+def pip_sources() -> dict[str, str]:
+    """pip's configured indexes and find-links as uv's environment (uv reads none).
+
+    Passed as environment, never as options: nox echoes a command line, and
+    an index URL can carry credentials."""
     pip = [sys.executable, "-m", "pip", "config", "list"]
     out = subprocess.run(pip, capture_output=True, text=True).stdout
     found = re.findall(r"^([^.]+)\.([\w-]+)='(.*)'$", out, re.MULTILINE)
     rank = {"global": 0, "install": 1, ":env:": 2}  # as pip ranks them
-    config = {k: v for _, k, v in sorted(found, key=lambda f: rank.get(f[0], 0))}
-    keys = ("index-url", "extra-index-url", "find-links")
-    args = [f"--{k}={v}" for k in keys for v in config.get(k, "").split()]
-    if index := os.environ.get("VLLMPATCH_TORCH_INDEX"):  # e.g. PyTorch's CPU index
-        args.append(f"--extra-index-url={index}")
-    # The best version across all indexes, as pip picks it (else a +cpu torch hides).
-    return [*args, "--index-strategy=unsafe-best-match"] if args else []
+    config = {}
+    for _, key, value in sorted(found, key=lambda f: rank.get(f[0], 0)):
+        config[key] = value  # the higher rank's value wins
+    extra = config.get("extra-index-url", "").split()
+    torch_index = os.environ.get("VLLMPATCH_TORCH_INDEX")  # e.g. PyTorch's CPU index
+    if torch_index:
+        extra.append(torch_index)
+    env = {}
+    if config.get("index-url"):
+        env["UV_INDEX_URL"] = config["index-url"]
+    if extra:
+        env["UV_EXTRA_INDEX_URL"] = " ".join(extra)  # uv splits it on spaces
+        # pip takes the best version across all its indexes; uv only the first
+        # index's unless told, which would hide a +cpu torch on an extra index.
+        env["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    find_links = config.get("find-links", "").split()
+    if find_links:
+        env["UV_FIND_LINKS"] = ",".join(find_links)  # uv splits it on commas
+    return env
 
 
 def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
@@ -102,20 +117,20 @@ def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
     return h.hexdigest()
 
 
-def install_cell(session: nox.Session, cell: dict, req: str, sources: list) -> str:
+def install_cell(session: nox.Session, cell: dict, req: str, sources: dict) -> str:
     """A live cell's release with its torch pin, else PyPI's plain build of that
     torch (uv --override); a static cell's tools alone. What torch it runs on."""
     if cell["mode"] != "full":  # its checks download the wheel
-        session.install(*sources, "-e", ".", "pip")
+        session.install("-e", ".", "pip", env=sources)
         return f"{cell['torch']} (the wheel's pin, not installed)"
     try:
-        session.install(*sources, req, "-e", ".")
+        session.install(req, "-e", ".", env=sources)
         torch = cell["torch"]
     except nox.command.CommandFailed:
         plain = cell["torch"].partition("+")[0]
         override = Path(session.virtualenv.location) / "torch-override.txt"
         override.write_text(plain + "\n")
-        session.install(*sources, "--override", str(override), req, "-e", ".")
+        session.install("--override", str(override), req, "-e", ".", env=sources)
         torch = f"{plain} (plain build standing in for {cell['torch']})"
     session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     return torch

@@ -175,34 +175,6 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     assert "No conformance result" in report.conformance_section([])
 
 
-def test_pip_sources_carry_pips_indexes_to_uv(monkeypatch):
-    """pip's configuration (here from its environment variables, which rank over
-    its files) as uv's options, and an extra +cpu torch index."""
-    monkeypatch.chdir(report.COMPAT_DIR.parent)
-    import noxfile
-
-    for name in list(os.environ):
-        if name.startswith("PIP_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
-    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "file:///a/simple file:///b/simple")
-    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
-    monkeypatch.setenv("VLLMPATCH_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
-    assert noxfile.pip_sources.__wrapped__() == [
-        "--index-url=https://mirror.example/simple",
-        "--extra-index-url=file:///a/simple",
-        "--extra-index-url=file:///b/simple",
-        "--find-links=/opt/wheels",
-        "--extra-index-url=https://download.pytorch.org/whl/cpu",
-        "--index-strategy=unsafe-best-match",
-    ]
-    monkeypatch.delenv("VLLMPATCH_TORCH_INDEX")
-    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS"):
-        monkeypatch.delenv(name)
-    assert noxfile.pip_sources.__wrapped__() == []
-
-
 @pytest.mark.parametrize(
     ("plant", "found"),
     [
