@@ -27,7 +27,7 @@ class ExitCode(enum.IntEnum):
         2,
         "usage error",
         "usage error (bad arguments, unknown patch, `apply`/`revert` on a `.whl`; "
-        "`bench` without vLLM); for `pr`: not a git checkout, a dirty work tree, a "
+        "`bench` or `serve` without vLLM); for `pr`: not a git checkout, a dirty work tree, a "
         "detached or unknown base, no git identity",
     )
     CANNOT_APPLY = (

@@ -248,3 +248,18 @@ def test_the_launcher_says_when_vllm_plugins_leaves_the_provider_out(
         assert "vLLM will not load 'vllm_c_cpu'" in line
         assert "every RMSNorm runs native" in line
         assert "export VLLM_PLUGINS=" in line and "cpu_fused_norms" in line
+
+
+def test_serve_without_vllm_says_so_once(monkeypatch, capsys):
+    """No vLLM distribution and no importable ``vllm``: one message, exit 2."""
+    from vllm_patch.cli import main
+
+    monkeypatch.setattr(serve.metadata, "distributions", lambda: [])
+    monkeypatch.setattr(serve.metadata, "packages_distributions", lambda: {})
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+
+    assert main(["serve", "some/model"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "Traceback" not in err
+    assert err.startswith("vllm-patch: error: ")
+    assert "vLLM is not installed for this Python" in err

