@@ -7,28 +7,31 @@ import sys
 
 
 class ExitCode(enum.IntEnum):
+    """One code per meaning; ``docs/cli.md`` carries ``table()``."""
+
     short: str  # for ``--help``
     meaning: str  # for the table in ``docs/cli.md``
 
     def __new__(cls, value: int, short: str, meaning: str) -> "ExitCode":
         member = int.__new__(cls, value)
-        member._value_, member.short, member.meaning = value, short, meaning
+        member._value_ = value
+        member.short = short
+        member.meaning = meaning
         return member
 
     OK = 0, "done", "done, already applied, or nothing to revert"
     PENDING = (
         1,
-        "check found a pending patch, doctor something to fix, or a bench step failed",
-        "`check` found a patch that is not applied, or partly applied; `doctor` "
-        "found something to fix; `bench` had a step fail (what it measured is "
-        "written)",
+        "check found a patch to apply",
+        "`check` found a patch that is not applied, or partly applied",
     )
     USAGE = (
         2,
         "usage error",
         "usage error (bad arguments, unknown patch, `apply`/`revert` on a `.whl`; "
-        "`bench` or `serve` without vLLM); for `pr`: not a git checkout, a dirty work tree, a "
-        "detached or unknown base, no git identity",
+        "`bench` or `serve` without vLLM; `pr` without its `[pr]` extra); for `pr`: "
+        "not a git checkout, a dirty work tree, a detached or unknown base, no git "
+        "identity",
     )
     CANNOT_APPLY = (
         3,
@@ -41,6 +44,24 @@ class ExitCode(enum.IntEnum):
         "names the file, what was looked for and what was found; nothing was changed, "
         "unless a write failed between two files: then it says how far it got, and that"
         " apply (or revert) run again finishes it.",
+    )
+    FIX_NEEDED = (
+        4,
+        "doctor found something to fix",
+        "`doctor` found something to fix (each `FIX` line says how)",
+    )
+    PART_FAILED = (
+        5,
+        "a bench part failed",
+        "`bench` had a part fail (what it measured is written, the failure named in "
+        "`evidence.json`)",
+    )
+    INTERRUPTED = (
+        130,
+        "interrupted",
+        "interrupted by Ctrl-C (and, for `pr`, SIGTERM or SIGHUP): one line says so; "
+        "`pr` has put the checkout back, `bench` has written what it measured, and a "
+        "tree `apply` or `revert` left partly done is finished by running it again",
     )
 
     @classmethod
@@ -67,16 +88,19 @@ class PatchError(Exception):
     FIELDS = ("message", "path", "looked_for", "found")
 
     def __init__(self, message: str, path=None, looked_for=None, found=None):
-        texts = (message, path, looked_for, found)
-        self.message, self.path, self.looked_for, self.found = (
-            None if x is None else printable(x) for x in texts
-        )
+        self.message = printable(message)
+        self.path = None if path is None else printable(path)
+        self.looked_for = None if looked_for is None else printable(looked_for)
+        self.found = None if found is None else printable(found)
         super().__init__(str(self))
 
     def __str__(self) -> str:
-        parts = [f"{self.path}: {self.message}" if self.path else self.message]
-        parts += [f"  looked for: {self.looked_for}"] if self.looked_for else []
-        return "\n".join(parts + ([f"  found: {self.found}"] if self.found else []))
+        lines = [f"{self.path}: {self.message}" if self.path else self.message]
+        if self.looked_for:
+            lines.append(f"  looked for: {self.looked_for}")
+        if self.found:
+            lines.append(f"  found: {self.found}")
+        return "\n".join(lines)
 
     def to_json(self) -> dict:
         """``{"error": {...}}``, what ``--json`` prints instead of a report."""
@@ -86,6 +110,12 @@ class PatchError(Exception):
 
 class UsageError(PatchError):
     exit_code = ExitCode.USAGE
+
+
+class Interrupted(PatchError):
+    """Ctrl-C (or a signal a job turns into it): said in one line, exit 130."""
+
+    exit_code = ExitCode.INTERRUPTED
 
 
 class VllmHasItsOwn(Exception):

@@ -275,7 +275,7 @@ def test_ctrl_c_stops_the_servers_and_keeps_what_was_measured(tmp_path):
     time.sleep(5)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == ExitCode.PENDING, seen + err
+    assert proc.returncode == ExitCode.PART_FAILED, seen + err
     assert "interrupted; what was measured is in" in err
     doc = json.loads((tmp_path / "out" / "evidence.json").read_text())
     assert doc["interrupted"] is True

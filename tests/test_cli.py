@@ -13,7 +13,7 @@ from pathlib import Path
 
 import git
 import pytest
-from conftest import CPU, FIXTURE, VLLM_C, snapshot
+from conftest import CPU, FIXTURE, VLLM_C, make_tree, snapshot
 
 from patcher import engine
 from patcher.backup import BACKUP_DIR
@@ -446,3 +446,52 @@ def test_pr_without_its_extra_names_the_extra(monkeypatch, capsys):
     assert not out and err.count("\n") == 1, err
     assert "needs the [pr] extra (missing: gitpython)" in err
     assert "pip install 'vllm-patch[pr]'" in err
+
+
+SLOW_STEP = """
+import importlib, importlib.util, sys, time
+from vllm_patch import cli
+
+def slow(*args, **kwargs):
+    print("started", flush=True)
+    time.sleep(120)
+
+def find_spec(name, *args, real=importlib.util.find_spec):
+    return real("json" if name == "vllm" else name, *args)  # bench: "vLLM is here"
+
+importlib.util.find_spec = find_spec
+module = importlib.import_module(sys.argv[1])
+setattr(module, sys.argv[2], slow)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+INTERRUPTED_IN = [
+    # (the step that is slow, the verb)
+    pytest.param("patcher.engine", "apply", ["apply"], id="apply"),
+    pytest.param("patcher.engine", "plan_all", ["check"], id="check"),
+    pytest.param("patcher.tree", "open_tree", ["bench", "--decode"], id="bench"),
+    pytest.param("vllm_patch.upstream.pr", "preflight", ["pr"], id="pr"),
+]
+
+
+@pytest.mark.parametrize(("module", "step", "verb"), INTERRUPTED_IN)
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, module, step, verb):
+    """A real SIGINT while a step runs: one line on stderr, exit 130."""
+    import signal
+
+    tree = make_tree(tmp_path / "tree")
+    argv = [*verb, "--vllm", str(tree)]
+    if verb[0] == "bench":
+        argv = [*verb, "--out", str(tmp_path / "out")]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_STEP, module, step, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "started\n"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("vllm-patch: error: interrupted (Ctrl-C)")

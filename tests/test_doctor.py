@@ -17,6 +17,7 @@ import pytest
 from conftest import make_tree, requires_vllm
 
 from patcher import engine
+from patcher.errors import ExitCode
 from patcher.patchset import select
 from patcher.tree import linked_copy, open_tree
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
@@ -123,7 +124,7 @@ def test_a_vllm_plugins_filter_that_leaves_the_plugin_out():
     assert finding["fix"].startswith(
         "export VLLM_PLUGINS=lora_filesystem_resolver,cpu_fused_norms"
     )
-    assert rc == 1
+    assert rc == ExitCode.FIX_NEEDED
 
 
 @requires_vllm
@@ -139,7 +140,7 @@ def test_a_pypi_torchvision_is_named_with_its_fix_and_fix_removes_it(
     (planted / "pip" / "__main__.py").write_text(f"open({str(ran)!r}, 'w')\n")
     rc, findings, _ = doctor(python=python)
     removal = f"{python} -I -m pip uninstall -y torchvision"
-    assert rc == 1
+    assert rc == ExitCode.FIX_NEEDED
     for check in ("torchvision", "config", "transformers"):
         assert findings[check]["status"] == "fix"
         assert "torchvision" in findings[check]["message"]

@@ -583,7 +583,7 @@ def test_sigterm_while_vllms_tests_run_puts_everything_back(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
 
-    assert proc.returncode == 3, out + err
+    assert proc.returncode == 130, out + err
     assert "Traceback" not in err
     (line,) = [x for x in err.splitlines() if "interrupted" in x]
     assert line.startswith("vllm-patch: error: interrupted (SIGTERM);")

@@ -869,7 +869,7 @@ def test_a_signal_at_any_step_puts_the_checkout_back(
 
     rc, out = run(fork, capsys)
 
-    assert rc == ExitCode.CANNOT_APPLY, out
+    assert rc == ExitCode.INTERRUPTED, out
     said = "Ctrl-C" if sig == "SIGINT" else sig
     (line,) = [x for x in out.splitlines() if "interrupted" in x]
     assert line.startswith(f"vllm-patch: error: interrupted ({said});")

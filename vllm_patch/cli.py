@@ -14,7 +14,14 @@ from types import ModuleType
 from packaging.requirements import Requirement
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError, printable, warn
+from patcher.errors import (
+    ExitCode,
+    Interrupted,
+    PatchError,
+    UsageError,
+    printable,
+    warn,
+)
 from patcher.patchset import all_patches, is_default
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -67,7 +74,9 @@ def cmd_list(args: argparse.Namespace) -> int:
         doc = p.to_json()
         if tree is not None:
             doc["applies"] = p.covers(version)
-            doc["is_default"], doc["why"] = is_default(p, version)
+            chosen, why = is_default(p, version)
+            doc["is_default"] = chosen
+            doc["why"] = why
         rows.append(doc)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -99,7 +108,8 @@ def _plans(args, tree: VllmTree, refuse: bool = False) -> list[engine.PatchPlan]
 
 def cmd_check(args: argparse.Namespace) -> int:
     """show, per patch and edit, applied/applicable/not applicable"""
-    plans = _plans(args, tree := open_tree(args.vllm))
+    tree = open_tree(args.vllm)
+    plans = _plans(args, tree)
     if args.json:  # the full plans: JSON also gives each edit's changes
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
@@ -168,15 +178,26 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     if wheel:
         p.add_argument("--json", action="store_true", help="machine-readable output")
     where = "directory containing the vllm/ package (checkout root or site-packages)"
-    help = f"{where}{wheel}; default: the vLLM installed for this Python"
-    p.add_argument("--vllm", metavar="PATH", help=help)
+    p.add_argument(
+        "--vllm",
+        metavar="PATH",
+        help=f"{where}{wheel}; default: the vLLM installed for this Python",
+    )
     if name != "list":
-        help = "this patch (repeatable), among those whose vLLM range holds; "
-        help += "default: the tree's default patches (see `list`)"
-        p.add_argument("--patch", metavar="NAME", action="append", help=help)
+        p.add_argument(
+            "--patch",
+            metavar="NAME",
+            action="append",
+            help="this patch (repeatable), among those whose vLLM range holds; "
+            "default: the tree's default patches (see `list`)",
+        )
     if name in FORCE:
-        help = f"{FORCE[name]} even if the tree's vLLM version is outside the "
-        p.add_argument("--force", action="store_true", help=help + "patch's range")
+        p.add_argument(
+            "--force",
+            action="store_true",
+            help=f"{FORCE[name]} even if the tree's vLLM version is outside the "
+            "patch's range",
+        )
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -242,10 +263,13 @@ def import_job(name: str, job: Job) -> ModuleType:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``vllm-patch`` command: every error, Ctrl-C included, one message."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser(argv).parse_args(argv)
         return int(args.func(args))
+    except KeyboardInterrupt:  # the one place: every verb and job
+        error = Interrupted("interrupted (Ctrl-C)")
     except OSError as exc:  # unforeseen I/O trouble: still a message, not a traceback
         error = PatchError(exc.strerror or str(exc), path=exc.filename)
     except PatchError as exc:

@@ -1,5 +1,5 @@
 """``vllm-patch doctor``: one finding per line (``ok``, ``info`` or ``fix`` with
-its command); exit 0 without a ``fix``, else 1. torch, vLLM and transformers are
+its command); exit 0 without a ``fix``, else 4. torch, vLLM and transformers are
 imported in a child (``run_steps``): a step that crashes it fails alone."""
 
 import argparse
@@ -413,4 +413,4 @@ def run(args: argparse.Namespace) -> int:
         for f in found:
             print(f.line())
         print("all well" if ok else "something needs fixing (see FIX above)")
-    return ExitCode.OK if ok else ExitCode.PENDING
+    return ExitCode.OK if ok else ExitCode.FIX_NEEDED

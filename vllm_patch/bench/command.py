@@ -72,7 +72,7 @@ progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=
 
 
 def run(args: argparse.Namespace) -> int:
-    """0: every part ran; 1: a part failed or was interrupted (what was measured
+    """0: every part ran; 5: a part failed, 130: interrupted (what was measured
     is written); 2: nothing to measure or no vLLM here."""
     from patcher.errors import ExitCode, UsageError
 
@@ -102,13 +102,13 @@ def run(args: argparse.Namespace) -> int:
                 except Exception as exc:  # a failed part: said and kept, the rest runs
                     run.doc["failed"].append(f"{part}: {type(exc).__name__}: {exc}")
                     progress(f"{part} FAILED: {exc}")
-                    code = ExitCode.PENDING
+                    code = ExitCode.PART_FAILED
                 run.save()
     except KeyboardInterrupt:
         run.doc["interrupted"] = True
         run.save()
         progress(f"interrupted; what was measured is in {args.out}")
-        return ExitCode.PENDING
+        return ExitCode.INTERRUPTED
     run.save()
     progress(f"wrote {args.out}: evidence.json, evidence.md ({run.doc['seconds']} s)")
     return code

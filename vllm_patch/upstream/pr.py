@@ -17,7 +17,7 @@ import git
 from packaging.version import InvalidVersion, Version
 
 from patcher import engine
-from patcher.errors import ExitCode, PatchError, UsageError, warn
+from patcher.errors import ExitCode, Interrupted, PatchError, UsageError, warn
 from patcher.files import output_dir, output_path, own_paths, replace_at, write_output
 from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
@@ -233,7 +233,7 @@ def on_branch(s: Settings) -> Iterator[Work]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The steps; SIGTERM, SIGHUP and Ctrl-C: one line, exit 3."""
+    """The steps; SIGTERM, SIGHUP and Ctrl-C: one line, exit 130."""
 
     def interrupted(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         return _steps(args)
     except KeyboardInterrupt as exc:
         name = exc.args[0] if exc.args else "Ctrl-C"
-        raise PatchError(
+        raise Interrupted(
             f"interrupted ({name}); the checkout is back where it was, nothing "
             "committed"
         ) from None
