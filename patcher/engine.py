@@ -54,7 +54,7 @@ class EditPlan:
             return PlanStatus.SKIPPED if self.skipped else PlanStatus.NOT_APPLICABLE
         if self.own:
             return PlanStatus.IN_VLLM
-        return PlanStatus.pending(direction, self.changes)
+        return PlanStatus.from_changes(direction, self.changes)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class PatchPlan:
         made = [e.changes for e in self.edits if e.skipped is None]
         if self.direction == "apply" and any(made) and not all(made):
             return PlanStatus.PARTLY_APPLIED
-        return PlanStatus.pending(self.direction, any(made))
+        return PlanStatus.from_changes(self.direction, any(made))
 
     @property
     def in_vllm(self) -> bool:
@@ -295,7 +295,7 @@ class Outcome:
         return f"{self.patch}: {self.action}{where}"
 
 
-def writing(tree: VllmTree):
+def writer_lock(tree: VllmTree):
     """The one-writer lock on ``tree``: hold it from the plan to the write."""
     return locked(tree.location)
 

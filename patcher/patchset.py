@@ -195,9 +195,7 @@ def defaults(version: Version | None) -> list[Patch]:
 def exclusive_with(patch: Patch) -> list[Patch]:
     """The patches that exclude ``patch``: the one it replaces, those replacing it."""
     return [
-        p
-        for p in all_patches()
-        if p.replaces == patch.name or p.name == patch.replaces
+        p for p in all_patches() if p.replaces == patch.name or p.name == patch.replaces
     ]
 
 

