@@ -19,6 +19,7 @@ import git
 import pytest
 import yaml
 from conftest import has_vllm, requires_vllm
+from sdists import fetch_sdist
 from test_pr_body import LEAKS, TOOL_SPEAK, evidence, outside_details, write_evidence
 
 from patcher import engine
@@ -26,7 +27,7 @@ from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch import cli
 from vllm_patch.runtime import bench_result, evidence_record
-from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_sdist, fetch_wheel
+from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_wheel
 from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr_body import what_changes
 

@@ -1,20 +1,16 @@
 """Make vLLM load an older x86 class's kernel build (``_C_AVX512``, ``_C_AVX2``)
 by having ``torch.cpu._is_avx512*_supported()`` say no. Also a pytest plugin:
-``pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2``."""
+``pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2``. The table
+of classes and builds is ``kernel_builds``'s."""
 
 from pathlib import Path
 
-# Each CPU class, newest first: the library vLLM loads for it, the CPU flag
-# (``/proc/cpuinfo``) that library needs, the torch check that says it runs.
-LIBRARIES = {"avx512_bf16": "_C", "avx512": "_C_AVX512", "avx2": "_C_AVX2"}
-NEEDS = {"avx512_bf16": "avx512_bf16", "avx512": "avx512f", "avx2": "avx2"}
-CHECKS = {"avx512_bf16": "_is_avx512_bf16_supported", "avx512": "_is_avx512_supported"}
+from vllm_patch.runtime.kernel_builds import CHECKS, LIBRARIES, runnable
+
+# runnable and LIBRARIES are kernel_builds'; named here too until the bench and
+# the conformance table import them from there.
+__all__ = ["force", "loaded", "runnable", "LIBRARIES"]
 OPTION = "--vllm-cpu-library"
-
-
-def runnable(flags: list[str]) -> list[str]:
-    """The classes whose builds a CPU with ``flags`` runs, newest first."""
-    return [c for c in LIBRARIES if NEEDS[c] in flags]
 
 
 def force(library: str) -> None:
@@ -35,12 +31,16 @@ def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
 
 
 def pytest_addoption(parser) -> None:
-    help = "the x86 CPU class whose vLLM kernel build to load"
-    parser.addoption(OPTION, choices=sorted(LIBRARIES), help=help)
+    parser.addoption(
+        OPTION,
+        choices=sorted(LIBRARIES),
+        help="the x86 CPU class whose vLLM kernel build to load",
+    )
 
 
 def pytest_configure(config) -> None:
-    if library := config.getoption(OPTION):
+    library = config.getoption(OPTION)
+    if library:
         force(library)
 
 

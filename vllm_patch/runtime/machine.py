@@ -10,7 +10,7 @@ from typing import Any
 
 from patcher.errors import PatchError
 from patcher.tree import open_tree
-from vllm_patch.runtime.cpu_library import LIBRARIES, runnable
+from vllm_patch.runtime.kernel_builds import LIBRARIES, runnable
 
 # The /proc/cpuinfo flags that decide which vLLM CPU kernels exist and how fast.
 KERNEL_FLAGS = tuple(
@@ -39,7 +39,7 @@ def cpu() -> dict[str, Any]:
 
 
 def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -> str:
-    """The kernel build vLLM loads here (``cpu_library``; ``_C`` from a wheel of
+    """The kernel build vLLM loads here (``kernel_builds``; ``_C`` from a wheel of
     one build), else the architecture; ``vllm_dir``: the installed ``vllm/``."""
     arch = platform.machine()
     if arch not in ("x86_64", "AMD64"):
