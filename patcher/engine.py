@@ -96,8 +96,9 @@ class PatchPlan:
     def file_changes(self) -> dict[str, tuple[Text, Text]]:
         """relpath -> (text before the patch, text after all its edits)."""
         made = [e for e in self.edits if not (e.error or e.skipped or self.in_vllm)]
-        after, old = {e.file: e.after for e in made}, self.sources  # edits chain
-        return {f: (old[f], a) for f, a in after.items() if a != old[f]}
+        after = {e.file: e.after for e in made}  # edits of one file chain: the last
+        before = self.sources
+        return {f: (before[f], a) for f, a in after.items() if a != before[f]}
 
     def described(self) -> dict[str, list[str]]:
         """relpath -> what the edits changed in it, one sentence each (Markdown)."""
@@ -157,19 +158,22 @@ def choose(
         return [
             p for p in covered if is_default(p, version)[0] or _originals(tree, p)[0]
         ]
-    chosen, where = select(names) if names else defaults(version), str(tree.location)
+    chosen = select(names) if names else defaults(version)
+    where = str(tree.location)
     if direction == "revert":
         return chosen
     if not chosen:
         why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
         message = "no patch is this tree's default (pass --patch NAME)"
         raise PatchError(message, where, "a patch whose default range holds", why)
-    for patch, other in ((p, o) for p in chosen for o in exclusive_with(p)):
-        if _originals(tree, other)[0]:
-            applied = f"{other.name} is applied here (fully or in part)"
-            message = f"{applied}, and {patch.name} excludes it"
-            edits = f"its edits (`vllm-patch revert --patch {other.name}`)"
-            raise PatchError(message, where, f"a tree without {other.name}", edits)
+    for patch in chosen:
+        for other in exclusive_with(patch):
+            if _originals(tree, other)[0]:
+                applied = f"{other.name} is applied here (fully or in part)"
+                message = f"{applied}, and {patch.name} excludes it"
+                edits = f"its edits (`vllm-patch revert --patch {other.name}`)"
+                wanted = f"a tree without {other.name}"
+                raise PatchError(message, where, wanted, edits)
     return chosen
 
 
@@ -183,7 +187,9 @@ def plan(
     tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
 ) -> PatchPlan:
     """What ``direction`` would do to ``tree``, written nowhere."""
-    version, warnings, where = read_version(tree), [], str(tree.location)
+    version = read_version(tree)
+    warnings = []
+    where = str(tree.location)
     if version is None:
         warnings.append(
             f"{where}: no readable vLLM version ({VERSION_FILE}, dist-info or wheel "
@@ -191,13 +197,19 @@ def plan(
         )
     if direction == "apply" and not patch.covers(version):
         message = "vLLM version outside the patch's range"
-        wanted, found = f"vllm{patch.versions}", str(version)
-        refusal = PatchError(f"{message} (--force overrides)", where, wanted, found)
+        refusal = PatchError(
+            f"{message} (--force overrides)",
+            where,
+            f"vllm{patch.versions}",
+            str(version),
+        )
         if not force:
             return PatchPlan(patch, tree, direction, version, (), refusal, warnings)
         warnings.append(f"{message}: {version} not in {patch.versions}; forced")
-    restore, problems = _originals(tree, patch) if direction == "revert" else ({}, [])
-    warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
+    restore = {}
+    if direction == "revert":
+        restore, problems = _originals(tree, patch)
+        warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder("tests") else ()
     edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
@@ -216,7 +228,8 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
 
     texts: dict[str, Text] = {}  # files as edited so far
     for edit in edits:
-        path, said = edit.file, []
+        path = edit.file
+        said = []  # what the codemod changed, one sentence each
         if edit.optional and not (edit.create or tree.exists(path)):
             missing = PatchError("not in this tree", path=tree.display(path))
             yield EditPlan(edit, skipped=missing)
@@ -227,13 +240,15 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
             if before is None and not edit.create:
                 tree.read_text(path)  # the error naming the missing file
             if path in restore:
-                after, said = restore[path], ["Restored from the backup."]
+                after = restore[path]
+                said = ["Restored from the backup."]
             elif direction == "apply":
                 after = run_codemod(edit.apply, before or "", read, said)
             elif before is None:
                 after = None
             elif edit.create and before == run_codemod(edit.apply, "", read):
-                after, said = None, ["Deleted the file apply created."]
+                after = None
+                said = ["Deleted the file apply created."]
             else:
                 after = run_codemod(edit.revert, before, read, said)
         except VllmHasItsOwn as exc:
@@ -241,7 +256,10 @@ def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
         except PatchError as exc:
             if exc.path == edit.file:
                 exc.path = printable(tree.display(path))
-            yield EditPlan(edit, **{"skipped" if edit.optional else "error": exc})
+            if edit.optional:  # a test edit: left out, and why
+                yield EditPlan(edit, skipped=exc)
+            else:
+                yield EditPlan(edit, error=exc)
         else:
             texts[path] = after
             said = tuple(said) if after != before else ()
@@ -263,13 +281,16 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
     """rel -> original text of each file still as apply left it; the damage found."""
     backup = _backup(tree, patch)
-    entries, problems = backup.read() if backup else ({}, [])
-    return {
+    if backup is None:
+        return {}, []
+    entries, problems = backup.read()
+    originals = {
         rel: entry["original"].decode("utf-8")
         for rel, entry in entries.items()
         if tree.exists(rel)
         and hex_digest(tree.read_bytes(rel)) == entry["patched_sha256"]
-    }, problems
+    }
+    return originals, problems
 
 
 @contextlib.contextmanager
@@ -305,7 +326,8 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     read; applying, the originals go to the backup first; reverted, it goes."""
     reverting = planned.direction == "revert"
     refuse_wheel(tree.location, "revert" if reverting else "apply to")
-    patch, changes = planned.patch, planned.file_changes()
+    patch = planned.patch
+    changes = planned.file_changes()
     notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
     if planned.errors and notes:  # a revert neither the backup nor the codemod can do
         error = planned.errors[0]
@@ -369,7 +391,8 @@ def _refuse_stale_or_read_only(tree: VllmTree, planned: PatchPlan, changes) -> N
         found = "other contents; nothing was changed"
         raise PatchError(message, str(tree.location), wanted, found)
     paths = [tree.real(rel) for rel in changes]
-    for target in {tree.real("."), *paths, *(x.parent for x in paths)} if paths else ():
+    folders = {tree.real("."), *(path.parent for path in paths)} if paths else set()
+    for target in folders | set(paths):
         mode = os.stat(target).st_mode if os.path.lexists(target) else None
         if mode is not None and not (mode & 0o222 and os.access(target, os.W_OK)):
             what = "folder" if stat.S_ISDIR(mode) else "file"
@@ -388,8 +411,10 @@ def _write(tree: VllmTree, changes: Mapping[str, tuple[Text, Text]]) -> None:
             else:
                 replace_at(tree.real(rel), after.encode())
         except OSError as exc:
-            how_far = f"{done} of {len(changes)} files written; the tree is partly "
-            how_far += "patched: run apply again to finish, or revert to undo"
+            how_far = (
+                f"{done} of {len(changes)} files written; the tree is partly "
+                "patched: run apply again to finish, or revert to undo"
+            )
             message = f"cannot write ({exc.strerror})"
             wanted = "a file vllm-patch may replace"
             found = how_far if done else "nothing was changed"
