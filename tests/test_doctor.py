@@ -245,27 +245,32 @@ STEP_MODULES = {
 }
 
 
+# Long enough for a child to start on a loaded machine; the hang waits it out.
+STEP_TIMEOUT = 5
+DIED = "the interpreter died while importing"
 STEP_CASES = [
     pytest.param(["import", "json"], True, None, id="ok-before"),
     pytest.param(
-        ["import", "doctor_aborts"], False,
-        "the interpreter died while importing (exit code -6", id="abort",
+        ["import", "doctor_aborts"], False, f"{DIED} (exit code -6", id="abort"
     ),
     pytest.param(
-        ["import", "doctor_segfaults"], False,
-        "the interpreter died while importing (exit code -11", id="segfault",
+        ["import", "doctor_segfaults"], False, f"{DIED} (exit code -11", id="segfault"
     ),
     pytest.param(["from", "os:path"], True, None, id="ok-in-a-new-child"),
     pytest.param(
-        ["import", "doctor_raises"], False,
-        "ImportError: undefined symbol: _ZN3c10", id="exception",
+        ["import", "doctor_raises"],
+        False,
+        "ImportError: undefined symbol: _ZN3c10",
+        id="exception",
     ),
     pytest.param(
-        ["import", "doctor_hangs"], False,
-        "the interpreter died while importing (no answer within 1 s)", id="hang",
+        ["import", "doctor_hangs"],
+        False,
+        f"{DIED} (no answer within {STEP_TIMEOUT} s)",
+        id="hang",
     ),
     pytest.param(["import", "os"], True, None, id="ok-after-a-hang"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("step, ok, error", STEP_CASES)
@@ -285,7 +290,7 @@ def step_results(tmp_path_factory):
     steps = [p.values[0] for p in STEP_CASES]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PYTHONPATH", str(folder))
-        mp.setattr(diagnose, "CHILD_TIMEOUT", 1)
+        mp.setattr(diagnose, "CHILD_TIMEOUT", STEP_TIMEOUT)
         return diagnose.run_import_checks(steps)
 
 

