@@ -49,8 +49,10 @@ class Backup:
             if not str(exc.found).startswith("a symbolic link"):
                 raise _Damage(f"{exc.path}: {exc.message} ({exc.found})") from exc
             message = "part of the backup store is a symbolic link (never followed)"
-            found, wanted = f"{exc.found}; nothing was changed", "a real folder or file"
-            raise PatchError(message, str(path), wanted, found) from exc
+            found = f"{exc.found}; nothing was changed"
+            raise PatchError(
+                message, str(path), "a real folder or file", found
+            ) from exc
 
     def read(self) -> tuple[dict[str, dict], list[str]]:
         """The intact entries (hashes; the copy's bytes as "original"), the damage."""
@@ -68,26 +70,32 @@ class Backup:
         files = data.get("files") if isinstance(data, dict) else None
         if not isinstance(files, dict):
             return {}, [f'{where}: no "files" table']
-        if foreign := [rel for rel in files if rel not in self.files]:
+        foreign = [rel for rel in files if rel not in self.files]
+        if foreign:
             message = "a backup manifest names a file the patch does not touch"
             wanted = f"entries for {', '.join(sorted(self.files))} only"
-            found = f"entry {foreign[0][:300]!r}; nothing was changed: delete "
-            found += f"{self.folder} if you did not make it"
+            found = (
+                f"entry {foreign[0][:300]!r}; nothing was changed: delete "
+                f"{self.folder} if you did not make it"
+            )
             raise PatchError(message, str(where), wanted, found)
-        entries, problems = {}, []
+        entries = {}
+        problems = []
         for rel, entry in files.items():
             said = f"{where}: entry {rel!r}"
             try:
                 if not isinstance(entry, dict):
                     raise _Damage(f"{said} is not a table")
-                if bad := [k for k in HASHES if not _SHA256.match(str(entry.get(k)))]:
+                bad = [k for k in HASHES if not _SHA256.match(str(entry.get(k)))]
+                if bad:
                     raise _Damage(f"{said} has no valid {bad[0]}")
                 original = self.original(rel)  # read once: checked, then restored
                 if hex_digest(original) != entry["original_sha256"]:
                     raise _Damage(
                         f"{self.folder / rel}: changed since it was backed up"
                     )
-                entries[rel] = {**{k: entry[k] for k in HASHES}, "original": original}
+                hashes = {k: entry[k] for k in HASHES}
+                entries[rel] = {**hashes, "original": original}
             except _Damage as exc:
                 problems.append(str(exc))
         return entries, problems

@@ -137,7 +137,8 @@ def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
     except (SyntaxError, ValueError) as err:
         if "\0" in source:  # CPython gives no position for a NUL byte
             before = source[: source.index("\0")]
-            line, column = before.count("\n") + 1, len(before.rpartition("\n")[2]) + 1
+            line = before.count("\n") + 1
+            column = len(before.rpartition("\n")[2]) + 1
             said = f"line {line}, column {column}: a NUL byte (not Python source)"
         else:
             said = f"line {err.lineno}, column {err.offset}: {err.msg}"

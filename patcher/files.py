@@ -19,12 +19,23 @@ from patcher.errors import PatchError, UsageError, printable
 # 0.3 MB, and LibCST takes about 265 times a file's size to parse it.
 MAX_FILE_BYTES = 2 << 20
 NEW = ".vllm-patch.new"  # the suffix of the file replace_at renames
-_KINDS = {"d": "a directory", "p": "a FIFO (named pipe)", "s": "a socket",
-          "c": "a character device", "b": "a block device", "l": "a symbolic link",
-          "-": "a regular file"}  # fmt: skip
+# What a file is, in words, by the first letter ``stat.filemode`` gives it.
+_KINDS = {
+    "d": "a directory",
+    "p": "a FIFO (named pipe)",
+    "s": "a socket",
+    "c": "a character device",
+    "b": "a block device",
+    "l": "a symbolic link",
+    "-": "a regular file",
+}
 # What is there when an open fails with an errno (0: nothing; ENXIO: a socket).
-_FOUND = {errno.ENOENT: 0, errno.ELOOP: stat.S_IFLNK, errno.EISDIR: stat.S_IFDIR,
-          errno.ENXIO: stat.S_IFSOCK}  # fmt: skip
+_FOUND = {
+    errno.ENOENT: 0,
+    errno.ELOOP: stat.S_IFLNK,
+    errno.EISDIR: stat.S_IFDIR,
+    errno.ENXIO: stat.S_IFSOCK,
+}
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
 
 
@@ -56,13 +67,14 @@ def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=fd)
             try:
-                fd, above = os.open(name, _DIR, dir_fd=fd), fd
+                below = os.open(name, _DIR, dir_fd=fd)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 found = "a symbolic link or a file (changed while read?)"
                 raise PatchError("not a folder", str(here), "a folder", found) from exc
-            os.close(above)
+            os.close(fd)
+            fd = below
         yield fd
     finally:
         os.close(fd)
@@ -83,7 +95,8 @@ def read_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> bytes:
     except OSError as exc:
         if exc.errno not in _FOUND:
             raise PatchError(f"cannot read ({exc.strerror})", str(path)) from exc
-        mode, data = _FOUND[exc.errno], None
+        mode = _FOUND[exc.errno]
+        data = None
     if data is None:
         raise _not_regular(path, what, mode)
     return bounded(data, str(path), what, limit)
