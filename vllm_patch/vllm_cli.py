@@ -33,7 +33,8 @@ def vllm_main(argv: Sequence[str]) -> int:
     """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's CLI)."""
     found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
     owners = metadata.packages_distributions().get(VLLM) or []
-    dist, scripts = next((found[n] for n in owners if n in found), None), ()
+    dist = next((found[n] for n in owners if n in found), None)
+    scripts = ()
     if dist is not None and all(canonicalize_name(n) != VLLM for n in found):
         metadata.version = answering_vllm(metadata.version, vllm_version(dist))
         scripts = dist.entry_points.select(group="console_scripts", name=VLLM)
@@ -74,8 +75,12 @@ def filtered_out_plugins() -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    what, help = "MODEL [options of vllm serve]", "passed to vLLM's own `vllm serve`"
-    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar=what, help=help)
+    parser.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        metavar="MODEL [options of vllm serve]",
+        help="passed to vLLM's own `vllm serve`",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -68,12 +68,17 @@ def child_env(
     """This environment, ``env`` on top, ``drop_env`` removed; ``PYTHONPATH``:
     ``pythonpath`` first (a patched copy, kept free of bytecode), ``env``'s, the
     inherited one, the project root last (where it is not installed)."""
-    dropped, env, first = set(drop_env), dict(env or {}), [*map(str, pythonpath)]
+    dropped = set(drop_env)
+    env = dict(env or {})
+    first = [str(p) for p in pythonpath]
     out = {k: v for k, v in os.environ.items() if k not in dropped}
     paths = [*first, env.pop("PYTHONPATH", ""), out.get("PYTHONPATH", "")]
     paths = os.pathsep.join([*paths, str(PROJECT_ROOT)]).split(os.pathsep)
-    out |= env | {"PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, paths)))}
-    return out | ({"PYTHONDONTWRITEBYTECODE": "1"} if first else {})
+    out.update(env)
+    out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
+    if first:  # a patched copy: no bytecode written into it
+        out["PYTHONDONTWRITEBYTECODE"] = "1"
+    return out
 
 
 def start(
@@ -106,14 +111,17 @@ def start(
 def finish(child: Child) -> ChildOutcome:
     """Wait for ``child`` (ended at its timeout) and read what it left."""
     left = child.timeout and child.started + child.timeout - time.perf_counter()
+    timed_out = False
     try:
-        rc, timed_out = child.proc.wait(None if left is None else max(left, 0)), False
+        rc = child.proc.wait(None if left is None else max(left, 0))
     except subprocess.TimeoutExpired:
         kill_group(child.proc)
-        rc, timed_out = None, True
+        rc = None
+        timed_out = True
     with child.folder:
         log = child.file("log.txt").read_text("utf-8", errors="replace")
-        payload, said = {}, []  # said: what report() wrote, to a line cut short
+        payload = {}
+        said = []  # what report() wrote, to a line cut short
         try:
             payload = json.loads(child.file("result.json").read_text("utf-8"))
         except json.JSONDecodeError:
@@ -127,7 +135,9 @@ def finish(child: Child) -> ChildOutcome:
         error = f"timed out after {child.timeout:.0f} s"
     elif rc == 0 and "result" in payload:
         error = None
-    elif not (error := payload.get("error")):
+    elif payload.get("error"):
+        error = payload["error"]
+    else:
         error = f"exit code {rc}: {last_error_line(log)}" if rc else "no result"
     result = payload.get("result") if error is None else None
     seconds = round(time.perf_counter() - child.started, 2)
@@ -183,10 +193,12 @@ def child_main(target: str, folder: str) -> int:
     try:
         kwargs = json.loads(Path(folder, "args.json").read_text("utf-8"))
         call = getattr(importlib.import_module(module), function)
-        result, code = {"result": call(**kwargs)}, 0
+        result = {"result": call(**kwargs)}
+        code = 0
     except BaseException as exc:  # reported to the parent, which owns the verdict
         traceback.print_exc()
-        result, code = {"error": f"{type(exc).__name__}: {exc}"}, 1
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     Path(folder, "result.json").write_text(json.dumps(result, default=str), "utf-8")

@@ -87,7 +87,8 @@ def load_average() -> list[float]:
 def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
     """Busy CPU seconds of the machine and of this process, its ended children
     and the running ``pids``: :func:`other_share` compares two."""
-    tick, stat = os.sysconf("SC_CLK_TCK"), _read("/proc/stat")
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = _read("/proc/stat")
     if not stat:
         return None
     ticks = [int(x) for x in stat[0].split()[1:]]

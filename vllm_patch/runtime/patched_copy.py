@@ -32,7 +32,8 @@ def patched_copy(
         found = {rel: where.path(rel) for rel in files}
         return {r: hex_digest(p.read_bytes()) for r, p in found.items() if p.is_file()}
 
-    checked, record = record is not None, {} if record is None else record
+    checked = record is not None  # the caller wants revert seen to work
+    record = {} if record is None else record
     with tempfile.TemporaryDirectory(
         prefix="vllm-patch-copy-", dir=parent, ignore_cleanup_errors=True
     ) as folder:
@@ -40,7 +41,8 @@ def patched_copy(
         before = hashes(copy)
         record["copy"] = folder
         record["apply"] = str(engine.apply(copy, engine.plan(copy, patch)))
-        record["changed"] = (applied := hashes(copy)) != before
+        applied = hashes(copy)
+        record["changed"] = applied != before
         try:
             yield Path(folder)
         finally:
@@ -48,6 +50,7 @@ def patched_copy(
                 if applied != before:
                     record["revert"] = str(engine.revert(copy, patch))
                 record["hashes"] = dict(before=before, applied=applied)
-                record["hashes"]["reverted"] = reverted = hashes(copy)
+                reverted = hashes(copy)
+                record["hashes"]["reverted"] = reverted
                 record["restored"] = reverted == before
                 record["original_unchanged"] = hashes(tree) == before
