@@ -11,8 +11,6 @@ from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
 
-from packaging.requirements import Requirement
-
 from patcher import engine
 from patcher.errors import (
     ExitCode,
@@ -226,6 +224,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def missing_requirements(extra: str) -> list[str]:
     """The requirements ``extra`` adds to vllm-patch that are not installed here
     (none known when vllm-patch itself is not installed: a checkout)."""
+    from packaging.requirements import Requirement  # only for a job with an extra
+
     try:
         required = metadata.requires("vllm-patch") or []
     except metadata.PackageNotFoundError:
