@@ -15,8 +15,14 @@ LINE_LENGTH = 88  # vLLM's pyproject.toml [tool.ruff]
 @cache
 def ruff_binary() -> str:
     """The pinned ruff's executable (the ``ruff`` package's own binary)."""
-    from ruff.__main__ import find_ruff_bin  # a dependency of vllm-patch
-
+    try:
+        from ruff.__main__ import find_ruff_bin  # a dependency of vllm-patch
+    except ImportError:
+        raise PatchError(
+            "ruff is not installed: the codemods lay out their code with it",
+            looked_for="the ruff package vllm-patch depends on (its pinned release)",
+            found="no module named ruff; reinstall vllm-patch to get it back",
+        ) from None
     return str(find_ruff_bin())
 
 

@@ -495,3 +495,25 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, module, step, verb):
     assert proc.returncode == 130, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith("vllm-patch: error: interrupted (Ctrl-C)")
+
+
+def test_apply_without_ruff_is_one_message_and_changes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    """ruff removed by hand (it is a dependency while the codemods lay out their
+    code with it): one message, exit 3, the tree as it was."""
+    from patcher import ruff_format
+
+    tree = make_tree(tmp_path / "tree")
+    before = snapshot(tree)
+    monkeypatch.setitem(sys.modules, "ruff", None)
+    monkeypatch.setitem(sys.modules, "ruff.__main__", None)
+    ruff_format.ruff_binary.cache_clear()
+    ruff_format.format_source.cache_clear()
+    try:
+        assert main(["apply", "--vllm", str(tree)]) == 3
+    finally:
+        ruff_format.ruff_binary.cache_clear()
+    err = capsys.readouterr().err
+    assert "ruff is not installed" in err and "Traceback" not in err
+    assert snapshot(tree) == before
