@@ -30,11 +30,17 @@ def replaced(make: Callable[[Path], object]) -> Callable[[Path], None]:
 
 DAMAGE = [
     pytest.param(replaced(os.mkfifo), "FIFO", id="fifo"),
-    pytest.param(replaced(lambda p: p.write_text("[" * 100_000)),
-                 "JSON nested too deep", id="nested"),
-    pytest.param(replaced(lambda p: p.write_bytes(b" " * (MAX_MANIFEST_BYTES + 1))),
-                 "file too large", id="over-the-bound"),
-]  # fmt: skip
+    pytest.param(
+        replaced(lambda p: p.write_text("[" * 100_000)),
+        "JSON nested too deep",
+        id="nested",
+    ),
+    pytest.param(
+        replaced(lambda p: p.write_bytes(b" " * (MAX_MANIFEST_BYTES + 1))),
+        "file too large",
+        id="over-the-bound",
+    ),
+]
 
 
 @pytest.mark.parametrize("damage,says", DAMAGE)

@@ -127,8 +127,13 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     ("corrupt-member", corrupt_member, READ, CANNOT, [f"member {VLLM_C} is damaged"]),
     ("folder-named-whl", folder_named_whl, READ, CANNOT, ["a directory"]),
     ("fifo-named-whl", fifo, READ, CANNOT, ["not a readable wheel", "FIFO"]),
-    ("unrelated-wheel", lambda r: wheel(r, {"x/__init__.py": b""}), READ, CANNOT,
-     ["not a vLLM tree", "a wheel without it"]),
+    (
+        "unrelated-wheel",
+        lambda r: wheel(r, {"x/__init__.py": b""}),
+        READ,
+        CANNOT,
+        ["not a vLLM tree", "a wheel without it"],
+    ),
     ("good-wheel", wheel, WRITE, USAGE, ["cannot", "a .whl (read-only)"]),
     ("not-a-zip", text_file, WRITE, USAGE, ["a .whl (read-only)"]),
     ("truncated", truncated, WRITE, USAGE, ["a .whl (read-only)"]),
@@ -137,43 +142,94 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     # 6. early errors (each also as JSON, below)
     ("missing-path", lambda r: r / "nowhere", ALL, CANNOT, ["no such file"]),
     ("no-vllm-dir", lambda r: r, ALL, CANNOT, ["not a vLLM tree", "vllm/__init__.py"]),
-    ("non-wheel-file", lambda r: text_file(r, "setup.cfg"), ALL, CANNOT,
-     ["not a vLLM tree", "a regular file that is not a wheel"]),
+    (
+        "non-wheel-file",
+        lambda r: text_file(r, "setup.cfg"),
+        ALL,
+        CANNOT,
+        ["not a vLLM tree", "a regular file that is not a wheel"],
+    ),
     ("fifo-tree", lambda r: fifo(r, "pipe"), ALL, CANNOT, ["not a vLLM tree", "FIFO"]),
     # 7. smaller ones
-    ("syntax-error-line", tree_with("directory", syntax_error_on_line_3),
-     ("check", "diff", "apply"), CANNOT,
-     ["syntax error", "line 3, column 12: invalid syntax"]),
-    ("nul-byte", tree_with("directory", write(VLLM_C, "import os\nx = 1\n  \0\n")),
-     ("check", "diff", "apply"), CANNOT,
-     ["syntax error", "line 3, column 3: a NUL byte"]),
-    ("fifo-source", tree_with("directory", replace_with_fifo(VLLM_C)), ALL, CANNOT,
-     [VLLM_C, "not a regular file", "FIFO"]),
-    ("folder-source", tree_with("directory", lambda t: ((t / CPU).unlink(),
-     (t / CPU).mkdir())), ALL, CANNOT, [CPU, "not a regular file", "a directory"]),
-    ("annotated-version", tree_with("directory", write(
-        "vllm/_version.py", "__version__: str = '0.12.0'\n")),
-     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.12.0"]),
-    ("version-only", tree_with("installed", write(
-        "vllm/_version.py", "version = '0.12.0'\n")),
-     ("check", "diff", "apply"), CANNOT, ["outside the patch's range", "0.12.0"]),
+    (
+        "syntax-error-line",
+        tree_with("directory", syntax_error_on_line_3),
+        ("check", "diff", "apply"),
+        CANNOT,
+        ["syntax error", "line 3, column 12: invalid syntax"],
+    ),
+    (
+        "nul-byte",
+        tree_with("directory", write(VLLM_C, "import os\nx = 1\n  \0\n")),
+        ("check", "diff", "apply"),
+        CANNOT,
+        ["syntax error", "line 3, column 3: a NUL byte"],
+    ),
+    (
+        "fifo-source",
+        tree_with("directory", replace_with_fifo(VLLM_C)),
+        ALL,
+        CANNOT,
+        [VLLM_C, "not a regular file", "FIFO"],
+    ),
+    (
+        "folder-source",
+        tree_with("directory", lambda t: ((t / CPU).unlink(), (t / CPU).mkdir())),
+        ALL,
+        CANNOT,
+        [CPU, "not a regular file", "a directory"],
+    ),
+    (
+        "annotated-version",
+        tree_with(
+            "directory", write("vllm/_version.py", "__version__: str = '0.12.0'\n")
+        ),
+        ("check", "diff", "apply"),
+        CANNOT,
+        ["outside the patch's range", "0.12.0"],
+    ),
+    (
+        "version-only",
+        tree_with("installed", write("vllm/_version.py", "version = '0.12.0'\n")),
+        ("check", "diff", "apply"),
+        CANNOT,
+        ["outside the patch's range", "0.12.0"],
+    ),
     *[
-        (f"read-only-root-{kind}", tree_with(kind, lambda t: os.chmod(t, 0o555)),
-         ("apply",), CANNOT, ["folder is read-only", "dr-xr-xr-x"])
+        (
+            f"read-only-root-{kind}",
+            tree_with(kind, lambda t: os.chmod(t, 0o555)),
+            ("apply",),
+            CANNOT,
+            ["folder is read-only", "dr-xr-xr-x"],
+        )
         for kind in ("checkout", "installed", "directory")
     ],
     *[
-        (f"read-only-folder-{kind}", tree_with(kind, lambda t: os.chmod(
-            (t / VLLM_C).parent, 0o555)), ("apply",), CANNOT,
-         ["vllm/kernels: folder is read-only", "dr-xr-xr-x"])
+        (
+            f"read-only-folder-{kind}",
+            tree_with(kind, lambda t: os.chmod((t / VLLM_C).parent, 0o555)),
+            ("apply",),
+            CANNOT,
+            ["vllm/kernels: folder is read-only", "dr-xr-xr-x"],
+        )
         for kind in ("checkout", "installed", "directory")
     ],
-    ("damaged-backup-apply-folder-in-the-way", tree_with("installed", lambda t: (
-        (t / MANIFEST).parent.mkdir(parents=True),
-        (t / MANIFEST).write_text("[]"),
-        (t / BACKUP_DIR / "cpu_fused_norms" / VLLM_C).mkdir(parents=True))),
-     ("apply",), CANNOT, ["place of a backup copy is taken", "delete it"]),
-]  # fmt: skip
+    (
+        "damaged-backup-apply-folder-in-the-way",
+        tree_with(
+            "installed",
+            lambda t: (
+                (t / MANIFEST).parent.mkdir(parents=True),
+                (t / MANIFEST).write_text("[]"),
+                (t / BACKUP_DIR / "cpu_fused_norms" / VLLM_C).mkdir(parents=True),
+            ),
+        ),
+        ("apply",),
+        CANNOT,
+        ["place of a backup copy is taken", "delete it"],
+    ),
+]
 RUNS = [
     (case, verb, as_json)
     for case in CASES

@@ -29,8 +29,11 @@ def test_a_child_gets_its_keyword_arguments_and_returns_json(targets, monkeypatc
     assert got["pid"] != os.getpid()
     # The copy first, the extra environment's, the inherited, the project last.
     assert got["env"]["PYTHONPATH"].split(os.pathsep) == [
-        str(targets), "/extra", "/inherited", str(child.PROJECT_ROOT)
-    ]  # fmt: skip
+        str(targets),
+        "/extra",
+        "/inherited",
+        str(child.PROJECT_ROOT),
+    ]
     assert got["env"]["PYTHONDONTWRITEBYTECODE"] == "1"  # no files in a copy
     assert got["env"]["TOOLKIT_EXTRA"] == "1"
     assert got["env"]["TOOLKIT_DROPPED"] is None

@@ -357,10 +357,20 @@ def test_codemods_run_through_libcst_tool(tree: Path, tmp_path: Path) -> None:
         ("cpu_priority.AddCpuIrOpPriority", CPU),
     ]:
         subprocess.run(
-            [sys.executable, "-m", "libcst.tool", "codemod", "-x", "--no-format",
-             f"patches.cpu_fused_norms.{codemod}", str(tree / target)],
-            check=True, capture_output=True, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "libcst.tool",
+                "codemod",
+                "-x",
+                "--no-format",
+                f"patches.cpu_fused_norms.{codemod}",
+                str(tree / target),
+            ],
+            check=True,
+            capture_output=True,
+            cwd=tmp_path,
+        )
     applied = {k: v for k, v in snapshot(expected).items() if BACKUP_DIR not in k}
     assert snapshot(tree) == applied
 

@@ -126,27 +126,59 @@ READ_BACKUP = {"check": 0, "diff": 0, "apply": 0, "revert": 3}
 CASES = [
     pytest.param("directory", old_journal, PLAIN, [], id="old-journal-ignored"),
     pytest.param("directory", leftover_link, PLAIN, [], id="leftover-link"),
-    pytest.param("installed", link(BACKUP_DIR, lambda v: v / BACKUP_DIR), ALL,
-                 [BACKUP_DIR, "symbolic link"], id="backup-store-link"),
-    pytest.param("installed", link(STORE, lambda v: v / STORE), WRITE,
-                 [STORE, "symbolic link"], id="backup-patch-folder-link"),
-    pytest.param("installed", backup_then(link(f"{STORE}/{VLLM_C}",
-                 lambda v: v / "victim.txt")), READ_BACKUP,
-                 [f"{STORE}/{VLLM_C}", "symbolic link"], id="backup-copy-link"),
-    pytest.param("installed", backup_then(foreign_manifest_entry), READ_BACKUP,
-                 ["manifest.json", "../../victim/victim.txt"],
-                 id="manifest-foreign-entry"),
-    pytest.param("checkout", git_file_to("store-tree"), PLAIN, [],
-                 id="git-file-elsewhere"),
-    pytest.param("checkout", link(".git", lambda v: v / BACKUP_DIR), PLAIN, [],
-                 id="git-is-a-link"),
-    pytest.param("directory", source_elsewhere, ALL,
-                 [VLLM_C, "leads outside the tree", "victim/vllm_c.py"],
-                 id="source-links-out"),
-    pytest.param("installed", folder_elsewhere, ALL,
-                 ["vllm/kernels", "leads outside the tree", "victim/kernels"],
-                 id="folder-links-out"),
-]  # fmt: skip
+    pytest.param(
+        "installed",
+        link(BACKUP_DIR, lambda v: v / BACKUP_DIR),
+        ALL,
+        [BACKUP_DIR, "symbolic link"],
+        id="backup-store-link",
+    ),
+    pytest.param(
+        "installed",
+        link(STORE, lambda v: v / STORE),
+        WRITE,
+        [STORE, "symbolic link"],
+        id="backup-patch-folder-link",
+    ),
+    pytest.param(
+        "installed",
+        backup_then(link(f"{STORE}/{VLLM_C}", lambda v: v / "victim.txt")),
+        READ_BACKUP,
+        [f"{STORE}/{VLLM_C}", "symbolic link"],
+        id="backup-copy-link",
+    ),
+    pytest.param(
+        "installed",
+        backup_then(foreign_manifest_entry),
+        READ_BACKUP,
+        ["manifest.json", "../../victim/victim.txt"],
+        id="manifest-foreign-entry",
+    ),
+    pytest.param(
+        "checkout", git_file_to("store-tree"), PLAIN, [], id="git-file-elsewhere"
+    ),
+    pytest.param(
+        "checkout",
+        link(".git", lambda v: v / BACKUP_DIR),
+        PLAIN,
+        [],
+        id="git-is-a-link",
+    ),
+    pytest.param(
+        "directory",
+        source_elsewhere,
+        ALL,
+        [VLLM_C, "leads outside the tree", "victim/vllm_c.py"],
+        id="source-links-out",
+    ),
+    pytest.param(
+        "installed",
+        folder_elsewhere,
+        ALL,
+        ["vllm/kernels", "leads outside the tree", "victim/kernels"],
+        id="folder-links-out",
+    ),
+]
 
 
 @pytest.mark.parametrize("kind,plant,codes,names", CASES)

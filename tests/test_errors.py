@@ -32,7 +32,7 @@ def test_shown_escapes_only_what_is_not_utf8() -> None:
         pytest.param(["diff"], VLLM_C, 3, id="diff-error"),
         pytest.param(["revert"], VLLM_C, 3, id="revert-error"),
     ],
-)  # fmt: skip
+)
 def test_a_non_utf8_tree_path_prints(tmp_path, monkeypatch, argv, plant, code):
     tree = make_tree(tmp_path / NAME)
     if plant:

@@ -72,17 +72,27 @@ def compressed_with(method: int) -> Callable[[Path], Path]:
 
 
 CASES = [
-    pytest.param(inflating, ["file too large", f"at most {MAX_FILE_BYTES} bytes"],
-                 id="inflates-to-64MiB"),
-    pytest.param(lying, ["not a readable wheel", "damaged", "CRC"],
-                 id="inflates-past-its-stated-size"),
+    pytest.param(
+        inflating,
+        ["file too large", f"at most {MAX_FILE_BYTES} bytes"],
+        id="inflates-to-64MiB",
+    ),
+    pytest.param(
+        lying,
+        ["not a readable wheel", "damaged", "CRC"],
+        id="inflates-past-its-stated-size",
+    ),
     pytest.param(just_over, ["file too large"], id="one-byte-over"),
     pytest.param(encrypted, ["not a readable wheel", "encrypted"], id="encrypted"),
-    pytest.param(compressed_with(99), ["not a readable wheel", "compression"],
-                 id="compression-99"),
-    pytest.param(compressed_with(9), ["not a readable wheel", "compression"],
-                 id="deflate64"),
-]  # fmt: skip
+    pytest.param(
+        compressed_with(99),
+        ["not a readable wheel", "compression"],
+        id="compression-99",
+    ),
+    pytest.param(
+        compressed_with(9), ["not a readable wheel", "compression"], id="deflate64"
+    ),
+]
 
 
 @pytest.mark.parametrize("build,says", CASES)
