@@ -107,9 +107,7 @@ def test_cpu_rms_norm_kernel(rms_norm_enabled, shape, dtype, residual_dtype):
     ],
 )
 @torch.inference_mode()
-def test_cpu_rms_norm_native_fallback(
-    rms_norm_enabled, shape, strided, residual_dtype
-):
+def test_cpu_rms_norm_native_fallback(rms_norm_enabled, shape, strided, residual_dtype):
     out, ref, _, calls = _rms_norm(shape, torch.float, residual_dtype, strided)
     assert calls == 0
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
