@@ -188,3 +188,33 @@ def test_without_the_opt_in_the_provider_loads_nothing():
     imported, status = proc.stdout.splitlines()
     assert imported == "[]"
     assert "'opt_in': False" in status and "'route': None" in status
+
+
+IMPORT_GROUPS = [
+    # (the layernorm.py's first lines, what apply makes of them)
+    ("import torch\n", "import functools\nimport os\n\nimport torch\n"),
+    ("import os\n\nimport torch\n", "import functools\nimport os\n\nimport torch\n"),
+    (
+        "import functools\n\nimport torch\n",
+        "import functools\nimport os\n\nimport torch\n",
+    ),
+    (
+        '"""Doc."""\n\nimport math\n\nimport torch\n',
+        '"""Doc."""\n\nimport functools\nimport math\nimport os\n\nimport torch\n',
+    ),
+]
+
+
+@pytest.mark.parametrize("head, applied", IMPORT_GROUPS)
+def test_the_imports_join_the_stdlib_group_and_leave_with_the_change(head, applied):
+    """``functools`` and ``os`` in sorted place, a group of their own where the
+    file has none; revert takes back only what it added (what the file imported
+    it also uses)."""
+    source = LAYERNORM.format(own="").replace("import torch\n", head, 1)
+    uses = [
+        f"{n}.__name__" for n in ("functools", "math", "os") if f"import {n}\n" in head
+    ]
+    source += f"\n\nNAMES = ({', '.join(uses)},)\n" if uses else ""
+    after = apply(source)
+    assert after.startswith(applied)
+    assert revert(after) == source
