@@ -3,7 +3,7 @@ one vLLM (the installed one, a patched copy, or the installed one with the
 provider opted in) and every cell of dtype x hidden size x layout x residual x
 weight, eager and compiled, each an ``RMSNorm`` built under vLLM's config for
 its mode and called under torch's profiler. A cell records whether a kernel
-ran (``_C::`` events), whether the rule (``rule.py``) expects one, its error
+ran (``_C::`` events), whether the rule (``cpu_norm_rule.py``) expects one, its error
 against native (``forward_native`` with vLLM's IR priority unset: native) and
 any exception native did not raise."""
 
