@@ -7,7 +7,8 @@ the CustomOp form copies ``cpu_norm_dtypes``, ``cpu_threads_shared``,
 ``RMSNormForwardCpu.bind_cpu_ops`` (as the tail of ``RMSNorm.__init__``) into
 ``layernorm.py``; the IR form copies the two functions into ``vllm_c.py``.
 ``patches/cpu_norm_source.py`` reads this file with LibCST and adapts it per
-tree; nothing is executed as generated source.
+tree; nothing is executed as generated source. ``expects_kernel`` and
+``layer_dtypes`` are for tests only.
 """
 
 import functools
@@ -68,12 +69,8 @@ def cpu_threads_shared() -> bool:
 
 
 class RMSNormForwardCpu:
-    """``RMSNorm``'s CPU path: what the CustomOp form writes and the provider runs.
-
-    Attributes:
-        hidden_size, variance_epsilon, variance_size_override, has_weight and
-        weight: ``RMSNorm``'s own.
-    """
+    """``RMSNorm``'s CPU path, over ``RMSNorm``'s own attributes: what the
+    CustomOp form writes into it and the provider's subclass runs."""
 
     def bind_cpu_ops(self) -> None:
         """The tail of ``RMSNorm.__init__``: its body is written there."""
@@ -145,7 +142,8 @@ def expects_kernel(
 
 
 def layer_dtypes(layer) -> tuple[torch.dtype, ...]:
-    """The dtypes ``bind_cpu_ops`` gives ``layer`` (an ``RMSNorm``), by the rule."""
+    """The dtypes ``bind_cpu_ops`` gives ``layer`` (an ``RMSNorm``), restated
+    from the rule for tests to check the layer against."""
     if (
         not layer.has_weight
         or layer.variance_size_override is not None
