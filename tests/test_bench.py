@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -488,8 +489,9 @@ def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=(
                 "norm_wall": norm[v] * load * 1.5, "norm_calls": 33.0}
             for v, s in step.items()
         }  # fmt: skip
-        rows.append({"round": r, "threads": 1, "order": list(steps),
+        rows.append({"round": r, "threads": "auto", "order": list(steps),
                      "steps": steps, "other_share": 0.5 if r in busy else 0.1,
+                     "layouts": {v: {"threads": 1, "cpus": [0]} for v in steps},
                      "busy": r in busy})  # fmt: skip
     return rows
 
@@ -508,8 +510,52 @@ def test_ratios_are_paired_per_repetition_and_skip_missing_ones():
     from vllm_patch.bench import decode as stats
 
     found = stats.ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 3.0, 4.0])
-    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3}
-    assert stats.ratio([1.0, 0.0, None], [1.0, 1.0, 1.0])["n"] == 1
+    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3, "dropped": [3]}
+    odd = stats.ratio([1.0, 0.0, None, -1.0, math.inf], [1.0] * 5)
+    assert odd["n"] == 1 and odd["dropped"] == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("ci95", "control", "said"),
+    [
+        ([0.95, 0.98], [0.99, 1.01], "helps"),
+        ([0.98, 1.02], [0.99, 1.01], "neutral"),
+        ([1.13, 1.18], [0.99, 1.03], "loses"),
+        ([1.13, 1.18], [1.02, 1.05], "unresolved"),
+    ],
+)
+def test_a_layout_verdict_reads_the_interval_against_1_with_the_control(
+    ci95, control, said
+):
+    from vllm_patch.bench import decode
+
+    found = {"ratio": sum(ci95) / 2, "ci95": ci95}
+    assert decode.verdict(found, {"ratio": 1.0, "ci95": control}) == said
+
+
+def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
+    """Events as torch's profiler gives them: a norm range holding a kernel,
+    the op right after it, other ops, and ops nested in those (not counted)."""
+    from types import SimpleNamespace as Event
+
+    from vllm_patch.bench import decode
+
+    def event(name, start, end, parent=None, user=False, children=()):
+        e = Event(name=name, cpu_parent=parent, is_user_annotation=user,
+                  time_range=Event(start=start, end=end), cpu_time_total=end - start,
+                  cpu_children=list(children))  # fmt: skip
+        for c in children:
+            c.cpu_parent = e
+        return e
+
+    kernel = event("_C::rms_norm", 2, 5)
+    norm = event(decode.NORM_RANGE, 0, 10, user=True, children=[kernel])
+    nested = event("aten::mm", 12, 20)
+    linear = event("aten::linear", 11, 30, children=[nested])
+    other = event("aten::add", 40, 45)
+    found = decode.split([norm, kernel, linear, nested, other])
+    assert found == {"norm kernels": 3, "rest of RMSNorm": 7,
+                     "op after a norm": 19, "other ops": 5}  # fmt: skip
 
 
 def test_a_drifting_load_cancels_in_the_paired_ratio():
@@ -548,18 +594,20 @@ def decode_section(**rows_how):
 
     rows = decode_rows(**rows_how)
     rows2 = [{**r, "threads": 2} for r in decode_rows(seed=2)]
+    compiled_rows = decode_rows(seed=3)
     compiled = [
         {**r, "steps": {"compiled": r["steps"]["base"],
                         "compiled+rms_norm": r["steps"]["patched"]}}
-        for r in decode_rows(seed=3)
+        for r in compiled_rows
     ]  # fmt: skip
     for r in compiled:
         r["steps"] = {v: {**s, "norm_calls": 0.0} for v, s in r["steps"].items()}
     about = {"base": {"kernel_build": ["_C_AVX2"]}}
     meta = {"model": {"name": "a Llama"}, "dtype": "float32", "tokens": 9}
-    return decode.summary(
-        rows + rows2, threads=[1, 2], compiled_rows=compiled, about=about, meta=meta
-    )
+    parts = dict.fromkeys(decode.SPLIT, 1.0)
+    found = {"eager": rows + rows2, "compiled": compiled, "profile": {"auto": {}}}
+    found["profile"]["auto"] = {v: parts for v in rows[0]["steps"]}
+    return decode.summary(found, ["auto", 2], about=about, meta=meta)
 
 
 def test_the_decode_section_holds_what_docs_bench_md_promises():
@@ -581,8 +629,9 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
     assert keys(documented) <= keys(built)
     assert built["comparisons"]["patched/base"]["ci95"][1] < 1.0
-    assert built["kernel_build"] == "_C_AVX2" and built["threads"] == 1
-    assert set(built["by_threads"]) == {"1", "2"}
+    assert built["kernel_build"] == "_C_AVX2" and built["threads"] == "auto"
+    assert set(built["by_threads"]) == {"auto", "2"}
+    assert built["comparisons"]["patched/base"]["verdict"] == "helps"
 
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
@@ -591,10 +640,9 @@ def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
         evidence_record.Decode, decode_section(busy=(2, 3)), "decode"
     )
     text = "\n".join(bench_result.decode_markdown(section))
-    assert text.startswith(
-        "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
-    )
-    assert "| `base/base` (A/A control) |" in text and "### 2 threads" in text
+    assert text.startswith("## Decode step: float32, vLLM's default thread binding")
+    assert "| `base/base` (A/A control) |" in text
+    assert "### 2 thread(s) on every CPU" in text and "helps (interval below 1)" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())
@@ -609,7 +657,7 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     b = ev.decode.headline
     said = bench_result.interval_shown(b.comparisons["patched/base"], unit="x")
     control = bench_result.interval_shown(b.comparisons["base/base"], unit="x")
-    assert first.startswith("- A decode step (float32, 1 thread(s), kernel build")
+    assert first.startswith("- A decode step (float32, vLLM's default thread binding")
     assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
     assert "ms saved inside RMSNorm per step" in first
 

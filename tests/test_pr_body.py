@@ -524,6 +524,7 @@ def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):
     text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
     claims = section(text, "Claims").splitlines()
     evidence_claims = [c for c in claims if c.startswith("- ") and "tests" not in c]
-    assert evidence_claims[0].startswith("- A decode step (float32, 1 thread(s)")
-    assert "**Decode step: float32, 1 thread(s), kernel build" in text
+    binding = "vLLM's default thread binding"
+    assert evidence_claims[0].startswith(f"- A decode step (float32, {binding}")
+    assert f"**Decode step: float32, {binding}" in text
     assert "| `base/base` (A/A control) |" in text

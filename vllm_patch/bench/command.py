@@ -3,6 +3,7 @@
 import argparse
 import functools
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -17,11 +18,17 @@ def _modes(text: str) -> list[str]:
     raise argparse.ArgumentTypeError(f"expected eager and/or compiled; got {text!r}")
 
 
-def _threads(text: str) -> list[int]:
-    counts = [t.strip() for t in text.split(",")]
-    if all(t.isdigit() and int(t) > 0 for t in counts):
-        return [int(t) for t in counts]
-    raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
+def _threads(text: str) -> list[str]:
+    """Thread layouts: ``auto`` (vLLM's own binding) or a count, each once."""
+    layouts = list(dict.fromkeys(t.strip() for t in text.split(",")))
+    if all(t == "auto" or t.isdigit() and 0 < int(t) <= 1024 for t in layouts):
+        return layouts
+    raise argparse.ArgumentTypeError(f"expected auto or counts like 1,2; got {text!r}")
+
+
+# vLLM's binding first (what `vllm serve` runs), then threads = cores (the
+# engine process sharing them with the worker's OpenMP team).
+THREADS = f"auto,{len(os.sched_getaffinity(0))}"
 
 
 PARTS = {
@@ -44,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`apply` picks for this vLLM)")  # fmt: skip
     add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled",
         help="--decode and --serve: eager and/or compiled (both)")  # fmt: skip
-    add("--threads", type=_threads, default=[1, 2], metavar="1,2",
-        help="--decode and --perop: torch thread counts, the first is the "
-        "headline's (1,2)")  # fmt: skip
+    add("--threads", type=_threads, default=_threads(THREADS), metavar="auto,N",
+        help="--decode and --perop: thread layouts, the first is the headline's: "
+        f"auto (vLLM's own binding) or a thread count ({THREADS})")  # fmt: skip
     add = parser.add_argument_group("--decode").add_argument
     add("--dtype", choices=("float32", "bfloat16"),
         help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip

@@ -101,6 +101,13 @@ def provider_opt_ins() -> tuple[str, ...]:
     return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))
 
 
+def worker_threads(layout: str) -> int:
+    """The OpenMP threads of a layout; ``auto``: what vLLM gives its worker."""
+    # VLLM_CPU_OMP_THREADS_BIND=auto (vLLM 0.32.0) keeps a core per local rank
+    # for the engine process on x86, Arm and RISC-V: one worker, cores - 1.
+    return max(1, machine.usable_cpus() - 1) if layout == "auto" else int(layout)
+
+
 class BenchRun:
     """This run's evidence document, and its parts (``command.PARTS``)."""
 
@@ -159,7 +166,7 @@ class BenchRun:
         from vllm_patch.bench.perop import per_op
 
         envs = {"base": (), "patched": (copy,)}
-        first, *more = args.threads
+        first, *more = dict.fromkeys(worker_threads(t) for t in args.threads)
         self.doc["perop"] = per_op(envs, self.progress, first)
         self.doc["perop_threads"] = [per_op(envs, self.progress, n) for n in more]
 

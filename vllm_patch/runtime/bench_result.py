@@ -11,6 +11,13 @@ from vllm_patch.runtime.machine import BUSY_SHARE
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 ROWS = 500  # the most rows of a table in evidence.md
+HALF_WIDTH = 0.03  # bench.decode's aim for an interval's relative half-width
+VERDICTS = {
+    "helps": "helps (interval below 1)",
+    "neutral": "neutral (interval holds 1)",
+    "loses": "**loses** (interval above 1)",
+    "unresolved": "unresolved (the A/A interval misses 1)",
+}
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 
 
@@ -93,9 +100,10 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
             f"step, {saved.share.value:.1%} of it"
         )
         found.append(
-            f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-            f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
-            f"this change's CPU time over the base's, 95% interval: "
+            f"- A decode step ({md.text(d.dtype, 20)}, {layout_named(d.threads)}, "
+            f"kernel build {md.code(d.kernel_build, 20)}, "
+            f"{md.text(d.model.named(), 80)}), this change's CPU time over the "
+            "base's, 95% interval: "
             f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
         )
     found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
@@ -357,6 +365,23 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     return out
 
 
+def layout_lines(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
+    """The layout the engines read back, and the rounds a ratio left out."""
+    out = []
+    if b.layout:
+        cpus = ", ".join(map(str, b.layout.cpus[:64]))
+        out.append(
+            f"Layout, as the engines read it back: {b.layout.threads} OpenMP "
+            f"thread(s) on CPU(s) {cpus}.\n"
+        )
+    for label, c in b.comparisons.items():
+        if c.dropped:
+            rounds = ", ".join(map(str, c.dropped[:limit]))
+            said = f"rounds left out (a time not above 0 or not finite): {rounds}"
+            out.append(f"- {md.code(label, 60)}: {said}.\n")
+    return out
+
+
 def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     """Ratios, per engine the step and inside ``RMSNorm``, the saving, its check."""
     rows = [
@@ -365,11 +390,14 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             interval_shown(c, unit="x"),
             interval_shown(c.wall, unit="x"),
             c.n,
+            c.verdict and VERDICTS[c.verdict],
+            {True: "yes", False: "**no**", None: "-"}[c.precise],
         ]
         for label, c in b.comparisons.items()
     ]
     header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
-    out = [md.table([*header, "pairs"], rows, limit), ""]
+    header += ["pairs", "the change", f"half-width ≤ {HALF_WIDTH:.0%}"]
+    out = [*layout_lines(b, limit), md.table(header, rows, limit), ""]
     header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
     parts = [b.step_ms, b.step_wall_ms]
     if b.norm_ms:
@@ -407,24 +435,51 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
         f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
         f"{BUSY_SHARE:.0%} of the CPU time)."
     )
-    return out
+    return out + profile_lines(b, limit)
+
+
+def profile_lines(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
+    """Per engine, a profiled step's parts: where a loss comes from."""
+    if not b.profile_ms:
+        return []
+    parts = list(dict.fromkeys(k for v in b.profile_ms.values() for k in v))
+    rows = [
+        [md.code(name, 60), *(found.get(k) for k in parts)]
+        for name, found in b.profile_ms.items()
+    ]
+    return [
+        "",
+        "Where a decode step's CPU time goes, one generation under torch's "
+        "profiler (ms per step; the profiler's own cost included, so compare "
+        "engines, not these with the figures above):",
+        "",
+        md.table(["engine", *(md.text(k, 40) for k in parts)], rows, limit),
+    ]
+
+
+def layout_named(layout: str | int) -> str:
+    """``auto``: vLLM's own binding; a count: that many threads, every CPU."""
+    if layout == "auto":
+        return "vLLM's default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto)"
+    return f"{md.text(str(layout), 10)} thread(s) on every CPU"
 
 
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
-        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"## Decode step: {md.text(d.dtype, 20)}, {layout_named(d.threads)}, kernel "
         f"build {md.text(d.kernel_build, 20)}\n\n{md.text(d.model.named())}; "
         "batch 1; each round, every engine (each kept alive in its own process) "
         f"generates {d.tokens} tokens, the engines taking turns step by step; a "
         "round's figure is the median of its decode steps; ratios are trimmed "
         "means of per-round ratios with bootstrap 95% intervals; the CPU time is "
         "the engine process's.\n",
+        *(f"- Note: {md.text(n, 400)}." for n in d.notes[:limit]),
         *(decode_block(d.headline, limit) if d.headline else ()),
     ]
     for n, b in list(d.by_threads.items())[:limit]:
         if n != str(d.threads):
-            out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
+            out += [f"\n### {layout_named(n)}\n", *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
         out += [
             f"\n### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "

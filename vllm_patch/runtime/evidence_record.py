@@ -354,10 +354,23 @@ Ratio, Ms, Share = (
 
 @record
 class Comparison(Ratio):
-    """The CPU time's ratio over ``n`` pairs, and the wall time's."""
+    """The CPU time's ratio over ``n`` pairs (``dropped``: the rounds, from 1,
+    left out), and the wall time's; against 1.0 ``verdict`` (``unresolved``:
+    the A/A control's interval misses 1.0), ``precise``: half-width <= 3 %."""
 
     n: int
     wall: Ratio | None = None
+    dropped: tuple[int, ...] = ()
+    verdict: str | None = None  # helps, neutral, loses, unresolved
+    precise: bool | None = None
+
+
+@record
+class Layout:
+    """Threads and CPUs as the engine read them back (``torch``, ``sched``)."""
+
+    threads: int
+    cpus: tuple[int, ...]
 
 
 @record
@@ -386,6 +399,8 @@ class DecodeBlock:
     norm_calls_per_step: float | None = None
     savings: dict[str, Saving] = empty()
     consistent: Consistent | None = None
+    layout: Layout | None = None
+    profile_ms: dict[str, dict[str, float]] = empty()  # per engine, per part
 
 
 @record
@@ -394,9 +409,10 @@ class Decode:
 
     model: Model
     dtype: str
-    threads: int
+    threads: str | int  # the headline's layout: auto (vLLM's binding) or a count
     kernel_build: str
     tokens: int
+    notes: tuple[str, ...] = ()
     by_threads: dict[str, DecodeBlock] = empty()
     compiled: dict[str, DecodeBlock] = empty()
     headline: DecodeBlock | None = None
