@@ -662,8 +662,19 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     assert "ms saved inside RMSNorm per step" in first
 
 
-def test_the_default_dtype_is_the_one_the_kernels_run_in():
-    from vllm_patch.bench import decode
+@pytest.mark.parametrize(
+    ("argv", "threads", "dtypes"),
+    [
+        ([], ["auto", str(len(os.sched_getaffinity(0)))], ["bfloat16", "float32"]),
+        (["--threads", "2,auto,2", "--dtype", "float32"], ["2", "auto"], ["float32"]),
+    ],
+)
+def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtypes):
+    import argparse
 
-    assert decode.default_dtype(["avx2", "fma"]) == "float32"
-    assert decode.default_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    from vllm_patch.bench import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--out", "x", "--decode", *argv])
+    assert (args.threads, args.dtype) == (threads, dtypes)

@@ -26,6 +26,16 @@ def _threads(text: str) -> list[str]:
     raise argparse.ArgumentTypeError(f"expected auto or counts like 1,2; got {text!r}")
 
 
+DTYPES = ("bfloat16", "float32")
+
+
+def _dtypes(text: str) -> list[str]:
+    dtypes = list(dict.fromkeys(t.strip() for t in text.split(",")))
+    if dtypes and not set(dtypes) - set(DTYPES):
+        return dtypes
+    raise argparse.ArgumentTypeError(f"expected bfloat16 and/or float32; got {text!r}")
+
+
 # vLLM's binding first (what `vllm serve` runs), then threads = cores (the
 # engine process sharing them with the worker's OpenMP team).
 THREADS = f"auto,{len(os.sched_getaffinity(0))}"
@@ -55,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--decode and --perop: thread layouts, the first is the headline's: "
         f"auto (vLLM's own binding) or a thread count ({THREADS})")  # fmt: skip
     add = parser.add_argument_group("--decode").add_argument
-    add("--dtype", choices=("float32", "bfloat16"),
-        help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip
+    add("--dtype", type=_dtypes, default=list(DTYPES), metavar="bfloat16,float32",
+        help="the engines' dtypes, the first is the headline's (both)")  # fmt: skip
     add("--rounds", type=int, default=20, metavar="N", help="repetitions (20)")
     add("--tokens", type=int, default=9, metavar="L",
         help="tokens per generation: a prefill, L - 1 decode steps (9)")  # fmt: skip

@@ -313,14 +313,19 @@ def summary(found: dict[str, list], layouts: list, about: dict, meta: dict) -> d
     }
 
 
-def default_dtype(flags: list[str]) -> str:
-    """bfloat16 with AVX512-BF16; else float32 (bfloat16 kernels would truncate)."""
-    return "bfloat16" if "avx512_bf16" in flags else "float32"
+def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> list:
+    """Per dtype its share of ``args.budget``: a section each, the first the
+    headline's."""
+    end = time.monotonic() + args.budget * 60
+    found = []
+    for n, dtype in enumerate(args.dtype):
+        budget = (end - time.monotonic()) / (len(args.dtype) - n)
+        found.append(run_dtype(args, dtype, budget, model, meta, paths, progress))
+    return found
 
 
-def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
-    """Each mode's engines in its ``SHARE`` of ``args.budget``: the section."""
-    dtype = args.dtype or default_dtype(machine.cpu()["flags"])
+def run_dtype(args, dtype: str, budget: float, model: str, meta, paths, progress):
+    """Each mode's engines in its ``SHARE`` of ``budget`` seconds: the section."""
     config = {"model": model, "dtype": dtype, "seed": 0, "max_num_seqs": 1}
     config["max_model_len"] = len(PROMPT) + args.tokens + 8
     config["enable_prefix_caching"] = False
@@ -328,7 +333,7 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
     config["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
     found: dict[str, Any] = {"eager": [], "compiled": []}
     about = {}
-    end = time.monotonic() + args.budget * 60
+    end = time.monotonic() + budget
     left = sum(SHARE[m] for m in args.modes)
     for mode in args.modes:
         deadline = time.monotonic() + SHARE[mode] / left * (end - time.monotonic())
@@ -336,7 +341,7 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
         with contextlib.ExitStack() as stack:
             started = []
             for name in PHASES[mode]:
-                progress(f"decode: starting engine {name} ({mode})")
+                progress(f"decode: starting engine {name} ({mode}, {dtype})")
                 started.append(stack.enter_context(Engine(name, mode, config, paths)))
             for e in started:
                 about[e.name] = e.ask()["ready"]

@@ -150,7 +150,9 @@ class BenchRun:
         model, meta = self.model(args, DECODE_LLAMA, tokenizer=False)
         self.doc["model"] = self.doc["model"] or meta
         envs = {"base": (), "patched": (copy,)}
-        self.doc["decode"] = decode.run(args, model, meta, envs, self.progress)
+        first, *more = decode.run(args, model, meta, envs, self.progress)
+        self.doc["decode"] = first
+        self.doc["decode_dtypes"] = more
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving

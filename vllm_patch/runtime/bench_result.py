@@ -90,22 +90,7 @@ def first_difference(first: er.Divergence | None) -> str:
 
 def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     """What the figures say, a line each, the decode step (the headline) first."""
-    d, found = ev.decode, []
-    b = d and d.headline
-    if ratio := b and b.comparisons.get("patched/base"):
-        control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
-        aa = control and f" (A/A control {interval_shown(control, unit='x')})"
-        inside = saved and (
-            f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
-            f"step, {saved.share.value:.1%} of it"
-        )
-        found.append(
-            f"- A decode step ({md.text(d.dtype, 20)}, {layout_named(d.threads)}, "
-            f"kernel build {md.code(d.kernel_build, 20)}, "
-            f"{md.text(d.model.named(), 80)}), this change's CPU time over the "
-            "base's, 95% interval: "
-            f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
-        )
+    found = [decode_claim(d) for d in [ev.decode, *ev.decode_dtypes] if d]
     found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
     t, lm = ev.accuracy.tokens, ev.accuracy.lm_eval
     if t and t.max_abs_dlogprob is not None:
@@ -124,6 +109,27 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
         )
     found.append(ev.qwen3_eager and qwen3_claim(ev.qwen3_eager))
     return [c for c in found if c]
+
+
+def decode_claim(d: er.Decode) -> str | None:
+    """The headline layout's patched/base ratio, its control and its saving."""
+    b = d.headline
+    ratio = b and b.comparisons.get("patched/base")
+    if not ratio:
+        return None
+    control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
+    aa = control and f" (A/A control {interval_shown(control, unit='x')})"
+    inside = saved and (
+        f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
+        f"step, {saved.share.value:.1%} of it"
+    )
+    return (
+        f"- A decode step ({md.text(d.dtype, 20)}, {layout_named(d.threads)}, "
+        f"kernel build {md.code(d.kernel_build, 20)}, "
+        f"{md.text(d.model.named(), 80)}), this change's CPU time over the "
+        "base's, 95% interval: "
+        f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
+    )
 
 
 def throughput_claim(ev: er.Evidence) -> str | None:
@@ -522,8 +528,8 @@ def evidence_markdown(ev: er.Evidence) -> str:
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
     if found := claims(ev):
         out += ["\n## In short\n", *found]
-    if ev.decode:
-        out += ["", *decode_markdown(ev.decode)]
+    for d in [ev.decode, *ev.decode_dtypes] if ev.decode else []:
+        out += ["", *decode_markdown(d)]
     if ev.serving:
         out += _serving_lines(ev.serving)
     acc = accuracy_lines(ev)

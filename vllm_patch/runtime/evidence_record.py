@@ -440,6 +440,7 @@ class Evidence:
     interrupted: bool = False
     failed: tuple[str, ...] = ()
     perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
+    decode_dtypes: Annotated[tuple[Decode, ...], Meta(most=2)] = ()  # more --dtype
 
     def checked(self, value: dict, at: str) -> "Evidence":
         needed = self.numerics or {}
