@@ -466,6 +466,52 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
         evidence_record.read(tmp_path / "planted")
 
 
+def perop_section(median_us: float, native_us: float = 30.0) -> dict:
+    row = {"env": "base", "op": "rms_norm", "tokens": 1, "route": "kernel",
+           "median_us": median_us, "native_us": native_us}  # fmt: skip
+    return {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": [row]}
+
+
+def decode_ratio(ratio: float) -> dict:
+    decode = decode_section()
+    decode["comparisons"]["patched/base"]["ratio"] = ratio
+    return decode
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (lambda: {"serving": runs(10, -20, 40)}, "at least 1e-06"),
+        (lambda: {"serving": runs(10, 0, 40)}, "at least 1e-06"),
+        (lambda: {"perop": perop_section(1e-320)}, "at least 1e-06"),
+        (lambda: {"perop": perop_section(0.02)}, "a ratio of 1.5e+03"),
+        (lambda: {"decode": decode_ratio(1e-4)}, "not within 1000x of 1"),
+        (lambda: {"decode": decode_ratio(math.inf)}, "not a finite number"),
+    ],
+)
+def test_figures_that_cannot_be_measured_are_one_message(tmp_path, extra, said):
+    """A time or throughput at or below 0, a denormal, an infinity, or a ratio
+    of figures 1000x apart: the file is refused, naming the field."""
+    doc = doc_with({"eager": {"base": runs(10, 20, 40)}})
+    extra = extra()
+    if "serving" in extra:
+        doc["serving"]["configs"]["eager"]["patched"] = extra.pop("serving")
+    doc.update(extra)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "evidence.json").write_text(json.dumps(doc))  # infinity as Infinity
+    with pytest.raises(PatchError, match="not usable evidence") as found:
+        evidence_record.read(out)
+    assert said in str(found.value)
+
+
+def test_repetitions_without_a_pair_are_named():
+    doc = doc_with({"eager": {"base": runs(10, 20), "patched": runs(11, 20, 30)}})
+    text = "\n".join(bench_result.serving_tables(evidence_record.parse(doc).serving,
+                                                  "## {mode}"))  # fmt: skip
+    assert "Repetitions: base 2, patched 3; a ratio pairs the first 2" in text
+
+
 # --- the decode measurement's figures ------------------------------------------
 
 

@@ -67,13 +67,23 @@ def _label(stat: str, name: str, unit: str) -> str:  # median_tpot_ms: TPOT medi
 
 
 def serving_tables(serving: er.Serving, said: str) -> list[str]:
-    """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
+    """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table, and
+    the repetitions a ratio left out (a vLLM ran more than the base)."""
     out = []
     for mode in (m for m in MODES if m in serving.configs):
         sides = serving.configs[mode]
-        reps = min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
+        counts = {s: len(v.get(METRICS[0], ())) for s, v in sides.items()}
+        reps = min(counts.get(s, 0) for s in SIDES)
         said_here = said.format(mode=mode, reps=reps)
         out.append(f"{said_here}\n\n{serving_table(serving, mode)}")
+        base = counts.get("base", 0)
+        unpaired = {s: n for s, n in counts.items() if n != base}
+        if unpaired:
+            found = ", ".join(f"{md.text(s, 20)} {n}" for s, n in unpaired.items())
+            out.append(
+                f"\nRepetitions: base {base}, {found}; a ratio pairs the first "
+                f"{min(base, *unpaired.values())} in order and leaves the rest out."
+            )
     return out
 
 

@@ -34,6 +34,8 @@ MOST_ROWS = 2000  # per-op rows (a run writes a few dozen), prompts, numerics
 MOST_THREADS = 8  # other thread counts of perop (perop_threads)
 MOST_COLUMNS = 24  # (vLLM, route) pairs in the per-op table
 LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
+SHORTEST = 1e-6  # a time or throughput, in its unit (a denormal is not a time)
+MOST_RATIO = 1000.0  # figures further apart measure no change of two norms
 MOST_COUNT = 10**7
 _NAMES = {str: "a string", int: "a whole number", float: "a number"}
 
@@ -52,6 +54,7 @@ class Meta(NamedTuple):
 
 Time = Annotated[float, Meta(time=True)]
 Numbers = Annotated[tuple[float, ...], Meta(empty=False)]
+Times = Annotated[tuple[Time, ...], Meta(empty=False)]  # or throughputs: above 0
 Rows = Meta(most=MOST_ROWS)
 record = dataclass(frozen=True, kw_only=True)
 """A table of the file, its fields its keys; one without a default is required."""
@@ -138,9 +141,15 @@ def _scalar(kind: type, meta: Meta, value: object, at: str):
         raise Bad(f"{at}: not a count from 0 to {MOST_COUNT:,}")
     if kind is float and not abs(value) <= LARGEST:  # NaN and infinities too
         raise Bad(f"{at}: not a finite number of at most {LARGEST:g}")
-    if meta.time and not value > 0:
-        raise Bad(f"{at}: not a time above 0")
+    if meta.time and not value >= SHORTEST:
+        raise Bad(f"{at}: not a time (or rate) of at least {SHORTEST:g}")
     return value
+
+
+def bounded(ratio: float, at: str) -> None:
+    """A ratio of two measured figures lies within ``MOST_RATIO`` of 1."""
+    if not 1 / MOST_RATIO < ratio < MOST_RATIO:
+        raise Bad(f"{at}: a ratio of {ratio:.3g}, not within {MOST_RATIO:g}x of 1")
 
 
 @record
@@ -186,10 +195,19 @@ class Sizes:
 
 @record
 class Serving:
-    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()  # per repetition
+    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = empty()  # per repetition
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
     server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
+
+    def checked(self, value: dict, at: str) -> "Serving":
+        for mode, sides in self.configs.items():
+            for side, metrics in sides.items():
+                for metric, found in metrics.items():
+                    base = sides.get("base", {}).get(metric, ())
+                    for n, pair in enumerate(zip(found, base, strict=False)):
+                        bounded(pair[0] / pair[1], f"{at}.configs.{mode}.{side}.{n}")
+        return self
 
 
 @record
@@ -270,6 +288,8 @@ class PerOpRow:
         for key in [] if self.wrong else ["median_us", "native_us"]:
             if getattr(self, key) is None:
                 raise Bad(f"{at}.{key}: missing")
+        if not self.wrong:
+            bounded(self.native_us / self.median_us, f"{at}: native_us / median_us")
         return self
 
 
@@ -364,6 +384,12 @@ class Comparison(Ratio):
     verdict: str | None = None  # helps, neutral, loses, unresolved
     precise: bool | None = None
 
+    def checked(self, value: dict, at: str) -> "Comparison":
+        for found, where in [(self, at), (self.wall, f"{at}.wall")]:
+            for n, figure in enumerate([found.ratio, *found.ci95] if found else []):
+                bounded(figure, f"{where}[{n}]")
+        return self
+
 
 @record
 class Layout:
@@ -401,6 +427,16 @@ class DecodeBlock:
     consistent: Consistent | None = None
     layout: Layout | None = None
     profile_ms: dict[str, dict[str, float]] = empty()  # per engine, per part
+
+    def checked(self, value: dict, at: str) -> "DecodeBlock":
+        """A step's time and the time inside its norms are times: above 0."""
+        for name in ("step_ms", "step_wall_ms", "norm_ms", "norm_wall_ms"):
+            for engine, found in getattr(self, name).items():
+                for n, figure in enumerate([found.ms, *found.ci95]):
+                    _scalar(
+                        float, Meta(time=True), figure, f"{at}.{name}.{engine}[{n}]"
+                    )
+        return self
 
 
 @record
