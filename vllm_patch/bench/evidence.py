@@ -167,10 +167,11 @@ class BenchRun:
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
 
-        envs = {"base": (), "patched": (copy,)}
+        envs = {"base": (), "patched": (copy,), "provider": ()}
         first, *more = dict.fromkeys(worker_threads(t) for t in args.threads)
-        self.doc["perop"] = per_op(envs, self.progress, first)
-        self.doc["perop_threads"] = [per_op(envs, self.progress, n) for n in more]
+        found = [per_op(envs, self.progress, n, ["provider"]) for n in [first, *more]]
+        self.doc["perop"] = found[0]
+        self.doc["perop_threads"] = found[1:]
 
     def qwen3(self, args, copy: str) -> None:
         from vllm_patch.bench.qwen3_eager import compare

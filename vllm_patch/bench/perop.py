@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from patches.cpu_fused_norms.identity import OPS
+from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import numerics
-from vllm_patch.runtime.bench_result import NATIVE
+from vllm_patch.runtime.evidence_record import FORWARD_NATIVE, MINIMAL, NATIVE
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
@@ -76,12 +76,35 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     with vc.set_current_vllm_config(config):
         layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
     layer.weight.data.copy_(args[-2])
+    with vc.set_current_vllm_config(config):
+        minimal = minimal_layer(RMSNorm)(args[0].shape[-1], eps=args[-1]).to(dtype)
+    minimal.weight.data.copy_(args[-2])
     cls = type(layer).__name__  # called with x [, residual]: it holds the rest
     fns[f"layer:{cls}"] = lambda x, *rest: layer(x, *rest[:-2])
     fns[f"forward:{cls}"] = lambda x, *rest: layer._forward_method(x, *rest[:-2])
-    for route in (f"layer:{cls}", f"forward:{cls}"):
+    fns[MINIMAL] = lambda x, *rest: minimal.forward_cpu(x, *rest[:-2])
+    fns[FORWARD_NATIVE] = lambda x, *rest: layer.forward_native(x, *rest[:-2])
+    for route in (f"layer:{cls}", f"forward:{cls}", FORWARD_NATIVE):
         scopes[route] = lambda: op.set_priority(ranked)
     return fns, scopes
+
+
+def minimal_layer(rms_norm: type) -> type:
+    """``rms_norm`` with the least ``forward_cpu`` there is: allocate, call the
+    kernel. The layer path's overhead is ``forward:<class>`` minus this."""
+    import torch
+
+    class MinimalRMSNorm(rms_norm):
+        def forward_cpu(self, x, residual=None):
+            eps = self.variance_epsilon
+            if residual is None:
+                out = torch.empty_like(x)
+                torch.ops._C.rms_norm(out, x, self.weight.data, eps)
+                return out
+            torch.ops._C.fused_add_rms_norm(x, residual, self.weight.data, eps)
+            return x, residual
+
+    return MinimalRMSNorm
 
 
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
@@ -140,8 +163,11 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     ]
 
 
-def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times per vLLM of ``envs``; native's pooled."""
+def per_op(
+    envs: dict[str, tuple], progress, threads: int = THREADS, opted_in=()
+) -> dict[str, Any]:
+    """:func:`measure` ``ROUNDS`` times per vLLM of ``envs`` (those named in
+    ``opted_in`` with the out-of-tree provider on); native's pooled."""
     from vllm_patch.runtime import child, machine
 
     keyed: dict[tuple, dict[str, Any]] = {}
@@ -150,7 +176,9 @@ def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str
         progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
         before = machine.cpu_snapshot()
         asked = {"env": env, "threads": threads}
-        how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
+        opt_in = {OPT_IN_ENV: "1"} if env in opted_in else {}
+        how = {"pythonpath": pythonpath, "env": CACHING_MALLOC | opt_in}
+        how["drop_env"] = [OPT_IN_ENV]
         for s in child.run(f"{__name__}:measure", asked, **how).value():
             s["env"] = "both" if s["route"] == NATIVE else env
             key = (s["env"], s["op"], s["tokens"], s["route"])

@@ -5,7 +5,15 @@ from collections.abc import Callable
 
 from vllm_patch.runtime import evidence_record as er
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import A_A, METRICS, MODES, NATIVE, SIDES
+from vllm_patch.runtime.evidence_record import (
+    A_A,
+    FORWARD_NATIVE,
+    METRICS,
+    MINIMAL,
+    MODES,
+    NATIVE,
+    SIDES,
+)
 from vllm_patch.runtime.machine import BUSY_SHARE
 
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
@@ -361,9 +369,45 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     return out
 
 
+OVERHEAD = ("layer's forward method", "minimal forward_cpu", "forward_native",
+            "bare kernel", "forward / minimal", "forward / forward_native")  # fmt: skip
+
+
+def perop_overhead(perop: er.PerOp) -> list[list]:
+    """Per vLLM, op and tokens: the layer's forward method (``forward_cpu`` on
+    CPU) beside a minimal one, ``forward_native`` and the bare kernel."""
+    us = {(r.env, r.op, r.tokens, r.route): r.median_us for r in perop.rows}
+    out = []
+    for r in perop.rows:
+        if not r.route.startswith("forward:") or r.median_us is None:
+            continue
+        key = (r.env, r.op, r.tokens)
+        ran = next(
+            (x.impl for x in perop.rows if (x.env, x.op, x.tokens) == key and x.impl),
+            None,
+        )
+        minimal, native = us.get((*key, MINIMAL)), us.get((*key, FORWARD_NATIVE))
+        cells = [r.median_us, minimal, native, us.get((*key, "kernel:bare"))]
+        cells += [minimal and r.median_us / minimal, native and r.median_us / native]
+        cls = r.route.partition(":")[2]
+        names = [md.text(r.env, 40), md.code(r.op, 60), r.tokens]
+        names.append(md.text(f"{cls} ({ran})" if ran else cls, 80))
+        out.append(names + [None if c is None else round(c, 2) for c in cells])
+    return out
+
+
 def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
-    out = [perop_table(perop, limit=limit)]
+    mine = (MINIMAL, FORWARD_NATIVE)
+    out = [perop_table(perop, lambda r: r.route not in mine, limit=limit)]
+    if overhead := perop_overhead(perop):
+        header = ["vLLM", "op", "tokens", "layer (runs)", *OVERHEAD]
+        out.append(
+            "\nThe layer path's overhead (medians, microseconds): the layer's "
+            "forward method beside a minimal `forward_cpu` (allocate, call the "
+            "kernel), `forward_native` and the bare kernel:\n\n"
+            + md.table(header, overhead, limit)
+        )
     if loads := ", ".join(
         f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
         for x in perop.load

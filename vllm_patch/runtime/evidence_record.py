@@ -16,6 +16,8 @@ from patcher.errors import PatchError
 SCHEMA = 1
 EVIDENCE = "evidence.json"
 NATIVE = "native"  # vLLM's own PyTorch implementation of an op: the baseline
+MINIMAL = "forward_cpu:minimal"  # per op: a forward_cpu that allocates, calls _C
+FORWARD_NATIVE = "forward_native"  # per op: the layer's forward_native, directly
 SIDES = ("base", "patched")
 A_A = "base2"  # the base served again: --serve's A/A control (not in older files)
 Mode = Literal["eager", "compiled"]
@@ -32,7 +34,7 @@ LONGEST = 4000  # characters of a string (a command); names are cut shorter
 MANY = 200  # entries of a list or table (repetitions, commands, log lines)
 MOST_ROWS = 2000  # per-op rows (a run writes a few dozen), prompts, numerics
 MOST_THREADS = 8  # other thread counts of perop (perop_threads)
-MOST_COLUMNS = 24  # (vLLM, route) pairs in the per-op table
+MOST_COLUMNS = 40  # (vLLM, route) pairs in the per-op table
 LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
 SHORTEST = 1e-6  # a time or throughput, in its unit (a denormal is not a time)
 MOST_RATIO = 1000.0  # figures further apart measure no change of two norms
