@@ -678,6 +678,8 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
     assert built["kernel_build"] == "_C_AVX2" and built["threads"] == "auto"
     assert set(built["by_threads"]) == {"auto", "2"}
     assert built["comparisons"]["patched/base"]["verdict"] == "helps"
+    loaded = decode_section(busy=range(1, 8))["comparisons"]["patched/base"]
+    assert loaded["verdict"] == "busy"  # 7 of 12 rounds: not judged
 
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():

@@ -25,6 +25,7 @@ VERDICTS = {
     "neutral": "neutral (interval holds 1)",
     "loses": "**loses** (interval above 1)",
     "unresolved": "unresolved (the A/A interval misses 1)",
+    "busy": "not judged: most rounds busy, measure on a quiet machine",
 }
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 
@@ -517,6 +518,13 @@ def profile_lines(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     ]
 
 
+BUILT_IN = (
+    "The engines were built in the headline's layout, as vLLM builds a worker in "
+    "its own, and keep what their layers decided then: where the rule decides "
+    "from the threads at construction, these are the kernels unguarded.\n"
+)
+
+
 def layout_named(layout: str | int) -> str:
     """``auto``: vLLM's own binding; a count: that many threads, every CPU."""
     if layout == "auto":
@@ -539,7 +547,7 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     ]
     for n, b in list(d.by_threads.items())[:limit]:
         if n != str(d.threads):
-            out += [f"\n### {layout_named(n)}\n", *decode_block(b, limit)]
+            out += [f"\n### {layout_named(n)}\n", BUILT_IN, *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
         out += [
             f"\n### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "

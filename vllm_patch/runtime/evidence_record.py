@@ -378,12 +378,13 @@ Ratio, Ms, Share = (
 class Comparison(Ratio):
     """The CPU time's ratio over ``n`` pairs (``dropped``: the rounds, from 1,
     left out), and the wall time's; against 1.0 ``verdict`` (``unresolved``:
-    the A/A control's interval misses 1.0), ``precise``: half-width <= 3 %."""
+    the A/A control's interval misses 1.0; ``busy``: most rounds were), and
+    ``precise``: half-width <= 3 %."""
 
     n: int
     wall: Ratio | None = None
     dropped: tuple[int, ...] = ()
-    verdict: str | None = None  # helps, neutral, loses, unresolved
+    verdict: str | None = None  # helps, neutral, loses, unresolved, busy
     precise: bool | None = None
 
     def checked(self, value: dict, at: str) -> "Comparison":
