@@ -22,9 +22,9 @@ import pytest
 from conftest import requires_vllm
 
 from patcher.errors import ExitCode, PatchError
-from vllm_patch.bench import accuracy, evidence, serving
-from vllm_patch.runtime import bench_result, evidence_record
-from vllm_patch.runtime.bench_result import METRICS
+from vllm_patch.bench import accuracy, models, record, report, serving
+from vllm_patch.bench import run as bench_run
+from vllm_patch.bench.report import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,11 +51,11 @@ def doc_with(configs: dict, **extra) -> dict:
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
-    doc = evidence_record.parse(doc).serving
-    assert bench_result.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
-    spread = bench_result.spread_shown([1.1, 1.0, 0.75], ratio=True)
+    doc = record.parse(doc).serving
+    assert report.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
+    spread = report.spread_shown([1.1, 1.0, 0.75], ratio=True)
     assert spread == "1.000x [0.750x–1.100x]"  # median [min–max]
-    table = bench_result.serving_table(doc, "eager")
+    table = report.serving_table(doc, "eager")
     lines = table.splitlines()
     assert lines[0] == "| metric | base | patched | patched / base |"
     assert len(lines) == 2 + len(METRICS)
@@ -66,12 +66,12 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
 
 def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
     eager = {"base": runs(10, 20), "patched": runs(11, 20), "base2": runs(9, 22)}
-    doc = evidence_record.parse(doc_with({"eager": eager}))
-    assert bench_result.ratios(doc.serving, "eager", "output_throughput", "base2") == [
+    doc = record.parse(doc_with({"eager": eager}))
+    assert report.ratios(doc.serving, "eager", "output_throughput", "base2") == [
         0.9,
         1.1,
     ]
-    lines = bench_result.serving_table(doc.serving, "eager").splitlines()
+    lines = report.serving_table(doc.serving, "eager").splitlines()
     assert lines[0] == (
         "| metric | base | patched | patched / base | base2 / base (A/A) |"
     )
@@ -79,7 +79,7 @@ def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
         "| output tok/s | 15 [10–20] | 15.5 [11–20] | 1.050x [1.000x–1.100x] | "
         "1.000x [0.900x–1.100x] |"
     ) in lines
-    claim = bench_result.throughput_claim(doc)
+    claim = report.throughput_claim(doc)
     assert "1.050x [1.000x–1.100x] eager (A/A: 1.000x [0.900x–1.100x])" in claim
 
 
@@ -87,7 +87,7 @@ def test_the_report_shows_only_what_was_measured():
     """An interrupted run: one mode, one side of the second repetition."""
     eager = {"base": runs(10, 12), "patched": runs(11)}
     doc = doc_with({"eager": eager}, interrupted=True)
-    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    text = report.evidence_markdown(record.parse(doc))
     assert "## Serving, eager: median [min–max] of 1 repetitions" in text
     assert "compiled" not in text and "**Interrupted**" in text
     assert "A CPU (x86_64), 2 CPUs, Linux; kernel flags: avx2" in text
@@ -162,7 +162,7 @@ def test_an_output_folder_that_is_a_link_is_refused(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(PatchError, match="never writes through a link"):
-        evidence.BenchRun(tmp_path / "out", print)
+        bench_run.BenchRun(tmp_path / "out", print)
 
 
 def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
@@ -170,7 +170,7 @@ def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
     target.write_text("keep")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "evidence.json").symlink_to(target)
-    run = evidence.BenchRun(tmp_path / "out", print)
+    run = bench_run.BenchRun(tmp_path / "out", print)
     with pytest.raises(PatchError, match="not a regular file"):
         run.save()
     assert target.read_text() == "keep"
@@ -178,7 +178,7 @@ def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
 
 def test_a_model_folder_needs_its_config(tmp_path):
     with pytest.raises(PatchError, match="not a model folder"):
-        evidence.user_model(tmp_path)
+        models.user_model(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -318,10 +318,10 @@ metric_list:
 def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
     """``--model`` with a task made here (lm_eval reads a local dataset through
     a task YAML): exact_match and its stderr for base and patched."""
-    from vllm_patch.bench import engine_run
+    from vllm_patch.bench import random_models
 
-    model = engine_run.make_random_llama(
-        tmp_path / "models", **engine_run.TINY_LLAMA, tokenizer=True
+    model = random_models.make_random_llama(
+        tmp_path / "models", **random_models.TINY_LLAMA, tokenizer=True
     )
     data = tmp_path / "data.jsonl"
     data.write_text(
@@ -359,7 +359,7 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
 def test_the_change_measured_is_the_default_or_the_one_named(named, measured):
     from patcher.tree import open_tree
 
-    assert evidence.choose_patch(open_tree(None), named).name == measured
+    assert bench_run.choose_patch(open_tree(None), named).name == measured
 
 
 @requires_vllm
@@ -376,7 +376,7 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
     numerics = {"numerics": builds, "tolerance": tolerance}
-    text = bench_result.numerics_table(evidence_record.parse({"schema": 1, **numerics}))
+    text = report.numerics_table(record.parse({"schema": 1, **numerics}))
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
@@ -388,12 +388,12 @@ def test_per_op_at_each_thread_count_is_a_section_of_its_own():
                 "rows": [row]}  # fmt: skip
 
     doc = {"schema": 1, "perop": perop(1, 20.0), "perop_threads": [perop(2, 23.0)]}
-    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    text = report.evidence_markdown(record.parse(doc))
     headings = re.findall(r"^## Microseconds per call.*$", text, re.M)
     assert [h.rsplit(", ", 1)[1] for h in headings] == ["1 thread(s)", "2 thread(s)"]
     assert "| `rms_norm` | 1 | 23.0 [23.0–23.0] |" in text.split(headings[1])[1]
-    with pytest.raises(evidence_record.Bad, match="perop_threads.*more than 8"):
-        evidence_record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
+    with pytest.raises(record.Bad, match="perop_threads.*more than 8"):
+        record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
 
 
 @requires_vllm
@@ -411,9 +411,9 @@ def test_per_op_times_every_route_that_passes_numerics():
     assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
     assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
     assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
-    typed = evidence_record.parse({"schema": 1, "perop": found}).perop
-    assert "| op | tokens | both: native |" in bench_result.perop_table(typed)
-    split = bench_result.perop_split(typed)
+    typed = record.parse({"schema": 1, "perop": found}).perop
+    assert "| op | tokens | both: native |" in report.perop_table(typed)
+    split = report.perop_split(typed)
     assert [row[:2] for row in split] == [["base", "`rms_norm`"],
                                           ["base", "`fused_add_rms_norm`"]]  # fmt: skip
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
@@ -425,9 +425,11 @@ def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_pat
     """Two rounds on the tiny Llama, eager, one thread: every engine's decode
     step and the time inside its norms, the comparisons with intervals, in
     evidence.json and evidence.md."""
-    from vllm_patch.bench import engine_run
+    from vllm_patch.bench import random_models
 
-    model = engine_run.make_random_llama(tmp_path / "models", **engine_run.TINY_LLAMA)
+    model = random_models.make_random_llama(
+        tmp_path / "models", **random_models.TINY_LLAMA
+    )
     proc = bench(
         tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
         "--rounds", "2", "--threads", "1", "--tokens", "4",
@@ -442,7 +444,7 @@ def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_pat
         assert c["n"] == 2 and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
     assert set(d["norm_ms"]) == {"base", "base2", "patched", "provider"}
     assert all(v["ms"] > 0 for v in d["norm_ms"].values())
-    layers = engine_run.TINY_LLAMA["num_layers"]
+    layers = random_models.TINY_LLAMA["num_layers"]
     assert d["norm_calls_per_step"] == 2 * layers + 1
     assert d["engines"]["provider"]["norm_classes"] == ["CpuFusedRMSNorm"]
     assert d["engines"]["base"]["custom_ops"] == ["all"]
@@ -451,10 +453,10 @@ def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_pat
 
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
-    run = evidence.BenchRun(tmp_path / "out", print)
+    run = bench_run.BenchRun(tmp_path / "out", print)
     run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
     run.save()
-    assert evidence_record.read(tmp_path / "out") == evidence_record.parse(
+    assert record.read(tmp_path / "out") == record.parse(
         json.loads((tmp_path / "out" / "evidence.json").read_text())
     )
     assert (tmp_path / "out" / "evidence.md").read_text().startswith("# vllm-patch")
@@ -463,7 +465,7 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
         tmp_path / "out" / "evidence.json"
     )
     with pytest.raises(PatchError, match="symbolic link"):
-        evidence_record.read(tmp_path / "planted")
+        record.read(tmp_path / "planted")
 
 
 def perop_section(median_us: float, native_us: float = 30.0) -> dict:
@@ -501,13 +503,13 @@ def test_figures_that_cannot_be_measured_are_one_message(tmp_path, extra, said):
     out.mkdir()
     (out / "evidence.json").write_text(json.dumps(doc))  # infinity as Infinity
     with pytest.raises(PatchError, match="not usable evidence") as found:
-        evidence_record.read(out)
+        record.read(out)
     assert said in str(found.value)
 
 
 def test_repetitions_without_a_pair_are_named():
     doc = doc_with({"eager": {"base": runs(10, 20), "patched": runs(11, 20, 30)}})
-    text = "\n".join(bench_result.serving_tables(evidence_record.parse(doc).serving,
+    text = "\n".join(report.serving_tables(record.parse(doc).serving,
                                                   "## {mode}"))  # fmt: skip
     assert "Repetitions: base 2, patched 3; a ratio pairs the first 2" in text
 
@@ -629,8 +631,8 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     assert not fine["consistent"]["contradicts"]
     assert odd["consistent"]["contradicts"] and more["consistent"]["contradicts"]
     for found, said in [(odd, "saves less than"), (more, "saves more than")]:
-        block = evidence_record.typed(evidence_record.DecodeBlock, found, "b")
-        text = "\n".join(bench_result.decode_block(block))
+        block = record.typed(record.DecodeBlock, found, "b")
+        text = "\n".join(report.decode_block(block))
         assert "**contradicts** the attributed saving" in text
         assert f"the step {said} the time inside RMSNorm" in text
 
@@ -684,27 +686,23 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
 
-    section = evidence_record.typed(
-        evidence_record.Decode, decode_section(busy=(2, 3)), "decode"
-    )
-    text = "\n".join(bench_result.decode_markdown(section))
+    section = record.typed(record.Decode, decode_section(busy=(2, 3)), "decode")
+    text = "\n".join(report.decode_markdown(section))
     assert text.startswith("## Decode step: float32, vLLM's default thread binding")
     assert "| `base/base` (A/A control) |" in text
     assert "### 2 thread(s) on every CPU" in text and "helps (interval below 1)" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())
-    assert "## Decode step" in bench_result.evidence_markdown(
-        evidence_record.parse(doc)
-    )
+    assert "## Decode step" in report.evidence_markdown(record.parse(doc))
 
 
 def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
-    ev = evidence_record.parse(doc_with({}, decode=decode_section()))
-    first = bench_result.claims(ev)[0]
+    ev = record.parse(doc_with({}, decode=decode_section()))
+    first = report.claims(ev)[0]
     b = ev.decode.headline
-    said = bench_result.interval_shown(b.comparisons["patched/base"], unit="x")
-    control = bench_result.interval_shown(b.comparisons["base/base"], unit="x")
+    said = report.interval_shown(b.comparisons["patched/base"], unit="x")
+    control = report.interval_shown(b.comparisons["base/base"], unit="x")
     assert first.startswith("- A decode step (float32, vLLM's default thread binding")
     assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
     assert "ms saved inside RMSNorm per step" in first

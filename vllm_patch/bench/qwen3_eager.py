@@ -7,8 +7,8 @@ from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import accuracy
-from vllm_patch.bench.engine_run import TINY_QWEN3
 from vllm_patch.bench.numerics import kernel_call
+from vllm_patch.bench.random_models import TINY_QWEN3
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
@@ -61,7 +61,7 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
 
 def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
     """:func:`summarize` of the sides; ``base``: first on the others' path."""
-    from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
+    from vllm_patch.bench.models import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
 
     started = time.monotonic()

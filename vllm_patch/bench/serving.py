@@ -19,10 +19,9 @@ from typing import Any
 from urllib.request import Request, urlopen
 
 from vllm_patch.bench import accuracy
-from vllm_patch.bench.engine_run import SERVED_LLAMA
-from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
+from vllm_patch.bench.models import OFFLINE, provider_opt_ins
+from vllm_patch.bench.report import A_A, METRICS, SIDES
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
 HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
@@ -161,7 +160,7 @@ def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any
 def run(bench, args, copy: str) -> None:
     """``bench.doc``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
     doc = bench.doc
-    model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    model, doc["model"] = bench.model(args)
     lm_eval = args.model and args.lm_eval_task
     context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
     sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}

@@ -3,9 +3,8 @@
 import statistics
 from collections.abc import Callable
 
-from vllm_patch.runtime import evidence_record as er
-from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import (
+from vllm_patch.bench import record as er
+from vllm_patch.bench.record import (
     A_A,
     FORWARD_NATIVE,
     METRICS,
@@ -14,6 +13,7 @@ from vllm_patch.runtime.evidence_record import (
     NATIVE,
     SIDES,
 )
+from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.machine import BUSY_SHARE
 
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.

@@ -1,20 +1,16 @@
 """A bench run's evidence folder, rewritten after every part (interruptions keep it)."""
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import PatchError, UsageError
-from patcher.files import inside, output_dir, read_text_at, write_output
-from vllm_patch.bench.engine_run import DECODE_LLAMA, KINDS
-from vllm_patch.runtime import bench_result, evidence_record, machine
+from patcher.errors import UsageError
+from patcher.files import output_dir, write_output
+from vllm_patch.bench import models, record, report
+from vllm_patch.runtime import machine
 
-# The servers', clients' and engines' environment: nothing is downloaded
-# (lm_eval may fetch its task's dataset, as the user asked).
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SECTIONS = ("decode", "serving", "accuracy", "numerics", "perop", "qwen3_eager")
 
 
@@ -36,71 +32,6 @@ def choose_patch(tree, name: str | None = None) -> Any:
     )
 
 
-def random_model(progress, c: dict[str, int], tokenizer=True, kind="llama") -> tuple:
-    """The cached random model of sizes ``c`` (built in a child), and its meta."""
-    from vllm_patch.runtime import child
-    from vllm_patch.runtime.cache import cache_dir
-
-    name = KINDS[kind][0]
-    progress(f"building (or reusing) the random-weight {name}")
-    folder = child.run(
-        "vllm_patch.bench.engine_run:make_random",
-        dict(c, path=str(cache_dir() / "bench-models"), kind=kind, tokenizer=tokenizer),
-    ).value()
-    sizes = f"{c['num_layers']} layers, hidden {c['hidden_size']}"
-    return str(folder), {
-        "path": None,
-        "random_weights": True,
-        "name": f"a random-weight {name} ({sizes})",
-        "description": (
-            f"a random-weight {name} made locally ({sizes}, intermediate "
-            f"{c['intermediate_size']}, vocabulary {c['vocab_size']}, bf16 weights)"
-            + (" with a word-level tokenizer made locally" if tokenizer else "")
-            + "; nothing downloaded"
-        ),
-        "config": c,
-    }
-
-
-def user_model(path: Path) -> tuple[str, dict[str, Any]]:
-    """A local model folder; its ``config.json`` read inside it (or HF's ``blobs/``)."""
-    folder = Path(os.path.realpath(path))
-    if not os.path.lexists(folder / "config.json"):
-        raise UsageError(
-            "not a model folder",
-            path=str(path),
-            looked_for="a local model folder with config.json",
-            found="no config.json",
-        )
-    blobs = folder.parent.parent / "blobs"
-    what = "a model's config.json"
-    within = [folder, blobs] if folder.parent.name == "snapshots" else [folder]
-    config = inside(folder, "config.json", within, what=what)
-    try:
-        found = json.loads(read_text_at(config, what))
-    except (ValueError, RecursionError) as exc:
-        raise PatchError("not JSON", path=str(config), looked_for=what) from exc
-    names = found.get("architectures") if isinstance(found, dict) else None
-    listed = isinstance(names, list) and all(isinstance(n, str) for n in names)
-    arch = listed and ", ".join(names) or "architecture not stated"
-    context = isinstance(found, dict) and found.get("max_position_embeddings")
-    name = f"{Path(path).name} ({arch})"
-    return str(folder), {
-        "path": str(path),
-        "random_weights": False,
-        "name": name,
-        "description": f"{name}, a local folder; nothing downloaded",
-        "context": context if type(context) is int and context > 0 else None,
-    }
-
-
-def provider_opt_ins() -> tuple[str, ...]:
-    """The out-of-tree providers' opt-ins: never set for a measured vLLM."""
-    from patcher.patchset import provider_specs
-
-    return tuple(p["opt_in_env"] for p in provider_specs() if p.get("opt_in_env"))
-
-
 def worker_threads(layout: str) -> int:
     """The OpenMP threads of a layout; ``auto``: what vLLM gives its worker."""
     # VLLM_CPU_OMP_THREADS_BIND=auto (vLLM 0.32.0) keeps a core per local rank
@@ -116,7 +47,7 @@ class BenchRun:
         self.progress = progress
         self.snap = machine.cpu_snapshot()
         self.doc: dict[str, Any] = {
-            "schema": evidence_record.SCHEMA,
+            "schema": record.SCHEMA,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "machine": machine.facts(),
             "load": {"before": machine.load_average()},
@@ -134,20 +65,21 @@ class BenchRun:
         )
         doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
         text = json.dumps(doc, indent=1) + "\n"
-        write_output(self.out / evidence_record.EVIDENCE, text)
+        write_output(self.out / record.EVIDENCE, text)
         if doc["vllm"]:
-            markdown = bench_result.evidence_markdown(evidence_record.parse(doc))
+            markdown = report.evidence_markdown(record.parse(doc))
             write_output(self.out / "evidence.md", markdown)
 
-    def model(self, args, sizes: dict[str, int], tokenizer: bool) -> tuple:
+    def model(self, args) -> tuple[str, dict[str, Any]]:
+        """``--model``'s folder, else SmolLM2 (made once)."""
         if args.model:
-            return user_model(args.model)
-        return random_model(self.progress, sizes, tokenizer)
+            return models.user_model(args.model)
+        return models.real_model(self.progress)
 
     def decode(self, args, copy: str) -> None:
         from vllm_patch.bench import decode
 
-        model, meta = self.model(args, DECODE_LLAMA, tokenizer=False)
+        model, meta = self.model(args)
         self.doc["model"] = self.doc["model"] or meta
         envs = {"base": (), "patched": (copy,)}
         first, *more = decode.run(args, model, meta, envs, self.progress)
