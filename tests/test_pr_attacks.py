@@ -722,7 +722,7 @@ BAD_EVIDENCE = {
     ),
     "a time per call of 0": (
         lambda e: e["perop"]["rows"][0].update(median_us=0),
-        "perop.rows[0].median_us: not a time above 0",
+        "perop.rows[0].median_us: not a time (or rate) of at least 1e-06",
     ),
     "a NaN figure": (
         lambda e: e["accuracy"]["tokens"].update(max_abs_dlogprob=float("nan")),
@@ -737,14 +737,14 @@ BAD_EVIDENCE = {
         ),
         "perop.rows: more than 2000 entries",
     ),
-    "25 routes per op": (
+    "41 routes per op": (
         lambda e: e["perop"].update(
             rows=[
                 {**ROW, "route": f"r{i}", "median_us": 1, "native_us": 1}
-                for i in range(25)
+                for i in range(41)
             ]
         ),
-        "perop.rows: more than 24 (env, route) pairs",
+        "perop.rows: more than 40 (env, route) pairs",
     ),
     "a 5,000-character model name": (
         lambda e: e["model"].update(name="x" * 5000),
