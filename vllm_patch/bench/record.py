@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Annotated, Literal, NamedTuple, get_args, get_origin
 
 from patcher.errors import PatchError
+from vllm_patch.bench.likelihood import Comparison as Likelihood
+from vllm_patch.bench.smollm2 import Origin
 
 SCHEMA = 1
 EVIDENCE = "evidence.json"
@@ -82,6 +84,8 @@ def typed(kind, value: object, at: str):
             except Bad as exc:
                 last = exc
         raise last
+    if get_origin(kind) is list:  # a producer's own dataclass (likelihood)
+        return list(_list(tuple[get_args(kind)[0], ...], meta, value, at))
     if get_origin(kind) is tuple or hasattr(kind, "_fields"):
         return _list(kind, meta, value, at)
     if get_origin(kind) is dict:
@@ -182,6 +186,9 @@ class Model:
     name: str | None = None
     description: str | None = None
     random_weights: bool = False
+    licence: str | None = None
+    origin: Origin | None = None  # where a converted model came from
+    files: dict[str, str] = empty()  # each file's sha256
 
     def named(self) -> str:
         return self.name or self.description or "the model"
@@ -480,6 +487,7 @@ class Evidence:
     failed: tuple[str, ...] = ()
     perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
     decode_dtypes: Annotated[tuple[Decode, ...], Meta(most=2)] = ()  # more --dtype
+    likelihood: tuple[Likelihood, ...] = ()  # per dtype and x86 build
 
     def checked(self, value: dict, at: str) -> "Evidence":
         needed = self.numerics or {}

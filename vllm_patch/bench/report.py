@@ -3,6 +3,7 @@
 import statistics
 from collections.abc import Callable
 
+from vllm_patch.bench import likelihood
 from vllm_patch.bench import record as er
 from vllm_patch.bench.record import (
     A_A,
@@ -127,7 +128,23 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
             "change."
         )
     found.append(ev.qwen3_eager and qwen3_claim(ev.qwen3_eager))
+    found += [likelihood_claim(c, ev.model) for c in ev.likelihood[:limit]]
     return [c for c in found if c]
+
+
+def likelihood_claim(c: er.Likelihood, model: er.Model) -> str:
+    """One dtype and build: patched - base per token, and the greedy tokens."""
+    ll, greedy = c.likelihood, c.greedy
+    said = "; ".join(
+        f"{md.text(side, 20)} − base {likelihood.shown(diff)} nats/token, greedy "
+        f"{likelihood.greedy_shown(greedy, side)}"
+        for side, diff in ll.difference.items()
+    )
+    return (
+        f"- Log-likelihood of {md.text(ll.text, 200)} ({ll.tokens:,} tokens, "
+        f"{md.text(model.named(), 80)}, {md.text(ll.dtype, 20)}, "
+        f"{md.code(ll.build, 20)}), 95% interval over chunks: {said}."
+    )
 
 
 def decode_claim(d: er.Decode) -> str | None:
@@ -577,6 +594,13 @@ def evidence_markdown(ev: er.Evidence) -> str:
         )
     if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")
+    if ev.model.origin:
+        o = ev.model.origin
+        out.append(
+            f"- Model's origin: {md.code(o.gguf, 200)} (sha256 "
+            f"{md.code(o.gguf_sha256, 64)}) in {md.text(o.package, 60)} "
+            f"{md.text(o.version, 20)} (wheel sha256 {md.code(o.wheel_sha256, 64)})"
+        )
     if load := ev.load:
         before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
         share = load.other_processes_share
@@ -598,6 +622,9 @@ def evidence_markdown(ev: er.Evidence) -> str:
     if ev.qwen3_eager:
         acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)\n"]
         acc += qwen3_eager_markdown(ev.qwen3_eager)
+    if ev.likelihood:
+        acc += [*(acc and [""]), "### Log-likelihood and greedy agreement\n"]
+        acc += likelihood.markdown(ev.likelihood, ev.model.named())
     if acc:
         out += ["\n## Accuracy\n", *acc]
     if ev.numerics:

@@ -12,6 +12,7 @@ from vllm_patch.bench import models, record, report
 from vllm_patch.runtime import machine
 
 SECTIONS = ("decode", "serving", "accuracy", "numerics", "perop", "qwen3_eager")
+SECTIONS += ("likelihood",)
 
 
 def choose_patch(tree, name: str | None = None) -> Any:
@@ -85,6 +86,14 @@ class BenchRun:
         first, *more = decode.run(args, model, meta, envs, self.progress)
         self.doc["decode"] = first
         self.doc["decode_dtypes"] = more
+
+    def likelihood(self, args, copy: str) -> None:
+        from vllm_patch.bench import likelihood
+
+        model, meta = self.model(args)
+        self.doc["model"] = self.doc["model"] or meta
+        found = likelihood.run(model, copy, args.dtype, self.progress)
+        self.doc["likelihood"] = [c.to_json() for c in found]
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
