@@ -1,6 +1,13 @@
 """``bench --decode`` (docs/bench.md): a live engine per variant, a child running
 this module; in a round they take turns step by step, so their k-th steps share
-the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped."""
+the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped.
+
+Why so: on a 2-core machine the matmuls take over 90 % of a decode step and
+other processes move it by more than the change does; sequential runs minutes
+apart drift with the load, while steps of live engines seconds apart share it.
+The engine runs in the child's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+so that its CPU time, the hooks on ``RMSNorm`` and the thread layout are those
+of the process that runs the model."""
 
 import contextlib
 import json
@@ -331,8 +338,10 @@ def run_dtype(args, dtype: str, budget: float, model: str, meta, paths, progress
     config = {"model": model, "dtype": dtype, "seed": 0, "max_num_seqs": 1}
     config["max_model_len"] = len(PROMPT) + args.tokens + 8
     config["enable_prefix_caching"] = False
-    config["skip_tokenizer_init"] = True
-    config["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
+    config["skip_tokenizer_init"] = True  # token ids in, token ids out
+    # vLLM reserves a share of RAM for the KV cache unless given bytes; on a
+    # shared machine that share may not be free.
+    config["kv_cache_memory_bytes"] = 2**28
     config["layout"] = args.threads[0]
     found: dict[str, Any] = {"eager": [], "compiled": []}
     about = {}

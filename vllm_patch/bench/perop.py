@@ -1,6 +1,19 @@
-"""Thread CPU µs per call of the two norms, a child per vLLM, by route: ``native``,
-``kernel``, ``ir:<provider>``, ``layer:<class>``, ``forward:<class>`` (each timed
-only if it matches native), and a call's parts (``kernel:bare``, ``alloc``)."""
+"""Microseconds per call of the two norms, every way vLLM can run them, and
+where a layer call's time goes.
+
+In a child per vLLM (base, the patched copy, the provider; ``ROUNDS`` children
+each, alternating): ``native``, the CPU ``kernel`` (allocating its output, as an
+impl does), each IR provider through IR dispatch (``ir:<provider>``, as the
+eager forward calls the op), vLLM's ``RMSNorm`` layer with custom ops on
+(``layer:<class>``, a ``register_oot`` replacement included), its forward
+method called directly (``forward:<class>``: without ``nn.Module.__call__`` and
+``CustomOp.forward``), a minimal ``forward_cpu`` and ``forward_native``: the
+layer path's overhead. Each route is held to native with the op's own
+tolerance first and timed only if it passes: a fast wrong answer is no figure.
+
+Each sample is a short loop timed by the calling thread's CPU time, which on a
+loaded machine leaves out the time the thread waits for a core. ``native`` is
+the same code in every vLLM: its samples from all make one shared baseline."""
 
 import contextlib
 import itertools
@@ -17,7 +30,7 @@ TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1  # what vLLM gives its worker on a 2-core machine
-ROUNDS = 2
+ROUNDS = 2  # children per vLLM, alternating, so that load drift hits each
 # glibc keeps freed memory, as vLLM's tcmalloc does: by default a tensor of 128
 # KiB or more is a fresh mapping faulting in, which moved 512-token medians twofold.
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**26)}

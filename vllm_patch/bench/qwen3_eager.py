@@ -1,6 +1,18 @@
-"""vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
-unguarded (which read ``q_norm``/``k_norm``'s strided per-head views as
-contiguous), in float32, where a changed token is a changed computation."""
+"""vLLM's #31643 answered by measurement: an eager Qwen3, base vs patched vs
+the kernels unguarded.
+
+vLLM PR #31643 (January 2026, resolving #31626) gave ``RMSNorm`` on CPU a
+``forward_cpu -> forward_native``: with ``--enforce-eager`` the inherited
+``CustomOp.forward_cpu -> forward_cuda`` had reached the C++ kernels, and
+Qwen3-0.6B produced gibberish. Qwen3's attention runs ``q_norm`` and ``k_norm``
+per head on views of the qkv projection's output, whose rows are strided; the
+CPU kernels read their input as if it were contiguous.
+
+One offline engine per side, eager, greedy, on a random-weight Qwen3 made
+locally in float32, where the kernels and native agree to rounding, so a
+changed token is a changed computation. Each side's kernel calls are counted
+with torch's profiler: a patched side equal to base because it never ran the
+kernels would show."""
 
 import time
 from typing import Any
