@@ -26,8 +26,11 @@ from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
-COMPARISONS = {"patched/base": ("patched", "base"), "base/base": ("base2", "base")}
-COMPARISONS["provider/base"] = ("provider", "base")
+COMPARISONS = {
+    "patched/base": ("patched", "base"),
+    "base/base": ("base2", "base"),  # the A/A control
+    "provider/base": ("provider", "base"),
+}
 COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
@@ -123,7 +126,8 @@ class Engine(contextlib.AbstractContextManager):
     """An engine's process (:func:`main`): started, asked, stopped on exit."""
 
     def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
-        spec, self.name = PHASES[mode][name], name
+        spec = PHASES[mode][name]
+        self.name = name
         self.log = tempfile.TemporaryFile("w+")
         opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
         path = paths[spec.get("vllm", "base")]
@@ -133,9 +137,13 @@ class Engine(contextlib.AbstractContextManager):
             config["compilation_config"] = {"custom_ops": spec["custom_ops"]}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            env=env, text=True, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
 
     def ask(self, command: dict[str, Any] | None = None) -> dict[str, Any]:
         if command is not None:
@@ -256,24 +264,33 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
     out = {"comparisons": comps, "step_ms": levels("step_cpu")}
     if rows[0].get("layouts"):
         out["layout"] = next(iter(rows[0]["layouts"].values()))
-    out |= {"step_wall_ms": levels("step_wall"), "rounds": len(rows)}
+    out["step_wall_ms"] = levels("step_wall")
+    out["rounds"] = len(rows)
     out["busy_rounds"] = sum(r["busy"] for r in rows)
     if any(r["steps"][names[0]]["norm_calls"] for r in rows):  # eager: attributed
-        out |= {"norm_ms": levels("norm_cpu"), "norm_wall_ms": levels("norm_wall")}
+        out["norm_ms"] = levels("norm_cpu")
+        out["norm_wall_ms"] = levels("norm_wall")
         out["norm_calls_per_step"] = rows[0]["steps"][names[0]]["norm_calls"]
         out["savings"] = {v: saving(rows, v) for v in SAVINGS if v in names}
-        if saved := out["savings"].get("patched"):
-            out["saving_ms"], out["saving_share"] = saved["saving_ms"], saved["share"]
-            ci, (lo, hi) = comps["patched/base"]["ci95"], saved["expected_ratio"]
-            # the end-to-end interval against the one the saving implies
-            contradicts = ci[1] < lo or ci[0] > hi
-            out["consistent"] = {"contradicts": contradicts, "expected_ratio": [lo, hi]}
+        saved = out["savings"].get("patched")
+        if saved:
+            out["saving_ms"] = saved["saving_ms"]
+            out["saving_share"] = saved["share"]
+            out["consistent"] = consistent(comps["patched/base"], saved)
     return out
+
+
+def consistent(found: dict, saved: dict) -> dict[str, Any]:
+    """Does the end-to-end interval meet the one the saving implies?"""
+    low, high = saved["expected_ratio"]
+    contradicts = found["ci95"][1] < low or found["ci95"][0] > high
+    return {"contradicts": contradicts, "expected_ratio": [low, high]}
 
 
 def saving(rows: list[dict], variant: str) -> dict[str, Any]:
     """base's minus ``variant``'s norm CPU time per step, and the ratio it implies."""
-    base, mine = column(rows, "base", "norm_cpu"), column(rows, variant, "norm_cpu")
+    base = column(rows, "base", "norm_cpu")
+    mine = column(rows, variant, "norm_cpu")
     pairs = zip(base, mine, strict=True)
     steps = zip(base, mine, column(rows, "base", "step_cpu"), strict=True)
     share = level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])

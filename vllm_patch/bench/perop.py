@@ -45,7 +45,8 @@ def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str,
     import torch
 
     works = {name: numerics.copy_args(args) for name in fns}
-    calls, found = {}, {name: {"cpu": [], "wall": []} for name in fns}
+    calls = {}
+    found = {name: {"cpu": [], "wall": []} for name in fns}
 
     def sample(name: str, n: int) -> tuple[float, float]:
         for w, a in zip(works[name], args, strict=True):
@@ -148,7 +149,8 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     dtype = getattr(torch, DTYPE)
     args = numerics.op_inputs(op, tokens, HIDDEN, dtype)
     fns, scopes = _routes(op, name, args, dtype)
-    expected, tol = numerics.expected_of(op, args), op.get_tolerance(dtype)
+    expected = numerics.expected_of(op, args)
+    tol = op.get_tolerance(dtype)
     base = {"env": env, "op": name, "dtype": DTYPE, "tokens": tokens}
     rows = []
     for route in [r for r in fns if r != NATIVE]:
@@ -184,7 +186,8 @@ def per_op(
     from vllm_patch.runtime import child, machine
 
     keyed: dict[tuple, dict[str, Any]] = {}
-    load, native = [], {}
+    load = []
+    native = {}
     for r, (env, pythonpath) in itertools.product(range(ROUNDS), envs.items()):
         progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
         before = machine.cpu_snapshot()
@@ -200,16 +203,37 @@ def per_op(
                 row[clock] += s.get(clock, [])
             if s["route"] == NATIVE:
                 native[s["op"], s["tokens"]] = row["cpu"]
-        average, share = machine.load_average()[0], machine.other_share(before)
-        load.append({"env": env, "load_average": average, "other_share": share})
+        load.append(
+            {
+                "env": env,
+                "load_average": machine.load_average()[0],
+                "other_share": machine.other_share(before),
+            }
+        )
     for row in keyed.values():
-        cpu, wall = row.pop("cpu"), row.pop("wall")
+        cpu = row.pop("cpu")
+        wall = row.pop("wall")
         if cpu:
-            p10, *_, p90 = statistics.quantiles(cpu, n=10, method="inclusive")
-            figures = (statistics.median(cpu), p10, p90, statistics.median(wall))
-            figures += (statistics.median(native[row["op"], row["tokens"]]),)
-            keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
-            row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
-    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
-    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
-    return found | {"rows": list(keyed.values())}
+            row.update(figures(cpu, wall, native[row["op"], row["tokens"]]))
+    return {
+        "hidden_size": HIDDEN,
+        "dtype": DTYPE,
+        "threads": threads,
+        "clock": "thread CPU time",
+        "rounds": ROUNDS,
+        "load": load,
+        "rows": list(keyed.values()),
+    }
+
+
+def figures(cpu: list, wall: list, native: list) -> dict[str, float]:
+    """A route's samples (µs): median, p10, p90, wall median, native's median."""
+    deciles = statistics.quantiles(cpu, n=10, method="inclusive")
+    found = {
+        "median_us": statistics.median(cpu),
+        "p10_us": deciles[0],
+        "p90_us": deciles[-1],
+        "wall_median_us": statistics.median(wall),
+        "native_us": statistics.median(native),
+    }
+    return {k: round(v, 3) for k, v in found.items()}

@@ -25,11 +25,18 @@ A_A = "base2"  # the base served again: --serve's A/A control (not in older file
 Mode = Literal["eager", "compiled"]
 Served = Literal["base", "patched", "base2"]
 Metric = Literal[
-    "request_throughput", "output_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-]  # fmt: skip
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+]
 """``vllm bench serve --save-result``'s names for what the table shows."""
 MODES, SERVED, METRICS = get_args(Mode), get_args(Served), get_args(Metric)
 LONGEST = 4000  # characters of a string (a command); names are cut shorter

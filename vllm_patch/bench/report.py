@@ -112,7 +112,8 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     """What the figures say, a line each, the decode step (the headline) first."""
     found = [decode_claim(d) for d in [ev.decode, *ev.decode_dtypes] if d]
     found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
-    t, lm = ev.accuracy.tokens, ev.accuracy.lm_eval
+    t = ev.accuracy.tokens
+    lm = ev.accuracy.lm_eval
     if t and t.max_abs_dlogprob is not None:
         note = ev.model.random_weights and NOT_QUALITY
         found.append(
@@ -134,7 +135,8 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
 
 def likelihood_claim(c: er.Likelihood, model: er.Model) -> str:
     """One dtype and build: patched - base per token, and the greedy tokens."""
-    ll, greedy = c.likelihood, c.greedy
+    ll = c.likelihood
+    greedy = c.greedy
     said = "; ".join(
         f"{md.text(side, 20)} − base {likelihood.shown(diff)} nats/token, greedy "
         f"{likelihood.greedy_shown(greedy, side)}"
@@ -153,7 +155,8 @@ def decode_claim(d: er.Decode) -> str | None:
     ratio = b and b.comparisons.get("patched/base")
     if not ratio:
         return None
-    control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
+    control = b.comparisons.get("base/base")
+    saved = b.savings.get("patched")
     aa = control and f" (A/A control {interval_shown(control, unit='x')})"
     inside = saved and (
         f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
@@ -216,7 +219,8 @@ def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
 
 
 def qwen3_claim(q: er.Qwen3Eager) -> str:
-    patched, unguarded = q.patched, q.unguarded
+    patched = q.patched
+    unguarded = q.unguarded
     said = (
         "- Eager Qwen3-architecture model (#31643's configuration): with this "
         f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
@@ -262,10 +266,14 @@ QWEN3_LABELS = {
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
-QWEN3_HEADER = ("RMSNorm on CPU",
+QWEN3_HEADER = (
+    "RMSNorm on CPU",
     "kernel calls (rms_norm + fused add), one prefill and one decode step",
-    "prompts with base's tokens", "first different token",
-    "largest |Δ logprob| before it", "distinct tokens per completion")  # fmt: skip
+    "prompts with base's tokens",
+    "first different token",
+    "largest |Δ logprob| before it",
+    "distinct tokens per completion",
+)
 
 
 def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
@@ -333,7 +341,8 @@ def perop_table(
             text = "outside the tolerance"
         else:
             ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            low, high = r.p10_us, r.p90_us
+            low = r.p10_us
+            high = r.p90_us
             spread = "" if None in (low, high) else f" [{low:.1f}–{high:.1f}]"
             ran = f", ran {md.text(r.impl, 20)}" if r.impl else ""
             text = f"{r.median_us:.1f}{spread}{ratio}{ran}"
@@ -354,8 +363,14 @@ def perop_heading(perop: er.PerOp, escape=md.text) -> str:
     )
 
 
-SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
-         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+SPLIT = (
+    "layer call",
+    "CustomOp dispatch",
+    "forward and IR dispatch",
+    "IR dispatch alone",
+    "allocation",
+    "kernel or native ops",
+)
 
 
 def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
@@ -366,14 +381,19 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     us = {(r.env, r.op, r.route): r.median_us for r in rows}
     out = []
     for r in rows:
-        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        env = r.env
+        op = r.op
+        cls = r.route.partition(":")[2]
         forward = us.get((env, op, f"forward:{cls}"))
         if not r.route.startswith("layer:") or forward is None:
             continue
         kernel = r.impl == "kernel"
         impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
-        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
-              and route.startswith("ir:")]  # fmt: skip
+        ir = [
+            v
+            for (e, o, route), v in us.items()
+            if (e, o) == (env, op) and route.startswith("ir:")
+        ]
         cells = [
             r.median_us,
             r.median_us - forward,
@@ -387,8 +407,14 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     return out
 
 
-OVERHEAD = ("layer's forward method", "minimal forward_cpu", "forward_native",
-            "bare kernel", "forward / minimal", "forward / forward_native")  # fmt: skip
+OVERHEAD = (
+    "layer's forward method",
+    "minimal forward_cpu",
+    "forward_native",
+    "bare kernel",
+    "forward / minimal",
+    "forward / forward_native",
+)
 
 
 def perop_overhead(perop: er.PerOp) -> list[list]:
@@ -404,7 +430,8 @@ def perop_overhead(perop: er.PerOp) -> list[list]:
             (x.impl for x in perop.rows if (x.env, x.op, x.tokens) == key and x.impl),
             None,
         )
-        minimal, native = us.get((*key, MINIMAL)), us.get((*key, FORWARD_NATIVE))
+        minimal = us.get((*key, MINIMAL))
+        native = us.get((*key, FORWARD_NATIVE))
         cells = [r.median_us, minimal, native, us.get((*key, "kernel:bare"))]
         cells += [minimal and r.median_us / minimal, native and r.median_us / native]
         cls = r.route.partition(":")[2]
@@ -498,7 +525,8 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
         )
     if b.consistent is not None:  # does the end-to-end ratio agree with the saving?
         said, how = "does not contradict the attributed saving (its interval meets", ""
-        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+        ratio = b.comparisons.get("patched/base")
+        saved = b.savings.get("patched")
         if b.consistent.contradicts:
             said = "**contradicts** the attributed saving (its interval misses"
             if ratio and saved:
