@@ -422,34 +422,44 @@ def test_per_op_times_every_route_that_passes_numerics():
 @requires_vllm
 @pytest.mark.integration
 def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_path):
-    """Two rounds on the tiny Llama, eager, one thread: every engine's decode
-    step and the time inside its norms, the comparisons with intervals, in
-    evidence.json and evidence.md."""
-    from vllm_patch.bench import random_models
+    """Two rounds on the tiny Llama, eager, in vLLM's binding and at 2 threads:
+    every engine's decode step, the time inside its norms and its profiled
+    split, the comparisons with intervals and verdicts, the layout each engine
+    read back, in evidence.json and evidence.md."""
+    from vllm_patch.bench import decode, random_models
 
     model = random_models.make_random_llama(
         tmp_path / "models", **random_models.TINY_LLAMA
     )
     proc = bench(
         tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
-        "--rounds", "2", "--threads", "1", "--tokens", "4",
+        "--rounds", "2", "--threads", "auto,2", "--tokens", "4", "--dtype", "float32",
     )  # fmt: skip
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     d = json.loads((tmp_path / "out" / "evidence.json").read_text())["decode"]
-    assert d["dtype"] in ("float32", "bfloat16") and d["threads"] == 1
+    assert d["dtype"] == "float32" and d["threads"] == "auto"
+    assert set(d["by_threads"]) == {"auto", "2"}
+    assert d["layout"]["threads"] == len(d["layout"]["cpus"]) >= 1
+    assert d["by_threads"]["2"]["layout"]["threads"] == 2
+    assert d["engines"]["patched"]["built_in"] == d["layout"]
+    assert set(d["profile_ms"]["patched"]) == set(decode.SPLIT)
     assert d["kernel_build"].startswith("_C") and d["rounds"] == 2
     assert set(d["comparisons"]) == {"patched/base", "base/base", "provider/base"}
     for c in d["comparisons"].values():
         assert c["n"] == 2 and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
+    assert d["comparisons"]["patched/base"]["verdict"] in VERDICTS
     assert set(d["norm_ms"]) == {"base", "base2", "patched", "provider"}
     assert all(v["ms"] > 0 for v in d["norm_ms"].values())
     layers = random_models.TINY_LLAMA["num_layers"]
     assert d["norm_calls_per_step"] == 2 * layers + 1
     assert d["engines"]["provider"]["norm_classes"] == ["CpuFusedRMSNorm"]
     assert d["engines"]["base"]["custom_ops"] == ["all"]
-    assert len(d["raw"]) == 2 and "saving_ms" in d
+    assert len(d["raw"]) == 4 and "saving_ms" in d
     assert "## Decode step" in (tmp_path / "out" / "evidence.md").read_text()
+
+
+VERDICTS = ("helps", "neutral", "loses", "unresolved", "busy")
 
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):

@@ -44,7 +44,7 @@ THREADS = f"auto,{len(os.sched_getaffinity(0))}"
 PARTS = {
     "decode": "one decode step and the norms in it, base vs patched vs A/A (headline)",
     "likelihood": "log-likelihood of a fixed text and greedy agreement, per dtype "
-    "and x86 build, base vs patched vs provider (--decode runs it too)",
+    "and x86 build, base vs patched vs provider (--decode without --model too)",
     "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
     "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
     "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
@@ -148,9 +148,13 @@ def add_serve_arguments(serve) -> None:
 
 
 def parts(args: argparse.Namespace) -> list[str]:
-    """The parts asked for; ``--decode`` brings the likelihood on its model."""
+    """The parts asked for; ``--decode`` on the default model brings the
+    likelihood (its chat prompts need a model with a chat template: another
+    model's run names ``--likelihood`` itself)."""
     asked = [p for p in PARTS if getattr(args, p)]
-    return asked + ["likelihood"] if args.decode and not args.likelihood else asked
+    if args.decode and not args.likelihood and args.model is None:
+        asked.append("likelihood")
+    return asked
 
 
 progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=True)
