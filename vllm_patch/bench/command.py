@@ -4,6 +4,7 @@ import argparse
 import functools
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -147,6 +148,10 @@ def add_serve_arguments(serve) -> None:
     )
 
 
+def _interrupted(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def parts(args: argparse.Namespace) -> list[str]:
     """The parts asked for; ``--decode`` on the default model brings the
     likelihood (its chat prompts need a model with a chat template: another
@@ -179,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
 
     tree = open_tree(None)
     patch = choose_patch(tree, args.patch)
+    # SIGTERM and SIGHUP end a run as Ctrl-C does: the engines and servers
+    # (each in its own session) are stopped, what was measured is written.
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _interrupted)
     run = BenchRun(args.out, progress)
     version = software()["vllm"]
     run.doc["vllm"] = {"base": version, "patched": version, "patch": patch.name}
