@@ -734,3 +734,33 @@ def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtyp
     command.add_arguments(parser)
     args = parser.parse_args(["--out", "x", "--decode", *argv])
     assert (args.threads, args.dtype) == (threads, dtypes)
+
+
+def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
+    """``likelihood.run``'s records, as ``--likelihood`` writes them: read back
+    as the same records, a claim per dtype and build, the table under Accuracy."""
+    from vllm_patch.bench import likelihood as ll
+
+    difference = {"patched": ll.Interval(1e-4, -2e-4, 4e-4, 22)}
+    found = ll.Comparison(
+        ll.LikelihoodResult(
+            dtype="float32", build="_C_AVX2", text="the GNU GPL", text_sha256="ab",
+            chunk=512, tokens=11000, nats_per_token={"base": 2.69, "patched": 2.6901},
+            difference=difference, seconds={"base": 30.0, "patched": 31.0},
+        ),
+        ll.GreedyResult(
+            dtype="float32", build="_C_AVX2", prompts=("Hi", "Why?"), max_tokens=32,
+            divergence={"patched": [None, 7]}, base_answers=["Hello", "Because"],
+        ),
+    )  # fmt: skip
+    written = json.loads(json.dumps([found.to_json()]))
+    ev = record.parse(doc_with({}, likelihood=written))
+    assert ev.likelihood == (found,)
+    claim = [c for c in report.claims(ev) if c.startswith("- Log-likelihood")]
+    assert claim == [
+        "- Log-likelihood of the GNU GPL (11,000 tokens, tiny, float32, `_C_AVX2`), "
+        "95% interval over chunks: patched − base +1.00e-04 [-2.00e-04, +4.00e-04] "
+        "nats/token, greedy 1/2 identical; first differ: #2 at 7."
+    ]
+    text = report.evidence_markdown(ev)
+    assert "### Log-likelihood and greedy agreement" in text
