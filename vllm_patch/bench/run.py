@@ -11,8 +11,15 @@ from patcher.files import output_dir, write_output
 from vllm_patch.bench import models, record, report
 from vllm_patch.runtime import machine
 
-SECTIONS = ("decode", "serving", "accuracy", "numerics", "perop", "qwen3_eager")
-SECTIONS += ("likelihood",)
+SECTIONS = (
+    "decode",
+    "serving",
+    "accuracy",
+    "likelihood",
+    "numerics",
+    "perop",
+    "qwen3_eager",
+)
 
 
 def choose_patch(tree, name: str | None = None) -> Any:
