@@ -36,17 +36,31 @@ def runs(*values: float) -> dict[str, list[float]]:
 def doc_with(configs: dict, **extra) -> dict:
     return {
         "schema": 1,
-        "machine": {"cpu_model": "A CPU", "arch": "x86_64", "usable_cpus": 2,
-                    "os": "Linux", "key_flags": ["avx2"]},
-        "load": {"before": [1.0, 1, 1], "after": [2.0, 1, 1],
-                 "other_processes_share": 0.1},
+        "machine": {
+            "cpu_model": "A CPU",
+            "arch": "x86_64",
+            "usable_cpus": 2,
+            "os": "Linux",
+            "key_flags": ["avx2"],
+        },
+        "load": {
+            "before": [1.0, 1, 1],
+            "after": [2.0, 1, 1],
+            "other_processes_share": 0.1,
+        },
         "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"},
         "model": {"path": None, "random_weights": True, "description": "tiny"},
-        "serving": {"commands": ["vllm serve MODEL"], "configs": configs,
-                    "sizes": serving.SIZES},
-        "accuracy": None, "numerics": None, "perop": None, "failed": [],
+        "serving": {
+            "commands": ["vllm serve MODEL"],
+            "configs": configs,
+            "sizes": serving.SIZES,
+        },
+        "accuracy": None,
+        "numerics": None,
+        "perop": None,
+        "failed": [],
         **extra,
-    }  # fmt: skip
+    }
 
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
@@ -98,14 +112,23 @@ def test_the_report_shows_only_what_was_measured():
 # (base tokens, patched tokens, base logprobs, patched logprobs) -> expected
 COMPARISONS = {
     "identical": (
-        [1, 2, 3], [1, 2, 3], [-1.0, -2.0, -3.0], [-1.0, -2.5, -3.0], None, 0.5
+        [1, 2, 3],
+        [1, 2, 3],
+        [-1.0, -2.0, -3.0],
+        [-1.0, -2.5, -3.0],
+        None,
+        0.5,
     ),
     "parted at the third token: its delta counts, later ones do not": (
-        [1, 2, 3, 4], [1, 2, 9, 9], [-1.0, -1.0, -2.0, -3.0], [-1.0, -1.1, -2.3, -9.0],
-        2, 0.3,
+        [1, 2, 3, 4],
+        [1, 2, 9, 9],
+        [-1.0, -1.0, -2.0, -3.0],
+        [-1.0, -1.1, -2.3, -9.0],
+        2,
+        0.3,
     ),
     "parted at the first token": ([5], [6], [-1.0], [-1.25], 0, 0.25),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", COMPARISONS.values(), ids=COMPARISONS.keys())
@@ -126,9 +149,12 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
     same = {"tokens": [1, 2, 3], "logprobs": [-1.0] * 3}
     found = accuracy.compare(
         [same, same, same],
-        [same, {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
-         {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3}],
-    )  # fmt: skip
+        [
+            same,
+            {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
+            {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3},
+        ],
+    )
     assert found["first_divergence"] == {"prompt": 2, "position": 1}
     assert found["identical_prompts"] == 1
 
@@ -136,9 +162,15 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():
     sizes = {**serving.SIZES, "input_len": 100, "output_len": 50, "num_prompts": 7}
     args = serving.client_args("http://127.0.0.1:9", "/m", sizes)
-    for pair in [("--dataset-name", "random"), ("--random-input-len", "100"),
-                 ("--random-output-len", "50"), ("--random-range-ratio", "0"),
-                 ("--num-prompts", "7"), ("--seed", "0"), ("--tokenizer", "/m")]:  # fmt: skip
+    for pair in [
+        ("--dataset-name", "random"),
+        ("--random-input-len", "100"),
+        ("--random-output-len", "50"),
+        ("--random-range-ratio", "0"),
+        ("--num-prompts", "7"),
+        ("--seed", "0"),
+        ("--tokenizer", "/m"),
+    ]:
         assert args[args.index(pair[0]) + 1] == pair[1]
     assert "--ignore-eos" in args and args[:2] == ["bench", "serve"]
     served = serving.serve_args("/m", 1234, True, sizes)
@@ -209,16 +241,32 @@ def test_bench_without_vllm_is_a_usage_error(tmp_path, monkeypatch, capsys):
 
 # --- against the real vLLM and its servers -----------------------------------
 
-SHORT = ["--modes", "eager", "--repeats", "1", "--num-prompts", "2",
-         "--input-len", "8", "--output-len", "4", "--max-concurrency", "2"]  # fmt: skip
+SHORT = [
+    "--modes",
+    "eager",
+    "--repeats",
+    "1",
+    "--num-prompts",
+    "2",
+    "--input-len",
+    "8",
+    "--output-len",
+    "4",
+    "--max-concurrency",
+    "2",
+]
 
 
 def bench(out: Path, *argv: str, **how) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
         [sys.executable, "-m", "vllm_patch", "bench", "--out", str(out), *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **how,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **how,
+    )
 
 
 @requires_vllm
@@ -254,9 +302,13 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     assert "## Serving, eager" in text and "## Accuracy" in text
     starts = re.findall(r"\[eager (\d)/2\] (\w+): starting vLLM's server", err)
     assert starts == [
-        ("1", "base"), ("1", "patched"), ("1", "base2"),
-        ("2", "base2"), ("2", "patched"), ("2", "base"),
-    ]  # fmt: skip
+        ("1", "base"),
+        ("1", "patched"),
+        ("1", "base2"),
+        ("2", "base2"),
+        ("2", "patched"),
+        ("2", "base"),
+    ]
     assert "| base2 / base (A/A) |" in text
 
 
@@ -325,16 +377,25 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
     )
     data = tmp_path / "data.jsonl"
     data.write_text(
-        "".join(json.dumps({"question": f"w{i} w{i + 1}", "answer": "w7"}) + "\n"
-                for i in range(3, 9))
-    )  # fmt: skip
+        "".join(
+            json.dumps({"question": f"w{i} w{i + 1}", "answer": "w7"}) + "\n"
+            for i in range(3, 9)
+        )
+    )
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "words.yaml").write_text(LOCAL_TASK.format(data=data))
     proc = bench(
-        tmp_path / "out", "--serve", *SHORT, "--model", str(model),
-        "--lm-eval-task", "vllm_patch_words", "--lm-eval-include", str(tasks),
-    )  # fmt: skip
+        tmp_path / "out",
+        "--serve",
+        *SHORT,
+        "--model",
+        str(model),
+        "--lm-eval-task",
+        "vllm_patch_words",
+        "--lm-eval-include",
+        str(tasks),
+    )
     _, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:]
     lm = json.loads((tmp_path / "out" / "evidence.json").read_text())["accuracy"]
@@ -384,8 +445,12 @@ def test_per_op_at_each_thread_count_is_a_section_of_its_own():
     def perop(threads: int, us: float) -> dict:
         row = {"env": "both", "op": "rms_norm", "tokens": 1, "route": "native"}
         row |= {"median_us": us, "native_us": us, "p10_us": us, "p90_us": us}
-        return {"hidden_size": 2048, "dtype": "bfloat16", "threads": threads,
-                "rows": [row]}  # fmt: skip
+        return {
+            "hidden_size": 2048,
+            "dtype": "bfloat16",
+            "threads": threads,
+            "rows": [row],
+        }
 
     doc = {"schema": 1, "perop": perop(1, 20.0), "perop_threads": [perop(2, 23.0)]}
     text = report.evidence_markdown(record.parse(doc))
@@ -405,8 +470,11 @@ def test_per_op_times_every_route_that_passes_numerics():
     routes = {(r["op"], r["tokens"], r["route"]) for r in found["rows"]}
     for op in ("rms_norm", "fused_add_rms_norm"):
         for tokens in perop.TOKENS:
-            assert {(op, tokens, "native"), (op, tokens, "kernel"),
-                    (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
+            assert {
+                (op, tokens, "native"),
+                (op, tokens, "kernel"),
+                (op, tokens, "layer:RMSNorm"),
+            } <= routes
     timed = [r for r in found["rows"] if "wrong" not in r]
     assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
     assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
@@ -414,8 +482,10 @@ def test_per_op_times_every_route_that_passes_numerics():
     typed = record.parse({"schema": 1, "perop": found}).perop
     assert "| op | tokens | both: native |" in report.perop_table(typed)
     split = report.perop_split(typed)
-    assert [row[:2] for row in split] == [["base", "`rms_norm`"],
-                                          ["base", "`fused_add_rms_norm`"]]  # fmt: skip
+    assert [row[:2] for row in split] == [
+        ["base", "`rms_norm`"],
+        ["base", "`fused_add_rms_norm`"],
+    ]
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
 
 
@@ -432,9 +502,21 @@ def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_pat
         tmp_path / "models", **random_models.TINY_LLAMA
     )
     proc = bench(
-        tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
-        "--rounds", "2", "--threads", "auto,2", "--tokens", "4", "--dtype", "float32",
-    )  # fmt: skip
+        tmp_path / "out",
+        "--decode",
+        "--model",
+        str(model),
+        "--modes",
+        "eager",
+        "--rounds",
+        "2",
+        "--threads",
+        "auto,2",
+        "--tokens",
+        "4",
+        "--dtype",
+        "float32",
+    )
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     d = json.loads((tmp_path / "out" / "evidence.json").read_text())["decode"]
@@ -479,8 +561,14 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
 
 
 def perop_section(median_us: float, native_us: float = 30.0) -> dict:
-    row = {"env": "base", "op": "rms_norm", "tokens": 1, "route": "kernel",
-           "median_us": median_us, "native_us": native_us}  # fmt: skip
+    row = {
+        "env": "base",
+        "op": "rms_norm",
+        "tokens": 1,
+        "route": "kernel",
+        "median_us": median_us,
+        "native_us": native_us,
+    }
     return {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": [row]}
 
 
@@ -519,8 +607,7 @@ def test_figures_that_cannot_be_measured_are_one_message(tmp_path, extra, said):
 
 def test_repetitions_without_a_pair_are_named():
     doc = doc_with({"eager": {"base": runs(10, 20), "patched": runs(11, 20, 30)}})
-    text = "\n".join(report.serving_tables(record.parse(doc).serving,
-                                                  "## {mode}"))  # fmt: skip
+    text = "\n".join(report.serving_tables(record.parse(doc).serving, "## {mode}"))
     assert "Repetitions: base 2, patched 3; a ratio pairs the first 2" in text
 
 
@@ -537,20 +624,39 @@ def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=(
     rows = []
     for r in range(1, n + 1):
         load = 1 + 0.3 * rng.random()
-        step = {"base": 100.0, "base2": 100.0 * base2, "patched": 100.0 * patched,
-                "provider": 100.0 * patched}  # fmt: skip
-        norm = {"base": 5.0, "base2": 5.0, "patched": 5.0 - norm_saved,
-                "provider": 5.0 - norm_saved}  # fmt: skip
+        step = {
+            "base": 100.0,
+            "base2": 100.0 * base2,
+            "patched": 100.0 * patched,
+            "provider": 100.0 * patched,
+        }
+        norm = {
+            "base": 5.0,
+            "base2": 5.0,
+            "patched": 5.0 - norm_saved,
+            "provider": 5.0 - norm_saved,
+        }
         steps = {
-            v: {"step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
-                "step_wall": s * load * 1.5, "norm_cpu": norm[v] * load,
-                "norm_wall": norm[v] * load * 1.5, "norm_calls": 33.0}
+            v: {
+                "step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
+                "step_wall": s * load * 1.5,
+                "norm_cpu": norm[v] * load,
+                "norm_wall": norm[v] * load * 1.5,
+                "norm_calls": 33.0,
+            }
             for v, s in step.items()
-        }  # fmt: skip
-        rows.append({"round": r, "threads": "auto", "order": list(steps),
-                     "steps": steps, "other_share": 0.5 if r in busy else 0.1,
-                     "layouts": {v: {"threads": 1, "cpus": [0]} for v in steps},
-                     "busy": r in busy})  # fmt: skip
+        }
+        rows.append(
+            {
+                "round": r,
+                "threads": "auto",
+                "order": list(steps),
+                "steps": steps,
+                "other_share": 0.5 if r in busy else 0.1,
+                "layouts": {v: {"threads": 1, "cpus": [0]} for v in steps},
+                "busy": r in busy,
+            }
+        )
     return rows
 
 
@@ -599,9 +705,14 @@ def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
     from vllm_patch.bench import decode
 
     def event(name, start, end, parent=None, user=False, children=()):
-        e = Event(name=name, cpu_parent=parent, is_user_annotation=user,
-                  time_range=Event(start=start, end=end), cpu_time_total=end - start,
-                  cpu_children=list(children))  # fmt: skip
+        e = Event(
+            name=name,
+            cpu_parent=parent,
+            is_user_annotation=user,
+            time_range=Event(start=start, end=end),
+            cpu_time_total=end - start,
+            cpu_children=list(children),
+        )
         for c in children:
             c.cpu_parent = e
         return e
@@ -612,8 +723,12 @@ def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
     linear = event("aten::linear", 11, 30, children=[nested])
     other = event("aten::add", 40, 45)
     found = decode.split([norm, kernel, linear, nested, other])
-    assert found == {"norm kernels": 3, "rest of RMSNorm": 7,
-                     "op after a norm": 19, "other ops": 5}  # fmt: skip
+    assert found == {
+        "norm kernels": 3,
+        "rest of RMSNorm": 7,
+        "op after a norm": 19,
+        "other ops": 5,
+    }
 
 
 def test_a_drifting_load_cancels_in_the_paired_ratio():
@@ -654,10 +769,15 @@ def decode_section(**rows_how):
     rows2 = [{**r, "threads": 2} for r in decode_rows(seed=2)]
     compiled_rows = decode_rows(seed=3)
     compiled = [
-        {**r, "steps": {"compiled": r["steps"]["base"],
-                        "compiled+rms_norm": r["steps"]["patched"]}}
+        {
+            **r,
+            "steps": {
+                "compiled": r["steps"]["base"],
+                "compiled+rms_norm": r["steps"]["patched"],
+            },
+        }
         for r in compiled_rows
-    ]  # fmt: skip
+    ]
     for r in compiled:
         r["steps"] = {v: {**s, "norm_calls": 0.0} for v, s in r["steps"].items()}
     about = {"base": {"kernel_build": ["_C_AVX2"]}}
@@ -744,15 +864,25 @@ def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
     difference = {"patched": ll.Interval(1e-4, -2e-4, 4e-4, 22)}
     found = ll.Comparison(
         ll.LikelihoodResult(
-            dtype="float32", build="_C_AVX2", text="the GNU GPL", text_sha256="ab",
-            chunk=512, tokens=11000, nats_per_token={"base": 2.69, "patched": 2.6901},
-            difference=difference, seconds={"base": 30.0, "patched": 31.0},
+            dtype="float32",
+            build="_C_AVX2",
+            text="the GNU GPL",
+            text_sha256="ab",
+            chunk=512,
+            tokens=11000,
+            nats_per_token={"base": 2.69, "patched": 2.6901},
+            difference=difference,
+            seconds={"base": 30.0, "patched": 31.0},
         ),
         ll.GreedyResult(
-            dtype="float32", build="_C_AVX2", prompts=("Hi", "Why?"), max_tokens=32,
-            divergence={"patched": [None, 7]}, base_answers=["Hello", "Because"],
+            dtype="float32",
+            build="_C_AVX2",
+            prompts=("Hi", "Why?"),
+            max_tokens=32,
+            divergence={"patched": [None, 7]},
+            base_answers=["Hello", "Because"],
         ),
-    )  # fmt: skip
+    )
     written = json.loads(json.dumps([found.to_json()]))
     ev = record.parse(doc_with({}, likelihood=written))
     assert ev.likelihood == (found,)
