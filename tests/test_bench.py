@@ -726,7 +726,7 @@ def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
     assert found == {
         "norm kernels": 3,
         "rest of RMSNorm": 7,
-        "op after a norm": 19,
+        "matmul after a norm": 19,
         "other ops": 5,
     }
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,10 @@ KERNELS = tuple(f"_C::{op}" for op in OPS)  # the profiler's names of the kernel
 # A decode step under torch's profiler: where a loss comes from. At 2 threads
 # the kernels open an OpenMP parallel region on every call, even for one row,
 # while native's small ATen ops stay under ATen's grain size and run inline.
-SPLIT = ("norm kernels", "rest of RMSNorm", "op after a norm", "other ops")
+SPLIT = ("norm kernels", "rest of RMSNorm", "matmul after a norm", "other ops")
+# The projection that reads a norm's output: vLLM's CPU linears are ATen's
+# linear/addmm/mm or oneDNN's matmul ops.
+MATMUL = re.compile(r"linear|mm|gemm|matmul")
 HALF_WIDTH = 0.03  # an interval this narrow (relative) resolves the change
 TRIM = 0.1  # the share of the rounds left out at each end
 RESAMPLES = 2000
@@ -485,7 +489,7 @@ def profiled(llm, totals: list[int], hooks: dict) -> dict[str, float]:
 
 def split(events) -> dict[str, float]:
     """Microseconds by ``SPLIT`` part: inside RMSNorm its kernels (their OpenMP
-    region) and the rest; the first op after each norm; every other op."""
+    region) and the rest; the first matmul after each norm; every other op."""
     found = dict.fromkeys(SPLIT, 0.0)
     ops = sorted(
         (e for e in events if outermost(e.cpu_parent)), key=lambda e: e.time_range.start
@@ -499,8 +503,8 @@ def split(events) -> dict[str, float]:
             norm_end = e.time_range.end
         elif e.is_user_annotation:
             continue
-        elif norm_end is not None and e.time_range.start >= norm_end:
-            found["op after a norm"] += e.cpu_time_total
+        elif norm_end is not None and MATMUL.search(e.name):
+            found["matmul after a norm"] += e.cpu_time_total
             norm_end = None
         else:
             found["other ops"] += e.cpu_time_total
