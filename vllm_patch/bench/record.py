@@ -38,7 +38,9 @@ Metric = Literal[
     "p99_itl_ms",
 ]
 """``vllm bench serve --save-result``'s names for what the table shows."""
-MODES, SERVED, METRICS = get_args(Mode), get_args(Served), get_args(Metric)
+MODES = get_args(Mode)
+SERVED = get_args(Served)
+METRICS = get_args(Metric)
 LONGEST = 4000  # characters of a string (a command); names are cut shorter
 MANY = 200  # entries of a list or table (repetitions, commands, log lines)
 MOST_ROWS = 2000  # per-op rows (a run writes a few dozen), prompts, numerics
