@@ -474,6 +474,8 @@ def test_per_op_times_every_route_that_passes_numerics():
                 (op, tokens, "native"),
                 (op, tokens, "kernel"),
                 (op, tokens, "layer:RMSNorm"),
+                (op, tokens, record.MINIMAL),
+                (op, tokens, record.FORWARD_NATIVE),
             } <= routes
     timed = [r for r in found["rows"] if "wrong" not in r]
     assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
@@ -487,6 +489,9 @@ def test_per_op_times_every_route_that_passes_numerics():
         ["base", "`fused_add_rms_norm`"],
     ]
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
+    overhead = report.perop_overhead(typed)  # forward beside minimal and native
+    assert len(overhead) == 2 * len(perop.TOKENS)
+    assert all(None not in row[4:7] for row in overhead)
 
 
 @requires_vllm
