@@ -841,6 +841,8 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     assert first.startswith("- A decode step (float32, vLLM's default thread binding")
     assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
     assert "ms saved inside RMSNorm per step" in first
+    assert "Per layout: vLLM's default thread binding" in first
+    assert "; 2 thread(s) on every CPU " in first and first.endswith("unresolved.")
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,21 @@ def decode_claim(d: er.Decode) -> str | None:
         f"{md.text(d.model.named(), 80)}), this change's CPU time over the "
         "base's, 95% interval: "
         f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
+        f"{layouts_said(d)}"
     )
+
+
+def layouts_said(d: er.Decode) -> str:
+    """`` Per layout: ...``: each layout's patched/base and its verdict."""
+    said = []
+    for name, b in d.by_threads.items():
+        found = b.comparisons.get("patched/base")
+        if found and found.verdict:
+            said.append(
+                f"{layout_named(name)} {interval_shown(found, unit='x')}, "
+                f"{found.verdict}"
+            )
+    return f" Per layout: {'; '.join(said)}." if len(said) > 1 else ""
 
 
 def throughput_claim(ev: er.Evidence) -> str | None:
