@@ -258,7 +258,8 @@ SHORT = [
 
 
 def bench(out: Path, *argv: str, **how) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # this checkout first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     return subprocess.Popen(
         [sys.executable, "-m", "vllm_patch", "bench", "--out", str(out), *argv],
         stdout=subprocess.PIPE,
