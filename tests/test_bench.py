@@ -902,3 +902,12 @@ def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
     ]
     text = report.evidence_markdown(ev)
     assert "### Log-likelihood and greedy agreement" in text
+
+
+def test_the_allocation_alone_is_a_part_not_a_ratio():
+    """Allocating a 512-token output takes a thousandth of native's call: that
+    is a part of a call (no ratio is shown or bounded), not a way to run it."""
+    section = perop_section(0.4, native_us=600.0)
+    section["rows"][0]["route"] = "alloc"
+    perop = record.typed(record.PerOp, section, "perop")
+    assert "| 0.4 |" in report.perop_table(perop)

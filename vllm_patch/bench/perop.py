@@ -24,7 +24,7 @@ from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import numerics
-from vllm_patch.bench.record import FORWARD_NATIVE, MINIMAL, NATIVE
+from vllm_patch.bench.record import ALLOC, FORWARD_NATIVE, MINIMAL, NATIVE
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
@@ -171,7 +171,7 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     else:
         out = torch.empty_like(args[0])
         fns["kernel:bare"] = lambda x, w, eps: kernel(out, x, w, eps)
-        fns["alloc"] = lambda x, w, eps: torch.empty_like(x)
+        fns[ALLOC] = lambda x, w, eps: torch.empty_like(x)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
         for r, us in _sample_us(fns, args, scopes).items()

@@ -7,6 +7,7 @@ from vllm_patch.bench import likelihood
 from vllm_patch.bench import record as er
 from vllm_patch.bench.record import (
     A_A,
+    ALLOC,
     FORWARD_NATIVE,
     METRICS,
     MINIMAL,
@@ -354,7 +355,8 @@ def perop_table(
         if r.wrong:
             text = "outside the tolerance"
         else:
-            ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
+            plain = r.route in (NATIVE, ALLOC)  # no ratio: native itself, or a part
+            ratio = "" if plain else f" ({r.native_us / r.median_us:.2f}x)"
             low = r.p10_us
             high = r.p90_us
             spread = "" if None in (low, high) else f" [{low:.1f}–{high:.1f}]"
@@ -413,7 +415,7 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
             r.median_us - forward,
             None if impl is None else forward - impl,
             min(ir) - impl if ir and kernel and impl is not None else None,
-            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, ALLOC)) if kernel else None,
             us.get((env, op, "kernel:bare")) if kernel else impl,
         ]
         names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
