@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -21,9 +22,9 @@ import pytest
 from conftest import requires_vllm
 
 from patcher.errors import ExitCode, PatchError
-from vllm_patch.bench import accuracy, evidence, serving
-from vllm_patch.runtime import bench_result, evidence_record
-from vllm_patch.runtime.bench_result import METRICS
+from vllm_patch.bench import accuracy, models, record, report, serving
+from vllm_patch.bench import run as bench_run
+from vllm_patch.bench.report import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,26 +36,40 @@ def runs(*values: float) -> dict[str, list[float]]:
 def doc_with(configs: dict, **extra) -> dict:
     return {
         "schema": 1,
-        "machine": {"cpu_model": "A CPU", "arch": "x86_64", "usable_cpus": 2,
-                    "os": "Linux", "key_flags": ["avx2"]},
-        "load": {"before": [1.0, 1, 1], "after": [2.0, 1, 1],
-                 "other_processes_share": 0.1},
+        "machine": {
+            "cpu_model": "A CPU",
+            "arch": "x86_64",
+            "usable_cpus": 2,
+            "os": "Linux",
+            "key_flags": ["avx2"],
+        },
+        "load": {
+            "before": [1.0, 1, 1],
+            "after": [2.0, 1, 1],
+            "other_processes_share": 0.1,
+        },
         "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"},
         "model": {"path": None, "random_weights": True, "description": "tiny"},
-        "serving": {"commands": ["vllm serve MODEL"], "configs": configs,
-                    "sizes": serving.SIZES},
-        "accuracy": None, "numerics": None, "perop": None, "failed": [],
+        "serving": {
+            "commands": ["vllm serve MODEL"],
+            "configs": configs,
+            "sizes": serving.SIZES,
+        },
+        "accuracy": None,
+        "numerics": None,
+        "perop": None,
+        "failed": [],
         **extra,
-    }  # fmt: skip
+    }
 
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
-    doc = evidence_record.parse(doc).serving
-    assert bench_result.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
-    spread = bench_result.spread_shown([1.1, 1.0, 0.75], ratio=True)
+    doc = record.parse(doc).serving
+    assert report.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
+    spread = report.spread_shown([1.1, 1.0, 0.75], ratio=True)
     assert spread == "1.000x [0.750x–1.100x]"  # median [min–max]
-    table = bench_result.serving_table(doc, "eager")
+    table = report.serving_table(doc, "eager")
     lines = table.splitlines()
     assert lines[0] == "| metric | base | patched | patched / base |"
     assert len(lines) == 2 + len(METRICS)
@@ -65,12 +80,12 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
 
 def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
     eager = {"base": runs(10, 20), "patched": runs(11, 20), "base2": runs(9, 22)}
-    doc = evidence_record.parse(doc_with({"eager": eager}))
-    assert bench_result.ratios(doc.serving, "eager", "output_throughput", "base2") == [
+    doc = record.parse(doc_with({"eager": eager}))
+    assert report.ratios(doc.serving, "eager", "output_throughput", "base2") == [
         0.9,
         1.1,
     ]
-    lines = bench_result.serving_table(doc.serving, "eager").splitlines()
+    lines = report.serving_table(doc.serving, "eager").splitlines()
     assert lines[0] == (
         "| metric | base | patched | patched / base | base2 / base (A/A) |"
     )
@@ -78,7 +93,7 @@ def test_the_a_a_control_is_base2_over_base_beside_the_ratio():
         "| output tok/s | 15 [10–20] | 15.5 [11–20] | 1.050x [1.000x–1.100x] | "
         "1.000x [0.900x–1.100x] |"
     ) in lines
-    claim = bench_result.throughput_claim(doc)
+    claim = report.throughput_claim(doc)
     assert "1.050x [1.000x–1.100x] eager (A/A: 1.000x [0.900x–1.100x])" in claim
 
 
@@ -86,7 +101,7 @@ def test_the_report_shows_only_what_was_measured():
     """An interrupted run: one mode, one side of the second repetition."""
     eager = {"base": runs(10, 12), "patched": runs(11)}
     doc = doc_with({"eager": eager}, interrupted=True)
-    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    text = report.evidence_markdown(record.parse(doc))
     assert "## Serving, eager: median [min–max] of 1 repetitions" in text
     assert "compiled" not in text and "**Interrupted**" in text
     assert "A CPU (x86_64), 2 CPUs, Linux; kernel flags: avx2" in text
@@ -97,14 +112,23 @@ def test_the_report_shows_only_what_was_measured():
 # (base tokens, patched tokens, base logprobs, patched logprobs) -> expected
 COMPARISONS = {
     "identical": (
-        [1, 2, 3], [1, 2, 3], [-1.0, -2.0, -3.0], [-1.0, -2.5, -3.0], None, 0.5
+        [1, 2, 3],
+        [1, 2, 3],
+        [-1.0, -2.0, -3.0],
+        [-1.0, -2.5, -3.0],
+        None,
+        0.5,
     ),
     "parted at the third token: its delta counts, later ones do not": (
-        [1, 2, 3, 4], [1, 2, 9, 9], [-1.0, -1.0, -2.0, -3.0], [-1.0, -1.1, -2.3, -9.0],
-        2, 0.3,
+        [1, 2, 3, 4],
+        [1, 2, 9, 9],
+        [-1.0, -1.0, -2.0, -3.0],
+        [-1.0, -1.1, -2.3, -9.0],
+        2,
+        0.3,
     ),
     "parted at the first token": ([5], [6], [-1.0], [-1.25], 0, 0.25),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", COMPARISONS.values(), ids=COMPARISONS.keys())
@@ -125,9 +149,12 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
     same = {"tokens": [1, 2, 3], "logprobs": [-1.0] * 3}
     found = accuracy.compare(
         [same, same, same],
-        [same, {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
-         {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3}],
-    )  # fmt: skip
+        [
+            same,
+            {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
+            {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3},
+        ],
+    )
     assert found["first_divergence"] == {"prompt": 2, "position": 1}
     assert found["identical_prompts"] == 1
 
@@ -135,9 +162,15 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():
     sizes = {**serving.SIZES, "input_len": 100, "output_len": 50, "num_prompts": 7}
     args = serving.client_args("http://127.0.0.1:9", "/m", sizes)
-    for pair in [("--dataset-name", "random"), ("--random-input-len", "100"),
-                 ("--random-output-len", "50"), ("--random-range-ratio", "0"),
-                 ("--num-prompts", "7"), ("--seed", "0"), ("--tokenizer", "/m")]:  # fmt: skip
+    for pair in [
+        ("--dataset-name", "random"),
+        ("--random-input-len", "100"),
+        ("--random-output-len", "50"),
+        ("--random-range-ratio", "0"),
+        ("--num-prompts", "7"),
+        ("--seed", "0"),
+        ("--tokenizer", "/m"),
+    ]:
         assert args[args.index(pair[0]) + 1] == pair[1]
     assert "--ignore-eos" in args and args[:2] == ["bench", "serve"]
     served = serving.serve_args("/m", 1234, True, sizes)
@@ -161,7 +194,7 @@ def test_an_output_folder_that_is_a_link_is_refused(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "out").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(PatchError, match="never writes through a link"):
-        evidence.BenchRun(tmp_path / "out", print)
+        bench_run.BenchRun(tmp_path / "out", print)
 
 
 def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
@@ -169,7 +202,7 @@ def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
     target.write_text("keep")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "evidence.json").symlink_to(target)
-    run = evidence.BenchRun(tmp_path / "out", print)
+    run = bench_run.BenchRun(tmp_path / "out", print)
     with pytest.raises(PatchError, match="not a regular file"):
         run.save()
     assert target.read_text() == "keep"
@@ -177,7 +210,7 @@ def test_a_planted_link_in_the_folder_is_not_written_through(tmp_path):
 
 def test_a_model_folder_needs_its_config(tmp_path):
     with pytest.raises(PatchError, match="not a model folder"):
-        evidence.user_model(tmp_path)
+        models.user_model(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -208,16 +241,33 @@ def test_bench_without_vllm_is_a_usage_error(tmp_path, monkeypatch, capsys):
 
 # --- against the real vLLM and its servers -----------------------------------
 
-SHORT = ["--modes", "eager", "--repeats", "1", "--num-prompts", "2",
-         "--input-len", "8", "--output-len", "4", "--max-concurrency", "2"]  # fmt: skip
+SHORT = [
+    "--modes",
+    "eager",
+    "--repeats",
+    "1",
+    "--num-prompts",
+    "2",
+    "--input-len",
+    "8",
+    "--output-len",
+    "4",
+    "--max-concurrency",
+    "2",
+]
 
 
 def bench(out: Path, *argv: str, **how) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # this checkout first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     return subprocess.Popen(
         [sys.executable, "-m", "vllm_patch", "bench", "--out", str(out), *argv],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **how,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **how,
+    )
 
 
 @requires_vllm
@@ -253,9 +303,13 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     assert "## Serving, eager" in text and "## Accuracy" in text
     starts = re.findall(r"\[eager (\d)/2\] (\w+): starting vLLM's server", err)
     assert starts == [
-        ("1", "base"), ("1", "patched"), ("1", "base2"),
-        ("2", "base2"), ("2", "patched"), ("2", "base"),
-    ]  # fmt: skip
+        ("1", "base"),
+        ("1", "patched"),
+        ("1", "base2"),
+        ("2", "base2"),
+        ("2", "patched"),
+        ("2", "base"),
+    ]
     assert "| base2 / base (A/A) |" in text
 
 
@@ -317,23 +371,32 @@ metric_list:
 def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
     """``--model`` with a task made here (lm_eval reads a local dataset through
     a task YAML): exact_match and its stderr for base and patched."""
-    from vllm_patch.bench import engine_run
+    from vllm_patch.bench import random_models
 
-    model = engine_run.make_random_llama(
-        tmp_path / "models", **engine_run.TINY_LLAMA, tokenizer=True
+    model = random_models.make_random_llama(
+        tmp_path / "models", **random_models.TINY_LLAMA, tokenizer=True
     )
     data = tmp_path / "data.jsonl"
     data.write_text(
-        "".join(json.dumps({"question": f"w{i} w{i + 1}", "answer": "w7"}) + "\n"
-                for i in range(3, 9))
-    )  # fmt: skip
+        "".join(
+            json.dumps({"question": f"w{i} w{i + 1}", "answer": "w7"}) + "\n"
+            for i in range(3, 9)
+        )
+    )
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "words.yaml").write_text(LOCAL_TASK.format(data=data))
     proc = bench(
-        tmp_path / "out", "--serve", *SHORT, "--model", str(model),
-        "--lm-eval-task", "vllm_patch_words", "--lm-eval-include", str(tasks),
-    )  # fmt: skip
+        tmp_path / "out",
+        "--serve",
+        *SHORT,
+        "--model",
+        str(model),
+        "--lm-eval-task",
+        "vllm_patch_words",
+        "--lm-eval-include",
+        str(tasks),
+    )
     _, err = proc.communicate(timeout=1800)
     assert proc.returncode == 0, err[-3000:]
     lm = json.loads((tmp_path / "out" / "evidence.json").read_text())["accuracy"]
@@ -358,7 +421,7 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
 def test_the_change_measured_is_the_default_or_the_one_named(named, measured):
     from patcher.tree import open_tree
 
-    assert evidence.choose_patch(open_tree(None), named).name == measured
+    assert bench_run.choose_patch(open_tree(None), named).name == measured
 
 
 @requires_vllm
@@ -375,7 +438,7 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
     numerics = {"numerics": builds, "tolerance": tolerance}
-    text = bench_result.numerics_table(evidence_record.parse({"schema": 1, **numerics}))
+    text = report.numerics_table(record.parse({"schema": 1, **numerics}))
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
 
@@ -383,16 +446,20 @@ def test_per_op_at_each_thread_count_is_a_section_of_its_own():
     def perop(threads: int, us: float) -> dict:
         row = {"env": "both", "op": "rms_norm", "tokens": 1, "route": "native"}
         row |= {"median_us": us, "native_us": us, "p10_us": us, "p90_us": us}
-        return {"hidden_size": 2048, "dtype": "bfloat16", "threads": threads,
-                "rows": [row]}  # fmt: skip
+        return {
+            "hidden_size": 2048,
+            "dtype": "bfloat16",
+            "threads": threads,
+            "rows": [row],
+        }
 
     doc = {"schema": 1, "perop": perop(1, 20.0), "perop_threads": [perop(2, 23.0)]}
-    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    text = report.evidence_markdown(record.parse(doc))
     headings = re.findall(r"^## Microseconds per call.*$", text, re.M)
     assert [h.rsplit(", ", 1)[1] for h in headings] == ["1 thread(s)", "2 thread(s)"]
     assert "| `rms_norm` | 1 | 23.0 [23.0–23.0] |" in text.split(headings[1])[1]
-    with pytest.raises(evidence_record.Bad, match="perop_threads.*more than 8"):
-        evidence_record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
+    with pytest.raises(record.Bad, match="perop_threads.*more than 8"):
+        record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
 
 
 @requires_vllm
@@ -404,56 +471,90 @@ def test_per_op_times_every_route_that_passes_numerics():
     routes = {(r["op"], r["tokens"], r["route"]) for r in found["rows"]}
     for op in ("rms_norm", "fused_add_rms_norm"):
         for tokens in perop.TOKENS:
-            assert {(op, tokens, "native"), (op, tokens, "kernel"),
-                    (op, tokens, "layer:RMSNorm")} <= routes  # fmt: skip
+            assert {
+                (op, tokens, "native"),
+                (op, tokens, "kernel"),
+                (op, tokens, "layer:RMSNorm"),
+                (op, tokens, record.MINIMAL),
+                (op, tokens, record.FORWARD_NATIVE),
+            } <= routes
     timed = [r for r in found["rows"] if "wrong" not in r]
     assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
     assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
     assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
-    typed = evidence_record.parse({"schema": 1, "perop": found}).perop
-    assert "| op | tokens | both: native |" in bench_result.perop_table(typed)
-    split = bench_result.perop_split(typed)
-    assert [row[:2] for row in split] == [["base", "`rms_norm`"],
-                                          ["base", "`fused_add_rms_norm`"]]  # fmt: skip
+    typed = record.parse({"schema": 1, "perop": found}).perop
+    assert "| op | tokens | both: native |" in report.perop_table(typed)
+    split = report.perop_split(typed)
+    assert [row[:2] for row in split] == [
+        ["base", "`rms_norm`"],
+        ["base", "`fused_add_rms_norm`"],
+    ]
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
+    overhead = report.perop_overhead(typed)  # forward beside minimal and native
+    assert len(overhead) == 2 * len(perop.TOKENS)
+    assert all(row[4] and row[6] for row in overhead)  # minimal: where it matches
 
 
 @requires_vllm
 @pytest.mark.integration
 def test_a_short_decode_run_measures_every_engine_and_writes_the_section(tmp_path):
-    """Two rounds on the tiny Llama, eager, one thread: every engine's decode
-    step and the time inside its norms, the comparisons with intervals, in
-    evidence.json and evidence.md."""
-    from vllm_patch.bench import engine_run
+    """Two rounds on the tiny Llama, eager, in vLLM's binding and at 2 threads:
+    every engine's decode step, the time inside its norms and its profiled
+    split, the comparisons with intervals and verdicts, the layout each engine
+    read back, in evidence.json and evidence.md."""
+    from vllm_patch.bench import decode, random_models
 
-    model = engine_run.make_random_llama(tmp_path / "models", **engine_run.TINY_LLAMA)
+    model = random_models.make_random_llama(
+        tmp_path / "models", **random_models.TINY_LLAMA
+    )
     proc = bench(
-        tmp_path / "out", "--decode", "--model", str(model), "--modes", "eager",
-        "--rounds", "2", "--threads", "1", "--tokens", "4",
-    )  # fmt: skip
+        tmp_path / "out",
+        "--decode",
+        "--model",
+        str(model),
+        "--modes",
+        "eager",
+        "--rounds",
+        "2",
+        "--threads",
+        "auto,2",
+        "--tokens",
+        "4",
+        "--dtype",
+        "float32",
+    )
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-3000:]
     d = json.loads((tmp_path / "out" / "evidence.json").read_text())["decode"]
-    assert d["dtype"] in ("float32", "bfloat16") and d["threads"] == 1
+    assert d["dtype"] == "float32" and d["threads"] == "auto"
+    assert set(d["by_threads"]) == {"auto", "2"}
+    assert d["layout"]["threads"] == len(d["layout"]["cpus"]) >= 1
+    assert d["by_threads"]["2"]["layout"]["threads"] == 2
+    assert d["engines"]["patched"]["built_in"] == d["layout"]
+    assert set(d["profile_ms"]["patched"]) == set(decode.SPLIT)
     assert d["kernel_build"].startswith("_C") and d["rounds"] == 2
     assert set(d["comparisons"]) == {"patched/base", "base/base", "provider/base"}
     for c in d["comparisons"].values():
         assert c["n"] == 2 and c["ci95"][0] <= c["ratio"] <= c["ci95"][1]
+    assert d["comparisons"]["patched/base"]["verdict"] in VERDICTS
     assert set(d["norm_ms"]) == {"base", "base2", "patched", "provider"}
     assert all(v["ms"] > 0 for v in d["norm_ms"].values())
-    layers = engine_run.TINY_LLAMA["num_layers"]
+    layers = random_models.TINY_LLAMA["num_layers"]
     assert d["norm_calls_per_step"] == 2 * layers + 1
     assert d["engines"]["provider"]["norm_classes"] == ["CpuFusedRMSNorm"]
     assert d["engines"]["base"]["custom_ops"] == ["all"]
-    assert len(d["raw"]) == 2 and "saving_ms" in d
+    assert len(d["raw"]) == 4 and "saving_ms" in d
     assert "## Decode step" in (tmp_path / "out" / "evidence.md").read_text()
 
 
+VERDICTS = ("helps", "neutral", "loses", "unresolved", "busy")
+
+
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
-    run = evidence.BenchRun(tmp_path / "out", print)
+    run = bench_run.BenchRun(tmp_path / "out", print)
     run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
     run.save()
-    assert evidence_record.read(tmp_path / "out") == evidence_record.parse(
+    assert record.read(tmp_path / "out") == record.parse(
         json.loads((tmp_path / "out" / "evidence.json").read_text())
     )
     assert (tmp_path / "out" / "evidence.md").read_text().startswith("# vllm-patch")
@@ -462,7 +563,58 @@ def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
         tmp_path / "out" / "evidence.json"
     )
     with pytest.raises(PatchError, match="symbolic link"):
-        evidence_record.read(tmp_path / "planted")
+        record.read(tmp_path / "planted")
+
+
+def perop_section(median_us: float, native_us: float = 30.0) -> dict:
+    row = {
+        "env": "base",
+        "op": "rms_norm",
+        "tokens": 1,
+        "route": "kernel",
+        "median_us": median_us,
+        "native_us": native_us,
+    }
+    return {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": [row]}
+
+
+def decode_ratio(ratio: float) -> dict:
+    decode = decode_section()
+    decode["comparisons"]["patched/base"]["ratio"] = ratio
+    return decode
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (lambda: {"serving": runs(10, -20, 40)}, "at least 1e-06"),
+        (lambda: {"serving": runs(10, 0, 40)}, "at least 1e-06"),
+        (lambda: {"perop": perop_section(1e-320)}, "at least 1e-06"),
+        (lambda: {"perop": perop_section(0.02)}, "a ratio of 1.5e+03"),
+        (lambda: {"decode": decode_ratio(1e-4)}, "not within 1000x of 1"),
+        (lambda: {"decode": decode_ratio(math.inf)}, "not a finite number"),
+    ],
+)
+def test_figures_that_cannot_be_measured_are_one_message(tmp_path, extra, said):
+    """A time or throughput at or below 0, a denormal, an infinity, or a ratio
+    of figures 1000x apart: the file is refused, naming the field."""
+    doc = doc_with({"eager": {"base": runs(10, 20, 40)}})
+    extra = extra()
+    if "serving" in extra:
+        doc["serving"]["configs"]["eager"]["patched"] = extra.pop("serving")
+    doc.update(extra)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "evidence.json").write_text(json.dumps(doc))  # infinity as Infinity
+    with pytest.raises(PatchError, match="not usable evidence") as found:
+        record.read(out)
+    assert said in str(found.value)
+
+
+def test_repetitions_without_a_pair_are_named():
+    doc = doc_with({"eager": {"base": runs(10, 20), "patched": runs(11, 20, 30)}})
+    text = "\n".join(report.serving_tables(record.parse(doc).serving, "## {mode}"))
+    assert "Repetitions: base 2, patched 3; a ratio pairs the first 2" in text
 
 
 # --- the decode measurement's figures ------------------------------------------
@@ -478,19 +630,39 @@ def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=(
     rows = []
     for r in range(1, n + 1):
         load = 1 + 0.3 * rng.random()
-        step = {"base": 100.0, "base2": 100.0 * base2, "patched": 100.0 * patched,
-                "provider": 100.0 * patched}  # fmt: skip
-        norm = {"base": 5.0, "base2": 5.0, "patched": 5.0 - norm_saved,
-                "provider": 5.0 - norm_saved}  # fmt: skip
+        step = {
+            "base": 100.0,
+            "base2": 100.0 * base2,
+            "patched": 100.0 * patched,
+            "provider": 100.0 * patched,
+        }
+        norm = {
+            "base": 5.0,
+            "base2": 5.0,
+            "patched": 5.0 - norm_saved,
+            "provider": 5.0 - norm_saved,
+        }
         steps = {
-            v: {"step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
-                "step_wall": s * load * 1.5, "norm_cpu": norm[v] * load,
-                "norm_wall": norm[v] * load * 1.5, "norm_calls": 33.0}
+            v: {
+                "step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
+                "step_wall": s * load * 1.5,
+                "norm_cpu": norm[v] * load,
+                "norm_wall": norm[v] * load * 1.5,
+                "norm_calls": 33.0,
+            }
             for v, s in step.items()
-        }  # fmt: skip
-        rows.append({"round": r, "threads": 1, "order": list(steps),
-                     "steps": steps, "other_share": 0.5 if r in busy else 0.1,
-                     "busy": r in busy})  # fmt: skip
+        }
+        rows.append(
+            {
+                "round": r,
+                "threads": "auto",
+                "order": list(steps),
+                "steps": steps,
+                "other_share": 0.5 if r in busy else 0.1,
+                "layouts": {v: {"threads": 1, "cpus": [0]} for v in steps},
+                "busy": r in busy,
+            }
+        )
     return rows
 
 
@@ -508,8 +680,61 @@ def test_ratios_are_paired_per_repetition_and_skip_missing_ones():
     from vllm_patch.bench import decode as stats
 
     found = stats.ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 3.0, 4.0])
-    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3}
-    assert stats.ratio([1.0, 0.0, None], [1.0, 1.0, 1.0])["n"] == 1
+    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3, "dropped": [3]}
+    odd = stats.ratio([1.0, 0.0, None, -1.0, math.inf], [1.0] * 5)
+    assert odd["n"] == 1 and odd["dropped"] == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("ci95", "control", "said"),
+    [
+        ([0.95, 0.98], [0.99, 1.01], "helps"),
+        ([0.98, 1.02], [0.99, 1.01], "neutral"),
+        ([1.13, 1.18], [0.99, 1.03], "loses"),
+        ([1.13, 1.18], [1.02, 1.05], "unresolved"),
+    ],
+)
+def test_a_layout_verdict_reads_the_interval_against_1_with_the_control(
+    ci95, control, said
+):
+    from vllm_patch.bench import decode
+
+    found = {"ratio": sum(ci95) / 2, "ci95": ci95}
+    assert decode.verdict(found, {"ratio": 1.0, "ci95": control}) == said
+
+
+def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
+    """Events as torch's profiler gives them: a norm range holding a kernel,
+    the op right after it, other ops, and ops nested in those (not counted)."""
+    from types import SimpleNamespace as Event
+
+    from vllm_patch.bench import decode
+
+    def event(name, start, end, parent=None, user=False, children=()):
+        e = Event(
+            name=name,
+            cpu_parent=parent,
+            is_user_annotation=user,
+            time_range=Event(start=start, end=end),
+            cpu_time_total=end - start,
+            cpu_children=list(children),
+        )
+        for c in children:
+            c.cpu_parent = e
+        return e
+
+    kernel = event("_C::rms_norm", 2, 5)
+    norm = event(decode.NORM_RANGE, 0, 10, user=True, children=[kernel])
+    nested = event("aten::mm", 12, 20)
+    linear = event("aten::linear", 11, 30, children=[nested])
+    other = event("aten::add", 40, 45)
+    found = decode.split([norm, kernel, linear, nested, other])
+    assert found == {
+        "norm kernels": 3,
+        "rest of RMSNorm": 7,
+        "matmul after a norm": 19,
+        "other ops": 5,
+    }
 
 
 def test_a_drifting_load_cancels_in_the_paired_ratio():
@@ -537,8 +762,8 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     assert not fine["consistent"]["contradicts"]
     assert odd["consistent"]["contradicts"] and more["consistent"]["contradicts"]
     for found, said in [(odd, "saves less than"), (more, "saves more than")]:
-        block = evidence_record.typed(evidence_record.DecodeBlock, found, "b")
-        text = "\n".join(bench_result.decode_block(block))
+        block = record.typed(record.DecodeBlock, found, "b")
+        text = "\n".join(report.decode_block(block))
         assert "**contradicts** the attributed saving" in text
         assert f"the step {said} the time inside RMSNorm" in text
 
@@ -548,18 +773,25 @@ def decode_section(**rows_how):
 
     rows = decode_rows(**rows_how)
     rows2 = [{**r, "threads": 2} for r in decode_rows(seed=2)]
+    compiled_rows = decode_rows(seed=3)
     compiled = [
-        {**r, "steps": {"compiled": r["steps"]["base"],
-                        "compiled+rms_norm": r["steps"]["patched"]}}
-        for r in decode_rows(seed=3)
-    ]  # fmt: skip
+        {
+            **r,
+            "steps": {
+                "compiled": r["steps"]["base"],
+                "compiled+rms_norm": r["steps"]["patched"],
+            },
+        }
+        for r in compiled_rows
+    ]
     for r in compiled:
         r["steps"] = {v: {**s, "norm_calls": 0.0} for v, s in r["steps"].items()}
     about = {"base": {"kernel_build": ["_C_AVX2"]}}
     meta = {"model": {"name": "a Llama"}, "dtype": "float32", "tokens": 9}
-    return decode.summary(
-        rows + rows2, threads=[1, 2], compiled_rows=compiled, about=about, meta=meta
-    )
+    parts = dict.fromkeys(decode.SPLIT, 1.0)
+    found = {"eager": rows + rows2, "compiled": compiled, "profile": {"auto": {}}}
+    found["profile"]["auto"] = {v: parts for v in rows[0]["steps"]}
+    return decode.summary(found, ["auto", 2], about=about, meta=meta)
 
 
 def test_the_decode_section_holds_what_docs_bench_md_promises():
@@ -581,41 +813,101 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
 
     assert keys(documented) <= keys(built)
     assert built["comparisons"]["patched/base"]["ci95"][1] < 1.0
-    assert built["kernel_build"] == "_C_AVX2" and built["threads"] == 1
-    assert set(built["by_threads"]) == {"1", "2"}
+    assert built["kernel_build"] == "_C_AVX2" and built["threads"] == "auto"
+    assert set(built["by_threads"]) == {"auto", "2"}
+    assert built["comparisons"]["patched/base"]["verdict"] == "helps"
+    loaded = decode_section(busy=range(1, 8))["comparisons"]["patched/base"]
+    assert loaded["verdict"] == "busy"  # 7 of 12 rounds: not judged
 
 
 def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
 
-    section = evidence_record.typed(
-        evidence_record.Decode, decode_section(busy=(2, 3)), "decode"
-    )
-    text = "\n".join(bench_result.decode_markdown(section))
-    assert text.startswith(
-        "## Decode step: float32, 1 thread(s), kernel build \\_C_AVX2"
-    )
-    assert "| `base/base` (A/A control) |" in text and "### 2 threads" in text
+    section = record.typed(record.Decode, decode_section(busy=(2, 3)), "decode")
+    text = "\n".join(report.decode_markdown(section))
+    assert text.startswith("## Decode step: float32, vLLM's default thread binding")
+    assert "| `base/base` (A/A control) |" in text
+    assert "### 2 thread(s) on every CPU" in text and "helps (interval below 1)" in text
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())
-    assert "## Decode step" in bench_result.evidence_markdown(
-        evidence_record.parse(doc)
-    )
+    assert "## Decode step" in report.evidence_markdown(record.parse(doc))
 
 
 def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
-    ev = evidence_record.parse(doc_with({}, decode=decode_section()))
-    first = bench_result.claims(ev)[0]
+    ev = record.parse(doc_with({}, decode=decode_section()))
+    first = report.claims(ev)[0]
     b = ev.decode.headline
-    said = bench_result.interval_shown(b.comparisons["patched/base"], unit="x")
-    control = bench_result.interval_shown(b.comparisons["base/base"], unit="x")
-    assert first.startswith("- A decode step (float32, 1 thread(s), kernel build")
+    said = report.interval_shown(b.comparisons["patched/base"], unit="x")
+    control = report.interval_shown(b.comparisons["base/base"], unit="x")
+    assert first.startswith("- A decode step (float32, vLLM's default thread binding")
     assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
     assert "ms saved inside RMSNorm per step" in first
+    assert "Per layout: vLLM's default thread binding" in first
+    assert "; 2 thread(s) on every CPU " in first and first.endswith("unresolved.")
 
 
-def test_the_default_dtype_is_the_one_the_kernels_run_in():
-    from vllm_patch.bench import decode
+@pytest.mark.parametrize(
+    ("argv", "threads", "dtypes"),
+    [
+        ([], ["auto", str(len(os.sched_getaffinity(0)))], ["bfloat16", "float32"]),
+        (["--threads", "2,auto,2", "--dtype", "float32"], ["2", "auto"], ["float32"]),
+    ],
+)
+def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtypes):
+    import argparse
 
-    assert decode.default_dtype(["avx2", "fma"]) == "float32"
-    assert decode.default_dtype(["avx2", "avx512f", "avx512_bf16"]) == "bfloat16"
+    from vllm_patch.bench import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--out", "x", "--decode", *argv])
+    assert (args.threads, args.dtype) == (threads, dtypes)
+
+
+def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
+    """``likelihood.run``'s records, as ``--likelihood`` writes them: read back
+    as the same records, a claim per dtype and build, the table under Accuracy."""
+    from vllm_patch.bench import likelihood as ll
+
+    difference = {"patched": ll.Interval(1e-4, -2e-4, 4e-4, 22)}
+    found = ll.Comparison(
+        ll.LikelihoodResult(
+            dtype="float32",
+            build="_C_AVX2",
+            text="the GNU GPL",
+            text_sha256="ab",
+            chunk=512,
+            tokens=11000,
+            nats_per_token={"base": 2.69, "patched": 2.6901},
+            difference=difference,
+            seconds={"base": 30.0, "patched": 31.0},
+        ),
+        ll.GreedyResult(
+            dtype="float32",
+            build="_C_AVX2",
+            prompts=("Hi", "Why?"),
+            max_tokens=32,
+            divergence={"patched": [None, 7]},
+            base_answers=["Hello", "Because"],
+        ),
+    )
+    written = json.loads(json.dumps([found.to_json()]))
+    ev = record.parse(doc_with({}, likelihood=written))
+    assert ev.likelihood == (found,)
+    claim = [c for c in report.claims(ev) if c.startswith("- Log-likelihood")]
+    assert claim == [
+        "- Log-likelihood of the GNU GPL (11,000 tokens, tiny, float32, `_C_AVX2`), "
+        "95% interval over chunks: patched − base +1.00e-04 [-2.00e-04, +4.00e-04] "
+        "nats/token, greedy 1/2 identical; first differ: #2 at 7."
+    ]
+    text = report.evidence_markdown(ev)
+    assert "### Log-likelihood and greedy agreement" in text
+
+
+def test_the_allocation_alone_is_a_part_not_a_ratio():
+    """Allocating a 512-token output takes a thousandth of native's call: that
+    is a part of a call (no ratio is shown or bounded), not a way to run it."""
+    section = perop_section(0.4, native_us=600.0)
+    section["rows"][0]["route"] = "alloc"
+    perop = record.typed(record.PerOp, section, "perop")
+    assert "| 0.4 |" in report.perop_table(perop)

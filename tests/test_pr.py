@@ -26,7 +26,7 @@ from patcher import engine
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch import cli
-from vllm_patch.runtime import bench_result, evidence_record
+from vllm_patch.bench import record, report
 from vllm_patch.runtime.cache import CACHE_ENV, cache_dir, fetch_wheel
 from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr_body import what_changes
@@ -346,8 +346,8 @@ def test_body_carries_the_evidence_and_speaks_of_vllm_alone(checkout, tmp_path):
         assert word not in body.replace(attributed, ""), word
     assert len(outside_details(body).encode()) < 6000
     for mode in measured["serving"]["configs"]:  # evidence.md's tables
-        serving = evidence_record.parse(measured).serving
-        assert bench_result.serving_table(serving, mode) in body
+        serving = record.parse(measured).serving
+        assert report.serving_table(serving, mode) in body
     assert measured["serving"]["commands"][1] in body
 
 

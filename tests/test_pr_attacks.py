@@ -34,7 +34,7 @@ from patcher import engine
 from patcher.errors import ExitCode
 from patcher.patchset import select
 from vllm_patch import cli
-from vllm_patch.runtime.evidence_record import EVIDENCE
+from vllm_patch.bench.record import EVIDENCE
 from vllm_patch.upstream import pr, pr_body
 from vllm_patch.upstream.meta import upstream_of
 from vllm_patch.upstream.pr_body import AI_BOX
@@ -446,7 +446,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
-    from vllm_patch.bench.evidence import BenchRun
+    from vllm_patch.bench.run import BenchRun
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -606,11 +606,11 @@ def test_evidence_text_is_published_as_data(fork, capsys, payload):
 def test_evidence_md_shows_the_folder_as_data(payload):
     """`bench` writes evidence.md with the same writers from the same records:
     a folder edited afterwards and rendered again shows its strings as data."""
-    from vllm_patch.runtime import bench_result, evidence_record
+    from vllm_patch.bench import record, report
 
     doc = poisoned(payload)
     doc["decode"] = decoded(payload, payload)
-    text = bench_result.evidence_markdown(evidence_record.parse(doc))
+    text = report.evidence_markdown(record.parse(doc))
     assert_data_only(text, pr=False)
     assert MARK in text
 
@@ -667,7 +667,7 @@ BAD_EVIDENCE = {
     ),
     "a time per call of 0": (
         lambda e: e["perop"]["rows"][0].update(median_us=0),
-        "perop.rows[0].median_us: not a time above 0",
+        "perop.rows[0].median_us: not a time (or rate) of at least 1e-06",
     ),
     "a NaN figure": (
         lambda e: e["accuracy"]["tokens"].update(max_abs_dlogprob=float("nan")),
@@ -682,14 +682,14 @@ BAD_EVIDENCE = {
         ),
         "perop.rows: more than 2000 entries",
     ),
-    "25 routes per op": (
+    "41 routes per op": (
         lambda e: e["perop"].update(
             rows=[
                 {**ROW, "route": f"r{i}", "median_us": 1, "native_us": 1}
-                for i in range(25)
+                for i in range(41)
             ]
         ),
-        "perop.rows: more than 24 (env, route) pairs",
+        "perop.rows: more than 40 (env, route) pairs",
     ),
     "a 5,000-character model name": (
         lambda e: e["model"].update(name="x" * 5000),
@@ -826,7 +826,7 @@ MODEL_FOLDERS = {
 def test_a_model_folder_s_config_is_read_inside_it(tmp_path, make, says):
     """`bench --model DIR`: only DIR's own config.json names the model."""
     from patcher.errors import PatchError
-    from vllm_patch.bench.evidence import user_model
+    from vllm_patch.bench.models import user_model
 
     (tmp_path / "victim.json").write_text(f'{{"architectures": ["{SECRET}"]}}')
     folder = make(tmp_path)

@@ -1,6 +1,6 @@
 """What `vllm-patch pr` writes for vLLM's reviewers, rendered without git or
 vLLM: the description in each real template, with the figures of a hand-made
-evidence folder (the shape `bench --serve` writes, `runtime.bench_result`) and no
+evidence folder (the shape `bench --serve` writes, `bench.report`) and no
 others, within vLLM's pr-checklist (a 1-2 line Overview, supporting tables
 collapsed, under 6 KB outside them), free of this tool and this machine; the
 commit message in prose within 72 columns."""
@@ -17,7 +17,8 @@ import pytest
 
 from patcher.errors import PatchError
 from patcher.patchset import select
-from vllm_patch.runtime import bench_result, evidence_record, machine
+from vllm_patch.bench import record, report
+from vllm_patch.runtime import machine
 from vllm_patch.upstream import pr_body
 from vllm_patch.upstream.ci_yaml import wire
 from vllm_patch.upstream.meta import upstream_of
@@ -195,7 +196,7 @@ def evidence(patch: str = PATCH.name, *, lm_eval: bool = True) -> dict:
 
 def write_evidence(folder: Path, data: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / evidence_record.EVIDENCE).write_text(json.dumps(data))
+    (folder / record.EVIDENCE).write_text(json.dumps(data))
     return folder
 
 
@@ -220,7 +221,7 @@ TOOL = pr_body.tool_version()
 def render(root: Path, runs: TestRuns, ev: dict | None, upstream=UPSTREAM) -> str:
     ci = [wire(root, w) for w in UPSTREAM.ci]
     facts = pr_body.Facts(
-        evidence=ev and evidence_record.parse(ev),
+        evidence=ev and record.parse(ev),
         described={
             **DESCRIBED,
             **{e.wiring.file: e.described() for e in ci if e.text},
@@ -295,9 +296,9 @@ def test_every_figure_is_the_evidences(tmp_path):
     ev = evidence()
     text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
     # The serving tables are evidence.md's: one ratio, per repetition.
-    serving = evidence_record.parse(ev).serving
+    serving = record.parse(ev).serving
     for mode in ev["serving"]["configs"]:
-        assert bench_result.serving_table(serving, mode) in text, mode
+        assert report.serving_table(serving, mode) in text, mode
     assert "| output tok/s | 27 [26.8–27.5] | 35.4 [35–36.1] | 1.310x" in text
     for command in ev["serving"]["commands"]:
         assert command in text
@@ -371,9 +372,7 @@ def test_evidence_of_another_shape_is_refused_with_one_message(tmp_path, spoil, 
 def test_evidence_through_a_link_is_refused(tmp_path):
     real = write_evidence(tmp_path / "real", evidence())
     (tmp_path / "ev").mkdir()
-    (tmp_path / "ev" / evidence_record.EVIDENCE).symlink_to(
-        real / evidence_record.EVIDENCE
-    )
+    (tmp_path / "ev" / record.EVIDENCE).symlink_to(real / record.EVIDENCE)
     assert pr_body.load_evidence(real, PATCH).vllm.patch == PATCH.name
     with pytest.raises(PatchError, match="link"):
         pr_body.load_evidence(tmp_path / "ev", PATCH)
@@ -466,12 +465,12 @@ def test_the_per_call_claim_leaves_out_what_stayed_native(tmp_path):
         per_op_row("patched", "layer:RMSNorm", 100.0, impl="native"),
     ]  # fmt: skip
     found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
-    per_call = evidence_record.typed(evidence_record.PerOp, found, "perop")
+    per_call = record.typed(record.PerOp, found, "perop")
     claim = section(render_measured(tmp_path, Measured(per_call=per_call)), "Claims")
     assert "`rms_norm` at 1 token 6.0x" in claim
     assert "`fused_add_rms_norm` at" not in claim
     assert "`fused_add_rms_norm` stayed native here" in claim
-    table = bench_result.perop_table(per_call)
+    table = report.perop_table(per_call)
     assert table.splitlines()[-1].endswith(", ran native |")
 
 
@@ -502,7 +501,7 @@ def test_per_op_rows_become_the_per_call_figures_and_what_ran(tmp_path):
         },  # fmt: skip
     ]
     found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
-    per_call = evidence_record.typed(evidence_record.PerOp, found, "perop")
+    per_call = record.typed(record.PerOp, found, "perop")
     text = render_measured(tmp_path, Measured(per_call=per_call))
     table = re.findall(r"^\| op \|.*\n.*\n.*$", text, re.M)
     header, _, row = table[0].splitlines()
@@ -524,6 +523,7 @@ def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):
     text = render(checkout(tmp_path, "v0.32.0"), RAN, ev)
     claims = section(text, "Claims").splitlines()
     evidence_claims = [c for c in claims if c.startswith("- ") and "tests" not in c]
-    assert evidence_claims[0].startswith("- A decode step (float32, 1 thread(s)")
-    assert "**Decode step: float32, 1 thread(s), kernel build" in text
+    binding = "vLLM's default thread binding"
+    assert evidence_claims[0].startswith(f"- A decode step (float32, {binding}")
+    assert f"**Decode step: float32, {binding}" in text
     assert "| `base/base` (A/A control) |" in text

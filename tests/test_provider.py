@@ -320,7 +320,7 @@ def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
     import subprocess
     import sys
 
-    from vllm_patch.bench.engine_run import TINY_LLAMA, make_random_llama
+    from vllm_patch.bench.random_models import TINY_LLAMA, make_random_llama
 
     model = make_random_llama(tmp_path, **TINY_LLAMA)
     env = dict(

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import requires_vllm
 
-from vllm_patch.bench import qwen3_eager
-from vllm_patch.runtime import bench_result, evidence_record, machine
+from vllm_patch.bench import qwen3_eager, record, report
+from vllm_patch.runtime import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLS = dict.fromkeys(qwen3_eager.KERNELS, 0)
@@ -67,16 +67,14 @@ def test_sides_are_compared_with_base_and_shown():
     assert found["sides"]["unguarded"]["distinct_share"] == [1.0, 2 / 3]
 
     text = "\n".join(
-        bench_result.qwen3_eager_markdown(
-            evidence_record.typed(evidence_record.Qwen3Eager, found, "")
-        )
+        report.qwen3_eager_markdown(record.typed(record.Qwen3Eager, found, ""))
     )
     assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
     assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
     assert "- unguarded: `w10 w13 w13 …`" in text
     doc = {"schema": 1, "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
     doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=found)
-    shown = bench_result.evidence_markdown(evidence_record.parse(doc))
+    shown = report.evidence_markdown(record.parse(doc))
     assert "### Eager Qwen3 (vLLM #31643)" in shown
 
 
@@ -86,7 +84,7 @@ def test_sides_are_compared_with_base_and_shown():
     reason="transformers or torch is absent",
 )
 def test_the_random_qwen3_has_per_head_norms_of_a_kernel_size(tmp_path):
-    from vllm_patch.bench.engine_run import TINY_QWEN3, make_random
+    from vllm_patch.bench.random_models import TINY_QWEN3, make_random
 
     folder = make_random(tmp_path, kind="qwen3", **TINY_QWEN3, tokenizer=True)
     config = json.loads((folder / "config.json").read_text())

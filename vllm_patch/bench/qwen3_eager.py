@@ -1,14 +1,26 @@
-"""vLLM's #31643 measured: an eager Qwen3, base vs patched vs the kernels
-unguarded (which read ``q_norm``/``k_norm``'s strided per-head views as
-contiguous), in float32, where a changed token is a changed computation."""
+"""vLLM's #31643 answered by measurement: an eager Qwen3, base vs patched vs
+the kernels unguarded.
+
+vLLM PR #31643 (January 2026, resolving #31626) gave ``RMSNorm`` on CPU a
+``forward_cpu -> forward_native``: with ``--enforce-eager`` the inherited
+``CustomOp.forward_cpu -> forward_cuda`` had reached the C++ kernels, and
+Qwen3-0.6B produced gibberish. Qwen3's attention runs ``q_norm`` and ``k_norm``
+per head on views of the qkv projection's output, whose rows are strided; the
+CPU kernels read their input as if it were contiguous.
+
+One offline engine per side, eager, greedy, on a random-weight Qwen3 made
+locally in float32, where the kernels and native agree to rounding, so a
+changed token is a changed computation. Each side's kernel calls are counted
+with torch's profiler: a patched side equal to base because it never ran the
+kernels would show."""
 
 import time
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import accuracy
-from vllm_patch.bench.engine_run import TINY_QWEN3
 from vllm_patch.bench.numerics import kernel_call
+from vllm_patch.bench.random_models import TINY_QWEN3
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
@@ -61,7 +73,7 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
 
 def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
     """:func:`summarize` of the sides; ``base``: first on the others' path."""
-    from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins, random_model
+    from vllm_patch.bench.models import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
 
     started = time.monotonic()

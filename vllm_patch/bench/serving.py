@@ -19,10 +19,9 @@ from typing import Any
 from urllib.request import Request, urlopen
 
 from vllm_patch.bench import accuracy
-from vllm_patch.bench.engine_run import SERVED_LLAMA
-from vllm_patch.bench.evidence import OFFLINE, provider_opt_ins
+from vllm_patch.bench.models import OFFLINE, provider_opt_ins
+from vllm_patch.bench.report import A_A, METRICS, SIDES
 from vllm_patch.runtime import child
-from vllm_patch.runtime.bench_result import A_A, METRICS, SIDES
 
 HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
@@ -41,16 +40,25 @@ SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrenc
 def client_args(url: str, tokenizer: str, sizes: dict[str, int]) -> list[str]:
     """``vllm bench serve``'s arguments, but the folder of its result."""
     n = {k: str(v) for k, v in sizes.items()}
-    return [
-        "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", SERVED_NAME, "--tokenizer", tokenizer, "--dataset-name", "random",
-        "--random-input-len", n["input_len"], "--random-output-len", n["output_len"],
-        "--random-range-ratio", "0", "--num-prompts", n["num_prompts"],
-        "--max-concurrency", n["max_concurrency"],
-        "--num-warmups", n["max_concurrency"], "--ignore-eos", "--seed", "0",
-        "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--save-result", "--result-filename", RESULT,
-    ]  # fmt: skip
+    pairs = [
+        ("--backend", "vllm"),
+        ("--base-url", url),
+        ("--model", SERVED_NAME),
+        ("--tokenizer", tokenizer),
+        ("--dataset-name", "random"),
+        ("--random-input-len", n["input_len"]),
+        ("--random-output-len", n["output_len"]),
+        ("--random-range-ratio", "0"),
+        ("--num-prompts", n["num_prompts"]),
+        ("--max-concurrency", n["max_concurrency"]),
+        ("--num-warmups", n["max_concurrency"]),
+        ("--seed", "0"),
+        ("--percentile-metrics", "ttft,tpot,itl"),
+        ("--metric-percentiles", "50,99"),
+        ("--result-filename", RESULT),
+    ]
+    flags = ["--ignore-eos", "--disable-tqdm", "--save-result"]
+    return ["bench", "serve", *(x for pair in pairs for x in pair), *flags]
 
 
 def serve_args(model: str, port: int, eager: bool, sizes: dict[str, int]) -> list[str]:
@@ -106,9 +114,13 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
     """``python -m ARGV FOLDER`` run to save into FOLDER: its last ``pattern``."""
     with tempfile.TemporaryDirectory(prefix="vllm-patch-bench-") as folder:
         proc = subprocess.run(
-            [sys.executable, "-m", *argv, folder], cwd=folder, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child.child_env(env),
-        )  # fmt: skip
+            [sys.executable, "-m", *argv, folder],
+            cwd=folder,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=child.child_env(env),
+        )
         found = sorted(Path(folder).rglob(pattern))
         if proc.returncode or not found:
             error = child.last_error_line(proc.stdout)
@@ -121,10 +133,15 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
     out, endpoint = [], f"{url}/v1/completions"
     for prompt in prompts:
         body = {
-            "model": SERVED_NAME, "prompt": prompt, "max_tokens": accuracy.MAX_TOKENS,
-            "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
-            "ignore_eos": True, "seed": 0,
-        }  # fmt: skip
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": accuracy.MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "ignore_eos": True,
+            "seed": 0,
+        }
         request = Request(endpoint, json.dumps(body).encode(), JSON)
         with urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
@@ -161,7 +178,7 @@ def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any
 def run(bench, args, copy: str) -> None:
     """``bench.doc``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
     doc = bench.doc
-    model, doc["model"] = bench.model(args, SERVED_LLAMA, tokenizer=True)
+    model, doc["model"] = bench.model(args)
     lm_eval = args.model and args.lm_eval_task
     context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
     sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}

@@ -7,8 +7,9 @@ from pathlib import Path
 from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.runtime import evidence_record, machine
-from vllm_patch.runtime.evidence_record import PerOp, Qwen3Eager
+from vllm_patch.bench import record
+from vllm_patch.bench.record import PerOp, Qwen3Eager
+from vllm_patch.runtime import machine
 from vllm_patch.upstream import vllm_tests
 
 
@@ -43,6 +44,6 @@ def measure(
         f"{dist} {read_version(installed)}",
         machine.kernel_build(installed.path("vllm")),
         tuple(own),
-        evidence_record.typed(PerOp, per_call, "perop"),
-        evidence_record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
+        record.typed(PerOp, per_call, "perop"),
+        record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
     )

@@ -23,7 +23,7 @@ from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
-from vllm_patch.runtime.evidence_record import Evidence
+from vllm_patch.bench.record import Evidence
 from vllm_patch.upstream import ci_yaml, figures, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, main_form, upstream_of

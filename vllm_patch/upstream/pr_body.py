@@ -12,9 +12,9 @@ from pathlib import Path
 from patcher.errors import PatchError
 from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
-from vllm_patch.runtime import bench_result, evidence_record
+from vllm_patch.bench import record, report
+from vllm_patch.bench.record import NATIVE, SIDES, Evidence, PerOpRow
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.figures import Measured
 from vllm_patch.upstream.meta import Upstream
@@ -46,7 +46,7 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
     """``folder``'s ``bench --serve`` evidence for ``patch``, both vLLMs measured."""
     if folder is None:
         return None
-    ev = evidence_record.read(folder)
+    ev = record.read(folder)
     configs = ev.serving.configs if ev.serving else {}
     found = [
         f"serving.configs.{mode}.{side}: not measured"
@@ -65,7 +65,7 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
     if found:
         raise PatchError(
             "not usable evidence",
-            path=str(Path(os.path.realpath(folder)) / evidence_record.EVIDENCE),
+            path=str(Path(os.path.realpath(folder)) / record.EVIDENCE),
             looked_for=f"what `bench --serve` measured for {patch.name}",
             found=found[0],
         )
@@ -156,11 +156,11 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
     yield _tests_claim(facts.tests, _command(upstream, facts))
     ev, m = facts.evidence, facts.measured
     if ev:
-        yield from bench_result.claims(ev, rows)
+        yield from report.claims(ev, rows)
     elif m and m.per_call:
-        yield bench_result.perop_claim(m.per_call, rows)
+        yield report.perop_claim(m.per_call, rows)
     if m and m.qwen3 and not (ev and ev.qwen3_eager):
-        yield bench_result.qwen3_claim(m.qwen3)
+        yield report.qwen3_claim(m.qwen3)
     if not (ev or (m and m.per_call)):
         yield "- Speed and accuracy: nothing was measured."
     for edit in (e for e in facts.ci if e.added_tests):
@@ -243,29 +243,29 @@ def _results(facts: Facts, rows: int):
     elif tests or bench:
         yield f"Measured on {md.text(tests or bench, 400)}."
     if ev and ev.decode:  # the evidence's headline: time per decode step
-        lines = "\n".join(bench_result.decode_markdown(ev.decode, rows))
+        lines = "\n".join(report.decode_markdown(ev.decode, rows))
         yield re.sub(r"^#{2,3} (.+)$", r"**\1**", lines, flags=re.M)
     if runs:
         yield from _test_table(runs)
     if m and m.per_call:
         yield md.details(
-            bench_result.perop_heading(m.per_call, md.html),
-            bench_result.perop_table(m.per_call, _scale, rows),
+            report.perop_heading(m.per_call, md.html),
+            report.perop_table(m.per_call, _scale, rows),
         )
     qwen3 = (ev and ev.qwen3_eager) or (m and m.qwen3)
     if qwen3:
-        yield "\n".join(bench_result.qwen3_eager_markdown(qwen3))
+        yield "\n".join(report.qwen3_eager_markdown(qwen3))
     if ev and ev.serving:
         yield _serving(ev, rows)
     if ev and ev.numerics:
-        numerics = bench_result.numerics_table(ev, rows)
+        numerics = report.numerics_table(ev, rows)
         yield md.details("Numerics per x86 kernel build", numerics)
     if ev and ev.perop:
         # The out-of-tree providers' IR routes are this tool's, not vLLM's.
         ours = tuple(f"ir:{spec['name']}" for spec in provider_specs())
         yield md.details(
-            bench_result.perop_heading(ev.perop, md.html),
-            bench_result.perop_table(ev.perop, lambda r: r.route not in ours, rows),
+            report.perop_heading(ev.perop, md.html),
+            report.perop_table(ev.perop, lambda r: r.route not in ours, rows),
         )
 
 
@@ -303,7 +303,7 @@ def _test_table(runs: TestRuns):
 
 def _serving(ev: Evidence, rows: int) -> str:
     said = "{mode}, median [min–max] of {reps} server starts:"
-    tables = bench_result.serving_tables(ev.serving, said)
+    tables = report.serving_tables(ev.serving, said)
     base = f"vLLM {md.html(ev.vllm.base, 40)}, and" if ev.vllm else "vLLM"
     summary = f"Serving {md.html(ev.model.named(), 80)}: {base} with the change"
     commands = md.fence(ev.serving.commands[:rows], "bash")

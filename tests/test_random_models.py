@@ -1,4 +1,4 @@
-"""vllm_patch.bench.engine_run: the random Llama, made locally."""
+"""vllm_patch.bench.random_models: the random Llama, made locally."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import importlib.util
 
 import pytest
 
-from vllm_patch.bench import engine_run
+from vllm_patch.bench import random_models
 
-TINY = engine_run.TINY_LLAMA
+TINY = random_models.TINY_LLAMA
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None
@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_random_llama_is_cached_by_config(tmp_path):
-    first = engine_run.make_random_llama(tmp_path, **TINY)
+    first = random_models.make_random_llama(tmp_path, **TINY)
     stamp = (first / "config.json").stat().st_mtime_ns
-    again = engine_run.make_random_llama(tmp_path, **TINY)
-    other = engine_run.make_random_llama(tmp_path, **{**TINY, "seed": 1})
+    again = random_models.make_random_llama(tmp_path, **TINY)
+    other = random_models.make_random_llama(tmp_path, **{**TINY, "seed": 1})
     assert again == first
     assert (again / "config.json").stat().st_mtime_ns == stamp
     assert other != first
@@ -30,7 +30,7 @@ def test_random_llama_is_cached_by_config(tmp_path):
 def test_a_served_random_llama_brings_a_word_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    model = engine_run.make_random_llama(tmp_path, **TINY, tokenizer=True)
+    model = random_models.make_random_llama(tmp_path, **TINY, tokenizer=True)
     tokenizer = AutoTokenizer.from_pretrained(model)
     assert tokenizer("w5 w6 w1000")["input_ids"] == [5, 6, 1000]
-    assert model != engine_run.make_random_llama(tmp_path, **TINY)  # no tokenizer
+    assert model != random_models.make_random_llama(tmp_path, **TINY)  # no tokenizer

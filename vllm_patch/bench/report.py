@@ -3,14 +3,32 @@
 import statistics
 from collections.abc import Callable
 
-from vllm_patch.runtime import evidence_record as er
+from vllm_patch.bench import likelihood
+from vllm_patch.bench import record as er
+from vllm_patch.bench.record import (
+    A_A,
+    ALLOC,
+    FORWARD_NATIVE,
+    METRICS,
+    MINIMAL,
+    MODES,
+    NATIVE,
+    SIDES,
+)
 from vllm_patch.runtime import markdown as md
-from vllm_patch.runtime.evidence_record import A_A, METRICS, MODES, NATIVE, SIDES
 from vllm_patch.runtime.machine import BUSY_SHARE
 
 # bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 ROWS = 500  # the most rows of a table in evidence.md
+HALF_WIDTH = 0.03  # bench.decode's aim for an interval's relative half-width
+VERDICTS = {
+    "helps": "helps (interval below 1)",
+    "neutral": "neutral (interval holds 1)",
+    "loses": "**loses** (interval above 1)",
+    "unresolved": "unresolved (the A/A interval misses 1)",
+    "busy": "not judged: most rounds busy, measure on a quiet machine",
+}
 NOT_QUALITY = " (random weights: the builds' numerics, not model quality)"
 
 
@@ -60,13 +78,23 @@ def _label(stat: str, name: str, unit: str) -> str:  # median_tpot_ms: TPOT medi
 
 
 def serving_tables(serving: er.Serving, said: str) -> list[str]:
-    """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table."""
+    """Per mode measured: ``said`` (``{mode}``, ``{reps}``) and its table, and
+    the repetitions a ratio left out (a vLLM ran more than the base)."""
     out = []
     for mode in (m for m in MODES if m in serving.configs):
         sides = serving.configs[mode]
-        reps = min(len(sides.get(s, {}).get(METRICS[0], ())) for s in SIDES)
+        counts = {s: len(v.get(METRICS[0], ())) for s, v in sides.items()}
+        reps = min(counts.get(s, 0) for s in SIDES)
         said_here = said.format(mode=mode, reps=reps)
         out.append(f"{said_here}\n\n{serving_table(serving, mode)}")
+        base = counts.get("base", 0)
+        unpaired = {s: n for s, n in counts.items() if n != base}
+        if unpaired:
+            found = ", ".join(f"{md.text(s, 20)} {n}" for s, n in unpaired.items())
+            out.append(
+                f"\nRepetitions: base {base}, {found}; a ratio pairs the first "
+                f"{min(base, *unpaired.values())} in order and leaves the rest out."
+            )
     return out
 
 
@@ -83,23 +111,10 @@ def first_difference(first: er.Divergence | None) -> str:
 
 def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     """What the figures say, a line each, the decode step (the headline) first."""
-    d, found = ev.decode, []
-    b = d and d.headline
-    if ratio := b and b.comparisons.get("patched/base"):
-        control, saved = b.comparisons.get("base/base"), b.savings.get("patched")
-        aa = control and f" (A/A control {interval_shown(control, unit='x')})"
-        inside = saved and (
-            f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
-            f"step, {saved.share.value:.1%} of it"
-        )
-        found.append(
-            f"- A decode step ({md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
-            f"build {md.code(d.kernel_build, 20)}, {md.text(d.model.named(), 80)}), "
-            f"this change's CPU time over the base's, 95% interval: "
-            f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
-        )
+    found = [decode_claim(d) for d in [ev.decode, *ev.decode_dtypes] if d]
     found += [throughput_claim(ev), ev.perop and perop_claim(ev.perop, limit)]
-    t, lm = ev.accuracy.tokens, ev.accuracy.lm_eval
+    t = ev.accuracy.tokens
+    lm = ev.accuracy.lm_eval
     if t and t.max_abs_dlogprob is not None:
         note = ev.model.random_weights and NOT_QUALITY
         found.append(
@@ -115,7 +130,60 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
             "change."
         )
     found.append(ev.qwen3_eager and qwen3_claim(ev.qwen3_eager))
+    found += [likelihood_claim(c, ev.model) for c in ev.likelihood[:limit]]
     return [c for c in found if c]
+
+
+def likelihood_claim(c: er.Likelihood, model: er.Model) -> str:
+    """One dtype and build: patched - base per token, and the greedy tokens."""
+    ll = c.likelihood
+    greedy = c.greedy
+    said = "; ".join(
+        f"{md.text(side, 20)} − base {likelihood.shown(diff)} nats/token, greedy "
+        f"{likelihood.greedy_shown(greedy, side)}"
+        for side, diff in ll.difference.items()
+    )
+    return (
+        f"- Log-likelihood of {md.text(ll.text, 200)} ({ll.tokens:,} tokens, "
+        f"{md.text(model.named(), 80)}, {md.text(ll.dtype, 20)}, "
+        f"{md.code(ll.build, 20)}), 95% interval over chunks: {said}."
+    )
+
+
+def decode_claim(d: er.Decode) -> str | None:
+    """The headline layout's patched/base ratio, its control and its saving."""
+    b = d.headline
+    ratio = b and b.comparisons.get("patched/base")
+    if not ratio:
+        return None
+    control = b.comparisons.get("base/base")
+    saved = b.savings.get("patched")
+    aa = control and f" (A/A control {interval_shown(control, unit='x')})"
+    inside = saved and (
+        f"; {interval_shown(saved.saving_ms, '.2f')} ms saved inside RMSNorm per "
+        f"step, {saved.share.value:.1%} of it"
+    )
+    return (
+        f"- A decode step ({md.text(d.dtype, 20)}, {layout_named(d.threads)}, "
+        f"kernel build {md.code(d.kernel_build, 20)}, "
+        f"{md.text(d.model.named(), 80)}), this change's CPU time over the "
+        "base's, 95% interval: "
+        f"{interval_shown(ratio, unit='x')}{aa or ''}{inside or ''}."
+        f"{layouts_said(d)}"
+    )
+
+
+def layouts_said(d: er.Decode) -> str:
+    """`` Per layout: ...``: each layout's patched/base and its verdict."""
+    said = []
+    for name, b in d.by_threads.items():
+        found = b.comparisons.get("patched/base")
+        if found and found.verdict:
+            said.append(
+                f"{layout_named(name)} {interval_shown(found, unit='x')}, "
+                f"{found.verdict}"
+            )
+    return f" Per layout: {'; '.join(said)}." if len(said) > 1 else ""
 
 
 def throughput_claim(ev: er.Evidence) -> str | None:
@@ -166,7 +234,8 @@ def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
 
 
 def qwen3_claim(q: er.Qwen3Eager) -> str:
-    patched, unguarded = q.patched, q.unguarded
+    patched = q.patched
+    unguarded = q.unguarded
     said = (
         "- Eager Qwen3-architecture model (#31643's configuration): with this "
         f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
@@ -212,10 +281,14 @@ QWEN3_LABELS = {
     "patched": "patched",
     "unguarded": "unguarded: the kernels for every input, as before #31643",
 }
-QWEN3_HEADER = ("RMSNorm on CPU",
+QWEN3_HEADER = (
+    "RMSNorm on CPU",
     "kernel calls (rms_norm + fused add), one prefill and one decode step",
-    "prompts with base's tokens", "first different token",
-    "largest |Δ logprob| before it", "distinct tokens per completion")  # fmt: skip
+    "prompts with base's tokens",
+    "first different token",
+    "largest |Δ logprob| before it",
+    "distinct tokens per completion",
+)
 
 
 def qwen3_eager_markdown(q: er.Qwen3Eager) -> list[str]:
@@ -282,8 +355,10 @@ def perop_table(
         if r.wrong:
             text = "outside the tolerance"
         else:
-            ratio = "" if r.route == NATIVE else f" ({r.native_us / r.median_us:.2f}x)"
-            low, high = r.p10_us, r.p90_us
+            plain = r.route in (NATIVE, ALLOC)  # no ratio: native itself, or a part
+            ratio = "" if plain else f" ({r.native_us / r.median_us:.2f}x)"
+            low = r.p10_us
+            high = r.p90_us
             spread = "" if None in (low, high) else f" [{low:.1f}–{high:.1f}]"
             ran = f", ran {md.text(r.impl, 20)}" if r.impl else ""
             text = f"{r.median_us:.1f}{spread}{ratio}{ran}"
@@ -304,8 +379,14 @@ def perop_heading(perop: er.PerOp, escape=md.text) -> str:
     )
 
 
-SPLIT = ("layer call", "CustomOp dispatch", "forward and IR dispatch",
-         "IR dispatch alone", "allocation", "kernel or native ops")  # fmt: skip
+SPLIT = (
+    "layer call",
+    "CustomOp dispatch",
+    "forward and IR dispatch",
+    "IR dispatch alone",
+    "allocation",
+    "kernel or native ops",
+)
 
 
 def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
@@ -316,20 +397,25 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     us = {(r.env, r.op, r.route): r.median_us for r in rows}
     out = []
     for r in rows:
-        env, op, cls = r.env, r.op, r.route.partition(":")[2]
+        env = r.env
+        op = r.op
+        cls = r.route.partition(":")[2]
         forward = us.get((env, op, f"forward:{cls}"))
         if not r.route.startswith("layer:") or forward is None:
             continue
         kernel = r.impl == "kernel"
         impl = us.get((env, op, "kernel") if kernel else ("both", op, NATIVE))
-        ir = [v for (e, o, route), v in us.items() if (e, o) == (env, op)
-              and route.startswith("ir:")]  # fmt: skip
+        ir = [
+            v
+            for (e, o, route), v in us.items()
+            if (e, o) == (env, op) and route.startswith("ir:")
+        ]
         cells = [
             r.median_us,
             r.median_us - forward,
             None if impl is None else forward - impl,
             min(ir) - impl if ir and kernel and impl is not None else None,
-            us.get((env, op, "alloc")) if kernel else None,
+            us.get((env, op, ALLOC)) if kernel else None,
             us.get((env, op, "kernel:bare")) if kernel else impl,
         ]
         names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
@@ -337,9 +423,52 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     return out
 
 
+OVERHEAD = (
+    "layer's forward method",
+    "minimal forward_cpu",
+    "forward_native",
+    "bare kernel",
+    "forward / minimal",
+    "forward / forward_native",
+)
+
+
+def perop_overhead(perop: er.PerOp) -> list[list]:
+    """Per vLLM, op and tokens: the layer's forward method (``forward_cpu`` on
+    CPU) beside a minimal one, ``forward_native`` and the bare kernel."""
+    us = {(r.env, r.op, r.tokens, r.route): r.median_us for r in perop.rows}
+    out = []
+    for r in perop.rows:
+        if not r.route.startswith("forward:") or r.median_us is None:
+            continue
+        key = (r.env, r.op, r.tokens)
+        ran = next(
+            (x.impl for x in perop.rows if (x.env, x.op, x.tokens) == key and x.impl),
+            None,
+        )
+        minimal = us.get((*key, MINIMAL))
+        native = us.get((*key, FORWARD_NATIVE))
+        cells = [r.median_us, minimal, native, us.get((*key, "kernel:bare"))]
+        cells += [minimal and r.median_us / minimal, native and r.median_us / native]
+        cls = r.route.partition(":")[2]
+        names = [md.text(r.env, 40), md.code(r.op, 60), r.tokens]
+        names.append(md.text(f"{cls} ({ran})" if ran else cls, 80))
+        out.append(names + [None if c is None else round(c, 2) for c in cells])
+    return out
+
+
 def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
-    out = [perop_table(perop, limit=limit)]
+    mine = (MINIMAL, FORWARD_NATIVE)
+    out = [perop_table(perop, lambda r: r.route not in mine, limit=limit)]
+    if overhead := perop_overhead(perop):
+        header = ["vLLM", "op", "tokens", "layer (runs)", *OVERHEAD]
+        out.append(
+            "\nThe layer path's overhead (medians, microseconds): the layer's "
+            "forward method beside a minimal `forward_cpu` (allocate, call the "
+            "kernel), `forward_native` and the bare kernel:\n\n"
+            + md.table(header, overhead, limit)
+        )
     if loads := ", ".join(
         f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
         for x in perop.load
@@ -357,6 +486,23 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     return out
 
 
+def layout_lines(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
+    """The layout the engines read back, and the rounds a ratio left out."""
+    out = []
+    if b.layout:
+        cpus = ", ".join(map(str, b.layout.cpus[:64]))
+        out.append(
+            f"Layout, as the engines read it back: {b.layout.threads} OpenMP "
+            f"thread(s) on CPU(s) {cpus}.\n"
+        )
+    for label, c in b.comparisons.items():
+        if c.dropped:
+            rounds = ", ".join(map(str, c.dropped[:limit]))
+            said = f"rounds left out (a time not above 0 or not finite): {rounds}"
+            out.append(f"- {md.code(label, 60)}: {said}.\n")
+    return out
+
+
 def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     """Ratios, per engine the step and inside ``RMSNorm``, the saving, its check."""
     rows = [
@@ -365,11 +511,14 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             interval_shown(c, unit="x"),
             interval_shown(c.wall, unit="x"),
             c.n,
+            c.verdict and VERDICTS[c.verdict],
+            {True: "yes", False: "**no**", None: "-"}[c.precise],
         ]
         for label, c in b.comparisons.items()
     ]
     header = ["decode step", "CPU time ratio [95% CI]", "wall ratio [95% CI]"]
-    out = [md.table([*header, "pairs"], rows, limit), ""]
+    header += ["pairs", "the change", f"half-width ≤ {HALF_WIDTH:.0%}"]
+    out = [*layout_lines(b, limit), md.table(header, rows, limit), ""]
     header = ["engine", "step, CPU ms [95% CI]", "step, wall ms"]
     parts = [b.step_ms, b.step_wall_ms]
     if b.norm_ms:
@@ -392,7 +541,8 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
         )
     if b.consistent is not None:  # does the end-to-end ratio agree with the saving?
         said, how = "does not contradict the attributed saving (its interval meets", ""
-        ratio, saved = b.comparisons.get("patched/base"), b.savings.get("patched")
+        ratio = b.comparisons.get("patched/base")
+        saved = b.savings.get("patched")
         if b.consistent.contradicts:
             said = "**contradicts** the attributed saving (its interval misses"
             if ratio and saved:
@@ -407,24 +557,58 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
         f"- {b.busy_rounds} of {b.rounds} rounds busy (other processes used over "
         f"{BUSY_SHARE:.0%} of the CPU time)."
     )
-    return out
+    return out + profile_lines(b, limit)
+
+
+def profile_lines(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
+    """Per engine, a profiled step's parts: where a loss comes from."""
+    if not b.profile_ms:
+        return []
+    parts = list(dict.fromkeys(k for v in b.profile_ms.values() for k in v))
+    rows = [
+        [md.code(name, 60), *(found.get(k) for k in parts)]
+        for name, found in b.profile_ms.items()
+    ]
+    return [
+        "",
+        "Where a decode step's CPU time goes, one generation under torch's "
+        "profiler (ms per step; the profiler's own cost included, so compare "
+        "engines, not these with the figures above):",
+        "",
+        md.table(["engine", *(md.text(k, 40) for k in parts)], rows, limit),
+    ]
+
+
+BUILT_IN = (
+    "The engines were built in the headline's layout, as vLLM builds a worker in "
+    "its own, and keep what their layers decided then: where the rule decides "
+    "from the threads at construction, these are the kernels unguarded.\n"
+)
+
+
+def layout_named(layout: str | int) -> str:
+    """``auto``: vLLM's own binding; a count: that many threads, every CPU."""
+    if layout == "auto":
+        return "vLLM's default thread binding (VLLM_CPU_OMP_THREADS_BIND=auto)"
+    return f"{md.text(str(layout), 10)} thread(s) on every CPU"
 
 
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
-        f"## Decode step: {md.text(d.dtype, 20)}, {d.threads} thread(s), kernel "
+        f"## Decode step: {md.text(d.dtype, 20)}, {layout_named(d.threads)}, kernel "
         f"build {md.text(d.kernel_build, 20)}\n\n{md.text(d.model.named())}; "
         "batch 1; each round, every engine (each kept alive in its own process) "
         f"generates {d.tokens} tokens, the engines taking turns step by step; a "
         "round's figure is the median of its decode steps; ratios are trimmed "
         "means of per-round ratios with bootstrap 95% intervals; the CPU time is "
         "the engine process's.\n",
+        *(f"- Note: {md.text(n, 400)}." for n in d.notes[:limit]),
         *(decode_block(d.headline, limit) if d.headline else ()),
     ]
     for n, b in list(d.by_threads.items())[:limit]:
         if n != str(d.threads):
-            out += [f"\n### {md.text(n, 10)} threads\n", *decode_block(b, limit)]
+            out += [f"\n### {layout_named(n)}\n", BUILT_IN, *decode_block(b, limit)]
     for n, b in list(d.compiled.items())[:limit]:
         out += [
             f"\n### Compiled (Inductor), {md.text(n, 10)} thread(s): custom_ops "
@@ -454,6 +638,13 @@ def evidence_markdown(ev: er.Evidence) -> str:
         )
     if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")
+    if ev.model.origin:
+        o = ev.model.origin
+        out.append(
+            f"- Model's origin: {md.code(o.gguf, 200)} (sha256 "
+            f"{md.code(o.gguf_sha256, 64)}) in {md.text(o.package, 60)} "
+            f"{md.text(o.version, 20)} (wheel sha256 {md.code(o.wheel_sha256, 64)})"
+        )
     if load := ev.load:
         before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
         share = load.other_processes_share
@@ -467,14 +658,17 @@ def evidence_markdown(ev: er.Evidence) -> str:
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
     if found := claims(ev):
         out += ["\n## In short\n", *found]
-    if ev.decode:
-        out += ["", *decode_markdown(ev.decode)]
+    for d in [ev.decode, *ev.decode_dtypes] if ev.decode else []:
+        out += ["", *decode_markdown(d)]
     if ev.serving:
         out += _serving_lines(ev.serving)
     acc = accuracy_lines(ev)
     if ev.qwen3_eager:
         acc += [*(acc and [""]), "### Eager Qwen3 (vLLM #31643)\n"]
         acc += qwen3_eager_markdown(ev.qwen3_eager)
+    if ev.likelihood:
+        acc += [*(acc and [""]), "### Log-likelihood and greedy agreement\n"]
+        acc += likelihood.markdown(ev.likelihood, ev.model.named())
     if acc:
         out += ["\n## Accuracy\n", *acc]
     if ev.numerics:

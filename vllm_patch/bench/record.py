@@ -12,28 +12,44 @@ from pathlib import Path
 from typing import Annotated, Literal, NamedTuple, get_args, get_origin
 
 from patcher.errors import PatchError
+from vllm_patch.bench.likelihood import Comparison as Likelihood
+from vllm_patch.bench.smollm2 import Origin
 
 SCHEMA = 1
 EVIDENCE = "evidence.json"
 NATIVE = "native"  # vLLM's own PyTorch implementation of an op: the baseline
+MINIMAL = "forward_cpu:minimal"  # per op: a forward_cpu that allocates, calls _C
+FORWARD_NATIVE = "forward_native"  # per op: the layer's forward_native, directly
+ALLOC = "alloc"  # per op: allocating the output alone (a part, not a way to run it)
 SIDES = ("base", "patched")
 A_A = "base2"  # the base served again: --serve's A/A control (not in older files)
 Mode = Literal["eager", "compiled"]
 Served = Literal["base", "patched", "base2"]
 Metric = Literal[
-    "request_throughput", "output_throughput",
-    "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-    "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
-]  # fmt: skip
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+]
 """``vllm bench serve --save-result``'s names for what the table shows."""
-MODES, SERVED, METRICS = get_args(Mode), get_args(Served), get_args(Metric)
+MODES = get_args(Mode)
+SERVED = get_args(Served)
+METRICS = get_args(Metric)
 LONGEST = 4000  # characters of a string (a command); names are cut shorter
 MANY = 200  # entries of a list or table (repetitions, commands, log lines)
 MOST_ROWS = 2000  # per-op rows (a run writes a few dozen), prompts, numerics
 MOST_THREADS = 8  # other thread counts of perop (perop_threads)
-MOST_COLUMNS = 24  # (vLLM, route) pairs in the per-op table
+MOST_COLUMNS = 40  # (vLLM, route) pairs in the per-op table
 LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
+SHORTEST = 1e-6  # a time or throughput, in its unit (a denormal is not a time)
+MOST_RATIO = 1000.0  # figures further apart measure no change of two norms
 MOST_COUNT = 10**7
 _NAMES = {str: "a string", int: "a whole number", float: "a number"}
 
@@ -52,6 +68,7 @@ class Meta(NamedTuple):
 
 Time = Annotated[float, Meta(time=True)]
 Numbers = Annotated[tuple[float, ...], Meta(empty=False)]
+Times = Annotated[tuple[Time, ...], Meta(empty=False)]  # or throughputs: above 0
 Rows = Meta(most=MOST_ROWS)
 record = dataclass(frozen=True, kw_only=True)
 """A table of the file, its fields its keys; one without a default is required."""
@@ -77,6 +94,8 @@ def typed(kind, value: object, at: str):
             except Bad as exc:
                 last = exc
         raise last
+    if get_origin(kind) is list:  # a producer's own dataclass (likelihood)
+        return list(_list(tuple[get_args(kind)[0], ...], meta, value, at))
     if get_origin(kind) is tuple or hasattr(kind, "_fields"):
         return _list(kind, meta, value, at)
     if get_origin(kind) is dict:
@@ -138,9 +157,15 @@ def _scalar(kind: type, meta: Meta, value: object, at: str):
         raise Bad(f"{at}: not a count from 0 to {MOST_COUNT:,}")
     if kind is float and not abs(value) <= LARGEST:  # NaN and infinities too
         raise Bad(f"{at}: not a finite number of at most {LARGEST:g}")
-    if meta.time and not value > 0:
-        raise Bad(f"{at}: not a time above 0")
+    if meta.time and not value >= SHORTEST:
+        raise Bad(f"{at}: not a time (or rate) of at least {SHORTEST:g}")
     return value
+
+
+def bounded(ratio: float, at: str) -> None:
+    """A ratio of two measured figures lies within ``MOST_RATIO`` of 1."""
+    if not 1 / MOST_RATIO < ratio < MOST_RATIO:
+        raise Bad(f"{at}: a ratio of {ratio:.3g}, not within {MOST_RATIO:g}x of 1")
 
 
 @record
@@ -171,6 +196,9 @@ class Model:
     name: str | None = None
     description: str | None = None
     random_weights: bool = False
+    licence: str | None = None
+    origin: Origin | None = None  # where a converted model came from
+    files: dict[str, str] = empty()  # each file's sha256
 
     def named(self) -> str:
         return self.name or self.description or "the model"
@@ -186,10 +214,19 @@ class Sizes:
 
 @record
 class Serving:
-    configs: dict[Mode, dict[Served, dict[Metric, Numbers]]] = empty()  # per repetition
+    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = empty()  # per repetition
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
     server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
+
+    def checked(self, value: dict, at: str) -> "Serving":
+        for mode, sides in self.configs.items():
+            for side, metrics in sides.items():
+                for metric, found in metrics.items():
+                    base = sides.get("base", {}).get(metric, ())
+                    for n, pair in enumerate(zip(found, base, strict=False)):
+                        bounded(pair[0] / pair[1], f"{at}.configs.{mode}.{side}.{n}")
+        return self
 
 
 @record
@@ -270,6 +307,8 @@ class PerOpRow:
         for key in [] if self.wrong else ["median_us", "native_us"]:
             if getattr(self, key) is None:
                 raise Bad(f"{at}.{key}: missing")
+        if not self.wrong and self.route != ALLOC:
+            bounded(self.native_us / self.median_us, f"{at}: native_us / median_us")
         return self
 
 
@@ -354,10 +393,30 @@ Ratio, Ms, Share = (
 
 @record
 class Comparison(Ratio):
-    """The CPU time's ratio over ``n`` pairs, and the wall time's."""
+    """The CPU time's ratio over ``n`` pairs (``dropped``: the rounds, from 1,
+    left out), and the wall time's; against 1.0 ``verdict`` (``unresolved``:
+    the A/A control's interval misses 1.0; ``busy``: most rounds were), and
+    ``precise``: half-width <= 3 %."""
 
     n: int
     wall: Ratio | None = None
+    dropped: tuple[int, ...] = ()
+    verdict: str | None = None  # helps, neutral, loses, unresolved, busy
+    precise: bool | None = None
+
+    def checked(self, value: dict, at: str) -> "Comparison":
+        for found, where in [(self, at), (self.wall, f"{at}.wall")]:
+            for n, figure in enumerate([found.ratio, *found.ci95] if found else []):
+                bounded(figure, f"{where}[{n}]")
+        return self
+
+
+@record
+class Layout:
+    """Threads and CPUs as the engine read them back (``torch``, ``sched``)."""
+
+    threads: int
+    cpus: tuple[int, ...]
 
 
 @record
@@ -386,6 +445,18 @@ class DecodeBlock:
     norm_calls_per_step: float | None = None
     savings: dict[str, Saving] = empty()
     consistent: Consistent | None = None
+    layout: Layout | None = None
+    profile_ms: dict[str, dict[str, float]] = empty()  # per engine, per part
+
+    def checked(self, value: dict, at: str) -> "DecodeBlock":
+        """A step's time and the time inside its norms are times: above 0."""
+        for name in ("step_ms", "step_wall_ms", "norm_ms", "norm_wall_ms"):
+            for engine, found in getattr(self, name).items():
+                for n, figure in enumerate([found.ms, *found.ci95]):
+                    _scalar(
+                        float, Meta(time=True), figure, f"{at}.{name}.{engine}[{n}]"
+                    )
+        return self
 
 
 @record
@@ -394,9 +465,10 @@ class Decode:
 
     model: Model
     dtype: str
-    threads: int
+    threads: str | int  # the headline's layout: auto (vLLM's binding) or a count
     kernel_build: str
     tokens: int
+    notes: tuple[str, ...] = ()
     by_threads: dict[str, DecodeBlock] = empty()
     compiled: dict[str, DecodeBlock] = empty()
     headline: DecodeBlock | None = None
@@ -424,6 +496,8 @@ class Evidence:
     interrupted: bool = False
     failed: tuple[str, ...] = ()
     perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
+    decode_dtypes: Annotated[tuple[Decode, ...], Meta(most=2)] = ()  # more --dtype
+    likelihood: tuple[Likelihood, ...] = ()  # per dtype and x86 build
 
     def checked(self, value: dict, at: str) -> "Evidence":
         needed = self.numerics or {}

@@ -8,33 +8,48 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SIZES = ("hidden_size", "num_layers", "intermediate_size", "num_heads")
-SIZES += ("num_kv_heads", "vocab_size")
 # The smallest Llama that still runs every layer type: for checks that the
 # engine runs a given kernel, not for timing.
-TINY_LLAMA = dict(zip(SIZES, (256, 2, 512, 4, 2, 1024), strict=True))
-# ``bench --serve`` without ``--model``: a server starts and serves a run in
-# well under a minute on 2 cores.
-SERVED_LLAMA = dict(zip(SIZES, (512, 4, 1408, 8, 4, 4096), strict=True))
-# Qwen3's layout, small: q_norm and k_norm over head_dim 64 on strided views.
-TINY_QWEN3 = dict(zip(SIZES, (256, 4, 768, 4, 2, 2048), strict=True), head_dim=64)
-# ``bench --decode``'s default: TinyLlama-1.1B's widths, a small vocabulary, so
-# that four fp32 engines (3 GB each) fit beside each other.
-DECODE_LLAMA = dict(zip(SIZES, (2048, 16, 5632, 16, 4, 8192), strict=True))
-HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"}
-HF_NAMES["num_kv_heads"] = "num_key_value_heads"
+TINY_LLAMA = {
+    "hidden_size": 256,
+    "num_layers": 2,
+    "intermediate_size": 512,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "vocab_size": 1024,
+}
+# Qwen3's layout, small: q_norm and k_norm over head_dim 64 on strided views
+# (vLLM #31643's configuration, which no Llama has).
+TINY_QWEN3 = {
+    "hidden_size": 256,
+    "num_layers": 4,
+    "intermediate_size": 768,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "vocab_size": 2048,
+    "head_dim": 64,
+}
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
 KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_eps
 
 
 def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) -> Path:
     """A random bf16 model of ``sizes``, built once per configuration in ``path``."""
     path = Path(path)
-    config = {"architecture": kind} if kind != "llama" else {}
-    config |= {HF_NAMES.get(k, k): v for k, v in sizes.items()}
+    config = {HF_NAMES.get(k, k): v for k, v in sizes.items()}
+    if kind != "llama":
+        config["architecture"] = kind
+    config["max_position_embeddings"] = 2048
     # Random tied embeddings make every greedy completion one token repeated.
-    config |= {"max_position_embeddings": 2048, "tie_word_embeddings": False}
-    config |= {"seed": seed, "rms_norm_eps": KINDS[kind][1]}
-    config |= {"tokenizer": "words"} if tokenizer else {}
+    config["tie_word_embeddings"] = False
+    config["seed"] = seed
+    config["rms_norm_eps"] = KINDS[kind][1]
+    if tokenizer:
+        config["tokenizer"] = "words"
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     target = path / f"random-{kind}-{digest[:12]}"
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
