@@ -179,4 +179,4 @@ def test_the_aarch64_table_is_kept_as_the_x86_ones_are(tmp_path):
         in text
     )
     assert "| CustomOp form | float32 | 8 / 100 / 0 |" in text
-    assert "provider" not in text.split("eager cells")[1].split("Compiled")[0]
+    assert "provider" not in text.split("eager cells")[1].split("**Bias**")[0]
