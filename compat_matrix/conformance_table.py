@@ -3,11 +3,11 @@
 one vLLM (the installed one, a patched copy, or the installed one with the
 provider opted in) and every cell of dtype x hidden size x layout x residual x
 weight, eager and compiled, each an ``RMSNorm`` built under vLLM's config for
-its mode and called under torch's profiler, at a given OpenMP team size. A cell
-records whether a kernel ran (``_C::`` events), whether the rule (``rule.py``)
-expects one, its error against native (``forward_native`` with vLLM's IR
-priority unset: native), its bias and native's against a float64 reference, and
-any exception native did not raise.
+its mode and called under torch's profiler, at a given OpenMP team size. A
+cell records whether a kernel ran (``_C::`` events), whether the rule
+(``patches/cpu_norm_rule.py``) expects one, its error against native
+(``forward_native`` with vLLM's IR priority unset: native), its bias and
+native's against a float64 reference, and any exception native did not raise.
 
 It imports nothing of ``compat_matrix``: the chroot has the project's wheel,
 which does not ship it, and runs this file alone."""
@@ -234,11 +234,11 @@ def probe() -> dict:
     import torch
     from vllm import _custom_ops as ops
 
-    from patches.rms_norm_forward_cpu import rule
+    from patches.cpu_norm_rule import cpu_norm_dtypes
 
     found: dict = {}
     arm = os.uname().machine == "aarch64"
-    runs = rule.installed_dtypes()[0]
+    runs = cpu_norm_dtypes()
     for dtype in DTYPES:
         kind = getattr(torch, dtype)
         if arm and kind not in runs:
