@@ -194,10 +194,10 @@ def verified(cell: dict, value: str | None, names: tuple[str, ...]) -> str:
     return f"{'✅' if ran and 'failed' not in ran else '❌'} {text(value)}"
 
 
-def fixed(value: object, digits: int) -> str:
-    """A number from a result with ``digits`` decimals; anything else as text."""
+def number(value: object, spec: str) -> str:
+    """A number from a result formatted by ``spec``; anything else as text."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        return f"{value:.{digits}f}"
+        return format(value, spec)
     return text(value)
 
 
@@ -264,10 +264,10 @@ def _threads(built: dict) -> str:
 
 
 def _bias(values: object) -> str:
-    """``[-2.7e-3, 1e-5]`` (output; residual written back) as ``-0.00270; 0.00001``."""
+    """``[-2.7e-3, 1e-5]`` (output; residual written back): ``-2.7e-03; +1.0e-05``."""
     if not isinstance(values, list):
         return text(values)
-    return "; ".join(fixed(v, 5) for v in values)
+    return "; ".join(number(v, "+.1e") for v in values)
 
 
 def _probe_rows(where: str, built: dict, used: dict) -> list[list]:
@@ -287,7 +287,7 @@ def _probe_rows(where: str, built: dict, used: dict) -> list[list]:
                     code(op),
                     _bias(b.get("kernel")),
                     _bias(b.get("native")),
-                    fixed(b.get("margin"), 5),
+                    number(b.get("margin"), ".1e"),
                     verdict,
                     cells,
                 ]
@@ -314,7 +314,7 @@ def conformance_section(results: list[dict]) -> str:
                     eager.append([*row, text(counts)])
                 for mode, g in got["graphs"].items():
                     graphs.append([where, name, GRAPH_MODES[mode], *_graph(g)])
-                ratio = fixed(d["ratio"], 4)
+                ratio = number(d["ratio"], ".4f")
                 calls = text(d["fused_add_calls"])
                 drift.append([_builds(d["build"]), threads, name, ratio, calls])
     if not eager:
@@ -354,7 +354,7 @@ REAL_HEADER = [
 def _interval(found: dict | None) -> str:
     if not found:
         return "(base)"
-    mean, low, high = (fixed(found.get(k), 6) for k in ("mean", "low", "high"))
+    mean, low, high = (number(found.get(k), "+.2e") for k in ("mean", "low", "high"))
     return f"{mean} [{low}, {high}]"
 
 
@@ -376,7 +376,7 @@ def real_model_section(cells: list[dict]) -> str:
                     text(ll["dtype"]),
                     code(ll["build"]),
                     text(side),
-                    fixed(nats, 5),
+                    number(nats, ".5f"),
                     _interval(diff),
                     text(diff.get("n")) if diff else "-",
                     f"{text(same)}/{asked}" if diff else "(base)",
@@ -388,7 +388,7 @@ def real_model_section(cells: list[dict]) -> str:
         model=text(model["name"]),
         licence=text(model["licence"]),
         package=text(model["origin"]["package"]),
-        equivalent=fixed(found["equivalent"], 4),
+        equivalent=number(found["equivalent"], ".4f"),
         rows=table(REAL_HEADER, rows),
     )
 

@@ -295,7 +295,7 @@ def test_the_real_model_run_is_a_table():
     assert "SmolLM2-135M-Instruct (Apache-2.0, converted from the GGUF in " in section
     assert "| float32 | `_C_AVX2` | base | 2.69510 | (base) | - | (base) |" in section
     assert (
-        "| float32 | `_C_AVX2` | provider | 2.69510 | 0.000001 [-0.000002, 0.000004] "
+        "| float32 | `_C_AVX2` | provider | 2.69510 | +1.00e-06 [-2.00e-06, +4.00e-06] "
         "| 4 | 3/4 |"
     ) in section
     assert report.real_model_section([live()]) == ""
