@@ -70,7 +70,7 @@ CONFORMANCE = (
     "its bias is no larger in magnitude than native's plus the margin: half the "
     "dtype's unit roundoff (2^-10 for bfloat16, 2^-12 for float16, 2^-25 for "
     "float32; docs/compat.md says why). Per build, dtype and op the kernel called "
-    "directly on 512 x 2048 normal inputs (whatever the rule says), and the cells "
+    "directly on 512 rows of 2048 normal values (whatever the rule says), and the cells "
     "where the rule runs it through the layer (provider form) with their verdict:"
     "\n\n{bias}\n\n"
     "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` graph of the "
