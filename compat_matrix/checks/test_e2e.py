@@ -13,15 +13,23 @@ import pytest
 NEW_TOKENS = 8
 
 
+# The engine's OpenMP team bound to CPU 0: one thread, where the rule runs the
+# kernels (with a team over every CPU it keeps native: cpu_threads_shared).
+ONE_CPU = "0"
+
+
 def generate(model: str, mode: str) -> dict:
-    """In the child: the kernels an in-process engine calls, and its tokens."""
+    """In the child: the kernels an in-process engine calls, and its tokens; the
+    engine's OpenMP team and whether the rule keeps native for it."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CPU
     import torch
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
 
     from compat_matrix.checks.calls import kernel_calls
+    from patches.cpu_norm_rule import cpu_threads_shared
 
     # A small KV cache: a share of the machine's memory may not be free.
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -42,7 +50,12 @@ def generate(model: str, mode: str) -> dict:
     llm.generate(prompt, params, use_tqdm=False)  # warm-up: compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
         result = llm.generate(prompt, params, use_tqdm=False)
-    return {"calls": kernel_calls(p), "tokens": list(result[0].outputs[0].token_ids)}
+    return {
+        "calls": kernel_calls(p),
+        "tokens": list(result[0].outputs[0].token_ids),
+        "threads": torch.get_num_threads(),
+        "threads_shared": cpu_threads_shared(),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +81,7 @@ def run_engine(model, mode, fact) -> dict:
 
 def test_e2e_eager_engine_calls_kernels(model, fact):
     found = run_engine(model, "eager", fact)
+    assert found["threads"] == 1 and not found["threads_shared"], found
     assert found["calls"]["_C::rms_norm"] >= 1, found
 
 
