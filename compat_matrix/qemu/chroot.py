@@ -76,7 +76,7 @@ def claim(root: Path) -> None:
 def unfinished(root: Path) -> PatchError:
     """The message for a root debootstrap has not finished."""
     points = " and ".join(str(root / point) for point in MOUNTS.values())
-    how = f"unmount {points} if mounted (findmnt -R {root}), then remove it"
+    how = f"unmount {points} if mounted (findmnt -l | grep {root}), then remove it"
     return PatchError(f"an unfinished debootstrap: {how}", str(root))
 
 
