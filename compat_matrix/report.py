@@ -101,6 +101,7 @@ BIAS_HEADER = [
 ]
 GRAPH_HEADER = [
     "build, machine",
+    "OpenMP threads",
     "form",
     "custom_ops",
     "cells",
@@ -314,7 +315,8 @@ def conformance_section(results: list[dict]) -> str:
                     row = [where, threads, text(found["vllm"]), name, text(dtype)]
                     eager.append([*row, text(counts)])
                 for mode, g in got["graphs"].items():
-                    graphs.append([where, name, GRAPH_MODES[mode], *_graph(g)])
+                    mode_is = GRAPH_MODES[mode]
+                    graphs.append([where, threads, name, mode_is, *_graph(g)])
                 ratio = number(d["ratio"], ".4f")
                 calls = text(d["fused_add_calls"])
                 drift.append([_builds(d["build"]), threads, name, ratio, calls])

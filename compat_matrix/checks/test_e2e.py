@@ -125,8 +125,9 @@ def real_model(request):
 
 @pytest.fixture(scope="session")
 def real_comparisons(real_model, form, fact) -> list:
-    """base, the patched copy and the provider on the real model, eager, per
-    dtype in which the rule runs the kernels here (float32 where none)."""
+    """base, the patched copy and the provider on the real model, eager, bound
+    to one CPU, per dtype in which the rule runs the kernels here (float32 where
+    none)."""
     import torch
 
     from patcher.patchset import select
@@ -139,7 +140,15 @@ def real_comparisons(real_model, form, fact) -> list:
     dtypes = [d for d in likelihood.DTYPES if getattr(torch, d) in ran]
     prompts = likelihood.CHAT_PROMPTS[:REAL_PROMPTS]
     settings = likelihood.Settings(**REAL_SETTINGS, prompts=prompts)
-    with patched_copy(open_tree(None), select([form])[0]) as copy:
+    # The engines (children) bound to one CPU: with a team over every CPU the
+    # rule keeps native on every side, and the comparison would check nothing.
+    bound = {"VLLM_CPU_OMP_THREADS_BIND": ONE_CPU}
+    with (
+        patched_copy(open_tree(None), select([form])[0]) as copy,
+        pytest.MonkeyPatch.context() as env,
+    ):
+        for name, value in bound.items():
+            env.setenv(name, value)
         sides = likelihood.sides(str(copy))
         found = [
             likelihood.measure(real_model.path, sides, dtype, None, print, settings)
