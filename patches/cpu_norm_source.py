@@ -2,6 +2,7 @@
 write into a vLLM tree, adapted to it; torch-free, the rule module only parsed."""
 
 import symtable
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -18,7 +19,7 @@ CPU_PY = "vllm/platforms/cpu.py"
 # cpu.py loads a build per x86 CPU class (from 0.19): only then does x86's
 # bfloat16 depend on the CPU (``_C`` with AVX512-BF16 rounds, the others truncate).
 PER_ISA_BUILDS = "_C_AVX512"
-X86_ARCH = "CpuArchEnum.X86"
+X86_TEST = "arch == CpuArchEnum.X86"
 # Batch invariance as the rule spells it, and as a tree may, by the name its
 # layernorm.py imports: the environment variable from 0.19, a function before.
 BATCH_INVARIANT = "envs.VLLM_BATCH_INVARIANT"
@@ -51,21 +52,14 @@ def functions(cpu_py: str) -> list[cst.FunctionDef]:
     found = [_top_level(name).with_changes(leading_lines=()) for name in FUNCTIONS]
     if PER_ISA_BUILDS in cpu_py:
         return found
-    x86 = m.If(
-        test=m.Comparison(
-            comparisons=[
-                m.ComparisonTarget(
-                    comparator=m.Attribute(
-                        value=m.Name("CpuArchEnum"), attr=m.Name("X86")
-                    )
-                )
-            ]
-        )
-    )
     dtypes = found[0]
-    body = [s for s in dtypes.body.body if not m.matches(s, x86)]
+    body = [s for s in dtypes.body.body if not _is_x86_check(s)]
     found[0] = dtypes.with_changes(body=dtypes.body.with_changes(body=body))
     return found
+
+
+def _is_x86_check(statement: cst.BaseStatement) -> bool:
+    return isinstance(statement, cst.If) and source(statement.test) == X86_TEST
 
 
 def forward_cpu() -> cst.FunctionDef:
@@ -131,32 +125,47 @@ def _first_import(body) -> int:
     return next(i for i, s in enumerate(body) if m.matches(s, imports))
 
 
+def _stdlib(statement: cst.BaseStatement) -> tuple[str, str] | None:
+    """("import" or "from", the module) for a one-line stdlib import, else None."""
+    code = source(statement)
+    kind, _, rest = code.partition(" ")
+    module = rest.split(" ")[0]
+    if kind in ("import", "from") and "," not in code:
+        if module.split(".")[0] in sys.stdlib_module_names:
+            return kind, module
+    return None
+
+
 def with_imports(tree: cst.Module, on: bool) -> cst.Module:
-    """``tree`` with ``IMPORTS`` in its stdlib group, a new one before its first
-    import if it has none (``on``); or without those nothing else uses."""
+    """``tree`` with ``IMPORTS`` in its stdlib group in isort's order (a new
+    group before its first import if it has none) (``on``); or without those
+    nothing else uses."""
     body = list(tree.body)
     plain = {f"import {n}": n for n in IMPORTS}
-    mine = {plain[source(s)]: i for i, s in enumerate(body) if source(s) in plain}
     if not on:
+        mine = [i for i, s in enumerate(body) if source(s) in plain]
         used = names(tree)
-        drop = [i for n, i in mine.items() if used[n] == 1]
-        if drop and drop[0] == _first_import(body):  # the next takes its lines
+        drop = [i for i in mine if used[plain[source(body[i])]] == 1]
+        if drop and drop[0] == _first_import(body):  # the next kept takes its lines
             lines = body[drop[0]].leading_lines
-            after = drop[-1] + 1
+            after = next(i for i in range(drop[0], len(body)) if i not in drop)
             body[after] = body[after].with_changes(leading_lines=lines)
         return tree.with_changes(body=[s for i, s in enumerate(body) if i not in drop])
     for n in IMPORTS:
-        if n in mine:
+        if f"import {n}" in map(source, body):
             continue
-        new = cst.parse_statement(f"import {n}\n", tree.config_for_parsing)
-        later = [i for other, i in mine.items() if other > n]
-        at = min(later) if later else max(mine.values(), default=-1) + 1
+        group = {i: found for i, s in enumerate(body) if (found := _stdlib(s))}
         first = _first_import(body)
-        if not mine or at == first:  # first of its group: the lines above it
+        if not group:  # a group of its own, first
             at = first
+            blank = [cst.EmptyLine(indent=False)]
+        else:  # plain imports sorted, before the group's ``from`` imports
+            later = [i for i, (kind, m) in group.items() if kind == "from" or m > n]
+            at = min(later) if later else max(group) + 1
+            blank = []
+        new = cst.parse_statement(f"import {n}\n", tree.config_for_parsing)
+        if at == first:  # first of the file's imports: the lines above it
             new = new.with_changes(leading_lines=body[at].leading_lines)
-            blank = [cst.EmptyLine(indent=False)] if not mine else []
             body[at] = body[at].with_changes(leading_lines=blank)
         body.insert(at, new)
-        mine = {o: i + (i >= at) for o, i in mine.items()} | {n: at}
     return tree.with_changes(body=body)

@@ -1,5 +1,5 @@
-"""Both forms of the change and the provider against the rule (``rule.py``),
-on the installed vLLM: every cell of dtype {float32, bfloat16, float16} x
+"""Both forms of the change and the provider against the rule
+(``patches/cpu_norm_rule.py``), on the installed vLLM: every cell of dtype {float32, bfloat16, float16} x
 hidden size {8, 12, 2048, 4100} x layout {contiguous, a q/k norm's strided
 view, 3-D} x residual {none, same dtype, another dtype} x weight {weight, none,
 variance size override}, eager, compiled (``custom_ops: ["none"]``) and

@@ -25,16 +25,20 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.fixture
 def custom_op_route(monkeypatch):
-    """The opt-in on and the plugin called (twice, as vLLM may); afterwards
-    CustomOp builds vLLM's own RMSNorm again."""
+    """The opt-in on and the plugin called (twice, as vLLM may), at one OpenMP
+    thread (vLLM's default binding on two cores); afterwards CustomOp builds
+    vLLM's own RMSNorm again, at the threads it had."""
     from vllm.model_executor.custom_op import op_registry_oot
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     monkeypatch.setenv(provider.OPT_IN_ENV, "1")
     provider.register()
     provider.register()
     yield op_registry_oot[provider.CUSTOM_OP_KEY]
     del op_registry_oot[provider.CUSTOM_OP_KEY]
     provider._status.update(route=None)
+    torch.set_num_threads(threads)
 
 
 ROUTE = [
@@ -97,6 +101,32 @@ def test_custom_op_route_keeps_native_where_upstream_does(custom_op_route):
         layer = RMSNorm(64).to(BF16)
         wide = torch.randn(4, 128, dtype=BF16)[:, :64]
         assert torch.equal(layer(wide), layer.forward_native(wide))
+
+
+@requires_vllm
+def test_a_team_on_every_cpu_stays_native(custom_op_route):
+    """An OpenMP team spanning every CPU of the machine (the engine process
+    shares its cores): native, decided when the layer is built."""
+    import os
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: a team of one always leaves the kernels on")
+    torch.set_num_threads(os.cpu_count())
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))
+    with set_current_vllm_config(config):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        shared = RMSNorm(2048).to(F32)
+        torch.set_num_threads(1)
+        spare = RMSNorm(2048).to(F32)
+    assert (shared.cpu_dtypes, F32 in spare.cpu_dtypes) == ((), True)
+    x = torch.randn(4, 2048)
+    with torch.profiler.profile() as prof:
+        got = shared(x)
+    assert not [e for e in prof.key_averages() if e.key.startswith("_C::")]
+    assert torch.equal(got, shared.forward_native(x))
 
 
 STRICT_VALIDATION = [
@@ -249,7 +279,7 @@ from vllm import LLM, SamplingParams
 
 if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, max_model_len=256,
-              max_num_seqs=1, enforce_eager=sys.argv[2] == "eager")
+              max_num_seqs=1, enforce_eager=sys.argv[2] == "eager", dtype="float32")
     params = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
     prompt = {"prompt_token_ids": list(range(1, 9))}
     llm.generate([prompt], params)
@@ -271,8 +301,8 @@ if __name__ == "__main__":
     "mode, counts, custom_ops",
     [
         # 8 steps: each layer's input norm (the first without a residual) and
-        # post-attention norm, and the final norm; the bfloat16 fused add only
-        # on builds that round (the rule).
+        # post-attention norm, and the final norm; float32, at one thread: the
+        # kernels on every build (the rule).
         ("eager", {"_C::rms_norm": 8, "_C::fused_add_rms_norm": 32}, ["all"]),
         pytest.param(
             "compiled",
@@ -297,6 +327,7 @@ def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CPU_KVCACHE_SPACE="1",
+        OMP_NUM_THREADS="1",
         **{provider.OPT_IN_ENV: "1"},
     )
     proc = subprocess.run(
@@ -309,8 +340,4 @@ def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    from patches.cpu_norm_rule import cpu_norm_dtypes
-
-    if BF16 not in cpu_norm_dtypes():
-        counts = {**counts, "_C::fused_add_rms_norm": 0}
     assert (result["counts"], result["custom_ops"]) == (counts, custom_ops)
