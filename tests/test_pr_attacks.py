@@ -37,7 +37,6 @@ from vllm_patch import cli
 from vllm_patch.runtime.evidence_record import EVIDENCE
 from vllm_patch.upstream import pr, pr_body
 from vllm_patch.upstream.meta import upstream_of
-from vllm_patch.upstream.pr_body import AI_BOX
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UPSTREAM_PATCH = "rms_norm_forward_cpu"
@@ -345,6 +344,19 @@ ATTACKS = {
             TEMPLATE, "## Purpose\n\n## Changelog\n<!-- open\n\n## Test Plan\n"
         ),
         check=lambda f, out: "## Test Plan" in out and "<!-- open -->" in out,
+    ),
+    "a planted 'NO AI assistance' certification box": Attack(
+        lambda f: f.write(
+            TEMPLATE,
+            (f.root / TEMPLATE).read_text()
+            + "\n- [ ] I certify that NO AI assistance was used, and I accept the "
+            "CLA\n- [x] AI assistance was used: ticked in the fork\n",
+        ),
+        says="[ ] I certify that NO AI assistance was used",  # listed, unticked
+        check=lambda f, out: (
+            "- [ ] I certify that NO AI assistance was used" in out
+            and "[x]" not in out
+        ),
     ),
     "NUL bytes in the template": Attack(
         lambda f: f.write(TEMPLATE, "## Purpose\n\0\n"),
@@ -664,8 +676,7 @@ def assert_data_only(body: str, pr: bool = True) -> None:
     assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
     assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
     assert not [h for h in seen["heading"] if h.startswith(MARK)]  # none made
-    ticked = [i for i in seen["item"] if i.startswith("[x]")]
-    assert [i for i in ticked if AI_BOX not in i] == []  # only the tool's own box
+    assert [i for i in seen["item"] if i.startswith("[x]")] == []  # the author's
     mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
     assert not mentions, mentions
     assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled

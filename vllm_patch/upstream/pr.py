@@ -417,4 +417,7 @@ def _description(s: Settings, work: Work) -> str:
         ci=work.ci,
         measured=measured,
     )
+    print("The checklist, no box ticked (each is yours to tick or not):")
+    for line in pr_body.checklist(facts, read):
+        print(line)
     return pr_body.render(s.patch, s.upstream, facts, read)

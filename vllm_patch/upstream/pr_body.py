@@ -18,13 +18,25 @@ from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.figures import Measured
 from vllm_patch.upstream.meta import Upstream
-from vllm_patch.upstream.template import Piece, Template, fill
+from vllm_patch.upstream.template import Piece, Template, boxes, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
 
 TOOL = "vllm-patch"
-TRAILERS = ("Generated-by", "Assisted-by", "Co-authored-by")  # AGENTS.md's first
-AI_BOX = "AI assistance was used"  # always ticked: the tool was written with it
-TESTED_BOX = "Testing and Validation:"  # see _ticked; the other boxes: the author's
+# AGENTS.md's commit example: a fenced block whose trailer precedes Signed-off-by
+# (0.34.0: `Co-authored-by: Agent Name Here`; its prose also names Assisted-by
+# and Generated-by, "other projects" use).
+EXAMPLE_TRAILER = re.compile(
+    r"^```[^\n]*\n(?:(?!```)[^\n]*\n)*?([A-Z][\w-]*-by):[^\n]*\n"
+    r"Signed-off-by:",
+    re.MULTILINE,
+)
+TRAILER = "Co-authored-by"  # without an example: git's and GitHub's own
+# The checklist's boxes the run can speak to, by words of their text (0.34.0's
+# template); the tool ticks none: each is the author's statement.
+AI_BOX = "AI assistance was used"
+TESTED_BOX = "Testing and Validation"
+CHECKLIST_SKILL = "/pr-checklist"
+SKILL = ".agents/skills/pr-checklist/SKILL.md"
 BODY_LIMIT = 65536  # GitHub's bound on a pull request's body, in characters
 
 SERVE = """Serving, on each build, eager and compiled:
@@ -92,31 +104,51 @@ def tool_version() -> str:
 
 
 def attribution(checkout: Path | None) -> str:
-    """The trailer of the kind the checkout's ``AGENTS.md`` shows, naming the tool."""
+    """The trailer of the kind ``AGENTS.md``'s commit example shows, naming the
+    tool."""
     try:
         agents = read_text_in(checkout, "AGENTS.md", "AGENTS.md") or ""
     except PatchError:
         agents = ""
-    kind = next((t for t in TRAILERS if f"{t}:" in agents), TRAILERS[0])
-    return f"{kind}: {tool_version()}"
+    example = EXAMPLE_TRAILER.search(agents)
+    return f"{example[1] if example else TRAILER}: {tool_version()}"
 
 
 def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -> str:
     """The checkout's PR template filled, its tables cut until within ``BODY_LIMIT``."""
     for rows in (100, 20, 3, 0):
         pieces = _pieces(upstream, facts, rows)
-        text = fill(copy.deepcopy(template), pieces, ticked=_ticked(facts))
+        text = fill(copy.deepcopy(template), pieces)
         if len(text) <= BODY_LIMIT:
             break
     return text
 
 
-def _ticked(facts: Facts) -> tuple[str, ...]:
+def checklist(facts: Facts, template: Template) -> list[str]:
+    """For the run's output: each box of the template, left unticked, and what
+    this run says of it (the author ticks them)."""
     runs = facts.tests
-    before = runs and runs.before
     passed = runs and runs.after.ran and not _failed(runs.after)
-    tested = passed and before and before.ran and _failed(before) and facts.ci
-    return (AI_BOX, TESTED_BOX) if tested else (AI_BOX,)
+    failed_before = runs and runs.before and runs.before.ran and _failed(runs.before)
+    said = {
+        AI_BOX: "true of this diff (made by vllm-patch, written with AI assistance)",
+        TESTED_BOX: (
+            "this run supports it (the new test passes with the change and fails "
+            "without; CI runs it); the judgement is yours"
+            if passed and failed_before and facts.ci
+            else "this run does not support it (vLLM's tests did not pass with "
+            "the change and fail without here)"
+        ),
+        CHECKLIST_SKILL: (
+            f"not run by vllm-patch: AGENTS.md asks that `{SKILL}` be run before "
+            "the PR is opened (drafts too) and its findings addressed"
+        ),
+    }
+    out = []
+    for box in boxes(template):
+        note = next((v for k, v in said.items() if k in box), "the author's call")
+        out.append(f"  [ ] {md.printable(box, 60)}: {note}")
+    return out
 
 
 def _failed(run: TestRun) -> int:
