@@ -354,8 +354,7 @@ ATTACKS = {
         ),
         says="[ ] I certify that NO AI assistance was used",  # listed, unticked
         check=lambda f, out: (
-            "- [ ] I certify that NO AI assistance was used" in out
-            and "[x]" not in out
+            "- [ ] I certify that NO AI assistance was used" in out and "[x]" not in out
         ),
     ),
     "NUL bytes in the template": Attack(
