@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import cmarkgfm
 import git
 import pytest
-from markdown_it import MarkdownIt
+from cmarkgfm import cmark
 from test_pr_body import evidence
 
 from patcher import engine
@@ -585,6 +586,12 @@ PAYLOADS = {
     f"<img src=https://evil.example/{MARK}.png>",
     "a javascript: link": f"[{MARK}](javascript:alert(1)) <javascript:{MARK}>",
     "an unclosed code span and a |": f"`{MARK} | a \\| b \\`|` <!-- {MARK}",
+    "bare URLs, www. hosts and e-mail addresses": f"https://evil.example/{MARK}?t=1"
+    f" www.evil.example/{MARK} WWW.evil.example {MARK}@evil.example "
+    f"ftp://evil.example/{MARK}",
+    "__x__ and ~~x~~": f"__{MARK}__ ~~{MARK}~~ *{MARK}* _{MARK}_",
+    "a line that makes a list, a heading or a break": f"- [x] {MARK}\n{MARK}\n===\n"
+    f"---\n1. {MARK}",
 }
 
 
@@ -643,42 +650,29 @@ def decoded(name: str = "a random-weight Llama", engine: str = "base") -> dict:
     }
 
 
-def published(body: str) -> dict[str, list[str]]:
-    """What GitHub makes of ``body`` (CommonMark and tables): HTML, link and
-    image targets, headings, list items, text, code."""
-    found: dict[str, list[str]] = {k: [] for k in ("html", "url", "heading", "item")}
-    found |= {"text": [], "code": [], "table": []}
-    tokens = MarkdownIt("commonmark").enable("table").parse(body)
-    for i, tok in enumerate(tokens):
-        if tok.type in ("html_block", "html_inline"):
-            found["html"].append(tok.content)
-        if tok.type in ("fence", "code_block"):
-            found["code"].append(tok.content)
-        if tok.type == "table_open":
-            found["table"].append(tokens[i + 4].content)  # the first header cell
-        if tok.type != "inline":
-            continue
-        if tokens[i - 1].type == "heading_open":
-            found["heading"].append(tok.content)
-        if tokens[i - 2].type == "list_item_open":
-            found["item"].append(tok.content)
-        for c in tok.children or ():
-            kind = {"html_inline": "html", "code_inline": "code"}.get(c.type, "text")
-            found[kind].append(c.content)
-            found["url"] += [v for k, v in c.attrs.items() if k in ("href", "src")]
-    return found
+def rendered(body: str) -> str:
+    """``body`` as GitHub renders it (cmark-gfm, its extensions, raw HTML kept),
+    the contents of code spans and blocks dropped: text there is inert."""
+    html = cmarkgfm.github_flavored_markdown_to_html(
+        body, options=cmark.Options.CMARK_OPT_UNSAFE
+    )
+    return re.sub(r"<(code|pre)\b[^>]*>.*?</\1>", "", html, flags=re.S)
 
 
 def assert_data_only(body: str, pr: bool = True) -> None:
-    seen = published(body)
-    assert not [h for h in seen["html"] if re.search(r"<!--[^>]*" + MARK, h)]
-    assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
-    assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
-    assert not [h for h in seen["heading"] if h.startswith(MARK)]  # none made
-    assert [i for i in seen["item"] if i.startswith("[x]")] == []  # the author's
-    mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
-    assert not mentions, mentions
-    assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
+    """No live link, image, mention, heading, emphasis, ticked box or open
+    comment of the evidence's strings outside code, as GitHub shows ``body``."""
+    html = rendered(body)
+    links = re.findall(r"<a\b[^>]*\bhref=\"([^\"]*)\"", html)
+    assert not [u for u in links if re.search(f"{MARK}|evil|javascript", u)], links
+    assert not re.search(r"<(img|script|iframe)\b", html)
+    assert not re.search(rf"<(em|strong|del)>[^<]*{MARK}", html)
+    assert not re.search(rf"<h\d>\W*{MARK}", html)  # no heading of its own
+    assert "checked" not in html  # no ticked task-list box
+    assert not re.search(rf"<!--(?:(?!-->).)*{MARK}", html, re.S)  # none opened
+    text = re.sub(r"<[^>]*>", "", html)
+    assert not re.search(r"@[\w-]", text), re.findall(r".{20}@[\w-].{20}", text)
+    assert body.count("| metric | base | patched |") == 2  # the serving tables
     assert "Output throughput with this change over the base" in body
     if not pr:
         assert "## Decode step" in body and "(A/A control)" not in body
