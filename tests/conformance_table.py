@@ -148,25 +148,21 @@ def _error(got, want, dtype_of) -> float:
 
 
 def _expects(form: str, mode: str, cell, norm, x, residual) -> bool:
-    from patches.rms_norm_forward_cpu import rule
+    from patches import cpu_norm_rule as rule
 
-    dtype, _, _, res, weight = cell
+    _, _, _, _, weight = cell
     if mode == "compiled":
         return False
     if form == "ir":  # forward_native -> vLLM IR: vllm_c ranked only eager
         if mode != "eager" or weight == "variance":
             return False
-        check = rule.call_predicate(res != "none", weight_may_be_none=True)
         w = norm.weight.data if norm.has_weight else None
-        norm_dtypes, add_dtypes = rule.installed_dtypes()
+        shared = rule.cpu_threads_shared()
+        dtypes = () if shared else rule.cpu_norm_dtypes()
     else:
-        check = rule.call_predicate(res != "none")
         w = norm.weight
-        norm_dtypes, add_dtypes = (
-            rule.installed_dtypes() if weight == "weight" else ((), ())
-        )
-    dtypes = norm_dtypes if res == "none" else add_dtypes
-    return bool(check(x, w, dtypes, residual))
+        dtypes = rule.layer_dtypes(norm)
+    return rule.expects_kernel(x, w, dtypes, residual)
 
 
 def run(form: str, modes: list[str], backend: str = "inductor") -> dict:

@@ -309,8 +309,8 @@ def test_an_engine_calls_the_kernels_through_the_provider_unless_compiled(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    from patches.rms_norm_forward_cpu.rule import installed_dtypes
+    from patches.cpu_norm_rule import cpu_norm_dtypes
 
-    if BF16 not in installed_dtypes()[1]:
+    if BF16 not in cpu_norm_dtypes():
         counts = {**counts, "_C::fused_add_rms_norm": 0}
     assert (result["counts"], result["custom_ops"]) == (counts, custom_ops)

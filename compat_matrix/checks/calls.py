@@ -76,7 +76,7 @@ def count(mode: str) -> dict[str, Any]:
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     from patches.cpu_fused_norms.identity import PROVIDER
-    from patches.rms_norm_forward_cpu.rule import installed_dtypes
+    from patches.cpu_norm_rule import layer_dtypes
 
     config = final_config(mode)
     priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
@@ -90,9 +90,9 @@ def count(mode: str) -> dict[str, Any]:
     cc, ir_name = config.compilation_config, "" if priority is None else str(priority)
     replaced = type(norm) is not RMSNorm  # by an out-of-tree RMSNorm: CustomOp
     route = "CustomOp" if replaced else "IR" if PROVIDER in ir_name else "none"
-    dtypes = installed_dtypes() if mode == "eager" else ((), ())
     calls = {k: sum(found[k] for found, *_ in runs) for k in NORM_KERNELS}
-    want = {k: kind in d for k, d in zip(NORM_KERNELS, dtypes, strict=True)}
+    kernel = mode == "eager" and kind in layer_dtypes(norm)
+    want = dict.fromkeys(NORM_KERNELS, kernel)
     return {
         "calls": calls,
         "expected": want,

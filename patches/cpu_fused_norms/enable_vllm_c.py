@@ -1,6 +1,7 @@
 """Mark the "vllm_c" RMSNorm impls (vLLM 0.20-0.32) supported on CPU where they
 match native: the norms' gate gains ``or IS_CPU`` (in place where only the norms
-use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` rule.py's checks."""
+use it, else a new ``RMS_NORM_DEVICE``), each ``supports_args`` the rule's checks
+(``patches/cpu_norm_rule.py``, through ``patches/cpu_norm_source.py``)."""
 
 import ast
 import re
@@ -11,17 +12,19 @@ import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
 from patcher.ruff_format import format_statements
+from patches import cpu_norm_source as rule
 from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
-from patches.rms_norm_forward_cpu.rule import CPU_PY, call_checks, dtypes_function
 
 GATE = "GPGPU_DEVICE"
 NORM_GATE = "RMS_NORM_DEVICE"
 IS_CPU = "IS_CPU"
 IS_CPU_LINE = f"{IS_CPU} = current_platform.is_cpu()"
-FUNCTION = "cpu_fused_norm_dtypes"
-DTYPES = {"rms_norm": "CPU_DTYPES", "fused_add_rms_norm": "CPU_ADD_DTYPES"}
+FUNCTION = rule.FUNCTIONS[0]
+DTYPES = "CPU_DTYPES"
+# Once per process, at import: a CPU worker's threads are set by then (its
+# binding's OMP_NUM_THREADS at start-up; read in 0.32.0).
 DTYPES_LINES = (
-    f"{', '.join(DTYPES.values())} = {FUNCTION}()",
+    f"{DTYPES} = () if {rule.FUNCTIONS[1]}() else {FUNCTION}()",
     '"""The dtypes in which the CPU kernels match native here, once per process."""',
 )
 # How many leading parameters of each norm's supports_args are its input tensors.
@@ -153,7 +156,7 @@ class EnableVllmCOnCpu(TreeCodemod):
                     source(check.params),
                 )
             residual = p[1] if TENSORS[op] > 1 else None
-            checks = call_checks(p[0], p[TENSORS[op]], DTYPES[op], residual, True)
+            checks = rule.call_checks(p[0], p[TENSORS[op]], DTYPES, residual)
             guard = f"(not {IS_CPU} or ({checks}))"
             found.append(Norm(op, at, kw["supported"], check_at, check, guard))
         if not found:
@@ -195,12 +198,13 @@ class EnableVllmCOnCpu(TreeCodemod):
             self.record(f"`{IS_CPU_LINE}` caches the CPU check")
         added = before.setdefault(min(n.check_at for n in norms), [])
         if not used[FUNCTION]:
-            code = dtypes_function(self.read_tree_file(CPU_PY))
-            added.append(cst.parse_statement(code, tree.config_for_parsing))
+            functions = rule.functions(self.read_tree_file(rule.CPU_PY))
+            blank = cst.EmptyLine(indent=False)
+            added += [f.with_changes(leading_lines=[blank, blank]) for f in functions]
         if all(source(s) != DTYPES_LINES[0] for s in tree.body):
             added += [_statement(line, tree) for line in DTYPES_LINES]
             self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
-        return _rebuild(tree, new, before)
+        return rule.with_imports(_rebuild(tree, new, before), True)
 
 
 class DisableVllmCOnCpu(EnableVllmCOnCpu):
@@ -222,11 +226,11 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
         left = names(_rebuild(tree, new, {}, False))
         called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
-        if called and not any(left[n] > 1 for n in DTYPES.values()):
+        if called and left[DTYPES] == 1:
             for i, s in enumerate(tree.body):
-                mine = isinstance(s, cst.FunctionDef) and s.name.value == FUNCTION
-                if source(s) in DTYPES_LINES or (mine and left[FUNCTION] == 2):
-                    new[i] = None  # the call, its docstring, the def it alone uses
+                mine = isinstance(s, cst.FunctionDef) and s.name.value in rule.FUNCTIONS
+                if source(s) in DTYPES_LINES or (mine and left[s.name.value] == 2):
+                    new[i] = None  # the call, its docstring, the defs it alone uses
         if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
             new[cpu] = None
-        return _rebuild(tree, new, {})
+        return rule.with_imports(_rebuild(tree, new, {}), False)

@@ -1,16 +1,14 @@
 """vLLM's CPU fused RMSNorm kernels as a vLLM plugin, for vLLMs without the change:
 with ``VLLMPATCH_CPU_FUSED_NORMS=1``, ``RMSNorm`` is built as a subclass running
-the upstream form's code, on CPU where ``RMSNorm`` has no ``forward_cpu``.
-Off, it imports neither torch nor vLLM; on, it never breaks vLLM's start-up."""
+the code the upstream form writes (``patches/cpu_norm_rule.py``, imported), on CPU
+where ``RMSNorm`` has no ``forward_cpu``. Off, it imports neither torch nor vLLM;
+on, it never breaks vLLM's start-up."""
 
 import logging
 import os
 import sys
-import textwrap
-from pathlib import Path
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV, OPT_IN_OFF, OPT_IN_ON, PROVIDER
-from patches.rms_norm_forward_cpu import rule
 
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
 
@@ -38,6 +36,7 @@ def register() -> None:
 
 
 def _register() -> None:
+    from vllm import envs
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers import layernorm
     from vllm.platforms import current_platform
@@ -49,26 +48,24 @@ def _register() -> None:
     why = None
     if not current_platform.is_cpu():
         why = f"the platform is {type(current_platform).__name__}, not CPU"
-    elif "forward_cpu" in vars(layernorm.RMSNorm):
+    elif has_own_forward_cpu(layernorm.RMSNorm):
         why = "this vLLM's RMSNorm has its own forward_cpu (upstream or patched)"
+    elif "VLLM_BATCH_INVARIANT" not in envs.environment_variables:
+        why = "this vLLM has no envs.VLLM_BATCH_INVARIANT (before 0.19)"
     if why:
         _status["stood_aside"] = why
         _log_once(f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]} changes nothing: {why}")
         return
-    # The RMSNorm subclass, compiled in the release's layernorm module.
-    namespace = dict(vars(layernorm))
-    spelling = next(s for n, s in rule.BATCH_INVARIANT.items() if n in namespace)
-    cpu_py = Path(layernorm.__file__).parents[2] / "platforms" / "cpu.py"
-    exec(rule.dtypes_function(cpu_py.read_text("utf-8")), namespace)
-    init = rule.INIT_LINES.format(batch_invariant=spelling)
-    source = (
-        "class CpuFusedRMSNorm(RMSNorm):\n"
-        "    def __init__(self, *args, **kwargs):\n"
-        "        super().__init__(*args, **kwargs)\n"
-        f"{textwrap.indent(init, ' ' * 8)}\n{textwrap.indent(rule.FORWARD_CPU, '    ')}"
-    )
-    exec(compile(source, f"<{PROVIDER}: RMSNorm.forward_cpu>", "exec"), namespace)
-    cls = CustomOp.register_oot(name=CUSTOM_OP_KEY)(namespace["CpuFusedRMSNorm"])
+    from patches.cpu_norm_rule import RMSNormForwardCpu
+
+    class CpuFusedRMSNorm(RMSNormForwardCpu, layernorm.RMSNorm):
+        """``RMSNorm`` with the ``forward_cpu`` the CustomOp form writes."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.bind_cpu_ops()
+
+    cls = CustomOp.register_oot(name=CUSTOM_OP_KEY)(CpuFusedRMSNorm)
     # register_oot names the class by its key; vLLM reads the name for
     # custom_ops' +/- entries, which must stay "+rms_norm" / "-rms_norm".
     cls.name = layernorm.RMSNorm.name
@@ -79,6 +76,14 @@ def _register() -> None:
         "fused_add_rms_norm where they match native; vLLM runs it where the "
         "rms_norm custom op is enabled (eager), native where Inductor compiles; "
         "custom_ops '+rms_norm' or '-rms_norm' overrides that"
+    )
+
+
+def has_own_forward_cpu(cls: type) -> bool:
+    """Whether ``cls``'s body binds ``forward_cpu`` in any form (def, assignment,
+    annotation, import, decorated def), the codemod's criterion at run time."""
+    return "forward_cpu" in vars(cls) or "forward_cpu" in vars(cls).get(
+        "__annotations__", {}
     )
 
 

@@ -1,21 +1,19 @@
 """Give ``RMSNorm`` a ``forward_cpu`` in ``GELU.forward_cpu``'s idiom
-(``layers/activation.py``): vLLM's CPU kernels where they match native (``rule.py``)."""
-
-import textwrap
+(``layers/activation.py``): decided in ``__init__``, the ops bound there, vLLM's
+CPU kernels where they match native (``patches/cpu_norm_rule.py``)."""
 
 import libcst as cst
 
-from patcher.codemod import TreeCodemod, names
-from patcher.ruff_format import format_member, format_source
-from patches.rms_norm_forward_cpu import rule
+from patcher.codemod import TreeCodemod
+from patches import cpu_norm_source as rule
 
 CLASS = "RMSNorm"
 METHOD = "forward_cpu"
-FUNCTION = "cpu_fused_norm_dtypes"
 ADDED = (
-    f"`{CLASS}.{METHOD}` is added: `ops.rms_norm` and `ops.fused_add_rms_norm` "
-    "where they match `forward_native` (contiguous, a hidden size a multiple of 8, "
-    f"one of the dtypes `{FUNCTION}()` finds here), `forward_native` elsewhere"
+    f"`{CLASS}.{METHOD}` is added: `torch.ops._C.rms_norm` and "
+    "`fused_add_rms_norm`, bound in `__init__` where the layer and the machine "
+    "allow them (`cpu_norm_dtypes()`, `cpu_threads_shared()`), for contiguous "
+    "inputs of the weight's dtype and size; `forward_native` elsewhere"
 )
 
 
@@ -38,18 +36,33 @@ class AddRmsNormForwardCpu(TreeCodemod):
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
         at, cls = self.top_level_class(tree, CLASS)
         body = list(cls.body.body)
-        mine, init = _def_at(body, METHOD), _def_at(body, "__init__")
-        function, lines, method = self.pieces(tree)
+        method = rule.forward_cpu()
+        mine = _def_at(body, METHOD)
         if mine is not None and not _same(body[mine], method):
-            raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
+            mine = None  # a def of vLLM's own
+        if rule.binds(tree.code, CLASS, METHOD):
+            without = [s for i, s in enumerate(body) if i != mine]
+            if mine is None or rule.binds(
+                self.with_body(tree, at, cls, without).code, CLASS, METHOD
+            ):
+                raise self.vllm_has_its_own(f"vLLM's own {CLASS}.{METHOD}")
         if (mine is not None) == self.ON:
             return tree  # applied already, or reverted already
+        init = _def_at(body, "__init__")
         anchor = _def_at(body, "forward_native")
         if self.ON and (anchor is None or init is None):
             raise self.shape_error(
                 f"{CLASS}.__init__ and {CLASS}.forward_native", "missing"
             )
-        if init is not None:  # its last lines: the rule's dtypes for the layer
+        spelling = rule.spelling(tree)
+        if spelling is None:
+            raise self.shape_error(
+                "an import of vllm_is_batch_invariant or vllm.envs",
+                "neither is imported",
+            )
+        lines = rule.init_lines(spelling)
+        functions = rule.functions(self.read_tree_file(rule.CPU_PY))
+        if init is not None:  # its last lines: the ops bound for the layer
             fn, old = body[init], body[init].body.body
             n = len(old) - len(lines)
             if self.ON or (n >= 0 and all(map(_same, old[n:], lines))):
@@ -66,32 +79,18 @@ class AddRmsNormForwardCpu(TreeCodemod):
             comments = [c for c in statements[at].leading_lines if c.comment]
             leading = [blank, blank, *comments]
             statements[at] = statements[at].with_changes(leading_lines=leading)
-            statements.insert(at, function.with_changes(leading_lines=[blank, blank]))
+            added = [f.with_changes(leading_lines=[blank, blank]) for f in functions]
+            statements[at:at] = added
             self.record(ADDED)
         else:
-            i = _def_at(statements, FUNCTION)
-            if i is not None and _same(statements[i], function):
-                del statements[i]
-            self.record(f"`{CLASS}.{METHOD}` and `{FUNCTION}` are removed")
-        return tree.with_changes(body=statements)
+            theirs = [i for i, s in enumerate(statements) if _is_one_of(s, functions)]
+            statements = [s for i, s in enumerate(statements) if i not in theirs]
+            self.record(f"`{CLASS}.{METHOD}` and `{'`, `'.join(rule.FUNCTIONS)}` go")
+        return rule.with_imports(tree.with_changes(body=statements), self.ON)
 
-    def pieces(self, tree: cst.Module) -> tuple:
-        """The function, the ``__init__`` lines and the method, laid out for this
-        tree, spelling batch invariance by the name ``layernorm.py`` imports."""
-        used = names(tree)
-        spelling = [s for n, s in rule.BATCH_INVARIANT.items() if used[n]]
-        if not spelling:
-            raise self.shape_error(
-                "an import of vllm_is_batch_invariant or vllm.envs",
-                "neither is imported",
-            )
-        code = format_source(rule.dtypes_function(self.read_tree_file(rule.CPU_PY)))
-        function = cst.parse_statement(
-            code.replace("\n", tree.default_newline), config=tree.config_for_parsing
-        )
-        init = rule.INIT_LINES.format(batch_invariant=spelling[0])
-        init = format_member(f"def _(self):\n{textwrap.indent(init, '    ')}", tree)
-        return function, init.body.body, format_member(rule.FORWARD_CPU, tree)
+
+def _is_one_of(statement: cst.CSTNode, functions: list[cst.FunctionDef]) -> bool:
+    return any(_same(statement, f) for f in functions)
 
 
 class RemoveRmsNormForwardCpu(AddRmsNormForwardCpu):
