@@ -414,6 +414,19 @@ def test_a_rerun_whose_parent_has_an_absolute_link_cpu_yaml(fork, capsys):
     assert SECRET not in body and "cpu.yaml`" not in body.split("## Details")[0]
 
 
+def test_a_rerun_keeps_the_description_whole(fork, capsys):
+    """Issue 44: the re-run plans the commit again on its parent's files, so its
+    description names every change (the CI step, the per-file section)."""
+    assert run(fork, capsys)[0] == 0
+    first = description(fork)
+
+    rc, out = run(fork, capsys)
+
+    assert rc == 0 and "already committed" in out
+    assert description(fork) == first
+    assert "CPU CI runs `tests/kernels/core/test_cpu_layernorm.py`" in first
+
+
 def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -18,7 +18,14 @@ from packaging.version import InvalidVersion, Version
 
 from patcher import engine
 from patcher.errors import ExitCode, PatchError, UsageError, warn
-from patcher.files import output_dir, output_path, own_paths, replace_at, write_output
+from patcher.files import (
+    MAX_FILE_BYTES,
+    output_dir,
+    output_path,
+    own_paths,
+    replace_at,
+    write_output,
+)
 from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
@@ -31,6 +38,7 @@ from vllm_patch.upstream.pr_format import check_changes
 
 WIDTH = 72  # commit message lines: git's convention, which vLLM's history follows
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+REGULAR = (0o100644, 0o100755)  # git's modes of a regular file
 OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--vllm", "CHECKOUT", "a clean vLLM git checkout (required)"),
     ("--patch", "NAME", "the patch; only the form vLLM's main takes is sent"),
@@ -326,6 +334,8 @@ def _apply(s: Settings, work: Work) -> bool:
         work.commit = next((c for c in commits if c.summary == s.upstream.title), None)
         files = sorted(work.commit.stats.files) if work.commit else []
         work.described = {f: [] for f in files}
+        if work.commit and work.commit.parents:  # the description kept whole
+            work.described, work.ci = _replanned(s, work.commit, files)
         where = f"as {work.commit.hexsha[:12]} " if work.commit else ""
         switch = " (switched to it)" if s.start != s.branch else ""
         print(
@@ -352,6 +362,35 @@ def _apply(s: Settings, work: Work) -> bool:
         e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
     }
     return True
+
+
+def _replanned(
+    s: Settings, commit: git.Commit, files: list[str]
+) -> tuple[dict[str, list[str]], list[CiEdit]]:
+    """What ``commit`` did, planned again on its parent's copies of the patch's
+    and the CI's files (regular blobs within ``MAX_FILE_BYTES``; a link is left
+    out): a re-run's description names every change the first run's did."""
+    wanted = {e.file for e in s.patch.edits} | {w.file for w in s.upstream.ci}
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-parent-") as tmp:
+        for rel in sorted(wanted):
+            try:
+                blob = commit.parents[0].tree / rel
+            except KeyError:
+                continue
+            if (
+                blob.type == "blob"
+                and blob.mode in REGULAR
+                and blob.size <= MAX_FILE_BYTES
+            ):
+                dest = Path(tmp, rel)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(blob.data_stream.read())
+        plan = engine.plan(VllmTree(Path(tmp)), s.patch)
+        ci = [ci_yaml.wire(Path(tmp), w) for w in s.upstream.ci]
+    described = plan.described()  # in the first run's order
+    described |= {e.wiring.file: e.described() for e in ci if e.text or e.left_out}
+    described |= {rel: [] for rel in files if rel not in described}
+    return {rel: said for rel, said in described.items() if rel in files}, ci
 
 
 def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:

@@ -12,11 +12,19 @@ from pathlib import Path
 from patcher.errors import PatchError
 from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
+from vllm_patch.bench import likelihood
 from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
 from vllm_patch.upstream.ci_yaml import CiEdit
-from vllm_patch.upstream.figures import Measured
+from vllm_patch.upstream.figures import (
+    BIAS_ADDS,
+    BIAS_HIDDEN,
+    BIAS_TOKENS,
+    BIAS_UPDATE,
+    Bias,
+    Measured,
+)
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, Template, boxes, fill
 from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
@@ -39,6 +47,11 @@ CHECKLIST_SKILL = "/pr-checklist"
 SKILL = ".agents/skills/pr-checklist/SKILL.md"
 BODY_LIMIT = 65536  # GitHub's bound on a pull request's body, in characters
 
+NOT_RUN = (
+    "Not run here: serving throughput and gsm8k. This run starts no server; "
+    "each needs `vllm serve` on each build, minutes to hours on a small CPU. "
+    "The commands:"
+)
 SERVE = """Serving, on each build, eager and compiled:
 
 ```bash
@@ -157,7 +170,7 @@ def _failed(run: TestRun) -> int:
 
 def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
     title = re.sub(r"^(\[[^\]]*\])+\s*", "", upstream.title)
-    overview = f"{title}. {what_changes(facts.described)}\n{upstream.rule}"
+    overview = f"{title}, off on CPU since #31643. {SCOPE}\n{upstream.rule}"
     claims = _claims(upstream, facts, rows)  # a part not measured: None
     return [
         Piece(("purpose",), overview),
@@ -166,6 +179,15 @@ def _pieces(upstream: Upstream, facts: Facts, rows: int) -> list[Piece]:
         Piece(("result", "plan"), "\n\n".join(_results(facts, rows))),
         Piece(("details", "purpose"), "\n\n".join(_details(upstream, facts))),
     ]
+
+
+# Where CustomOp runs forward_cpu on CPU (vLLM 0.32.0 - 0.34.0): the change's
+# reach, stated first so that no reviewer takes it for a serving speed-up.
+SCOPE = (
+    "It acts in eager mode (`--enforce-eager`) and with `+rms_norm` in "
+    "`custom_ops` only: default CPU serving compiles with Inductor, which keeps "
+    "the native norm, and is unchanged."
+)
 
 
 def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
@@ -191,8 +213,12 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
         yield from bench_result.claims(ev, rows)
     elif m and m.per_call:
         yield bench_result.perop_claim(m.per_call, rows)
+    if m and m.real:
+        yield _real_model_claim(m)
+    if m and m.bias:
+        yield _bias_claim(m)
     if m and m.qwen3 and not (ev and ev.qwen3_eager):
-        yield bench_result.qwen3_claim(m.qwen3)
+        yield _strided_claim(m.qwen3)
     if not (ev or (m and m.per_call)):
         yield "- Speed and accuracy: nothing was measured."
     for edit in (e for e in facts.ci if e.added_tests):
@@ -227,39 +253,150 @@ def _test_name(test_id: str) -> str:  # [Class::]test, unparametrised
     return f"{where}::{name}" if where[:1].isupper() else name
 
 
-def _plan(upstream: Upstream, facts: Facts):
-    model, command = upstream.model, _command(upstream, facts)
-    ev, m = facts.evidence, facts.measured
-    if m and m.vllm:
-        put = ", ".join(f"`{f}`" for f in m.put_in) or "no file"
-        yield (
-            f"Ran on {m.vllm} (the newest CPU build on PyPI) with this branch's "
-            f"{put} put in place of the build's own, kernel build `{m.kernel_build}`"
-            f" ({KERNEL_BUILDS.get(m.kernel_build, 'not an x86 build')})."
+def _real_model_claim(m: Measured) -> str:
+    """Per dtype the log-likelihood difference and the greedy agreement."""
+    said, greedy = [], []
+    for found in m.real:
+        ll, answers = found.likelihood, found.greedy
+        said.append(f"{ll.dtype} {likelihood.shown(ll.difference['patched'])}")
+        greedy.append(
+            f"{answers.identical('patched')}/{len(answers.prompts)} ({ll.dtype})"
         )
+    first = m.real[0].likelihood
+    return (
+        f"- A real model, {md.text(m.model)} (eager, `{md.text(first.build)}`): "
+        f"this change − base in nats per token over {first.tokens:,} tokens of "
+        f"text, with a 95 % interval: {'; '.join(said)}. Greedy answers the "
+        f"base's token for token: {', '.join(greedy)}."
+    )
+
+
+def _unbiased(b: Bias) -> bool:
+    """This change's bfloat16 magnitudes are native's (within 1e-3, where the
+    truncating kernel is 3e-3 off after one norm and 0.15 after 64 adds)."""
+    return all(
+        abs(found["this change"] - found["native"]) < 1e-3
+        for found in (b.rms_norm, b.fused_add)
+    )
+
+
+def _bias_claim(m: Measured) -> str:
+    """Per build measured: does this change keep native's bfloat16 magnitude."""
+    said = []
+    for b in m.bias:
+        verdict = "no bias native lacks" if _unbiased(b) else "the kernel's bias"
+        said.append(
+            f"on `{md.text(b.build)}` {verdict}: after {BIAS_ADDS} fused adds "
+            f"the residual's norm is {b.fused_add['this change']:.4f} of the exact "
+            f"sum with this change, {b.fused_add['native']:.4f} native, "
+            f"{b.fused_add['kernel']:.3f} through the kernel"
+        )
+    return f"- bfloat16: {'; '.join(said)} (details below)."
+
+
+def _strided_claim(q) -> str:
+    """The strided per-head norms: this PR's finding and its experiment."""
+    patched, unguarded = q.patched, q.unguarded
+    n = len(q.prompts)
+    return (
+        "- Strided per-head q/k norms stay native (this PR's finding, below): on "
+        f"an eager random-weight Qwen3 in {md.text(q.model.dtype, 20)}, "
+        f"{patched.identical_prompts}/{n} prompts give the base's greedy tokens "
+        f"with this change, {unguarded.identical_prompts}/{n} with the kernels "
+        "for every input."
+    )
+
+
+def _ran_on(facts: Facts) -> str | None:
+    """The sentence naming the vLLM build and kernel library that ran."""
+    m, runs = facts.measured, facts.tests
+    after = runs.after if runs and runs.after.ran else None
+    vllm = (m and m.vllm) or (after and f"vLLM {after.vllm}")
+    build = (m and m.kernel_build) or (after and after.kernel_build)
+    if not (vllm and build):
+        return None
+    put = (m.put_in if m and m.vllm else runs.copied) or ()
+    files = _and([f"`{f}`" for f in put])
+    used = (
+        f"this branch's {files} put in place of the build's own"
+        if put
+        else "the change applied to the build's own files (no file of this "
+        "branch ran: the run was told to run none)"
+    )
+    note = BUILDS.get(build, "not an x86 build")
+    return f"Ran on {vllm}, {used}; kernel build `{build}` ({note})."
+
+
+def _plan(upstream: Upstream, facts: Facts):
+    command = _command(upstream, facts)
+    if ran := _ran_on(facts):
+        yield ran
     yield f"The tests, with and without this change:\n\n```bash\n{command}\n```"
-    if not (ev and ev.serving):
-        yield SERVE.format(model=model)
-    if not (ev and ev.accuracy.lm_eval):
-        yield LM_EVAL.format(model=model)
 
 
-TRUNCATES = (
-    "the kernels truncate float32 to bfloat16, so the bfloat16 fused add stays "
-    "native and is not exercised"
-)
-KERNEL_BUILDS = {
-    "_C": (
-        "AVX512-BF16: every kernel path this change enables on x86 runs; not "
-        "exercised: the `_C_AVX512` and `_C_AVX2` builds, where the bfloat16 "
-        "fused add stays native (no vLLM CI job runs them), and aarch64, POWER "
-        "and s390x"
-    ),
-    "_C_AVX512": f"AVX-512 without AVX512-BF16: {TRUNCATES}",
-    "_C_AVX2": (
-        f"AVX2: {TRUNCATES}; no vLLM CI job runs the `_C_AVX512` or `_C_AVX2` builds"
-    ),
+BUILDS = {
+    "_C": "AVX512-BF16",
+    "_C_AVX512": "AVX-512 without AVX512-BF16",
+    "_C_AVX2": "AVX2",
 }
+# Where the kernels run in bfloat16, by the rule (cpu_norm_rule.cpu_norm_dtypes),
+# and why that is unbiased; the figures are the run's own, per build measured.
+BF16_RULE = (
+    "With this change the kernels run in bfloat16 only where the build rounds "
+    "float32 to bfloat16 to nearest even, as native's `.to(torch.bfloat16)` "
+    "does: x86 `_C` (AVX512-BF16, `_mm512_cvtneps_pbh`), aarch64 with BF16 "
+    "(in hardware), POWER and s390x (in software). Rounding to nearest even errs "
+    "both ways, so no drift builds up along the residual stream. `_C_AVX512` and "
+    "`_C_AVX2` keep the high 16 bits (`csrc/cpu/cpu_types_x86.hpp`): every "
+    "element moves toward zero, and the fused add carries that from layer to "
+    "layer, so bfloat16 stays native there; float32 and float16 run the kernels "
+    "on every x86 build."
+)
+STRIDED = (
+    "**Strided per-head norms (this PR's finding).** #31643 (\"[Bugfix][CPU] "
+    'Fix RotaryEmbedding fallback causing gibberish with --enforce-eager") '
+    "pinned `RotaryEmbedding`, `RMSNorm`, `GemmaRMSNorm` and `RMSNormGated` to "
+    "native on CPU. Why `RMSNorm` broke is our reading, not #31643's: Qwen3 runs "
+    "`q_norm` and `k_norm` on per-head views of the qkv output, whose rows are "
+    "strided, and the CPU kernels read their input as contiguous rows. The "
+    "experiment: an eager random-weight Qwen3 with the kernels for every input "
+    "(unguarded) against this change, which sends non-contiguous input to "
+    "native."
+)
+
+
+def _bias_section(m: Measured) -> str:
+    """The bfloat16 rule per build, and this run's figures per build measured."""
+    rows = [
+        [
+            f"`{md.text(b.build)}`",
+            route,
+            f"{b.rms_norm[route]:.4f}",
+            f"{b.fused_add[route]:.4f}",
+        ]
+        for b in m.bias
+        for route in b.rms_norm
+    ]
+    runs = "; ".join(
+        f"`{md.text(b.build)}`: "
+        + ", ".join(f"{op} {how}" for op, how in b.layer_runs.items())
+        for b in m.bias
+    )
+    measured = ", ".join(f"`{md.text(b.build)}`" for b in m.bias)
+    header = [
+        "build",
+        "route",
+        "one rms_norm: |out| / |exact|",
+        f"residual norm after {BIAS_ADDS} fused adds / exact",
+    ]
+    return md.details(
+        f"bfloat16 bias per kernel build (measured here: {md.html(measured)})",
+        f"{BF16_RULE}\n\nMeasured here ({BIAS_TOKENS} x {BIAS_HIDDEN}, "
+        f"bfloat16, 1 thread, against float64 from the same inputs; updates at "
+        f"{BIAS_UPDATE:g} of the residual's scale). With this change the layer "
+        f"ran: {runs}. Not measured here: the builds this CPU cannot load.\n\n"
+        + md.table(header, rows),
+    )
 
 
 def _results(facts: Facts, rows: int):
@@ -284,9 +421,24 @@ def _results(facts: Facts, rows: int):
             bench_result.perop_heading(m.per_call, md.html),
             bench_result.perop_table(m.per_call, _scale, rows),
         )
+    if m and m.real:
+        table = "\n".join(likelihood.markdown(m.real, m.model))
+        yield md.details(f"{md.html(m.model)}: log-likelihood and greedy", table)
+    if m and m.bias:
+        yield _bias_section(m)
     qwen3 = (ev and ev.qwen3_eager) or (m and m.qwen3)
     if qwen3:
-        yield "\n".join(bench_result.qwen3_eager_markdown(qwen3))
+        shown = bench_result.qwen3_eager_markdown(qwen3)
+        table = shown[0].split("\n\n", 1)[-1]  # its table, without its reading
+        setup = (
+            f"Here: {md.text(qwen3.model.named(), 400)}; {len(qwen3.prompts)} "
+            f"prompts, {qwen3.max_tokens} greedy tokens each, one offline engine "
+            "per side."
+        )
+        yield md.details(
+            "Strided per-head norms: eager Qwen3",
+            "\n".join([STRIDED, "", setup, "", table, *shown[1:]]),
+        )
     if ev and ev.serving:
         yield _serving(ev, rows)
     if ev and ev.numerics:
@@ -354,6 +506,7 @@ searched by the tool: `gh pr list --repo vllm-project/vllm --state open --search
 
 
 def _details(upstream: Upstream, facts: Facts):
+    yield what_changes(facts.described)
     yield upstream.purpose
     for edit in facts.ci:
         if edit.text is None and edit.wiring.tests:
@@ -362,16 +515,28 @@ def _details(upstream: Upstream, facts: Facts):
     for file, reason in facts.left_out.items():
         yield f"Left out of this commit: `{file}` ({reason})."
     ran = facts.tests and facts.tests.after.ran
-    qwen3 = facts.measured and facts.measured.qwen3
+    m, ev = facts.measured, facts.evidence
+    evaluated = []
+    if m and m.real:
+        evaluated.append(f"{md.text(m.model)}'s log-likelihood and greedy answers")
+    if m and m.qwen3:
+        evaluated.append("the eager Qwen3 comparison")
+    if ev and ev.accuracy.lm_eval:
+        evaluated.append("gsm8k")
     yield PROVENANCE.format(
         tool=tool_version(),
         tests="the table above." if ran else "none here; the command above.",
-        evaluation=(
-            "the eager Qwen3 comparison above; gsm8k needs the commands above."
-            if qwen3
-            else "not run here; the commands above."
-        ),
+        evaluation=f"{_and(evaluated)}, above." if evaluated else "none here.",
     )
+    unrun = []
+    if not (ev and ev.serving):
+        unrun.append(SERVE.format(model=upstream.model))
+    if not (ev and ev.accuracy.lm_eval):
+        unrun.append(LM_EVAL.format(model=upstream.model))
+    if unrun:
+        yield md.details(
+            "Not run here: serving and gsm8k", "\n\n".join([NOT_RUN, *unrun])
+        )
     changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
     if changes:
         yield md.details("What the diff does, file by file", "\n".join(changes))

@@ -41,6 +41,7 @@ class TestRun:  # one pytest run of upstream test files (or why it did not run)
     vllm: str = ""
     torch: str = ""
     machine: str = ""  # described_machine()
+    kernel_build: str = ""  # the library vLLM loads here: _C, _C_AVX512, _C_AVX2
 
     def summary(self) -> str:
         return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in KEYS)
@@ -106,6 +107,7 @@ def run_pytest(
         vllm=str(read_version(VllmTree(site)) or "unknown"),
         torch=machine.distribution_version("torch") or "not installed",
         machine=described_machine(),
+        kernel_build=machine.kernel_build(site / "vllm"),
     )
 
 
