@@ -350,7 +350,8 @@ BF16_RULE = (
     "`_C_AVX2` keep the high 16 bits (`csrc/cpu/cpu_types_x86.hpp`): every "
     "element moves toward zero, and the fused add carries that from layer to "
     "layer, so bfloat16 stays native there; float32 and float16 run the kernels "
-    "on every x86 build."
+    "on every x86 build. Rounding to nearest even in those conversions is the "
+    "follow-up that would let bfloat16 run the kernels there too."
 )
 STRIDED = (
     "**Strided per-head norms (this PR's finding).** #31643 (\"[Bugfix][CPU] "
