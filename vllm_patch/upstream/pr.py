@@ -361,6 +361,7 @@ def _apply(s: Settings, work: Work) -> bool:
     work.described = plan.described() | {  # each CI file's change, or why not
         e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
     }
+    work.described |= _new_tests(changes)
     return True
 
 
@@ -387,10 +388,19 @@ def _replanned(
                 dest.write_bytes(blob.data_stream.read())
         plan = engine.plan(VllmTree(Path(tmp)), s.patch)
         ci = [ci_yaml.wire(Path(tmp), w) for w in s.upstream.ci]
-    described = plan.described()  # in the first run's order
+    described = plan.described() | _new_tests(plan.file_changes())  # run 1's order
     described |= {e.wiring.file: e.described() for e in ci if e.text or e.left_out}
     described |= {rel: [] for rel in files if rel not in described}
     return {rel: said for rel, said in described.items() if rel in files}, ci
+
+
+def _new_tests(changes: dict[str, tuple[str | None, str | None]]) -> dict:
+    """Each file the change creates under ``tests/``: what it tests."""
+    return {
+        rel: [pr_body.tests_said(after)]
+        for rel, (before, after) in changes.items()
+        if rel.startswith("tests/") and before is None and after
+    }
 
 
 def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:

@@ -1,6 +1,7 @@
 """The PR description: the checkout's template filled with this run's figures,
 the patch's ``upstream.md`` and what ``AGENTS.md`` asks a PR to state."""
 
+import ast
 import copy
 import os
 import re
@@ -188,6 +189,24 @@ SCOPE = (
     "`custom_ops` only: default CPU serving compiles with Inductor, which keeps "
     "the native norm, and is unchanged."
 )
+
+
+def tests_said(source: str) -> str:
+    """What a new test file tests: each test function and its docstring's first
+    line (a file that does not parse: its line count)."""
+    try:
+        module = ast.parse(source)
+    except SyntaxError:
+        return f"a new test file ({source.count(chr(10))} lines)"
+    tests = [
+        f"{md.code(f.name, 80)}"
+        + (f" ({md.text(doc.splitlines()[0], 160)})" if doc else "")
+        for f in module.body
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+        and f.name.startswith("test")
+        for doc in [ast.get_docstring(f)]
+    ]
+    return "new tests: " + "; ".join(tests) if tests else "a new file, no test in it"
 
 
 def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
