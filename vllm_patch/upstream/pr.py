@@ -433,12 +433,13 @@ def _description(s: Settings, work: Work) -> str:
     bench = not (s.evidence or s.args.no_bench)
     own = None if s.args.no_tests else s.root  # whose files go into the copies
     why = ""
-    if tests or bench:
-        why = vllm_tests.unavailable(own, s.patch, depends) or ""
     with contextlib.ExitStack() as stack:
         copies = None
-        if (tests or bench) and not why:
-            copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
+        if tests or bench:
+            try:
+                copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
+            except vllm_tests.Unavailable as exc:
+                why = str(exc)
         runs = None
         if tests:
             skipped = "skipped (--no-tests)" if s.args.no_tests else why

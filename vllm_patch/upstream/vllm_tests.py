@@ -149,14 +149,30 @@ class Copies:  # the installed vLLM twice, for children's PYTHONPATH
     put_in: tuple[str, ...] = ()  # the checkout's files in place of the build's
 
 
+class Unavailable(Exception):
+    """Why the copies cannot be made here (no vLLM or torch, or the installed
+    vLLM differs from the checkout beyond the patch's files)."""
+
+
 @contextlib.contextmanager
 def sides(checkout: Path | None, patch: Patch, depends: list[str]) -> Iterator[Copies]:
     """Two copies of the installed vLLM, with and without ``patch``, built once a
     run. With ``checkout``, its files that differ are put in (its code then runs
-    in them); without, the copies hold only the build's files and the tool's
-    edit of them."""
-    installed = open_tree(None)
+    in them); without, the copies hold only the build's files and the change.
+    Raises :class:`Unavailable` before anything is copied."""
+    try:
+        installed = open_tree(None)
+    except PatchError:
+        raise Unavailable(f"no vLLM installed for {sys.executable}") from None
+    if importlib.util.find_spec("torch") is None:
+        raise Unavailable("no torch in this environment")
     same, differing = compared(checkout, patch, depends) if checkout else ([], [])
+    edited = {e.file for e in patch.edits}
+    if foreign := ", ".join(f for f in differing if f not in edited):
+        raise Unavailable(
+            f"the checkout and the vLLM {read_version(installed)} installed for "
+            f"{sys.executable} differ in {foreign}"
+        )
     own = own_sides(checkout, patch, differing) if checkout else {}
     with (
         patched_copy(installed, patch) as site,
@@ -167,27 +183,6 @@ def sides(checkout: Path | None, patch: Patch, depends: list[str]) -> Iterator[C
             replace_at(site / rel, after)
             replace_at(base / rel, before)
         yield Copies(site, base, tuple(same), tuple(own))
-
-
-def unavailable(checkout: Path | None, patch: Patch, depends: list[str]) -> str | None:
-    """Why the copies cannot be made here (with ``checkout``: the installed vLLM
-    differs from it beyond the patch's files), or None."""
-    try:
-        installed = open_tree(None)
-    except PatchError:
-        return f"no vLLM installed for {sys.executable}"
-    if importlib.util.find_spec("torch") is None:
-        return "no torch in this environment"
-    if checkout is None:
-        return None
-    edited = {e.file for e in patch.edits}
-    differing = compared(checkout, patch, depends)[1]
-    if foreign := ", ".join(f for f in differing if f not in edited):
-        return (
-            f"the checkout and the vLLM {read_version(installed)} installed for "
-            f"{sys.executable} differ in {foreign}"
-        )
-    return None
 
 
 def run_tests(
