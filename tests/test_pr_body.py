@@ -315,7 +315,7 @@ def test_what_was_not_measured_is_the_command_that_measures_it(tmp_path):
     text = render(checkout(tmp_path, "v0.32.0"), NOT_RAN, evidence(lm_eval=False))
     details = section(text, "Details")
     assert "lm_eval --model local-completions --tasks gsm8k" in details
-    assert "Not run here: serving throughput and gsm8k" in details
+    assert "Not run here: serving and gsm8k" in details
     assert "lm_eval" not in section(text, "Validation")
     assert "vllm bench serve --model Qwen" not in text  # serving was measured
     bare = render(checkout(tmp_path / "bare", "v0.32.0"), NOT_RAN, None)
