@@ -471,7 +471,7 @@ def test_no_tests_with_figures_puts_no_checkout_file_in_their_copies(
     commit(repo)
     ran = []
 
-    def first_lines(copies, patch, progress):
+    def first_lines(copies, patch, progress, started):
         for side in (copies.patched, copies.base):
             line = (side / LAYERNORM).read_text().splitlines()[0]
             subprocess.run([sys.executable, "-c", line], check=False, timeout=60)

