@@ -151,7 +151,7 @@ def test_commits_exactly_the_patch_formatted(real_wheel, tmp_path, capsys):
     assert not repo.is_dirty(untracked_files=True)
     assert commit.summary == UPSTREAM.title
     assert commit.message.rstrip().splitlines()[-2:] == [
-        f"Generated-by: vllm-patch {version('vllm-patch')}",
+        f"Co-authored-by: vllm-patch {version('vllm-patch')}",
         f"Signed-off-by: {NAME} <{EMAIL}>",
     ]
     assert (commit.author.name, commit.author.email) == (NAME, EMAIL)
