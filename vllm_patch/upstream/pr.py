@@ -436,7 +436,7 @@ def _description(s: Settings, work: Work) -> str:
     why = ""
     with contextlib.ExitStack() as stack:
         copies = None
-        if tests or bench:
+        if bench or (tests and not s.args.no_tests):
             try:
                 copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
             except vllm_tests.Unavailable as exc:
@@ -454,7 +454,8 @@ def _description(s: Settings, work: Work) -> str:
             measured = figures.Measured(why_not=why)
         elif bench:
             print(
-                "figures: per call and eager Qwen3, base and patched (--no-bench skips)"
+                "figures: per call, the bfloat16 bias, a real model and eager Qwen3, "
+                "base and patched (--no-bench skips them)"
             )
             if own is None:
                 print(
