@@ -101,7 +101,7 @@ def bias(library: str) -> dict:
     cpu_library.force(library)
     current_platform.import_kernels()
     torch.set_num_threads(1)
-    dtype, shape = torch.bfloat16, (BIAS_TOKENS, BIAS_HIDDEN)
+    dtype = torch.bfloat16
     eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
     with vc.set_current_vllm_config(vc.VllmConfig(compilation_config=eager)):
         layer = RMSNorm(BIAS_HIDDEN, eps=1e-6).to(dtype)
@@ -128,19 +128,9 @@ def bias(library: str) -> dict:
             for op in (ir.ops.rms_norm, ir.ops.fused_add_rms_norm):
                 scope.enter_context(op.set_priority(["native"]))
         for name, route in routes.items():
-            torch.manual_seed(0)
-            x = torch.randn(shape, dtype=dtype)
-            rms[name] = float(
-                route(x.clone()).double().abs().sum() / exact(x).abs().sum()
-            )
-            residual = torch.randn(shape, dtype=dtype)
-            summed = residual.double()
-            for _ in range(BIAS_ADDS):
-                update = (BIAS_UPDATE * torch.randn(shape)).to(dtype)
-                summed += update.double()
-                _, residual = route(update, residual)
-            fused[name] = float(residual.double().norm() / summed.norm())
+            rms[name], fused[name] = _magnitudes(route, exact, dtype)
         cpu = [torch.profiler.ProfilerActivity.CPU]
+        x = torch.randn(BIAS_TOKENS, BIAS_HIDDEN, dtype=dtype)
         for op, args in (("rms_norm", ()), ("fused_add_rms_norm", (x.clone(),))):
             with torch.profiler.profile(activities=cpu) as p:
                 layer(x.clone(), *args)
@@ -148,6 +138,24 @@ def bias(library: str) -> dict:
             runs[op] = "kernel" if called else "native"
     found = Bias(", ".join(cpu_library.loaded()), rms, fused, runs)
     return dataclasses.asdict(found)
+
+
+def _magnitudes(route, exact, dtype) -> tuple[float, float]:
+    """``route``'s |out| / |exact| for one norm, and its residual's norm over the
+    exact sum's after ``BIAS_ADDS`` fused adds (seeded: each route, same data)."""
+    import torch
+
+    torch.manual_seed(0)
+    shape = (BIAS_TOKENS, BIAS_HIDDEN)
+    x = torch.randn(shape, dtype=dtype)
+    one = float(route(x.clone()).double().abs().sum() / exact(x).abs().sum())
+    residual = torch.randn(shape, dtype=dtype)
+    summed = residual.double()
+    for _ in range(BIAS_ADDS):
+        update = (BIAS_UPDATE * torch.randn(shape)).to(dtype)
+        summed += update.double()
+        _, residual = route(update, residual)
+    return one, float(residual.double().norm() / summed.norm())
 
 
 def start_biases(copies: Copies) -> list:
