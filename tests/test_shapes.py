@@ -134,6 +134,7 @@ def stand_ins(platform: str, registry: dict) -> dict[str, types.ModuleType]:
         _C=types.SimpleNamespace(rms_norm=None),
         mkldnn=types.SimpleNamespace(_is_mkldnn_bf16_supported=lambda: False),
     )
+    modules["torch"].get_num_threads = lambda: 1  # the kernels' thread layout
     modules["torch"].cpu = types.SimpleNamespace(
         _is_avx512_bf16_supported=lambda: False  # as _C_AVX2 here: bf16 truncates
     )
