@@ -13,7 +13,7 @@ from pathlib import Path
 from patcher.errors import PatchError
 from patcher.files import read_text_in
 from patcher.patchset import Patch, provider_specs
-from vllm_patch.bench import likelihood
+from vllm_patch.bench import likelihood, qwen3_eager
 from vllm_patch.runtime import bench_result, evidence_record
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.evidence_record import NATIVE, SIDES, Evidence, PerOpRow
@@ -318,7 +318,7 @@ def _strided_claim(q) -> str:
     n = len(q.prompts)
     return (
         "- Strided per-head q/k norms stay native (this PR's finding, below): on "
-        f"an eager random-weight Qwen3 in {md.text(q.model.dtype, 20)}, "
+        f"an eager random-weight Qwen3 in {qwen3_eager.DTYPE}, "
         f"{patched.identical_prompts}/{n} prompts give the base's greedy tokens "
         f"with this change, {unguarded.identical_prompts}/{n} with the kernels "
         "for every input."
