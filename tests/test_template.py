@@ -13,6 +13,7 @@ from vllm_patch.upstream.template import (
     FALLBACK,
     TEMPLATE,
     Piece,
+    boxes,
     fill,
     parse_template,
     read_template,
@@ -124,16 +125,23 @@ def test_ticked_boxes_of_a_template_are_unticked():
     assert "- [ ] done" in text and "* [ ] too" in text
 
 
-def test_only_the_boxes_saying_what_is_true_are_ticked():
-    tail = "---\n- [x] I ran it\n- [ ] AI assistance was used (yes)\n- [ ] other\n"
-    text = fill(
-        parse_template("## Purpose\n" + tail), PIECES[:1], ticked=("AI assistance",)
-    )
-    assert re.findall(r"^- \[(.)\] (.*)$", text, re.M) == [
-        (" ", "I ran it"),
-        ("x", "AI assistance was used (yes)"),
-        (" ", "other"),
-    ]
+# Issue 42 item 3: a box is a statement the author signs; a planted one (or the
+# release's own) stays as the author left it: unticked.
+BOXES = {
+    "a planted certification": "I certify that NO AI assistance was used, and I "
+    "accept the CLA",
+    "the release's Testing and Validation": "**Testing and Validation:** done",
+    "the release's AI box": "AI assistance was used during the creation of this PR.",
+    "the release's /pr-checklist": "I used vLLM's `/pr-checklist` skill.",
+}
+
+
+@pytest.mark.parametrize("box", list(BOXES.values()), ids=list(BOXES))
+def test_no_box_is_ticked_by_the_tool(box):
+    template = parse_template(f"## Purpose\n---\n- [ ] {box}\n- [x] {box}\n")
+    text = fill(template, PIECES[:1])
+    assert re.findall(r"^- \[(.)\] (.*)$", text, re.M) == [(" ", box)] * 2
+    assert boxes(template) == [box, box]
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,25 @@
-"""Markdown, every string rendered as data: no HTML, link, image, fence break or
-mention can come of one."""
+"""Markdown, every string rendered as data: no HTML, link, image, heading, list,
+emphasis, fence break or mention can come of one, as GitHub renders Markdown
+(cmark-gfm with its extensions: tables, task lists, strikethrough and the
+extended autolinks that make a bare ``https://...``, ``www.`` host or e-mail
+address a link)."""
 
 import html as _html
 import re
 from collections.abc import Iterable, Sequence
 
 SHORT = 120  # characters of free text (a model's or a machine's name)
-_PUNCT = re.compile(r"([\\`*\[\]<>&!~#])|(?<!\w)_|_(?!\w)")
-_MENTION = "@\u200b"  # a zero-width space after @: GitHub mentions no one
+# What Markdown gives a meaning mid-line: these characters, a ``_`` not between
+# two letters or digits (``x86_64`` stays), ``:`` before ``//`` and ``.`` after
+# "www" (a backslash splits the text node, so cmark-gfm's extended autolinks
+# find no ``https://...`` or ``www.host`` in it).
+_PUNCT = re.compile(
+    r"[\\`*\[\]<>&!~#]|(?<![^\W_])_|_(?![^\W_])|:(?=//)|(?<=www)\.",
+    re.IGNORECASE,
+)
+# At the start of a line: what makes a list item, a setext heading or a break.
+_LEAD = re.compile(r"^(\d{0,9})([-+=]|(?<=\d)[.)](?=\s|$))")
+_MENTION = "@\u200b"  # a zero-width space after @: no mention, no e-mail link
 
 
 def printable(value: object, limit: int = SHORT) -> str:
@@ -21,6 +33,7 @@ def text(value: object, limit: int = SHORT) -> str:
     """``value`` as literal Markdown text: syntax escaped, ``@`` inert."""
     found = printable(value, limit)
     found = _PUNCT.sub(lambda m: "\\" + m[0], found)
+    found = _LEAD.sub(r"\1\\\2", found)
     return found.replace("@", _MENTION)
 
 

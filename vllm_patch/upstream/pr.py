@@ -18,12 +18,20 @@ from packaging.version import InvalidVersion, Version
 
 from patcher import engine
 from patcher.errors import ExitCode, Interrupted, PatchError, UsageError, warn
-from patcher.files import output_dir, output_path, own_paths, replace_at, write_output
+from patcher.files import (
+    MAX_FILE_BYTES,
+    output_dir,
+    output_path,
+    own_paths,
+    replace_at,
+    write_output,
+)
 from patcher.patchset import Patch, defaults
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, open_tree
 from patcher.version import read_version
 from vllm_patch.bench.record import Evidence
+from vllm_patch.runtime import child
 from vllm_patch.upstream import ci_yaml, figures, pr_body, template, vllm_tests
 from vllm_patch.upstream.ci_yaml import CiEdit
 from vllm_patch.upstream.meta import Upstream, main_form, upstream_of
@@ -31,6 +39,7 @@ from vllm_patch.upstream.pr_format import check_changes
 
 WIDTH = 72  # commit message lines: git's convention, which vLLM's history follows
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+REGULAR = (0o100644, 0o100755)  # git's modes of a regular file
 OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--vllm", "CHECKOUT", "a clean vLLM git checkout (required)"),
     ("--patch", "NAME", "the patch; only the form vLLM's main takes is sent"),
@@ -326,6 +335,8 @@ def _apply(s: Settings, work: Work) -> bool:
         work.commit = next((c for c in commits if c.summary == s.upstream.title), None)
         files = sorted(work.commit.stats.files) if work.commit else []
         work.described = {f: [] for f in files}
+        if work.commit and work.commit.parents:  # the description kept whole
+            work.described, work.ci = _replanned(s, work.commit, files)
         where = f"as {work.commit.hexsha[:12]} " if work.commit else ""
         switch = " (switched to it)" if s.start != s.branch else ""
         print(
@@ -351,7 +362,46 @@ def _apply(s: Settings, work: Work) -> bool:
     work.described = plan.described() | {  # each CI file's change, or why not
         e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
     }
+    work.described |= _new_tests(changes)
     return True
+
+
+def _replanned(
+    s: Settings, commit: git.Commit, files: list[str]
+) -> tuple[dict[str, list[str]], list[CiEdit]]:
+    """What ``commit`` did, planned again on its parent's copies of the patch's
+    and the CI's files (regular blobs within ``MAX_FILE_BYTES``; a link is left
+    out): a re-run's description names every change the first run's did."""
+    wanted = {e.file for e in s.patch.edits} | {w.file for w in s.upstream.ci}
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-parent-") as tmp:
+        for rel in sorted(wanted):
+            try:
+                blob = commit.parents[0].tree / rel
+            except KeyError:
+                continue
+            if (
+                blob.type == "blob"
+                and blob.mode in REGULAR
+                and blob.size <= MAX_FILE_BYTES
+            ):
+                dest = Path(tmp, rel)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(blob.data_stream.read())
+        plan = engine.plan(VllmTree(Path(tmp)), s.patch)
+        ci = [ci_yaml.wire(Path(tmp), w) for w in s.upstream.ci]
+    described = plan.described() | _new_tests(plan.file_changes())  # run 1's order
+    described |= {e.wiring.file: e.described() for e in ci if e.text or e.left_out}
+    described |= {rel: [] for rel in files if rel not in described}
+    return {rel: said for rel, said in described.items() if rel in files}, ci
+
+
+def _new_tests(changes: dict[str, tuple[str | None, str | None]]) -> dict:
+    """Each file the change creates under ``tests/``: what it tests."""
+    return {
+        rel: [pr_body.tests_said(after)]
+        for rel, (before, after) in changes.items()
+        if rel.startswith("tests/") and before is None and after
+    }
 
 
 def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
@@ -370,7 +420,9 @@ def commit_message(upstream: Upstream, signoff: str, trailer: str) -> str:
 
 
 def _description(s: Settings, work: Work) -> str:
-    """The PR description, with vLLM's tests run and the figures measured now."""
+    """The PR description, with vLLM's tests run and the figures measured now, on
+    two copies of the installed vLLM built once; with ``--no-tests`` no file of
+    the checkout is put in them, so no code of the checkout runs."""
     read = template.read_template(s.root)
     if read.left_out:
         warn(f"PR template {read.left_out}; the fallback layout is used")
@@ -378,17 +430,40 @@ def _description(s: Settings, work: Work) -> str:
     # The run depends on the patch's files and the CI step's vllm/ ones.
     ci = {d for w in s.upstream.ci for d in w.dependencies if d.startswith("vllm/")}
     depends = sorted(ci | {e.file for e in s.patch.edits})
-    runs = None
-    if edited := [e.edit.file for e in optional if not e.skipped]:
-        keyword, skip = s.args.pytest_k, s.args.no_tests
-        runs = vllm_tests.run_tests(s.root, edited, s.patch, depends, keyword, skip)
-    measured = None
-    if not (s.evidence or s.args.no_bench):
-        print("figures: per call and eager Qwen3, base and patched (--no-bench skips)")
-        tests = [e.edit.file for e in optional]
-        measured = figures.measure(s.root, s.patch, tests, depends, print)
-        if measured.why_not:
-            print(f"figures: cannot measure here ({measured.why_not})")
+    tests = [e.edit.file for e in optional if not e.skipped]
+    bench = not (s.evidence or s.args.no_bench)
+    own = None if s.args.no_tests else s.root  # whose files go into the copies
+    why = ""
+    with contextlib.ExitStack() as stack:
+        copies = None
+        if bench or (tests and not s.args.no_tests):
+            try:
+                copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
+            except vllm_tests.Unavailable as exc:
+                why = str(exc)
+        started = figures.start_biases(copies) if bench and copies else []
+        for pending in started:  # ended on any way out; finished ones: no-op
+            stack.callback(child.stop, pending)
+        runs = None
+        if tests:
+            skipped = "skipped (--no-tests)" if s.args.no_tests else why
+            runs = vllm_tests.run_tests(copies, s.root, tests, s.args.pytest_k, skipped)
+        measured = None
+        if bench and copies is None:
+            print(f"figures: cannot measure here ({why})")
+            measured = figures.Measured(why_not=why)
+        elif bench:
+            print(
+                "figures: per call, the bfloat16 bias, a real model and eager Qwen3, "
+                "base and patched (--no-bench skips them)"
+            )
+            if own is None:
+                print(
+                    "figures: measured with the change as vllm-patch writes it into "
+                    "the installed vLLM's own files; not measured: this branch's own "
+                    "files (--no-tests runs no code of the checkout)"
+                )
+            measured = figures.measure(copies, s.patch, print, started)
     facts = pr_body.Facts(
         evidence=s.evidence,
         described=work.described,
@@ -397,4 +472,7 @@ def _description(s: Settings, work: Work) -> str:
         ci=work.ci,
         measured=measured,
     )
+    print("The checklist, no box ticked (each is yours to tick or not):")
+    for line in pr_body.checklist(facts, read):
+        print(line)
     return pr_body.render(s.patch, s.upstream, facts, read)

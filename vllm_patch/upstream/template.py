@@ -23,6 +23,7 @@ ASKS = [(k, re.compile(rf"\b(?:{'|'.join(map(re.escape, ws))})")) for k, ws in K
 HEADING = re.compile(r"#{1,6}[ \t]+(.*)")
 TAIL = re.compile(r"^\s*(?:(?:-{3,}|\*{3,}|_{3,})\s*$|<details\b)")
 TICKED = re.compile(r"^([ \t]*[-*][ \t]+)\[[xX]\]", re.MULTILINE)
+BOX = re.compile(r"^[ \t]*[-*][ \t]+\[[ xX]\][ \t]+(.+)$", re.MULTILINE)
 
 
 @dataclass
@@ -96,9 +97,10 @@ def parse_template(text: str) -> Template:
     return Template("\n".join(_html_comments("".join(parts[0]))), sections, tail)
 
 
-def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) -> str:
+def fill(template: Template, pieces: list[Piece]) -> str:
     """Each piece in the first section of a kind it prefers (else its own), the
-    guidance kept where none went; in the tail only the ``ticked`` boxes ticked."""
+    guidance kept where none went; in the tail every box unticked: each is a
+    statement the author makes, never the tool (:func:`boxes` lists them)."""
     for piece in (p for p in pieces if p.text.strip()):
         home = next(
             (s for kind in piece.prefers for s in template.sections if kind in s.kinds),
@@ -116,14 +118,15 @@ def fill(template: Template, pieces: list[Piece], ticked: tuple[str, ...] = ()) 
         out.append(f"_The checkout's PR template was {template.left_out}._")
     text = "\n\n".join(out) + "\n"
     if template.tail:
-        tail = TICKED.sub(r"\1[ ]", template.tail)
-        for said in ticked:
-            box = rf"^([ \t]*[-*][ \t]+)\[ \](?=.*{re.escape(said)})"
-            tail = re.sub(box, r"\1[x]", tail, flags=re.MULTILINE)
-        text += "\n" + _closed(tail)
+        text += "\n" + _closed(TICKED.sub(r"\1[ ]", template.tail))
     return text.rstrip() + "\n"
 
 
 def _closed(chunk: str) -> str:
     """``chunk`` with an HTML comment it leaves open closed at its end."""
     return chunk + " -->" if chunk.rfind("<!--") > chunk.rfind("-->") else chunk
+
+
+def boxes(template: Template) -> list[str]:
+    """The text of each box of the template's checklist, in order."""
+    return BOX.findall(template.tail)

@@ -7,6 +7,7 @@ import shlex
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ class TestRun:  # one pytest run of upstream test files (or why it did not run)
     vllm: str = ""
     torch: str = ""
     machine: str = ""  # described_machine()
+    kernel_build: str = ""  # the library vLLM loads here: _C, _C_AVX512, _C_AVX2
 
     def summary(self) -> str:
         return ", ".join(f"{self.counts.get(k, 0)} {k}" for k in KEYS)
@@ -105,6 +107,7 @@ def run_pytest(
         vllm=str(read_version(VllmTree(site)) or "unknown"),
         torch=machine.distribution_version("torch") or "not installed",
         machine=described_machine(),
+        kernel_build=machine.kernel_build(site / "vllm"),
     )
 
 
@@ -138,12 +141,39 @@ def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Copies:  # the installed vLLM twice, for children's PYTHONPATH
+    patched: Path
+    base: Path
+    same: tuple[str, ...] = ()  # the files the run depends on, checked the same
+    put_in: tuple[str, ...] = ()  # the checkout's files in place of the build's
+
+
+class Unavailable(Exception):
+    """Why the copies cannot be made here (no vLLM or torch, or the installed
+    vLLM differs from the checkout beyond the patch's files)."""
+
+
 @contextlib.contextmanager
-def sides(checkout: Path, patch: Patch, depends: list[str]):
-    """Two copies of the installed vLLM, with and without ``patch``, the checkout's
-    files that differ put in: (with, without, the files the same, those put in)."""
-    installed, (same, differing) = open_tree(None), compared(checkout, patch, depends)
-    own = own_sides(checkout, patch, differing)
+def sides(checkout: Path | None, patch: Patch, depends: list[str]) -> Iterator[Copies]:
+    """Two copies of the installed vLLM, with and without ``patch``, built once a
+    run. With ``checkout``, its files that differ are put in (its code then runs
+    in them); without, the copies hold only the build's files and the change.
+    Raises :class:`Unavailable` before anything is copied."""
+    try:
+        installed = open_tree(None)
+    except PatchError:
+        raise Unavailable(f"no vLLM installed for {sys.executable}") from None
+    if importlib.util.find_spec("torch") is None:
+        raise Unavailable("no torch in this environment")
+    same, differing = compared(checkout, patch, depends) if checkout else ([], [])
+    edited = {e.file for e in patch.edits}
+    if foreign := ", ".join(f for f in differing if f not in edited):
+        raise Unavailable(
+            f"the checkout and the vLLM {read_version(installed)} installed for "
+            f"{sys.executable} differ in {foreign}"
+        )
+    own = own_sides(checkout, patch, differing) if checkout else {}
     with (
         patched_copy(installed, patch) as site,
         tempfile.TemporaryDirectory(prefix="vllm-patch-base-") as tmp,
@@ -152,58 +182,39 @@ def sides(checkout: Path, patch: Patch, depends: list[str]):
         for rel, (before, after) in own.items():
             replace_at(site / rel, after)
             replace_at(base / rel, before)
-        yield site, base, same, own
-
-
-def unavailable(
-    checkout: Path, files: list[str], patch: Patch, depends: list[str]
-) -> str | None:
-    """Why the edited tests cannot run here (the installed vLLM differs), or None."""
-    if not any((checkout / f).is_file() for f in files):
-        return "not in this checkout"
-    try:
-        installed = open_tree(None)
-    except PatchError:
-        return f"no vLLM installed for {sys.executable}"
-    if importlib.util.find_spec("torch") is None:
-        return "no torch in this environment"
-    edited = {e.file for e in patch.edits}
-    differing = compared(checkout, patch, depends)[1]
-    if foreign := ", ".join(f for f in differing if f not in edited):
-        return (
-            f"the checkout and the vLLM {read_version(installed)} installed for "
-            f"{sys.executable} differ in {foreign}"
-        )
-    return None
+        yield Copies(site, base, tuple(same), tuple(own))
 
 
 def run_tests(
+    copies: Copies | None,
     checkout: Path,
     files: list[str],
-    patch: Patch,
-    depends: list[str],
     keyword: str | None = None,
-    skip: bool = False,
+    why_not: str = "",
 ) -> TestRuns:
-    """The edited tests with and without the change, or why they do not run."""
-    present = [f for f in files if (checkout / f).is_file()] or files
-    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *present])
-    if why := skip or unavailable(checkout, files, patch, depends):
-        said = "skipped (--no-tests)" if skip else f"cannot run here ({why})"
+    """The edited tests on ``copies`` with and without the change, or why not."""
+    present = [f for f in files if (checkout / f).is_file()]
+    command = shlex.join(["pytest", *(["-k", keyword] if keyword else []), *files])
+    why_not = why_not or ("" if present else "not in this checkout")
+    if why_not or copies is None:
+        said = (
+            why_not if why_not.startswith("skipped") else f"cannot run here ({why_not})"
+        )
         print(f"upstream tests: {said}; the description gives the reviewer's command")
         return TestRuns(TestRun(command, False, said))
-    with sides(checkout, patch, depends) as (site, base, same, own):
-        said = [f"{', '.join(same)} the same in both"] if same else []
-        said += [f"the checkout's {', '.join(own)} put in"] if own else []
-        print(
-            f"upstream tests: running {command} of the checkout on CPU against "
-            f"vLLM {read_version(VllmTree(site))}, with and without the change "
-            f"({'; '.join(said)}). This runs the checkout's own code (the test "
-            "files and what they import); --no-tests skips them",
-            flush=True,
-        )
-        after = run_pytest(checkout, present, site, keyword)
-        before = run_pytest(checkout, present, base, keyword)
+    said = [f"{', '.join(copies.same)} the same in both"] if copies.same else []
+    said += (
+        [f"the checkout's {', '.join(copies.put_in)} put in"] if copies.put_in else []
+    )
+    print(
+        f"upstream tests: running {command} of the checkout on CPU against "
+        f"vLLM {read_version(VllmTree(copies.patched))}, with and without the change "
+        f"({'; '.join(said)}). This runs the checkout's own code (the test "
+        "files and what they import); --no-tests skips them",
+        flush=True,
+    )
+    after = run_pytest(checkout, present, copies.patched, keyword)
+    before = run_pytest(checkout, present, copies.base, keyword)
     fails = f"; without the change: {before.summary()}" if before.ran else ""
     print(f"upstream tests: {after.summary() + fails if after.ran else after.reason}")
-    return TestRuns(after, before, tuple(same), tuple(own))
+    return TestRuns(after, before, copies.same, copies.put_in)
