@@ -170,7 +170,7 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     assert f"| {where} | - | 0.32.0 | provider | float32 | 27 / 81 / 0 |" in text
     assert f'| {where} | - | provider | `["none"]` | 45 | 3+3 | 3+3 | ✅ |' in text
     assert (
-        f'| {where} | - | provider | `["none", "+rms_norm"]` | 45 | 3+3 | -+- | ❌ |'
+        f'| {where} | - | provider | `["none", "+rms_norm"]` | 45 | 3+3 | \\-+- | ❌ |'
         in text
     )
     assert "| `_C` | - | provider | 1.0005 | 64 |" in text
@@ -197,23 +197,17 @@ def test_a_planted_result_is_refused_never_followed_or_waited_on(
     assert found in str(refused.value)
 
 
-WRITER = pytest.mark.xfail(
-    strict=True,
-    reason="vllm_patch/runtime/markdown.py leaves GFM's extended autolinks and "
-    "intraword emphasis live until the pr branch's writer lands (issue 42 item 4); "
-    "then this passes and the mark goes",
-)
 HOSTILE = [
     pytest.param("<img src=x onerror=alert(1)>", id="html image"),
     pytest.param("<script>alert(1)</script>", id="script"),
-    pytest.param("[click](https://evil.example/x)", id="markdown link", marks=WRITER),
-    pytest.param("![x](https://evil.example/x.png)", id="image", marks=WRITER),
-    pytest.param("https://evil.example/steal?t=1", id="bare url", marks=WRITER),
-    pytest.param("www.evil.example", id="www autolink", marks=WRITER),
+    pytest.param("[click](https://evil.example/x)", id="markdown link"),
+    pytest.param("![x](https://evil.example/x.png)", id="image"),
+    pytest.param("https://evil.example/steal?t=1", id="bare url"),
+    pytest.param("www.evil.example", id="www autolink"),
     pytest.param("<!-- the rest of the page is hidden", id="unclosed comment"),
     pytest.param("`` ` ``</code><b>x</b>``", id="backtick breakout"),
     pytest.param("```\n# heading\n```", id="fence"),
-    pytest.param("__PWN__ **bold**", id="emphasis", marks=WRITER),
+    pytest.param("__PWN__ **bold**", id="emphasis"),
     pytest.param("@vllm-project/team cc @someone", id="mention"),
     pytest.param("a | b\n| --- |\n- [x] done", id="table and task"),
 ]

@@ -345,20 +345,38 @@ def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
 @pytest.mark.parametrize(
     "cpu,kernel,looked_for",
     [
-        pytest.param("class XpuPlatform:\n    pass\n", KERNEL, "class CpuPlatform",
-                     id="no CpuPlatform"),
-        pytest.param(CASES[0].values[1],
-                     "class IrOpPriorityConfig:\n    rms_norm: list[str]\n",
-                     "with_default", id="no with_default"),
-        pytest.param(CASES[0].values[1], "class Other:\n    pass\n", "with_default",
-                     id="no config class"),
-        pytest.param(CASES[0].values[1].replace("envs.VLLM_CPU_CI_ENV", "False"),
-                     KERNEL, "check_and_update_config testing VLLM_CPU_CI_ENV",
-                     id="no CI check"),
-        pytest.param(CASES[0].values[1], KERNEL.replace("rms_norm", "norm"),
-                     "fields of IrOpPriorityConfig", id="ops not in config"),
+        pytest.param(
+            "class XpuPlatform:\n    pass\n",
+            KERNEL,
+            "class CpuPlatform",
+            id="no CpuPlatform",
+        ),
+        pytest.param(
+            CASES[0].values[1],
+            "class IrOpPriorityConfig:\n    rms_norm: list[str]\n",
+            "with_default",
+            id="no with_default",
+        ),
+        pytest.param(
+            CASES[0].values[1],
+            "class Other:\n    pass\n",
+            "with_default",
+            id="no config class",
+        ),
+        pytest.param(
+            CASES[0].values[1].replace("envs.VLLM_CPU_CI_ENV", "False"),
+            KERNEL,
+            "check_and_update_config testing VLLM_CPU_CI_ENV",
+            id="no CI check",
+        ),
+        pytest.param(
+            CASES[0].values[1],
+            KERNEL.replace("rms_norm", "norm"),
+            "fields of IrOpPriorityConfig",
+            id="ops not in config",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unknown_shapes(cpu: str, kernel: str, looked_for: str) -> None:
     with pytest.raises(ShapeNotRecognised) as exc:
         run_codemod(AddCpuIrOpPriority, cpu, files(kernel=kernel).__getitem__)

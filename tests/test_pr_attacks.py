@@ -489,23 +489,6 @@ def test_no_tests_with_figures_puts_no_checkout_file_in_their_copies(
     assert "not measured: this branch's own files (--no-tests" in out
 
 
-def test_python_m_takes_the_working_folder_off_the_path(tmp_path):
-    """`python -m vllm_patch` (its own package found) leaves the working folder
-    off sys.path, as the console script does: a `vllm/` planted there is
-    neither imported nor taken for the installed vLLM (`list` looks it up)."""
-    (tmp_path / "vllm").mkdir()
-    marker = tmp_path / "imported"
-    (tmp_path / "vllm" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
-    (tmp_path / "vllm" / "_version.py").write_text("__version__ = '0.32.0'\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "list"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert str(tmp_path) not in proc.stdout + proc.stderr
-    assert not marker.exists()
-
-
 def plant_package(folder: Path) -> Path:
     """A ``vllm_patch/`` in ``folder`` that leaves a mark when imported."""
     marker = folder / "imported"
@@ -520,8 +503,12 @@ def test_python_safe_path_m_never_imports_a_planted_vllm_patch(tmp_path):
     safe = "-P" if sys.version_info >= (3, 11) else "-I"
     proc = subprocess.run(
         [sys.executable, safe, "-m", "vllm_patch", "--version"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0 and "vllm-patch " in proc.stdout
     assert not marker.exists()
 
@@ -841,15 +828,21 @@ def test_an_evidence_fifo_is_refused(fork, capsys):
     [
         lambda e: e["perop"].update(
             rows=[
-                {**ROW, "tokens": i, "route": f"layer:R{c}", "median_us": 1.5,
-                 "native_us": 2.5}
-                for i in range(80) for c in range(24)
+                {
+                    **ROW,
+                    "tokens": i,
+                    "route": f"layer:R{c}",
+                    "median_us": 1.5,
+                    "native_us": 2.5,
+                }
+                for i in range(80)
+                for c in range(24)
             ]
         ),
         lambda e: e["serving"].update(commands=["vllm serve " + "x" * 3900] * 200),
     ],
     ids=["2,000 perop rows of 24 routes", "200 commands of 4,000 characters"],
-)  # fmt: skip
+)
 def test_the_description_stays_within_githubs_bound(fork, capsys, change):
     folder = plant_evidence(fork, spoiled(change))
     rc, out = run(fork, capsys, "--evidence", str(folder), print_body=False)

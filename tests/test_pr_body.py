@@ -457,9 +457,17 @@ def test_the_tests_say_which_files_are_this_branchs(tmp_path, same, copied, said
 
 def per_op_row(env, route, us, **extra):
     """A row of ``bench.perop.per_op`` (the shape it writes)."""
-    return {"env": env, "op": "fused_add_rms_norm", "tokens": 1, "route": route,
-            "median_us": us, "native_us": 100.0, "p10_us": us - 1,
-            "p90_us": us + 1, **extra}  # fmt: skip
+    return {
+        "env": env,
+        "op": "fused_add_rms_norm",
+        "tokens": 1,
+        "route": route,
+        "median_us": us,
+        "native_us": 100.0,
+        "p10_us": us - 1,
+        "p90_us": us + 1,
+        **extra,
+    }
 
 
 def test_the_per_call_claim_leaves_out_what_stayed_native(tmp_path):
@@ -469,11 +477,13 @@ def test_the_per_call_claim_leaves_out_what_stayed_native(tmp_path):
 
     rows = [
         {**per_op_row("base", "layer:RMSNorm", 120.0), "op": "rms_norm"},
-        {**per_op_row("patched", "layer:RMSNorm", 20.0, impl="kernel"),
-         "op": "rms_norm"},
+        {
+            **per_op_row("patched", "layer:RMSNorm", 20.0, impl="kernel"),
+            "op": "rms_norm",
+        },
         per_op_row("base", "layer:RMSNorm", 150.0, impl="native"),
         per_op_row("patched", "layer:RMSNorm", 100.0, impl="native"),
-    ]  # fmt: skip
+    ]
     found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
     per_call = record.typed(record.PerOp, found, "perop")
     claim = section(render_measured(tmp_path, Measured(per_call=per_call)), "Claims")
@@ -508,7 +518,7 @@ def test_per_op_rows_become_the_per_call_figures_and_what_ran(tmp_path):
             "tokens": 1,
             "route": "ir:vllm_c",
             "wrong": "outside the tolerance",
-        },  # fmt: skip
+        },
     ]
     found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
     per_call = record.typed(record.PerOp, found, "perop")
@@ -544,10 +554,16 @@ def real_model(dtype: str, diff: tuple[float, float, float], same: int):
     from vllm_patch.bench import likelihood as ll
 
     found = ll.LikelihoodResult(
-        dtype, "_C_AVX2", ll.TEXT_NAME, "0" * 64, 512, 4088,
-        {"base": 2.5, "patched": 2.5 + diff[0]}, {"patched": ll.Interval(*diff, 8)},
+        dtype,
+        "_C_AVX2",
+        ll.TEXT_NAME,
+        "0" * 64,
+        512,
+        4088,
+        {"base": 2.5, "patched": 2.5 + diff[0]},
+        {"patched": ll.Interval(*diff, 8)},
         {"base": 40.0, "patched": 41.0},
-    )  # fmt: skip
+    )
     prompts = ll.CHAT_PROMPTS
     divergence = [None] * same + [5] * (len(prompts) - same)
     greedy = ll.GreedyResult(

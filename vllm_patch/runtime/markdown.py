@@ -17,8 +17,9 @@ _PUNCT = re.compile(
     r"[\\`*\[\]<>&!~#]|(?<![^\W_])_|_(?![^\W_])|:(?=//)|(?<=www)\.",
     re.IGNORECASE,
 )
-# At the start of a line: what makes a list item, a setext heading or a break.
-_LEAD = re.compile(r"^(\d{0,9})([-+=]|(?<=\d)[.)](?=\s|$))")
+# At the start of a line: what makes a list item, a setext heading or a break
+# (``-``, ``+``, ``=``; digits then ``.`` or ``)``): a backslash goes before it.
+_LEAD = re.compile(r"^(\d{1,9}(?=[.)](?:\s|$))|(?=[-+=]))")
 _MENTION = "@\u200b"  # a zero-width space after @: no mention, no e-mail link
 
 
@@ -33,7 +34,7 @@ def text(value: object, limit: int = SHORT) -> str:
     """``value`` as literal Markdown text: syntax escaped, ``@`` inert."""
     found = printable(value, limit)
     found = _PUNCT.sub(lambda m: "\\" + m[0], found)
-    found = _LEAD.sub(r"\1\\\2", found)
+    found = _LEAD.sub(r"\1\\", found)
     return found.replace("@", _MENTION)
 
 
