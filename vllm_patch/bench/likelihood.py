@@ -204,6 +204,7 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
 
     if library:
         cpu_library.force(library)
+    import torch
     from vllm import LLM, SamplingParams
 
     settings = Settings(**settings)
@@ -241,6 +242,7 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
         "greedy": [list(a.token_ids) for a in answers],
         "answers": [a.text for a in answers],
         "loaded": cpu_library.loaded(),
+        "threads": llm.apply_model(lambda _: torch.get_num_threads())[0],
         "norm_classes": llm.apply_model(norm_classes)[0],
     }
 
@@ -258,7 +260,7 @@ def run_side(
     asked["settings"] = dataclasses.asdict(settings)
     opt_in = {OPT_IN_ENV: "1"} if side.provider else {}
     outcome = child.run(
-        f"{__name__}:score",
+        "vllm_patch.bench.likelihood:score",  # not __name__: __main__ under -m
         asked,
         timeout=TIMEOUT,
         env=opt_in,
