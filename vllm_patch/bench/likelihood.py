@@ -351,10 +351,11 @@ def run(
     copy: str,
     dtypes: Sequence[str] = DTYPES,
     progress: Progress = print,
+    settings: Settings = Settings(),
 ) -> list[Comparison]:
     """base, the patched copy at ``copy`` and the provider, per dtype and build."""
     return [
-        measure(model, sides(copy), dtype, library, progress)
+        measure(model, sides(copy), dtype, library, progress, settings)
         for dtype in dtypes
         for library in libraries()
     ]
@@ -423,14 +424,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from vllm_patch.runtime.patched_copy import patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
-    parser.add_argument("--dtypes", default=",".join(DTYPES), help="(%(default)s)")
+    add = parser.add_argument
+    add("--dtypes", default=",".join(DTYPES), help="(%(default)s)")
+    add("--chunk", type=int, default=CHUNK, help="tokens a chunk (%(default)s)")
+    add("--chunks", type=int, help="score only the first N chunks (all)")
     args = parser.parse_args(argv)
+    settings = Settings(chunk=args.chunk, most=args.chunks)
     say = smollm2.say
     model = smollm2.ensure_model(say)
     tree = open_tree(None)
     started = time.monotonic()
     with patched_copy(tree, choose_patch(tree)) as copy:
-        results = run(model.path, str(copy), args.dtypes.split(","), say)
+        results = run(model.path, str(copy), args.dtypes.split(","), say, settings)
     say(f"likelihood: {(time.monotonic() - started) / 60:.1f} minutes")
     found = {"model": model.to_json(), "results": [r.to_json() for r in results]}
     print(json.dumps(found, indent=1))
