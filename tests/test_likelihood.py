@@ -97,6 +97,8 @@ def engine(nats, greedy, loaded=("_C_AVX2",)):
         "greedy": greedy,
         "answers": [f"answer {i}" for i in range(len(greedy))],
         "loaded": list(loaded),
+        "threads": 1,
+        "norm_classes": ["RMSNorm"],
         "seconds": 60.0,
     }
 
@@ -136,6 +138,7 @@ def test_the_markdown_shows_each_side_with_its_interval():
     result = likelihood.Comparison(
         likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
         likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
+        {},
     )
     text = "\n".join(likelihood.markdown([result], "Smol*LM"))
     assert "with Smol\\*LM, eager" in text

@@ -48,6 +48,7 @@ CHAT_PROMPTS = (
     "What is the opposite of 'ancient'?",
     "Suggest a name for a friendly robot.",
 )
+ENGINE_FACTS = ("threads", "norm_classes", "loaded")  # kept per side
 TIMEOUT = 3600.0  # one side's engine: start, the text, the prompts
 Progress = Callable[[str], None]
 
@@ -132,12 +133,11 @@ class Comparison:
 
     likelihood: LikelihoodResult
     greedy: GreedyResult
+    engines: dict[str, dict[str, Any]]  # per side: its torch threads, norm classes
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "likelihood": self.likelihood.to_json(),
-            "greedy": self.greedy.to_json(),
-        }
+        found = {"likelihood": self.likelihood.to_json()}
+        return found | {"greedy": self.greedy.to_json(), "engines": self.engines}
 
 
 # --- statistics -----------------------------------------------------------------
@@ -302,6 +302,7 @@ def measure(
     return Comparison(
         likelihood_of(got, dtype, build, settings.chunk),
         greedy_of(got, dtype, build, settings),
+        {s: {k: g[k] for k in ENGINE_FACTS} for s, g in got.items()},
     )
 
 
