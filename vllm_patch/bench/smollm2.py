@@ -268,7 +268,7 @@ def convert(gguf_path: Path, folder: Path, progress: Progress) -> None:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     progress(f"{NAME}: the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:  # transformers keeps it; say so if one does not
+    if not tokenizer.chat_template:  # transformers 5.x reads it from the GGUF
         tokenizer.chat_template = meta["tokenizer.chat_template"]
     tokenizer.save_pretrained(str(folder))
 
