@@ -2,6 +2,7 @@
 fast tier (literal cases), one real engine on SmolLM2 in the integration tier."""
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -132,6 +133,16 @@ def test_greedy_agreement_is_per_prompt_against_the_base():
         likelihood.greedy_shown(found, "provider")
         == "1/2 identical; first differ: #1 at 1"
     )
+
+
+def test_a_comparison_is_read_back_as_written():
+    result = likelihood.Comparison(
+        likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
+        likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
+        {"base": {"threads": 1}},
+    )
+    written = json.loads(json.dumps(result.to_json()))
+    assert likelihood.Comparison.from_json(written) == result
 
 
 def test_the_markdown_shows_each_side_with_its_interval():

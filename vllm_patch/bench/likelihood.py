@@ -139,6 +139,18 @@ class Comparison:
         found = {"likelihood": self.likelihood.to_json()}
         return found | {"greedy": self.greedy.to_json(), "engines": self.engines}
 
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> "Comparison":
+        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
+        likelihood = dict(found["likelihood"])
+        differences = likelihood["difference"].items()
+        likelihood["difference"] = {s: Interval(**d) for s, d in differences}
+        greedy = {k: v for k, v in found["greedy"].items() if k != "identical"}
+        greedy["prompts"] = tuple(greedy["prompts"])
+        return cls(
+            LikelihoodResult(**likelihood), GreedyResult(**greedy), found["engines"]
+        )
+
 
 # --- statistics -----------------------------------------------------------------
 
@@ -416,14 +428,32 @@ def markdown(results: Sequence[Comparison], model: str) -> list[str]:
     return [*lines, md.table([*header, "greedy tokens"], rows)]
 
 
+def section(
+    copy: str,
+    progress: Progress = print,
+    dtypes: Sequence[str] = DTYPES,
+    settings: Settings = Settings(),
+) -> dict[str, Any]:
+    """For ``evidence.json``: the model made (once) and its record, then
+    :func:`run` on it against the patched copy at ``copy``."""
+    from vllm_patch.bench import smollm2
+
+    model = smollm2.ensure_model(progress)
+    started = time.monotonic()
+    results = run(model.path, copy, dtypes, progress, settings)
+    minutes = round((time.monotonic() - started) / 60, 1)
+    found = {"model": model.to_json(), "minutes": minutes}
+    return found | {"results": [r.to_json() for r in results]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
     import sys
 
     from patcher.tree import open_tree
-    from vllm_patch.bench import smollm2
     from vllm_patch.bench.evidence import choose_patch
+    from vllm_patch.bench.smollm2 import NAME, say
     from vllm_patch.runtime.patched_copy import patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
@@ -433,16 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--chunks", type=int, help="score only the first N chunks (all)")
     args = parser.parse_args(argv)
     settings = Settings(chunk=args.chunk, most=args.chunks)
-    say = smollm2.say
-    model = smollm2.ensure_model(say)
     tree = open_tree(None)
-    started = time.monotonic()
     with patched_copy(tree, choose_patch(tree)) as copy:
-        results = run(model.path, str(copy), args.dtypes.split(","), say, settings)
-    say(f"likelihood: {(time.monotonic() - started) / 60:.1f} minutes")
-    found = {"model": model.to_json(), "results": [r.to_json() for r in results]}
+        found = section(str(copy), say, args.dtypes.split(","), settings)
     print(json.dumps(found, indent=1))
-    print("\n".join(markdown(results, model.name)), file=sys.stderr)
+    results = [Comparison.from_json(r) for r in found["results"]]
+    print("\n".join(markdown(results, NAME)), file=sys.stderr)
+    say(f"likelihood: {found['minutes']} minutes")
     return 0
 
 
