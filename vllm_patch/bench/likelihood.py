@@ -298,10 +298,18 @@ def measure(
     for side in compared:
         progress(f"likelihood: {dtype}, {library or 'vLLM-picked'} build: {side.name}")
         got[side.name] = found = run_side(model, side, dtype, library, settings)
-        progress(
-            f"likelihood: {side.name}: {sum(found['nats']) / sum(found['tokens']):.5f}"
-            f" nats/token on {found['loaded']}, {found['seconds']:.0f} s"
-        )
+        said = f"{sum(found['nats']) / sum(found['tokens']):.5f} nats/token"
+        if len(got) > 1:  # said now: a run cut short keeps it in its log
+            base = next(iter(got.values()))
+            difference = per_token_difference(
+                found["nats"], base["nats"], base["tokens"]
+            )
+            pairs = zip(base["greedy"], found["greedy"], strict=True)
+            same = sum(first_divergence(b, o) is None for b, o in pairs)
+            asked = len(found["greedy"])
+            said += f", - base {shown(difference)}, greedy {same}/{asked} equal"
+        said += f" on {found['loaded']}, {found['seconds']:.0f} s"
+        progress(f"likelihood: {side.name}: {said}")
     base, *others = got
     builds = {", ".join(g["loaded"]) for g in got.values()}
     if len(builds) != 1:
