@@ -2,6 +2,7 @@
 fast tier (literal cases), one real engine on SmolLM2 in the integration tier."""
 
 import hashlib
+import json
 import math
 
 import pytest
@@ -97,6 +98,8 @@ def engine(nats, greedy, loaded=("_C_AVX2",)):
         "greedy": greedy,
         "answers": [f"answer {i}" for i in range(len(greedy))],
         "loaded": list(loaded),
+        "threads": 1,
+        "norm_classes": ["RMSNorm"],
         "seconds": 60.0,
     }
 
@@ -132,10 +135,21 @@ def test_greedy_agreement_is_per_prompt_against_the_base():
     )
 
 
+def test_a_comparison_is_read_back_as_written():
+    result = likelihood.Comparison(
+        likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
+        likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
+        {"base": {"threads": 1}},
+    )
+    written = json.loads(json.dumps(result.to_json()))
+    assert likelihood.Comparison.from_json(written) == result
+
+
 def test_the_markdown_shows_each_side_with_its_interval():
     result = likelihood.Comparison(
         likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
         likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
+        {},
     )
     text = "\n".join(likelihood.markdown([result], "Smol*LM"))
     assert "with Smol\\*LM, eager" in text
@@ -163,3 +177,28 @@ def test_smollm2_answers_paris_and_scores_the_text():
     assert found["tokens"] == [63, 63]
     # a trained model on English prose: a few nats a token (random: ln 49152 = 10.8)
     assert 1.0 < sum(found["nats"]) / sum(found["tokens"]) < 6.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_base_patched_and_provider_are_compared_on_a_short_text():
+    """Three eager engines (a few minutes): what ``run`` does per dtype, short."""
+    from patcher.tree import open_tree
+    from vllm_patch.bench import smollm2
+    from vllm_patch.bench.run import choose_patch
+    from vllm_patch.runtime.patched_copy import patched_copy
+
+    model = smollm2.ensure_model()
+    tree = open_tree(None)
+    asked = likelihood.Settings(
+        chunk=64, most=4, prompts=likelihood.CHAT_PROMPTS[:3], max_tokens=8
+    )
+    with patched_copy(tree, choose_patch(tree)) as copy:
+        sides = likelihood.sides(str(copy))
+        found = likelihood.measure(model.path, sides, "float32", settings=asked)
+    assert set(found.likelihood.difference) == {"patched", "provider"}
+    for d in found.likelihood.difference.values():
+        assert d.low <= d.mean <= d.high and abs(d.mean) < 1e-3 and d.n == 4
+    assert found.likelihood.build.startswith("_C")
+    assert "Paris" in found.greedy.base_answers[0]
+    assert set(found.greedy.divergence) == {"patched", "provider"}

