@@ -890,6 +890,7 @@ def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
             divergence={"patched": [None, 7]},
             base_answers=["Hello", "Because"],
         ),
+        {"base": {"threads": 1}, "patched": {"threads": 1}},
     )
     written = json.loads(json.dumps([found.to_json()]))
     ev = record.parse(doc_with({}, likelihood=written))

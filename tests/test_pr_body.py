@@ -569,7 +569,7 @@ def real_model(dtype: str, diff: tuple[float, float, float], same: int):
     greedy = ll.GreedyResult(
         dtype, "_C_AVX2", prompts, 32, {"patched": divergence}, ["x"] * len(prompts)
     )
-    return ll.Comparison(found, greedy)
+    return ll.Comparison(found, greedy, {})
 
 
 def bias(fused_this: float):

@@ -133,7 +133,9 @@ class Comparison:
 
     likelihood: LikelihoodResult
     greedy: GreedyResult
-    engines: dict[str, dict[str, Any]]  # per side: its torch threads, norm classes
+    # Per side, read in vLLM's worker: its torch threads, the kernel build it
+    # loaded, its norm layers' classes (``ENGINE_FACTS``).
+    engines: dict[str, dict[str, int | str | list[str] | None]]
 
     def to_json(self) -> dict[str, Any]:
         found = {"likelihood": self.likelihood.to_json()}
