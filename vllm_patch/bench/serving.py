@@ -185,7 +185,9 @@ def run(bench, args, copy: str) -> None:
     shown = Path(args.model).name if args.model else "MODEL"
     doc["serving"] = {"commands": commands(shown, sizes), "sizes": sizes}
     doc["serving"] |= {"configs": {}, "server_log": {}}
-    vocab = None if args.model else doc["model"]["config"]["vocab_size"]
+    # A random model has a word-level vocabulary of its own; SmolLM2 and a
+    # user's model have a real tokenizer and take the plain-English prompts.
+    vocab = doc["model"].get("config", {}).get("vocab_size")
     prompts = accuracy.word_prompts(vocab) if vocab else accuracy.PROMPTS
     note = accuracy.RANDOM_NOTE if vocab else None
     tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
