@@ -299,7 +299,8 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
     assert len(found["base"]) == tokens["prompts"] == len(found["patched"])
     assert all(len(t) == tokens["tokens"] for t in found["base"])
     assert tokens["max_abs_dlogprob"] == found["max_abs_dlogprob"]
-    assert doc["accuracy"]["lm_eval"] is None and tokens["note"]
+    assert doc["accuracy"]["lm_eval"] is None  # no --model: no lm_eval task
+    assert tokens["note"] is None  # a real tokenizer: plain-English prompts
     text = (tmp_path / "out" / "evidence.md").read_text()
     assert "## Serving, eager" in text and "## Accuracy" in text
     starts = re.findall(r"\[eager (\d)/2\] (\w+): starting vLLM's server", err)
