@@ -38,9 +38,8 @@ def cpu_norm_dtypes() -> tuple[torch.dtype, ...]:
     if arch in (CpuArchEnum.X86, CpuArchEnum.ARM):
         dtypes.append(torch.float16)
     # bfloat16 only where the build rounds float32 to bfloat16 as torch does:
-    # POWER and s390x round in software, aarch64 with BF16 in hardware. oneDNN's
-    # check, as the aarch64 cells under qemu (0.19.1) ran it: vLLM's own
-    # torch.cpu.get_capabilities()["bf16"] (from 0.32) is unchecked on older torch.
+    # POWER and s390x round in software, aarch64 with BF16 in hardware (the
+    # aarch64 build's bfloat16 kernels need the BF16 extension: oneDNN's check).
     rounds_bf16 = arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X) or (
         arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
@@ -60,9 +59,9 @@ def cpu_threads_shared() -> bool:
     for a team thread the engine process has descheduled, where native's small
     ATen ops run inline: measured slower at decode with two threads on two
     cores. A CPU worker's thread count is final before its model is built
-    (OMP_NUM_THREADS from its binding at start-up, torch.set_num_threads
-    disabled in init_device: read in 0.32.0 and 0.34.0). The affinity would
-    not do: vLLM's binding narrows the worker's to its team.
+    (OMP_NUM_THREADS from its binding at start-up; init_device disables
+    torch.set_num_threads). The affinity would not do: vLLM's binding narrows
+    the worker's to its team.
     """
     threads = torch.get_num_threads()
     return threads > 1 and threads >= (os.cpu_count() or 1)
