@@ -96,7 +96,7 @@ class RMSNormForwardCpu:
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # The kernels read x and residual as contiguous rows of the weight's
         # dtype and size.
-        weight = self.weight.data
+        weight = self.weight
         if (
             x.dtype in self.cpu_dtypes
             and x.dtype == weight.dtype
