@@ -29,6 +29,15 @@ REAL_WHEELS = [
 ]
 
 
+def github_html(markdown: str) -> str:
+    """``markdown`` as GitHub renders it: cmark-gfm, its extensions (bare URLs
+    become links), raw HTML kept."""
+    import cmarkgfm
+    from cmarkgfm.cmark import Options
+
+    return cmarkgfm.github_flavored_markdown_to_html(markdown, Options.CMARK_OPT_UNSAFE)
+
+
 def has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 

@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+from conftest import github_html
 
 from compat_matrix import report
 from patcher.errors import PatchError
@@ -216,10 +217,7 @@ HOSTILE = [
 
 def rendered(markdown: str) -> str:
     """``markdown`` as GitHub renders it (cmark-gfm, its extensions, raw HTML on)."""
-    cmarkgfm = pytest.importorskip("cmarkgfm")
-    from cmarkgfm.cmark import Options
-
-    return cmarkgfm.github_flavored_markdown_to_html(markdown, Options.CMARK_OPT_UNSAFE)
+    return github_html(markdown)
 
 
 def page(value: str) -> str:

@@ -26,10 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import cmarkgfm
 import git
 import pytest
-from cmarkgfm import cmark
+from conftest import github_html
 from test_pr_body import evidence
 
 from patcher import engine
@@ -616,9 +615,7 @@ def decoded(name: str = "a random-weight Llama", engine: str = "base") -> dict:
 def rendered(body: str) -> str:
     """``body`` as GitHub renders it (cmark-gfm, its extensions, raw HTML kept),
     the contents of code spans and blocks dropped: text there is inert."""
-    html = cmarkgfm.github_flavored_markdown_to_html(
-        body, options=cmark.Options.CMARK_OPT_UNSAFE
-    )
+    html = github_html(body)
     return re.sub(r"<(code|pre)\b[^>]*>.*?</\1>", "", html, flags=re.S)
 
 
