@@ -10,15 +10,10 @@ from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
 from vllm_patch.bench import record
-from vllm_patch.bench.likelihood import CHAT_PROMPTS, Comparison, Settings
+from vllm_patch.bench.likelihood import Comparison
 from vllm_patch.bench.record import PerOp, Qwen3Eager
 from vllm_patch.runtime import machine
 from vllm_patch.upstream.vllm_tests import Copies
-
-# The real model's share of pr's ten minutes on two cores (four engines: base
-# and patched per dtype): 4 chunks of 512 tokens of the text and 8 chat prompts
-# of 16 greedy tokens each. `python -m vllm_patch.bench.likelihood` runs more.
-REAL_MODEL = Settings(most=4, prompts=CHAT_PROMPTS[:8], max_tokens=16)
 
 
 @dataclass(frozen=True)
@@ -50,7 +45,7 @@ def measure(copies: Copies, patch: Patch, progress, started: list) -> Measured:
     model = smollm2.ensure_model(progress)
     compared = [likelihood.Side(name, path) for name, path in sides.items()]
     real = [
-        likelihood.measure(model.path, compared, dtype, None, progress, REAL_MODEL)
+        likelihood.measure(model.path, compared, dtype, None, progress)
         for dtype in likelihood.DTYPES
     ]
     qwen3 = qwen3_eager.compare(
