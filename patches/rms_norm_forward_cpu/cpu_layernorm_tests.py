@@ -159,7 +159,7 @@ def test_cpu_rms_norm_kernel(
     add_residual: bool,
     dtype: torch.dtype,
 ) -> None:
-    """Contiguous inputs run the CPU kernel exactly where it matches native."""
+    """Contiguous inputs run the CPU kernel exactly where it matches forward_native."""
     matches = _kernel_matches_native(dtype, add_residual)
     layer, x, residual = _inputs(shape, dtype, dtype if add_residual else None)
     ref_out = layer.forward_native(*_copies(x, residual))
