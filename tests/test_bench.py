@@ -221,6 +221,9 @@ def test_a_model_folder_needs_its_config(tmp_path):
             ["bench", "--serve", "--modes", "fast", "--out", "x"],
             "eager and/or compiled",
         ),
+        (["bench", "--decode", "--modes", "", "--out", "x"], "eager and/or"),
+        (["bench", "--decode", "--threads", "auto,0", "--out", "x"], "counts like"),
+        (["bench", "--decode", "--dtype", "float16", "--out", "x"], "and/or float32"),
     ],
 )
 def test_bad_bench_command_lines_are_usage_errors(argv, words, capsys):
