@@ -473,7 +473,7 @@ def test_per_op_times_every_route_that_passes_numerics():
     from vllm_patch.bench import perop
 
     found = perop.per_op({"base": ()}, lambda _m: None)
-    routes = {(r["op"], r["tokens"], r["route"]) for r in found["rows"]}
+    routes = {(r.op, r.tokens, r.route) for r in found.rows}
     for op in ("rms_norm", "fused_add_rms_norm"):
         for tokens in perop.TOKENS:
             assert {
@@ -483,11 +483,14 @@ def test_per_op_times_every_route_that_passes_numerics():
                 (op, tokens, record.MINIMAL),
                 (op, tokens, record.FORWARD_NATIVE),
             } <= routes
-    timed = [r for r in found["rows"] if "wrong" not in r]
-    assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
-    assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
-    assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
-    typed = record.parse({"schema": 1, "perop": found}).perop
+    timed = [r for r in found.rows if r.wrong is None]
+    assert all(0 < r.p10_us <= r.median_us <= r.p90_us for r in timed)
+    assert {r.env for r in timed if r.route == "native"} == {"both"}
+    assert [x.env for x in found.load] == ["base"] * perop.ROUNDS
+    # As evidence.json holds it, read back: the same record.
+    written = json.loads(json.dumps(record.to_json(found)))
+    typed = record.parse({"schema": 1, "perop": written}).perop
+    assert typed == found
     assert "| op | tokens | both: native |" in report.perop_table(typed)
     split = report.perop_split(typed)
     assert [row[:2] for row in split] == [

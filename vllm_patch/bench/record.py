@@ -292,16 +292,20 @@ class Accuracy:
 
 @record
 class PerOpRow:
+    """A route's figures; ``bench.perop.per_op`` writes the fields in this order."""
+
     env: str
     op: str
+    dtype: str | None = None  # in every row bench writes; not in older files
     tokens: int
     route: str
     wrong: str | None = None  # why the route was not timed (outside tolerance)
+    impl: str | None = None  # what a layer route ran: kernel or native
     median_us: Time | None = None
-    native_us: Time | None = None
     p10_us: Time | None = None
     p90_us: Time | None = None
-    impl: str | None = None  # what a layer route ran: kernel or native
+    wall_median_us: Time | None = None
+    native_us: Time | None = None
 
     def checked(self, value: dict, at: str) -> "PerOpRow":
         for key in [] if self.wrong else ["median_us", "native_us"]:
@@ -324,9 +328,10 @@ class PerOp:
     hidden_size: int
     dtype: str
     threads: int
-    rows: Annotated[tuple[PerOpRow, ...], Rows]
     clock: str | None = None
+    rounds: int | None = None  # children per vLLM
     load: tuple[ChildLoad, ...] = ()
+    rows: Annotated[tuple[PerOpRow, ...], Rows]
 
     def checked(self, value: dict, at: str) -> "PerOp":
         if len({(r.env, r.route) for r in self.rows}) > MOST_COLUMNS:
@@ -504,6 +509,19 @@ class Evidence:
         if sum(len(d) for ops in needed.values() for d in ops.values()) > MOST_ROWS:
             raise Bad(f"numerics: more than {MOST_ROWS} figures")
         return self
+
+
+def to_json(value: object) -> object:
+    """``value`` (a record, or what one holds) as ``evidence.json`` holds it: a
+    record's fields in their order, those that are None left out; tuples as lists."""
+    if dataclasses.is_dataclass(value):
+        found = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+        return {name: to_json(v) for name, v in found if v is not None}
+    if isinstance(value, tuple | list):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {name: to_json(v) for name, v in value.items()}
+    return value
 
 
 def parse(doc: object) -> Evidence:

@@ -118,8 +118,8 @@ class BenchRun:
         envs = {"base": (), "patched": (copy,), "provider": ()}
         first, *more = dict.fromkeys(worker_threads(t) for t in args.threads)
         found = [per_op(envs, self.progress, n, ["provider"]) for n in [first, *more]]
-        self.doc["perop"] = found[0]
-        self.doc["perop_threads"] = found[1:]
+        self.doc["perop"] = record.to_json(found[0])
+        self.doc["perop_threads"] = record.to_json(found[1:])
 
     def qwen3(self, args, copy: str) -> None:
         from vllm_patch.bench.qwen3_eager import compare

@@ -60,7 +60,7 @@ def measure(copies: Copies, patch: Patch, progress, started: list) -> Measured:
         f"{dist} {read_version(installed)}",
         machine.kernel_build(installed.path("vllm")),
         copies.put_in,
-        record.typed(PerOp, per_call, "perop"),
+        per_call,
         record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
         tuple(found_bias),
         model.name,
