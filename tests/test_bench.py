@@ -135,28 +135,31 @@ COMPARISONS = {
 def test_the_token_comparison_stops_where_the_texts_part(case):
     bt, pt, bl, pl, at, delta = case
     found = accuracy.compare(
-        [{"tokens": bt, "logprobs": bl}], [{"tokens": pt, "logprobs": pl}]
+        [accuracy.Completion(tokens=bt, logprobs=bl)],
+        [accuracy.Completion(tokens=pt, logprobs=pl)],
     )
-    assert found["per_prompt"][0]["diverges_at"] == at
-    assert found["max_abs_dlogprob"] == pytest.approx(delta)
-    assert found["identical_prompts"] == (at is None)
-    assert found["first_divergence"] == (
+    assert found.per_prompt[0].diverges_at == at
+    assert found.max_abs_dlogprob == pytest.approx(delta)
+    assert found.identical_prompts == (at is None)
+    written = record.to_json(found)  # as serving writes it: null where none
+    assert written["first_divergence"] == (
         None if at is None else {"prompt": 0, "position": at}
     )
+    assert written["per_prompt"][0]["diverges_at"] == at
 
 
 def test_the_earliest_divergence_over_all_prompts_is_reported():
-    same = {"tokens": [1, 2, 3], "logprobs": [-1.0] * 3}
+    same = accuracy.Completion(tokens=(1, 2, 3), logprobs=(-1.0,) * 3)
     found = accuracy.compare(
         [same, same, same],
         [
             same,
-            {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
-            {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3},
+            accuracy.Completion(tokens=(1, 2, 7), logprobs=(-1.0,) * 3),
+            accuracy.Completion(tokens=(1, 8, 7), logprobs=(-1.0,) * 3),
         ],
     )
-    assert found["first_divergence"] == {"prompt": 2, "position": 1}
-    assert found["identical_prompts"] == 1
+    assert found.first_divergence == record.Divergence(prompt=2, position=1)
+    assert found.identical_prompts == 1
 
 
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():

@@ -125,4 +125,5 @@ class BenchRun:
         from vllm_patch.bench.qwen3_eager import compare
 
         patch = self.doc["vllm"]["patch"]
-        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
+        found = compare(copy, patch, self.progress)
+        self.doc["qwen3_eager"] = record.to_json(found)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.bench import record
 from vllm_patch.bench.likelihood import CHAT_PROMPTS, Comparison, Settings
 from vllm_patch.bench.record import PerOp, Qwen3Eager
 from vllm_patch.runtime import machine
@@ -61,7 +60,7 @@ def measure(copies: Copies, patch: Patch, progress, started: list) -> Measured:
         machine.kernel_build(installed.path("vllm")),
         copies.put_in,
         per_call,
-        record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
+        qwen3,
         tuple(found_bias),
         model.name,
         tuple(real),
