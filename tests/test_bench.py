@@ -445,7 +445,10 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     for ops in builds.values():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
-    numerics = {"numerics": builds, "tolerance": tolerance}
+    assert all(
+        isinstance(t, record.Tolerance) for d in tolerance.values() for t in d.values()
+    )
+    numerics = {"numerics": builds, "tolerance": record.to_json(tolerance)}
     text = report.numerics_table(record.parse({"schema": 1, **numerics}))
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 

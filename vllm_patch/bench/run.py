@@ -110,7 +110,9 @@ class BenchRun:
     def numerics(self, args, copy: str) -> None:
         from vllm_patch.bench.numerics import per_build
 
-        self.doc["numerics"], self.doc["tolerance"] = per_build(self.progress)
+        builds, tolerance = per_build(self.progress)
+        self.doc["numerics"] = builds
+        self.doc["tolerance"] = record.to_json(tolerance)
 
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
