@@ -217,7 +217,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             return
         first = min(n.at for n in norms)
         own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}")
-        lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
+        lines = tree.body[first].leading_lines  # the def keeps its own two
         before.setdefault(first, []).append(own.with_changes(leading_lines=lines))
         for n in norms:
             new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
