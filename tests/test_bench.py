@@ -135,28 +135,31 @@ COMPARISONS = {
 def test_the_token_comparison_stops_where_the_texts_part(case):
     bt, pt, bl, pl, at, delta = case
     found = accuracy.compare(
-        [{"tokens": bt, "logprobs": bl}], [{"tokens": pt, "logprobs": pl}]
+        [accuracy.Completion(tokens=bt, logprobs=bl)],
+        [accuracy.Completion(tokens=pt, logprobs=pl)],
     )
-    assert found["per_prompt"][0]["diverges_at"] == at
-    assert found["max_abs_dlogprob"] == pytest.approx(delta)
-    assert found["identical_prompts"] == (at is None)
-    assert found["first_divergence"] == (
+    assert found.per_prompt[0].diverges_at == at
+    assert found.max_abs_dlogprob == pytest.approx(delta)
+    assert found.identical_prompts == (at is None)
+    written = record.to_json(found)  # as serving writes it: null where none
+    assert written["first_divergence"] == (
         None if at is None else {"prompt": 0, "position": at}
     )
+    assert written["per_prompt"][0]["diverges_at"] == at
 
 
 def test_the_earliest_divergence_over_all_prompts_is_reported():
-    same = {"tokens": [1, 2, 3], "logprobs": [-1.0] * 3}
+    same = accuracy.Completion(tokens=(1, 2, 3), logprobs=(-1.0,) * 3)
     found = accuracy.compare(
         [same, same, same],
         [
             same,
-            {"tokens": [1, 2, 7], "logprobs": [-1.0] * 3},
-            {"tokens": [1, 8, 7], "logprobs": [-1.0] * 3},
+            accuracy.Completion(tokens=(1, 2, 7), logprobs=(-1.0,) * 3),
+            accuracy.Completion(tokens=(1, 8, 7), logprobs=(-1.0,) * 3),
         ],
     )
-    assert found["first_divergence"] == {"prompt": 2, "position": 1}
-    assert found["identical_prompts"] == 1
+    assert found.first_divergence == record.Divergence(prompt=2, position=1)
+    assert found.identical_prompts == 1
 
 
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():
@@ -221,6 +224,9 @@ def test_a_model_folder_needs_its_config(tmp_path):
             ["bench", "--serve", "--modes", "fast", "--out", "x"],
             "eager and/or compiled",
         ),
+        (["bench", "--decode", "--modes", "", "--out", "x"], "eager and/or"),
+        (["bench", "--decode", "--threads", "auto,0", "--out", "x"], "counts like"),
+        (["bench", "--decode", "--dtype", "float16", "--out", "x"], "and/or float32"),
     ],
 )
 def test_bad_bench_command_lines_are_usage_errors(argv, words, capsys):
@@ -439,7 +445,10 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     for ops in builds.values():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
         assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
-    numerics = {"numerics": builds, "tolerance": tolerance}
+    assert all(
+        isinstance(t, record.Tolerance) for d in tolerance.values() for t in d.values()
+    )
+    numerics = {"numerics": builds, "tolerance": record.to_json(tolerance)}
     text = report.numerics_table(record.parse({"schema": 1, **numerics}))
     assert text.count("\n") == 1 + len(builds) * 2 * len(dtypes)
 
@@ -470,7 +479,7 @@ def test_per_op_times_every_route_that_passes_numerics():
     from vllm_patch.bench import perop
 
     found = perop.per_op({"base": ()}, lambda _m: None)
-    routes = {(r["op"], r["tokens"], r["route"]) for r in found["rows"]}
+    routes = {(r.op, r.tokens, r.route) for r in found.rows}
     for op in ("rms_norm", "fused_add_rms_norm"):
         for tokens in perop.TOKENS:
             assert {
@@ -480,11 +489,14 @@ def test_per_op_times_every_route_that_passes_numerics():
                 (op, tokens, record.MINIMAL),
                 (op, tokens, record.FORWARD_NATIVE),
             } <= routes
-    timed = [r for r in found["rows"] if "wrong" not in r]
-    assert all(0 < r["p10_us"] <= r["median_us"] <= r["p90_us"] for r in timed)
-    assert {r["env"] for r in timed if r["route"] == "native"} == {"both"}
-    assert [x["env"] for x in found["load"]] == ["base"] * perop.ROUNDS
-    typed = record.parse({"schema": 1, "perop": found}).perop
+    timed = [r for r in found.rows if r.wrong is None]
+    assert all(0 < r.p10_us <= r.median_us <= r.p90_us for r in timed)
+    assert {r.env for r in timed if r.route == "native"} == {"both"}
+    assert [x.env for x in found.load] == ["base"] * perop.ROUNDS
+    # As evidence.json holds it, read back: the same record.
+    written = json.loads(json.dumps(record.to_json(found)))
+    typed = record.parse({"schema": 1, "perop": written}).perop
+    assert typed == found
     assert "| op | tokens | both: native |" in report.perop_table(typed)
     split = report.perop_split(typed)
     assert [row[:2] for row in split] == [

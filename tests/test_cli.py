@@ -18,7 +18,7 @@ from conftest import CPU, FIXTURE, VLLM_C, make_tree, snapshot
 from patcher import engine
 from patcher.backup import BACKUP_DIR
 from patcher.codemod import TreeCodemod
-from patcher.errors import PatchError
+from patcher.errors import ExitCode, PatchError
 from patcher.patchset import select
 from patcher.tree import open_tree
 from vllm_patch.cli import main
@@ -507,23 +507,27 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, module, step, verb):
     assert err.startswith("vllm-patch: error: interrupted (Ctrl-C)")
 
 
-def test_apply_without_ruff_is_one_message_and_changes_nothing(
-    tmp_path, monkeypatch, capsys
-):
-    """ruff removed by hand (it is a dependency while the codemods lay out their
-    code with it): one message, exit 3, the tree as it was."""
-    from patcher import ruff_format
-
+def test_apply_needs_no_ruff(tmp_path, monkeypatch):
+    """The codemods lay out what they write themselves: ruff is `pr`'s alone."""
     tree = make_tree(tmp_path / "tree")
     before = snapshot(tree)
     monkeypatch.setitem(sys.modules, "ruff", None)
     monkeypatch.setitem(sys.modules, "ruff.__main__", None)
-    ruff_format.ruff_binary.cache_clear()
-    ruff_format.format_source.cache_clear()
+    assert main(["apply", "--vllm", str(tree)]) == 0
+    assert snapshot(tree) != before
+
+
+def test_pr_without_ruff_names_its_extra(monkeypatch):
+    """One message, exit 2, as for `pr`'s other requirements."""
+    from vllm_patch.upstream.ruff_package import ruff_binary
+
+    monkeypatch.setitem(sys.modules, "ruff", None)
+    monkeypatch.setitem(sys.modules, "ruff.__main__", None)
+    ruff_binary.cache_clear()
     try:
-        assert main(["apply", "--vllm", str(tree)]) == 3
+        with pytest.raises(PatchError) as exc:
+            ruff_binary()
     finally:
-        ruff_format.ruff_binary.cache_clear()
-    err = capsys.readouterr().err
-    assert "ruff is not installed" in err and "Traceback" not in err
-    assert snapshot(tree) == before
+        ruff_binary.cache_clear()
+    assert exc.value.exit_code == ExitCode.USAGE
+    assert "pip install 'vllm-patch[pr]'" in str(exc.value)

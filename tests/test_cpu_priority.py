@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from libcst.codemod import CodemodContext, CodemodTest
+from vllm_ruff import touched_lines_ruff_moves
 
 from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised, VllmHasItsOwn
@@ -302,6 +303,14 @@ def test_remove(vllm_c: str, before: str, after: str) -> None:
     read = files(vllm_c).__getitem__
     assert run_codemod(RemoveCpuIrOpPriority, after, read) == before
     assert run_codemod(RemoveCpuIrOpPriority, before, read) == before
+
+
+@pytest.mark.parametrize("vllm_c,before,after", CASES)
+def test_the_method_is_laid_out_as_vllms_ruff_lays_it_out(vllm_c, before, after):
+    """Written without a formatter: ruff would move none of its lines."""
+    patched = run_codemod(AddCpuIrOpPriority, before, files(vllm_c).__getitem__)
+    assert patched != before
+    assert touched_lines_ruff_moves(before, patched) == []
 
 
 VLLMS_OWN = """

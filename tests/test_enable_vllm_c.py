@@ -8,6 +8,7 @@ import ast
 import libcst as cst
 import pytest
 from libcst.codemod import CodemodContext, CodemodTest
+from vllm_ruff import touched_lines_ruff_moves
 
 from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
@@ -359,6 +360,17 @@ def test_revert_gives_the_same_code_back(before: str, after: str) -> None:
     reverted = run_codemod(DisableVllmCOnCpu, after, READ)
     assert same_code(reverted, before)
     assert run_codemod(EnableVllmCOnCpu, reverted, READ) == after
+
+
+@pytest.mark.parametrize("before,after", CASES)
+def test_what_apply_and_revert_write_is_laid_out_as_vllms_ruff(before, after):
+    """Written without a formatter: ruff would move none of the lines apply
+    writes or revert writes back (in a file that starts with its first line)."""
+    patched = run_codemod(EnableVllmCOnCpu, before.lstrip(), READ)
+    assert patched != before.lstrip()
+    assert touched_lines_ruff_moves(before.lstrip(), patched) == []
+    reverted = run_codemod(DisableVllmCOnCpu, patched, READ)
+    assert touched_lines_ruff_moves(patched, reverted) == []
 
 
 def test_revert_of_an_unpatched_file_changes_nothing() -> None:

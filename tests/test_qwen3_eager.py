@@ -26,9 +26,9 @@ CALLS = dict.fromkeys(qwen3_eager.KERNELS, 0)
 PROMPTS = ["w3 w4", "w5 w6"]
 
 
-def side(tokens: list[list[int]], logprobs: list[list[float]], **calls) -> dict:
-    """One side as ``generate`` returns it, and its seconds."""
-    return {
+def side(tokens: list[list[int]], logprobs: list[list[float]], **calls):
+    """One side as ``generate`` prints it in its child, read back, and its seconds."""
+    printed = {
         "completions": [
             {"tokens": t, "logprobs": lp, "text": " ".join(f"w{i}" for i in t)}
             for t, lp in zip(tokens, logprobs, strict=True)
@@ -38,6 +38,7 @@ def side(tokens: list[list[int]], logprobs: list[list[float]], **calls) -> dict:
         "layernorm": "layernorm.py",
         "seconds": 1.0,
     }
+    return record.typed(qwen3_eager.Generated, json.loads(json.dumps(printed)), "")
 
 
 def test_sides_are_compared_with_base_and_shown():
@@ -57,23 +58,24 @@ def test_sides_are_compared_with_base_and_shown():
         PROMPTS,
         "rms_norm_forward_cpu",
     )
-    assert json.loads(json.dumps(found)) == found
-    assert found["patched"]["identical"] is True
-    assert found["patched"]["max_abs_dlogprob"] == pytest.approx(1e-4)
-    assert found["unguarded"]["identical"] is False
-    assert found["unguarded"]["first_divergence"] == {"prompt": 1, "position": 1}
+    written = json.loads(json.dumps(record.to_json(found)))
+    assert record.typed(record.Qwen3Eager, written, "") == found  # as read back
+    assert written["patched"]["identical"] is True
+    assert written["patched"]["first_divergence"] is None  # null, as documented
+    assert found.patched.max_abs_dlogprob == pytest.approx(1e-4)
+    assert found.unguarded.identical is False
+    assert written["unguarded"]["first_divergence"] == {"prompt": 1, "position": 1}
     # up to the first different token, that one included (not the 8.0 after it)
-    assert found["unguarded"]["max_abs_dlogprob"] == pytest.approx(0.5)
-    assert found["sides"]["unguarded"]["distinct_share"] == [1.0, 2 / 3]
+    assert found.unguarded.max_abs_dlogprob == pytest.approx(0.5)
+    assert found.sides.unguarded.distinct_share == (1.0, 2 / 3)
+    assert "base" not in written["patched"]  # the sides hold the tokens
 
-    text = "\n".join(
-        report.qwen3_eager_markdown(record.typed(record.Qwen3Eager, found, ""))
-    )
+    text = "\n".join(report.qwen3_eager_markdown(found))
     assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
     assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
     assert "- unguarded: `w10 w13 w13 …`" in text
     doc = {"schema": 1, "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
-    doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=found)
+    doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=written)
     shown = report.evidence_markdown(record.parse(doc))
     assert "### Eager Qwen3 (vLLM #31643)" in shown
 

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import git
 import libcst as cst
+from vllm_ruff import touched_lines_ruff_moves
 
 from patcher import engine
 from patcher.backup import BACKUP_DIR
 from patcher.patchset import select
-from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
 from patches.cpu_fused_norms.enable_vllm_c import norm_impls
 from vllm_patch.cli import main
-from vllm_patch.upstream.pr_format import changed_ranges
 
 VLLM_C = "vllm/kernels/vllm_c.py"
 CPU = "vllm/platforms/cpu.py"
@@ -99,18 +98,18 @@ def test_pinned_ruff_changes_no_line_the_patch_touched(real_wheel: Path) -> None
     plan = engine.plan(open_tree(real_wheel), select(["cpu_fused_norms"])[0])
     assert sorted(plan.file_changes()) == sorted([VLLM_C, CPU])
     for rel, (before, after) in plan.file_changes().items():
-        touched = {
-            line for a, b in changed_ranges(before, after) for line in range(a, b)
-        }
-        reformatted = {
-            line
-            for a, b in changed_ranges(format_source(after), after)
-            for line in range(a, b)
-        }
-        assert touched, rel
-        assert not touched & reformatted, rel
-        lines = after.splitlines()
-        assert all(len(lines[i]) <= LINE_LENGTH for i in touched), rel
+        assert touched_lines_ruff_moves(before, after) == [], rel
+
+
+def test_pinned_ruff_changes_no_line_the_inverse_edit_touched(extracted_wheel: Path):
+    """So is every line the inverse edit writes back (no backup to restore)."""
+    root = extracted_wheel
+    assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    patched = read(root, VLLM_C, CPU)
+    shutil.rmtree(root / BACKUP_DIR)
+    assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
+    for rel, data in read(root, VLLM_C, CPU).items():
+        assert touched_lines_ruff_moves(patched[rel].decode(), data.decode()) == [], rel
 
 
 def test_only_the_norms_impls_change(extracted_wheel: Path) -> None:

@@ -12,7 +12,6 @@ CPU, CUDA, ROCm or XPU would and record every ``register_impl``.
 from __future__ import annotations
 
 import ast
-import difflib
 import enum
 import shutil
 import sys
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import git
 import pytest
+from vllm_ruff import touched_lines_ruff_moves
 
 from patcher import engine
 from patcher.backup import BACKUP_DIR
 from patcher.patchset import select
-from patcher.ruff_format import LINE_LENGTH, format_source
 from patcher.tree import open_tree
 from vllm_patch.cli import main
 
@@ -275,15 +274,7 @@ def test_every_line_the_edit_writes_is_the_pinned_ruffs(shape, tmp_path_factory)
     before, after = patched(shape, tmp_path_factory.getbasetemp())
     assert sorted(after) == sorted([CPU, VLLM_C])
     for rel, new in after.items():
-        old = before[rel].splitlines()
-        written = [
-            line[1:]
-            for line in difflib.unified_diff(old, new.splitlines(), lineterm="")
-            if line.startswith("+") and not line.startswith("+++")
-        ]
-        ruffs = set(format_source(new).splitlines())
-        assert written and all(len(line) <= LINE_LENGTH for line in written)
-        assert [line for line in written if line not in ruffs] == []
+        assert touched_lines_ruff_moves(before[rel], new) == [], rel
 
 
 @pytest.mark.parametrize("kind", ["directory", "checkout", "installed"])
@@ -308,14 +299,16 @@ def test_apply_then_revert_restores_every_byte(shape, kind, tmp_path):
 @pytest.mark.parametrize("shape", ACCEPTED)
 def test_the_inverse_edit_alone_gives_the_same_code_back(shape, tmp_path):
     """Without the backup (deleted), revert's inverse edits are right in
-    meaning: the same Python, whatever the layout."""
+    meaning: the same Python, whatever the layout; what they write is laid out
+    as vLLM's ruff lays it out."""
     root = build(shape, tmp_path / "tree")
     original = {rel: (root / rel).read_text() for rel in (VLLM_C, CPU)}
     assert main(["apply", "--vllm", str(root)]) == 0
-    assert all((root / rel).read_text() != text for rel, text in original.items())
+    patched = {rel: (root / rel).read_text() for rel in (VLLM_C, CPU)}
+    assert all(patched[rel] != text for rel, text in original.items())
     shutil.rmtree(root / BACKUP_DIR)
     assert main(["revert", "--vllm", str(root)]) == 0
     for rel, text in original.items():
-        assert ast.dump(ast.parse((root / rel).read_text())) == ast.dump(
-            ast.parse(text)
-        )
+        reverted = (root / rel).read_text()
+        assert ast.dump(ast.parse(reverted)) == ast.dump(ast.parse(text))
+        assert touched_lines_ruff_moves(patched[rel], reverted) == [], rel

@@ -7,9 +7,9 @@ import textwrap
 import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
-from patcher.ruff_format import format_member
 from patches.cpu_fused_norms.enable_vllm_c import meaning, norm_impls
 from patches.cpu_fused_norms.identity import OPS
+from patches.cpu_fused_norms.layout import broken, fits
 
 CLASS = "CpuPlatform"
 METHOD = "get_default_ir_op_priority"
@@ -19,6 +19,8 @@ CI_ENV = "VLLM_CPU_CI_ENV"
 VLLM_C_FILE = "vllm/kernels/vllm_c.py"
 CONFIG_FILE = "vllm/config/kernel.py"
 
+# At column 0, as ruff lays it out 4 columns in (CpuPlatform's members); the
+# holes are laid out for where they stand.
 METHOD_TEMPLATE = """\
 @classmethod
 def get_default_ir_op_priority(
@@ -35,14 +37,36 @@ def get_default_ir_op_priority(
     cc = vllm_config.compilation_config
     backend, mode = cc.backend, cc.mode
     if mode == CompilationMode.VLLM_COMPILE:
-        backend = "eager" if {ci_env} else "inductor"
+        {backend}
     if vllm_config.lora_config is not None:
         mode = CompilationMode.NONE
     using_inductor = backend == "inductor" and mode != CompilationMode.NONE
     default = ["native"] if using_inductor else ["vllm_c", "native"]
 
-    return IrOpPriorityConfig.with_default(["native"], {per_op})
+    {returned}
 """
+
+
+BACKEND_AT = 8  # the {backend} hole's column in the template; 12 in the class
+RETURNED_AT = 4
+
+
+def _backend(ci_env: str) -> str:
+    """The CI-dependent line, one line or its value in parentheses: each of the
+    spellings vLLM 0.20 - 0.33 test CI with fits one of the two."""
+    value = f'"eager" if {ci_env} else "inductor"'
+    if fits(f"backend = {value}", 4 + BACKEND_AT):
+        return f"backend = {value}"
+    return broken("backend = (", [value], ")", " " * BACKEND_AT)
+
+
+def _returned(ops: list[str]) -> str:
+    """The return line, one line or its arguments on one line of their own."""
+    args = ", ".join(['["native"]', *(f"{op}=default" for op in ops)])
+    call = "IrOpPriorityConfig.with_default("
+    if fits(f"return {call}{args})", 4 + RETURNED_AT):
+        return f"return {call}{args})"
+    return broken(f"return {call}", [args], ")", " " * RETURNED_AT)
 
 
 def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
@@ -68,7 +92,7 @@ class AddCpuIrOpPriority(TreeCodemod):
                 f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
                 '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
             )
-            method = format_member(method, tree)
+            method = cst.parse_statement(method)  # its newlines and indents: the tree's
             blank = cst.EmptyLine(indent=False)
             members = [*cls.body.body, method.with_changes(leading_lines=[blank])]
         else:
@@ -121,8 +145,10 @@ class AddCpuIrOpPriority(TreeCodemod):
         for node in ast.walk(ast.parse(code)):
             test = getattr(node, "test", None)
             if test and CI_ENV in (ci_env := ast.get_source_segment(code, test)):
-                per_op = ", ".join(f"{op}=default" for op in ops)
-                return METHOD_TEMPLATE.format(ci_env=ci_env, per_op=per_op), ops
+                method = METHOD_TEMPLATE.format(
+                    backend=_backend(ci_env), returned=_returned(ops)
+                )
+                return method, ops
         raise self.shape_error(
             f"{CLASS}.check_and_update_config testing {CI_ENV}",
             "no such test" if update else "no check_and_update_config",

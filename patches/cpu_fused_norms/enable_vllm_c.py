@@ -11,9 +11,9 @@ from typing import NamedTuple
 import libcst as cst
 
 from patcher.codemod import TreeCodemod, names, source
-from patcher.ruff_format import format_statements
 from patches import cpu_norm_source as rule
 from patches.cpu_fused_norms.identity import OPS, UPSTREAM_PROVIDER
+from patches.cpu_fused_norms.layout import lambda_statement
 
 GATE = "GPGPU_DEVICE"
 NORM_GATE = "RMS_NORM_DEVICE"
@@ -90,21 +90,53 @@ def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     return cst.BooleanOperation(inner, operator(), operand, expr.lpar, expr.rpar)
 
 
-def _statement(code: str, tree: cst.Module) -> cst.BaseStatement:
-    return cst.parse_statement(code + tree.default_newline, tree.config_for_parsing)
+def _statement(code: str) -> cst.BaseStatement:
+    """``code`` (laid out as ruff would) as a statement; its line ends, parsed
+    as the default ones, are the tree's wherever it goes."""
+    return cst.parse_statement(code + "\n")
 
 
-def _rebuild(tree: cst.Module, new: dict, before: dict, layout=True) -> cst.Module:
-    """``tree`` with ``new[i]`` for statement i (None: out), ``before[i]`` before it."""
-    body, formatted = [], set()
+def _in_newlines(stmt: cst.BaseStatement, tree: cst.Module) -> cst.BaseStatement:
+    """``stmt`` (parsed from LF-ended lines) in the tree's line ends, its
+    strings' line breaks too, as ruff writes a file's."""
+    code = cst.Module([]).code_for_node(stmt).replace("\n", tree.default_newline)
+    return cst.parse_statement(code, tree.config_for_parsing)
+
+
+def _lambda(tree: cst.Module, at: int, check: cst.Lambda) -> cst.BaseStatement:
+    """Statement ``at`` (``name = lambda ...``) with ``check``, laid out anew."""
+    target = source(tree.body[at].body[0].targets[0].target)
+    own = _statement(lambda_statement(target, check))
+    return own.with_changes(leading_lines=tree.body[at].leading_lines)
+
+
+def _spaced(previous: cst.BaseStatement, stmt: cst.BaseStatement) -> cst.BaseStatement:
+    """``stmt`` after ``previous`` at module level: two blank lines on either side
+    of a def or class, as ruff (and PEP 8) puts them."""
+    defs = (cst.FunctionDef, cst.ClassDef)
+    lines = stmt.leading_lines
+    if not isinstance(previous, defs) and not isinstance(stmt, defs):
+        return stmt
+    if len(lines) >= 2 or any(line.comment for line in lines):
+        return stmt
+    return stmt.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * 2)
+
+
+def _rebuild(tree: cst.Module, new: dict, before: dict) -> cst.Module:
+    """``tree`` with ``new[i]`` for statement i (None: out), ``before[i]`` before
+    it; each written statement and the one after it spaced as ruff spaces them."""
+    body, written = [], set()
     for i, stmt in enumerate(tree.body):
-        formatted |= set(range(len(body), len(body) + len(before.get(i, ()))))
+        written.update(range(len(body), len(body) + len(before.get(i, ()))))
         body += before.get(i, ())
         if new.get(i, stmt) is not None:
-            formatted |= {len(body)} if i in new else set()
+            if i in new:
+                written.add(len(body))
             body.append(new.get(i, stmt))
-    tree = tree.with_changes(body=body)
-    return format_statements(tree, formatted) if layout else tree
+    for at in sorted(written | {i + 1 for i in written}):
+        if 0 < at < len(body):
+            body[at] = _spaced(body[at - 1], body[at])
+    return tree.with_changes(body=body)
 
 
 class EnableVllmCOnCpu(TreeCodemod):
@@ -127,7 +159,7 @@ class EnableVllmCOnCpu(TreeCodemod):
             body = _suffixed(n.check.body, cst.And, n.guard, self.ON)
             if body is not None:
                 check = n.check.with_changes(body=body)
-                new[n.check_at] = _assigned(tree, n.check_at, check)
+                new[n.check_at] = _lambda(tree, n.check_at, check)
                 said = f"gains `and {n.guard}`" if self.ON else "loses its CPU checks"
                 self.record(f"the {n.op} impl's `supports_args` {said}")
         self.gate(tree, norms, used, new, before)
@@ -184,8 +216,8 @@ class EnableVllmCOnCpu(TreeCodemod):
             self.record(f"`{GATE}` gains `or {IS_CPU}`: it gates only the norms")
             return
         first = min(n.at for n in norms)
-        own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}", tree)
-        lines = tree.body[first].leading_lines  # its blank lines, then ruff's two
+        own = _statement(f"{NORM_GATE} = {gate} or {IS_CPU}")
+        lines = tree.body[first].leading_lines  # the def keeps its own two
         before.setdefault(first, []).append(own.with_changes(leading_lines=lines))
         for n in norms:
             new[n.at] = tree.body[n.at].deep_replace(n.gate, cst.Name(NORM_GATE))
@@ -194,15 +226,18 @@ class EnableVllmCOnCpu(TreeCodemod):
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
         if cpu is None:
             at = min([*new, *before])
-            before[at] = [_statement(IS_CPU_LINE, tree), *before.get(at, ())]
+            before[at] = [_statement(IS_CPU_LINE), *before.get(at, ())]
             self.record(f"`{IS_CPU_LINE}` caches the CPU check")
         added = before.setdefault(min(n.check_at for n in norms), [])
         if not used[FUNCTION]:
             functions = rule.functions(self.read_tree_file(rule.CPU_PY))
             blank = cst.EmptyLine(indent=False)
-            added += [f.with_changes(leading_lines=[blank, blank]) for f in functions]
+            added += [
+                _in_newlines(f, tree).with_changes(leading_lines=[blank, blank])
+                for f in functions
+            ]
         if all(source(s) != DTYPES_LINES[0] for s in tree.body):
-            added += [_statement(line, tree) for line in DTYPES_LINES]
+            added += [_statement(line) for line in DTYPES_LINES]
             self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
         return rule.with_imports(_rebuild(tree, new, before), True)
 
@@ -224,13 +259,13 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
         self.record(f"the norms' gate is `{source(old)}` again")
 
     def finish(self, tree, norms: list[Norm], cpu, used, new, before) -> cst.Module:
-        left = names(_rebuild(tree, new, {}, False))
+        left = names(_rebuild(tree, new, {}))
         called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
         if called and left[DTYPES] == 1:
             for i, s in enumerate(tree.body):
                 mine = isinstance(s, cst.FunctionDef) and s.name.value in rule.FUNCTIONS
                 if source(s) in DTYPES_LINES or (mine and left[s.name.value] == 2):
                     new[i] = None  # the call, its docstring, the defs it alone uses
-        if cpu is not None and names(_rebuild(tree, new, {}, False))[IS_CPU] == 1:
+        if cpu is not None and names(_rebuild(tree, new, {}))[IS_CPU] == 1:
             new[cpu] = None
         return rule.with_imports(_rebuild(tree, new, {}), False)

@@ -4,6 +4,8 @@ tokens first part, and the largest |delta logprob| up to there."""
 import random
 from typing import Any
 
+from vllm_patch.bench.record import Divergence, PerPrompt, TokenMode, record
+
 MAX_TOKENS = 32
 PROMPTS = [  # for a real model: short prompts with a clear greedy continuation
     "The capital of France is",
@@ -30,28 +32,37 @@ def word_prompts(vocab_size: int) -> list[str]:
     return [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
 
 
-def compare(base: list[dict], patched: list[dict]) -> dict[str, Any]:
+@record
+class Completion:
+    """One prompt's greedy ``tokens`` (ids), each one's logprob, and its text."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str | None = None
+
+
+def compare(base: list[Completion], patched: list[Completion]) -> TokenMode:
     """Where the patched tokens first part from the base's, and the largest
     |delta logprob| up to there (that position included: its context is shared)."""
     parts, parted = [], []
     for i, (b, p) in enumerate(zip(base, patched, strict=True)):
-        pairs = list(zip(b["tokens"], p["tokens"], strict=False))
+        pairs = list(zip(b.tokens, p.tokens, strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
         shared = len(pairs) if at is None else at + 1
-        deltas = zip(b["logprobs"][:shared], p["logprobs"][:shared], strict=True)
+        deltas = zip(b.logprobs[:shared], p.logprobs[:shared], strict=True)
         delta = max((abs(x - y) for x, y in deltas), default=0.0)
-        parts.append({"diverges_at": at, "max_abs_dlogprob": delta})
+        parts.append(PerPrompt(diverges_at=at, max_abs_dlogprob=delta))
         if at is not None:
             parted.append((at, i))
     first = min(parted, default=None)
-    return {
-        "identical_prompts": len(parts) - len(parted),
-        "first_divergence": first and {"prompt": first[1], "position": first[0]},
-        "max_abs_dlogprob": max((d["max_abs_dlogprob"] for d in parts), default=0.0),
-        "per_prompt": parts,
-        "base": [b["tokens"] for b in base],
-        "patched": [p["tokens"] for p in patched],
-    }
+    return TokenMode(
+        identical_prompts=len(parts) - len(parted),
+        first_divergence=first and Divergence(prompt=first[1], position=first[0]),
+        max_abs_dlogprob=max((d.max_abs_dlogprob for d in parts), default=0.0),
+        per_prompt=tuple(parts),
+        base=tuple(b.tokens for b in base),
+        patched=tuple(p.tokens for p in patched),
+    )
 
 
 def summary(configs: dict[str, dict]) -> dict[str, Any]:

@@ -12,29 +12,28 @@ from vllm_patch.bench.record import MODES
 from vllm_patch.bench.serving import SIZES
 
 
-def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    if modes and not set(modes) - set(MODES):
-        return modes
-    raise argparse.ArgumentTypeError(f"expected eager and/or compiled; got {text!r}")
+def _listed(allowed, expected: str):
+    """An argparse type: a comma-separated list, each value once and ``allowed``
+    (a predicate), at least one; else an error that says ``expected``."""
+
+    def parse(text: str) -> list[str]:
+        values = list(dict.fromkeys(v.strip() for v in text.split(",")))
+        if values and all(allowed(v) for v in values):
+            return values
+        raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+
+    return parse
 
 
-def _threads(text: str) -> list[str]:
-    """Thread layouts: ``auto`` (vLLM's own binding) or a count, each once."""
-    layouts = list(dict.fromkeys(t.strip() for t in text.split(",")))
-    if all(t == "auto" or t.isdigit() and 0 < int(t) <= 1024 for t in layouts):
-        return layouts
-    raise argparse.ArgumentTypeError(f"expected auto or counts like 1,2; got {text!r}")
+def _thread_layout(text: str) -> bool:
+    """``auto`` (vLLM's own binding) or a thread count."""
+    return text == "auto" or text.isdigit() and 0 < int(text) <= 1024
 
 
 DTYPES = ("bfloat16", "float32")
-
-
-def _dtypes(text: str) -> list[str]:
-    dtypes = list(dict.fromkeys(t.strip() for t in text.split(",")))
-    if dtypes and not set(dtypes) - set(DTYPES):
-        return dtypes
-    raise argparse.ArgumentTypeError(f"expected bfloat16 and/or float32; got {text!r}")
+_modes = _listed(lambda mode: mode in MODES, "eager and/or compiled")
+_dtypes = _listed(lambda dtype: dtype in DTYPES, "bfloat16 and/or float32")
+_threads = _listed(_thread_layout, "auto or counts like 1,2")
 
 
 # vLLM's binding first (what `vllm serve` runs), then threads = cores (the

@@ -4,7 +4,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS
-from vllm_patch.bench.report import NATIVE
+from vllm_patch.bench.record import NATIVE, Tolerance, record, typed
 
 BUILD_DTYPES = ("bfloat16", "float16", "float32")
 BUILD_SHAPES = ((1, 2048), (512, 2048), (2048, 4096))  # among vLLM's test sizes
@@ -115,17 +115,33 @@ def build_numerics(library: str) -> dict:
     return {"loaded": cpu_library.loaded(), "needed": needed, "tolerance": tolerance}
 
 
-def per_build(progress) -> tuple[dict, dict]:
+Needed = dict[str, dict[str, float | str]]  # per op and dtype: rtol, or why none
+Tolerances = dict[str, dict[str, Tolerance]]  # vLLM's, per op and dtype
+
+
+@record
+class BuildNumerics:
+    """What :func:`build_numerics` prints in its child, read back checked."""
+
+    loaded: tuple[str, ...]
+    needed: Needed
+    tolerance: Tolerances
+
+
+def per_build(progress) -> tuple[dict[str, Needed], Tolerances]:
     """:func:`build_numerics` per build here; vLLM's [rtol, atol] per op, dtype."""
     from vllm_patch.runtime import child, cpu_library, machine
 
-    builds, tolerance = {}, {}
+    builds: dict[str, Needed] = {}
+    tolerance: Tolerances = {}
     for cpu_class in cpu_library.runnable(machine.cpu()["flags"]):
         name = cpu_library.LIBRARIES[cpu_class]
         progress(f"numerics: the {name} build")
         asked = {"library": cpu_class}
-        result = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
-        if name not in result["loaded"]:
-            raise RuntimeError(f"asked for {name}, vLLM loaded {result['loaded']}")
-        builds[name], tolerance = result["needed"], result["tolerance"]
+        printed = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
+        result = typed(BuildNumerics, printed, f"the {name} build's numerics")
+        if name not in result.loaded:
+            raise RuntimeError(f"asked for {name}, vLLM loaded {list(result.loaded)}")
+        builds[name] = result.needed
+        tolerance = result.tolerance
     return builds, tolerance

@@ -20,11 +20,22 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import numerics
-from vllm_patch.bench.record import ALLOC, FORWARD_NATIVE, MINIMAL, NATIVE
+from vllm_patch.bench.record import (
+    ALLOC,
+    FORWARD_NATIVE,
+    MINIMAL,
+    NATIVE,
+    ChildLoad,
+    PerOp,
+    PerOpRow,
+    Rows,
+    record,
+    typed,
+)
 
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
@@ -178,16 +189,36 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     ]
 
 
+@record
+class Sampled:
+    """A route's row as :func:`measure` prints it in its child: its samples (µs)."""
+
+    env: str
+    op: str
+    dtype: str
+    tokens: int
+    route: str
+    wrong: str | None = None
+    impl: str | None = None
+    cpu: tuple[float, ...] = ()
+    wall: tuple[float, ...] = ()
+
+
+Printed = Annotated[tuple[Sampled, ...], Rows]  # a child's rows, read back checked
+
+
 def per_op(
     envs: dict[str, tuple], progress, threads: int = THREADS, opted_in=()
-) -> dict[str, Any]:
+) -> PerOp:
     """:func:`measure` ``ROUNDS`` times per vLLM of ``envs`` (those named in
     ``opted_in`` with the out-of-tree provider on); native's pooled."""
     from vllm_patch.runtime import child, machine
 
-    keyed: dict[tuple, dict[str, Any]] = {}
+    first: dict[tuple, Sampled] = {}  # per row: its first child's, and samples
+    cpu: dict[tuple, list[float]] = {}
+    wall: dict[tuple, list[float]] = {}
+    native: dict[tuple, list[float]] = {}
     load = []
-    native = {}
     for r, (env, pythonpath) in itertools.product(range(ROUNDS), envs.items()):
         progress(f"per op: {env} ({r + 1}/{ROUNDS}), {threads} thread(s)")
         before = machine.cpu_snapshot()
@@ -195,35 +226,45 @@ def per_op(
         opt_in = {OPT_IN_ENV: "1"} if env in opted_in else {}
         how = {"pythonpath": pythonpath, "env": CACHING_MALLOC | opt_in}
         how["drop_env"] = [OPT_IN_ENV]
-        for s in child.run(f"{__name__}:measure", asked, **how).value():
-            s["env"] = "both" if s["route"] == NATIVE else env
-            key = (s["env"], s["op"], s["tokens"], s["route"])
-            row = keyed.setdefault(key, {**s, "cpu": [], "wall": []})
-            for clock in ("cpu", "wall"):
-                row[clock] += s.get(clock, [])
-            if s["route"] == NATIVE:
-                native[s["op"], s["tokens"]] = row["cpu"]
+        printed = child.run(f"{__name__}:measure", asked, **how).value()
+        for s in typed(Printed, printed, f"{env}'s per-op rows"):
+            key = ("both" if s.route == NATIVE else env, s.op, s.tokens, s.route)
+            first.setdefault(key, s)
+            cpu.setdefault(key, []).extend(s.cpu)
+            wall.setdefault(key, []).extend(s.wall)
+            if s.route == NATIVE:
+                native[s.op, s.tokens] = cpu[key]
         load.append(
-            {
-                "env": env,
-                "load_average": machine.load_average()[0],
-                "other_share": machine.other_share(before),
-            }
+            ChildLoad(
+                env=env,
+                load_average=machine.load_average()[0],
+                other_share=machine.other_share(before),
+            )
         )
-    for row in keyed.values():
-        cpu = row.pop("cpu")
-        wall = row.pop("wall")
-        if cpu:
-            row.update(figures(cpu, wall, native[row["op"], row["tokens"]]))
-    return {
-        "hidden_size": HIDDEN,
-        "dtype": DTYPE,
-        "threads": threads,
-        "clock": "thread CPU time",
-        "rounds": ROUNDS,
-        "load": load,
-        "rows": list(keyed.values()),
-    }
+    rows = []
+    for key, s in first.items():
+        timed = figures(cpu[key], wall[key], native[s.op, s.tokens]) if cpu[key] else {}
+        rows.append(
+            PerOpRow(
+                env=key[0],
+                op=s.op,
+                dtype=s.dtype,
+                tokens=s.tokens,
+                route=s.route,
+                wrong=s.wrong,
+                impl=s.impl,
+                **timed,
+            )
+        )
+    return PerOp(
+        hidden_size=HIDDEN,
+        dtype=DTYPE,
+        threads=threads,
+        clock="thread CPU time",
+        rounds=ROUNDS,
+        load=tuple(load),
+        rows=tuple(rows),
+    )
 
 
 def figures(cpu: list, wall: list, native: list) -> dict[str, float]:

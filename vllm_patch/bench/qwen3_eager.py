@@ -14,6 +14,7 @@ changed token is a changed computation. Each side's kernel calls are counted
 with torch's profiler: a patched side equal to base because it never ran the
 kernels would show."""
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,13 +22,33 @@ from patches.cpu_fused_norms.identity import OPS
 from vllm_patch.bench import accuracy
 from vllm_patch.bench.numerics import kernel_call
 from vllm_patch.bench.random_models import TINY_QWEN3
+from vllm_patch.bench.record import (
+    MadeModel,
+    Qwen3Eager,
+    Qwen3Side,
+    Qwen3Sides,
+    TokenMode,
+    record,
+    typed,
+)
 
 SIDES = ("base", "patched", "unguarded")
 DTYPE = "float32"
 MAX_TOKENS = 32
 KERNELS = tuple(f"_C::{op}" for op in OPS)  # the profiler's names of the kernels
 TIMEOUT = 600.0  # seconds for one side's engine start and run
-KEPT = ("kernel_calls", "forward_cpu", "layernorm", "seconds")  # per side, as found
+
+
+@record
+class Generated:
+    """What :func:`generate` prints in its child, read back checked; ``seconds``:
+    the child's, engine start included."""
+
+    completions: tuple[accuracy.Completion, ...]
+    kernel_calls: dict[str, int]
+    forward_cpu: str
+    layernorm: str
+    seconds: float | None = None
 
 
 def unguarded_forward_cpu(self, x, residual=None):
@@ -78,7 +99,7 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
     }
 
 
-def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict:
+def compare(copy: str, patch: str, progress, *, base: str | None = None) -> Qwen3Eager:
     """:func:`summarize` of the sides; ``base``: first on the others' path."""
     from vllm_patch.bench.models import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
@@ -90,18 +111,20 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> dict
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     how = {"env": env, "drop_env": provider_opt_ins(), "timeout": TIMEOUT}
     before = (base,) if base else ()
-    found: dict[str, Any] = {}
+    found: dict[str, Generated] = {}
     for side, path in zip(SIDES, (before, (copy,), before), strict=True):
         progress(f"Qwen3 eager, {side}: engine start and {len(prompts)} completions")
         asked = {"model": folder, "prompts": prompts, "unguarded": side == "unguarded"}
         outcome = child.run(f"{__name__}:generate", asked, pythonpath=path, **how)
-        found[side] = {**outcome.value(), "seconds": outcome.seconds}
+        printed = typed(Generated, outcome.value(), f"the {side} side's completions")
+        found[side] = dataclasses.replace(printed, seconds=outcome.seconds)
     result = summarize(found, prompts, patch)
-    result["seconds"] = round(time.monotonic() - started, 1)
-    return result
+    return dataclasses.replace(result, seconds=round(time.monotonic() - started, 1))
 
 
-def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
+def summarize(
+    found: dict[str, Generated], prompts: list[str], patch: str
+) -> Qwen3Eager:
     """The result from each side's :func:`generate`, each compared to base."""
     description = (
         "a random-weight Qwen3 made locally ({num_layers} layers, hidden "
@@ -109,23 +132,41 @@ def summarize(found: dict[str, dict], prompts: list[str], patch: str) -> dict:
         "per-head views, vocabulary {vocab_size}), run in {dtype}, with a "
         "word-level tokenizer made locally; nothing downloaded"
     ).format(**TINY_QWEN3, dtype=DTYPE)
-    model = {"description": description, "config": TINY_QWEN3, "dtype": DTYPE}
-    result = {"model": model, "patch": patch, "prompts": prompts}
-    result |= {"max_tokens": MAX_TOKENS, "sides": {}}
-    for side in SIDES:
-        done = found[side]["completions"]
-        tokens = [c["tokens"] for c in done]
-        logprobs = [lp for c in done for lp in c["logprobs"]]
-        result["sides"][side] = {
-            **{k: found[side][k] for k in KEPT},
-            "tokens": tokens,
-            "mean_logprob": sum(logprobs) / len(logprobs),
-            # distinct tokens over tokens: near 1 for varied text, low for a loop
-            "distinct_share": [len(set(t)) / len(t) if t else 0.0 for t in tokens],
-            "texts": [c["text"] for c in done],
-        }
-        if side != "base":
-            against = accuracy.compare(found["base"]["completions"], done)
-            del against["base"], against["patched"]  # the sides hold the tokens
-            result[side] = {"identical": against["first_divergence"] is None, **against}
-    return result
+    base = found["base"].completions
+    return Qwen3Eager(
+        model=MadeModel(description=description, config=TINY_QWEN3, dtype=DTYPE),
+        patch=patch,
+        prompts=tuple(prompts),
+        max_tokens=MAX_TOKENS,
+        sides=Qwen3Sides(
+            base=_side(found["base"]),
+            patched=_side(found["patched"]),
+            unguarded=_side(found["unguarded"]),
+        ),
+        patched=_verdict(base, found["patched"].completions),
+        unguarded=_verdict(base, found["unguarded"].completions),
+    )
+
+
+def _side(found: Generated) -> Qwen3Side:
+    tokens = tuple(c.tokens for c in found.completions)
+    logprobs = [lp for c in found.completions for lp in c.logprobs]
+    return Qwen3Side(
+        kernel_calls=found.kernel_calls,
+        forward_cpu=found.forward_cpu,
+        layernorm=found.layernorm,
+        seconds=found.seconds,
+        tokens=tokens,
+        mean_logprob=sum(logprobs) / len(logprobs),
+        # distinct tokens over tokens: near 1 for varied text, low for a loop
+        distinct_share=tuple(len(set(t)) / len(t) if t else 0.0 for t in tokens),
+        texts=tuple(c.text for c in found.completions),
+    )
+
+
+def _verdict(base: tuple, side: tuple) -> TokenMode:
+    """A side's comparison with base as --qwen3 writes it: ``identical``, whether
+    no prompt parts; the tokens left to ``sides``, which hold them."""
+    compared = accuracy.compare(base, side)
+    identical = compared.first_divergence is None
+    return dataclasses.replace(compared, identical=identical, base=None, patched=None)

@@ -73,6 +73,8 @@ Rows = Meta(most=MOST_ROWS)
 record = dataclass(frozen=True, kw_only=True)
 """A table of the file, its fields its keys; one without a default is required."""
 empty = functools.partial(field, default_factory=dict)
+null = functools.partial(field, default=None, metadata={"null": True})
+"""An optional field that ``evidence.json`` holds as null when unset."""
 
 
 def typed(kind, value: object, at: str):
@@ -240,18 +242,22 @@ class Divergence:
 
 @record
 class PerPrompt:
+    diverges_at: int | None = null()
     max_abs_dlogprob: float
-    diverges_at: int | None = None
 
 
 @record
 class TokenMode:
-    """``accuracy.compare``'s verdict on one pair of sides."""
+    """``accuracy.compare``'s verdict on one pair of sides (``base``, ``patched``:
+    their tokens per prompt; ``identical``: no prompt parts, as --qwen3 says)."""
 
+    identical: bool | None = None
     identical_prompts: int
-    per_prompt: Annotated[tuple[PerPrompt, ...], Rows]
+    first_divergence: Divergence | None = null()
     max_abs_dlogprob: float
-    first_divergence: Divergence | None = None
+    per_prompt: Annotated[tuple[PerPrompt, ...], Rows]
+    base: tuple[tuple[int, ...], ...] | None = None
+    patched: tuple[tuple[int, ...], ...] | None = None
 
 
 @record
@@ -292,16 +298,20 @@ class Accuracy:
 
 @record
 class PerOpRow:
+    """A route's figures; ``bench.perop.per_op`` writes the fields in this order."""
+
     env: str
     op: str
+    dtype: str | None = None  # in every row bench writes; not in older files
     tokens: int
     route: str
     wrong: str | None = None  # why the route was not timed (outside tolerance)
+    impl: str | None = None  # what a layer route ran: kernel or native
     median_us: Time | None = None
-    native_us: Time | None = None
     p10_us: Time | None = None
     p90_us: Time | None = None
-    impl: str | None = None  # what a layer route ran: kernel or native
+    wall_median_us: Time | None = None
+    native_us: Time | None = None
 
     def checked(self, value: dict, at: str) -> "PerOpRow":
         for key in [] if self.wrong else ["median_us", "native_us"]:
@@ -324,9 +334,10 @@ class PerOp:
     hidden_size: int
     dtype: str
     threads: int
-    rows: Annotated[tuple[PerOpRow, ...], Rows]
     clock: str | None = None
+    rounds: int | None = None  # children per vLLM
     load: tuple[ChildLoad, ...] = ()
+    rows: Annotated[tuple[PerOpRow, ...], Rows]
 
     def checked(self, value: dict, at: str) -> "PerOp":
         if len({(r.env, r.route) for r in self.rows}) > MOST_COLUMNS:
@@ -342,6 +353,11 @@ class Tolerance(NamedTuple):
 @record
 class Qwen3Side:
     kernel_calls: dict[str, int]  # per kernel, in one prefill and one decode step
+    forward_cpu: str | None = None  # RMSNorm.forward_cpu's qualified name
+    layernorm: str | None = None  # the layernorm.py that ran
+    seconds: float | None = None  # the side's child, engine start included
+    tokens: tuple[tuple[int, ...], ...] | None = None  # per prompt
+    mean_logprob: float | None = None
     distinct_share: Numbers
     texts: tuple[str, ...]
 
@@ -354,16 +370,29 @@ class Qwen3Sides:
 
 
 @record
+class MadeModel:
+    """A model made locally: what it is, its ``random_models`` config, its dtype."""
+
+    description: str
+    config: dict[str, int] = empty()
+    dtype: str | None = None
+
+    def named(self) -> str:
+        return self.description
+
+
+@record
 class Qwen3Eager:
     """``bench.qwen3_eager.summarize``: ``patched`` and ``unguarded`` against base."""
 
-    model: Model
+    model: MadeModel
     patch: str
     prompts: tuple[str, ...]
     max_tokens: int
     sides: Qwen3Sides
     patched: TokenMode
     unguarded: TokenMode
+    seconds: float | None = None  # the three sides, the model made included
 
 
 class Span(NamedTuple):
@@ -504,6 +533,25 @@ class Evidence:
         if sum(len(d) for ops in needed.values() for d in ops.values()) > MOST_ROWS:
             raise Bad(f"numerics: more than {MOST_ROWS} figures")
         return self
+
+
+def to_json(value: object) -> object:
+    """``value`` (a record, or what one holds) as ``evidence.json`` holds it: a
+    record's fields in their order, those that are None left out (but a ``null()``
+    field); tuples as lists."""
+    if dataclasses.is_dataclass(value):
+        fields = dataclasses.fields(value)
+        found = ((f, getattr(value, f.name)) for f in fields)
+        return {
+            f.name: to_json(v)
+            for f, v in found
+            if v is not None or f.metadata.get("null")
+        }
+    if isinstance(value, tuple | list):
+        return [to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {name: to_json(v) for name, v in value.items()}
+    return value
 
 
 def parse(doc: object) -> Evidence:

@@ -110,7 +110,9 @@ class BenchRun:
     def numerics(self, args, copy: str) -> None:
         from vllm_patch.bench.numerics import per_build
 
-        self.doc["numerics"], self.doc["tolerance"] = per_build(self.progress)
+        builds, tolerance = per_build(self.progress)
+        self.doc["numerics"] = builds
+        self.doc["tolerance"] = record.to_json(tolerance)
 
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
@@ -118,11 +120,12 @@ class BenchRun:
         envs = {"base": (), "patched": (copy,), "provider": ()}
         first, *more = dict.fromkeys(worker_threads(t) for t in args.threads)
         found = [per_op(envs, self.progress, n, ["provider"]) for n in [first, *more]]
-        self.doc["perop"] = found[0]
-        self.doc["perop_threads"] = found[1:]
+        self.doc["perop"] = record.to_json(found[0])
+        self.doc["perop_threads"] = record.to_json(found[1:])
 
     def qwen3(self, args, copy: str) -> None:
         from vllm_patch.bench.qwen3_eager import compare
 
         patch = self.doc["vllm"]["patch"]
-        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
+        found = compare(copy, patch, self.progress)
+        self.doc["qwen3_eager"] = record.to_json(found)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.request import Request, urlopen
 
-from vllm_patch.bench import accuracy
+from vllm_patch.bench import accuracy, record
 from vllm_patch.bench.models import OFFLINE, provider_opt_ins
 from vllm_patch.bench.report import A_A, METRICS, SIDES
 from vllm_patch.runtime import child
@@ -128,7 +128,7 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
         return json.loads(found[-1].read_text("utf-8"))
 
 
-def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
+def completions(url: str, prompts: list[str]) -> list[accuracy.Completion]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
     out, endpoint = [], f"{url}/v1/completions"
     for prompt in prompts:
@@ -145,8 +145,9 @@ def completions(url: str, prompts: list[str]) -> list[dict[str, list]]:
         request = Request(endpoint, json.dumps(body).encode(), JSON)
         with urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())["choices"][0]["logprobs"]
-        tokens = [int(t.removeprefix("token_id:")) for t in answer["tokens"]]
-        out.append({"tokens": tokens, "logprobs": answer["token_logprobs"]})
+        tokens = tuple(int(t.removeprefix("token_id:")) for t in answer["tokens"])
+        logprobs = tuple(answer["token_logprobs"])
+        out.append(accuracy.Completion(tokens=tokens, logprobs=logprobs))
     return out
 
 
@@ -249,6 +250,7 @@ def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
             }
             serving["server_log"].setdefault(mode, {})[side] = sorted(kept)
             if side in answers and len(answers) == len(SIDES):
-                tokens["configs"][mode] = accuracy.compare(*(answers[s] for s in SIDES))
+                compared = accuracy.compare(*(answers[s] for s in SIDES))
+                tokens["configs"][mode] = record.to_json(compared)
                 tokens.update(accuracy.summary(tokens["configs"]))
             bench.save()

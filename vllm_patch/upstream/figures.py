@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.bench import record
 from vllm_patch.bench.likelihood import Comparison
 from vllm_patch.bench.record import PerOp, Qwen3Eager
 from vllm_patch.runtime import machine
@@ -55,8 +54,8 @@ def measure(copies: Copies, patch: Patch, progress, started: list) -> Measured:
         f"{dist} {read_version(installed)}",
         machine.kernel_build(installed.path("vllm")),
         copies.put_in,
-        record.typed(PerOp, per_call, "perop"),
-        record.typed(Qwen3Eager, qwen3, "qwen3_eager"),
+        per_call,
+        qwen3,
         tuple(found_bias),
         model.name,
         tuple(real),

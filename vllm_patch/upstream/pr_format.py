@@ -11,7 +11,7 @@ from pathlib import Path
 
 from patcher.errors import PatchError
 from patcher.files import read_text_in, refusal
-from patcher.ruff_format import ruff_binary
+from vllm_patch.upstream.ruff_package import ruff_binary
 
 try:
     import tomllib
