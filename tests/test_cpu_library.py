@@ -49,3 +49,31 @@ def test_the_mapped_kernel_build_is_read_from_the_process_maps(
         "\n".join(["7ffd0000-7ffd1000 rw-p 00000000 00:00 0 [stack]", *lines])
     )
     assert loaded(maps) == expected
+
+
+def said_by_a_spawned_interpreter(queue) -> None:
+    """In a spawned interpreter: what vLLM's kernel-build choice reads."""
+    import torch
+
+    checks = ("_is_avx512_bf16_supported", "_is_avx512_supported")
+    amx = ("_is_amx_tile_supported",)
+    queue.put({name: getattr(torch.cpu, name)() for name in checks + amx})
+
+
+@pytest.mark.integration
+def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns() -> None:
+    """vLLM's CPU platform spawns its workers: the AVX2 build forced here must
+    reach them, AMX included (only the newest class has it)."""
+    import multiprocessing
+
+    pytest.importorskip("torch")
+    from vllm_patch.runtime.cpu_library import forced_in_spawned
+
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    with forced_in_spawned("avx2"):
+        worker = spawn.Process(target=said_by_a_spawned_interpreter, args=(queue,))
+        worker.start()
+        said = queue.get(timeout=120)
+        worker.join()
+    assert not any(said.values()), said

@@ -230,11 +230,17 @@ def score(model: str, dtype: str, library: str | None, settings: dict) -> dict:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm_patch.runtime import cpu_library
 
-    if library:
-        cpu_library.force(library)
+    if not library:
+        return scored(model, dtype, Settings(**settings))
+    # vLLM spawns its worker: the build is forced there too.
+    with cpu_library.forced_in_spawned(library):
+        return scored(model, dtype, Settings(**settings))
+
+
+def scored(model: str, dtype: str, settings: Settings) -> dict:
+    """:func:`score`'s engine, chunks and prompts, with the kernels in force."""
     from vllm import LLM, SamplingParams
 
-    settings = Settings(**settings)
     length = settings.chunk + 256  # a chunk, or a chat prompt and its answer
     llm = LLM(
         model=model,
@@ -302,7 +308,7 @@ def run_side(
         drop_env=[OPT_IN_ENV],
     )
     found = outcome.value()
-    # vLLM's worker is forked after force(): the build it maps is the one asked
+    # The worker reports what it mapped: the build asked for, or a failure.
     if library and cpu_library.LIBRARIES[library] not in found["loaded"]:
         wanted = cpu_library.LIBRARIES[library]
         raise RuntimeError(

@@ -3,13 +3,22 @@ by having ``torch.cpu._is_avx512*_supported()`` say no. Also a pytest plugin:
 ``pytest -p vllm_patch.runtime.cpu_library --vllm-cpu-library=avx2``. The table
 of classes and builds is ``kernel_builds``'s."""
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_patch.runtime.kernel_builds import CHECKS, LIBRARIES, runnable
+from vllm_patch.runtime.kernel_builds import (
+    CHECKS,
+    LIBRARIES,
+    NEWEST_CLASS_ONLY,
+    runnable,
+)
 
 # runnable and LIBRARIES are kernel_builds'; named here too until the bench and
 # the conformance table import them from there.
-__all__ = ["force", "loaded", "runnable", "LIBRARIES"]
+__all__ = ["force", "forced_in_spawned", "loaded", "runnable", "LIBRARIES"]
 OPTION = "--vllm-cpu-library"
 
 
@@ -20,8 +29,38 @@ def force(library: str) -> None:
 
     if library in CHECKS and not getattr(torch.cpu, CHECKS[library])():
         raise RuntimeError(f"this CPU cannot run vLLM's {LIBRARIES[library]} build")
-    for newer in list(LIBRARIES)[: list(LIBRARIES).index(library)]:
-        setattr(torch.cpu, CHECKS[newer], lambda: False)
+    newer = list(LIBRARIES)[: list(LIBRARIES).index(library)]
+    says_no = [CHECKS[n] for n in newer]
+    if newer:  # an older class than the newest has no AMX either
+        says_no += NEWEST_CLASS_ONLY
+    for check in says_no:
+        setattr(torch.cpu, check, lambda: False)
+
+
+@contextlib.contextmanager
+def forced_in_spawned(library: str) -> Iterator[None]:
+    """:func:`force` here and in every interpreter this process starts inside.
+
+    vLLM's CPU platform starts its workers with ``spawn`` (it sets
+    ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, vllm/platforms/cpu.py, 0.32.0): fresh
+    interpreters that :func:`force` in this one never reaches. Each runs the
+    ``sitecustomize`` module put first on their ``PYTHONPATH`` (a folder made
+    here, removed on the way out), which forces the same build."""
+    force(library)
+    with tempfile.TemporaryDirectory(prefix="vllm-patch-kernels-") as folder:
+        script = Path(folder, "sitecustomize.py")
+        script.write_text(
+            f"from vllm_patch.runtime.cpu_library import force\nforce({library!r})\n"
+        )
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, before]))
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
 
 
 def loaded(maps: Path = Path("/proc/self/maps")) -> list[str]:
