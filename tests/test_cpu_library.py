@@ -77,3 +77,17 @@ def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns() -> None:
         said = queue.get(timeout=120)
         worker.join()
     assert not any(said.values()), said
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_pr_bias_runs_on_every_build_this_cpu_runs() -> None:
+    """`pr`'s bias figure forces each build before vLLM loads the CPU's own: a
+    second build registering the same ops would abort the child."""
+    from vllm_patch.runtime import child, machine
+
+    for library in runnable(machine.cpu()["flags"]):
+        found = child.run(
+            "vllm_patch.upstream.figures:bias", {"library": library}, timeout=300
+        ).value()
+        assert set(found["rms_norm"]) == {"kernel", "native", "this change"}, found

@@ -86,14 +86,16 @@ def bias(library: str) -> dict:
     """In a child on the patched copy, with ``library``'s kernels: :class:`Bias`."""
     import contextlib
 
+    from vllm_patch.runtime import cpu_library
+
+    # Before vLLM loads a build: importing its layers loads the CPU's own, and
+    # a second build registering the same ops aborts the process.
+    cpu_library.force(library)
     import torch
     import vllm.config as vc
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.platforms import current_platform
 
-    from vllm_patch.runtime import cpu_library
-
-    cpu_library.force(library)
     current_platform.import_kernels()
     torch.set_num_threads(1)
     dtype = torch.bfloat16
