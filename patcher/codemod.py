@@ -58,8 +58,8 @@ class TreeCodemod:
         raise NotImplementedError
 
     def record(self, change: str) -> None:
-        """Say what this run changed, in one sentence (Markdown), for the PR
-        text."""
+        """Say what this run changed, in one sentence (Markdown),
+        for the PR text."""
         self.context.scratch.setdefault(CHANGES, []).append(change)
 
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:

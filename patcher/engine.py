@@ -93,8 +93,8 @@ class PatchPlan:
 
     @property
     def in_vllm(self) -> bool:
-        """vLLM has its own form of the change in a file: the patch writes
-        nothing."""
+        """vLLM has its own form of the change in a file:
+        the patch writes nothing."""
         return any(e.own for e in self.edits)
 
     @property
@@ -297,8 +297,8 @@ def _current(tree: VllmTree, rel: str) -> Text:
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """In a checkout's ``.git`` folder (none in a linked work tree), else the
-    tree."""
+    """In a checkout's ``.git`` folder (none in a linked work tree),
+    else the tree."""
     git = ".git" if os.path.lexists(tree.location / ".git") else "."
     if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
@@ -306,8 +306,8 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
-    """rel -> original text of each file still as apply left it; the damage
-    found."""
+    """rel -> original text of each file still as apply left it;
+    the damage found."""
     backup = _backup(tree, patch)
     if backup is None:
         return {}, []

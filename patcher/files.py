@@ -140,8 +140,8 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
 
 
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
-    """Give the resolved ``path`` ``data`` by rename; a regular file's mode is
-    kept."""
+    """Give the resolved ``path`` ``data`` by rename;
+    a regular file's mode is kept."""
     with open_dir(path.parent, make_below) as dfd:
         try:
             mode = os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode
@@ -230,8 +230,8 @@ def write_output(path: Path, data: bytes | str) -> Path:
 
 
 def output_dir(path: Path) -> Path:
-    """A folder the user named for outputs, made if missing; a link there
-    refused."""
+    """A folder the user named for outputs, made if missing;
+    a link there refused."""
     with contextlib.suppress(FileExistsError, NotADirectoryError):
         Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
@@ -278,8 +278,8 @@ def own_paths(root: Path, files: list[str]) -> None:
 def read_text_in(
     root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
 ) -> str | None:
-    """``rel`` in a checkout as :func:`read_text_at` reads it; None if it is
-    absent."""
+    """``rel`` in a checkout as :func:`read_text_at` reads it;
+    None if it is absent."""
     path = Path(os.path.realpath(root or ".")) / rel
     try:
         return read_text_at(path, what, limit=limit) if root else None

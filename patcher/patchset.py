@@ -69,8 +69,8 @@ class Patch:
     replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """``[provider]`` with what its ``identity`` module declares; None if
-        absent."""
+        """``[provider]`` with what its ``identity`` module declares;
+        None if absent."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
@@ -197,8 +197,8 @@ def defaults(version: Version | None) -> list[Patch]:
 
 
 def exclusive_with(patch: Patch) -> list[Patch]:
-    """The patches that exclude ``patch``: the one it replaces, those
-    replacing it."""
+    """The patches that exclude ``patch``: the one it replaces,
+    those replacing it."""
     return [
         p
         for p in all_patches()

@@ -82,8 +82,8 @@ def traceback_hint(module: str) -> str:
 
 
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
-    """The child's steps in order: vLLM IR's where it exists, installed
-    companions'."""
+    """The child's steps in order: vLLM IR's where it exists,
+    installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
     steps = [TORCH, VLLM_KERNELS, *(s for c, s, _ in IMPORTS if ir or c != "ir")]
     steps += [("provider", m) for m in providers]

@@ -24,8 +24,8 @@ def broken(head: str, inner: list[str], tail: str, indent: str = "") -> str:
 
 
 class _OneLine(cst.CSTTransformer):
-    """A line break inside brackets as one space; none after ``(`` or before
-    ``)``."""
+    """A line break inside brackets as one space;
+    none after ``(`` or before ``)``."""
 
     def leave_ParenthesizedWhitespace(self, original, updated):
         return cst.SimpleWhitespace(" ")

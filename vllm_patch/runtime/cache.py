@@ -12,8 +12,8 @@ CACHE_ENV = "VLLMPATCH_CACHE"
 
 
 def cache_dir() -> Path:
-    """``$VLLMPATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``, else
-    ``~/.cache``."""
+    """``$VLLMPATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``,
+    else ``~/.cache``."""
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env)

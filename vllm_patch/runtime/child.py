@@ -28,8 +28,8 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """``result`` when ``ok``, else ``error``; ``reported``: what :func:`report`
-    got."""
+    """``result`` when ``ok``, else ``error``; ``reported``:
+    what :func:`report` got."""
 
     target: str
     ok: bool

@@ -96,8 +96,8 @@ class Settings:  # one run's, checked before anything is written
 
 
 def open_checkout(path: Path) -> tuple[git.Repo, str]:
-    """A clean checkout with commits; its committer's Signed-off-by, never
-    guessed."""
+    """A clean checkout with commits; its committer's Signed-off-by,
+    never guessed."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:

@@ -72,8 +72,8 @@ model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
-    """``folder``'s ``bench --serve`` evidence for ``patch``, both vLLMs
-    measured."""
+    """``folder``'s ``bench --serve`` evidence for ``patch``,
+    both vLLMs measured."""
     if folder is None:
         return None
     ev = record.read(folder)

@@ -114,8 +114,8 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """``depends``' files (same, differing) as the installed vLLM, patched or
-    not."""
+    """``depends``' files (same, differing) as the installed vLLM,
+    patched or not."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -133,8 +133,8 @@ def compared(
 
 
 def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
-    """The checkout's ``names`` (edited by ``patch``) without and with the
-    change."""
+    """The checkout's ``names`` (edited by ``patch``)
+    without and with the change."""
     tree = VllmTree(checkout)
     sides = [
         engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")
