@@ -19,8 +19,8 @@ from vllm_patch.runtime.markdown import code, table, text
 COMPAT_DIR = Path(__file__).resolve().parent
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
-# The checks proving a row's form and route: live, aarch64, and older results'
-# names.
+# The checks proving a row's form and route:
+# live, aarch64, and older results' names.
 FORM_CHECKS = ("test_form_", "test_patched_eager", "test_patched_compiled")
 FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
 ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
