@@ -247,9 +247,9 @@ def output_path(
     """``path`` for an output of a command on the work tree ``root``: outside it
     (``but`` excepted), no link or special file planted at the name."""
     real = path.parent.resolve() / path.name
-    if real.is_relative_to(root.resolve()) and not (
-        but and real.is_relative_to(but)
-    ):
+    in_work_tree = real.is_relative_to(root.resolve())
+    excepted = but and real.is_relative_to(but)
+    if in_work_tree and not excepted:
         raise UsageError(f"{what} must be outside the work tree", str(path))
     mode = os.lstat(path).st_mode if os.path.lexists(path) else None
     if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):

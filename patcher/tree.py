@@ -113,9 +113,9 @@ class VllmTree:
         else:
             found = [f"{self.dist_info.name}/METADATA"] if self.dist_info else []
         found = [n for n in found if self.exists(n)]
-        return (
-            self.read_bytes(found[0]).decode("utf-8", "replace") if found else None
-        )
+        if not found:
+            return None
+        return self.read_bytes(found[0]).decode("utf-8", "replace")
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:

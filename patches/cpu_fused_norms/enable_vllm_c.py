@@ -80,10 +80,8 @@ def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
     )
-    if (
-        expr is None
-        or (there and meaning(source(expr.right)) == meaning(code)) == on
-    ):
+    ends_in_code = there and meaning(source(expr.right)) == meaning(code)
+    if expr is None or ends_in_code == on:
         return None
     if not on:
         return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
