@@ -31,6 +31,7 @@ from patcher.version import VERSION_FILE, read_version
 Direction = Literal["apply", "revert"]
 Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
 DAMAGED = "damaged backup"
+NO_NEWLINE = "\n\\ No newline at end of file\n"  # as git diff marks a last line
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,7 @@ class PatchPlan:
                 "/dev/null" if before is None else f"a/{rel}",
                 "/dev/null" if after is None else f"b/{rel}",
             ):
-                end = (
-                    ""
-                    if line.endswith("\n")
-                    else "\n\\ No newline at end of file\n"
-                )
+                end = "" if line.endswith("\n") else NO_NEWLINE
                 out.append(line + end)
         return "".join(out)
 
