@@ -168,9 +168,8 @@ def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
         )
     lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
     try:
-        findings = json.loads(
-            _capture([*lint, *settings], cwd, after).stdout or "[]"
-        )
+        printed = _capture([*lint, *settings], cwd, after).stdout
+        findings = json.loads(printed or "[]")
     except json.JSONDecodeError:
         yield f"{rel}: ruff check did not run with these settings"
         return
