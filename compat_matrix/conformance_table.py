@@ -1,13 +1,13 @@
-"""The conformance table, run in a child interpreter by ``tests/test_conformance.py``
-(``nox -s conformance``) and as a script in the aarch64 chroot (``qemu/cell.py``):
-one vLLM (the installed one, a patched copy, or the installed one with the
-provider opted in) and every cell of dtype x hidden size x layout x residual x
-weight, eager and compiled, each an ``RMSNorm`` built under vLLM's config for
-its mode and called under torch's profiler, at a given OpenMP team size. A
-cell records whether a kernel ran (``_C::`` events), whether the rule
+"""The conformance table, run in a child interpreter by
+``tests/test_conformance.py`` (``nox -s conformance``) and as a script in the
+aarch64 chroot (``qemu/cell.py``): one vLLM (the installed one, a patched copy, or
+the installed one with the provider opted in) and every cell of dtype x hidden size
+x layout x residual x weight, eager and compiled, each an ``RMSNorm`` built under
+vLLM's config for its mode and called under torch's profiler, at a given OpenMP team
+size. A cell records whether a kernel ran (``_C::`` events), whether the rule
 (``patches/cpu_norm_rule.py``) expects one, its error against native
-(``forward_native`` with vLLM's IR priority unset: native), its bias and
-native's against a float64 reference, and any exception native did not raise.
+(``forward_native`` with vLLM's IR priority unset: native), its bias and native's
+against a float64 reference, and any exception native did not raise.
 
 It imports nothing of ``compat_matrix``: the chroot has the project's wheel,
 which does not ship it, and runs this file alone."""
@@ -72,7 +72,8 @@ def _under(config):
     """``config`` current, with its IR op priority where the release has IR."""
     from vllm.config import set_current_vllm_config
 
-    priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
+    kernel_config = getattr(config, "kernel_config", None)
+    priority = getattr(kernel_config, "ir_op_priority", None)
     with set_current_vllm_config(config), contextlib.ExitStack() as stack:
         if priority is not None:
             stack.enter_context(priority.set_priority())
@@ -110,7 +111,9 @@ def _layer(cell):
     )
     if weight != "none":
         with torch.no_grad():
-            norm.weight.normal_(1.0, 0.1, generator=torch.Generator().manual_seed(1))
+            norm.weight.normal_(
+                1.0, 0.1, generator=torch.Generator().manual_seed(1)
+            )
     return norm
 
 
@@ -161,7 +164,9 @@ def _error(got, want, dtype_of) -> float:
     for a, b in zip(got, want, strict=True):
         tol = _tolerance(dtype_of(b))
         over = (
-            (a.float() - b.float()).abs() - tol["atol"] - tol["rtol"] * b.float().abs()
+            (a.float() - b.float()).abs()
+            - tol["atol"]
+            - tol["rtol"] * b.float().abs()
         )
         worst = max(worst, float(over.max()), 0.0 if a.shape == b.shape else 1.0)
     return worst
@@ -389,7 +394,9 @@ def _graph(form, mode, config, table, norms, references, backend) -> dict:
             got = compiled(inputs)
         except Exception as exc:
             return {"raised": f"{type(exc).__name__}: {str(exc)[:500]}"}
-        fresh = [(_clone(references[i][0]), _clone(references[i][1])) for i in cases]
+        fresh = [
+            (_clone(references[i][0]), _clone(references[i][1])) for i in cases
+        ]
         with torch.profiler.profile() as prof:
             compiled(fresh)
     names = [e.name for e in prof.events()]
@@ -428,7 +435,8 @@ def drift(form: str) -> dict:
         exact = residual.double()
         with torch.profiler.profile() as prof:
             for _ in range(STEPS):
-                update = (0.05 * torch.randn(4, 2048, generator=g)).to(torch.bfloat16)
+                noise = 0.05 * torch.randn(4, 2048, generator=g)
+                update = noise.to(torch.bfloat16)
                 exact += update.double()
                 _, residual = norm(update, residual)
     names = [e.name for e in prof.events()]
@@ -532,7 +540,10 @@ def everything(
         "table": run(form, modes, backend),
         "drift": drift(form),
         "probe": probe(),
-        "threads": {"openmp": torch.get_num_threads(), "cpus": threads_of_process()},
+        "threads": {
+            "openmp": torch.get_num_threads(),
+            "cpus": threads_of_process(),
+        },
     }
 
 
@@ -541,4 +552,6 @@ if __name__ == "__main__":  # the aarch64 cell, in its chroot: one form, eager
     import sys
 
     form, threads = sys.argv[1], int(sys.argv[2])
-    print(json.dumps(summary(everything(form, ["eager"], "inductor", None, threads))))
+    print(
+        json.dumps(summary(everything(form, ["eager"], "inductor", None, threads)))
+    )

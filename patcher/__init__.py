@@ -1,1 +1,2 @@
-"""The engine: plan, apply and revert the patches under ``patches/`` on a vLLM tree."""
+"""The engine: plan, apply and revert the patches under ``patches/`` on a vLLM
+tree."""

@@ -1,6 +1,7 @@
-"""The originals in ``<home>/.vllm-patch-backup/<patch>/``, hashed in ``manifest.json``:
-``revert`` gives their exact bytes back, and a tree shows which patch it holds. Read
-as data: a bad entry is damage, left out; a link or a foreign entry, refused."""
+"""The originals in ``<home>/.vllm-patch-backup/<patch>/``, hashed in
+``manifest.json``: ``revert`` gives their exact bytes back, and a tree shows which
+patch it holds. Read as data: a bad entry is damage, left out; a link or a foreign
+entry, refused."""
 
 import contextlib
 import hashlib
@@ -40,7 +41,8 @@ class Backup:
         return self.home / BACKUP_DIR / self.patch
 
     def original(self, rel: str, limit: int = MAX_FILE_BYTES) -> bytes:
-        """``rel``'s copy, or the manifest: a link refused; anything else is damage."""
+        """``rel``'s copy, or the manifest: a link refused;
+        anything else is damage."""
         path = self.folder / rel
         what = "the backup's manifest" if rel == MANIFEST else f"the copy of {rel}"
         try:
@@ -55,7 +57,8 @@ class Backup:
             ) from exc
 
     def read(self) -> tuple[dict[str, dict], list[str]]:
-        """The intact entries (hashes; the copy's bytes as "original"), the damage."""
+        """The intact entries (hashes; the copy's bytes as "original"),
+        the damage."""
         if not os.path.lexists(self.folder.parent):
             return {}, []
         where = self.folder / MANIFEST

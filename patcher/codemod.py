@@ -1,6 +1,6 @@
 """What a patch's codemod gets: LibCST's interface (``DESCRIPTION``, a ``context``),
-``TARGET`` from its ``patch.toml``, the tree's other files. Not a LibCST ``Codemod``:
-importing ``libcst.codemod`` costs half a second of every ``check``."""
+``TARGET`` from its ``patch.toml``, the tree's other files. Not a LibCST
+``Codemod``: importing ``libcst.codemod`` costs half a second of every ``check``."""
 
 import ast
 import os
@@ -47,7 +47,8 @@ class TreeCodemod:
 
     def transform_module(self, tree: cst.Module) -> cst.Module:
         filename = self.context.filename
-        if filename and not PurePosixPath(Path(filename).as_posix()).match(self.TARGET):
+        path = PurePosixPath(Path(filename).as_posix()) if filename else None
+        if path and not path.match(self.TARGET):
             from libcst.codemod import SkipFile  # run by libcst.tool: imported
 
             raise SkipFile(f"{type(self).__name__} edits only {self.TARGET}")
@@ -57,7 +58,8 @@ class TreeCodemod:
         raise NotImplementedError
 
     def record(self, change: str) -> None:
-        """Say what this run changed, in one sentence (Markdown), for the PR text."""
+        """Say what this run changed, in one sentence (Markdown),
+        for the PR text."""
         self.context.scratch.setdefault(CHANGES, []).append(change)
 
     def shape_error(self, looked_for: str, found: str) -> ShapeNotRecognised:
@@ -67,7 +69,9 @@ class TreeCodemod:
         """For a file with vLLM's own form of the change: ``check`` exits 0."""
         return VllmHasItsOwn(f"{self.TARGET} has {what}")
 
-    def top_level_class(self, tree: cst.Module, name: str) -> tuple[int, cst.ClassDef]:
+    def top_level_class(
+        self, tree: cst.Module, name: str
+    ) -> tuple[int, cst.ClassDef]:
         """The module-level class ``name`` and its index, or a shape error."""
         for i, stmt in enumerate(tree.body):
             if isinstance(stmt, cst.ClassDef) and stmt.name.value == name:
@@ -97,7 +101,9 @@ class TreeCodemod:
         if reader is not None:
             return reader(relpath)
         if not self.context.filename:  # run by libcst.tool: the root from our file
-            raise PatchError(f"needs {relpath} from the same tree, but has no filename")
+            raise PatchError(
+                f"needs {relpath} from the same tree, but has no filename"
+            )
         depth = len(PurePosixPath(self.TARGET).parts)
         root = Path(self.context.filename).resolve().parents[depth - 1]
         return read_text_at(Path(os.path.realpath(root / relpath)), relpath)
@@ -142,7 +148,9 @@ def _syntax_error(source: str, relpath: str, looked_for: str, said: str):
             said = f"line {line}, column {column}: a NUL byte (not Python source)"
         else:
             said = f"line {err.lineno}, column {err.offset}: {err.msg}"
-    return PatchError("syntax error", path=relpath, looked_for=looked_for, found=said)
+    return PatchError(
+        "syntax error", path=relpath, looked_for=looked_for, found=said
+    )
 
 
 def run_codemod(

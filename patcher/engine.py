@@ -16,7 +16,14 @@ from packaging.version import Version
 from patcher.backup import Backup, hex_digest
 from patcher.errors import PatchError, VllmHasItsOwn, printable
 from patcher.files import locked, remove_at, replace_at
-from patcher.patchset import Edit, Patch, defaults, exclusive_with, is_default, select
+from patcher.patchset import (
+    Edit,
+    Patch,
+    defaults,
+    exclusive_with,
+    is_default,
+    select,
+)
 from patcher.status import PlanStatus
 from patcher.tree import VllmTree, refuse_wheel
 from patcher.version import VERSION_FILE, read_version
@@ -24,6 +31,7 @@ from patcher.version import VERSION_FILE, read_version
 Direction = Literal["apply", "revert"]
 Text = str | None  # a file's text; None: absent (an edit with ``create = true``)
 DAMAGED = "damaged backup"
+NO_NEWLINE = "\n\\ No newline at end of file\n"  # as git diff marks a last line
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class PatchPlan:
 
     @property
     def in_vllm(self) -> bool:
-        """vLLM has its own form of the change in a file: the patch writes nothing."""
+        """vLLM has its own form of the change in a file:
+        the patch writes nothing."""
         return any(e.own for e in self.edits)
 
     @property
@@ -121,7 +130,7 @@ class PatchPlan:
                 "/dev/null" if before is None else f"a/{rel}",
                 "/dev/null" if after is None else f"b/{rel}",
             ):
-                end = "" if line.endswith("\n") else "\n\\ No newline at end of file\n"
+                end = "" if line.endswith("\n") else NO_NEWLINE
                 out.append(line + end)
         return "".join(out)
 
@@ -156,14 +165,18 @@ def choose(
     if direction == "revert" and not names:
         covered = [p for p in select(None) if p.covers(version)]
         return [
-            p for p in covered if is_default(p, version)[0] or _originals(tree, p)[0]
+            p
+            for p in covered
+            if is_default(p, version)[0] or _originals(tree, p)[0]
         ]
     chosen = select(names) if names else defaults(version)
     where = str(tree.location)
     if direction == "revert":
         return chosen
     if not chosen:
-        why = "; ".join(f"{p.name}: {is_default(p, version)[1]}" for p in select(None))
+        why = "; ".join(
+            f"{p.name}: {is_default(p, version)[1]}" for p in select(None)
+        )
         message = "no patch is this tree's default (pass --patch NAME)"
         raise PatchError(message, where, "a patch whose default range holds", why)
     for patch in chosen:
@@ -184,7 +197,11 @@ def plan_all(tree: VllmTree, patches: Iterable[Patch], **kw) -> list[PatchPlan]:
 
 
 def plan(
-    tree: VllmTree, patch: Patch, direction: Direction = "apply", *, force: bool = False
+    tree: VllmTree,
+    patch: Patch,
+    direction: Direction = "apply",
+    *,
+    force: bool = False,
 ) -> PatchPlan:
     """What ``direction`` would do to ``tree``, written nowhere."""
     version = read_version(tree)
@@ -192,8 +209,8 @@ def plan(
     where = str(tree.location)
     if version is None:
         warnings.append(
-            f"{where}: no readable vLLM version ({VERSION_FILE}, dist-info or wheel "
-            "name); judging by the source's shape alone"
+            f"{where}: no readable vLLM version ({VERSION_FILE}, dist-info or "
+            "wheel name); judging by the source's shape alone"
         )
     if direction == "apply" and not patch.covers(version):
         message = "vLLM version outside the patch's range"
@@ -209,12 +226,18 @@ def plan(
     restore = {}
     if direction == "revert":
         restore, problems = _originals(tree, patch)
-        warnings += [f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems]
+        warnings += [
+            f"{DAMAGED}, reverting by the inverse edit: {x}" for x in problems
+        ]
     sources: dict[str, Text] = {}
     tests = patch.test_edits if tree.has_folder("tests") else ()
-    edits = tuple(_plan_edits(tree, patch.edits + tests, direction, sources, restore))
+    edits = tuple(
+        _plan_edits(tree, patch.edits + tests, direction, sources, restore)
+    )
     warnings += [f"{e.edit.file} left out: {e.skipped}" for e in edits if e.skipped]
-    return PatchPlan(patch, tree, direction, version, edits, None, warnings, sources)
+    return PatchPlan(
+        patch, tree, direction, version, edits, None, warnings, sources
+    )
 
 
 def _plan_edits(tree, edits: Iterable[Edit], direction, sources, restore):
@@ -271,7 +294,8 @@ def _current(tree: VllmTree, rel: str) -> Text:
 
 
 def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
-    """In a checkout's ``.git`` folder (none in a linked work tree), else the tree."""
+    """In a checkout's ``.git`` folder (none in a linked work tree),
+    else the tree."""
     git = ".git" if os.path.lexists(tree.location / ".git") else "."
     if tree.is_wheel or not stat.S_ISDIR(os.lstat(tree.location / git).st_mode):
         return None
@@ -279,7 +303,8 @@ def _backup(tree: VllmTree, patch: Patch) -> Backup | None:
 
 
 def _originals(tree: VllmTree, patch: Patch) -> tuple[dict[str, str], list[str]]:
-    """rel -> original text of each file still as apply left it; the damage found."""
+    """rel -> original text of each file still as apply left it;
+    the damage found."""
     backup = _backup(tree, patch)
     if backup is None:
         return {}, []
@@ -329,15 +354,16 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     patch = planned.patch
     changes = planned.file_changes()
     notes = [w for w in planned.warnings if w.startswith(DAMAGED)]
-    if planned.errors and notes:  # a revert neither the backup nor the codemod can do
+    # a revert neither the backup nor the codemod can do
+    if planned.errors and notes:
         error = planned.errors[0]
         raise PatchError(
             "cannot revert: the backup is damaged and the inverse edit does not "
             f"recognise the file ({error.message})",
             error.path,
             error.looked_for,
-            f"{error.found}; {'; '.join(notes)}. Reinstall vLLM to get the original "
-            f"file back, then delete {_backup(tree, patch).folder}",
+            f"{error.found}; {'; '.join(notes)}. Reinstall vLLM to get the "
+            f"original file back, then delete {_backup(tree, patch).folder}",
         )
     if planned.errors:
         raise planned.errors[0]
@@ -361,7 +387,9 @@ def apply(tree: VllmTree, planned: PatchPlan) -> Outcome:
     if reverting:
         action = "reverted" if changes else "nothing to revert"
     elif not changes:
-        action = "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
+        action = (
+            "in vLLM: nothing to apply" if planned.in_vllm else "already applied"
+        )
     else:
         partly = planned.status is PlanStatus.PARTLY_APPLIED
         action = "completed" if partly else "applied"

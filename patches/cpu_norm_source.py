@@ -101,7 +101,9 @@ def binds(code: str, cls: str, name: str) -> bool:
     )
 
 
-def call_checks(x: str, weight: str, dtypes: str, residual: str | None = None) -> str:
+def call_checks(
+    x: str, weight: str, dtypes: str, residual: str | None = None
+) -> str:
     """The IR form's per-call condition as source, given its names.
 
     vLLM IR passes ``weight=None`` for a weightless norm (the impls declare
@@ -150,7 +152,9 @@ def with_imports(tree: cst.Module, on: bool) -> cst.Module:
             lines = body[drop[0]].leading_lines
             after = next(i for i in range(drop[0], len(body)) if i not in drop)
             body[after] = body[after].with_changes(leading_lines=lines)
-        return tree.with_changes(body=[s for i, s in enumerate(body) if i not in drop])
+        return tree.with_changes(
+            body=[s for i, s in enumerate(body) if i not in drop]
+        )
     for n in IMPORTS:
         if f"import {n}" in map(source, body):
             continue

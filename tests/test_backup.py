@@ -66,7 +66,8 @@ def test_a_manifest_linked_to_a_device_is_refused(installed, capsys, verb) -> No
     out = capsys.readouterr()
     said = out.out + out.err
     assert verb != "revert" or (
-        f"{installed / MANIFEST}: part of the backup store is a symbolic link" in said
+        f"{installed / MANIFEST}: part of the backup store is a symbolic link"
+        in said
     )
     assert "Traceback" not in out.err
     assert snapshot(installed) == before

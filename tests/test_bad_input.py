@@ -80,7 +80,9 @@ def fifo(root: Path, name: str = WHEEL) -> Path:
     return root / name
 
 
-def tree_with(kind: str, change: Callable[[Path], object]) -> Callable[[Path], Path]:
+def tree_with(
+    kind: str, change: Callable[[Path], object]
+) -> Callable[[Path], Path]:
     def setup(root: Path) -> Path:
         tree = make_tree(root / "tree", kind)
         change(tree)
@@ -124,7 +126,13 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     # 2. bad wheels
     ("not-a-zip", text_file, READ, CANNOT, ["not a readable wheel", "not a zip"]),
     ("truncated", truncated, READ, CANNOT, ["not a readable wheel", "not a zip"]),
-    ("corrupt-member", corrupt_member, READ, CANNOT, [f"member {VLLM_C} is damaged"]),
+    (
+        "corrupt-member",
+        corrupt_member,
+        READ,
+        CANNOT,
+        [f"member {VLLM_C} is damaged"],
+    ),
     ("folder-named-whl", folder_named_whl, READ, CANNOT, ["a directory"]),
     ("fifo-named-whl", fifo, READ, CANNOT, ["not a readable wheel", "FIFO"]),
     (
@@ -141,7 +149,13 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
     ("fifo-named-whl", fifo, WRITE, USAGE, ["a .whl (read-only)"]),
     # 6. early errors (each also as JSON, below)
     ("missing-path", lambda r: r / "nowhere", ALL, CANNOT, ["no such file"]),
-    ("no-vllm-dir", lambda r: r, ALL, CANNOT, ["not a vLLM tree", "vllm/__init__.py"]),
+    (
+        "no-vllm-dir",
+        lambda r: r,
+        ALL,
+        CANNOT,
+        ["not a vLLM tree", "vllm/__init__.py"],
+    ),
     (
         "non-wheel-file",
         lambda r: text_file(r, "setup.cfg"),
@@ -149,7 +163,13 @@ CASES: list[tuple[str, Callable, tuple[str, ...], int, list[str]]] = [
         CANNOT,
         ["not a vLLM tree", "a regular file that is not a wheel"],
     ),
-    ("fifo-tree", lambda r: fifo(r, "pipe"), ALL, CANNOT, ["not a vLLM tree", "FIFO"]),
+    (
+        "fifo-tree",
+        lambda r: fifo(r, "pipe"),
+        ALL,
+        CANNOT,
+        ["not a vLLM tree", "FIFO"],
+    ),
     # 7. smaller ones
     (
         "syntax-error-line",
@@ -407,10 +427,13 @@ def test_apply_and_revert_keep_every_byte(tmp_path, kind, change, capsys) -> Non
             assert patched[rel].startswith(b"\xef\xbb\xbf")
         if b"\r\n" in original[rel]:
             assert patched[rel].count(b"\n") == patched[rel].count(b"\r\n")
-    if original[VLLM_C].startswith(b"symlink to"):  # the link kept, its target edited
+    if original[VLLM_C].startswith(
+        b"symlink to"
+    ):  # the link kept, its target edited
         assert patched[VLLM_C] == original[VLLM_C]
         assert (
-            patched["elsewhere/vllm_c_real.py"] != original["elsewhere/vllm_c_real.py"]
+            patched["elsewhere/vllm_c_real.py"]
+            != original["elsewhere/vllm_c_real.py"]
         )
     assert main(["check", "--vllm", str(tree)]) == 0
     assert main(["revert", "--vllm", str(tree)]) == 0

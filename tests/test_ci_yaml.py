@@ -74,7 +74,9 @@ def test_the_cpu_kernel_step_runs_the_new_test(
     diff = list(difflib.ndiff(before.splitlines(True), edit.text.splitlines(True)))
     assert not [d for d in diff if d.startswith("- ")]
     added = [d[2:] for d in diff if d.startswith("+ ")]
-    assert added == [f"  - {d}\n" for d in WIRING.dependencies] + [added_command_line]
+    assert added == [f"  - {d}\n" for d in WIRING.dependencies] + [
+        added_command_line
+    ]
     assert edit.described() == [
         f'the "{WIRING.step}" step runs `{TEST}` and lists '
         + ", ".join(f"`{d}`" for d in WIRING.dependencies)
@@ -103,7 +105,9 @@ steps:
         pytest.param("steps: []\n", "found 0", id="no such step"),
         pytest.param(STEP, "found no line", id="one-liner"),
         pytest.param(
-            STEP.replace("dependencies:\n  - csrc/cpu/", "dependencies: [csrc/cpu/]"),
+            STEP.replace(
+                "dependencies:\n  - csrc/cpu/", "dependencies: [csrc/cpu/]"
+            ),
             "no single block 'source_file_dependencies:'",
             id="flow list",
         ),
@@ -115,8 +119,12 @@ steps:
             id="alias bomb",
         ),
         pytest.param("x: &a [*a]\n", "expanding past", id="a node inside itself"),
-        pytest.param("x: " + "[" * 40 + "]" * 40 + "\n", "nested over 32", id="nested"),
-        pytest.param("x: " + "a" * (65 << 10) + "\n", "file too large", id="oversized"),
+        pytest.param(
+            "x: " + "[" * 40 + "]" * 40 + "\n", "nested over 32", id="nested"
+        ),
+        pytest.param(
+            "x: " + "a" * (65 << 10) + "\n", "file too large", id="oversized"
+        ),
         pytest.param(
             STEP.replace(
                 "    - pytest -x tests/kernels/test_onednn.py",
@@ -163,7 +171,9 @@ def test_the_arm_script_runs_the_new_test_after_its_sibling(tmp_path):
 
     added = [
         line
-        for line in difflib.ndiff(before.splitlines(True), edit.text.splitlines(True))
+        for line in difflib.ndiff(
+            before.splitlines(True), edit.text.splitlines(True)
+        )
         if line.startswith("+ ")
     ]
     assert added == [f"+     pytest -x -v -s {TEST}\n"]
@@ -180,6 +190,8 @@ def test_the_arm_script_runs_the_new_test_after_its_sibling(tmp_path):
     ],
     ids=["no sibling line", "two sibling lines"],
 )
-def test_an_arm_script_without_one_sibling_line_is_left_alone(tmp_path, spoil, reason):
+def test_an_arm_script_without_one_sibling_line_is_left_alone(
+    tmp_path, spoil, reason
+):
     edit = wire(arm_checkout(tmp_path, spoil(ARM_SCRIPT.read_text())), ARM)
     assert edit.text is None and reason in edit.reason

@@ -178,7 +178,9 @@ def test_installed_tree_reverts_from_backup(installed: Path) -> None:
 def test_stale_backup_falls_back_to_the_inverse_edit(installed: Path) -> None:
     original = snapshot(installed)
     run("apply", "--vllm", str(installed))
-    (installed / CPU).write_bytes((installed / CPU).read_bytes() + b"# edited later\n")
+    (installed / CPU).write_bytes(
+        (installed / CPU).read_bytes() + b"# edited later\n"
+    )
     assert run("revert", "--vllm", str(installed)) == 0
     assert (installed / CPU).read_bytes() == original[CPU] + b"# edited later\n"
     assert (installed / VLLM_C).read_bytes() == original[VLLM_C]
@@ -206,7 +208,9 @@ def test_diff_is_what_git_apply_accepts(checkout: Path, capsys) -> None:
     assert (
         snapshot(checkout)[VLLM_C] == (FIXTURE / VLLM_C).read_bytes()
     )  # nothing written
-    subprocess.run(["git", "apply", "-"], cwd=checkout, input=diff.encode(), check=True)
+    subprocess.run(
+        ["git", "apply", "-"], cwd=checkout, input=diff.encode(), check=True
+    )
     assert run("check", "--vllm", str(checkout)) == 0
 
 
@@ -223,7 +227,10 @@ def test_unpatched_file_without_final_newline_diffs_cleanly(
     diff = capsys.readouterr().out
     assert "\\ No newline at end of file" in diff
     subprocess.run(
-        ["git", "apply", "--check", "-"], cwd=checkout, input=diff.encode(), check=True
+        ["git", "apply", "--check", "-"],
+        cwd=checkout,
+        input=diff.encode(),
+        check=True,
     )
 
 
@@ -232,7 +239,8 @@ def test_force_overrides_the_version_range(tree: Path, capsys) -> None:
     assert run("apply", "--vllm", str(tree)) == 3
     assert "outside the patch's range" in capsys.readouterr().err
     assert (
-        run("apply", "--vllm", str(tree), "--force", "--patch", "cpu_fused_norms") == 0
+        run("apply", "--vllm", str(tree), "--force", "--patch", "cpu_fused_norms")
+        == 0
     )
     assert "forced" in capsys.readouterr().err
 
@@ -280,7 +288,9 @@ def _syntax_error(root: Path) -> None:
 
 
 def _unknown_shape(root: Path) -> None:
-    (root / VLLM_C).write_text("from vllm.platforms import current_platform\nX = 1\n")
+    (root / VLLM_C).write_text(
+        "from vllm.platforms import current_platform\nX = 1\n"
+    )
 
 
 def _read_only(root: Path) -> None:
@@ -388,7 +398,11 @@ def test_version(capsys) -> None:
 @pytest.mark.parametrize(
     "verb, says, never",
     [
-        ("check", ["judge the tree by its shape even if", ".whl"], ["apply even if"]),
+        (
+            "check",
+            ["judge the tree by its shape even if", ".whl"],
+            ["apply even if"],
+        ),
         ("diff", ["print the diff even if", ".whl"], ["apply even if"]),
         ("apply", ["apply even if"], [".whl"]),
         ("revert", ["checkout root"], [".whl", "--force"]),

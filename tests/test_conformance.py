@@ -121,7 +121,9 @@ def test_every_eager_cell(results, run):
     found = results[run]["table"]["cells"]
     assert len(found) == CELLS
     if run[2] == 1:
-        assert any(c["kernel"] for c in found) and not all(c["kernel"] for c in found)
+        assert any(c["kernel"] for c in found) and not all(
+            c["kernel"] for c in found
+        )
     assert sum(c["expected"] for c in found) == sum(c["kernel"] > 0 for c in found)
     bad = wrong(found)
     assert not bad, f"{len(bad)} cells, e.g. {bad[:3]}"
@@ -141,7 +143,9 @@ def test_no_kernel_cell_has_a_bias_native_lacks(results):
     assert ran, "no cell ran a kernel: the bias criterion checked nothing"
     biased = [r for r in ran if not bias_matches(r[2])]
     assert not biased, f"{len(biased)} of {len(ran)}, e.g. {biased[:3]}"
-    measured = [c for f in results.values() for c in f["table"]["cells"] if c["bias"]]
+    measured = [
+        c for f in results.values() for c in f["table"]["cells"] if c["bias"]
+    ]
     assert len(measured) >= len(RUNS) * CELLS // 2
 
 
@@ -189,11 +193,15 @@ def test_the_table_is_recorded(results, record_testsuite_property):
             "threads": threads,
             "cpus": results["provider", library, threads]["threads"]["cpus"],
             "probe": results["provider", library, threads]["probe"],
-            "forms": {form: summary(results[form, library, threads]) for form in FORMS},
+            "forms": {
+                form: summary(results[form, library, threads]) for form in FORMS
+            },
         }
         for library, threads in LAYOUTS
     ]
-    machine_is = "{cpu_model} ({arch}), {usable_cpus} CPUs".format(**machine.facts())
+    machine_is = "{cpu_model} ({arch}), {usable_cpus} CPUs".format(
+        **machine.facts()
+    )
     doc = {"machine": machine_is, "vllm": __version__, "tables": tables}
     doc["dimensions"] = {name: list(values) for name, values in DIMENSIONS.items()}
     record_testsuite_property("conformance", json.dumps(doc))
@@ -215,4 +223,6 @@ def test_the_plus_rms_norm_graph_runs_the_kernels(results):
     ]
     assert len(checked) == 2 * len(BUILDS)
     for expected in checked:
-        assert sorted(expected) == sorted(KERNELS) and all(expected.values()), expected
+        assert sorted(expected) == sorted(KERNELS) and all(expected.values()), (
+            expected
+        )

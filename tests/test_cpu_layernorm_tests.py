@@ -28,7 +28,9 @@ def vllm_test():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("add_residual", [False, True], ids=["rms_norm", "fused_add"])
+@pytest.mark.parametrize(
+    "add_residual", [False, True], ids=["rms_norm", "fused_add"]
+)
 def test_oracle_is_the_rule_here(vllm_test, add_residual):
     """Per dtype, the kernel matches native by the test's own measurement exactly
     where the rule (``cpu_norm_dtypes``) runs it on this build: neither the
@@ -40,4 +42,6 @@ def test_oracle_is_the_rule_here(vllm_test, add_residual):
     matches = vllm_test["_kernel_matches_native"]
     with torch.inference_mode():
         measured = tuple(d for d in vllm_test["DTYPES"] if matches(d, add_residual))
-    assert measured == tuple(d for d in vllm_test["DTYPES"] if d in cpu_norm_dtypes())
+    assert measured == tuple(
+        d for d in vllm_test["DTYPES"] if d in cpu_norm_dtypes()
+    )

@@ -35,7 +35,11 @@ def test_a_cpu_runs_the_builds_of_its_class_and_older_ones(flags, classes) -> No
         ([f"{SITE}/vllm/_C.abi3.so"], ["_C"]),
         ([f"{SITE}/torch/_C.cpython-311-x86_64-linux-gnu.so"], []),
     ],
-    ids=["vLLM's AVX2 build", "vLLM's AVX-512 BF16 build", "torch's _C is not vLLM's"],
+    ids=[
+        "vLLM's AVX2 build",
+        "vLLM's AVX-512 BF16 build",
+        "torch's _C is not vLLM's",
+    ],
 )
 def test_the_mapped_kernel_build_is_read_from_the_process_maps(
     tmp_path: Path, libraries, expected

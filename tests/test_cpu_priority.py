@@ -348,7 +348,9 @@ def test_crlf_and_tab_indented_cpu_py_round_trip() -> None:
     assert "\r\n" in patched and "\n" not in patched.replace("\r\n", "")
     assert "\tdef get_default_ir_op_priority(" in patched
     compile(patched, "cpu.py", "exec")
-    assert run_codemod(RemoveCpuIrOpPriority, patched, files().__getitem__) == source
+    assert (
+        run_codemod(RemoveCpuIrOpPriority, patched, files().__getitem__) == source
+    )
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,9 @@ VERBS = ["list", "check", "diff", "apply", "revert", *JOBS]
 
 def documented_commands() -> dict[str, str]:
     """Each command's synopsis in docs/cli.md's table (its first cell)."""
-    rows = re.findall(r"^\| `vllm-patch (\w[\w-]*)([^`]*)`", CLI_MD.read_text(), re.M)
+    rows = re.findall(
+        r"^\| `vllm-patch (\w[\w-]*)([^`]*)`", CLI_MD.read_text(), re.M
+    )
     return {name: synopsis for name, synopsis in rows}
 
 
@@ -66,7 +68,11 @@ def test_the_commands_own_options_are_in_docs_cli_md():
 FORM_WORDS = re.compile(r"\bIR\b|cpu_fused_norms|rms_norm_forward_cpu|forward_cpu")
 RANGE = re.compile(r"\b(0\.\d+) ?- ?(0\.\d+)\b")
 POINT = re.compile(r"\b(?:before|from) (0\.\d+)\b|\b(0\.\d+)(?: on\b|\+)")
-PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").glob("*.md")]
+PAGES = [
+    ROOT / "README.md",
+    ROOT / "ARCHITECTURE.md",
+    *(ROOT / "docs").glob("*.md"),
+]
 
 
 def bound(specifiers, operator: str) -> Version:

@@ -32,7 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCH = "cpu_fused_norms"
 
 
-def doctor(*args: str, python: str = sys.executable, pythonpath=(), env=None, cwd=None):
+def doctor(
+    *args: str, python: str = sys.executable, pythonpath=(), env=None, cwd=None
+):
     """(exit code, findings by check, the whole document and its ``stderr``);
     ``env`` on top of this environment without the opt-in and ``VLLM_PLUGINS``."""
     child_env = dict(os.environ)
@@ -254,7 +256,10 @@ STEP_CASES = [
         ["import", "doctor_aborts"], False, f"{DIED} (exit code -6", id="abort"
     ),
     pytest.param(
-        ["import", "doctor_segfaults"], False, f"{DIED} (exit code -11", id="segfault"
+        ["import", "doctor_segfaults"],
+        False,
+        f"{DIED} (exit code -11",
+        id="segfault",
     ),
     pytest.param(["from", "os:path"], True, None, id="ok-in-a-new-child"),
     pytest.param(
@@ -274,7 +279,9 @@ STEP_CASES = [
 
 
 @pytest.mark.parametrize("step, ok, error", STEP_CASES)
-def test_a_step_that_kills_its_interpreter_fails_alone(step_results, step, ok, error):
+def test_a_step_that_kills_its_interpreter_fails_alone(
+    step_results, step, ok, error
+):
     result = step_results[tuple(step)]
     assert result["ok"] is ok
     if error:
@@ -300,7 +307,10 @@ def test_before_vllm_ir_the_doctor_judges_no_ir(tmp_path, monkeypatch):
     monkeypatch.setattr(diagnose, "BROKEN_BESIDE_CPU_TORCH", ())
     tree = open_tree(make_tree(tmp_path / "tree"))
     steps = diagnose.steps_for(tree, ["a.provider"])
-    assert ["from", diagnose.IR] not in steps and ["provider", "a.provider"] in steps
+    assert ["from", diagnose.IR] not in steps and [
+        "provider",
+        "a.provider",
+    ] in steps
     results = {tuple(s): {"ok": True} for s in steps}
     found = diagnose.import_findings(results, None)
     assert {f.check for f in found} == {"torch", "vllm_c", "config", "transformers"}

@@ -13,7 +13,10 @@ from vllm_ruff import touched_lines_ruff_moves
 from patcher.codemod import TREE_READER, run_codemod
 from patcher.errors import ShapeNotRecognised
 from patches import cpu_norm_source
-from patches.cpu_fused_norms.enable_vllm_c import DisableVllmCOnCpu, EnableVllmCOnCpu
+from patches.cpu_fused_norms.enable_vllm_c import (
+    DisableVllmCOnCpu,
+    EnableVllmCOnCpu,
+)
 
 CASES = [
     pytest.param(

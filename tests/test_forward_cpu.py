@@ -193,7 +193,10 @@ def test_without_the_opt_in_the_provider_loads_nothing():
 IMPORT_GROUPS = [
     # (the layernorm.py's first lines, what apply makes of them)
     ("import torch\n", "import functools\nimport os\n\nimport torch\n"),
-    ("import os\n\nimport torch\n", "import functools\nimport os\n\nimport torch\n"),
+    (
+        "import os\n\nimport torch\n",
+        "import functools\nimport os\n\nimport torch\n",
+    ),
     (
         "import functools\n\nimport torch\n",
         "import functools\nimport os\n\nimport torch\n",
@@ -212,7 +215,9 @@ def test_the_imports_join_the_stdlib_group_and_leave_with_the_change(head, appli
     it also uses)."""
     source = LAYERNORM.format(own="").replace("import torch\n", head, 1)
     uses = [
-        f"{n}.__name__" for n in ("functools", "math", "os") if f"import {n}\n" in head
+        f"{n}.__name__"
+        for n in ("functools", "math", "os")
+        if f"import {n}\n" in head
     ]
     source += f"\n\nNAMES = ({', '.join(uses)},)\n" if uses else ""
     after = apply(source)

@@ -51,7 +51,17 @@ def wheel(tmp_path_factory) -> Path:
     source = tmp / "source"
     shutil.copytree(PROJECT, source, ignore=NOT_SHIPPED)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp, source],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            tmp,
+            source,
+        ],
         check=True,
     )
     (built,) = tmp.glob("vllm_patch-*.whl")
@@ -65,7 +75,9 @@ def install(wheel: Path, folder: Path, extras: str = "") -> tuple[Path, dict, Pa
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     bin_dir = venv / "bin"
     env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV")
     }
     env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     pip = [bin_dir / "python", "-m", "pip", "install", "-q"]
@@ -126,7 +138,9 @@ def test_serve_without_vllm_says_so_once(installed) -> None:
 
 def test_the_packages_import_from_the_venv_not_the_project(installed) -> None:
     bin_dir, env, elsewhere = installed
-    code = "import patcher, patches; print(patcher.__file__); print(patches.__file__)"
+    code = (
+        "import patcher, patches; print(patcher.__file__); print(patches.__file__)"
+    )
     proc = _run([bin_dir / "python", "-c", code], elsewhere, env)
     assert proc.returncode == 0, proc.stderr
     for line in proc.stdout.splitlines():
@@ -177,21 +191,29 @@ def test_pr_runs_without_torch_on_vllms_repository(installed_pr, tmp_path) -> No
     env = {**env, "GIT_CONFIG_GLOBAL": str(tmp_path / "gitconfig")}
 
     proc = _run(
-        [bin_dir / "vllm-patch", "pr", "--vllm", repo.working_tree_dir], elsewhere, env
+        [bin_dir / "vllm-patch", "pr", "--vllm", repo.working_tree_dir],
+        elsewhere,
+        env,
     )
 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
-    said = proc.stdout.index("upstream tests: cannot run here (no vLLM installed for")
+    said = proc.stdout.index(
+        "upstream tests: cannot run here (no vLLM installed for"
+    )
     assert said < proc.stdout.index("committed")
     body = description(repo).read_text()
     assert "## Overview" in body
     assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body
     assert "upstream tests: not run" not in proc.stdout  # said once, before
-    assert repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message
+    assert (
+        repo.head.commit.author.email == EMAIL and NAME in repo.head.commit.message
+    )
 
 
-def test_the_engines_verbs_run_without_git_torch_or_vllm(installed, tmp_path) -> None:
+def test_the_engines_verbs_run_without_git_torch_or_vllm(
+    installed, tmp_path
+) -> None:
     """A plain install runs ``--help``, ``list`` and ``check`` on an unzipped
     wheel with nothing on its ``PATH`` but its venv: no git, torch or vLLM."""
     bin_dir, env, elsewhere = installed

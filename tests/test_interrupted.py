@@ -66,7 +66,9 @@ def strace(tree: Path, verb: str, inject: str) -> subprocess.CompletedProcess:
     command = ["strace", "-f", "-qq", "-o", str(log), "-e", f"trace={call}"]
     command += ["-e", f"inject={inject}"]
     command += [sys.executable, "-m", "vllm_patch", verb, "--vllm", str(tree)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=120
+    )
     done.injected = "(INJECTED)" in log.read_text()
     return done
 
@@ -92,7 +94,9 @@ def assert_recovers(tree: Path, states, capsys) -> None:
 @pytest.mark.integration
 @needs_strace
 @pytest.mark.parametrize("verb", ["apply", "revert"])
-def test_a_kill_at_any_write_leaves_old_or_new_bytes(tmp_path, states, capsys, verb):
+def test_a_kill_at_any_write_leaves_old_or_new_bytes(
+    tmp_path, states, capsys, verb
+):
     """SIGKILL at the N-th rename of the command, for every N: just before each
     file changes (its new bytes written and synced beside it)."""
     call = "renameat"
@@ -148,7 +152,9 @@ def test_a_failed_call_is_one_message_and_recoverable(
 
 @pytest.mark.integration
 @needs_strace
-def test_an_io_error_between_two_files_says_how_far_it_got(tmp_path, states, capsys):
+def test_an_io_error_between_two_files_says_how_far_it_got(
+    tmp_path, states, capsys
+):
     """The fourth rename of apply is the second source (two backup copies and
     the manifest first): the message names it and says what to do."""
     tree = tmp_path / "tree"

@@ -43,13 +43,17 @@ def _within(module: str, name: str) -> bool:
 
 def _files(name: str) -> list[Path]:
     path = ROOT.joinpath(*name.split("."))
-    return sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    return (
+        sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_no_package_imports_from_a_layer_above_or_beside_it(name):
     level = next(i for i, layer in enumerate(LAYERS) if name in layer)
-    others = {n for i, layer in enumerate(LAYERS) for n in layer if i >= level} - {name}
+    others = {n for i, layer in enumerate(LAYERS) for n in layer if i >= level} - {
+        name
+    }
     wrong = {
         str(path.relative_to(ROOT)): sorted(
             m for m in _imported_modules(path) if any(_within(m, o) for o in others)

@@ -84,13 +84,17 @@ COMMENT = "    # why\n\n"
             DOC + "    pass\n" * 60, {"m.py::f": 61}, id="61 lines and a docstring"
         ),
         pytest.param(
-            "    def g():\n" + DOC.replace("    ", "        ") + "        pass\n" * 58,
+            "    def g():\n"
+            + DOC.replace("    ", "        ")
+            + "        pass\n" * 58,
             {},
             id="an inner function's docstring",
         ),
     ],
 )
-def test_the_length_counts_code_not_docstrings_or_comments(tmp_path, body, expected):
+def test_the_length_counts_code_not_docstrings_or_comments(
+    tmp_path, body, expected
+):
     source = tmp_path / "m.py"
     source.write_text("def f():\n" + body)
     assert long_functions(source, tmp_path) == expected

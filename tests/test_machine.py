@@ -38,7 +38,9 @@ def test_other_processes_share_is_a_fraction_of_the_machine():
 
 @requires_vllm
 def test_software_versions_match_the_imported_ones_without_importing_them(targets):
-    alone = child.run("toolkit_targets:software_alone", pythonpath=[targets]).value()
+    alone = child.run(
+        "toolkit_targets:software_alone", pythonpath=[targets]
+    ).value()
     assert alone["imported"] == []  # metadata only
     imported = child.run(
         "toolkit_targets:imports_torch_and_vllm", pythonpath=[targets], timeout=600
@@ -60,7 +62,9 @@ def test_software_versions_match_the_imported_ones_without_importing_them(target
         ([], ["avx2", "avx512f", "avx512_bf16"], "_C"),  # a wheel of one build
     ],
 )
-def test_kernel_build_is_the_one_vllm_loads(tmp_path, monkeypatch, files, flags, build):
+def test_kernel_build_is_the_one_vllm_loads(
+    tmp_path, monkeypatch, files, flags, build
+):
     monkeypatch.setattr(machine.platform, "machine", lambda: "x86_64")
     for name in files:
         (tmp_path / name).write_bytes(b"")

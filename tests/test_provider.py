@@ -96,7 +96,9 @@ def test_custom_op_route_keeps_native_where_upstream_does(custom_op_route):
             layer = layer.to(BF16)
             with torch.profiler.profile() as prof:
                 got = layer(x.clone(), x.clone())
-            assert torch.equal(got[0], layer.forward_native(x.clone(), x.clone())[0])
+            assert torch.equal(
+                got[0], layer.forward_native(x.clone(), x.clone())[0]
+            )
             assert not [e for e in prof.key_averages() if e.key.startswith("_C::")]
         layer = RMSNorm(64).to(BF16)
         wide = torch.randn(4, 128, dtype=BF16)[:, :64]

@@ -56,7 +56,9 @@ def test_the_readme_is_a_quick_start() -> None:
         pytest.param("python -m pip install -e '.[cpu]'", id="user set-up"),
         pytest.param("vllm-patch doctor --fix", id="doctor"),
         pytest.param("vllm-patch apply", id="the main job"),
-        pytest.param("python -m pip install -e '.[pr]' --group test", id="dev set-up"),
+        pytest.param(
+            "python -m pip install -e '.[pr]' --group test", id="dev set-up"
+        ),
         pytest.param("pytest", id="fast tier"),
         pytest.param("nox -s tests", id="both tiers"),
     ],

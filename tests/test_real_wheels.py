@@ -29,9 +29,14 @@ def read(root: Path, *rels: str) -> dict[str, bytes]:
 def test_check_and_diff_read_the_wheel(
     real_wheel: Path, extracted_wheel: Path, capsys
 ) -> None:
-    assert main(["check", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)]) == 1
+    assert (
+        main(["check", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)])
+        == 1
+    )
     assert "cpu_fused_norms: applicable" in capsys.readouterr().out
-    assert main(["diff", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)]) == 0
+    assert (
+        main(["diff", "--patch", "cpu_fused_norms", "--vllm", str(real_wheel)]) == 0
+    )
     diff = capsys.readouterr().out
     assert f"+++ b/{VLLM_C}" in diff and f"+++ b/{CPU}" in diff
     # The wheel's diff applies to the same sources unpacked.
@@ -40,12 +45,16 @@ def test_check_and_diff_read_the_wheel(
         ["git", "apply", "-"], cwd=repo.working_dir, input=diff.encode(), check=True
     )
     assert (
-        main(["check", "--patch", "cpu_fused_norms", "--vllm", str(extracted_wheel)])
+        main(
+            ["check", "--patch", "cpu_fused_norms", "--vllm", str(extracted_wheel)]
+        )
         == 0
     )
 
 
-def test_apply_apply_revert_on_unpacked_wheel(extracted_wheel: Path, capsys) -> None:
+def test_apply_apply_revert_on_unpacked_wheel(
+    extracted_wheel: Path, capsys
+) -> None:
     root = extracted_wheel
     original = read(root, VLLM_C, CPU)
     assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
@@ -101,7 +110,9 @@ def test_pinned_ruff_changes_no_line_the_patch_touched(real_wheel: Path) -> None
         assert touched_lines_ruff_moves(before, after) == [], rel
 
 
-def test_pinned_ruff_changes_no_line_the_inverse_edit_touched(extracted_wheel: Path):
+def test_pinned_ruff_changes_no_line_the_inverse_edit_touched(
+    extracted_wheel: Path,
+):
     """So is every line the inverse edit writes back (no backup to restore)."""
     root = extracted_wheel
     assert main(["apply", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
@@ -109,7 +120,9 @@ def test_pinned_ruff_changes_no_line_the_inverse_edit_touched(extracted_wheel: P
     shutil.rmtree(root / BACKUP_DIR)
     assert main(["revert", "--patch", "cpu_fused_norms", "--vllm", str(root)]) == 0
     for rel, data in read(root, VLLM_C, CPU).items():
-        assert touched_lines_ruff_moves(patched[rel].decode(), data.decode()) == [], rel
+        assert (
+            touched_lines_ruff_moves(patched[rel].decode(), data.decode()) == []
+        ), rel
 
 
 def test_only_the_norms_impls_change(extracted_wheel: Path) -> None:
@@ -122,7 +135,9 @@ def test_only_the_norms_impls_change(extracted_wheel: Path) -> None:
         norm_impls(cst.parse_module(before))
     )
     kept = set(ast.unparse(s) for s in ast.parse(before).body)
-    new = [ast.unparse(s) for s in ast.parse(after).body if ast.unparse(s) not in kept]
+    new = [
+        ast.unparse(s) for s in ast.parse(after).body if ast.unparse(s) not in kept
+    ]
     allowed = (
         "IS_CPU",
         "GPGPU_DEVICE",
@@ -135,4 +150,6 @@ def test_only_the_norms_impls_change(extracted_wheel: Path) -> None:
         "import functools",
         "import os",
     )
-    assert new and all(s.startswith(allowed) or "CPU kernels" in s for s in new), new
+    assert new and all(s.startswith(allowed) or "CPU kernels" in s for s in new), (
+        new
+    )

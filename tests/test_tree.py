@@ -140,7 +140,14 @@ def at_most_a_gigabyte() -> None:
 def test_a_wheel_member_inflating_to_64mib_needs_under_a_gigabyte(tmp_path, build):
     """Under a 1 GiB address space (and 10 s), one message, no MemoryError."""
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_patch", "check", "--vllm", str(build(tmp_path))],
+        [
+            sys.executable,
+            "-m",
+            "vllm_patch",
+            "check",
+            "--vllm",
+            str(build(tmp_path)),
+        ],
         capture_output=True,
         text=True,
         timeout=10,

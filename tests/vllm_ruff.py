@@ -13,7 +13,9 @@ def ruff_format(source: str) -> str:
     """``source`` as vLLM's ``ruff format`` lays it out (line ends kept)."""
     cmd = [find_ruff_bin(), "format", "--isolated", "--no-cache"]
     cmd += ["--line-length", str(LINE_LENGTH), "--target-version", "py310", "-"]
-    done = subprocess.run(cmd, input=source.encode(), capture_output=True, check=True)
+    done = subprocess.run(
+        cmd, input=source.encode(), capture_output=True, check=True
+    )
     return done.stdout.decode()
 
 
@@ -26,5 +28,7 @@ def touched_lines_ruff_moves(before: str, after: str) -> list[str]:
     }
     lines = after.splitlines()
     return [
-        lines[i] for i in sorted(touched) if i in moved or len(lines[i]) > LINE_LENGTH
+        lines[i]
+        for i in sorted(touched)
+        if i in moved or len(lines[i]) > LINE_LENGTH
     ]

@@ -28,7 +28,9 @@ from patcher.version import read_version
 # The verbs that read a wheel (apply and revert refuse it) and answer in JSON;
 # what --force does, for the verbs that take it.
 WHEEL_VERBS = ("list", "check", "diff")
-FORCE = dict(check="judge the tree by its shape", diff="print the diff", apply="apply")
+FORCE = dict(
+    check="judge the tree by its shape", diff="print the diff", apply="apply"
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ JOBS = {
     "bench": Job("vllm_patch.bench.command", "measure the change here"),
     "doctor": Job(
         "vllm_patch.doctor",
-        "check this environment: vLLM, its imports, the patches and their providers",
+        "check this environment: vLLM, its imports, the patches and their "
+        "providers",
     ),
     "serve": Job(
         "vllm_patch.vllm_cli",
@@ -112,7 +115,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps([p.to_json() for p in plans], indent=2))
     else:
         for p in plans:
-            where = f"{printable(tree.location)}, vLLM {p.version or 'unknown version'}"
+            where = (
+                f"{printable(tree.location)}, vLLM {p.version or 'unknown version'}"
+            )
             print(f"{p.patch.name}: {p.status}  [{where}]")
             if p.error:
                 print("  " + str(p.error).replace("\n", "\n  "))
@@ -131,7 +136,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """print the unified diff (git apply format); write nothing"""
     plans = _plans(args, open_tree(args.vllm), refuse=True)
     if args.json:
-        doc = [dict(patch=p.patch.name, status=p.status, diff=p.diff()) for p in plans]
+        doc = [
+            dict(patch=p.patch.name, status=p.status, diff=p.diff()) for p in plans
+        ]
         print(json.dumps(doc, indent=2))
         return ExitCode.OK
     for p in plans:
@@ -151,7 +158,9 @@ def cmd_apply(args: argparse.Namespace, revert: bool = False) -> int:
             else:
                 todo = _plans(args, tree, refuse=True)
         for job in todo:
-            outcome = engine.revert(tree, job) if revert else engine.apply(tree, job)
+            outcome = (
+                engine.revert(tree, job) if revert else engine.apply(tree, job)
+            )
             for note in outcome.notes:
                 warn(note)
             print(outcome)
@@ -174,8 +183,12 @@ def _engine_verb(sub: argparse._SubParsersAction, func) -> None:
     p.set_defaults(func=func)
     wheel = ", or a .whl file" if name in WHEEL_VERBS else ""
     if wheel:
-        p.add_argument("--json", action="store_true", help="machine-readable output")
-    where = "directory containing the vllm/ package (checkout root or site-packages)"
+        p.add_argument(
+            "--json", action="store_true", help="machine-readable output"
+        )
+    where = (
+        "directory containing the vllm/ package (checkout root or site-packages)"
+    )
     p.add_argument(
         "--vllm",
         metavar="PATH",
@@ -204,10 +217,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     version = distribution_version("vllm-patch") or "(not installed)"  # a checkout
     parser = _Parser(
         prog="vllm-patch",
-        description="Apply, check and upstream carried changes to a vLLM source tree.",
+        description=(
+            "Apply, check and upstream carried changes to a vLLM source tree."
+        ),
         epilog="Exit codes: " + "; ".join(f"{c.value} {c.short}" for c in ExitCode),
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {version}"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for func in (cmd_list, cmd_check, cmd_diff, cmd_apply, cmd_revert):
         _engine_verb(sub, func)
@@ -270,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except KeyboardInterrupt:  # the one place: every verb and job
         error = Interrupted("interrupted (Ctrl-C)")
-    except OSError as exc:  # unforeseen I/O trouble: still a message, not a traceback
+    except OSError as exc:
+        # unforeseen I/O trouble: still a message, not a traceback
         error = PatchError(exc.strerror or str(exc), path=exc.filename)
     except PatchError as exc:
         error = exc

@@ -63,7 +63,8 @@ class Finding:
 
     def line(self) -> str:
         tag = {"ok": "ok  ", "info": "info", "fix": "FIX "}[self.status]
-        return f"[{tag}] {self.message}" + (f" -- fix: {self.fix}" if self.fix else "")
+        fix = f" -- fix: {self.fix}" if self.fix else ""
+        return f"[{tag}] {self.message}{fix}"
 
 
 def pip(*args: str) -> str:
@@ -81,7 +82,8 @@ def traceback_hint(module: str) -> str:
 
 
 def steps_for(tree: VllmTree, providers: list[str]) -> list[list[str]]:
-    """The child's steps in order: vLLM IR's where it exists, installed companions'."""
+    """The child's steps in order: vLLM IR's where it exists,
+    installed companions'."""
     ir = os.path.lexists(tree.location / "vllm" / "ir" / "op.py")
     steps = [TORCH, VLLM_KERNELS, *(s for c, s, _ in IMPORTS if ir or c != "ir")]
     steps += [("provider", m) for m in providers]
@@ -112,8 +114,8 @@ def import_findings(results, dist: metadata.Distribution | None) -> list[Finding
         upgrade = ("install", "--upgrade", "--extra-index-url", CPU_INDEX)
         cmd = pip(*upgrade, f"torch=={torch}", *broken)
         said = (
-            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index is "
-            f"reachable, its +cpu builds import beside torch {torch}: {cmd}"
+            f"instead of removing {', '.join(broken)}: where PyTorch's CPU index "
+            f"is reachable, its +cpu builds import beside torch {torch}: {cmd}"
         )
         out.append(Finding("cpu_index", "info", said))
     for check, step, label in IMPORTS:
@@ -146,7 +148,8 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     for text in (dist.requires or []) if dist else []:
         with contextlib.suppress(InvalidRequirement):
             req = Requirement(text)
-            if req.name == "torch" and (req.marker is None or req.marker.evaluate()):
+            for_here = req.marker is None or req.marker.evaluate()
+            if req.name == "torch" and for_here:
                 pin = req
                 break
     fix = pip("install", f"torch{pin.specifier}" if pin else "torch")
@@ -156,7 +159,9 @@ def torch_findings(results, dist: metadata.Distribution | None) -> list[Finding]
     if torch["ok"]:
         out = [Finding("torch", "ok", f"torch {torch.get('version')} imports")]
     else:
-        out = [Finding("torch", "fix", f"torch does not import: {torch['error']}", fix)]
+        out = [
+            Finding("torch", "fix", f"torch does not import: {torch['error']}", fix)
+        ]
     kernels = results[VLLM_KERNELS]
     if kernels["ok"]:
         ops = kernels.get("operators")
@@ -184,19 +189,24 @@ def _state(tree: VllmTree, patch: Patch, plans: dict) -> tuple[str, str]:
     other form is applied, or it is not this vLLM's default."""
     plan = plans[patch.name]
     why = str(plan.errors[0]).splitlines()[0] if plan.errors else plan.status
-    status, state = STATES.get(plan.status, ("info", f"cannot be applied here: {why}"))
+    status, state = STATES.get(
+        plan.status, ("info", f"cannot be applied here: {why}")
+    )
     if plan.status is not PlanStatus.APPLICABLE:
         return status, state
     for other in exclusive_with(patch):
         if plans[other.name].status is PlanStatus.APPLIED:
-            return status, f"not applied: {other.name} is applied here, and excludes it"
+            state = f"not applied: {other.name} is applied here, and excludes it"
+            return status, state
     if not is_default(patch, read_version(tree))[0]:
         how = f"`vllm-patch apply --patch {patch.name}`"
         return status, f"not applied; not this vLLM's default ({how} applies it)"
     return status, state
 
 
-def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[Finding]:
+def patch_findings(
+    tree: VllmTree, patch: Patch, plans: dict, results
+) -> list[Finding]:
     """``plans``: every patch's plan on ``tree``, by name."""
     status, state = _state(tree, patch, plans)
     out = [Finding(f"{patch.name}:patch", status, f"patch {patch.name}: {state}")]
@@ -229,7 +239,9 @@ def patch_findings(tree: VllmTree, patch: Patch, plans: dict, results) -> list[F
     return out + plugin_filter_findings(patch.name, entry, name, status)
 
 
-def _registered_finding(patch: str, name: str, status: dict, module: str) -> Finding:
+def _registered_finding(
+    patch: str, name: str, status: dict, module: str
+) -> Finding:
     """What the provider did in the child, by the first key its status holds."""
     check = f"{patch}:provider"
     if status.get("error"):
@@ -260,7 +272,9 @@ def opt_in_finding(patch: str, var: str | None, name: str, status: dict) -> Find
     return Finding(check, "info", f"{var}={value!r}: {name!r} is off")
 
 
-def plugin_filter_findings(patch: str, entry, name: str, status: dict) -> list[Finding]:
+def plugin_filter_findings(
+    patch: str, entry, name: str, status: dict
+) -> list[Finding]:
     """Whether ``VLLM_PLUGINS`` lets the provider's plugin load."""
     env = plugins.FILTER_ENV
     if env not in os.environ or not entry:
@@ -340,7 +354,12 @@ def _kernels(_: str) -> dict[str, Any]:
     return {"operators": len(ops)}
 
 
-STEPS = {"import": _import, "from": _import, "provider": _provider, "kernels": _kernels}
+STEPS = {
+    "import": _import,
+    "from": _import,
+    "provider": _provider,
+    "kernels": _kernels,
+}
 
 
 def run_steps(steps: list[list[str]]) -> int:
@@ -348,13 +367,16 @@ def run_steps(steps: list[list[str]]) -> int:
     for kind, arg in steps:
         try:
             found = STEPS[kind](arg)
-        except BaseException as exc:  # SystemExit from a C extension is a finding too
+        except BaseException as exc:
+            # SystemExit from a C extension is a finding too
             found = {"ok": False, **describe_error(exc)}
         child.report({"step": [kind, arg], "ok": True, **found})
     return len(steps)
 
 
-def run_import_checks(steps: list[list[str]]) -> dict[tuple[str, str], dict[str, Any]]:
+def run_import_checks(
+    steps: list[list[str]],
+) -> dict[tuple[str, str], dict[str, Any]]:
     """Each step's result by ``(kind, argument)``; one that killed its child (or
     hung) fails, and a new child runs the rest."""
     results: dict[tuple[str, str], dict[str, Any]] = {}
@@ -403,7 +425,9 @@ def diagnose() -> list[Finding]:
     patches = all_patches()
     providers = [m for m in map(provider_module, patches) if m]
     said = "importing torch, vLLM, transformers and the providers in a child"
-    print(f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr)
+    print(
+        f"vllm-patch doctor: {said} interpreter (some seconds) ...", file=sys.stderr
+    )
     results = run_import_checks(steps_for(tree, providers))
     out += import_findings(results, dist)
     plans = {patch.name: engine.plan(tree, patch) for patch in patches}
@@ -413,7 +437,9 @@ def diagnose() -> list[Finding]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--json", action="store_true", help="machine-readable output"
+    )
     parser.add_argument(
         "--fix",
         action="store_true",
@@ -427,14 +453,18 @@ def run(args: argparse.Namespace) -> int:
     commands = list(dict.fromkeys(tuple(f.fix_argv) for f in found if f.fix_argv))
     if args.fix and commands:
         said = "".join(f"\n  {shlex.join(argv)}" for argv in commands)
-        print(f"vllm-patch doctor --fix runs, in this order:{said}", file=sys.stderr)
+        print(
+            f"vllm-patch doctor --fix runs, in this order:{said}", file=sys.stderr
+        )
         for argv in commands:  # stdout: the findings; cwd: an empty folder
             with tempfile.TemporaryDirectory(prefix="vllm-patch-fix-") as cwd:
                 subprocess.run(argv, check=False, stdout=sys.stderr, cwd=cwd)
         found = diagnose()
     ok = not any(f.status == "fix" for f in found)
     if args.json:
-        said = [{k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found]
+        said = [
+            {k: v for k, v in asdict(f).items() if k != "fix_argv"} for f in found
+        ]
         print(json.dumps({"python": PYTHON, "ok": ok, "findings": said}, indent=2))
     else:
         for f in found:

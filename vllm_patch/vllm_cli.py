@@ -20,7 +20,9 @@ def vllm_version(dist: metadata.Distribution) -> str:
     return dist.version + ("+cpu" if cpu and "+" not in dist.version else "")
 
 
-def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str], str]:
+def answering_vllm(
+    version: Callable[[str], str], answer: str
+) -> Callable[[str], str]:
     """``importlib.metadata.version`` with the name ``vllm`` answered."""
 
     def version_with_vllm(name: str) -> str:
@@ -30,7 +32,8 @@ def answering_vllm(version: Callable[[str], str], answer: str) -> Callable[[str]
 
 
 def vllm_main(argv: Sequence[str]) -> int:
-    """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's CLI)."""
+    """``vllm ARGV...`` here (the distribution's ``vllm`` script, else vLLM's
+    CLI)."""
     found = {d.metadata["Name"] or "": d for d in metadata.distributions()}
     owners = metadata.packages_distributions().get(VLLM) or []
     dist = next((found[n] for n in owners if n in found), None)

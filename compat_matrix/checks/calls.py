@@ -39,7 +39,9 @@ def final_config(mode: str):
 
     if mode != "eager":
         return VllmConfig()
-    return VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    return VllmConfig(
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE)
+    )
 
 
 def new_norm(kind):
@@ -79,15 +81,21 @@ def count(mode: str) -> dict[str, Any]:
     from patches.cpu_norm_rule import layer_dtypes
 
     config = final_config(mode)
-    priority = getattr(getattr(config, "kernel_config", None), "ir_op_priority", None)
+    kernel_config = getattr(config, "kernel_config", None)
+    priority = getattr(kernel_config, "ir_op_priority", None)
     torch.manual_seed(0)
     kind = torch.bfloat16
     x, residual = torch.randn(2, NORM_TOKENS, NORM_HIDDEN, dtype=kind)
-    ir = priority.set_priority() if priority is not None else contextlib.nullcontext()
+    ir = (
+        priority.set_priority()
+        if priority is not None
+        else contextlib.nullcontext()
+    )
     with set_current_vllm_config(config), ir:
         norm = new_norm(kind)
         runs = [profiled(norm, x), profiled(norm, x, residual)]
-    cc, ir_name = config.compilation_config, "" if priority is None else str(priority)
+    cc = config.compilation_config
+    ir_name = "" if priority is None else str(priority)
     replaced = type(norm) is not RMSNorm  # by an out-of-tree RMSNorm: CustomOp
     route = "CustomOp" if replaced else "IR" if PROVIDER in ir_name else "none"
     calls = {k: sum(found[k] for found, *_ in runs) for k in NORM_KERNELS}
@@ -169,7 +177,8 @@ def run_cases(side: str, cases: list[str]) -> None:
             began = time.monotonic()
             try:
                 result = run_case(torch, norm, dtype, op)
-            except Exception as exc:  # an exception native does not raise: a failure
+            except Exception as exc:
+                # an exception native does not raise: a failure
                 result = {"error": f"{type(exc).__name__}: {exc}"}
             result["norm_class"] = type(norm).__qualname__
             result["seconds"] = round(time.monotonic() - began, 2)

@@ -23,14 +23,17 @@ DEPRECATION = re.compile(r"Deprecated: vLLM IR .*?(?=\n\s*\n|\"\"\")", re.DOTALL
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--vllm-wheel", help="PACKAGE==VERSION: this wheel, not vLLM here")
+    parser.addoption(
+        "--vllm-wheel", help="PACKAGE==VERSION: this wheel, not vLLM here"
+    )
     parser.addoption("--e2e", action="store_true", help="start vLLM's engine too")
 
 
 @pytest.fixture(scope="session")
 def tree(request):
     """The wheel asked for (fetched into the user cache), or the installed vLLM."""
-    if not (wanted := request.config.getoption("--vllm-wheel")):
+    wanted = request.config.getoption("--vllm-wheel")
+    if not wanted:
         return open_tree(None)
     from vllm_patch.runtime.cache import fetch_wheel
 
@@ -75,12 +78,14 @@ def form(check_report, fact) -> str | None:
 @pytest.fixture(scope="session")
 def mechanism(tree, fact) -> str:
     """``IR``, ``IR deprecated`` (its words and their file) or ``no IR``."""
-    found, quote = "no IR", None
+    found = "no IR"
+    quote = None
     if tree.exists("vllm/ir/op.py"):
         found = "IR"
         for rel in ("vllm/config/kernel.py", "vllm/config/compilation.py"):
             text = tree.read_text(rel) if tree.exists(rel) else ""
-            if match := DEPRECATION.search(text):
+            match = DEPRECATION.search(text)
+            if match:
                 found = "IR deprecated"
                 quote = {"file": rel, "text": " ".join(match.group(0).split())}
                 break
@@ -94,7 +99,9 @@ def patched(request, form, fact):
     """``calls.count_modes`` started in a child on a patched copy (plugins off);
     yields a function that waits for it, reverts the copy and returns both."""
     if request.config.getoption("--vllm-wheel") or form is None:
-        yield lambda: pytest.skip("no form of the change applies (test_form_applies)")
+        yield lambda: pytest.skip(
+            "no form of the change applies (test_form_applies)"
+        )
         return
     from vllm_patch.runtime import child
     from vllm_patch.runtime.patched_copy import patched_copy
@@ -117,7 +124,10 @@ def patched(request, form, fact):
             if "counts" not in record:
                 record["counts"] = child.finish(counting).value()  # or its log
                 stack.close()  # revert the copy: record gets restored, ...
-                fact("patched", {m: record["counts"][m]["calls"] for m in COUNT_MODES})
+                fact(
+                    "patched",
+                    {m: record["counts"][m]["calls"] for m in COUNT_MODES},
+                )
             return record
 
         yield finish

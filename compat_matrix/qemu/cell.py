@@ -29,15 +29,19 @@ from vllm_patch.runtime.cache import cache_dir
 # QEMU_CPU -> has BF16, what it stands for. The build is -march=armv8.2-a+bf16+...:
 # its bfloat16 kernels need BF16 (and round with it); float32 runs them everywhere.
 MACHINES = {
-    "neoverse-n1": (False, "Armv8.2 without BF16: the Graviton2 / Ampere Altra class"),
+    "neoverse-n1": (
+        False,
+        "Armv8.2 without BF16: the Graviton2 / Ampere Altra class",
+    ),
     "max": (True, "every extension qemu emulates, BF16 included"),
 }
 # Per dtype, how far from native a kernel may be: float32 measured 3e-7 here;
 # bfloat16 rounds once (rms_norm) or twice (the fused add).
 TOLERANCE = {"float32": 1e-5, "bfloat16": BF16_RTOL}
 CASES = [f"{dtype}/{op}" for dtype in TOLERANCE for op in OPS]
-# Per side: its table's form and chroot environment (/opt/cell: calls.py, the table):
-# the patched tree (the project last, for the rule; no plugin), or the plugin opted in.
+# Per side: its table's form and chroot environment (/opt/cell: calls.py, the
+# table): the patched tree (the project last, for the rule; no plugin), or the
+# plugin opted in.
 TABLE_FORMS = {"patched": "custom_op", "provider": "provider"}
 SIDE_ENV = {
     "patched": {
@@ -98,11 +102,20 @@ def judge(cpu: str, dtype: str, cases: dict) -> list[str]:
 
 def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float):
     """JUnit XML as pytest writes it, the facts as JSON-encoded properties."""
-    add, failed = ElementTree.SubElement, sum(bool(f) for *_, f in tests)
+    add = ElementTree.SubElement
+    failed = sum(bool(f) for *_, f in tests)
     suites = ElementTree.Element("testsuites", name="pytest tests")
-    suite = add(suites, "testsuite", name="pytest", errors="0", skipped="0")
-    suite.attrib |= {"failures": str(failed), "tests": str(len(tests))}
-    suite.attrib |= {"time": f"{seconds:.3f}", "hostname": "qemu-aarch64"}
+    suite = add(
+        suites,
+        "testsuite",
+        name="pytest",
+        errors="0",
+        skipped="0",
+        failures=str(failed),
+        tests=str(len(tests)),
+        time=f"{seconds:.3f}",
+        hostname="qemu-aarch64",
+    )
     suite.set("timestamp", datetime.now(timezone.utc).isoformat())
     props = add(suite, "properties")
     for name, value in facts.items():
@@ -111,7 +124,8 @@ def junit(tests: list[tuple[str, float, list[str]]], facts: dict, seconds: float
         case = add(suite, "testcase", classname="qemu_aarch64", name=name)
         case.set("time", f"{spent:.3f}")
         if failures:
-            add(case, "failure", message="; ".join(failures)).text = "\n".join(failures)
+            failure = add(case, "failure", message="; ".join(failures))
+            failure.text = "\n".join(failures)
     return ElementTree.tostring(suites, encoding="unicode", xml_declaration=True)
 
 
@@ -119,7 +133,9 @@ def cell_tests(cpu: str, runs: dict) -> list[tuple[str, float, list[str]]]:
     tests = []
     for side, dtype in itertools.product(TABLE_FORMS, TOLERANCE):
         ran = runs[side]["cases"]
-        spent = sum(v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype))
+        spent = sum(
+            v.get("seconds", 0) for k, v in ran.items() if k.startswith(dtype)
+        )
         tests.append((f"test_{side}_{dtype}", spent, judge(cpu, dtype, ran)))
     return tests
 
@@ -151,12 +167,16 @@ def append_log(logs: Path, name: str, text: str) -> None:
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
     folder = os.open(logs, flags)
     try:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        flags = (
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        )
         try:
             fd = os.open(name, flags, 0o644, dir_fd=folder)
         except OSError as exc:
             found = f"{exc.strerror} (a link or special file)"
-            raise PatchError("refused", str(logs / name), "a log file", found) from None
+            raise PatchError(
+                "refused", str(logs / name), "a log file", found
+            ) from None
     finally:
         os.close(folder)
     with open(fd, "a", closefd=True) as out:
@@ -183,11 +203,19 @@ def children_stopped():
 
 def in_cell(root: Path, cpu: str, side: str, command: tuple, logs: Path):
     """``command`` in the chroot, only the side's environment; output to its log."""
-    env = {"PATH": "/usr/bin:/bin", "QEMU_CPU": cpu, "OMP_NUM_THREADS": "1"}
-    env |= {"HOME": "/root", **SIDE_ENV[side]}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "QEMU_CPU": cpu,
+        "OMP_NUM_THREADS": "1",
+        "HOME": "/root",
+        **SIDE_ENV[side],
+    }
     cmd = ["chroot", str(root), "env", "-i", *(f"{k}={v}" for k, v in env.items())]
     with subprocess.Popen(
-        [*cmd, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*cmd, *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     ) as proc:
         RUNNING.add(proc)
         try:
@@ -227,10 +255,13 @@ def table_tests(tables: dict) -> list[tuple[str, float, list[str]]]:
             f"{dtype} {op}"
             for dtype, ops in found["probe"].items()
             for op, b in ops.items()
-            if b.get("matches") is False and found["eager"][dtype]["bias"][op]["cells"]
+            if b.get("matches") is False
+            and found["eager"][dtype]["bias"][op]["cells"]
         ]
         if refuted:
-            failures.append(f"the kernel runs where its bias is native's+: {refuted}")
+            failures.append(
+                f"the kernel runs where its bias is native's+: {refuted}"
+            )
         if abs(found["drift"]["ratio"] - 1) >= 0.01:
             failures.append(f"residual stream drifted: {found['drift']}")
         tests.append((name, 0.0, failures))
@@ -280,7 +311,12 @@ def run_side(root: Path, cpu: str, side: str, logs: Path) -> dict:
             break
         remaining = [c for c in remaining if c not in cases]
     spent = round(time.monotonic() - began, 1)
-    return {"setup": setup, "cases": cases, "processes": processes, "seconds": spent}
+    return {
+        "setup": setup,
+        "cases": cases,
+        "processes": processes,
+        "seconds": spent,
+    }
 
 
 def bf16_calls(cases: dict) -> dict:
@@ -332,7 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         done = {job: f.result() for job, f in futures.items()}
         began = time.monotonic()
         table_jobs = list(itertools.product(cpus, TABLE_FORMS, thread_layouts()))
-        futures = {job: pool.submit(run_table, root, *job, logs) for job in table_jobs}
+        futures = {
+            job: pool.submit(run_table, root, *job, logs) for job in table_jobs
+        }
         tables = {job: f.result() for job, f in futures.items()}
         table_seconds = time.monotonic() - began
     for cpu in cpus:

@@ -97,7 +97,9 @@ def wheels(root: Path) -> None:
     sp, stamp = root / "opt/sp", root / "opt/sp/.requirements"
     found = uv_pip("compile", "-", input=RELEASE, capture_output=True).stdout
     skip = (" ", "#", *(f"{name}==" for name in BROKEN_BESIDE_CPU_TORCH))
-    pins = [line for line in found.splitlines() if line and not line.startswith(skip)]
+    pins = [
+        line for line in found.splitlines() if line and not line.startswith(skip)
+    ]
     wanted = "\n".join(pins) + "\n"
     if stamp.exists() and stamp.read_text() == wanted:
         return
@@ -106,7 +108,8 @@ def wheels(root: Path) -> None:
     # Bytecode is the same on every platform: compiled here (under qemu: half an
     # hour) by a Python of the chroot's version, with the chroot's paths. Exit 1
     # names files Python 3.11 cannot compile; every other one is compiled.
-    compileall = ("python", "-m", "compileall", "-q", "-j0", "-s", root, "-p", "/", sp)
+    chroot_paths = ("-s", root, "-p", "/")  # the root stripped, "/" put before
+    compileall = ("python", "-m", "compileall", "-q", "-j0", *chroot_paths, sp)
     uv_run = ("uv", "run", "--no-project", "--python", CHROOT_PYTHON)
     subprocess.run([*uv_run, *map(str, compileall)])
     stamp.write_text(wanted)
@@ -119,7 +122,10 @@ def project(root: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     uv_pip("install", "--target", target, "--no-deps", REPO)
     cell.mkdir(parents=True)
-    for path in ("compat_matrix/checks/calls.py", "compat_matrix/conformance_table.py"):
+    for path in (
+        "compat_matrix/checks/calls.py",
+        "compat_matrix/conformance_table.py",
+    ):
         shutil.copy2(REPO / path, cell / Path(path).name)
 
 

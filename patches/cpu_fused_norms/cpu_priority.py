@@ -75,7 +75,9 @@ def _method(cls: cst.ClassDef, name: str) -> cst.FunctionDef | None:
 
 
 class AddCpuIrOpPriority(TreeCodemod):
-    DESCRIPTION = f"Add {CLASS}.{METHOD}: vllm_c first, native when Inductor compiles."
+    DESCRIPTION = (
+        f"Add {CLASS}.{METHOD}: vllm_c first, native when Inductor compiles."
+    )
     ON = True  # the change; RemoveCpuIrOpPriority's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:
@@ -92,7 +94,8 @@ class AddCpuIrOpPriority(TreeCodemod):
                 f"`{CLASS}.{METHOD}` is added: {' and '.join(ops)} get "
                 '`["vllm_c", "native"]`, `["native"]` when Inductor will compile'
             )
-            method = cst.parse_statement(method)  # its newlines and indents: the tree's
+            # its newlines and indents: the tree's
+            method = cst.parse_statement(method)
             blank = cst.EmptyLine(indent=False)
             members = [*cls.body.body, method.with_changes(leading_lines=[blank])]
         else:
@@ -123,14 +126,20 @@ class AddCpuIrOpPriority(TreeCodemod):
         """The method this tool writes for the tree (at column 0), and its ops."""
         ops_there = list(norm_impls(self.parse_tree_file(VLLM_C_FILE)))
         classes = self.read_tree_ast(CONFIG_FILE).body
-        body = next((c.body for c in classes if getattr(c, "name", "") == CONFIG), None)
+        body = next(
+            (c.body for c in classes if getattr(c, "name", "") == CONFIG), None
+        )
         fields = [
-            getattr(s.target, "id", "") for s in body or () if "annotation" in s._fields
+            getattr(s.target, "id", "")
+            for s in body or ()
+            if "annotation" in s._fields
         ]
         if not any(getattr(s, "name", None) == "with_default" for s in body or ()):
             raise self.shape_error(
                 f"{CONFIG}.with_default in {CONFIG_FILE}",
-                f"no class {CONFIG}" if body is None else f"{CONFIG} fields {fields}",
+                f"no class {CONFIG}"
+                if body is None
+                else f"{CONFIG} fields {fields}",
             )
         ops = [op for op in OPS if op in ops_there and op in fields]
         if not ops:
@@ -144,7 +153,10 @@ class AddCpuIrOpPriority(TreeCodemod):
         code = textwrap.dedent(tree.code_for_node(update)) if update else ""
         for node in ast.walk(ast.parse(code)):
             test = getattr(node, "test", None)
-            if test and CI_ENV in (ci_env := ast.get_source_segment(code, test)):
+            if not test:
+                continue
+            ci_env = ast.get_source_segment(code, test)
+            if CI_ENV in ci_env:
                 method = METHOD_TEMPLATE.format(
                     backend=_backend(ci_env), returned=_returned(ops)
                 )

@@ -22,10 +22,11 @@ IS_CPU_LINE = f"{IS_CPU} = current_platform.is_cpu()"
 FUNCTION = rule.FUNCTIONS[0]
 DTYPES = "CPU_DTYPES"
 # Once per process, at import: a CPU worker's threads are set by then (its
-# binding's OMP_NUM_THREADS at start-up; read in 0.32.0).
+# binding's OMP_NUM_THREADS at start-up; read in 0.32.0). The lines as vLLM's
+# file holds them, in its 88 columns.
 DTYPES_LINES = (
     f"{DTYPES} = () if {rule.FUNCTIONS[1]}() else {FUNCTION}()",
-    '"""The dtypes in which the CPU kernels match native here, once per process."""',
+    '"""The dtypes in which the CPU kernels match native here, once per process."""',  # noqa: E501
 )
 # How many leading parameters of each norm's supports_args are its input tensors.
 TENSORS = {"rms_norm": 1, "fused_add_rms_norm": 2}
@@ -79,7 +80,8 @@ def _suffixed(expr: cst.BaseExpression, operator: type, code: str, on: bool):
     there = isinstance(expr, cst.BooleanOperation) and isinstance(
         expr.operator, operator
     )
-    if expr is None or (there and meaning(source(expr.right)) == meaning(code)) == on:
+    ends_in_code = there and meaning(source(expr.right)) == meaning(code)
+    if expr is None or ends_in_code == on:
         return None
     if not on:
         return expr.left.with_changes(lpar=expr.lpar, rpar=expr.rpar)
@@ -110,7 +112,9 @@ def _lambda(tree: cst.Module, at: int, check: cst.Lambda) -> cst.BaseStatement:
     return own.with_changes(leading_lines=tree.body[at].leading_lines)
 
 
-def _spaced(previous: cst.BaseStatement, stmt: cst.BaseStatement) -> cst.BaseStatement:
+def _spaced(
+    previous: cst.BaseStatement, stmt: cst.BaseStatement
+) -> cst.BaseStatement:
     """``stmt`` after ``previous`` at module level: two blank lines on either side
     of a def or class, as ruff (and PEP 8) puts them."""
     defs = (cst.FunctionDef, cst.ClassDef)
@@ -160,7 +164,9 @@ class EnableVllmCOnCpu(TreeCodemod):
             if body is not None:
                 check = n.check.with_changes(body=body)
                 new[n.check_at] = _lambda(tree, n.check_at, check)
-                said = f"gains `and {n.guard}`" if self.ON else "loses its CPU checks"
+                said = (
+                    f"gains `and {n.guard}`" if self.ON else "loses its CPU checks"
+                )
                 self.record(f"the {n.op} impl's `supports_args` {said}")
         self.gate(tree, norms, used, new, before)
         if not new and not before:
@@ -174,7 +180,9 @@ class EnableVllmCOnCpu(TreeCodemod):
             for key in ("supported", "supports_args"):
                 if not isinstance(kw.get(key), cst.Name):
                     shown = source(kw[key]) if key in kw else "none"
-                    raise self.shape_error(f"{key}=NAME in the vllm_c {op} impl", shown)
+                    raise self.shape_error(
+                        f"{key}=NAME in the vllm_c {op} impl", shown
+                    )
             check_at, check = assigned.get(kw["supports_args"].value, (None, None))
             if not isinstance(check, cst.Lambda):
                 raise self.shape_error(
@@ -184,7 +192,8 @@ class EnableVllmCOnCpu(TreeCodemod):
             p = [x.name.value for x in check.params.params]
             if len(p) < TENSORS[op] + 1:
                 raise self.shape_error(
-                    f"{op}'s supports_args taking its input tensors, then the weight",
+                    f"{op}'s supports_args taking its input tensors, "
+                    "then the weight",
                     source(check.params),
                 )
             residual = p[1] if TENSORS[op] > 1 else None
@@ -195,7 +204,8 @@ class EnableVllmCOnCpu(TreeCodemod):
             raise self.shape_error(
                 '@ir.ops.rms_norm.register_impl("vllm_c", ...)', "no such impl"
             )
-        if len(gates := {n.gate.value for n in found}) != 1:
+        gates = {n.gate.value for n in found}
+        if len(gates) != 1:
             raise self.shape_error(
                 "the norms gated by one name", ", ".join(sorted(gates))
             )
@@ -238,7 +248,9 @@ class EnableVllmCOnCpu(TreeCodemod):
             ]
         if all(source(s) != DTYPES_LINES[0] for s in tree.body):
             added += [_statement(line) for line in DTYPES_LINES]
-            self.record(f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`")
+            self.record(
+                f"`{FUNCTION}()` is added and called once: `{DTYPES_LINES[0]}`"
+            )
         return rule.with_imports(_rebuild(tree, new, before), True)
 
 
@@ -253,7 +265,9 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
             return
         if norms[0].gate.value == NORM_GATE:
             new[at] = None
-            new.update((n.at, tree.body[n.at].deep_replace(n.gate, old)) for n in norms)
+            new.update(
+                (n.at, tree.body[n.at].deep_replace(n.gate, old)) for n in norms
+            )
         else:
             new[at] = _assigned(tree, at, old)
         self.record(f"the norms' gate is `{source(old)}` again")
@@ -263,7 +277,10 @@ class DisableVllmCOnCpu(EnableVllmCOnCpu):
         called = any(source(s) == DTYPES_LINES[0] for s in tree.body)
         if called and left[DTYPES] == 1:
             for i, s in enumerate(tree.body):
-                mine = isinstance(s, cst.FunctionDef) and s.name.value in rule.FUNCTIONS
+                mine = (
+                    isinstance(s, cst.FunctionDef)
+                    and s.name.value in rule.FUNCTIONS
+                )
                 if source(s) in DTYPES_LINES or (mine and left[s.name.value] == 2):
                     new[i] = None  # the call, its docstring, the defs it alone uses
         if cpu is not None and names(_rebuild(tree, new, {}))[IS_CPU] == 1:

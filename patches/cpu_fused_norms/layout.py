@@ -24,7 +24,8 @@ def broken(head: str, inner: list[str], tail: str, indent: str = "") -> str:
 
 
 class _OneLine(cst.CSTTransformer):
-    """A line break inside brackets as one space; none after ``(`` or before ``)``."""
+    """A line break inside brackets as one space;
+    none after ``(`` or before ``)``."""
 
     def leave_ParenthesizedWhitespace(self, original, updated):
         return cst.SimpleWhitespace(" ")
@@ -46,7 +47,9 @@ def operands(expr: cst.BooleanOperation) -> list[tuple[str, cst.BaseExpression]]
     one operator, which ruff breaks before each operator."""
     kind = type(expr.operator)
     chain = []
-    while isinstance(expr, cst.BooleanOperation) and isinstance(expr.operator, kind):
+    while isinstance(expr, cst.BooleanOperation) and isinstance(
+        expr.operator, kind
+    ):
         chain.append((f"{source(expr.operator)} ", expr.right))
         expr = expr.left
         if expr.lpar:  # parenthesized: one operand

@@ -28,7 +28,9 @@ def _layers(hidden: int, dtype):
         def forward_cpu(self, x, residual=None):
             if residual is None:
                 out = torch.empty_like(x)
-                torch.ops._C.rms_norm(out, x, self.weight.data, self.variance_epsilon)
+                torch.ops._C.rms_norm(
+                    out, x, self.weight.data, self.variance_epsilon
+                )
                 return out
             torch.ops._C.fused_add_rms_norm(
                 x, residual, self.weight.data, self.variance_epsilon
@@ -86,9 +88,14 @@ def measure(
                 rule, minimal = _layers(shape[-1], dtype)
                 x = torch.randn(shape, dtype=dtype)
                 residual = torch.randn(shape, dtype=dtype)
-                for op, res in (("rms_norm", None), ("fused_add_rms_norm", residual)):
+                for op, res in (
+                    ("rms_norm", None),
+                    ("fused_add_rms_norm", residual),
+                ):
                     row = _row(rule, minimal, x, res, rounds, calls)
-                    rows.append({"shape": list(shape), "dtype": name, "op": op, **row})
+                    rows.append(
+                        {"shape": list(shape), "dtype": name, "op": op, **row}
+                    )
                     if progress:
                         progress(f"per call: {op} {name} {list(shape)}")
     return rows

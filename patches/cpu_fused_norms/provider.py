@@ -8,7 +8,12 @@ import logging
 import os
 import sys
 
-from patches.cpu_fused_norms.identity import OPT_IN_ENV, OPT_IN_OFF, OPT_IN_ON, PROVIDER
+from patches.cpu_fused_norms.identity import (
+    OPT_IN_ENV,
+    OPT_IN_OFF,
+    OPT_IN_ON,
+    PROVIDER,
+)
 
 LOGGER_NAME = "vllm.plugins.cpu_fused_norms"  # in vLLM's "vllm" logger tree
 
@@ -23,7 +28,8 @@ _status: dict = {"route": None, "stood_aside": None, "error": None}
 def register() -> None:
     """Entry point of ``vllm.general_plugins``. Re-entrant; never raises."""
     if not opted_in():
-        if why := ignored_opt_in():
+        why = ignored_opt_in()
+        if why:
             _log_once(why)
         return
     try:
@@ -72,8 +78,8 @@ def _register() -> None:
     _status["route"] = CUSTOM_OP
     _log_once(
         f"{OPT_IN_ENV}={os.environ[OPT_IN_ENV]}: route {CUSTOM_OP}: RMSNorm is "
-        f"built as {cls.__name__}, whose forward_cpu calls torch.ops._C.rms_norm and "
-        "fused_add_rms_norm where they match native; vLLM runs it where the "
+        f"built as {cls.__name__}, whose forward_cpu calls torch.ops._C.rms_norm "
+        "and fused_add_rms_norm where they match native; vLLM runs it where the "
         "rms_norm custom op is enabled (eager), native where Inductor compiles; "
         "custom_ops '+rms_norm' or '-rms_norm' overrides that"
     )

@@ -212,7 +212,9 @@ def test_cpu_rms_norm_native_fallback(
 
 
 class AddCpuLayerNormTests(TreeCodemod):
-    DESCRIPTION = "Add vLLM's test of RMSNorm.forward_cpu beside its CPU kernel tests."
+    DESCRIPTION = (
+        "Add vLLM's test of RMSNorm.forward_cpu beside its CPU kernel tests."
+    )
     ON = True  # the change; RemoveCpuLayerNormTests's False: its inverse
 
     def transform_module_impl(self, tree: cst.Module) -> cst.Module:

@@ -79,13 +79,19 @@ class AddRmsNormForwardCpu(TreeCodemod):
             comments = [c for c in statements[at].leading_lines if c.comment]
             leading = [blank, blank, *comments]
             statements[at] = statements[at].with_changes(leading_lines=leading)
-            added = [f.with_changes(leading_lines=[blank, blank]) for f in functions]
+            added = [
+                f.with_changes(leading_lines=[blank, blank]) for f in functions
+            ]
             statements[at:at] = added
             self.record(ADDED)
         else:
-            theirs = [i for i, s in enumerate(statements) if _is_one_of(s, functions)]
+            theirs = [
+                i for i, s in enumerate(statements) if _is_one_of(s, functions)
+            ]
             statements = [s for i, s in enumerate(statements) if i not in theirs]
-            self.record(f"`{CLASS}.{METHOD}` and `{'`, `'.join(rule.FUNCTIONS)}` go")
+            self.record(
+                f"`{CLASS}.{METHOD}` and `{'`, `'.join(rule.FUNCTIONS)}` go"
+            )
         return rule.with_imports(tree.with_changes(body=statements), self.ON)
 
 

@@ -12,8 +12,10 @@ CACHE_ENV = "VLLMPATCH_CACHE"
 
 
 def cache_dir() -> Path:
-    """``$VLLMPATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``, else ``~/.cache``."""
-    if env := os.environ.get(CACHE_ENV):
+    """``$VLLMPATCH_CACHE``, else ``$XDG_CACHE_HOME/vllm-patch``,
+    else ``~/.cache``."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "vllm-patch"

@@ -28,7 +28,8 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class ChildOutcome:
-    """``result`` when ``ok``, else ``error``; ``reported``: what :func:`report` got."""
+    """``result`` when ``ok``, else ``error``; ``reported``:
+    what :func:`report` got."""
 
     target: str
     ok: bool
@@ -93,11 +94,18 @@ def start(
     """Start ``target(**kwargs)`` (``"module:function"``) with
     ``child_env(**environ)`` in ``cwd`` (default: an empty folder, so nothing
     lands first on its ``sys.path``), killed ``timeout`` s from now."""
-    child = Child(target, timeout, tempfile.TemporaryDirectory(prefix="vllm-patch-"))
+    folder = tempfile.TemporaryDirectory(prefix="vllm-patch-")
+    child = Child(target, timeout, folder)
     child.file("args.json").write_text(json.dumps(dict(kwargs or {})), "utf-8")
     with child.file("log.txt").open("wb") as log:
         child.proc = subprocess.Popen(
-            [str(python), "-m", "vllm_patch.runtime.child", target, child.folder.name],
+            [
+                str(python),
+                "-m",
+                "vllm_patch.runtime.child",
+                target,
+                child.folder.name,
+            ],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -129,7 +137,8 @@ def finish(child: Child) -> ChildOutcome:
         except FileNotFoundError:
             pass
         with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-            for line in child.file("reported.jsonl").read_text("utf-8").splitlines():
+            jsonl = child.file("reported.jsonl").read_text("utf-8")
+            for line in jsonl.splitlines():
                 said.append(json.loads(line))
     if timed_out:
         error = f"timed out after {child.timeout:.0f} s"
@@ -142,7 +151,15 @@ def finish(child: Child) -> ChildOutcome:
     result = payload.get("result") if error is None else None
     seconds = round(time.perf_counter() - child.started, 2)
     return ChildOutcome(
-        child.target, error is None, result, error, log, seconds, rc, timed_out, said
+        child.target,
+        error is None,
+        result,
+        error,
+        log,
+        seconds,
+        rc,
+        timed_out,
+        said,
     )
 
 

@@ -89,7 +89,9 @@ def pytest_collection_finish(session) -> None:
 
     library = session.config.getoption(OPTION)
     if library and LIBRARIES[library] not in loaded():
-        said = f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
+        said = (
+            f"vLLM loaded {loaded() or 'no kernel build'}, not {LIBRARIES[library]}"
+        )
         raise pytest.UsageError(said)
 
 

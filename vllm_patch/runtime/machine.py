@@ -38,7 +38,9 @@ def cpu() -> dict[str, Any]:
     return {"model": model, "flags": flags}
 
 
-def kernel_build(vllm_dir: Path | None = None, flags: list[str] | None = None) -> str:
+def kernel_build(
+    vllm_dir: Path | None = None, flags: list[str] | None = None
+) -> str:
     """The kernel build vLLM loads here (``kernel_builds``; ``_C`` from a wheel of
     one build), else the architecture; ``vllm_dir``: the installed ``vllm/``."""
     arch = platform.machine()
@@ -93,7 +95,8 @@ def cpu_snapshot(pids: list[int] = ()) -> dict[str, float] | None:
         return None
     ticks = [int(x) for x in stat[0].split()[1:]]
     busy = (sum(ticks[:8]) - sum(ticks[3:5])) / tick  # less idle and iowait
-    own = sum(os.times()[:4])  # user and system, of this process and its ended children
+    # user and system, of this process and its ended children
+    own = sum(os.times()[:4])
     for lines in filter(None, (_read(f"/proc/{pid}/stat") for pid in pids)):
         fields = lines[0].rsplit(")", 1)[1].split()  # after the command's name
         own += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
@@ -107,7 +110,9 @@ def other_share(before: dict | None, pids: list[int] = ()) -> float | None:
     if not before or not after or after["wall"] <= before["wall"]:
         return None
     wall = after["wall"] - before["wall"]
-    others = (after["busy_s"] - before["busy_s"]) - (after["own_s"] - before["own_s"])
+    busy = after["busy_s"] - before["busy_s"]
+    own = after["own_s"] - before["own_s"]
+    others = busy - own
     share = max(0.0, others) / (wall * usable_cpus())
     return round(min(1.0, share), 3)  # ticks are coarse
 

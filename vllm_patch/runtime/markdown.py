@@ -60,13 +60,18 @@ def fence(lines: Iterable[object], info: str = "", limit: int = 2000) -> str:
 
 
 def cell(value: object) -> str:
-    """None as ``-``; each ``|`` escaped (GitHub counts the backslashes before it)."""
+    """None as ``-``; each ``|`` escaped (GitHub counts the backslashes before
+    it)."""
     found = "-" if value is None else str(value).replace("\n", " ")
-    return re.sub(r"(\\*)\|", lambda m: m[1] + "\\" * (1 + len(m[1]) % 2) + "|", found)
+    return re.sub(
+        r"(\\*)\|", lambda m: m[1] + "\\" * (1 + len(m[1]) % 2) + "|", found
+    )
 
 
 def table(
-    header: Sequence[str], rows: Iterable[Sequence[object]], limit: int | None = None
+    header: Sequence[str],
+    rows: Iterable[Sequence[object]],
+    limit: int | None = None,
 ) -> str:
     """A GitHub table, numbers right-aligned, a note for rows past ``limit``."""
     rows = [list(r) for r in rows]
@@ -88,4 +93,6 @@ def table(
 
 def details(summary: str, body: str) -> str:
     """``body`` collapsed under ``summary`` (HTML: :func:`html` data in it)."""
-    return f"<details>\n<summary>{summary}</summary>\n\n{body.strip()}\n\n</details>"
+    return (
+        f"<details>\n<summary>{summary}</summary>\n\n{body.strip()}\n\n</details>"
+    )

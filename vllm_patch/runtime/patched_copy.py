@@ -30,7 +30,9 @@ def patched_copy(
 
     def hashes(where: VllmTree) -> dict[str, str]:  # a file not there: no key
         found = {rel: where.path(rel) for rel in files}
-        return {r: hex_digest(p.read_bytes()) for r, p in found.items() if p.is_file()}
+        return {
+            r: hex_digest(p.read_bytes()) for r, p in found.items() if p.is_file()
+        }
 
     checked = record is not None  # the caller wants revert seen to work
     record = {} if record is None else record

@@ -14,9 +14,9 @@ def left_out(plugin: str) -> bool:
 
 def left_out_message(plugin: str, provider: str) -> str:
     return (
-        f"{FILTER_ENV}={os.environ[FILTER_ENV]!r} leaves out the plugin {plugin!r}: "
-        f"vLLM will not load {provider!r}, and every RMSNorm runs native "
-        "although the opt-in asks for the kernels"
+        f"{FILTER_ENV}={os.environ[FILTER_ENV]!r} leaves out the plugin "
+        f"{plugin!r}: vLLM will not load {provider!r}, and every RMSNorm runs "
+        "native although the opt-in asks for the kernels"
     )
 
 

@@ -1,5 +1,6 @@
 """A patch's tests wired into the checkout's CI (a Buildkite step, a script) as a
-text edit; YAML must parse to the old plus the added entries (data: docs/safety.md)."""
+text edit; YAML must parse to the old plus the added entries (data:
+docs/safety.md)."""
 
 import re
 from dataclasses import dataclass, field
@@ -51,11 +52,13 @@ class CiEdit:
         """What changed, or why it is left alone."""
         if self.text is None:
             return [self.reason]
-        tests, step = ", ".join(f"`{t}`" for t in self.added_tests), self.wiring.step
+        tests = ", ".join(f"`{t}`" for t in self.added_tests)
+        step = self.wiring.step
         said = [f"runs {tests} after `{step}`"] if tests else []
         if tests and not self.wiring.file.endswith(".sh"):
             said = [f'the "{step}" step runs {tests}']
-        if deps := ", ".join(f"`{d}`" for d in self.added_dependencies):
+        deps = ", ".join(f"`{d}`" for d in self.added_dependencies)
+        if deps:
             said.append(f"and lists {deps} in its `{DEPENDENCIES}`")
         return [" ".join(said)] if said else []
 
@@ -76,7 +79,8 @@ def wire(root: Path, wiring: CiWiring) -> CiEdit:
         else:
             edit.text = _yaml_text(before, edit)
     except PatchError as exc:
-        edit.reason, edit.left_out = f"left out: {wiring.file}: {refusal(exc)}", True
+        edit.reason = f"left out: {wiring.file}: {refusal(exc)}"
+        edit.left_out = True
     except CiShapeError as exc:
         edit.reason = str(exc)
     if edit.text is not None and edit.text == before:
@@ -129,13 +133,15 @@ def _value_of(node: yaml.Node | None, key: str) -> yaml.Node | None:
 def _block_list(step: yaml.Node, key: str) -> list[yaml.Node]:
     """The items of the step's ``key``, a block list of at least one."""
     found = _value_of(step, key)
-    if not isinstance(found, yaml.SequenceNode) or found.flow_style or not found.value:
+    block_list = isinstance(found, yaml.SequenceNode) and not found.flow_style
+    if not block_list or not found.value:
         raise CiShapeError(f"no single block '{key}:' in the step")
     return found.value
 
 
 def _yaml_text(text: str, edit: CiEdit) -> str:
-    """The step's new tests and files; it must parse to the old plus exactly them."""
+    """The step's new tests and files; it must parse to the old plus exactly
+    them."""
     node, old = load_yaml(text)
     steps = _value_of(node, "steps")
     found = [
@@ -146,8 +152,8 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     ]
     if len(found) != 1:
         raise CiShapeError(
-            f"{edit.wiring.file}: looked for one step labelled {edit.wiring.step!r}, "
-            f"found {len(found)}"
+            f"{edit.wiring.file}: looked for one step labelled "
+            f"{edit.wiring.step!r}, found {len(found)}"
         )
     edit.label, step, index = found[0]
     deps, commands = (_block_list(step, k) for k in (DEPENDENCIES, "commands"))
@@ -156,7 +162,9 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
     end = last.line + 1 if last.column else last.line  # a block scalar ends at 0
     offset, new_tests = _test_lines(lines[start:end], edit)
     listed = {d.value for d in deps}
-    edit.added_dependencies = [d for d in edit.wiring.dependencies if d not in listed]
+    edit.added_dependencies = [
+        d for d in edit.wiring.dependencies if d not in listed
+    ]
     dash = lines[deps[-1].start_mark.line][: deps[-1].start_mark.column]  # "  - "
     new_deps = [f"{dash}{d}\n" for d in edit.added_dependencies]
     inserts = [(start + offset, new_tests), (deps[-1].end_mark.line + 1, new_deps)]
@@ -182,7 +190,9 @@ def _yaml_text(text: str, edit: CiEdit) -> str:
 
 def _test_lines(block: list[str], edit: CiEdit) -> tuple[int, list[str]]:
     """(where to insert, a line per new test) laid out as ``block``'s last MODEL."""
-    models = [(i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))]
+    models = [
+        (i, m) for i, line in enumerate(block) if (m := MODEL.fullmatch(line))
+    ]
     if not models:
         raise CiShapeError(
             "found no line of the step's commands that is a test file alone (or "

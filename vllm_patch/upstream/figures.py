@@ -116,7 +116,11 @@ def bias(library: str) -> dict:
         torch.ops._C.fused_add_rms_norm(x, residual, weight, eps)
         return x, residual
 
-    routes = {"kernel": kernel, "native": layer.forward_native, "this change": layer}
+    routes = {
+        "kernel": kernel,
+        "native": layer.forward_native,
+        "this change": layer,
+    }
     rms, fused, runs = {}, {}, {}
     with contextlib.ExitStack() as scope:
         with contextlib.suppress(ImportError):  # vLLM IR (0.20 - 0.33): native

@@ -40,7 +40,8 @@ def upstream_of(patch: Patch) -> Upstream:
 
 
 def _wiring(table: dict, patch: Patch) -> CiWiring:
-    """One ``[[upstream.ci]]`` table (a script's names the test to follow ``after``)."""
+    """One ``[[upstream.ci]]`` table (a script's names the test to follow
+    ``after``)."""
     try:
         script = table["file"].endswith(".sh")
         step = table["after" if script else "step"]
@@ -50,7 +51,9 @@ def _wiring(table: dict, patch: Patch) -> CiWiring:
         raise PatchError(
             "bad [upstream.ci] table",
             path=str(patch.folder / "patch.toml"),
-            looked_for="file, tests, and step and source_file_dependencies or after",
+            looked_for=(
+                "file, tests, and step and source_file_dependencies or after"
+            ),
             found=f"{type(exc).__name__}: {exc}",
         ) from exc
 

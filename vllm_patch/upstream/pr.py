@@ -48,8 +48,16 @@ OPTIONS = [  # (flag, METAVAR (None: a switch), help)
     ("--format-patch", "DIR", "also write the commit as an mbox (git am) into DIR"),
     ("--evidence", "DIR", "DIR/evidence.json's figures (bench --serve --out DIR)"),
     ("--out", "FILE", "the PR description; default: in <git-dir>/vllm-patch/"),
-    ("--no-tests", None, "do not run vLLM's tests (the checkout's code) of the edit"),
-    ("--no-bench", None, "measure nothing (without --evidence: per call, accuracy)"),
+    (
+        "--no-tests",
+        None,
+        "do not run vLLM's tests (the checkout's code) of the edit",
+    ),
+    (
+        "--no-bench",
+        None,
+        "measure nothing (without --evidence: per call, accuracy)",
+    ),
     ("--pytest-k", "EXPR", "run only the upstream tests matching EXPR (pytest -k)"),
     ("--print", None, "also print the PR description"),
 ]
@@ -88,12 +96,14 @@ class Settings:  # one run's, checked before anything is written
 
 
 def open_checkout(path: Path) -> tuple[git.Repo, str]:
-    """A clean checkout with commits; its committer's Signed-off-by, never guessed."""
+    """A clean checkout with commits; its committer's Signed-off-by,
+    never guessed."""
     try:
         repo = git.Repo(Path(path).expanduser(), search_parent_directories=False)
     except (git.InvalidGitRepositoryError, git.NoSuchPathError) as exc:
         raise UsageError(
-            "not a git checkout (pr needs a vLLM git clone; use apply for other trees)",
+            "not a git checkout (pr needs a vLLM git clone; use apply for other "
+            "trees)",
             path=str(path),
             looked_for=".git",
             found=type(exc).__name__,
@@ -123,7 +133,8 @@ def open_checkout(path: Path) -> tuple[git.Repo, str]:
 
 
 def refuse_ir_era(repo: git.Repo, tree: VllmTree, patch: Patch) -> None:
-    """Refuse a release whose form is another (its version: the build's, or v* tag)."""
+    """Refuse a release whose form is another (its version: the build's, or v*
+    tag)."""
     version = read_version(tree)
     if version is None:
         with contextlib.suppress(git.GitCommandError, InvalidVersion):
@@ -159,7 +170,9 @@ def preflight(args: argparse.Namespace) -> Settings:
     own = git_dir / "vllm-patch" / f"PR_{branch.replace('/', '_')}.md"
     out = Path(os.path.abspath(args.out or own))
     if args.out is None:
-        output_path(root, out.parent, "the PR description", folder=True, but=git_dir)
+        output_path(
+            root, out.parent, "the PR description", folder=True, but=git_dir
+        )
     output_path(root, out, "the PR description", but=git_dir)
     if args.format_patch:
         output_path(root, args.format_patch, "--format-patch DIR", folder=True)
@@ -229,7 +242,8 @@ def on_branch(s: Settings) -> Iterator[Work]:
             held = {signal.SIGINT, *SIGNALS}
             signal.pthread_sigmask(signal.SIG_BLOCK, held)
             try:
-                head, hooks = s.repo.head, {"c": "core.hooksPath=/dev/null"}  # no hook
+                head = s.repo.head
+                hooks = {"c": "core.hooksPath=/dev/null"}  # no hook
                 if s.tip and not head.is_detached and head.ref.name == s.branch:
                     s.repo.git(**hooks).reset("-q", "--hard", s.tip)
                 s.repo.git(**hooks).checkout("-q", "-f", s.start)
@@ -278,7 +292,9 @@ def _steps(args: argparse.Namespace) -> int:
         body = _description(s, work)  # vLLM's tests run before the commit
         if work.commit is None and work.files:
             s.repo.git.add("--", *work.files)
-            message = commit_message(s.upstream, s.signoff, pr_body.attribution(s.root))
+            message = commit_message(
+                s.upstream, s.signoff, pr_body.attribution(s.root)
+            )
             s.repo.git.commit("--no-verify", "--cleanup=whitespace", "-qm", message)
             work.commit = s.repo.head.commit
             print(
@@ -304,15 +320,20 @@ def _steps(args: argparse.Namespace) -> int:
         print("\n" + body)
     base = s.base or ""  # nothing is pushed: the commands that would
     remote = any(base.startswith(f"{r.name}/") for r in s.repo.remotes)
-    pr_base = (
-        base.split("/", 1)[1] if remote else base if base in s.repo.heads else "main"
-    )
+    pr_base = "main"
+    if remote:
+        pr_base = base.split("/", 1)[1]
+    elif base in s.repo.heads:
+        pr_base = base
+    checkout = shlex.quote(str(s.root))
+    title = shlex.quote(s.upstream.title)
+    body_file = shlex.quote(str(s.description))
     print(
         "\nNothing was pushed. To open the pull request:\n"
-        f"  git -C {shlex.quote(str(s.root))} push -u <your-fork-remote> {s.branch}\n"
+        f"  git -C {checkout} push -u <your-fork-remote> {s.branch}\n"
         f"  gh pr create --repo vllm-project/vllm --base {pr_base} "
-        f"--head <your-github-user>:{s.branch} --title {shlex.quote(s.upstream.title)} "
-        f"--body-file {shlex.quote(str(s.description))}"
+        f"--head <your-github-user>:{s.branch} --title {title} "
+        f"--body-file {body_file}"
     )
     return ExitCode.OK
 
@@ -332,7 +353,9 @@ def _apply(s: Settings, work: Work) -> bool:
         return False
     if plan.status is PlanStatus.APPLIED:  # the branch's commit, by its title
         commits = s.repo.iter_commits(s.branch, max_count=200)
-        work.commit = next((c for c in commits if c.summary == s.upstream.title), None)
+        work.commit = next(
+            (c for c in commits if c.summary == s.upstream.title), None
+        )
         files = sorted(work.commit.stats.files) if work.commit else []
         work.described = {f: [] for f in files}
         if work.commit and work.commit.parents:  # the description kept whole
@@ -340,8 +363,8 @@ def _apply(s: Settings, work: Work) -> bool:
         where = f"as {work.commit.hexsha[:12]} " if work.commit else ""
         switch = " (switched to it)" if s.start != s.branch else ""
         print(
-            f"{s.patch.name}: already committed {where}on branch {s.branch}{switch}; "
-            "nothing changed"
+            f"{s.patch.name}: already committed {where}on branch "
+            f"{s.branch}{switch}; nothing changed"
         )
         return True
     changes = plan.file_changes()
@@ -359,10 +382,11 @@ def _apply(s: Settings, work: Work) -> bool:
         else:
             replace_at(s.root.resolve() / edit.wiring.file, edit.text.encode())
     work.files = (*changes, *(e.wiring.file for e in work.ci if e.text))
-    work.described = plan.described() | {  # each CI file's change, or why not
-        e.wiring.file: e.described() for e in work.ci if e.text or e.left_out
+    work.described = {
+        **plan.described(),
+        **_ci_described(work.ci),
+        **_new_tests(changes),
     }
-    work.described |= _new_tests(changes)
     return True
 
 
@@ -389,10 +413,19 @@ def _replanned(
                 dest.write_bytes(blob.data_stream.read())
         plan = engine.plan(VllmTree(Path(tmp)), s.patch)
         ci = [ci_yaml.wire(Path(tmp), w) for w in s.upstream.ci]
-    described = plan.described() | _new_tests(plan.file_changes())  # run 1's order
-    described |= {e.wiring.file: e.described() for e in ci if e.text or e.left_out}
-    described |= {rel: [] for rel in files if rel not in described}
+    described = {  # run 1's order
+        **plan.described(),
+        **_new_tests(plan.file_changes()),
+        **_ci_described(ci),
+    }
+    for rel in files:
+        described.setdefault(rel, [])
     return {rel: said for rel, said in described.items() if rel in files}, ci
+
+
+def _ci_described(ci: list[CiEdit]) -> dict[str, list[str]]:
+    """Each CI file's change, or why it is left as it is."""
+    return {e.wiring.file: e.described() for e in ci if e.text or e.left_out}
 
 
 def _new_tests(changes: dict[str, tuple[str | None, str | None]]) -> dict:
@@ -438,7 +471,9 @@ def _description(s: Settings, work: Work) -> str:
         copies = None
         if bench or (tests and not s.args.no_tests):
             try:
-                copies = stack.enter_context(vllm_tests.sides(own, s.patch, depends))
+                copies = stack.enter_context(
+                    vllm_tests.sides(own, s.patch, depends)
+                )
             except vllm_tests.Unavailable as exc:
                 why = str(exc)
         started = figures.start_biases(copies) if bench and copies else []
@@ -447,21 +482,23 @@ def _description(s: Settings, work: Work) -> str:
         runs = None
         if tests:
             skipped = "skipped (--no-tests)" if s.args.no_tests else why
-            runs = vllm_tests.run_tests(copies, s.root, tests, s.args.pytest_k, skipped)
+            runs = vllm_tests.run_tests(
+                copies, s.root, tests, s.args.pytest_k, skipped
+            )
         measured = None
         if bench and copies is None:
             print(f"figures: cannot measure here ({why})")
             measured = figures.Measured(why_not=why)
         elif bench:
             print(
-                "figures: per call, the bfloat16 bias, a real model and eager Qwen3, "
-                "base and patched (--no-bench skips them)"
+                "figures: per call, the bfloat16 bias, a real model and eager "
+                "Qwen3, base and patched (--no-bench skips them)"
             )
             if own is None:
                 print(
-                    "figures: measured with the change as vllm-patch writes it into "
-                    "the installed vLLM's own files; not measured: this branch's own "
-                    "files (--no-tests runs no code of the checkout)"
+                    "figures: measured with the change as vllm-patch writes it "
+                    "into the installed vLLM's own files; not measured: this "
+                    "branch's own files (--no-tests runs no code of the checkout)"
                 )
             measured = figures.measure(copies, s.patch, print, started)
     facts = pr_body.Facts(

@@ -27,7 +27,12 @@ from vllm_patch.upstream.figures import (
 )
 from vllm_patch.upstream.meta import Upstream
 from vllm_patch.upstream.template import Piece, Template, boxes, fill
-from vllm_patch.upstream.vllm_tests import KEYS, TestRun, TestRuns, described_machine
+from vllm_patch.upstream.vllm_tests import (
+    KEYS,
+    TestRun,
+    TestRuns,
+    described_machine,
+)
 
 TOOL = "vllm-patch"
 # AGENTS.md's commit example: a fenced block whose trailer precedes Signed-off-by
@@ -67,7 +72,8 @@ model={model},base_url=http://localhost:8000/v1/completions,num_concurrent=4
 
 
 def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
-    """``folder``'s ``bench --serve`` evidence for ``patch``, both vLLMs measured."""
+    """``folder``'s ``bench --serve`` evidence for ``patch``,
+    both vLLMs measured."""
     if folder is None:
         return None
     ev = record.read(folder)
@@ -78,8 +84,11 @@ def load_evidence(folder: Path | None, patch: Patch) -> Evidence | None:
         for side in SIDES
         if not sides.get(side)
     ]
-    if (lm := ev.accuracy.lm_eval) and set(lm.scores) != set(SIDES):
-        found.append("accuracy.lm_eval: no exact_match and stderr for base and patched")
+    lm = ev.accuracy.lm_eval
+    if lm and set(lm.scores) != set(SIDES):
+        found.append(
+            "accuracy.lm_eval: no exact_match and stderr for base and patched"
+        )
     if ev.vllm is None or ev.vllm.patch != patch.name:
         said = md.printable(ev.vllm.patch if ev.vllm else "none named", 60)
         found[:0] = [
@@ -126,8 +135,11 @@ def attribution(checkout: Path | None) -> str:
     return f"{example[1] if example else TRAILER}: {tool_version()}"
 
 
-def render(patch: Patch, upstream: Upstream, facts: Facts, template: Template) -> str:
-    """The checkout's PR template filled, its tables cut until within ``BODY_LIMIT``."""
+def render(
+    patch: Patch, upstream: Upstream, facts: Facts, template: Template
+) -> str:
+    """The checkout's PR template filled, its tables cut until within
+    ``BODY_LIMIT``."""
     for rows in (100, 20, 3, 0):
         pieces = _pieces(upstream, facts, rows)
         text = fill(copy.deepcopy(template), pieces)
@@ -141,9 +153,12 @@ def checklist(facts: Facts, template: Template) -> list[str]:
     this run says of it (the author ticks them)."""
     runs = facts.tests
     passed = runs and runs.after.ran and not _failed(runs.after)
-    failed_before = runs and runs.before and runs.before.ran and _failed(runs.before)
+    before = runs.before if runs else None
+    failed_before = before and before.ran and _failed(before)
     said = {
-        AI_BOX: "true of this diff (made by vllm-patch, written with AI assistance)",
+        AI_BOX: (
+            "true of this diff (made by vllm-patch, written with AI assistance)"
+        ),
         TESTED_BOX: (
             "this run supports it (the new test passes with the change and fails "
             "without; CI runs it); the judgement is yours"
@@ -204,7 +219,9 @@ def tests_said(source: str) -> str:
         and f.name.startswith("test")
         for doc in [ast.get_docstring(f)]
     ]
-    return "new tests: " + "; ".join(tests) if tests else "a new file, no test in it"
+    return (
+        "new tests: " + "; ".join(tests) if tests else "a new file, no test in it"
+    )
 
 
 def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
@@ -220,7 +237,9 @@ def what_changes(described: dict[str, list[str]], mark: str = "`") -> str:
 
 
 def _and(items: list[str]) -> str:
-    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+    return " and ".join(
+        [", ".join(items[:-1]), items[-1]] if len(items) > 1 else items
+    )
 
 
 def _claims(upstream: Upstream, facts: Facts, rows: int):
@@ -252,9 +271,14 @@ def _command(upstream: Upstream, facts: Facts) -> str:
 
 def _tests_claim(runs: TestRuns | None, command: str) -> str:
     if runs is None or not runs.after.ran:
-        return f"- vLLM's tests of the change: to run, `{command}` with and without it."
+        return (
+            f"- vLLM's tests of the change: to run, `{command}` with and "
+            "without it."
+        )
     counts = runs.after.counts
-    shown = ", ".join(f"{counts[k]:,} {k}" for k in KEYS if k != "errors" or counts[k])
+    shown = ", ".join(
+        f"{counts[k]:,} {k}" for k in KEYS if k != "errors" or counts[k]
+    )
     said = f"- vLLM's edited tests on CPU: {shown} with this change"
     before = runs.before
     if before is None or not before.ran:
@@ -346,7 +370,8 @@ def _ran_on(facts: Facts) -> str | None:
 
 def _plan(upstream: Upstream, facts: Facts):
     command = _command(upstream, facts)
-    if ran := _ran_on(facts):
+    ran = _ran_on(facts)
+    if ran:
         yield ran
     yield f"The tests, with and without this change:\n\n```bash\n{command}\n```"
 
@@ -483,16 +508,18 @@ def _test_table(runs: TestRuns):
     after, files = runs.after, []
     if runs.same:
         verb = "matches" if len(runs.same) == 1 else "match"
-        files.append(f"whose {_and([f'`{f}`' for f in runs.same])} {verb} this branch")
+        files.append(
+            f"whose {_and([f'`{f}`' for f in runs.same])} {verb} this branch"
+        )
     if runs.copied:
         copied = _and([f"`{f}`" for f in runs.copied])
         files.append(
-            f"with this branch's {copied} (without and with the change) in place of "
-            "the build's own"
+            f"with this branch's {copied} (without and with the change) in place "
+            "of the build's own"
         )
     yield (
-        f"`{after.command}` on a CPU build of vLLM {after.vllm} (torch {after.torch}) "
-        f"{' and '.join(files)}, in {after.seconds:.0f} s:"
+        f"`{after.command}` on a CPU build of vLLM {after.vllm} (torch "
+        f"{after.torch}) {' and '.join(files)}, in {after.seconds:.0f} s:"
     )
     done = [("with this change", after)]
     done += [("without it", runs.before)] if runs.before and runs.before.ran else []
@@ -558,6 +585,8 @@ def _details(upstream: Upstream, facts: Facts):
         yield md.details(
             "Not run here: serving and gsm8k", "\n\n".join([NOT_RUN, *unrun])
         )
-    changes = [f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made]
+    changes = [
+        f"- `{rel}`: {c}" for rel, made in facts.described.items() for c in made
+    ]
     if changes:
         yield md.details("What the diff does, file by file", "\n".join(changes))

@@ -26,7 +26,11 @@ REV = (
     r"(?:[ \t]*#[ \t]*frozen:[ \t]*v?([\w.]+))?"
 )
 TOOLS = {"ruff": "astral-sh/ruff-pre-commit", "typos": "crate-ci/typos"}
-CONFIG_FILES = {"ruff.toml": (), ".ruff.toml": (), "pyproject.toml": ("tool", "ruff")}
+CONFIG_FILES = {
+    "ruff.toml": (),
+    ".ruff.toml": (),
+    "pyproject.toml": ("tool", "ruff"),
+}
 # Passed on to ruff; the rest (cache-dir, extend, output-file ...) could make it
 # read or write elsewhere.
 SETTINGS = "line-length indent-width target-version preview lint format".split()
@@ -57,7 +61,8 @@ def pinned_tool(name: str, version: str | None, notes: list[str]) -> str | None:
 def ruff_settings(root: Path, notes: list[str]) -> list[str]:
     """``--isolated --no-cache`` and the checkout's ``SETTINGS``, one by one."""
     # src: where first-party packages are (import sorting); ruff only looks.
-    argv = ["--isolated", "--no-cache", "--config", f"src = [{json.dumps(str(root))}]"]
+    src = f"src = [{json.dumps(str(root))}]"
+    argv = ["--isolated", "--no-cache", "--config", src]
     for name, keys in CONFIG_FILES.items():
         try:
             text = read_text_in(root, name, "ruff settings")
@@ -104,11 +109,14 @@ def pinned_version(root: Path, repo: str) -> str | None:
 
 
 def changed_ranges(before: str, after: str) -> list[tuple[int, int]]:
-    """0-based ``[start, end)`` line ranges of ``after`` that differ from ``before``."""
+    """0-based ``[start, end)`` line ranges of ``after`` that differ from
+    ``before``."""
     matcher = difflib.SequenceMatcher(
         None, before.splitlines(), after.splitlines(), autojunk=False
     )
-    return [(j1, j2) for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal"]
+    return [
+        (j1, j2) for tag, _, _, j1, j2 in matcher.get_opcodes() if tag != "equal"
+    ]
 
 
 def check_changes(
@@ -123,14 +131,18 @@ def check_changes(
         version = _capture([ruff, "--version"], cwd).stdout.strip()
         if pins["ruff"] and not version.endswith(f" {pins['ruff']}"):
             notes.append(
-                f"{version} ran; the checkout's pre-commit pins ruff {pins['ruff']}: "
-                f"run `pre-commit run --files {' '.join(changes)}` to be sure"
+                f"{version} ran; the checkout's pre-commit pins ruff "
+                f"{pins['ruff']}: run `pre-commit run --files {' '.join(changes)}` "
+                "to be sure"
             )
         for rel, (before, after) in changes.items():
             stdin = [*settings, "--stdin-filename", rel, "-"]
             notes += _ruff_notes(ruff, stdin, cwd, rel, (before or "", after))
-    if typos := pinned_tool("typos", pins["typos"], notes):  # as pre-commit runs it
-        done = _capture([typos, "--force-exclude", "--format=brief", *changes], root)
+    typos = pinned_tool("typos", pins["typos"], notes)
+    if typos:  # as pre-commit runs it
+        done = _capture(
+            [typos, "--force-exclude", "--format=brief", *changes], root
+        )
         notes += [f"typos: {line}" for line in done.stdout.splitlines()[:20]]
     return version, notes
 
@@ -156,14 +168,16 @@ def _ruff_notes(ruff: str, settings: list[str], cwd: str, rel: str, sides):
         )
     lint = [ruff, "check", "--no-fix", "--output-format=json", "--exit-zero"]
     try:
-        findings = json.loads(_capture([*lint, *settings], cwd, after).stdout or "[]")
+        printed = _capture([*lint, *settings], cwd, after).stdout
+        findings = json.loads(printed or "[]")
     except json.JSONDecodeError:
         yield f"{rel}: ruff check did not run with these settings"
         return
     for f in findings:
         row = f.get("location", {}).get("row", 0)
         if near(row - 1, row):
-            yield f"{rel}:{row}: ruff {f.get('code')} {f.get('message')} (left as is)"
+            code = f.get("code")
+            yield f"{rel}:{row}: ruff {code} {f.get('message')} (left as is)"
 
 
 def _capture(cmd: list[str], cwd: str | Path, stdin: str | None = None):

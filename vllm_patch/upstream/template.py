@@ -10,7 +10,8 @@ from patcher.errors import PatchError
 from patcher.files import read_text_in, refusal
 
 TEMPLATE = ".github/PULL_REQUEST_TEMPLATE.md"
-FALLBACK = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"  # vLLM's newest
+# vLLM's newest template's headings
+FALLBACK = "## Overview\n\n## Claims\n\n## Validation\n\n## Details\n"
 TEMPLATE_BYTES = 16 << 10  # vLLM's is 1.5 kB (0.32.0): a hostile one fills in ms
 KINDS = (  # kinds of text a section asks for, by the words that ask for it
     ("purpose", ("purpose", "overview", "summary", "motivation", "description")),
@@ -19,7 +20,9 @@ KINDS = (  # kinds of text a section asks for, by the words that ask for it
     ("result", ("result", "validation", "evidence")),
     ("details", ("detail", "design", "implementation", "trade-off", "limitation")),
 )
-ASKS = [(k, re.compile(rf"\b(?:{'|'.join(map(re.escape, ws))})")) for k, ws in KINDS]
+ASKS = [
+    (k, re.compile(rf"\b(?:{'|'.join(map(re.escape, ws))})")) for k, ws in KINDS
+]
 HEADING = re.compile(r"#{1,6}[ \t]+(.*)")
 TAIL = re.compile(r"^\s*(?:(?:-{3,}|\*{3,}|_{3,})\s*$|<details\b)")
 TICKED = re.compile(r"^([ \t]*[-*][ \t]+)\[[xX]\]", re.MULTILINE)
@@ -36,7 +39,8 @@ class Section:
     @cached_property
     def kinds(self) -> tuple[str, ...]:
         for text in (self.title, " ".join(_html_comments(self.body))):
-            if found := tuple(k for k, asks in ASKS if asks.search(text.lower())):
+            found = tuple(k for k, asks in ASKS if asks.search(text.lower()))
+            if found:
                 return found
         return ()
 
@@ -66,7 +70,8 @@ def read_template(root: Path | None) -> Template:
     why = ""
     try:
         text = read_text_in(root, TEMPLATE, "the PR template", limit=TEMPLATE_BYTES)
-        if (parsed := parse_template(text or "")).sections:
+        parsed = parse_template(text or "")
+        if parsed.sections:
             return parsed
     except PatchError as exc:
         why = f"left out: {TEMPLATE}: {refusal(exc)}"
@@ -103,16 +108,25 @@ def fill(template: Template, pieces: list[Piece]) -> str:
     statement the author makes, never the tool (:func:`boxes` lists them)."""
     for piece in (p for p in pieces if p.text.strip()):
         home = next(
-            (s for kind in piece.prefers for s in template.sections if kind in s.kinds),
+            (
+                s
+                for kind in piece.prefers
+                for s in template.sections
+                if kind in s.kinds
+            ),
             None,
         )
         if home is None:
             title = piece.prefers[0].capitalize()
-            template.sections.append(home := Section(f"## {title}", title))
+            home = Section(f"## {title}", title)
+            template.sections.append(home)
         home.filled.append(piece.text.strip())
     out = [template.head] if template.head else []
     for section in template.sections:
-        body = "\n\n".join(section.filled) if section.filled else section.body.strip()
+        if section.filled:
+            body = "\n\n".join(section.filled)
+        else:
+            body = section.body.strip()
         out.append(_closed(f"{section.heading}\n\n{body}".rstrip()))
     if template.left_out:
         out.append(f"_The checkout's PR template was {template.left_out}._")

@@ -114,7 +114,8 @@ def run_pytest(
 def compared(
     checkout: Path, patch: Patch, depends: list[str]
 ) -> tuple[list[str], list[str]]:
-    """``depends``' files (same, differing) as the installed vLLM, patched or not."""
+    """``depends``' files (same, differing) as the installed vLLM,
+    patched or not."""
     trees = (VllmTree(checkout), open_tree(None))
 
     def files(tree: VllmTree, entry: str) -> set[str]:
@@ -132,9 +133,12 @@ def compared(
 
 
 def own_sides(checkout: Path, patch: Patch, names: list[str]) -> dict:
-    """The checkout's ``names`` (edited by ``patch``) without and with the change."""
+    """The checkout's ``names`` (edited by ``patch``)
+    without and with the change."""
     tree = VllmTree(checkout)
-    sides = [engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")]
+    sides = [
+        engine.plan(tree, patch, d).file_changes() for d in ("revert", "apply")
+    ]
     return {
         n: tuple(c[n][1].encode() if n in c else tree.read_bytes(n) for c in sides)
         for n in names
@@ -155,7 +159,9 @@ class Unavailable(Exception):
 
 
 @contextlib.contextmanager
-def sides(checkout: Path | None, patch: Patch, depends: list[str]) -> Iterator[Copies]:
+def sides(
+    checkout: Path | None, patch: Patch, depends: list[str]
+) -> Iterator[Copies]:
     """Two copies of the installed vLLM, with and without ``patch``, built once a
     run. With ``checkout``, its files that differ are put in (its code then runs
     in them); without, the copies hold only the build's files and the change.
@@ -168,7 +174,8 @@ def sides(checkout: Path | None, patch: Patch, depends: list[str]) -> Iterator[C
         raise Unavailable("no torch in this environment")
     same, differing = compared(checkout, patch, depends) if checkout else ([], [])
     edited = {e.file for e in patch.edits}
-    if foreign := ", ".join(f for f in differing if f not in edited):
+    foreign = ", ".join(f for f in differing if f not in edited)
+    if foreign:
         raise Unavailable(
             f"the checkout and the vLLM {read_version(installed)} installed for "
             f"{sys.executable} differ in {foreign}"
@@ -198,23 +205,30 @@ def run_tests(
     why_not = why_not or ("" if present else "not in this checkout")
     if why_not or copies is None:
         said = (
-            why_not if why_not.startswith("skipped") else f"cannot run here ({why_not})"
+            why_not
+            if why_not.startswith("skipped")
+            else f"cannot run here ({why_not})"
         )
-        print(f"upstream tests: {said}; the description gives the reviewer's command")
+        print(
+            f"upstream tests: {said}; the description gives the reviewer's command"
+        )
         return TestRuns(TestRun(command, False, said))
     said = [f"{', '.join(copies.same)} the same in both"] if copies.same else []
     said += (
-        [f"the checkout's {', '.join(copies.put_in)} put in"] if copies.put_in else []
+        [f"the checkout's {', '.join(copies.put_in)} put in"]
+        if copies.put_in
+        else []
     )
     print(
-        f"upstream tests: running {command} of the checkout on CPU against "
-        f"vLLM {read_version(VllmTree(copies.patched))}, with and without the change "
-        f"({'; '.join(said)}). This runs the checkout's own code (the test "
-        "files and what they import); --no-tests skips them",
+        f"upstream tests: running {command} of the checkout on CPU against vLLM "
+        f"{read_version(VllmTree(copies.patched))}, with and without the change "
+        f"({'; '.join(said)}). This runs the checkout's own code (the test files "
+        "and what they import); --no-tests skips them",
         flush=True,
     )
     after = run_pytest(checkout, present, copies.patched, keyword)
     before = run_pytest(checkout, present, copies.base, keyword)
     fails = f"; without the change: {before.summary()}" if before.ran else ""
-    print(f"upstream tests: {after.summary() + fails if after.ran else after.reason}")
+    outcome = after.summary() + fails if after.ran else after.reason
+    print(f"upstream tests: {outcome}")
     return TestRuns(after, before, copies.same, copies.put_in)
