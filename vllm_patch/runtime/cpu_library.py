@@ -49,9 +49,11 @@ def forced_in_spawned(library: str) -> Iterator[None]:
     force(library)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-kernels-") as folder:
         script = Path(folder, "sitecustomize.py")
-        script.write_text(
-            f"from vllm_patch.runtime.cpu_library import force\nforce({library!r})\n"
+        lines = (
+            "from vllm_patch.runtime.cpu_library import force",
+            f"force({library!r})",
         )
+        script.write_text("\n".join(lines) + "\n")
         before = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, before]))
         try:
