@@ -47,8 +47,11 @@ INTRO = (
     "the engine picks for it, which applies (dry run) and, live, makes a patched "
     "copy call the CPU kernels eager and none when compiling. **Route**: how the "
     "out-of-tree provider reached the kernels there. Calls: torch profiler events "
-    "`_C::rms_norm` + `_C::fused_add_rms_norm` for one RMSNorm called plain and "
-    "with a residual, eager / compiled."
+    "`_C::rms_norm` + `_C::fused_add_rms_norm` for one bfloat16 RMSNorm called "
+    "plain and with a residual, eager / compiled: 0+0 eager is the rule's answer "
+    "where bfloat16 stays native (the x86 builds that truncate, `_C_AVX512` and "
+    "`_C_AVX2`; Arm without BF16; a process whose OpenMP team spans every CPU), "
+    "and every check compares the calls with the rule's."
 )
 FORMS = {"custom_op": "CustomOp form", "ir": "IR form", "provider": "provider"}
 CONFORMANCE = (
