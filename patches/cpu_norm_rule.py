@@ -39,7 +39,9 @@ def cpu_norm_dtypes() -> tuple[torch.dtype, ...]:
         dtypes.append(torch.float16)
     # bfloat16 only where the build rounds float32 to bfloat16 as torch does:
     # POWER and s390x round in software, aarch64 with BF16 in hardware (the
-    # aarch64 build's bfloat16 kernels need the BF16 extension: oneDNN's check).
+    # aarch64 build's bfloat16 kernels need the BF16 extension). oneDNN's check
+    # reads cpuinfo's BF16 flag, as torch.cpu.get_capabilities() does, which
+    # torch 2.10 and older (vLLM 0.19 and older) lack.
     rounds_bf16 = arch in (CpuArchEnum.POWERPC, CpuArchEnum.S390X) or (
         arch == CpuArchEnum.ARM and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
