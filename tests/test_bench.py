@@ -428,8 +428,9 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
 )
 def test_the_change_measured_is_the_default_or_the_one_named(named, measured):
     from patcher.tree import open_tree
+    from vllm_patch.runtime.patched_copy import choose_patch
 
-    assert bench_run.choose_patch(open_tree(None), named).name == measured
+    assert choose_patch(open_tree(None), named).name == measured
 
 
 @requires_vllm
@@ -881,11 +882,9 @@ def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtyp
 def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
     """``likelihood.run``'s records, as ``--likelihood`` writes them: read back
     as the same records, a claim per dtype and build, the table under Accuracy."""
-    from vllm_patch.bench import likelihood as ll
-
-    difference = {"patched": ll.Interval(1e-4, -2e-4, 4e-4, 22)}
-    found = ll.Comparison(
-        ll.LikelihoodResult(
+    difference = {"patched": record.Interval(1e-4, -2e-4, 4e-4, 22)}
+    found = record.Likelihood(
+        record.LikelihoodResult(
             dtype="float32",
             build="_C_AVX2",
             text="the GNU GPL",
@@ -896,7 +895,7 @@ def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
             difference=difference,
             seconds={"base": 30.0, "patched": 31.0},
         ),
-        ll.GreedyResult(
+        record.GreedyResult(
             dtype="float32",
             build="_C_AVX2",
             prompts=("Hi", "Why?"),

