@@ -790,6 +790,11 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
 
 def decode_section(**rows_how) -> dict:
     """``decode.summary``'s section as ``evidence.json`` holds it."""
+    return record.to_json(decode_record(**rows_how))
+
+
+def decode_record(**rows_how) -> record.Decode:
+    """``decode.summary`` of rounds in two layouts and a compiled pair."""
     from dataclasses import replace
 
     from vllm_patch.bench import decode
@@ -806,8 +811,7 @@ def decode_section(**rows_how) -> dict:
     parts = dict.fromkeys(decode.SPLIT, 1.0)
     found = {"eager": rows + rows2, "compiled": compiled, "profile": {"auto": {}}}
     found["profile"]["auto"] = {v: parts for v in rows[0].steps}
-    section = decode.summary(found, ["auto", 2], about=about, meta=meta)
-    return record.to_json(section)
+    return decode.summary(found, ["auto", 2], about=about, meta=meta)
 
 
 def test_the_decode_section_holds_what_docs_bench_md_promises():
