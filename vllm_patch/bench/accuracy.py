@@ -44,7 +44,8 @@ class Completion:
 def compare(base: list[Completion], patched: list[Completion]) -> TokenMode:
     """Where the patched tokens first part from the base's, and the largest
     |delta logprob| up to there (that position included: its context is shared)."""
-    parts, parted = [], []
+    parts = []
+    parted = []
     for i, (b, p) in enumerate(zip(base, patched, strict=True)):
         pairs = list(zip(b.tokens, p.tokens, strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)

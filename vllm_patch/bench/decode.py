@@ -476,9 +476,14 @@ def start(config: dict[str, Any], totals: list[int], hooks: dict) -> tuple:
         return sorted({type(m).__name__ for m in norms})
 
     hooked = llm.apply_model(hook)[0] if config["enforce_eager"] else []
-    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
-    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
-    return llm, about | {"norm_classes": hooked}
+    custom_ops = llm.llm_engine.vllm_config.compilation_config.custom_ops
+    about = {
+        "pid": os.getpid(),
+        "kernel_build": cpu_library.loaded(),
+        "custom_ops": list(custom_ops),
+        "norm_classes": hooked,
+    }
+    return llm, about
 
 
 def step(llm, totals: list[int]) -> dict[str, Any]:

@@ -377,7 +377,8 @@ def markdown(results: Sequence[Likelihood], model: str) -> list[str]:
     header = ["dtype", "build", "side", "nats/token", "side − base [95 % CI]"]
     rows = []
     for found in results:
-        ll, greedy = found.likelihood, found.greedy
+        ll = found.likelihood
+        greedy = found.greedy
         for side, nats in ll.nats_per_token.items():
             diff = ll.difference.get(side)
             rows.append(
@@ -407,8 +408,11 @@ def section(
     started = time.monotonic()
     results = run(model.path, copy, dtypes, progress, settings)
     minutes = round((time.monotonic() - started) / 60, 1)
-    found = {"model": model.to_json(), "minutes": minutes}
-    return found | {"results": [r.to_json() for r in results]}
+    return {
+        "model": model.to_json(),
+        "minutes": minutes,
+        "results": [r.to_json() for r in results],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -90,7 +90,9 @@ def running(
         port = s.getsockname()[1]
     args = {"args": serve_args(model, port, eager, sizes)}
     handle = child.start("vllm_patch.vllm_cli:serve", args, **how)
-    url, why, started = f"http://{HOST}:{port}", None, time.monotonic()
+    url = f"http://{HOST}:{port}"
+    why = None
+    started = time.monotonic()
     server = {"url": url}
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
     try:
@@ -133,7 +135,8 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
 
 def completions(url: str, prompts: list[str]) -> list[accuracy.Completion]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    out, endpoint = [], f"{url}/v1/completions"
+    out = []
+    endpoint = f"{url}/v1/completions"
     for prompt in prompts:
         body = {
             "model": SERVED_NAME,
