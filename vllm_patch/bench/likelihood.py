@@ -394,34 +394,14 @@ def markdown(results: Sequence[Likelihood], model: str) -> list[str]:
     return [*lines, md.table([*header, "greedy tokens"], rows)]
 
 
-def section(
-    copy: str,
-    progress: Progress = print,
-    dtypes: Sequence[str] = DTYPES,
-    settings: Settings = Settings(),
-) -> dict[str, Any]:
-    """For ``evidence.json``: the model made (once) and its record, then
-    :func:`run` on it against the patched copy at ``copy``."""
-    from vllm_patch.bench import smollm2
-
-    model = smollm2.ensure_model(progress)
-    started = time.monotonic()
-    results = run(model.path, copy, dtypes, progress, settings)
-    minutes = round((time.monotonic() - started) / 60, 1)
-    return {
-        "model": model.to_json(),
-        "minutes": minutes,
-        "results": [r.to_json() for r in results],
-    }
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
     import sys
 
     from patcher.tree import open_tree
-    from vllm_patch.bench.smollm2 import NAME, say
+    from vllm_patch.bench import smollm2
+    from vllm_patch.bench.smollm2 import say
     from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
@@ -436,11 +416,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tree = open_tree(None)
     with patched_copy(tree, choose_patch(tree)) as copy:
-        found = section(str(copy), say, args.dtypes.split(","), settings)
+        model = smollm2.ensure_model(say)
+        started = time.monotonic()
+        dtypes = args.dtypes.split(",")
+        results = run(model.path, str(copy), dtypes, say, settings)
+    minutes = round((time.monotonic() - started) / 60, 1)
+    found = {
+        "model": model.to_json(),
+        "minutes": minutes,
+        "results": [r.to_json() for r in results],
+    }
     print(json.dumps(found, indent=1))
-    results = [Likelihood.from_json(r) for r in found["results"]]
-    print("\n".join(markdown(results, NAME)), file=sys.stderr)
-    say(f"likelihood: {found['minutes']} minutes")
+    print("\n".join(markdown(results, smollm2.NAME)), file=sys.stderr)
+    say(f"likelihood: {minutes} minutes")
     return 0
 
 
