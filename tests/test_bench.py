@@ -24,7 +24,7 @@ from conftest import requires_vllm
 from patcher.errors import ExitCode, PatchError
 from vllm_patch.bench import accuracy, models, record, report, serving
 from vllm_patch.bench import run as bench_run
-from vllm_patch.bench.report import METRICS
+from vllm_patch.bench.record import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 

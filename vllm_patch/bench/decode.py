@@ -26,7 +26,7 @@ from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
 from vllm_patch.bench import record
-from vllm_patch.bench.record import Span
+from vllm_patch.bench.record import HALF_WIDTH, Span
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
@@ -69,7 +69,6 @@ SPLIT = ("norm kernels", "rest of RMSNorm", "matmul after a norm", "other ops")
 # The projection that reads a norm's output: vLLM's CPU linears are ATen's
 # linear/addmm/mm or oneDNN's matmul ops.
 MATMUL = re.compile(r"linear|mm|gemm|matmul")
-HALF_WIDTH = 0.03  # an interval this narrow (relative) resolves the change
 TRIM = 0.1  # the share of the rounds left out at each end
 RESAMPLES = 2000
 Figures = Sequence[float | None]

@@ -49,6 +49,9 @@ LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
 SHORTEST = 1e-6  # a time or throughput, in its unit (a denormal is not a time)
 MOST_RATIO = 1000.0  # figures further apart measure no change of two norms
 MOST_COUNT = 10**7
+HALF_WIDTH = (
+    0.03  # a decode ratio's interval this narrow (relative) resolves the change
+)
 _NAMES = {str: "a string", int: "a whole number", float: "a number"}
 
 

@@ -9,6 +9,7 @@ from vllm_patch.bench.record import (
     A_A,
     ALLOC,
     FORWARD_NATIVE,
+    HALF_WIDTH,
     METRICS,
     MINIMAL,
     MODES,
@@ -18,10 +19,8 @@ from vllm_patch.bench.record import (
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.machine import BUSY_SHARE
 
-# bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 ROWS = 500  # the most rows of a table in evidence.md
-HALF_WIDTH = 0.03  # bench.decode's aim for an interval's relative half-width
 VERDICTS = {
     "helps": "helps (interval below 1)",
     "neutral": "neutral (interval holds 1)",
