@@ -1,5 +1,8 @@
-"""``evidence.json`` read into frozen records, one type-hint-driven reader checking
-every value's type and bounds (``Meta``), else a ``PatchError`` naming the field."""
+"""The evidence format as frozen records, its one home and a leaf (it imports
+nothing of ``bench``): the parts build them, ``to_json`` writes them as
+``evidence.json`` holds them, and what comes from outside (a file, a child's
+output) is read back by one type-hint-driven reader checking every value's type
+and bounds (``Meta``), else a ``PatchError`` naming the field."""
 
 import dataclasses
 import functools
