@@ -253,7 +253,11 @@ def profile_phase(started: list[Engine], args, progress) -> dict[str, dict]:
     for layout in args.threads:
         for e in started:
             e.ask({"layout": layout, "tokens": args.tokens})
-            found.setdefault(layout, {})[e.name] = e.ask({"profile": True})
+            printed = e.ask({"profile": True})
+            where = f"profile_ms.{e.name}"
+            found.setdefault(layout, {})[e.name] = record.typed(
+                dict[str, float], printed, where
+            )
         progress(f"decode: profiled {layout}: {found[layout]}")
     return found
 
