@@ -267,7 +267,7 @@ def measure(
             said += f", - base {shown(difference)}, greedy {same}/{asked} equal"
         said += f" on {found['loaded']}, {found['seconds']:.0f} s"
         progress(f"likelihood: {side.name}: {said}")
-    base, *others = got
+    base = next(iter(got))  # the first side
     builds = {", ".join(g["loaded"]) for g in got.values()}
     if len(builds) != 1:
         raise RuntimeError(f"the sides loaded different kernel builds: {builds}")
