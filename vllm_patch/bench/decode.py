@@ -10,6 +10,7 @@ so that its CPU time, the hooks on ``RMSNorm`` and the thread layout are those
 of the process that runs the model."""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPS, OPT_IN_ENV
+from vllm_patch.bench import record
+from vllm_patch.bench.record import HALF_WIDTH, Span
 from vllm_patch.runtime import child, machine
 
 CLOCKS = ("cpu", "wall")  # the headline's first: CPU time moves less with load
@@ -66,7 +69,6 @@ SPLIT = ("norm kernels", "rest of RMSNorm", "matmul after a norm", "other ops")
 # The projection that reads a norm's output: vLLM's CPU linears are ATen's
 # linear/addmm/mm or oneDNN's matmul ops.
 MATMUL = re.compile(r"linear|mm|gemm|matmul")
-HALF_WIDTH = 0.03  # an interval this narrow (relative) resolves the change
 TRIM = 0.1  # the share of the rounds left out at each end
 RESAMPLES = 2000
 Figures = Sequence[float | None]
@@ -91,39 +93,42 @@ def bootstrap(values: Sequence[float]) -> tuple[float, float, float]:
     return trimmed_mean(values), low, high
 
 
-def level(values: Figures, key: str = "ms", back=float) -> dict[str, object]:
-    """A level: ``key`` (the trimmed mean), ``ci95``, ``n``, mapped by ``back``."""
+def level(values: Figures) -> record.Ms:
+    """A level: the trimmed mean, ``ci95``, ``n``."""
     kept = [v for v in values if v is not None]
-    mid, lo, hi = (round(back(v), 4) for v in bootstrap(kept))
-    return {key: mid, "ci95": [lo, hi], "n": len(kept)}
+    mid, low, high = (round(v, 4) for v in bootstrap(kept))
+    return record.Ms(ms=mid, ci95=Span(low, high), n=len(kept))
 
 
-def ratio(numerator: Figures, denominator: Figures) -> dict[str, object]:
+def ratio(numerator: Figures, denominator: Figures) -> record.Ratio:
     """numerator / denominator per round where both are positive and finite; the
     rounds left out (counted from 1) under ``dropped``."""
-    logs, dropped = [], []
+    logs = []
+    dropped = []
     for n, pair in enumerate(zip(numerator, denominator, strict=True), 1):
         if all(v is not None and 0 < v < math.inf for v in pair):
             logs.append(math.log(pair[0] / pair[1]))
         else:
             dropped.append(n)
-    found = level(logs, "ratio", math.exp)
-    return found | ({"dropped": dropped} if dropped else {})
+    mid, low, high = (round(math.exp(v), 4) for v in bootstrap(logs))
+    return record.Ratio(
+        ratio=mid, ci95=Span(low, high), n=len(logs), dropped=tuple(dropped) or None
+    )
 
 
-def verdict(found: dict, control: dict | None) -> str:
+def verdict(found: record.Estimate, control: record.Estimate | None) -> str:
     """``helps``, ``neutral`` or ``loses``: the interval against 1.0, trusted
     only when the A/A control's interval holds 1.0."""
-    if control is not None and not control["ci95"][0] <= 1.0 <= control["ci95"][1]:
+    if control is not None and not control.ci95.low <= 1.0 <= control.ci95.high:
         return "unresolved"  # the control moved: the machine, not the change
-    low, high = found["ci95"]
+    low, high = found.ci95
     return "helps" if high < 1.0 else "loses" if low > 1.0 else "neutral"
 
 
-def precise(found: dict) -> bool:
+def precise(found: record.Estimate) -> bool:
     """Is the interval's half-width at most ``HALF_WIDTH`` of the estimate?"""
-    low, high = found["ci95"]
-    return (high - low) / 2 <= HALF_WIDTH * found["ratio"]
+    low, high = found.ci95
+    return (high - low) / 2 <= HALF_WIDTH * found.value
 
 
 class Engine(contextlib.AbstractContextManager):
@@ -172,9 +177,10 @@ def interleaved(order: list[Engine], layout: str, tokens: int) -> tuple[dict, di
     """Per engine, a step of each in turn: each figure's median over decode
     steps; and each engine's layout as it read it back."""
     found: dict[str, dict[str, list[int]]] = {e.name: {} for e in order}
-    layouts = {
-        e.name: e.ask({"layout": layout, "tokens": tokens})["layout"] for e in order
-    }
+    layouts = {}
+    for e in order:
+        added = e.ask({"layout": layout, "tokens": tokens})["layout"]
+        layouts[e.name] = record.typed(record.Layout, added, f"{e.name}.layout")
     running = list(order)
     while running:
         for e in list(running):
@@ -184,14 +190,18 @@ def interleaved(order: list[Engine], layout: str, tokens: int) -> tuple[dict, di
             if answer["finished"]:
                 running.remove(e)
         running = running[1:] + running[:1]
+    medians = {}
     for name, steps in found.items():
         cpu = steps["step_cpu"]
         assert len(cpu) > 2, "no decode steps"
-        mid = {k: statistics.median(v[1:]) for k, v in steps.items() if k != "finished"}
-        out = {k: round(v / 1e6, 4) for k, v in mid.items() if k != "norm_calls"}
-        out["norm_calls"] = float(mid["norm_calls"])
-        found[name] = out | {"cpu_ms": [round(t / 1e6, 2) for t in cpu]}
-    return found, layouts
+        mid = {k: statistics.median(steps[k][1:]) for k in STEP_KEYS}
+        ms = {k: round(v / 1e6, 4) for k, v in mid.items() if k != "norm_calls"}
+        medians[name] = record.Step(
+            **ms,
+            norm_calls=float(mid["norm_calls"]),
+            cpu_ms=tuple(round(t / 1e6, 2) for t in cpu),
+        )
+    return medians, layouts
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
@@ -210,23 +220,31 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
             steps, layouts = interleaved(started[k:] + started[:k], layout, args.tokens)
             share = machine.other_share(before, pids)
             busy = (share or 0) > machine.BUSY_SHARE
-            row = {"round": r, "threads": layout, "order": list(steps), "steps": steps}
-            row.update(layouts=layouts, other_share=share, busy=busy)
             if r:
-                out.append(row)
+                out.append(
+                    record.Round(
+                        round=r,
+                        threads=layout,
+                        order=tuple(steps),
+                        steps=steps,
+                        layouts=layouts,
+                        other_share=share,
+                        busy=busy,
+                    )
+                )
             progress(
                 f"decode: round {r}/{args.rounds}{' (warm-up)' if not r else ''}, "
                 f"{layout_shown(layout, layouts)}, others {share}: "
-                + ", ".join(f"{v} {s['step_cpu']:.1f} ms" for v, s in steps.items())
+                + ", ".join(f"{v} {s.step_cpu:.1f} ms" for v, s in steps.items())
             )
     return out
 
 
-def layout_shown(layout: str, layouts: dict) -> str:
+def layout_shown(layout: str, layouts: dict[str, record.Layout]) -> str:
     """``auto (1 thread(s) on CPUs 0)``: the layout as the first engine read it."""
     seen = next(iter(layouts.values()))
-    cpus = ",".join(map(str, seen["cpus"]))
-    return f"{layout}: {seen['threads']} thread(s) on CPUs {cpus}"
+    cpus = ",".join(map(str, seen.cpus))
+    return f"{layout}: {seen.threads} thread(s) on CPUs {cpus}"
 
 
 def profile_phase(started: list[Engine], args, progress) -> dict[str, dict]:
@@ -235,115 +253,152 @@ def profile_phase(started: list[Engine], args, progress) -> dict[str, dict]:
     for layout in args.threads:
         for e in started:
             e.ask({"layout": layout, "tokens": args.tokens})
-            found.setdefault(layout, {})[e.name] = e.ask({"profile": True})
+            printed = e.ask({"profile": True})
+            where = f"profile_ms.{e.name}"
+            found.setdefault(layout, {})[e.name] = record.typed(
+                dict[str, float], printed, where
+            )
         progress(f"decode: profiled {layout}: {found[layout]}")
     return found
 
 
-def column(rows: list[dict], variant: str, key: str) -> list:
-    return [r["steps"].get(variant, {}).get(key) for r in rows]
+def column(rows: list[record.Round], variant: str, key: str) -> list:
+    return [
+        getattr(r.steps[variant], key) if variant in r.steps else None for r in rows
+    ]
 
 
-def block(rows: list[dict], pairs: dict[str, tuple[str, str]]) -> dict[str, Any]:
+def compared(rows: list[record.Round], a: str, b: str) -> dict[str, record.Ratio]:
+    """``a`` / ``b`` per round, by ``CLOCKS``."""
+    return {
+        c: ratio(column(rows, a, f"step_{c}"), column(rows, b, f"step_{c}"))
+        for c in CLOCKS
+    }
+
+
+def block(
+    rows: list[record.Round], pairs: dict[str, tuple[str, str]]
+) -> record.DecodeBlock:
     """One thread count's comparisons, levels per engine and savings in the norms."""
-    seen = {v for r in rows for v in r["steps"]}
+    seen = {v for r in rows for v in r.steps}
     names = [v for v in NAMES if v in seen]
 
-    def levels(key: str) -> dict[str, Any]:
+    def levels(key: str) -> dict[str, record.Ms]:
         return {v: level(column(rows, v, key)) for v in names}
 
+    by_clock = {
+        label: compared(rows, a, b)
+        for label, (a, b) in pairs.items()
+        if a in names and b in names
+    }
+    control = by_clock.get("base/base", {}).get(CLOCKS[0])
+    loaded = sum(r.busy for r in rows) > len(rows) / 2
     comps = {}
-    for label, (a, b) in pairs.items():
-        if a in names and b in names:
-            by = {c: [column(rows, v, f"step_{c}") for v in (a, b)] for c in CLOCKS}
-            comps[label] = {c: ratio(*by[c]) for c in CLOCKS}
-            comps[label].update(comps[label][CLOCKS[0]])
-    control = comps.get("base/base")
-    loaded = sum(r["busy"] for r in rows) > len(rows) / 2
-    for label, found in comps.items():
-        found["precise"] = precise(found)
+    for label, found in by_clock.items():
+        headline = found[CLOCKS[0]]
+        judged = None
         if label != "base/base":
             # most rounds busy: the load, not the change, may be what moved
-            found["verdict"] = "busy" if loaded else verdict(found, control)
-    out = {"comparisons": comps, "step_ms": levels("step_cpu")}
-    if rows[0].get("layouts"):
-        out["layout"] = next(iter(rows[0]["layouts"].values()))
-    out["step_wall_ms"] = levels("step_wall")
-    out["rounds"] = len(rows)
-    out["busy_rounds"] = sum(r["busy"] for r in rows)
-    if any(r["steps"][names[0]]["norm_calls"] for r in rows):  # eager: attributed
-        out["norm_ms"] = levels("norm_cpu")
-        out["norm_wall_ms"] = levels("norm_wall")
-        out["norm_calls_per_step"] = rows[0]["steps"][names[0]]["norm_calls"]
-        out["savings"] = {v: saving(rows, v) for v in SAVINGS if v in names}
-        saved = out["savings"].get("patched")
-        if saved:
-            out["saving_ms"] = saved["saving_ms"]
-            out["saving_share"] = saved["share"]
-            out["consistent"] = consistent(comps["patched/base"], saved)
-    return out
+            judged = "busy" if loaded else verdict(headline, control)
+        comps[label] = record.Comparison(
+            cpu=found["cpu"],
+            wall=found["wall"],
+            ratio=headline.ratio,
+            ci95=headline.ci95,
+            n=headline.n,
+            dropped=headline.dropped,
+            precise=precise(headline),
+            verdict=judged,
+        )
+    out = record.DecodeBlock(
+        comparisons=comps,
+        step_ms=levels("step_cpu"),
+        layout=next(iter(rows[0].layouts.values()), None),
+        step_wall_ms=levels("step_wall"),
+        rounds=len(rows),
+        busy_rounds=sum(r.busy for r in rows),
+    )
+    if not any(r.steps[names[0]].norm_calls for r in rows):  # compiled: no hooks
+        return out
+    savings = {v: saving(rows, v) for v in SAVINGS if v in names}
+    saved = savings.get("patched")
+    return dataclasses.replace(
+        out,
+        norm_ms=levels("norm_cpu"),
+        norm_wall_ms=levels("norm_wall"),
+        norm_calls_per_step=rows[0].steps[names[0]].norm_calls,
+        savings=savings,
+        saving_ms=saved and saved.saving_ms,
+        saving_share=saved and saved.share,
+        consistent=saved and consistent(comps["patched/base"], saved),
+    )
 
 
-def consistent(found: dict, saved: dict) -> dict[str, Any]:
+def consistent(found: record.Comparison, saved: record.Saving) -> record.Consistent:
     """Does the end-to-end interval meet the one the saving implies?"""
-    low, high = saved["expected_ratio"]
-    contradicts = found["ci95"][1] < low or found["ci95"][0] > high
-    return {"contradicts": contradicts, "expected_ratio": [low, high]}
+    low, high = saved.expected_ratio
+    contradicts = found.ci95.high < low or found.ci95.low > high
+    return record.Consistent(contradicts=contradicts, expected_ratio=Span(low, high))
 
 
-def saving(rows: list[dict], variant: str) -> dict[str, Any]:
+def saving(rows: list[record.Round], variant: str) -> record.Saving:
     """base's minus ``variant``'s norm CPU time per step, and the ratio it implies."""
     base = column(rows, "base", "norm_cpu")
     mine = column(rows, variant, "norm_cpu")
     pairs = zip(base, mine, strict=True)
     steps = zip(base, mine, column(rows, "base", "step_cpu"), strict=True)
     share = level([None if None in t else (t[0] - t[1]) / t[2] for t in steps])
-    lo, hi = share["ci95"]
-    return {
-        "saving_ms": level([a - b for a, b in pairs if None not in (a, b)]),
-        "share": {"share": share["ms"], "ci95": share["ci95"]},
-        "expected_ratio": [round(1 - hi, 4), round(1 - lo, 4)],
-    }
+    low, high = share.ci95
+    return record.Saving(
+        saving_ms=level([a - b for a, b in pairs if None not in (a, b)]),
+        share=record.Share(share=share.ms, ci95=share.ci95),
+        expected_ratio=Span(round(1 - high, 4), round(1 - low, 4)),
+    )
 
 
-def summary(found: dict[str, list], layouts: list, about: dict, meta: dict) -> dict:
-    """The ``decode`` section, the first layout's block at its top level."""
+def summary(
+    found: dict[str, list], layouts: list, about: dict, meta: dict
+) -> record.Decode:
+    """The ``decode`` section, the first layout's block at its top level
+    (``meta``: its ``model``, ``dtype`` and ``tokens``)."""
 
-    def per_layout(rows: list[dict], pairs: dict) -> dict[str, Any]:
+    def per_layout(
+        rows: list[record.Round], pairs: dict
+    ) -> dict[str, record.DecodeBlock]:
         return {
-            str(n): block([r for r in rows if r["threads"] == n], pairs)
+            str(n): block([r for r in rows if r.threads == n], pairs)
             for n in layouts
-            if any(r["threads"] == n for r in rows)
+            if any(r.threads == n for r in rows)
         }
 
     by_layout = per_layout(found["eager"], COMPARISONS)
     for n, profile in found.get("profile", {}).items():
         if n in by_layout:
-            by_layout[n]["profile_ms"] = profile
-    builds = sorted({b for a in about.values() for b in a["kernel_build"]})
+            by_layout[n] = dataclasses.replace(by_layout[n], profile_ms=profile)
+    builds = sorted({b for a in about.values() for b in a.kernel_build})
     notes = []
-    provider = about.get("provider", {}).get("norm_classes")
-    if provider is not None and provider == about["base"]["norm_classes"]:
+    provider = about.get("provider")
+    if provider is not None and provider.norm_classes == about["base"].norm_classes:
         notes.append(
             "the provider engine built vLLM's own RMSNorm: the plugin's entry point "
             "is not installed here, so provider/base compares base with itself"
         )
-    return {
-        "notes": notes,
+    return record.Decode(
+        notes=tuple(notes),
         **meta,
-        "threads": layouts[0],
-        "thread_counts": layouts,
-        "kernel_build": ", ".join(builds),
-        "clock": CLOCKS[0],
-        **by_layout.get(str(layouts[0]), {}),
-        "by_threads": by_layout,
-        "compiled": per_layout(found["compiled"], COMPILED),
-        "engines": about,
-        "raw": found["eager"] + found["compiled"],
-    }
+        threads=layouts[0],
+        thread_counts=tuple(layouts),
+        kernel_build=", ".join(builds),
+        clock=CLOCKS[0],
+        headline=by_layout.get(str(layouts[0])),
+        by_threads=by_layout,
+        compiled=per_layout(found["compiled"], COMPILED),
+        engines=about,
+        raw=(*found["eager"], *found["compiled"]),
+    )
 
 
-def run(args, model: str, meta: dict[str, Any], paths: dict, progress) -> list:
+def run(args, model: str, meta: record.Model, paths: dict, progress) -> list:
     """Per dtype its share of ``args.budget``: a section each, the first the
     headline's."""
     end = time.monotonic() + args.budget * 60
@@ -377,8 +432,10 @@ def run_dtype(args, dtype: str, budget: float, model: str, meta, paths, progress
                 progress(f"decode: starting engine {name} ({mode}, {dtype})")
                 started.append(stack.enter_context(Engine(name, mode, config, paths)))
             for e in started:
-                about[e.name] = e.ask()["ready"]
-                progress(f"decode: engine {e.name} ready: {about[e.name]}")
+                ready = e.ask()["ready"]
+                progress(f"decode: engine {e.name} ready: {ready}")
+                where = f"engines.{e.name}"
+                about[e.name] = record.typed(record.EngineFacts, ready, where)
             found[mode] = measure_phase(started, args, deadline, progress)
             if mode == "eager":
                 found["profile"] = profile_phase(started, args, progress)
@@ -422,9 +479,14 @@ def start(config: dict[str, Any], totals: list[int], hooks: dict) -> tuple:
         return sorted({type(m).__name__ for m in norms})
 
     hooked = llm.apply_model(hook)[0] if config["enforce_eager"] else []
-    about = {"pid": os.getpid(), "kernel_build": cpu_library.loaded()}
-    about["custom_ops"] = list(llm.llm_engine.vllm_config.compilation_config.custom_ops)
-    return llm, about | {"norm_classes": hooked}
+    custom_ops = llm.llm_engine.vllm_config.compilation_config.custom_ops
+    about = {
+        "pid": os.getpid(),
+        "kernel_build": cpu_library.loaded(),
+        "custom_ops": list(custom_ops),
+        "norm_classes": hooked,
+    }
+    return llm, about
 
 
 def step(llm, totals: list[int]) -> dict[str, Any]:

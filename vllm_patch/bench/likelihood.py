@@ -17,6 +17,12 @@ from importlib import resources
 from typing import Any
 
 from patches.cpu_fused_norms.identity import OPT_IN_ENV
+from vllm_patch.bench.record import (
+    GreedyResult,
+    Interval,
+    Likelihood,
+    LikelihoodResult,
+)
 from vllm_patch.runtime import markdown as md
 
 # vllm_patch/bench/texts/ (README.md there: what they are, why they may ship):
@@ -86,82 +92,6 @@ class Settings:
 def sides(copy: str) -> tuple[Side, ...]:
     """base (the installed vLLM), the patched copy at ``copy``, the provider."""
     return Side("base"), Side("patched", (copy,)), Side("provider", provider=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Interval:
-    """A mean and its 95 % bootstrap interval over ``n`` chunks."""
-
-    mean: float
-    low: float
-    high: float
-    n: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LikelihoodResult:
-    """One dtype and build: nats per token per side, and each side - base."""
-
-    dtype: str
-    build: str
-    text: str
-    text_sha256: str
-    chunk: int
-    tokens: int  # scored, per side
-    nats_per_token: dict[str, float]
-    difference: dict[str, Interval]  # side - base, nats per token
-    seconds: dict[str, float]  # per side: engine start, text and prompts
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class GreedyResult:
-    """One dtype and build: per side and chat prompt, None (the base's tokens)
-    or the index of the first token that differs."""
-
-    dtype: str
-    build: str
-    prompts: tuple[str, ...]
-    max_tokens: int
-    divergence: dict[str, list[int | None]]
-    base_answers: list[str]
-
-    def identical(self, side: str) -> int:
-        return sum(d is None for d in self.divergence[side])
-
-    def to_json(self) -> dict[str, Any]:
-        found = dataclasses.asdict(self)
-        found["identical"] = {s: self.identical(s) for s in self.divergence}
-        return found
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """What one dtype and build's engines gave (one engine per side)."""
-
-    likelihood: LikelihoodResult
-    greedy: GreedyResult
-    # Per side, read in vLLM's worker: its torch threads, the kernel build it
-    # loaded, its norm layers' classes (``ENGINE_FACTS``).
-    engines: dict[str, dict[str, int | str | list[str] | None]]
-
-    def to_json(self) -> dict[str, Any]:
-        found = {"likelihood": self.likelihood.to_json()}
-        return found | {"greedy": self.greedy.to_json(), "engines": self.engines}
-
-    @classmethod
-    def from_json(cls, found: dict[str, Any]) -> "Comparison":
-        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
-        likelihood = dict(found["likelihood"])
-        differences = likelihood["difference"].items()
-        likelihood["difference"] = {s: Interval(**d) for s, d in differences}
-        greedy = {k: v for k, v in found["greedy"].items() if k != "identical"}
-        greedy["prompts"] = tuple(greedy["prompts"])
-        return cls(
-            LikelihoodResult(**likelihood), GreedyResult(**greedy), found["engines"]
-        )
 
 
 # --- statistics -----------------------------------------------------------------
@@ -329,7 +259,7 @@ def measure(
     library: str | None = None,
     progress: Progress = print,
     settings: Settings = Settings(),
-) -> Comparison:
+) -> Likelihood:
     """One engine per side in turn (the first is the base), with ``library``'s
     kernels (a ``cpu_library.LIBRARIES`` key; None: the build vLLM picks)."""
     got = {}
@@ -348,7 +278,7 @@ def measure(
             said += f", - base {shown(difference)}, greedy {same}/{asked} equal"
         said += f" on {found['loaded']}, {found['seconds']:.0f} s"
         progress(f"likelihood: {side.name}: {said}")
-    base, *others = got
+    base = next(iter(got))  # the first side
     builds = {", ".join(g["loaded"]) for g in got.values()}
     if len(builds) != 1:
         raise RuntimeError(f"the sides loaded different kernel builds: {builds}")
@@ -359,7 +289,7 @@ def measure(
                 "is vllm-patch installed where vLLM runs?"
             )
     build = builds.pop()
-    return Comparison(
+    return Likelihood(
         likelihood_of(got, dtype, build, settings.chunk),
         greedy_of(got, dtype, build, settings),
         {s: {k: g[k] for k in ENGINE_FACTS} for s, g in got.items()},
@@ -413,7 +343,7 @@ def run(
     dtypes: Sequence[str] = DTYPES,
     progress: Progress = print,
     settings: Settings = Settings(),
-) -> list[Comparison]:
+) -> list[Likelihood]:
     """base, the patched copy at ``copy`` and the provider, per dtype and build."""
     return [
         measure(model, sides(copy), dtype, library, progress, settings)
@@ -440,7 +370,7 @@ def greedy_shown(greedy: GreedyResult, side: str) -> str:
     return found + (f"; first differ: {', '.join(parted)}" if parted else "")
 
 
-def markdown(results: Sequence[Comparison], model: str) -> list[str]:
+def markdown(results: Sequence[Likelihood], model: str) -> list[str]:
     """The Markdown lines of :func:`run`'s results (every string as data)."""
     if not results:
         return []
@@ -458,7 +388,8 @@ def markdown(results: Sequence[Comparison], model: str) -> list[str]:
     header = ["dtype", "build", "side", "nats/token", "side − base [95 % CI]"]
     rows = []
     for found in results:
-        ll, greedy = found.likelihood, found.greedy
+        ll = found.likelihood
+        greedy = found.greedy
         for side, nats in ll.nats_per_token.items():
             diff = ll.difference.get(side)
             rows.append(
@@ -474,33 +405,15 @@ def markdown(results: Sequence[Comparison], model: str) -> list[str]:
     return [*lines, md.table([*header, "greedy tokens"], rows)]
 
 
-def section(
-    copy: str,
-    progress: Progress = print,
-    dtypes: Sequence[str] = DTYPES,
-    settings: Settings = Settings(),
-) -> dict[str, Any]:
-    """For ``evidence.json``: the model made (once) and its record, then
-    :func:`run` on it against the patched copy at ``copy``."""
-    from vllm_patch.bench import smollm2
-
-    model = smollm2.ensure_model(progress)
-    started = time.monotonic()
-    results = run(model.path, copy, dtypes, progress, settings)
-    minutes = round((time.monotonic() - started) / 60, 1)
-    found = {"model": model.to_json(), "minutes": minutes}
-    return found | {"results": [r.to_json() for r in results]}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
     import sys
 
     from patcher.tree import open_tree
-    from vllm_patch.bench.run import choose_patch
-    from vllm_patch.bench.smollm2 import NAME, say
-    from vllm_patch.runtime.patched_copy import patched_copy
+    from vllm_patch.bench import smollm2
+    from vllm_patch.bench.smollm2 import say
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
 
     parser = argparse.ArgumentParser(prog="python -m vllm_patch.bench.likelihood")
     add = parser.add_argument
@@ -514,11 +427,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tree = open_tree(None)
     with patched_copy(tree, choose_patch(tree)) as copy:
-        found = section(str(copy), say, args.dtypes.split(","), settings)
+        model = smollm2.ensure_model(say)
+        started = time.monotonic()
+        dtypes = args.dtypes.split(",")
+        results = run(model.path, str(copy), dtypes, say, settings)
+    minutes = round((time.monotonic() - started) / 60, 1)
+    found = {
+        "model": model.to_json(),
+        "minutes": minutes,
+        "results": [r.to_json() for r in results],
+    }
     print(json.dumps(found, indent=1))
-    results = [Comparison.from_json(r) for r in found["results"]]
-    print("\n".join(markdown(results, NAME)), file=sys.stderr)
-    say(f"likelihood: {found['minutes']} minutes")
+    print("\n".join(markdown(results, smollm2.NAME)), file=sys.stderr)
+    say(f"likelihood: {minutes} minutes")
     return 0
 
 

@@ -92,12 +92,14 @@ def build_numerics(library: str) -> dict:
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
-    needed, tolerance = {}, {}
+    needed = {}
+    tolerance = {}
     for name in OPS:
         op = getattr(ir.ops, name)
         for dtype_name in BUILD_DTYPES:
             dtype = getattr(torch, dtype_name)
-            tol, need = op.get_tolerance(dtype), 0.0
+            tol = op.get_tolerance(dtype)
+            need = 0.0
             tolerance.setdefault(name, {})[dtype_name] = [tol["rtol"], tol["atol"]]
             for shape in BUILD_SHAPES:
                 args = op_inputs(op, *shape, dtype)

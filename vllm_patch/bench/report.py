@@ -9,6 +9,7 @@ from vllm_patch.bench.record import (
     A_A,
     ALLOC,
     FORWARD_NATIVE,
+    HALF_WIDTH,
     METRICS,
     MINIMAL,
     MODES,
@@ -18,10 +19,8 @@ from vllm_patch.bench.record import (
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.machine import BUSY_SHARE
 
-# bench imports the format's names (A_A, METRICS, MODES, NATIVE, SIDES) from here.
 LABELS = {"request_throughput": "requests/s", "output_throughput": "output tok/s"}
 ROWS = 500  # the most rows of a table in evidence.md
-HALF_WIDTH = 0.03  # bench.decode's aim for an interval's relative half-width
 VERDICTS = {
     "helps": "helps (interval below 1)",
     "neutral": "neutral (interval holds 1)",
@@ -123,7 +122,8 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
             f"{t.max_abs_dlogprob:.3g}{note or ''}."
         )
     if lm and set(lm.scores) == set(SIDES):
-        b, p = lm.base, lm.patched
+        b = lm.base
+        p = lm.patched
         found.append(
             f"- {md.text(lm.task, 60)} exact_match: {b.exact_match:.3g} ± "
             f"{b.stderr:.3g} base, {p.exact_match:.3g} ± {p.stderr:.3g} with this "
@@ -211,7 +211,8 @@ def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
     for r in perop.rows:
         if r.route.startswith("layer:") and r.median_us:
             layer.setdefault((r.op, r.tokens), {})[r.env] = r
-    said, native = [], {}
+    said = []
+    native = {}
     for (op, tokens), by in layer.items():
         if set(SIDES) <= set(by) and by["patched"].impl == "native":
             native[md.code(op, 60)] = None
@@ -461,7 +462,8 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     """The per-call section: the table, each child's load, where time goes."""
     mine = (MINIMAL, FORWARD_NATIVE)
     out = [perop_table(perop, lambda r: r.route not in mine, limit=limit)]
-    if overhead := perop_overhead(perop):
+    overhead = perop_overhead(perop)
+    if overhead:
         header = ["vLLM", "op", "tokens", "layer (runs)", *OVERHEAD]
         out.append(
             "\nThe layer path's overhead (medians, microseconds): the layer's "
@@ -469,15 +471,17 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
             "kernel), `forward_native` and the bare kernel:\n\n"
             + md.table(header, overhead, limit)
         )
-    if loads := ", ".join(
+    loads = ", ".join(
         f"{md.text(x.env, 40)} {x.load_average} ({x.other_share:.0%})"
         for x in perop.load
-    ):
+    )
+    if loads:
         out.append(
             f"\nLoad average per child (other processes' share of the CPU): {loads}. "
             "`native` is one baseline: its samples in both vLLMs."
         )
-    if split := perop_split(perop):
+    split = perop_split(perop)
+    if split:
         table = md.table(["vLLM", "op", "layer (runs)", *SPLIT], split, limit)
         out.append(
             "\nWhere a layer call's time goes (1 token, medians, microseconds):\n\n"
@@ -532,7 +536,8 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
     calls = b.norm_calls_per_step
     calls = f" ({calls:.0f} calls)" if calls is not None else ""
     for side, saved in list(b.savings.items())[:limit]:
-        share, (lo, hi) = saved.share, saved.expected_ratio
+        share = saved.share
+        lo, hi = saved.expected_ratio
         out.append(
             f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms of "
             f"CPU time saved inside RMSNorm per decode step{calls}, "
@@ -540,7 +545,8 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
         )
     if b.consistent is not None:  # does the end-to-end ratio agree with the saving?
-        said, how = "does not contradict the attributed saving (its interval meets", ""
+        said = "does not contradict the attributed saving (its interval meets"
+        how = ""
         ratio = b.comparisons.get("patched/base")
         saved = b.savings.get("patched")
         if b.consistent.contradicts:
@@ -615,7 +621,8 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
             '["none", "+rms_norm"] (the kernels) against the default (native)\n',
             *decode_block(b, limit),
         ]
-        if found := b.comparisons.get("+rms_norm/default"):  # against 1.0
+        found = b.comparisons.get("+rms_norm/default")
+        if found:  # against 1.0
             low, high = found.ci95
             said = f"+rms_norm {'faster' if high < 1.0 else 'slower'}"
             if low <= 1.0 <= high:
@@ -627,11 +634,13 @@ def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
 def evidence_markdown(ev: er.Evidence) -> str:
     """``evidence.md``: what the run measured, and only that."""
     out = ["# vllm-patch bench evidence\n"]
-    if m := ev.machine:  # and the CPU flags the kernels use
+    m = ev.machine
+    if m:  # and the CPU flags the kernels use
         flags = ", ".join(m.key_flags[:32]) or "none of the listed"
         said = f"{m.cpu_model} ({m.arch}), {m.usable_cpus} CPUs, {m.os}"
         out.append(f"- Machine: {md.text(f'{said}; kernel flags: {flags}', 400)}")
-    if v := ev.vllm:
+    v = ev.vllm
+    if v:
         out.append(
             f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
             f"with {md.code(v.patch, 60)}"
@@ -645,7 +654,8 @@ def evidence_markdown(ev: er.Evidence) -> str:
             f"{md.code(o.gguf_sha256, 64)}) in {md.text(o.package, 60)} "
             f"{md.text(o.version, 20)} (wheel sha256 {md.code(o.wheel_sha256, 64)})"
         )
-    if load := ev.load:
+    load = ev.load
+    if load:
         before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
         share = load.other_processes_share
         used = "" if share is None else f"{share:.0%}"
@@ -656,7 +666,8 @@ def evidence_markdown(ev: er.Evidence) -> str:
     if ev.interrupted:
         out.append("- **Interrupted**: this is what was measured before that.")
     out += [f"- **Failed:** {md.text(f, 1000)}" for f in ev.failed]
-    if found := claims(ev):
+    found = claims(ev)
+    if found:
         out += ["\n## In short\n", *found]
     for d in [ev.decode, *ev.decode_dtypes] if ev.decode else []:
         out += ["", *decode_markdown(d)]

@@ -1,12 +1,12 @@
 """A bench run's evidence folder, rewritten after every part (interruptions keep it)."""
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from patcher.errors import UsageError
 from patcher.files import output_dir, write_output
 from vllm_patch.bench import models, record, report
 from vllm_patch.runtime import machine
@@ -22,24 +22,6 @@ SECTIONS = (
 )
 
 
-def choose_patch(tree, name: str | None = None) -> Any:
-    """The patch ``name`` (else ``apply``'s pick); it must apply: vLLM is the base."""
-    from patcher import engine
-    from patcher.status import PlanStatus
-
-    chosen = engine.choose(tree, [name] if name else None)
-    found = [(p, engine.plan(tree, p).status) for p in chosen]
-    for patch, status in found:
-        if status is PlanStatus.APPLICABLE:
-            return patch
-    raise UsageError(
-        "the installed vLLM is not unpatched, so there is no base to compare",
-        path=str(tree.location),
-        looked_for="an installed vLLM its default patch applies to",
-        found="; ".join(f"{p.name}: {status}" for p, status in found),
-    )
-
-
 def worker_threads(layout: str) -> int:
     """The OpenMP threads of a layout; ``auto``: what vLLM gives its worker."""
     # VLLM_CPU_OMP_THREADS_BIND=auto (vLLM 0.32.0) keeps a core per local rank
@@ -48,7 +30,8 @@ def worker_threads(layout: str) -> int:
 
 
 class BenchRun:
-    """This run's evidence document, and its parts (``command.PARTS``)."""
+    """This run's evidence document, and its parts (``command.PARTS``): per
+    section its record (None: not measured), in the order the run reached them."""
 
     def __init__(self, out: Path, progress: Callable[[str], None]) -> None:
         self.out = output_dir(out)
@@ -57,28 +40,34 @@ class BenchRun:
         self.doc: dict[str, Any] = {
             "schema": record.SCHEMA,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": machine.facts(),
-            "load": {"before": machine.load_average()},
-            "vllm": {},
-            "model": {},
+            "machine": machine_record(),
+            "load": record.Load(before=tuple(machine.load_average())),
+            "vllm": {},  # the versions, set before the first part
+            "model": {},  # not measured yet
             **dict.fromkeys(SECTIONS),  # None: not measured
             "failed": [],
         }
 
+    def evidence(self) -> record.Evidence:
+        """The records held, as ``record.read`` gives the file back."""
+        held = {k: v for k, v in self.doc.items() if v not in (None, {})}
+        held["failed"] = tuple(self.doc["failed"])
+        return record.Evidence(**held)
+
     def save(self) -> None:
-        doc = self.doc
-        doc["load"].update(
-            after=machine.load_average(),
+        self.doc["load"] = dataclasses.replace(
+            self.doc["load"],
+            after=tuple(machine.load_average()),
             other_processes_share=machine.other_share(self.snap),
         )
-        doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
-        text = json.dumps(doc, indent=1) + "\n"
+        self.doc["seconds"] = round(time.monotonic() - self.snap["wall"], 1)
+        text = json.dumps(record.to_json(self.doc), indent=1) + "\n"
         write_output(self.out / record.EVIDENCE, text)
-        if doc["vllm"]:
-            markdown = report.evidence_markdown(record.parse(doc))
+        if self.doc["vllm"]:
+            markdown = report.evidence_markdown(self.evidence())
             write_output(self.out / "evidence.md", markdown)
 
-    def model(self, args) -> tuple[str, dict[str, Any]]:
+    def model(self, args) -> tuple[str, record.Model]:
         """``--model``'s folder, else SmolLM2 (made once)."""
         if args.model:
             return models.user_model(args.model)
@@ -90,9 +79,9 @@ class BenchRun:
         model, meta = self.model(args)
         self.doc["model"] = self.doc["model"] or meta
         envs = {"base": (), "patched": (copy,)}
-        first, *more = decode.run(args, model, meta, envs, self.progress)
-        self.doc["decode"] = first
-        self.doc["decode_dtypes"] = more
+        found = decode.run(args, model, meta, envs, self.progress)
+        self.doc["decode"] = found[0]
+        self.doc["decode_dtypes"] = tuple(found[1:])
 
     def likelihood(self, args, copy: str) -> None:
         from vllm_patch.bench import likelihood
@@ -100,7 +89,7 @@ class BenchRun:
         model, meta = self.model(args)
         self.doc["model"] = self.doc["model"] or meta
         found = likelihood.run(model, copy, args.dtype, self.progress)
-        self.doc["likelihood"] = [c.to_json() for c in found]
+        self.doc["likelihood"] = tuple(found)
 
     def serve(self, args, copy: str) -> None:
         from vllm_patch.bench import serving
@@ -112,20 +101,34 @@ class BenchRun:
 
         builds, tolerance = per_build(self.progress)
         self.doc["numerics"] = builds
-        self.doc["tolerance"] = record.to_json(tolerance)
+        self.doc["tolerance"] = tolerance
 
     def perop(self, args, copy: str) -> None:
         from vllm_patch.bench.perop import per_op
 
         envs = {"base": (), "patched": (copy,), "provider": ()}
-        first, *more = dict.fromkeys(worker_threads(t) for t in args.threads)
-        found = [per_op(envs, self.progress, n, ["provider"]) for n in [first, *more]]
-        self.doc["perop"] = record.to_json(found[0])
-        self.doc["perop_threads"] = record.to_json(found[1:])
+        counts = dict.fromkeys(worker_threads(t) for t in args.threads)
+        found = [per_op(envs, self.progress, n, ["provider"]) for n in counts]
+        self.doc["perop"] = found[0]
+        self.doc["perop_threads"] = tuple(found[1:])
 
     def qwen3(self, args, copy: str) -> None:
         from vllm_patch.bench.qwen3_eager import compare
 
-        patch = self.doc["vllm"]["patch"]
-        found = compare(copy, patch, self.progress)
-        self.doc["qwen3_eager"] = record.to_json(found)
+        patch = self.doc["vllm"].patch
+        self.doc["qwen3_eager"] = compare(copy, patch, self.progress)
+
+
+def machine_record() -> record.Machine:
+    """``machine.facts``: the machine this run measures on."""
+    found = machine.facts()
+    return record.Machine(
+        cpu_model=found["cpu_model"],
+        arch=found["arch"],
+        logical_cpus=found["logical_cpus"],
+        usable_cpus=found["usable_cpus"],
+        memory_gib=found["memory_gib"],
+        key_flags=tuple(found["key_flags"]),
+        flags=tuple(found["flags"]),
+        os=found["os"],
+    )

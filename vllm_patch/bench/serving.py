@@ -2,6 +2,7 @@
 comparison, a fresh server per run: base, patched, A/A, order reversed each time."""
 
 import contextlib
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -20,7 +21,7 @@ from urllib.request import Request, urlopen
 
 from vllm_patch.bench import accuracy, record
 from vllm_patch.bench.models import OFFLINE, provider_opt_ins
-from vllm_patch.bench.report import A_A, METRICS, SIDES
+from vllm_patch.bench.record import A_A, METRICS, SIDES
 from vllm_patch.runtime import child
 
 HOST = "127.0.0.1"
@@ -37,9 +38,9 @@ LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrency": 4}
 
 
-def client_args(url: str, tokenizer: str, sizes: dict[str, int]) -> list[str]:
+def client_args(url: str, tokenizer: str, sizes: record.Sizes) -> list[str]:
     """``vllm bench serve``'s arguments, but the folder of its result."""
-    n = {k: str(v) for k, v in sizes.items()}
+    n = {k: str(getattr(sizes, k)) for k in SIZES}
     pairs = [
         ("--backend", "vllm"),
         ("--base-url", url),
@@ -61,15 +62,15 @@ def client_args(url: str, tokenizer: str, sizes: dict[str, int]) -> list[str]:
     return ["bench", "serve", *(x for pair in pairs for x in pair), *flags]
 
 
-def serve_args(model: str, port: int, eager: bool, sizes: dict[str, int]) -> list[str]:
-    length = sizes.get("model_len") or sizes["input_len"] + sizes["output_len"] + 64
+def serve_args(model: str, port: int, eager: bool, sizes: record.Sizes) -> list[str]:
+    length = sizes.model_len or sizes.input_len + sizes.output_len + 64
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
     args += ["--port", str(port), "--seed", "0", "--max-model-len", str(length)]
-    args += ["--max-num-seqs", str(sizes["max_concurrency"])]
+    args += ["--max-num-seqs", str(sizes.max_concurrency)]
     return args + (["--enforce-eager"] if eager else [])
 
 
-def commands(model: str, sizes: dict[str, int]) -> list[str]:
+def commands(model: str, sizes: record.Sizes) -> list[str]:
     """The commands as a reviewer runs them; the server's port is PORT."""
     serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
     client = client_args(f"http://{HOST}:PORT", model, sizes)
@@ -80,14 +81,18 @@ def commands(model: str, sizes: dict[str, int]) -> list[str]:
 
 
 @contextlib.contextmanager
-def running(model, eager: bool, sizes: dict, say, **how) -> Iterator[dict[str, str]]:
+def running(
+    model, eager: bool, sizes: record.Sizes, say, **how
+) -> Iterator[dict[str, str]]:
     """A healthy server as ``{"url"}``; on exit stopped, and ``"log"`` added."""
     with socket.socket() as s:  # a free port
         s.bind((HOST, 0))
         port = s.getsockname()[1]
     args = {"args": serve_args(model, port, eager, sizes)}
     handle = child.start("vllm_patch.vllm_cli:serve", args, **how)
-    url, why, started = f"http://{HOST}:{port}", None, time.monotonic()
+    url = f"http://{HOST}:{port}"
+    why = None
+    started = time.monotonic()
     server = {"url": url}
     say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
     try:
@@ -130,7 +135,8 @@ def saved_json(argv: list[str], pattern: str, env: dict | None = None) -> Any:
 
 def completions(url: str, prompts: list[str]) -> list[accuracy.Completion]:
     """Per prompt: the greedy ``tokens`` (ids) and each one's ``logprobs``."""
-    out, endpoint = [], f"{url}/v1/completions"
+    out = []
+    endpoint = f"{url}/v1/completions"
     for prompt in prompts:
         body = {
             "model": SERVED_NAME,
@@ -151,7 +157,7 @@ def completions(url: str, prompts: list[str]) -> list[accuracy.Completion]:
     return out
 
 
-def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]:
+def lm_eval_command(url: str, tokenizer: str, spec: record.LmEval) -> list[str]:
     """``lm_eval`` against one server (``spec``: task, limit, include_path)."""
     model_args = (
         f"model={SERVED_NAME},base_url={url}/v1/completions,"
@@ -159,60 +165,99 @@ def lm_eval_command(url: str, tokenizer: str, spec: dict[str, Any]) -> list[str]
         "max_retries=3,tokenized_requests=False"
     )
     command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
-    command += ["--tasks", spec["task"], "--seed", "0"]
+    command += ["--tasks", spec.task, "--seed", "0"]
     for key in ("limit", "include_path"):
-        if spec.get(key):
-            command += ["--" + key, str(spec[key])]
+        if getattr(spec, key):
+            command += ["--" + key, str(getattr(spec, key))]
     return command
 
 
-def run_lm_eval(url: str, tokenizer: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_lm_eval(url: str, tokenizer: str, lm_eval: record.LmEval) -> record.Score:
     """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
-    argv = [*lm_eval_command(url, tokenizer, spec), "--output_path"]
-    results = saved_json(argv, "results*.json")["results"][spec["task"]]
+    argv = [*lm_eval_command(url, tokenizer, lm_eval), "--output_path"]
+    results = saved_json(argv, "results*.json")["results"][lm_eval.task]
     key = next(k for k in results if k.startswith("exact_match,"))
     kept = key.split(",", 1)[1]
     stderr = results[f"exact_match_stderr,{kept}"]
-    return {"exact_match": results[key], "stderr": stderr, "filter": kept}
+    return record.Score(exact_match=results[key], stderr=stderr, filter=kept)
+
+
+def planned_lm_eval(args, shown: str) -> record.LmEval:
+    """``--lm-eval-task`` as asked, eager, and its command against one server."""
+    planned = record.LmEval(
+        task=args.lm_eval_task,
+        limit=args.lm_eval_limit,
+        include_path=args.lm_eval_include,
+        mode="eager",
+    )
+    command = lm_eval_command(f"http://{HOST}:PORT", shown, planned)
+    return dataclasses.replace(planned, command=shlex.join(command))
 
 
 def run(bench, args, copy: str) -> None:
-    """``bench.doc``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
-    doc = bench.doc
-    model, doc["model"] = bench.model(args)
+    """``bench``'s ``model``, ``serving`` and ``accuracy``, planned, measured."""
+    model, meta = bench.model(args)
+    bench.doc["model"] = meta
     lm_eval = args.model and args.lm_eval_task
-    context = min(LM_EVAL_MODEL_LEN, doc["model"]["context"] or 2**31) if lm_eval else 0
-    sizes = {k: getattr(args, k) for k in SIZES} | {"model_len": context}
+    context = min(LM_EVAL_MODEL_LEN, meta.context or 2**31) if lm_eval else 0
+    sizes = record.Sizes(**{k: getattr(args, k) for k in SIZES}, model_len=context)
     shown = Path(args.model).name if args.model else "MODEL"
-    doc["serving"] = {"commands": commands(shown, sizes), "sizes": sizes}
-    doc["serving"] |= {"configs": {}, "server_log": {}}
+    bench.doc["serving"] = record.Serving(
+        commands=tuple(commands(shown, sizes)), sizes=sizes
+    )
     # A random model has a word-level vocabulary of its own; SmolLM2 and a
     # user's model have a real tokenizer and take the plain-English prompts.
-    vocab = doc["model"].get("config", {}).get("vocab_size")
+    vocab = meta.config.get("vocab_size")
     prompts = accuracy.word_prompts(vocab) if vocab else accuracy.PROMPTS
-    note = accuracy.RANDOM_NOTE if vocab else None
-    tokens = {"prompts": len(prompts), "tokens": accuracy.MAX_TOKENS, "note": note}
-    spec = None
+    tokens = record.Tokens(
+        prompts=len(prompts),
+        tokens=accuracy.MAX_TOKENS,
+        note=accuracy.RANDOM_NOTE if vocab else None,
+        prompt_texts=tuple(prompts),
+    )
+    planned = None
     if lm_eval and importlib.util.find_spec("lm_eval") is None:
         why = "lm_eval not installed (pip install 'lm-eval[api]'), not run"
-        doc["failed"].append(why)
+        bench.doc["failed"].append(why)
     elif lm_eval:
-        spec = {"task": args.lm_eval_task, "limit": args.lm_eval_limit}
-        spec |= {"include_path": args.lm_eval_include, "mode": "eager"}
-        command = lm_eval_command(f"http://{HOST}:PORT", shown, spec)
-        spec["command"] = shlex.join(command)
-    tokens |= {"prompt_texts": prompts, "configs": {}}
-    doc["accuracy"] = {"tokens": tokens, "lm_eval": spec}
+        planned = planned_lm_eval(args, shown)
+    bench.doc["accuracy"] = record.Accuracy(tokens=tokens, lm_eval=planned)
     measure(bench, args, model, sizes, copy)
 
 
-def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
+def measured(server: dict[str, str], model: str, sizes: record.Sizes, env, say):
+    """``vllm bench serve``'s result against ``server``, said."""
+    url = server["url"]
+    client = ["vllm_patch.vllm_cli", *client_args(url, model, sizes)]
+    metrics = saved_json([*client, "--result-dir"], RESULT, env)
+    if metrics.get("failed"):
+        raise RuntimeError(f"{metrics['failed']} requests failed")
+    say(
+        f"{metrics['request_throughput']:.2f} req/s, "
+        f"{metrics['output_throughput']:.1f} output tok/s, "
+        f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
+    )
+    return metrics
+
+
+def kernel_lines(log: str) -> tuple[str, ...]:
+    """What a server logged about its kernels, without the lines' prefixes."""
+    lines = log.splitlines()
+    kept = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
+    for found in map(CUSTOM_OPS.search, lines):
+        if found:
+            kept.add(f"compilation_config {found[0]}")
+    return tuple(sorted(kept))
+
+
+def measure(bench, args, model: str, sizes: record.Sizes, copy: str) -> None:
     """Every mode's repetitions, a server per side each, saved after each."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
     how = {"env": env, "drop_env": provider_opt_ins()}
-    serving, tokens = bench.doc["serving"], bench.doc["accuracy"]["tokens"]
-    lm_eval = bench.doc["accuracy"]["lm_eval"]
+    # The serving record's tables fill in place, a repetition at a time.
+    serving = bench.doc["serving"]
+    prompts = list(bench.doc["accuracy"].tokens.prompt_texts)
     served = [("base", ()), ("patched", (copy,)), (A_A, ())]
     for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
         answers: dict[str, list] = {}
@@ -224,33 +269,31 @@ def measure(bench, args, model: str, sizes: dict[str, int], copy: str) -> None:
 
             eager = mode == "eager"
             with running(model, eager, sizes, say, pythonpath=path, **how) as server:
-                url = server["url"]
-                client = ["vllm_patch.vllm_cli", *client_args(url, model, sizes)]
-                metrics = saved_json([*client, "--result-dir"], RESULT, env)
-                if metrics.get("failed"):
-                    raise RuntimeError(f"{metrics['failed']} requests failed")
-                say(
-                    f"{metrics['request_throughput']:.2f} req/s, "
-                    f"{metrics['output_throughput']:.1f} output tok/s, "
-                    f"TPOT median {metrics['median_tpot_ms']:.1f} ms"
-                )
+                metrics = measured(server, model, sizes, env, say)
                 if rep == 1 and side in SIDES:
-                    say(f"{len(tokens['prompt_texts'])} greedy completions")
-                    answers[side] = completions(url, tokens["prompt_texts"])
-                    if lm_eval is not None and eager:
-                        say(f"lm_eval {lm_eval['task']}")
-                        lm_eval[side] = run_lm_eval(url, model, lm_eval)
-            runs = serving["configs"].setdefault(mode, {}).setdefault(side, {})
+                    say(f"{len(prompts)} greedy completions")
+                    answers[side] = completions(server["url"], prompts)
+                    if eager:
+                        score_lm_eval(bench, server["url"], model, side, say)
+            runs = serving.configs.setdefault(mode, {}).setdefault(side, {})
             for m in METRICS:
-                runs.setdefault(m, []).append(metrics[m])
-            lines = server["log"].splitlines()  # kernel choices, without prefixes
-            kept = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
-            kept |= {
-                f"compilation_config {m[0]}" for m in map(CUSTOM_OPS.search, lines) if m
-            }
-            serving["server_log"].setdefault(mode, {})[side] = sorted(kept)
+                runs[m] = (*runs.get(m, ()), metrics[m])
+            logged = serving.server_log.setdefault(mode, {})
+            logged[side] = kernel_lines(server["log"])
             if side in answers and len(answers) == len(SIDES):
                 compared = accuracy.compare(*(answers[s] for s in SIDES))
-                tokens["configs"][mode] = record.to_json(compared)
-                tokens.update(accuracy.summary(tokens["configs"]))
+                found = bench.doc["accuracy"]
+                tokens = accuracy.with_mode(found.tokens, mode, compared)
+                bench.doc["accuracy"] = dataclasses.replace(found, tokens=tokens)
             bench.save()
+
+
+def score_lm_eval(bench, url: str, model: str, side: str, say) -> None:
+    """``lm_eval``'s score for ``side``, into the run's accuracy (if planned)."""
+    found = bench.doc["accuracy"]
+    if found.lm_eval is None:
+        return
+    say(f"lm_eval {found.lm_eval.task}")
+    score = run_lm_eval(url, model, found.lm_eval)
+    lm_eval = dataclasses.replace(found.lm_eval, **{side: score})
+    bench.doc["accuracy"] = dataclasses.replace(found, lm_eval=lm_eval)

