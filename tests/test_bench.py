@@ -64,7 +64,9 @@ def doc_with(configs: dict, **extra) -> dict:
 
 
 def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
-    doc = doc_with({"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}})
+    doc = doc_with(
+        {"eager": {"base": runs(10, 20, 40), "patched": runs(11, 20, 30)}}
+    )
     doc = record.parse(doc).serving
     assert report.ratios(doc, "eager", "output_throughput") == [1.1, 1.0, 0.75]
     spread = report.spread_shown([1.1, 1.0, 0.75], ratio=True)
@@ -74,7 +76,8 @@ def test_the_ratio_is_patched_over_base_per_repetition_with_its_spread():
     assert lines[0] == "| metric | base | patched | patched / base |"
     assert len(lines) == 2 + len(METRICS)
     assert (
-        "| output tok/s | 20 [10–40] | 20 [11–30] | 1.000x [0.750x–1.100x] |" in lines
+        "| output tok/s | 20 [10–40] | 20 [11–30] | 1.000x [0.750x–1.100x] |"
+        in lines
     )
 
 
@@ -184,8 +187,13 @@ def test_the_benchmark_runs_as_vllm_reviewers_run_it():
     assert "--enforce-eager" not in serving.serve_args("/m", 1234, False, sizes)
     assert served[served.index("--max-model-len") + 1] == str(100 + 50 + 64)
     commands = serving.commands("MODEL", sizes)
-    assert commands[0].startswith("vllm serve MODEL ") and "--port PORT" in commands[0]
-    assert commands[1].startswith("vllm bench serve ") and "--ignore-eos" in commands[1]
+    assert (
+        commands[0].startswith("vllm serve MODEL ") and "--port PORT" in commands[0]
+    )
+    assert (
+        commands[1].startswith("vllm bench serve ")
+        and "--ignore-eos" in commands[1]
+    )
 
 
 def test_the_random_models_prompts_are_its_own_words_and_fixed():
@@ -228,7 +236,10 @@ def test_a_model_folder_needs_its_config(tmp_path):
         ),
         (["bench", "--decode", "--modes", "", "--out", "x"], "eager and/or"),
         (["bench", "--decode", "--threads", "auto,0", "--out", "x"], "counts like"),
-        (["bench", "--decode", "--dtype", "float16", "--out", "x"], "and/or float32"),
+        (
+            ["bench", "--decode", "--dtype", "float16", "--out", "x"],
+            "and/or float32",
+        ),
     ],
 )
 def test_bad_bench_command_lines_are_usage_errors(argv, words, capsys):
@@ -242,7 +253,9 @@ def test_bench_without_vllm_is_a_usage_error(tmp_path, monkeypatch, capsys):
     from vllm_patch.cli import main
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # not importable here
-    assert main(["bench", "--serve", "--out", str(tmp_path / "out")]) == ExitCode.USAGE
+    assert (
+        main(["bench", "--serve", "--out", str(tmp_path / "out")]) == ExitCode.USAGE
+    )
     assert "vLLM is not importable" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -377,7 +390,9 @@ metric_list:
 
 @requires_vllm
 @pytest.mark.e2e
-@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="no lm_eval")
+@pytest.mark.skipif(
+    importlib.util.find_spec("lm_eval") is None, reason="no lm_eval"
+)
 def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
     """``--model`` with a task made here (lm_eval reads a local dataset through
     a task YAML): exact_match and its stderr for base and patched."""
@@ -415,7 +430,8 @@ def test_lm_eval_runs_a_local_task_against_both_servers(tmp_path):
     for side in ("base", "patched"):
         assert 0 <= lm[side]["exact_match"] <= 1 and lm[side]["stderr"] >= 0
     assert (
-        "`lm_eval` vllm_patch_words" in (tmp_path / "out" / "evidence.md").read_text()
+        "`lm_eval` vllm_patch_words"
+        in (tmp_path / "out" / "evidence.md").read_text()
     )
 
 
@@ -447,9 +463,13 @@ def test_numerics_are_measured_for_every_build_this_cpu_runs():
     dtypes = ["bfloat16", "float16", "float32"]
     for ops in builds.values():
         assert sorted(ops) == ["fused_add_rms_norm", "rms_norm"]
-        assert all(sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values())
+        assert all(
+            sorted(d) == dtypes and min(d.values()) >= 0 for d in ops.values()
+        )
     assert all(
-        isinstance(t, record.Tolerance) for d in tolerance.values() for t in d.values()
+        isinstance(t, record.Tolerance)
+        for d in tolerance.values()
+        for t in d.values()
     )
     numerics = {"numerics": builds, "tolerance": record.to_json(tolerance)}
     text = report.numerics_table(record.parse({"schema": 1, **numerics}))
@@ -470,7 +490,10 @@ def test_per_op_at_each_thread_count_is_a_section_of_its_own():
     doc = {"schema": 1, "perop": perop(1, 20.0), "perop_threads": [perop(2, 23.0)]}
     text = report.evidence_markdown(record.parse(doc))
     headings = re.findall(r"^## Microseconds per call.*$", text, re.M)
-    assert [h.rsplit(", ", 1)[1] for h in headings] == ["1 thread(s)", "2 thread(s)"]
+    assert [h.rsplit(", ", 1)[1] for h in headings] == [
+        "1 thread(s)",
+        "2 thread(s)",
+    ]
     assert "| `rms_norm` | 1 | 23.0 [23.0–23.0] |" in text.split(headings[1])[1]
     with pytest.raises(record.Bad, match="perop_threads.*more than 8"):
         record.parse({**doc, "perop_threads": [perop(2, 1.0)] * 9})
@@ -777,9 +800,15 @@ def test_a_drifting_load_cancels_in_the_paired_ratio():
 def test_an_end_to_end_ratio_the_saving_cannot_explain_is_called_a_contradiction():
     from vllm_patch.bench import decode
 
-    fine = decode.block(decode_rows(patched=0.97, norm_saved=3.0), decode.COMPARISONS)
-    odd = decode.block(decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS)
-    more = decode.block(decode_rows(patched=0.9, norm_saved=3.0), decode.COMPARISONS)
+    fine = decode.block(
+        decode_rows(patched=0.97, norm_saved=3.0), decode.COMPARISONS
+    )
+    odd = decode.block(
+        decode_rows(patched=1.05, norm_saved=3.0), decode.COMPARISONS
+    )
+    more = decode.block(
+        decode_rows(patched=0.9, norm_saved=3.0), decode.COMPARISONS
+    )
     assert not fine.consistent.contradicts
     assert odd.consistent.contradicts and more.consistent.contradicts
     for block, said in [(odd, "saves less than"), (more, "saves more than")]:
@@ -819,7 +848,9 @@ def test_the_decode_section_holds_what_docs_bench_md_promises():
     is in a section the code builds, at the same place."""
     documented = json.loads(
         re.search(
-            r"```json\n(\{.*?\n\})\n```", (ROOT / "docs" / "bench.md").read_text(), re.S
+            r"```json\n(\{.*?\n\})\n```",
+            (ROOT / "docs" / "bench.md").read_text(),
+            re.S,
         ).group(1)
     )
     built = decode_section()
@@ -846,7 +877,10 @@ def test_the_decode_report_leads_with_the_headline_and_names_the_winner():
     text = "\n".join(report.decode_markdown(section))
     assert text.startswith("## Decode step: float32, vLLM's default thread binding")
     assert "| `base/base` (A/A control) |" in text
-    assert "### 2 thread(s) on every CPU" in text and "helps (interval below 1)" in text
+    assert (
+        "### 2 thread(s) on every CPU" in text
+        and "helps (interval below 1)" in text
+    )
     assert "2 of 12 rounds busy" in text
     assert "Kernels under Inductor: +rms_norm faster." in text
     doc = doc_with({}, decode=decode_section())
@@ -859,8 +893,12 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     b = ev.decode.headline
     said = report.interval_shown(b.comparisons["patched/base"], unit="x")
     control = report.interval_shown(b.comparisons["base/base"], unit="x")
-    assert first.startswith("- A decode step (float32, vLLM's default thread binding")
-    assert f"over the base's, 95% interval: {said} (A/A control {control});" in first
+    assert first.startswith(
+        "- A decode step (float32, vLLM's default thread binding"
+    )
+    assert (
+        f"over the base's, 95% interval: {said} (A/A control {control});" in first
+    )
     assert "ms saved inside RMSNorm per step" in first
     assert "Per layout: vLLM's default thread binding" in first
     assert "; 2 thread(s) on every CPU " in first and first.endswith("unresolved.")
@@ -870,7 +908,11 @@ def test_the_decode_step_is_the_first_claim_with_its_control_and_saving():
     ("argv", "threads", "dtypes"),
     [
         ([], ["auto", str(len(os.sched_getaffinity(0)))], ["bfloat16", "float32"]),
-        (["--threads", "2,auto,2", "--dtype", "float32"], ["2", "auto"], ["float32"]),
+        (
+            ["--threads", "2,auto,2", "--dtype", "float32"],
+            ["2", "auto"],
+            ["float32"],
+        ),
     ],
 )
 def test_decode_measures_vllms_binding_first_and_both_dtypes(argv, threads, dtypes):

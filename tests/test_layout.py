@@ -206,6 +206,8 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     (package / "c.py").write_text("import pkg.a\n")
     paths = sorted(package.rglob("*.py"))
     modules = {module_name(p, tmp_path) for p in paths}
-    graph = {module_name(p, tmp_path): imported(p, modules, tmp_path) for p in paths}
+    graph = {
+        module_name(p, tmp_path): imported(p, modules, tmp_path) for p in paths
+    }
     assert graph["pkg.b"] == {"pkg.a"} and graph["pkg.c"] == {"pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.b"]]

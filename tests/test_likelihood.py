@@ -84,7 +84,9 @@ def test_the_text_is_the_shipped_licence_texts_as_pinned():
 
 
 def test_a_changed_text_is_refused(monkeypatch):
-    changed = dict(likelihood.TEXTS, **{"gpl-2.0.txt": hashlib.sha256().hexdigest()})
+    changed = dict(
+        likelihood.TEXTS, **{"gpl-2.0.txt": hashlib.sha256().hexdigest()}
+    )
     monkeypatch.setattr(likelihood, "TEXTS", changed)
     with pytest.raises(ValueError, match="gpl-2.0.txt is not the pinned text"):
         likelihood.text()

@@ -65,6 +65,6 @@ def test_the_kernels_pass_on_the_ops_own_inputs_and_write_in_place(ops):
     x, residual = call(*args)
     assert x.data_ptr() == args[0].data_ptr()
     assert residual.data_ptr() == args[1].data_ptr()
-    assert numerics.mismatch(lambda *a: call(*a)[:1], args, expected, tolerance) == (
-        "1 output tensors, native gives 2"
-    )
+    assert numerics.mismatch(
+        lambda *a: call(*a)[:1], args, expected, tolerance
+    ) == ("1 output tensors, native gives 2")

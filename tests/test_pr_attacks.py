@@ -562,7 +562,9 @@ def test_bench_out_never_writes_through_a_planted_link(tmp_path, planted):
     before = snapshot(victim)
     with pytest.raises(PatchError, match="link|not a regular file"):
         run = BenchRun(out, print)
-        run.doc["vllm"] = record.Versions(base="0.32.0", patched="0.32.0", patch="p")
+        run.doc["vllm"] = record.Versions(
+            base="0.32.0", patched="0.32.0", patch="p"
+        )
         run.save()
     assert snapshot(victim) == before
 

@@ -72,9 +72,14 @@ def test_sides_are_compared_with_base_and_shown():
 
     text = "\n".join(report.qwen3_eager_markdown(found))
     assert "patched (`rms_norm_forward_cpu`) | 0 + 16 | 2 of 2 |" in text
-    assert "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
+    assert (
+        "| 18 + 0 | 1 of 2 | first different token: prompt 2, position 2 |" in text
+    )
     assert "- unguarded: `w10 w13 w13 …`" in text
-    doc = {"schema": 1, "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"}}
+    doc = {
+        "schema": 1,
+        "vllm": {"base": "0.32.0", "patched": "0.32.0", "patch": "p"},
+    }
     doc.update(model={}, machine=machine.facts(), load={}, qwen3_eager=written)
     shown = report.evidence_markdown(record.parse(doc))
     assert "### Eager Qwen3 (vLLM #31643)" in shown

@@ -33,4 +33,6 @@ def test_a_served_random_llama_brings_a_word_tokenizer(tmp_path):
     model = random_models.make_random_llama(tmp_path, **TINY, tokenizer=True)
     tokenizer = AutoTokenizer.from_pretrained(model)
     assert tokenizer("w5 w6 w1000")["input_ids"] == [5, 6, 1000]
-    assert model != random_models.make_random_llama(tmp_path, **TINY)  # no tokenizer
+    assert model != random_models.make_random_llama(
+        tmp_path, **TINY
+    )  # no tokenizer

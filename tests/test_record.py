@@ -22,7 +22,11 @@ def completions(*tokens: list[int]) -> list[accuracy.Completion]:
 
 def serving_record() -> record.Serving:
     sizes = record.Sizes(
-        input_len=128, output_len=128, num_prompts=32, max_concurrency=4, model_len=0
+        input_len=128,
+        output_len=128,
+        num_prompts=32,
+        max_concurrency=4,
+        model_len=0,
     )
     configs = {"eager": {s: runs(10.0, 12.5) for s in ("base", "patched", "base2")}}
     return record.Serving(
@@ -132,7 +136,9 @@ def filled(run: bench_run.BenchRun) -> None:
     reaches them, as the producers build them."""
     run.doc["vllm"] = record.Versions(base="0.32.0", patched="0.32.0", patch="p")
     run.doc["model"] = record.Model(
-        path="/models/m", name="m (LlamaForCausalLM)", description="m, a local folder"
+        path="/models/m",
+        name="m (LlamaForCausalLM)",
+        description="m, a local folder",
     )
     run.doc["decode"] = decode_record()
     run.doc["decode_dtypes"] = (decode_record(seed=4),)
@@ -162,7 +168,9 @@ def test_evidence_json_reads_back_as_the_records_written(tmp_path):
     found = record.read(tmp_path / "out")
     again = record.to_json(found)
     for name, section in written.items():  # each section: the same bytes
-        assert json.dumps(again[name], indent=1) == json.dumps(section, indent=1), name
+        assert json.dumps(again[name], indent=1) == json.dumps(section, indent=1), (
+            name
+        )
     assert found.decode == run.doc["decode"] and found.perop == run.doc["perop"]
     assert found.likelihood == run.doc["likelihood"]
     assert found.qwen3_eager == run.doc["qwen3_eager"]

@@ -60,7 +60,9 @@ def test_tensor_names_become_hugging_faces(gguf_name, hf_name):
     assert smollm2.hf_name(gguf_name) == hf_name
 
 
-@pytest.mark.parametrize("name", ["blk.0.attn_qkv.weight", "rope_freqs.weight", "x"])
+@pytest.mark.parametrize(
+    "name", ["blk.0.attn_qkv.weight", "rope_freqs.weight", "x"]
+)
 def test_a_tensor_the_conversion_does_not_know_is_refused(name):
     with pytest.raises(ValueError, match="does not know"):
         smollm2.hf_name(name)
@@ -177,7 +179,9 @@ def folder_with_manifest(path, files: dict[str, bytes]):
 
 
 def test_a_folder_as_its_manifest_lists_it_is_reused(tmp_path):
-    digests = folder_with_manifest(tmp_path / "m", {"config.json": b"{}", "w": b"1"})
+    digests = folder_with_manifest(
+        tmp_path / "m", {"config.json": b"{}", "w": b"1"}
+    )
     assert smollm2.checked(tmp_path / "m") == digests
 
 
@@ -247,5 +251,7 @@ def test_the_real_model_is_made_once_and_checked_by_hash_on_reuse():
     assert again == made
     config = json.loads((smollm2.Path(made.path) / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (576, 30)
-    assert "chat_template.jinja" in made.files or "tokenizer_config.json" in made.files
+    assert (
+        "chat_template.jinja" in made.files or "tokenizer_config.json" in made.files
+    )
     assert made.to_json()["origin"]["wheel_sha256"] == smollm2.WHEEL_SHA256

@@ -137,13 +137,18 @@ def add_serve_arguments(serve) -> None:
             help=f"{said} ({SIZES[name]})",
         )
     serve.add_argument(
-        "--lm-eval-task", default="gsm8k", metavar="TASK", help="with --model (gsm8k)"
+        "--lm-eval-task",
+        default="gsm8k",
+        metavar="TASK",
+        help="with --model (gsm8k)",
     )
     serve.add_argument(
         "--lm-eval-limit", type=int, metavar="N", help="examples of the task"
     )
     serve.add_argument(
-        "--lm-eval-include", metavar="DIR", help="lm_eval task YAMLs (--include_path)"
+        "--lm-eval-include",
+        metavar="DIR",
+        help="lm_eval task YAMLs (--include_path)",
     )
 
 
@@ -161,7 +166,9 @@ def parts(args: argparse.Namespace) -> list[str]:
     return asked
 
 
-progress = functools.partial(print, "vllm-patch bench:", file=sys.stderr, flush=True)
+progress = functools.partial(
+    print, "vllm-patch bench:", file=sys.stderr, flush=True
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     from patcher.errors import ExitCode, UsageError
 
     if not any(getattr(args, p) for p in PARTS):
-        raise UsageError("name what to measure: " + ", ".join(f"--{p}" for p in PARTS))
+        raise UsageError(
+            "name what to measure: " + ", ".join(f"--{p}" for p in PARTS)
+        )
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(
             f"vLLM is not importable by this interpreter ({sys.executable}); "
@@ -190,14 +199,18 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(stop, _interrupted)
     run = BenchRun(args.out, progress)
     version = software()["vllm"]
-    run.doc["vllm"] = record.Versions(base=version, patched=version, patch=patch.name)
+    run.doc["vllm"] = record.Versions(
+        base=version, patched=version, patch=patch.name
+    )
     code = ExitCode.OK
     try:
         with patched_copy(tree, patch) as copy:
             for part in parts(args):
                 try:
                     getattr(run, part)(args, str(copy))
-                except Exception as exc:  # a failed part: said and kept, the rest runs
+                except (
+                    Exception
+                ) as exc:  # a failed part: said and kept, the rest runs
                     run.doc["failed"].append(f"{part}: {type(exc).__name__}: {exc}")
                     progress(f"{part} FAILED: {exc}")
                     code = ExitCode.PART_FAILED
@@ -208,5 +221,7 @@ def run(args: argparse.Namespace) -> int:
         progress(f"interrupted; what was measured is in {args.out}")
         return ExitCode.INTERRUPTED
     run.save()
-    progress(f"wrote {args.out}: evidence.json, evidence.md ({run.doc['seconds']} s)")
+    progress(
+        f"wrote {args.out}: evidence.json, evidence.md ({run.doc['seconds']} s)"
+    )
     return code

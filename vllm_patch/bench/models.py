@@ -47,7 +47,12 @@ def random_model(
     progress(f"building (or reusing) the random-weight {name}")
     folder = child.run(
         "vllm_patch.bench.random_models:make_random",
-        dict(c, path=str(cache_dir() / "bench-models"), kind=kind, tokenizer=tokenizer),
+        dict(
+            c,
+            path=str(cache_dir() / "bench-models"),
+            kind=kind,
+            tokenizer=tokenizer,
+        ),
     ).value()
     sizes = f"{c['num_layers']} layers, hidden {c['hidden_size']}"
     return str(folder), Model(

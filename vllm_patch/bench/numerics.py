@@ -35,7 +35,9 @@ def op_inputs(op, tokens: int, hidden: int, dtype) -> tuple:
     import torch
 
     torch.manual_seed(0)
-    return tuple(op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype))
+    return tuple(
+        op.generate_inputs(num_tokens=tokens, hidden_size=hidden, dtype=dtype)
+    )
 
 
 def expected_of(op, args: Sequence[Any]) -> list:
@@ -43,7 +45,9 @@ def expected_of(op, args: Sequence[Any]) -> list:
     return tensors(op.impls[NATIVE].impl_fn(*copy_args(args)))
 
 
-def mismatch(fn: Callable, args: tuple, expected: list, tolerance: dict) -> str | None:
+def mismatch(
+    fn: Callable, args: tuple, expected: list, tolerance: dict
+) -> str | None:
     """How ``fn`` on a copy of ``args`` is not native's ``expected``, if it is not."""
     import torch
 
@@ -114,7 +118,11 @@ def build_numerics(library: str) -> dict:
                     rtol = torch.where(excess > 0, excess / e.double().abs(), 0.0)
                     need = max(need, float(rtol.max()))
             needed.setdefault(name, {})[dtype_name] = need
-    return {"loaded": cpu_library.loaded(), "needed": needed, "tolerance": tolerance}
+    return {
+        "loaded": cpu_library.loaded(),
+        "needed": needed,
+        "tolerance": tolerance,
+    }
 
 
 Needed = dict[str, dict[str, float | str]]  # per op and dtype: rtol, or why none
@@ -140,10 +148,14 @@ def per_build(progress) -> tuple[dict[str, Needed], Tolerances]:
         name = cpu_library.LIBRARIES[cpu_class]
         progress(f"numerics: the {name} build")
         asked = {"library": cpu_class}
-        printed = child.run(f"{__name__}:build_numerics", asked, timeout=900).value()
+        printed = child.run(
+            f"{__name__}:build_numerics", asked, timeout=900
+        ).value()
         result = typed(BuildNumerics, printed, f"the {name} build's numerics")
         if name not in result.loaded:
-            raise RuntimeError(f"asked for {name}, vLLM loaded {list(result.loaded)}")
+            raise RuntimeError(
+                f"asked for {name}, vLLM loaded {list(result.loaded)}"
+            )
         builds[name] = result.needed
         tolerance = result.tolerance
     return builds, tolerance

@@ -51,7 +51,9 @@ SAMPLE_S = 0.001
 WARMUP_S = 0.05
 
 
-def _sample_us(fns: dict[str, Callable], args: tuple, scopes: dict) -> dict[str, dict]:
+def _sample_us(
+    fns: dict[str, Callable], args: tuple, scopes: dict
+) -> dict[str, dict]:
     """Per function, µs per call per sample (``cpu``, ``wall``), in its scope."""
     import torch
 
@@ -94,7 +96,9 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
     for provider, impl in op.impls.items():
         if provider != NATIVE and impl.supported and impl.supports_args(*args):
             fns[f"ir:{provider}"] = call
-            scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority([p, NATIVE])
+            scopes[f"ir:{provider}"] = lambda p=provider: op.set_priority(
+                [p, NATIVE]
+            )
     eager = vc.CompilationConfig(mode=vc.CompilationMode.NONE, custom_ops=["all"])
     config = vc.VllmConfig(compilation_config=eager)
     ranked = getattr(current_platform.get_default_ir_op_priority(config), name)
@@ -175,7 +179,9 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
         cpu = [torch.profiler.ProfilerActivity.CPU]
         with scopes[layer](), torch.profiler.profile(activities=cpu) as p:
             fns[layer](*numerics.copy_args(args))
-        runs = "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
+        runs = (
+            "kernel" if any(e.name == f"_C::{name}" for e in p.events()) else NATIVE
+        )
     kernel = getattr(torch.ops._C, name).default
     if name == "fused_add_rms_norm":
         fns["kernel:bare"] = kernel
@@ -243,7 +249,9 @@ def per_op(
         )
     rows = []
     for key, s in first.items():
-        timed = figures(cpu[key], wall[key], native[s.op, s.tokens]) if cpu[key] else {}
+        timed = (
+            figures(cpu[key], wall[key], native[s.op, s.tokens]) if cpu[key] else {}
+        )
         rows.append(
             PerOpRow(
                 env=key[0],

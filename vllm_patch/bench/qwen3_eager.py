@@ -81,7 +81,9 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
     )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     params.max_tokens = 2  # the profiler's events are slow to read
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as p:
         llm.generate(prompts[:1], params, use_tqdm=False)
     names = [e.name for e in p.events()]
     completions = []
@@ -89,7 +91,11 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
         pairs = zip(done.token_ids, done.logprobs, strict=True)
         logprobs = [top[token].logprob for token, top in pairs]
         completions.append(
-            {"tokens": list(done.token_ids), "logprobs": logprobs, "text": done.text}
+            {
+                "tokens": list(done.token_ids),
+                "logprobs": logprobs,
+                "text": done.text,
+            }
         )
     method = layernorm.RMSNorm.forward_cpu
     return {
@@ -100,7 +106,9 @@ def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
     }
 
 
-def compare(copy: str, patch: str, progress, *, base: str | None = None) -> Qwen3Eager:
+def compare(
+    copy: str, patch: str, progress, *, base: str | None = None
+) -> Qwen3Eager:
     """:func:`summarize` of the sides; ``base``: first on the others' path."""
     from vllm_patch.bench.models import OFFLINE, provider_opt_ins, random_model
     from vllm_patch.runtime import child
@@ -114,10 +122,18 @@ def compare(copy: str, patch: str, progress, *, base: str | None = None) -> Qwen
     before = (base,) if base else ()
     found: dict[str, Generated] = {}
     for side, path in zip(SIDES, (before, (copy,), before), strict=True):
-        progress(f"Qwen3 eager, {side}: engine start and {len(prompts)} completions")
-        asked = {"model": folder, "prompts": prompts, "unguarded": side == "unguarded"}
+        progress(
+            f"Qwen3 eager, {side}: engine start and {len(prompts)} completions"
+        )
+        asked = {
+            "model": folder,
+            "prompts": prompts,
+            "unguarded": side == "unguarded",
+        }
         outcome = child.run(f"{__name__}:generate", asked, pythonpath=path, **how)
-        printed = typed(Generated, outcome.value(), f"the {side} side's completions")
+        printed = typed(
+            Generated, outcome.value(), f"the {side} side's completions"
+        )
         found[side] = dataclasses.replace(printed, seconds=outcome.seconds)
     result = summarize(found, prompts, patch)
     return dataclasses.replace(result, seconds=round(time.monotonic() - started, 1))
@@ -170,4 +186,6 @@ def _verdict(base: tuple, side: tuple) -> TokenMode:
     no prompt parts; the tokens left to ``sides``, which hold them."""
     compared = accuracy.compare(base, side)
     identical = compared.first_divergence is None
-    return dataclasses.replace(compared, identical=identical, base=None, patched=None)
+    return dataclasses.replace(
+        compared, identical=identical, base=None, patched=None
+    )

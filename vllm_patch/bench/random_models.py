@@ -37,7 +37,9 @@ HF_NAMES = {
 KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_eps
 
 
-def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) -> Path:
+def make_random(
+    path, *, kind="llama", seed=0, tokenizer=False, **sizes: int
+) -> Path:
     """A random bf16 model of ``sizes``, built once per configuration in ``path``."""
     path = Path(path)
     config = {HF_NAMES.get(k, k): v for k, v in sizes.items()}
@@ -64,13 +66,18 @@ def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) ->
     try:
         own = ("seed", "tokenizer", "architecture")
         hf_config = getattr(transformers, f"{KINDS[kind][0]}Config")(
-            **{k: v for k, v in config.items() if k not in own}, torch_dtype="bfloat16"
+            **{k: v for k, v in config.items() if k not in own},
+            torch_dtype="bfloat16",
         )
         torch.manual_seed(seed)
         model = getattr(transformers, f"{KINDS[kind][0]}ForCausalLM")(hf_config)
         model.to(torch.bfloat16).save_pretrained(staging, safe_serialization=True)
         if tokenizer:  # words w3 .. w(vocab - 1): a served model needs one
-            special = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+            special = {
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+            }
             vocab = {token: i for i, token in enumerate(special.values())}
             vocab.update({f"w{i}": i for i in range(3, config["vocab_size"])})
             words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -79,7 +86,9 @@ def make_random(path, *, kind="llama", seed=0, tokenizer=False, **sizes: int) ->
                 tokenizer_object=words, **special
             )
             made.save_pretrained(staging)
-        (staging / "vllm_patch_config.json").write_text(json.dumps(config, indent=1))
+        (staging / "vllm_patch_config.json").write_text(
+            json.dumps(config, indent=1)
+        )
         try:
             staging.rename(target)
         except OSError:

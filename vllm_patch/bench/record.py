@@ -144,7 +144,9 @@ def _list(kind, meta: Meta, value: object, at: str) -> tuple:
         raise Bad(f"{at}: more than {meta.most} entries")
     if not (value or meta.empty):
         raise Bad(f"{at}: empty")
-    return tuple(typed(get_args(kind)[0], v, f"{at}[{i}]") for i, v in enumerate(value))
+    return tuple(
+        typed(get_args(kind)[0], v, f"{at}[{i}]") for i, v in enumerate(value)
+    )
 
 
 def _table(key, kind, value: object, at: str) -> dict:
@@ -255,7 +257,9 @@ class Sizes:
 class Serving:
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
-    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = empty()  # per repetition
+    configs: dict[Mode, dict[Served, dict[Metric, Times]]] = (
+        empty()
+    )  # per repetition
     server_log: dict[Mode, dict[Served, tuple[str, ...]]] = empty()
 
     def checked(self, value: dict, at: str) -> "Serving":
@@ -264,7 +268,9 @@ class Serving:
                 for metric, found in metrics.items():
                     base = sides.get("base", {}).get(metric, ())
                     for n, pair in enumerate(zip(found, base, strict=False)):
-                        bounded(pair[0] / pair[1], f"{at}.configs.{mode}.{side}.{n}")
+                        bounded(
+                            pair[0] / pair[1], f"{at}.configs.{mode}.{side}.{n}"
+                        )
         return self
 
 
@@ -710,7 +716,9 @@ class Evidence:
     decode: Decode | None = None
     interrupted: bool = False
     failed: tuple[str, ...] = ()
-    perop_threads: Annotated[tuple[PerOp, ...], Meta(most=MOST_THREADS)] = ()  # more -t
+    perop_threads: Annotated[
+        tuple[PerOp, ...], Meta(most=MOST_THREADS)
+    ] = ()  # more -t
     decode_dtypes: Annotated[tuple[Decode, ...], Meta(most=2)] = ()  # more --dtype
     likelihood: tuple[Likelihood, ...] = ()  # per dtype and x86 build
 
@@ -752,7 +760,9 @@ def _written(value: object, f: dataclasses.Field, found: object) -> bool:
     if found is not None:
         return True
     null = f.metadata.get("null")
-    return null is True or isinstance(null, str) and getattr(value, null) is not None
+    return (
+        null is True or isinstance(null, str) and getattr(value, null) is not None
+    )
 
 
 def parse(doc: object) -> Evidence:

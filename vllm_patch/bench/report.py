@@ -266,7 +266,8 @@ def accuracy_lines(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     lm = ev.accuracy.lm_eval
     if lm and lm.scores:
         rows = [
-            [s, f"{x.exact_match:.4f} ± {x.stderr:.4f}"] for s, x in lm.scores.items()
+            [s, f"{x.exact_match:.4f} ± {x.stderr:.4f}"]
+            for s, x in lm.scores.items()
         ]
         first = next(iter(lm.scores.values())).filter
         how = ", ".join(md.text(x, 60) for x in (lm.mode, first) if x) + (
@@ -419,7 +420,11 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
             us.get((env, op, ALLOC)) if kernel else None,
             us.get((env, op, "kernel:bare")) if kernel else impl,
         ]
-        names = [md.text(env, 40), md.code(op, 60), md.text(f"{cls} ({r.impl})", 80)]
+        names = [
+            md.text(env, 40),
+            md.code(op, 60),
+            md.text(f"{cls} ({r.impl})", 80),
+        ]
         out.append(names + [None if c is None else round(c, 1) for c in cells])
     return out
 
@@ -444,13 +449,20 @@ def perop_overhead(perop: er.PerOp) -> list[list]:
             continue
         key = (r.env, r.op, r.tokens)
         ran = next(
-            (x.impl for x in perop.rows if (x.env, x.op, x.tokens) == key and x.impl),
+            (
+                x.impl
+                for x in perop.rows
+                if (x.env, x.op, x.tokens) == key and x.impl
+            ),
             None,
         )
         minimal = us.get((*key, MINIMAL))
         native = us.get((*key, FORWARD_NATIVE))
         cells = [r.median_us, minimal, native, us.get((*key, "kernel:bare"))]
-        cells += [minimal and r.median_us / minimal, native and r.median_us / native]
+        cells += [
+            minimal and r.median_us / minimal,
+            native and r.median_us / native,
+        ]
         cls = r.route.partition(":")[2]
         names = [md.text(r.env, 40), md.code(r.op, 60), r.tokens]
         names.append(md.text(f"{cls} ({ran})" if ran else cls, 80))
@@ -656,7 +668,9 @@ def evidence_markdown(ev: er.Evidence) -> str:
         )
     load = ev.load
     if load:
-        before, after = (f"{v[0]:g}" if v else "?" for v in (load.before, load.after))
+        before, after = (
+            f"{v[0]:g}" if v else "?" for v in (load.before, load.after)
+        )
         share = load.other_processes_share
         used = "" if share is None else f"{share:.0%}"
         out.append(

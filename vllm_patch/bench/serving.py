@@ -35,7 +35,12 @@ RESULT = "result.json"  # vllm bench serve's
 JSON = {"Content-Type": "application/json"}
 LM_EVAL_MODEL_LEN = 4096  # servers lm_eval asks too: room for few-shot prompts
 # The defaults; a run's ``sizes`` add ``model_len`` (0: what the benchmark needs).
-SIZES = {"input_len": 128, "output_len": 128, "num_prompts": 32, "max_concurrency": 4}
+SIZES = {
+    "input_len": 128,
+    "output_len": 128,
+    "num_prompts": 32,
+    "max_concurrency": 4,
+}
 
 
 def client_args(url: str, tokenizer: str, sizes: record.Sizes) -> list[str]:
@@ -62,7 +67,9 @@ def client_args(url: str, tokenizer: str, sizes: record.Sizes) -> list[str]:
     return ["bench", "serve", *(x for pair in pairs for x in pair), *flags]
 
 
-def serve_args(model: str, port: int, eager: bool, sizes: record.Sizes) -> list[str]:
+def serve_args(
+    model: str, port: int, eager: bool, sizes: record.Sizes
+) -> list[str]:
     length = sizes.model_len or sizes.input_len + sizes.output_len + 64
     args = [model, "--served-model-name", SERVED_NAME, "--host", HOST]
     args += ["--port", str(port), "--seed", "0", "--max-model-len", str(length)]
@@ -75,7 +82,8 @@ def commands(model: str, sizes: record.Sizes) -> list[str]:
     serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
     client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
-        serve.replace("--port 0", "--port PORT") + "  # eager: also --enforce-eager",
+        serve.replace("--port 0", "--port PORT")
+        + "  # eager: also --enforce-eager",
         shlex.join(["vllm", *client]),
     ]
 
@@ -94,7 +102,9 @@ def running(
     why = None
     started = time.monotonic()
     server = {"url": url}
-    say(f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})")
+    say(
+        f"starting vLLM's server on {HOST}:{port} (process group {handle.proc.pid})"
+    )
     try:
         while why is None:  # urlopen raises an OSError until it is healthy
             with contextlib.suppress(OSError), urlopen(f"{url}/health", timeout=5):
@@ -164,7 +174,13 @@ def lm_eval_command(url: str, tokenizer: str, spec: record.LmEval) -> list[str]:
         f"tokenizer={tokenizer},tokenizer_backend=huggingface,num_concurrent=2,"
         "max_retries=3,tokenized_requests=False"
     )
-    command = ["lm_eval", "--model", "local-completions", "--model_args", model_args]
+    command = [
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+    ]
     command += ["--tasks", spec.task, "--seed", "0"]
     for key in ("limit", "include_path"):
         if getattr(spec, key):
@@ -268,7 +284,9 @@ def measure(bench, args, model: str, sizes: record.Sizes, copy: str) -> None:
                 bench.progress(f"{at}: {msg}")
 
             eager = mode == "eager"
-            with running(model, eager, sizes, say, pythonpath=path, **how) as server:
+            with running(
+                model, eager, sizes, say, pythonpath=path, **how
+            ) as server:
                 metrics = measured(server, model, sizes, env, say)
                 if rep == 1 and side in SIDES:
                     say(f"{len(prompts)} greedy completions")

