@@ -579,7 +579,9 @@ def test_the_commit_passes_the_releases_pinned_ruff_and_typos(released):
 
 
 @pytest.mark.integration
-def test_a_rerun_on_the_branch_commits_nothing(released):
+def test_a_rerun_on_the_branch_commits_nothing_and_says_as_much(released):
+    """A re-run describes the whole change again: the per-file section (the new
+    test file's line too) and the CI claims; only measured figures differ."""
     tip = released.repo.head.commit
 
     done = subprocess.run(
@@ -589,6 +591,9 @@ def test_a_rerun_on_the_branch_commits_nothing(released):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "already committed" in done.stdout
     assert released.repo.head.commit == tip
+    figures = re.compile(r"\d+(\.\d+)?")
+    again = description(released.repo).read_text()
+    assert figures.sub("N", again) == figures.sub("N", released.body)
 
 
 @requires_vllm

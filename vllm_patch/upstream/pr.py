@@ -396,11 +396,15 @@ def _replanned(
     """What ``commit`` did, planned again on its parent's copies of the patch's
     and the CI's files (regular blobs within ``MAX_FILE_BYTES``; a link is left
     out): a re-run's description names every change the first run's did."""
-    wanted = {e.file for e in s.patch.edits} | {w.file for w in s.upstream.ci}
+    wanted = s.patch.files | {w.file for w in s.upstream.ci}
+    parent = commit.parents[0].tree
     with tempfile.TemporaryDirectory(prefix="vllm-patch-parent-") as tmp:
+        # The test edits are planned only in a tree with tests/, as run 1 did.
+        if any(t.path == "tests" and t.type == "tree" for t in parent.trees):
+            Path(tmp, "tests").mkdir()
         for rel in sorted(wanted):
             try:
-                blob = commit.parents[0].tree / rel
+                blob = parent / rel
             except KeyError:
                 continue
             if (
