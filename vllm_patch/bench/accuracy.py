@@ -18,10 +18,10 @@ PROMPTS = [  # for a real model: short prompts with a clear greedy continuation
     "Once upon a time, in a small village,",
 ]
 RANDOM_NOTE = (
-    "The model has random weights: this shows whether the two vLLMs compute the same "
-    "tokens and logprobs up to where rounding parts them (near-flat distributions "
-    "flip the greedy token early), not the quality of a trained model's answers: "
-    "run with `--model PATH` (and `lm_eval` installed) for that."
+    "The model has random weights: this shows whether the two vLLMs compute the "
+    "same tokens and logprobs up to where rounding parts them (near-flat "
+    "distributions flip the greedy token early), not the quality of a trained "
+    "model's answers: run with `--model PATH` (and `lm_eval` installed) for that."
 )
 
 

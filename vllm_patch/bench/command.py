@@ -42,13 +42,18 @@ THREADS = f"auto,{len(os.sched_getaffinity(0))}"
 
 
 PARTS = {
-    "decode": "one decode step and the norms in it, base vs patched vs A/A (headline)",
+    "decode": "one decode step and the norms in it, base vs patched vs A/A "
+    "(headline)",
     "likelihood": "log-likelihood of a fixed text and greedy agreement, per dtype "
     "and x86 build, base vs patched vs provider (--decode without --model too)",
-    "serve": "vLLM's serving benchmark and the accuracy comparison, base vs patched",
-    "numerics": "the fused kernels against native, per x86 kernel build this CPU runs",
-    "perop": "microseconds per call: native, the fused kernels, vLLM's routes to them",
-    "qwen3": "an eager Qwen3, base vs patched vs the kernels unguarded (vLLM #31643)",
+    "serve": "vLLM's serving benchmark and the accuracy comparison, "
+    "base vs patched",
+    "numerics": "the fused kernels against native, "
+    "per x86 kernel build this CPU runs",
+    "perop": "microseconds per call: native, the fused kernels, "
+    "vLLM's routes to them",
+    "qwen3": "an eager Qwen3, base vs patched vs the kernels unguarded "
+    "(vLLM #31643)",
 }
 
 
@@ -98,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_dtypes,
         default=list(DTYPES),
         metavar="bfloat16,float32",
-        help="--decode and --likelihood: the dtypes, the first the headline's (both)",
+        help="--decode and --likelihood: the dtypes, the first the headline's "
+        "(both)",
     )
     add_decode_arguments(parser.add_argument_group("--decode"))
     add_serve_arguments(parser.add_argument_group("--serve"))

@@ -207,7 +207,8 @@ def interleaved(order: list[Engine], layout: str, tokens: int) -> tuple[dict, di
 
 
 def measure_phase(started: list[Engine], args, deadline: float, progress) -> list:
-    """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, to deadline."""
+    """Round 0 (dropped), then ``args.rounds`` or, past ``MIN_ROUNDS``, up to the
+    deadline."""
     out = []
     pids = [e.proc.pid for e in started]
     began = time.monotonic()
@@ -283,7 +284,8 @@ def compared(rows: list[record.Round], a: str, b: str) -> dict[str, record.Ratio
 def block(
     rows: list[record.Round], pairs: dict[str, tuple[str, str]]
 ) -> record.DecodeBlock:
-    """One thread count's comparisons, levels per engine and savings in the norms."""
+    """One thread count's comparisons, levels per engine and savings in the
+    norms."""
     seen = {v for r in rows for v in r.steps}
     names = [v for v in NAMES if v in seen]
 
@@ -348,7 +350,8 @@ def consistent(found: record.Comparison, saved: record.Saving) -> record.Consist
 
 
 def saving(rows: list[record.Round], variant: str) -> record.Saving:
-    """base's minus ``variant``'s norm CPU time per step, and the ratio it implies."""
+    """base's minus ``variant``'s norm CPU time per step, and the ratio that
+    saving implies."""
     base = column(rows, "base", "norm_cpu")
     mine = column(rows, variant, "norm_cpu")
     pairs = zip(base, mine, strict=True)
@@ -386,8 +389,9 @@ def summary(
     provider = about.get("provider")
     if provider is not None and provider.norm_classes == about["base"].norm_classes:
         notes.append(
-            "the provider engine built vLLM's own RMSNorm: the plugin's entry point "
-            "is not installed here, so provider/base compares base with itself"
+            "the provider engine built vLLM's own RMSNorm: "
+            "the plugin's entry point is not installed here, "
+            "so provider/base compares base with itself"
         )
     return record.Decode(
         notes=tuple(notes),

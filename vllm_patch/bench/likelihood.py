@@ -28,8 +28,12 @@ from vllm_patch.runtime import markdown as md
 # vllm_patch/bench/texts/ (README.md there: what they are, why they may ship):
 # verbatim licence texts, pinned, read in this order.
 TEXTS = {
-    "gpl-3.0.txt": "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986",
-    "gpl-2.0.txt": "8177f97513213526df2cf6184d8ff986c675afb514d4e68a404010521b880643",
+    "gpl-3.0.txt": (
+        "3972dc9744f6499f0f9b2dbf76696f2ae7ad8af9b23dde66d6af86c9dfb36986"
+    ),
+    "gpl-2.0.txt": (
+        "8177f97513213526df2cf6184d8ff986c675afb514d4e68a404010521b880643"
+    ),
 }
 TEXT_NAME = (
     "the GNU GPL v3 and v2 texts (verbatim, shipped in vllm_patch/bench/texts)"
@@ -299,7 +303,8 @@ def measure(
     for s in compared:
         if s.provider and got[s.name]["norm_classes"] == got[base]["norm_classes"]:
             raise RuntimeError(
-                f"the provider did not load ({OPT_IN_ENV}=1 changed no norm class): "
+                "the provider did not load "
+                f"({OPT_IN_ENV}=1 changed no norm class): "
                 "is vllm-patch installed where vLLM runs?"
             )
     build = builds.pop()

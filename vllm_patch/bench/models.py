@@ -69,7 +69,8 @@ def random_model(
 
 
 def user_model(path: Path) -> tuple[str, Model]:
-    """A local model folder; its ``config.json`` read inside it (or HF's ``blobs/``)."""
+    """A local model folder; its ``config.json`` read inside it, or in HF's
+    ``blobs/`` for a snapshot folder."""
     folder = Path(os.path.realpath(path))
     if not os.path.lexists(folder / "config.json"):
         raise UsageError(

@@ -48,7 +48,8 @@ def expected_of(op, args: Sequence[Any]) -> list:
 def mismatch(
     fn: Callable, args: tuple, expected: list, tolerance: dict
 ) -> str | None:
-    """How ``fn`` on a copy of ``args`` is not native's ``expected``, if it is not."""
+    """How ``fn`` on a copy of ``args`` differs from native's ``expected``, if it
+    does."""
     import torch
 
     try:

@@ -59,7 +59,8 @@ def unguarded_forward_cpu(self, x, residual=None):
 
 
 def generate(model: str, prompts: list[str], unguarded: bool) -> dict[str, Any]:
-    """In a child: an eager engine's completions, kernel calls and ``forward_cpu``."""
+    """In a child: an eager engine's completions, its kernel calls and its
+    ``forward_cpu``."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.model_executor.layers import layernorm

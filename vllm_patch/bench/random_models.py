@@ -40,7 +40,8 @@ KINDS = {"llama": ("Llama", 1e-5), "qwen3": ("Qwen3", 1e-6)}  # name, rms_norm_e
 def make_random(
     path, *, kind="llama", seed=0, tokenizer=False, **sizes: int
 ) -> Path:
-    """A random bf16 model of ``sizes``, built once per configuration in ``path``."""
+    """A random bf16 model of ``sizes``, built in ``path`` once per
+    configuration."""
     path = Path(path)
     config = {HF_NAMES.get(k, k): v for k, v in sizes.items()}
     if kind != "llama":

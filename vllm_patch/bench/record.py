@@ -89,7 +89,8 @@ def null(when: str | None = None):
 
 
 def typed(kind, value: object, at: str):
-    """``value`` as ``kind`` (a record, tuple, dict, scalar or union), else ``Bad``."""
+    """``value`` as ``kind`` (a record, tuple, dict, scalar or union), else
+    ``Bad``."""
     meta = Meta()
     if get_origin(kind) is Annotated:
         kind, meta = get_args(kind)
@@ -435,7 +436,8 @@ class MadeModel:
 
 @record
 class Qwen3Eager:
-    """``bench.qwen3_eager.summarize``: ``patched`` and ``unguarded`` against base."""
+    """``bench.qwen3_eager.summarize``: ``patched`` and ``unguarded`` against
+    base."""
 
     model: MadeModel
     patch: str
@@ -604,7 +606,8 @@ class Round:
 
 @record
 class Decode:
-    """``bench --decode``; ``headline``: the block at the top level, at ``threads``."""
+    """``bench --decode``; ``headline``: the block at the top level, at
+    ``threads``."""
 
     notes: tuple[str, ...] = ()
     model: Model
@@ -773,7 +776,8 @@ def parse(doc: object) -> Evidence:
 
 
 def read(folder: Path) -> Evidence:
-    """``folder``'s evidence (a regular file, never a link), or one ``PatchError``."""
+    """``folder``'s evidence (a regular file, never a link), or one
+    ``PatchError``."""
     from patcher.files import read_text_at
 
     path = Path(os.path.realpath(folder)) / EVIDENCE

@@ -117,9 +117,9 @@ def claims(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     if t and t.max_abs_dlogprob is not None:
         note = ev.model.random_weights and NOT_QUALITY
         found.append(
-            f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, against "
-            f"the base: {first_difference(t.first_divergence)}; largest |Δ logprob| "
-            f"{t.max_abs_dlogprob:.3g}{note or ''}."
+            f"- Greedy completions of {t.prompts} prompts, {t.tokens} tokens, "
+            f"against the base: {first_difference(t.first_divergence)}; "
+            f"largest |Δ logprob| {t.max_abs_dlogprob:.3g}{note or ''}."
         )
     if lm and set(lm.scores) == set(SIDES):
         b = lm.base
@@ -240,8 +240,9 @@ def qwen3_claim(q: er.Qwen3Eager) -> str:
     said = (
         "- Eager Qwen3-architecture model (#31643's configuration): with this "
         f"change {patched.identical_prompts} of {len(q.prompts)} prompts give the "
-        f"base's greedy tokens (largest |Δ logprob| {patched.max_abs_dlogprob:.3g}),"
-        f" the kernels running {sum(q.sides.patched.kernel_calls.values())} times"
+        "base's greedy tokens (largest |Δ logprob| "
+        f"{patched.max_abs_dlogprob:.3g}), the kernels running "
+        f"{sum(q.sides.patched.kernel_calls.values())} times"
     )
     if unguarded.first_divergence is None:
         return said + "; the kernels unguarded give the same tokens too."
@@ -256,8 +257,8 @@ def accuracy_lines(ev: er.Evidence, limit: int = ROWS) -> list[str]:
     t = ev.accuracy.tokens
     for mode, found in (t.configs if t else {}).items():
         out.append(
-            f"- {mode}: {found.identical_prompts} of {len(found.per_prompt)} prompts "
-            f"identical ({t.tokens} greedy tokens each); "
+            f"- {mode}: {found.identical_prompts} of {len(found.per_prompt)} "
+            f"prompts identical ({t.tokens} greedy tokens each); "
             f"{first_difference(found.first_divergence)}; largest |Δ logprob| of "
             f"the top token before that: {found.max_abs_dlogprob:.3g}"
         )
@@ -376,8 +377,9 @@ def perop_table(
 def perop_heading(perop: er.PerOp, escape=md.text) -> str:
     clock = perop.clock and f", median [p10–p90] of the {escape(perop.clock, 40)}"
     return (
-        f"Microseconds per call (native / this){clock or ''}, {escape(perop.dtype, 20)}"
-        f", hidden {perop.hidden_size}, {perop.threads} thread(s)"
+        f"Microseconds per call (native / this){clock or ''}, "
+        f"{escape(perop.dtype, 20)}, hidden {perop.hidden_size}, "
+        f"{perop.threads} thread(s)"
     )
 
 
@@ -489,8 +491,8 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     )
     if loads:
         out.append(
-            f"\nLoad average per child (other processes' share of the CPU): {loads}. "
-            "`native` is one baseline: its samples in both vLLMs."
+            "\nLoad average per child (other processes' share of the CPU): "
+            f"{loads}. `native` is one baseline: its samples in both vLLMs."
         )
     split = perop_split(perop)
     if split:
@@ -551,8 +553,8 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
         share = saved.share
         lo, hi = saved.expected_ratio
         out.append(
-            f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms of "
-            f"CPU time saved inside RMSNorm per decode step{calls}, "
+            f"- {md.text(side, 60)}: {interval_shown(saved.saving_ms, '.2f')} ms "
+            f"of CPU time saved inside RMSNorm per decode step{calls}, "
             f"{share.value:.1%} [{share.ci95.low:.1%}–{share.ci95.high:.1%}] of "
             f"base's step: a step ratio of {lo:.3f}–{hi:.3f} expected."
         )
@@ -566,7 +568,10 @@ def decode_block(b: er.DecodeBlock, limit: int = ROWS) -> list[str]:
             if ratio and saved:
                 how = (
                     ": the step saves less than the time inside RMSNorm",
-                    ": the step saves more than the time inside RMSNorm accounts for",
+                    (
+                        ": the step saves more than the time inside RMSNorm "
+                        "accounts for"
+                    ),
                 )[ratio.ci95.high < saved.expected_ratio.low]
         out.append(
             f"- The end-to-end patched/base ratio {said} the expected one){how}."
@@ -614,8 +619,9 @@ def layout_named(layout: str | int) -> str:
 def decode_markdown(d: er.Decode, limit: int = ROWS) -> list[str]:
     """``evidence.md``'s decode section: the headline first."""
     out = [
-        f"## Decode step: {md.text(d.dtype, 20)}, {layout_named(d.threads)}, kernel "
-        f"build {md.text(d.kernel_build, 20)}\n\n{md.text(d.model.named())}; "
+        f"## Decode step: {md.text(d.dtype, 20)}, {layout_named(d.threads)}, "
+        f"kernel build {md.text(d.kernel_build, 20)}\n\n"
+        f"{md.text(d.model.named())}; "
         "batch 1; each round, every engine (each kept alive in its own process) "
         f"generates {d.tokens} tokens, the engines taking turns step by step; a "
         "round's figure is the median of its decode steps; ratios are trimmed "
@@ -654,8 +660,8 @@ def evidence_markdown(ev: er.Evidence) -> str:
     v = ev.vllm
     if v:
         out.append(
-            f"- vLLM: base {md.text(v.base, 60)}; patched: {md.text(v.patched, 60)} "
-            f"with {md.code(v.patch, 60)}"
+            f"- vLLM: base {md.text(v.base, 60)}; "
+            f"patched: {md.text(v.patched, 60)} with {md.code(v.patch, 60)}"
         )
     if ev.model.description:
         out.append(f"- Model: {md.text(ev.model.description, 400)}")

