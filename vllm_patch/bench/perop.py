@@ -139,6 +139,11 @@ def minimal_layer(rms_norm: type) -> type:
 def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     """In a child: this vLLM's rows (``env`` labels them)."""
     import torch
+
+    # Before vLLM loads its kernels: the IR form decides when vllm_c.py is
+    # imported, from the thread count, as a worker does under vLLM's binding
+    # (its OMP_NUM_THREADS set before it starts).
+    torch.set_num_threads(threads)
     from vllm import ir
     from vllm.platforms import current_platform
     from vllm.plugins import load_general_plugins
@@ -147,7 +152,6 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     if hasattr(current_platform, "import_ir_kernels"):
         current_platform.import_ir_kernels()
     load_general_plugins()  # out-of-tree providers and layers, as vLLM loads them
-    torch.set_num_threads(threads)
     unwrap = getattr(ir, "enable_torch_wrap", None)  # off in eager CPU engines
     rows = []
     with unwrap(False) if unwrap else contextlib.nullcontext():
