@@ -972,3 +972,24 @@ def test_the_allocation_alone_is_a_part_not_a_ratio():
     section["rows"][0]["route"] = "alloc"
     perop = record.typed(record.PerOp, section, "perop")
     assert "| 0.4 |" in report.perop_table(perop)
+
+
+@requires_vllm
+@pytest.mark.integration
+def test_per_op_measures_the_ir_form_at_its_own_thread_count():
+    """The IR form decides when vllm_c.py is imported: at one thread, the patched
+    layer runs what the rule says there (kernel where bfloat16 matches), not the
+    native its default thread count would have frozen in."""
+    import torch
+
+    from patcher.tree import open_tree
+    from patches.cpu_norm_rule import cpu_norm_dtypes
+    from vllm_patch.bench import perop
+    from vllm_patch.runtime.patched_copy import choose_patch, patched_copy
+
+    tree = open_tree(None)
+    with patched_copy(tree, choose_patch(tree, "cpu_fused_norms")) as copy:
+        found = perop.per_op({"patched": (str(copy),)}, lambda _m: None, 1)
+    ran = {row[2] for row in report.perop_split(found)}
+    kernel = getattr(torch, perop.DTYPE) in cpu_norm_dtypes()
+    assert ran == {"RMSNorm (kernel)" if kernel else "RMSNorm (native)"}, ran
