@@ -65,13 +65,22 @@ def said_by_a_spawned_interpreter(queue) -> None:
 
 
 @pytest.mark.integration
-def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns() -> None:
+def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns(
+    monkeypatch,
+) -> None:
     """vLLM's CPU platform spawns its workers: the AVX2 build forced here must
     reach them, AMX included (only the newest class has it)."""
     import multiprocessing
 
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from vllm_patch.runtime.cpu_library import forced_in_spawned
+    from vllm_patch.runtime.kernel_builds import CHECKS, NEWEST_CLASS_ONLY
+
+    # It forces this process too: its checks come back after the test, or a
+    # later test here would load a second kernel build, which aborts.
+    for check in [*CHECKS.values(), *NEWEST_CLASS_ONLY]:
+        was = getattr(torch.cpu, check, None)
+        monkeypatch.setattr(torch.cpu, check, was, raising=False)
 
     spawn = multiprocessing.get_context("spawn")
     queue = spawn.Queue()
