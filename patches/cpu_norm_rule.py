@@ -97,19 +97,16 @@ class RMSNormForwardCpu:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # The kernels read x and residual as contiguous rows of the weight's
-        # dtype and size.
+        # dtype. Their width is the weight's wherever forward_native runs (it
+        # multiplies by the weight), so it is not checked again per call.
         weight = self.weight
-        if (
-            x.dtype in self.cpu_dtypes
-            and x.dtype == weight.dtype
-            and x.shape[-1] == self.hidden_size
-            and x.is_contiguous()
-        ):
+        dtype = x.dtype
+        if dtype in self.cpu_dtypes and dtype == weight.dtype and x.is_contiguous():
             if residual is None:
                 out = torch.empty_like(x)
                 self.op(out, x, weight, self.variance_epsilon)
                 return out
-            if residual.dtype == x.dtype and residual.is_contiguous():
+            if residual.dtype == dtype and residual.is_contiguous():
                 self.add_op(x, residual, weight, self.variance_epsilon)
                 return x, residual
         return self.forward_native(x, residual)

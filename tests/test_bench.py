@@ -7,6 +7,7 @@ kernels per build and per op. Nothing here asserts that anything is fast."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -530,9 +531,25 @@ def test_per_op_times_every_route_that_passes_numerics():
         ["base", "`fused_add_rms_norm`"],
     ]
     assert all(row[2] == "RMSNorm (native)" for row in split)  # base: no kernel
+    # The layer path alone in the other dtypes and hidden sizes, at one token.
+    cells = {(r.dtype, r.hidden_size, r.tokens) for r in found.rows}
+    assert cells == {(d, h, t) for d, h, t, _every in perop.cells()}
+    assert {(d, h) for d, h, t in cells if t == 1} == set(
+        itertools.product(perop.OVERHEAD_DTYPES, perop.OVERHEAD_HIDDEN)
+    )
+    layer_path = {r.route for r in found.rows if r.hidden_size != perop.HIDDEN}
+    assert layer_path == {
+        "native",
+        "layer:RMSNorm",
+        "forward:RMSNorm",
+        record.MINIMAL,
+        record.FORWARD_NATIVE,
+        "kernel:bare",
+    }
+    assert {r.hidden_size for r in typed.every_route()} == {perop.HIDDEN}
     overhead = report.perop_overhead(typed)  # forward beside minimal and native
-    assert len(overhead) == 2 * len(perop.TOKENS)
-    assert all(row[4] and row[6] for row in overhead)  # minimal: where it matches
+    assert len(overhead) == 2 * len(perop.cells())
+    assert all(row[6] and row[8] for row in overhead)  # forward, forward_native
 
 
 @requires_vllm

@@ -79,24 +79,3 @@ def test_every_architecture_vllm_names_is_a_row():
 
     named = {a.name for a in CpuArchEnum} - {"UNKNOWN"}
     assert {p.values[0] for p in DTYPES} == named
-
-
-def test_the_per_call_cost_rows():
-    """``percall.measure`` (for ``bench --perop``): per op, the three variants
-    timed, and whether the rule runs the kernel, as the layer says."""
-    import torch
-
-    from patches.cpu_fused_norms import percall
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rows = percall.measure(((1, 64),), ("float32",), rounds=2, calls=3)
-    finally:
-        torch.set_num_threads(threads)
-    assert [r["op"] for r in rows] == ["rms_norm", "fused_add_rms_norm"]
-    for row in rows:
-        assert row["kernel"] is True  # float32 at one thread: every build's kernels
-        for variant in percall.VARIANTS:
-            low, high = row[variant]["range"]
-            assert 0 < low <= row[variant]["median"] <= high

@@ -10,6 +10,10 @@ method called directly (``forward:<class>``: without ``nn.Module.__call__`` and
 ``CustomOp.forward``), a minimal ``forward_cpu`` and ``forward_native``: the
 layer path's overhead. Each route is held to native with the op's own
 tolerance first and timed only if it passes: a fast wrong answer is no figure.
+Every route runs at ``DTYPE`` and ``HIDDEN`` for each of ``TOKENS``; the layer
+path alone (with native and the bare kernel) also at one token in each of
+``OVERHEAD_DTYPES`` and ``OVERHEAD_HIDDEN``, where a decode step's norm is a few
+microseconds of kernel and a check per call is a share of it.
 
 Each sample is a short loop timed by the calling thread's CPU time, which on a
 loaded machine leaves out the time the thread waits for a core. ``native`` is
@@ -40,6 +44,10 @@ from vllm_patch.bench.record import (
 TOKENS = (1, 16, 512)
 HIDDEN = 2048
 DTYPE = "bfloat16"
+# The layer path's overhead at one token: models' two dtypes (bfloat16 runs
+# native where the build truncates) and two hidden sizes (Llama 3.2 1B's, 8B's).
+OVERHEAD_DTYPES = ("bfloat16", "float32")
+OVERHEAD_HIDDEN = (2048, 4096)
 THREADS = 1  # what vLLM gives its worker on a 2-core machine
 ROUNDS = 2  # children per vLLM, alternating, so that load drift hits each
 # glibc keeps freed memory, as vLLM's tcmalloc does: by default a tensor of 128
@@ -120,7 +128,9 @@ def _routes(op, name: str, args: tuple, dtype) -> tuple[dict, dict]:
 
 def minimal_layer(rms_norm: type) -> type:
     """``rms_norm`` with the least ``forward_cpu`` there is: allocate, call the
-    kernel. The layer path's overhead is ``forward:<class>`` minus this."""
+    kernel, no check, the weight as the parameter it is (``.data`` would add an
+    alias per call). The layer path's overhead is ``forward:<class>`` minus
+    this."""
     import torch
 
     class MinimalRMSNorm(rms_norm):
@@ -128,9 +138,9 @@ def minimal_layer(rms_norm: type) -> type:
             eps = self.variance_epsilon
             if residual is None:
                 out = torch.empty_like(x)
-                torch.ops._C.rms_norm(out, x, self.weight.data, eps)
+                torch.ops._C.rms_norm(out, x, self.weight, eps)
                 return out
-            torch.ops._C.fused_add_rms_norm(x, residual, self.weight.data, eps)
+            torch.ops._C.fused_add_rms_norm(x, residual, self.weight, eps)
             return x, residual
 
     return MinimalRMSNorm
@@ -156,21 +166,45 @@ def measure(env: str, threads: int = THREADS) -> list[dict[str, Any]]:
     rows = []
     with unwrap(False) if unwrap else contextlib.nullcontext():
         for name in OPS:
-            for tokens in TOKENS:
-                rows += _measure_shape(env, getattr(ir.ops, name), name, tokens)
+            op = getattr(ir.ops, name)
+            for cell in cells():
+                rows += _measure_shape(env, op, name, *cell)
     return rows
 
 
-def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]:
+def cells() -> list[tuple[str, int, int, bool]]:
+    """(dtype, hidden size, tokens, every route or the layer path's alone)."""
+    every = [(DTYPE, HIDDEN, tokens, True) for tokens in TOKENS]
+    layer_path = [  # (DTYPE, HIDDEN) at one token is one of every route's
+        (dtype, hidden, 1, False)
+        for dtype in OVERHEAD_DTYPES
+        for hidden in OVERHEAD_HIDDEN
+        if (dtype, hidden) != (DTYPE, HIDDEN)
+    ]
+    return every + layer_path
+
+
+def _layer_path(route: str) -> bool:
+    """The routes of the layer path's overhead, and native for its figure."""
+    prefixes = ("layer:", "forward:", MINIMAL, FORWARD_NATIVE, NATIVE)
+    return route.startswith(prefixes)
+
+
+def _measure_shape(
+    env: str, op, name: str, dtype_name: str, hidden: int, tokens: int, every: bool
+) -> list[dict[str, Any]]:
     """Each route held to native, the right ones timed with the kernel's parts."""
     import torch
 
-    dtype = getattr(torch, DTYPE)
-    args = numerics.op_inputs(op, tokens, HIDDEN, dtype)
+    dtype = getattr(torch, dtype_name)
+    args = numerics.op_inputs(op, tokens, hidden, dtype)
     fns, scopes = _routes(op, name, args, dtype)
+    if not every:
+        fns = {route: fn for route, fn in fns.items() if _layer_path(route)}
     expected = numerics.expected_of(op, args)
     tol = op.get_tolerance(dtype)
-    base = {"env": env, "op": name, "dtype": DTYPE, "tokens": tokens}
+    base = {"env": env, "op": name, "dtype": dtype_name, "hidden_size": hidden}
+    base["tokens"] = tokens
     rows = []
     for route in [r for r in fns if r != NATIVE]:
         with scopes.get(route, contextlib.nullcontext)():
@@ -192,7 +226,8 @@ def _measure_shape(env: str, op, name: str, tokens: int) -> list[dict[str, Any]]
     else:
         out = torch.empty_like(args[0])
         fns["kernel:bare"] = lambda x, w, eps: kernel(out, x, w, eps)
-        fns[ALLOC] = lambda x, w, eps: torch.empty_like(x)
+        if every:
+            fns[ALLOC] = lambda x, w, eps: torch.empty_like(x)
     return rows + [
         {**base, "route": r, **us, **({"impl": runs} if r == layer else {})}
         for r, us in _sample_us(fns, args, scopes).items()
@@ -206,6 +241,7 @@ class Sampled:
     env: str
     op: str
     dtype: str
+    hidden_size: int
     tokens: int
     route: str
     wrong: str | None = None
@@ -238,12 +274,13 @@ def per_op(
         how["drop_env"] = [OPT_IN_ENV]
         printed = child.run(f"{__name__}:measure", asked, **how).value()
         for s in typed(Printed, printed, f"{env}'s per-op rows"):
-            key = ("both" if s.route == NATIVE else env, s.op, s.tokens, s.route)
+            cell = (s.op, s.dtype, s.hidden_size, s.tokens)
+            key = ("both" if s.route == NATIVE else env, *cell, s.route)
             first.setdefault(key, s)
             cpu.setdefault(key, []).extend(s.cpu)
             wall.setdefault(key, []).extend(s.wall)
             if s.route == NATIVE:
-                native[s.op, s.tokens] = cpu[key]
+                native[cell] = cpu[key]
         load.append(
             ChildLoad(
                 env=env,
@@ -253,14 +290,14 @@ def per_op(
         )
     rows = []
     for key, s in first.items():
-        timed = (
-            figures(cpu[key], wall[key], native[s.op, s.tokens]) if cpu[key] else {}
-        )
+        cell = (s.op, s.dtype, s.hidden_size, s.tokens)
+        timed = figures(cpu[key], wall[key], native[cell]) if cpu[key] else {}
         rows.append(
             PerOpRow(
                 env=key[0],
                 op=s.op,
                 dtype=s.dtype,
+                hidden_size=s.hidden_size,
                 tokens=s.tokens,
                 route=s.route,
                 wrong=s.wrong,

@@ -356,6 +356,7 @@ class PerOpRow:
     env: str
     op: str
     dtype: str | None = None  # in every row bench writes; not in older files
+    hidden_size: int | None = None  # likewise (older files: the run's only one)
     tokens: int
     route: str
     wrong: str | None = None  # why the route was not timed (outside tolerance)
@@ -384,8 +385,8 @@ class ChildLoad:
 
 @record
 class PerOp:
-    hidden_size: int
-    dtype: str
+    hidden_size: int  # every route's; other cells time the layer path alone
+    dtype: str  # likewise
     threads: int
     clock: str | None = None
     rounds: int | None = None  # children per vLLM
@@ -396,6 +397,15 @@ class PerOp:
         if len({(r.env, r.route) for r in self.rows}) > MOST_COLUMNS:
             raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
         return self
+
+    def every_route(self) -> tuple[PerOpRow, ...]:
+        """The rows at ``dtype`` and ``hidden_size``, where every route ran."""
+        return tuple(
+            r
+            for r in self.rows
+            if r.dtype in (None, self.dtype)
+            and r.hidden_size in (None, self.hidden_size)
+        )
 
 
 class Tolerance(NamedTuple):

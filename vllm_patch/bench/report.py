@@ -208,7 +208,7 @@ def throughput_claim(ev: er.Evidence) -> str | None:
 def perop_claim(perop: er.PerOp, limit: int = ROWS) -> str | None:
     """Per op and token count, the base's time per layer call over this change's."""
     layer: dict[tuple[str, int], dict[str, er.PerOpRow]] = {}
-    for r in perop.rows:
+    for r in perop.every_route():
         if r.route.startswith("layer:") and r.median_us:
             layer.setdefault((r.op, r.tokens), {})[r.env] = r
     said = []
@@ -351,7 +351,7 @@ def perop_table(
     perop: er.PerOp, shown: Callable[[er.PerOpRow], bool] = bool, limit: int = ROWS
 ) -> str:
     """Microseconds per call, a row per (op, tokens), a column per (vLLM, route)."""
-    kept = [r for r in perop.rows if shown(r)]
+    kept = [r for r in perop.every_route() if shown(r)]
     columns = list(dict.fromkeys((r.env, r.route) for r in kept))
     cells: dict[tuple, dict] = {}
     for r in kept:
@@ -397,7 +397,11 @@ def perop_split(perop: er.PerOp, tokens: int = 1) -> list[list]:
     """Per vLLM and op at ``tokens``, ``SPLIT``'s medians: CustomOp dispatch is the
     layer call - forward, forward's own work forward - what it runs, IR dispatch an
     ``ir:`` route - the kernel with its allocation."""
-    rows = [r for r in perop.rows if r.tokens == tokens and r.median_us is not None]
+    rows = [
+        r
+        for r in perop.every_route()
+        if r.tokens == tokens and r.median_us is not None
+    ]
     us = {(r.env, r.op, r.route): r.median_us for r in rows}
     out = []
     for r in rows:
@@ -442,22 +446,21 @@ OVERHEAD = (
 
 
 def perop_overhead(perop: er.PerOp) -> list[list]:
-    """Per vLLM, op and tokens: the layer's forward method (``forward_cpu`` on
-    CPU) beside a minimal one, ``forward_native`` and the bare kernel."""
-    us = {(r.env, r.op, r.tokens, r.route): r.median_us for r in perop.rows}
+    """Per vLLM, op, dtype, hidden size and tokens: the layer's forward method
+    (``forward_cpu`` on CPU) beside a minimal one, ``forward_native`` and the
+    bare kernel."""
+
+    def cell(r: er.PerOpRow) -> tuple:
+        dtype = r.dtype or perop.dtype
+        return (r.env, r.op, dtype, r.hidden_size or perop.hidden_size, r.tokens)
+
+    us = {(*cell(r), r.route): r.median_us for r in perop.rows}
+    ran = {cell(r): r.impl for r in perop.rows if r.impl}
     out = []
     for r in perop.rows:
         if not r.route.startswith("forward:") or r.median_us is None:
             continue
-        key = (r.env, r.op, r.tokens)
-        ran = next(
-            (
-                x.impl
-                for x in perop.rows
-                if (x.env, x.op, x.tokens) == key and x.impl
-            ),
-            None,
-        )
+        key = cell(r)
         minimal = us.get((*key, MINIMAL))
         native = us.get((*key, FORWARD_NATIVE))
         cells = [r.median_us, minimal, native, us.get((*key, "kernel:bare"))]
@@ -466,8 +469,10 @@ def perop_overhead(perop: er.PerOp) -> list[list]:
             native and r.median_us / native,
         ]
         cls = r.route.partition(":")[2]
-        names = [md.text(r.env, 40), md.code(r.op, 60), r.tokens]
-        names.append(md.text(f"{cls} ({ran})" if ran else cls, 80))
+        env, op, dtype, hidden, tokens = key
+        names = [md.text(env, 40), md.code(op, 60), md.text(dtype, 20), hidden]
+        layer = f"{cls} ({ran[key]})" if key in ran else cls
+        names += [tokens, md.text(layer, 80)]
         out.append(names + [None if c is None else round(c, 2) for c in cells])
     return out
 
@@ -478,7 +483,8 @@ def perop_lines(perop: er.PerOp, limit: int = ROWS) -> list[str]:
     out = [perop_table(perop, lambda r: r.route not in mine, limit=limit)]
     overhead = perop_overhead(perop)
     if overhead:
-        header = ["vLLM", "op", "tokens", "layer (runs)", *OVERHEAD]
+        header = ["vLLM", "op", "dtype", "hidden", "tokens", "layer (runs)"]
+        header += OVERHEAD
         out.append(
             "\nThe layer path's overhead (medians, microseconds): the layer's "
             "forward method beside a minimal `forward_cpu` (allocate, call the "
