@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -64,32 +65,67 @@ def said_by_a_spawned_interpreter(queue) -> None:
     queue.put({name: getattr(torch.cpu, name)() for name in checks + amx})
 
 
-@pytest.mark.integration
-def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns(
-    monkeypatch,
-) -> None:
-    """vLLM's CPU platform spawns its workers: the AVX2 build forced here must
-    reach them, AMX included (only the newest class has it)."""
-    import multiprocessing
-
-    torch = pytest.importorskip("torch")
+def said_under_the_avx2_build(queue) -> None:
+    """In a new interpreter (the test's may hold a build): the AVX2 build forced,
+    what an interpreter it spawns then reads."""
     from vllm_patch.runtime.cpu_library import forced_in_spawned
-    from vllm_patch.runtime.kernel_builds import CHECKS, NEWEST_CLASS_ONLY
-
-    # It forces this process too: its checks come back after the test, or a
-    # later test here would load a second kernel build, which aborts.
-    for check in [*CHECKS.values(), *NEWEST_CLASS_ONLY]:
-        was = getattr(torch.cpu, check, None)
-        monkeypatch.setattr(torch.cpu, check, was, raising=False)
 
     spawn = multiprocessing.get_context("spawn")
-    queue = spawn.Queue()
+    inner = spawn.Queue()
     with forced_in_spawned("avx2"):
-        worker = spawn.Process(target=said_by_a_spawned_interpreter, args=(queue,))
+        worker = spawn.Process(target=said_by_a_spawned_interpreter, args=(inner,))
         worker.start()
-        said = queue.get(timeout=120)
+        queue.put(inner.get(timeout=120))
         worker.join()
+
+
+@pytest.mark.integration
+def test_an_older_build_is_forced_in_the_interpreters_vllm_spawns() -> None:
+    """vLLM's CPU platform spawns its workers: the AVX2 build forced must reach
+    them, AMX included (only the newest class has it)."""
+    pytest.importorskip("torch")
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    forcing = spawn.Process(target=said_under_the_avx2_build, args=(queue,))
+    forcing.start()
+    said = queue.get(timeout=240)
+    forcing.join()
     assert not any(said.values()), said
+
+
+def forced_after_loading(library: str, queue) -> None:
+    """In a new interpreter: vLLM's kernels loaded, then ``library`` forced."""
+    from vllm.platforms import current_platform
+
+    from vllm_patch.runtime.cpu_library import force
+
+    current_platform.import_kernels()
+    try:
+        force(library)
+    except RuntimeError as exc:
+        queue.put(str(exc))
+        return
+    queue.put("forced")
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_a_second_build_is_refused_with_a_message_not_an_abort() -> None:
+    from vllm_patch.runtime import machine
+    from vllm_patch.runtime.kernel_builds import LIBRARIES
+
+    classes = runnable(machine.cpu()["flags"])
+    if len(classes) < 2:
+        pytest.skip("this CPU runs one kernel build: there is no second to load")
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    loading = spawn.Process(target=forced_after_loading, args=(classes[-1], queue))
+    loading.start()
+    said = queue.get(timeout=240)
+    loading.join()
+    assert loading.exitcode == 0
+    expected = f"this process has vLLM's {LIBRARIES[classes[0]]} build loaded"
+    assert said.startswith(expected), said
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ ADDED = (
     f"`{CLASS}.{METHOD}` is added: `torch.ops._C.rms_norm` and "
     "`fused_add_rms_norm`, bound in `__init__` where the layer and the machine "
     "allow them (`cpu_norm_dtypes()`, `cpu_threads_shared()`), for contiguous "
-    "inputs of the weight's dtype and size; `forward_native` elsewhere"
+    "inputs of the weight's dtype; `forward_native` elsewhere"
 )
 
 

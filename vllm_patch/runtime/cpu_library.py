@@ -24,11 +24,20 @@ OPTION = "--vllm-cpu-library"
 
 def force(library: str) -> None:
     """Have vLLM load ``library``'s build: each newer class's check says no. A
-    class newer than the CPU raises (its instructions would kill the process)."""
+    class newer than the CPU raises (its instructions would kill the process),
+    as does a process that has another build loaded already: a second build
+    registers the same ``torch.ops._C`` ops, which aborts the process."""
     import torch
 
     if library in CHECKS and not getattr(torch.cpu, CHECKS[library])():
         raise RuntimeError(f"this CPU cannot run vLLM's {LIBRARIES[library]} build")
+    held = [build for build in loaded() if build != LIBRARIES[library]]
+    if held:
+        raise RuntimeError(
+            f"this process has vLLM's {held[0]} build loaded: force "
+            f"{LIBRARIES[library]} before vLLM loads its kernels, or in a new "
+            "process (a second build's ops would abort this one)"
+        )
     newer = list(LIBRARIES)[: list(LIBRARIES).index(library)]
     says_no = [CHECKS[n] for n in newer]
     if newer:  # an older class than the newest has no AMX either
@@ -45,7 +54,8 @@ def forced_in_spawned(library: str) -> Iterator[None]:
     ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, vllm/platforms/cpu.py, 0.32.0): fresh
     interpreters that :func:`force` in this one never reaches. Each runs the
     ``sitecustomize`` module put first on their ``PYTHONPATH`` (a folder made
-    here, removed on the way out), which forces the same build."""
+    here, removed on the way out), which forces the same build. It shadows any
+    ``sitecustomize`` the environment has, in those interpreters only."""
     force(library)
     with tempfile.TemporaryDirectory(prefix="vllm-patch-kernels-") as folder:
         script = Path(folder, "sitecustomize.py")

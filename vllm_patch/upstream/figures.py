@@ -88,7 +88,7 @@ def bias(library: str) -> dict:
     from vllm_patch.runtime import cpu_library
 
     # Before vLLM loads a build: importing its layers loads the CPU's own, and
-    # a second build registering the same ops aborts the process.
+    # force refuses a second (its ops would abort the process).
     cpu_library.force(library)
     import torch
     import vllm.config as vc
