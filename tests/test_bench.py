@@ -187,7 +187,7 @@ def test_the_benchmark_runs_as_vllm_reviewers_run_it():
     assert "--enforce-eager" in served
     assert "--enforce-eager" not in serving.serve_args("/m", 1234, False, sizes)
     assert served[served.index("--max-model-len") + 1] == str(100 + 50 + 64)
-    commands = serving.commands("MODEL", sizes)
+    commands = serving.commands("MODEL", sizes, None)
     assert (
         commands[0].startswith("vllm serve MODEL ") and "--port PORT" in commands[0]
     )
@@ -195,6 +195,47 @@ def test_the_benchmark_runs_as_vllm_reviewers_run_it():
         commands[1].startswith("vllm bench serve ")
         and "--ignore-eos" in commands[1]
     )
+    bound = serving.commands("MODEL", sizes, "0,1")
+    assert bound[0].startswith("VLLM_CPU_OMP_THREADS_BIND=0,1 vllm serve MODEL ")
+
+
+def test_a_thread_count_binds_the_servers_to_the_first_usable_cpus():
+    cpus = sorted(os.sched_getaffinity(0))
+    assert serving.bind_of("auto") is None  # vLLM's own binding
+    assert serving.bind_of("1") == str(cpus[0])
+    assert serving.bind_of(str(len(cpus))) == ",".join(map(str, cpus))
+
+
+def test_the_unguarded_side_is_a_column_of_its_own_and_says_so():
+    runs = {"base": 10.0, "patched": 11.0, "base2": 10.1, "unguarded": 12.0}
+    sides = {
+        side: {m: [us, us] for m in record.METRICS} for side, us in runs.items()
+    }
+    doc = {
+        "schema": 1,
+        "serving": {
+            "bind": "0,1",
+            "configs": {"eager": sides},
+            "server_log": {"eager": {"unguarded": [serving.UNGUARDED_SAID]}},
+        },
+    }
+    text = report.evidence_markdown(record.parse(doc))
+    header = next(ln for ln in text.splitlines() if ln.startswith("| metric"))
+    assert header.split(" | ")[3:] == [
+        "patched / base",
+        "unguarded / base (the thread guard off)",
+        "base2 / base (A/A) |",
+    ]
+    row = (
+        "| output tok/s | 10 [10–10] | 11 [11–11] | 1.100x [1.100x–1.100x] | 1.200x"
+    )
+    assert row in text
+    assert "1.100x [1.100x–1.100x] eager (A/A: 1.010x [1.010x–1.010x]; " in text
+    assert "the thread guard off: 1.200x [1.200x–1.200x])" in text
+    assert "worker bound to CPUs 0,1" in text
+    assert f"- eager, unguarded: `{serving.UNGUARDED_SAID}`" in text
+    log = f"(EngineCore pid=1) INFO x\n{serving.UNGUARDED_SAID}\n"
+    assert serving.kernel_lines(log) == (serving.UNGUARDED_SAID,)
 
 
 def test_the_random_models_prompts_are_its_own_words_and_fixed():
@@ -335,6 +376,36 @@ def test_a_short_serving_run_writes_the_evidence(tmp_path):
         ("2", "base"),
     ]
     assert "| base2 / base (A/A) |" in text
+
+
+@requires_vllm
+@pytest.mark.e2e
+def test_servers_bound_to_every_cpu_add_the_kernels_with_the_guard_off(tmp_path):
+    """At threads = cores the rule keeps the norms native (its thread guard): the
+    run binds every server there, and serves the provider with the guard off
+    beside them, which says so in its log."""
+    cpus = len(os.sched_getaffinity(0))
+    proc = bench(tmp_path / "out", "--serve", *SHORT, "--threads", str(cpus))
+    _, err = proc.communicate(timeout=1800)
+    assert proc.returncode == 0, err[-3000:]
+    doc = json.loads((tmp_path / "out" / "evidence.json").read_text())
+    serving_doc = doc["serving"]
+    assert serving_doc["bind"] == ",".join(
+        map(str, sorted(os.sched_getaffinity(0)))
+    )
+    assert serving_doc["commands"][0].startswith(
+        f"VLLM_CPU_OMP_THREADS_BIND={serving_doc['bind']} vllm serve "
+    )
+    logged = serving_doc["server_log"]["eager"]
+    guarded = cpus > 1 and cpus >= (os.cpu_count() or 1)  # cpu_threads_shared
+    if not guarded:
+        assert "unguarded" not in serving_doc["configs"]["eager"]
+        return
+    assert serving.UNGUARDED_SAID in logged["unguarded"]
+    unguarded = serving_doc["configs"]["eager"]["unguarded"]
+    assert min(unguarded["output_throughput"]) > 0
+    text = (tmp_path / "out" / "evidence.md").read_text()
+    assert "| unguarded / base (the thread guard off) |" in text
 
 
 @requires_vllm

@@ -96,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_threads(THREADS),
         metavar="auto,N",
         help="--decode and --perop: thread layouts, the first is the headline's: "
-        f"auto (vLLM's own binding) or a thread count ({THREADS})",
+        f"auto (vLLM's own binding) or a thread count ({THREADS}); --serve: "
+        "the first, a count N binding the servers' workers to the first N CPUs",
     )
     parser.add_argument(
         "--dtype",

@@ -24,8 +24,11 @@ FORWARD_NATIVE = "forward_native"  # per op: the layer's forward_native, directl
 ALLOC = "alloc"  # per op: allocating the output alone (a part, not a way to run it)
 SIDES = ("base", "patched")
 A_A = "base2"  # the base served again: --serve's A/A control (not in older files)
+# --serve at a layout where the rule's thread guard keeps the norms native: the
+# provider with the guard off, what the guard gives up (not in older files).
+UNGUARDED = "unguarded"
 Mode = Literal["eager", "compiled"]
-Served = Literal["base", "patched", "base2"]
+Served = Literal["base", "patched", "base2", "unguarded"]
 Metric = Literal[
     "request_throughput",
     "output_throughput",
@@ -258,6 +261,8 @@ class Sizes:
 class Serving:
     commands: tuple[str, ...] = ()
     sizes: Sizes | None = None
+    # The servers' VLLM_CPU_OMP_THREADS_BIND: None for vLLM's own (auto).
+    bind: str | None = None
     configs: dict[Mode, dict[Served, dict[Metric, Times]]] = (
         empty()
     )  # per repetition

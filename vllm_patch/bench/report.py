@@ -15,6 +15,7 @@ from vllm_patch.bench.record import (
     MODES,
     NATIVE,
     SIDES,
+    UNGUARDED,
 )
 from vllm_patch.runtime import markdown as md
 from vllm_patch.runtime.machine import BUSY_SHARE
@@ -56,10 +57,18 @@ def interval_shown(found: er.Estimate | None, fmt: str = ".3f", unit="") -> str:
     return f"{v}{unit} [{lo}–{hi}]"
 
 
+OVER_BASE = {
+    "patched": "patched / base",
+    UNGUARDED: f"{UNGUARDED} / base (the thread guard off)",
+    A_A: f"{A_A} / base (A/A)",
+}
+
+
 def serving_table(serving: er.Serving, mode: str) -> str:
-    """Per metric each vLLM's figures, patched / base and base2 / base (A/A)."""
+    """Per metric each vLLM's figures, patched / base, unguarded / base where it
+    ran and base2 / base (A/A)."""
     sides = serving.configs[mode]
-    over = ["patched", A_A] if A_A in sides else ["patched"]
+    over = [s for s in OVER_BASE if s == "patched" or s in sides]
     rows = [
         [
             LABELS.get(m) or _label(*m.split("_")),
@@ -68,8 +77,8 @@ def serving_table(serving: er.Serving, mode: str) -> str:
         ]
         for m in METRICS
     ]
-    heads = ["metric", "base", "patched", "patched / base"]
-    return md.table(heads + [f"{A_A} / base (A/A)"] * (len(over) - 1), rows)
+    heads = ["metric", "base", "patched", *(OVER_BASE[o] for o in over)]
+    return md.table(heads, rows)
 
 
 def _label(stat: str, name: str, unit: str) -> str:  # median_tpot_ms: TPOT median
@@ -191,13 +200,18 @@ def throughput_claim(ev: er.Evidence) -> str | None:
     shown = {
         (m, o): spread_shown(ratios(ev.serving, m, "output_throughput", o), True)
         for m in configs
-        for o in ("patched", A_A)
+        for o in OVER_BASE
     }
+    beside = {A_A: "A/A", UNGUARDED: "the thread guard off"}
+
+    def within(mode: str) -> str:
+        said = [
+            f"{beside[o]}: {shown[mode, o]}" for o in beside if o in configs[mode]
+        ]
+        return f" ({'; '.join(said)})" if said else ""
+
     said = ", ".join(
-        f"{shown[m, 'patched']} {m}"
-        + (f" (A/A: {shown[m, A_A]})" if A_A in configs[m] else "")
-        for m in MODES
-        if m in configs
+        f"{shown[m, 'patched']} {m}{within(m)}" for m in MODES if m in configs
     )
     return said and (
         f"- Output throughput with this change over the base, serving "
@@ -723,6 +737,19 @@ def _serving_lines(serving: er.Serving) -> list[str]:
         f" ({s.num_prompts} requests of {s.input_len} tokens in, {s.output_len} "
         f"out, {s.max_concurrency} at a time; a fresh server per repetition)"
     )
+    if serving.bind:
+        out.append(
+            f"\nEvery server's worker bound to CPUs {md.text(serving.bind, 200)} "
+            "(`VLLM_CPU_OMP_THREADS_BIND`), its OpenMP team sharing them with "
+            "the engine and API server processes."
+        )
+    if any(UNGUARDED in sides for sides in serving.configs.values()):
+        out.append(
+            f"\n`{UNGUARDED}`: the base vLLM with the provider on and the rule's "
+            "thread guard off (`cpu_threads_shared()` made to say no in every "
+            "process of that server), the kernels where the guard keeps native: "
+            "what the guard gives up at this binding, or spares."
+        )
     if serving.commands:
         commands = md.fence(serving.commands, "bash")
         out += ["", md.details(f"Commands{summary or ''}", commands)]

@@ -19,17 +19,30 @@ from pathlib import Path
 from typing import Any
 from urllib.request import Request, urlopen
 
+from patches.cpu_fused_norms.identity import OPT_IN_ENV
 from vllm_patch.bench import accuracy, record
 from vllm_patch.bench.models import OFFLINE, provider_opt_ins
-from vllm_patch.bench.record import A_A, METRICS, SIDES
+from vllm_patch.bench.record import A_A, METRICS, SIDES, UNGUARDED
 from vllm_patch.runtime import child
+from vllm_patch.runtime.startup import startup_folder
 
 HOST = "127.0.0.1"
 SERVED_NAME = "bench"  # the model's name on the server (--served-model-name)
 START_TIMEOUT = 900.0
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # a CPU worker's CPUs: "auto", or "0,1"
 STOP_GRACE = 60.0
-# The server log's lines kept: the kernels it chose, the custom ops it enables.
+# The server log's lines kept: the kernels it chose, the custom ops it enables,
+# the unguarded side's word that its guard is off.
 LOG_MARKER = "Final IR op priority after setting platform defaults"
+UNGUARDED_SAID = "vllm-patch bench: the rule's thread guard is off in this process"
+# Every interpreter of the unguarded server (its API server, engine and worker
+# processes): the provider's rule with cpu_threads_shared() saying no.
+UNGUARDED_STARTUP = (
+    "import sys",
+    "import patches.cpu_norm_rule as rule",
+    "rule.cpu_threads_shared = lambda: False",
+    f"print({UNGUARDED_SAID!r}, file=sys.stderr)",
+)
 CUSTOM_OPS = re.compile(r"'custom_ops': \[[^\]]*\]")
 RESULT = "result.json"  # vllm bench serve's
 JSON = {"Content-Type": "application/json"}
@@ -77,9 +90,11 @@ def serve_args(
     return args + (["--enforce-eager"] if eager else [])
 
 
-def commands(model: str, sizes: record.Sizes) -> list[str]:
+def commands(model: str, sizes: record.Sizes, bind: str | None) -> list[str]:
     """The commands as a reviewer runs them; the server's port is PORT."""
     serve = shlex.join(["vllm", "serve", *serve_args(model, 0, False, sizes)])
+    if bind:
+        serve = f"{BIND_ENV}={bind} {serve}"
     client = client_args(f"http://{HOST}:PORT", model, sizes)
     return [
         serve.replace("--port 0", "--port PORT")
@@ -219,8 +234,9 @@ def run(bench, args, copy: str) -> None:
     context = min(LM_EVAL_MODEL_LEN, meta.context or 2**31) if lm_eval else 0
     sizes = record.Sizes(**{k: getattr(args, k) for k in SIZES}, model_len=context)
     shown = Path(args.model).name if args.model else "MODEL"
+    bind = bind_of(args.threads[0])
     bench.doc["serving"] = record.Serving(
-        commands=tuple(commands(shown, sizes)), sizes=sizes
+        commands=tuple(commands(shown, sizes, bind)), sizes=sizes, bind=bind
     )
     # A random model has a word-level vocabulary of its own; SmolLM2 and a
     # user's model have a real tokenizer and take the plain-English prompts.
@@ -242,6 +258,26 @@ def run(bench, args, copy: str) -> None:
     measure(bench, args, model, sizes, copy)
 
 
+def bind_of(layout: str) -> str | None:
+    """``BIND_ENV`` for a ``--threads`` layout: None for ``auto`` (vLLM's own
+    binding), else the first N usable CPUs, which the worker's OpenMP team
+    then shares with the engine and API server processes."""
+    if layout == "auto":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))[: int(layout)]
+    return ",".join(map(str, cpus))
+
+
+def guard_keeps_native(threads: int) -> bool:
+    """Whether the rule's thread guard keeps the norms native in a worker of
+    ``threads`` OpenMP threads here: the rule says, in a child whose torch
+    starts with that many, as vLLM's binding starts a worker
+    (``OMP_NUM_THREADS``)."""
+    env = {"OMP_NUM_THREADS": str(threads)}
+    target = "patches.cpu_norm_rule:cpu_threads_shared"
+    return child.run(target, env=env, timeout=300).value()
+
+
 def measured(server: dict[str, str], model: str, sizes: record.Sizes, env, say):
     """``vllm bench serve``'s result against ``server``, said."""
     url = server["url"]
@@ -261,6 +297,8 @@ def kernel_lines(log: str) -> tuple[str, ...]:
     """What a server logged about its kernels, without the lines' prefixes."""
     lines = log.splitlines()
     kept = {ln.split("] ", 1)[-1] for ln in lines if LOG_MARKER in ln}
+    if UNGUARDED_SAID in lines:
+        kept.add(UNGUARDED_SAID)
     for found in map(CUSTOM_OPS.search, lines):
         if found:
             kept.add(f"compilation_config {found[0]}")
@@ -268,26 +306,45 @@ def kernel_lines(log: str) -> tuple[str, ...]:
 
 
 def measure(bench, args, model: str, sizes: record.Sizes, copy: str) -> None:
-    """Every mode's repetitions, a server per side each, saved after each."""
+    """Base, patched and base again (A/A), each server at the run's binding;
+    where the rule's thread guard keeps the norms native at it, the provider
+    with the guard off too (``UNGUARDED``): what the guard gives up there."""
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
-    how = {"env": env, "drop_env": provider_opt_ins()}
     # The serving record's tables fill in place, a repetition at a time.
     serving = bench.doc["serving"]
+    server_env = {**env, BIND_ENV: serving.bind} if serving.bind else env
+    how = {"env": server_env, "drop_env": [*provider_opt_ins(), BIND_ENV]}
     prompts = list(bench.doc["accuracy"].tokens.prompt_texts)
-    served = [("base", ()), ("patched", (copy,)), (A_A, ())]
+    served = [("base", how), ("patched", {**how, "pythonpath": (copy,)})]
+    served.append((A_A, how))
+    bind = serving.bind
+    with contextlib.ExitStack() as stack:
+        threads = len(bind.split(",")) if bind else 0
+        if threads:
+            bench.progress(f"does the rule keep the norms native on CPUs {bind}?")
+        if threads and guard_keeps_native(threads):
+            folder = stack.enter_context(startup_folder(UNGUARDED_STARTUP))
+            opted_in = {**server_env, OPT_IN_ENV: "1"}
+            served.append(
+                (UNGUARDED, {**how, "env": opted_in, "pythonpath": (folder,)})
+            )
+        _measure_sides(bench, args, model, sizes, served, prompts, env)
+
+
+def _measure_sides(bench, args, model, sizes, served, prompts, env) -> None:
+    """Every mode's repetitions, a server per side in ``served`` (side, how)."""
+    serving = bench.doc["serving"]
     for mode, rep in itertools.product(args.modes, range(1, args.repeats + 1)):
         answers: dict[str, list] = {}
         # Each side first in turn: what one start leaves the next falls on both.
-        for side, path in served if rep % 2 else served[::-1]:
+        for side, how in served if rep % 2 else served[::-1]:
 
             def say(msg: str, at: str = f"[{mode} {rep}/{args.repeats}] {side}"):
                 bench.progress(f"{at}: {msg}")
 
             eager = mode == "eager"
-            with running(
-                model, eager, sizes, say, pythonpath=path, **how
-            ) as server:
+            with running(model, eager, sizes, say, **how) as server:
                 metrics = measured(server, model, sizes, env, say)
                 if rep == 1 and side in SIDES:
                     say(f"{len(prompts)} greedy completions")

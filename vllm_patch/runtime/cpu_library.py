@@ -5,7 +5,6 @@ of classes and builds is ``kernel_builds``'s."""
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from vllm_patch.runtime.kernel_builds import (
     NEWEST_CLASS_ONLY,
     runnable,
 )
+from vllm_patch.runtime.startup import startup_folder
 
 # runnable and LIBRARIES are kernel_builds'; named here too until the bench and
 # the conformance table import them from there.
@@ -48,22 +48,15 @@ def force(library: str) -> None:
 
 @contextlib.contextmanager
 def forced_in_spawned(library: str) -> Iterator[None]:
-    """:func:`force` here and in every interpreter this process starts inside.
-
-    vLLM's CPU platform starts its workers with ``spawn`` (it sets
-    ``VLLM_WORKER_MULTIPROC_METHOD=spawn``, vllm/platforms/cpu.py, 0.32.0): fresh
-    interpreters that :func:`force` in this one never reaches. Each runs the
-    ``sitecustomize`` module put first on their ``PYTHONPATH`` (a folder made
-    here, removed on the way out), which forces the same build. It shadows any
-    ``sitecustomize`` the environment has, in those interpreters only."""
+    """:func:`force` here and in every interpreter this process starts inside
+    (vLLM's workers are spawned: a force here never reaches them), through a
+    ``startup_folder`` put first on ``PYTHONPATH``."""
     force(library)
-    with tempfile.TemporaryDirectory(prefix="vllm-patch-kernels-") as folder:
-        script = Path(folder, "sitecustomize.py")
-        lines = (
-            "from vllm_patch.runtime.cpu_library import force",
-            f"force({library!r})",
-        )
-        script.write_text("\n".join(lines) + "\n")
+    lines = (
+        "from vllm_patch.runtime.cpu_library import force",
+        f"force({library!r})",
+    )
+    with startup_folder(lines) as folder:
         before = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, before]))
         try:
