@@ -312,18 +312,16 @@ def measure(bench, args, model: str, sizes: record.Sizes, copy: str) -> None:
     kv_cache = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     env = {**OFFLINE, "VLLM_CPU_KVCACHE_SPACE": kv_cache}
     # The serving record's tables fill in place, a repetition at a time.
-    serving = bench.doc["serving"]
-    server_env = {**env, BIND_ENV: serving.bind} if serving.bind else env
+    bind = bench.doc["serving"].bind
+    server_env = {**env, BIND_ENV: bind} if bind else env
     how = {"env": server_env, "drop_env": [*provider_opt_ins(), BIND_ENV]}
     prompts = list(bench.doc["accuracy"].tokens.prompt_texts)
     served = [("base", how), ("patched", {**how, "pythonpath": (copy,)})]
     served.append((A_A, how))
-    bind = serving.bind
     with contextlib.ExitStack() as stack:
-        threads = len(bind.split(",")) if bind else 0
-        if threads:
+        if bind:
             bench.progress(f"does the rule keep the norms native on CPUs {bind}?")
-        if threads and guard_keeps_native(threads):
+        if bind and guard_keeps_native(len(bind.split(","))):
             folder = stack.enter_context(startup_folder(UNGUARDED_STARTUP))
             opted_in = {**server_env, OPT_IN_ENV: "1"}
             served.append(
