@@ -59,8 +59,9 @@ def cpu_threads_shared() -> bool:
 
     The kernels open an OpenMP region on every call, even for one row, and wait
     for a team thread the engine process has descheduled, where native's small
-    ATen ops run inline: measured slower at decode with two threads on two
-    cores. A CPU worker's thread count is final before its model is built
+    ATen ops run inline: measured slower at decode with two threads on a busy
+    two-core machine (faster on a quiet one: native is never the slower side).
+    A CPU worker's thread count is final before its model is built
     (OMP_NUM_THREADS from its binding at start-up; init_device disables
     torch.set_num_threads). The affinity would not do: vLLM's binding narrows
     the worker's to its team.
