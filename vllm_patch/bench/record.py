@@ -403,14 +403,14 @@ class PerOp:
             raise Bad(f"{at}.rows: more than {MOST_COLUMNS} (env, route) pairs")
         return self
 
+    def cell(self, row: PerOpRow) -> tuple[str, int]:
+        """``row``'s dtype and hidden size (an older file's rows: the run's)."""
+        return (row.dtype or self.dtype, row.hidden_size or self.hidden_size)
+
     def every_route(self) -> tuple[PerOpRow, ...]:
         """The rows at ``dtype`` and ``hidden_size``, where every route ran."""
-        return tuple(
-            r
-            for r in self.rows
-            if r.dtype in (None, self.dtype)
-            and r.hidden_size in (None, self.hidden_size)
-        )
+        mine = (self.dtype, self.hidden_size)
+        return tuple(r for r in self.rows if self.cell(r) == mine)
 
 
 class Tolerance(NamedTuple):

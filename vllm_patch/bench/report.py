@@ -465,8 +465,7 @@ def perop_overhead(perop: er.PerOp) -> list[list]:
     bare kernel."""
 
     def cell(r: er.PerOpRow) -> tuple:
-        dtype = r.dtype or perop.dtype
-        return (r.env, r.op, dtype, r.hidden_size or perop.hidden_size, r.tokens)
+        return (r.env, r.op, *perop.cell(r), r.tokens)
 
     us = {(*cell(r), r.route): r.median_us for r in perop.rows}
     ran = {cell(r): r.impl for r in perop.rows if r.impl}
